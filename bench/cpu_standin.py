@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""CPU stand-in for the GPU workloads, to exercise bench/gpu_pairs.py where there is no GPU.
+
+Why: the orchestration (launching tenants together, aligned windows, reports, scoring, tables) should
+be checkable on a laptop or CI box. This burns CPU in small fixed chunks and writes exactly the
+report the real workloads write. Pinning two stand-ins to one CPU (`--pin-cpu 0`) makes them contend
+like CUDA + CUDA; pinning them to different CPUs makes them overlap like CUDA + render on the H200.
+
+Example: gpu_pairs.py --workload-cmd-cuda "python3 bench/cpu_standin.py --kind cuda --pin-cpu 0" \
+                      --workload-cmd-render "python3 bench/cpu_standin.py --kind render --pin-cpu 0" ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "workloads"))
+from _window import add_window_args, measure, plan_window, write_report  # noqa: E402
+
+UNITS = {"cuda": "matmul/s", "render": "frames/s"}
+
+
+def burn(chunk: int) -> int:
+    """One item of work: `chunk` rounds of integer arithmetic (about a millisecond by default)."""
+    acc = 0
+    for i in range(chunk):
+        acc = (acc * 31 + i) & 0xFFFF
+    return 1 if acc >= 0 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    process_start = time.time()
+    parser = argparse.ArgumentParser(description="CPU stand-in for cuda_matmul.py / egl_render.py "
+                                                 "(same arguments and JSON report).")
+    add_window_args(parser)
+    parser.add_argument("--kind", choices=sorted(UNITS), default="cuda",
+                        help="which workload this stands in for (sets kind and unit in the report)")
+    parser.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
+                        help="run on this CPU only, so stand-ins pinned alike contend")
+    parser.add_argument("--chunk", type=int, default=20000, help="loop rounds per item")
+    # Accepted and ignored so the orchestrator can pass the real workloads' options unchanged.
+    parser.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})
+    start_at, end_at = plan_window(args, process_start)
+    window = measure(lambda: burn(args.chunk), start_at, end_at)
+    report = write_report(args.report, args.kind, UNITS[args.kind], window,
+                          {"standin": True, "pin_cpu": args.pin_cpu, "chunk": args.chunk})
+    print(f"cpu_standin[{args.kind}] pid={report['pid']}: {window.throughput:.1f} {UNITS[args.kind]} "
+          f"({window.items} items in {window.seconds:.2f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

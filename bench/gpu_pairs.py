@@ -1,0 +1,804 @@
+#!/usr/bin/env python3
+"""Pairs of saturating GPU tenants: alone, together with no scheduler, and together under unisched.
+
+Why one script: DESIGN.md asks that sharing always be measured alone, with no scheduler, and with
+unisched in one run on one machine, and scored by normalized throughput (shared / alone). This runs
+the pairs the daemon is judged on, in one invocation that fits one device call:
+
+  cuda+cuda 3:1, render+render 1:1 and 3:1, cuda+render 1:1 and 1:3.
+
+Each workload kind is measured alone once and each pair of kinds once with no scheduler (neither
+depends on weights); every weighted pair then runs under a fresh `unisched serve`. The two tenants
+of a run are launched together and given the same absolute measurement window (`--start-at`), so
+neither measures while the other is still starting. Scoring lives in bench/scoring.py.
+
+Outputs in --out: results.json (raw reports, daemon snapshots, derived numbers) and results.md (the
+table). Worker logs, reports and daemon state go to --work-dir (a temp folder by default) so the
+output folder holds two files; the tail of every log is copied into results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scoring  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {
+    "cuda": ROOT / "examples" / "workloads" / "cuda_matmul.py",
+    "render": ROOT / "examples" / "workloads" / "egl_render.py",
+}
+ENGINES = {"cuda": "compute", "render": "graphics"}
+PAIR_KINDS = {
+    "cuda": ("cuda", "cuda"), "cuda+cuda": ("cuda", "cuda"),
+    "render": ("render", "render"), "render+render": ("render", "render"),
+    "mixed": ("cuda", "render"), "cuda+render": ("cuda", "render"),
+}
+DEFAULT_PAIRS = "cuda3:1,render1:1,render3:1,mixed1:1,mixed1:3"
+RUN_OVERHEAD_S = 3.0  # per run, beyond warmup + seconds: process exit, reading reports
+DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
+CALIBRATION_S = 10.0
+TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
+LOG_TAIL_CHARS = 3000
+
+
+# -------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Two tenants and the weights they should share the GPU by."""
+
+    kinds: tuple[str, str]
+    weights: tuple[float, float]
+
+    @property
+    def kinds_key(self) -> str:
+        return "+".join(self.kinds)
+
+    @property
+    def key(self) -> str:
+        return f"{self.kinds_key} {self.weights[0]:g}:{self.weights[1]:g}"
+
+
+def parse_pairs(text: str) -> list[Pair]:
+    """'cuda3:1,render1:1,mixed1:3' -> pairs; kinds cuda, render, mixed (= cuda+render)."""
+    pairs: list[Pair] = []
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        m = re.fullmatch(r"([a-z+]+?)(\d+(?:\.\d+)?):(\d+(?:\.\d+)?)", token)
+        if not m or m.group(1) not in PAIR_KINDS:
+            raise ValueError(f"bad pair {token!r}: expected KINDSa:b with KINDS one of "
+                             f"{', '.join(PAIR_KINDS)} (e.g. cuda3:1, mixed1:3)")
+        a, b = float(m.group(2)), float(m.group(3))
+        if a <= 0 or b <= 0:
+            raise ValueError(f"bad pair {token!r}: weights must be positive")
+        pair = Pair(PAIR_KINDS[m.group(1)], (a, b))
+        if pair not in pairs:
+            pairs.append(pair)
+    if not pairs:
+        raise ValueError("no pairs selected")
+    return pairs
+
+
+def solo_kinds(pairs: list[Pair]) -> list[str]:
+    return sorted({k for p in pairs for k in p.kinds})
+
+
+def kind_pairs(pairs: list[Pair]) -> list[tuple[str, str]]:
+    """Distinct pairs of kinds, in first-seen order: each runs once with no scheduler."""
+    seen: list[tuple[str, str]] = []
+    for p in pairs:
+        if p.kinds not in seen:
+            seen.append(p.kinds)
+    return seen
+
+
+@dataclass(frozen=True)
+class Config:
+    python: str
+    seconds: float
+    warmup: float
+    slice_ms: float
+    grace_s: float
+    work_dir: Path
+    workload_cmd: dict[str, list[str]]  # per kind; the window arguments are appended
+    custom_cmd: dict[str, bool]
+    unisched_module: str
+    env: dict[str, str]
+    kind_args: dict[str, list[str]] = field(default_factory=dict)  # e.g. render --iterations N
+
+
+def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool) -> float:
+    runs = len(solo_kinds(pairs)) + len(kind_pairs(pairs)) + (len(pairs) if unisched else 0)
+    total = runs * (cfg.warmup + cfg.seconds + RUN_OVERHEAD_S)
+    total += (len(pairs) * DAEMON_OVERHEAD_S) if unisched else 0.0
+    return total + (CALIBRATION_S if calibrate else 0.0)
+
+
+# ------------------------------------------------------------------------------------ processes
+
+
+class Progress:
+    """'[k/N +elapsed] what' lines on stderr, so a long device call shows where it is."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        self.note(f"[{self.done}/{self.total}] {what}")
+
+    def note(self, text: str) -> None:
+        print(f"gpu_pairs +{self.elapsed():5.0f}s {text}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    name: str
+    kind: str
+    weight: float | None  # None: no scheduler
+
+
+@dataclass
+class TenantResult:
+    name: str
+    kind: str
+    weight: float | None
+    argv: list[str]
+    rc: int | None
+    report: dict[str, Any] | None
+    log_tail: str
+    error: str | None
+
+    @property
+    def throughput(self) -> float | None:
+        return float(self.report["throughput"]) if self.report else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "weight": self.weight, "argv": self.argv,
+                "rc": self.rc, "report": self.report, "error": self.error, "log_tail": self.log_tail}
+
+
+@dataclass
+class GroupResult:
+    """One run: one or two tenants started together over one window."""
+
+    label: str
+    setup: str  # "alone" | "no scheduler" | "unisched"
+    tenants: list[TenantResult]
+    start_at: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(t.report is not None for t in self.tenants)
+
+    def throughputs(self) -> list[float | None]:
+        return [t.throughput for t in self.tenants]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "setup": self.setup, "ok": self.ok, "start_at": self.start_at,
+                "wall_s": self.wall_s, "tenants": [t.to_json() for t in self.tenants], **self.extra}
+
+
+def tail(path: Path, limit: int = LOG_TAIL_CHARS) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-limit:].decode(errors="replace")
+
+
+def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 3.0) -> None:
+    """Stop a child we started, and its own children (it leads its own session)."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], deadline: float,
+             at: float | None = None, action: Callable[[], None] | None = None) -> bool:
+    """Wait for every process until `deadline` (time.time()); run `action` once at time `at`.
+
+    Returns False when the deadline passed with some still running (the caller kills them).
+    """
+    pending = list(procs)
+    while pending:
+        now = time.time()
+        if action is not None and at is not None and now >= at:
+            action()
+            action = None
+        wake = deadline if action is None or at is None else min(deadline, at)
+        try:
+            pending[0].wait(timeout=max(0.0, wake - time.time()))
+            pending.pop(0)
+        except subprocess.TimeoutExpired:
+            if time.time() >= deadline:
+                return False
+    if action is not None:  # everything ended before `at`: still take the snapshot
+        action()
+    return True
+
+
+def read_report(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        return json.loads(path.read_text()), None
+    except FileNotFoundError:
+        return None, "no report written"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable report: {exc}"
+
+
+def workload_argv(cfg: Config, kind: str, report: Path, start_at: float) -> list[str]:
+    return [*cfg.workload_cmd[kind], *cfg.kind_args.get(kind, []),
+            "--seconds", f"{cfg.seconds:g}", "--warmup", f"{cfg.warmup:g}",
+            "--report", str(report), "--start-at", f"{start_at:.3f}"]
+
+
+def unisched_cmd(cfg: Config, *args: str) -> list[str]:
+    return [cfg.python, "-m", cfg.unisched_module, *args]
+
+
+def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
+              daemon: Daemon | None = None) -> GroupResult:
+    """Launch the tenants together, wait for their shared window to end, collect their reports."""
+    run_dir = cfg.work_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{setup}-{label}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_at = time.time() + cfg.warmup
+    plans: list[tuple[TenantSpec, list[str], Path, Path]] = []
+    for spec in specs:
+        report = run_dir / f"{spec.name}.json"
+        report.unlink(missing_ok=True)
+        argv = workload_argv(cfg, spec.kind, report, start_at)
+        if daemon is not None:
+            assert spec.weight is not None
+            argv = unisched_cmd(cfg, "run", "--socket", str(daemon.socket), "--tenant", spec.name,
+                                "--weight", f"{spec.weight:g}", "--engines", ENGINES[spec.kind],
+                                "--", *argv)
+        plans.append((spec, argv, report, run_dir / f"{spec.name}.log"))
+    t0 = time.time()
+    procs = []
+    for _, argv, _, log in plans:  # back to back: the launches are milliseconds apart
+        with log.open("wb") as out:
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          env=cfg.env, start_new_session=True))
+    extra: dict[str, Any] = {}
+    snapshot = None
+    if daemon is not None:
+        def snapshot() -> None:
+            extra["tenants_snapshot"] = daemon.tenants_json()
+    finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
+                        at=start_at + 0.85 * cfg.seconds if snapshot else None, action=snapshot)
+    if not finished:
+        extra["timed_out"] = True
+        for proc in procs:
+            kill_group(proc)
+    results = []
+    for (spec, argv, report_path, log), proc in zip(plans, procs):
+        report, error = read_report(report_path)
+        if proc.returncode not in (0, None) and error is None:
+            error = f"exit status {proc.returncode}"
+        elif error is not None and proc.returncode not in (0, None):
+            error = f"{error}, exit status {proc.returncode}"
+        if not finished and report is None:
+            error = f"{error or 'no report'}; killed after the deadline"
+        results.append(TenantResult(spec.name, spec.kind, spec.weight, argv, proc.returncode,
+                                    report, tail(log), error))
+    return GroupResult(label, setup, results, start_at, time.time() - t0, extra)
+
+
+# -------------------------------------------------------------------------------------- the daemon
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+class Daemon:
+    """`unisched serve` on a private socket and state dir; ready once `unisched status` says so."""
+
+    def __init__(self, cfg: Config, name: str) -> None:
+        self.cfg = cfg
+        self.dir = cfg.work_dir / f"daemon-{name}"
+        self.state_dir = self.dir / "state"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # AF_UNIX paths are limited to ~107 bytes: keep the socket in a short private folder.
+        self.socket = Path(tempfile.mkdtemp(prefix="us-")) / "unisched.sock"
+        self.log = self.dir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.info: dict[str, Any] = {"socket": str(self.socket), "state_dir": str(self.state_dir),
+                                     "slice_ms": cfg.slice_ms}
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
+                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}")
+        self.info["argv"] = argv
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=self.cfg.env, start_new_session=True)
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while time.monotonic() < deadline:
+            if self.socket.exists() and self._status_ok():
+                self.info["ready_s"] = time.monotonic() - t0
+                return
+            try:  # the poll interval doubles as an early exit when the daemon dies
+                rc = self.proc.wait(timeout=0.1)
+                raise DaemonError(f"unisched serve exited with status {rc} before it was ready:\n"
+                                  f"{tail(self.log, 1500)}")
+            except subprocess.TimeoutExpired:
+                pass
+        raise DaemonError(f"unisched serve not ready after {timeout_s:g} s (socket "
+                          f"{'present' if self.socket.exists() else 'absent'}):\n{tail(self.log, 1500)}")
+
+    def _status_ok(self) -> bool:
+        try:
+            done = subprocess.run(unisched_cmd(self.cfg, "status", "--socket", str(self.socket)),
+                                  cwd=ROOT, env=self.cfg.env, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
+    def tenants_json(self) -> dict[str, Any]:
+        """`unisched tenants --json` as run near the end of the window: parsed when it parses."""
+        argv = unisched_cmd(self.cfg, "tenants", "--json", "--socket", str(self.socket))
+        snap: dict[str, Any] = {"argv": argv, "at": time.time()}
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=self.cfg.env, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return {**snap, "rc": None, "error": "timed out after 10 s"}
+        out = done.stdout.decode(errors="replace")
+        snap.update(rc=done.returncode, stdout=out, stderr=done.stderr.decode(errors="replace")[-2000:])
+        try:
+            snap["parsed"] = json.loads(out)
+        except ValueError:
+            snap["parsed"] = None
+        return snap
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM and wait; SIGKILL its process group only if it will not go."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.info["killed"] = True
+                kill_group(self.proc, grace_s=0.0)
+        self.info["rc"] = self.proc.returncode
+        self.info["log_tail"] = tail(self.log)
+        try:
+            self.socket.parent.rmdir() if not self.socket.exists() else None
+        except OSError:
+            pass
+
+
+@contextmanager
+def running_daemon(cfg: Config, name: str) -> Iterator[Daemon]:
+    daemon = Daemon(cfg, name)
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+# -------------------------------------------------------------------------------------- calibration
+
+
+def calibrate_render(cfg: Config, target_fps: float) -> dict[str, Any]:
+    """Find the render --iterations giving ~target_fps alone, so frames stay ~1/target_fps long."""
+    report_path = cfg.work_dir / "render-calibration.json"
+    log = cfg.work_dir / "render-calibration.log"
+    argv = [*cfg.workload_cmd["render"], "--calibrate-fps", f"{target_fps:g}",
+            "--report", str(report_path)]
+    with log.open("wb") as out:
+        try:
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env=cfg.env, timeout=90)
+            rc: int | None = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    report, error = read_report(report_path)
+    return {"argv": argv, "rc": rc, "report": report, "error": error if rc == 0 else
+            f"calibration failed (rc {rc}): {tail(log, 1500)}"}
+
+
+# ------------------------------------------------------------------------------------------ scoring
+
+
+def score_setup(throughput: list[float | None], solo: list[float | None], weights: tuple[float, float],
+                contending: bool | None = None, no_sched_eff: float | None = None) -> dict[str, Any] | None:
+    """Normalized numbers, error, sum, guarantee (and the verdict when `contending` is given)."""
+    if any(t is None for t in throughput) or any(not s for s in solo):
+        return None
+    norm = [scoring.normalized(t, s) for t, s in zip(throughput, solo)]  # type: ignore[arg-type]
+    out: dict[str, Any] = {
+        "throughput": throughput, "normalized": norm,
+        "error_pts": scoring.error_points(norm, weights), "efficiency": scoring.efficiency(norm),
+        "guarantee": scoring.guarantee_ok(norm, weights),
+    }
+    if contending is not None:
+        v = scoring.verdict(norm, weights, contending, no_sched_eff)
+        out["verdict"] = {"passed": v.passed, "label": v.label(), "reasons": list(v.reasons),
+                          "contending": v.contending}
+    return out
+
+
+def derive_pair(pair: Pair, solo: dict[str, GroupResult], nosched: dict[str, GroupResult],
+                unisched: dict[str, GroupResult]) -> dict[str, Any]:
+    """Everything the table shows for one pair, from the raw runs (None where a run is missing)."""
+    solo_tp = [solo[k].throughputs()[0] if k in solo else None for k in pair.kinds]
+    units = [(solo[k].tenants[0].report or {}).get("unit", "") if k in solo else "" for k in pair.kinds]
+    ns_run = nosched.get(pair.kinds_key)
+    ns = score_setup(ns_run.throughputs(), solo_tp, pair.weights) if ns_run else None
+    if ns is not None:
+        contending, source = scoring.contends(ns["efficiency"]), "no-scheduler run"
+    else:  # no reference run: same-kind pairs contend, by construction of the workloads
+        contending, source = pair.kinds[0] == pair.kinds[1], "assumed from the kinds"
+    us_run = unisched.get(pair.key)
+    us = None
+    if us_run is not None:
+        us = score_setup(us_run.throughputs(), solo_tp, pair.weights, contending,
+                         ns["efficiency"] if ns else None)
+    return {"pair": pair.key, "kinds": list(pair.kinds), "weights": list(pair.weights),
+            "units": units, "solo": solo_tp, "contending": contending, "contending_from": source,
+            "no_scheduler": ns, "unisched": us}
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def fmt_tp(x: float | None, unit: str) -> str:
+    return "n/a" if x is None else f"{x:.1f} {unit}"
+
+
+def table_rows(d: dict[str, Any], unisched_ran: bool) -> list[list[str]]:
+    w = f"{d['weights'][0]:g}:{d['weights'][1]:g}"
+    name = d["kinds"][0] + " + " + d["kinds"][1]
+    ua, ub = d["units"]
+    rows = [[name, w, "alone", fmt_tp(d["solo"][0], ua), fmt_tp(d["solo"][1], ub),
+             "1.00 / 1.00" if all(d["solo"]) else "n/a", "", "", ""]]
+    ns = d["no_scheduler"]
+    if ns is None:
+        rows.append([name, w, "no scheduler", "n/a", "n/a", "n/a", "", "", "run failed or missing"])
+    else:
+        cls = (f"contends (sum {ns['efficiency']:.2f} < {scoring.CONTENTION_THRESHOLD:g})"
+               if d["contending"] else f"overlaps (sum {ns['efficiency']:.2f})")
+        rows.append([name, w, "no scheduler", fmt_tp(ns["throughput"][0], ua),
+                     fmt_tp(ns["throughput"][1], ub),
+                     f"{fmt(ns['normalized'][0])} / {fmt(ns['normalized'][1])}",
+                     fmt(ns["error_pts"], 1), fmt(ns["efficiency"]), cls])
+    if unisched_ran:
+        us = d["unisched"]
+        if us is None:
+            rows.append([name, w, "unisched", "n/a", "n/a", "n/a", "", "", "run failed or missing"])
+        else:
+            rows.append([name, w, "unisched", fmt_tp(us["throughput"][0], ua),
+                         fmt_tp(us["throughput"][1], ub),
+                         f"{fmt(us['normalized'][0])} / {fmt(us['normalized'][1])}",
+                         fmt(us["error_pts"], 1), fmt(us["efficiency"]),
+                         ("**PASS**" if us["verdict"]["passed"] else us["verdict"]["label"])])
+    return rows
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    head = ["pair", "weights", "setup", "throughput A", "throughput B", "normalized A / B",
+            "error pts", "sum", "verdict"]
+    lines = [
+        f"Command: `{meta['command']}` | date (UTC): {meta['date_utc']} | GPU: {meta['gpu']} | "
+        f"host: {meta['hostname']}",
+        "",
+        f"Window {meta['seconds']:g} s after {meta['warmup']:g} s warm-up; unisched slice "
+        f"{meta['slice_ms']:g} ms; render iterations: {meta.get('render_iterations') or 'default'}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for d in results["pairs"]:
+        for row in table_rows(d, meta["unisched"]):
+            lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "normalized = shared / alone; error = max |n_i/sum(n) - w_i/sum(w)| in points; sum = sum of "
+        "normalized. Targets (DESIGN.md): contending pairs (no-scheduler sum < "
+        f"{scoring.CONTENTION_THRESHOLD:g}) need every n_i >= w_i/sum(w) - {scoring.GUARANTEE_SLACK:g}, "
+        f"error <= {scoring.MAX_ERROR_POINTS:g} pts and sum >= {scoring.MIN_CONTENDING_EFFICIENCY:g}; "
+        "overlapping pairs need the same guarantee and a sum no more than "
+        f"{scoring.OVERLAP_EFFICIENCY_TOLERANCE:g} below the no-scheduler sum.",
+    ]
+    for title, key in (("Warnings", "warnings"), ("Errors", "errors")):
+        if results.get(key):
+            lines += ["", f"{title}:", *[f"- {x}" for x in results[key]]]
+    return "\n".join(lines) + "\n"
+
+
+def finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: write null instead."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def save(out: Path, results: dict[str, Any]) -> None:
+    """Rewritten after every step, so a run cut short still leaves what it measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("results.json", json.dumps(finite(results), indent=2) + "\n"),
+                       ("results.md", render_markdown(results))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+def gpu_name() -> str:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({type(exc).__name__}: nvidia-smi)"
+    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return "; ".join(lines) if done.returncode == 0 and lines else f"unknown (nvidia-smi rc {done.returncode})"
+
+
+def check_group(group: GroupResult, warnings: list[str], errors: list[str]) -> None:
+    """Turn what a run reported into warnings (late windows, software rendering) and errors."""
+    for t in group.tenants:
+        where = f"{group.setup} {group.label} / {t.name}"
+        if t.error:
+            errors.append(f"{where}: {t.error}")
+        rep = t.report or {}
+        late = (rep.get("window") or {}).get("late_s", 0.0)
+        if late > 1.0:
+            warnings.append(f"{where}: window started {late:.1f} s late (slow start-up; raise --warmup)")
+        renderer = str(rep.get("gl_renderer", "")) + str(rep.get("egl_display", ""))
+        if "llvmpipe" in renderer or "software" in renderer:
+            warnings.append(f"{where}: rendered on a software renderer ({rep.get('gl_renderer')})")
+    snap = group.extra.get("tenants_snapshot")
+    if snap is not None and snap.get("rc") != 0:
+        warnings.append(f"{group.setup} {group.label}: `unisched tenants --json` failed (rc {snap.get('rc')})")
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark GPU sharing on pairs of saturating tenants: each workload alone, each "
+                    "pair together with no scheduler, and each weighted pair under `unisched serve` "
+                    "(tenants started with `unisched run --weight W --engines compute|graphics`). "
+                    "Scores normalized throughput, error, sum and the guarantee per DESIGN.md and "
+                    "writes results.json and results.md to --out.",
+        epilog=f"""pairs (--pairs, comma separated, KINDSa:b):
+  cuda3:1      CUDA matmuls + CUDA matmuls, weights 3:1         (contend)
+  render1:1    EGL render + EGL render, 1:1 (also render3:1)     (contend)
+  mixed1:3     CUDA (weight 1) + EGL render (weight 3)           (overlap on the H200)
+  default: {DEFAULT_PAIRS}
+
+time: every run takes about warmup + seconds (+ ~3 s); runs = workload kinds alone + kind pairs with
+no scheduler + weighted pairs under unisched. Defaults: 2 + 3 + 5 = 10 runs of ~28 s plus render
+calibration and daemon start-ups: about 5 minutes. The plan and estimate are printed first (--dry-run
+prints only that).
+
+on the GPU machine (carry .devcache):
+  source .devcache/setup.sh && python3 bench/gpu_pairs.py --out $OUT/pairs
+
+without a GPU (checks the pipeline with CPU stand-ins, no daemon):
+  python3 bench/gpu_pairs.py --no-unisched --seconds 3 --warmup 1 --out /tmp/pairs \\
+    --workload-cmd-cuda "python3 bench/cpu_standin.py --kind cuda --pin-cpu 0" \\
+    --workload-cmd-render "python3 bench/cpu_standin.py --kind render --pin-cpu 1"
+
+exit status: 0 when every run produced its reports (verdicts may still be FAIL: read the
+table), 1 when a run failed or was skipped, 2 for bad arguments.""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window per run (default: 20)")
+    parser.add_argument("--warmup", type=float, default=5.0,
+                        help="seconds from launch to the window's start; covers process start-up "
+                             "(torch import, CUDA/EGL init) and warm-up (default: 5)")
+    parser.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default: 50)")
+    parser.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"pairs to run (default: {DEFAULT_PAIRS})")
+    parser.add_argument("--no-unisched", action="store_true",
+                        help="skip the unisched phase (alone and no-scheduler runs only)")
+    parser.add_argument("--render-fps", type=float, default=36.0,
+                        help="calibrate the render load alone to about this many frames/s before the "
+                             "runs (DESIGN.md saw 36.9 on the H200); 0 = no calibration (default: 36)")
+    parser.add_argument("--render-iterations", type=int, default=None,
+                        help="fixed egl_render.py --iterations; skips calibration")
+    parser.add_argument("--workload-cmd-cuda", default=None, metavar="CMD",
+                        help="command replacing examples/workloads/cuda_matmul.py (shell words; the "
+                             "window arguments are appended), e.g. a CPU stand-in for testing")
+    parser.add_argument("--workload-cmd-render", default=None, metavar="CMD",
+                        help="command replacing examples/workloads/egl_render.py (as above)")
+    parser.add_argument("--unisched-module", default="unisched",
+                        help="module run as `python -m MODULE serve|status|run|tenants` (default: "
+                             "unisched; another module lets the orchestration be tested against a fake)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="logs, reports and daemon state (default: a new folder under /tmp)")
+    parser.add_argument("--grace", type=float, default=45.0,
+                        help="seconds a run may overrun its window before its tenants are killed (default: 45)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and time estimate, run nothing")
+    args = parser.parse_args(argv)
+    try:
+        args.pair_list = parse_pairs(args.pairs)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.seconds <= 0 or args.warmup < 0 or args.slice_ms <= 0:
+        parser.error("--seconds and --slice-ms must be positive, --warmup not negative")
+    return args
+
+
+def make_config(args: argparse.Namespace) -> Config:
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu_pairs-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    custom = {"cuda": args.workload_cmd_cuda, "render": args.workload_cmd_render}
+    cmds = {k: shlex.split(c) if c else [sys.executable, str(WORKLOADS[k])] for k, c in custom.items()}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("PYOPENGL_PLATFORM", "egl")
+    return Config(python=sys.executable, seconds=args.seconds, warmup=args.warmup,
+                  slice_ms=args.slice_ms, grace_s=args.grace, work_dir=work_dir, workload_cmd=cmds,
+                  custom_cmd={k: bool(c) for k, c in custom.items()},
+                  unisched_module=args.unisched_module, env=env)
+
+
+def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress) -> None:
+    est = estimate_seconds(cfg, pairs, unisched, calibrate)
+    progress.note(f"plan: alone {solo_kinds(pairs)}; no scheduler {[a + '+' + b for a, b in kind_pairs(pairs)]}; "
+                  f"unisched {[p.key for p in pairs] if unisched else 'skipped'}; "
+                  f"calibration {'yes' if calibrate else 'no'}")
+    progress.note(f"estimated {est:.0f} s ({est / 60:.1f} min); work dir {cfg.work_dir}")
+    if est > TIME_BUDGET_S:
+        progress.note(f"WARNING: the estimate exceeds {TIME_BUDGET_S:.0f} s: lower --seconds/--warmup "
+                      "or select fewer --pairs to fit one 10-minute device call")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    pairs: list[Pair] = args.pair_list
+    cfg = make_config(args)
+    unisched_on = not args.no_unisched
+    needs_render = "render" in solo_kinds(pairs)
+    calibrate = (needs_render and not cfg.custom_cmd["render"] and args.render_iterations is None
+                 and args.render_fps > 0)
+    if args.render_iterations is not None and not cfg.custom_cmd["render"]:
+        cfg.kind_args["render"] = ["--iterations", str(args.render_iterations)]
+    total = (int(calibrate) + len(solo_kinds(pairs)) + len(kind_pairs(pairs))
+             + (len(pairs) if unisched_on else 0))
+    progress = Progress(total)
+    print_plan(cfg, pairs, unisched_on, calibrate, progress)
+    if args.dry_run:
+        return 0
+
+    command = "python3 bench/gpu_pairs.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:]))
+    results: dict[str, Any] = {
+        "meta": {"command": command, "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                 "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
+                 "seconds": cfg.seconds, "warmup": cfg.warmup, "slice_ms": cfg.slice_ms,
+                 "unisched": unisched_on, "pairs": [p.key for p in pairs], "work_dir": str(cfg.work_dir),
+                 "workload_cmd": cfg.workload_cmd, "render_iterations": args.render_iterations},
+        "calibration": None, "solo": {}, "no_scheduler": {}, "unisched": {}, "pairs": [],
+        "warnings": [], "errors": [],
+    }
+    solo: dict[str, GroupResult] = {}
+    nosched: dict[str, GroupResult] = {}
+    shared: dict[str, GroupResult] = {}
+    failed_kinds: set[str] = set()
+
+    def record(section: str, key: str, group: GroupResult, store: dict[str, GroupResult]) -> None:
+        store[key] = group
+        results[section][key] = group.to_json()
+        check_group(group, results["warnings"], results["errors"])
+        results["pairs"] = [derive_pair(p, solo, nosched, shared) for p in pairs]
+        save(args.out, results)
+        summary = ", ".join(f"{t.name} {fmt_tp(t.throughput, (t.report or {}).get('unit', ''))}"
+                            for t in group.tenants)
+        progress.note(f"  -> {summary} ({group.wall_s:.0f} s{'' if group.ok else ', FAILED'})")
+
+    def skip(what: str, kinds: tuple[str, ...]) -> bool:
+        bad = failed_kinds.intersection(kinds)
+        if bad:
+            progress.step(f"{what}: skipped ({', '.join(sorted(bad))} failed earlier)")
+            results["errors"].append(f"{what}: skipped because {', '.join(sorted(bad))} failed alone")
+            save(args.out, results)
+        return bool(bad)
+
+    save(args.out, results)
+    if calibrate:
+        progress.step(f"render calibration to ~{args.render_fps:g} frames/s alone")
+        cal = calibrate_render(cfg, args.render_fps)
+        results["calibration"] = cal
+        if cal["report"] and cal["rc"] == 0:
+            iters = int(cal["report"]["iterations"])
+            cfg.kind_args["render"] = ["--iterations", str(iters)]
+            results["meta"]["render_iterations"] = iters
+            progress.note(f"  -> --iterations {iters} ({cal['report']['fps']:.1f} frames/s)")
+        else:
+            failed_kinds.add("render")
+            results["errors"].append(str(cal["error"]))
+            progress.note(f"  -> FAILED: {cal['error']}")
+        save(args.out, results)
+
+    for kind in solo_kinds(pairs):
+        if skip(f"alone: {kind}", (kind,)):
+            continue
+        progress.step(f"alone: {kind}")
+        group = run_group(cfg, kind, "alone", [TenantSpec(f"a-{kind}", kind, None)])
+        record("solo", kind, group, solo)
+        if not group.ok:
+            failed_kinds.add(kind)
+
+    for kinds in kind_pairs(pairs):
+        key = "+".join(kinds)
+        if skip(f"no scheduler: {key}", kinds):
+            continue
+        progress.step(f"no scheduler: {key}")
+        specs = [TenantSpec(f"{tag}-{k}", k, None) for tag, k in zip("ab", kinds)]
+        record("no_scheduler", key, run_group(cfg, key, "no scheduler", specs), nosched)
+
+    if unisched_on:
+        for n, pair in enumerate(pairs):
+            if skip(f"unisched: {pair.key}", pair.kinds):
+                continue
+            progress.step(f"unisched: {pair.key} (slice {cfg.slice_ms:g} ms)")
+            specs = [TenantSpec(f"{tag}-{k}", k, w) for tag, k, w in zip("ab", pair.kinds, pair.weights)]
+            try:
+                with running_daemon(cfg, str(n)) as daemon:
+                    group = run_group(cfg, pair.key, "unisched", specs, daemon)
+            except DaemonError as exc:
+                results["errors"].append(f"unisched: {pair.key}: {exc}")
+                progress.note(f"  -> daemon FAILED: {str(exc).splitlines()[0]}")
+                save(args.out, results)
+                continue
+            group.extra["daemon"] = daemon.info
+            record("unisched", pair.key, group, shared)
+
+    save(args.out, results)
+    progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'}")
+    sys.stdout.write(render_markdown(results))
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

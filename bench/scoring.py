@@ -1,0 +1,132 @@
+"""How sharing is scored (DESIGN.md, "How we score sharing"), as pure functions.
+
+Kept apart from the orchestrator so the arithmetic that decides PASS/FAIL is unit-tested on hand
+computed numbers (tests/test_bench_scoring.py) and cannot drift between benchmarks.
+
+Terms, for tenants i with weights w_i that all saturate the GPU alone:
+- normalized n_i = throughput shared / throughput alone (same GPU, same run);
+- share s_i = w_i / sum(w);
+- error = max_i |n_i / sum(n) - s_i|, in percentage points;
+- efficiency = sum(n) (exclusive time slicing of saturating loads gives at most about 1.0);
+- guarantee: every n_i >= s_i - 0.02;
+- a pair contends when its no-scheduler efficiency is below ~1.1; above, the hardware overlaps it.
+Targets: contending pairs need the guarantee, error <= 3 points and efficiency >= 0.95;
+overlapping pairs need the guarantee and an efficiency no more than 0.05 below the no-scheduler run's
+(keeping the overlap is the point; beating the no-scheduler run is not a failure).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "CONTENTION_THRESHOLD",
+    "GUARANTEE_SLACK",
+    "MAX_ERROR_POINTS",
+    "MIN_CONTENDING_EFFICIENCY",
+    "OVERLAP_EFFICIENCY_TOLERANCE",
+    "Verdict",
+    "contends",
+    "efficiency",
+    "error_points",
+    "guarantee_ok",
+    "normalized",
+    "shares",
+    "verdict",
+]
+
+GUARANTEE_SLACK = 0.02
+CONTENTION_THRESHOLD = 1.1
+MAX_ERROR_POINTS = 3.0
+MIN_CONTENDING_EFFICIENCY = 0.95
+OVERLAP_EFFICIENCY_TOLERANCE = 0.05
+
+
+def normalized(shared: float, solo: float) -> float:
+    """Throughput shared as a fraction of the same tenant's throughput alone."""
+    if solo <= 0:
+        raise ValueError(f"solo throughput must be positive, got {solo}")
+    return shared / solo
+
+
+def shares(weights: Sequence[float]) -> list[float]:
+    """Each tenant's entitled fraction w_i / sum(w)."""
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"weights must be a non-empty list of positive numbers, got {list(weights)}")
+    total = float(sum(weights))
+    return [w / total for w in weights]
+
+
+def _check(norm: Sequence[float], weights: Sequence[float]) -> None:
+    if len(norm) != len(weights):
+        raise ValueError(f"{len(norm)} normalized values for {len(weights)} weights")
+
+
+def error_points(norm: Sequence[float], weights: Sequence[float]) -> float:
+    """max_i |n_i / sum(n) - w_i / sum(w)| in points (0-100); NaN when no tenant made progress."""
+    _check(norm, weights)
+    want = shares(weights)
+    total = float(sum(norm))
+    if total <= 0:
+        return math.nan
+    return 100.0 * max(abs(n / total - s) for n, s in zip(norm, want))
+
+
+def efficiency(norm: Sequence[float]) -> float:
+    """Sum of normalized throughputs."""
+    return float(sum(norm))
+
+
+def guarantee_ok(norm: Sequence[float], weights: Sequence[float],
+                 slack: float = GUARANTEE_SLACK) -> bool:
+    """Every tenant got at least its weight share of its solo throughput, minus `slack`."""
+    _check(norm, weights)
+    return all(n >= s - slack for n, s in zip(norm, shares(weights)))
+
+
+def contends(no_scheduler_efficiency: float, threshold: float = CONTENTION_THRESHOLD) -> bool:
+    """Whether the pair fights over one engine (True) or the hardware overlaps it (False)."""
+    return no_scheduler_efficiency < threshold
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The judgement of one shared run against the targets for its kind of pair."""
+
+    contending: bool
+    guarantee: bool
+    error_pts: float
+    efficiency: float
+    passed: bool
+    reasons: tuple[str, ...]  # why it failed; empty when it passed
+
+    def label(self) -> str:
+        return "PASS" if self.passed else "FAIL: " + "; ".join(self.reasons)
+
+
+def verdict(norm: Sequence[float], weights: Sequence[float], contending: bool,
+            no_scheduler_efficiency: float | None = None) -> Verdict:
+    """Judge a shared run: contending pairs by guarantee, error and efficiency; overlapping pairs
+    by guarantee and efficiency relative to the no-scheduler run (which must then be given)."""
+    err = error_points(norm, weights)
+    eff = efficiency(norm)
+    guarantee = guarantee_ok(norm, weights)
+    reasons: list[str] = []
+    if not guarantee:
+        low = [f"{n:.2f} < {s - GUARANTEE_SLACK:.2f}" for n, s in zip(norm, shares(weights))
+               if n < s - GUARANTEE_SLACK]
+        reasons.append("guarantee missed (" + ", ".join(low) + ")")
+    if contending:
+        if not err <= MAX_ERROR_POINTS:  # also catches NaN
+            reasons.append(f"error {err:.1f} pts > {MAX_ERROR_POINTS:g}")
+        if eff < MIN_CONTENDING_EFFICIENCY:
+            reasons.append(f"sum {eff:.2f} < {MIN_CONTENDING_EFFICIENCY:g}")
+    elif no_scheduler_efficiency is None:
+        reasons.append("no no-scheduler efficiency to compare with")
+    elif eff < no_scheduler_efficiency - OVERLAP_EFFICIENCY_TOLERANCE:
+        reasons.append(f"sum {eff:.2f} < no-scheduler {no_scheduler_efficiency:.2f} - "
+                       f"{OVERLAP_EFFICIENCY_TOLERANCE:g}")
+    return Verdict(contending=contending, guarantee=guarantee, error_pts=err, efficiency=eff,
+                   passed=not reasons, reasons=tuple(reasons))

@@ -1,0 +1,127 @@
+"""Measurement window shared by the benchmark workloads (stdlib only).
+
+Why a shared helper: tenants of one pair are separate processes that start with different
+initialisation costs (torch + CUDA context vs. an EGL context). If each one measured "warmup
+seconds after *its own* start", their windows would not overlap exactly and a tenant that measures
+while its partner is still initialising would look faster than it is. So every workload accepts an
+absolute `--start-at` wall-clock time from the orchestrator and measures over the same
+[start_at, start_at + seconds] interval.
+
+Counting: a step returns how many items it has *completed* (after a synchronising call such as
+torch.cuda.synchronize or glFinish). The window starts at the completion time of the last step that
+ended before `start_at` and ends at the completion time of the last step that ended before
+`start_at + seconds`. Throughput = items completed between those two instants / their distance,
+which is exact for what was counted (the step straddling the end is dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Window", "add_window_args", "fail", "measure", "plan_window", "write_report"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one measurement window saw."""
+
+    items: int
+    seconds: float
+    t_first: float  # wall time the window started (completion of the last warm-up step)
+    t_last: float  # wall time of the last counted completion
+    start_at: float  # requested window start
+    end_at: float  # requested window end
+    late_s: float  # how late the window started; seconds when initialisation overran start_at
+    warmup_items: int
+
+    @property
+    def throughput(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+
+def add_window_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments every workload shares, so the orchestrator can drive them all alike."""
+    parser.add_argument("--seconds", type=float, default=20.0,
+                        help="length of the measured window in seconds (default: 20)")
+    parser.add_argument("--warmup", type=float, default=5.0,
+                        help="seconds of unmeasured work before the window, counted from this "
+                             "process's start; ignored when --start-at is given (default: 5)")
+    parser.add_argument("--start-at", type=float, default=None, metavar="EPOCH",
+                        help="absolute wall-clock time (time.time()) at which the measured window "
+                             "starts; the orchestrator gives every tenant of a pair the same value "
+                             "so their windows coincide. Total run time is then "
+                             "(start-at - now) + seconds.")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help="write the result as JSON to PATH")
+
+
+def plan_window(args: argparse.Namespace, process_start: float) -> tuple[float, float]:
+    """Return (start_at, end_at) in wall-clock seconds."""
+    start_at = args.start_at if args.start_at is not None else process_start + args.warmup
+    return start_at, start_at + args.seconds
+
+
+def measure(step: Callable[[], int], start_at: float, end_at: float) -> Window:
+    """Run `step` until end_at, counting only completions inside [start_at, end_at].
+
+    `step` must block until the items it reports are finished (sync / glFinish), so completion
+    times are real; keep each step short (milliseconds) so the edges cost little.
+    """
+    warmup_items = 0
+    t = time.time()
+    first = True
+    while first or t < start_at:
+        # At least one step always runs before the window, so the first counted step never pays
+        # one-off costs (kernel selection, shader compile) that a warm tenant would not.
+        warmup_items += step()
+        t = time.time()
+        first = False
+    t_first = t
+    # Normally one step (milliseconds); large when initialisation overran start_at.
+    late_s = max(0.0, t_first - start_at)
+    items = 0
+    t_last = t_first
+    while True:
+        done = step()
+        t = time.time()
+        if t > end_at:
+            break
+        items += done
+        t_last = t
+    return Window(items=items, seconds=t_last - t_first, t_first=t_first, t_last=t_last,
+                  start_at=start_at, end_at=end_at, late_s=late_s, warmup_items=warmup_items)
+
+
+def write_report(path: Path | None, kind: str, unit: str, window: Window,
+                 extra: dict[str, Any]) -> dict[str, Any]:
+    """Build the JSON report every workload writes (same shape for all, plus `extra`)."""
+    report: dict[str, Any] = {
+        "kind": kind,
+        "throughput": window.throughput,
+        "unit": unit,
+        "items": window.items,
+        "seconds": window.seconds,
+        "pid": os.getpid(),
+    }
+    report["window"] = asdict(window)
+    report.update(extra)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(path)  # the orchestrator never sees a half-written report
+    return report
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Print a clear one-line error and return the exit code (2: environment not usable)."""
+    print(f"error: {message}", file=sys.stderr)
+    return code

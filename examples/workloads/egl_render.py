@@ -1,0 +1,512 @@
+#!/usr/bin/env python3
+"""Heavy headless render tenant: a FurMark-style fragment-shader loop through EGL + OpenGL.
+
+Why it looks like this: it is the "render" side of the sharing benchmark (bench/gpu_pairs.py). It
+needs no display: EGL's device platform opens the GPU directly, an OpenGL 4.x core context renders
+into a 1920x1080 framebuffer object, and every frame is one full-screen quad whose fragment shader
+runs `--iterations` rounds of arithmetic per pixel. glFinish after each frame keeps at most one
+frame in flight, so a frozen tenant stops using the GPU within one frame time. DESIGN.md measured
+such a load at 36.9 FPS alone on the H200 (graphics runs on few SMs there); `--calibrate-fps`
+finds the iteration count that gives a chosen frame rate on the machine at hand.
+
+Output: one human line on stdout, and with --report a JSON file
+  {"kind": "render", "throughput": frames/s, "unit": "frames/s", "items": n, "seconds": window, "pid": ...}
+counting only frames finished inside the measured window (see _window.py).
+
+EGL is driven through ctypes (libEGL.so.1, as glvnd provides it) so that the extension entry
+points (eglQueryDevicesEXT, eglGetPlatformDisplayEXT) are loaded explicitly with
+eglGetProcAddress; GL calls go through PyOpenGL with PYOPENGL_PLATFORM=egl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _window import add_window_args, fail, measure, plan_window, write_report  # noqa: E402
+
+KIND = "render"
+UNIT = "frames/s"
+
+# EGL constants (EGL 1.5 and EXT_device_* / EXT_platform_device).
+EGL_SUCCESS = 0x3000
+EGL_NONE = 0x3038
+EGL_VENDOR = 0x3053
+EGL_VERSION = 0x3054
+EGL_EXTENSIONS = 0x3055
+EGL_CLIENT_APIS = 0x308D
+EGL_SURFACE_TYPE = 0x3033
+EGL_PBUFFER_BIT = 0x0001
+EGL_RENDERABLE_TYPE = 0x3040
+EGL_OPENGL_BIT = 0x0008
+EGL_RED_SIZE = 0x3024
+EGL_GREEN_SIZE = 0x3023
+EGL_BLUE_SIZE = 0x3022
+EGL_ALPHA_SIZE = 0x3021
+EGL_WIDTH = 0x3057
+EGL_HEIGHT = 0x3056
+EGL_OPENGL_API = 0x30A2
+EGL_CONTEXT_MAJOR_VERSION = 0x3098
+EGL_CONTEXT_MINOR_VERSION = 0x30FB
+EGL_CONTEXT_OPENGL_PROFILE_MASK = 0x30FD
+EGL_CONTEXT_OPENGL_CORE_PROFILE_BIT = 0x0001
+EGL_PLATFORM_DEVICE_EXT = 0x313F
+EGL_DRM_DEVICE_FILE_EXT = 0x3233
+EGL_DEFAULT_DISPLAY = None
+EGL_NO_CONTEXT = None
+EGL_NO_SURFACE = None
+
+EGL_ERRORS = {
+    0x3000: "EGL_SUCCESS", 0x3001: "EGL_NOT_INITIALIZED", 0x3002: "EGL_BAD_ACCESS",
+    0x3003: "EGL_BAD_ALLOC", 0x3004: "EGL_BAD_ATTRIBUTE", 0x3005: "EGL_BAD_CONFIG",
+    0x3006: "EGL_BAD_CONTEXT", 0x3007: "EGL_BAD_CURRENT_SURFACE", 0x3008: "EGL_BAD_DISPLAY",
+    0x3009: "EGL_BAD_MATCH", 0x300A: "EGL_BAD_NATIVE_PIXMAP", 0x300B: "EGL_BAD_NATIVE_WINDOW",
+    0x300C: "EGL_BAD_PARAMETER", 0x300D: "EGL_BAD_SURFACE", 0x300E: "EGL_CONTEXT_LOST",
+    0x322B: "EGL_BAD_DEVICE_EXT",
+}
+
+# OpenGL versions tried for the core context, newest first.
+GL_VERSIONS = ((4, 6), (4, 5), (4, 3), (4, 1), (3, 3))
+
+VERTEX_SHADER = """
+#version 330 core
+// Full-screen quad from gl_VertexID alone (drawn as a 4-vertex triangle strip): no vertex buffers.
+void main() {
+    vec2 p = vec2(float(gl_VertexID & 1), float(gl_VertexID >> 1));
+    gl_Position = vec4(p * 2.0 - 1.0, 0.0, 1.0);
+}
+"""
+
+FRAGMENT_SHADER = """
+#version 330 core
+// FurMark-style per-pixel burner: a bounded complex iteration with transcendental terms. The loop
+// count is a uniform (the compiler cannot unroll it away), every pixel runs the same count (no
+// divergence), and the colour depends on every round (nothing is dead code).
+uniform int u_iters;
+uniform float u_time;
+uniform vec2 u_res;
+out vec4 frag_color;
+void main() {
+    vec2 uv = (2.0 * gl_FragCoord.xy - u_res) / u_res.y;
+    vec2 z = uv;
+    vec2 c = vec2(-0.745 + 0.05 * sin(u_time * 0.7), 0.186 + 0.05 * cos(u_time * 0.5));
+    vec3 acc = vec3(0.0);
+    for (int i = 0; i < u_iters; ++i) {
+        z = vec2(z.x * z.x - z.y * z.y, 2.0 * z.x * z.y) + c;
+        z *= inversesqrt(1.0 + dot(z, z));
+        acc += vec3(sin(z.x * 5.0 + u_time), cos(z.y * 5.0 - u_time), z.x * z.y);
+    }
+    acc /= float(max(u_iters, 1));
+    frag_color = vec4(0.5 + 0.5 * acc, 1.0);
+}
+"""
+
+
+class EGLUnavailable(RuntimeError):
+    """EGL or a usable OpenGL context could not be had; the message says which step failed."""
+
+
+# --------------------------------------------------------------------------------------------- EGL
+
+
+class Egl:
+    """Thin ctypes binding of the few EGL calls used here (typed, so pointers are not truncated)."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libEGL.so.1")
+        except OSError as exc:
+            raise EGLUnavailable(
+                f"cannot load libEGL.so.1 ({exc}); on the GPU machine source .devcache/setup.sh "
+                "(it unpacks the glvnd EGL loader), elsewhere install libegl1") from exc
+        vp, i32, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32
+        pi32 = ctypes.POINTER(i32)
+        self._sig(lib, "eglGetProcAddress", vp, [ctypes.c_char_p])
+        self._sig(lib, "eglGetError", i32, [])
+        self._sig(lib, "eglGetDisplay", vp, [vp])
+        self._sig(lib, "eglInitialize", u32, [vp, pi32, pi32])
+        self._sig(lib, "eglTerminate", u32, [vp])
+        self._sig(lib, "eglQueryString", ctypes.c_char_p, [vp, i32])
+        self._sig(lib, "eglChooseConfig", u32, [vp, pi32, ctypes.POINTER(vp), i32, pi32])
+        self._sig(lib, "eglBindAPI", u32, [u32])
+        self._sig(lib, "eglCreateContext", vp, [vp, vp, vp, pi32])
+        self._sig(lib, "eglDestroyContext", u32, [vp, vp])
+        self._sig(lib, "eglCreatePbufferSurface", vp, [vp, vp, pi32])
+        self._sig(lib, "eglDestroySurface", u32, [vp, vp])
+        self._sig(lib, "eglMakeCurrent", u32, [vp, vp, vp, vp])
+        self._sig(lib, "eglReleaseThread", u32, [])
+        self.lib = lib
+        self.query_devices = self._ext("eglQueryDevicesEXT", u32, [i32, ctypes.POINTER(vp), pi32])
+        self.query_device_string = self._ext("eglQueryDeviceStringEXT", ctypes.c_char_p, [vp, i32])
+        self.get_platform_display = self._ext("eglGetPlatformDisplayEXT", vp, [u32, vp, pi32])
+
+    @staticmethod
+    def _sig(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> None:
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+    def _ext(self, name: str, restype: Any, argtypes: list[Any]) -> Callable[..., Any] | None:
+        """Extension entry point via eglGetProcAddress, or None when the EGL lacks it."""
+        addr = self.lib.eglGetProcAddress(name.encode())
+        if not addr:
+            return None
+        return ctypes.CFUNCTYPE(restype, *argtypes)(addr)  # type: ignore[no-any-return]
+
+    def error(self) -> str:
+        code = int(self.lib.eglGetError())
+        return EGL_ERRORS.get(code, hex(code))
+
+    def query_string(self, dpy: int, name: int) -> str:
+        raw = self.lib.eglQueryString(dpy, name)
+        return raw.decode(errors="replace") if raw else ""
+
+
+def attribs(*pairs: int) -> Any:
+    """EGL attribute list: key, value, ..., EGL_NONE."""
+    values = [*pairs, EGL_NONE]
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+@dataclass
+class Display:
+    handle: int
+    source: str  # how it was obtained, for the report
+
+
+def _devices(egl: Egl) -> list[tuple[int, int, str]]:
+    """(index, EGLDeviceEXT, device extensions) for every EGL device, software devices last."""
+    if egl.query_devices is None:
+        return []
+    arr = (ctypes.c_void_p * 16)()
+    count = ctypes.c_int32(0)
+    if not egl.query_devices(16, arr, ctypes.byref(count)):
+        return []
+    found = []
+    for i in range(count.value):
+        dev = arr[i]
+        if not dev:
+            continue
+        ext = b""
+        if egl.query_device_string is not None:
+            ext = egl.query_device_string(dev, EGL_EXTENSIONS) or b""
+        found.append((i, dev, ext.decode(errors="replace")))
+    # Prefer hardware: Mesa's software device (llvmpipe) must never stand in for the GPU silently.
+    return sorted(found, key=lambda d: "EGL_MESA_device_software" in d[2])
+
+
+def _initialize(egl: Egl, dpy: int | None) -> bool:
+    if not dpy:
+        return False
+    major, minor = ctypes.c_int32(0), ctypes.c_int32(0)
+    return bool(egl.lib.eglInitialize(dpy, ctypes.byref(major), ctypes.byref(minor)))
+
+
+def open_display(egl: Egl, device_index: int | None) -> Display:
+    """EGL display on a GPU device (EGL_PLATFORM_DEVICE_EXT); falls back to the default display."""
+    tried: list[str] = []
+    if egl.get_platform_display is not None:
+        for index, dev, ext in _devices(egl):
+            if device_index is not None and index != device_index:
+                continue
+            dpy = egl.get_platform_display(EGL_PLATFORM_DEVICE_EXT, dev, None)
+            if _initialize(egl, dpy):
+                soft = " (software)" if "EGL_MESA_device_software" in ext else ""
+                return Display(dpy, f"EGL device {index}{soft}")
+            tried.append(f"device {index}: {egl.error()}")
+        if device_index is not None:
+            raise EGLUnavailable(f"EGL device {device_index} unusable or absent ({tried or 'none listed'})")
+    else:
+        tried.append("EGL_EXT_platform_device/eglGetPlatformDisplayEXT not available")
+    dpy = egl.lib.eglGetDisplay(EGL_DEFAULT_DISPLAY)
+    if _initialize(egl, dpy):
+        return Display(dpy, "eglGetDisplay(EGL_DEFAULT_DISPLAY)")
+    tried.append(f"default display: {egl.error()}")
+    raise EGLUnavailable(
+        "no usable EGL display (" + "; ".join(tried) + "). Is the NVIDIA EGL vendor library "
+        "registered? On the GPU machine `source .devcache/setup.sh` sets __EGL_VENDOR_LIBRARY_FILENAMES.")
+
+
+def _choose_config(egl: Egl, dpy: int, pbuffer: bool) -> int | None:
+    keys = [EGL_RENDERABLE_TYPE, EGL_OPENGL_BIT, EGL_RED_SIZE, 8, EGL_GREEN_SIZE, 8,
+            EGL_BLUE_SIZE, 8, EGL_ALPHA_SIZE, 8]
+    if pbuffer:
+        keys += [EGL_SURFACE_TYPE, EGL_PBUFFER_BIT]
+    config = ctypes.c_void_p()
+    count = ctypes.c_int32(0)
+    ok = egl.lib.eglChooseConfig(dpy, attribs(*keys), ctypes.byref(config), 1, ctypes.byref(count))
+    return config.value if ok and count.value > 0 else None
+
+
+@dataclass
+class GLContext:
+    egl: Egl
+    display: Display
+    context: int
+    surface: int | None
+    version: tuple[int, int]
+
+    def close(self) -> None:
+        lib, dpy = self.egl.lib, self.display.handle
+        lib.eglMakeCurrent(dpy, EGL_NO_SURFACE, EGL_NO_SURFACE, EGL_NO_CONTEXT)
+        if self.surface:
+            lib.eglDestroySurface(dpy, self.surface)
+        lib.eglDestroyContext(dpy, self.context)
+        lib.eglTerminate(dpy)
+        lib.eglReleaseThread()
+
+
+def create_context(egl: Egl, display: Display) -> GLContext:
+    """OpenGL 4.x (down to 3.3) core context, current on a tiny pbuffer (or surfaceless)."""
+    dpy = display.handle
+    config = _choose_config(egl, dpy, pbuffer=True)
+    pbuffer = config is not None
+    if config is None:  # some EGLs expose OpenGL configs without pbuffer support: go surfaceless
+        config = _choose_config(egl, dpy, pbuffer=False)
+    if config is None:
+        raise EGLUnavailable(f"no EGL config with EGL_OPENGL_BIT and RGBA8 ({egl.error()}); "
+                             f"client APIs: {egl.query_string(dpy, EGL_CLIENT_APIS)!r}")
+    if not egl.lib.eglBindAPI(EGL_OPENGL_API):
+        raise EGLUnavailable(f"eglBindAPI(EGL_OPENGL_API) failed ({egl.error()})")
+    context, version, errors = None, (0, 0), []
+    for major, minor in GL_VERSIONS:
+        context = egl.lib.eglCreateContext(dpy, config, EGL_NO_CONTEXT, attribs(
+            EGL_CONTEXT_MAJOR_VERSION, major, EGL_CONTEXT_MINOR_VERSION, minor,
+            EGL_CONTEXT_OPENGL_PROFILE_MASK, EGL_CONTEXT_OPENGL_CORE_PROFILE_BIT))
+        if context:
+            version = (major, minor)
+            break
+        errors.append(f"{major}.{minor}: {egl.error()}")
+    if not context:
+        raise EGLUnavailable("eglCreateContext failed for every OpenGL core version (" +
+                             "; ".join(errors) + ")")
+    surface = None
+    if pbuffer:
+        surface = egl.lib.eglCreatePbufferSurface(dpy, config, attribs(EGL_WIDTH, 16, EGL_HEIGHT, 16))
+    if not egl.lib.eglMakeCurrent(dpy, surface, surface, context):
+        raise EGLUnavailable(f"eglMakeCurrent failed ({egl.error()})")
+    return GLContext(egl, display, context, surface, version)
+
+
+# ---------------------------------------------------------------------------------------------- GL
+
+
+def _compile(gl: Any, kind: int, source: str) -> int:
+    shader = gl.glCreateShader(kind)
+    gl.glShaderSource(shader, source)
+    gl.glCompileShader(shader)
+    if not gl.glGetShaderiv(shader, gl.GL_COMPILE_STATUS):
+        log = gl.glGetShaderInfoLog(shader)
+        raise RuntimeError(f"shader compile failed: {log.decode(errors='replace') if log else '?'}")
+    return int(shader)
+
+
+def _link(gl: Any, vs: int, fs: int) -> int:
+    """Link without glValidateProgram: validation can fail spuriously in core profile."""
+    program = gl.glCreateProgram()
+    gl.glAttachShader(program, vs)
+    gl.glAttachShader(program, fs)
+    gl.glLinkProgram(program)
+    if not gl.glGetProgramiv(program, gl.GL_LINK_STATUS):
+        log = gl.glGetProgramInfoLog(program)
+        raise RuntimeError(f"program link failed: {log.decode(errors='replace') if log else '?'}")
+    return int(program)
+
+
+class Renderer:
+    """The render target (FBO), the burner program, and one-frame steps."""
+
+    def __init__(self, width: int, height: int) -> None:
+        from OpenGL import GL as gl  # lazy: PYOPENGL_PLATFORM must be set and a context current
+
+        self.gl = gl
+        self.width, self.height = width, height
+        self.program = _link(gl, _compile(gl, gl.GL_VERTEX_SHADER, VERTEX_SHADER),
+                             _compile(gl, gl.GL_FRAGMENT_SHADER, FRAGMENT_SHADER))
+        self.vao = gl.glGenVertexArrays(1)  # core profile draws need a bound VAO, even an empty one
+        gl.glBindVertexArray(self.vao)
+        self.fbo = gl.glGenFramebuffers(1)
+        gl.glBindFramebuffer(gl.GL_FRAMEBUFFER, self.fbo)
+        self.rbo = gl.glGenRenderbuffers(1)
+        gl.glBindRenderbuffer(gl.GL_RENDERBUFFER, self.rbo)
+        gl.glRenderbufferStorage(gl.GL_RENDERBUFFER, gl.GL_RGBA8, width, height)
+        gl.glFramebufferRenderbuffer(gl.GL_FRAMEBUFFER, gl.GL_COLOR_ATTACHMENT0,
+                                     gl.GL_RENDERBUFFER, self.rbo)
+        status = gl.glCheckFramebufferStatus(gl.GL_FRAMEBUFFER)
+        if status != gl.GL_FRAMEBUFFER_COMPLETE:
+            raise RuntimeError(f"framebuffer incomplete: {hex(int(status))}")
+        gl.glViewport(0, 0, width, height)
+        gl.glUseProgram(self.program)
+        self.u_iters = gl.glGetUniformLocation(self.program, "u_iters")
+        self.u_time = gl.glGetUniformLocation(self.program, "u_time")
+        gl.glUniform2f(gl.glGetUniformLocation(self.program, "u_res"), float(width), float(height))
+        self.iterations = 1
+        self.frame = 0
+
+    def set_iterations(self, iterations: int) -> None:
+        self.iterations = max(1, int(iterations))
+        self.gl.glUniform1i(self.u_iters, self.iterations)
+
+    def step(self) -> int:
+        """Draw one frame and wait until the GPU has finished it."""
+        gl = self.gl
+        self.frame += 1
+        gl.glUniform1f(self.u_time, self.frame * (1.0 / 60.0))
+        gl.glDrawArrays(gl.GL_TRIANGLE_STRIP, 0, 4)
+        gl.glFinish()
+        return 1
+
+    def info(self) -> dict[str, Any]:
+        gl = self.gl
+
+        def text(name: int) -> str:
+            raw = gl.glGetString(name)
+            return raw.decode(errors="replace") if raw else ""
+
+        pixel = gl.glReadPixels(self.width // 2, self.height // 2, 1, 1, gl.GL_RGBA, gl.GL_UNSIGNED_BYTE)
+        return {"gl_renderer": text(gl.GL_RENDERER), "gl_vendor": text(gl.GL_VENDOR),
+                "gl_version": text(gl.GL_VERSION), "center_pixel": list(bytearray(bytes(pixel)))}
+
+
+# ------------------------------------------------------------------------------------- calibration
+
+
+def frame_time(renderer: Renderer, frames: int) -> float:
+    """Median seconds per frame over `frames` frames (median: robust to one slow frame)."""
+    times = []
+    for _ in range(frames):
+        t0 = time.perf_counter()
+        renderer.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(renderer: Renderer, target_fps: float, start: int, budget_s: float = 6.0) -> tuple[int, float]:
+    """Iteration count whose frame rate is close to `target_fps` (frame time ~ linear in iterations).
+
+    Grows geometrically while frames are too short to time well, then applies the proportional
+    correction until it is within 3% (or the time budget is spent). Returns (iterations, fps).
+    """
+    target = 1.0 / target_fps
+    iters = max(1, start)
+    renderer.set_iterations(iters)
+    renderer.step()  # first frame pays for shader specialisation
+    deadline = time.perf_counter() + budget_s
+    ft = frame_time(renderer, 3)
+    while time.perf_counter() < deadline:
+        if ft < 0.002:
+            new = iters * 8
+        else:
+            new = round(iters * target / ft)
+            if abs(new - iters) <= max(1, 0.03 * iters):
+                break
+        new = max(1, min(new, iters * 16, 1 << 22))
+        iters = new
+        renderer.set_iterations(iters)
+        ft = frame_time(renderer, max(3, min(15, int(0.3 / max(ft, 1e-4)))))
+    return iters, 1.0 / ft
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Heavy headless render load for GPU-sharing benchmarks: EGL (device platform) + "
+                    "OpenGL core context, WIDTHxHEIGHT FBO, one full-screen quad per frame with an "
+                    "expensive per-pixel loop, glFinish every frame. Measures frames/s over a "
+                    "window that starts after --warmup (or at --start-at).",
+        epilog="Examples: egl_render.py --seconds 20 --warmup 5 --report /tmp/render.json\n"
+               "          egl_render.py --calibrate-fps 36 --report /tmp/cal.json   "
+               "(prints the --iterations giving ~36 FPS alone)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_window_args(parser)
+    parser.add_argument("--width", type=int, default=1920, help="render width (default: 1920)")
+    parser.add_argument("--height", type=int, default=1080, help="render height (default: 1080)")
+    parser.add_argument("--iterations", type=int, default=1500,
+                        help="shader loop rounds per pixel; sets the cost of a frame (default: 1500)")
+    parser.add_argument("--calibrate-fps", type=float, default=None, metavar="FPS",
+                        help="instead of measuring, search the --iterations that give about FPS "
+                             "frames/s when running alone; report {kind: render-calibration, "
+                             "iterations, fps}. Run it on an otherwise idle GPU.")
+    parser.add_argument("--egl-device", type=int, default=None, metavar="INDEX",
+                        help="use this EGL device index (default: first hardware device that works)")
+    args = parser.parse_args(argv)
+    if args.width <= 0 or args.height <= 0 or args.iterations <= 0 or args.seconds <= 0:
+        parser.error("--width, --height, --iterations and --seconds must be positive")
+    if args.calibrate_fps is not None and args.calibrate_fps <= 0:
+        parser.error("--calibrate-fps must be positive")
+    return args
+
+
+@contextmanager
+def gl_context(device_index: int | None) -> Iterator[GLContext]:
+    egl = Egl()
+    ctx = create_context(egl, open_display(egl, device_index))
+    try:
+        yield ctx
+    finally:
+        ctx.close()
+
+
+def run(args: argparse.Namespace, process_start: float) -> int:
+    start_at, end_at = plan_window(args, process_start)
+    with gl_context(args.egl_device) as ctx:
+        renderer = Renderer(args.width, args.height)
+        base = {"width": args.width, "height": args.height, "egl_display": ctx.display.source,
+                "egl_vendor": ctx.egl.query_string(ctx.display.handle, EGL_VENDOR),
+                "gl_context": f"{ctx.version[0]}.{ctx.version[1]} core"}
+        if args.calibrate_fps is not None:
+            return report_calibration(args, renderer, base)
+        renderer.set_iterations(args.iterations)
+        window = measure(renderer.step, start_at, end_at)
+        extra = {**base, "iterations": renderer.iterations, **renderer.info()}
+    report = write_report(args.report, KIND, UNIT, window, extra)
+    late = f", started {window.late_s:.1f} s late" if window.late_s > 0.5 else ""
+    print(f"egl_render pid={report['pid']}: {window.throughput:.2f} {UNIT} "
+          f"({window.items} frames in {window.seconds:.2f} s, {args.width}x{args.height}, "
+          f"{renderer.iterations} iterations, {extra['gl_renderer']}{late})", flush=True)
+    return 0
+
+
+def report_calibration(args: argparse.Namespace, renderer: Renderer, base: dict[str, Any]) -> int:
+    import json
+
+    iters, fps = calibrate(renderer, args.calibrate_fps, args.iterations)
+    report = {"kind": "render-calibration", "iterations": iters, "fps": fps,
+              "target_fps": args.calibrate_fps, "pid": os.getpid(), **base, **renderer.info()}
+    if args.report is not None:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"egl_render calibration: --iterations {iters} gives {fps:.1f} frames/s alone "
+          f"(target {args.calibrate_fps:g}, {args.width}x{args.height}, {report['gl_renderer']})", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    process_start = time.time()
+    args = parse_args(argv)
+    os.environ.setdefault("PYOPENGL_PLATFORM", "egl")  # before the first OpenGL import
+    try:
+        return run(args, process_start)
+    except EGLUnavailable as exc:
+        return fail(f"EGL unavailable: {exc}")
+    except ImportError as exc:
+        return fail(f"PyOpenGL is not importable ({exc}); on the GPU machine source .devcache/setup.sh")
+    except Exception as exc:  # GL errors: say what failed instead of a bare traceback
+        return fail(f"OpenGL rendering failed: {type(exc).__name__}: {exc}", code=3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""bench/scoring.py on hand-computed numbers, mostly DESIGN.md's anchor rows from the H200."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+def _load_scoring() -> ModuleType:
+    """Load bench/scoring.py by path: bench/ is a script folder, not an installed package."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "scoring.py"
+    spec = importlib.util.spec_from_file_location("bench_scoring", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+scoring = _load_scoring()
+
+
+def test_normalized_is_shared_over_solo() -> None:
+    # render + render, no scheduler: 18.3 and 18.5 FPS of 36.9 alone.
+    a = scoring.normalized(18.3, 36.9)
+    b = scoring.normalized(18.5, 36.9)
+    assert a == pytest.approx(0.49593, abs=1e-5)
+    assert b == pytest.approx(0.50136, abs=1e-5)
+    assert scoring.efficiency([a, b]) == pytest.approx(0.99729, abs=1e-5)
+
+
+def test_normalized_rejects_zero_solo() -> None:
+    with pytest.raises(ValueError):
+        scoring.normalized(1.0, 0.0)
+
+
+def test_shares() -> None:
+    assert scoring.shares([3, 1]) == [0.75, 0.25]
+    assert scoring.shares([1, 3]) == [0.25, 0.75]
+    with pytest.raises(ValueError):
+        scoring.shares([1, 0])
+    with pytest.raises(ValueError):
+        scoring.shares([])
+
+
+def test_error_anchor_no_scheduler_cuda_render_1_1() -> None:
+    # 0.56 / 0.97 at 1:1: 0.56 / 1.53 = 0.36601 -> |0.36601 - 0.5| = 13.40 points (DESIGN: "14").
+    assert scoring.error_points([0.56, 0.97], [1, 1]) == pytest.approx(13.399, abs=1e-3)
+
+
+def test_error_anchor_equal_split_is_zero() -> None:
+    assert scoring.error_points([0.46, 0.46], [1, 1]) == pytest.approx(0.0)
+
+
+def test_error_anchor_mps_50_percent() -> None:
+    # 0.33 / 1.28 = 0.2578125 -> 24.21875 points.
+    assert scoring.error_points([0.33, 0.95], [1, 1]) == pytest.approx(24.21875)
+
+
+def test_error_anchor_7_3() -> None:
+    # 0.68 / 0.99 = 0.686869 -> |0.686869 - 0.7| = 1.3131 points.
+    assert scoring.error_points([0.68, 0.31], [7, 3]) == pytest.approx(1.3131, abs=1e-4)
+
+
+def test_error_anchor_3_1() -> None:
+    # 0.78 / 1.07 = 0.728972 -> |0.728972 - 0.75| = 2.1028 points.
+    assert scoring.error_points([0.78, 0.29], [3, 1]) == pytest.approx(2.1028, abs=1e-4)
+
+
+def test_error_is_nan_without_progress() -> None:
+    assert math.isnan(scoring.error_points([0.0, 0.0], [1, 1]))
+
+
+def test_error_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError):
+        scoring.error_points([0.5], [1, 1])
+
+
+def test_guarantee() -> None:
+    assert scoring.guarantee_ok([0.56, 0.97], [1, 1])  # 0.56 >= 0.5 - 0.02
+    assert not scoring.guarantee_ok([0.46, 0.46], [1, 1])  # 0.46 < 0.48
+    assert scoring.guarantee_ok([0.48, 0.48], [1, 1])  # exactly at the slack
+    assert scoring.guarantee_ok([0.29, 0.90], [1, 3])  # 0.29 >= 0.23, 0.90 >= 0.73
+    assert not scoring.guarantee_ok([0.22, 0.90], [1, 3])  # 0.22 < 0.23
+
+
+def test_contends_threshold() -> None:
+    assert scoring.contends(0.92)  # CUDA + CUDA, no scheduler
+    assert scoring.contends(1.0)  # render + render
+    assert not scoring.contends(1.53)  # CUDA + render overlaps on the H200
+    assert not scoring.contends(1.1)
+
+
+def test_verdict_contending_pass() -> None:
+    # open-loop freezer, CUDA + CUDA at 3:1: 0.78 / 0.29 -> 2.1 points, sum 1.07.
+    v = scoring.verdict([0.78, 0.29], [3, 1], contending=True)
+    assert v.passed and v.guarantee and v.contending
+    assert v.error_pts == pytest.approx(2.1028, abs=1e-4)
+    assert v.efficiency == pytest.approx(1.07)
+    assert v.reasons == ()
+    assert v.label() == "PASS"
+
+
+def test_verdict_contending_fails_on_error_and_sum() -> None:
+    # no scheduler, CUDA + CUDA wanted at 3:1: 0.46 / 0.46 -> 25 points, sum 0.92, 0.46 < 0.73.
+    v = scoring.verdict([0.46, 0.46], [3, 1], contending=True)
+    assert not v.passed and not v.guarantee
+    assert v.error_pts == pytest.approx(25.0)
+    assert len(v.reasons) == 3
+    assert v.label().startswith("FAIL: guarantee missed")
+
+
+def test_verdict_overlapping_judged_against_no_scheduler_sum() -> None:
+    # open-loop freezer, CUDA + render at 1:3: 0.29 / 0.90, sum 1.19, error 0.63 points.
+    norm, weights = [0.29, 0.90], [1, 3]
+    assert scoring.error_points(norm, weights) == pytest.approx(0.6303, abs=1e-4)
+    lost = scoring.verdict(norm, weights, contending=False, no_scheduler_efficiency=1.53)
+    assert not lost.passed  # 1.19 < 1.53 - 0.05: the overlap was thrown away
+    kept = scoring.verdict(norm, weights, contending=False, no_scheduler_efficiency=1.22)
+    assert kept.passed  # 1.19 >= 1.22 - 0.05
+    better = scoring.verdict(norm, weights, contending=False, no_scheduler_efficiency=1.0)
+    assert better.passed  # beating the no-scheduler sum is no failure
+
+
+def test_verdict_overlapping_ignores_error_points() -> None:
+    # CUDA + render at 1:1 with no scheduler, 13.4 points off, but overlapping: judged on guarantee and sum.
+    v = scoring.verdict([0.56, 0.97], [1, 1], contending=False, no_scheduler_efficiency=1.53)
+    assert v.passed
+
+
+def test_verdict_overlapping_needs_a_reference() -> None:
+    v = scoring.verdict([0.56, 0.97], [1, 1], contending=False)
+    assert not v.passed
+
+
+def test_verdict_without_progress_fails() -> None:
+    v = scoring.verdict([0.0, 0.0], [1, 1], contending=True)
+    assert not v.passed
+    assert any("error" in r for r in v.reasons)

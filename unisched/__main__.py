@@ -1,0 +1,3 @@
+from unisched.cli.main import main
+
+raise SystemExit(main())

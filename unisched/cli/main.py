@@ -1,0 +1,309 @@
+"""`unisched`: the daemon (`serve`) and the commands that talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from unisched.engine.config import DEFAULT_SOCKET, ConfigError, load_config
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport.client import DaemonClient, DaemonError
+
+__all__ = ["main"]
+
+_PRIORITY = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
+_PRIORITY_NAME = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
+
+
+def _weight(text: str) -> int:
+    try:
+        w = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"weight must be an integer in {WEIGHT_MIN}..{WEIGHT_MAX}, got {text!r}") from None
+    if not WEIGHT_MIN <= w <= WEIGHT_MAX:
+        raise argparse.ArgumentTypeError(f"weight must be in {WEIGHT_MIN}..{WEIGHT_MAX}, got {w}")
+    return w
+
+
+def _engines(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    allowed = [e.value for e in Engine]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"engines must be a comma list of {', '.join(allowed)}; got {text!r}")
+    return names
+
+
+def _gpus(text: str) -> list[int]:
+    try:
+        return [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"gpus must be a comma list of GPU indices, got {text!r}") from None
+
+
+def _add_socket(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", default=os.environ.get("UNISCHED_SOCKET", DEFAULT_SOCKET),
+                   help=f"daemon socket (default: $UNISCHED_SOCKET or {DEFAULT_SOCKET})")
+
+
+def _add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) -> None:
+    p.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
+    p.add_argument("--weight", type=_weight, required=weight_required,
+                   help=f"share weight {WEIGHT_MIN}..{WEIGHT_MAX} (default 100 for a new tenant)")
+    p.add_argument("--priority", choices=["online", "offline"], help="online preempts offline in preemptive mode")
+    p.add_argument("--engines", type=_engines, default=[],
+                   help="engines it uses: compute,graphics,decode,encode (default compute)")
+    p.add_argument("--gpus", type=_gpus, default=[], help="GPU indices it may use (default all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="unisched",
+        description="Share NVIDIA GPUs between tenants by one weight each, over compute, rendering and video.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the daemon (as root)",
+                       description="Run the unisched daemon. Flags override the config file.")
+    s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
+    s.add_argument("--socket", help=f"Unix socket to serve on (default {DEFAULT_SOCKET})")
+    s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT")
+    s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
+    s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
+    s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
+    s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
+    s.add_argument("--contention", choices=["auto", "shared-sm", "separate-graphics"],
+                   help="which engines contend (default: measured per GPU model)")
+    s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
+    s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")
+    s.add_argument("--no-nvml", action="store_true", help="ignore GPUs; schedule on CPU signals only")
+    s.add_argument("--log-format", choices=["auto", "json", "console"])
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    r = sub.add_parser("run", help="run a command as (part of) a tenant",
+                       description="Start CMD inside the tenant's cgroup, registered with the daemon; "
+                                   "wait for it and exit with its exit code.")
+    _add_socket(r)
+    _add_tenant_opts(r)
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+    a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
+    _add_socket(a)
+    _add_tenant_opts(a)
+    a.add_argument("--cgroup", required=True, help="cgroup path, absolute or relative to the cgroup root")
+
+    t = sub.add_parser("tenants", help="list tenants and their shares")
+    _add_socket(t)
+    t.add_argument("--json", action="store_true", help="print a JSON list, one object per tenant")
+
+    w = sub.add_parser("set-weight", help="change a tenant's weight (admin)")
+    _add_socket(w)
+    w.add_argument("--tenant", required=True)
+    w.add_argument("--weight", type=_weight, required=True)
+
+    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin)")
+    _add_socket(rm)
+    rm.add_argument("--tenant", required=True)
+
+    st = sub.add_parser("status", help="daemon and GPU status; exit 0 when the daemon answers")
+    _add_socket(st)
+    st.add_argument("--json", action="store_true")
+    return ap
+
+
+def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
+    return {
+        "name": t.name, "weight": t.weight, "base_weight": t.base_weight,
+        "priority": _PRIORITY_NAME.get(t.priority, "offline"), "pids": list(t.pids), "state": t.state,
+        "target_share": round(t.target_share, 4), "measured_share": round(t.measured_share, 4),
+        "gpu_seconds": round(t.gpu_seconds, 3), "cgroup": t.cgroup, "engines": list(t.engines),
+        "shares": [
+            {"gpu": s.gpu, "domain": s.domain, "target_share": round(s.target_share, 4),
+             "measured_share": round(s.measured_share, 4)}
+            for s in t.shares
+        ],
+        "slices": t.slices, "owner_uid": t.owner_uid, "adopted": t.adopted,
+    }
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from unisched.enforce.cgroups import CgroupError, detect_driver
+    from unisched.engine.clock import SystemClock
+    from unisched.engine.core import KernelEngine
+    from unisched.engine.state import StateStore
+    from unisched.logs import configure_logging
+    from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+    from unisched.transport.server import serve
+
+    try:
+        config = load_config(args.config).with_overrides(
+            socket=args.socket, listen=args.listen, state_dir=args.state_dir, mode=args.mode,
+            slice_ms=args.slice_ms, cgroup_driver=args.cgroup_driver, contention=args.contention,
+            admin_group=args.admin_group, socket_group=args.socket_group, log_format=args.log_format,
+            log_level=args.log_level, nvml=False if args.no_nvml else None,
+        )
+    except ConfigError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_format, config.log_level)
+    try:
+        driver = detect_driver(config.cgroup_driver)
+    except CgroupError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
+    telemetry: GpuTelemetry = NoGpuTelemetry()
+    nvml = False
+    if config.nvml:
+        from unisched.telemetry.nvml import open_nvml
+
+        opened = open_nvml()
+        if opened is not None:
+            telemetry, nvml = opened, True
+    try:
+        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock())
+        serve(config, engine, nvml)
+    except (CgroupError, OSError) as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        telemetry.close()
+    return 0
+
+
+def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        tenant=args.tenant, weight=args.weight or 0, priority=_PRIORITY.get(args.priority or "", 0),
+        engines=args.engines, gpus=args.gpus,
+    )
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("unisched run: missing command; usage: unisched run --tenant NAME [--weight W] -- CMD ARGS...", file=sys.stderr)
+        return 2
+    with DaemonClient(args.socket) as client:
+        client.register(_register_request(args))
+    try:
+        child = subprocess.Popen(cmd)
+    except FileNotFoundError:
+        print(f"unisched run: command not found: {cmd[0]}", file=sys.stderr)
+        return 127
+    except PermissionError:
+        print(f"unisched run: permission denied: {cmd[0]}", file=sys.stderr)
+        return 126
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    rc = child.wait()
+    return 128 - rc if rc < 0 else rc
+
+
+def _cmd_adopt(args: argparse.Namespace) -> int:
+    with DaemonClient(args.socket) as client:
+        t = client.adopt(pb.AdoptRequest(
+            tenant=args.tenant, weight=args.weight or 0, priority=_PRIORITY.get(args.priority or "", 0),
+            cgroup=args.cgroup, engines=args.engines, gpus=args.gpus,
+        ))
+    print(f"adopted {t.cgroup} as tenant {t.name} (weight {t.weight})")
+    print("note: an adopted cgroup is governed by time slicing (and device admission where enabled); "
+          "session admission by seccomp needs the process to be started by `unisched run` or an OCI "
+          "runtime with the unisched seccomp profile")
+    return 0
+
+
+def _cmd_tenants(args: argparse.Namespace) -> int:
+    with DaemonClient(args.socket) as client:
+        tenants = client.tenants()
+    if args.json:
+        print(json.dumps([tenant_to_dict(t) for t in tenants], indent=1))
+        return 0
+    if not tenants:
+        print("no tenants")
+        return 0
+    rows = [["NAME", "WEIGHT", "PRIORITY", "STATE", "TARGET", "MEASURED", "GPU-S", "ENGINES", "PIDS"]]
+    for t in tenants:
+        pids = ",".join(map(str, t.pids[:6])) + ("..." if len(t.pids) > 6 else "")
+        rows.append([
+            t.name, str(t.weight), _PRIORITY_NAME.get(t.priority, "offline"), t.state,
+            f"{100 * t.target_share:.1f}%", f"{100 * t.measured_share:.1f}%", f"{t.gpu_seconds:.1f}",
+            ",".join(t.engines), pids or "-",
+        ])
+    print(_table(rows))
+    return 0
+
+
+def _cmd_set_weight(args: argparse.Namespace) -> int:
+    with DaemonClient(args.socket) as client:
+        t = client.set_weight(args.tenant, args.weight)
+    print(f"{t.name}: weight {t.weight}")
+    return 0
+
+
+def _cmd_remove(args: argparse.Namespace) -> int:
+    with DaemonClient(args.socket) as client:
+        client.remove(args.tenant)
+    print(f"removed {args.tenant}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with DaemonClient(args.socket, timeout=5.0) as client:
+        s = client.status()
+    info = {
+        "version": s.version, "mode": s.mode, "slice_ms": s.slice_ms, "cgroup_driver": s.cgroup_driver,
+        "cgroup_root": s.cgroup_root, "nvml": s.nvml, "tenants": s.tenants, "uptime_s": round(s.uptime_s, 1),
+        "gpus": [
+            {"index": g.index, "name": g.name, "contention": g.contention, "sm_util": g.sm_util,
+             "dec_util": g.dec_util, "enc_util": g.enc_util, "memory_used": g.memory_used,
+             "memory_total": g.memory_total}
+            for g in s.gpus
+        ],
+        "caller": {"pid": s.caller_pid, "uid": s.caller_uid, "admin": s.caller_is_admin,
+                   "tenant": s.caller_tenant or None},
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"unisched {s.version}: mode {s.mode}, slice {s.slice_ms:g} ms, {s.tenants} tenants, "
+          f"cgroup {s.cgroup_driver} at {s.cgroup_root}, up {s.uptime_s:.0f} s")
+    if not s.nvml:
+        print("no NVML: scheduling on CPU signals")
+    for g in s.gpus:
+        print(f"gpu{g.index} {g.name} [{g.contention}] sm {100 * g.sm_util:.0f}% dec {100 * g.dec_util:.0f}% "
+              f"enc {100 * g.enc_util:.0f}% mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB")
+    return 0
+
+
+_COMMANDS = {
+    "serve": _cmd_serve, "run": _cmd_run, "adopt": _cmd_adopt, "tenants": _cmd_tenants,
+    "set-weight": _cmd_set_weight, "remove": _cmd_remove, "status": _cmd_status,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except DaemonError as e:
+        print(f"unisched {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,348 @@
+"""Tenant cgroups: create, attach, read CPU usage, freeze and thaw (cgroup v2, or the v1 freezer).
+
+One Protocol, `CgroupDriver`, with the two real drivers and `FakeCgroupDriver` for logic tests. A cgroup
+is named by its path relative to the hierarchy's mount ("/unisched/trainer"), as /proc/PID/cgroup shows it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+__all__ = [
+    "CgroupDriver",
+    "CgroupError",
+    "CgroupV1Driver",
+    "CgroupV2Driver",
+    "FakeCgroupDriver",
+    "detect_driver",
+]
+
+MANAGED_DIR = "unisched"
+
+
+class CgroupError(RuntimeError):
+    """A cgroup operation that cannot be done; the message says what and why."""
+
+
+class CgroupDriver(Protocol):
+    kind: str
+    """"v2" or "v1"."""
+    mount: Path
+    """Where the hierarchy that carries the freezer is mounted."""
+
+    def tenant_cgroup(self, tenant: str) -> str: ...
+    def create(self, cgroup: str) -> None: ...
+    def exists(self, cgroup: str) -> bool: ...
+    def remove(self, cgroup: str) -> None: ...
+    def attach(self, cgroup: str, pid: int) -> None: ...
+    def pids(self, cgroup: str) -> list[int]: ...
+    def cpu_usage_s(self, cgroup: str) -> float: ...
+    def set_frozen(self, cgroup: str, frozen: bool) -> None: ...
+    def is_frozen(self, cgroup: str) -> bool: ...
+    def cgroup_of(self, pid: int) -> str | None: ...
+    def managed(self) -> list[str]: ...
+    def normalize(self, path: str) -> str: ...
+
+
+def _write(path: Path, value: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except FileNotFoundError:
+        raise CgroupError(f"{path.parent} does not exist (cgroup removed?)") from None
+    except PermissionError:
+        raise CgroupError(f"permission denied writing {path}: run the daemon as root") from None
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            return  # the process exited before it could be moved
+        raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from None
+
+
+def _read_pids(path: Path) -> list[int]:
+    try:
+        return [int(line) for line in path.read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+class _Common:
+    kind: str
+    mount: Path
+
+    def tenant_cgroup(self, tenant: str) -> str:
+        return f"/{MANAGED_DIR}/{tenant}"
+
+    def normalize(self, path: str) -> str:
+        """An adoptable cgroup: absolute under the mount, or relative to it; never outside it."""
+        p = Path(path)
+        if p.is_absolute() and (p == self.mount or self.mount in p.parents):
+            p = Path("/") / p.relative_to(self.mount)
+        elif not p.is_absolute():
+            p = Path("/") / p
+        resolved = Path(os.path.normpath(p))
+        if ".." in Path(path).parts or str(resolved) == "/":
+            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
+        if not (self.mount / str(resolved).lstrip("/")).is_dir():
+            raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
+        return str(resolved)
+
+    def _dir(self, cgroup: str) -> Path:
+        return self.mount / cgroup.lstrip("/")
+
+    def managed(self) -> list[str]:
+        base = self.mount / MANAGED_DIR
+        if not base.is_dir():
+            return []
+        return sorted(f"/{MANAGED_DIR}/{p.name}" for p in base.iterdir() if p.is_dir())
+
+
+class CgroupV2Driver(_Common):
+    kind = "v2"
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+
+    def create(self, cgroup: str) -> None:
+        d = self._dir(cgroup)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise CgroupError(f"permission denied creating {d}: run the daemon as root") from None
+        if not (d / "cgroup.freeze").exists():
+            raise CgroupError(f"{d} has no cgroup.freeze: this kernel's cgroup v2 cannot freeze")
+
+    def exists(self, cgroup: str) -> bool:
+        return self._dir(cgroup).is_dir()
+
+    def remove(self, cgroup: str) -> None:
+        try:
+            self._dir(cgroup).rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CgroupError(f"cannot remove {self._dir(cgroup)}: {e.strerror}") from None
+
+    def attach(self, cgroup: str, pid: int) -> None:
+        _write(self._dir(cgroup) / "cgroup.procs", str(pid))
+
+    def pids(self, cgroup: str) -> list[int]:
+        return _read_pids(self._dir(cgroup) / "cgroup.procs")
+
+    def cpu_usage_s(self, cgroup: str) -> float:
+        try:
+            for line in (self._dir(cgroup) / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    return int(value) / 1e6
+        except FileNotFoundError:
+            pass
+        return 0.0
+
+    def set_frozen(self, cgroup: str, frozen: bool) -> None:
+        _write(self._dir(cgroup) / "cgroup.freeze", "1" if frozen else "0")
+
+    def is_frozen(self, cgroup: str) -> bool:
+        try:
+            return (self._dir(cgroup) / "cgroup.freeze").read_text().strip() == "1"
+        except FileNotFoundError:
+            return False
+
+    def cgroup_of(self, pid: int) -> str | None:
+        for hierarchy, controllers, path in _proc_cgroup(pid):
+            if hierarchy == "0" and controllers == "":
+                return path
+        return None
+
+
+class CgroupV1Driver(_Common):
+    """The v1 freezer, with CPU usage from cpuacct (hybrid hosts, such as CI's)."""
+
+    kind = "v1"
+
+    def __init__(self, mount: Path, cpuacct: Path | None) -> None:
+        self.mount = mount
+        self.cpuacct = cpuacct
+
+    def _acct(self, cgroup: str) -> Path | None:
+        return self.cpuacct / cgroup.lstrip("/") if self.cpuacct else None
+
+    def create(self, cgroup: str) -> None:
+        for d in (self._dir(cgroup), self._acct(cgroup)):
+            if d is None:
+                continue
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except PermissionError:
+                raise CgroupError(f"permission denied creating {d}: run the daemon as root") from None
+
+    def exists(self, cgroup: str) -> bool:
+        return self._dir(cgroup).is_dir()
+
+    def remove(self, cgroup: str) -> None:
+        for d in (self._dir(cgroup), self._acct(cgroup)):
+            if d is None:
+                continue
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise CgroupError(f"cannot remove {d}: {e.strerror}") from None
+
+    def attach(self, cgroup: str, pid: int) -> None:
+        _write(self._dir(cgroup) / "cgroup.procs", str(pid))
+        acct = self._acct(cgroup)
+        if acct is not None and acct.is_dir():
+            _write(acct / "cgroup.procs", str(pid))
+
+    def pids(self, cgroup: str) -> list[int]:
+        return _read_pids(self._dir(cgroup) / "cgroup.procs")
+
+    def cpu_usage_s(self, cgroup: str) -> float:
+        acct = self._acct(cgroup)
+        if acct is not None:
+            try:
+                return int((acct / "cpuacct.usage").read_text()) / 1e9
+            except (FileNotFoundError, ValueError):
+                pass
+        return 0.0
+
+    def set_frozen(self, cgroup: str, frozen: bool) -> None:
+        _write(self._dir(cgroup) / "freezer.state", "FROZEN" if frozen else "THAWED")
+
+    def is_frozen(self, cgroup: str) -> bool:
+        try:
+            return (self._dir(cgroup) / "freezer.state").read_text().strip() != "THAWED"
+        except FileNotFoundError:
+            return False
+
+    def cgroup_of(self, pid: int) -> str | None:
+        for _, controllers, path in _proc_cgroup(pid):
+            if "freezer" in controllers.split(","):
+                return path
+        return None
+
+
+def _proc_cgroup(pid: int) -> Iterator[tuple[str, str, str]]:
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            yield parts[0], parts[1], parts[2]
+
+
+def _mounts() -> list[tuple[str, Path, list[str]]]:
+    out = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        f = line.split()
+        if len(f) >= 4:
+            out.append((f[2], Path(f[1]), f[3].split(",")))
+    return out
+
+
+def _v2_can_freeze(mount: Path) -> bool:
+    probe = mount / MANAGED_DIR
+    try:
+        probe.mkdir(exist_ok=True)
+    except OSError:
+        return False
+    return (probe / "cgroup.freeze").exists()
+
+
+def detect_driver(prefer: str = "auto") -> CgroupDriver:
+    """Pick the freezer at start: cgroup v2 where it can freeze, else the v1 freezer; clear errors."""
+    if prefer not in ("auto", "v2", "v1"):
+        raise CgroupError(f"cgroup_driver must be one of auto, v2, v1; got {prefer!r}")
+    if os.geteuid() != 0:
+        raise CgroupError("unisched serve must run as root to create and freeze cgroups")
+    mounts = _mounts()
+    if prefer in ("auto", "v2"):
+        for fstype, path, _ in mounts:
+            if fstype == "cgroup2" and _v2_can_freeze(path):
+                return CgroupV2Driver(path)
+        if prefer == "v2":
+            raise CgroupError("no cgroup v2 hierarchy with cgroup.freeze is mounted")
+    freezer = next((p for t, p, o in mounts if t == "cgroup" and "freezer" in o), None)
+    cpuacct = next((p for t, p, o in mounts if t == "cgroup" and "cpuacct" in o), None)
+    if freezer is None:
+        raise CgroupError(
+            "no freezer found: need cgroup v2 with cgroup.freeze (Linux >= 5.2) or the v1 freezer controller"
+        )
+    return CgroupV1Driver(freezer, cpuacct)
+
+
+@dataclass
+class _FakeGroup:
+    pids: list[int] = field(default_factory=list)
+    cpu_s: float = 0.0
+    frozen: bool = False
+
+
+class FakeCgroupDriver:
+    """In-memory cgroups for engine logic tests: tests set CPU usage and see freeze calls."""
+
+    kind = "fake"
+    mount = Path("/fake")
+
+    def __init__(self) -> None:
+        self.groups: dict[str, _FakeGroup] = {}
+        self.freeze_log: list[tuple[str, bool]] = []
+        self.pid_cgroup: dict[int, str] = {}
+
+    def tenant_cgroup(self, tenant: str) -> str:
+        return f"/{MANAGED_DIR}/{tenant}"
+
+    def normalize(self, path: str) -> str:
+        if ".." in Path(path).parts or path.strip("/") == "":
+            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
+        p = "/" + path.strip("/")
+        if p not in self.groups:
+            raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
+        return p
+
+    def create(self, cgroup: str) -> None:
+        self.groups.setdefault(cgroup, _FakeGroup())
+
+    def exists(self, cgroup: str) -> bool:
+        return cgroup in self.groups
+
+    def remove(self, cgroup: str) -> None:
+        self.groups.pop(cgroup, None)
+
+    def attach(self, cgroup: str, pid: int) -> None:
+        if cgroup not in self.groups:
+            raise CgroupError(f"{cgroup} does not exist")
+        self.groups[cgroup].pids.append(pid)
+        self.pid_cgroup[pid] = cgroup
+
+    def pids(self, cgroup: str) -> list[int]:
+        g = self.groups.get(cgroup)
+        return list(g.pids) if g else []
+
+    def cpu_usage_s(self, cgroup: str) -> float:
+        g = self.groups.get(cgroup)
+        return g.cpu_s if g else 0.0
+
+    def set_frozen(self, cgroup: str, frozen: bool) -> None:
+        if cgroup not in self.groups:
+            raise CgroupError(f"{cgroup} does not exist (cgroup removed?)")
+        self.groups[cgroup].frozen = frozen
+        self.freeze_log.append((cgroup, frozen))
+
+    def is_frozen(self, cgroup: str) -> bool:
+        g = self.groups.get(cgroup)
+        return bool(g and g.frozen)
+
+    def cgroup_of(self, pid: int) -> str | None:
+        return self.pid_cgroup.get(pid)
+
+    def managed(self) -> list[str]:
+        return sorted(c for c in self.groups if c.startswith(f"/{MANAGED_DIR}/"))

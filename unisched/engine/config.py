@@ -1,0 +1,226 @@
+"""Daemon configuration: a TOML file for defaults, tenants declared ahead and schedules; flags override it.
+
+Every bad value fails at start with a message that names the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from unisched.policy import (
+    DEFAULT_WEIGHT,
+    WEIGHT_MAX,
+    WEIGHT_MIN,
+    Engine,
+    Mode,
+    PolicyError,
+    Priority,
+    TidalSchedule,
+    TidalWindow,
+    parse_clock,
+    validate_tenant_name,
+)
+
+__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "load_config"]
+
+DEFAULT_SOCKET = "/run/unisched/unisched.sock"
+DEFAULT_STATE_DIR = "/var/lib/unisched"
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the key and what is allowed."""
+
+
+@dataclass(frozen=True)
+class DeclaredTenant:
+    name: str
+    weight: int = DEFAULT_WEIGHT
+    priority: Priority = Priority.OFFLINE
+    engines: frozenset[Engine] = frozenset({Engine.COMPUTE})
+    gpus: tuple[int, ...] | None = None
+    cgroup: str | None = None
+    """Adopt this existing cgroup at start (a container's)."""
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket: str = DEFAULT_SOCKET
+    listen: str | None = None
+    state_dir: str = DEFAULT_STATE_DIR
+    admin_group: str | None = None
+    socket_group: str | None = None
+    cgroup_driver: str = "auto"
+    log_format: str = "auto"
+    log_level: str = "info"
+    nvml: bool = True
+    mode: Mode = Mode.SHARED
+    slice_ms: float = 50.0
+    lag_limit_slices: float = 2.0
+    timeshare_window_ms: float = 100.0
+    share_window_s: float = 10.0
+    idle_slices: int = 2
+    activity_threshold: float = 0.02
+    contention: str = "auto"
+    user_tenants: bool = True
+    max_user_weight: int = DEFAULT_WEIGHT
+    tenants: tuple[DeclaredTenant, ...] = ()
+    tidal: TidalSchedule = field(default_factory=TidalSchedule)
+
+    def with_overrides(self, **overrides: Any) -> DaemonConfig:
+        """Apply command-line flags (None = not given) and validate the result."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        raw = {k: (v.value if isinstance(v, Mode) else v) for k, v in given.items()}
+        checked = _parse_daemon(raw, base=self, where="flag")
+        return replace(self, **{k: getattr(checked, k) for k in given})
+
+
+_CHOICES: Mapping[str, tuple[str, ...]] = {
+    "cgroup_driver": ("auto", "v2", "v1"),
+    "log_format": ("auto", "json", "console"),
+    "log_level": ("debug", "info", "warning", "error"),
+    "contention": ("auto", "shared-sm", "separate-graphics"),
+    "mode": tuple(m.value for m in Mode),
+}
+_STR_KEYS = ("socket", "listen", "state_dir", "admin_group", "socket_group")
+_NUM_RANGES: Mapping[str, tuple[float, float]] = {
+    "slice_ms": (1.0, 10_000.0),
+    "lag_limit_slices": (0.0, 100.0),
+    "timeshare_window_ms": (1.0, 600_000.0),
+    "share_window_s": (0.1, 3600.0),
+    "activity_threshold": (0.0, 1.0),
+}
+_INT_RANGES: Mapping[str, tuple[int, int]] = {
+    "idle_slices": (1, 1000),
+    "max_user_weight": (WEIGHT_MIN, WEIGHT_MAX),
+}
+_BOOL_KEYS = ("user_tenants", "nvml")
+
+
+def _err(where: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{where} {key!r}: {msg}")
+
+
+def _parse_daemon(raw: Mapping[str, Any], base: DaemonConfig, where: str) -> DaemonConfig:
+    values: dict[str, Any] = {}
+    allowed = set(_CHOICES) | set(_STR_KEYS) | set(_NUM_RANGES) | set(_INT_RANGES) | set(_BOOL_KEYS)
+    for key, value in raw.items():
+        if key not in allowed:
+            raise _err(where, key, f"unknown key; allowed keys: {', '.join(sorted(allowed))}")
+        if key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise _err(where, key, f"must be one of {', '.join(_CHOICES[key])}; got {value!r}")
+            values[key] = Mode(value) if key == "mode" else value
+        elif key in _STR_KEYS:
+            if not isinstance(value, str) or not value:
+                raise _err(where, key, f"must be a non-empty string; got {value!r}")
+            values[key] = value
+        elif key in _NUM_RANGES:
+            lo, hi = _NUM_RANGES[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+                raise _err(where, key, f"must be a number in {lo:g}..{hi:g}; got {value!r}")
+            values[key] = float(value)
+        elif key in _INT_RANGES:
+            lo2, hi2 = _INT_RANGES[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not lo2 <= value <= hi2:
+                raise _err(where, key, f"must be an integer in {lo2}..{hi2}; got {value!r}")
+            values[key] = value
+        else:
+            if not isinstance(value, bool):
+                raise _err(where, key, f"must be true or false; got {value!r}")
+            values[key] = value
+    if "listen" in values:
+        host, _, port = values["listen"].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _err(where, "listen", f"must be HOST:PORT; got {values['listen']!r}")
+    return replace(base, **values)
+
+
+def _parse_engines(value: Any, where: str) -> frozenset[Engine]:
+    allowed = ", ".join(e.value for e in Engine)
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where} 'engines': must be a non-empty list of {allowed}; got {value!r}")
+    try:
+        return frozenset(Engine(v) for v in value)
+    except ValueError:
+        raise ConfigError(f"{where} 'engines': each must be one of {allowed}; got {value!r}") from None
+
+
+def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
+    where = f"tenants[{i}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a table")
+    allowed = {"name", "weight", "priority", "engines", "gpus", "cgroup"}
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    try:
+        name = validate_tenant_name(raw.get("name"))
+    except PolicyError as e:
+        raise ConfigError(f"{where} 'name': {e}") from None
+    weight = raw.get("weight", DEFAULT_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, int) or not WEIGHT_MIN <= weight <= WEIGHT_MAX:
+        raise ConfigError(f"{where} 'weight': must be an integer in {WEIGHT_MIN}..{WEIGHT_MAX}; got {weight!r}")
+    prio = raw.get("priority", "offline")
+    if prio not in ("online", "offline"):
+        raise ConfigError(f"{where} 'priority': must be one of online, offline; got {prio!r}")
+    engines = _parse_engines(raw["engines"], where) if "engines" in raw else frozenset({Engine.COMPUTE})
+    gpus = raw.get("gpus")
+    if gpus is not None and (
+        not isinstance(gpus, list) or not all(isinstance(g, int) and 0 <= g < 256 for g in gpus)
+    ):
+        raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..255; got {gpus!r}")
+    cgroup = raw.get("cgroup")
+    if cgroup is not None and (not isinstance(cgroup, str) or not cgroup):
+        raise ConfigError(f"{where} 'cgroup': must be a cgroup path; got {cgroup!r}")
+    return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup)
+
+
+def _parse_tidal(raw: Any, i: int) -> TidalWindow:
+    where = f"tidal[{i}]"
+    if not isinstance(raw, dict) or set(raw) != {"tenant", "start", "end", "weight"}:
+        raise ConfigError(f"{where}: must be a table with exactly tenant, start, end, weight")
+    try:
+        return TidalWindow(raw["tenant"], parse_clock(raw["start"]), parse_clock(raw["end"]), raw["weight"])
+    except PolicyError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str | Path | None) -> DaemonConfig:
+    """Defaults, then the TOML file if given. Layout: [daemon], [policy], [[tenants]], [[tidal]]."""
+    if path is None:
+        return DaemonConfig()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    allowed = {"daemon", "policy", "tenants", "tidal"}
+    for key in data:
+        if key not in allowed:
+            raise ConfigError(f"config {key!r}: unknown section; allowed: {', '.join(sorted(allowed))}")
+    flat: dict[str, Any] = {}
+    for section in ("daemon", "policy"):
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config [{section}]: must be a table")
+        for key, value in table.items():
+            flat[key] = value
+    cfg = _parse_daemon(flat, DaemonConfig(), where="config")
+    tenants_raw = data.get("tenants", [])
+    tidal_raw = data.get("tidal", [])
+    if not isinstance(tenants_raw, list) or not isinstance(tidal_raw, list):
+        raise ConfigError("config 'tenants' and 'tidal' must be arrays of tables ([[tenants]], [[tidal]])")
+    tenants = tuple(_parse_tenant(t, i) for i, t in enumerate(tenants_raw))
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config 'tenants': names must be unique; got {names}")
+    windows = tuple(_parse_tidal(w, i) for i, w in enumerate(tidal_raw))
+    if windows and cfg.mode is not Mode.TIDAL:
+        raise ConfigError("config [[tidal]] windows need mode = \"tidal\" in [policy]")
+    return replace(cfg, tenants=tenants, tidal=TidalSchedule(windows))

@@ -1,0 +1,523 @@
+"""The kernel engine: tenants are cgroups, and each slice the engine measures, charges, decides and
+freezes or thaws.
+
+`KernelEngine.tick()` is one synchronous step (measure the interval that just ended -> charge the policy ->
+update demand -> decide -> freeze/thaw); the asyncio runner calls it every slice. Time comes from an
+injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
+"""
+
+from __future__ import annotations
+
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.engine.clock import Clock
+from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.state import SavedTenant, StateStore
+from unisched.policy import (
+    DEFAULT_WEIGHT,
+    ContentionMap,
+    Engine,
+    FairShareConfig,
+    Mode,
+    PolicyError,
+    Priority,
+    Resource,
+    TenantSpec,
+    WeightedFairShare,
+    validate_tenant_name,
+    validate_weight,
+)
+from unisched.telemetry import GpuSample, GpuTelemetry
+
+__all__ = ["EngineError", "KernelEngine", "TenantSnapshot"]
+
+log = structlog.get_logger("unisched.engine")
+
+
+class EngineError(Exception):
+    """A request the engine refuses. `kind` is not_found, invalid, permission or failed."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class ResourceShare:
+    resource: Resource
+    target: float
+    measured: float
+
+
+@dataclass(frozen=True)
+class TenantSnapshot:
+    """One tenant as `unisched tenants`, metrics and logs see it."""
+
+    name: str
+    weight: int
+    base_weight: int
+    priority: Priority
+    pids: tuple[int, ...]
+    state: str
+    target_share: float
+    measured_share: float
+    gpu_seconds: float
+    cgroup: str
+    engines: frozenset[Engine]
+    shares: tuple[ResourceShare, ...]
+    slices: int
+    owner_uid: int
+    adopted: bool
+
+
+@dataclass
+class _Tenant:
+    name: str
+    base_weight: int
+    priority: Priority
+    engines: frozenset[Engine]
+    gpus: tuple[int, ...] | None
+    cgroup: str
+    adopted: bool
+    owner_uid: int
+    frozen: bool = False
+    last_cpu: float | None = None
+    idle_run: int = 0
+    active: bool = False
+    missing: bool = False
+    resources: frozenset[Resource] = field(default_factory=frozenset)
+
+    def saved(self) -> SavedTenant:
+        return SavedTenant(
+            self.name, self.base_weight, self.priority, self.engines, self.gpus,
+            self.cgroup, self.adopted, self.owner_uid,
+        )
+
+
+def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
+    try:
+        engines = frozenset(Engine(n) for n in names)
+    except ValueError:
+        raise EngineError(
+            "invalid", f"engines must be among {', '.join(e.value for e in Engine)}; got {list(names)}"
+        ) from None
+    return engines or frozenset({Engine.COMPUTE})
+
+
+class KernelEngine:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        driver: CgroupDriver,
+        telemetry: GpuTelemetry,
+        store: StateStore,
+        clock: Clock,
+    ) -> None:
+        self.config = config
+        self.driver = driver
+        self.telemetry = telemetry
+        self.store = store
+        self.clock = clock
+        self.policy = WeightedFairShare(
+            FairShareConfig(
+                mode=config.mode,
+                slice_s=config.slice_ms / 1000.0,
+                lag_limit_slices=config.lag_limit_slices,
+                timeshare_window_s=config.timeshare_window_ms / 1000.0,
+                share_window_s=config.share_window_s,
+            )
+        )
+        gpus = list(telemetry.gpus())
+        self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
+        if config.contention != "auto":
+            self.contention = ContentionMap.named(config.contention)
+        else:
+            self.contention = ContentionMap.for_gpu(gpus[0].name if gpus else "")
+        self._tenants: dict[str, _Tenant] = {}
+        self._last_tick = clock.monotonic()
+        self._last_samples: tuple[GpuSample, ...] = ()
+        self._last_active: frozenset[str] = frozenset()
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Thaw everything we may have left frozen, then restore tenants (saved state, then config)."""
+        thawed = self.thaw_all(extra=[t.cgroup for t in self.store.load()])
+        if thawed:
+            log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
+        for saved in self.store.load():
+            if not self.driver.exists(saved.cgroup):
+                if saved.adopted:
+                    log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
+                    continue
+                self.driver.create(saved.cgroup)
+            self._add(_Tenant(
+                saved.name, saved.weight, saved.priority, saved.engines, saved.gpus,
+                saved.cgroup, saved.adopted, saved.owner_uid,
+            ), reason="restored")
+        for declared in self.config.tenants:
+            if declared.name not in self._tenants:
+                self._add_declared(declared)
+        self._save()
+
+    def _add_declared(self, d: DeclaredTenant) -> None:
+        if d.cgroup is not None:
+            try:
+                cgroup = self.driver.normalize(d.cgroup)
+            except CgroupError as e:
+                log.error("declared tenant's cgroup not adopted", tenant=d.name, error=str(e))
+                return
+            adopted = True
+        else:
+            cgroup = self.driver.tenant_cgroup(d.name)
+            self.driver.create(cgroup)
+            adopted = False
+        self._add(_Tenant(d.name, d.weight, d.priority, d.engines, d.gpus, cgroup, adopted, 0), reason="declared")
+
+    def thaw_all(self, extra: Iterable[str] = ()) -> list[str]:
+        """Thaw every cgroup we manage or know of; returns those that were frozen."""
+        cgroups = set(self.driver.managed()) | {t.cgroup for t in self._tenants.values()} | set(extra)
+        was_frozen = []
+        for cg in sorted(cgroups):
+            try:
+                if self.driver.exists(cg) and self.driver.is_frozen(cg):
+                    was_frozen.append(cg)
+                if self.driver.exists(cg):
+                    self.driver.set_frozen(cg, False)
+            except CgroupError as e:
+                log.error("could not thaw", cgroup=cg, error=str(e))
+        for t in self._tenants.values():
+            t.frozen = False
+        return was_frozen
+
+    def shutdown(self) -> None:
+        self.thaw_all()
+        self._save()
+        log.info("all managed cgroups thawed")
+
+    def _save(self) -> None:
+        self.store.save([t.saved() for t in sorted(self._tenants.values(), key=lambda t: t.name)])
+
+    def _add(self, t: _Tenant, reason: str) -> None:
+        t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.engines)
+        self._tenants[t.name] = t
+        self.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
+        log.info(
+            "tenant added", tenant=t.name, weight=t.base_weight, priority=t.priority.value,
+            engines=sorted(e.value for e in t.engines), cgroup=t.cgroup, reason=reason,
+        )
+
+    # --- requests ----------------------------------------------------------------------------------
+    def tenant_of_pid(self, pid: int) -> str | None:
+        cg = self.driver.cgroup_of(pid)
+        if cg is None:
+            return None
+        for t in self._tenants.values():
+            if cg == t.cgroup or cg.startswith(t.cgroup.rstrip("/") + "/"):
+                return t.name
+        return None
+
+    def register(
+        self,
+        name: str,
+        weight: int | None,
+        priority: Priority | None,
+        engines: Iterable[str],
+        gpus: Iterable[int],
+        pid: int,
+        uid: int,
+        is_admin: bool,
+    ) -> TenantSnapshot:
+        """Move the caller's own process into the tenant's cgroup, creating the tenant if needed."""
+        try:
+            validate_tenant_name(name)
+            if weight is not None:
+                validate_weight(weight)
+        except PolicyError as e:
+            raise EngineError("invalid", str(e)) from None
+        engine_set = _parse_engines(engines)
+        gpu_tuple = self._check_gpus(gpus)
+        t = self._tenants.get(name)
+        if t is None:
+            if not is_admin and not self.config.user_tenants:
+                raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
+            w = weight if weight is not None else DEFAULT_WEIGHT
+            if not is_admin and w > self.config.max_user_weight:
+                raise EngineError(
+                    "permission",
+                    f"weight {w} is above max_user_weight {self.config.max_user_weight} for non-admin callers",
+                )
+            cgroup = self.driver.tenant_cgroup(name)
+            try:
+                self.driver.create(cgroup)
+            except CgroupError as e:
+                raise EngineError("failed", str(e)) from None
+            t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid)
+            self._add(t, reason="registered")
+        else:
+            if not is_admin and uid != t.owner_uid:
+                raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
+            if weight is not None and weight != t.base_weight:
+                if not is_admin and weight > self.config.max_user_weight:
+                    raise EngineError(
+                        "permission",
+                        f"weight {weight} is above max_user_weight {self.config.max_user_weight} for non-admin callers",
+                    )
+                self._set_weight(t, weight, reason="registered")
+            if priority is not None and priority != t.priority:
+                t.priority = priority
+                self.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
+            if list(engines):
+                t.engines = engine_set
+            if list(gpus):
+                t.gpus = gpu_tuple
+            t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.engines)
+            if t.missing or not self.driver.exists(t.cgroup):
+                try:
+                    self.driver.create(t.cgroup)
+                except CgroupError as e:
+                    raise EngineError("failed", str(e)) from None
+                t.missing = False
+        try:
+            self.driver.attach(t.cgroup, pid)
+        except CgroupError as e:
+            raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
+        self._save()
+        return self.snapshot(name)
+
+    def adopt(
+        self, name: str, weight: int | None, priority: Priority | None, cgroup: str,
+        engines: Iterable[str], gpus: Iterable[int],
+    ) -> TenantSnapshot:
+        try:
+            validate_tenant_name(name)
+            if weight is not None:
+                validate_weight(weight)
+        except PolicyError as e:
+            raise EngineError("invalid", str(e)) from None
+        if name in self._tenants:
+            raise EngineError("invalid", f"tenant {name!r} already exists; remove it first")
+        try:
+            path = self.driver.normalize(cgroup)
+        except CgroupError as e:
+            raise EngineError("invalid", str(e)) from None
+        for other in self._tenants.values():
+            if other.cgroup == path:
+                raise EngineError("invalid", f"cgroup {path} is already tenant {other.name!r}")
+        t = _Tenant(
+            name, weight if weight is not None else DEFAULT_WEIGHT,
+            priority or Priority.OFFLINE, _parse_engines(engines), self._check_gpus(gpus), path, True, 0,
+        )
+        self._add(t, reason="adopted")
+        self._save()
+        return self.snapshot(name)
+
+    def set_weight(self, name: str, weight: int) -> TenantSnapshot:
+        t = self._get(name)
+        try:
+            validate_weight(weight)
+        except PolicyError as e:
+            raise EngineError("invalid", str(e)) from None
+        self._set_weight(t, weight, reason="set-weight")
+        self._save()
+        return self.snapshot(name)
+
+    def _set_weight(self, t: _Tenant, weight: int, reason: str) -> None:
+        t.base_weight = weight
+        self.policy.upsert(TenantSpec(t.name, weight, t.priority))
+        self._apply_tidal(t)
+        self._log_shares(reason=reason)
+
+    def remove(self, name: str) -> None:
+        t = self._get(name)
+        try:
+            if self.driver.exists(t.cgroup):
+                self.driver.set_frozen(t.cgroup, False)
+                if not t.adopted and not self.driver.pids(t.cgroup):
+                    self.driver.remove(t.cgroup)
+        except CgroupError as e:
+            log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
+        del self._tenants[name]
+        self.policy.remove(name)
+        self._save()
+        log.info("tenant removed", tenant=name)
+        self._log_shares(reason="removed")
+
+    def _get(self, name: str) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            raise EngineError("not_found", f"unknown tenant {name!r}")
+        return t
+
+    def _check_gpus(self, gpus: Iterable[int]) -> tuple[int, ...] | None:
+        g = tuple(gpus)
+        bad = [i for i in g if i not in self.gpu_indices]
+        if bad:
+            raise EngineError("invalid", f"no GPU {bad}; this host has GPUs {list(self.gpu_indices)}")
+        return g or None
+
+    # --- the slice ---------------------------------------------------------------------------------
+    def tick(self) -> float:
+        """One slice boundary. Returns the seconds until the next one."""
+        now = self.clock.monotonic()
+        dt = max(now - self._last_tick, 1e-6)
+        self._last_tick = now
+        samples = {s.index: s for s in self.telemetry.sample()}
+        self._last_samples = tuple(samples.values())
+        cpu = self._cpu_deltas()
+        thawed_on: dict[Resource, list[_Tenant]] = {}
+        for t in self._tenants.values():
+            if not t.frozen and not t.missing:
+                for r in t.resources:
+                    thawed_on.setdefault(r, []).append(t)
+        gpu_active: set[str] = set()
+        for r, ts in thawed_on.items():
+            self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
+        self._update_demand(cpu, dt, gpu_active)
+        if self.config.mode is Mode.TIDAL:
+            for t in self._tenants.values():
+                self._apply_tidal(t)
+        decision = self.policy.decide(now)
+        for t in self._tenants.values():
+            want = t.name in decision.waiting
+            if want != t.frozen and not t.missing:
+                try:
+                    self.driver.set_frozen(t.cgroup, want)
+                    t.frozen = want
+                except CgroupError as e:
+                    self._lost(t, str(e))
+        active = frozenset(n for n, t in self._tenants.items() if t.active)
+        if active != self._last_active:
+            self._last_active = active
+            self._log_shares(reason="demand")
+        return decision.slice_s
+
+    def _cpu_deltas(self) -> dict[str, float]:
+        out = {}
+        for t in self._tenants.values():
+            if t.missing:
+                continue
+            if not self.driver.exists(t.cgroup):
+                self._lost(t, "cgroup removed")
+                continue
+            usage = self.driver.cpu_usage_s(t.cgroup)
+            out[t.name] = 0.0 if t.last_cpu is None else max(0.0, usage - t.last_cpu)
+            t.last_cpu = usage
+        return out
+
+    def _charge_resource(
+        self, r: Resource, ts: list[_Tenant], sample: GpuSample | None,
+        cpu: dict[str, float], dt: float, now: float, gpu_active: set[str],
+    ) -> None:
+        """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
+
+        With a GPU signal, the busy time (utilization x interval, which includes the drain of work the
+        previous holder queued) is split by the tenants' CPU activity; without one, each tenant's CPU
+        time stands in for GPU time (the same engine then runs on machines with no GPU).
+        """
+        util = 0.0
+        if sample is not None and sample.ok:
+            util = max(
+                (sample.util(e) for t in ts for e in t.engines if self.contention.domain(e) == r.domain),
+                default=0.0,
+            )
+        if util > self.config.activity_threshold:
+            busy = util * dt
+            weights = [cpu.get(t.name, 0.0) for t in ts]
+            total = sum(weights)
+            for t, w in zip(ts, weights, strict=True):
+                share = w / total if total > 0 else 1.0 / len(ts)
+                if share > 0:
+                    self.policy.charge(t.name, r, busy * share, now)
+            if len(ts) == 1:
+                gpu_active.add(ts[0].name)
+        else:
+            for t in ts:
+                used = cpu.get(t.name, 0.0)
+                if used > 0:
+                    self.policy.charge(t.name, r, used, now)
+
+    def _update_demand(self, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
+        threshold = self.config.activity_threshold
+        for t in self._tenants.values():
+            if t.missing:
+                active = False
+            elif t.frozen:
+                active = t.active  # a frozen tenant cannot show work: keep what it had
+            elif t.name in gpu_active or cpu.get(t.name, 0.0) / dt > threshold:
+                t.idle_run = 0
+                active = True
+            else:
+                t.idle_run += 1
+                active = t.active and t.idle_run < self.config.idle_slices
+            if active != t.active or not active:
+                self.policy.set_demand(t.name, t.resources if active else ())
+            t.active = active
+
+    def _apply_tidal(self, t: _Tenant) -> None:
+        w = t.base_weight
+        if self.config.mode is Mode.TIDAL:
+            w = self.config.tidal.weight_at(t.name, t.base_weight, self.clock.seconds_of_day())
+        if w != self.policy.weight(t.name):
+            self.policy.set_weight(t.name, w)
+            log.info("tidal weight", tenant=t.name, weight=w, base_weight=t.base_weight)
+            self._log_shares(reason="tidal")
+
+    def _lost(self, t: _Tenant, why: str) -> None:
+        if not t.missing:
+            log.error("tenant cgroup lost; tenant kept idle until it registers again", tenant=t.name, cgroup=t.cgroup, error=why)
+        t.missing = True
+        t.frozen = False
+        t.active = False
+        t.last_cpu = None
+        self.policy.set_demand(t.name, ())
+
+    def _log_shares(self, reason: str) -> None:
+        for s in self.snapshots():
+            log.info(
+                "share", tenant=s.name, weight=s.weight, share=round(s.target_share, 4),
+                state=s.state, reason=reason,
+            )
+
+    # --- reporting ---------------------------------------------------------------------------------
+    def snapshots(self) -> list[TenantSnapshot]:
+        stats = {s.name: s for s in self.policy.stats(self.clock.monotonic())}
+        out = []
+        for name in sorted(self._tenants):
+            t = self._tenants[name]
+            st = stats[name]
+            shares = tuple(
+                ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0))
+                for r in sorted(t.resources)
+            )
+            main = max(shares, key=lambda s: (s.target, s.measured), default=None)
+            state = "frozen" if t.frozen else ("running" if t.active else "idle")
+            pids = () if t.missing else tuple(sorted(self.driver.pids(t.cgroup)))
+            out.append(TenantSnapshot(
+                name=name, weight=st.weight, base_weight=t.base_weight, priority=t.priority,
+                pids=pids, state=state,
+                target_share=main.target if main else 0.0,
+                measured_share=main.measured if main else 0.0,
+                gpu_seconds=st.gpu_seconds, cgroup=t.cgroup, engines=t.engines, shares=shares,
+                slices=st.slices, owner_uid=t.owner_uid, adopted=t.adopted,
+            ))
+        return out
+
+    def snapshot(self, name: str) -> TenantSnapshot:
+        for s in self.snapshots():
+            if s.name == name:
+                return s
+        raise EngineError("not_found", f"unknown tenant {name!r}")
+
+    def gpu_samples(self) -> tuple[GpuSample, ...]:
+        return self._last_samples
+
+    @property
+    def tenant_count(self) -> int:
+        return len(self._tenants)
+
+

@@ -1,0 +1,32 @@
+"""The asyncio side of the engine: call tick() every slice until asked to stop, thaw everything on the
+way out (also when a tick raises)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from unisched.engine.core import KernelEngine
+
+__all__ = ["run_engine"]
+
+log = structlog.get_logger("unisched.engine")
+
+
+async def run_engine(engine: KernelEngine, stop: asyncio.Event) -> None:
+    """Tick until `stop` is set. The loop is what keeps time in production; tests call tick() directly."""
+    try:
+        while not stop.is_set():
+            try:
+                delay = engine.tick()
+            except Exception:
+                log.exception("slice failed; thawing everything and going on")
+                engine.thaw_all()
+                delay = engine.config.slice_ms / 1000.0
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+    finally:
+        engine.shutdown()

@@ -1,0 +1,102 @@
+"""Tenants and weights survive restarts: a small JSON state file, written atomically (tmp, fsync, rename).
+
+A truncated or corrupt file never stops the daemon: it is kept aside as state.json.corrupt-<time> and the
+daemon starts with what the config declares, saying so in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
+
+__all__ = ["SavedTenant", "StateStore"]
+
+log = structlog.get_logger("unisched.state")
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SavedTenant:
+    name: str
+    weight: int
+    priority: Priority
+    engines: frozenset[Engine]
+    gpus: tuple[int, ...] | None
+    cgroup: str
+    adopted: bool
+    owner_uid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "weight": self.weight,
+            "priority": self.priority.value,
+            "engines": sorted(e.value for e in self.engines),
+            "gpus": list(self.gpus) if self.gpus is not None else None,
+            "cgroup": self.cgroup,
+            "adopted": self.adopted,
+            "owner_uid": self.owner_uid,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> SavedTenant:
+        gpus = d.get("gpus")
+        return SavedTenant(
+            name=validate_tenant_name(d["name"]),
+            weight=validate_weight(d["weight"]),
+            priority=Priority(d["priority"]),
+            engines=frozenset(Engine(e) for e in d["engines"]),
+            gpus=tuple(int(g) for g in gpus) if gpus is not None else None,
+            cgroup=str(d["cgroup"]),
+            adopted=bool(d["adopted"]),
+            owner_uid=int(d["owner_uid"]),
+        )
+
+
+class StateStore:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.path = self.dir / "state.json"
+
+    def load(self) -> list[SavedTenant]:
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return []
+        try:
+            data = json.loads(raw)
+            if data.get("version") != STATE_VERSION:
+                raise ValueError(f"unsupported state version {data.get('version')!r}")
+            return [SavedTenant.from_json(t) for t in data["tenants"]]
+        except (ValueError, KeyError, TypeError, AttributeError, PolicyError) as e:
+            keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
+            os.replace(self.path, keep)
+            log.error("state file unreadable; kept a copy and starting from the config", error=str(e), copy=str(keep))
+            return []
+
+    def save(self, tenants: list[SavedTenant]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        body = json.dumps(
+            {"version": STATE_VERSION, "tenants": [t.to_json() for t in tenants]}, indent=1
+        ).encode()
+        tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)

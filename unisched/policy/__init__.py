@@ -1,0 +1,42 @@
+"""Scheduling policy: pure fairness math (no I/O, no asyncio, no grpc, no pynvml; time passed in)."""
+
+from unisched.policy.contention import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap
+from unisched.policy.fairshare import Decision, FairShareConfig, TenantStats, WeightedFairShare
+from unisched.policy.model import (
+    DEFAULT_WEIGHT,
+    WEIGHT_MAX,
+    WEIGHT_MIN,
+    Engine,
+    Mode,
+    PolicyError,
+    Priority,
+    Resource,
+    TenantSpec,
+    validate_tenant_name,
+    validate_weight,
+)
+from unisched.policy.tidal import TidalSchedule, TidalWindow, parse_clock
+
+__all__ = [
+    "DEFAULT_WEIGHT",
+    "SEPARATE_GRAPHICS",
+    "SHARED_SM",
+    "WEIGHT_MAX",
+    "WEIGHT_MIN",
+    "ContentionMap",
+    "Decision",
+    "Engine",
+    "FairShareConfig",
+    "Mode",
+    "PolicyError",
+    "Priority",
+    "Resource",
+    "TenantSpec",
+    "TenantStats",
+    "TidalSchedule",
+    "TidalWindow",
+    "WeightedFairShare",
+    "parse_clock",
+    "validate_tenant_name",
+    "validate_weight",
+]

@@ -1,0 +1,81 @@
+"""What telemetry reports: per-GPU utilization per engine over the last interval, memory, and hints
+about which processes use which engine (NVML lists graphics and some decode processes; never rely on it
+alone: on the H200 it does not list CUDA processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from unisched.policy import Engine
+
+__all__ = ["FakeTelemetry", "GpuInfo", "GpuSample", "GpuTelemetry", "NoGpuTelemetry"]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    uuid: str
+    memory_total: int
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    sm_util: float
+    """0..1, busy fraction of the SMs (NVML 'gpu' utilization) over the interval."""
+    dec_util: float
+    enc_util: float
+    memory_used: int
+    process_engines: Mapping[int, frozenset[Engine]] = field(default_factory=dict)
+    ok: bool = True
+    """False when NVML failed for this GPU this time (GPU lost, Xid): values are stale zeros."""
+
+    def util(self, engine: Engine) -> float:
+        if engine is Engine.DECODE:
+            return self.dec_util
+        if engine is Engine.ENCODE:
+            return self.enc_util
+        return self.sm_util
+
+
+class GpuTelemetry(Protocol):
+    def gpus(self) -> Sequence[GpuInfo]: ...
+    def sample(self) -> Sequence[GpuSample]:
+        """Utilization since the previous call. Must not raise: failures give ok=False samples."""
+        ...
+    def close(self) -> None: ...
+
+
+class NoGpuTelemetry:
+    """No NVML (no GPU or driver): the engine runs on CPU signals alone."""
+
+    def gpus(self) -> Sequence[GpuInfo]:
+        return ()
+
+    def sample(self) -> Sequence[GpuSample]:
+        return ()
+
+    def close(self) -> None:
+        return None
+
+
+class FakeTelemetry:
+    """Tests set `next_samples`; `sample()` returns them."""
+
+    def __init__(self, gpus: Sequence[GpuInfo]) -> None:
+        self._gpus = tuple(gpus)
+        self.next_samples: list[GpuSample] = [
+            GpuSample(g.index, 0.0, 0.0, 0.0, 0) for g in self._gpus
+        ]
+
+    def gpus(self) -> Sequence[GpuInfo]:
+        return self._gpus
+
+    def sample(self) -> Sequence[GpuSample]:
+        return tuple(self.next_samples)
+
+    def close(self) -> None:
+        return None

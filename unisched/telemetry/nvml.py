@@ -1,0 +1,132 @@
+"""The one module that imports pynvml.
+
+Utilization over an interval comes from NVML's sample buffer (nvmlDeviceGetSamples), averaged over the
+samples newer than the last call, so each engine tick sees the GPU's activity during that tick as well as
+the driver's sampling period allows; decoder/encoder utilization and per-process hints come from the
+plain queries. Every NVML error is caught: a lost GPU yields ok=False samples, never an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from unisched.policy import Engine
+from unisched.telemetry.model import GpuInfo, GpuSample
+
+__all__ = ["NvmlTelemetry", "open_nvml"]
+
+log = structlog.get_logger("unisched.telemetry")
+
+PROCESS_POLL_EVERY = 20  # per-process queries are slow; refresh them every N samples
+
+
+def open_nvml() -> NvmlTelemetry | None:
+    """NVML when a driver is there; None (and one log line) otherwise."""
+    try:
+        import pynvml
+    except ImportError:
+        log.warning("nvml unavailable", reason="pynvml (nvidia-ml-py) is not installed")
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        log.warning("nvml unavailable, running on CPU signals", reason=str(e))
+        return None
+    return NvmlTelemetry(pynvml)
+
+
+class NvmlTelemetry:
+    def __init__(self, nvml: Any) -> None:
+        self._nvml = nvml
+        self._handles: list[Any] = []
+        self._info: list[GpuInfo] = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = nvml.nvmlDeviceGetName(h)
+            self._handles.append(h)
+            self._info.append(
+                GpuInfo(
+                    index=i,
+                    name=name.decode() if isinstance(name, bytes) else str(name),
+                    uuid=str(nvml.nvmlDeviceGetUUID(h)),
+                    memory_total=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                )
+            )
+        self._last_ts = [0] * len(self._handles)
+        self._last_util = [0.0] * len(self._handles)
+        self._procs: list[dict[int, frozenset[Engine]]] = [{} for _ in self._handles]
+        self._calls = 0
+        self._failing: set[int] = set()
+
+    def gpus(self) -> Sequence[GpuInfo]:
+        return tuple(self._info)
+
+    def sample(self) -> Sequence[GpuSample]:
+        self._calls += 1
+        out = []
+        for i, h in enumerate(self._handles):
+            try:
+                out.append(self._sample_one(i, h))
+                if i in self._failing:
+                    self._failing.discard(i)
+                    log.info("nvml recovered", gpu=i)
+            except self._nvml.NVMLError as e:
+                if i not in self._failing:
+                    self._failing.add(i)
+                    log.error("nvml error, GPU treated as unknown", gpu=i, error=str(e))
+                out.append(GpuSample(i, 0.0, 0.0, 0.0, 0, ok=False))
+        return tuple(out)
+
+    def _sample_one(self, i: int, h: Any) -> GpuSample:
+        nvml = self._nvml
+        sm = self._sm_util(i, h)
+        dec = nvml.nvmlDeviceGetDecoderUtilization(h)[0] / 100.0
+        try:
+            enc = nvml.nvmlDeviceGetEncoderUtilization(h)[0] / 100.0
+        except nvml.NVMLError:
+            enc = 0.0  # GPUs without NVENC (H100/H200)
+        mem = int(nvml.nvmlDeviceGetMemoryInfo(h).used)
+        if self._calls % PROCESS_POLL_EVERY == 1:
+            self._procs[i] = self._process_engines(h)
+        return GpuSample(i, sm, dec, enc, mem, dict(self._procs[i]))
+
+    def _sm_util(self, i: int, h: Any) -> float:
+        nvml = self._nvml
+        try:
+            _, samples = nvml.nvmlDeviceGetSamples(h, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._last_ts[i])
+        except nvml.NVMLError_NotFound:
+            samples = []
+        fresh = [s for s in samples if s.timeStamp > self._last_ts[i]]
+        if fresh:
+            self._last_ts[i] = max(s.timeStamp for s in fresh)
+            self._last_util[i] = sum(s.sampleValue.uiVal for s in fresh) / len(fresh) / 100.0
+        elif not samples:
+            self._last_util[i] = nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+        return self._last_util[i]
+
+    def _process_engines(self, h: Any) -> dict[int, frozenset[Engine]]:
+        nvml = self._nvml
+        engines: dict[int, set[Engine]] = {}
+        try:
+            for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(h):
+                engines.setdefault(int(p.pid), set()).add(Engine.GRAPHICS)
+        except nvml.NVMLError:
+            pass
+        try:
+            for s in nvml.nvmlDeviceGetProcessUtilization(h, 0):
+                if s.decUtil > 0:
+                    engines.setdefault(int(s.pid), set()).add(Engine.DECODE)
+                if s.encUtil > 0:
+                    engines.setdefault(int(s.pid), set()).add(Engine.ENCODE)
+        except nvml.NVMLError:
+            pass
+        return {pid: frozenset(e) for pid, e in engines.items()}
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass

@@ -1,0 +1,64 @@
+"""A thin synchronous client for the CLI and tests (the daemon itself stays async)."""
+
+from __future__ import annotations
+
+import grpc
+
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+
+__all__ = ["DaemonClient", "DaemonError"]
+
+
+class DaemonError(Exception):
+    """A call the daemon refused or could not be reached for; str() is the message for the user."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DaemonClient:
+    def __init__(self, socket: str | None = None, target: str | None = None, timeout: float = 10.0) -> None:
+        self.address = target or f"unix:{socket}"
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = pb_grpc.UnischedStub(self._channel)
+        self.timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code is grpc.StatusCode.UNAVAILABLE:
+                raise DaemonError(code, f"cannot reach the unisched daemon at {self.address}: is `unisched serve` running?") from None
+            raise DaemonError(code, e.details() or str(code)) from None
+
+    def register(self, request: pb.RegisterRequest) -> pb.Tenant:
+        return self._call("Register", request)  # type: ignore[return-value]
+
+    def adopt(self, request: pb.AdoptRequest) -> pb.Tenant:
+        return self._call("Adopt", request)  # type: ignore[return-value]
+
+    def set_weight(self, tenant: str, weight: int) -> pb.Tenant:
+        return self._call("SetWeight", pb.SetWeightRequest(tenant=tenant, weight=weight))  # type: ignore[return-value]
+
+    def remove(self, tenant: str) -> None:
+        self._call("RemoveTenant", pb.RemoveTenantRequest(tenant=tenant))
+
+    def tenants(self) -> list[pb.Tenant]:
+        reply = self._call("ListTenants", pb.ListTenantsRequest())
+        assert isinstance(reply, pb.ListTenantsReply)
+        return list(reply.tenants)
+
+    def status(self) -> pb.StatusReply:
+        return self._call("Status", pb.StatusRequest())  # type: ignore[return-value]

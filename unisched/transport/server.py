@@ -1,0 +1,257 @@
+"""The gRPC face of the daemon: a servicer that maps requests onto the engine, and `serve()` which runs
+engine, relay and server in one asyncio loop until SIGTERM/SIGINT, thawing everything on the way out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+import structlog
+
+from unisched import __version__
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import EngineError, KernelEngine, TenantSnapshot
+from unisched.engine.runner import run_engine
+from unisched.policy import Priority
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.peercred import PeerCred, PeerCredRelay
+
+__all__ = ["UnischedServicer", "serve", "snapshot_to_pb"]
+
+log = structlog.get_logger("unisched.transport")
+
+MAX_MESSAGE_BYTES = 64 * 1024
+_CODES = {
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "permission": grpc.StatusCode.PERMISSION_DENIED,
+    "failed": grpc.StatusCode.FAILED_PRECONDITION,
+}
+_PRIORITY = {pb.PRIORITY_ONLINE: Priority.ONLINE, pb.PRIORITY_OFFLINE: Priority.OFFLINE}
+_PRIORITY_PB = {v: k for k, v in _PRIORITY.items()}
+
+
+def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
+    return pb.Tenant(
+        name=s.name, weight=s.weight, base_weight=s.base_weight, priority=_PRIORITY_PB[s.priority],
+        pids=list(s.pids), state=s.state, target_share=s.target_share, measured_share=s.measured_share,
+        gpu_seconds=s.gpu_seconds, cgroup=s.cgroup, engines=sorted(e.value for e in s.engines),
+        shares=[
+            pb.ResourceShare(gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target,
+                             measured_share=x.measured)
+            for x in s.shares
+        ],
+        slices=s.slices, owner_uid=s.owner_uid, adopted=s.adopted,
+    )
+
+
+def _supplementary_groups(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+class UnischedServicer(pb_grpc.UnischedServicer):
+    def __init__(
+        self, engine: KernelEngine, creds: Callable[[str], PeerCred | None], admin_group: str | None,
+        started: float, cgroup_driver: str, cgroup_root: str, nvml: bool,
+    ) -> None:
+        self.engine = engine
+        self._creds = creds
+        self._admin_gid: int | None = None
+        if admin_group is not None:
+            try:
+                self._admin_gid = grp.getgrnam(admin_group).gr_gid
+            except KeyError:
+                log.warning("admin group does not exist; only root is admin", group=admin_group)
+        self._started = started
+        self._driver = cgroup_driver
+        self._root = cgroup_root
+        self._nvml = nvml
+
+    # identity ------------------------------------------------------------------------------------
+    def _caller(self, context: grpc.aio.ServicerContext) -> PeerCred | None:
+        return self._creds(context.peer())
+
+    def _is_admin(self, cred: PeerCred) -> bool:
+        if cred.uid == 0:
+            return True
+        if self._admin_gid is None:
+            return False
+        return cred.gid == self._admin_gid or self._admin_gid in _supplementary_groups(cred.pid)
+
+    async def _need_caller(self, context: grpc.aio.ServicerContext) -> PeerCred:
+        cred = self._caller(context)
+        if cred is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "this call needs the daemon's Unix socket (identity comes from SO_PEERCRED)",
+            )
+        assert cred is not None
+        return cred
+
+    async def _need_admin(self, context: grpc.aio.ServicerContext) -> PeerCred:
+        cred = await self._need_caller(context)
+        if not self._is_admin(cred):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"uid {cred.uid} is not an admin (root or the admin group)")
+        return cred
+
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, e: EngineError) -> NoReturn:
+        await context.abort(_CODES[e.kind], str(e))
+        raise AssertionError("abort returned")
+
+    # calls ---------------------------------------------------------------------------------------
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
+        cred = await self._need_caller(context)
+        try:
+            snap = self.engine.register(
+                request.tenant, request.weight or None, _PRIORITY.get(request.priority),
+                list(request.engines), list(request.gpus), cred.pid, cred.uid, self._is_admin(cred),
+            )
+        except EngineError as e:
+            await self._fail(context, e)
+        log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
+        return snapshot_to_pb(snap)
+
+    async def Adopt(self, request: pb.AdoptRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
+        await self._need_admin(context)
+        try:
+            snap = self.engine.adopt(
+                request.tenant, request.weight or None, _PRIORITY.get(request.priority), request.cgroup,
+                list(request.engines), list(request.gpus),
+            )
+        except EngineError as e:
+            await self._fail(context, e)
+        return snapshot_to_pb(snap)
+
+    async def SetWeight(self, request: pb.SetWeightRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
+        await self._need_admin(context)
+        try:
+            return snapshot_to_pb(self.engine.set_weight(request.tenant, request.weight))
+        except EngineError as e:
+            await self._fail(context, e)
+
+    async def RemoveTenant(self, request: pb.RemoveTenantRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        await self._need_admin(context)
+        try:
+            self.engine.remove(request.tenant)
+        except EngineError as e:
+            await self._fail(context, e)
+        return pb.Empty()
+
+    async def ListTenants(self, request: pb.ListTenantsRequest, context: grpc.aio.ServicerContext) -> pb.ListTenantsReply:
+        return pb.ListTenantsReply(tenants=[snapshot_to_pb(s) for s in self.engine.snapshots()])
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        cred = self._caller(context)
+        gpus = {g.index: g for g in self.engine.telemetry.gpus()}
+        samples = {s.index: s for s in self.engine.gpu_samples()}
+        reply = pb.StatusReply(
+            version=__version__, mode=self.engine.config.mode.value, slice_ms=self.engine.config.slice_ms,
+            cgroup_driver=self._driver, cgroup_root=self._root, nvml=self._nvml,
+            tenants=self.engine.tenant_count, uptime_s=time.monotonic() - self._started,
+        )
+        for i, g in sorted(gpus.items()):
+            s = samples.get(i)
+            reply.gpus.append(pb.Gpu(
+                index=i, name=g.name, contention=self.engine.contention.name,
+                sm_util=s.sm_util if s else 0.0, dec_util=s.dec_util if s else 0.0,
+                enc_util=s.enc_util if s else 0.0, memory_used=s.memory_used if s else 0,
+                memory_total=g.memory_total,
+            ))
+        if cred is not None:
+            reply.caller_pid = cred.pid
+            reply.caller_uid = cred.uid
+            reply.caller_is_admin = self._is_admin(cred)
+            reply.caller_tenant = self.engine.tenant_of_pid(cred.pid) or ""
+        return reply
+
+
+def _prepare_socket(path: str, group: str | None) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise SystemExit(f"unisched: {path} exists and is not a socket; refusing to replace it")
+        p.unlink()
+
+
+def _secure_socket(path: str, group: str | None) -> None:
+    if group is None:
+        os.chmod(path, 0o666)
+        return
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SystemExit(f"unisched: socket_group {group!r} does not exist") from None
+    os.chown(path, 0, gid)
+    os.chmod(path, 0o660)
+
+
+async def serve_async(config: DaemonConfig, engine: KernelEngine, nvml: bool, ready: Callable[[], None] | None = None) -> None:
+    started = time.monotonic()
+    engine.start()
+    relay_box: list[PeerCredRelay] = []
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+            ("grpc.max_concurrent_streams", 64),
+        ]
+    )
+    servicer = UnischedServicer(
+        engine, lambda peer: relay_box[0].lookup(peer) if relay_box else None, config.admin_group,
+        started, engine.driver.kind, str(engine.driver.mount), nvml,
+    )
+    pb_grpc.add_UnischedServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    if config.listen:
+        server.add_insecure_port(config.listen)
+    _prepare_socket(config.socket, config.socket_group)
+    relay = PeerCredRelay(config.socket, port)
+    relay_box.append(relay)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine_task = asyncio.create_task(run_engine(engine, stop))
+    try:
+        await server.start()
+        await relay.start()
+        _secure_socket(config.socket, config.socket_group)
+        log.info(
+            "serving", socket=config.socket, listen=config.listen, mode=config.mode.value,
+            slice_ms=config.slice_ms, cgroup_driver=engine.driver.kind, cgroup_root=str(engine.driver.mount),
+            gpus=len(engine.telemetry.gpus()), contention=engine.contention.name,
+        )
+        if ready is not None:
+            ready()
+        await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await engine_task  # its finally thaws every managed cgroup
+        await relay.close()
+        await server.stop(grace=1.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.socket)
+        log.info("stopped")
+
+
+def serve(config: DaemonConfig, engine: KernelEngine, nvml: bool) -> None:
+    asyncio.run(serve_async(config, engine, nvml))

@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_ONLINE: _ClassVar[Priority]
+    PRIORITY_OFFLINE: _ClassVar[Priority]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_ONLINE: Priority
+PRIORITY_OFFLINE: Priority
+
+class ResourceShare(_message.Message):
+    __slots__ = ("gpu", "domain", "target_share", "measured_share")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    gpu: int
+    domain: str
+    target_share: float
+    measured_share: float
+    def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
+
+class Tenant(_message.Message):
+    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    BASE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_UID_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: int
+    base_weight: int
+    priority: Priority
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    state: str
+    target_share: float
+    measured_share: float
+    gpu_seconds: float
+    cgroup: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    shares: _containers.RepeatedCompositeFieldContainer[ResourceShare]
+    slices: int
+    owner_uid: int
+    adopted: bool
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("tenant", "weight", "priority", "engines", "gpus")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    priority: Priority
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    priority: Priority
+    cgroup: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SetWeightRequest(_message.Message):
+    __slots__ = ("tenant", "weight")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+
+class RemoveTenantRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class ListTenantsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTenantsReply(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[Tenant]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[Tenant, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "name", "contention", "sm_util", "dec_util", "enc_util", "memory_used", "memory_total")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENTION_FIELD_NUMBER: _ClassVar[int]
+    SM_UTIL_FIELD_NUMBER: _ClassVar[int]
+    DEC_UTIL_FIELD_NUMBER: _ClassVar[int]
+    ENC_UTIL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    contention: str
+    sm_util: float
+    dec_util: float
+    enc_util: float
+    memory_used: int
+    memory_total: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., contention: _Optional[str] = ..., sm_util: _Optional[float] = ..., dec_util: _Optional[float] = ..., enc_util: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_total: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SLICE_MS_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_DRIVER_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_ROOT_FIELD_NUMBER: _ClassVar[int]
+    NVML_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    CALLER_PID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_UID_FIELD_NUMBER: _ClassVar[int]
+    CALLER_IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    mode: str
+    slice_ms: float
+    cgroup_driver: str
+    cgroup_root: str
+    nvml: bool
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    tenants: int
+    uptime_s: float
+    caller_pid: int
+    caller_uid: int
+    caller_is_admin: bool
+    caller_tenant: str
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
