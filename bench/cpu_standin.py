@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "workloads"))
-from _window import add_window_args, measure, plan_window, write_report  # noqa: E402
+from _window import add_window_args, measure, plan_window, write_report
 
 UNITS = {"cuda": "matmul/s", "render": "frames/s"}
 

@@ -26,20 +26,20 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import scoring  # noqa: E402
+import scoring
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
@@ -294,27 +294,23 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env=cfg.env, start_new_session=True))
     extra: dict[str, Any] = {}
-    snapshot = None
-    if daemon is not None:
-        def snapshot() -> None:
-            extra["tenants_snapshot"] = daemon.tenants_json()
+    snapshot = None if daemon is None else lambda: extra.update(tenants_snapshot=daemon.tenants_json())
     finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
-                        at=start_at + 0.85 * cfg.seconds if snapshot else None, action=snapshot)
+                        at=start_at + 0.85 * cfg.seconds, action=snapshot)
     if not finished:
         extra["timed_out"] = True
         for proc in procs:
             kill_group(proc)
     results = []
-    for (spec, argv, report_path, log), proc in zip(plans, procs):
-        report, error = read_report(report_path)
-        if proc.returncode not in (0, None) and error is None:
-            error = f"exit status {proc.returncode}"
-        elif error is not None and proc.returncode not in (0, None):
-            error = f"{error}, exit status {proc.returncode}"
-        if not finished and report is None:
-            error = f"{error or 'no report'}; killed after the deadline"
+    for (spec, argv, report_path, log), proc in zip(plans, procs, strict=True):
+        found, missing = read_report(report_path)
+        problems = [p for p in (missing,) if p]
+        if proc.returncode not in (0, None):
+            problems.append(f"exit status {proc.returncode}")
+        if not finished:
+            problems.append(f"still running {cfg.grace_s:g} s after its window: killed")
         results.append(TenantResult(spec.name, spec.kind, spec.weight, argv, proc.returncode,
-                                    report, tail(log), error))
+                                    found, tail(log), "; ".join(problems) or None))
     return GroupResult(label, setup, results, start_at, time.time() - t0, extra)
 
 
@@ -340,7 +336,7 @@ class Daemon:
         self.info: dict[str, Any] = {"socket": str(self.socket), "state_dir": str(self.state_dir),
                                      "slice_ms": cfg.slice_ms}
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 20.0) -> None:
         argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
                             str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}")
         self.info["argv"] = argv
@@ -399,20 +395,7 @@ class Daemon:
                 kill_group(self.proc, grace_s=0.0)
         self.info["rc"] = self.proc.returncode
         self.info["log_tail"] = tail(self.log)
-        try:
-            self.socket.parent.rmdir() if not self.socket.exists() else None
-        except OSError:
-            pass
-
-
-@contextmanager
-def running_daemon(cfg: Config, name: str) -> Iterator[Daemon]:
-    daemon = Daemon(cfg, name)
-    try:
-        daemon.start()
-        yield daemon
-    finally:
-        daemon.stop()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)  # our own mkdtemp folder
 
 
 # -------------------------------------------------------------------------------------- calibration
@@ -444,7 +427,7 @@ def score_setup(throughput: list[float | None], solo: list[float | None], weight
     """Normalized numbers, error, sum, guarantee (and the verdict when `contending` is given)."""
     if any(t is None for t in throughput) or any(not s for s in solo):
         return None
-    norm = [scoring.normalized(t, s) for t, s in zip(throughput, solo)]  # type: ignore[arg-type]
+    norm = [scoring.normalized(t, s) for t, s in zip(throughput, solo, strict=True)]  # type: ignore[arg-type]
     out: dict[str, Any] = {
         "throughput": throughput, "normalized": norm,
         "error_pts": scoring.error_points(norm, weights), "efficiency": scoring.efficiency(norm),
@@ -546,7 +529,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     ]
     for title, key in (("Warnings", "warnings"), ("Errors", "errors")):
         if results.get(key):
-            lines += ["", f"{title}:", *[f"- {x}" for x in results[key]]]
+            lines += ["", f"{title}:", *["- " + " / ".join(str(x).split("\n")).strip(" /")
+                                          for x in results[key]]]
     return "\n".join(lines) + "\n"
 
 
@@ -656,8 +640,11 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                              "unisched; another module lets the orchestration be tested against a fake)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="logs, reports and daemon state (default: a new folder under /tmp)")
-    parser.add_argument("--grace", type=float, default=45.0,
-                        help="seconds a run may overrun its window before its tenants are killed (default: 45)")
+    parser.add_argument("--grace", type=float, default=20.0,
+                        help="seconds a run may overrun its window before its tenants are killed (default: 20)")
+    parser.add_argument("--max-total", type=float, default=TIME_BUDGET_S, metavar="S",
+                        help="skip any step that would end later than S seconds after the start, so the "
+                             f"whole invocation fits one device call (default: {TIME_BUDGET_S:g})")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and time estimate, run nothing")
     args = parser.parse_args(argv)
     try:
@@ -670,8 +657,14 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
 
 
 def make_config(args: argparse.Namespace) -> Config:
-    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu_pairs-"))
-    work_dir.mkdir(parents=True, exist_ok=True)
+    if args.work_dir is not None:
+        work_dir = args.work_dir
+    elif args.dry_run:
+        work_dir = Path(tempfile.gettempdir()) / "gpu_pairs-XXXXXXXX"
+    else:
+        work_dir = Path(tempfile.mkdtemp(prefix="gpu_pairs-"))
+    if not args.dry_run:
+        work_dir.mkdir(parents=True, exist_ok=True)
     custom = {"cuda": args.workload_cmd_cuda, "render": args.workload_cmd_render}
     cmds = {k: shlex.split(c) if c else [sys.executable, str(WORKLOADS[k])] for k, c in custom.items()}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -713,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
 
     command = "python3 bench/gpu_pairs.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:]))
     results: dict[str, Any] = {
-        "meta": {"command": command, "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "meta": {"command": command, "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
                  "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
                  "seconds": cfg.seconds, "warmup": cfg.warmup, "slice_ms": cfg.slice_ms,
                  "unisched": unisched_on, "pairs": [p.key for p in pairs], "work_dir": str(cfg.work_dir),
@@ -725,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     nosched: dict[str, GroupResult] = {}
     shared: dict[str, GroupResult] = {}
     failed_kinds: set[str] = set()
+    daemon_failures = 0
 
     def record(section: str, key: str, group: GroupResult, store: dict[str, GroupResult]) -> None:
         store[key] = group
@@ -736,13 +730,22 @@ def main(argv: list[str] | None = None) -> int:
                             for t in group.tenants)
         progress.note(f"  -> {summary} ({group.wall_s:.0f} s{'' if group.ok else ', FAILED'})")
 
-    def skip(what: str, kinds: tuple[str, ...]) -> bool:
+    def skip(what: str, kinds: tuple[str, ...], daemon: bool = False) -> bool:
+        """Whether to skip a step (a kind it needs failed, or it would overrun --max-total)."""
         bad = failed_kinds.intersection(kinds)
+        need = cfg.warmup + cfg.seconds + RUN_OVERHEAD_S + (DAEMON_OVERHEAD_S if daemon else 0.0)
         if bad:
-            progress.step(f"{what}: skipped ({', '.join(sorted(bad))} failed earlier)")
-            results["errors"].append(f"{what}: skipped because {', '.join(sorted(bad))} failed alone")
-            save(args.out, results)
-        return bool(bad)
+            reason = f"{', '.join(sorted(bad))} failed earlier"
+        elif progress.elapsed() + need > args.max_total:
+            reason = f"would end after --max-total {args.max_total:g} s"
+        elif daemon and daemon_failures >= 2:
+            reason = "unisched serve failed to start twice"
+        else:
+            return False
+        progress.step(f"{what}: skipped ({reason})")
+        results["errors"].append(f"{what}: skipped ({reason})")
+        save(args.out, results)
+        return True
 
     save(args.out, results)
     if calibrate:
@@ -774,25 +777,37 @@ def main(argv: list[str] | None = None) -> int:
         if skip(f"no scheduler: {key}", kinds):
             continue
         progress.step(f"no scheduler: {key}")
-        specs = [TenantSpec(f"{tag}-{k}", k, None) for tag, k in zip("ab", kinds)]
+        specs = [TenantSpec(f"{tag}-{k}", k, None) for tag, k in zip("ab", kinds, strict=True)]
         record("no_scheduler", key, run_group(cfg, key, "no scheduler", specs), nosched)
 
     if unisched_on:
         for n, pair in enumerate(pairs):
-            if skip(f"unisched: {pair.key}", pair.kinds):
+            if skip(f"unisched: {pair.key}", pair.kinds, daemon=True):
                 continue
             progress.step(f"unisched: {pair.key} (slice {cfg.slice_ms:g} ms)")
-            specs = [TenantSpec(f"{tag}-{k}", k, w) for tag, k, w in zip("ab", pair.kinds, pair.weights)]
+            specs = [TenantSpec(f"{tag}-{k}", k, w) for tag, k, w in zip("ab", pair.kinds, pair.weights, strict=True)]
+            daemon = Daemon(cfg, str(n))
+            outcome: GroupResult | None = None
             try:
-                with running_daemon(cfg, str(n)) as daemon:
-                    group = run_group(cfg, pair.key, "unisched", specs, daemon)
+                daemon.start()
+                outcome = run_group(cfg, pair.key, "unisched", specs, daemon)
             except DaemonError as exc:
+                daemon_failures += 1
                 results["errors"].append(f"unisched: {pair.key}: {exc}")
                 progress.note(f"  -> daemon FAILED: {str(exc).splitlines()[0]}")
+            finally:
+                daemon.stop()
+            if daemon.info.get("killed") or daemon.info.get("rc") not in (0, None):
+                killed = " (killed after SIGTERM was ignored)" if daemon.info.get("killed") else ""
+                results["warnings"].append(f"unisched: {pair.key}: daemon exit status "
+                                           f"{daemon.info.get('rc')}{killed}")
+            if outcome is None:
+                results["unisched"][pair.key] = {"label": pair.key, "setup": "unisched", "ok": False,
+                                                 "daemon": daemon.info}
                 save(args.out, results)
                 continue
-            group.extra["daemon"] = daemon.info
-            record("unisched", pair.key, group, shared)
+            outcome.extra["daemon"] = daemon.info
+            record("unisched", pair.key, outcome, shared)
 
     save(args.out, results)
     progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'}")

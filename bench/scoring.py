@@ -71,7 +71,7 @@ def error_points(norm: Sequence[float], weights: Sequence[float]) -> float:
     total = float(sum(norm))
     if total <= 0:
         return math.nan
-    return 100.0 * max(abs(n / total - s) for n, s in zip(norm, want))
+    return 100.0 * max(abs(n / total - s) for n, s in zip(norm, want, strict=True))
 
 
 def efficiency(norm: Sequence[float]) -> float:
@@ -83,7 +83,7 @@ def guarantee_ok(norm: Sequence[float], weights: Sequence[float],
                  slack: float = GUARANTEE_SLACK) -> bool:
     """Every tenant got at least its weight share of its solo throughput, minus `slack`."""
     _check(norm, weights)
-    return all(n >= s - slack for n, s in zip(norm, shares(weights)))
+    return all(n >= s - slack for n, s in zip(norm, shares(weights), strict=True))
 
 
 def contends(no_scheduler_efficiency: float, threshold: float = CONTENTION_THRESHOLD) -> bool:
@@ -115,7 +115,7 @@ def verdict(norm: Sequence[float], weights: Sequence[float], contending: bool,
     guarantee = guarantee_ok(norm, weights)
     reasons: list[str] = []
     if not guarantee:
-        low = [f"{n:.2f} < {s - GUARANTEE_SLACK:.2f}" for n, s in zip(norm, shares(weights))
+        low = [f"{n:.2f} < {s - GUARANTEE_SLACK:.2f}" for n, s in zip(norm, shares(weights), strict=True)
                if n < s - GUARANTEE_SLACK]
         reasons.append("guarantee missed (" + ", ".join(low) + ")")
     if contending:

@@ -8,10 +8,8 @@ absolute `--start-at` wall-clock time from the orchestrator and measures over th
 [start_at, start_at + seconds] interval.
 
 Counting: a step returns how many items it has *completed* (after a synchronising call such as
-torch.cuda.synchronize or glFinish). The window starts at the completion time of the last step that
-ended before `start_at` and ends at the completion time of the last step that ended before
-`start_at + seconds`. Throughput = items completed between those two instants / their distance,
-which is exact for what was counted (the step straddling the end is dropped).
+torch.cuda.synchronize or glFinish). Throughput = items completed inside [start_at, end_at] divided
+by end_at - start_at (see measure() for the edges and for a late start).
 """
 
 from __future__ import annotations
@@ -35,11 +33,11 @@ class Window:
 
     items: int
     seconds: float
-    t_first: float  # wall time the window started (completion of the last warm-up step)
+    t_first: float  # wall time the window started: start_at, or the first completion when late
     t_last: float  # wall time of the last counted completion
     start_at: float  # requested window start
     end_at: float  # requested window end
-    late_s: float  # how late the window started; seconds when initialisation overran start_at
+    late_s: float  # 0, or how far initialisation overran start_at
     warmup_items: int
 
     @property
@@ -70,25 +68,29 @@ def plan_window(args: argparse.Namespace, process_start: float) -> tuple[float, 
 
 
 def measure(step: Callable[[], int], start_at: float, end_at: float) -> Window:
-    """Run `step` until end_at, counting only completions inside [start_at, end_at].
+    """Run `step` until end_at; throughput = items completed in the window / the window's length.
 
     `step` must block until the items it reports are finished (sync / glFinish), so completion
-    times are real; keep each step short (milliseconds) so the edges cost little.
+    times are real; keep each step short (milliseconds) so the edges cost little. The window is the
+    nominal [start_at, end_at] shared by all tenants, frozen periods included: a tenant paused by
+    the scheduler across an edge must not have that pause dropped from its denominator. The step
+    straddling start_at is counted and the one straddling end_at is not, so on average the edges
+    cancel. If initialisation overran start_at (no step finished before it), the window starts at
+    the first completion instead, since that first step carries one-off costs; late_s says by how much.
     """
     warmup_items = 0
-    t = time.time()
-    first = True
-    while first or t < start_at:
-        # At least one step always runs before the window, so the first counted step never pays
-        # one-off costs (kernel selection, shader compile) that a warm tenant would not.
-        warmup_items += step()
+    while True:
+        done = step()
         t = time.time()
-        first = False
-    t_first = t
-    # Normally one step (milliseconds); large when initialisation overran start_at.
-    late_s = max(0.0, t_first - start_at)
-    items = 0
-    t_last = t_first
+        if t >= start_at:
+            break
+        warmup_items += done
+    if warmup_items > 0:
+        window_start, items = start_at, done
+    else:
+        window_start, items = t, 0
+        warmup_items = done
+    t_last = t
     while True:
         done = step()
         t = time.time()
@@ -96,8 +98,9 @@ def measure(step: Callable[[], int], start_at: float, end_at: float) -> Window:
             break
         items += done
         t_last = t
-    return Window(items=items, seconds=t_last - t_first, t_first=t_first, t_last=t_last,
-                  start_at=start_at, end_at=end_at, late_s=late_s, warmup_items=warmup_items)
+    return Window(items=items, seconds=max(0.0, end_at - window_start), t_first=window_start,
+                  t_last=t_last, start_at=start_at, end_at=end_at,
+                  late_s=window_start - start_at, warmup_items=warmup_items)
 
 
 def write_report(path: Path | None, kind: str, unit: str, window: Window,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _window import add_window_args, fail, measure, plan_window, write_report  # noqa: E402
+from _window import add_window_args, fail, measure, plan_window, write_report
 
 KIND = "cuda"
 UNIT = "matmul/s"

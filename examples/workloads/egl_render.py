@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _window import add_window_args, fail, measure, plan_window, write_report  # noqa: E402
+from _window import add_window_args, fail, measure, plan_window, write_report
 
 KIND = "render"
 UNIT = "frames/s"
@@ -161,7 +161,7 @@ class Egl:
         addr = self.lib.eglGetProcAddress(name.encode())
         if not addr:
             return None
-        return ctypes.CFUNCTYPE(restype, *argtypes)(addr)  # type: ignore[no-any-return]
+        return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
 
     def error(self) -> str:
         code = int(self.lib.eglGetError())

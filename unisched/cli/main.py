@@ -18,8 +18,8 @@ from unisched.transport.client import DaemonClient, DaemonError
 
 __all__ = ["main"]
 
-_PRIORITY = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
-_PRIORITY_NAME = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
+_PRIORITY: dict[str, pb.Priority] = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
+_PRIORITY_NAME: dict[int, str] = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
 
 
 def _weight(text: str) -> int:
@@ -49,17 +49,25 @@ def _gpus(text: str) -> list[int]:
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", default=os.environ.get("UNISCHED_SOCKET", DEFAULT_SOCKET),
-                   help=f"daemon socket (default: $UNISCHED_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument(
+        "--socket",
+        default=os.environ.get("UNISCHED_SOCKET", DEFAULT_SOCKET),
+        help=f"daemon socket (default: $UNISCHED_SOCKET or {DEFAULT_SOCKET})",
+    )
 
 
 def _add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) -> None:
     p.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
-    p.add_argument("--weight", type=_weight, required=weight_required,
-                   help=f"share weight {WEIGHT_MIN}..{WEIGHT_MAX} (default 100 for a new tenant)")
+    p.add_argument(
+        "--weight",
+        type=_weight,
+        required=weight_required,
+        help=f"share weight {WEIGHT_MIN}..{WEIGHT_MAX} (default 100 for a new tenant)",
+    )
     p.add_argument("--priority", choices=["online", "offline"], help="online preempts offline in preemptive mode")
-    p.add_argument("--engines", type=_engines, default=[],
-                   help="engines it uses: compute,graphics,decode,encode (default compute)")
+    p.add_argument(
+        "--engines", type=_engines, default=[], help="engines it uses: compute,graphics,decode,encode (default compute)"
+    )
     p.add_argument("--gpus", type=_gpus, default=[], help="GPU indices it may use (default all)")
 
 
@@ -70,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the daemon (as root)",
-                       description="Run the unisched daemon. Flags override the config file.")
+    s = sub.add_parser(
+        "serve", help="run the daemon (as root)", description="Run the unisched daemon. Flags override the config file."
+    )
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
     s.add_argument("--socket", help=f"Unix socket to serve on (default {DEFAULT_SOCKET})")
     s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT")
@@ -79,17 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
-    s.add_argument("--contention", choices=["auto", "shared-sm", "separate-graphics"],
-                   help="which engines contend (default: measured per GPU model)")
+    s.add_argument(
+        "--contention",
+        choices=["auto", "shared-sm", "separate-graphics"],
+        help="which engines contend (default: measured per GPU model)",
+    )
     s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
     s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")
     s.add_argument("--no-nvml", action="store_true", help="ignore GPUs; schedule on CPU signals only")
     s.add_argument("--log-format", choices=["auto", "json", "console"])
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
 
-    r = sub.add_parser("run", help="run a command as (part of) a tenant",
-                       description="Start CMD inside the tenant's cgroup, registered with the daemon; "
-                                   "wait for it and exit with its exit code.")
+    r = sub.add_parser(
+        "run",
+        help="run a command as (part of) a tenant",
+        description="Start CMD inside the tenant's cgroup, registered with the daemon; wait for it and exit with its exit code.",
+    )
     _add_socket(r)
     _add_tenant_opts(r)
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
@@ -120,16 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
     return {
-        "name": t.name, "weight": t.weight, "base_weight": t.base_weight,
-        "priority": _PRIORITY_NAME.get(t.priority, "offline"), "pids": list(t.pids), "state": t.state,
-        "target_share": round(t.target_share, 4), "measured_share": round(t.measured_share, 4),
-        "gpu_seconds": round(t.gpu_seconds, 3), "cgroup": t.cgroup, "engines": list(t.engines),
+        "name": t.name,
+        "weight": t.weight,
+        "base_weight": t.base_weight,
+        "priority": _PRIORITY_NAME.get(t.priority, "offline"),
+        "pids": list(t.pids),
+        "state": t.state,
+        "target_share": round(t.target_share, 4),
+        "measured_share": round(t.measured_share, 4),
+        "gpu_seconds": round(t.gpu_seconds, 3),
+        "cgroup": t.cgroup,
+        "engines": list(t.engines),
         "shares": [
-            {"gpu": s.gpu, "domain": s.domain, "target_share": round(s.target_share, 4),
-             "measured_share": round(s.measured_share, 4)}
+            {
+                "gpu": s.gpu,
+                "domain": s.domain,
+                "target_share": round(s.target_share, 4),
+                "measured_share": round(s.measured_share, 4),
+            }
             for s in t.shares
         ],
-        "slices": t.slices, "owner_uid": t.owner_uid, "adopted": t.adopted,
+        "slices": t.slices,
+        "owner_uid": t.owner_uid,
+        "adopted": t.adopted,
     }
 
 
@@ -149,10 +176,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config).with_overrides(
-            socket=args.socket, listen=args.listen, state_dir=args.state_dir, mode=args.mode,
-            slice_ms=args.slice_ms, cgroup_driver=args.cgroup_driver, contention=args.contention,
-            admin_group=args.admin_group, socket_group=args.socket_group, log_format=args.log_format,
-            log_level=args.log_level, nvml=False if args.no_nvml else None,
+            socket=args.socket,
+            listen=args.listen,
+            state_dir=args.state_dir,
+            mode=args.mode,
+            slice_ms=args.slice_ms,
+            cgroup_driver=args.cgroup_driver,
+            contention=args.contention,
+            admin_group=args.admin_group,
+            socket_group=args.socket_group,
+            log_format=args.log_format,
+            log_level=args.log_level,
+            nvml=False if args.no_nvml else None,
         )
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
@@ -184,8 +219,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
     return pb.RegisterRequest(
-        tenant=args.tenant, weight=args.weight or 0, priority=_PRIORITY.get(args.priority or "", 0),
-        engines=args.engines, gpus=args.gpus,
+        tenant=args.tenant,
+        weight=args.weight or 0,
+        priority=_PRIORITY.get(args.priority or "", pb.PRIORITY_UNSPECIFIED),
+        engines=args.engines,
+        gpus=args.gpus,
     )
 
 
@@ -218,14 +256,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_adopt(args: argparse.Namespace) -> int:
     with DaemonClient(args.socket) as client:
-        t = client.adopt(pb.AdoptRequest(
-            tenant=args.tenant, weight=args.weight or 0, priority=_PRIORITY.get(args.priority or "", 0),
-            cgroup=args.cgroup, engines=args.engines, gpus=args.gpus,
-        ))
+        t = client.adopt(
+            pb.AdoptRequest(
+                tenant=args.tenant,
+                weight=args.weight or 0,
+                priority=_PRIORITY.get(args.priority or "", pb.PRIORITY_UNSPECIFIED),
+                cgroup=args.cgroup,
+                engines=args.engines,
+                gpus=args.gpus,
+            )
+        )
     print(f"adopted {t.cgroup} as tenant {t.name} (weight {t.weight})")
-    print("note: an adopted cgroup is governed by time slicing (and device admission where enabled); "
-          "session admission by seccomp needs the process to be started by `unisched run` or an OCI "
-          "runtime with the unisched seccomp profile")
+    print(
+        "note: an adopted cgroup is governed by time slicing (and device admission where enabled); "
+        "session admission by seccomp needs the process to be started by `unisched run` or an OCI "
+        "runtime with the unisched seccomp profile"
+    )
     return 0
 
 
@@ -241,11 +287,19 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
     rows = [["NAME", "WEIGHT", "PRIORITY", "STATE", "TARGET", "MEASURED", "GPU-S", "ENGINES", "PIDS"]]
     for t in tenants:
         pids = ",".join(map(str, t.pids[:6])) + ("..." if len(t.pids) > 6 else "")
-        rows.append([
-            t.name, str(t.weight), _PRIORITY_NAME.get(t.priority, "offline"), t.state,
-            f"{100 * t.target_share:.1f}%", f"{100 * t.measured_share:.1f}%", f"{t.gpu_seconds:.1f}",
-            ",".join(t.engines), pids or "-",
-        ])
+        rows.append(
+            [
+                t.name,
+                str(t.weight),
+                _PRIORITY_NAME.get(t.priority, "offline"),
+                t.state,
+                f"{100 * t.target_share:.1f}%",
+                f"{100 * t.measured_share:.1f}%",
+                f"{t.gpu_seconds:.1f}",
+                ",".join(t.engines),
+                pids or "-",
+            ]
+        )
     print(_table(rows))
     return 0
 
@@ -268,33 +322,54 @@ def _cmd_status(args: argparse.Namespace) -> int:
     with DaemonClient(args.socket, timeout=5.0) as client:
         s = client.status()
     info = {
-        "version": s.version, "mode": s.mode, "slice_ms": s.slice_ms, "cgroup_driver": s.cgroup_driver,
-        "cgroup_root": s.cgroup_root, "nvml": s.nvml, "tenants": s.tenants, "uptime_s": round(s.uptime_s, 1),
+        "version": s.version,
+        "mode": s.mode,
+        "slice_ms": s.slice_ms,
+        "cgroup_driver": s.cgroup_driver,
+        "cgroup_root": s.cgroup_root,
+        "nvml": s.nvml,
+        "tenants": s.tenants,
+        "uptime_s": round(s.uptime_s, 1),
         "gpus": [
-            {"index": g.index, "name": g.name, "contention": g.contention, "sm_util": g.sm_util,
-             "dec_util": g.dec_util, "enc_util": g.enc_util, "memory_used": g.memory_used,
-             "memory_total": g.memory_total}
+            {
+                "index": g.index,
+                "name": g.name,
+                "contention": g.contention,
+                "sm_util": g.sm_util,
+                "dec_util": g.dec_util,
+                "enc_util": g.enc_util,
+                "memory_used": g.memory_used,
+                "memory_total": g.memory_total,
+            }
             for g in s.gpus
         ],
-        "caller": {"pid": s.caller_pid, "uid": s.caller_uid, "admin": s.caller_is_admin,
-                   "tenant": s.caller_tenant or None},
+        "caller": {"pid": s.caller_pid, "uid": s.caller_uid, "admin": s.caller_is_admin, "tenant": s.caller_tenant or None},
     }
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    print(f"unisched {s.version}: mode {s.mode}, slice {s.slice_ms:g} ms, {s.tenants} tenants, "
-          f"cgroup {s.cgroup_driver} at {s.cgroup_root}, up {s.uptime_s:.0f} s")
+    print(
+        f"unisched {s.version}: mode {s.mode}, slice {s.slice_ms:g} ms, {s.tenants} tenants, "
+        f"cgroup {s.cgroup_driver} at {s.cgroup_root}, up {s.uptime_s:.0f} s"
+    )
     if not s.nvml:
         print("no NVML: scheduling on CPU signals")
     for g in s.gpus:
-        print(f"gpu{g.index} {g.name} [{g.contention}] sm {100 * g.sm_util:.0f}% dec {100 * g.dec_util:.0f}% "
-              f"enc {100 * g.enc_util:.0f}% mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB")
+        print(
+            f"gpu{g.index} {g.name} [{g.contention}] sm {100 * g.sm_util:.0f}% dec {100 * g.dec_util:.0f}% "
+            f"enc {100 * g.enc_util:.0f}% mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
+        )
     return 0
 
 
 _COMMANDS = {
-    "serve": _cmd_serve, "run": _cmd_run, "adopt": _cmd_adopt, "tenants": _cmd_tenants,
-    "set-weight": _cmd_set_weight, "remove": _cmd_remove, "status": _cmd_status,
+    "serve": _cmd_serve,
+    "run": _cmd_run,
+    "adopt": _cmd_adopt,
+    "tenants": _cmd_tenants,
+    "set-weight": _cmd_set_weight,
+    "remove": _cmd_remove,
+    "status": _cmd_status,
 }
 
 

@@ -273,9 +273,7 @@ def detect_driver(prefer: str = "auto") -> CgroupDriver:
     freezer = next((p for t, p, o in mounts if t == "cgroup" and "freezer" in o), None)
     cpuacct = next((p for t, p, o in mounts if t == "cgroup" and "cpuacct" in o), None)
     if freezer is None:
-        raise CgroupError(
-            "no freezer found: need cgroup v2 with cgroup.freeze (Linux >= 5.2) or the v1 freezer controller"
-        )
+        raise CgroupError("no freezer found: need cgroup v2 with cgroup.freeze (Linux >= 5.2) or the v1 freezer controller")
     return CgroupV1Driver(freezer, cpuacct)
 
 

@@ -158,7 +158,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         if key not in allowed:
             raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
     try:
-        name = validate_tenant_name(raw.get("name"))
+        name = validate_tenant_name(str(raw.get("name", "")))
     except PolicyError as e:
         raise ConfigError(f"{where} 'name': {e}") from None
     weight = raw.get("weight", DEFAULT_WEIGHT)
@@ -169,9 +169,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         raise ConfigError(f"{where} 'priority': must be one of online, offline; got {prio!r}")
     engines = _parse_engines(raw["engines"], where) if "engines" in raw else frozenset({Engine.COMPUTE})
     gpus = raw.get("gpus")
-    if gpus is not None and (
-        not isinstance(gpus, list) or not all(isinstance(g, int) and 0 <= g < 256 for g in gpus)
-    ):
+    if gpus is not None and (not isinstance(gpus, list) or not all(isinstance(g, int) and 0 <= g < 256 for g in gpus)):
         raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..255; got {gpus!r}")
     cgroup = raw.get("cgroup")
     if cgroup is not None and (not isinstance(cgroup, str) or not cgroup):
@@ -222,5 +220,5 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         raise ConfigError(f"config 'tenants': names must be unique; got {names}")
     windows = tuple(_parse_tidal(w, i) for i, w in enumerate(tidal_raw))
     if windows and cfg.mode is not Mode.TIDAL:
-        raise ConfigError("config [[tidal]] windows need mode = \"tidal\" in [policy]")
+        raise ConfigError('config [[tidal]] windows need mode = "tidal" in [policy]')
     return replace(cfg, tenants=tenants, tidal=TidalSchedule(windows))

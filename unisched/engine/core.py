@@ -8,7 +8,6 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
-
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -94,8 +93,14 @@ class _Tenant:
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
-            self.name, self.base_weight, self.priority, self.engines, self.gpus,
-            self.cgroup, self.adopted, self.owner_uid,
+            self.name,
+            self.base_weight,
+            self.priority,
+            self.engines,
+            self.gpus,
+            self.cgroup,
+            self.adopted,
+            self.owner_uid,
         )
 
 
@@ -103,9 +108,7 @@ def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
     try:
         engines = frozenset(Engine(n) for n in names)
     except ValueError:
-        raise EngineError(
-            "invalid", f"engines must be among {', '.join(e.value for e in Engine)}; got {list(names)}"
-        ) from None
+        raise EngineError("invalid", f"engines must be among {', '.join(e.value for e in Engine)}; got {list(names)}") from None
     return engines or frozenset({Engine.COMPUTE})
 
 
@@ -155,10 +158,19 @@ class KernelEngine:
                     log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
                     continue
                 self.driver.create(saved.cgroup)
-            self._add(_Tenant(
-                saved.name, saved.weight, saved.priority, saved.engines, saved.gpus,
-                saved.cgroup, saved.adopted, saved.owner_uid,
-            ), reason="restored")
+            self._add(
+                _Tenant(
+                    saved.name,
+                    saved.weight,
+                    saved.priority,
+                    saved.engines,
+                    saved.gpus,
+                    saved.cgroup,
+                    saved.adopted,
+                    saved.owner_uid,
+                ),
+                reason="restored",
+            )
         for declared in self.config.tenants:
             if declared.name not in self._tenants:
                 self._add_declared(declared)
@@ -207,8 +219,13 @@ class KernelEngine:
         self._tenants[t.name] = t
         self.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
         log.info(
-            "tenant added", tenant=t.name, weight=t.base_weight, priority=t.priority.value,
-            engines=sorted(e.value for e in t.engines), cgroup=t.cgroup, reason=reason,
+            "tenant added",
+            tenant=t.name,
+            weight=t.base_weight,
+            priority=t.priority.value,
+            engines=sorted(e.value for e in t.engines),
+            cgroup=t.cgroup,
+            reason=reason,
         )
 
     # --- requests ----------------------------------------------------------------------------------
@@ -290,8 +307,13 @@ class KernelEngine:
         return self.snapshot(name)
 
     def adopt(
-        self, name: str, weight: int | None, priority: Priority | None, cgroup: str,
-        engines: Iterable[str], gpus: Iterable[int],
+        self,
+        name: str,
+        weight: int | None,
+        priority: Priority | None,
+        cgroup: str,
+        engines: Iterable[str],
+        gpus: Iterable[int],
     ) -> TenantSnapshot:
         try:
             validate_tenant_name(name)
@@ -309,8 +331,14 @@ class KernelEngine:
             if other.cgroup == path:
                 raise EngineError("invalid", f"cgroup {path} is already tenant {other.name!r}")
         t = _Tenant(
-            name, weight if weight is not None else DEFAULT_WEIGHT,
-            priority or Priority.OFFLINE, _parse_engines(engines), self._check_gpus(gpus), path, True, 0,
+            name,
+            weight if weight is not None else DEFAULT_WEIGHT,
+            priority or Priority.OFFLINE,
+            _parse_engines(engines),
+            self._check_gpus(gpus),
+            path,
+            True,
+            0,
         )
         self._add(t, reason="adopted")
         self._save()
@@ -410,8 +438,14 @@ class KernelEngine:
         return out
 
     def _charge_resource(
-        self, r: Resource, ts: list[_Tenant], sample: GpuSample | None,
-        cpu: dict[str, float], dt: float, now: float, gpu_active: set[str],
+        self,
+        r: Resource,
+        ts: list[_Tenant],
+        sample: GpuSample | None,
+        cpu: dict[str, float],
+        dt: float,
+        now: float,
+        gpu_active: set[str],
     ) -> None:
         """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
@@ -479,8 +513,12 @@ class KernelEngine:
     def _log_shares(self, reason: str) -> None:
         for s in self.snapshots():
             log.info(
-                "share", tenant=s.name, weight=s.weight, share=round(s.target_share, 4),
-                state=s.state, reason=reason,
+                "share",
+                tenant=s.name,
+                weight=s.weight,
+                share=round(s.target_share, 4),
+                state=s.state,
+                reason=reason,
             )
 
     # --- reporting ---------------------------------------------------------------------------------
@@ -491,20 +529,30 @@ class KernelEngine:
             t = self._tenants[name]
             st = stats[name]
             shares = tuple(
-                ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0))
-                for r in sorted(t.resources)
+                ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0)) for r in sorted(t.resources)
             )
             main = max(shares, key=lambda s: (s.target, s.measured), default=None)
             state = "frozen" if t.frozen else ("running" if t.active else "idle")
             pids = () if t.missing else tuple(sorted(self.driver.pids(t.cgroup)))
-            out.append(TenantSnapshot(
-                name=name, weight=st.weight, base_weight=t.base_weight, priority=t.priority,
-                pids=pids, state=state,
-                target_share=main.target if main else 0.0,
-                measured_share=main.measured if main else 0.0,
-                gpu_seconds=st.gpu_seconds, cgroup=t.cgroup, engines=t.engines, shares=shares,
-                slices=st.slices, owner_uid=t.owner_uid, adopted=t.adopted,
-            ))
+            out.append(
+                TenantSnapshot(
+                    name=name,
+                    weight=st.weight,
+                    base_weight=t.base_weight,
+                    priority=t.priority,
+                    pids=pids,
+                    state=state,
+                    target_share=main.target if main else 0.0,
+                    measured_share=main.measured if main else 0.0,
+                    gpu_seconds=st.gpu_seconds,
+                    cgroup=t.cgroup,
+                    engines=t.engines,
+                    shares=shares,
+                    slices=st.slices,
+                    owner_uid=t.owner_uid,
+                    adopted=t.adopted,
+                )
+            )
         return out
 
     def snapshot(self, name: str) -> TenantSnapshot:
@@ -519,5 +567,3 @@ class KernelEngine:
     @property
     def tenant_count(self) -> int:
         return len(self._tenants)
-
-

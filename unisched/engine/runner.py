@@ -4,6 +4,7 @@ way out (also when a tick raises)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import structlog
 
@@ -24,9 +25,7 @@ async def run_engine(engine: KernelEngine, stop: asyncio.Event) -> None:
                 log.exception("slice failed; thawing everything and going on")
                 engine.thaw_all()
                 delay = engine.config.slice_ms / 1000.0
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
     finally:
         engine.shutdown()

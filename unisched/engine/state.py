@@ -84,9 +84,7 @@ class StateStore:
 
     def save(self, tenants: list[SavedTenant]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        body = json.dumps(
-            {"version": STATE_VERSION, "tenants": [t.to_json() for t in tenants]}, indent=1
-        ).encode()
+        body = json.dumps({"version": STATE_VERSION, "tenants": [t.to_json() for t in tenants]}, indent=1).encode()
         tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

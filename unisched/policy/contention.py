@@ -34,9 +34,7 @@ class ContentionMap:
         try:
             return _BY_NAME[name]
         except KeyError:
-            raise PolicyError(
-                f"contention must be one of {sorted(_BY_NAME)} or 'auto', got {name!r}"
-            ) from None
+            raise PolicyError(f"contention must be one of {sorted(_BY_NAME)} or 'auto', got {name!r}") from None
 
     @staticmethod
     def for_gpu(gpu_name: str) -> ContentionMap:
@@ -49,14 +47,10 @@ class ContentionMap:
 
 SHARED_SM = ContentionMap(
     "shared-sm",
-    MappingProxyType(
-        {Engine.COMPUTE: "sm", Engine.GRAPHICS: "sm", Engine.DECODE: "nvdec", Engine.ENCODE: "nvenc"}
-    ),
+    MappingProxyType({Engine.COMPUTE: "sm", Engine.GRAPHICS: "sm", Engine.DECODE: "nvdec", Engine.ENCODE: "nvenc"}),
 )
 SEPARATE_GRAPHICS = ContentionMap(
     "separate-graphics",
-    MappingProxyType(
-        {Engine.COMPUTE: "sm", Engine.GRAPHICS: "gfx", Engine.DECODE: "nvdec", Engine.ENCODE: "nvenc"}
-    ),
+    MappingProxyType({Engine.COMPUTE: "sm", Engine.GRAPHICS: "gfx", Engine.DECODE: "nvdec", Engine.ENCODE: "nvenc"}),
 )
 _BY_NAME = {m.name: m for m in (SHARED_SM, SEPARATE_GRAPHICS)}

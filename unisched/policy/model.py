@@ -94,7 +94,6 @@ def validate_weight(weight: int) -> int:
 def validate_tenant_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise PolicyError(
-            f"tenant name must be 1-63 characters of letters, digits, '_', '.', '-' "
-            f"starting with a letter or digit, got {name!r}"
+            f"tenant name must be 1-63 characters of letters, digits, '_', '.', '-' starting with a letter or digit, got {name!r}"
         )
     return name

@@ -46,6 +46,7 @@ class GpuTelemetry(Protocol):
     def sample(self) -> Sequence[GpuSample]:
         """Utilization since the previous call. Must not raise: failures give ok=False samples."""
         ...
+
     def close(self) -> None: ...
 
 
@@ -67,9 +68,7 @@ class FakeTelemetry:
 
     def __init__(self, gpus: Sequence[GpuInfo]) -> None:
         self._gpus = tuple(gpus)
-        self.next_samples: list[GpuSample] = [
-            GpuSample(g.index, 0.0, 0.0, 0.0, 0) for g in self._gpus
-        ]
+        self.next_samples: list[GpuSample] = [GpuSample(g.index, 0.0, 0.0, 0.0, 0) for g in self._gpus]
 
     def gpus(self) -> Sequence[GpuInfo]:
         return self._gpus

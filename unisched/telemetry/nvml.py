@@ -8,6 +8,7 @@ plain queries. Every NVML error is caught: a lost GPU yields ok=False samples, n
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -126,7 +127,5 @@ class NvmlTelemetry:
         return {pid: frozenset(e) for pid, e in engines.items()}
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError:
-            pass

@@ -22,7 +22,7 @@ class DaemonClient:
     def __init__(self, socket: str | None = None, target: str | None = None, timeout: float = 10.0) -> None:
         self.address = target or f"unix:{socket}"
         self._channel = grpc.insecure_channel(self.address)
-        self._stub = pb_grpc.UnischedStub(self._channel)
+        self._stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
 
     def close(self) -> None:
@@ -40,7 +40,9 @@ class DaemonClient:
         except grpc.RpcError as e:
             code = e.code()
             if code is grpc.StatusCode.UNAVAILABLE:
-                raise DaemonError(code, f"cannot reach the unisched daemon at {self.address}: is `unisched serve` running?") from None
+                raise DaemonError(
+                    code, f"cannot reach the unisched daemon at {self.address}: is `unisched serve` running?"
+                ) from None
             raise DaemonError(code, e.details() or str(code)) from None
 
     def register(self, request: pb.RegisterRequest) -> pb.Tenant:

@@ -36,12 +36,7 @@ def stale_files() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         gen = Path(tmp) / "unisched" / "transport"
-        return [
-            name
-            for name in OUTPUTS
-            if not (HERE / name).exists()
-            or (gen / name).read_text() != (HERE / name).read_text()
-        ]
+        return [name for name in OUTPUTS if not (HERE / name).exists() or (gen / name).read_text() != (HERE / name).read_text()]
 
 
 def main() -> int:

@@ -43,15 +43,24 @@ _PRIORITY_PB = {v: k for k, v in _PRIORITY.items()}
 
 def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
     return pb.Tenant(
-        name=s.name, weight=s.weight, base_weight=s.base_weight, priority=_PRIORITY_PB[s.priority],
-        pids=list(s.pids), state=s.state, target_share=s.target_share, measured_share=s.measured_share,
-        gpu_seconds=s.gpu_seconds, cgroup=s.cgroup, engines=sorted(e.value for e in s.engines),
+        name=s.name,
+        weight=s.weight,
+        base_weight=s.base_weight,
+        priority=_PRIORITY_PB[s.priority],
+        pids=list(s.pids),
+        state=s.state,
+        target_share=s.target_share,
+        measured_share=s.measured_share,
+        gpu_seconds=s.gpu_seconds,
+        cgroup=s.cgroup,
+        engines=sorted(e.value for e in s.engines),
         shares=[
-            pb.ResourceShare(gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target,
-                             measured_share=x.measured)
+            pb.ResourceShare(gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured)
             for x in s.shares
         ],
-        slices=s.slices, owner_uid=s.owner_uid, adopted=s.adopted,
+        slices=s.slices,
+        owner_uid=s.owner_uid,
+        adopted=s.adopted,
     )
 
 
@@ -67,8 +76,14 @@ def _supplementary_groups(pid: int) -> set[int]:
 
 class UnischedServicer(pb_grpc.UnischedServicer):
     def __init__(
-        self, engine: KernelEngine, creds: Callable[[str], PeerCred | None], admin_group: str | None,
-        started: float, cgroup_driver: str, cgroup_root: str, nvml: bool,
+        self,
+        engine: KernelEngine,
+        creds: Callable[[str], PeerCred | None],
+        admin_group: str | None,
+        started: float,
+        cgroup_driver: str,
+        cgroup_root: str,
+        nvml: bool,
     ) -> None:
         self.engine = engine
         self._creds = creds
@@ -120,8 +135,14 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         cred = await self._need_caller(context)
         try:
             snap = self.engine.register(
-                request.tenant, request.weight or None, _PRIORITY.get(request.priority),
-                list(request.engines), list(request.gpus), cred.pid, cred.uid, self._is_admin(cred),
+                request.tenant,
+                request.weight or None,
+                _PRIORITY.get(request.priority),
+                list(request.engines),
+                list(request.gpus),
+                cred.pid,
+                cred.uid,
+                self._is_admin(cred),
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -132,8 +153,12 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         await self._need_admin(context)
         try:
             snap = self.engine.adopt(
-                request.tenant, request.weight or None, _PRIORITY.get(request.priority), request.cgroup,
-                list(request.engines), list(request.gpus),
+                request.tenant,
+                request.weight or None,
+                _PRIORITY.get(request.priority),
+                request.cgroup,
+                list(request.engines),
+                list(request.gpus),
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -162,18 +187,29 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         gpus = {g.index: g for g in self.engine.telemetry.gpus()}
         samples = {s.index: s for s in self.engine.gpu_samples()}
         reply = pb.StatusReply(
-            version=__version__, mode=self.engine.config.mode.value, slice_ms=self.engine.config.slice_ms,
-            cgroup_driver=self._driver, cgroup_root=self._root, nvml=self._nvml,
-            tenants=self.engine.tenant_count, uptime_s=time.monotonic() - self._started,
+            version=__version__,
+            mode=self.engine.config.mode.value,
+            slice_ms=self.engine.config.slice_ms,
+            cgroup_driver=self._driver,
+            cgroup_root=self._root,
+            nvml=self._nvml,
+            tenants=self.engine.tenant_count,
+            uptime_s=time.monotonic() - self._started,
         )
         for i, g in sorted(gpus.items()):
             s = samples.get(i)
-            reply.gpus.append(pb.Gpu(
-                index=i, name=g.name, contention=self.engine.contention.name,
-                sm_util=s.sm_util if s else 0.0, dec_util=s.dec_util if s else 0.0,
-                enc_util=s.enc_util if s else 0.0, memory_used=s.memory_used if s else 0,
-                memory_total=g.memory_total,
-            ))
+            reply.gpus.append(
+                pb.Gpu(
+                    index=i,
+                    name=g.name,
+                    contention=self.engine.contention.name,
+                    sm_util=s.sm_util if s else 0.0,
+                    dec_util=s.dec_util if s else 0.0,
+                    enc_util=s.enc_util if s else 0.0,
+                    memory_used=s.memory_used if s else 0,
+                    memory_total=g.memory_total,
+                )
+            )
         if cred is not None:
             reply.caller_pid = cred.pid
             reply.caller_uid = cred.uid
@@ -203,7 +239,14 @@ def _secure_socket(path: str, group: str | None) -> None:
     os.chmod(path, 0o660)
 
 
-async def serve_async(config: DaemonConfig, engine: KernelEngine, nvml: bool, ready: Callable[[], None] | None = None) -> None:
+async def serve_async(
+    config: DaemonConfig,
+    engine: KernelEngine,
+    nvml: bool,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[PeerCredRelay], None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do)."""
     started = time.monotonic()
     engine.start()
     relay_box: list[PeerCredRelay] = []
@@ -215,32 +258,44 @@ async def serve_async(config: DaemonConfig, engine: KernelEngine, nvml: bool, re
         ]
     )
     servicer = UnischedServicer(
-        engine, lambda peer: relay_box[0].lookup(peer) if relay_box else None, config.admin_group,
-        started, engine.driver.kind, str(engine.driver.mount), nvml,
+        engine,
+        lambda peer: relay_box[0].lookup(peer) if relay_box else None,
+        config.admin_group,
+        started,
+        engine.driver.kind,
+        str(engine.driver.mount),
+        nvml,
     )
-    pb_grpc.add_UnischedServicer_to_server(servicer, server)
+    pb_grpc.add_UnischedServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     if config.listen:
         server.add_insecure_port(config.listen)
     _prepare_socket(config.socket, config.socket_group)
     relay = PeerCredRelay(config.socket, port)
     relay_box.append(relay)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     engine_task = asyncio.create_task(run_engine(engine, stop))
     try:
         await server.start()
         await relay.start()
         _secure_socket(config.socket, config.socket_group)
         log.info(
-            "serving", socket=config.socket, listen=config.listen, mode=config.mode.value,
-            slice_ms=config.slice_ms, cgroup_driver=engine.driver.kind, cgroup_root=str(engine.driver.mount),
-            gpus=len(engine.telemetry.gpus()), contention=engine.contention.name,
+            "serving",
+            socket=config.socket,
+            listen=config.listen,
+            mode=config.mode.value,
+            slice_ms=config.slice_ms,
+            cgroup_driver=engine.driver.kind,
+            cgroup_root=str(engine.driver.mount),
+            gpus=len(engine.telemetry.gpus()),
+            contention=engine.contention.name,
         )
         if ready is not None:
-            ready()
+            ready(relay)
         await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     finally:
         stop.set()

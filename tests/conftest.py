@@ -1,0 +1,150 @@
+"""Shared fixtures: a real daemon on a temporary socket (root + real cgroups), and skip reasons that say why."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def freezer_unavailable_reason() -> str | None:
+    """Why real cgroup tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to create and freeze cgroups"
+    try:
+        from unisched.enforce.cgroups import CgroupError, detect_driver
+
+        detect_driver("auto")
+    except CgroupError as e:
+        return f"no usable cgroup freezer: {e}"
+    return None
+
+
+needs_freezer = pytest.mark.skipif(freezer_unavailable_reason() is not None, reason=str(freezer_unavailable_reason()))
+
+
+def cli(*args: str, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "unisched", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"unisched {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll a real condition with a deadline (never a bare sleep standing in for the condition)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+@dataclass
+class Daemon:
+    socket: str
+    state_dir: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    extra: tuple[str, ...]
+    prefix: str
+
+    def cli(self, *args: str, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess[str]:
+        return cli(*args[:1], "--socket", self.socket, *args[1:], timeout=timeout, check=check)
+
+    def tenants(self) -> list[dict]:  # type: ignore[type-arg]
+        return json.loads(self.cli("tenants", "--json", check=True).stdout)  # type: ignore[no-any-return]
+
+    def status(self) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.cli("status", "--json", check=True).stdout)  # type: ignore[no-any-return]
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = self._spawn(log)
+        wait_until(lambda: self.proc.poll() is not None or self.cli("status").returncode == 0, 20, "daemon to answer")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited at start: {self.log_path.read_text()[-2000:]}")
+
+    def _spawn(self, log: object) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
+             "--no-nvml", "--log-format", "json", *self.extra],
+            stdout=log, stderr=log, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},  # type: ignore[arg-type]
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=20)
+
+    def cgroup_dir(self, tenant: str) -> Path:
+        st = self.status()
+        t = next(t for t in self.tenants() if t["name"] == tenant)
+        return Path(st["cgroup_root"]) / t["cgroup"].lstrip("/")
+
+
+def _cleanup_cgroups(prefix: str) -> None:
+    from unisched.enforce.cgroups import detect_driver
+
+    driver = detect_driver("auto")
+    for cg in driver.managed():
+        if not cg.rsplit("/", 1)[-1].startswith(prefix):
+            continue
+        driver.set_frozen(cg, False)
+        for pid in driver.pids(cg):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_until(lambda cg=cg: not driver.pids(cg), 10, f"{cg} to empty")
+        driver.remove(cg)
+
+
+@pytest.fixture
+def tenant_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ignore[type-arg]
+    reason = freezer_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    started: list[Daemon] = []
+
+    def make(*extra: str) -> Daemon:
+        sock_dir = Path(f"/tmp/us-{tenant_prefix}")
+        sock_dir.mkdir(exist_ok=True)
+        d = Daemon(str(sock_dir / "d.sock"), str(tmp_path / "state"), None, tmp_path / "daemon.log", extra, tenant_prefix)  # type: ignore[arg-type]
+        d.start()
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        if d.proc.poll() is None:
+            d.stop()
+    _cleanup_cgroups(tenant_prefix)
+    shutil.rmtree(f"/tmp/us-{tenant_prefix}", ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:  # type: ignore[no-untyped-def]
+    return daemon_factory("--slice-ms", "20")  # type: ignore[no-any-return]

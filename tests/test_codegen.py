@@ -1,0 +1,10 @@
+"""The committed gRPC code must match unisched.proto."""
+
+import pytest
+
+
+def test_generated_code_is_up_to_date() -> None:
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) is needed to regenerate")
+    from unisched.transport.codegen import stale_files
+
+    assert stale_files() == [], "run: python -m unisched.transport.codegen"

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from unisched.engine.config import ConfigError, DaemonConfig, load_config
+from unisched.policy import Engine, Mode, Priority
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "unisched.toml"
+    p.write_text(text)
+    return p
+
+
+def test_full_config_is_parsed(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+[daemon]
+socket = "/tmp/x.sock"
+admin_group = "gpuadmin"
+[policy]
+mode = "tidal"
+slice_ms = 40
+[[tenants]]
+name = "render"
+weight = 300
+priority = "online"
+engines = ["graphics", "encode"]
+gpus = [0]
+[[tidal]]
+tenant = "render"
+start = "20:00"
+end = "06:00"
+weight = 50
+"""))
+    assert cfg.socket == "/tmp/x.sock" and cfg.mode is Mode.TIDAL and cfg.slice_ms == 40.0
+    t = cfg.tenants[0]
+    assert (t.name, t.weight, t.priority, t.engines, t.gpus) == (
+        "render", 300, Priority.ONLINE, frozenset({Engine.GRAPHICS, Engine.ENCODE}), (0,))
+    assert cfg.tidal.weight_at("render", 300, 23 * 3600) == 50
+    assert cfg.tidal.weight_at("render", 300, 12 * 3600) == 300
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[policy]\nmode = 'fast'", "'mode': must be one of shared, preemptive, timeshare, tidal; got 'fast'"),
+        ("[policy]\nslice_ms = 0", "'slice_ms': must be a number in 1..10000"),
+        ("[daemon]\nsockett = 'x'", "'sockett': unknown key"),
+        ("[policy\nmode = 1", "not valid TOML"),
+        ("[[tenants]]\nname = 'a'\nweight = 0", "tenants[0] 'weight': must be an integer in 1..10000; got 0"),
+        ("[[tenants]]\nname = 'a'\nweight = 1000000000", "tenants[0] 'weight'"),
+        ("[[tenants]]\nname = 'a b'", "tenants[0] 'name'"),
+        ("[[tenants]]\nname = 'a'\nengines = ['gpu']", "'engines': each must be one of compute, graphics, decode, encode"),
+        ("[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", "names must be unique"),
+        ("[[tidal]]\ntenant = 'a'\nstart = '08:00'\nend = '09:00'\nweight = 5", "need mode = \"tidal\""),
+        ("[policy]\nmode = 'tidal'\n[[tidal]]\ntenant = 'a'\nstart = '25:00'\nend = '09:00'\nweight = 5", "'HH:MM'"),
+        ("[daemon]\nlisten = 'nohost'", "'listen': must be HOST:PORT"),
+        ("[gpus]\nx = 1", "'gpus': unknown section"),
+    ],
+)
+def test_bad_config_names_the_key_and_allowed_values(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert message in str(e.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_flags_override_the_file_and_are_validated(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "[policy]\nslice_ms = 40\nmode = 'preemptive'"))
+    out = cfg.with_overrides(slice_ms=20.0, mode=None, socket="/tmp/y.sock")
+    assert out.slice_ms == 20.0 and out.mode is Mode.PREEMPTIVE and out.socket == "/tmp/y.sock"
+    with pytest.raises(ConfigError, match="flag 'slice_ms'"):
+        DaemonConfig().with_overrides(slice_ms=0.0)

@@ -1,0 +1,123 @@
+"""The kernel engine end to end: a real daemon, real cgroups, real CPU-bound processes standing in for GPU
+work (the engine uses cgroup CPU time when there is no GPU signal). Needs root and a freezer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, Daemon, needs_freezer, wait_until
+
+pytestmark = [needs_freezer, pytest.mark.root]
+HOG = str(ROOT / "tests" / "hog.py")
+
+
+def cpu_seconds(cg_dir: Path) -> float:
+    stat = cg_dir / "cpu.stat"
+    if stat.exists():
+        for line in stat.read_text().splitlines():
+            if line.startswith("usage_usec"):
+                return int(line.split()[1]) / 1e6
+    # cgroup v1: cpuacct lives in its own hierarchy, same relative path
+    acct = Path(str(cg_dir).replace("/freezer/", "/cpuacct/")) / "cpuacct.usage"
+    return int(acct.read_text()) / 1e9
+
+
+def start_tenant(d: Daemon, name: str, weight: int, *hog_args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", str(weight),
+         "--", sys.executable, HOG, *hog_args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def wait_registered(d: Daemon, names: list[str]) -> dict[str, Path]:
+    wait_until(lambda: {t["name"] for t in d.tenants() if t["pids"]} >= set(names), 20, f"tenants {names} to register")
+    return {n: d.cgroup_dir(n) for n in names}
+
+
+def measure(dirs: dict[str, Path], seconds: float) -> dict[str, float]:
+    before = {n: cpu_seconds(p) for n, p in dirs.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)  # a measurement window, not a wait for a condition
+    elapsed = time.monotonic() - t0
+    return {n: (cpu_seconds(p) - before[n]) / elapsed for n, p in dirs.items()}
+
+
+def test_weights_3_to_1_give_cpu_ratio_3(daemon: Daemon, tenant_prefix: str) -> None:
+    a, b = f"{tenant_prefix}a", f"{tenant_prefix}b"
+    procs = [start_tenant(daemon, a, 300, "--seconds", "14"), start_tenant(daemon, b, 100, "--seconds", "14")]
+    dirs = wait_registered(daemon, [a, b])
+    measure(dirs, 1.0)  # settle
+    rates = measure(dirs, 8.0)
+    ratio = rates[a] / rates[b]
+    assert 2.7 <= ratio <= 3.3, f"CPU ratio {ratio:.2f} (rates {rates})"
+    # exclusive slicing: together they use about one core, not two
+    assert rates[a] + rates[b] < 1.3
+    shown = {t["name"]: t for t in daemon.tenants()}
+    assert abs(shown[a]["target_share"] - 0.75) < 1e-6 and abs(shown[b]["target_share"] - 0.25) < 1e-6
+    assert abs(shown[a]["measured_share"] - 0.75) < 0.05
+    for p in procs:
+        assert p.wait(timeout=30) == 0
+
+
+def test_tenant_alone_runs_unfrozen(daemon: Daemon, tenant_prefix: str) -> None:
+    a = f"{tenant_prefix}solo"
+    proc = start_tenant(daemon, a, 100, "--seconds", "6")
+    dirs = wait_registered(daemon, [a])
+    rates = measure(dirs, 4.0)
+    assert rates[a] >= 0.9, f"alone it got {rates[a]:.2f} of a core"
+    assert proc.wait(timeout=30) == 0
+
+
+def test_idle_share_is_lent_and_returns_on_wake(daemon: Daemon, tenant_prefix: str, tmp_path: Path) -> None:
+    a, b = f"{tenant_prefix}busy", f"{tenant_prefix}sleeper"
+    fifo = tmp_path / "wake"
+    os.mkfifo(fifo)
+    pa = start_tenant(daemon, a, 100, "--seconds", "16")
+    pb = start_tenant(daemon, b, 100, "--seconds", "6", "--wake-fifo", str(fifo))
+    dirs = wait_registered(daemon, [a, b])
+    lent = measure(dirs, 3.0)
+    assert lent[a] >= 0.85, f"idle tenant's share not lent: busy tenant got {lent[a]:.2f}"
+    assert lent[b] < 0.05
+    with open(fifo, "w") as f:
+        f.write("go\n")
+    back = measure(dirs, 4.0)
+    assert 0.38 <= back[b] / (back[a] + back[b]) <= 0.62, f"woken tenant's share did not return: {back}"
+    for p in (pa, pb):
+        assert p.wait(timeout=30) == 0
+
+
+def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefix: str) -> None:
+    a, b = f"{tenant_prefix}x", f"{tenant_prefix}y"
+    procs = [start_tenant(daemon, a, 100, "--seconds", "30"), start_tenant(daemon, b, 300, "--seconds", "30")]
+    dirs = wait_registered(daemon, [a, b])
+
+    def one_frozen() -> bool:
+        return any(t["state"] == "frozen" for t in daemon.tenants())
+
+    wait_until(one_frozen, 10, "one tenant to be frozen")
+    from unisched.enforce.cgroups import detect_driver
+
+    driver = detect_driver("auto")
+    daemon.stop(signal.SIGKILL)
+    # the kill can land at any point of a slice; make sure it left a tenant frozen so the restart has work
+    cgroups = [f"/unisched/{a}", f"/unisched/{b}"]
+    if not any(driver.is_frozen(cg) for cg in cgroups):
+        driver.set_frozen(cgroups[0], True)
+    daemon.start()
+    assert not any(driver.is_frozen(cg) for cg in cgroups), "a managed cgroup stayed frozen after restart"
+    known = {t["name"]: t for t in daemon.tenants()}
+    assert known[a]["weight"] == 100 and known[b]["weight"] == 300
+    daemon.stop(signal.SIGTERM)
+    assert not any(driver.is_frozen(cg) for cg in cgroups), "SIGTERM left a cgroup frozen"
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+    del dirs

@@ -1,0 +1,200 @@
+"""Kernel-engine logic with fake cgroups, fake telemetry and an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.engine.clock import FakeClock
+from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.state import StateStore
+from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
+
+SLICE = 0.05
+
+
+class Rig:
+    """An engine over fake cgroups whose 'processes' burn one core whenever they are thawed and busy."""
+
+    def __init__(self, tmp: Path, config: DaemonConfig | None = None, telemetry: object = None) -> None:
+        self.driver = FakeCgroupDriver()
+        self.clock = FakeClock()
+        self.store = StateStore(tmp / "state")
+        self.config = config or DaemonConfig(slice_ms=SLICE * 1000)
+        self.engine = KernelEngine(self.config, self.driver, telemetry or NoGpuTelemetry(), self.store, self.clock)  # type: ignore[arg-type]
+        self.engine.start()
+        self.busy: set[str] = set()
+        self.pid = 1000
+
+    def add(self, name: str, weight: int, busy: bool = True, **kw: object) -> None:
+        self.pid += 1
+        self.engine.register(name, weight, kw.get("priority"), kw.get("engines", ()), (), self.pid, 0, True)  # type: ignore[arg-type]
+        if busy:
+            self.busy.add(name)
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            delay = self.engine.tick()
+            for name in self.busy:
+                g = self.driver.groups[f"/unisched/{name}"]
+                if not g.frozen:
+                    g.cpu_s += delay
+            self.clock.advance(delay)
+
+    def cpu(self, name: str) -> float:
+        return self.driver.groups[f"/unisched/{name}"].cpu_s
+
+    def frozen(self, name: str) -> bool:
+        return self.driver.groups[f"/unisched/{name}"].frozen
+
+
+def test_weights_3_to_1_split_cpu_time_3_to_1(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 300)
+    rig.add("b", 100)
+    rig.step(2000)
+    ratio = rig.cpu("a") / rig.cpu("b")
+    assert 2.9 < ratio < 3.1
+    shares = {s.name: s for s in rig.engine.snapshots()}
+    assert shares["a"].target_share == pytest.approx(0.75)
+    assert shares["a"].measured_share == pytest.approx(0.75, abs=0.02)
+
+
+def test_a_tenant_alone_is_never_frozen(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.step(200)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+    assert rig.cpu("a") == pytest.approx(200 * SLICE, rel=0.01)
+
+
+def test_idle_share_is_lent_then_returns_within_two_slices(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.add("b", 100, busy=False)
+    rig.step(100)
+    assert not rig.frozen("a") and rig.cpu("a") == pytest.approx(100 * SLICE, rel=0.02)
+    rig.busy.add("b")
+    rig.step(2)
+    assert rig.frozen("a") or rig.frozen("b"), "the waking tenant was not given a share within 2 slices"
+    before = rig.cpu("b")
+    rig.step(400)
+    assert (rig.cpu("b") - before) / (400 * SLICE) == pytest.approx(0.5, abs=0.03)
+
+
+def test_an_idle_tenant_cannot_bank_credit(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.add("b", 100, busy=False)
+    rig.step(1000)
+    rig.busy.add("b")
+    a0, b0 = rig.cpu("a"), rig.cpu("b")
+    rig.step(20)
+    # with 2 slices of lag allowed, b may run a few slices ahead, never the 50 s a ran alone
+    assert rig.cpu("b") - b0 <= (20 / 2 + 3) * SLICE
+    assert rig.cpu("a") - a0 >= (20 / 2 - 3) * SLICE
+
+
+def test_removed_cgroup_does_not_stop_the_engine(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.add("b", 100)
+    rig.step(10)
+    del rig.driver.groups["/unisched/b"]
+    rig.busy.discard("b")
+    rig.step(10)
+    snap = {s.name: s for s in rig.engine.snapshots()}
+    assert snap["b"].state == "idle" and snap["b"].pids == ()
+    assert not rig.frozen("a")
+
+
+def test_restart_thaws_what_a_crash_left_frozen_and_restores_weights(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 300)
+    rig.add("b", 100)
+    rig.step(5)
+    assert rig.frozen("a") or rig.frozen("b")
+    # a crash: no shutdown(); a new engine over the same cgroups and state
+    engine2 = KernelEngine(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
+    engine2.start()
+    assert not rig.frozen("a") and not rig.frozen("b")
+    assert {s.name: s.base_weight for s in engine2.snapshots()} == {"a": 300, "b": 100}
+
+
+def test_declared_tenants_come_from_config(tmp_path: Path) -> None:
+    cfg = DaemonConfig(tenants=(DeclaredTenant("train", 700, Priority.OFFLINE, frozenset({Engine.COMPUTE})),))
+    rig = Rig(tmp_path, cfg)
+    assert [(s.name, s.weight) for s in rig.engine.snapshots()] == [("train", 700)]
+
+
+def test_tidal_weights_follow_the_clock(tmp_path: Path) -> None:
+    sched = TidalSchedule((TidalWindow("a", 8 * 60, 20 * 60, 900),))
+    rig = Rig(tmp_path, DaemonConfig(mode=Mode.TIDAL, tidal=sched, slice_ms=SLICE * 1000))
+    rig.add("a", 100)
+    rig.add("b", 100)
+    rig.clock.day = 12 * 3600
+    rig.step(400)
+    assert rig.engine.policy.weight("a") == 900
+    day_ratio = rig.cpu("a") / rig.cpu("b")
+    rig.clock.day = 22 * 3600
+    a0, b0 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    assert rig.engine.policy.weight("a") == 100
+    assert 8 < day_ratio < 10
+    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(1.0, abs=0.15)
+
+
+def test_preemptive_mode_runs_online_first(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, DaemonConfig(mode=Mode.PREEMPTIVE, slice_ms=SLICE * 1000))
+    rig.add("off", 900, priority=Priority.OFFLINE)
+    rig.add("on", 100, priority=Priority.ONLINE)
+    rig.step(100)
+    assert rig.cpu("on") > 0.95 * 100 * SLICE
+
+
+def test_gpu_busy_time_is_charged_split_by_cpu_activity(tmp_path: Path) -> None:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("a", 100)
+    rig.add("b", 100)
+    tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0)]
+    rig.step(200)
+    total = sum(s.gpu_seconds for s in rig.engine.snapshots())
+    assert total == pytest.approx(0.5 * 199 * SLICE, rel=0.02)  # GPU seconds, not CPU seconds
+
+
+def test_graphics_and_compute_do_not_contend_on_an_h200(tmp_path: Path) -> None:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("cuda", 100, engines=("compute",))
+    rig.add("render", 100, engines=("graphics",))
+    rig.step(100)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+
+
+def test_graphics_and_compute_contend_on_a_graphics_gpu(tmp_path: Path) -> None:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA L40S", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("cuda", 100, engines=("compute",))
+    rig.add("render", 100, engines=("graphics",))
+    rig.step(100)
+    assert any(frozen for _, frozen in rig.driver.freeze_log)
+
+
+def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.engine.register("mine", None, None, (), (), 11, 1000, False)
+    with pytest.raises(EngineError, match="belongs to uid 1000"):
+        rig.engine.register("mine", None, None, (), (), 12, 2000, False)
+    with pytest.raises(EngineError, match="max_user_weight"):
+        rig.engine.register("big", 5000, None, (), (), 13, 1000, False)
+    with pytest.raises(EngineError, match="weight must be in"):
+        rig.engine.register("bad", 0, None, (), (), 14, 0, True)
+    with pytest.raises(EngineError, match="unknown tenant"):
+        rig.engine.set_weight("nobody", 5)
+    with pytest.raises(EngineError, match="no GPU"):
+        rig.engine.register("gpu9", None, None, (), (9,), 15, 0, True)

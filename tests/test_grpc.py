@@ -1,0 +1,161 @@
+"""A real gRPC server on a temporary Unix socket; identity comes from SO_PEERCRED, never from a request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.engine.clock import SystemClock
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import KernelEngine
+from unisched.engine.state import StateStore
+from unisched.telemetry import NoGpuTelemetry
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport.peercred import PeerCredRelay
+from unisched.transport.server import serve_async
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Server:
+    socket: str
+    backend_port: int
+    driver: FakeCgroupDriver
+    engine: KernelEngine
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="us-grpc-"))
+    sock_dir.chmod(0o755)
+    config = DaemonConfig(socket=str(sock_dir / "s.sock"), state_dir=str(tmp_path / "state"))
+    driver = FakeCgroupDriver()
+    engine = KernelEngine(config, driver, NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    started = threading.Event()
+    box: list[PeerCredRelay] = []
+
+    def ready(relay: PeerCredRelay) -> None:
+        box.append(relay)
+        started.set()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(20), "server did not start"
+    yield Server(config.socket, box[0].backend_port, driver, engine)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(20)
+    loop.close()
+    for p in sock_dir.iterdir():
+        p.unlink()
+    sock_dir.rmdir()
+
+
+def test_status_sees_the_callers_own_pid_and_uid(server: Server) -> None:
+    with DaemonClient(server.socket) as c:
+        s = c.status()
+    assert s.caller_pid == os.getpid()
+    assert s.caller_uid == os.getuid()
+
+
+def test_register_moves_the_caller_and_only_the_caller(server: Server) -> None:
+    with DaemonClient(server.socket) as c:
+        t = c.register(pb.RegisterRequest(tenant="web", weight=200))
+    assert t.name == "web" and t.weight == 200
+    assert server.driver.pids("/unisched/web") == [os.getpid()]
+
+
+def test_side_door_connection_has_no_identity(server: Server) -> None:
+    """Reaching the private port directly (not through the Unix socket) gives no identity to act with."""
+    with DaemonClient(target=f"127.0.0.1:{server.backend_port}") as c:
+        assert c.tenants() == []
+        with pytest.raises(DaemonError) as e:
+            c.register(pb.RegisterRequest(tenant="sneaky", weight=100))
+        assert e.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert c.status().caller_pid == 0
+    assert "/unisched/sneaky" not in server.driver.groups
+
+
+def test_bad_requests_get_clear_errors(server: Server) -> None:
+    with DaemonClient(server.socket) as c:
+        for req, code, text in [
+            (pb.RegisterRequest(tenant="bad name!", weight=1), grpc.StatusCode.INVALID_ARGUMENT, "tenant name"),
+            (pb.RegisterRequest(tenant="w", weight=10**9), grpc.StatusCode.INVALID_ARGUMENT, "weight must be in"),
+            (pb.RegisterRequest(tenant="e", engines=["warp"]), grpc.StatusCode.INVALID_ARGUMENT, "engines must be"),
+        ]:
+            with pytest.raises(DaemonError) as e:
+                c.register(req)
+            assert e.value.code is code and text in str(e.value)
+        with pytest.raises(DaemonError) as e:
+            c.set_weight("ghost", 10)
+        assert e.value.code is grpc.StatusCode.NOT_FOUND
+        with pytest.raises(DaemonError) as e:
+            c.adopt(pb.AdoptRequest(tenant="x", cgroup="../../etc"))
+        assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert c.status().tenants == 0  # nothing half-created
+
+
+def test_oversized_message_is_refused(server: Server) -> None:
+    channel = grpc.insecure_channel(f"unix:{server.socket}")
+    stub = pb_grpc.UnischedStub(channel)  # type: ignore[no-untyped-call]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Register(pb.RegisterRequest(tenant="x" * 200_000), timeout=10)
+    assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    channel.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_non_admin_cannot_change_weights_and_is_seen_as_itself(server: Server) -> None:
+    with DaemonClient(server.socket) as c:
+        c.register(pb.RegisterRequest(tenant="owned", weight=100))
+    # Start as root (the interpreter lives under /root), import everything, then drop to nobody for good:
+    # SO_PEERCRED reports the credentials at connect(), which happens after the drop.
+    code = """
+import os, sys, grpc
+from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport import unisched_pb2 as pb
+c = DaemonClient(sys.argv[1])  # channels connect lazily: the connect() happens after the drop
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+s = c.status()
+print("uid", s.caller_uid, "admin", s.caller_is_admin)
+try:
+    c.set_weight("owned", 5000)
+    print("set-weight allowed")
+except DaemonError as e:
+    print("set-weight", e.code.name)
+try:
+    c.register(pb.RegisterRequest(tenant="owned"))
+    print("join allowed")
+except DaemonError as e:
+    print("join", e.code.name)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, server.socket], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd="/tmp",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "uid 65534 admin False" in out.stdout
+    assert "set-weight PERMISSION_DENIED" in out.stdout
+    assert "join PERMISSION_DENIED" in out.stdout
+    assert {s.name: s.weight for s in server.engine.snapshots()} == {"owned": 100}

@@ -1,0 +1,36 @@
+"""Checks that cost nothing later: the layer contract, lint and strict typing of the package."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return path
+
+
+def test_layers_import_downward_only() -> None:
+    out = subprocess.run([_tool("lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_ruff_is_clean() -> None:
+    out = subprocess.run([_tool("ruff"), "check", "unisched", "bench", "examples", "tests"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_mypy_strict_on_the_package() -> None:
+    _tool("mypy")
+    out = subprocess.run([sys.executable, "-m", "mypy", "unisched"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]

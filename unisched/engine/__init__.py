@@ -1,0 +1,1 @@
+"""The engine: the asyncio loop that measures, charges the policy, decides and enforces each slice."""
