@@ -83,11 +83,12 @@ def parse_pairs(text: str) -> list[Pair]:
     """'cuda3:1,render1:1,mixed1:3' -> pairs; kinds cuda, render, mixed (= cuda+render)."""
     pairs: list[Pair] = []
     for token in filter(None, (t.strip() for t in text.split(","))):
-        m = re.fullmatch(r"([a-z+]+?)(\d+(?:\.\d+)?):(\d+(?:\.\d+)?)", token)
+        m = re.fullmatch(r"([a-z+]+?)(\d+):(\d+)", token)
         if not m or m.group(1) not in PAIR_KINDS:
-            raise ValueError(f"bad pair {token!r}: expected KINDSa:b with KINDS one of "
+            raise ValueError(f"bad pair {token!r}: expected KINDSa:b (integer weights, as unisched "
+                             f"takes) with KINDS one of "
                              f"{', '.join(PAIR_KINDS)} (e.g. cuda3:1, mixed1:3)")
-        a, b = float(m.group(2)), float(m.group(3))
+        a, b = int(m.group(2)), int(m.group(3))
         if a <= 0 or b <= 0:
             raise ValueError(f"bad pair {token!r}: weights must be positive")
         pair = Pair(PAIR_KINDS[m.group(1)], (a, b))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,6 +66,7 @@ class Daemon:
     log_path: Path
     extra: tuple[str, ...]
     prefix: str
+    nvml: bool = False
 
     def cli(self, *args: str, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess[str]:
         return cli(*args[:1], "--socket", self.socket, *args[1:], timeout=timeout, check=check)
@@ -85,7 +87,7 @@ class Daemon:
     def _spawn(self, log: object) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
-             "--no-nvml", "--log-format", "json", *self.extra],
+             *(() if self.nvml else ("--no-nvml",)), "--log-format", "json", *self.extra],
             stdout=log, stderr=log, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},  # type: ignore[arg-type]
         )
 
@@ -109,10 +111,8 @@ def _cleanup_cgroups(prefix: str) -> None:
             continue
         driver.set_frozen(cg, False)
         for pid in driver.pids(cg):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         wait_until(lambda cg=cg: not driver.pids(cg), 10, f"{cg} to empty")
         driver.remove(cg)
 
@@ -129,10 +129,10 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
         pytest.skip(reason)
     started: list[Daemon] = []
 
-    def make(*extra: str) -> Daemon:
+    def make(*extra: str, nvml: bool = False) -> Daemon:
         sock_dir = Path(f"/tmp/us-{tenant_prefix}")
         sock_dir.mkdir(exist_ok=True)
-        d = Daemon(str(sock_dir / "d.sock"), str(tmp_path / "state"), None, tmp_path / "daemon.log", extra, tenant_prefix)  # type: ignore[arg-type]
+        d = Daemon(str(sock_dir / "d.sock"), str(tmp_path / "state"), None, tmp_path / "daemon.log", extra, tenant_prefix, nvml)  # type: ignore[arg-type]
         d.start()
         started.append(d)
         return d

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Daemon, needs_freezer, wait_until
 
 pytestmark = [needs_freezer, pytest.mark.root]

@@ -327,7 +327,7 @@ class Renderer:
     """The render target (FBO), the burner program, and one-frame steps."""
 
     def __init__(self, width: int, height: int) -> None:
-        from OpenGL import GL as gl  # lazy: PYOPENGL_PLATFORM must be set and a context current
+        from OpenGL import GL as gl  # type: ignore[import-not-found, unused-ignore]  # lazy: needs a current context
 
         self.gl = gl
         self.width, self.height = width, height

@@ -92,8 +92,8 @@ class TenantStats:
 
 
 # A heap entry is a list so that entries compare in C: [key, name, seq, owner]. The key is the virtual time
-# (or, in timeshare mode, the end of the last turn); `seq` makes every entry unique; `owner` is the _Tenant,
-# or None once the entry is stale (lazy deletion).
+# (or, in timeshare mode, the end of the tenant's last turn); `seq` makes every entry unique; `owner` is the
+# _Tenant, or None once the entry is stale (lazy deletion). A live vtime entry's key is the tenant's vtime.
 _Entry = list[Any]
 _KEY, _NAME, _SEQ, _OWNER = 0, 1, 2, 3
 _MULTI, _SINGLE = 0, 1
@@ -115,20 +115,24 @@ class _Tenant:
     last_run_end: float = float("-inf")
     turn_started: float | None = None
     charges: deque[tuple[float, Resource, float]] = field(default_factory=deque)
-    # index bookkeeping (see _Index)
-    only: Resource | None = None
-    """The one resource of a single-resource tenant; None for idle and multi-resource tenants."""
+    # Index bookkeeping. Resources are numbered (WeightedFairShare._rid) so that the hot path hashes ints,
+    # not Resource dataclasses (whose __hash__ is Python code).
+    demand_ids: tuple[int, ...] = ()
+    only: int = -1
+    """The resource id of a single-resource tenant; -1 for idle and multi-resource tenants."""
     slot: int = 0
-    """Which heap of each resource holds the tenant: priority class * 2 + kind."""
-    entries: dict[Resource, _Entry] = field(default_factory=dict)
-    turn_entries: dict[Resource, _Entry] = field(default_factory=dict)
+    """Which vtime heap of each resource holds the tenant: priority class * 2 + kind."""
+    entries: dict[int, _Entry] = field(default_factory=dict)
+    turn_entries: dict[int, _Entry] = field(default_factory=dict)
+    held: dict[int, dict[Resource, str]] = field(default_factory=dict)
+    """{resource: name} per resource id, merged into Decision.holders without hashing the Resource again."""
 
 
 class _Index:
     """The tenants active on one resource, as lazy min-heaps.
 
     `vt[slot]` (slot = class * 2 + kind) is keyed by virtual time; `turn[kind]` (timeshare mode only) by
-    the end of the tenant's last turn and holds only tenants not in a turn now.
+    the end of the tenant's last turn, and holds only tenants that are not in a turn now.
     """
 
     __slots__ = ("active", "turn", "turn_alive", "vt", "vt_alive")
@@ -141,20 +145,35 @@ class _Index:
         self.active = 0
 
 
-def _push(heap: list[_Entry], alive: int, entry: _Entry) -> list[_Entry]:
+def _push(heap: list[_Entry], alive: int, entry: _Entry) -> None:
     """Push; when the heap is mostly stale entries, rebuild it (in place) from the live ones."""
     heapq.heappush(heap, entry)
     if len(heap) > _COMPACT_MIN and len(heap) > 3 * alive:
         heap[:] = [e for e in heap if e[_OWNER] is not None]
         heapq.heapify(heap)
-    return heap
 
 
-def _holds(holders: Mapping[Resource, str], name: str, t: _Tenant) -> bool:
+def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) -> None:
+    """Add the live entries of `heap` whose key is <= bound to the candidates (stale ones are dropped)."""
+    kept: list[_Entry] = []
+    while heap and heap[0][_KEY] <= bound:
+        entry = heapq.heappop(heap)
+        if entry[_OWNER] is not None:
+            cands[entry[_NAME]] = entry[_OWNER]
+            kept.append(entry)
+    for entry in kept:
+        heapq.heappush(heap, entry)
+
+
+def _first(item: tuple[tuple[float, float, float, str], _Tenant]) -> tuple[float, float, float, str]:
+    return item[0]
+
+
+def _holds(holders: Mapping[int, str], name: str, t: _Tenant) -> bool:
     """Whether the tenant held one of the resources it has demand on."""
-    if t.only is not None:
+    if t.only >= 0:
         return holders.get(t.only) == name
-    return any(holders.get(r) == name for r in t.demand)
+    return any(holders.get(i) == name for i in t.demand_ids)
 
 
 class WeightedFairShare:
@@ -163,18 +182,30 @@ class WeightedFairShare:
     def __init__(self, config: FairShareConfig | None = None) -> None:
         self.config = config or FairShareConfig()
         self._tenants: dict[str, _Tenant] = {}
-        self._vclock: dict[Resource, float] = {}
-        self._holders: dict[Resource, str] = {}
-        self._index: dict[Resource, _Index] = {}
-        self._contended: dict[Resource, _Index] = {}
-        """Resources with at least one active tenant (the ones a decision hands out)."""
+        # resources, numbered in order of first use
+        self._rids: dict[Resource, int] = {}
+        self._resources: list[Resource] = []
+        self._index: list[_Index] = []
+        self._vclock: list[float] = []
+        self._contended: dict[int, _Index] = {}
+        """Resources with at least one active tenant: the ones a decision hands out."""
+        self._holders: dict[int, str] = {}
         self._active: set[str] = set()
         self._active_frozen: frozenset[str] | None = frozenset()
         self._in_turn: set[str] = set()
-        """Tenants that ran in the last decision (turn_started is set)."""
+        """Tenants that run since the last decision (their turn_started is set)."""
         self._turn_index = False
-        """Whether the timeshare heaps are kept (only in timeshare mode)."""
+        """Whether the heaps keyed by turn end are kept (timeshare mode only)."""
         self._seq = count()
+
+    def _rid(self, r: Resource) -> int:
+        rid = self._rids.get(r)
+        if rid is None:
+            rid = self._rids[r] = len(self._resources)
+            self._resources.append(r)
+            self._index.append(_Index())
+            self._vclock.append(0.0)
+        return rid
 
     # --- membership -------------------------------------------------------------------------------
     def upsert(self, spec: TenantSpec) -> None:
@@ -198,9 +229,9 @@ class WeightedFairShare:
             self._active.discard(name)
             self._active_frozen = None
         self._in_turn.discard(name)
-        for r, holder in list(self._holders.items()):
+        for rid, holder in list(self._holders.items()):
             if holder == name:
-                del self._holders[r]
+                del self._holders[rid]
 
     def set_weight(self, name: str, weight: int) -> None:
         """Effective weight (tidal schedules change it without touching the declared spec)."""
@@ -227,7 +258,7 @@ class WeightedFairShare:
             return
         limit = self.config.lag_limit_slices * self.config.slice_s / t.weight
         for r in new - t.demand:
-            clock = self._clock(r)
+            clock = self._clock(self._rid(r))
             if r not in t.vtime:
                 t.vtime[r] = clock
             else:
@@ -250,17 +281,20 @@ class WeightedFairShare:
         if gpu_seconds == 0:
             return
         t = self._get(name)
-        if resource not in t.vtime:
-            t.vtime[resource] = self._clock(resource)
-        v = t.vtime[resource] + gpu_seconds / t.weight
-        t.vtime[resource] = v
-        old = t.entries.get(resource)
-        if old is not None:
-            old[_OWNER] = None
-            idx = self._index[resource]
-            entry = [v, old[_NAME], next(self._seq), t]
-            t.entries[resource] = entry
-            _push(idx.vt[t.slot], idx.vt_alive[t.slot], entry)
+        vtime = t.vtime
+        if resource not in vtime:
+            vtime[resource] = self._clock(self._rid(resource))
+        v = vtime[resource] + gpu_seconds / t.weight
+        vtime[resource] = v
+        if t.entries:
+            rid = self._rids[resource]
+            old = t.entries.get(rid)
+            if old is not None:
+                old[_OWNER] = None
+                idx = self._index[rid]
+                entry = [v, old[_NAME], next(self._seq), t]
+                t.entries[rid] = entry
+                _push(idx.vt[t.slot], idx.vt_alive[t.slot], entry)
         t.gpu_seconds += gpu_seconds
         charges = t.charges
         charges.append((now, resource, gpu_seconds))
@@ -268,60 +302,60 @@ class WeightedFairShare:
         while charges[0][0] < horizon:
             charges.popleft()
 
-    def _clock(self, r: Resource) -> float:
+    def _clock(self, rid: int) -> float:
         """The resource's virtual clock: the lowest vtime among tenants active on it (monotonic)."""
-        clock = self._vclock.get(r, 0.0)
-        idx = self._contended.get(r)
+        clock = self._vclock[rid]
+        idx = self._contended.get(rid)
         if idx is not None:
             for h in idx.vt:
                 while h and h[0][_OWNER] is None:
                     heapq.heappop(h)
             clock = max(clock, min((h[0][_KEY] for h in idx.vt if h), default=clock))
-        self._vclock[r] = clock
+        self._vclock[rid] = clock
         return clock
 
     # --- index maintenance ------------------------------------------------------------------------
     def _reindex(self, t: _Tenant) -> None:
-        """Enter an (unindexed) tenant into the heaps of every resource it has demand on."""
+        """Enter an unindexed tenant into the heaps of every resource it has demand on."""
         demand = t.demand
-        if not demand:
-            t.only = None
+        ids = tuple(self._rid(r) for r in demand)
+        t.demand_ids = ids
+        if not ids:
+            t.only = -1
             return
-        kind = _SINGLE if len(demand) == 1 else _MULTI
-        t.only = next(iter(demand)) if kind == _SINGLE else None
-        t.slot = (_ONLINE if t.spec.priority is Priority.ONLINE else _OFFLINE) * 2 + kind
+        kind = _SINGLE if len(ids) == 1 else _MULTI
+        t.only = ids[0] if kind == _SINGLE else -1
+        t.slot = slot = (_ONLINE if t.spec.priority is Priority.ONLINE else _OFFLINE) * 2 + kind
         name = t.spec.name
-        for r in demand:
-            idx = self._index.get(r)
-            if idx is None:
-                idx = self._index[r] = _Index()
+        for r, rid in zip(demand, ids, strict=True):
+            idx = self._index[rid]
             entry = [t.vtime[r], name, next(self._seq), t]
-            t.entries[r] = entry
-            idx.vt_alive[t.slot] += 1
-            _push(idx.vt[t.slot], idx.vt_alive[t.slot], entry)
+            t.entries[rid] = entry
+            idx.vt_alive[slot] += 1
+            _push(idx.vt[slot], idx.vt_alive[slot], entry)
             idx.active += 1
             if idx.active == 1:
-                self._contended[r] = idx
+                self._contended[rid] = idx
         if self._turn_index and t.turn_started is None:
             self._enter_turn_queue(t)
 
     def _unindex(self, t: _Tenant) -> None:
-        for r, entry in t.entries.items():
+        for rid, entry in t.entries.items():
             entry[_OWNER] = None
-            idx = self._index[r]
+            idx = self._index[rid]
             idx.vt_alive[t.slot] -= 1
             idx.active -= 1
             if idx.active == 0:
-                del self._contended[r]
+                del self._contended[rid]
         t.entries.clear()
         self._leave_turn_queue(t)
 
     def _enter_turn_queue(self, t: _Tenant) -> None:
-        kind = _SINGLE if len(t.demand) == 1 else _MULTI
-        for r in t.demand:
-            idx = self._index[r]
+        kind = _SINGLE if len(t.demand_ids) == 1 else _MULTI
+        for rid in t.demand_ids:
+            idx = self._index[rid]
             entry = [t.last_run_end, t.spec.name, next(self._seq), t]
-            t.turn_entries[r] = entry
+            t.turn_entries[rid] = entry
             idx.turn_alive[kind] += 1
             _push(idx.turn[kind], idx.turn_alive[kind], entry)
 
@@ -329,9 +363,9 @@ class WeightedFairShare:
         if not t.turn_entries:
             return
         kind = _SINGLE if len(t.turn_entries) == 1 else _MULTI
-        for r, entry in t.turn_entries.items():
+        for rid, entry in t.turn_entries.items():
             entry[_OWNER] = None
-            self._index[r].turn_alive[kind] -= 1
+            self._index[rid].turn_alive[kind] -= 1
         t.turn_entries.clear()
 
     def _set_turn_index(self, on: bool) -> None:
@@ -339,7 +373,7 @@ class WeightedFairShare:
         self._turn_index = on
         for t in self._tenants.values():
             self._leave_turn_queue(t)
-        for idx in self._index.values():
+        for idx in self._index:
             idx.turn = ([], [])
             idx.turn_alive = [0, 0]
         if on:
@@ -360,115 +394,120 @@ class WeightedFairShare:
         heappop = heapq.heappop
         inf = math.inf
 
-        # 1. clocks, and the few tenants that can win each resource
-        clocks: dict[Resource, float] = {}
-        cands: dict[str, _Tenant] = {}
-        for r, idx in self._contended.items():
+        # 1. Advance the clocks, and collect the few tenants that can win each resource. Single-resource
+        #    tenants on one resource share its clock, so they rank by vtime: only a heap top, or the holder
+        #    when it ties with the top, can win. A multi-resource tenant can only win a resource if it is
+        #    at or ahead of the best single one there.
+        local: dict[int, list[_Tenant]] = {}
+        multis: dict[str, _Tenant] = {}
+        for rid, idx in self._contended.items():
             vt = idx.vt
             lowest = inf
             for h in vt:
                 if h:
-                    while h[0][_OWNER] is None:
+                    top = h[0]
+                    while top[_OWNER] is None:
                         heappop(h)
                         if not h:
                             break
+                        top = h[0]
                     else:
-                        if h[0][_KEY] < lowest:
-                            lowest = h[0][_KEY]
-            clock = vclock.get(r, 0.0)
+                        if top[_KEY] < lowest:
+                            lowest = top[_KEY]
+            clock = vclock[rid]
             if lowest > clock:
-                clock = lowest
-            vclock[r] = clock
-            clocks[r] = clock
-
-            holder = prev.get(r)
-            if holder is not None:
-                ht = tenants.get(holder)
-                if ht is not None and r in ht.demand:
-                    cands[holder] = ht
+                vclock[rid] = clock = lowest
+            singles: list[_Tenant] = []
+            local[rid] = singles
             if timeshare:
-                singles, multis = idx.turn[_SINGLE], idx.turn[_MULTI]
                 bound = inf
-                if singles:
-                    while singles and singles[0][_OWNER] is None:
-                        heappop(singles)
-                    if singles:
-                        top = singles[0]
-                        cands[top[_NAME]] = top[_OWNER]
-                        bound = top[_KEY]
-                if multis:
-                    self._take_multis(multis, bound, cands)
+                h = idx.turn[_SINGLE]
+                while h and h[0][_OWNER] is None:
+                    heappop(h)
+                if h:
+                    singles.append(h[0][_OWNER])
+                    bound = h[0][_KEY]
+                if idx.turn[_MULTI]:
+                    _take_multis(idx.turn[_MULTI], bound, multis)
                 continue
-            # single-resource tenants rank by vtime on their one resource: only the top can win
-            online_top = inf
+            tops: list[_Entry | None] = [None, None]
+            online_top = offline_top = inf
             h = vt[_ONLINE * 2 + _SINGLE]
             if h:
-                top = h[0]
-                cands[top[_NAME]] = top[_OWNER]
+                tops[_ONLINE] = top = h[0]
+                singles.append(top[_OWNER])
                 online_top = top[_KEY]
-            offline_top = inf
             h = vt[_OFFLINE * 2 + _SINGLE]
             if h:
-                top = h[0]
-                cands[top[_NAME]] = top[_OWNER]
+                tops[_OFFLINE] = top = h[0]
+                singles.append(top[_OWNER])
                 offline_top = top[_KEY]
-            # a multi-resource tenant must be at or ahead of the best single one on each of its resources
+            holder = prev.get(rid)
+            if holder is not None:
+                ht = tenants.get(holder)
+                if ht is not None and ht.only == rid:
+                    best = tops[ht.slot >> 1]
+                    if best is not None and best[_OWNER] is not ht and ht.entries[rid][_KEY] - clock == best[_KEY] - clock:
+                        singles.append(ht)  # tied with the top: the holder wins ties
             h = vt[_ONLINE * 2 + _MULTI]
             if h:
-                self._take_multis(h, online_top if preemptive else min(online_top, offline_top), cands)
+                _take_multis(h, online_top if preemptive else min(online_top, offline_top), multis)
             h = vt[_OFFLINE * 2 + _MULTI]
             if h:
                 if not preemptive:
-                    self._take_multis(h, min(online_top, offline_top), cands)
+                    _take_multis(h, min(online_top, offline_top), multis)
                 elif online_top == inf:
-                    self._take_multis(h, offline_top, cands)
+                    _take_multis(h, offline_top, multis)
         if timeshare:
             for name in self._in_turn:
                 t = tenants[name]
-                if t.demand:
-                    cands[name] = t
+                if t.only >= 0:
+                    local[t.only].append(t)
+                elif t.demand:
+                    multis[name] = t
 
-        # 2. rank the candidates exactly as a full sort of every active tenant would
-        ranked: list[tuple[float, float, float, str, _Tenant]] = []
-        for name, t in cands.items():
-            only = t.only
-            held = _holds(prev, name, t)
-            cls = 0.0 if (preemptive and t.spec.priority is Priority.ONLINE) else 1.0
-            if timeshare:
-                if t.turn_started is None:
-                    ranked.append((cls, 1.0, t.last_run_end, name, t))
-                elif held and now - t.turn_started < self._window(t) - _TURN_EPS_S:
-                    ranked.append((cls, 0.0, t.last_run_end, name, t))
-                else:
-                    # its turn is over: behind everyone who waited (round robin)
-                    ranked.append((cls, 1.0, now, name, t))
-                continue
-            lag = t.vtime[only] - clocks[only] if only is not None else max(t.vtime[r] - clocks[r] for r in t.demand)
-            ranked.append((cls, lag, 0.0 if held else 1.0, name, t))
-        ranked.sort()
-
-        # 3. greedy: best first, skipping tenants one of whose resources is already taken
-        taken: set[Resource] = set()
+        # 2. The greedy over every active tenant (best rank first, skipping a tenant one of whose resources
+        #    is taken) picks the same winners when run over these candidates only. A resource that no
+        #    candidate multi-resource tenant wants goes to its own best candidate.
+        holder_ids: dict[int, str] = {}
         holders: dict[Resource, str] = {}
         running: list[str] = []
-        for _, _, _, name, t in ranked:
-            only = t.only
-            if only is not None:
-                if only in taken:
-                    continue
-                taken.add(only)
-                holders[only] = name
-            else:
-                if not taken.isdisjoint(t.demand):
-                    if timeshare:
-                        taken |= t.demand  # keep its free resources for it: no overtaking in turns
-                    continue
-                taken |= t.demand
-                for r in t.demand:
-                    holders[r] = name
+        resources = self._resources
+        contested: set[int] = set()
+        for m in multis.values():
+            contested.update(m.demand_ids)
+        ranked: list[tuple[tuple[float, float, float, str], _Tenant]] = []
+        for rid, singles in local.items():
+            if rid in contested:
+                ranked.extend((self._rank(t, now, preemptive, timeshare), t) for t in singles)
+                continue
+            if not singles:
+                continue
+            t = singles[0] if len(singles) == 1 else min(singles, key=lambda c: self._rank(c, now, preemptive, timeshare))
+            name = t.spec.name
+            holder_ids[rid] = name
+            pair = t.held.get(rid)
+            if pair is None:
+                pair = t.held[rid] = {resources[rid]: name}
+            holders.update(pair)
             running.append(name)
+        if multis:
+            ranked.extend((self._rank(m, now, preemptive, timeshare), m) for m in multis.values())
+            ranked.sort(key=_first)
+            taken: set[int] = set()
+            for _, t in ranked:
+                name = t.spec.name
+                if not taken.isdisjoint(t.demand_ids):
+                    if timeshare:
+                        taken.update(t.demand_ids)  # keep its free resources for it: no overtaking in turns
+                    continue
+                taken.update(t.demand_ids)
+                for rid in t.demand_ids:
+                    holder_ids[rid] = name
+                    holders[resources[rid]] = name
+                running.append(name)
 
-        # 4. turns: who started, continued or stopped running
+        # 3. turns: who started, continued or stopped running
         in_turn = self._in_turn
         running_set = frozenset(running)
         for name in running:
@@ -479,7 +518,9 @@ class WeightedFairShare:
                 in_turn.add(name)
                 if timeshare:
                     self._leave_turn_queue(t)
-            elif not _holds(prev, name, t) or (timeshare and now - t.turn_started >= self._window(t) - _TURN_EPS_S):
+            elif (prev.get(t.only) != name if t.only >= 0 else not _holds(prev, name, t)) or (
+                timeshare and now - t.turn_started >= self._window(t) - _TURN_EPS_S
+            ):
                 t.turn_started = now
         if len(in_turn) != len(running_set):
             for name in in_turn - running_set:
@@ -489,7 +530,7 @@ class WeightedFairShare:
                 if timeshare and t.demand:
                     self._enter_turn_queue(t)
             in_turn.intersection_update(running_set)
-        self._holders = holders
+        self._holders = holder_ids
 
         slice_s = self.config.slice_s
         if timeshare and running:
@@ -498,25 +539,22 @@ class WeightedFairShare:
         active = self._active_frozen
         if active is None:
             active = self._active_frozen = frozenset(self._active)
-        return Decision(
-            now=now,
-            slice_s=slice_s,
-            running=running_set,
-            waiting=active - running_set,
-            holders=dict(holders),
-        )
+        return Decision(now=now, slice_s=slice_s, running=running_set, waiting=active - running_set, holders=holders)
 
-    @staticmethod
-    def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) -> None:
-        """Add the live entries of `heap` whose key is <= bound to the candidates (stale ones are dropped)."""
-        kept: list[_Entry] = []
-        while heap and heap[0][_KEY] <= bound:
-            entry = heapq.heappop(heap)
-            if entry[_OWNER] is not None:
-                cands[entry[_NAME]] = entry[_OWNER]
-                kept.append(entry)
-        for entry in kept:
-            heapq.heappush(heap, entry)
+    def _rank(self, t: _Tenant, now: float, preemptive: bool, timeshare: bool) -> tuple[float, float, float, str]:
+        """A tenant's place in the greedy order (lower first); the same order as a sort of all would give."""
+        name = t.spec.name
+        cls = 0.0 if (preemptive and t.spec.priority is Priority.ONLINE) else 1.0
+        held = _holds(self._holders, name, t)
+        if timeshare:
+            if t.turn_started is None:
+                return (cls, 1.0, t.last_run_end, name)
+            if held and now - t.turn_started < self._window(t) - _TURN_EPS_S:
+                return (cls, 0.0, t.last_run_end, name)
+            return (cls, 1.0, now, name)  # its turn is over: behind everyone who waited (round robin)
+        vclock = self._vclock
+        lag = max(e[_KEY] - vclock[rid] for rid, e in t.entries.items())
+        return (cls, lag, 0.0 if held else 1.0, name)
 
     def _window(self, t: _Tenant) -> float:
         return self.config.timeshare_window_s * t.weight / DEFAULT_WEIGHT
