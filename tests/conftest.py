@@ -20,6 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def child_env() -> dict[str, str]:
+    """The environment for child processes: this checkout first, whatever PYTHONPATH was set after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def freezer_unavailable_reason() -> str | None:
     """Why real cgroup tests cannot run here, or None when they can."""
     if os.geteuid() != 0:
@@ -39,7 +44,7 @@ needs_freezer = pytest.mark.skipif(freezer_unavailable_reason() is not None, rea
 def cli(*args: str, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, "-m", "unisched", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"unisched {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
@@ -88,7 +93,7 @@ class Daemon:
         return subprocess.Popen(
             [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
              *(() if self.nvml else ("--no-nvml",)), "--log-format", "json", *self.extra],
-            stdout=log, stderr=log, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},  # type: ignore[arg-type]
+            stdout=log, stderr=log, cwd=ROOT, env=child_env(),  # type: ignore[arg-type]
         )
 
     def stop(self, sig: int = signal.SIGTERM) -> int:

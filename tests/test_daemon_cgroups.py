@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Daemon, needs_freezer, wait_until
+from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
 
 pytestmark = [needs_freezer, pytest.mark.root]
 HOG = str(ROOT / "tests" / "hog.py")
@@ -32,7 +32,7 @@ def start_tenant(d: Daemon, name: str, weight: int, *hog_args: str) -> subproces
     return subprocess.Popen(
         [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", str(weight),
          "--", sys.executable, HOG, *hog_args],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env=child_env(),
     )
 
 

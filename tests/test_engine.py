@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -167,22 +168,29 @@ def test_gpu_busy_time_is_charged_split_by_cpu_activity(tmp_path: Path) -> None:
     assert total == pytest.approx(0.5 * 199 * SLICE, rel=0.02)  # GPU seconds, not CPU seconds
 
 
-def test_graphics_and_compute_do_not_contend_on_an_h200(tmp_path: Path) -> None:
+def _mixed_pair_freezes(tmp_path: Path, kept: tuple[float, float] | None) -> bool:
+    if kept is not None:
+        (tmp_path / "state").mkdir()
+        (tmp_path / "state" / "contention.json").write_text(json.dumps(
+            {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": kept[0], "graphics_kept": kept[1]}}}))
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
     rig = Rig(tmp_path, telemetry=tel)
     rig.add("cuda", 100, engines=("compute",))
     rig.add("render", 100, engines=("graphics",))
     rig.step(100)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+    return any(frozen for _, frozen in rig.driver.freeze_log)
 
 
-def test_graphics_and_compute_contend_on_a_graphics_gpu(tmp_path: Path) -> None:
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA L40S", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, telemetry=tel)
-    rig.add("cuda", 100, engines=("compute",))
-    rig.add("render", 100, engines=("graphics",))
-    rig.step(100)
-    assert any(frozen for _, frozen in rig.driver.freeze_log)
+def test_compute_and_graphics_overlap_where_calibration_measured_it(tmp_path: Path) -> None:
+    assert not _mixed_pair_freezes(tmp_path, (0.9, 0.97))
+
+
+def test_compute_and_graphics_are_sliced_where_they_were_measured_to_contend(tmp_path: Path) -> None:
+    assert _mixed_pair_freezes(tmp_path, (0.14, 0.87))
+
+
+def test_compute_and_graphics_are_sliced_when_never_measured(tmp_path: Path) -> None:
+    assert _mixed_pair_freezes(tmp_path, None)
 
 
 def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, Daemon, wait_until
+from conftest import ROOT, Daemon, child_env, wait_until
 
 
 def _gpu_reason() -> str | None:
@@ -63,7 +62,7 @@ def test_cuda_tenant_is_charged_gpu_seconds(daemon_factory) -> None:  # type: ig
     name = f"{d.prefix}cuda"
     p = subprocess.Popen([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name,
                           "--", sys.executable, "-c", BURN.format(s=10)], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=child_env())
     try:
         t = wait_until(lambda: next((t for t in d.tenants() if t["name"] == name and t["gpu_seconds"] > 2.0), None),
                        40, "GPU seconds to be charged")

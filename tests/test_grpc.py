@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import child_env
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import SystemClock
@@ -26,8 +27,6 @@ from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.peercred import PeerCredRelay
 from unisched.transport.server import serve_async
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -152,7 +151,7 @@ except DaemonError as e:
 """
     out = subprocess.run(
         [sys.executable, "-c", code, server.socket], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd="/tmp",
+        env=child_env(), cwd="/tmp",
     )
     assert out.returncode == 0, out.stderr
     assert "uid 65534 admin False" in out.stdout

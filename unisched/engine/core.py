@@ -19,6 +19,7 @@ from unisched.engine.config import DaemonConfig, DeclaredTenant
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import (
     DEFAULT_WEIGHT,
+    SHARED_SM,
     ContentionMap,
     Engine,
     FairShareConfig,
@@ -137,14 +138,27 @@ class KernelEngine:
         )
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
-        if config.contention != "auto":
-            self.contention = ContentionMap.named(config.contention)
-        else:
-            self.contention = ContentionMap.for_gpu(gpus[0].name if gpus else "")
+        self.contention = self._contention(gpus[0].name if gpus else None)
         self._tenants: dict[str, _Tenant] = {}
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
         self._last_active: frozenset[str] = frozenset()
+
+    def _contention(self, gpu_name: str | None) -> ContentionMap:
+        if self.config.contention != "auto":
+            return ContentionMap.named(self.config.contention)
+        if gpu_name is None:
+            return SHARED_SM
+        kept = self.store.measured_contention(gpu_name)
+        if kept is None:
+            log.info(
+                "contention of compute and graphics not measured on this GPU: slicing them as one domain",
+                gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
+            )
+            return SHARED_SM
+        chosen = ContentionMap.from_kept(*kept)
+        log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name)
+        return chosen
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:

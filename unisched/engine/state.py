@@ -82,6 +82,19 @@ class StateStore:
             log.error("state file unreadable; kept a copy and starting from the config", error=str(e), copy=str(keep))
             return []
 
+    def measured_contention(self, gpu_name: str) -> tuple[float, float] | None:
+        """(compute_kept, graphics_kept) from a calibration run on this GPU model (bench/calibrate_contention.py)."""
+        path = self.dir / "contention.json"
+        try:
+            entry = json.loads(path.read_text())["gpus"][gpu_name]
+            return float(entry["compute_kept"]), float(entry["graphics_kept"])
+        except FileNotFoundError:
+            return None
+        except (KeyError, TypeError, ValueError) as e:
+            if not isinstance(e, KeyError):
+                log.error("contention file unreadable; slicing compute and graphics together", path=str(path), error=str(e))
+            return None
+
     def save(self, tenants: list[SavedTenant]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"version": STATE_VERSION, "tenants": [t.to_json() for t in tenants]}, indent=1).encode()

@@ -1,8 +1,11 @@
-"""Which engines contend with which, per GPU model.
+"""Which engines contend with which, per GPU.
 
-Measured, not assumed (DESIGN.md): on the H100/H200 rendering runs on a few graphics-capable SMs and
-overlaps with CUDA, so graphics is its own domain there; on graphics-class GPUs every SM renders and
-compute and graphics share one domain. The video engines are always separate domains.
+Measured, not assumed. On graphics-class GPUs every SM renders, and compute and graphics contend fully.
+On the H100/H200 rendering runs on a few graphics-capable SMs, and whether it overlaps with CUDA depends on
+the load: one probe (DESIGN.md) saw CUDA keep 55-95% of its solo rate next to rendering, the benchmark of
+2026-11-30 saw it keep 14% (bench/results). So compute and graphics are sliced against each other (one
+"sm" domain: the guarantee holds everywhere) unless a calibration run on that GPU measured that they
+overlap (`from_kept`). The video engines are always domains of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from types import MappingProxyType
 
 from unisched.policy.model import Engine, PolicyError, Resource
 
-__all__ = ["ContentionMap", "SEPARATE_GRAPHICS", "SHARED_SM"]
+__all__ = ["OVERLAP_KEPT", "SEPARATE_GRAPHICS", "SHARED_SM", "ContentionMap"]
+
+OVERLAP_KEPT = 0.75
 
 
 @dataclass(frozen=True)
@@ -37,10 +42,14 @@ class ContentionMap:
             raise PolicyError(f"contention must be one of {sorted(_BY_NAME)} or 'auto', got {name!r}") from None
 
     @staticmethod
-    def for_gpu(gpu_name: str) -> ContentionMap:
-        """The measured map for a GPU model name as NVML reports it."""
-        upper = gpu_name.upper()
-        if any(chip in upper for chip in ("H100", "H200", "H800", "H20", "GH200")):
+    def from_kept(compute_kept: float, graphics_kept: float) -> ContentionMap:
+        """The map a calibration implies: CUDA and rendering run together, each kept this fraction of its solo rate.
+
+        Overlap (separate domains) only where both keep >= OVERLAP_KEPT, so that leaving them unsliced still gives
+        each at least its weight share for weights up to 3:1; otherwise they are sliced as one domain.
+        Must agree with bench/scoring.py:contention_verdict.
+        """
+        if min(compute_kept, graphics_kept) >= OVERLAP_KEPT:
             return SEPARATE_GRAPHICS
         return SHARED_SM
 

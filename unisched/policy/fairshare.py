@@ -154,15 +154,30 @@ def _push(heap: list[_Entry], alive: int, entry: _Entry) -> None:
 
 
 def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) -> None:
-    """Add the live entries of `heap` whose key is <= bound to the candidates (stale ones are dropped)."""
-    kept: list[_Entry] = []
-    while heap and heap[0][_KEY] <= bound:
-        entry = heapq.heappop(heap)
+    """Add the owners of the live entries of `heap` whose key is <= bound to the candidates.
+
+    Reads the heap without changing it: a scan when it is short, else a walk down from the root that
+    stops below entries past the bound (their children are later still).
+    """
+    if len(heap) <= 32:
+        for entry in heap:
+            if entry[_KEY] <= bound and entry[_OWNER] is not None:
+                cands[entry[_NAME]] = entry[_OWNER]
+        return
+    n = len(heap)
+    stack = [0]
+    while stack:
+        i = stack.pop()
+        entry = heap[i]
+        if entry[_KEY] > bound:
+            continue
         if entry[_OWNER] is not None:
             cands[entry[_NAME]] = entry[_OWNER]
-            kept.append(entry)
-    for entry in kept:
-        heapq.heappush(heap, entry)
+        i = 2 * i + 1
+        if i < n:
+            stack.append(i)
+            if i + 1 < n:
+                stack.append(i + 1)
 
 
 def _first(item: tuple[tuple[float, float, float, str], _Tenant]) -> tuple[float, float, float, str]:
@@ -196,6 +211,10 @@ class WeightedFairShare:
         """Tenants that run since the last decision (their turn_started is set)."""
         self._turn_index = False
         """Whether the heaps keyed by turn end are kept (timeshare mode only)."""
+        self._by_class = self.config.mode is Mode.PREEMPTIVE
+        """Whether online tenants have heaps of their own (preemptive mode only; else all share the offline ones)."""
+        self._multi = 0
+        """How many active tenants have demand on several resources (none: every resource is decided alone)."""
         self._seq = count()
 
     def _rid(self, r: Resource) -> int:
@@ -212,7 +231,7 @@ class WeightedFairShare:
         t = self._tenants.get(spec.name)
         if t is None:
             self._tenants[spec.name] = _Tenant(spec=spec, weight=spec.weight)
-        elif spec.priority is not t.spec.priority and t.demand:
+        elif spec.priority is not t.spec.priority and t.demand and self._by_class:
             self._unindex(t)
             t.spec = spec
             t.weight = spec.weight
@@ -291,10 +310,13 @@ class WeightedFairShare:
             old = t.entries.get(rid)
             if old is not None:
                 old[_OWNER] = None
-                idx = self._index[rid]
+                heap = self._index[rid].vt[t.slot]
                 entry = [v, old[_NAME], next(self._seq), t]
                 t.entries[rid] = entry
-                _push(idx.vt[t.slot], idx.vt_alive[t.slot], entry)
+                if heap[0] is old:
+                    heapq.heapreplace(heap, entry)  # the usual case: the holder was the lowest
+                else:
+                    _push(heap, self._index[rid].vt_alive[t.slot], entry)
         t.gpu_seconds += gpu_seconds
         charges = t.charges
         charges.append((now, resource, gpu_seconds))
@@ -325,7 +347,10 @@ class WeightedFairShare:
             return
         kind = _SINGLE if len(ids) == 1 else _MULTI
         t.only = ids[0] if kind == _SINGLE else -1
-        t.slot = slot = (_ONLINE if t.spec.priority is Priority.ONLINE else _OFFLINE) * 2 + kind
+        online = self._by_class and t.spec.priority is Priority.ONLINE
+        t.slot = slot = (_ONLINE if online else _OFFLINE) * 2 + kind
+        if kind == _MULTI:
+            self._multi += 1
         name = t.spec.name
         for r, rid in zip(demand, ids, strict=True):
             idx = self._index[rid]
@@ -340,6 +365,8 @@ class WeightedFairShare:
             self._enter_turn_queue(t)
 
     def _unindex(self, t: _Tenant) -> None:
+        if len(t.entries) > 1:
+            self._multi -= 1
         for rid, entry in t.entries.items():
             entry[_OWNER] = None
             idx = self._index[rid]
@@ -388,6 +415,115 @@ class WeightedFairShare:
         if timeshare is not self._turn_index:
             self._set_turn_index(timeshare)
         preemptive = mode is Mode.PREEMPTIVE
+        if preemptive is not self._by_class:
+            self._by_class = preemptive
+            for t in self._tenants.values():
+                if t.demand:
+                    self._unindex(t)
+                    self._reindex(t)
+        tenants = self._tenants
+        if not timeshare and not self._multi:
+            holder_ids, holders, running = self._decide_singles(now, preemptive)
+        else:
+            holder_ids, holders, running = self._decide_general(now, preemptive, timeshare)
+            self._start_turns(running, now, timeshare)
+        # the tenants that ran in the last decision and do not now end their turn
+        in_turn = self._in_turn
+        running_set = frozenset(running)
+        if len(in_turn) != len(running_set):
+            for name in in_turn - running_set:
+                t = tenants[name]
+                t.turn_started = None
+                t.last_run_end = now
+                if timeshare and t.demand:
+                    self._enter_turn_queue(t)
+            in_turn.intersection_update(running_set)
+        self._holders = holder_ids
+
+        slice_s = self.config.slice_s
+        if timeshare and running:
+            remaining = [self._window(tenants[n]) - (now - (tenants[n].turn_started or 0.0)) for n in running]
+            slice_s = max(0.001, min(max(remaining), slice_s * 4))
+        active = self._active_frozen
+        if active is None:
+            active = self._active_frozen = frozenset(self._active)
+        return Decision(now=now, slice_s=slice_s, running=running_set, waiting=active - running_set, holders=holders)
+
+    def _start_turns(self, running: list[str], now: float, timeshare: bool) -> None:
+        """Count the slice; a tenant that did not hold its resources (or whose timeshare turn is over, with
+        nobody else waiting for it) starts a new turn."""
+        prev = self._holders
+        for name in running:
+            t = self._tenants[name]
+            t.slices += 1
+            if t.turn_started is None:
+                t.turn_started = now
+                self._in_turn.add(name)
+                if timeshare:
+                    self._leave_turn_queue(t)
+            elif not _holds(prev, name, t) or (timeshare and now - t.turn_started >= self._window(t) - _TURN_EPS_S):
+                t.turn_started = now
+
+    def _decide_singles(self, now: float, preemptive: bool) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
+        """Every active tenant uses one resource: each resource goes to its best tenant, independently.
+
+        On one resource the tenants share the clock, so they rank by vtime: the winner is the top of the
+        online or the offline heap, or the holder when it ties with its top (the holder wins ties).
+        """
+        prev = self._holders
+        tenants = self._tenants
+        vclock = self._vclock
+        resources = self._resources
+        in_turn = self._in_turn
+        heappop = heapq.heappop
+        holder_ids: dict[int, str] = {}
+        holders: dict[Resource, str] = {}
+        running: list[str] = []
+        for rid, idx in self._contended.items():
+            vt = idx.vt
+            on = vt[_ONLINE * 2 + _SINGLE]  # empty unless preemptive
+            while on and on[0][_OWNER] is None:
+                heappop(on)
+            off = vt[_OFFLINE * 2 + _SINGLE]
+            while off and off[0][_OWNER] is None:
+                heappop(off)
+            if on:
+                best = on[0]  # online first
+                lowest = off[0][_KEY] if off and off[0][_KEY] < best[_KEY] else best[_KEY]
+            else:
+                best = off[0]
+                lowest = best[_KEY]
+            clock = vclock[rid]
+            if lowest > clock:
+                vclock[rid] = clock = lowest
+            name = best[_NAME]
+            holder = prev.get(rid)
+            if holder is not None and holder != name:
+                ht = tenants.get(holder)
+                if ht is not None and ht.only == rid and ht.slot == best[_OWNER].slot:
+                    held = ht.entries[rid]
+                    if held[_KEY] - clock == best[_KEY] - clock:
+                        best = held  # tied with the best: the holder wins ties
+                        name = holder
+            t: _Tenant = best[_OWNER]
+            holder_ids[rid] = name
+            pair = t.held.get(rid)
+            if pair is None:
+                pair = t.held[rid] = {resources[rid]: name}
+            holders.update(pair)
+            running.append(name)
+            t.slices += 1
+            if t.turn_started is None:
+                t.turn_started = now
+                in_turn.add(name)
+            elif holder != name:
+                t.turn_started = now
+        return holder_ids, holders, running
+
+    def _decide_general(
+        self, now: float, preemptive: bool, timeshare: bool
+    ) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
+        """Tenants on several resources, or timeshare turns: the exact greedy over the few candidates."""
         tenants = self._tenants
         prev = self._holders
         vclock = self._vclock
@@ -400,6 +536,8 @@ class WeightedFairShare:
         #    at or ahead of the best single one there.
         local: dict[int, list[_Tenant]] = {}
         multis: dict[str, _Tenant] = {}
+        bounds: dict[int, tuple[float, float]] = {}
+        """Per resource, the best single tenant's key that an online / offline multi must not exceed."""
         for rid, idx in self._contended.items():
             vt = idx.vt
             lowest = inf
@@ -432,7 +570,7 @@ class WeightedFairShare:
                 continue
             tops: list[_Entry | None] = [None, None]
             online_top = offline_top = inf
-            h = vt[_ONLINE * 2 + _SINGLE]
+            h = vt[_ONLINE * 2 + _SINGLE]  # empty unless preemptive
             if h:
                 tops[_ONLINE] = top = h[0]
                 singles.append(top[_OWNER])
@@ -449,15 +587,15 @@ class WeightedFairShare:
                     best = tops[ht.slot >> 1]
                     if best is not None and best[_OWNER] is not ht and ht.entries[rid][_KEY] - clock == best[_KEY] - clock:
                         singles.append(ht)  # tied with the top: the holder wins ties
+            # an offline multi loses to any online single (preemptive); else to a single ahead of it
+            bound_off = offline_top if online_top == inf else -inf
+            bounds[rid] = (online_top, bound_off)
             h = vt[_ONLINE * 2 + _MULTI]
             if h:
-                _take_multis(h, online_top if preemptive else min(online_top, offline_top), multis)
+                _take_multis(h, online_top, multis)
             h = vt[_OFFLINE * 2 + _MULTI]
-            if h:
-                if not preemptive:
-                    _take_multis(h, min(online_top, offline_top), multis)
-                elif online_top == inf:
-                    _take_multis(h, offline_top, multis)
+            if h and bound_off > -inf:
+                _take_multis(h, bound_off, multis)
         if timeshare:
             for name in self._in_turn:
                 t = tenants[name]
@@ -465,6 +603,14 @@ class WeightedFairShare:
                     local[t.only].append(t)
                 elif t.demand:
                     multis[name] = t
+        else:
+            # a multi-resource tenant that a single one beats on any of its resources cannot win
+            for name in [
+                m.spec.name
+                for m in multis.values()
+                if any(e[_KEY] > bounds[rid][m.slot >> 1] for rid, e in m.entries.items())
+            ]:
+                del multis[name]
 
         # 2. The greedy over every active tenant (best rank first, skipping a tenant one of whose resources
         #    is taken) picks the same winners when run over these candidates only. A resource that no
@@ -507,45 +653,15 @@ class WeightedFairShare:
                     holders[resources[rid]] = name
                 running.append(name)
 
-        # 3. turns: who started, continued or stopped running
-        in_turn = self._in_turn
-        running_set = frozenset(running)
-        for name in running:
-            t = tenants[name]
-            t.slices += 1
-            if t.turn_started is None:
-                t.turn_started = now
-                in_turn.add(name)
-                if timeshare:
-                    self._leave_turn_queue(t)
-            elif (prev.get(t.only) != name if t.only >= 0 else not _holds(prev, name, t)) or (
-                timeshare and now - t.turn_started >= self._window(t) - _TURN_EPS_S
-            ):
-                t.turn_started = now
-        if len(in_turn) != len(running_set):
-            for name in in_turn - running_set:
-                t = tenants[name]
-                t.turn_started = None
-                t.last_run_end = now
-                if timeshare and t.demand:
-                    self._enter_turn_queue(t)
-            in_turn.intersection_update(running_set)
-        self._holders = holder_ids
-
-        slice_s = self.config.slice_s
-        if timeshare and running:
-            remaining = [self._window(tenants[n]) - (now - (tenants[n].turn_started or 0.0)) for n in running]
-            slice_s = max(0.001, min(max(remaining), slice_s * 4))
-        active = self._active_frozen
-        if active is None:
-            active = self._active_frozen = frozenset(self._active)
-        return Decision(now=now, slice_s=slice_s, running=running_set, waiting=active - running_set, holders=holders)
+        return holder_ids, holders, running
 
     def _rank(self, t: _Tenant, now: float, preemptive: bool, timeshare: bool) -> tuple[float, float, float, str]:
         """A tenant's place in the greedy order (lower first); the same order as a sort of all would give."""
         name = t.spec.name
         cls = 0.0 if (preemptive and t.spec.priority is Priority.ONLINE) else 1.0
-        held = _holds(self._holders, name, t)
+        only = t.only
+        prev = self._holders
+        held = prev.get(only) == name if only >= 0 else _holds(prev, name, t)
         if timeshare:
             if t.turn_started is None:
                 return (cls, 1.0, t.last_run_end, name)
@@ -553,7 +669,7 @@ class WeightedFairShare:
                 return (cls, 0.0, t.last_run_end, name)
             return (cls, 1.0, now, name)  # its turn is over: behind everyone who waited (round robin)
         vclock = self._vclock
-        lag = max(e[_KEY] - vclock[rid] for rid, e in t.entries.items())
+        lag = t.entries[only][_KEY] - vclock[only] if only >= 0 else max(e[_KEY] - vclock[rid] for rid, e in t.entries.items())
         return (cls, lag, 0.0 if held else 1.0, name)
 
     def _window(self, t: _Tenant) -> float:
