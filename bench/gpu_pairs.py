@@ -15,6 +15,10 @@ neither measures while the other is still starting. Scoring lives in bench/scori
 Outputs in --out: results.json (raw reports, daemon snapshots, derived numbers) and results.md (the
 table). Worker logs, reports and daemon state go to --work-dir (a temp folder by default) so the
 output folder holds two files; the tail of every log is copied into results.json.
+
+With --calibrate-out DIR the no-scheduler cuda+render run doubles as the daemon's contention
+calibration (DIR/contention.json, as bench/calibrate_contention.py writes it), and the unisched runs
+use it. The functions here are reused by bench/calibrate_contention.py.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ DEFAULT_PAIRS = "cuda3:1,render1:1,render3:1,mixed1:1,mixed1:3"
 RUN_OVERHEAD_S = 3.0  # per run, beyond warmup + seconds: process exit, reading reports
 DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
 CALIBRATION_S = 10.0
+DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
+CONTENTION_FILE = "contention.json"  # in the daemon's --state-dir; read once at start
+CONTENTION_VERSION = 1
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 LOG_TAIL_CHARS = 3000
 
@@ -117,6 +124,7 @@ class Config:
     python: str
     seconds: float
     warmup: float
+    unisched_warmup: float  # replaces `warmup` for the runs under unisched
     slice_ms: float
     grace_s: float
     work_dir: Path
@@ -127,10 +135,16 @@ class Config:
     kind_args: dict[str, list[str]] = field(default_factory=dict)  # e.g. render --iterations N
 
 
+def run_seconds(cfg: Config, daemon: bool = False) -> float:
+    """What one run is budgeted: its warm-up and window, overheads, and a daemon's start and stop."""
+    if daemon:
+        return cfg.unisched_warmup + cfg.seconds + RUN_OVERHEAD_S + DAEMON_OVERHEAD_S
+    return cfg.warmup + cfg.seconds + RUN_OVERHEAD_S
+
+
 def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool) -> float:
-    runs = len(solo_kinds(pairs)) + len(kind_pairs(pairs)) + (len(pairs) if unisched else 0)
-    total = runs * (cfg.warmup + cfg.seconds + RUN_OVERHEAD_S)
-    total += (len(pairs) * DAEMON_OVERHEAD_S) if unisched else 0.0
+    total = (len(solo_kinds(pairs)) + len(kind_pairs(pairs))) * run_seconds(cfg)
+    total += (len(pairs) * run_seconds(cfg, daemon=True)) if unisched else 0.0
     return total + (CALIBRATION_S if calibrate else 0.0)
 
 
@@ -140,8 +154,8 @@ def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: 
 class Progress:
     """'[k/N +elapsed] what' lines on stderr, so a long device call shows where it is."""
 
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = total, 0, time.monotonic()
+    def __init__(self, total: int, name: str = "gpu_pairs") -> None:
+        self.total, self.done, self.t0, self.name = total, 0, time.monotonic(), name
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -151,7 +165,7 @@ class Progress:
         self.note(f"[{self.done}/{self.total}] {what}")
 
     def note(self, text: str) -> None:
-        print(f"gpu_pairs +{self.elapsed():5.0f}s {text}", file=sys.stderr, flush=True)
+        print(f"{self.name} +{self.elapsed():5.0f}s {text}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -261,9 +275,9 @@ def read_report(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"unreadable report: {exc}"
 
 
-def workload_argv(cfg: Config, kind: str, report: Path, start_at: float) -> list[str]:
+def workload_argv(cfg: Config, kind: str, report: Path, start_at: float, warmup: float | None = None) -> list[str]:
     return [*cfg.workload_cmd[kind], *cfg.kind_args.get(kind, []),
-            "--seconds", f"{cfg.seconds:g}", "--warmup", f"{cfg.warmup:g}",
+            "--seconds", f"{cfg.seconds:g}", "--warmup", f"{cfg.warmup if warmup is None else warmup:g}",
             "--report", str(report), "--start-at", f"{start_at:.3f}"]
 
 
@@ -272,16 +286,20 @@ def unisched_cmd(cfg: Config, *args: str) -> list[str]:
 
 
 def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
-              daemon: Daemon | None = None) -> GroupResult:
-    """Launch the tenants together, wait for their shared window to end, collect their reports."""
+              daemon: Daemon | None = None, warmup: float | None = None) -> GroupResult:
+    """Launch the tenants together, wait for their shared window to end, collect their reports.
+
+    The window starts `warmup` seconds after the launch (default: cfg.warmup).
+    """
     run_dir = cfg.work_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{setup}-{label}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_at = time.time() + cfg.warmup
+    warmup = cfg.warmup if warmup is None else warmup
+    start_at = time.time() + warmup
     plans: list[tuple[TenantSpec, list[str], Path, Path]] = []
     for spec in specs:
         report = run_dir / f"{spec.name}.json"
         report.unlink(missing_ok=True)
-        argv = workload_argv(cfg, spec.kind, report, start_at)
+        argv = workload_argv(cfg, spec.kind, report, start_at, warmup)
         if daemon is not None:
             assert spec.weight is not None
             argv = unisched_cmd(cfg, "run", "--socket", str(daemon.socket), "--tenant", spec.name,
@@ -323,19 +341,27 @@ class DaemonError(RuntimeError):
 
 
 class Daemon:
-    """`unisched serve` on a private socket and state dir; ready once `unisched status` says so."""
+    """`unisched serve` on a private socket and state dir; ready once `unisched status` says so.
 
-    def __init__(self, cfg: Config, name: str) -> None:
+    `contention`: a contention file copied into the (otherwise fresh) state dir, so the daemon uses that
+    calibration; only that file, since a live daemon's state dir also holds its tenants (state.json).
+    """
+
+    def __init__(self, cfg: Config, name: str, contention: Path | None = None) -> None:
         self.cfg = cfg
         self.dir = cfg.work_dir / f"daemon-{name}"
         self.state_dir = self.dir / "state"
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.contention = contention
         # AF_UNIX paths are limited to ~107 bytes: keep the socket in a short private folder.
         self.socket = Path(tempfile.mkdtemp(prefix="us-")) / "unisched.sock"
         self.log = self.dir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {"socket": str(self.socket), "state_dir": str(self.state_dir),
                                      "slice_ms": cfg.slice_ms}
+        if contention is not None:
+            shutil.copyfile(contention, self.state_dir / CONTENTION_FILE)
+            self.info["contention_file"] = str(contention)
 
     def start(self, timeout_s: float = 20.0) -> None:
         argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
@@ -349,6 +375,8 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.socket.exists() and self._status_ok():
                 self.info["ready_s"] = time.monotonic() - t0
+                if self.contention is not None:  # which contention map did it pick? (best effort)
+                    self.info["status"] = self.status_json()
                 return
             try:  # the poll interval doubles as an early exit when the daemon dies
                 rc = self.proc.wait(timeout=0.1)
@@ -366,6 +394,27 @@ class Daemon:
         except subprocess.TimeoutExpired:
             return False
         return done.returncode == 0
+
+    def status_json(self) -> dict[str, Any]:
+        """`unisched status --json`: rc and the parsed reply (None when it does not parse)."""
+        argv = unisched_cmd(self.cfg, "status", "--json", "--socket", str(self.socket))
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=self.cfg.env, capture_output=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            return {"argv": argv, "rc": None, "parsed": None}
+        try:
+            parsed = json.loads(done.stdout)
+        except ValueError:
+            parsed = None
+        return {"argv": argv, "rc": done.returncode, "parsed": parsed}
+
+    def gpu_contention(self) -> str | None:
+        """The contention map the daemon reported for its first GPU, when `status_json` got it."""
+        parsed = (self.info.get("status") or {}).get("parsed")
+        try:
+            return str(parsed["gpus"][0]["contention"])
+        except (KeyError, IndexError, TypeError):
+            return None
 
     def tenants_json(self) -> dict[str, Any]:
         """`unisched tenants --json` as run near the end of the window: parsed when it parses."""
@@ -418,6 +467,151 @@ def calibrate_render(cfg: Config, target_fps: float) -> dict[str, Any]:
     report, error = read_report(report_path)
     return {"argv": argv, "rc": rc, "report": report, "error": error if rc == 0 else
             f"calibration failed (rc {rc}): {tail(log, 1500)}"}
+
+
+def render_calibration_wanted(cfg: Config, render_fps: float, render_iterations: int | None) -> bool:
+    """Calibrate the real render workload unless it is replaced, given fixed iterations, or fps is 0.
+
+    Fixed iterations are applied to cfg here (the real workload only: a replacement gets none).
+    """
+    if render_iterations is not None and not cfg.custom_cmd["render"]:
+        cfg.kind_args["render"] = ["--iterations", str(render_iterations)]
+    return not cfg.custom_cmd["render"] and render_iterations is None and render_fps > 0
+
+
+def render_iterations_used(cfg: Config) -> int | None:
+    """The --iterations every render run gets (None: the workload's default, or a replacement command)."""
+    extra = cfg.kind_args.get("render", [])
+    return int(extra[extra.index("--iterations") + 1]) if "--iterations" in extra else None
+
+
+def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[dict[str, Any], int | None]:
+    """Run the render calibration; on success use its --iterations for every later render run.
+
+    Returns the calibration record and the iterations (None when it failed: render runs are then skipped).
+    """
+    progress.step(f"render calibration to ~{render_fps:g} frames/s alone")
+    cal = calibrate_render(cfg, render_fps)
+    if cal["report"] and cal["rc"] == 0:
+        iters = int(cal["report"]["iterations"])
+        cfg.kind_args["render"] = ["--iterations", str(iters)]
+        progress.note(f"  -> --iterations {iters} ({cal['report']['fps']:.1f} frames/s)")
+        return cal, iters
+    progress.note(f"  -> FAILED: {cal['error']}")
+    return cal, None
+
+
+# ---------------------------------------------------------------------------- the contention file
+#
+# The daemon reads STATE_DIR/contention.json at start (unisched/engine/state.py, measured_contention):
+#   {"version": 1, "gpus": {"<nvidia-smi name>": {"compute_kept": .., "graphics_kept": .., "measured_at": ..,
+#                                                 "command": .., "render_iterations": ..}}}
+# and derives its contention map from the two kept fractions (unisched/policy/contention.py, from_kept;
+# bench/scoring.py, contention_verdict, is the same rule).
+
+
+class ContentionFileError(RuntimeError):
+    pass
+
+
+def gpu0_name() -> str | None:
+    """GPU 0's name exactly as `nvidia-smi --query-gpu=name` prints it (the daemon's key), or None."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
+    return lines[0] if done.returncode == 0 and lines else None
+
+
+def kept_fractions(solo_cuda: GroupResult, solo_render: GroupResult,
+                   together: GroupResult) -> tuple[float, float]:
+    """(compute_kept, graphics_kept) = throughput together / alone, from the runs' first tenants of each kind."""
+    def tp(group: GroupResult, kind: str) -> float:
+        for t in group.tenants:
+            if t.kind == kind and t.throughput is not None:
+                return t.throughput
+        raise ContentionFileError(f"{group.setup} {group.label}: no {kind} throughput")
+
+    kept = []
+    for kind, alone in (("cuda", solo_cuda), ("render", solo_render)):
+        base = tp(alone, kind)
+        if not base > 0:
+            raise ContentionFileError(f"alone {kind}: throughput {base} is not positive")
+        kept.append(tp(together, kind) / base)
+    if not all(math.isfinite(k) and k >= 0 for k in kept):
+        raise ContentionFileError(f"kept fractions {kept} are not finite and non-negative")
+    return kept[0], kept[1]
+
+
+def device_warnings(gpu: str, groups: list[GroupResult]) -> list[str]:
+    """Reports that name a device other than the GPU the calibration is filed under (real workloads only)."""
+    out = []
+    for group in groups:
+        for t in group.tenants:
+            rep = t.report or {}
+            for key in ("device_name", "gl_renderer"):  # cuda_matmul.py: torch's name; egl_render.py: GL's
+                seen = rep.get(key)
+                if seen is not None and not str(seen).startswith(gpu):
+                    out.append(f"{group.setup} {group.label} / {t.name}: ran on {seen!r}, but the calibration "
+                               f"is filed under {gpu!r}")
+    return out
+
+
+def contention_entry(compute_kept: float, graphics_kept: float, command: str,
+                     render_iterations: int | None) -> dict[str, Any]:
+    """One GPU's entry, rounded as written (the verdict is derived from these written numbers)."""
+    return {"compute_kept": round(compute_kept, 4), "graphics_kept": round(graphics_kept, 4),
+            "measured_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": command, "render_iterations": render_iterations}
+
+
+def read_contention_file(state_dir: Path) -> dict[str, Any]:
+    """The current file (an empty one when absent); ContentionFileError when it is not one we can merge into."""
+    path = state_dir / CONTENTION_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"version": CONTENTION_VERSION, "gpus": {}}
+    except (OSError, ValueError) as exc:
+        raise ContentionFileError(f"{path} is unreadable ({exc}): fix or move it away") from exc
+    if (not isinstance(data, dict) or data.get("version") != CONTENTION_VERSION
+            or not isinstance(data.get("gpus"), dict)):
+        raise ContentionFileError(f"{path} is not a version-{CONTENTION_VERSION} contention file: "
+                                  "fix or move it away")
+    return data
+
+
+def check_contention_dir(state_dir: Path) -> None:
+    """Fail before any measuring if the file could not be written or merged later."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ContentionFileError(f"cannot create {state_dir}: {exc}") from exc
+    if not os.access(state_dir, os.W_OK | os.X_OK):
+        raise ContentionFileError(f"{state_dir} is not writable (the daemon's default needs root)")
+    read_contention_file(state_dir)
+
+
+def write_contention_file(state_dir: Path, gpu: str, entry: dict[str, Any]) -> Path:
+    """Merge `entry` for `gpu` into STATE_DIR/contention.json (other GPUs kept), atomically."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    data = read_contention_file(state_dir)
+    data["gpus"][gpu] = entry
+    path = state_dir / CONTENTION_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{CONTENTION_FILE}.", suffix=".tmp", dir=state_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 # ------------------------------------------------------------------------------------------ scoring
@@ -510,8 +704,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` | date (UTC): {meta['date_utc']} | GPU: {meta['gpu']} | "
         f"host: {meta['hostname']}",
         "",
-        f"Window {meta['seconds']:g} s after {meta['warmup']:g} s warm-up; unisched slice "
-        f"{meta['slice_ms']:g} ms; render iterations: {meta.get('render_iterations') or 'default'}.",
+        f"Window {meta['seconds']:g} s after {meta['warmup']:g} s warm-up"
+        + (f" ({meta['unisched_warmup']:g} s under unisched)" if meta["unisched"] and "unisched_warmup" in meta
+           else "")
+        + f"; unisched slice {meta['slice_ms']:g} ms; render iterations: "
+        f"{meta.get('render_iterations') or 'default'}.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -519,6 +716,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     for d in results["pairs"]:
         for row in table_rows(d, meta["unisched"]):
             lines.append("| " + " | ".join(row) + " |")
+    cont = results.get("contention")
+    if cont and cont.get("entry"):
+        e = cont["entry"]
+        lines += ["", f"Contention calibration (no-scheduler cuda + render): compute kept {e['compute_kept']:.2f}, "
+                      f"graphics kept {e['graphics_kept']:.2f} -> **{cont['verdict']}**; written for "
+                      f"`{cont['gpu']}` to `{cont['path']}`"
+                      + ("; the unisched runs started their daemons with it." if meta["unisched"] else ".")]
     lines += [
         "",
         "normalized = shared / alone; error = max |n_i/sum(n) - w_i/sum(w)| in points; sum = sum of "
@@ -575,13 +779,27 @@ def check_group(group: GroupResult, warnings: list[str], errors: list[str]) -> N
         rep = t.report or {}
         late = (rep.get("window") or {}).get("late_s", 0.0)
         if late > 1.0:
-            warnings.append(f"{where}: window started {late:.1f} s late (slow start-up; raise --warmup)")
+            option = "--unisched-warmup" if group.setup == "unisched" else "--warmup"
+            warnings.append(f"{where}: window started {late:.1f} s late (slow start-up; raise {option})")
         renderer = str(rep.get("gl_renderer", "")) + str(rep.get("egl_display", ""))
         if "llvmpipe" in renderer or "software" in renderer:
             warnings.append(f"{where}: rendered on a software renderer ({rep.get('gl_renderer')})")
     snap = group.extra.get("tenants_snapshot")
     if snap is not None and snap.get("rc") != 0:
         warnings.append(f"{group.setup} {group.label}: `unisched tenants --json` failed (rc {snap.get('rc')})")
+
+
+def check_daemon_contention(daemon: Daemon, verdict: str, key: str, warnings: list[str]) -> None:
+    """Warn when the daemon did not take the contention map the calibration implies (or did not say)."""
+    used = daemon.gpu_contention()
+    status = daemon.info.get("status") or {}
+    if used is None and status.get("rc") == 0 and (status.get("parsed") or {}).get("gpus") == []:
+        warnings.append(f"unisched: {key}: the daemon reports no GPU (no NVML?): its contention map is unchecked")
+    elif used is None:
+        warnings.append(f"unisched: {key}: could not read the daemon's contention map from `status --json`")
+    elif used != verdict:
+        warnings.append(f"unisched: {key}: the daemon uses contention {used!r}, the calibration implies "
+                        f"{verdict!r} (did it read contention.json from its state dir?)")
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -600,13 +818,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   mixed1:3     CUDA (weight 1) + EGL render (weight 3)           (overlap on the H200)
   default: {DEFAULT_PAIRS}
 
-time: every run takes about warmup + seconds (+ ~3 s); runs = workload kinds alone + kind pairs with
-no scheduler + weighted pairs under unisched. Defaults: 2 + 3 + 5 = 10 runs of ~28 s plus render
-calibration and daemon start-ups: about 5 minutes. The plan and estimate are printed first (--dry-run
-prints only that).
+time: every run takes about warmup + seconds (+ ~3 s), runs under unisched --unisched-warmup + seconds
+(+ ~6 s with the daemon); runs = workload kinds alone + kind pairs with no scheduler + weighted pairs
+under unisched. Defaults: 2 + 3 runs of ~28 s and 5 of ~41 s plus render calibration: estimated 355 s
+(about 6 minutes; the H200 run of 2026-11-30 took 85% of its estimate). The plan and estimate are
+printed first (--dry-run prints only that).
+
+calibration (--calibrate-out DIR): the no-scheduler cuda+render run (needs a mixed pair) also writes
+DIR/contention.json for GPU 0, exactly as bench/calibrate_contention.py does, and every unisched daemon
+then starts with a copy of that file in its state dir. No extra runs.
 
 on the GPU machine (carry .devcache):
-  source .devcache/setup.sh && python3 bench/gpu_pairs.py --out $OUT/pairs
+  source .devcache/setup.sh && python3 bench/gpu_pairs.py --out $OUT/pairs --calibrate-out $OUT/state
 
 without a GPU (checks the pipeline with CPU stand-ins, no daemon):
   python3 bench/gpu_pairs.py --no-unisched --seconds 3 --warmup 1 --out /tmp/pairs \\
@@ -622,6 +845,10 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
     parser.add_argument("--warmup", type=float, default=5.0,
                         help="seconds from launch to the window's start; covers process start-up "
                              "(torch import, CUDA/EGL init) and warm-up (default: 5)")
+    parser.add_argument("--unisched-warmup", type=float, default=DEFAULT_UNISCHED_WARMUP_S, metavar="S",
+                        help="--warmup for the runs under unisched only: there a low-weight tenant is frozen "
+                             "for most of its own start-up, which then takes several times longer "
+                             f"(default: {DEFAULT_UNISCHED_WARMUP_S:g})")
     parser.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default: 50)")
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"pairs to run (default: {DEFAULT_PAIRS})")
     parser.add_argument("--no-unisched", action="store_true",
@@ -646,35 +873,54 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
     parser.add_argument("--max-total", type=float, default=TIME_BUDGET_S, metavar="S",
                         help="skip any step that would end later than S seconds after the start, so the "
                              f"whole invocation fits one device call (default: {TIME_BUDGET_S:g})")
+    parser.add_argument("--calibrate-out", type=Path, default=None, metavar="DIR",
+                        help="also write the daemon's contention calibration for GPU 0, from the alone and "
+                             "no-scheduler cuda+render runs, to DIR/contention.json (merged: other GPUs' "
+                             "entries kept), and start the unisched daemons with a copy of it")
+    parser.add_argument("--gpu-name", default=None, metavar="NAME",
+                        help="with --calibrate-out: the GPU name to file it under (default: GPU 0's name "
+                             "from nvidia-smi, which is what the daemon looks up)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and time estimate, run nothing")
     args = parser.parse_args(argv)
     try:
         args.pair_list = parse_pairs(args.pairs)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.seconds <= 0 or args.warmup < 0 or args.slice_ms <= 0:
-        parser.error("--seconds and --slice-ms must be positive, --warmup not negative")
+    if args.seconds <= 0 or args.warmup < 0 or args.unisched_warmup < 0 or args.slice_ms <= 0:
+        parser.error("--seconds and --slice-ms must be positive, --warmup and --unisched-warmup not negative")
+    if args.calibrate_out is not None and ("cuda", "render") not in kind_pairs(args.pair_list):
+        parser.error("--calibrate-out measures on the no-scheduler cuda+render run: select a mixed pair "
+                     "(e.g. --pairs ...,mixed1:1)")
     return args
 
 
-def make_config(args: argparse.Namespace) -> Config:
-    if args.work_dir is not None:
-        work_dir = args.work_dir
-    elif args.dry_run:
-        work_dir = Path(tempfile.gettempdir()) / "gpu_pairs-XXXXXXXX"
-    else:
-        work_dir = Path(tempfile.mkdtemp(prefix="gpu_pairs-"))
-    if not args.dry_run:
+def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path | None, dry_run: bool,
+               workload_cmd_cuda: str | None, workload_cmd_render: str | None,
+               unisched_warmup: float | None = None, slice_ms: float = 50.0,
+               unisched_module: str = "unisched", prefix: str = "gpu_pairs-") -> Config:
+    """A Config from option values (gpu_pairs' own, or another script's such as calibrate_contention.py)."""
+    if work_dir is None:
+        work_dir = (Path(tempfile.gettempdir()) / f"{prefix}XXXXXXXX" if dry_run
+                    else Path(tempfile.mkdtemp(prefix=prefix)))
+    if not dry_run:
         work_dir.mkdir(parents=True, exist_ok=True)
-    custom = {"cuda": args.workload_cmd_cuda, "render": args.workload_cmd_render}
+    custom = {"cuda": workload_cmd_cuda, "render": workload_cmd_render}
     cmds = {k: shlex.split(c) if c else [sys.executable, str(WORKLOADS[k])] for k, c in custom.items()}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYOPENGL_PLATFORM", "egl")
-    return Config(python=sys.executable, seconds=args.seconds, warmup=args.warmup,
-                  slice_ms=args.slice_ms, grace_s=args.grace, work_dir=work_dir, workload_cmd=cmds,
+    return Config(python=sys.executable, seconds=seconds, warmup=warmup,
+                  unisched_warmup=warmup if unisched_warmup is None else unisched_warmup,
+                  slice_ms=slice_ms, grace_s=grace_s, work_dir=work_dir, workload_cmd=cmds,
                   custom_cmd={k: bool(c) for k, c in custom.items()},
-                  unisched_module=args.unisched_module, env=env)
+                  unisched_module=unisched_module, env=env)
+
+
+def make_config(args: argparse.Namespace) -> Config:
+    return new_config(seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
+                      grace_s=args.grace, work_dir=args.work_dir, dry_run=args.dry_run,
+                      workload_cmd_cuda=args.workload_cmd_cuda, workload_cmd_render=args.workload_cmd_render,
+                      slice_ms=args.slice_ms, unisched_module=args.unisched_module)
 
 
 def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress) -> None:
@@ -682,7 +928,9 @@ def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, 
     progress.note(f"plan: alone {solo_kinds(pairs)}; no scheduler {[a + '+' + b for a, b in kind_pairs(pairs)]}; "
                   f"unisched {[p.key for p in pairs] if unisched else 'skipped'}; "
                   f"calibration {'yes' if calibrate else 'no'}")
-    progress.note(f"estimated {est:.0f} s ({est / 60:.1f} min); work dir {cfg.work_dir}")
+    progress.note(f"estimated {est:.0f} s ({est / 60:.1f} min); warm-up {cfg.warmup:g} s"
+                  f"{f' ({cfg.unisched_warmup:g} s under unisched)' if unisched else ''}, window "
+                  f"{cfg.seconds:g} s; work dir {cfg.work_dir}")
     if est > TIME_BUDGET_S:
         progress.note(f"WARNING: the estimate exceeds {TIME_BUDGET_S:.0f} s: lower --seconds/--warmup "
                       "or select fewer --pairs to fit one 10-minute device call")
@@ -694,32 +942,48 @@ def main(argv: list[str] | None = None) -> int:
     cfg = make_config(args)
     unisched_on = not args.no_unisched
     needs_render = "render" in solo_kinds(pairs)
-    calibrate = (needs_render and not cfg.custom_cmd["render"] and args.render_iterations is None
-                 and args.render_fps > 0)
-    if args.render_iterations is not None and not cfg.custom_cmd["render"]:
-        cfg.kind_args["render"] = ["--iterations", str(args.render_iterations)]
+    calibrate = render_calibration_wanted(cfg, args.render_fps, args.render_iterations) and needs_render
     total = (int(calibrate) + len(solo_kinds(pairs)) + len(kind_pairs(pairs))
              + (len(pairs) if unisched_on else 0))
     progress = Progress(total)
     print_plan(cfg, pairs, unisched_on, calibrate, progress)
+    if args.calibrate_out is not None:
+        progress.note(f"contention calibration: from the no-scheduler cuda+render run to "
+                      f"{args.calibrate_out / CONTENTION_FILE}"
+                      f"{'; the unisched daemons start with it' if unisched_on else ''}")
     if args.dry_run:
         return 0
+    calibrate_gpu: str | None = None
+    if args.calibrate_out is not None:  # fail now rather than after minutes of measuring
+        calibrate_gpu = args.gpu_name or gpu0_name()
+        try:
+            if not calibrate_gpu:
+                raise ContentionFileError("cannot name GPU 0 (nvidia-smi failed): pass --gpu-name")
+            check_contention_dir(args.calibrate_out)
+        except ContentionFileError as exc:
+            print(f"gpu_pairs: error: --calibrate-out: {exc}", file=sys.stderr)
+            return 2
 
     command = "python3 bench/gpu_pairs.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:]))
     results: dict[str, Any] = {
         "meta": {"command": command, "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
                  "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
-                 "seconds": cfg.seconds, "warmup": cfg.warmup, "slice_ms": cfg.slice_ms,
+                 "seconds": cfg.seconds, "warmup": cfg.warmup, "unisched_warmup": cfg.unisched_warmup,
+                 "slice_ms": cfg.slice_ms,
                  "unisched": unisched_on, "pairs": [p.key for p in pairs], "work_dir": str(cfg.work_dir),
-                 "workload_cmd": cfg.workload_cmd, "render_iterations": args.render_iterations},
+                 "workload_cmd": cfg.workload_cmd, "render_iterations": args.render_iterations,
+                 "calibrate_out": None if args.calibrate_out is None else str(args.calibrate_out)},
         "calibration": None, "solo": {}, "no_scheduler": {}, "unisched": {}, "pairs": [],
         "warnings": [], "errors": [],
     }
+    if args.calibrate_out is not None:
+        results["contention"] = None
     solo: dict[str, GroupResult] = {}
     nosched: dict[str, GroupResult] = {}
     shared: dict[str, GroupResult] = {}
     failed_kinds: set[str] = set()
     daemon_failures = 0
+    contention_path: Path | None = None  # the file written by --calibrate-out, once written
 
     def record(section: str, key: str, group: GroupResult, store: dict[str, GroupResult]) -> None:
         store[key] = group
@@ -734,7 +998,7 @@ def main(argv: list[str] | None = None) -> int:
     def skip(what: str, kinds: tuple[str, ...], daemon: bool = False) -> bool:
         """Whether to skip a step (a kind it needs failed, or it would overrun --max-total)."""
         bad = failed_kinds.intersection(kinds)
-        need = cfg.warmup + cfg.seconds + RUN_OVERHEAD_S + (DAEMON_OVERHEAD_S if daemon else 0.0)
+        need = run_seconds(cfg, daemon)
         if bad:
             reason = f"{', '.join(sorted(bad))} failed earlier"
         elif progress.elapsed() + need > args.max_total:
@@ -750,18 +1014,13 @@ def main(argv: list[str] | None = None) -> int:
 
     save(args.out, results)
     if calibrate:
-        progress.step(f"render calibration to ~{args.render_fps:g} frames/s alone")
-        cal = calibrate_render(cfg, args.render_fps)
+        cal, iters = prepare_render(cfg, args.render_fps, progress)
         results["calibration"] = cal
-        if cal["report"] and cal["rc"] == 0:
-            iters = int(cal["report"]["iterations"])
-            cfg.kind_args["render"] = ["--iterations", str(iters)]
+        if iters is not None:
             results["meta"]["render_iterations"] = iters
-            progress.note(f"  -> --iterations {iters} ({cal['report']['fps']:.1f} frames/s)")
         else:
             failed_kinds.add("render")
             results["errors"].append(str(cal["error"]))
-            progress.note(f"  -> FAILED: {cal['error']}")
         save(args.out, results)
 
     for kind in solo_kinds(pairs):
@@ -780,6 +1039,25 @@ def main(argv: list[str] | None = None) -> int:
         progress.step(f"no scheduler: {key}")
         specs = [TenantSpec(f"{tag}-{k}", k, None) for tag, k in zip("ab", kinds, strict=True)]
         record("no_scheduler", key, run_group(cfg, key, "no scheduler", specs), nosched)
+        if args.calibrate_out is not None and kinds == ("cuda", "render"):
+            assert calibrate_gpu is not None
+            try:
+                if not all(k in solo and solo[k].ok for k in kinds) or not nosched[key].ok:
+                    raise ContentionFileError("a run it needs failed")
+                compute_kept, graphics_kept = kept_fractions(solo["cuda"], solo["render"], nosched[key])
+                entry = contention_entry(compute_kept, graphics_kept, command, render_iterations_used(cfg))
+                contention_path = write_contention_file(args.calibrate_out, calibrate_gpu, entry)
+            except (ContentionFileError, OSError) as exc:
+                results["errors"].append(f"contention calibration not written: {exc}")
+                progress.note(f"  -> contention calibration NOT written: {exc}")
+            else:
+                results["warnings"] += device_warnings(calibrate_gpu, [solo["cuda"], solo["render"], nosched[key]])
+                verdict = scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
+                results["contention"] = {"gpu": calibrate_gpu, "path": str(contention_path),
+                                         "entry": entry, "verdict": verdict}
+                progress.note(f"  -> contention: compute kept {entry['compute_kept']:.2f}, graphics kept "
+                              f"{entry['graphics_kept']:.2f}: {verdict}; wrote {contention_path}")
+            save(args.out, results)
 
     if unisched_on:
         for n, pair in enumerate(pairs):
@@ -787,11 +1065,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             progress.step(f"unisched: {pair.key} (slice {cfg.slice_ms:g} ms)")
             specs = [TenantSpec(f"{tag}-{k}", k, w) for tag, k, w in zip("ab", pair.kinds, pair.weights, strict=True)]
-            daemon = Daemon(cfg, str(n))
+            daemon = Daemon(cfg, str(n), contention_path)
             outcome: GroupResult | None = None
             try:
                 daemon.start()
-                outcome = run_group(cfg, pair.key, "unisched", specs, daemon)
+                if contention_path is not None:
+                    check_daemon_contention(daemon, results["contention"]["verdict"], pair.key,
+                                            results["warnings"])
+                outcome = run_group(cfg, pair.key, "unisched", specs, daemon, warmup=cfg.unisched_warmup)
             except DaemonError as exc:
                 daemon_failures += 1
                 results["errors"].append(f"unisched: {pair.key}: {exc}")

@@ -13,6 +13,10 @@ Terms, for tenants i with weights w_i that all saturate the GPU alone:
 Targets: contending pairs need the guarantee, error <= 3 points and efficiency >= 0.95;
 overlapping pairs need the guarantee and an efficiency no more than 0.05 below the no-scheduler run's
 (keeping the overlap is the point; beating the no-scheduler run is not a failure).
+
+Contention calibration (bench/calibrate_contention.py): CUDA and rendering run together with no
+scheduler; each keeps a fraction of its solo rate; `contention_verdict` says which contention map the
+daemon derives from the two fractions.
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ __all__ = [
     "MAX_ERROR_POINTS",
     "MIN_CONTENDING_EFFICIENCY",
     "OVERLAP_EFFICIENCY_TOLERANCE",
+    "OVERLAP_KEPT",
+    "SEPARATE_GRAPHICS",
+    "SHARED_SM",
     "Verdict",
     "contends",
+    "contention_verdict",
     "efficiency",
     "error_points",
     "guarantee_ok",
@@ -42,6 +50,9 @@ CONTENTION_THRESHOLD = 1.1
 MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
 OVERLAP_EFFICIENCY_TOLERANCE = 0.05
+OVERLAP_KEPT = 0.75
+SEPARATE_GRAPHICS = "separate-graphics"
+SHARED_SM = "shared-sm"
 
 
 def normalized(shared: float, solo: float) -> float:
@@ -89,6 +100,22 @@ def guarantee_ok(norm: Sequence[float], weights: Sequence[float],
 def contends(no_scheduler_efficiency: float, threshold: float = CONTENTION_THRESHOLD) -> bool:
     """Whether the pair fights over one engine (True) or the hardware overlaps it (False)."""
     return no_scheduler_efficiency < threshold
+
+
+def contention_verdict(compute_kept: float, graphics_kept: float) -> str:
+    """The contention map the daemon derives from a calibration of CUDA + rendering with no scheduler.
+
+    compute_kept / graphics_kept: throughput together / throughput alone of the CUDA and the render load.
+    "separate-graphics" (compute and graphics overlap in hardware and are not sliced against each other)
+    when both kept >= OVERLAP_KEPT (0.75: left unsliced, each still gets its weight share for weights up to
+    3:1); otherwise "shared-sm" (they contend and are sliced as one domain). NaN never counts as overlap.
+
+    MUST AGREE with the daemon's own copy of this rule, unisched/policy/contention.py
+    (ContentionMap.from_kept and its OVERLAP_KEPT); tests/test_bench_scoring.py checks that they do.
+    """
+    if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:
+        return SEPARATE_GRAPHICS
+    return SHARED_SM
 
 
 @dataclass(frozen=True)

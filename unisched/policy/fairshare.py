@@ -538,6 +538,7 @@ class WeightedFairShare:
         multis: dict[str, _Tenant] = {}
         bounds: dict[int, tuple[float, float]] = {}
         """Per resource, the best single tenant's key that an online / offline multi must not exceed."""
+        with_multis: list[int] = []
         for rid, idx in self._contended.items():
             vt = idx.vt
             lowest = inf
@@ -588,14 +589,9 @@ class WeightedFairShare:
                     if best is not None and best[_OWNER] is not ht and ht.entries[rid][_KEY] - clock == best[_KEY] - clock:
                         singles.append(ht)  # tied with the top: the holder wins ties
             # an offline multi loses to any online single (preemptive); else to a single ahead of it
-            bound_off = offline_top if online_top == inf else -inf
-            bounds[rid] = (online_top, bound_off)
-            h = vt[_ONLINE * 2 + _MULTI]
-            if h:
-                _take_multis(h, online_top, multis)
-            h = vt[_OFFLINE * 2 + _MULTI]
-            if h and bound_off > -inf:
-                _take_multis(h, bound_off, multis)
+            bounds[rid] = (online_top, offline_top if online_top == inf else -inf)
+            if vt[_ONLINE * 2 + _MULTI] or vt[_OFFLINE * 2 + _MULTI]:
+                with_multis.append(rid)
         if timeshare:
             for name in self._in_turn:
                 t = tenants[name]
@@ -604,13 +600,21 @@ class WeightedFairShare:
                 elif t.demand:
                     multis[name] = t
         else:
-            # a multi-resource tenant that a single one beats on any of its resources cannot win
-            for name in [
-                m.spec.name
-                for m in multis.values()
-                if any(e[_KEY] > bounds[rid][m.slot >> 1] for rid, e in m.entries.items())
-            ]:
-                del multis[name]
+            # A multi-resource tenant can only win if no single one beats it on any of its resources;
+            # each is checked once, on the first of its resources.
+            for rid in with_multis:
+                vt = self._index[rid].vt
+                for cls in (_ONLINE, _OFFLINE):
+                    bound = bounds[rid][cls]
+                    for entry in vt[cls * 2 + _MULTI]:
+                        if entry[_KEY] <= bound:
+                            m = entry[_OWNER]
+                            if m is not None and m.demand_ids[0] == rid:
+                                for other, e in m.entries.items():
+                                    if e[_KEY] > bounds[other][cls]:
+                                        break
+                                else:
+                                    multis[entry[_NAME]] = m
 
         # 2. The greedy over every active tenant (best rank first, skipping a tenant one of whose resources
         #    is taken) picks the same winners when run over these candidates only. A resource that no
