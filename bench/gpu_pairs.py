@@ -410,7 +410,7 @@ class Daemon:
 
     def gpu_contention(self) -> str | None:
         """The contention map the daemon reported for its first GPU, when `status_json` got it."""
-        parsed = (self.info.get("status") or {}).get("parsed")
+        parsed: Any = (self.info.get("status") or {}).get("parsed")
         try:
             return str(parsed["gpus"][0]["contention"])
         except (KeyError, IndexError, TypeError):
@@ -821,7 +821,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 time: every run takes about warmup + seconds (+ ~3 s), runs under unisched --unisched-warmup + seconds
 (+ ~6 s with the daemon); runs = workload kinds alone + kind pairs with no scheduler + weighted pairs
 under unisched. Defaults: 2 + 3 runs of ~28 s and 5 of ~41 s plus render calibration: estimated 355 s
-(about 6 minutes; the H200 run of 2026-11-30 took 85% of its estimate). The plan and estimate are
+(about 6 minutes; the H200 run of 2026-11-30 took 264 s of its 305 s estimate). The plan and estimate are
 printed first (--dry-run prints only that).
 
 calibration (--calibrate-out DIR): the no-scheduler cuda+render run (needs a mixed pair) also writes
@@ -1058,6 +1058,9 @@ def main(argv: list[str] | None = None) -> int:
                 progress.note(f"  -> contention: compute kept {entry['compute_kept']:.2f}, graphics kept "
                               f"{entry['graphics_kept']:.2f}: {verdict}; wrote {contention_path}")
             save(args.out, results)
+    if args.calibrate_out is not None and "cuda+render" not in nosched:
+        results["errors"].append("contention calibration not written: the no-scheduler cuda+render run did not run")
+        save(args.out, results)
 
     if unisched_on:
         for n, pair in enumerate(pairs):

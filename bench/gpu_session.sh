@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
   python3 -c 'import grpc, google.protobuf as p, structlog; print("grpc", grpc.__version__, "protobuf", p.__version__)';
   mount | grep cgroup; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-step=${STEPS:-probe,tests,pairs}
+step=${STEPS:-tests,pairs}
 if [[ $step == *probe* ]]; then
   echo "== nvml probe"; timeout 60 python3 bench/nvml_probe.py --seconds 5 --json "$OUT/nvml_probe.json" 2>&1 | tail -12
 fi

@@ -142,3 +142,30 @@ def test_verdict_without_progress_fails() -> None:
     v = scoring.verdict([0.0, 0.0], [1, 1], contending=True)
     assert not v.passed
     assert any("error" in r for r in v.reasons)
+
+
+def test_contention_verdict_threshold() -> None:
+    # bench of 2026-11-30 on the H200: CUDA kept 0.14 next to rendering, render 0.87 -> they contend.
+    assert scoring.contention_verdict(0.14, 0.87) == "shared-sm"
+    assert scoring.contention_verdict(0.95, 0.90) == "separate-graphics"
+    assert scoring.contention_verdict(0.75, 0.75) == "separate-graphics"  # the threshold itself overlaps
+    assert scoring.contention_verdict(0.7499, 0.99) == "shared-sm"
+    assert scoring.contention_verdict(0.99, 0.7499) == "shared-sm"  # both must keep enough
+    assert scoring.contention_verdict(1.2, 1.1) == "separate-graphics"  # noise above solo is no contention
+
+
+def test_contention_verdict_nan_is_never_overlap() -> None:
+    assert scoring.contention_verdict(math.nan, 0.9) == "shared-sm"
+    assert scoring.contention_verdict(0.9, math.nan) == "shared-sm"
+
+
+def test_contention_verdict_agrees_with_the_daemon() -> None:
+    # The daemon derives its map with its own copy of the rule; the two must never disagree.
+    from unisched.policy.contention import OVERLAP_KEPT, ContentionMap
+
+    assert scoring.OVERLAP_KEPT == OVERLAP_KEPT
+    grid = [0.0, 0.14, 0.5, 0.55, 0.7, 0.7499, 0.75, 0.7501, 0.8, 0.87, 0.95, 1.0, 1.3]
+    for compute in grid:
+        for graphics in grid:
+            assert scoring.contention_verdict(compute, graphics) == ContentionMap.from_kept(compute, graphics).name, (
+                compute, graphics)

@@ -49,7 +49,7 @@ class ContentionMap:
         each at least its weight share for weights up to 3:1; otherwise they are sliced as one domain.
         Must agree with bench/scoring.py:contention_verdict.
         """
-        if min(compute_kept, graphics_kept) >= OVERLAP_KEPT:
+        if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:  # NaN compares False: sliced
             return SEPARATE_GRAPHICS
         return SHARED_SM
 

@@ -48,12 +48,14 @@ class SimStream:
 class SimResource:
     """One contention domain of one GPU (e.g. the SMs of GPU 0), advanced in time by `advance`."""
 
-    __slots__ = ("busy", "busy_s", "clock", "resource", "wanted_s", "wanting")
+    __slots__ = ("busy", "busy_s", "clock", "emptied", "resource", "wanted_s", "wanting")
 
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
         self.busy: list[SimStream] = []
         """Streams with work queued."""
+        self.emptied: list[SimStream] = []
+        """Streams that ran out of work since the owner last cleared this (they ran, and are no longer busy)."""
         self.clock = 0.0
         self.busy_s = 0.0
         """Time with any work running."""
@@ -99,6 +101,7 @@ class SimResource:
                         s.head_left = 0.0
                         emptied = True
             if emptied:
+                self.emptied.extend(s for s in busy if s.queued == 0)
                 busy[:] = [s for s in busy if s.queued > 0]
         ran = t - start
         self.busy_s += ran

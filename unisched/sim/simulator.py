@@ -32,7 +32,7 @@ from unisched.policy import (
 from unisched.sim.gpu import SimResource, SimStream
 from unisched.sim.workload import SimTenant
 
-__all__ = ["ResourceResult", "SimConfig", "SimResult", "Simulation", "TenantResult", "WakeEvent"]
+__all__ = ["ResourceResult", "SimConfig", "SimResult", "Simulation", "TenantResult", "WakeEvent", "weight_shares"]
 
 _WAKE_SHARE_FRACTION = 0.9
 """A waking tenant 'has its share' once its GPU time since waking is this fraction of its weight share of
@@ -147,7 +147,7 @@ class _Tenant:
 
 
 class _Wake:
-    __slots__ = ("at", "got0", "busy0", "name", "resource", "share", "to_run", "to_share", "slices", "closed")
+    __slots__ = ("at", "busy0", "closed", "got0", "name", "resource", "share", "slices", "to_run", "to_share")
 
     def __init__(self, name: str, at: float, resource: SimResource, share: float, got0: float) -> None:
         self.name = name
@@ -342,16 +342,14 @@ class Simulation:
         measuring = self._measuring
         used: dict[str, dict[Resource, float]] = {}
         for res in self._resources.values():
-            for s in res.busy:
-                pass
-        # every stream that ran this slice has slice_used > 0; the busy ones and those that emptied
-        for t in self._touched():
-            for s in t.streams:
-                if s.slice_used > 0:
-                    per = used.setdefault(t.spec.name, {})
-                    r = s.resource.resource
-                    per[r] = per.get(r, 0.0) + s.slice_used
-                    s.slice_used = 0.0
+            r = res.resource
+            for group in (res.busy, res.emptied):
+                for st in group:
+                    if st.slice_used > 0:
+                        per = used.setdefault(st.owner, {})
+                        per[r] = per.get(r, 0.0) + st.slice_used
+                        st.slice_used = 0.0
+            res.emptied.clear()
         for name, per in used.items():
             for r, seconds in per.items():
                 policy.charge(name, r, seconds, now)
@@ -382,18 +380,6 @@ class Simulation:
                         self._set_demand(t, frozenset())
         if self._pending:
             self._check_wakes()
-
-    def _touched(self) -> Iterable[_Tenant]:
-        """Tenants whose streams may have run in the slice (a stream that ran and emptied is among them)."""
-        seen: dict[str, _Tenant] = {}
-        for res in self._resources.values():
-            for s in res.busy:
-                if s.owner not in seen:
-                    seen[s.owner] = self._tenants[s.owner]
-        for name in self._ran_out:
-            if name not in seen:
-                seen[name] = self._tenants[name]
-        return seen.values()
 
     def _set_demand(self, t: _Tenant, new: frozenset[Resource]) -> None:
         old = t.demand

@@ -1,0 +1,245 @@
+"""The contention calibration of bench/calibrate_contention.py and bench/gpu_pairs.py --calibrate-out.
+
+Runs the real orchestration with CPU stand-ins (bench/cpu_standin.py) and short windows, and checks that
+the file the daemon reads (STATE_DIR/contention.json) has the agreed shape, merges, and reaches the daemon.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN = f"{sys.executable} bench/cpu_standin.py"
+GPU = "Test GPU"
+ENTRY_KEYS = {"compute_kept", "graphics_kept", "measured_at", "command", "render_iterations"}
+
+
+def _load(name: str) -> ModuleType:
+    """Load a bench script by path (bench/ is a script folder; it puts itself on sys.path for its imports)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+calibrate = _load("calibrate_contention")
+gp = calibrate.gp  # the gpu_pairs module calibrate_contention uses
+
+
+def standin_args() -> list[str]:
+    return ["--workload-cmd-cuda", f"{STANDIN} --kind cuda", "--workload-cmd-render", f"{STANDIN} --kind render"]
+
+
+def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
+    """The file as agreed with the daemon; returns this GPU's entry."""
+    data = json.loads((state_dir / "contention.json").read_text())
+    assert set(data) == {"version", "gpus"} and data["version"] == 1
+    entry = data["gpus"][gpu]
+    assert set(entry) == ENTRY_KEYS
+    for key in ("compute_kept", "graphics_kept"):
+        assert isinstance(entry[key], float) and entry[key] > 0
+    dt.datetime.strptime(entry["measured_at"], "%Y-%m-%dT%H:%M:%SZ")
+    assert entry["command"].startswith("python3 bench/")
+    assert entry["render_iterations"] is None  # a replaced render workload gets no --iterations
+    # and the daemon's own reader takes it
+    from unisched.engine.state import StateStore
+
+    assert StateStore(state_dir).measured_contention(gpu) == (entry["compute_kept"], entry["graphics_kept"])
+    return entry
+
+
+# ------------------------------------------------------------------------------------- the file
+
+
+def test_write_merges_and_keeps_other_gpus(tmp_path: Path) -> None:
+    other = {"compute_kept": 0.9, "graphics_kept": 0.95, "measured_at": "2026-01-01T00:00:00Z",
+             "command": "x", "render_iterations": 7}
+    (tmp_path / "contention.json").write_text(json.dumps({"version": 1, "gpus": {"Other": other, GPU: {}}}))
+    entry = gp.contention_entry(0.123456, 0.87, "python3 bench/calibrate_contention.py", 447)
+    assert (entry["compute_kept"], entry["graphics_kept"]) == (0.1235, 0.87)
+    path = gp.write_contention_file(tmp_path, GPU, entry)
+    data = json.loads(path.read_text())
+    assert data == {"version": 1, "gpus": {"Other": other, GPU: entry}}
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["contention.json"]  # no temp file left
+
+
+def test_write_creates_the_dir(tmp_path: Path) -> None:
+    path = gp.write_contention_file(tmp_path / "a" / "b", GPU, gp.contention_entry(0.5, 0.5, "c", None))
+    assert json.loads(path.read_text())["gpus"][GPU]["render_iterations"] is None
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"version": 2, "gpus": {}}', '{"version": 1}', "[]"])
+def test_an_unmergeable_file_is_refused_not_overwritten(tmp_path: Path, text: str) -> None:
+    (tmp_path / "contention.json").write_text(text)
+    with pytest.raises(gp.ContentionFileError):
+        gp.check_contention_dir(tmp_path)
+    with pytest.raises(gp.ContentionFileError):
+        gp.write_contention_file(tmp_path, GPU, gp.contention_entry(0.5, 0.5, "c", None))
+    assert (tmp_path / "contention.json").read_text() == text
+
+
+def _group(setup: str, *tenants: tuple[str, float | None]) -> Any:
+    results = [gp.TenantResult(f"t-{k}", k, None, [], 0, None if tp is None else {"throughput": tp}, "", None)
+               for k, tp in tenants]
+    return gp.GroupResult("x", setup, results, 0.0, 0.0)
+
+
+def test_kept_fractions() -> None:
+    kept = gp.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
+                             _group("no scheduler", ("cuda", 82.9), ("render", 31.1)))
+    assert kept == pytest.approx((0.13712, 0.86630), abs=1e-4)
+    with pytest.raises(gp.ContentionFileError):
+        gp.kept_fractions(_group("alone", ("cuda", 0.0)), _group("alone", ("render", 35.9)),
+                          _group("no scheduler", ("cuda", 82.9), ("render", 31.1)))
+    with pytest.raises(gp.ContentionFileError):
+        gp.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
+                          _group("no scheduler", ("cuda", 82.9), ("render", None)))
+
+
+def test_daemon_contention_check() -> None:
+    def daemon(contention: str | None, status: dict[str, Any]) -> Any:
+        return SimpleNamespace(gpu_contention=lambda: contention, info={"status": status})
+
+    warnings: list[str] = []
+    gp.check_daemon_contention(daemon("shared-sm", {"rc": 0}), "shared-sm", "k", warnings)
+    assert warnings == []
+    gp.check_daemon_contention(daemon("separate-graphics", {"rc": 0}), "shared-sm", "k", warnings)
+    assert "the daemon uses contention 'separate-graphics'" in warnings[-1]
+    gp.check_daemon_contention(daemon(None, {"rc": 0, "parsed": {"gpus": []}}), "shared-sm", "k", warnings)
+    assert "reports no GPU" in warnings[-1]
+    gp.check_daemon_contention(daemon(None, {"rc": 1}), "shared-sm", "k", warnings)
+    assert "could not read" in warnings[-1]
+
+
+# ------------------------------------------------------------------------------------- the budget
+
+
+def test_default_full_run_fits_one_device_call(tmp_path: Path) -> None:
+    args = gp.parse_args(["--out", str(tmp_path), "--calibrate-out", str(tmp_path / "s"), "--dry-run"])
+    assert (args.seconds, args.warmup, args.unisched_warmup) == (20.0, 5.0, 15.0)
+    cfg = gp.make_config(args)
+    # 2 alone + 3 no scheduler at 5 + 20 + 3 s, 5 unisched at 15 + 20 + 3 + 3 s, 10 s render calibration.
+    est = gp.estimate_seconds(cfg, args.pair_list, unisched=True, calibrate=True)
+    assert est == pytest.approx(355.0)
+    assert est <= gp.TIME_BUDGET_S
+
+
+def test_calibrate_out_needs_a_mixed_pair(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        gp.parse_args(["--out", str(tmp_path), "--calibrate-out", str(tmp_path), "--pairs", "cuda3:1"])
+
+
+# ------------------------------------------------------------------------------- end to end, CPU
+
+
+def test_calibrate_contention_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "contention.json").write_text(json.dumps(
+        {"version": 1, "gpus": {"Other": {"compute_kept": 0.9, "graphics_kept": 0.9}}}))
+    rc = calibrate.main(["--seconds", "0.5", "--warmup", "0.3", "--state-dir", str(state), "--gpu-name", GPU,
+                         "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "raw.json"), *standin_args()])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    entry = check_shape(state)
+    assert "Other" in json.loads((state / "contention.json").read_text())["gpus"]
+    verdict = calibrate.scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
+    assert f"verdict: {verdict}" in out
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["entry"] == entry and raw["verdict"] == verdict and set(raw["runs"]) == {
+        "alone cuda", "alone render", "together"}
+
+
+def test_calibrate_contention_checks_before_measuring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "contention.json").write_text("{broken")
+    rc = calibrate.main(["--state-dir", str(tmp_path), "--gpu-name", GPU, "--work-dir", str(tmp_path / "w"),
+                         *standin_args()])
+    assert rc == 2
+    assert "fix or move it away" in capsys.readouterr().err
+    assert not (tmp_path / "w" / "alone-cuda").exists()
+
+
+FAKE_UNISCHED = '''
+"""A stand-in daemon with unisched's CLI contract: picks its contention map from STATE_DIR/contention.json."""
+import json, os, signal, socket, sys, time
+from pathlib import Path
+
+def opt(args, name):
+    return args[args.index(name) + 1]
+
+cmd, args = sys.argv[1], sys.argv[2:]
+if cmd == "serve":
+    state, sock = Path(opt(args, "--state-dir")), opt(args, "--socket")
+    try:
+        kept = json.loads((state / "contention.json").read_text())["gpus"]["Test GPU"]
+        both = min(kept["compute_kept"], kept["graphics_kept"])
+        contention = "separate-graphics" if both >= 0.75 else "shared-sm"
+    except FileNotFoundError:
+        contention = "none"
+    Path(sock + ".json").write_text(json.dumps({"gpus": [{"index": 0, "name": "Test GPU", "contention": contention}]}))
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(sock)
+    s.listen()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        time.sleep(1)
+elif cmd == "status":
+    reply = Path(opt(args, "--socket") + ".json").read_text()
+    if "--json" in args:
+        print(reply)
+elif cmd == "run":
+    rest = args[args.index("--") + 1:]
+    os.execvp(rest[0], rest)
+elif cmd == "tenants":
+    print("[]")
+'''
+
+
+def _run_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *extra: str) -> tuple[int, dict[str, Any]]:
+    fake = tmp_path / "fake"
+    fake.mkdir(exist_ok=True)
+    (fake / "fakesched.py").write_text(FAKE_UNISCHED)
+    monkeypatch.setenv("PYTHONPATH", f"{fake}:{ROOT}")
+    out = tmp_path / name
+    rc = gp.main(["--pairs", "mixed1:1", "--seconds", "0.5", "--warmup", "0.3", "--unisched-warmup", "0.3",
+                  "--grace", "10", "--out", str(out), "--work-dir", str(tmp_path / f"work-{name}"),
+                  "--unisched-module", "fakesched", *standin_args(), *extra])
+    return rc, json.loads((out / "results.json").read_text())
+
+
+def test_gpu_pairs_calibrate_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cal = tmp_path / "cal"
+    rc, results = _run_pairs(tmp_path, monkeypatch, "with", "--calibrate-out", str(cal), "--gpu-name", GPU)
+    assert rc == 0, results["errors"]
+    entry = check_shape(cal)
+    assert results["contention"]["entry"] == entry and results["contention"]["gpu"] == GPU
+    verdict = results["contention"]["verdict"]
+    assert verdict == calibrate.scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
+    # the daemon started on a copy of that file, only that file, and took the map it implies
+    daemon = results["unisched"]["cuda+render 1:1"]["daemon"]
+    state = Path(daemon["state_dir"])
+    assert sorted(p.name for p in state.iterdir()) == ["contention.json"]
+    assert (state / "contention.json").read_text() == (cal / "contention.json").read_text()
+    assert daemon["status"]["parsed"]["gpus"][0]["contention"] == verdict
+    assert not [w for w in results["warnings"] if "contention" in w]
+    assert "Contention calibration" in (tmp_path / "with" / "results.md").read_text()
+
+
+def test_gpu_pairs_without_calibrate_out_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rc, results = _run_pairs(tmp_path, monkeypatch, "without")
+    assert rc == 0, results["errors"]
+    assert "contention" not in results
+    daemon = results["unisched"]["cuda+render 1:1"]["daemon"]
+    assert "status" not in daemon and "contention_file" not in daemon
+    assert list(Path(daemon["state_dir"]).iterdir()) == []
