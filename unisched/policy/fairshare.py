@@ -11,14 +11,19 @@ Work conservation: only tenants with demand take part; an idle tenant neither ru
 accumulates credit beyond the lag limit, so it cannot hoard the GPU when it wakes, and it gets its share
 back at the first decision after its demand is seen.
 
-Cost. `decide` runs every slice, so it never walks the tenant list. Each resource keeps min-heaps (lazy
-deletion: a stale entry is marked dead and dropped when it surfaces) of the tenants active on it, split by
-priority class and by kind: tenants that use only this resource ("single") and tenants that use several
-("multi"). On one resource single tenants rank by virtual time alone (the clock is common), so only the
-heap top (and the current holder, which wins ties) can win the resource; a multi-resource tenant can only
-win if it is at or ahead of that top, so only those are looked at. The exact greedy then runs over these
-few candidates. A decision costs O(R log N + K), R = resources with demand, K = multi-resource tenants
-ahead of their resource's best single tenant. `stats` and `target_shares` walk all tenants (reporting).
+Cost. `decide` runs every slice, so it does not walk or sort the tenants. Each resource keeps min-heaps of
+the tenants active on it, by kind (tenants that use only this resource, "single", and those that use several,
+"multi") and, in preemptive mode only, by priority class. Entries are keyed by virtual time, lazily: a charge
+only raises the tenant's value, and an entry whose key lags its value is re-placed when it reaches the top
+(a vtime never decreases while its tenant has demand, so a lagging key is a lower bound); dead entries (demand
+withdrawn) are dropped when they surface. On one resource the single tenants share the clock, so they rank by
+vtime alone: only the heap top, or the holder when it ties with it, can win. A multi-resource tenant can only
+win if no single one is ahead of it on any of its resources; only those few enter the greedy, which then picks
+exactly what the greedy over every active tenant would. A decision costs O(R log N) for R contended resources
+(plus the multi-resource tenants that pass that test), and a charge O(1); only `Decision.waiting`, a set of
+every waiting tenant, is O(N) (a copy in C). `stats` and `target_shares` walk all tenants (reporting).
+Ties in virtual time that exist only through float rounding of (vtime - clock) may break differently than a
+full sort by that difference would; exact ties break as they always did (holder first, then name).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -91,17 +96,24 @@ class TenantStats:
     slices: int
 
 
-# A heap entry is a list so that entries compare in C: [key, name, seq, owner]. The key is the virtual time
-# (or, in timeshare mode, the end of the tenant's last turn); `seq` makes every entry unique; `owner` is the
-# _Tenant, or None once the entry is stale (lazy deletion). A live vtime entry's key is the tenant's vtime.
+# A heap entry is a list, so that entries compare in C: [key, name, seq, owner, value].
+# - vtime heaps: `value` is the tenant's vtime on the resource and `key` the vtime when the entry was last
+#   placed. A vtime only grows while the tenant has demand, so `key` is a lower bound of `value`: a charge
+#   just raises `value` (no heap work), and a top whose key is behind its value is re-placed when it
+#   surfaces. A top with key == value is then the true minimum.
+# - turn heaps (timeshare): key == value == the end of the tenant's last turn.
+# `seq` makes every entry unique; `owner` is the _Tenant, or None once the entry is dead (lazy deletion).
 _Entry = list[Any]
-_KEY, _NAME, _SEQ, _OWNER = 0, 1, 2, 3
+_KEY, _NAME, _SEQ, _OWNER, _VALUE = 0, 1, 2, 3, 4
 _MULTI, _SINGLE = 0, 1
 _ONLINE, _OFFLINE = 0, 1
 _TURN_EPS_S = 1e-6
 """A timeshare turn this close to its end is over (slice lengths are sums of floats)."""
 _COMPACT_MIN = 64
-"""A heap is rebuilt without its stale entries once it is this long and mostly stale."""
+"""A heap is rebuilt without its dead entries once it is this long and mostly dead."""
+_SCAN_MAX = 32
+"""Multi-resource heaps up to this long are scanned; longer ones are walked from the root."""
+_Rank = tuple[float, float, float, str]
 
 
 @dataclass(slots=True)
@@ -131,8 +143,9 @@ class _Tenant:
 class _Index:
     """The tenants active on one resource, as lazy min-heaps.
 
-    `vt[slot]` (slot = class * 2 + kind) is keyed by virtual time; `turn[kind]` (timeshare mode only) by
-    the end of the tenant's last turn, and holds only tenants that are not in a turn now.
+    `vt[slot]` (slot = class * 2 + kind) is keyed by virtual time. Classes are split only in preemptive
+    mode (otherwise every tenant is in the offline heaps). `turn[kind]` (timeshare mode only) is keyed by
+    the end of the tenant's last turn and holds only tenants that are not in a turn now.
     """
 
     __slots__ = ("active", "turn", "turn_alive", "vt", "vt_alive")
@@ -146,23 +159,37 @@ class _Index:
 
 
 def _push(heap: list[_Entry], alive: int, entry: _Entry) -> None:
-    """Push; when the heap is mostly stale entries, rebuild it (in place) from the live ones."""
+    """Push; when the heap is mostly dead entries, rebuild it (in place) from the live ones."""
     heapq.heappush(heap, entry)
     if len(heap) > _COMPACT_MIN and len(heap) > 3 * alive:
         heap[:] = [e for e in heap if e[_OWNER] is not None]
         heapq.heapify(heap)
 
 
-def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) -> None:
-    """Add the owners of the live entries of `heap` whose key is <= bound to the candidates.
+def _settle(heap: list[_Entry]) -> _Entry | None:
+    """The live entry with the lowest value (dropping dead tops, re-placing tops whose key lags)."""
+    while heap:
+        top = heap[0]
+        if top[_OWNER] is None:
+            heapq.heappop(heap)
+        elif top[_KEY] != top[_VALUE]:
+            top[_KEY] = top[_VALUE]
+            heapq.heapreplace(heap, top)
+        else:
+            return top
+    return None
 
-    Reads the heap without changing it: a scan when it is short, else a walk down from the root that
-    stops below entries past the bound (their children are later still).
+
+def _at_most(heap: list[_Entry], bound: float) -> Iterator[_Entry]:
+    """The live entries whose value is <= bound, without changing the heap.
+
+    A scan when the heap is short, else a walk down from the root that stops below entries whose key is
+    past the bound (their children's keys, and so values, are later still).
     """
-    if len(heap) <= 32:
+    if len(heap) <= _SCAN_MAX:
         for entry in heap:
-            if entry[_KEY] <= bound and entry[_OWNER] is not None:
-                cands[entry[_NAME]] = entry[_OWNER]
+            if entry[_VALUE] <= bound and entry[_OWNER] is not None:
+                yield entry
         return
     n = len(heap)
     stack = [0]
@@ -171,8 +198,8 @@ def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) ->
         entry = heap[i]
         if entry[_KEY] > bound:
             continue
-        if entry[_OWNER] is not None:
-            cands[entry[_NAME]] = entry[_OWNER]
+        if entry[_VALUE] <= bound and entry[_OWNER] is not None:
+            yield entry
         i = 2 * i + 1
         if i < n:
             stack.append(i)
@@ -180,7 +207,7 @@ def _take_multis(heap: list[_Entry], bound: float, cands: dict[str, _Tenant]) ->
                 stack.append(i + 1)
 
 
-def _first(item: tuple[tuple[float, float, float, str], _Tenant]) -> tuple[float, float, float, str]:
+def _first(item: tuple[_Rank, _Tenant]) -> _Rank:
     return item[0]
 
 
@@ -209,12 +236,12 @@ class WeightedFairShare:
         self._active_frozen: frozenset[str] | None = frozenset()
         self._in_turn: set[str] = set()
         """Tenants that run since the last decision (their turn_started is set)."""
+        self._multi = 0
+        """Active tenants with demand on several resources (none: each resource is decided on its own)."""
         self._turn_index = False
         """Whether the heaps keyed by turn end are kept (timeshare mode only)."""
         self._by_class = self.config.mode is Mode.PREEMPTIVE
-        """Whether online tenants have heaps of their own (preemptive mode only; else all share the offline ones)."""
-        self._multi = 0
-        """How many active tenants have demand on several resources (none: every resource is decided alone)."""
+        """Whether online tenants have heaps of their own (preemptive mode only)."""
         self._seq = count()
 
     def _rid(self, r: Resource) -> int:
@@ -306,17 +333,9 @@ class WeightedFairShare:
         v = vtime[resource] + gpu_seconds / t.weight
         vtime[resource] = v
         if t.entries:
-            rid = self._rids[resource]
-            old = t.entries.get(rid)
-            if old is not None:
-                old[_OWNER] = None
-                heap = self._index[rid].vt[t.slot]
-                entry = [v, old[_NAME], next(self._seq), t]
-                t.entries[rid] = entry
-                if heap[0] is old:
-                    heapq.heapreplace(heap, entry)  # the usual case: the holder was the lowest
-                else:
-                    _push(heap, self._index[rid].vt_alive[t.slot], entry)
+            entry = t.entries.get(self._rids[resource])
+            if entry is not None:
+                entry[_VALUE] = v  # its heap place is fixed when it reaches the top
         t.gpu_seconds += gpu_seconds
         charges = t.charges
         charges.append((now, resource, gpu_seconds))
@@ -329,10 +348,9 @@ class WeightedFairShare:
         clock = self._vclock[rid]
         idx = self._contended.get(rid)
         if idx is not None:
-            for h in idx.vt:
-                while h and h[0][_OWNER] is None:
-                    heapq.heappop(h)
-            clock = max(clock, min((h[0][_KEY] for h in idx.vt if h), default=clock))
+            lowest = min((top[_KEY] for top in map(_settle, idx.vt) if top is not None), default=clock)
+            if lowest > clock:
+                clock = lowest
         self._vclock[rid] = clock
         return clock
 
@@ -354,7 +372,8 @@ class WeightedFairShare:
         name = t.spec.name
         for r, rid in zip(demand, ids, strict=True):
             idx = self._index[rid]
-            entry = [t.vtime[r], name, next(self._seq), t]
+            v = t.vtime[r]
+            entry = [v, name, next(self._seq), t, v]
             t.entries[rid] = entry
             idx.vt_alive[slot] += 1
             _push(idx.vt[slot], idx.vt_alive[slot], entry)
@@ -381,7 +400,7 @@ class WeightedFairShare:
         kind = _SINGLE if len(t.demand_ids) == 1 else _MULTI
         for rid in t.demand_ids:
             idx = self._index[rid]
-            entry = [t.last_run_end, t.spec.name, next(self._seq), t]
+            entry = [t.last_run_end, t.spec.name, next(self._seq), t, t.last_run_end]
             t.turn_entries[rid] = entry
             idx.turn_alive[kind] += 1
             _push(idx.turn[kind], idx.turn_alive[kind], entry)
@@ -408,6 +427,14 @@ class WeightedFairShare:
                 if t.demand and t.turn_started is None:
                     self._enter_turn_queue(t)
 
+    def _set_by_class(self, on: bool) -> None:
+        """Split (preemptive mode) or merge the online and offline heaps."""
+        self._by_class = on
+        for t in self._tenants.values():
+            if t.demand:
+                self._unindex(t)
+                self._reindex(t)
+
     # --- decisions --------------------------------------------------------------------------------
     def decide(self, now: float) -> Decision:
         mode = self.config.mode
@@ -416,17 +443,14 @@ class WeightedFairShare:
             self._set_turn_index(timeshare)
         preemptive = mode is Mode.PREEMPTIVE
         if preemptive is not self._by_class:
-            self._by_class = preemptive
-            for t in self._tenants.values():
-                if t.demand:
-                    self._unindex(t)
-                    self._reindex(t)
+            self._set_by_class(preemptive)
         tenants = self._tenants
-        if not timeshare and not self._multi:
-            holder_ids, holders, running = self._decide_singles(now, preemptive)
+        if timeshare:
+            holder_ids, holders, running = self._decide_turns(now)
+        elif not self._multi and not preemptive:
+            holder_ids, holders, running = self._decide_plain(now)
         else:
-            holder_ids, holders, running = self._decide_general(now, preemptive, timeshare)
-            self._start_turns(running, now, timeshare)
+            holder_ids, holders, running = self._decide_vtime(now, preemptive)
         # the tenants that ran in the last decision and do not now end their turn
         in_turn = self._in_turn
         running_set = frozenset(running)
@@ -449,26 +473,10 @@ class WeightedFairShare:
             active = self._active_frozen = frozenset(self._active)
         return Decision(now=now, slice_s=slice_s, running=running_set, waiting=active - running_set, holders=holders)
 
-    def _start_turns(self, running: list[str], now: float, timeshare: bool) -> None:
-        """Count the slice; a tenant that did not hold its resources (or whose timeshare turn is over, with
-        nobody else waiting for it) starts a new turn."""
-        prev = self._holders
-        for name in running:
-            t = self._tenants[name]
-            t.slices += 1
-            if t.turn_started is None:
-                t.turn_started = now
-                self._in_turn.add(name)
-                if timeshare:
-                    self._leave_turn_queue(t)
-            elif not _holds(prev, name, t) or (timeshare and now - t.turn_started >= self._window(t) - _TURN_EPS_S):
-                t.turn_started = now
+    def _decide_plain(self, now: float) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
+        """`_decide_vtime` for its common case, inlined: one class (not preemptive), every tenant on one resource.
 
-    def _decide_singles(self, now: float, preemptive: bool) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
-        """Every active tenant uses one resource: each resource goes to its best tenant, independently.
-
-        On one resource the tenants share the clock, so they rank by vtime: the winner is the top of the
-        online or the offline heap, or the holder when it ties with its top (the holder wins ties).
+        Every live entry is then in the offline single-resource heap; a contended resource has at least one.
         """
         prev = self._holders
         tenants = self._tenants
@@ -476,36 +484,32 @@ class WeightedFairShare:
         resources = self._resources
         in_turn = self._in_turn
         heappop = heapq.heappop
+        heapreplace = heapq.heapreplace
         holder_ids: dict[int, str] = {}
         holders: dict[Resource, str] = {}
         running: list[str] = []
         for rid, idx in self._contended.items():
-            vt = idx.vt
-            on = vt[_ONLINE * 2 + _SINGLE]  # empty unless preemptive
-            while on and on[0][_OWNER] is None:
-                heappop(on)
-            off = vt[_OFFLINE * 2 + _SINGLE]
-            while off and off[0][_OWNER] is None:
-                heappop(off)
-            if on:
-                best = on[0]  # online first
-                lowest = off[0][_KEY] if off and off[0][_KEY] < best[_KEY] else best[_KEY]
-            else:
-                best = off[0]
-                lowest = best[_KEY]
+            h = idx.vt[_OFFLINE * 2 + _SINGLE]
+            top = h[0]
+            while top[_OWNER] is None or top[_KEY] != top[_VALUE]:  # dead, or its key lags its vtime
+                if top[_OWNER] is None:
+                    heappop(h)
+                else:
+                    top[_KEY] = top[_VALUE]
+                    heapreplace(h, top)
+                top = h[0]
+            key = top[_KEY]
             clock = vclock[rid]
-            if lowest > clock:
-                vclock[rid] = clock = lowest
-            name = best[_NAME]
+            if key > clock:
+                vclock[rid] = clock = key
+            t: _Tenant = top[_OWNER]
+            name = top[_NAME]
             holder = prev.get(rid)
             if holder is not None and holder != name:
                 ht = tenants.get(holder)
-                if ht is not None and ht.only == rid and ht.slot == best[_OWNER].slot:
-                    held = ht.entries[rid]
-                    if held[_KEY] - clock == best[_KEY] - clock:
-                        best = held  # tied with the best: the holder wins ties
-                        name = holder
-            t: _Tenant = best[_OWNER]
+                if ht is not None and ht.only == rid and ht.entries[rid][_VALUE] - clock == key - clock:
+                    t = ht  # tied: the holder wins ties
+                    name = holder
             holder_ids[rid] = name
             pair = t.held.get(rid)
             if pair is None:
@@ -520,120 +524,71 @@ class WeightedFairShare:
                 t.turn_started = now
         return holder_ids, holders, running
 
-    def _decide_general(
-        self, now: float, preemptive: bool, timeshare: bool
-    ) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
-        """Tenants on several resources, or timeshare turns: the exact greedy over the few candidates."""
-        tenants = self._tenants
+    def _decide_vtime(self, now: float, preemptive: bool) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
+        """Shared, preemptive and tidal modes: lowest lag first.
+
+        On one resource, single-resource tenants share the clock and so rank by vtime: the best one is the
+        top of its class's heap, or the holder when it ties with that top (the holder wins ties). A
+        multi-resource tenant can only win if no single one beats it on any of its resources; when such
+        tenants exist, the greedy (best rank first, skipping a tenant one of whose resources is taken)
+        runs over them and the best single tenants of their resources, which picks the same winners as
+        the greedy over every active tenant. Every other resource goes to its best single tenant.
+        """
         prev = self._holders
+        tenants = self._tenants
         vclock = self._vclock
-        heappop = heapq.heappop
         inf = math.inf
-
-        # 1. Advance the clocks, and collect the few tenants that can win each resource. Single-resource
-        #    tenants on one resource share its clock, so they rank by vtime: only a heap top, or the holder
-        #    when it ties with the top, can win. A multi-resource tenant can only win a resource if it is
-        #    at or ahead of the best single one there.
-        local: dict[int, list[_Tenant]] = {}
-        multis: dict[str, _Tenant] = {}
-        bounds: dict[int, tuple[float, float]] = {}
-        """Per resource, the best single tenant's key that an online / offline multi must not exceed."""
-        with_multis: list[int] = []
-        for rid, idx in self._contended.items():
-            vt = idx.vt
-            lowest = inf
-            for h in vt:
-                if h:
-                    top = h[0]
-                    while top[_OWNER] is None:
-                        heappop(h)
-                        if not h:
-                            break
-                        top = h[0]
-                    else:
-                        if top[_KEY] < lowest:
-                            lowest = top[_KEY]
-            clock = vclock[rid]
-            if lowest > clock:
-                vclock[rid] = clock = lowest
-            singles: list[_Tenant] = []
-            local[rid] = singles
-            if timeshare:
-                bound = inf
-                h = idx.turn[_SINGLE]
-                while h and h[0][_OWNER] is None:
-                    heappop(h)
-                if h:
-                    singles.append(h[0][_OWNER])
-                    bound = h[0][_KEY]
-                if idx.turn[_MULTI]:
-                    _take_multis(idx.turn[_MULTI], bound, multis)
-                continue
-            tops: list[_Entry | None] = [None, None]
-            online_top = offline_top = inf
-            h = vt[_ONLINE * 2 + _SINGLE]  # empty unless preemptive
-            if h:
-                tops[_ONLINE] = top = h[0]
-                singles.append(top[_OWNER])
-                online_top = top[_KEY]
-            h = vt[_OFFLINE * 2 + _SINGLE]
-            if h:
-                tops[_OFFLINE] = top = h[0]
-                singles.append(top[_OWNER])
-                offline_top = top[_KEY]
-            holder = prev.get(rid)
-            if holder is not None:
-                ht = tenants.get(holder)
-                if ht is not None and ht.only == rid:
-                    best = tops[ht.slot >> 1]
-                    if best is not None and best[_OWNER] is not ht and ht.entries[rid][_KEY] - clock == best[_KEY] - clock:
-                        singles.append(ht)  # tied with the top: the holder wins ties
-            # an offline multi loses to any online single (preemptive); else to a single ahead of it
-            bounds[rid] = (online_top, offline_top if online_top == inf else -inf)
-            if vt[_ONLINE * 2 + _MULTI] or vt[_OFFLINE * 2 + _MULTI]:
-                with_multis.append(rid)
-        if timeshare:
-            for name in self._in_turn:
-                t = tenants[name]
-                if t.only >= 0:
-                    local[t.only].append(t)
-                elif t.demand:
-                    multis[name] = t
-        else:
-            # A multi-resource tenant can only win if no single one beats it on any of its resources;
-            # each is checked once, on the first of its resources.
-            for rid in with_multis:
-                vt = self._index[rid].vt
-                for cls in (_ONLINE, _OFFLINE):
-                    bound = bounds[rid][cls]
-                    for entry in vt[cls * 2 + _MULTI]:
-                        if entry[_KEY] <= bound:
-                            m = entry[_OWNER]
-                            if m is not None and m.demand_ids[0] == rid:
-                                for other, e in m.entries.items():
-                                    if e[_KEY] > bounds[other][cls]:
-                                        break
-                                else:
-                                    multis[entry[_NAME]] = m
-
-        # 2. The greedy over every active tenant (best rank first, skipping a tenant one of whose resources
-        #    is taken) picks the same winners when run over these candidates only. A resource that no
-        #    candidate multi-resource tenant wants goes to its own best candidate.
+        multi = self._multi > 0
+        resources = self._resources
+        in_turn = self._in_turn
         holder_ids: dict[int, str] = {}
         holders: dict[Resource, str] = {}
         running: list[str] = []
-        resources = self._resources
-        contested: set[int] = set()
-        for m in multis.values():
-            contested.update(m.demand_ids)
-        ranked: list[tuple[tuple[float, float, float, str], _Tenant]] = []
-        for rid, singles in local.items():
-            if rid in contested:
-                ranked.extend((self._rank(t, now, preemptive, timeshare), t) for t in singles)
+        best: dict[int, _Tenant] = {}
+        bounds: dict[int, tuple[float, float]] = {}
+        with_multis: list[int] = []
+        for rid, idx in self._contended.items():
+            vt = idx.vt
+            on = vt[_ONLINE * 2 + _SINGLE]
+            off = vt[_OFFLINE * 2 + _SINGLE]
+            on_top = _settle(on) if on else None
+            off_top = _settle(off) if off else None
+            lowest = inf
+            if multi:
+                for h in (vt[_ONLINE * 2 + _MULTI], vt[_OFFLINE * 2 + _MULTI]):
+                    if h:
+                        top = _settle(h)
+                        if top is not None:
+                            if top[_KEY] < lowest:
+                                lowest = top[_KEY]
+                            if not with_multis or with_multis[-1] != rid:
+                                with_multis.append(rid)
+            top = on_top if on_top is not None else off_top  # online first
+            if off_top is not None and off_top[_KEY] < lowest:
+                lowest = off_top[_KEY]
+            if on_top is not None and on_top[_KEY] < lowest:
+                lowest = on_top[_KEY]
+            clock = vclock[rid]
+            if lowest > clock:
+                vclock[rid] = clock = lowest
+            if multi:
+                online_bound = inf if on_top is None else on_top[_KEY]
+                offline_bound = (inf if off_top is None else off_top[_KEY]) if on_top is None else -inf
+                bounds[rid] = (online_bound, offline_bound)
+            if top is None:
                 continue
-            if not singles:
+            holder = prev.get(rid)
+            if holder is not None and holder != top[_NAME]:
+                ht = tenants.get(holder)
+                if ht is not None and ht.only == rid and ht.slot == top[_OWNER].slot:
+                    mine = ht.entries[rid]
+                    if mine[_VALUE] - clock == top[_KEY] - clock:
+                        top = mine  # tied: the holder wins ties
+            if multi:
+                best[rid] = top[_OWNER]
                 continue
-            t = singles[0] if len(singles) == 1 else min(singles, key=lambda c: self._rank(c, now, preemptive, timeshare))
+            # no multi-resource tenant anywhere: the best single one runs (inlined _run_singles)
+            t = top[_OWNER]
             name = t.spec.name
             holder_ids[rid] = name
             pair = t.held.get(rid)
@@ -641,31 +596,141 @@ class WeightedFairShare:
                 pair = t.held[rid] = {resources[rid]: name}
             holders.update(pair)
             running.append(name)
-        if multis:
-            ranked.extend((self._rank(m, now, preemptive, timeshare), m) for m in multis.values())
+            t.slices += 1
+            if t.turn_started is None:
+                t.turn_started = now
+                in_turn.add(name)
+            elif holder != name:
+                t.turn_started = now
+        if not multi:
+            return holder_ids, holders, running
+
+        cands: dict[str, _Tenant] = {}
+        for rid in with_multis:
+            vt = self._index[rid].vt
+            for cls in (_ONLINE, _OFFLINE):
+                heap = vt[cls * 2 + _MULTI]
+                if heap:
+                    for entry in _at_most(heap, bounds[rid][cls]):
+                        m = entry[_OWNER]
+                        if m.demand_ids[0] == rid and all(
+                            e[_VALUE] <= bounds[other][cls] for other, e in m.entries.items()
+                        ):
+                            cands[entry[_NAME]] = m
+
+        if cands:
+            contested: set[int] = set()
+            for m in cands.values():
+                contested.update(m.demand_ids)
+            ranked = [(self._rank(m, now, preemptive, False), m) for m in cands.values()]
+            for rid in contested:
+                t = best.pop(rid, None)
+                if t is not None:
+                    ranked.append((self._rank(t, now, preemptive, False), t))
             ranked.sort(key=_first)
             taken: set[int] = set()
             for _, t in ranked:
-                name = t.spec.name
-                if not taken.isdisjoint(t.demand_ids):
-                    if timeshare:
-                        taken.update(t.demand_ids)  # keep its free resources for it: no overtaking in turns
-                    continue
-                taken.update(t.demand_ids)
-                for rid in t.demand_ids:
-                    holder_ids[rid] = name
-                    holders[resources[rid]] = name
-                running.append(name)
-
+                if taken.isdisjoint(t.demand_ids):
+                    taken.update(t.demand_ids)
+                    self._run(t, now, holder_ids, holders, running)
+        self._run_singles(best, now, holder_ids, holders, running)
         return holder_ids, holders, running
 
-    def _rank(self, t: _Tenant, now: float, preemptive: bool, timeshare: bool) -> tuple[float, float, float, str]:
-        """A tenant's place in the greedy order (lower first); the same order as a sort of all would give."""
+    def _run_singles(
+        self, best: Mapping[int, _Tenant], now: float,
+        holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
+    ) -> None:
+        """Hand each resource to its single-resource winner; count the slice; start turns."""
+        prev = self._holders
+        in_turn = self._in_turn
+        resources = self._resources
+        for rid, t in best.items():
+            name = t.spec.name
+            holder_ids[rid] = name
+            pair = t.held.get(rid)
+            if pair is None:
+                pair = t.held[rid] = {resources[rid]: name}
+            holders.update(pair)
+            running.append(name)
+            t.slices += 1
+            if t.turn_started is None:
+                t.turn_started = now
+                in_turn.add(name)
+            elif prev.get(rid) != name:
+                t.turn_started = now
+
+    def _run(
+        self, t: _Tenant, now: float,
+        holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
+    ) -> None:
+        """Hand the tenant all its resources; count the slice; start a turn when it did not hold them."""
+        name = t.spec.name
+        for rid in t.demand_ids:
+            holder_ids[rid] = name
+            holders[self._resources[rid]] = name
+        running.append(name)
+        t.slices += 1
+        if t.turn_started is None:
+            t.turn_started = now
+            self._in_turn.add(name)
+            if self._turn_index:
+                self._leave_turn_queue(t)
+        elif not _holds(self._holders, name, t) or (
+            self._turn_index and now - t.turn_started >= self._window(t) - _TURN_EPS_S
+        ):
+            t.turn_started = now  # a new turn (in timeshare: nobody else wanted its resources)
+
+    def _decide_turns(self, now: float) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
+        """Timeshare: the tenant in its turn keeps its resources until its window is over, then the one
+        that waited longest (round robin). The greedy runs over the tenants in a turn, the longest-waiting
+        single tenant of each resource and the multi-resource tenants that waited at least as long. A
+        multi-resource tenant that is blocked keeps its free resources (no overtaking in turns)."""
+        tenants = self._tenants
+        vclock = self._vclock
+        inf = math.inf
+        singles: dict[int, _Tenant] = {}
+        cands: dict[str, _Tenant] = {}
+        for rid, idx in self._contended.items():
+            lowest = inf
+            for h in idx.vt:  # the clocks move in every mode
+                if h:
+                    top = _settle(h)
+                    if top is not None and top[_KEY] < lowest:
+                        lowest = top[_KEY]
+            if lowest > vclock[rid]:
+                vclock[rid] = lowest
+            bound = inf
+            single_top = _settle(idx.turn[_SINGLE]) if idx.turn[_SINGLE] else None
+            if single_top is not None:
+                singles[rid] = single_top[_OWNER]
+                bound = single_top[_KEY]
+            if idx.turn[_MULTI]:
+                for entry in _at_most(idx.turn[_MULTI], bound):
+                    cands[entry[_NAME]] = entry[_OWNER]
+        for t in singles.values():
+            cands[t.spec.name] = t
+        for name in self._in_turn:
+            t = tenants[name]
+            if t.demand:
+                cands[name] = t
+        ranked = sorted(((self._rank(t, now, False, True), t) for t in cands.values()), key=_first)
+        holder_ids: dict[int, str] = {}
+        holders: dict[Resource, str] = {}
+        running: list[str] = []
+        taken: set[int] = set()
+        for _, t in ranked:
+            if taken.isdisjoint(t.demand_ids):
+                taken.update(t.demand_ids)
+                self._run(t, now, holder_ids, holders, running)
+            elif t.only < 0:
+                taken.update(t.demand_ids)  # blocked: keeps its free resources for itself
+        return holder_ids, holders, running
+
+    def _rank(self, t: _Tenant, now: float, preemptive: bool, timeshare: bool) -> _Rank:
+        """A tenant's place in the greedy order (lower first)."""
         name = t.spec.name
         cls = 0.0 if (preemptive and t.spec.priority is Priority.ONLINE) else 1.0
-        only = t.only
-        prev = self._holders
-        held = prev.get(only) == name if only >= 0 else _holds(prev, name, t)
+        held = _holds(self._holders, name, t)
         if timeshare:
             if t.turn_started is None:
                 return (cls, 1.0, t.last_run_end, name)
@@ -673,7 +738,7 @@ class WeightedFairShare:
                 return (cls, 0.0, t.last_run_end, name)
             return (cls, 1.0, now, name)  # its turn is over: behind everyone who waited (round robin)
         vclock = self._vclock
-        lag = t.entries[only][_KEY] - vclock[only] if only >= 0 else max(e[_KEY] - vclock[rid] for rid, e in t.entries.items())
+        lag = max(e[_VALUE] - vclock[rid] for rid, e in t.entries.items())
         return (cls, lag, 0.0 if held else 1.0, name)
 
     def _window(self, t: _Tenant) -> float:

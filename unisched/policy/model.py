@@ -92,7 +92,7 @@ def validate_weight(weight: int) -> int:
 
 
 def validate_tenant_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise PolicyError(
             f"tenant name must be 1-63 characters of letters, digits, '_', '.', '-' starting with a letter or digit, got {name!r}"
         )

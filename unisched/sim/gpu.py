@@ -48,7 +48,7 @@ class SimStream:
 class SimResource:
     """One contention domain of one GPU (e.g. the SMs of GPU 0), advanced in time by `advance`."""
 
-    __slots__ = ("busy", "busy_s", "clock", "emptied", "resource", "wanted_s", "wanting")
+    __slots__ = ("busy", "busy_s", "clock", "contended_s", "emptied", "resource", "wanted_s", "wanting")
 
     def __init__(self, resource: Resource) -> None:
         self.resource = resource
@@ -60,7 +60,9 @@ class SimResource:
         self.busy_s = 0.0
         """Time with any work running."""
         self.wanting = 0
-        """Tenants with work on this domain now (running or not): idle time while > 0 is lost time."""
+        """Tenants with work for this domain now (running or frozen): idle time while > 0 is lost time."""
+        self.contended_s = 0.0
+        """Time that two or more tenants had work here."""
         self.wanted_s = 0.0
         """Time that some tenant had work here (efficiency = busy_s / wanted_s)."""
 
@@ -106,4 +108,6 @@ class SimResource:
         ran = t - start
         self.busy_s += ran
         self.wanted_s += (until - start) if self.wanting > 0 else ran
+        if self.wanting > 1:
+            self.contended_s += until - start
         self.clock = until

@@ -7,6 +7,9 @@ included, as a real GPU shows it), `charge` it, and update demand from what was 
 that used nothing loses its demand (after `idle_slices` such slices), a frozen one keeps its last demand,
 and an idle thawed tenant that starts work gains demand on the resources it used.
 
+What is fair is judged from the workload, not from the policy's view: while a tenant has work ("on"), it is
+owed its weight share, w / (sum of the weights of the tenants with work there), of each resource's busy time.
+
 Pure and deterministic: simulated time only; the one optional input from outside is `timer`, used to
 measure how long `decide` takes.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unisched.policy import (
@@ -34,10 +37,12 @@ from unisched.sim.workload import SimTenant
 
 __all__ = ["ResourceResult", "SimConfig", "SimResult", "Simulation", "TenantResult", "WakeEvent", "weight_shares"]
 
-_WAKE_SHARE_FRACTION = 0.9
-"""A waking tenant 'has its share' once its GPU time since waking is this fraction of its weight share of
-the resource's busy time since waking."""
-_WAKE_GIVE_UP_SLICES = 1000
+WAKE_SLACK_SLICES = 1.0
+"""A waking tenant 'has its share' from the slice end on after which its GPU time since it woke stays within
+this many slices of what it was owed since then: its weight share of the resource's busy time, the share
+following who has work moment by moment (slices are the granularity)."""
+WAKE_FOLLOW_SLICES = 40
+"""How long a wake-up is followed (or until the tenant's work ends)."""
 
 
 @dataclass(frozen=True)
@@ -55,25 +60,32 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class WakeEvent:
+    """An idle tenant (no demand, thawed) that starts work."""
+
     tenant: str
     at_s: float
     resource: Resource
+    """Its first stream's resource, where the latencies are measured."""
     share: float
-    """Its weight share of `resource` among the tenants with demand there when it woke."""
+    """Its weight share of `resource` among the tenants with work there when it woke."""
+    debt_s: float
+    """GPU seconds it was ahead of the slowest tenant with demand on `resource` (its last burst got more than
+    its share): the policy then lets it wait until the others have caught up. 0 when it was owed nothing."""
     slices_to_run: int | None
-    """Decisions after the wake until it was in `running` (None: never, before it went idle again)."""
+    """Decisions after the wake until it was first running (None: not while it was followed)."""
     slices_to_share: int | None
-    """Slice ends after the wake until its GPU time since the wake reached its share (None: never)."""
+    """Slice ends after the wake from which on its GPU time since the wake stayed within WAKE_SLACK_SLICES of
+    its share of the busy time, while followed (None: it was further behind at the end)."""
 
 
 @dataclass(frozen=True)
 class TenantResult:
     name: str
     weight: int
-    gpu_s: Mapping[Resource, float]
+    gpu_s: dict[Resource, float]
     """GPU time used in the measured window, per resource."""
-    expected_s: Mapping[Resource, float]
-    """Its weight share of each resource's busy time while it had demand there (the fair amount)."""
+    expected_s: dict[Resource, float]
+    """Its weight share of each resource's busy time while it had work (the fair amount)."""
     items: int
     """Work items completed in the measured window (throughput)."""
 
@@ -83,9 +95,9 @@ class ResourceResult:
     resource: Resource
     busy_s: float
     wanted_s: float
-    """Time some tenant had work on it, running or frozen."""
+    """Time some tenant had work for it (running or frozen)."""
     contended_s: float
-    """Time two or more tenants had demand on it."""
+    """Time two or more tenants had work for it."""
 
     @property
     def efficiency(self) -> float:
@@ -102,28 +114,32 @@ class SimResult:
     decide_ns: tuple[int, ...]
 
     def shares(self, resource: Resource) -> dict[str, tuple[float, float]]:
-        """Per tenant on `resource`: (measured share of its GPU time, weight share of it)."""
+        """Per tenant on `resource`: (its share of the GPU time used there, its fair share of it)."""
         used = {t.name: t.gpu_s.get(resource, 0.0) for t in self.tenants}
         fair = {t.name: t.expected_s.get(resource, 0.0) for t in self.tenants}
         total_used, total_fair = sum(used.values()), sum(fair.values())
         if total_used <= 0 or total_fair <= 0:
             return {}
-        return {
-            n: (used[n] / total_used, fair[n] / total_fair) for n in used if used[n] > 0 or fair[n] > 0
-        }
+        return {n: (used[n] / total_used, fair[n] / total_fair) for n in used if used[n] > 0 or fair[n] > 0}
 
-    def share_error_points(self, contended_only: bool = True) -> float:
-        """Max over tenants and resources of |measured share - weight share|, in percentage points."""
-        worst = 0.0
+    def share_errors(self, contended_only: bool = True) -> dict[tuple[str, Resource], float]:
+        """|measured share - fair share| in percentage points, per tenant and resource."""
+        out = {}
         for r in self.resources:
             if contended_only and r.contended_s <= 0:
                 continue
-            for measured, fair in self.shares(r.resource).values():
-                worst = max(worst, abs(measured - fair) * 100.0)
-        return worst
+            for name, (measured, fair) in self.shares(r.resource).items():
+                out[(name, r.resource)] = abs(measured - fair) * 100.0
+        return out
+
+    def share_error_points(self, contended_only: bool = True, tenants: Iterable[str] | None = None) -> float:
+        """Max over tenants (all, or those named) and resources of |measured share - fair share|, in points."""
+        names = None if tenants is None else set(tenants)
+        errors = [e for (n, _), e in self.share_errors(contended_only).items() if names is None or n in names]
+        return max(errors, default=0.0)
 
     def efficiency(self, contended_only: bool = True) -> tuple[float, float]:
-        """(lowest, mean) busy fraction of the resources while some tenant had work on them."""
+        """(lowest, mean) busy fraction of the resources while some tenant had work for them."""
         effs = [r.efficiency for r in self.resources if r.wanted_s > 0 and (r.contended_s > 0 or not contended_only)]
         if not effs:
             return (1.0, 1.0)
@@ -142,24 +158,33 @@ class _Tenant:
         self.demand: frozenset[Resource] = frozenset()
         self.idle_run = 0
         self.start: dict[Resource, float] = {}
-        """Value of the resource's fair-share integral when the tenant's demand there began."""
+        """The resource's fair-share integral when the tenant's work began (measured window only)."""
         self.next_change = math.inf
 
 
 class _Wake:
-    __slots__ = ("at", "busy0", "closed", "got0", "name", "resource", "share", "slices", "to_run", "to_share")
+    __slots__ = ("at", "below", "debt", "ended", "fair0", "got0", "name", "ok", "resource", "share", "slices", "to_run")
 
-    def __init__(self, name: str, at: float, resource: SimResource, share: float, got0: float) -> None:
+    def __init__(
+        self, name: str, at: float, resource: SimResource, share: float, got0: float, fair0: float, debt: float
+    ) -> None:
         self.name = name
         self.at = at
         self.resource = resource
         self.share = share
         self.got0 = got0
-        self.busy0 = resource.busy_s
+        self.fair0 = fair0
+        self.debt = debt
         self.to_run: int | None = None
-        self.to_share: int | None = None
         self.slices = 0
-        self.closed = False
+        self.below = 0
+        """The last slice end at which it was below its share."""
+        self.ok = False
+        self.ended = False
+
+    @property
+    def to_share(self) -> int | None:
+        return self.below + 1 if self.ok else None
 
 
 class Simulation:
@@ -183,18 +208,17 @@ class Simulation:
         self._changes: list[tuple[float, int, str]] = []
         self._seq = 0
         self._frozen: frozenset[str] = frozenset()
-        # measurement
+        self._demand_on: dict[Resource, set[str]] = {}
+        # measurement (the window starts at start_measuring)
         self._measuring = False
         self._window_start = 0.0
         self._fair_integral: dict[Resource, float] = {}
-        """Per resource, the integral of busy time / sum of the weights with demand there."""
-        self._active_weight: dict[Resource, int] = {}
-        self._active_count: dict[Resource, int] = {}
-        self._contended_s: dict[Resource, float] = {}
+        """Per resource, the integral of busy time / sum of the weights of the tenants with work there."""
+        self._on_weight: dict[Resource, int] = {}
         self._used: dict[tuple[str, Resource], float] = {}
         self._expected: dict[tuple[str, Resource], float] = {}
         self._done_at_start: dict[str, int] = {}
-        self._busy_at_start: dict[Resource, tuple[float, float]] = {}
+        self._at_start: dict[Resource, tuple[float, float, float]] = {}
         self._decide_ns: list[int] = []
         self._wakes: list[_Wake] = []
         self._pending: list[_Wake] = []
@@ -214,9 +238,8 @@ class Simulation:
                 res = self._resources[r] = SimResource(r)
                 res.clock = self.now
                 self._fair_integral[r] = 0.0
-                self._active_weight[r] = 0
-                self._active_count[r] = 0
-                self._contended_s[r] = 0.0
+                self._on_weight[r] = 0
+                self._demand_on[r] = set()
             stream = SimStream(spec.name, s, res)
             t.streams.append(stream)
             t.by_resource.setdefault(r, []).append(stream)
@@ -224,6 +247,18 @@ class Simulation:
         start = max(spec.activity.start_s, self.now)
         if math.isfinite(start):
             self._schedule(t, start)
+
+    def used(self, name: str) -> dict[Resource, float]:
+        """GPU seconds the tenant's work has run so far, per resource (drain after freezes included)."""
+        t = self._tenants[name]
+        return {r: sum(s.used for s in streams) for r, streams in t.by_resource.items()}
+
+    def frozen(self, name: str) -> bool:
+        return self._tenants[name].frozen
+
+    def items(self, name: str) -> int:
+        """Work items the tenant has completed so far."""
+        return sum(s.done for s in self._tenants[name].streams)
 
     def _schedule(self, t: _Tenant, at: float) -> None:
         t.next_change = at
@@ -244,10 +279,11 @@ class Simulation:
         self._window_start = self.now
         for t in self._tenants.values():
             self._done_at_start[t.spec.name] = sum(s.done for s in t.streams)
-            for r in t.demand:
-                t.start[r] = self._fair_integral[r]
+            if t.on:
+                for r in t.by_resource:
+                    t.start[r] = self._fair_integral[r]
         for r, res in self._resources.items():
-            self._busy_at_start[r] = (res.busy_s, res.wanted_s)
+            self._at_start[r] = (res.busy_s, res.wanted_s, res.contended_s)
 
     def step(self) -> Decision:
         """One slice, as the engine runs it. Returns the decision that governed it."""
@@ -263,7 +299,7 @@ class Simulation:
             decision = self.policy.decide(now)
         for w in self._pending:
             if w.to_run is None and w.name in decision.running:
-                w.to_run = w.slices + 1
+                w.to_run = w.slices
 
         # freeze the waiting, thaw everyone else
         tenants = self._tenants
@@ -287,56 +323,85 @@ class Simulation:
         while changes and changes[0][0] < end:
             at, _, name = heapq.heappop(changes)
             t = tenants[name]
-            if at != t.next_change:
-                continue
-            for res in self._resources.values():
-                res.advance(at)
-            self._toggle(t, at)
-        busy_before = {r: res.busy_s for r, res in self._resources.items()} if self._measuring else {}
-        for res in self._resources.values():
-            res.advance(end)
+            if at == t.next_change:
+                self._advance(at)
+                self._toggle(t, at)
+        self._advance(end)
         self.now = end
         self.slices += 1
-        self._observe(decision, end, busy_before)
+        self._observe(decision, end)
         return decision
+
+    def _advance(self, until: float) -> None:
+        measuring = self._measuring
+        for r, res in self._resources.items():
+            before = res.busy_s
+            res.advance(until)
+            if measuring and self._on_weight[r] > 0:
+                self._fair_integral[r] += (res.busy_s - before) / self._on_weight[r]
 
     def _toggle(self, t: _Tenant, at: float) -> None:
         act = t.spec.activity
         t.on = not t.on
-        for s in t.streams:
-            s.resource.wanting += 1 if t.on else -1
+        w = t.spec.weight
+        for r in t.by_resource:
+            res = self._resources[r]
+            if t.on:
+                res.wanting += 1
+                self._on_weight[r] += w
+                t.start[r] = self._fair_integral[r]
+            else:
+                res.wanting -= 1
+                self._on_weight[r] -= w
+                if self._measuring:
+                    self._owe(t, r)
         if t.on:
             if not t.frozen:
+                if at > 0 and self._measuring and not t.demand and t.streams:
+                    self._wake(t, at)
                 for s in t.streams:
                     s.submitting = True
                     s.fill()
-            if at > 0 and self._measuring and t.streams:
-                self._wake(t, at)
             duration = act.on_s
         else:
             for s in t.streams:
                 s.submitting = False
-            for w in self._pending:
-                if w.name == t.spec.name:
-                    w.closed = True
+            for wk in self._pending:
+                if wk.name == t.spec.name:
+                    wk.ended = True
             duration = act.off_s
         if math.isfinite(duration):
             if act.jitter:
                 duration = self._rng.expovariate(1.0 / duration)
             self._schedule(t, at + duration)
 
+    def _owe(self, t: _Tenant, r: Resource) -> None:
+        """Book what the tenant was owed on `r` since its work (or the window) began."""
+        key = (t.spec.name, r)
+        owed = t.spec.weight * (self._fair_integral[r] - t.start.get(r, self._fair_integral[r]))
+        self._expected[key] = self._expected.get(key, 0.0) + owed
+        t.start[r] = self._fair_integral[r]
+
     def _wake(self, t: _Tenant, at: float) -> None:
         res = t.streams[0].resource
         r = res.resource
-        others = self._active_weight[r] - (t.spec.weight if r in t.demand else 0)
-        share = t.spec.weight / (t.spec.weight + others)
+        w = t.spec.weight
+        share = w / self._on_weight[r]
+        debt = 0.0
+        others = self._demand_on[r]
+        if others:
+            vtimes = self.policy.vtimes()
+            mine = vtimes[t.spec.name].get(r)
+            if mine is not None:
+                lowest = min(vtimes[n][r] for n in others)
+                debt = max(0.0, (mine - lowest) * w)
         got0 = sum(s.used for s in t.by_resource[r])
-        w = _Wake(t.spec.name, at, res, share, got0)
-        self._wakes.append(w)
-        self._pending.append(w)
+        wake = _Wake(t.spec.name, at, res, share, got0, self._fair_integral[r], debt)
+        self._wakes.append(wake)
+        self._pending.append(wake)
 
-    def _observe(self, decision: Decision, now: float, busy_before: Mapping[Resource, float]) -> None:
-        """Measure the slice that just ended: charge, update demand, account."""
+    def _observe(self, decision: Decision, now: float) -> None:
+        """Measure the slice that just ended: charge, update demand, follow wake-ups."""
         tenants = self._tenants
         policy = self.policy
         measuring = self._measuring
@@ -356,13 +421,6 @@ class Simulation:
                 if measuring:
                     key = (name, r)
                     self._used[key] = self._used.get(key, 0.0) + seconds
-        if measuring:
-            for r, res in self._resources.items():
-                ran = res.busy_s - busy_before[r]
-                if self._active_weight[r] > 0:
-                    self._fair_integral[r] += ran / self._active_weight[r]
-                if self._active_count[r] >= 2:
-                    self._contended_s[r] += decision.slice_s
         # demand, from what thawed tenants showed
         idle_slices = self.config.idle_slices
         for name, per in used.items():
@@ -379,48 +437,45 @@ class Simulation:
                     if t.idle_run >= idle_slices:
                         self._set_demand(t, frozenset())
         if self._pending:
-            self._check_wakes()
+            self._follow_wakes()
 
     def _set_demand(self, t: _Tenant, new: frozenset[Resource]) -> None:
-        old = t.demand
-        w = t.spec.weight
-        for r in old - new:
-            if self._measuring:
-                key = (t.spec.name, r)
-                self._expected[key] = self._expected.get(key, 0.0) + w * (self._fair_integral[r] - t.start.pop(r, 0.0))
-            self._active_weight[r] -= w
-            self._active_count[r] -= 1
-        for r in new - old:
-            t.start[r] = self._fair_integral[r]
-            self._active_weight[r] = self._active_weight.get(r, 0) + w
-            self._active_count[r] = self._active_count.get(r, 0) + 1
+        name = t.spec.name
+        for r in t.demand - new:
+            self._demand_on[r].discard(name)
+        for r in new - t.demand:
+            self._demand_on[r].add(name)
         t.demand = new
-        self.policy.set_demand(t.spec.name, new)
+        self.policy.set_demand(name, new)
 
-    def _check_wakes(self) -> None:
+    def _follow_wakes(self) -> None:
+        slack = WAKE_SLACK_SLICES * self.config.policy.slice_s
         still = []
         for w in self._pending:
             w.slices += 1
-            if w.to_share is None:
-                t = self._tenants[w.name]
-                got = sum(s.used for s in t.by_resource[w.resource.resource]) - w.got0
-                busy = w.resource.busy_s - w.busy0
-                if busy > 0 and got >= _WAKE_SHARE_FRACTION * w.share * busy:
-                    w.to_share = w.slices
-            done = w.to_share is not None and w.to_run is not None
-            if not (done or w.closed or w.slices >= _WAKE_GIVE_UP_SLICES):
+            t = self._tenants[w.name]
+            r = w.resource.resource
+            got = sum(s.used for s in t.by_resource[r]) - w.got0
+            owed = t.spec.weight * (self._fair_integral[r] - w.fair0)
+            w.ok = got >= owed - slack
+            if not w.ok:
+                w.below = w.slices
+            if not (w.ended or w.slices >= WAKE_FOLLOW_SLICES):
                 still.append(w)
         self._pending = still
 
     # --- results ----------------------------------------------------------------------------------
     def result(self) -> SimResult:
+        """The measurements so far (the window runs from start_measuring to now)."""
         window = self.now - self._window_start if self._measuring else 0.0
         expected = dict(self._expected)
-        for t in self._tenants.values():
-            for r in t.demand:
-                if self._measuring:
-                    key = (t.spec.name, r)
-                    expected[key] = expected.get(key, 0.0) + t.spec.weight * (self._fair_integral[r] - t.start.get(r, 0.0))
+        if self._measuring:
+            for t in self._tenants.values():
+                if t.on:
+                    for r in t.by_resource:
+                        key = (t.spec.name, r)
+                        owed = t.spec.weight * (self._fair_integral[r] - t.start.get(r, self._fair_integral[r]))
+                        expected[key] = expected.get(key, 0.0) + owed
         tenant_results = []
         for name, t in self._tenants.items():
             gpu_s = {r: self._used.get((name, r), 0.0) for r in t.by_resource}
@@ -429,12 +484,14 @@ class Simulation:
             tenant_results.append(TenantResult(name, t.spec.weight, gpu_s, exp, items))
         resource_results = []
         for r, res in self._resources.items():
-            busy0, wanted0 = self._busy_at_start.get(r, (0.0, 0.0))
+            busy0, wanted0, contended0 = self._at_start.get(r, (0.0, 0.0, 0.0))
             resource_results.append(
-                ResourceResult(r, res.busy_s - busy0, res.wanted_s - wanted0, self._contended_s[r])
+                ResourceResult(r, res.busy_s - busy0, res.wanted_s - wanted0, res.contended_s - contended0)
             )
         wakes = tuple(
-            WakeEvent(w.name, w.at, w.resource.resource, w.share, w.to_run, w.to_share) for w in self._wakes
+            WakeEvent(w.name, w.at, w.resource.resource, w.share, w.debt, w.to_run, w.to_share)
+            for w in self._wakes
+            if w.slices > 0
         )
         return SimResult(
             window_s=window,
@@ -447,6 +504,6 @@ class Simulation:
 
 
 def weight_shares(tenants: Sequence[SimTenant]) -> dict[str, float]:
-    """Each tenant's weight over the sum (the target when all saturate one resource)."""
+    """Each tenant's weight over the sum (its fair share when all saturate one resource)."""
     total = sum(t.weight for t in tenants)
     return {t.name: t.weight / total for t in tenants}
