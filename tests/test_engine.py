@@ -206,3 +206,73 @@ def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
         rig.engine.set_weight("nobody", 5)
     with pytest.raises(EngineError, match="no GPU"):
         rig.engine.register("gpu9", None, None, (), (9,), 15, 0, True)
+
+
+def test_decode_sessions_follow_the_weight_share_and_refusals_are_counted(tmp_path: Path) -> None:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])  # 7 NVDEC engines
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("a", 100)
+    rig.add("b", 300)
+    rig.step(3)
+    # a is owed 25% of the GPU: floor(0.25 * 7) = 1 decode session at a time
+    assert rig.engine.admit_session("a", "nvdec", 0xB8B0)
+    assert not rig.engine.admit_session("a", "nvdec", 0xB8B0)
+    snap = rig.engine.snapshot("a")
+    assert snap.sessions == {"nvdec": 1} and snap.refusals == {"nvdec": 1} and snap.caps["decode"] == 1
+    assert Engine.DECODE in snap.engines  # an open decoder is demand on NVDEC
+    rig.engine.session_freed("a", "nvdec")
+    assert rig.engine.admit_session("a", "nvdec", 0xB8B0)
+    # the H200 has no NVENC: encoding is refused whatever the share
+    assert not rig.engine.admit_session("b", "nvenc", 0xC9B7)
+    # compute contexts are counted, never capped
+    assert all(rig.engine.admit_session("a", "compute", 0xCBC0) for _ in range(5))
+
+
+def test_configured_render_cap_and_memory_cap(tmp_path: Path) -> None:
+    from unisched.enforce.devices import FakeDeviceAdmission
+
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    devices = FakeDeviceAdmission()
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.engine.devices = devices
+    rig.add("g", 100)
+    rig.engine.set_limits("g", 2, None, None, 1 << 20)
+    assert rig.engine.admit_session("g", "graphics", 0xCB97)
+    assert rig.engine.admit_session("g", "graphics", 0xCB97)
+    assert not rig.engine.admit_session("g", "graphics", 0xCB97)
+    pid = rig.driver.pids("/unisched/g")[0]
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, process_memory={pid: 2 << 20})]
+    rig.step(1)
+    snap = rig.engine.snapshot("g")
+    assert snap.over_memory and snap.memory_bytes == 2 << 20 and snap.refusals.get("memory") == 1
+    rig.engine.session_freed("g", "graphics", 2)
+    assert not rig.engine.admit_session("g", "graphics", 0xCB97), "over its memory cap it gets no new session"
+    # device opens are refused too while over the cap (fake cgroups have no v2 directory, so check the intent)
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, process_memory={pid: 1024})]
+    rig.step(1)
+    assert not rig.engine.snapshot("g").over_memory
+    assert rig.engine.admit_session("g", "graphics", 0xCB97)
+    # limits survive a restart
+    engine2 = KernelEngine(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
+    engine2.start()
+    assert engine2.snapshot("g").memory_cap == 1 << 20
+
+
+def test_device_admission_follows_gpus_and_memory(tmp_path: Path) -> None:
+    from unisched.enforce.devices import FakeDeviceAdmission
+
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30), GpuInfo(1, "NVIDIA H200", "GPU-y", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    devices = FakeDeviceAdmission()
+    rig.engine.devices = devices
+    rig.driver.kind = "v2"  # device admission needs a v2 cgroup directory
+    rig.pid += 1
+    rig.engine.register("pinned", 100, None, (), (1,), rig.pid, 0, True)
+    assert devices.current[Path("/fake/unisched/pinned")] == frozenset({1})
+    rig.engine.set_limits("pinned", None, None, None, 100)
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, process_memory={rig.pid: 5000}),
+                        GpuSample(1, 0.0, 0.0, 0.0, 0)]
+    rig.step(1)
+    assert devices.current[Path("/fake/unisched/pinned")] == frozenset()
+    rig.engine.remove("pinned")
+    assert Path("/fake/unisched/pinned") not in devices.current

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from unisched.engine.config import DEFAULT_SOCKET, ConfigError, load_config
+from unisched.engine.config import DEFAULT_SOCKET, ConfigError, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
@@ -46,6 +46,25 @@ def _gpus(text: str) -> list[int]:
         return [int(g) for g in text.split(",") if g.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"gpus must be a comma list of GPU indices, got {text!r}") from None
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, or -1 to clear; got {text!r}") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 to clear; got {n}")
+    return n
+
+
+def _size(text: str) -> int:
+    if text.strip() == "-1":
+        return -1
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_socket(p: argparse.ArgumentParser) -> None:
@@ -122,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--tenant", required=True)
     w.add_argument("--weight", type=_weight, required=True)
 
+    lim = sub.add_parser("set-limit", help="cap a tenant's render/decode/encode sessions and GPU memory (admin)",
+                         description="Caps on live sessions and GPU memory. -1 clears a cap back to the default "
+                                     "(decode/encode: the weight share of the GPU's video engines; render, memory: none).")
+    _add_socket(lim)
+    lim.add_argument("--tenant", required=True)
+    lim.add_argument("--render", type=_count, help="live render (3D/graphics) contexts")
+    lim.add_argument("--decode", type=_count, help="live NVDEC sessions")
+    lim.add_argument("--encode", type=_count, help="live NVENC sessions")
+    lim.add_argument("--memory", type=_size, help="GPU memory, e.g. 8GiB (-1 clears)")
+
     rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin)")
     _add_socket(rm)
     rm.add_argument("--tenant", required=True)
@@ -157,6 +186,13 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
         "slices": t.slices,
         "owner_uid": t.owner_uid,
         "adopted": t.adopted,
+        "sessions": dict(t.sessions),
+        "refusals": dict(t.refusals),
+        "caps": {"render": t.caps.render, "decode": t.caps.decode, "encode": t.caps.encode,
+                 "memory_bytes": t.caps.memory_bytes},
+        "memory_bytes": t.memory_bytes,
+        "over_memory": t.over_memory,
+        "devices": t.devices or None,
     }
 
 
@@ -206,8 +242,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         opened = open_nvml()
         if opened is not None:
             telemetry, nvml = opened, True
+    from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
+
+    devices: DeviceAdmission | None = None
+    reason = device_admission_unavailable_reason()
+    if reason is None:
+        devices = BpfDeviceAdmission()
+    else:
+        import structlog
+
+        structlog.get_logger("unisched").warning("device admission (cgroup eBPF) unavailable", reason=reason)
     try:
-        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock())
+        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock(), devices)
         serve(config, engine, nvml)
     except (CgroupError, OSError) as e:
         print(f"unisched serve: {e}", file=sys.stderr)
@@ -284,7 +330,7 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
     if not tenants:
         print("no tenants")
         return 0
-    rows = [["NAME", "WEIGHT", "PRIORITY", "STATE", "TARGET", "MEASURED", "GPU-S", "ENGINES", "PIDS"]]
+    rows = [["NAME", "WEIGHT", "PRIORITY", "STATE", "TARGET", "MEASURED", "GPU-S", "ENGINES", "SESSIONS", "REFUSED", "PIDS"]]
     for t in tenants:
         pids = ",".join(map(str, t.pids[:6])) + ("..." if len(t.pids) > 6 else "")
         rows.append(
@@ -297,6 +343,8 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
                 f"{100 * t.measured_share:.1f}%",
                 f"{t.gpu_seconds:.1f}",
                 ",".join(t.engines),
+                ",".join(f"{k}:{v}" for k, v in sorted(t.sessions.items()) if v) or "-",
+                ",".join(f"{k}:{v}" for k, v in sorted(t.refusals.items()) if v) or "-",
                 pids or "-",
             ]
         )
@@ -309,6 +357,25 @@ def _cmd_set_weight(args: argparse.Namespace) -> int:
         t = client.set_weight(args.tenant, args.weight)
     print(f"{t.name}: weight {t.weight}")
     return 0
+
+
+def _cmd_set_limit(args: argparse.Namespace) -> int:
+    req = pb.SetLimitRequest(tenant=args.tenant)
+    for field in ("render", "decode", "encode"):
+        if getattr(args, field) is not None:
+            setattr(req, field, getattr(args, field))
+    if args.memory is not None:
+        req.memory_bytes = args.memory
+    with DaemonClient(args.socket) as client:
+        t = client.set_limit(req)
+    caps = t.caps
+    print(f"{t.name}: render {_fmt_cap(caps.render)}, decode {_fmt_cap(caps.decode)}, "
+          f"encode {_fmt_cap(caps.encode)}, memory {_fmt_cap(caps.memory_bytes)}")
+    return 0
+
+
+def _fmt_cap(v: int) -> str:
+    return "unlimited" if v < 0 else str(v)
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
@@ -368,6 +435,7 @@ _COMMANDS = {
     "adopt": _cmd_adopt,
     "tenants": _cmd_tenants,
     "set-weight": _cmd_set_weight,
+    "set-limit": _cmd_set_limit,
     "remove": _cmd_remove,
     "status": _cmd_status,
 }

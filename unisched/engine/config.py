@@ -24,11 +24,13 @@ from unisched.policy import (
     parse_clock,
     validate_tenant_name,
 )
+from unisched.policy.caps import SessionLimits
 
-__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "load_config"]
+__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "load_config", "parse_size"]
 
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
+DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
 
 
 class ConfigError(ValueError):
@@ -44,11 +46,13 @@ class DeclaredTenant:
     gpus: tuple[int, ...] | None = None
     cgroup: str | None = None
     """Adopt this existing cgroup at start (a container's)."""
+    limits: SessionLimits = field(default_factory=SessionLimits)
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
     socket: str = DEFAULT_SOCKET
+    agent_socket: str = DEFAULT_AGENT_SOCKET
     listen: str | None = None
     state_dir: str = DEFAULT_STATE_DIR
     admin_group: str | None = None
@@ -85,7 +89,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = {
     "contention": ("auto", "shared-sm", "separate-graphics"),
     "mode": tuple(m.value for m in Mode),
 }
-_STR_KEYS = ("socket", "listen", "state_dir", "admin_group", "socket_group")
+_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group")
 _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "slice_ms": (1.0, 10_000.0),
     "lag_limit_slices": (0.0, 100.0),
@@ -153,7 +157,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     where = f"tenants[{i}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a table")
-    allowed = {"name", "weight", "priority", "engines", "gpus", "cgroup"}
+    allowed = {"name", "weight", "priority", "engines", "gpus", "cgroup", "render", "decode", "encode", "memory"}
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
@@ -174,7 +178,30 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     cgroup = raw.get("cgroup")
     if cgroup is not None and (not isinstance(cgroup, str) or not cgroup):
         raise ConfigError(f"{where} 'cgroup': must be a cgroup path; got {cgroup!r}")
-    return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup)
+    try:
+        limits = SessionLimits(
+            render=raw.get("render"), decode=raw.get("decode"), encode=raw.get("encode"),
+            memory_bytes=parse_size(raw["memory"]) if "memory" in raw else None,
+        )
+    except (PolicyError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup, limits)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(value: object) -> int:
+    """'8GiB', '512M', 1073741824 -> bytes (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    if not num or unit not in _SIZE_UNITS:
+        raise ValueError(f"size must be a number of bytes or like 8GiB, 512MiB; got {value!r}")
+    return int(float(num) * _SIZE_UNITS[unit])
 
 
 def _parse_tidal(raw: Any, i: int) -> TidalWindow:

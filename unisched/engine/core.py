@@ -8,12 +8,14 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.engine.clock import Clock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
 from unisched.engine.state import SavedTenant, StateStore
@@ -32,6 +34,7 @@ from unisched.policy import (
     validate_tenant_name,
     validate_weight,
 )
+from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["EngineError", "KernelEngine", "TenantSnapshot"]
@@ -73,6 +76,19 @@ class TenantSnapshot:
     slices: int
     owner_uid: int
     adopted: bool
+    sessions: Mapping[str, int] = field(default_factory=dict)
+    refusals: Mapping[str, int] = field(default_factory=dict)
+    caps: Mapping[str, int | None] = field(default_factory=dict)
+    memory_cap: int | None = None
+    memory_bytes: int = 0
+    over_memory: bool = False
+    devices: str | None = None
+
+
+# Which session kinds (unisched.enforce.nvclasses.SessionKind values) a cap applies to, and the engine
+# whose demand an open session shows.
+_CAP_OF_KIND = {"graphics": CapKind.RENDER, "nvdec": CapKind.DECODE, "nvenc": CapKind.ENCODE}
+_ENGINE_OF_KIND = {"graphics": Engine.GRAPHICS, "compute": Engine.COMPUTE, "nvdec": Engine.DECODE, "nvenc": Engine.ENCODE}
 
 
 @dataclass
@@ -91,18 +107,23 @@ class _Tenant:
     active: bool = False
     missing: bool = False
     resources: frozenset[Resource] = field(default_factory=frozenset)
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    sessions: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    memory_bytes: int = 0
+    over_memory: bool = False
+    devices_admitted: bool = False
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
-            self.name,
-            self.base_weight,
-            self.priority,
-            self.engines,
-            self.gpus,
-            self.cgroup,
-            self.adopted,
-            self.owner_uid,
+            self.name, self.base_weight, self.priority, self.engines, self.gpus,
+            self.cgroup, self.adopted, self.owner_uid, self.limits,
         )
+
+    def all_engines(self) -> frozenset[Engine]:
+        """Declared engines plus those its open sessions show (an open decoder is demand on NVDEC)."""
+        seen = {_ENGINE_OF_KIND[k] for k, n in self.sessions.items() if n > 0 and k in _ENGINE_OF_KIND}
+        return self.engines | seen
 
 
 def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
@@ -121,8 +142,10 @@ class KernelEngine:
         telemetry: GpuTelemetry,
         store: StateStore,
         clock: Clock,
+        devices: DeviceAdmission | None = None,
     ) -> None:
         self.config = config
+        self.devices = devices
         self.driver = driver
         self.telemetry = telemetry
         self.store = store
@@ -138,6 +161,7 @@ class KernelEngine:
         )
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
+        self.video = video_engines_for(gpus[0].name) if gpus else VideoEngines(0, 0)
         self.contention = self._contention(gpus[0].name if gpus else None)
         self._tenants: dict[str, _Tenant] = {}
         self._last_tick = clock.monotonic()
@@ -182,6 +206,7 @@ class KernelEngine:
                     saved.cgroup,
                     saved.adopted,
                     saved.owner_uid,
+                    limits=saved.limits,
                 ),
                 reason="restored",
             )
@@ -202,7 +227,8 @@ class KernelEngine:
             cgroup = self.driver.tenant_cgroup(d.name)
             self.driver.create(cgroup)
             adopted = False
-        self._add(_Tenant(d.name, d.weight, d.priority, d.engines, d.gpus, cgroup, adopted, 0), reason="declared")
+        self._add(_Tenant(d.name, d.weight, d.priority, d.engines, d.gpus, cgroup, adopted, 0, limits=d.limits),
+                  reason="declared")
 
     def thaw_all(self, extra: Iterable[str] = ()) -> list[str]:
         """Thaw every cgroup we manage or know of; returns those that were frozen."""
@@ -229,8 +255,9 @@ class KernelEngine:
         self.store.save([t.saved() for t in sorted(self._tenants.values(), key=lambda t: t.name)])
 
     def _add(self, t: _Tenant, reason: str) -> None:
-        t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.engines)
+        t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
         self._tenants[t.name] = t
+        self._apply_devices(t)
         self.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
         log.info(
             "tenant added",
@@ -306,7 +333,8 @@ class KernelEngine:
                 t.engines = engine_set
             if list(gpus):
                 t.gpus = gpu_tuple
-            t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.engines)
+            t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
+            self._apply_devices(t)
             if t.missing or not self.driver.exists(t.cgroup):
                 try:
                     self.driver.create(t.cgroup)
@@ -376,6 +404,11 @@ class KernelEngine:
 
     def remove(self, name: str) -> None:
         t = self._get(name)
+        if t.devices_admitted and self.devices is not None:
+            try:
+                self.devices.revoke(self._v2_dir(t))
+            except DeviceAdmissionError as e:
+                log.error("could not revoke device admission", tenant=name, error=str(e))
         try:
             if self.driver.exists(t.cgroup):
                 self.driver.set_frozen(t.cgroup, False)
@@ -402,6 +435,120 @@ class KernelEngine:
             raise EngineError("invalid", f"no GPU {bad}; this host has GPUs {list(self.gpu_indices)}")
         return g or None
 
+    # --- sessions, caps and device admission ---------------------------------------------------------
+    def set_limits(self, name: str, render: int | None, decode: int | None, encode: int | None,
+                   memory_bytes: int | None) -> TenantSnapshot:
+        """Change caps; None keeps a value, -1 clears it back to the default."""
+        t = self._get(name)
+
+        def pick(new: int | None, old: int | None) -> int | None:
+            if new is None:
+                return old
+            return None if new == -1 else new
+
+        try:
+            t.limits = SessionLimits(
+                render=pick(render, t.limits.render), decode=pick(decode, t.limits.decode),
+                encode=pick(encode, t.limits.encode), memory_bytes=pick(memory_bytes, t.limits.memory_bytes),
+            )
+        except PolicyError as e:
+            raise EngineError("invalid", str(e)) from None
+        log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
+                 memory_bytes=t.limits.memory_bytes)
+        self._save()
+        return self.snapshot(name)
+
+    def cap(self, t: _Tenant, kind: CapKind) -> int | None:
+        configured = t.limits.get(kind)
+        if configured is not None:
+            return configured
+        return default_cap(kind, self._gpu_share(t), self.video)
+
+    def _gpu_share(self, t: _Tenant) -> float:
+        """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there."""
+        gpus = set(t.gpus or self.gpu_indices)
+        total = sum(
+            self.policy.weight(o.name)
+            for o in self._tenants.values()
+            if o is not t and o.active and gpus & {r.gpu for r in o.resources}
+        )
+        mine = self.policy.weight(t.name)
+        return mine / (mine + total)
+
+    def admit_session(self, tenant: str, kind: str, h_class: int) -> bool:
+        """A new GPU session (seen by the seccomp supervisor on RM_ALLOC): admit it or refuse it (EPERM)."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            return True  # not ours (any more): never wedge a process
+        cap_kind = _CAP_OF_KIND.get(kind)
+        refuse_reason = None
+        if cap_kind is not None and t.over_memory:
+            refuse_reason = "over memory cap"
+        elif cap_kind is not None:
+            cap = self.cap(t, cap_kind)
+            if cap is not None and t.sessions.get(kind, 0) >= cap:
+                refuse_reason = f"{kind} cap {cap} reached"
+        if refuse_reason is not None:
+            t.refusals[kind] = t.refusals.get(kind, 0) + 1
+            log.warning("session refused", tenant=tenant, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason)
+            return False
+        before = t.all_engines()
+        t.sessions[kind] = t.sessions.get(kind, 0) + 1
+        if t.all_engines() != before:
+            self._engines_changed(t)
+        return True
+
+    def session_freed(self, tenant: str, kind: str, count: int = 1) -> None:
+        t = self._tenants.get(tenant)
+        if t is None:
+            return
+        before = t.all_engines()
+        t.sessions[kind] = max(0, t.sessions.get(kind, 0) - count)
+        if t.all_engines() != before:
+            self._engines_changed(t)
+
+    def _engines_changed(self, t: _Tenant) -> None:
+        t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
+        if t.active:
+            self.policy.set_demand(t.name, t.resources)
+        log.info("engines", tenant=t.name, engines=sorted(e.value for e in t.all_engines()), reason="sessions")
+
+    def _v2_dir(self, t: _Tenant) -> Path:
+        return self.driver.mount / t.cgroup.lstrip("/")
+
+    def _apply_devices(self, t: _Tenant) -> None:
+        """Device admission: only the tenant's GPUs may be opened; none while it is over its memory cap."""
+        if self.devices is None or self.driver.kind != "v2":
+            return
+        gpus: frozenset[int] | None = frozenset() if t.over_memory else (frozenset(t.gpus) if t.gpus else None)
+        if gpus is None and not t.devices_admitted:
+            return  # nothing to restrict
+        try:
+            self.devices.admit(self._v2_dir(t), gpus)
+            t.devices_admitted = True
+        except DeviceAdmissionError as e:
+            log.error("device admission failed", tenant=t.name, error=str(e))
+
+    def _update_memory(self, samples: Mapping[int, GpuSample]) -> None:
+        by_pid: dict[int, int] = {}
+        for s in samples.values():
+            for pid, used in s.process_memory.items():
+                by_pid[pid] = by_pid.get(pid, 0) + used
+        if not by_pid:
+            return
+        for t in self._tenants.values():
+            if t.missing:
+                continue
+            t.memory_bytes = sum(by_pid.get(pid, 0) for pid in self.driver.pids(t.cgroup))
+            cap = t.limits.memory_bytes
+            over = cap is not None and t.memory_bytes > cap
+            if over != t.over_memory:
+                t.over_memory = over
+                if over:
+                    t.refusals["memory"] = t.refusals.get("memory", 0) + 1
+                log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
+                self._apply_devices(t)
+
     # --- the slice ---------------------------------------------------------------------------------
     def tick(self) -> float:
         """One slice boundary. Returns the seconds until the next one."""
@@ -410,6 +557,7 @@ class KernelEngine:
         self._last_tick = now
         samples = {s.index: s for s in self.telemetry.sample()}
         self._last_samples = tuple(samples.values())
+        self._update_memory(samples)
         cpu = self._cpu_deltas()
         thawed_on: dict[Resource, list[_Tenant]] = {}
         for t in self._tenants.values():
@@ -470,7 +618,7 @@ class KernelEngine:
         util = 0.0
         if sample is not None and sample.ok:
             util = max(
-                (sample.util(e) for t in ts for e in t.engines if self.contention.domain(e) == r.domain),
+                (sample.util(e) for t in ts for e in t.all_engines() if self.contention.domain(e) == r.domain),
                 default=0.0,
             )
         if util > self.config.activity_threshold:
@@ -560,11 +708,18 @@ class KernelEngine:
                     measured_share=main.measured if main else 0.0,
                     gpu_seconds=st.gpu_seconds,
                     cgroup=t.cgroup,
-                    engines=t.engines,
+                    engines=t.all_engines(),
                     shares=shares,
                     slices=st.slices,
                     owner_uid=t.owner_uid,
                     adopted=t.adopted,
+                    sessions=dict(t.sessions),
+                    refusals=dict(t.refusals),
+                    caps={k.value: self.cap(t, k) for k in CapKind},
+                    memory_cap=t.limits.memory_bytes,
+                    memory_bytes=t.memory_bytes,
+                    over_memory=t.over_memory,
+                    devices=self.devices.describe(self._v2_dir(t)) if t.devices_admitted and self.devices else None,
                 )
             )
         return out

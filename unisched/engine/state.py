@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
+from unisched.policy.caps import SessionLimits
 
 __all__ = ["SavedTenant", "StateStore"]
 
@@ -33,6 +34,7 @@ class SavedTenant:
     cgroup: str
     adopted: bool
     owner_uid: int
+    limits: SessionLimits = field(default_factory=SessionLimits)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,6 +46,10 @@ class SavedTenant:
             "cgroup": self.cgroup,
             "adopted": self.adopted,
             "owner_uid": self.owner_uid,
+            "limits": {
+                "render": self.limits.render, "decode": self.limits.decode, "encode": self.limits.encode,
+                "memory_bytes": self.limits.memory_bytes,
+            },
         }
 
     @staticmethod
@@ -58,6 +64,7 @@ class SavedTenant:
             cgroup=str(d["cgroup"]),
             adopted=bool(d["adopted"]),
             owner_uid=int(d["owner_uid"]),
+            limits=SessionLimits(**d.get("limits", {})),
         )
 
 

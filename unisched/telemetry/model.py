@@ -30,6 +30,8 @@ class GpuSample:
     enc_util: float
     memory_used: int
     process_engines: Mapping[int, frozenset[Engine]] = field(default_factory=dict)
+    process_memory: Mapping[int, int] = field(default_factory=dict)
+    """GPU memory per pid, for the processes NVML lists (graphics processes, and compute where listed)."""
     ok: bool = True
     """False when NVML failed for this GPU this time (GPU lost, Xid): values are stale zeros."""
 

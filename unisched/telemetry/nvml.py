@@ -59,6 +59,7 @@ class NvmlTelemetry:
         self._last_ts = [0] * len(self._handles)
         self._last_util = [0.0] * len(self._handles)
         self._procs: list[dict[int, frozenset[Engine]]] = [{} for _ in self._handles]
+        self._memory: list[dict[int, int]] = [{} for _ in self._handles]
         self._calls = 0
         self._failing: set[int] = set()
 
@@ -92,7 +93,8 @@ class NvmlTelemetry:
         mem = int(nvml.nvmlDeviceGetMemoryInfo(h).used)
         if self._calls % PROCESS_POLL_EVERY == 1:
             self._procs[i] = self._process_engines(h)
-        return GpuSample(i, sm, dec, enc, mem, dict(self._procs[i]))
+            self._memory[i] = self._process_memory(h)
+        return GpuSample(i, sm, dec, enc, mem, dict(self._procs[i]), dict(self._memory[i]))
 
     def _sm_util(self, i: int, h: Any) -> float:
         nvml = self._nvml
@@ -125,6 +127,19 @@ class NvmlTelemetry:
         except nvml.NVMLError:
             pass
         return {pid: frozenset(e) for pid, e in engines.items()}
+
+    def _process_memory(self, h: Any) -> dict[int, int]:
+        nvml = self._nvml
+        out: dict[int, int] = {}
+        for query in (nvml.nvmlDeviceGetGraphicsRunningProcesses, nvml.nvmlDeviceGetComputeRunningProcesses):
+            try:
+                for p in query(h):
+                    used = p.usedGpuMemory
+                    if isinstance(used, int):  # None when the driver does not say
+                        out[int(p.pid)] = max(out.get(int(p.pid), 0), used)
+            except nvml.NVMLError:
+                pass
+        return out
 
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):

@@ -54,6 +54,9 @@ class DaemonClient:
     def set_weight(self, tenant: str, weight: int) -> pb.Tenant:
         return self._call("SetWeight", pb.SetWeightRequest(tenant=tenant, weight=weight))  # type: ignore[return-value]
 
+    def set_limit(self, request: pb.SetLimitRequest) -> pb.Tenant:
+        return self._call("SetLimit", request)  # type: ignore[return-value]
+
     def remove(self, tenant: str) -> None:
         self._call("RemoveTenant", pb.RemoveTenantRequest(tenant=tenant))
 

@@ -55,13 +55,28 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         cgroup=s.cgroup,
         engines=sorted(e.value for e in s.engines),
         shares=[
-            pb.ResourceShare(gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured)
+            pb.ResourceShare(
+                gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured
+            )
             for x in s.shares
         ],
         slices=s.slices,
         owner_uid=s.owner_uid,
         adopted=s.adopted,
+        sessions=dict(s.sessions),
+        refusals=dict(s.refusals),
+        caps=pb.Limits(
+            render=_cap(s.caps.get("render")), decode=_cap(s.caps.get("decode")),
+            encode=_cap(s.caps.get("encode")), memory_bytes=_cap(s.memory_cap),
+        ),
+        memory_bytes=s.memory_bytes,
+        over_memory=s.over_memory,
+        devices=s.devices or "",
     )
+
+
+def _cap(value: int | None) -> int:
+    return -1 if value is None else value
 
 
 def _supplementary_groups(pid: int) -> set[int]:
@@ -168,6 +183,19 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         await self._need_admin(context)
         try:
             return snapshot_to_pb(self.engine.set_weight(request.tenant, request.weight))
+        except EngineError as e:
+            await self._fail(context, e)
+
+    async def SetLimit(self, request: pb.SetLimitRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
+        await self._need_admin(context)
+
+        def opt(field: str) -> int | None:
+            return int(getattr(request, field)) if request.HasField(field) else None
+
+        try:
+            return snapshot_to_pb(self.engine.set_limits(
+                request.tenant, opt("render"), opt("decode"), opt("encode"), opt("memory_bytes"),
+            ))
         except EngineError as e:
             await self._fail(context, e)
 

@@ -24,39 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!unisched/transport/unisched.proto\x12\x0bunisched.v1\"Z\n\rResourceShare\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\x14\n\x0ctarget_share\x18\x03 \x01(\x01\x12\x16\n\x0emeasured_share\x18\x04 \x01(\x01\"\xc5\x02\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\x13\n\x0b\x62\x61se_weight\x18\x03 \x01(\x05\x12\'\n\x08priority\x18\x04 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0c\n\x04pids\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x14\n\x0ctarget_share\x18\x07 \x01(\x01\x12\x16\n\x0emeasured_share\x18\x08 \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\t \x01(\x01\x12\x0e\n\x06\x63group\x18\n \x01(\t\x12\x0f\n\x07\x65ngines\x18\x0b \x03(\t\x12*\n\x06shares\x18\x0c \x03(\x0b\x32\x1a.unisched.v1.ResourceShare\x12\x0e\n\x06slices\x18\r \x01(\x03\x12\x11\n\towner_uid\x18\x0e \x01(\r\x12\x0f\n\x07\x61\x64opted\x18\x0f \x01(\x08\"y\n\x0fRegisterRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\x12\x0c\n\x04gpus\x18\x05 \x03(\x05\"\x86\x01\n\x0c\x41\x64optRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0e\n\x06\x63group\x18\x04 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x03(\x05\"2\n\x10SetWeightRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\"%\n\x13RemoveTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x14\n\x12ListTenantsRequest\"8\n\x10ListTenantsReply\x12$\n\x07tenants\x18\x01 \x03(\x0b\x32\x13.unisched.v1.Tenant\"\x0f\n\rStatusRequest\"\x96\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncontention\x18\x03 \x01(\t\x12\x0f\n\x07sm_util\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63_util\x18\x05 \x01(\x01\x12\x10\n\x08\x65nc_util\x18\x06 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\x12\x14\n\x0cmemory_total\x18\x08 \x01(\x04\"\x93\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x10\n\x08slice_ms\x18\x03 \x01(\x01\x12\x15\n\rcgroup_driver\x18\x04 \x01(\t\x12\x13\n\x0b\x63group_root\x18\x05 \x01(\t\x12\x0c\n\x04nvml\x18\x06 \x01(\x08\x12\x1e\n\x04gpus\x18\x07 \x03(\x0b\x32\x10.unisched.v1.Gpu\x12\x0f\n\x07tenants\x18\x08 \x01(\x05\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x12\n\ncaller_pid\x18\n \x01(\r\x12\x12\n\ncaller_uid\x18\x0b \x01(\r\x12\x17\n\x0f\x63\x61ller_is_admin\x18\x0c \x01(\x08\x12\x15\n\rcaller_tenant\x18\r \x01(\t\"\x07\n\x05\x45mpty*O\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x13\n\x0fPRIORITY_ONLINE\x10\x01\x12\x14\n\x10PRIORITY_OFFLINE\x10\x02\x32\x98\x03\n\x08Unisched\x12=\n\x08Register\x12\x1c.unisched.v1.RegisterRequest\x1a\x13.unisched.v1.Tenant\x12\x37\n\x05\x41\x64opt\x12\x19.unisched.v1.AdoptRequest\x1a\x13.unisched.v1.Tenant\x12?\n\tSetWeight\x12\x1d.unisched.v1.SetWeightRequest\x1a\x13.unisched.v1.Tenant\x12\x44\n\x0cRemoveTenant\x12 .unisched.v1.RemoveTenantRequest\x1a\x12.unisched.v1.Empty\x12M\n\x0bListTenants\x12\x1f.unisched.v1.ListTenantsRequest\x1a\x1d.unisched.v1.ListTenantsReply\x12>\n\x06Status\x12\x1a.unisched.v1.StatusRequest\x1a\x18.unisched.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!unisched/transport/unisched.proto\x12\x0bunisched.v1\"Z\n\rResourceShare\x12\x0b\n\x03gpu\x18\x01 \x01(\x05\x12\x0e\n\x06\x64omain\x18\x02 \x01(\t\x12\x14\n\x0ctarget_share\x18\x03 \x01(\x01\x12\x16\n\x0emeasured_share\x18\x04 \x01(\x01\"\xf0\x04\n\x06Tenant\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\x13\n\x0b\x62\x61se_weight\x18\x03 \x01(\x05\x12\'\n\x08priority\x18\x04 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0c\n\x04pids\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x14\n\x0ctarget_share\x18\x07 \x01(\x01\x12\x16\n\x0emeasured_share\x18\x08 \x01(\x01\x12\x13\n\x0bgpu_seconds\x18\t \x01(\x01\x12\x0e\n\x06\x63group\x18\n \x01(\t\x12\x0f\n\x07\x65ngines\x18\x0b \x03(\t\x12*\n\x06shares\x18\x0c \x03(\x0b\x32\x1a.unisched.v1.ResourceShare\x12\x0e\n\x06slices\x18\r \x01(\x03\x12\x11\n\towner_uid\x18\x0e \x01(\r\x12\x0f\n\x07\x61\x64opted\x18\x0f \x01(\x08\x12\x33\n\x08sessions\x18\x10 \x03(\x0b\x32!.unisched.v1.Tenant.SessionsEntry\x12\x33\n\x08refusals\x18\x11 \x03(\x0b\x32!.unisched.v1.Tenant.RefusalsEntry\x12!\n\x04\x63\x61ps\x18\x12 \x01(\x0b\x32\x13.unisched.v1.Limits\x12\x14\n\x0cmemory_bytes\x18\x13 \x01(\x04\x12\x13\n\x0bover_memory\x18\x14 \x01(\x08\x12\x0f\n\x07\x64\x65vices\x18\x15 \x01(\t\x1a/\n\rSessionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a/\n\rRefusalsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"N\n\x06Limits\x12\x0e\n\x06render\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06\x65ncode\x18\x03 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\"\xad\x01\n\x0fSetLimitRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x13\n\x06render\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06\x65ncode\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x19\n\x0cmemory_bytes\x18\x05 \x01(\x03H\x03\x88\x01\x01\x42\t\n\x07_renderB\t\n\x07_decodeB\t\n\x07_encodeB\x0f\n\r_memory_bytes\"y\n\x0fRegisterRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\x12\x0c\n\x04gpus\x18\x05 \x03(\x05\"\x86\x01\n\x0c\x41\x64optRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.unisched.v1.Priority\x12\x0e\n\x06\x63group\x18\x04 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x03(\x05\"2\n\x10SetWeightRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\"%\n\x13RemoveTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x14\n\x12ListTenantsRequest\"8\n\x10ListTenantsReply\x12$\n\x07tenants\x18\x01 \x03(\x0b\x32\x13.unisched.v1.Tenant\"\x0f\n\rStatusRequest\"\x96\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncontention\x18\x03 \x01(\t\x12\x0f\n\x07sm_util\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63_util\x18\x05 \x01(\x01\x12\x10\n\x08\x65nc_util\x18\x06 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x07 \x01(\x04\x12\x14\n\x0cmemory_total\x18\x08 \x01(\x04\"\x93\x02\n\x0bStatusReply\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04mode\x18\x02 \x01(\t\x12\x10\n\x08slice_ms\x18\x03 \x01(\x01\x12\x15\n\rcgroup_driver\x18\x04 \x01(\t\x12\x13\n\x0b\x63group_root\x18\x05 \x01(\t\x12\x0c\n\x04nvml\x18\x06 \x01(\x08\x12\x1e\n\x04gpus\x18\x07 \x03(\x0b\x32\x10.unisched.v1.Gpu\x12\x0f\n\x07tenants\x18\x08 \x01(\x05\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x12\n\ncaller_pid\x18\n \x01(\r\x12\x12\n\ncaller_uid\x18\x0b \x01(\r\x12\x17\n\x0f\x63\x61ller_is_admin\x18\x0c \x01(\x08\x12\x15\n\rcaller_tenant\x18\r \x01(\t\"\x07\n\x05\x45mpty*O\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x13\n\x0fPRIORITY_ONLINE\x10\x01\x12\x14\n\x10PRIORITY_OFFLINE\x10\x02\x32\xd7\x03\n\x08Unisched\x12=\n\x08Register\x12\x1c.unisched.v1.RegisterRequest\x1a\x13.unisched.v1.Tenant\x12\x37\n\x05\x41\x64opt\x12\x19.unisched.v1.AdoptRequest\x1a\x13.unisched.v1.Tenant\x12?\n\tSetWeight\x12\x1d.unisched.v1.SetWeightRequest\x1a\x13.unisched.v1.Tenant\x12=\n\x08SetLimit\x12\x1c.unisched.v1.SetLimitRequest\x1a\x13.unisched.v1.Tenant\x12\x44\n\x0cRemoveTenant\x12 .unisched.v1.RemoveTenantRequest\x1a\x12.unisched.v1.Empty\x12M\n\x0bListTenants\x12\x1f.unisched.v1.ListTenantsRequest\x1a\x1d.unisched.v1.ListTenantsReply\x12>\n\x06Status\x12\x1a.unisched.v1.StatusRequest\x1a\x18.unisched.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'unisched.transport.unisched_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=1358
-  _globals['_PRIORITY']._serialized_end=1437
+  _globals['_TENANT_SESSIONSENTRY']._loaded_options = None
+  _globals['_TENANT_SESSIONSENTRY']._serialized_options = b'8\001'
+  _globals['_TENANT_REFUSALSENTRY']._loaded_options = None
+  _globals['_TENANT_REFUSALSENTRY']._serialized_options = b'8\001'
+  _globals['_PRIORITY']._serialized_start=1913
+  _globals['_PRIORITY']._serialized_end=1992
   _globals['_RESOURCESHARE']._serialized_start=50
   _globals['_RESOURCESHARE']._serialized_end=140
   _globals['_TENANT']._serialized_start=143
-  _globals['_TENANT']._serialized_end=468
-  _globals['_REGISTERREQUEST']._serialized_start=470
-  _globals['_REGISTERREQUEST']._serialized_end=591
-  _globals['_ADOPTREQUEST']._serialized_start=594
-  _globals['_ADOPTREQUEST']._serialized_end=728
-  _globals['_SETWEIGHTREQUEST']._serialized_start=730
-  _globals['_SETWEIGHTREQUEST']._serialized_end=780
-  _globals['_REMOVETENANTREQUEST']._serialized_start=782
-  _globals['_REMOVETENANTREQUEST']._serialized_end=819
-  _globals['_LISTTENANTSREQUEST']._serialized_start=821
-  _globals['_LISTTENANTSREQUEST']._serialized_end=841
-  _globals['_LISTTENANTSREPLY']._serialized_start=843
-  _globals['_LISTTENANTSREPLY']._serialized_end=899
-  _globals['_STATUSREQUEST']._serialized_start=901
-  _globals['_STATUSREQUEST']._serialized_end=916
-  _globals['_GPU']._serialized_start=919
-  _globals['_GPU']._serialized_end=1069
-  _globals['_STATUSREPLY']._serialized_start=1072
-  _globals['_STATUSREPLY']._serialized_end=1347
-  _globals['_EMPTY']._serialized_start=1349
-  _globals['_EMPTY']._serialized_end=1356
-  _globals['_UNISCHED']._serialized_start=1440
-  _globals['_UNISCHED']._serialized_end=1848
+  _globals['_TENANT']._serialized_end=767
+  _globals['_TENANT_SESSIONSENTRY']._serialized_start=671
+  _globals['_TENANT_SESSIONSENTRY']._serialized_end=718
+  _globals['_TENANT_REFUSALSENTRY']._serialized_start=720
+  _globals['_TENANT_REFUSALSENTRY']._serialized_end=767
+  _globals['_LIMITS']._serialized_start=769
+  _globals['_LIMITS']._serialized_end=847
+  _globals['_SETLIMITREQUEST']._serialized_start=850
+  _globals['_SETLIMITREQUEST']._serialized_end=1023
+  _globals['_REGISTERREQUEST']._serialized_start=1025
+  _globals['_REGISTERREQUEST']._serialized_end=1146
+  _globals['_ADOPTREQUEST']._serialized_start=1149
+  _globals['_ADOPTREQUEST']._serialized_end=1283
+  _globals['_SETWEIGHTREQUEST']._serialized_start=1285
+  _globals['_SETWEIGHTREQUEST']._serialized_end=1335
+  _globals['_REMOVETENANTREQUEST']._serialized_start=1337
+  _globals['_REMOVETENANTREQUEST']._serialized_end=1374
+  _globals['_LISTTENANTSREQUEST']._serialized_start=1376
+  _globals['_LISTTENANTSREQUEST']._serialized_end=1396
+  _globals['_LISTTENANTSREPLY']._serialized_start=1398
+  _globals['_LISTTENANTSREPLY']._serialized_end=1454
+  _globals['_STATUSREQUEST']._serialized_start=1456
+  _globals['_STATUSREQUEST']._serialized_end=1471
+  _globals['_GPU']._serialized_start=1474
+  _globals['_GPU']._serialized_end=1624
+  _globals['_STATUSREPLY']._serialized_start=1627
+  _globals['_STATUSREPLY']._serialized_end=1902
+  _globals['_EMPTY']._serialized_start=1904
+  _globals['_EMPTY']._serialized_end=1911
+  _globals['_UNISCHED']._serialized_start=1995
+  _globals['_UNISCHED']._serialized_end=2466
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,21 @@ class ResourceShare(_message.Message):
     def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted")
+    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices")
+    class SessionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BASE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +59,12 @@ class Tenant(_message.Message):
     SLICES_FIELD_NUMBER: _ClassVar[int]
     OWNER_UID_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    CAPS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVER_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: int
     base_weight: int
@@ -60,7 +80,39 @@ class Tenant(_message.Message):
     slices: int
     owner_uid: int
     adopted: bool
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ...) -> None: ...
+    sessions: _containers.ScalarMap[str, int]
+    refusals: _containers.ScalarMap[str, int]
+    caps: Limits
+    memory_bytes: int
+    over_memory: bool
+    devices: str
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("render", "decode", "encode", "memory_bytes")
+    RENDER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    render: int
+    decode: int
+    encode: int
+    memory_bytes: int
+    def __init__(self, render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class SetLimitRequest(_message.Message):
+    __slots__ = ("tenant", "render", "decode", "encode", "memory_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RENDER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    render: int
+    decode: int
+    encode: int
+    memory_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("tenant", "weight", "priority", "engines", "gpus")

@@ -49,6 +49,11 @@ class UnischedStub:
                 request_serializer=unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.SerializeToString,
                 response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
                 _registered_method=True)
+        self.SetLimit = channel.unary_unary(
+                '/unisched.v1.Unisched/SetLimit',
+                request_serializer=unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.SerializeToString,
+                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+                _registered_method=True)
         self.RemoveTenant = channel.unary_unary(
                 '/unisched.v1.Unisched/RemoveTenant',
                 request_serializer=unisched_dot_transport_dot_unisched__pb2.RemoveTenantRequest.SerializeToString,
@@ -83,6 +88,13 @@ class UnischedServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetWeight(self, request, context):
+        """admin
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLimit(self, request, context):
         """admin
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -124,6 +136,11 @@ def add_UnischedServicer_to_server(servicer, server):
             'SetWeight': grpc.unary_unary_rpc_method_handler(
                     servicer.SetWeight,
                     request_deserializer=unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.FromString,
+                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
+            ),
+            'SetLimit': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLimit,
+                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.FromString,
                     response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
             ),
             'RemoveTenant': grpc.unary_unary_rpc_method_handler(
@@ -222,6 +239,33 @@ class Unisched:
             target,
             '/unisched.v1.Unisched/SetWeight',
             unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.SerializeToString,
+            unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLimit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unisched.v1.Unisched/SetLimit',
+            unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.SerializeToString,
             unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
             options,
             channel_credentials,

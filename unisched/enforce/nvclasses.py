@@ -1,0 +1,116 @@
+"""NVIDIA RM ioctl numbers and the object classes that open a session on a GPU engine.
+
+Pure data and arithmetic, no I/O. The numbers come from NVIDIA's open kernel modules and were checked
+against what the driver really allocates on the H200 (see DESIGN.md, "Kernel hooks: facts"):
+an EGL context allocates HOPPER_A 0xCB97 once, a CUDA context HOPPER_COMPUTE_A 0xCBC0, an NVDEC
+session 0xB8B0. Everything else a driver allocates (channels, copy engines, TSGs, memory) is not a
+session and is never refused.
+"""
+
+from __future__ import annotations
+
+import struct
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
+
+__all__ = [
+    "IOCTL_TYPE",
+    "NVOS00_FORMAT",
+    "NVOS00_SIZE",
+    "NVOS21_SIZE",
+    "NVOS64_SIZE",
+    "RM_ALLOC",
+    "RM_ALLOC_SIZES",
+    "RM_CONTROL",
+    "RM_FREE",
+    "RM_MAP_MEMORY",
+    "SESSION_CLASSES",
+    "XFER",
+    "XFER_FORMAT",
+    "XFER_SIZE",
+    "SessionKind",
+    "classify",
+    "decode_ioctl",
+    "ioc",
+    "iowr",
+]
+
+IOCTL_TYPE: Final = ord("F")  # 0x46, NV_IOCTL_MAGIC
+
+# Escape numbers (the ioctl "nr" byte). The driver dispatches on nr and size only, never on type or direction.
+RM_FREE: Final = 0x29
+RM_CONTROL: Final = 0x2A
+RM_ALLOC: Final = 0x2B
+RM_MAP_MEMORY: Final = 0x4E
+XFER: Final = 0xD3  # NV_ESC_IOCTL_XFER_CMD: {u32 cmd; u32 size; u64 ptr} wrapping another escape
+
+# RM_ALLOC arguments: NVOS21 or NVOS64; both start hRoot@0 hObjectParent@4 hObjectNew@8 hClass@12 pAllocParms@16.
+NVOS21_SIZE: Final = 32
+NVOS64_SIZE: Final = 48
+RM_ALLOC_SIZES: Final = frozenset({NVOS21_SIZE, NVOS64_SIZE})
+RM_ALLOC_HEAD_FORMAT: Final = "=IIII"  # hRoot, hObjectParent, hObjectNew, hClass
+# RM_FREE argument NVOS00: hRoot@0, hObjectParent@4, hObjectOld@8, status@12.
+NVOS00_FORMAT: Final = "=IIII"
+NVOS00_SIZE: Final = struct.calcsize(NVOS00_FORMAT)
+# XFER argument nv_ioctl_xfer_t: cmd (the inner escape number itself, e.g. 0x2B), size, ptr (NvP64, 8-aligned).
+XFER_FORMAT: Final = "=IIQ"
+XFER_SIZE: Final = struct.calcsize(XFER_FORMAT)
+
+_IOC_WRITE = 1
+_IOC_READ = 2
+
+
+class SessionKind(StrEnum):
+    """An engine session a tenant can hold; caps and counts are kept per kind."""
+
+    GRAPHICS = "graphics"
+    COMPUTE = "compute"
+    NVDEC = "nvdec"
+    NVENC = "nvenc"
+    NVENC_SW_SESSION = "nvenc_sw_session"
+    NVJPG = "nvjpg"
+    OFA = "ofa"
+
+
+def _kinds(kind: SessionKind, *classes: int) -> dict[int, SessionKind]:
+    return dict.fromkeys(classes, kind)
+
+
+SESSION_CLASSES: Final = MappingProxyType(
+    {
+        # 3D/graphics: VOLTA_A TURING_A AMPERE_A AMPERE_B ADA_A HOPPER_A BLACKWELL_A BLACKWELL_B
+        **_kinds(SessionKind.GRAPHICS, 0xC397, 0xC597, 0xC697, 0xC797, 0xC997, 0xCB97, 0xCD97, 0xCE97),
+        **_kinds(SessionKind.COMPUTE, 0xC3C0, 0xC4C0, 0xC5C0, 0xC6C0, 0xC7C0, 0xC9C0, 0xCBC0, 0xCDC0, 0xCEC0),
+        **_kinds(SessionKind.NVDEC, 0xB8B0, 0xC4B0, 0xC6B0, 0xC7B0, 0xC9B0, 0xCDB0, 0xCEB0, 0xCFB0, 0xD1B0),
+        **_kinds(SessionKind.NVENC, 0xB4B7, 0xC4B7, 0xC7B7, 0xC9B7, 0xCEB7, 0xCFB7, 0xD1B7),
+        **_kinds(SessionKind.NVENC, 0xC0B7, 0xC1B7, 0xC2B7, 0xC3B7, 0xD0B7, 0xD5B7),  # also in the headers
+        **_kinds(SessionKind.NVENC_SW_SESSION, 0xA0BC),
+        **_kinds(SessionKind.NVJPG, 0xB8D1, 0xC4D1, 0xC9D1, 0xCDD1, 0xCED0, 0xCFD1),
+        **_kinds(SessionKind.OFA, 0xB8FA, 0xC6FA, 0xC7FA, 0xC9FA, 0xCDFA, 0xCEFA, 0xCFFA, 0xD1FA),
+    }
+)
+"""hClass -> the session it opens. Classes not listed here are never counted nor refused."""
+
+
+def classify(h_class: int) -> SessionKind | None:
+    """The session kind an RM_ALLOC of `h_class` opens, or None when it is not an engine session."""
+    return SESSION_CLASSES.get(h_class & 0xFFFFFFFF)
+
+
+def ioc(direction: int, type_: int, nr: int, size: int) -> int:
+    """Linux _IOC(dir, type, nr, size) for the common (x86, arm) encoding."""
+    if not (0 <= type_ <= 0xFF and 0 <= nr <= 0xFF and 0 <= size <= 0x3FFF and 0 <= direction <= 3):
+        raise ValueError(f"ioctl field out of range: dir={direction} type={type_:#x} nr={nr:#x} size={size}")
+    return (direction << 30) | (size << 16) | (type_ << 8) | nr
+
+
+def iowr(type_: int, nr: int, size: int) -> int:
+    """_IOWR(type, nr, size): how NVIDIA's user-space driver encodes every escape."""
+    return ioc(_IOC_READ | _IOC_WRITE, type_, nr, size)
+
+
+def decode_ioctl(cmd: int) -> tuple[int, int, int]:
+    """(type, nr, size) of an ioctl request, from its low 32 bits only (musl sign-extends the request)."""
+    low = cmd & 0xFFFFFFFF
+    return (low >> 8) & 0xFF, low & 0xFF, (low >> 16) & 0x3FFF

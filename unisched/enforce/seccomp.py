@@ -1,0 +1,1035 @@
+"""Session admission: seccomp user notification on NVIDIA's allocation ioctls.
+
+A classic-BPF seccomp filter, installed in a tenant's first process just before exec (no_new_privs +
+SECCOMP_FILTER_FLAG_NEW_LISTENER), sends only ioctls whose request is 'F'/RM_ALLOC (0x2B), 'F'/XFER (0xD3,
+which wraps another escape) and, by default, 'F'/RM_FREE (0x29) to a supervisor; every other syscall runs
+at kernel speed. Children and threads inherit the filter. The listener fd reaches the daemon over a Unix
+socket (SCM_RIGHTS): from `unisched run`'s child, or from an OCI runtime (runc >= 1.1, crun >= 0.19) whose
+seccomp profile has SCMP_ACT_NOTIFY and `listenerPath` (deploy/seccomp/unisched-gpu.json).
+
+`SessionSupervisor` serves one listener for one tenant: it reads the call's argument from the tenant's memory
+(/proc/PID/mem), decodes the class (NVOS21/NVOS64 hClass@12; XFER unwrapped), classifies it
+(nvclasses.SessionKind), asks `decide(tenant, kind, h_class)` for engine sessions only, counts live sessions
+(RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
+"continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call
+whose notification is gone is skipped; if the daemon dies (the listener's last fd closes), pending and later
+notified calls fail at once with ENOSYS and everything else keeps working.
+
+CAVEAT (seccomp_unotify(2)): "continue" makes the kernel re-read the argument from user memory, so a hostile
+multithreaded tenant can swap the class after the supervisor looked at it, and the driver dispatches on an
+escape's nr and size whatever the type byte says. This is admission control and QoS for cooperative or
+unaware applications, NOT a security boundary against hostile code.
+
+Kernel ABI used (no libseccomp): seccomp(2) and prctl(2) through ctypes; the listener's ioctls RECV
+0xC0502100 (struct seccomp_notif, 80 bytes), SEND 0xC0182101 (struct seccomp_notif_resp, 24 bytes) and
+ID_VALID (0x80082102, the number every kernel accepts; 0x40082102 on kernels that fixed its direction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import json
+import os
+import platform
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, Final
+
+import structlog
+
+from unisched.enforce.nvclasses import (
+    IOCTL_TYPE,
+    NVOS00_SIZE,
+    RM_ALLOC,
+    RM_ALLOC_SIZES,
+    RM_FREE,
+    XFER,
+    XFER_FORMAT,
+    XFER_SIZE,
+    SessionKind,
+    classify,
+    decode_ioctl,
+)
+
+__all__ = [
+    "AUDIT_ARCH_AARCH64",
+    "AUDIT_ARCH_I386",
+    "AUDIT_ARCH_X86_64",
+    "IOCTL_SYSCALL",
+    "SECCOMP_RET_ALLOW",
+    "SECCOMP_RET_USER_NOTIF",
+    "DEFAULT_LISTENER_PATH",
+    "AgentHello",
+    "EventAction",
+    "SeccompError",
+    "SeccompUnavailable",
+    "SessionEvent",
+    "SessionLedger",
+    "SessionSupervisor",
+    "SupervisorStats",
+    "ack_agent",
+    "build_filter",
+    "hand_over",
+    "install_filter",
+    "is_listener_fd",
+    "make_agent_message",
+    "parse_agent_message",
+    "probe",
+    "recv_agent_message",
+    "recv_fd",
+    "send_fd",
+]
+
+log = structlog.get_logger("unisched.seccomp")
+
+# --- seccomp ABI -----------------------------------------------------------------------------------------------------
+AUDIT_ARCH_X86_64: Final = 0xC000003E
+AUDIT_ARCH_AARCH64: Final = 0xC00000B7
+AUDIT_ARCH_I386: Final = 0x40000003  # 32-bit x86 processes (and int 0x80) on an x86_64 kernel
+IOCTL_SYSCALL: Final = MappingProxyType({AUDIT_ARCH_X86_64: 16, AUDIT_ARCH_AARCH64: 29, AUDIT_ARCH_I386: 54})
+_SECCOMP_SYSCALL: Final = MappingProxyType({"x86_64": 317, "aarch64": 277})
+
+SECCOMP_RET_ALLOW: Final = 0x7FFF0000
+SECCOMP_RET_USER_NOTIF: Final = 0x7FC00000
+_SECCOMP_SET_MODE_FILTER = 1
+_SECCOMP_GET_ACTION_AVAIL = 2
+_SECCOMP_GET_NOTIF_SIZES = 3
+_SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+_SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV = 1 << 5
+_PR_SET_NO_NEW_PRIVS = 38
+
+_NOTIF_RECV: Final = 0xC0502100
+_NOTIF_SEND: Final = 0xC0182101
+_NOTIF_ID_VALID_OLD: Final = 0x80082102
+_NOTIF_ID_VALID: Final = 0x40082102
+_FLAG_CONTINUE: Final = 1
+_NOTIF_FORMAT: Final = "=QIIiIQ6Q"  # id, pid, flags, data{nr, arch, instruction_pointer, args[6]}
+_NOTIF_SIZE: Final = struct.calcsize(_NOTIF_FORMAT)  # 80
+_RESP_FORMAT: Final = "=QqiI"  # id, val, error (-errno), flags
+_RESP_SIZE: Final = struct.calcsize(_RESP_FORMAT)  # 24
+_DATA_SIZE: Final = 64
+
+# seccomp_data offsets (little endian: the low 32 bits of args[1] sit at 16 + 8)
+_OFF_NR = 0
+_OFF_ARCH = 4
+_OFF_ARG1_LO = 24
+
+# classic BPF opcodes
+_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
+_ALU_AND_K = 0x54  # BPF_ALU | BPF_AND | BPF_K
+_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_RET_K = 0x06  # BPF_RET | BPF_K
+_SOCK_FILTER = "=HBBI"  # struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}
+
+DEFAULT_LISTENER_PATH: Final = "/run/unisched/seccomp-agent.sock"
+"""Where the daemon's agent socket listens (the path deploy/seccomp/unisched-gpu.json names)."""
+
+
+class SeccompError(RuntimeError):
+    """A seccomp operation that failed; the message says what and why."""
+
+
+class SeccompUnavailable(SeccompError):
+    """The kernel refuses seccomp user notification here: keep time slicing and device admission only."""
+
+
+# --- the filter ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Insn:
+    code: int
+    k: int
+    jt: str | None = None  # label; None = the next instruction
+    jf: str | None = None
+
+
+def _assemble(items: Iterable[_Insn | str]) -> bytes:
+    insns: list[_Insn] = []
+    labels: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
+    out = bytearray()
+    for i, ins in enumerate(insns):
+        offsets = []
+        for label in (ins.jt, ins.jf):
+            off = 0 if label is None else labels[label] - (i + 1)
+            if not 0 <= off <= 0xFF:
+                raise AssertionError(f"BPF jump to {label} out of range at {i}")
+            offsets.append(off)
+        out += struct.pack(_SOCK_FILTER, ins.code, offsets[0], offsets[1], ins.k)
+    return bytes(out)
+
+
+def build_filter(*, notify_free: bool = True, match_type: bool = True) -> bytes:
+    """The seccomp program (an array of struct sock_filter) that notifies NVIDIA's allocation escapes.
+
+    Notified: ioctl(fd, req, arg) whose request's low 32 bits carry nr RM_ALLOC (0x2B) or XFER (0xD3), and
+    RM_FREE (0x29) when `notify_free` (so counts follow frees). With `match_type` the type byte must be 'F'
+    too (what NVIDIA's libraries always send; other drivers' 'F' ioctls stay fast); without it any type
+    matches, like the driver's own dispatch. Known arches: x86_64, i386 (compat), aarch64; anything else and
+    every other syscall: ALLOW.
+    """
+    mask = 0xFFFF if match_type else 0xFF
+    base = (IOCTL_TYPE << 8) if match_type else 0
+    wanted = [base | RM_ALLOC, base | XFER] + ([base | RM_FREE] if notify_free else [])
+    prog: list[_Insn | str] = [_Insn(_LD_W_ABS, _OFF_ARCH)]
+    arches = list(IOCTL_SYSCALL.items())
+    for arch, _ in arches:
+        prog.append(_Insn(_JEQ_K, arch, jt=f"arch_{arch:x}"))
+    prog.append(_Insn(_RET_K, SECCOMP_RET_ALLOW))
+    for arch, nr in arches:
+        prog += [f"arch_{arch:x}", _Insn(_LD_W_ABS, _OFF_NR), _Insn(_JEQ_K, nr, jt="ioctl", jf="allow")]
+    prog += ["ioctl", _Insn(_LD_W_ABS, _OFF_ARG1_LO), _Insn(_ALU_AND_K, mask)]
+    for i, value in enumerate(wanted):
+        prog.append(_Insn(_JEQ_K, value, jt="notify", jf="allow" if i == len(wanted) - 1 else None))
+    prog += ["allow", _Insn(_RET_K, SECCOMP_RET_ALLOW), "notify", _Insn(_RET_K, SECCOMP_RET_USER_NOTIF)]
+    return _assemble(prog)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class _NotifSizes(ctypes.Structure):
+    _fields_ = [("seccomp_notif", ctypes.c_ushort), ("seccomp_notif_resp", ctypes.c_ushort), ("seccomp_data", ctypes.c_ushort)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _seccomp_nr() -> int:
+    machine = platform.machine()
+    nr = _SECCOMP_SYSCALL.get(machine)
+    if nr is None:
+        raise SeccompUnavailable(f"seccomp session hooks support x86_64 and aarch64, not {machine}")
+    return nr
+
+
+def _seccomp(op: int, flags: int, arg: Any) -> int:
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    ret = int(libc.syscall(ctypes.c_long(_seccomp_nr()), ctypes.c_ulong(op), ctypes.c_ulong(flags), arg))
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return ret
+
+
+def probe() -> str | None:
+    """Why seccomp user notification cannot be used here, or None when it can. Installs nothing."""
+    try:
+        release = tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2])
+    except ValueError:
+        release = (99, 0)
+    if release < (5, 5):
+        return f"kernel {platform.release()} is older than 5.5 (no SECCOMP_USER_NOTIF_FLAG_CONTINUE)"
+    try:
+        action = ctypes.c_uint32(SECCOMP_RET_USER_NOTIF)
+        _seccomp(_SECCOMP_GET_ACTION_AVAIL, 0, ctypes.byref(action))
+        sizes = _NotifSizes()
+        _seccomp(_SECCOMP_GET_NOTIF_SIZES, 0, ctypes.byref(sizes))
+    except SeccompUnavailable as e:
+        return str(e)
+    except OSError as e:
+        if e.errno == errno.EOPNOTSUPP:
+            return "the kernel does not offer SECCOMP_RET_USER_NOTIF"
+        return f"seccomp(2) refused: {e.strerror} (kernel without CONFIG_SECCOMP_FILTER, or seccomp blocked)"
+    if (sizes.seccomp_notif, sizes.seccomp_notif_resp, sizes.seccomp_data) != (_NOTIF_SIZE, _RESP_SIZE, _DATA_SIZE):
+        return (
+            f"unexpected seccomp struct sizes notif={sizes.seccomp_notif} resp={sizes.seccomp_notif_resp} "
+            f"data={sizes.seccomp_data} (expected {_NOTIF_SIZE}/{_RESP_SIZE}/{_DATA_SIZE})"
+        )
+    return None
+
+
+def install_filter(program: bytes | None = None, *, wait_killable_recv: bool = False, no_new_privs: bool = True) -> int:
+    """Install the filter in the CURRENT process and return the listener fd (O_CLOEXEC).
+
+    Meant for a child between fork and exec. Hand the fd to the daemon and close it here before the first
+    notified call: a process that holds its own listener blocks in that call until someone answers.
+    `wait_killable_recv` (kernel >= 5.19) makes a received call wait killably only, so signals (Go's SIGURG
+    preemption) do not restart it; Ctrl-C then waits for the answer too. `no_new_privs` (the default) means
+    setuid binaries and file capabilities no longer raise privileges in the tenant; without it the caller
+    needs CAP_SYS_ADMIN.
+    """
+    prog = build_filter() if program is None else program
+    if not prog or len(prog) % 8 or len(prog) // 8 > 4096:
+        raise SeccompError(f"malformed seccomp program of {len(prog)} bytes")
+    libc = _libc()
+    zero = ctypes.c_ulong(0)
+    if no_new_privs and libc.prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), ctypes.c_ulong(1), zero, zero, zero):
+        e = ctypes.get_errno()
+        raise SeccompError(f"prctl(PR_SET_NO_NEW_PRIVS) failed: {os.strerror(e)}")
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = _SockFprog(len(prog) // 8, ctypes.addressof(buf))
+    flags = _SECCOMP_FILTER_FLAG_NEW_LISTENER | (_SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV if wait_killable_recv else 0)
+    try:
+        return _seccomp(_SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(fprog))
+    except OSError as e:
+        reasons = {
+            errno.EBUSY: "this process already has a seccomp filter with a listener (already governed, e.g. by "
+            "a container runtime's notify profile); a second listener is not allowed",
+            errno.EINVAL: "the kernel rejected the filter flags (seccomp user notification needs Linux >= 5.0, "
+            "WAIT_KILLABLE_RECV >= 5.19)",
+            errno.ENOSYS: "seccomp(2) is not available in this kernel",
+            errno.EACCES: "no_new_privs is not set and the caller lacks CAP_SYS_ADMIN",
+            errno.ENOMEM: "the kernel's seccomp program limit was reached",
+        }
+        reason = reasons.get(e.errno or 0, e.strerror)
+        cls = SeccompUnavailable if e.errno in (errno.EINVAL, errno.ENOSYS) else SeccompError
+        raise cls(f"cannot install the GPU session filter: {reason}") from None
+
+
+# --- handing the listener over ---------------------------------------------------------------------------------------
+def send_fd(sock: socket.socket, fd: int, payload: bytes) -> None:
+    """Send `payload` with `fd` attached (SCM_RIGHTS on the first sendmsg, as the OCI runtimes do)."""
+    if not payload:
+        raise ValueError("send_fd needs a non-empty payload (an fd cannot travel alone)")
+    sent = socket.send_fds(sock, [payload], [fd])
+    if sent < len(payload):
+        sock.sendall(payload[sent:])
+
+
+def recv_fd(sock: socket.socket, maxlen: int = 65536) -> tuple[int, bytes]:
+    """One recvmsg: (the first fd received, the bytes that came with it). Extra fds are closed."""
+    msg, fds, flags, _ = socket.recv_fds(sock, maxlen, 8)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise SeccompError("the fd message was truncated (MSG_CTRUNC): too many fds sent")
+    if not fds:
+        raise SeccompError("no file descriptor came with the message" if msg else "the peer closed without sending")
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0], msg
+
+
+def is_listener_fd(fd: int) -> bool:
+    """Whether `fd` is a seccomp notification listener (anon_inode:seccomp notify)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:seccomp notify"
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class AgentHello:
+    """What the OCI runtime (or `unisched run`) says when it hands over a listener."""
+
+    pid: int
+    """The process the filter was installed in, in the sender's pid namespace (the host's for runc/crun)."""
+    metadata: str
+    """The profile's listenerMetadata."""
+    container_id: str
+    status: str
+    """"creating" for a container's init, "running" for each exec."""
+    annotations: Mapping[str, str]
+    bundle: str = ""
+    oci_version: str = ""
+    fd_index: int = 0
+    """Index of "seccompFd" in `fds` (which SCM_RIGHTS fd is the listener)."""
+
+
+def parse_agent_message(payload: bytes | str) -> AgentHello:
+    """Parse the OCI seccomp agent message (runtime-spec ContainerProcessState). ociVersion is not validated."""
+    try:
+        msg = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SeccompError(f"seccomp agent message is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise SeccompError("seccomp agent message must be a JSON object")
+    state = msg.get("state") or {}
+    if not isinstance(state, dict):
+        raise SeccompError("seccomp agent message: 'state' must be an object")
+    pid = msg.get("pid", state.get("pid"))
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise SeccompError(f"seccomp agent message: bad or missing pid {pid!r}")
+    fds = msg.get("fds", ["seccompFd"])
+    if not isinstance(fds, list) or "seccompFd" not in fds:
+        raise SeccompError(f"seccomp agent message: fds {fds!r} does not name seccompFd")
+    annotations = state.get("annotations") or {}
+    if not isinstance(annotations, dict):
+        raise SeccompError("seccomp agent message: 'state.annotations' must be an object")
+    return AgentHello(
+        pid=pid,
+        metadata=str(msg.get("metadata") or ""),
+        container_id=str(state.get("id") or ""),
+        status=str(state.get("status") or ""),
+        annotations=MappingProxyType({str(k): str(v) for k, v in annotations.items()}),
+        bundle=str(state.get("bundle") or ""),
+        oci_version=str(msg.get("ociVersion") or ""),
+        fd_index=fds.index("seccompFd"),
+    )
+
+
+def make_agent_message(pid: int, *, metadata: str = "", container_id: str = "", status: str = "running") -> bytes:
+    """The same message shape for `unisched run`'s child, so one agent socket serves runs and containers."""
+    return json.dumps(
+        {
+            "ociVersion": "1.1.0",
+            "fds": ["seccompFd"],
+            "pid": pid,
+            "metadata": metadata,
+            "state": {"ociVersion": "1.1.0", "id": container_id, "status": status, "pid": pid, "bundle": "", "annotations": {}},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def recv_agent_message(sock: socket.socket, timeout: float = 5.0) -> tuple[int, AgentHello]:
+    """Receive one hand-over on an accepted agent connection: (listener fd, parsed message). Blocking.
+
+    Reads until the JSON is complete (runc and crun send it in one message and close; `hand_over` keeps the
+    connection open for `ack_agent`'s reply). The fd is checked to be a seccomp listener.
+    """
+    sock.settimeout(timeout)
+    fd, data = recv_fd(sock)
+    try:
+        decoder = json.JSONDecoder()
+        while True:
+            try:
+                text = data.decode().lstrip()
+                _, end = decoder.raw_decode(text)
+                break
+            except (ValueError, UnicodeDecodeError):
+                more = sock.recv(65536)
+                if not more or len(data) > 1 << 20:
+                    raise SeccompError("seccomp agent message incomplete or too long") from None
+                data += more
+        hello = parse_agent_message(text[:end])
+        if hello.fd_index != 0:
+            raise SeccompError("seccomp agent message: only one fd (seccompFd) is supported")
+        if not is_listener_fd(fd):
+            raise SeccompError("the fd received is not a seccomp notification listener")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, hello
+
+
+def ack_agent(sock: socket.socket, error: str | None = None) -> None:
+    """Reply to a hand-over: "ok", or the reason the daemon will not govern it. OCI runtimes have hung up by
+    then and read no reply: a closed peer is ignored."""
+    line = "ok\n" if error is None else f"error {error}\n"
+    with contextlib.suppress(OSError):
+        sock.sendall(line.encode())
+
+
+def hand_over(
+    listener_fd: int, path: str = DEFAULT_LISTENER_PATH, *, metadata: str = "", timeout: float = 5.0, close: bool = True
+) -> None:
+    """`unisched run`'s child side: give the listener to the daemon's agent socket and wait for its "ok".
+
+    Sends the OCI-shaped message (pid = this process) with the fd, then closes the fd here (`close`): the
+    tenant must not keep its own listener, or a notified call would wait for itself, and the daemon's death
+    would no longer fail calls with ENOSYS. Raises SeccompError when the daemon is unreachable or says no;
+    the caller should then exit rather than exec (the tenant's GPU session calls would all fail with ENOSYS).
+    """
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(path)
+            except OSError as e:
+                raise SeccompError(f"cannot reach the unisched agent socket {path}: {e.strerror}") from None
+            send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+    except TimeoutError:
+        raise SeccompError(f"the unisched daemon did not answer on {path} within {timeout}s") from None
+    finally:
+        if close:
+            os.close(listener_fd)
+    answer = reply.decode(errors="replace").strip()
+    if answer != "ok":
+        raise SeccompError(f"the unisched daemon refused the GPU session hook: {answer or 'connection closed'}")
+
+
+# --- events and counts -----------------------------------------------------------------------------------------------
+class EventAction(StrEnum):
+    ADMITTED = "admitted"
+    """An engine session's allocation was let through and is counted (+1)."""
+    REFUSED = "refused"
+    """Refused with EPERM; not counted."""
+    ABORTED = "aborted"
+    """decide() said yes but the call was gone (killed or interrupted) before the answer; not counted."""
+    FREED = "freed"
+    """RM_FREE of the session object or of one of its ancestors (-1)."""
+    EXITED = "exited"
+    """The owning process exited, or every process of the filter did (-1)."""
+    DETACHED = "detached"
+    """The supervisor was closed while the session was still counted (-1: nobody follows it any more)."""
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    tenant: str
+    action: EventAction
+    kind: SessionKind
+    h_class: int
+    pid: int
+    """Thread id that made the call (0 when not known)."""
+    handle: int
+    """hObjectNew (0 when the RM chose the handle)."""
+    live: int
+    """This supervisor's live count of `kind` after the event."""
+
+    @property
+    def delta(self) -> int:
+        if self.action is EventAction.ADMITTED:
+            return 1
+        if self.action in (EventAction.FREED, EventAction.EXITED, EventAction.DETACHED):
+            return -1
+        return 0
+
+
+@dataclass(frozen=True)
+class SupervisorStats:
+    tenant: str
+    live: Mapping[SessionKind, int]
+    admitted: Mapping[SessionKind, int]
+    refused: Mapping[SessionKind, int]
+    notifications: int
+    """Notifications answered or skipped."""
+    skipped: int
+    """Notifications that were gone before the answer (killed or interrupted callers)."""
+    errors: int
+    """Notifications answered "continue" because handling them failed."""
+    latency_p50_us: float | None
+    latency_p99_us: float | None
+    """Answer latency (notification received -> answer sent), over the most recent samples."""
+    latency_samples: int
+    closed: bool
+
+
+class SessionLedger:
+    """Per-tenant live session counts against caps, shared by every supervisor of the daemon (thread-safe).
+
+    `decide` reserves a slot when it says yes; the supervisor then reports ADMITTED (the reservation becomes
+    a live session) or ABORTED (released), and FREED / EXITED / DETACHED give slots back. `cap(tenant, kind)`
+    returns the cap, or None for no cap. Pass `ledger.decide` and `ledger.on_event` to each supervisor.
+    """
+
+    def __init__(self, cap: Callable[[str, SessionKind], int | None]) -> None:
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._live: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+        self._pending: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+        self._refused: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+
+    def decide(self, tenant: str, kind: SessionKind, h_class: int) -> bool:
+        cap = self._cap(tenant, kind)
+        with self._lock:
+            key = (tenant, kind)
+            if cap is not None and self._live[key] + self._pending[key] >= cap:
+                return False
+            self._pending[key] += 1
+            return True
+
+    def on_event(self, event: SessionEvent) -> None:
+        key = (event.tenant, event.kind)
+        with self._lock:
+            if event.action in (EventAction.ADMITTED, EventAction.ABORTED) and self._pending[key] > 0:
+                self._pending[key] -= 1
+            if event.action is EventAction.REFUSED:
+                self._refused[key] += 1
+            elif event.delta:
+                self._live[key] = max(0, self._live[key] + event.delta)
+
+    def live(self, tenant: str) -> dict[SessionKind, int]:
+        with self._lock:
+            return {k: n for (t, k), n in self._live.items() if t == tenant and n}
+
+    def refused(self, tenant: str) -> dict[SessionKind, int]:
+        with self._lock:
+            return {k: n for (t, k), n in self._refused.items() if t == tenant and n}
+
+
+# --- the supervisor --------------------------------------------------------------------------------------------------
+@dataclass
+class _Session:
+    kind: SessionKind
+    h_class: int
+    pid: int
+    handle: int
+
+
+@dataclass
+class _Client:
+    """One RM client (hRoot) and the part of its object tree seen through RM_ALLOC."""
+
+    tgid: int
+    start_time: str
+    parent: dict[int, int] = field(default_factory=dict)
+    children: dict[int, set[int]] = field(default_factory=dict)
+    sessions: dict[int, _Session] = field(default_factory=dict)
+
+
+@dataclass
+class _Call:
+    """What one notification asks for, decoded from the tenant's memory."""
+
+    op: int  # RM_ALLOC or RM_FREE; 0 = nothing to track
+    h_root: int = 0
+    h_parent: int = 0
+    handle: int = 0  # hObjectNew (alloc) or hObjectOld (free)
+    h_class: int = 0
+    kind: SessionKind | None = None
+    owner: tuple[int, str] | None = None  # (tgid, start time) when this client is new
+
+
+class _Gone(Exception):
+    """The notification is no longer valid (the caller was killed or interrupted)."""
+
+
+_MAX_NODES = 200_000
+
+
+def _read_mem(fd: int, addr: int, size: int) -> bytes:
+    if not 0 < addr < 1 << 63:
+        raise ValueError(f"bad user address {addr:#x}")
+    data = os.pread(fd, size, addr)
+    if len(data) != size:
+        raise ValueError(f"short read of {size} bytes at {addr:#x}")
+    return data
+
+
+def _owner(tid: int) -> tuple[int, str]:
+    """(tgid, start time) of the process that thread `tid` belongs to."""
+    tgid = tid
+    with open(f"/proc/{tid}/status") as f:
+        for line in f:
+            if line.startswith("Tgid:"):
+                tgid = int(line.split()[1])
+                break
+    return tgid, _start_time(tgid) or ""
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+class SessionSupervisor:
+    """Serves ONE seccomp listener fd for ONE tenant (see the module docstring).
+
+    Run it in a thread with `serve_forever()`, or on an asyncio loop with `attach(loop)`. It owns the fd:
+    `close()` (or the tenant's last process exiting) closes it. `decide` and `on_event` run on the serving
+    thread and must be quick and non-blocking; `decide` is consulted only for engine sessions, and an
+    exception in it admits the call. `stats()` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        listener_fd: int,
+        tenant: str,
+        decide: Callable[[str, SessionKind, int], bool],
+        on_event: Callable[[SessionEvent], None] | None = None,
+        *,
+        reconcile_interval_s: float = 2.0,
+        latency_window: int = 4096,
+    ) -> None:
+        self._fd = listener_fd
+        self.tenant = tenant
+        self._decide = decide
+        self._on_event = on_event
+        self._reconcile_interval = reconcile_interval_s
+        self._id_valid_cmd = _NOTIF_ID_VALID_OLD
+        self._lock = threading.Lock()
+        self._clients: dict[int, _Client] = {}
+        self._nodes = 0
+        self._synthetic = itertools.count(-1, -1)
+        self._live: collections.Counter[SessionKind] = collections.Counter()
+        self._admitted: collections.Counter[SessionKind] = collections.Counter()
+        self._refused: collections.Counter[SessionKind] = collections.Counter()
+        self._notifications = 0
+        self._skipped = 0
+        self._errors = 0
+        self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
+        self._warned: set[str] = set()
+        self._closed = False
+        self._finished = False
+        self._done = threading.Event()
+        self._serving = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+
+    # ---- running ----
+    def serve_forever(self) -> None:
+        """Serve until `close()` or until every process of the filter has exited. Blocking; for a thread."""
+        with self._lock:
+            if self._closed or self._serving or self._loop is not None:
+                raise SeccompError("this supervisor is closed or already serving")
+            self._serving = True
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        next_reconcile = time.monotonic() + self._reconcile_interval
+        try:
+            while not self._closed:
+                timeout_ms = max(0, int((next_reconcile - time.monotonic()) * 1000))
+                try:
+                    events = dict(poller.poll(timeout_ms))
+                except InterruptedError:
+                    continue
+                ev = events.get(self._fd, 0)
+                if ev & select.POLLIN:
+                    self._handle_one()
+                elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    self._hangup()
+                    return
+                if time.monotonic() >= next_reconcile:
+                    self.reconcile()
+                    next_reconcile = time.monotonic() + self._reconcile_interval
+        finally:
+            self._finish(EventAction.DETACHED)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve on `loop` (add_reader on the listener fd; a pending notification makes it readable)."""
+        with self._lock:
+            if self._closed or self._serving or self._loop is not None:
+                raise SeccompError("this supervisor is closed or already serving")
+            self._loop = loop
+        loop.add_reader(self._fd, self._on_readable)
+        self._timer = loop.call_later(self._reconcile_interval, self._tick)
+
+    def close(self) -> None:
+        """Stop serving and close the listener. Call it on the loop's thread when attached to a loop.
+
+        Closing while the tenant still runs makes its later session allocations fail with ENOSYS; sessions still
+        counted are reported DETACHED.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._serving:  # the serving thread closes the fd itself once it wakes up
+                os.write(self._wake_w, b"x")
+                return
+        self._finish(EventAction.DETACHED)
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _on_readable(self) -> None:
+        for _ in range(64):  # bounded, so one busy tenant cannot starve the loop
+            if self._closed:
+                return
+            ready = self._poll.poll(0)
+            ev = ready[0][1] if ready else 0
+            if ev & select.POLLIN:
+                self._handle_one()
+            elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                self._hangup()
+                return
+            else:
+                return
+
+    def _tick(self) -> None:
+        if self._closed or self._loop is None:
+            return
+        self.reconcile()
+        self._timer = self._loop.call_later(self._reconcile_interval, self._tick)
+
+    def _hangup(self) -> None:
+        """Every process using the filter has exited: their sessions are gone with them."""
+        with self._lock:
+            self._closed = True
+        self._finish(EventAction.EXITED)
+
+    def _finish(self, action: EventAction) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._closed = True
+            self._serving = False
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError, ValueError, OSError):
+                    self._loop.remove_reader(self._fd)
+                if self._timer is not None:
+                    self._timer.cancel()
+            os.close(self._fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self._release_clients(list(self._clients), action)
+        self._done.set()
+        log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
+
+    # ---- process exit ----
+    def reconcile(self) -> None:
+        """Uncount the sessions of RM clients whose process has exited (the driver freed them on close)."""
+        gone = [h for h, c in self._clients.items() if c.tgid and _start_time(c.tgid) != c.start_time]
+        self._release_clients(gone, EventAction.EXITED)
+
+    def _release_clients(self, roots: list[int], action: EventAction) -> None:
+        for h_root in roots:
+            client = self._clients.pop(h_root, None)
+            if client is None:
+                continue
+            self._nodes -= len(client.parent)
+            self._uncount(list(client.sessions.values()), action)
+
+    def _uncount(self, sessions: list[_Session], action: EventAction) -> None:
+        for s in sessions:
+            with self._lock:
+                self._live[s.kind] -= 1
+                live = self._live[s.kind]
+            self._emit(SessionEvent(self.tenant, action, s.kind, s.h_class, s.pid, max(s.handle, 0), live))
+
+    # ---- one notification ----
+    def _handle_one(self) -> None:
+        buf = bytearray(_NOTIF_SIZE)  # zeroed, as the kernel requires
+        try:
+            fcntl.ioctl(self._fd, _NOTIF_RECV, buf, True)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: the caller went away meanwhile
+                self._warn_once("recv", f"seccomp receive failed: {e.strerror}")
+            return
+        t0 = time.perf_counter_ns()
+        nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(_NOTIF_FORMAT, buf)
+        call: _Call | None = None
+        admitted = False
+        try:
+            call = self._examine(nid, pid, nr, arch, args)
+            if call.kind is not None:
+                client = self._clients.get(call.h_root)
+                if call.handle and client is not None and call.handle in client.sessions:
+                    call.kind = None  # the same handle again: the driver refuses it (or a free was missed); count once
+                else:
+                    try:
+                        admitted = bool(self._decide(self.tenant, call.kind, call.h_class))
+                    except Exception:
+                        log.exception("seccomp decide() failed; admitting the call", tenant=self.tenant)
+                        admitted = True
+        except _Gone:
+            self._record(t0, answered=False)
+            return
+        except Exception:
+            with self._lock:
+                self._errors += 1
+            log.exception("seccomp notification handling failed; letting the call continue", tenant=self.tenant, pid=pid)
+            call = None
+        refused = call is not None and call.kind is not None and not admitted
+        answered = self._answer(nid, -errno.EPERM if refused else 0)
+        self._record(t0, answered)
+        if call is None or call.op == 0:
+            return
+        try:
+            self._commit(call, pid, answered, refused)
+        except Exception:
+            log.exception("seccomp session bookkeeping failed", tenant=self.tenant)
+
+    def _record(self, t0: int, answered: bool) -> None:
+        with self._lock:
+            self._latency_ns.append(time.perf_counter_ns() - t0)
+            self._notifications += 1
+            if not answered:
+                self._skipped += 1
+
+    def _answer(self, nid: int, error: int) -> bool:
+        """SEND: "continue" (error 0) or fail the call with `error` (-errno). False when the call is gone."""
+        resp = struct.pack(_RESP_FORMAT, nid, 0, error, 0 if error else _FLAG_CONTINUE)
+        try:
+            fcntl.ioctl(self._fd, _NOTIF_SEND, resp)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                self._warn_once("send", f"seccomp answer failed: {e.strerror}")
+            return False
+        return True
+
+    def _id_valid(self, nid: int) -> bool:
+        arg = struct.pack("=Q", nid)
+        while True:
+            try:
+                fcntl.ioctl(self._fd, self._id_valid_cmd, arg)
+                return True
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    return False
+                if e.errno in (errno.EINVAL, errno.ENOTTY) and self._id_valid_cmd == _NOTIF_ID_VALID_OLD:
+                    self._id_valid_cmd = _NOTIF_ID_VALID
+                    continue
+                raise
+
+    def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> _Call:
+        """Decode the call from the caller's memory. _Call(0) means: nothing to decide or track, continue."""
+        if IOCTL_SYSCALL.get(arch) != nr:
+            return _Call(0)
+        _type, enr, size = decode_ioctl(args[1])
+        if enr not in (RM_ALLOC, RM_FREE, XFER):
+            return _Call(0)
+        if pid == 0:
+            self._warn_once("pid0", "a notified caller is outside the daemon's pid namespace; letting its calls continue")
+            return _Call(0)
+        try:
+            mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        except PermissionError:
+            self._warn_once("mem", "cannot read tenants' memory (/proc/PID/mem): run the daemon as root; letting calls continue")
+            return _Call(0)
+        except OSError:
+            return _Call(0)  # gone already: the answer will fail harmlessly
+        try:
+            addr = args[2]
+            if enr == XFER:
+                if size != XFER_SIZE:
+                    return _Call(0)  # the driver refuses it (EINVAL)
+                enr, size, addr = struct.unpack(XFER_FORMAT, _read_mem(mem, addr, XFER_SIZE))
+            if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
+                h_root, h_parent, h_new, h_class = struct.unpack("=IIII", _read_mem(mem, addr, 16))
+                call = _Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
+            elif enr == RM_FREE and size == NVOS00_SIZE:
+                h_root, h_parent, h_old = struct.unpack("=III", _read_mem(mem, addr, 12))
+                call = _Call(RM_FREE, h_root, h_parent, h_old)
+            else:
+                return _Call(0)
+        except (OSError, ValueError):
+            return _Call(0)  # unreadable argument: the driver fails the call with EFAULT itself
+        finally:
+            os.close(mem)
+        if call.op == RM_ALLOC and call.h_root not in self._clients:
+            try:
+                call.owner = _owner(pid)
+            except (OSError, ValueError):
+                call.owner = (0, "")
+        # A decision depends on what was read: make sure it was read from the caller (its pid not reused).
+        # Calls answered "continue" whatever they say need no check here: a successful answer proves the
+        # caller was still blocked in the call, and they are committed only after it.
+        if call.kind is not None and not self._id_valid(nid):
+            raise _Gone
+        return call
+
+    def _commit(self, call: _Call, pid: int, answered: bool, refused: bool) -> None:
+        kind = call.kind
+        if not answered:
+            if kind is not None and not refused:  # decide() said yes (and may have reserved a slot): release it
+                self._emit(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, pid, call.handle, self._live[kind]))
+            return
+        if refused and kind is not None:
+            with self._lock:
+                self._refused[kind] += 1
+                live = self._live[kind]
+            log.info("gpu session refused", tenant=self.tenant, kind=kind.value, h_class=f"{call.h_class:#06x}", pid=pid)
+            self._emit(SessionEvent(self.tenant, EventAction.REFUSED, kind, call.h_class, pid, call.handle, live))
+            return
+        if call.op == RM_FREE:
+            self._free(call)
+            return
+        client = self._clients.get(call.h_root)
+        if client is None:
+            tgid, start = call.owner or (0, "")
+            client = self._clients[call.h_root] = _Client(tgid, start)
+        node = call.handle or next(self._synthetic)
+        if node != call.h_parent and (kind is not None or self._nodes < _MAX_NODES):
+            if node not in client.parent:
+                self._nodes += 1
+            client.parent[node] = call.h_parent
+            client.children.setdefault(call.h_parent, set()).add(node)
+        elif kind is None and node != call.h_parent:
+            self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
+        if kind is not None:
+            client.sessions[node] = _Session(kind, call.h_class, pid, call.handle)
+            with self._lock:
+                self._live[kind] += 1
+                self._admitted[kind] += 1
+                live = self._live[kind]
+            self._emit(SessionEvent(self.tenant, EventAction.ADMITTED, kind, call.h_class, pid, call.handle, live))
+
+    def _free(self, call: _Call) -> None:
+        client = self._clients.get(call.h_root)
+        if client is None:
+            return
+        if call.handle == call.h_root:  # freeing the client frees everything it holds
+            self._release_clients([call.h_root], EventAction.FREED)
+            return
+        freed: list[_Session] = []
+        stack, seen = [call.handle], set()
+        while stack:
+            h = stack.pop()
+            if h in seen:
+                continue
+            seen.add(h)
+            stack.extend(client.children.pop(h, ()))
+            parent = client.parent.pop(h, None)
+            if parent is not None:
+                self._nodes -= 1
+                siblings = client.children.get(parent)
+                if siblings is not None:
+                    siblings.discard(h)
+            session = client.sessions.pop(h, None)
+            if session is not None:
+                freed.append(session)
+        self._uncount(freed, EventAction.FREED)
+
+    def _emit(self, event: SessionEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("seccomp on_event callback failed", tenant=self.tenant)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, tenant=self.tenant)
+
+    # ---- numbers ----
+    def stats(self) -> SupervisorStats:
+        with self._lock:
+            samples = sorted(self._latency_ns)
+            live = {k: n for k, n in self._live.items() if n}
+            admitted = dict(self._admitted)
+            refused = dict(self._refused)
+            notifications, skipped, errors = self._notifications, self._skipped, self._errors
+
+        def pct(p: float) -> float | None:
+            if not samples:
+                return None
+            return samples[min(len(samples) - 1, int(p * len(samples)))] / 1000.0
+
+        return SupervisorStats(
+            tenant=self.tenant,
+            live=MappingProxyType(live),
+            admitted=MappingProxyType(admitted),
+            refused=MappingProxyType(refused),
+            notifications=notifications,
+            skipped=skipped,
+            errors=errors,
+            latency_p50_us=pct(0.50),
+            latency_p99_us=pct(0.99),
+            latency_samples=len(samples),
+            closed=self._done.is_set(),
+        )
