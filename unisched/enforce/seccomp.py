@@ -457,6 +457,8 @@ def hand_over(
                 reply += chunk
     except TimeoutError:
         raise SeccompError(f"the unisched daemon did not answer on {path} within {timeout}s") from None
+    except OSError as e:
+        raise SeccompError(f"handing the GPU session hook to {path} failed: {e.strerror or e}") from None
     finally:
         if close:
             os.close(listener_fd)
@@ -507,6 +509,9 @@ class SessionEvent:
 class SupervisorStats:
     tenant: str
     live: Mapping[SessionKind, int]
+    """Live sessions per kind (what caps count)."""
+    objects: Mapping[SessionKind, int]
+    """Live RM objects per kind behind those sessions."""
     admitted: Mapping[SessionKind, int]
     refused: Mapping[SessionKind, int]
     notifications: int
@@ -566,12 +571,17 @@ class SessionLedger:
 
 
 # --- the supervisor --------------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class _Session:
+    """One engine session: one or more RM objects of one kind (see `SessionSupervisor`, "Sessions")."""
+
     kind: SessionKind
     h_class: int
-    pid: int
-    handle: int
+    pid: int  # the thread that opened it
+    handle: int  # its first object's handle
+    objects: set[int] = field(default_factory=set)
+    instances: set[int] = field(default_factory=set)
+    last_ns: int = 0
 
 
 @dataclass
@@ -582,7 +592,8 @@ class _Client:
     start_time: str
     parent: dict[int, int] = field(default_factory=dict)
     children: dict[int, set[int]] = field(default_factory=dict)
-    sessions: dict[int, _Session] = field(default_factory=dict)
+    sessions: dict[int, _Session] = field(default_factory=dict)  # object handle -> its session
+    latest: dict[SessionKind, _Session] = field(default_factory=dict)  # the session new objects may join
 
 
 @dataclass
@@ -596,6 +607,9 @@ class _Call:
     h_class: int = 0
     kind: SessionKind | None = None
     owner: tuple[int, str] | None = None  # (tgid, start time) when this client is new
+    instance: int | None = None  # engineInstance from the allocation parameters (video engines)
+    join: _Session | None = None  # the open session this object joins (no decision needed)
+    node: int = 0  # where an admitted object was recorded
 
 
 class _Gone(Exception):
@@ -603,6 +617,8 @@ class _Gone(Exception):
 
 
 _MAX_NODES = 200_000
+_ENGINE_KINDS: Final = frozenset({SessionKind.NVDEC, SessionKind.NVENC, SessionKind.NVJPG, SessionKind.OFA})
+_GROUPED_KINDS: Final = _ENGINE_KINDS | {SessionKind.COMPUTE}
 
 
 def _read_mem(fd: int, addr: int, size: int) -> bytes:
@@ -642,6 +658,15 @@ class SessionSupervisor:
     `close()` (or the tenant's last process exiting) closes it. `decide` and `on_event` run on the serving
     thread and must be quick and non-blocking; `decide` is consulted only for engine sessions, and an
     exception in it admits the call. `stats()` may be called from any thread.
+
+    Sessions: the driver allocates several objects for one session of some kinds (on the H200 a CUDA context
+    made 8 compute objects, one PyAV decoder 7 NVDEC objects, one per engine), so counts and caps are kept
+    per session, and `decide` is asked once, for the first object. A later object of a video engine kind joins
+    the same client's latest session of that kind when the same thread allocates it within `join_window_s` of
+    the previous one and on an engine instance that session does not use yet (engineInstance from the
+    allocation parameters); a second decoder, which needs engine 0 again, opens a new session. Compute
+    objects join on the same thread and window; graphics and NVENC_SW_SESSION objects are one session each.
+    A session ends when its last object is freed (directly or with an ancestor) or its process exits.
     """
 
     def __init__(
@@ -653,18 +678,21 @@ class SessionSupervisor:
         *,
         reconcile_interval_s: float = 2.0,
         latency_window: int = 4096,
+        join_window_s: float = 1.0,
     ) -> None:
         self._fd = listener_fd
         self.tenant = tenant
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
+        self._join_window_ns = int(join_window_s * 1e9)
         self._id_valid_cmd = _NOTIF_ID_VALID_OLD
         self._lock = threading.Lock()
         self._clients: dict[int, _Client] = {}
         self._nodes = 0
         self._synthetic = itertools.count(-1, -1)
         self._live: collections.Counter[SessionKind] = collections.Counter()
+        self._objects: collections.Counter[SessionKind] = collections.Counter()
         self._admitted: collections.Counter[SessionKind] = collections.Counter()
         self._refused: collections.Counter[SessionKind] = collections.Counter()
         self._notifications = 0
@@ -784,30 +812,40 @@ class SessionSupervisor:
             os.close(self._fd)
             os.close(self._wake_r)
             os.close(self._wake_w)
-        self._release_clients(list(self._clients), action)
+        self._emit_all(self._release_clients(list(self._clients), action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
 
     # ---- process exit ----
     def reconcile(self) -> None:
-        """Uncount the sessions of RM clients whose process has exited (the driver freed them on close)."""
-        gone = [h for h, c in self._clients.items() if c.tgid and _start_time(c.tgid) != c.start_time]
-        self._release_clients(gone, EventAction.EXITED)
+        """Uncount the sessions of RM clients whose process has exited (the driver freed them on close).
 
-    def _release_clients(self, roots: list[int], action: EventAction) -> None:
+        Runs on the serving thread every `reconcile_interval_s`; do not call it from another thread while serving.
+        """
+        gone = [h for h, c in self._clients.items() if c.tgid and _start_time(c.tgid) != c.start_time]
+        self._emit_all(self._release_clients(gone, EventAction.EXITED))
+
+    def _release_clients(self, roots: list[int], action: EventAction) -> list[SessionEvent]:
+        events: list[SessionEvent] = []
         for h_root in roots:
             client = self._clients.pop(h_root, None)
-            if client is None:
-                continue
-            self._nodes -= len(client.parent)
-            self._uncount(list(client.sessions.values()), action)
+            if client is not None:
+                self._nodes -= len(client.parent)
+                sessions = list({id(x): x for x in client.sessions.values()}.values())
+                with self._lock:
+                    for x in sessions:
+                        self._objects[x.kind] -= len(x.objects)
+                events += self._uncount(sessions, action)
+        return events
 
-    def _uncount(self, sessions: list[_Session], action: EventAction) -> None:
+    def _uncount(self, sessions: list[_Session], action: EventAction) -> list[SessionEvent]:
+        events = []
         for s in sessions:
             with self._lock:
                 self._live[s.kind] -= 1
                 live = self._live[s.kind]
-            self._emit(SessionEvent(self.tenant, action, s.kind, s.h_class, s.pid, max(s.handle, 0), live))
+            events.append(SessionEvent(self.tenant, action, s.kind, s.h_class, s.pid, max(s.handle, 0), live))
+        return events
 
     # ---- one notification ----
     def _handle_one(self) -> None:
@@ -822,42 +860,51 @@ class SessionSupervisor:
         nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(_NOTIF_FORMAT, buf)
         call: _Call | None = None
         admitted = False
+        failure: tuple[str, BaseException] | None = None
+        events: list[SessionEvent] = []
         try:
             call = self._examine(nid, pid, nr, arch, args)
             if call.kind is not None:
                 client = self._clients.get(call.h_root)
                 if call.handle and client is not None and call.handle in client.sessions:
                     call.kind = None  # the same handle again: the driver refuses it (or a free was missed); count once
+                elif client is not None and (joined := self._joinable(client, call, pid)) is not None:
+                    call.join, admitted = joined, True
                 else:
                     try:
                         admitted = bool(self._decide(self.tenant, call.kind, call.h_class))
-                    except Exception:
-                        log.exception("seccomp decide() failed; admitting the call", tenant=self.tenant)
-                        admitted = True
+                    except Exception as e:
+                        failure, admitted = ("seccomp decide() failed; admitting the call", e), True
+            refused = call.kind is not None and not admitted
+            # Book-keeping happens before the answer, so counts are exact by the time the caller resumes;
+            # callbacks and logging wait until after it, so they cost the caller nothing.
+            events = self._commit(call, nid, pid, refused)
         except _Gone:
-            self._record(t0, answered=False)
-            return
-        except Exception:
             with self._lock:
-                self._errors += 1
-            log.exception("seccomp notification handling failed; letting the call continue", tenant=self.tenant, pid=pid)
-            call = None
-        refused = call is not None and call.kind is not None and not admitted
-        answered = self._answer(nid, -errno.EPERM if refused else 0)
-        self._record(t0, answered)
-        if call is None or call.op == 0:
+                self._notifications += 1
+                self._skipped += 1
             return
-        try:
-            self._commit(call, pid, answered, refused)
-        except Exception:
-            log.exception("seccomp session bookkeeping failed", tenant=self.tenant)
-
-    def _record(self, t0: int, answered: bool) -> None:
+        except Exception as e:
+            failure, refused = ("seccomp notification handling failed; letting the call continue", e), False
+            if admitted and call is not None and call.kind is not None and call.join is None:  # decide() may have reserved
+                events = [SessionEvent(self.tenant, EventAction.ABORTED, call.kind, call.h_class, pid, call.handle, 0)]
+            call = None
+        with self._lock:
+            self._notifications += 1
+        answered = self._answer(nid, -errno.EPERM if refused else 0)
         with self._lock:
             self._latency_ns.append(time.perf_counter_ns() - t0)
-            self._notifications += 1
             if not answered:
                 self._skipped += 1
+        if not answered:
+            events = self._undo(call, events)
+        self._emit_all(events)
+        if failure is not None:
+            with self._lock:
+                self._errors += 1
+            log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
+        if refused and call is not None and answered:
+            log.info("gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
 
     def _answer(self, nid: int, error: int) -> bool:
         """SEND: "continue" (error 0) or fail the call with `error` (-errno). False when the call is gone."""
@@ -908,8 +955,12 @@ class SessionSupervisor:
                     return _Call(0)  # the driver refuses it (EINVAL)
                 enr, size, addr = struct.unpack(XFER_FORMAT, _read_mem(mem, addr, XFER_SIZE))
             if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
-                h_root, h_parent, h_new, h_class = struct.unpack("=IIII", _read_mem(mem, addr, 16))
+                h_root, h_parent, h_new, h_class, params = struct.unpack("=IIIIQ", _read_mem(mem, addr, 24))
                 call = _Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
+                if call.kind in _ENGINE_KINDS and params:
+                    with contextlib.suppress(OSError, ValueError):  # NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS
+                        p_size, _prohibit, instance = struct.unpack("=III", _read_mem(mem, params, 12))
+                        call.instance = instance if p_size >= 12 else None
             elif enr == RM_FREE and size == NVOS00_SIZE:
                 h_root, h_parent, h_old = struct.unpack("=III", _read_mem(mem, addr, 12))
                 call = _Call(RM_FREE, h_root, h_parent, h_old)
@@ -924,29 +975,24 @@ class SessionSupervisor:
                 call.owner = _owner(pid)
             except (OSError, ValueError):
                 call.owner = (0, "")
-        # A decision depends on what was read: make sure it was read from the caller (its pid not reused).
-        # Calls answered "continue" whatever they say need no check here: a successful answer proves the
-        # caller was still blocked in the call, and they are committed only after it.
+        # Before a decision or a count that depends on what was read, make sure it was read from the caller
+        # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
         if call.kind is not None and not self._id_valid(nid):
             raise _Gone
         return call
 
-    def _commit(self, call: _Call, pid: int, answered: bool, refused: bool) -> None:
+    def _commit(self, call: _Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
+        """Apply the call to the counts and the object tree; return the events to emit after the answer."""
         kind = call.kind
-        if not answered:
-            if kind is not None and not refused:  # decide() said yes (and may have reserved a slot): release it
-                self._emit(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, pid, call.handle, self._live[kind]))
-            return
+        if call.op == 0:
+            return []
         if refused and kind is not None:
             with self._lock:
                 self._refused[kind] += 1
                 live = self._live[kind]
-            log.info("gpu session refused", tenant=self.tenant, kind=kind.value, h_class=f"{call.h_class:#06x}", pid=pid)
-            self._emit(SessionEvent(self.tenant, EventAction.REFUSED, kind, call.h_class, pid, call.handle, live))
-            return
+            return [SessionEvent(self.tenant, EventAction.REFUSED, kind, call.h_class, pid, call.handle, live)]
         if call.op == RM_FREE:
-            self._free(call)
-            return
+            return self._free(call, nid)
         client = self._clients.get(call.h_root)
         if client is None:
             tgid, start = call.owner or (0, "")
@@ -959,22 +1005,74 @@ class SessionSupervisor:
             client.children.setdefault(call.h_parent, set()).add(node)
         elif kind is None and node != call.h_parent:
             self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
-        if kind is not None:
-            client.sessions[node] = _Session(kind, call.h_class, pid, call.handle)
-            with self._lock:
-                self._live[kind] += 1
-                self._admitted[kind] += 1
-                live = self._live[kind]
-            self._emit(SessionEvent(self.tenant, EventAction.ADMITTED, kind, call.h_class, pid, call.handle, live))
+        if kind is None:
+            return []
+        call.node = node
+        session = call.join
+        opened = session is None
+        if session is None:
+            session = _Session(kind, call.h_class, pid, call.handle)
+            client.latest[kind] = session
+        session.objects.add(node)
+        if call.instance is not None:
+            session.instances.add(call.instance)
+        session.last_ns = time.monotonic_ns()
+        client.sessions[node] = session
+        with self._lock:
+            self._objects[kind] += 1
+            if not opened:
+                return []
+            self._live[kind] += 1
+            self._admitted[kind] += 1
+            live = self._live[kind]
+        return [SessionEvent(self.tenant, EventAction.ADMITTED, kind, call.h_class, pid, call.handle, live)]
 
-    def _free(self, call: _Call) -> None:
+    def _joinable(self, client: _Client, call: _Call, tid: int) -> _Session | None:
+        kind = call.kind
+        if kind not in _GROUPED_KINDS:
+            return None
+        session = client.latest.get(kind)
+        if session is None or not session.objects or session.pid != tid:
+            return None
+        if time.monotonic_ns() - session.last_ns > self._join_window_ns:
+            return None
+        if kind in _ENGINE_KINDS and (call.instance is None or call.instance in session.instances):
+            return None
+        return session
+
+    def _undo(self, call: _Call | None, events: list[SessionEvent]) -> list[SessionEvent]:
+        """The answer found the call gone: take back an admission or a refusal that did not happen."""
+        out = []
+        client = self._clients.get(call.h_root) if call is not None else None
+        if call is not None and call.kind is not None and call.node and client is not None:
+            session = client.sessions.pop(call.node, None)
+            if session is not None:  # the object was recorded: take it back (its session stays if it has others)
+                session.objects.discard(call.node)
+                with self._lock:
+                    self._objects[session.kind] -= 1
+        for e in events:
+            if e.action is EventAction.ADMITTED:
+                with self._lock:
+                    self._live[e.kind] -= 1
+                    self._admitted[e.kind] -= 1
+                    live = self._live[e.kind]
+                out.append(SessionEvent(e.tenant, EventAction.ABORTED, e.kind, e.h_class, e.pid, e.handle, live))
+            elif e.action is EventAction.REFUSED:
+                with self._lock:
+                    self._refused[e.kind] -= 1
+            else:
+                out.append(e)
+        return out
+
+    def _free(self, call: _Call, nid: int) -> list[SessionEvent]:
         client = self._clients.get(call.h_root)
         if client is None:
-            return
+            return []
+        if client.sessions and not self._id_valid(nid):
+            return []  # read from a process that is gone: uncount nothing
         if call.handle == call.h_root:  # freeing the client frees everything it holds
-            self._release_clients([call.h_root], EventAction.FREED)
-            return
-        freed: list[_Session] = []
+            return self._release_clients([call.h_root], EventAction.FREED)
+        ended: list[_Session] = []
         stack, seen = [call.handle], set()
         while stack:
             h = stack.pop()
@@ -989,9 +1087,19 @@ class SessionSupervisor:
                 if siblings is not None:
                     siblings.discard(h)
             session = client.sessions.pop(h, None)
-            if session is not None:
-                freed.append(session)
-        self._uncount(freed, EventAction.FREED)
+            if session is not None and h in session.objects:
+                session.objects.discard(h)
+                with self._lock:
+                    self._objects[session.kind] -= 1
+                if not session.objects:
+                    ended.append(session)
+                    if client.latest.get(session.kind) is session:
+                        del client.latest[session.kind]
+        return self._uncount(ended, EventAction.FREED)
+
+    def _emit_all(self, events: list[SessionEvent]) -> None:
+        for event in events:
+            self._emit(event)
 
     def _emit(self, event: SessionEvent) -> None:
         if self._on_event is None:
@@ -1011,6 +1119,7 @@ class SessionSupervisor:
         with self._lock:
             samples = sorted(self._latency_ns)
             live = {k: n for k, n in self._live.items() if n}
+            objects = {k: n for k, n in self._objects.items() if n}
             admitted = dict(self._admitted)
             refused = dict(self._refused)
             notifications, skipped, errors = self._notifications, self._skipped, self._errors
@@ -1023,6 +1132,7 @@ class SessionSupervisor:
         return SupervisorStats(
             tenant=self.tenant,
             live=MappingProxyType(live),
+            objects=MappingProxyType(objects),
             admitted=MappingProxyType(admitted),
             refused=MappingProxyType(refused),
             notifications=notifications,

@@ -1,0 +1,160 @@
+"""Helper process for tests/test_seccomp.py (not a test module).
+
+  seccomp_child.py tenant SOCKFD|PATH
+                                   install the GPU session filter, hand the listener over the inherited socket
+                                   SOCKFD (OCI agent message, as runc does) or to the agent socket at PATH
+                                   (hand_over, as `unisched run` does; prints "refused ..." if the agent says no),
+                                   print "ready", then run commands from stdin, one reply line each:
+                                   "ok ERRNO [extra]" (ERRNO 0 = the call succeeded)
+  seccomp_child.py hold SOCKFD     a stand-in daemon: receive a listener, print "ready", receive one
+                                   notification without ever answering it, print "got", then sleep
+
+Tenant commands (numbers accept 0x...): alloc CLASS HANDLE [SIZE [ROOT]] | alloc_eng CLASS HANDLE INSTANCE |
+xalloc CLASS HANDLE |
+alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
+fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
+The RM calls go to /dev/null, standing in for /dev/nvidiactl: when let through they fail there with ENOTTY.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import select
+import socket
+import struct
+import sys
+import termios
+import time
+
+ROOT_HANDLE = 0xC1D00001
+RM_ALLOC, RM_FREE, XFER = 0x2B, 0x29, 0xD3
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_IOCTL_NR = {"x86_64": 16, "aarch64": 29}[platform.machine()]
+
+
+def iowr(nr: int, size: int) -> int:
+    return (3 << 30) | (size << 16) | (ord("F") << 8) | nr
+
+
+def ioctl(fd: int, cmd: int, buf: ctypes.Array[ctypes.c_char] | None, sign_extend: bool = False) -> int:
+    addr = ctypes.addressof(buf) if buf is not None else 0
+    if sign_extend:
+        request = cmd | 0xFFFFFFFF00000000 if cmd & 0x80000000 else cmd
+        ret = _libc.syscall(ctypes.c_long(_IOCTL_NR), ctypes.c_long(fd), ctypes.c_ulong(request), ctypes.c_void_p(addr))
+    else:
+        ret = _libc.ioctl(ctypes.c_int(fd), ctypes.c_ulong(cmd), ctypes.c_void_p(addr))
+    return ctypes.get_errno() if ret < 0 else 0
+
+
+def nvos21(h_class: int, handle: int, root: int = ROOT_HANDLE, size: int = 32) -> ctypes.Array[ctypes.c_char]:
+    buf = ctypes.create_string_buffer(size)
+    struct.pack_into("=IIII", buf, 0, root, root, handle, h_class)
+    return buf
+
+
+def nvos00(handle: int, root: int = ROOT_HANDLE) -> ctypes.Array[ctypes.c_char]:
+    buf = ctypes.create_string_buffer(16)
+    struct.pack_into("=IIII", buf, 0, root, root, handle, 0)
+    return buf
+
+
+def xfer(inner_nr: int, inner: ctypes.Array[ctypes.c_char]) -> ctypes.Array[ctypes.c_char]:
+    buf = ctypes.create_string_buffer(16)
+    struct.pack_into("=IIQ", buf, 0, inner_nr, len(inner), ctypes.addressof(inner))
+    return buf
+
+
+def tenant(where: str) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from unisched.enforce.seccomp import SeccompError, hand_over, install_filter, make_agent_message, send_fd
+
+    listener = install_filter()
+    if where.isdigit():  # an inherited socket: send and close, as runc does
+        with socket.socket(fileno=int(where)) as sock:
+            send_fd(sock, listener, make_agent_message(os.getpid(), metadata="test"))
+        os.close(listener)  # never keep our own listener: a call notified to it would wait for ourselves
+    else:  # an agent socket path: what `unisched run`'s child does before exec
+        try:
+            hand_over(listener, where, metadata="test")
+        except SeccompError as e:
+            print(f"refused {e}", flush=True)
+            raise SystemExit(3) from None
+    dev = os.open("/dev/null", os.O_RDWR)
+    pipe_r, pipe_w = os.pipe()
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        op, nums = words[0], [int(w, 0) for w in words[1:]]
+        extra = ""
+        if op == "alloc":
+            size = nums[2] if len(nums) > 2 else 32
+            root = nums[3] if len(nums) > 3 else ROOT_HANDLE
+            err = ioctl(dev, iowr(RM_ALLOC, size), nvos21(nums[0], nums[1], root, size))
+        elif op == "alloc_eng":  # a video engine object with NV_BSP_ALLOCATION_PARAMETERS {size, prohibit, instance}
+            params = ctypes.create_string_buffer(12)
+            struct.pack_into("=III", params, 0, 12, 0, nums[2])
+            buf = nvos21(nums[0], nums[1])
+            struct.pack_into("=Q", buf, 16, ctypes.addressof(params))
+            err = ioctl(dev, iowr(RM_ALLOC, 32), buf)
+        elif op == "alloc_sx":
+            err = ioctl(dev, iowr(RM_ALLOC, 32), nvos21(nums[0], nums[1]), sign_extend=True)
+        elif op == "xalloc":
+            inner = nvos21(nums[0], nums[1])
+            err = ioctl(dev, iowr(XFER, 16), xfer(RM_ALLOC, inner))
+        elif op == "free":
+            root = nums[1] if len(nums) > 1 else ROOT_HANDLE
+            err = ioctl(dev, iowr(RM_FREE, 16), nvos00(nums[0], root))
+        elif op == "xfree":
+            inner = nvos00(nums[0])
+            err = ioctl(dev, iowr(XFER, 16), xfer(RM_FREE, inner))
+        elif op == "fionread":
+            n = ctypes.create_string_buffer(4)
+            err = ioctl(pipe_r, termios.FIONREAD, n)
+        elif op == "fork_alloc":
+            child = os.fork()
+            if child == 0:
+                os._exit(ioctl(dev, iowr(RM_ALLOC, 32), nvos21(nums[0], nums[1], nums[2])))
+            _, status = os.waitpid(child, 0)
+            err = os.waitstatus_to_exitcode(status)
+            extra = str(child)
+        elif op in ("bench", "bench_plain"):
+            buf = nvos21(nums[1] if op == "bench" else 0, 0x5000)
+            n = ctypes.create_string_buffer(4)
+            err, t0 = 0, time.perf_counter_ns()
+            for _ in range(nums[0]):
+                err = ioctl(dev, iowr(RM_ALLOC, 32), buf) if op == "bench" else ioctl(pipe_r, termios.FIONREAD, n)
+            extra = str((time.perf_counter_ns() - t0) // nums[0])
+        elif op == "exit":
+            break
+        else:
+            raise SystemExit(f"unknown command {op}")
+        out.write(f"ok {err} {extra}".rstrip() + "\n")
+        out.flush()
+    os.close(pipe_w)
+
+
+def hold(where: str) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from unisched.enforce.seccomp import recv_agent_message
+
+    with socket.socket(fileno=int(where)) as sock:
+        listener, _ = recv_agent_message(sock)
+    print("ready", flush=True)
+    select.select([listener], [], [])
+    import fcntl
+
+    fcntl.ioctl(listener, 0xC0502100, bytearray(80), True)  # SECCOMP_IOCTL_NOTIF_RECV, never answered
+    print("got", flush=True)
+    while True:
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    {"tenant": tenant, "hold": hold}[sys.argv[1]](sys.argv[2])

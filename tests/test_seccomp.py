@@ -1,0 +1,527 @@
+"""Session admission through seccomp user notification, end to end with a stand-in device (/dev/null).
+
+A real child process installs the real filter and hands its listener over a socketpair with the OCI agent
+message; the test runs the real SessionSupervisor on it. Calls let through reach /dev/null and fail there with
+ENOTTY (the "kernel's own answer"); refused ones fail with EPERM. No root needed (no_new_privs), no GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, child_env
+
+from unisched.enforce import nvclasses as nv
+from unisched.enforce.nvclasses import SessionKind, classify, decode_ioctl, iowr
+from unisched.enforce.seccomp import (
+    AUDIT_ARCH_AARCH64,
+    AUDIT_ARCH_I386,
+    AUDIT_ARCH_X86_64,
+    SECCOMP_RET_ALLOW,
+    SECCOMP_RET_USER_NOTIF,
+    EventAction,
+    SeccompError,
+    SessionEvent,
+    SessionLedger,
+    SessionSupervisor,
+    ack_agent,
+    build_filter,
+    make_agent_message,
+    parse_agent_message,
+    probe,
+    recv_agent_message,
+)
+
+CHILD = Path(__file__).with_name("seccomp_child.py")
+UNAVAILABLE = probe()
+needs_notify = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"seccomp user notification unavailable: {UNAVAILABLE}")
+
+GRAPHICS, NVDEC, COMPUTE, OTHER = 0xCB97, 0xB8B0, 0xCBC0, 0x1234
+ENOTTY, EPERM, ENOSYS = errno.ENOTTY, errno.EPERM, errno.ENOSYS
+
+
+# --- pure parts ------------------------------------------------------------------------------------------------------
+def test_classes_and_ioctl_decoding() -> None:
+    assert classify(0xCB97) is SessionKind.GRAPHICS
+    assert classify(0xCBC0) is SessionKind.COMPUTE
+    assert classify(0xB8B0) is SessionKind.NVDEC
+    assert classify(0xC9B7) is SessionKind.NVENC
+    assert classify(0xA0BC) is SessionKind.NVENC_SW_SESSION
+    assert classify(0xCED0) is SessionKind.NVJPG
+    assert classify(0xB8FA) is SessionKind.OFA
+    for not_a_session in (0xC56F, 0xC86F, 0xC8B5, 0xA06C, 0x0041, 0x1234):
+        assert classify(not_a_session) is None
+    cmd = iowr(ord("F"), nv.RM_ALLOC, 32)
+    assert cmd == 0xC020462B
+    assert decode_ioctl(cmd) == (0x46, 0x2B, 32)
+    assert decode_ioctl(cmd | 0xFFFFFFFF00000000) == (0x46, 0x2B, 32)  # musl sign-extends the request
+    assert decode_ioctl(iowr(ord("F"), nv.XFER, 16)) == (0x46, 0xD3, 16)
+    assert decode_ioctl(iowr(ord("F"), nv.RM_ALLOC, 48))[2] == nv.NVOS64_SIZE
+
+
+def _run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = (0,) * 6) -> int:
+    """A classic-BPF interpreter for the instructions build_filter uses, on a struct seccomp_data."""
+    data = struct.pack("=iIQ6Q", nr, arch, 0, *(list(args) + [0] * (6 - len(args))))
+    insns = [struct.unpack_from("=HBBI", prog, i) for i in range(0, len(prog), 8)]
+    pc, acc = 0, 0
+    for _ in range(len(insns) + 1):
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == 0x54:
+            acc &= k
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x06:
+            return int(k)
+        else:
+            raise AssertionError(f"unexpected BPF opcode {code:#x}")
+        pc += 1
+    raise AssertionError("BPF program did not return")
+
+
+def test_filter_is_well_formed_and_matches_what_it_should() -> None:
+    for notify_free, match_type in ((True, True), (False, True), (True, False)):
+        prog = build_filter(notify_free=notify_free, match_type=match_type)
+        assert prog and len(prog) % 8 == 0 and len(prog) // 8 <= 4096
+        insns = [struct.unpack_from("=HBBI", prog, i) for i in range(0, len(prog), 8)]
+        for i, (code, jt, jf, k) in enumerate(insns):
+            assert code in (0x20, 0x54, 0x15, 0x06), f"insn {i}: opcode {code:#x}"
+            if code == 0x15:
+                assert i + 1 + max(jt, jf) < len(insns), f"insn {i}: jump out of range"
+            if code == 0x20:
+                assert k in (0, 4, 24), f"insn {i}: loads seccomp_data offset {k}"
+        assert insns[-1][0] == 0x06
+
+    prog = build_filter()
+    rm_alloc, xfer, rm_free = iowr(0x46, 0x2B, 32), iowr(0x46, 0xD3, 16), iowr(0x46, 0x29, 16)
+    notif, allow = SECCOMP_RET_USER_NOTIF, SECCOMP_RET_ALLOW
+    for arch, ioctl_nr in ((AUDIT_ARCH_X86_64, 16), (AUDIT_ARCH_AARCH64, 29), (AUDIT_ARCH_I386, 54)):
+        for cmd in (rm_alloc, xfer, rm_free, iowr(0x46, 0x2B, 48), rm_alloc | 0xFFFFFFFF00000000):
+            assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == notif, (hex(arch), hex(cmd))
+        for cmd in (iowr(0x46, 0x2A, 32), iowr(0x47, 0x2B, 32), 0x541B, 0x5401):  # RM_CONTROL, other type, FIONREAD
+            assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == allow, (hex(arch), hex(cmd))
+        assert _run_bpf(prog, ioctl_nr + 1, arch, (3, rm_alloc)) == allow  # not ioctl
+    assert _run_bpf(prog, 29, AUDIT_ARCH_X86_64, (3, rm_alloc)) == allow  # x86_64 nr 29 is shmget, not ioctl
+    assert _run_bpf(prog, 16, 0x40000028, (3, rm_alloc)) == allow  # unknown arch (arm)
+    assert _run_bpf(build_filter(notify_free=False), 16, AUDIT_ARCH_X86_64, (3, rm_free)) == allow
+    assert _run_bpf(build_filter(match_type=False), 16, AUDIT_ARCH_X86_64, (3, iowr(0x47, 0x2B, 32))) == notif
+
+
+RUNC_HELLO = {
+    "ociVersion": "1.2.0",
+    "fds": ["seccompFd"],
+    "pid": 4242,
+    "metadata": "tenant=render",
+    "state": {
+        "ociVersion": "1.2.0",
+        "id": "c0ffee",
+        "status": "creating",
+        "pid": 4242,
+        "bundle": "/run/containerd/io.containerd.runtime.v2.task/k8s.io/c0ffee",
+        "annotations": {"io.kubernetes.pod.name": "game-0"},
+    },
+}
+CRUN_HELLO = (
+    '{"ociVersion":"0.2.0","fds":["seccompFd"],"pid":777,"metadata":"","state":{"ociVersion":"0.2.0","id":"abc",'
+    '"status":"running","pid":777,"bundle":"/var/lib/containers/abc/userdata"}}'
+)
+
+
+def test_agent_messages_from_runc_crun_and_unisched_run() -> None:
+    hello = parse_agent_message(json.dumps(RUNC_HELLO).encode())
+    assert (hello.pid, hello.metadata, hello.container_id, hello.status) == (4242, "tenant=render", "c0ffee", "creating")
+    assert hello.annotations == {"io.kubernetes.pod.name": "game-0"}
+    assert hello.fd_index == 0 and hello.oci_version == "1.2.0"
+    crun = parse_agent_message(CRUN_HELLO)  # crun writes ociVersion 0.2.0 and may omit annotations
+    assert (crun.pid, crun.container_id, crun.status, crun.annotations, crun.oci_version) == (777, "abc", "running", {}, "0.2.0")
+    ours = parse_agent_message(make_agent_message(99, metadata="m"))
+    assert (ours.pid, ours.metadata, ours.status) == (99, "m", "running")
+    for bad in (b"not json", b"[1]", b'{"fds":["seccompFd"]}', b'{"pid":-1}', b'{"pid":5,"fds":["other"]}', b'{"pid":true}'):
+        with pytest.raises(SeccompError):
+            parse_agent_message(bad)
+
+
+def test_oci_profile_notifies_exactly_the_filter_s_calls() -> None:
+    profile = json.loads((ROOT / "deploy/seccomp/unisched-gpu.json").read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    assert profile["listenerPath"] == "/run/unisched/seccomp-agent.sock"
+    assert profile["listenerMetadata"] == ""
+    notified = set()
+    for rule in profile["syscalls"]:
+        assert rule["names"] == ["ioctl"] and rule["action"] == "SCMP_ACT_NOTIFY"
+        (arg,) = rule["args"]
+        assert arg["index"] == 1 and arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == 0xFFFF
+        notified.add(arg["valueTwo"])
+    assert notified == {0x462B, 0x46D3, 0x4629}
+
+
+def test_ledger_reserves_and_releases() -> None:
+    ledger = SessionLedger(lambda tenant, kind: 1 if kind is SessionKind.NVDEC else None)
+
+    def ev(action: EventAction) -> SessionEvent:
+        return SessionEvent("t", action, SessionKind.NVDEC, NVDEC, 1, 5, 0)
+
+    assert ledger.decide("t", SessionKind.NVDEC, NVDEC)
+    assert not ledger.decide("t", SessionKind.NVDEC, NVDEC)  # the reservation counts
+    ledger.on_event(ev(EventAction.ABORTED))
+    assert ledger.decide("t", SessionKind.NVDEC, NVDEC)
+    ledger.on_event(ev(EventAction.ADMITTED))
+    assert ledger.live("t") == {SessionKind.NVDEC: 1}
+    assert not ledger.decide("t", SessionKind.NVDEC, NVDEC)
+    assert ledger.decide("u", SessionKind.NVDEC, NVDEC)  # another tenant has its own count
+    ledger.on_event(ev(EventAction.FREED))
+    assert ledger.live("t") == {}
+    assert ledger.decide("t", SessionKind.GRAPHICS, GRAPHICS)  # uncapped kind
+
+
+# --- with the kernel -------------------------------------------------------------------------------------------------
+class Proc:
+    """A helper process from seccomp_child.py, driven line by line with deadlines (never a bare sleep)."""
+
+    def __init__(self, mode: str, where: socket.socket | Path) -> None:
+        fds = [where.fileno()] if isinstance(where, socket.socket) else []
+        self.popen = subprocess.Popen(
+            [sys.executable, str(CHILD), mode, str(fds[0] if fds else where)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=fds, env=child_env(),
+        )  # fmt: skip
+        if isinstance(where, socket.socket):
+            where.close()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def line(self, timeout: float = 10.0) -> str:
+        assert self.popen.stdout is not None
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout)
+        if not ready:
+            raise AssertionError(f"helper process gave no answer within {timeout}s")
+        out = self.popen.stdout.readline()
+        if not out:
+            raise AssertionError(f"helper process exited ({self.popen.poll()})")
+        return out.strip()
+
+    def send(self, command: str) -> None:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(command + "\n")
+        self.popen.stdin.flush()
+
+    def call(self, command: str, timeout: float = 10.0) -> int:
+        self.send(command)
+        return int(self.line(timeout).split()[1])
+
+    def call_extra(self, command: str, timeout: float = 30.0) -> tuple[int, int]:
+        self.send(command)
+        _, err, extra = self.line(timeout).split()
+        return int(err), int(extra)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+        for f in (self.popen.stdin, self.popen.stdout):
+            if f is not None:
+                f.close()
+
+
+def start_tenant() -> tuple[Proc, int]:
+    """A tenant child with the filter installed, and the listener fd it handed over (checked like the daemon does)."""
+    ours, theirs = socket.socketpair()
+    proc = Proc("tenant", theirs)
+    with ours:
+        fd, hello = recv_agent_message(ours)
+    assert hello.pid == proc.pid and hello.metadata == "test"
+    assert proc.line() == "ready"
+    return proc, fd
+
+
+@pytest.fixture
+def tenant() -> Iterator[tuple[Proc, int]]:
+    proc, fd = start_tenant()
+    try:
+        yield proc, fd
+    finally:
+        proc.kill()
+
+
+def serve(sup: SessionSupervisor) -> threading.Thread:
+    thread = threading.Thread(target=sup.serve_forever, name="seccomp-supervisor", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@needs_notify
+def test_caps_counts_and_frees_end_to_end(tenant: tuple[Proc, int]) -> None:
+    proc, fd = tenant
+    events: list[SessionEvent] = []
+    ledger = SessionLedger(lambda t, kind: 1 if kind is SessionKind.GRAPHICS else None)
+
+    def on_event(e: SessionEvent) -> None:
+        events.append(e)
+        ledger.on_event(e)
+
+    sup = SessionSupervisor(fd, "render", ledger.decide, on_event)
+    thread = serve(sup)
+    try:
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x100") == ENOTTY  # admitted: reached the device, counted
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x101") == EPERM  # beyond the cap of 1
+        assert proc.call(f"alloc {NVDEC:#x} 0x102") == ENOTTY
+        assert proc.call(f"alloc {COMPUTE:#x} 0x103 48") == ENOTTY  # NVOS64 size
+        assert proc.call(f"alloc {OTHER:#x} 0x104") == ENOTTY  # not a session: never asked, never counted
+        assert proc.call(f"xalloc {GRAPHICS:#x} 0x105") == EPERM  # XFER-wrapped RM_ALLOC is unwrapped
+        assert proc.call(f"alloc_sx {GRAPHICS:#x} 0x106") == EPERM  # sign-extended request still matched
+        s = sup.stats()
+        assert dict(s.live) == {SessionKind.GRAPHICS: 1, SessionKind.NVDEC: 1, SessionKind.COMPUTE: 1}
+        assert dict(s.refused) == {SessionKind.GRAPHICS: 3}
+        assert s.notifications == 7 and s.errors == 0
+
+        assert proc.call("fionread") == 0  # an unrelated ioctl is never notified
+        assert sup.stats().notifications == 7
+
+        assert proc.call("free 0x100") == ENOTTY  # RM_FREE of the graphics handle uncounts it
+        assert SessionKind.GRAPHICS not in sup.stats().live
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x107") == ENOTTY  # so a new context gets through
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x108") == EPERM
+        assert proc.call("xfree 0x107") == ENOTTY  # XFER-wrapped RM_FREE
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x109") == ENOTTY
+        assert proc.call(f"alloc {OTHER:#x} 0x200") == ENOTTY  # an unknown parent object...
+        assert proc.call(f"alloc {NVDEC:#x} 0x201 32") == ENOTTY
+        assert proc.call("free 0xC1D00001") == ENOTTY  # ...freeing the whole client frees every session in it
+        assert dict(sup.stats().live) == {}  # exact as soon as the caller resumes; events follow the answer
+        wait_for(lambda: ledger.live("render") == {}, "the ledger to see the frees")
+        assert ledger.refused("render") == {SessionKind.GRAPHICS: 4}
+
+        actions = [(e.action, e.kind, e.handle) for e in events]
+        assert actions[:3] == [
+            (EventAction.ADMITTED, SessionKind.GRAPHICS, 0x100),
+            (EventAction.REFUSED, SessionKind.GRAPHICS, 0x101),
+            (EventAction.ADMITTED, SessionKind.NVDEC, 0x102),
+        ]
+        assert (EventAction.FREED, SessionKind.GRAPHICS, 0x100) in actions
+        assert all(e.pid == proc.pid for e in events if e.action is EventAction.ADMITTED)
+
+        s = sup.stats()
+        assert s.latency_samples == s.notifications and s.latency_p50_us is not None and s.latency_p99_us is not None
+        assert 0 < s.latency_p50_us <= s.latency_p99_us < 1_000_000
+        notified_ns = proc.call_extra(f"bench 2000 {OTHER:#x}")[1]
+        plain_ns = proc.call_extra("bench_plain 2000")[1]
+        s = sup.stats()
+        print(
+            f"\nsupervisor answer latency over {s.latency_samples} calls: p50 {s.latency_p50_us:.1f} us, "
+            f"p99 {s.latency_p99_us:.1f} us; per call in the tenant: notified RM_ALLOC {notified_ns / 1000:.1f} us, "
+            f"un-notified ioctl {plain_ns / 1000:.2f} us"
+        )
+    finally:
+        sup.close()
+        thread.join(10)
+    assert sup.closed and not thread.is_alive()
+    assert proc.call(f"alloc {OTHER:#x} 0x300") == ENOSYS  # after the listener is gone: a clean failure, no hang
+    assert proc.call("fionread") == 0
+
+
+@needs_notify
+def test_one_session_spans_several_objects(tenant: tuple[Proc, int]) -> None:
+    """One decoder = one NVDEC object per engine (7 on the H200): a decode cap of 1 lets the whole first
+    decoder through and refuses the second at its first object; a CUDA context's compute objects count once."""
+    proc, fd = tenant
+    asked: list[SessionKind] = []
+    ledger = SessionLedger(lambda t, kind: 1 if kind is SessionKind.NVDEC else None)
+
+    def decide(t: str, kind: SessionKind, h_class: int) -> bool:
+        asked.append(kind)
+        return ledger.decide(t, kind, h_class)
+
+    sup = SessionSupervisor(fd, "video", decide, ledger.on_event)
+    thread = serve(sup)
+    try:
+        for engine in range(7):
+            assert proc.call(f"alloc_eng {NVDEC:#x} {0x10 + engine:#x} {engine}") == ENOTTY
+        assert asked == [SessionKind.NVDEC]  # asked once, for the session's first object
+        s = sup.stats()
+        assert (dict(s.live), dict(s.objects)) == ({SessionKind.NVDEC: 1}, {SessionKind.NVDEC: 7})
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x20 0") == EPERM  # engine 0 again: a second decoder, over the cap
+        for h in range(3):
+            assert proc.call(f"alloc {COMPUTE:#x} {0x30 + h:#x}") == ENOTTY
+        assert sup.stats().live == {SessionKind.NVDEC: 1, SessionKind.COMPUTE: 1}
+        for engine in range(6):
+            assert proc.call(f"free {0x10 + engine:#x}") == ENOTTY
+        assert sup.stats().live[SessionKind.NVDEC] == 1  # the session holds while one of its objects lives
+        assert proc.call("free 0x16") == ENOTTY
+        assert SessionKind.NVDEC not in sup.stats().live
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x40 0") == ENOTTY  # a new decoder gets through
+    finally:
+        sup.close()
+        thread.join(10)
+
+
+@needs_notify
+def test_no_joining_outside_the_window(tenant: tuple[Proc, int]) -> None:
+    proc, fd = tenant
+    sup = SessionSupervisor(fd, "t", lambda *_: True, join_window_s=0)
+    thread = serve(sup)
+    try:
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x1 0") == ENOTTY
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x2 1") == ENOTTY
+        assert sup.stats().live == {SessionKind.NVDEC: 2}
+    finally:
+        sup.close()
+        thread.join(10)
+
+
+@needs_notify
+def test_process_exit_and_tenant_exit_uncount_sessions(tenant: tuple[Proc, int]) -> None:
+    proc, fd = tenant
+    events: list[SessionEvent] = []
+    sup = SessionSupervisor(fd, "t", lambda *_: True, events.append, reconcile_interval_s=0.05)
+    thread = serve(sup)
+    try:
+        # a forked process opens a session on its own client and exits: the reconcile pass uncounts it
+        err, grandchild = proc.call_extra(f"fork_alloc {NVDEC:#x} 0x10 0xC1D00002")
+        assert err == ENOTTY
+        wait_for(lambda: any(e.action is EventAction.ADMITTED and e.pid == grandchild for e in events), "admission event")
+        wait_for(lambda: SessionKind.NVDEC not in sup.stats().live, "the exited process's session to be uncounted")
+        assert [e.action for e in events if e.kind is SessionKind.NVDEC] == [EventAction.ADMITTED, EventAction.EXITED]
+        # the tenant's own session goes when the last process of the filter exits (the listener hangs up)
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x20") == ENOTTY
+        assert sup.stats().live == {SessionKind.GRAPHICS: 1}
+        proc.send("exit")
+        assert proc.popen.wait(10) == 0
+        thread.join(10)
+        assert not thread.is_alive() and sup.closed
+        assert events[-1].action is EventAction.EXITED and events[-1].kind is SessionKind.GRAPHICS
+        assert dict(sup.stats().live) == {}
+    finally:
+        sup.close()
+
+
+@needs_notify
+def test_asyncio_attach(tenant: tuple[Proc, int]) -> None:
+    proc, fd = tenant
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    sup = SessionSupervisor(fd, "t", lambda _t, kind, _c: kind is not SessionKind.NVDEC)
+    try:
+        asyncio.run_coroutine_threadsafe(_attach(sup, loop), loop).result(10)
+        assert proc.call(f"alloc {NVDEC:#x} 0x1") == EPERM
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x2") == ENOTTY
+        assert proc.call("fionread") == 0
+        s = sup.stats()
+        assert (s.notifications, dict(s.live), dict(s.refused)) == (2, {SessionKind.GRAPHICS: 1}, {SessionKind.NVDEC: 1})
+        proc.send("exit")
+        assert proc.popen.wait(10) == 0
+        assert sup.wait_closed(10)  # hang-up seen through the loop's reader
+        assert dict(sup.stats().live) == {}
+    finally:
+        loop.call_soon_threadsafe(sup.close)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()
+
+
+async def _attach(sup: SessionSupervisor, loop: asyncio.AbstractEventLoop) -> None:
+    sup.attach(loop)
+
+
+@needs_notify
+def test_failures_in_the_supervisor_let_calls_continue(tenant: tuple[Proc, int]) -> None:
+    proc, fd = tenant
+
+    def broken(*_: object) -> bool:
+        raise RuntimeError("policy bug")
+
+    def broken_event(_: SessionEvent) -> None:
+        raise RuntimeError("listener bug")
+
+    sup = SessionSupervisor(fd, "t", broken, broken_event)
+    thread = serve(sup)
+    try:
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x1") == ENOTTY  # decide() raised: admitted, never wedged
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x2 24") == ENOTTY  # a size the driver refuses: not examined
+        assert proc.call("alloc 0 0 32 0") == ENOTTY
+        assert sup.stats().notifications == 3
+    finally:
+        sup.close()
+        thread.join(10)
+
+
+@needs_notify
+def test_daemon_killed_mid_call_fails_the_call_cleanly() -> None:
+    daemon_sock, tenant_sock = socket.socketpair()
+    daemon = Proc("hold", daemon_sock)  # a stand-in daemon that receives one notification and never answers
+    tenant = Proc("tenant", tenant_sock)
+    try:
+        assert daemon.line() == "ready" and tenant.line() == "ready"
+        tenant.send(f"alloc {GRAPHICS:#x} 0x1")
+        assert daemon.line() == "got"  # the tenant is now blocked in its notified ioctl
+        assert tenant.popen.stdout is not None
+        ready, _, _ = select.select([tenant.popen.stdout], [], [], 0.2)
+        assert not ready, "the call should wait for the supervisor's answer"
+        os.kill(daemon.pid, signal.SIGKILL)
+        assert tenant.line() == f"ok {ENOSYS}"  # pending call fails at once
+        assert tenant.call(f"alloc {NVDEC:#x} 0x2") == ENOSYS  # later notified calls too, without blocking
+        assert tenant.call("fionread") == 0  # everything else goes on
+        tenant.send("exit")
+        assert tenant.popen.wait(10) == 0
+    finally:
+        tenant.kill()
+        daemon.kill()
+
+
+@needs_notify
+@pytest.mark.parametrize("accept", [True, False])
+def test_hand_over_to_the_agent_socket(tmp_path: Path, accept: bool) -> None:
+    """The `unisched run` path: the child connects to the agent socket; the daemon side learns who it is from
+    SO_PEERCRED (then cgroup -> tenant), receives the listener, and acknowledges or refuses it."""
+    path = tmp_path / "agent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(path))
+        server.listen()
+        proc = Proc("tenant", path)
+        try:
+            server.settimeout(10)
+            conn, _ = server.accept()
+            with conn:
+                peer_pid, _uid, _gid = struct.unpack("=iII", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                fd, hello = recv_agent_message(conn)
+                assert peer_pid == hello.pid == proc.pid and hello.metadata == "test"
+                if not accept:
+                    os.close(fd)
+                    ack_agent(conn, "tenant t is over its memory cap")
+                    assert proc.line().startswith("refused the unisched daemon refused the GPU session hook: error tenant t")
+                    assert proc.popen.wait(10) == 3
+                    return
+                sup = SessionSupervisor(fd, "t", lambda *_: False)
+                thread = serve(sup)
+                ack_agent(conn)
+            assert proc.line() == "ready"
+            assert proc.call(f"alloc {NVDEC:#x} 0x1") == EPERM
+            proc.send("exit")
+            assert proc.popen.wait(10) == 0
+            thread.join(10)
+            assert sup.closed and sup.stats().refused == {SessionKind.NVDEC: 1}
+        finally:
+            proc.kill()
