@@ -41,7 +41,9 @@ class Server:
 def server(tmp_path: Path) -> Iterator[Server]:
     sock_dir = Path(tempfile.mkdtemp(prefix="us-grpc-"))
     sock_dir.chmod(0o755)
-    config = DaemonConfig(socket=str(sock_dir / "s.sock"), state_dir=str(tmp_path / "state"))
+    config = DaemonConfig(
+        socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(tmp_path / "state")
+    )
     driver = FakeCgroupDriver()
     engine = KernelEngine(config, driver, NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
     loop = asyncio.new_event_loop()

@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
     s.add_argument("--socket", help=f"Unix socket to serve on (default {DEFAULT_SOCKET})")
     s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT")
+    s.add_argument("--agent-socket", help="seccomp agent socket for GPU session hooks (default: seccomp-agent.sock "
+                                          "beside --socket; OCI runtimes use it as listenerPath)")
     s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_socket(r)
     _add_tenant_opts(r)
+    r.add_argument("--no-session-hooks", action="store_true",
+                   help="do not install the seccomp hook that lets the daemon admit and count GPU sessions")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
     a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
@@ -213,6 +217,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config).with_overrides(
             socket=args.socket,
+            agent_socket=args.agent_socket,
             listen=args.listen,
             state_dir=args.state_dir,
             mode=args.mode,
@@ -282,6 +287,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     with DaemonClient(args.socket) as client:
         client.register(_register_request(args))
+        agent = "" if args.no_session_hooks else client.status().agent_socket
+    if agent:
+        # a fresh single-threaded process installs the session filter, hands it to the daemon, then execs CMD
+        cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", agent, "--", *cmd]
     try:
         child = subprocess.Popen(cmd)
     except FileNotFoundError:
@@ -410,6 +419,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
             }
             for g in s.gpus
         ],
+        "agent_socket": s.agent_socket,
+        "session_hooks": s.session_hooks,
+        "device_admission": s.device_admission,
         "caller": {"pid": s.caller_pid, "uid": s.caller_uid, "admin": s.caller_is_admin, "tenant": s.caller_tenant or None},
     }
     if args.json:
@@ -421,6 +433,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     )
     if not s.nvml:
         print("no NVML: scheduling on CPU signals")
+    print(f"session hooks (seccomp): {s.session_hooks}" + (f", agent socket {s.agent_socket}" if s.agent_socket else ""))
+    print(f"device admission (cgroup eBPF): {s.device_admission}")
     for g in s.gpus:
         print(
             f"gpu{g.index} {g.name} [{g.contention}] sm {100 * g.sm_util:.0f}% dec {100 * g.dec_util:.0f}% "

@@ -79,7 +79,11 @@ class DaemonConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         raw = {k: (v.value if isinstance(v, Mode) else v) for k, v in given.items()}
         checked = _parse_daemon(raw, base=self, where="flag")
-        return replace(self, **{k: getattr(checked, k) for k in given})
+        out = replace(self, **{k: getattr(checked, k) for k in given})
+        if "socket" in given and "agent_socket" not in given and self.agent_socket == DEFAULT_AGENT_SOCKET:
+            # a daemon on its own socket (tests, a second instance) gets its agent socket beside it
+            out = replace(out, agent_socket=str(Path(out.socket).with_name("seccomp-agent.sock")))
+        return out
 
 
 _CHOICES: Mapping[str, tuple[str, ...]] = {

@@ -161,7 +161,7 @@ class KernelEngine:
         )
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
-        self.video = video_engines_for(gpus[0].name) if gpus else VideoEngines(0, 0)
+        self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
         self.contention = self._contention(gpus[0].name if gpus else None)
         self._tenants: dict[str, _Tenant] = {}
         self._last_tick = clock.monotonic()
@@ -462,6 +462,8 @@ class KernelEngine:
         configured = t.limits.get(kind)
         if configured is not None:
             return configured
+        if self.video is None:
+            return None  # no GPU seen: nothing to derive a cap from
         return default_cap(kind, self._gpu_share(t), self.video)
 
     def _gpu_share(self, t: _Tenant) -> float:

@@ -18,12 +18,14 @@ import grpc
 import structlog
 
 from unisched import __version__
+from unisched.enforce.seccomp import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig
 from unisched.engine.core import EngineError, KernelEngine, TenantSnapshot
 from unisched.engine.runner import run_engine
 from unisched.policy import Priority
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.peercred import PeerCred, PeerCredRelay
 
 __all__ = ["UnischedServicer", "serve", "snapshot_to_pb"]
@@ -112,6 +114,9 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         self._driver = cgroup_driver
         self._root = cgroup_root
         self._nvml = nvml
+        self.agent_socket = ""
+        self._hooks = seccomp_probe() or "on"
+        self._devices = "on" if engine.devices is not None else "unavailable"
 
     # identity ------------------------------------------------------------------------------------
     def _caller(self, context: grpc.aio.ServicerContext) -> PeerCred | None:
@@ -243,6 +248,9 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             reply.caller_uid = cred.uid
             reply.caller_is_admin = self._is_admin(cred)
             reply.caller_tenant = self.engine.tenant_of_pid(cred.pid) or ""
+        reply.agent_socket = self.agent_socket
+        reply.session_hooks = self._hooks
+        reply.device_admission = self._devices
         return reply
 
 
@@ -301,6 +309,8 @@ async def serve_async(
     _prepare_socket(config.socket, config.socket_group)
     relay = PeerCredRelay(config.socket, port)
     relay_box.append(relay)
+    agent = SeccompAgentServer(config.agent_socket, engine)
+    servicer.agent_socket = config.agent_socket
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -309,6 +319,7 @@ async def serve_async(
     engine_task = asyncio.create_task(run_engine(engine, stop))
     try:
         await server.start()
+        await agent.start()
         await relay.start()
         _secure_socket(config.socket, config.socket_group)
         log.info(
@@ -330,6 +341,7 @@ async def serve_async(
         with contextlib.suppress(Exception):
             await engine_task  # its finally thaws every managed cgroup
         await relay.close()
+        await agent.close()
         await server.stop(grace=1.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.socket)

@@ -193,7 +193,7 @@ class Gpu(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., contention: _Optional[str] = ..., sm_util: _Optional[float] = ..., dec_util: _Optional[float] = ..., enc_util: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_total: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant")
+    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SLICE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,9 @@ class StatusReply(_message.Message):
     CALLER_UID_FIELD_NUMBER: _ClassVar[int]
     CALLER_IS_ADMIN_FIELD_NUMBER: _ClassVar[int]
     CALLER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HOOKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     slice_ms: float
@@ -220,7 +223,10 @@ class StatusReply(_message.Message):
     caller_uid: int
     caller_is_admin: bool
     caller_tenant: str
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ...) -> None: ...
+    agent_socket: str
+    session_hooks: str
+    device_admission: str
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ..., agent_socket: _Optional[str] = ..., session_hooks: _Optional[str] = ..., device_admission: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
