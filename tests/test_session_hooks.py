@@ -8,7 +8,6 @@ import json
 import sys
 
 import pytest
-
 from conftest import ROOT, Daemon
 
 ENOTTY, EPERM = "25", "1"

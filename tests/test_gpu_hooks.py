@@ -1,0 +1,73 @@
+"""On the GPU machine: the kernel hooks against the real NVIDIA driver. A render cap of 0 makes EGL context
+creation fail cleanly (class 0xCB97 refused) while CUDA in the same tenant still works; a cap of 1 lets one
+context through and counts it; device admission is attached to a tenant pinned to a GPU; a graphics tenant
+over its memory cap is reported and refused new sessions. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, Daemon, child_env, wait_until
+from test_gpu import BURN, _gpu_reason, _torch_reason
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))]
+RENDER = [sys.executable, str(ROOT / "examples/workloads/egl_render.py"), "--iterations", "50", "--warmup", "0"]
+
+
+def run(d: Daemon, tenant: str, *cmd: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", tenant, *extra,
+                           "--", *cmd], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env())
+
+
+def tenant(d: Daemon, name: str) -> dict:  # type: ignore[type-arg]
+    return next(t for t in d.tenants() if t["name"] == name)
+
+
+def test_render_cap_refuses_egl_but_not_cuda(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    if _torch_reason():
+        pytest.skip(str(_torch_reason()))
+    d: Daemon = daemon_factory(nvml=True)
+    name = f"{d.prefix}gfx"
+    assert run(d, name, "true").returncode == 0
+    d.cli("set-limit", "--tenant", name, "--render", "0", check=True)
+    t0 = time.monotonic()
+    refused = run(d, name, *RENDER, "--seconds", "1")
+    print("render with cap 0:", refused.returncode, refused.stderr[-800:], f"{time.monotonic() - t0:.1f}s")
+    assert refused.returncode != 0, "EGL rendering ran although render cap is 0"
+    assert tenant(d, name)["refusals"].get("graphics", 0) >= 1
+    cuda = run(d, name, sys.executable, "-c", BURN.format(s=2))
+    assert cuda.returncode == 0, cuda.stderr[-2000:]
+    d.cli("set-limit", "--tenant", name, "--render", "1", check=True)
+    ok = run(d, name, *RENDER, "--seconds", "2")
+    print("render with cap 1:", ok.returncode, ok.stdout[-300:])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    log = [json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
+    print("refusals logged:", [e for e in log if e["event"] == "session refused"][:3])
+    print("tenant:", json.dumps(tenant(d, name)))
+
+
+def test_pinned_tenant_gets_device_admission_and_memory_cap_is_reported(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d: Daemon = daemon_factory(nvml=True)
+    if d.status()["device_admission"] != "on":
+        pytest.skip(f"device admission unavailable: {d.status()['device_admission']}")
+    name = f"{d.prefix}pin"
+    proc = subprocess.Popen([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name,
+                             "--gpus", "0", "--", *RENDER, "--seconds", "8"], cwd=ROOT, env=child_env())
+    try:
+        t = wait_until(lambda: (x := next((t for t in d.tenants() if t["name"] == name), None)) and x["devices"] and x,
+                       30, "device admission to be attached")
+        print("devices:", t["devices"])
+        assert "GPU 0" in t["devices"]
+        d.cli("set-limit", "--tenant", name, "--memory", "1MiB", check=True)
+        t = wait_until(lambda: tenant(d, name)["over_memory"] and tenant(d, name), 30,
+                       "the render tenant to be seen over its 1 MiB memory cap (NVML lists graphics processes)")
+        print("over memory:", t["memory_bytes"], t["refusals"], t["devices"])
+        again = run(d, name, *RENDER, "--seconds", "1")
+        print("render over memory cap:", again.returncode, again.stderr[-500:])
+        assert again.returncode != 0
+    finally:
+        proc.wait(timeout=60)
