@@ -575,7 +575,7 @@ class KernelEngine:
                 self._apply_tidal(t)
         decision = self.policy.decide(now)
         for t in self._tenants.values():
-            want = t.name in decision.waiting
+            want = decision.must_wait(t.name)
             if want != t.frozen and not t.missing:
                 try:
                     self.driver.set_frozen(t.cgroup, want)

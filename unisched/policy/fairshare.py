@@ -77,9 +77,17 @@ class Decision:
     slice_s: float
     running: frozenset[str]
     """Tenants with demand that run this slice (thawed)."""
-    waiting: frozenset[str]
-    """Tenants with demand that must not run this slice (frozen)."""
+    active: frozenset[str]
+    """Every tenant with demand (shared between decisions while demand does not change: no copy per slice)."""
     holders: Mapping[Resource, str]
+
+    @property
+    def waiting(self) -> frozenset[str]:
+        """Tenants with demand that must not run this slice (frozen). O(tenants): prefer `must_wait(name)`."""
+        return self.active - self.running
+
+    def must_wait(self, name: str) -> bool:
+        return name in self.active and name not in self.running
 
 
 @dataclass(frozen=True)
@@ -471,7 +479,7 @@ class WeightedFairShare:
         active = self._active_frozen
         if active is None:
             active = self._active_frozen = frozenset(self._active)
-        return Decision(now=now, slice_s=slice_s, running=running_set, waiting=active - running_set, holders=holders)
+        return Decision(now=now, slice_s=slice_s, running=running_set, active=active, holders=holders)
 
     def _decide_plain(self, now: float) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
         """`_decide_vtime` for its common case, inlined: one class (not preemptive), every tenant on one resource.

@@ -7,7 +7,7 @@ plain values that can be compared in tests and logged as they are.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
@@ -67,6 +67,14 @@ class Resource:
 
     gpu: int
     domain: str
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # resources key every per-slice map: hash once, not per lookup (the generated hash rebuilds a tuple)
+        object.__setattr__(self, "_hash", hash((self.gpu, self.domain)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __str__(self) -> str:
         return f"gpu{self.gpu}/{self.domain}"
