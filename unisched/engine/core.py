@@ -270,6 +270,9 @@ class KernelEngine:
         )
 
     # --- requests ----------------------------------------------------------------------------------
+    def has_tenant(self, name: str) -> bool:
+        return name in self._tenants
+
     def tenant_of_pid(self, pid: int) -> str | None:
         cg = self.driver.cgroup_of(pid)
         if cg is None:

@@ -91,12 +91,7 @@ class SeccompAgentServer:
                 log.warning("seccomp hand-over failed", peer_pid=pid, error=str(e))
                 await loop.run_in_executor(None, ack_agent, conn, str(e))
                 return
-            tenant: str | None = None
-            if uid != 0 and pid != hello.pid:
-                reason: str | None = f"peer pid {pid} may only hand over its own listener (message says pid {hello.pid})"
-            else:
-                tenant = self.engine.tenant_of_pid(hello.pid)
-                reason = None if tenant is not None else f"pid {hello.pid} is not in any tenant's cgroup"
+            tenant, reason = self._tenant_for(pid, uid, hello.pid, hello.metadata)
             if reason is not None or tenant is None:
                 log.warning("seccomp hand-over refused", peer_pid=pid, pid=hello.pid, reason=reason)
                 os.close(fd)
@@ -118,6 +113,25 @@ class SeccompAgentServer:
             if fd >= 0:
                 os.close(fd)
             conn.close()
+
+    def _tenant_for(self, peer_pid: int, peer_uid: int, pid: int, metadata: str) -> tuple[str | None, str | None]:
+        """Which tenant a hand-over governs: `tenant=NAME` in the profile's listenerMetadata when a root runtime
+        (runc, crun) sends it; else the tenant whose cgroup holds the process. A non-root peer may only hand
+        over its own listener (`unisched run`'s trampoline)."""
+        if peer_uid != 0 and peer_pid != pid:
+            return None, f"peer pid {peer_pid} may only hand over its own listener (message says pid {pid})"
+        named = dict(kv.split("=", 1) for kv in metadata.split(",") if "=" in kv).get("tenant")
+        if named is not None:
+            if peer_uid != 0:
+                return None, "only a root runtime may name the tenant in listenerMetadata"
+            if not self.engine.has_tenant(named):
+                return None, f"listenerMetadata names unknown tenant {named!r} (declare or adopt it first)"
+            return named, None
+        tenant = self.engine.tenant_of_pid(pid)
+        if tenant is None:
+            hint = "adopt the container's cgroup, or set listenerMetadata tenant=NAME"
+            return None, f"pid {pid} is not in any tenant's cgroup ({hint})"
+        return tenant, None
 
     def _decide(self, tenant: str, kind: str, h_class: int) -> bool:
         return self.engine.admit_session(tenant, str(kind), h_class)

@@ -1,0 +1,91 @@
+"""The container path for GPU session admission with a real OCI runtime: runc starts a container whose
+seccomp profile (deploy/seccomp/unisched-gpu.json) sends the driver's allocation ioctls to the daemon's agent
+socket (listenerPath); the daemon governs the container's sessions by its tenant's caps. /dev/null stands in
+for /dev/nvidiactl (let through: ENOTTY; refused: EPERM). Needs root and runc (CI installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, Daemon
+
+RUNC = shutil.which("runc")
+
+
+def _reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to run containers"
+    if RUNC is None:
+        return "runc is not installed (.ci/run installs it)"
+    from unisched.enforce.seccomp import probe
+
+    return probe()
+
+
+pytestmark = pytest.mark.skipif(_reason() is not None, reason=str(_reason()))
+
+
+def bundle(tmp: Path, agent: str, metadata: str, args: list[str]) -> Path:
+    b = tmp / "bundle"
+    rootfs = b / "rootfs"
+    for d in ("usr", "t", "proc", "dev", "sys", "tmp"):
+        (rootfs / d).mkdir(parents=True, exist_ok=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if Path(f"/{link}").is_symlink():
+            (rootfs / link).symlink_to(os.readlink(f"/{link}"))
+    subprocess.run([RUNC, "spec"], cwd=b, check=True)  # type: ignore[list-item]
+    config = json.loads((b / "config.json").read_text())
+    config["process"]["terminal"] = False
+    config["process"]["args"] = args
+    config["root"] = {"path": "rootfs", "readonly": True}
+    config["mounts"] += [
+        {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+        {"destination": "/t", "type": "bind", "source": str(ROOT / "tests"), "options": ["rbind", "ro"]},
+    ]
+    profile = json.loads((ROOT / "deploy/seccomp/unisched-gpu.json").read_text())
+    profile["listenerPath"] = agent
+    profile["listenerMetadata"] = metadata
+    config["linux"]["seccomp"] = profile
+    (b / "config.json").write_text(json.dumps(config))
+    return b
+
+
+def run_container(tmp: Path, b: Path, name: str) -> subprocess.CompletedProcess[str]:
+    state = tmp / "runc-state"
+    try:
+        return subprocess.run([RUNC, "--root", str(state), "run", "--bundle", str(b), name],  # type: ignore[list-item]
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        subprocess.run([RUNC, "--root", str(state), "delete", "--force", name], capture_output=True)  # type: ignore[list-item]
+
+
+def test_runc_container_is_governed_through_the_agent_socket(daemon: Daemon, tenant_prefix: str, tmp_path: Path) -> None:
+    name = f"{tenant_prefix}ctr"
+    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
+    agent = daemon.status()["agent_socket"]
+    b = bundle(tmp_path, agent, f"tenant={name}",
+               ["/usr/bin/python3", "/t/nv_ioctls.py", "alloc:0xCB97:1", "alloc:0xCB97:2", "alloc:0xB8B0:3"])
+    out = run_container(tmp_path, b, name)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["25", "1", "25"], out.stdout  # graphics, refused second graphics, NVDEC
+    t = next(t for t in daemon.tenants() if t["name"] == name)
+    assert t["refusals"] == {"graphics": 1}
+
+
+def test_unknown_tenant_in_metadata_is_refused(
+    daemon: Daemon, tenant_prefix: str, tmp_path: Path
+) -> None:
+    agent = daemon.status()["agent_socket"]
+    b = bundle(tmp_path, agent, "tenant=nobody-here", ["/usr/bin/python3", "-c", "print('ran')"])
+    run_container(tmp_path, b, f"{tenant_prefix}x")
+    refused = [json.loads(x) for x in daemon.log_path.read_text().splitlines() if x.startswith("{")]
+    refused = [e for e in refused if e["event"] == "seccomp hand-over refused"]
+    assert refused and "unknown tenant 'nobody-here'" in refused[-1]["reason"]
+    assert daemon.proc.poll() is None
