@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, Daemon
 
 RUNC = shutil.which("runc")
