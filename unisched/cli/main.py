@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from unisched.engine.config import DEFAULT_SOCKET, ConfigError, load_config, parse_size
+from unisched.engine.config import DEFAULT_SOCKET, ConfigError, check_listener, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
@@ -75,6 +75,46 @@ def _add_socket(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_remote(p: argparse.ArgumentParser) -> None:
+    """A read-only command may also reach the daemon's TCP listener (TLS with a client certificate)."""
+    g = p.add_argument_group("remote daemon (its TCP listener; read-only calls)")
+    g.add_argument("--target", metavar="HOST:PORT", help="the daemon's --listen address instead of --socket")
+    g.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the daemon's certificate")
+    g.add_argument("--tls-cert", metavar="PEM", help="this client's certificate (signed by the daemon's tls_client_ca)")
+    g.add_argument("--tls-key", metavar="PEM", help="this client's private key")
+
+
+def _remote_error(args: argparse.Namespace) -> str | None:
+    tls = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
+    if args.target is None:
+        given = [k for k, v in tls.items() if v is not None]
+        return f"{', '.join(given)} only apply with --target HOST:PORT" if given else None
+    missing = [k for k, v in tls.items() if v is None]
+    if missing:
+        return f"--target needs {', '.join(missing)} (the daemon's TCP listener requires TLS with a client certificate)"
+    host, _, port = args.target.rpartition(":")
+    if not host or not port.isdigit():
+        return f"--target must be HOST:PORT; got {args.target!r}"
+    return None
+
+
+def _client(args: argparse.Namespace, timeout: float = 10.0) -> DaemonClient:
+    """The daemon on --socket, or on --target over TLS (checked by main before any command runs)."""
+    if getattr(args, "target", None):
+        return DaemonClient(target=args.target, timeout=timeout, tls=(args.tls_ca, args.tls_cert, args.tls_key))
+    return DaemonClient(args.socket, timeout=timeout)
+
+
+def _interval(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"interval must be a number of seconds, got {text!r}") from None
+    if not 0.1 <= v <= 3600:
+        raise argparse.ArgumentTypeError(f"interval must be in 0.1..3600 seconds, got {v:g}")
+    return v
+
+
 def _add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) -> None:
     p.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
     p.add_argument(
@@ -102,7 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
     s.add_argument("--socket", help=f"Unix socket to serve on (default {DEFAULT_SOCKET})")
-    s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT")
+    s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT (needs --tls-cert, --tls-key, "
+                                    "--tls-client-ca)")
+    s.add_argument("--tls-cert", help="PEM certificate of the TCP listener")
+    s.add_argument("--tls-key", help="PEM private key of the TCP listener")
+    s.add_argument("--tls-client-ca", help="PEM CA certificate; TCP clients must present a certificate it signed")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
+    s.add_argument("--metrics-listen", help="address for --metrics-port (default 127.0.0.1)")
     s.add_argument("--agent-socket", help="seccomp agent socket for GPU session hooks (default: seccomp-agent.sock "
                                           "beside --socket; OCI runtimes use it as listenerPath)")
     s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
@@ -138,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tenants", help="list tenants and their shares")
     _add_socket(t)
+    _add_remote(t)
     t.add_argument("--json", action="store_true", help="print a JSON list, one object per tenant")
 
     w = sub.add_parser("set-weight", help="change a tenant's weight (admin)")
@@ -161,7 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="daemon and GPU status; exit 0 when the daemon answers")
     _add_socket(st)
+    _add_remote(st)
     st.add_argument("--json", action="store_true")
+
+    top = sub.add_parser("top", help="live view of tenants, shares per engine domain, sessions and refusals",
+                         description="Refreshes every --interval seconds; q quits (Ctrl-C when stdin is not a terminal).")
+    _add_socket(top)
+    _add_remote(top)
+    top.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default 1)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
     return ap
 
 
@@ -219,6 +274,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             socket=args.socket,
             agent_socket=args.agent_socket,
             listen=args.listen,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            metrics_port=args.metrics_port,
+            metrics_listen=args.metrics_listen,
             state_dir=args.state_dir,
             mode=args.mode,
             slice_ms=args.slice_ms,
@@ -230,6 +290,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             nvml=False if args.no_nvml else None,
         )
+        check_listener(config)
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
@@ -260,6 +321,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock(), devices)
         serve(config, engine, nvml)
+    except ConfigError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 2
     except (CgroupError, OSError) as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
@@ -331,7 +395,7 @@ def _cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def _cmd_tenants(args: argparse.Namespace) -> int:
-    with DaemonClient(args.socket) as client:
+    with _client(args) as client:
         tenants = client.tenants()
     if args.json:
         print(json.dumps([tenant_to_dict(t) for t in tenants], indent=1))
@@ -395,7 +459,7 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    with DaemonClient(args.socket, timeout=5.0) as client:
+    with _client(args, timeout=5.0) as client:
         s = client.status()
     info = {
         "version": s.version,
@@ -443,6 +507,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_top(args: argparse.Namespace) -> int:
+    from unisched.cli.top import run_top
+
+    with _client(args, timeout=5.0) as client:
+        return run_top(client, interval=args.interval, once=args.once)
+
+
 _COMMANDS = {
     "serve": _cmd_serve,
     "run": _cmd_run,
@@ -452,11 +523,15 @@ _COMMANDS = {
     "set-limit": _cmd_set_limit,
     "remove": _cmd_remove,
     "status": _cmd_status,
+    "top": _cmd_top,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "target") and (problem := _remote_error(args)):
+        parser.error(problem)
     try:
         return _COMMANDS[args.command](args)
     except DaemonError as e:

@@ -26,11 +26,13 @@ from unisched.policy import (
 )
 from unisched.policy.caps import SessionLimits
 
-__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "load_config", "parse_size"]
+__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "check_listener", "load_config", "parse_size"]
 
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
+DEFAULT_METRICS_LISTEN = "127.0.0.1"
+TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,14 @@ class DaemonConfig:
     socket: str = DEFAULT_SOCKET
     agent_socket: str = DEFAULT_AGENT_SOCKET
     listen: str | None = None
+    """TCP HOST:PORT for read-only calls; needs tls_cert, tls_key and tls_client_ca (see check_listener)."""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """CA that signs the client certificates the TCP listener accepts (clients must present one)."""
+    metrics_port: int = 0
+    """Prometheus exposition port; 0 = off."""
+    metrics_listen: str = DEFAULT_METRICS_LISTEN
     state_dir: str = DEFAULT_STATE_DIR
     admin_group: str | None = None
     socket_group: str | None = None
@@ -93,7 +103,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = {
     "contention": ("auto", "shared-sm", "separate-graphics"),
     "mode": tuple(m.value for m in Mode),
 }
-_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group")
+_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen", *TLS_KEYS)
 _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "slice_ms": (1.0, 10_000.0),
     "lag_limit_slices": (0.0, 100.0),
@@ -104,6 +114,7 @@ _NUM_RANGES: Mapping[str, tuple[float, float]] = {
 _INT_RANGES: Mapping[str, tuple[int, int]] = {
     "idle_slices": (1, 1000),
     "max_user_weight": (WEIGHT_MIN, WEIGHT_MAX),
+    "metrics_port": (0, 65535),
 }
 _BOOL_KEYS = ("user_tenants", "nvml")
 
@@ -145,6 +156,27 @@ def _parse_daemon(raw: Mapping[str, Any], base: DaemonConfig, where: str) -> Dae
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise _err(where, "listen", f"must be HOST:PORT; got {values['listen']!r}")
     return replace(base, **values)
+
+
+def check_listener(config: DaemonConfig) -> None:
+    """The TCP listener only with TLS and client certificates: all three files named and readable.
+
+    Checked once flags are applied (a file may set `listen` and flags the certificates)."""
+    if config.listen is None:
+        return
+    missing = [k for k in TLS_KEYS if getattr(config, k) is None]
+    if missing:
+        flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+        raise ConfigError(
+            f"config 'listen': the TCP listener {config.listen} requires TLS with client certificates; "
+            f"missing {', '.join(missing)} (flags {flags})"
+        )
+    for key in TLS_KEYS:
+        path = Path(getattr(config, key))
+        try:
+            path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"config {key!r}: cannot read {path}: {e.strerror or e}") from None
 
 
 def _parse_engines(value: Any, where: str) -> frozenset[Engine]:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 
-__all__ = ["DaemonClient", "DaemonError"]
+__all__ = ["DaemonClient", "DaemonError", "TlsFiles"]
+
+TlsFiles = tuple[str | Path, str | Path, str | Path]
+"""(CA that signed the daemon's certificate, client certificate, client key): PEM files."""
 
 
 class DaemonError(Exception):
@@ -18,10 +23,27 @@ class DaemonError(Exception):
         self.code = code
 
 
+def _read(path: str | Path) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise DaemonError(None, f"cannot read TLS file {path}: {e.strerror or e}") from None
+
+
 class DaemonClient:
-    def __init__(self, socket: str | None = None, target: str | None = None, timeout: float = 10.0) -> None:
+    """The daemon on its Unix socket (`socket`), or on a gRPC `target`; `tls` for the daemon's TCP listener."""
+
+    def __init__(
+        self, socket: str | None = None, target: str | None = None, timeout: float = 10.0, tls: TlsFiles | None = None
+    ) -> None:
         self.address = target or f"unix:{socket}"
-        self._channel = grpc.insecure_channel(self.address)
+        self.tls = tls is not None
+        if tls is None:
+            self._channel = grpc.insecure_channel(self.address)
+        else:
+            ca, cert, key = (_read(p) for p in tls)
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+            self._channel = grpc.secure_channel(self.address, creds)
         self._stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
 
@@ -40,9 +62,8 @@ class DaemonClient:
         except grpc.RpcError as e:
             code = e.code()
             if code is grpc.StatusCode.UNAVAILABLE:
-                raise DaemonError(
-                    code, f"cannot reach the unisched daemon at {self.address}: is `unisched serve` running?"
-                ) from None
+                hint = f"({e.details()})" if self.tls else "is `unisched serve` running?"
+                raise DaemonError(code, f"cannot reach the unisched daemon at {self.address}: {hint}") from None
             raise DaemonError(code, e.details() or str(code)) from None
 
     def register(self, request: pb.RegisterRequest) -> pb.Tenant:

@@ -19,16 +19,17 @@ import structlog
 
 from unisched import __version__
 from unisched.enforce.seccomp import probe as seccomp_probe
-from unisched.engine.config import DaemonConfig
+from unisched.engine.config import DaemonConfig, check_listener
 from unisched.engine.core import EngineError, KernelEngine, TenantSnapshot
 from unisched.engine.runner import run_engine
 from unisched.policy import Priority
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.peercred import PeerCred, PeerCredRelay
 
-__all__ = ["UnischedServicer", "serve", "snapshot_to_pb"]
+__all__ = ["UnischedServicer", "serve", "server_credentials", "snapshot_to_pb"]
 
 log = structlog.get_logger("unisched.transport")
 
@@ -77,6 +78,16 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
     )
 
 
+def _to_public_summary(t: pb.Tenant) -> None:
+    """Name, owner, weight, priority, state, engines and shares stay; processes, cgroup and usage details go."""
+    del t.pids[:]
+    t.cgroup = ""
+    t.sessions.clear()
+    t.refusals.clear()
+    t.memory_bytes = 0
+    t.devices = ""
+
+
 def _cap(value: int | None) -> int:
     return -1 if value is None else value
 
@@ -120,6 +131,10 @@ class UnischedServicer(pb_grpc.UnischedServicer):
 
     # identity ------------------------------------------------------------------------------------
     def _caller(self, context: grpc.aio.ServicerContext) -> PeerCred | None:
+        if _is_tls(context):
+            # the TCP listener: no SO_PEERCRED there. Its peer string may even repeat a relay connection's
+            # (the kernel can reuse a source port towards another destination), so never look it up.
+            return None
         return self._creds(context.peer())
 
     def _is_admin(self, cred: PeerCred) -> bool:
@@ -213,7 +228,16 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         return pb.Empty()
 
     async def ListTenants(self, request: pb.ListTenantsRequest, context: grpc.aio.ServicerContext) -> pb.ListTenantsReply:
-        return pb.ListTenantsReply(tenants=[snapshot_to_pb(s) for s in self.engine.snapshots()])
+        """Admins see everything; others see their own tenants whole and a public summary of the rest."""
+        cred = self._caller(context)
+        admin = cred is not None and self._is_admin(cred)
+        out = []
+        for snap in self.engine.snapshots():
+            t = snapshot_to_pb(snap)
+            if not admin and (cred is None or cred.uid != snap.owner_uid):
+                _to_public_summary(t)
+            out.append(t)
+        return pb.ListTenantsReply(tenants=out)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         cred = self._caller(context)
@@ -254,6 +278,22 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         return reply
 
 
+def _is_tls(context: grpc.aio.ServicerContext) -> bool:
+    auth = context.auth_context() or {}
+    return any(v != b"insecure" for v in auth.get("transport_security_type", ()))
+
+
+def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+    """TLS for the TCP listener; clients must present a certificate signed by tls_client_ca."""
+    check_listener(config)
+    assert config.tls_cert is not None and config.tls_key is not None and config.tls_client_ca is not None
+    return grpc.ssl_server_credentials(
+        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+        root_certificates=Path(config.tls_client_ca).read_bytes(),
+        require_client_auth=True,
+    )
+
+
 def _prepare_socket(path: str, group: str | None) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +322,11 @@ async def serve_async(
     stop: asyncio.Event | None = None,
     ready: Callable[[PeerCredRelay], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do)."""
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do).
+
+    Raises ConfigError before touching anything when `listen` is set without its TLS files."""
     started = time.monotonic()
+    tls = server_credentials(config) if config.listen else None
     engine.start()
     relay_box: list[PeerCredRelay] = []
     server = grpc.aio.server(
@@ -305,7 +348,13 @@ async def serve_async(
     pb_grpc.add_UnischedServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     if config.listen:
-        server.add_insecure_port(config.listen)
+        assert tls is not None
+        try:
+            bound = server.add_secure_port(config.listen, tls)
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {config.listen}: {e}") from None
+        if not bound:
+            raise OSError(f"cannot listen on {config.listen}")
     _prepare_socket(config.socket, config.socket_group)
     relay = PeerCredRelay(config.socket, port)
     relay_box.append(relay)
@@ -317,15 +366,23 @@ async def serve_async(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     engine_task = asyncio.create_task(run_engine(engine, stop))
+    metrics: MetricsServer | None = None
+    metrics_task: asyncio.Task[None] | None = None
     try:
         await server.start()
         await agent.start()
         await relay.start()
         _secure_socket(config.socket, config.socket_group)
+        if config.metrics_port:
+            view = EngineView(engine)
+            view.refresh()
+            metrics = start_metrics_server(config.metrics_listen, config.metrics_port, view)
+            metrics_task = asyncio.create_task(view.run(stop))
         log.info(
             "serving",
             socket=config.socket,
             listen=config.listen,
+            metrics=f"{metrics.host}:{metrics.port}" if metrics else None,
             mode=config.mode.value,
             slice_ms=config.slice_ms,
             cgroup_driver=engine.driver.kind,
@@ -340,6 +397,11 @@ async def serve_async(
         stop.set()
         with contextlib.suppress(Exception):
             await engine_task  # its finally thaws every managed cgroup
+        if metrics_task is not None:
+            with contextlib.suppress(Exception):
+                await metrics_task
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
         await relay.close()
         await agent.close()
         await server.stop(grace=1.0)

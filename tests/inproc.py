@@ -1,0 +1,82 @@
+"""A real daemon (serve_async) in a thread of the test process, on a temporary socket, with fake cgroups.
+
+Like the fixture in test_grpc.py, with config overrides (metrics, TLS listener) and telemetry of the test's
+choosing. Used by test_metrics.py, test_top.py and test_tls.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.engine.clock import SystemClock
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import KernelEngine
+from unisched.engine.state import StateStore
+from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+from unisched.transport.peercred import PeerCredRelay
+from unisched.transport.server import serve_async
+
+
+@dataclass
+class InProcessServer:
+    socket: str
+    config: DaemonConfig
+    driver: FakeCgroupDriver
+    engine: KernelEngine
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def in_process_server(state_dir: Path, telemetry: GpuTelemetry | None = None, **overrides: Any) -> Iterator[InProcessServer]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="us-inproc-"))
+    sock_dir.chmod(0o755)
+    config = replace(
+        DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(state_dir)),
+        **overrides,
+    )
+    driver = FakeCgroupDriver()
+    engine = KernelEngine(config, driver, telemetry or NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def ready(relay: PeerCredRelay) -> None:
+        started.set()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
+        except BaseException as e:  # surfaced to the test below
+            failed.append(e)
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(20), "server did not start"
+        if failed:
+            raise failed[0]
+        yield InProcessServer(config.socket, config, driver, engine)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(20)
+        loop.close()
+        for p in sock_dir.iterdir():
+            p.unlink()
+        sock_dir.rmdir()

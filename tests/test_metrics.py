@@ -1,0 +1,198 @@
+"""Prometheus exposition: the collector over engine snapshots, and /metrics served by a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import cli, wait_until
+from inproc import free_port, in_process_server
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.engine.clock import FakeClock
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import KernelEngine
+from unisched.engine.state import StateStore
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport.client import DaemonClient
+from unisched.transport.metrics import EngineView, UnischedCollector
+
+GiB = 1 << 30
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    return name, tuple(sorted(labels.items()))
+
+
+def test_metrics_endpoint_reports_a_registered_tenant(tmp_path: Path) -> None:
+    port = free_port()
+    with in_process_server(tmp_path / "state", metrics_port=port) as srv:
+        with DaemonClient(srv.socket) as c:
+            c.register(pb.RegisterRequest(tenant="web", weight=250, engines=["compute", "decode"]))
+        m = wait_until(lambda: (s := _scrape(port)).get(_key("unisched_tenant_weight", tenant="web")) and s,
+                       10, "the tenant in /metrics")
+        assert m[_key("unisched_tenant_weight", tenant="web")] == 250
+        assert m[_key("unisched_tenant_base_weight", tenant="web")] == 250
+        assert m[_key("unisched_tenants")] == 1
+        # one series per contention domain the tenant uses (no GPU here: GPU 0 stands in)
+        for domain in ("sm", "nvdec"):
+            assert _key("unisched_tenant_target_share", tenant="web", gpu="0", domain=domain) in m
+            assert _key("unisched_tenant_measured_share", tenant="web", gpu="0", domain=domain) in m
+        assert m[_key("unisched_tenant_frozen", tenant="web")] == 0  # a tenant alone is never frozen
+        assert sum(m[_key("unisched_tenant_state", tenant="web", state=st)] for st in ("running", "idle", "frozen")) == 1
+        assert m[_key("unisched_tenant_gpu_seconds_total", tenant="web")] >= 0
+        assert _key("unisched_tenant_slices_total", tenant="web") in m
+        assert m[_key("unisched_tenant_processes", tenant="web")] == 1  # this test process
+        assert m[_key("unisched_tenant_over_memory", tenant="web")] == 0
+        assert m[_key("unisched_tenant_memory_bytes", tenant="web")] == 0
+        assert m[_key("unisched_view_age_seconds")] < 5
+        assert any(k[0] == "unisched_build_info" for k in m)
+
+        # a change shows within a refresh (the collector reads a copy the loop refreshes every second)
+        with DaemonClient(srv.socket) as c:
+            c.set_weight("web", 400)
+        wait_until(lambda: _scrape(port).get(_key("unisched_tenant_weight", tenant="web")) == 400, 10, "weight 400")
+
+
+def test_metrics_are_off_by_default(tmp_path: Path) -> None:
+    assert DaemonConfig().metrics_port == 0
+    port = free_port()
+    with in_process_server(tmp_path / "state"), pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_metrics_port_in_use_fails_with_the_address(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"), \
+                in_process_server(tmp_path / "state", metrics_port=port):
+            pass
+
+
+def _engine_with_gpu(tmp_path: Path) -> tuple[KernelEngine, FakeCgroupDriver, FakeClock, FakeTelemetry]:
+    telemetry = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0000", 141 * GiB)])
+    telemetry.next_samples = [GpuSample(0, sm_util=0.6, dec_util=0.25, enc_util=0.0, memory_used=10 * GiB)]
+    driver, clock = FakeCgroupDriver(), FakeClock()
+    engine = KernelEngine(DaemonConfig(slice_ms=50), driver, telemetry, StateStore(tmp_path / "state"), clock)
+    engine.start()
+    return engine, driver, clock, telemetry
+
+
+def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
+    engine, driver, clock, _ = _engine_with_gpu(tmp_path)
+    engine.register("a", 300, None, (), (), 1001, 0, True)
+    engine.register("b", 100, None, (), (), 1002, 0, True)
+    engine.set_limits("a", render=0, decode=None, encode=None, memory_bytes=8 * GiB)
+    assert not engine.admit_session("a", "graphics", 0xC197)  # refused: render cap 0
+    assert engine.admit_session("b", "compute", 0xC6C0)
+    for _ in range(600):  # both busy: each burns CPU while thawed
+        delay = engine.tick()
+        for name in ("a", "b"):
+            g = driver.groups[f"/unisched/{name}"]
+            if not g.frozen:
+                g.cpu_s += delay
+        clock.advance(delay)
+
+    view = EngineView(engine)
+    view.refresh()
+    registry = CollectorRegistry()
+    registry.register(UnischedCollector(view))
+
+    def value(metric: str, /, **labels: str) -> float | None:
+        return registry.get_sample_value(metric, labels)
+
+    assert value("unisched_tenant_weight", tenant="a") == 300
+    assert value("unisched_tenant_target_share", tenant="a", gpu="0", domain="sm") == pytest.approx(0.75)
+    assert value("unisched_tenant_target_share", tenant="b", gpu="0", domain="sm") == pytest.approx(0.25)
+    assert value("unisched_tenant_measured_share", tenant="a", gpu="0", domain="sm") == pytest.approx(0.75, abs=0.05)
+    snaps = {s.name: s for s in engine.snapshots()}
+    for name in ("a", "b"):
+        assert value("unisched_tenant_gpu_seconds_total", tenant=name) == pytest.approx(snaps[name].gpu_seconds)
+        assert value("unisched_tenant_slices_total", tenant=name) == snaps[name].slices > 0
+        assert value("unisched_tenant_frozen", tenant=name) == (1.0 if snaps[name].state == "frozen" else 0.0)
+        assert value("unisched_tenant_state", tenant=name, state=snaps[name].state) == 1
+    assert value("unisched_tenant_session_refusals_total", tenant="a", kind="graphics") == 1
+    assert value("unisched_tenant_sessions", tenant="b", kind="compute") == 1
+    assert value("unisched_tenant_session_cap", tenant="a", kind="render") == 0
+    assert value("unisched_tenant_memory_cap_bytes", tenant="a") == 8 * GiB
+    assert value("unisched_tenant_memory_cap_bytes", tenant="b") is None  # no cap: no series
+    # per GPU, per engine
+    assert value("unisched_gpu_info", gpu="0", name="NVIDIA H200", uuid="GPU-0000") == 1
+    assert value("unisched_gpu_utilization", gpu="0", engine="sm") == pytest.approx(0.6)
+    assert value("unisched_gpu_utilization", gpu="0", engine="dec") == pytest.approx(0.25)
+    assert value("unisched_gpu_utilization", gpu="0", engine="enc") == 0
+    assert value("unisched_gpu_memory_used_bytes", gpu="0") == 10 * GiB
+    assert value("unisched_gpu_memory_total_bytes", gpu="0") == 141 * GiB
+    assert value("unisched_gpu_sample_ok", gpu="0") == 1
+
+
+def test_a_scrape_reads_the_copy_not_the_live_engine(tmp_path: Path) -> None:
+    """Between refreshes the engine may change; a scrape sees the last consistent copy."""
+    engine, *_ = _engine_with_gpu(tmp_path)
+    engine.register("a", 300, None, (), (), 1001, 0, True)
+    view = EngineView(engine)
+    view.refresh()
+    registry = CollectorRegistry()
+    registry.register(UnischedCollector(view))
+    engine.register("late", 100, None, (), (), 1002, 0, True)
+    engine.set_weight("a", 500)
+    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "a"}) == 300
+    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "late"}) is None
+    view.refresh()
+    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "a"}) == 500
+    assert registry.get_sample_value("unisched_tenants", {}) == 2
+
+
+def test_serve_metrics_port_flag(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The real daemon from the command line (root, real cgroups) with --metrics-port."""
+    port = free_port()
+    d = daemon_factory("--metrics-port", str(port))
+    assert d.cli("run", "--tenant", f"{d.prefix}m", "--weight", "250", "--", "true").returncode == 0
+    m = wait_until(lambda: (s := _scrape(port)).get(_key("unisched_tenant_weight", tenant=f"{d.prefix}m")) and s,
+                   10, "the tenant in /metrics")
+    assert m[_key("unisched_tenant_weight", tenant=f"{d.prefix}m")] == 250
+    assert m[_key("unisched_tenant_frozen", tenant=f"{d.prefix}m")] == 0
+
+
+def test_metrics_port_out_of_range_is_a_config_error(tmp_path: Path) -> None:
+    out = cli("serve", "--metrics-port", "70000", "--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path))
+    assert out.returncode == 2 and "'metrics_port': must be an integer in 0..65535; got 70000" in out.stderr
+
+
+def test_a_failed_refresh_keeps_the_last_view_and_retries(tmp_path: Path) -> None:
+    engine, *_ = _engine_with_gpu(tmp_path)
+    view = EngineView(engine)
+    first = view.refresh()
+    stop = asyncio.Event()
+    calls = 0
+
+    def broken() -> list[object]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            stop.set()
+        raise RuntimeError("boom")
+
+    engine.snapshots = broken  # type: ignore[method-assign,assignment]
+    asyncio.run(asyncio.wait_for(view.run(stop, interval=0.001), timeout=10))
+    assert calls == 3 and view.current is first
