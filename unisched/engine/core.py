@@ -8,7 +8,7 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +37,25 @@ from unisched.policy import (
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["EngineError", "KernelEngine", "TenantSnapshot"]
+__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "TenantSnapshot"]
 
 log = structlog.get_logger("unisched.engine")
+
+MAX_TENANTS = 10_000
+"""Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
+MAX_USER_TENANTS = 32
+"""Tenants one non-admin uid may create: creating tenants must not be a way to exhaust the daemon."""
+MAX_MESSAGE_CHARS = 400
+"""Error messages echo requests; clipped so that a 60 KiB name cannot make an error larger than gRPC's metadata
+limit (the client then saw RESOURCE_EXHAUSTED 'metadata size exceeds hard limit' instead of the reason)."""
 
 
 class EngineError(Exception):
     """A request the engine refuses. `kind` is not_found, invalid, permission or failed."""
 
     def __init__(self, kind: str, message: str) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
         super().__init__(message)
         self.kind = kind
 
@@ -167,6 +177,7 @@ class KernelEngine:
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
         self._last_active: frozenset[str] = frozenset()
+        self._telemetry_failing = False
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
         if self.config.contention != "auto":
@@ -191,11 +202,17 @@ class KernelEngine:
         if thawed:
             log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
         for saved in self.store.load():
+            missing = False
             if not self.driver.exists(saved.cgroup):
                 if saved.adopted:
                     log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
                     continue
-                self.driver.create(saved.cgroup)
+                try:
+                    self.driver.create(saved.cgroup)
+                except (CgroupError, OSError) as e:
+                    # keep the tenant (and its weight); it is recreated when it registers again
+                    log.error("could not recreate a saved tenant's cgroup", tenant=saved.name, cgroup=saved.cgroup, error=str(e))
+                    missing = True
             self._add(
                 _Tenant(
                     saved.name,
@@ -206,6 +223,7 @@ class KernelEngine:
                     saved.cgroup,
                     saved.adopted,
                     saved.owner_uid,
+                    missing=missing,
                     limits=saved.limits,
                 ),
                 reason="restored",
@@ -225,7 +243,11 @@ class KernelEngine:
             adopted = True
         else:
             cgroup = self.driver.tenant_cgroup(d.name)
-            self.driver.create(cgroup)
+            try:
+                self.driver.create(cgroup)
+            except (CgroupError, OSError) as e:
+                log.error("declared tenant's cgroup could not be created", tenant=d.name, cgroup=cgroup, error=str(e))
+                return
             adopted = False
         self._add(_Tenant(d.name, d.weight, d.priority, d.engines, d.gpus, cgroup, adopted, 0, limits=d.limits),
                   reason="declared")
@@ -312,11 +334,9 @@ class KernelEngine:
                     "permission",
                     f"weight {w} is above max_user_weight {self.config.max_user_weight} for non-admin callers",
                 )
+            self._check_room(uid, is_admin)
             cgroup = self.driver.tenant_cgroup(name)
-            try:
-                self.driver.create(cgroup)
-            except CgroupError as e:
-                raise EngineError("failed", str(e)) from None
+            self._create_cgroup(name, cgroup)
             t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid)
             self._add(t, reason="registered")
         else:
@@ -339,17 +359,37 @@ class KernelEngine:
             t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
             self._apply_devices(t)
             if t.missing or not self.driver.exists(t.cgroup):
-                try:
-                    self.driver.create(t.cgroup)
-                except CgroupError as e:
-                    raise EngineError("failed", str(e)) from None
+                self._create_cgroup(name, t.cgroup)
+                if t.missing:
+                    log.info("tenant cgroup recreated", tenant=name, cgroup=t.cgroup)
                 t.missing = False
+                t.last_cpu = None
         try:
             self.driver.attach(t.cgroup, pid)
         except CgroupError as e:
             raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
         self._save()
         return self.snapshot(name)
+
+    def _create_cgroup(self, name: str, cgroup: str) -> None:
+        try:
+            self.driver.create(cgroup)
+        except FileExistsError:
+            raise EngineError("invalid", f"tenant name {name!r} is taken by a cgroup interface file; choose another") from None
+        except CgroupError as e:
+            raise EngineError("failed", str(e)) from None
+        except OSError as e:
+            raise EngineError("failed", f"cannot create cgroup {cgroup}: {e.strerror}") from None
+
+    def _check_room(self, uid: int, is_admin: bool) -> None:
+        if len(self._tenants) >= MAX_TENANTS:
+            raise EngineError("failed", f"this daemon already has {len(self._tenants)} tenants, the most it keeps")
+        if not is_admin:
+            owned = sum(1 for t in self._tenants.values() if t.owner_uid == uid and not t.adopted)
+            if owned >= MAX_USER_TENANTS:
+                raise EngineError(
+                    "permission", f"uid {uid} already created {owned} tenants, the most a non-admin may (remove some first)"
+                )
 
     def adopt(
         self,
@@ -368,6 +408,7 @@ class KernelEngine:
             raise EngineError("invalid", str(e)) from None
         if name in self._tenants:
             raise EngineError("invalid", f"tenant {name!r} already exists; remove it first")
+        self._check_room(0, True)
         try:
             path = self.driver.normalize(cgroup)
         except CgroupError as e:
@@ -560,7 +601,7 @@ class KernelEngine:
         now = self.clock.monotonic()
         dt = max(now - self._last_tick, 1e-6)
         self._last_tick = now
-        samples = {s.index: s for s in self.telemetry.sample()}
+        samples = {s.index: s for s in self._sample()}
         self._last_samples = tuple(samples.values())
         self._update_memory(samples)
         cpu = self._cpu_deltas()
@@ -590,6 +631,21 @@ class KernelEngine:
             self._last_active = active
             self._log_shares(reason="demand")
         return decision.slice_s
+
+    def _sample(self) -> Sequence[GpuSample]:
+        """The telemetry's samples; a telemetry that raises (it must not) counts as no GPU signal this slice,
+        so the slice goes on with CPU signals instead of failing (and thawing everything) every slice."""
+        try:
+            samples = tuple(self.telemetry.sample())
+        except Exception as e:
+            if not self._telemetry_failing:
+                log.error("telemetry failed; slicing on CPU signals until it recovers", error=repr(e))
+            self._telemetry_failing = True
+            return ()
+        if self._telemetry_failing:
+            log.info("telemetry recovered")
+            self._telemetry_failing = False
+        return samples
 
     def _cpu_deltas(self) -> dict[str, float]:
         out = {}

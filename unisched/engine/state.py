@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from unisched.enforce.cgroups import MANAGED_DIR
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
 
@@ -55,17 +56,30 @@ class SavedTenant:
     @staticmethod
     def from_json(d: dict[str, Any]) -> SavedTenant:
         gpus = d.get("gpus")
+        name = validate_tenant_name(d["name"])
         return SavedTenant(
-            name=validate_tenant_name(d["name"]),
+            name=name,
             weight=validate_weight(d["weight"]),
             priority=Priority(d["priority"]),
             engines=frozenset(Engine(e) for e in d["engines"]),
             gpus=tuple(int(g) for g in gpus) if gpus is not None else None,
-            cgroup=str(d["cgroup"]),
+            cgroup=_checked_cgroup(name, d["cgroup"], d["adopted"]),
             adopted=bool(d["adopted"]),
             owner_uid=int(d["owner_uid"]),
             limits=SessionLimits(**d.get("limits", {})),
         )
+
+
+def _checked_cgroup(name: str, cgroup: Any, adopted: Any) -> str:
+    """A corrupt file must not point the daemon at a cgroup it does not manage: a tenant it created lives at
+    /unisched/<name>; an adopted one at an absolute path below the root, without '..'."""
+    if not isinstance(cgroup, str) or not isinstance(adopted, bool):
+        raise ValueError(f"tenant {name!r}: cgroup must be a string and adopted a boolean")
+    if not adopted and cgroup != f"/{MANAGED_DIR}/{name}":
+        raise ValueError(f"tenant {name!r}: cgroup {cgroup!r} is not /{MANAGED_DIR}/{name}")
+    if not cgroup.startswith("/") or cgroup.strip("/") == "" or ".." in cgroup.split("/") or "\0" in cgroup:
+        raise ValueError(f"tenant {name!r}: cgroup {cgroup!r} is not a path below the cgroup root")
+    return cgroup
 
 
 class StateStore:
@@ -85,6 +99,10 @@ class StateStore:
             return [SavedTenant.from_json(t) for t in data["tenants"]]
         except (ValueError, KeyError, TypeError, AttributeError, PolicyError) as e:
             keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
+            n = 1
+            while keep.exists():  # two corrupt files within a second: keep both
+                keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}-{n}")
+                n += 1
             os.replace(self.path, keep)
             log.error("state file unreadable; kept a copy and starting from the config", error=str(e), copy=str(keep))
             return []

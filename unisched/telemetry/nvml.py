@@ -36,7 +36,13 @@ def open_nvml() -> NvmlTelemetry | None:
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         log.warning("nvml unavailable, running on CPU signals", reason=str(e))
         return None
-    return NvmlTelemetry(pynvml)
+    try:
+        return NvmlTelemetry(pynvml)
+    except Exception as e:  # nvmlDeviceGetCount failed (driver in a bad state): never stop the daemon for it
+        log.warning("nvml unavailable, running on CPU signals", reason=str(e))
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+        return None
 
 
 class NvmlTelemetry:
@@ -45,17 +51,20 @@ class NvmlTelemetry:
         self._handles: list[Any] = []
         self._info: list[GpuInfo] = []
         for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(h)
-            self._handles.append(h)
-            self._info.append(
-                GpuInfo(
+            try:
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                name = nvml.nvmlDeviceGetName(h)
+                info = GpuInfo(
                     index=i,
                     name=name.decode() if isinstance(name, bytes) else str(name),
                     uuid=str(nvml.nvmlDeviceGetUUID(h)),
                     memory_total=int(nvml.nvmlDeviceGetMemoryInfo(h).total),
                 )
-            )
+            except nvml.NVMLError as e:  # lost already (Xid 79): serve the other GPUs
+                log.error("GPU unusable at start; left out", gpu=i, error=str(e))
+                continue
+            self._handles.append(h)
+            self._info.append(info)
         self._last_ts = [0] * len(self._handles)
         self._last_util = [0.0] * len(self._handles)
         self._procs: list[dict[int, frozenset[Engine]]] = [{} for _ in self._handles]
@@ -69,22 +78,24 @@ class NvmlTelemetry:
     def sample(self) -> Sequence[GpuSample]:
         self._calls += 1
         out = []
-        for i, h in enumerate(self._handles):
+        for k, h in enumerate(self._handles):
+            i = self._info[k].index
             try:
-                out.append(self._sample_one(i, h))
+                out.append(self._sample_one(k, h))
                 if i in self._failing:
                     self._failing.discard(i)
                     log.info("nvml recovered", gpu=i)
-            except self._nvml.NVMLError as e:
+            except Exception as e:  # NVMLError (GPU lost, Xid, timeout) or anything else: never raise
                 if i not in self._failing:
                     self._failing.add(i)
-                    log.error("nvml error, GPU treated as unknown", gpu=i, error=str(e))
+                    log.error("nvml error, GPU treated as unknown", gpu=i, error=str(e) or repr(e))
                 out.append(GpuSample(i, 0.0, 0.0, 0.0, 0, ok=False))
         return tuple(out)
 
-    def _sample_one(self, i: int, h: Any) -> GpuSample:
+    def _sample_one(self, k: int, h: Any) -> GpuSample:
+        """k is the GPU's position in our lists (a GPU lost at start is left out, so not always its NVML index)."""
         nvml = self._nvml
-        sm = self._sm_util(i, h)
+        sm = self._sm_util(k, h)
         dec = nvml.nvmlDeviceGetDecoderUtilization(h)[0] / 100.0
         try:
             enc = nvml.nvmlDeviceGetEncoderUtilization(h)[0] / 100.0
@@ -92,9 +103,9 @@ class NvmlTelemetry:
             enc = 0.0  # GPUs without NVENC (H100/H200)
         mem = int(nvml.nvmlDeviceGetMemoryInfo(h).used)
         if self._calls % PROCESS_POLL_EVERY == 1:
-            self._procs[i] = self._process_engines(h)
-            self._memory[i] = self._process_memory(h)
-        return GpuSample(i, sm, dec, enc, mem, dict(self._procs[i]), dict(self._memory[i]))
+            self._procs[k] = self._process_engines(h)
+            self._memory[k] = self._process_memory(h)
+        return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]))
 
     def _sm_util(self, i: int, h: Any) -> float:
         nvml = self._nvml

@@ -1,0 +1,282 @@
+"""The gRPC API under hypothesis-generated requests: a real server in this process (fake cgroups), called through
+its Unix socket (SO_PEERCRED identity) as root, as two non-admin uids, and through the identity-less side door.
+
+After every example the server still answers, every refusal carries one of the codes the API documents, the
+tenants it lists are well formed, callers only changed what they may change, and the state file reloads to what
+the server shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.engine.clock import SystemClock
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import MAX_USER_TENANTS, KernelEngine
+from unisched.engine.state import StateStore
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, PolicyError, validate_tenant_name
+from unisched.telemetry import NoGpuTelemetry
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.peercred import PeerCred, PeerCredRelay
+from unisched.transport.server import serve_async
+
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+METHODS = {
+    pb.RegisterRequest: "Register",
+    pb.AdoptRequest: "Adopt",
+    pb.SetWeightRequest: "SetWeight",
+    pb.SetLimitRequest: "SetLimit",
+    pb.RemoveTenantRequest: "RemoveTenant",
+    pb.ListTenantsRequest: "ListTenants",
+    pb.StatusRequest: "Status",
+}
+MUTATING_ADMIN = {"Adopt", "SetWeight", "SetLimit", "RemoveTenant"}
+EXISTING_CGROUPS = ("/other", "/system.slice/ctr.scope", "/unisched/orphan")
+USERS = (1000, 1001)
+
+
+@dataclass
+class FuzzServer:
+    socket: str
+    backend_port: int
+    state_dir: Path
+    config: DaemonConfig = field(repr=False)
+    as_uid: Callable[[int | None], None] = field(repr=False)
+
+
+@pytest.fixture
+def fuzz_server(tmp_path: Path) -> Iterator[FuzzServer]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="us-fuzz-"))
+    config = DaemonConfig(
+        socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(tmp_path / "state")
+    )
+    driver = FakeCgroupDriver()
+    for cg in EXISTING_CGROUPS:
+        driver.create(cg)
+    engine = KernelEngine(config, driver, NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    started = threading.Event()
+    box: list[PeerCredRelay] = []
+    # The server sees the caller as SO_PEERCRED reports it (root: this process); `as_uid` makes it see a
+    # non-admin uid instead, so one process can fuzz as several users (test_security.py drops privileges for real).
+    uid_box: list[int | None] = [None]
+
+    def ready(relay: PeerCredRelay) -> None:
+        real_lookup = relay.lookup
+
+        def lookup(peer: str) -> PeerCred | None:
+            cred = real_lookup(peer)
+            if cred is None or uid_box[0] is None:
+                return cred
+            return dataclasses.replace(cred, uid=uid_box[0], gid=uid_box[0])
+
+        relay.lookup = lookup  # type: ignore[method-assign]
+        box.append(relay)
+        started.set()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
+
+    def as_uid(uid: int | None) -> None:
+        uid_box[0] = uid
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(20), "server did not start"
+    yield FuzzServer(config.socket, box[0].backend_port, Path(config.state_dir), config, as_uid)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(20)
+    loop.close()
+    for p in sock_dir.iterdir():
+        p.unlink()
+    sock_dir.rmdir()
+
+
+# --- strategies --------------------------------------------------------------------------------------
+INT32 = st.one_of(
+    st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, 1, -1, 99, 100, 101, WEIGHT_MAX, WEIGHT_MAX + 1, 2**31 - 1, -(2**31)])
+)
+INT64 = st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, 1, -1, 2**63 - 1, -(2**63)]))
+POOL = ["a", "b", "web", "x" * 63, "orphan", "ctr"]
+NAMES = st.one_of(
+    st.sampled_from([*POOL, "x" * 64, "", " ", ".", "..", "../etc", "a/b", "-a", "cgroup.procs", "ünï", "a\x00b", "a\nb"]),
+    st.text(max_size=80),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,70}", fullmatch=True),
+)
+ENGINES = st.lists(
+    st.one_of(st.sampled_from(["compute", "graphics", "decode", "encode", "", "COMPUTE", "warp"]), st.text(max_size=12)),
+    max_size=6,
+)
+GPUS = st.lists(INT32, max_size=4)
+PRIORITY = st.one_of(st.sampled_from([0, 1, 2]), st.integers(-(2**31), 2**31 - 1))  # proto3 enums are open
+CGROUPS = st.one_of(
+    st.sampled_from([*EXISTING_CGROUPS, "/", "", "other", "unisched/orphan", "/unisched/a", "../../etc", "/x/../..", "//"]),
+    st.text(max_size=40),
+)
+
+
+def _set_limit(tenant: str, **fields: int | None) -> pb.SetLimitRequest:
+    req = pb.SetLimitRequest(tenant=tenant)
+    for k, v in fields.items():
+        if v is not None:
+            setattr(req, k, v)
+    return req
+
+
+REQUESTS = st.one_of(
+    st.builds(pb.RegisterRequest, tenant=NAMES, weight=INT32, priority=PRIORITY, engines=ENGINES, gpus=GPUS),
+    st.builds(pb.AdoptRequest, tenant=NAMES, weight=INT32, priority=PRIORITY, cgroup=CGROUPS, engines=ENGINES, gpus=GPUS),
+    st.builds(pb.SetWeightRequest, tenant=NAMES, weight=INT32),
+    st.builds(
+        _set_limit, tenant=NAMES, render=st.none() | INT32, decode=st.none() | INT32, encode=st.none() | INT32,
+        memory_bytes=st.none() | INT64,
+    ),
+    st.builds(pb.RemoveTenantRequest, tenant=NAMES),
+    st.just(pb.ListTenantsRequest()),
+    st.just(pb.StatusRequest()),
+)
+CALLERS = st.sampled_from(["root", "root", *USERS, "side-door"])
+
+
+# --- checks ------------------------------------------------------------------------------------------
+def _call(stub: Any, method: str, req: Any) -> tuple[grpc.StatusCode, Any]:
+    try:
+        return grpc.StatusCode.OK, getattr(stub, method)(req, timeout=10)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+
+
+def _view(tenants: list[pb.Tenant]) -> dict[str, tuple[Any, ...]]:
+    """What a caller must not be able to change on tenants that are not its own."""
+    return {
+        t.name: (t.base_weight, t.priority, t.owner_uid, t.adopted, t.cgroup, tuple(t.engines),
+                 t.caps.render, t.caps.decode, t.caps.encode, t.caps.memory_bytes)
+        for t in tenants
+    }
+
+
+def _check_consistent(s: FuzzServer, stub: Any) -> None:
+    code, status = _call(stub, "Status", pb.StatusRequest())
+    assert code is grpc.StatusCode.OK, f"server no longer answers Status: {code} {status}"
+    code, reply = _call(stub, "ListTenants", pb.ListTenantsRequest())
+    assert code is grpc.StatusCode.OK, reply
+    names = [t.name for t in reply.tenants]
+    assert len(names) == len(set(names)) == status.tenants
+    for t in reply.tenants:
+        try:
+            validate_tenant_name(t.name)
+        except PolicyError as e:
+            raise AssertionError(f"a tenant with an invalid name was created: {e}") from None
+        assert WEIGHT_MIN <= t.weight <= WEIGHT_MAX and WEIGHT_MIN <= t.base_weight <= WEIGHT_MAX, t
+        if not t.adopted:
+            assert t.cgroup == f"/unisched/{t.name}", t
+    for uid in USERS:
+        assert sum(1 for t in reply.tenants if t.owner_uid == uid) <= MAX_USER_TENANTS
+    # the state file is what the server shows, and it reloads cleanly (a corrupt file would be renamed aside)
+    saved = {t.name: t for t in StateStore(s.state_dir).load()}
+    assert not list(s.state_dir.glob("state.json.corrupt-*")), "the daemon wrote a state file it cannot read back"
+    shown = {t.name: (t.base_weight, t.owner_uid, t.adopted, t.cgroup) for t in reply.tenants}
+    assert {n: (t.weight, t.owner_uid, t.adopted, t.cgroup) for n, t in saved.items()} == shown
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(calls=st.lists(st.tuples(CALLERS, REQUESTS), min_size=1, max_size=6))
+def test_fuzzed_requests_never_crash_or_corrupt(fuzz_server: FuzzServer, calls: list[tuple[Any, Any]]) -> None:
+    s = fuzz_server
+    with grpc.insecure_channel(f"unix:{s.socket}") as unix, grpc.insecure_channel(f"127.0.0.1:{s.backend_port}") as side:
+        unix_stub = pb_grpc.UnischedStub(unix)  # type: ignore[no-untyped-call]
+        side_stub = pb_grpc.UnischedStub(side)  # type: ignore[no-untyped-call]
+        for caller, req in calls:
+            method = METHODS[type(req)]
+            s.as_uid(None)
+            before = _view(unix_stub.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants)
+            if caller == "side-door":
+                code, reply = _call(side_stub, method, req)
+            else:
+                s.as_uid(None if caller == "root" else caller)
+                try:
+                    code, reply = _call(unix_stub, method, req)
+                finally:
+                    s.as_uid(None)
+            assert code in ALLOWED, f"{method} as {caller} got {code}: {reply} (request {req!r})"
+            after = _view(unix_stub.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants)
+            if caller == "root":
+                continue
+            if method == "ListTenants":  # others' tenants only as a public summary: no processes, no cgroup
+                for t in reply.tenants:
+                    if caller == "side-door" or t.owner_uid != caller:
+                        assert not t.pids and not t.cgroup, f"{caller} sees the details of {t.name!r}"
+            if caller == "side-door" or method in MUTATING_ADMIN:
+                # no identity, or not an admin: nothing may change
+                if method in MUTATING_ADMIN or method == "Register":
+                    assert code is grpc.StatusCode.PERMISSION_DENIED, f"{method} as {caller} got {code}"
+                assert after == before, f"{method} as {caller} changed tenants"
+                continue
+            if method == "Register" and code is grpc.StatusCode.OK:
+                assert reply.owner_uid == caller, f"uid {caller} joined a tenant of uid {reply.owner_uid}"
+                if req.tenant not in before:
+                    assert reply.base_weight <= s.config.max_user_weight
+            # a non-admin changes at most its own tenants
+            for name, row in before.items():
+                if row[2] != caller:
+                    assert after.get(name) == row, f"uid {caller} changed tenant {name!r} it does not own"
+            for name in set(after) - set(before):
+                assert after[name][2] == caller
+        _check_consistent(s, unix_stub)
+
+
+PAYLOADS = st.one_of(
+    st.binary(max_size=300),
+    st.tuples(REQUESTS.map(lambda m: m.SerializeToString()), st.binary(max_size=20)).map(lambda t: t[0] + t[1]),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(method=st.sampled_from(sorted(METHODS.values())), payload=PAYLOADS)
+def test_raw_bytes_never_crash_the_server(fuzz_server: FuzzServer, method: str, payload: bytes) -> None:
+    """Bytes that are not a valid request: grpc itself refuses what does not parse (INTERNAL or UNKNOWN, before
+    any of our code runs); what parses (unknown fields included) gets a documented code; the server goes on."""
+    request_type = next(t for t, m in METHODS.items() if m == method)
+    try:
+        request_type.FromString(payload)
+        parses = True
+    except Exception:  # google.protobuf.message.DecodeError and friends
+        parses = False
+    with grpc.insecure_channel(f"unix:{fuzz_server.socket}") as channel:
+        call = channel.unary_unary(
+            f"/unisched.v1.Unisched/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            call(payload, timeout=10)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        if parses:
+            assert code in ALLOWED, f"{method} with {payload!r}: {code}"
+        else:  # grpc's own answer to bytes that do not deserialize
+            assert code in ALLOWED | {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}, f"{method} with {payload!r}: {code}"
+        stub = pb_grpc.UnischedStub(channel)  # type: ignore[no-untyped-call]
+        _check_consistent(fuzz_server, stub)
