@@ -1,7 +1,7 @@
 """A real daemon (serve_async) in a thread of the test process, on a temporary socket, with fake cgroups.
 
-Like the fixture in test_grpc.py, with config overrides (metrics, TLS listener) and telemetry of the test's
-choosing. Used by test_metrics.py, test_top.py and test_tls.py.
+With config overrides (metrics, TLS listener), fake cgroups and telemetry of the test's choosing. The one way
+the tests run a server in-process (test_grpc, test_security, test_fuzz_grpc, test_metrics, test_top, test_tls).
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ class InProcessServer:
     config: DaemonConfig
     driver: FakeCgroupDriver
     engine: KernelEngine
+    relay: PeerCredRelay
+
+    @property
+    def backend_port(self) -> int:
+        """The private gRPC port behind the Unix socket (a side door with no caller identity)."""
+        return self.relay.backend_port
 
 
 def free_port() -> int:
@@ -41,21 +47,25 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def in_process_server(state_dir: Path, telemetry: GpuTelemetry | None = None, **overrides: Any) -> Iterator[InProcessServer]:
+def in_process_server(
+    state_dir: Path, telemetry: GpuTelemetry | None = None, driver: FakeCgroupDriver | None = None, **overrides: Any
+) -> Iterator[InProcessServer]:
     sock_dir = Path(tempfile.mkdtemp(prefix="us-inproc-"))
     sock_dir.chmod(0o755)
     config = replace(
         DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(state_dir)),
         **overrides,
     )
-    driver = FakeCgroupDriver()
+    driver = driver or FakeCgroupDriver()
     engine = KernelEngine(config, driver, telemetry or NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     started = threading.Event()
     failed: list[BaseException] = []
+    relays: list[PeerCredRelay] = []
 
     def ready(relay: PeerCredRelay) -> None:
+        relays.append(relay)
         started.set()
 
     def run() -> None:
@@ -72,7 +82,7 @@ def in_process_server(state_dir: Path, telemetry: GpuTelemetry | None = None, **
         assert started.wait(20), "server did not start"
         if failed:
             raise failed[0]
-        yield InProcessServer(config.socket, config, driver, engine)
+        yield InProcessServer(config.socket, config, driver, engine, relays[0])
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(20)

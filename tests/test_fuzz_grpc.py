@@ -8,10 +8,7 @@ the server shows.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,18 +18,16 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inproc import in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import SystemClock
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import MAX_USER_TENANTS, KernelEngine
+from unisched.engine.core import MAX_USER_TENANTS
 from unisched.engine.state import StateStore
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, PolicyError, validate_tenant_name
-from unisched.telemetry import NoGpuTelemetry
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
-from unisched.transport.peercred import PeerCred, PeerCredRelay
-from unisched.transport.server import serve_async
+from unisched.transport.peercred import PeerCred
 
 ALLOWED = {
     grpc.StatusCode.OK,
@@ -67,24 +62,14 @@ class FuzzServer:
 
 @pytest.fixture
 def fuzz_server(tmp_path: Path) -> Iterator[FuzzServer]:
-    sock_dir = Path(tempfile.mkdtemp(prefix="us-fuzz-"))
-    config = DaemonConfig(
-        socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(tmp_path / "state")
-    )
     driver = FakeCgroupDriver()
     for cg in EXISTING_CGROUPS:
         driver.create(cg)
-    engine = KernelEngine(config, driver, NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    started = threading.Event()
-    box: list[PeerCredRelay] = []
-    # The server sees the caller as SO_PEERCRED reports it (root: this process); `as_uid` makes it see a
-    # non-admin uid instead, so one process can fuzz as several users (test_security.py drops privileges for real).
-    uid_box: list[int | None] = [None]
-
-    def ready(relay: PeerCredRelay) -> None:
-        real_lookup = relay.lookup
+    with in_process_server(tmp_path / "state", driver=driver) as s:
+        # The server sees the caller as SO_PEERCRED reports it (root: this process); `as_uid` makes it see a
+        # non-admin uid instead, so one process can fuzz as several users (test_security.py drops privileges for real).
+        uid_box: list[int | None] = [None]
+        real_lookup = s.relay.lookup
 
         def lookup(peer: str) -> PeerCred | None:
             cred = real_lookup(peer)
@@ -92,27 +77,11 @@ def fuzz_server(tmp_path: Path) -> Iterator[FuzzServer]:
                 return cred
             return dataclasses.replace(cred, uid=uid_box[0], gid=uid_box[0])
 
-        relay.lookup = lookup  # type: ignore[method-assign]
-        box.append(relay)
-        started.set()
+        def as_uid(uid: int | None) -> None:
+            uid_box[0] = uid
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
-
-    def as_uid(uid: int | None) -> None:
-        uid_box[0] = uid
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(20), "server did not start"
-    yield FuzzServer(config.socket, box[0].backend_port, Path(config.state_dir), config, as_uid)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(20)
-    loop.close()
-    for p in sock_dir.iterdir():
-        p.unlink()
-    sock_dir.rmdir()
+        s.relay.lookup = lookup  # type: ignore[method-assign]
+        yield FuzzServer(s.socket, s.backend_port, Path(s.config.state_dir), s.config, as_uid)
 
 
 # --- strategies --------------------------------------------------------------------------------------

@@ -2,90 +2,43 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import tempfile
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from conftest import child_env
+from inproc import InProcessServer, in_process_server
 
-from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import SystemClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import KernelEngine
-from unisched.engine.state import StateStore
-from unisched.telemetry import NoGpuTelemetry
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport.peercred import PeerCredRelay
-from unisched.transport.server import serve_async
-
-
-@dataclass
-class Server:
-    socket: str
-    backend_port: int
-    driver: FakeCgroupDriver
-    engine: KernelEngine
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    sock_dir = Path(tempfile.mkdtemp(prefix="us-grpc-"))
-    sock_dir.chmod(0o755)
-    config = DaemonConfig(
-        socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(tmp_path / "state")
-    )
-    driver = FakeCgroupDriver()
-    engine = KernelEngine(config, driver, NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    started = threading.Event()
-    box: list[PeerCredRelay] = []
-
-    def ready(relay: PeerCredRelay) -> None:
-        box.append(relay)
-        started.set()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(20), "server did not start"
-    yield Server(config.socket, box[0].backend_port, driver, engine)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(20)
-    loop.close()
-    for p in sock_dir.iterdir():
-        p.unlink()
-    sock_dir.rmdir()
+def server(tmp_path: Path) -> Iterator[InProcessServer]:
+    with in_process_server(tmp_path / "state") as s:
+        yield s
 
 
-def test_status_sees_the_callers_own_pid_and_uid(server: Server) -> None:
+def test_status_sees_the_callers_own_pid_and_uid(server: InProcessServer) -> None:
     with DaemonClient(server.socket) as c:
         s = c.status()
     assert s.caller_pid == os.getpid()
     assert s.caller_uid == os.getuid()
 
 
-def test_register_moves_the_caller_and_only_the_caller(server: Server) -> None:
+def test_register_moves_the_caller_and_only_the_caller(server: InProcessServer) -> None:
     with DaemonClient(server.socket) as c:
         t = c.register(pb.RegisterRequest(tenant="web", weight=200))
     assert t.name == "web" and t.weight == 200
     assert server.driver.pids("/unisched/web") == [os.getpid()]
 
 
-def test_side_door_connection_has_no_identity(server: Server) -> None:
+def test_side_door_connection_has_no_identity(server: InProcessServer) -> None:
     """Reaching the private port directly (not through the Unix socket) gives no identity to act with."""
     with DaemonClient(target=f"127.0.0.1:{server.backend_port}") as c:
         assert c.tenants() == []
@@ -96,7 +49,7 @@ def test_side_door_connection_has_no_identity(server: Server) -> None:
     assert "/unisched/sneaky" not in server.driver.groups
 
 
-def test_bad_requests_get_clear_errors(server: Server) -> None:
+def test_bad_requests_get_clear_errors(server: InProcessServer) -> None:
     with DaemonClient(server.socket) as c:
         for req, code, text in [
             (pb.RegisterRequest(tenant="bad name!", weight=1), grpc.StatusCode.INVALID_ARGUMENT, "tenant name"),
@@ -115,7 +68,7 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
         assert c.status().tenants == 0  # nothing half-created
 
 
-def test_oversized_message_is_refused(server: Server) -> None:
+def test_oversized_message_is_refused(server: InProcessServer) -> None:
     channel = grpc.insecure_channel(f"unix:{server.socket}")
     stub = pb_grpc.UnischedStub(channel)  # type: ignore[no-untyped-call]
     with pytest.raises(grpc.RpcError) as e:
@@ -125,7 +78,7 @@ def test_oversized_message_is_refused(server: Server) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
-def test_non_admin_cannot_change_weights_and_is_seen_as_itself(server: Server) -> None:
+def test_non_admin_cannot_change_weights_and_is_seen_as_itself(server: InProcessServer) -> None:
     with DaemonClient(server.socket) as c:
         c.register(pb.RegisterRequest(tenant="owned", weight=100))
     # Start as root (the interpreter lives under /root), import everything, then drop to nobody for good:

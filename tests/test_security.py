@@ -6,31 +6,22 @@ with fake cgroups."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import tempfile
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from conftest import Daemon, child_env, needs_freezer
+from inproc import InProcessServer, in_process_server
 
-from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import SystemClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import MAX_USER_TENANTS, KernelEngine
-from unisched.engine.state import StateStore
-from unisched.telemetry import NoGpuTelemetry
+from unisched.engine.core import MAX_USER_TENANTS
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport.peercred import PeerCredRelay
-from unisched.transport.server import MAX_MESSAGE_BYTES, serve_async
+from unisched.transport.server import MAX_MESSAGE_BYTES
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
@@ -220,44 +211,10 @@ def test_tenant_named_like_a_cgroup_file_is_refused_cleanly(daemon: Daemon) -> N
 
 
 # --- in-process server (fake cgroups): bounds, and what others can read ----------------------------------
-@dataclass
-class InProc:
-    socket: str
-    backend_port: int
-    engine: KernelEngine
-
-
 @pytest.fixture
-def inproc(tmp_path: Path) -> Iterator[InProc]:
-    sock_dir = Path(tempfile.mkdtemp(prefix="us-sec-"))
-    sock_dir.chmod(0o755)
-    config = DaemonConfig(
-        socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(tmp_path / "state")
-    )
-    engine = KernelEngine(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    started = threading.Event()
-    box: list[PeerCredRelay] = []
-
-    def ready(relay: PeerCredRelay) -> None:
-        box.append(relay)
-        started.set()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(serve_async(config, engine, False, stop=stop, ready=ready))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(20), "server did not start"
-    yield InProc(config.socket, box[0].backend_port, engine)
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(20)
-    loop.close()
-    for p in sock_dir.iterdir():
-        p.unlink()
-    sock_dir.rmdir()
+def inproc(tmp_path: Path) -> Iterator[InProcessServer]:
+    with in_process_server(tmp_path / "state") as s:
+        yield s
 
 
 def _code(f) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
@@ -269,7 +226,7 @@ def _code(f) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
         return e.code, str(e)
 
 
-def test_names_lists_and_messages_are_bounded(inproc: InProc) -> None:
+def test_names_lists_and_messages_are_bounded(inproc: InProcessServer) -> None:
     big = 60_000
     with DaemonClient(inproc.socket) as c:
         assert _code(lambda: c.register(pb.RegisterRequest(tenant="n" * 63)))[0] is grpc.StatusCode.OK
@@ -299,7 +256,7 @@ def test_names_lists_and_messages_are_bounded(inproc: InProc) -> None:
 
 
 @needs_root
-def test_non_admin_sees_only_a_public_summary_of_others(inproc: InProc) -> None:
+def test_non_admin_sees_only_a_public_summary_of_others(inproc: InProcessServer) -> None:
     with DaemonClient(inproc.socket) as c:
         c.register(pb.RegisterRequest(tenant="private", weight=200))  # this process, in a fake cgroup
     got = run_as(inproc.socket, 65534, [("mine", "register", {"tenant": "mine"}), ("list", "tenants", {})])
