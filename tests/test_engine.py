@@ -10,7 +10,7 @@ import pytest
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
@@ -249,7 +249,7 @@ def test_configured_render_cap_and_memory_cap(tmp_path: Path) -> None:
     assert not rig.engine.admit_session("g", "graphics", 0xCB97), "over its memory cap it gets no new session"
     # device opens are refused too while over the cap (fake cgroups have no v2 directory, so check the intent)
     tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, process_memory={pid: 1024})]
-    rig.step(1)
+    rig.step(round(MEMORY_CHECK_S / SLICE) + 1)  # memory is checked at most once a second
     assert not rig.engine.snapshot("g").over_memory
     assert rig.engine.admit_session("g", "graphics", 0xCB97)
     # limits survive a restart

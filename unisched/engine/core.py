@@ -40,6 +40,7 @@ from unisched.telemetry import GpuSample, GpuTelemetry
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "TenantSnapshot"]
 
 log = structlog.get_logger("unisched.engine")
+MEMORY_CHECK_S = 1.0
 
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
@@ -136,6 +137,10 @@ class _Tenant:
         return self.engines | seen
 
 
+def _state(t: _Tenant) -> str:
+    return "frozen" if t.frozen else ("running" if t.active else "idle")
+
+
 def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
     try:
         engines = frozenset(Engine(n) for n in names)
@@ -177,6 +182,7 @@ class KernelEngine:
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
         self._last_active: frozenset[str] = frozenset()
+        self._memory_at = float("-inf")
         self._telemetry_failing = False
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
@@ -502,24 +508,40 @@ class KernelEngine:
         self._save()
         return self.snapshot(name)
 
-    def cap(self, t: _Tenant, kind: CapKind) -> int | None:
+    def cap(self, t: _Tenant, kind: CapKind, by_gpu: Mapping[int, int] | None = None) -> int | None:
         configured = t.limits.get(kind)
         if configured is not None:
             return configured
         if self.video is None:
             return None  # no GPU seen: nothing to derive a cap from
-        return default_cap(kind, self._gpu_share(t), self.video)
+        return default_cap(kind, self._gpu_share(t, by_gpu), self.video)
 
-    def _gpu_share(self, t: _Tenant) -> float:
-        """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there."""
+    def _gpu_share(self, t: _Tenant, by_gpu: Mapping[int, int] | None = None) -> float:
+        """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there.
+
+        `by_gpu` (from _active_weight_by_gpu) lets a caller that asks for every tenant sum the weights once.
+        """
+        mine = self.policy.weight(t.name)
         gpus = set(t.gpus or self.gpu_indices)
+        if by_gpu is not None and len(gpus) == 1:
+            (g,) = gpus
+            own = mine if t.active and any(r.gpu == g for r in t.resources) else 0
+            return mine / (mine + by_gpu.get(g, 0) - own)
         total = sum(
             self.policy.weight(o.name)
             for o in self._tenants.values()
             if o is not t and o.active and gpus & {r.gpu for r in o.resources}
         )
-        mine = self.policy.weight(t.name)
         return mine / (mine + total)
+
+    def _active_weight_by_gpu(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for o in self._tenants.values():
+            if o.active:
+                w = self.policy.weight(o.name)
+                for g in {r.gpu for r in o.resources}:
+                    out[g] = out.get(g, 0) + w
+        return out
 
     def admit_session(self, tenant: str, kind: str, h_class: int) -> bool:
         """A new GPU session (seen by the seccomp supervisor on RM_ALLOC): admit it or refuse it (EPERM)."""
@@ -575,7 +597,11 @@ class KernelEngine:
         except DeviceAdmissionError as e:
             log.error("device admission failed", tenant=t.name, error=str(e))
 
-    def _update_memory(self, samples: Mapping[int, GpuSample]) -> None:
+    def _update_memory(self, samples: Mapping[int, GpuSample], now: float) -> None:
+        """Per-tenant GPU memory against caps, at most once a second: it reads every tenant's process list."""
+        if now - self._memory_at < MEMORY_CHECK_S:
+            return
+        self._memory_at = now
         by_pid: dict[int, int] = {}
         for s in samples.values():
             for pid, used in s.process_memory.items():
@@ -603,7 +629,7 @@ class KernelEngine:
         self._last_tick = now
         samples = {s.index: s for s in self._sample()}
         self._last_samples = tuple(samples.values())
-        self._update_memory(samples)
+        self._update_memory(samples, now)
         cpu = self._cpu_deltas()
         thawed_on: dict[Resource, list[_Tenant]] = {}
         for t in self._tenants.values():
@@ -734,19 +760,23 @@ class KernelEngine:
         self.policy.set_demand(t.name, ())
 
     def _log_shares(self, reason: str) -> None:
-        for s in self.snapshots():
+        """One line per tenant on every share change; from the policy alone (no cgroup reads on the slice path)."""
+        targets = self.policy.target_shares()
+        for name, t in sorted(self._tenants.items()):
+            shares = [targets.get(name, {}).get(r, 0.0) for r in t.resources]
             log.info(
                 "share",
-                tenant=s.name,
-                weight=s.weight,
-                share=round(s.target_share, 4),
-                state=s.state,
+                tenant=name,
+                weight=self.policy.weight(name),
+                share=round(max(shares, default=0.0), 4),
+                state=_state(t),
                 reason=reason,
             )
 
     # --- reporting ---------------------------------------------------------------------------------
     def snapshots(self) -> list[TenantSnapshot]:
         stats = {s.name: s for s in self.policy.stats(self.clock.monotonic())}
+        by_gpu = self._active_weight_by_gpu()
         out = []
         for name in sorted(self._tenants):
             t = self._tenants[name]
@@ -755,7 +785,7 @@ class KernelEngine:
                 ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0)) for r in sorted(t.resources)
             )
             main = max(shares, key=lambda s: (s.target, s.measured), default=None)
-            state = "frozen" if t.frozen else ("running" if t.active else "idle")
+            state = _state(t)
             pids = () if t.missing else tuple(sorted(self.driver.pids(t.cgroup)))
             out.append(
                 TenantSnapshot(
@@ -776,7 +806,7 @@ class KernelEngine:
                     adopted=t.adopted,
                     sessions=dict(t.sessions),
                     refusals=dict(t.refusals),
-                    caps={k.value: self.cap(t, k) for k in CapKind},
+                    caps={k.value: self.cap(t, k, by_gpu) for k in CapKind},
                     memory_cap=t.limits.memory_bytes,
                     memory_bytes=t.memory_bytes,
                     over_memory=t.over_memory,
