@@ -77,6 +77,8 @@ class DaemonConfig:
     timeshare_window_ms: float = 100.0
     share_window_s: float = 10.0
     idle_slices: int = 2
+    lease_timeout_ms: float = 250.0
+    """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
     activity_threshold: float = 0.02
     contention: str = "auto"
     user_tenants: bool = True
@@ -109,6 +111,7 @@ _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "lag_limit_slices": (0.0, 100.0),
     "timeshare_window_ms": (1.0, 600_000.0),
     "share_window_s": (0.1, 3600.0),
+    "lease_timeout_ms": (10.0, 600_000.0),
     "activity_threshold": (0.0, 1.0),
 }
 _INT_RANGES: Mapping[str, tuple[int, int]] = {

@@ -16,13 +16,16 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
+from unisched.enforce.leases import LeaseChannel
 from unisched.engine.clock import Clock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.leases import LeaseBook, LeaseError
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import (
     DEFAULT_WEIGHT,
     SHARED_SM,
     ContentionMap,
+    Decision,
     Engine,
     FairShareConfig,
     Mode,
@@ -37,7 +40,7 @@ from unisched.policy import (
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "TenantSnapshot"]
+__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
 
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
@@ -94,6 +97,18 @@ class TenantSnapshot:
     memory_bytes: int = 0
     over_memory: bool = False
     devices: str | None = None
+    cooperative: bool = False
+    overrun_s: float = 0.0
+    enforced: bool = False
+
+
+@dataclass(frozen=True)
+class LeaseAck:
+    """The engine's answer to a want or a report: does the tenant hold the engine now."""
+
+    engine: Engine
+    held: bool
+    lease: int
 
 
 # Which session kinds (unisched.enforce.nvclasses.SessionKind values) a cap applies to, and the engine
@@ -137,8 +152,20 @@ class _Tenant:
         return self.engines | seen
 
 
-def _state(t: _Tenant) -> str:
-    return "frozen" if t.frozen else ("running" if t.active else "idle")
+def _state(t: _Tenant, holds_lease: bool | None = None) -> str:
+    """holds_lease: None for a kernel tenant; for a cooperative one, whether it holds a lease now."""
+    if t.frozen:
+        return "frozen"
+    if holds_lease is not None and t.active and not holds_lease:
+        return "waiting"
+    return "running" if t.active else "idle"
+
+
+def _parse_engine(name: str) -> Engine:
+    try:
+        return Engine(name)
+    except ValueError:
+        raise EngineError("invalid", f"engine must be one of {', '.join(e.value for e in Engine)}; got {name[:40]!r}") from None
 
 
 def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
@@ -184,6 +211,8 @@ class KernelEngine:
         self._last_active: frozenset[str] = frozenset()
         self._memory_at = float("-inf")
         self._telemetry_failing = False
+        self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
+        self._next_tick = self._last_tick
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
         if self.config.contention != "auto":
@@ -467,6 +496,7 @@ class KernelEngine:
         except CgroupError as e:
             log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
         del self._tenants[name]
+        self.leases.forget_tenant(name)
         self.policy.remove(name)
         self._save()
         log.info("tenant removed", tenant=name)
@@ -632,31 +662,48 @@ class KernelEngine:
         self._update_memory(samples, now)
         cpu = self._cpu_deltas()
         thawed_on: dict[Resource, list[_Tenant]] = {}
+        leases = self.leases
         for t in self._tenants.values():
-            if not t.frozen and not t.missing:
+            if not t.frozen and not t.missing and not leases.cooperative(t.name):  # those report their GPU time
                 for r in t.resources:
                     thawed_on.setdefault(r, []).append(t)
         gpu_active: set[str] = set()
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
+        leases.expire(now)
         if self.config.mode is Mode.TIDAL:
             for t in self._tenants.values():
                 self._apply_tidal(t)
         decision = self.policy.decide(now)
+        self._next_tick = now + decision.slice_s
+        self._apply(decision, now, tick=True)
+        active = frozenset(n for n, t in self._tenants.items() if t.active)
+        if active != self._last_active:
+            self._last_active = active
+            self._log_shares(reason="demand")
+        return decision.slice_s
+
+    def _apply(self, decision: Decision, now: float, tick: bool) -> None:
+        """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases."""
+        leases = self.leases
         for t in self._tenants.values():
             want = decision.must_wait(t.name)
+            if leases.cooperative(t.name) and not leases.enforced(t.name):
+                want = False
             if want != t.frozen and not t.missing:
                 try:
                     self.driver.set_frozen(t.cgroup, want)
                     t.frozen = want
                 except CgroupError as e:
                     self._lost(t, str(e))
-        active = frozenset(n for n, t in self._tenants.items() if t.active)
-        if active != self._last_active:
-            self._last_active = active
-            self._log_shares(reason="demand")
-        return decision.slice_s
+        leases.apply(decision, now, max(0.0, self._next_tick - now), tick)
+
+    def _reschedule(self) -> None:
+        """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine
+        handed on) at once, not at the next slice boundary."""
+        now = self.clock.monotonic()
+        self._apply(self.policy.decide(now), now, tick=False)
 
     def _sample(self) -> Sequence[GpuSample]:
         """The telemetry's samples; a telemetry that raises (it must not) counts as no GPU signal this slice,
@@ -726,7 +773,11 @@ class KernelEngine:
 
     def _update_demand(self, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
         threshold = self.config.activity_threshold
+        leases = self.leases
         for t in self._tenants.values():
+            if leases.cooperative(t.name):
+                t.active = bool(leases.demand(t.name))  # from its lease session (LeaseBook sets the demand)
+                continue
             if t.missing:
                 active = False
             elif t.frozen:
@@ -773,6 +824,105 @@ class KernelEngine:
                 reason=reason,
             )
 
+    # --- the user engine: lease sessions ------------------------------------------------------------
+    def lease_open(
+        self, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
+        pid: int, uid: int, is_admin: bool, channel: LeaseChannel,
+    ) -> tuple[int, TenantSnapshot]:
+        """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""
+        if gpu not in self.gpu_indices:
+            raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(self.gpu_indices)}")
+        t = self._tenants.get(name)
+        gpus = [gpu] if t is None or t.gpus is not None else []
+        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin)
+        t = self._tenants[name]
+        if t.frozen:  # was a kernel tenant: leases gate it from now on
+            self._thaw(t)
+        sid = self.leases.open(name, gpu, channel)
+        t.active = bool(self.leases.demand(name))
+        self.policy.set_demand(name, self.leases.demand(name))
+        return sid, self.snapshot(name)
+
+    def _thaw(self, t: _Tenant) -> None:
+        try:
+            self.driver.set_frozen(t.cgroup, False)
+            t.frozen = False
+        except CgroupError as e:
+            self._lost(t, str(e))
+
+    def _lease_call(self, sid: int) -> _Tenant:
+        try:
+            name = self.leases.session_tenant(sid)
+        except LeaseError as e:
+            raise EngineError("invalid", str(e)) from None
+        t = self._tenants.get(name)
+        if t is None:
+            raise EngineError("not_found", f"tenant {name!r} was removed")
+        return t
+
+    def _ack(self, sid: int, t: _Tenant, engine: Engine) -> LeaseAck:
+        lease = self.leases.lease_of(t.name, sid, engine)
+        return LeaseAck(engine, lease is not None, lease or 0)
+
+    def lease_want(self, sid: int, engine: str) -> LeaseAck:
+        t = self._lease_call(sid)
+        e = _parse_engine(engine)
+        if self.leases.want(sid, e, self.clock.monotonic()):
+            t.active = bool(self.leases.demand(t.name))
+            self._reschedule()
+        return self._ack(sid, t, e)
+
+    def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool) -> LeaseAck:
+        t = self._lease_call(sid)
+        e = _parse_engine(engine)
+        try:
+            changed, _ = self.leases.report(sid, e, gpu_seconds, release, self.clock.monotonic())
+        except LeaseError as err:
+            raise EngineError("invalid", str(err)) from None
+        if changed:
+            t.active = bool(self.leases.demand(t.name))
+            self._reschedule()
+        if self.leases.enforced(t.name) and not t.frozen and not self.leases.holds(t.name) and t.active:
+            self._reschedule()  # just enforced: freeze it now if it must wait
+        return self._ack(sid, t, e)
+
+    def lease_codec(self, sid: int, kind: str, open_: bool) -> tuple[bool, str]:
+        """A client asks to open (or closes) a hardware codec session: the same caps as the kernel hooks."""
+        t = self._lease_call(sid)
+        if kind not in ("nvdec", "nvenc"):
+            raise EngineError("invalid", f"codec session kind must be nvdec or nvenc, got {kind!r}")
+        if not open_:
+            if self.leases.codec_open(sid, kind) > 0:
+                self.leases.note_codec(sid, kind, -1)
+                self.session_freed(t.name, kind)
+            return True, ""
+        if kind == "nvenc" and self.video is not None and self.video.nvenc == 0:
+            gpu = self.telemetry.gpus()[0].name if self.telemetry.gpus() else "this GPU"
+            return False, f"{gpu} has no NVENC encoder; encode on the CPU (e.g. libx264) or on another GPU"
+        if not self.admit_session(t.name, kind, 0):
+            cap = self.cap(t, _CAP_OF_KIND[kind])
+            why = "over its memory cap" if t.over_memory else f"{kind} cap {cap} reached"
+            return False, f"tenant {t.name!r}: {why}"
+        self.leases.note_codec(sid, kind, +1)
+        return True, ""
+
+    def lease_close(self, sid: int) -> None:
+        closed = self.leases.close(sid, self.clock.monotonic())
+        if closed is None:
+            return
+        name, codec = closed
+        t = self._tenants.get(name)
+        if t is None:
+            return
+        for kind, n in codec.items():
+            if n:
+                self.session_freed(name, kind, n)
+        t.active = bool(self.leases.demand(name)) if self.leases.cooperative(name) else False
+        if not self.leases.cooperative(name):
+            t.idle_run = 0
+            t.last_cpu = None
+        self._reschedule()
+
     # --- reporting ---------------------------------------------------------------------------------
     def snapshots(self) -> list[TenantSnapshot]:
         stats = {s.name: s for s in self.policy.stats(self.clock.monotonic())}
@@ -785,7 +935,8 @@ class KernelEngine:
                 ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0)) for r in sorted(t.resources)
             )
             main = max(shares, key=lambda s: (s.target, s.measured), default=None)
-            state = _state(t)
+            coop = self.leases.cooperative(name)
+            state = _state(t, self.leases.holds(name) if coop else None)
             pids = () if t.missing else tuple(sorted(self.driver.pids(t.cgroup)))
             out.append(
                 TenantSnapshot(
@@ -811,6 +962,9 @@ class KernelEngine:
                     memory_bytes=t.memory_bytes,
                     over_memory=t.over_memory,
                     devices=self.devices.describe(self._v2_dir(t)) if t.devices_admitted and self.devices else None,
+                    cooperative=coop,
+                    overrun_s=self.leases.overrun_s(name),
+                    enforced=self.leases.enforced(name),
                 )
             )
         return out

@@ -294,6 +294,11 @@ class WeightedFairShare:
     def names(self) -> list[str]:
         return sorted(self._tenants)
 
+    def contenders(self, resource: Resource) -> int:
+        """How many tenants have demand on the resource now (a lease holder alone need not stop early)."""
+        rid = self._rids.get(resource)
+        return 0 if rid is None else self._index[rid].active
+
     def weight(self, name: str) -> int:
         return self._get(name).weight
 

@@ -18,9 +18,10 @@ import grpc
 import structlog
 
 from unisched import __version__
+from unisched.enforce.leases import LeaseGrant, LeaseMessage
 from unisched.enforce.seccomp import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
-from unisched.engine.core import EngineError, KernelEngine, TenantSnapshot
+from unisched.engine.core import EngineError, KernelEngine, LeaseAck, TenantSnapshot
 from unisched.engine.runner import run_engine
 from unisched.policy import Priority
 from unisched.transport import unisched_pb2 as pb
@@ -75,6 +76,9 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         memory_bytes=s.memory_bytes,
         over_memory=s.over_memory,
         devices=s.devices or "",
+        cooperative=s.cooperative,
+        overrun_s=s.overrun_s,
+        enforced=s.enforced,
     )
 
 
@@ -239,6 +243,79 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             out.append(t)
         return pb.ListTenantsReply(tenants=out)
 
+    async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        """The user engine's stream: hello, then wants and reports, each answered by an ack; grants and
+        revokes pushed by the engine. Closing the stream ends the session (its demand and codec sessions)."""
+        cred = await self._need_caller(context)
+        channel = StreamLeaseChannel()
+        sid_box: list[int] = []
+        reader = asyncio.create_task(self._lease_reader(context, cred, channel, sid_box))
+        try:
+            while True:
+                item = await channel.queue.get()
+                if isinstance(item, _Overflow):
+                    log.warning("lease stream dropped", reason=str(item), pid=cred.pid)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                if isinstance(item, EngineError):
+                    await self._fail(context, item)
+                if isinstance(item, EOFError):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                await context.write(item)
+        finally:
+            reader.cancel()
+            if sid_box:
+                self.engine.lease_close(sid_box[0])
+
+    async def _lease_reader(
+        self, context: grpc.aio.ServicerContext, cred: PeerCred, channel: StreamLeaseChannel, sid_box: list[int]
+    ) -> None:
+        try:
+            while True:
+                req = await context.read()
+                if req is grpc.aio.EOF:
+                    channel.put(EOFError())
+                    return
+                channel.put(self._lease_request(req, cred, channel, sid_box))
+        except EngineError as e:
+            channel.put(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream broke (client gone): end the writer too
+            channel.put(EOFError(str(e)))
+
+    def _lease_request(self, req: pb.LeaseRequest, cred: PeerCred, channel: StreamLeaseChannel,
+                       sid_box: list[int]) -> pb.LeaseReply:
+        kind = req.WhichOneof("kind")
+        if kind == "hello":
+            if sid_box:
+                raise EngineError("invalid", "hello was already sent on this stream")
+            h = req.hello
+            sid, snap = self.engine.lease_open(
+                h.tenant, h.weight or None, _PRIORITY.get(h.priority), list(h.engines), h.gpu,
+                cred.pid, cred.uid, self._is_admin(cred), channel,
+            )
+            sid_box.append(sid)
+            log.info("lease session", tenant=snap.name, session=sid, pid=cred.pid, uid=cred.uid)
+            cfg = self.engine.config
+            return pb.LeaseReply(welcome=pb.LeaseWelcome(
+                tenant=snapshot_to_pb(snap), session=sid, slice_s=cfg.slice_ms / 1000.0,
+                valid_s=cfg.lease_timeout_ms / 1000.0,
+            ), seq=req.seq)
+        if not sid_box:
+            raise EngineError("invalid", "the first message on a lease stream must be hello")
+        sid = sid_box[0]
+        if kind == "want":
+            return _ack_pb(self.engine.lease_want(sid, req.want.engine), req.seq)
+        if kind == "report":
+            r = req.report
+            return _ack_pb(self.engine.lease_report(sid, r.engine, r.gpu_seconds, r.release), req.seq)
+        if kind == "session":
+            ok, why = self.engine.lease_codec(sid, req.session.kind, req.session.open)
+            return pb.LeaseReply(ack=pb.LeaseAck(admitted=ok, reason=why), seq=req.seq)
+        raise EngineError("invalid", "empty lease request (set hello, want, report or session)")
+
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         cred = self._caller(context)
         gpus = {g.index: g for g in self.engine.telemetry.gpus()}
@@ -276,6 +353,48 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
         return reply
+
+
+LEASE_QUEUE_MAX = 1024
+"""Replies queued for one lease stream; a client that lets this many pile up (it does not read) is dropped."""
+
+
+class _Overflow(Exception):
+    pass
+
+
+class StreamLeaseChannel:
+    """The LeaseChannel of one gRPC lease stream: the engine's messages queued for the stream's writer."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[pb.LeaseReply | BaseException] = asyncio.Queue(LEASE_QUEUE_MAX)
+        self.broken = False
+
+    def put(self, reply: pb.LeaseReply | BaseException) -> None:
+        if self.broken:
+            return
+        try:
+            self.queue.put_nowait(reply)
+        except asyncio.QueueFull:
+            self.broken = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(_Overflow(f"client did not read {LEASE_QUEUE_MAX} lease replies; session closed"))
+
+    def send(self, message: LeaseMessage) -> None:
+        if isinstance(message, LeaseGrant):
+            self.put(pb.LeaseReply(grant=pb.LeaseGrant(
+                lease=message.lease, engine=message.engine.value, valid_s=message.valid_s,
+                contended=message.contended, slice_left_s=message.slice_left_s,
+            )))
+        else:
+            self.put(pb.LeaseReply(revoke=pb.LeaseRevoke(
+                lease=message.lease, engine=message.engine.value, reason=message.reason,
+            )))
+
+
+def _ack_pb(ack: LeaseAck, seq: int) -> pb.LeaseReply:
+    return pb.LeaseReply(ack=pb.LeaseAck(engine=ack.engine.value, held=ack.held, lease=ack.lease), seq=seq)
 
 
 def _is_tls(context: grpc.aio.ServicerContext) -> bool:

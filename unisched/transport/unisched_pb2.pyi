@@ -29,7 +29,7 @@ class ResourceShare(_message.Message):
     def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices")
+    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced")
     class SessionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,9 @@ class Tenant(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     OVER_MEMORY_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    COOPERATIVE_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_S_FIELD_NUMBER: _ClassVar[int]
+    ENFORCED_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: int
     base_weight: int
@@ -86,7 +89,10 @@ class Tenant(_message.Message):
     memory_bytes: int
     over_memory: bool
     devices: str
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ...) -> None: ...
+    cooperative: bool
+    overrun_s: float
+    enforced: bool
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ..., cooperative: _Optional[bool] = ..., overrun_s: _Optional[float] = ..., enforced: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("render", "decode", "encode", "memory_bytes")
@@ -231,3 +237,119 @@ class StatusReply(_message.Message):
 class Empty(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LeaseHello(_message.Message):
+    __slots__ = ("tenant", "weight", "priority", "engines", "gpu")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    priority: Priority
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    gpu: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpu: _Optional[int] = ...) -> None: ...
+
+class LeaseWant(_message.Message):
+    __slots__ = ("engine",)
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    def __init__(self, engine: _Optional[str] = ...) -> None: ...
+
+class LeaseReport(_message.Message):
+    __slots__ = ("engine", "gpu_seconds", "release")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    gpu_seconds: float
+    release: bool
+    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class CodecSession(_message.Message):
+    __slots__ = ("kind", "open")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    open: bool
+    def __init__(self, kind: _Optional[str] = ..., open: _Optional[bool] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("hello", "want", "report", "session", "seq")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    hello: LeaseHello
+    want: LeaseWant
+    report: LeaseReport
+    session: CodecSession
+    seq: int
+    def __init__(self, hello: _Optional[_Union[LeaseHello, _Mapping]] = ..., want: _Optional[_Union[LeaseWant, _Mapping]] = ..., report: _Optional[_Union[LeaseReport, _Mapping]] = ..., session: _Optional[_Union[CodecSession, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class LeaseWelcome(_message.Message):
+    __slots__ = ("tenant", "session", "slice_s", "valid_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SLICE_S_FIELD_NUMBER: _ClassVar[int]
+    VALID_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: Tenant
+    session: int
+    slice_s: float
+    valid_s: float
+    def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ..., session: _Optional[int] = ..., slice_s: _Optional[float] = ..., valid_s: _Optional[float] = ...) -> None: ...
+
+class LeaseGrant(_message.Message):
+    __slots__ = ("lease", "engine", "valid_s", "contended", "slice_left_s")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    VALID_S_FIELD_NUMBER: _ClassVar[int]
+    CONTENDED_FIELD_NUMBER: _ClassVar[int]
+    SLICE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    engine: str
+    valid_s: float
+    contended: bool
+    slice_left_s: float
+    def __init__(self, lease: _Optional[int] = ..., engine: _Optional[str] = ..., valid_s: _Optional[float] = ..., contended: _Optional[bool] = ..., slice_left_s: _Optional[float] = ...) -> None: ...
+
+class LeaseRevoke(_message.Message):
+    __slots__ = ("lease", "engine", "reason")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    engine: str
+    reason: str
+    def __init__(self, lease: _Optional[int] = ..., engine: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaseAck(_message.Message):
+    __slots__ = ("engine", "held", "lease", "admitted", "reason")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    held: bool
+    lease: int
+    admitted: bool
+    reason: str
+    def __init__(self, engine: _Optional[str] = ..., held: _Optional[bool] = ..., lease: _Optional[int] = ..., admitted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("welcome", "grant", "revoke", "ack", "seq")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    welcome: LeaseWelcome
+    grant: LeaseGrant
+    revoke: LeaseRevoke
+    ack: LeaseAck
+    seq: int
+    def __init__(self, welcome: _Optional[_Union[LeaseWelcome, _Mapping]] = ..., grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., revoke: _Optional[_Union[LeaseRevoke, _Mapping]] = ..., ack: _Optional[_Union[LeaseAck, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...

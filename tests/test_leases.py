@@ -1,0 +1,252 @@
+"""The user engine's lease logic in the engine: fake cgroups, fake lease channels, an injected clock."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
+from unisched.engine.clock import FakeClock
+from unisched.engine.config import DaemonConfig
+from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.state import StateStore
+from unisched.policy.leases import OverrunMeter
+from unisched.telemetry import FakeTelemetry, GpuInfo, NoGpuTelemetry
+
+SLICE = 0.05
+
+
+class Coop:
+    """One cooperative client: its session, its channel, and the lease it believes it holds."""
+
+    def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute") -> None:
+        self.rig = rig
+        self.name = name
+        self.engine = engine
+        self.channel = FakeLeaseChannel()
+        rig.pid += 1
+        self.sid, _ = rig.engine.lease_open(name, weight, None, [engine], 0, rig.pid, 0, True, self.channel)
+        self.held = False
+        self.revokes: list[LeaseRevoke] = []
+        self.used = 0.0
+
+    def want(self) -> None:
+        self.rig.engine.lease_want(self.sid, self.engine)
+        self.pump()
+
+    def pump(self) -> None:
+        for m in self.channel.take():
+            if isinstance(m, LeaseGrant):
+                self.held = True
+            else:
+                self.held = False
+                self.revokes.append(m)
+
+    def report(self, seconds: float, release: bool = False) -> None:
+        self.used += seconds
+        self.rig.engine.lease_report(self.sid, self.engine, seconds, release)
+        self.pump()
+
+
+class LeaseRig:
+    def __init__(self, tmp: Path, telemetry: object = None, **cfg: object) -> None:
+        self.driver = FakeCgroupDriver()
+        self.clock = FakeClock()
+        config = DaemonConfig(slice_ms=SLICE * 1000, **cfg)  # type: ignore[arg-type]
+        self.engine = KernelEngine(config, self.driver, telemetry or NoGpuTelemetry(), StateStore(tmp / "s"), self.clock)  # type: ignore[arg-type]
+        self.engine.start()
+        self.pid = 5000
+        self.clients: list[Coop] = []
+
+    def coop(self, name: str, weight: int, engine: str = "compute") -> Coop:
+        c = Coop(self, name, weight, engine)
+        self.clients.append(c)
+        return c
+
+    def tick(self) -> float:
+        delay = self.engine.tick()
+        for c in self.clients:
+            c.pump()
+        return delay
+
+    def run(self, slices: int, busy: list[Coop], obey: bool = True) -> None:
+        """Each slice, every busy client that holds its lease (or every busy one, obey=False) uses all of it."""
+        for _ in range(slices):
+            delay = self.tick()
+            self.clock.advance(delay)
+            for c in busy:
+                if c.held or not obey:
+                    c.report(delay)
+                else:
+                    c.report(0.0)  # renews: still wants the engine
+
+
+def test_a_lone_cooperative_tenant_is_granted_at_once_and_uncontended(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    a.rig.engine.lease_want(a.sid, "compute")
+    (grant,) = a.channel.take()
+    assert isinstance(grant, LeaseGrant) and not grant.contended
+    snap = rig.engine.snapshot("a")
+    assert snap.cooperative and snap.state == "running"
+
+
+def test_two_cooperative_tenants_at_3_to_1_get_leases_3_to_1(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 300), rig.coop("b", 100)
+    a.want()
+    b.want()
+    rig.run(800, [a, b])
+    assert 2.85 < a.used / b.used < 3.15
+    assert a.used + b.used == pytest.approx(800 * SLICE, rel=0.01)  # one holder at a time, no idle slice
+    assert rig.engine.snapshot("a").overrun_s == 0.0
+
+
+def test_the_holder_hears_it_is_contended_when_another_wants(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    a.report(0.01)
+    b.rig.engine.lease_want(b.sid, "compute")
+    msgs = a.channel.take()
+    grants = [m for m in msgs if isinstance(m, LeaseGrant)]
+    revokes = [m for m in msgs if isinstance(m, LeaseRevoke)]
+    # either a keeps the slice and is told to stop at its end, or b (no usage yet) takes over at once
+    assert (grants and grants[-1].contended) or revokes
+
+
+def test_a_release_hands_the_engine_on_without_waiting_for_a_tick(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    b.want()
+    holder, other = (a, b) if a.held else (b, a)
+    assert holder.held and not other.held
+    holder.report(0.02, release=True)
+    other.pump()
+    assert other.held and not holder.held
+
+
+def test_a_holder_that_stops_renewing_is_revoked_and_the_other_runs(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path, lease_timeout_ms=200.0)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    b.want()
+    rig.run(10, [a, b])
+    rig.run(12, [b])  # a goes silent (hung): 12 slices = 600 ms > 200 ms
+    assert any("not renewed" in r.reason for r in a.revokes)
+    before = b.used
+    rig.run(20, [b])
+    assert b.used - before == pytest.approx(20 * SLICE)  # b alone now holds every slice
+    assert rig.engine.snapshot("a").state == "idle"
+
+
+def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    good, bad = rig.coop("good", 100), rig.coop("bad", 100)
+    good.want()
+    bad.want()
+    for _ in range(40):  # bad ignores revocations and uses every slice
+        delay = rig.tick()
+        rig.clock.advance(delay)
+        good.report(delay if good.held else 0.0)
+        bad.report(delay)
+    snap = rig.engine.snapshot("bad")
+    assert snap.overrun_s > 0.2
+    assert snap.enforced
+    # charged in full: the policy now holds the overrunner back (the good one gets most slices)
+    assert rig.engine.snapshot("good").overrun_s == 0.0
+    frozen_when_waiting = []
+    for _ in range(20):
+        rig.tick()
+        rig.clock.advance(SLICE)
+        frozen_when_waiting.append(rig.driver.groups["/unisched/bad"].frozen == (not bad.held))
+        good.report(SLICE if good.held else 0.0)
+        bad.report(SLICE if bad.held else 0.0)
+    assert all(frozen_when_waiting)
+    assert not rig.engine.snapshot("good").enforced
+
+
+def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("coop", 100)
+    a.want()
+    rig.pid += 1
+    rig.engine.register("kern", 100, None, (), (), rig.pid, 0, True)
+    kern_cpu = 0.0
+    for _ in range(400):
+        delay = rig.tick()
+        g = rig.driver.groups["/unisched/kern"]
+        if not g.frozen:
+            g.cpu_s += delay
+            kern_cpu += delay
+        rig.clock.advance(delay)
+        a.report(delay if a.held else 0.0)
+    assert 0.9 < a.used / kern_cpu < 1.1
+    assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
+
+
+def test_closing_the_session_drops_demand_and_frees_codec_sessions(tmp_path: Path) -> None:
+    gpu = GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([gpu]))
+    a = rig.coop("a", 100, engine="decode")
+    assert rig.engine.lease_codec(a.sid, "nvdec", True) == (True, "")
+    ok, why = rig.engine.lease_codec(a.sid, "nvenc", True)
+    assert not ok and "no NVENC" in why
+    a.want()
+    assert rig.engine.snapshot("a").sessions == {"nvdec": 1}
+    rig.engine.lease_close(a.sid)
+    snap = rig.engine.snapshot("a")
+    assert snap.sessions == {"nvdec": 0} and not snap.cooperative and snap.state == "idle"
+
+
+def test_decode_cap_refuses_a_codec_session_beyond_it(tmp_path: Path) -> None:
+    gpu = GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([gpu]))
+    a = rig.coop("a", 100, engine="decode")
+    rig.engine.set_limits("a", None, 1, None, None)
+    assert rig.engine.lease_codec(a.sid, "nvdec", True)[0]
+    ok, why = rig.engine.lease_codec(a.sid, "nvdec", True)
+    assert not ok and "nvdec cap 1" in why
+    assert rig.engine.lease_codec(a.sid, "nvdec", False) == (True, "")
+    assert rig.engine.lease_codec(a.sid, "nvdec", True)[0]
+
+
+@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf, 61.0])
+def test_bad_reports_are_refused(tmp_path: Path, seconds: float) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    with pytest.raises(EngineError, match="gpu_seconds"):
+        rig.engine.lease_report(a.sid, "compute", seconds, False)
+
+
+def test_bad_engine_unknown_session_and_removed_tenant(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    with pytest.raises(EngineError, match="engine must be one of"):
+        rig.engine.lease_want(a.sid, "warp-drive")
+    with pytest.raises(EngineError, match="no lease session"):
+        rig.engine.lease_want(999, "compute")
+    with pytest.raises(EngineError, match="codec session kind"):
+        rig.engine.lease_codec(a.sid, "nvjpg", True)
+    a.want()
+    rig.engine.remove("a")
+    assert any(r.reason == "tenant removed" for r in a.channel.take() if isinstance(r, LeaseRevoke))
+    with pytest.raises(EngineError):
+        rig.engine.lease_want(a.sid, "compute")
+
+
+def test_overrun_meter_counts_strikes_only_beyond_slack() -> None:
+    m = OverrunMeter(window_s=0.2, slack_s=0.05, strikes_to_enforce=2)
+    m.hold(0.0)
+    assert m.report(0.1, 0.1) is None
+    v = m.report(0.1, 0.2)  # 0.2 used in 0.2 held: fine
+    assert v is not None and v.overrun_s == 0 and v.strikes == 0
+    m.drop(0.2)
+    v = m.report(0.3, 0.4)  # 0.3 used, 0 held
+    assert v is not None and v.overrun_s == pytest.approx(0.25) and not v.enforce
+    v = m.report(0.3, 0.65)
+    assert v is not None and v.enforce and m.overrun_total_s == pytest.approx(0.5)

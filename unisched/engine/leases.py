@@ -1,0 +1,281 @@
+"""The user engine's bookkeeping: lease sessions of cooperative clients, their demand, their leases.
+
+A cooperative tenant is an ordinary tenant (a cgroup with a weight) with at least one lease session open. Its
+demand is what its sessions want (renewed within `valid_s`), its charges are the GPU time they report, and
+instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
+kernel tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `KernelEngine` (which owns the
+policy and the clock); it sends through each session's `LeaseChannel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import count
+
+import structlog
+
+from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
+from unisched.policy import ContentionMap, Decision, Engine, Resource, WeightedFairShare
+from unisched.policy.leases import OverrunMeter, OverrunVerdict
+
+__all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError"]
+
+log = structlog.get_logger("unisched.engine")
+
+MAX_REPORT_S = 60.0
+"""GPU seconds one report may carry (a report covers well under a second of work)."""
+OVERRUN_WINDOW_SLICES = 4
+STRIKES_TO_ENFORCE = 3
+
+
+class LeaseError(Exception):
+    """A lease request the engine refuses (invalid input, unknown session)."""
+
+
+@dataclass
+class _Session:
+    id: int
+    tenant: str
+    gpu: int
+    channel: LeaseChannel
+    wants: dict[Engine, float] = field(default_factory=dict)
+    """engine -> when the client last wanted or reported on it (demand while fresh)."""
+    codec: dict[str, int] = field(default_factory=dict)
+    """codec sessions admitted through this lease session, by kind (released when it closes)."""
+
+
+@dataclass
+class _Lease:
+    id: int
+    engine: Engine
+    contended: bool
+    slice_left_s: float = 0.0
+
+
+@dataclass
+class _Coop:
+    sessions: set[int] = field(default_factory=set)
+    demand: frozenset[Resource] = frozenset()
+    leases: dict[Resource, _Lease] = field(default_factory=dict)
+    meters: dict[Resource, OverrunMeter] = field(default_factory=dict)
+    enforced: bool = False
+
+
+class LeaseBook:
+    def __init__(self, policy: WeightedFairShare, contention: ContentionMap, slice_s: float, valid_s: float) -> None:
+        self.policy = policy
+        self.contention = contention
+        self.slice_s = slice_s
+        self.valid_s = valid_s
+        self._sessions: dict[int, _Session] = {}
+        self._coop: dict[str, _Coop] = {}
+        self._ids = count(1)
+        self._lease_ids = count(1)
+
+    # --- queries -----------------------------------------------------------------------------------
+    def cooperative(self, tenant: str) -> bool:
+        return tenant in self._coop
+
+    def enforced(self, tenant: str) -> bool:
+        c = self._coop.get(tenant)
+        return c is not None and c.enforced
+
+    def demand(self, tenant: str) -> frozenset[Resource]:
+        c = self._coop.get(tenant)
+        return c.demand if c else frozenset()
+
+    def holds(self, tenant: str) -> bool:
+        c = self._coop.get(tenant)
+        return bool(c and c.leases)
+
+    def overrun_s(self, tenant: str) -> float:
+        c = self._coop.get(tenant)
+        return sum(m.overrun_total_s for m in c.meters.values()) if c else 0.0
+
+    def lease_of(self, tenant: str, sid: int, engine: Engine) -> int | None:
+        """The id of the lease covering the session's engine, if the tenant holds it."""
+        c = self._coop.get(tenant)
+        if c is None or not c.leases:
+            return None
+        lease = c.leases.get(self.resource(self._session(sid).gpu, engine))
+        return lease.id if lease else None
+
+    def tenants(self) -> Iterator[str]:
+        return iter(self._coop)
+
+    def session_tenant(self, sid: int) -> str:
+        return self._session(sid).tenant
+
+    def resource(self, gpu: int, engine: Engine) -> Resource:
+        (r,) = self.contention.resources((gpu,), {engine})
+        return r
+
+    def _session(self, sid: int) -> _Session:
+        s = self._sessions.get(sid)
+        if s is None:
+            raise LeaseError(f"no lease session {sid} (send hello first)")
+        return s
+
+    # --- sessions ------------------------------------------------------------------------------------
+    def open(self, tenant: str, gpu: int, channel: LeaseChannel) -> int:
+        sid = next(self._ids)
+        self._sessions[sid] = _Session(sid, tenant, gpu, channel)
+        self._coop.setdefault(tenant, _Coop()).sessions.add(sid)
+        log.info("lease session opened", tenant=tenant, session=sid, gpu=gpu)
+        return sid
+
+    def close(self, sid: int, now: float) -> tuple[str, dict[str, int]] | None:
+        """Forget a session; returns its tenant and the codec sessions it still had open."""
+        s = self._sessions.pop(sid, None)
+        if s is None:
+            return None
+        c = self._coop[s.tenant]
+        c.sessions.discard(sid)
+        log.info("lease session closed", tenant=s.tenant, session=sid)
+        if not c.sessions:
+            for r, lease in list(c.leases.items()):
+                self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
+            del self._coop[s.tenant]
+        self._refresh_demand(s.tenant, now)
+        return s.tenant, dict(s.codec)
+
+    def forget_tenant(self, tenant: str) -> None:
+        """The tenant is removed: revoke what it holds and drop its sessions."""
+        c = self._coop.pop(tenant, None)
+        if c is None:
+            return
+        for sid in c.sessions:
+            s = self._sessions.pop(sid)
+            for r, lease in c.leases.items():
+                if r.gpu == s.gpu:
+                    s.channel.send(LeaseRevoke(lease.id, lease.engine, "tenant removed"))
+
+    def note_codec(self, sid: int, kind: str, delta: int) -> None:
+        s = self._session(sid)
+        s.codec[kind] = max(0, s.codec.get(kind, 0) + delta)
+
+    def codec_open(self, sid: int, kind: str) -> int:
+        return self._session(sid).codec.get(kind, 0)
+
+    # --- demand and usage ----------------------------------------------------------------------------
+    def want(self, sid: int, engine: Engine, now: float) -> bool:
+        """Demand on an engine (also a renewal). Returns whether the tenant's demand changed."""
+        s = self._session(sid)
+        s.wants[engine] = now
+        return self._refresh_demand(s.tenant, now)
+
+    def report(self, sid: int, engine: Engine, gpu_s: float, release: bool, now: float
+               ) -> tuple[bool, OverrunVerdict | None]:
+        """Charge measured GPU time (all of it, overrun included); renew, or release the engine."""
+        if not 0.0 <= gpu_s <= MAX_REPORT_S:  # also refuses NaN
+            raise LeaseError(f"gpu_seconds must be within 0 .. {MAX_REPORT_S:g}, got {gpu_s!r}")
+        s = self._session(sid)
+        c = self._coop[s.tenant]
+        r = self.resource(s.gpu, engine)
+        verdict = None
+        if gpu_s > 0:
+            self.policy.charge(s.tenant, r, gpu_s, now)
+            verdict = self._meter(c, r).report(gpu_s, now)
+            if verdict is not None and verdict.overrun_s > 0:
+                log.warning("lease overrun", tenant=s.tenant, engine=engine.value, overrun_s=round(verdict.overrun_s, 4),
+                            strikes=verdict.strikes)
+                if verdict.enforce and not c.enforced:
+                    c.enforced = True
+                    log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
+        if release:
+            s.wants.pop(engine, None)
+        elif engine in s.wants or gpu_s > 0:
+            s.wants[engine] = now
+        return self._refresh_demand(s.tenant, now), verdict
+
+    def _meter(self, c: _Coop, r: Resource) -> OverrunMeter:
+        m = c.meters.get(r)
+        if m is None:
+            m = c.meters[r] = OverrunMeter(OVERRUN_WINDOW_SLICES * self.slice_s, self.slice_s, STRIKES_TO_ENFORCE)
+        return m
+
+    def expire(self, now: float) -> list[str]:
+        """Drop wants not renewed within valid_s; returns the tenants whose demand changed."""
+        changed = []
+        for s in self._sessions.values():
+            stale = [e for e, at in s.wants.items() if now - at > self.valid_s]
+            if stale:
+                for e in stale:
+                    del s.wants[e]
+                log.warning("lease not renewed; revoked", tenant=s.tenant, session=s.id,
+                            engines=sorted(e.value for e in stale), valid_s=self.valid_s)
+                if self._refresh_demand(s.tenant, now, reason="not renewed"):
+                    changed.append(s.tenant)
+        return changed
+
+    def _refresh_demand(self, tenant: str, now: float, reason: str = "released") -> bool:
+        c = self._coop.get(tenant)
+        demand: frozenset[Resource] = frozenset()
+        if c is not None:
+            demand = frozenset(
+                self.resource(self._sessions[sid].gpu, e) for sid in c.sessions for e in self._sessions[sid].wants
+            )
+            for r, lease in list(c.leases.items()):
+                if r not in demand:
+                    self._revoke(tenant, c, r, lease, now, reason)
+            if demand == c.demand:
+                return False
+            c.demand = demand
+        self.policy.set_demand(tenant, demand)
+        return True
+
+    # --- decisions -----------------------------------------------------------------------------------
+    def apply(self, decision: Decision, now: float, slice_left_s: float, tick: bool) -> None:
+        """Grant the decision's holders their engines and revoke the rest. On a tick every holder hears
+        again (how long the new slice is); between ticks only those whose lease or contention changed."""
+        holders = decision.holders
+        for tenant, c in self._coop.items():
+            for r in c.demand:
+                lease = c.leases.get(r)
+                if holders.get(r) == tenant:
+                    contended = self.policy.contenders(r) > 1
+                    if lease is None:
+                        engine = self._engine_of(c, r)
+                        lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
+                        self._meter(c, r).hold(now)
+                    elif not tick and contended == lease.contended:
+                        continue
+                    lease.contended = contended
+                    lease.slice_left_s = slice_left_s
+                    self._send(c, r, lease)
+                elif lease is not None:
+                    self._revoke(tenant, c, r, lease, now, "slice over")
+
+    def _engine_of(self, c: _Coop, r: Resource) -> Engine:
+        for sid in c.sessions:
+            s = self._sessions[sid]
+            for e in s.wants:
+                if s.gpu == r.gpu and self.contention.domain(e) == r.domain:
+                    return e
+        raise AssertionError("a demanded resource has a wanting session")
+
+    def _send(self, c: _Coop, r: Resource, lease: _Lease, reason: str | None = None) -> None:
+        """A grant (reason None) or a revoke to every session of the tenant on that GPU, once per engine
+        of theirs the resource covers (compute and graphics are one resource where they contend)."""
+        for sid in c.sessions:
+            s = self._sessions[sid]
+            if s.gpu != r.gpu:
+                continue
+            engines = [e for e in s.wants if self.contention.domain(e) == r.domain]
+            if reason is None:
+                for e in engines:
+                    s.channel.send(LeaseGrant(lease.id, e, self.valid_s, lease.contended, lease.slice_left_s))
+            else:
+                for e in engines or [lease.engine]:
+                    s.channel.send(LeaseRevoke(lease.id, e, reason))
+
+    def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
+                notify: bool = True) -> None:
+        del c.leases[r]
+        self._meter(c, r).drop(now)
+        if notify:
+            self._send(c, r, lease, reason)
+
+    def summary(self) -> Mapping[str, int]:
+        return {"sessions": len(self._sessions), "cooperative_tenants": len(self._coop)}
