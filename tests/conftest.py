@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def child_env() -> dict[str, str]:
     """The environment for child processes: this checkout first, whatever PYTHONPATH was set after it."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    paths = [str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
 def freezer_unavailable_reason() -> str | None:

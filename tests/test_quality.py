@@ -25,12 +25,12 @@ def test_layers_import_downward_only() -> None:
 
 
 def test_ruff_is_clean() -> None:
-    out = subprocess.run([_tool("ruff"), "check", "unisched", "bench", "examples", "tests"],
+    out = subprocess.run([_tool("ruff"), "check", "unisched", "clients", "bench", "examples", "tests"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
 
 
 def test_mypy_strict_on_the_package() -> None:
     _tool("mypy")
-    out = subprocess.run([sys.executable, "-m", "mypy", "unisched"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "mypy", "unisched", "clients"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]

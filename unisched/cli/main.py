@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
+    s.add_argument("--lease-timeout-ms", type=float,
+                   help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
@@ -252,6 +254,9 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
         "memory_bytes": t.memory_bytes,
         "over_memory": t.over_memory,
         "devices": t.devices or None,
+        "cooperative": t.cooperative,
+        "overrun_s": round(t.overrun_s, 4),
+        "enforced": t.enforced,
     }
 
 
@@ -282,6 +287,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             state_dir=args.state_dir,
             mode=args.mode,
             slice_ms=args.slice_ms,
+            lease_timeout_ms=args.lease_timeout_ms,
             cgroup_driver=args.cgroup_driver,
             contention=args.contention,
             admin_group=args.admin_group,
@@ -415,7 +421,7 @@ def _cmd_tenants(args: argparse.Namespace) -> int:
                 f"{100 * t.target_share:.1f}%",
                 f"{100 * t.measured_share:.1f}%",
                 f"{t.gpu_seconds:.1f}",
-                ",".join(t.engines),
+                ",".join(t.engines) + (" (leases)" if t.cooperative else ""),
                 ",".join(f"{k}:{v}" for k, v in sorted(t.sessions.items()) if v) or "-",
                 ",".join(f"{k}:{v}" for k, v in sorted(t.refusals.items()) if v) or "-",
                 pids or "-",

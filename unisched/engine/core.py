@@ -671,7 +671,8 @@ class KernelEngine:
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
-        leases.expire(now)
+        tenants = self._tenants
+        leases.expire(now, lambda name: tenants[name].frozen)
         if self.config.mode is Mode.TIDAL:
             for t in self._tenants.values():
                 self._apply_tidal(t)
@@ -695,6 +696,8 @@ class KernelEngine:
                 try:
                     self.driver.set_frozen(t.cgroup, want)
                     t.frozen = want
+                    if not want:
+                        leases.touch(t.name, now)
                 except CgroupError as e:
                     self._lost(t, str(e))
         leases.apply(decision, now, max(0.0, self._next_tick - now), tick)

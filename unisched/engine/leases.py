@@ -9,7 +9,7 @@ policy and the clock); it sends through each session's `LeaseChannel`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -185,7 +185,7 @@ class LeaseBook:
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
         if release:
             s.wants.pop(engine, None)
-        elif engine in s.wants or gpu_s > 0:
+        else:  # a renewal: it still wants the engine (also after a revocation it could not see coming)
             s.wants[engine] = now
         return self._refresh_demand(s.tenant, now), verdict
 
@@ -195,10 +195,13 @@ class LeaseBook:
             m = c.meters[r] = OverrunMeter(OVERRUN_WINDOW_SLICES * self.slice_s, self.slice_s, STRIKES_TO_ENFORCE)
         return m
 
-    def expire(self, now: float) -> list[str]:
-        """Drop wants not renewed within valid_s; returns the tenants whose demand changed."""
+    def expire(self, now: float, frozen: Callable[[str], bool]) -> list[str]:
+        """Drop wants not renewed within valid_s; returns the tenants whose demand changed. A tenant the
+        freezer holds cannot renew: its wants are kept, and count from when it is thawed (`touch`)."""
         changed = []
         for s in self._sessions.values():
+            if frozen(s.tenant):
+                continue
             stale = [e for e, at in s.wants.items() if now - at > self.valid_s]
             if stale:
                 for e in stale:
@@ -208,6 +211,15 @@ class LeaseBook:
                 if self._refresh_demand(s.tenant, now, reason="not renewed"):
                     changed.append(s.tenant)
         return changed
+
+    def touch(self, tenant: str, now: float) -> None:
+        """The tenant was just thawed: its wants are fresh from now."""
+        c = self._coop.get(tenant)
+        if c is not None:
+            for sid in c.sessions:
+                s = self._sessions[sid]
+                for e in s.wants:
+                    s.wants[e] = now
 
     def _refresh_demand(self, tenant: str, now: float, reason: str = "released") -> bool:
         c = self._coop.get(tenant)

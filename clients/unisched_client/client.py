@@ -1,0 +1,440 @@
+"""The cooperative client: one lease stream to the daemon, one `Gate` per GPU engine.
+
+The app's own thread only touches local state on the fast path (is my lease held, does my next unit of
+work fit in the slice); a background thread owns the gRPC stream (grants, revokes, acks) and a second one
+renews leases and reports measured GPU time ahead of need. No RPC per kernel launch or per frame.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+
+__all__ = ["DEFAULT_SOCKET", "Client", "CodecRefused", "Gate", "UnischedError", "UnischedUnavailable"]
+
+log = logging.getLogger("unisched_client")
+
+DEFAULT_SOCKET = os.environ.get("UNISCHED_SOCKET", "/run/unisched/unisched.sock")
+ENGINES = ("compute", "graphics", "decode", "encode")
+_PRIORITIES = {None: pb.PRIORITY_UNSPECIFIED, "online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
+_RETRY_MAX_S = 2.0
+
+
+class UnischedError(Exception):
+    """The daemon refused a request (bad input, permission); str() says why."""
+
+
+class UnischedUnavailable(UnischedError):
+    """The daemon could not be reached when the client started (and fail_open was not asked for)."""
+
+
+class CodecRefused(UnischedError):
+    """The daemon did not admit a hardware codec session (cap reached, no such engine on this GPU)."""
+
+
+@dataclass
+class _Waiter:
+    event: threading.Event
+    reply: pb.LeaseReply | None = None
+
+
+class Gate:
+    """Leases on one engine. `acquire()` before a unit of GPU work, `done(gpu_seconds)` after it.
+
+    A unit starts only while the lease is held and, when others wait for the engine, only if it is
+    expected to finish within the slice (the first unit of a slice always may): the hand-over is clean.
+    """
+
+    def __init__(self, client: Client, engine: str) -> None:
+        self.client = client
+        self.engine = engine
+        self.lease = 0
+        self.contended = False
+        self.slice_end = 0.0
+        self.fresh = False
+        self.wanting = False
+        self.pending_s = 0.0
+        self.used_s = 0.0
+        self.units = 0
+        self.estimate_s = 0.0
+        self.last_use = 0.0
+        self.waited_s = 0.0
+        self.revokes = 0
+        self.blocked = False
+        """An app thread waits in acquire(): the engine is wanted even though no unit ran lately."""
+
+    @property
+    def held(self) -> bool:
+        return self.lease != 0
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Block until this engine may be used; False on timeout. Passes at once when ungoverned."""
+        c = self.client
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with c._cond:
+            now = start = time.monotonic()
+            self.last_use = now
+            self.blocked = True
+            try:
+                while True:
+                    if not self.wanting:
+                        self.wanting = True
+                        c._send_locked(pb.LeaseRequest(want=pb.LeaseWant(engine=self.engine)))
+                    if not c.governed:
+                        return True
+                    if self.lease and (self.fresh or not self.contended or now + self.estimate_s <= self.slice_end):
+                        self.fresh = False
+                        self.waited_s += now - start
+                        return True
+                    if self.lease and self.pending_s > 0:
+                        c._flush_locked(self)  # stopping early: charge what ran before the next decision
+                    wait = None if deadline is None else deadline - now
+                    if wait is not None and wait <= 0:
+                        return False
+                    c._cond.wait(wait)
+                    now = time.monotonic()
+            finally:
+                self.blocked = False
+                self.last_use = time.monotonic()
+
+    def done(self, gpu_seconds: float) -> None:
+        """Report the measured GPU time of the unit just finished (sent with the next renewal)."""
+        with self.client._cond:
+            g = max(0.0, gpu_seconds)
+            self.pending_s += g
+            self.used_s += g
+            self.units += 1
+            self.estimate_s = g if self.units == 1 else 0.8 * self.estimate_s + 0.2 * g
+            self.last_use = time.monotonic()
+
+    def ending(self) -> bool:
+        """Whether the next unit would have to wait: drain in-flight work now so the next holder starts clean."""
+        with self.client._cond:
+            if not self.client.governed:
+                return False
+            if not self.lease:
+                return True
+            return self.contended and time.monotonic() + self.estimate_s > self.slice_end
+
+    def release(self) -> None:
+        """No more work on this engine for now: hand it on at once."""
+        with self.client._cond:
+            if self.wanting:
+                self.wanting = False
+                self.client._flush_locked(self, release=True)
+                self.lease = 0
+
+    def __enter__(self) -> Gate:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Client:
+    """Register with the daemon as `tenant` and gate GPU work on leases.
+
+    >>> client = Client(tenant="sim", weight=300)           # doctest: +SKIP
+    >>> with client.step():                                  # PyTorch: one training/inference step
+    ...     loss = model(x).sum(); loss.backward()
+
+    `fail_open=True` runs ungoverned (with a warning) when the daemon is unreachable at start; without it
+    the constructor raises UnischedUnavailable. Once connected, a daemon restart is survived: the client
+    reconnects and registers again, and runs ungoverned meanwhile.
+    """
+
+    def __init__(
+        self,
+        tenant: str,
+        weight: int | None = None,
+        *,
+        socket: str | None = None,
+        priority: str | None = None,
+        gpu: int = 0,
+        engines: tuple[str, ...] = ("compute",),
+        fail_open: bool = False,
+        connect_timeout: float = 5.0,
+        renew_interval: float | None = None,
+        idle_release_s: float | None = None,
+    ) -> None:
+        if priority not in _PRIORITIES:
+            raise ValueError(f"priority must be 'online' or 'offline', got {priority!r}")
+        bad = [e for e in engines if e not in ENGINES]
+        if bad:
+            raise ValueError(f"engines must be among {', '.join(ENGINES)}; got {bad}")
+        self.tenant = tenant
+        self.socket = socket or DEFAULT_SOCKET
+        self._hello = pb.LeaseHello(tenant=tenant, weight=weight or 0, priority=_PRIORITIES[priority],
+                                    engines=list(engines), gpu=gpu)
+        self._cond = threading.Condition()
+        self._gates: dict[str, Gate] = {}
+        self._seq = itertools.count(1)
+        self._waiters: dict[int, _Waiter] = {}
+        self._out: queue.SimpleQueue[pb.LeaseRequest | None] | None = None
+        self._closing = False
+        self._fatal: str | None = None
+        self.governed = False
+        self.session = 0
+        self.slice_s = 0.05
+        self.valid_s = 0.25
+        self.connects = 0
+        self.tenant_info: pb.Tenant | None = None
+        self._renew_interval = renew_interval
+        self._idle_release_s = idle_release_s
+        self._welcomed = threading.Event()
+        self._call: grpc.Future | None = None
+        self._channel: grpc.Channel | None = None
+        self._stream_thread = threading.Thread(target=self._stream_loop, name="unisched-lease-stream", daemon=True)
+        self._renew_thread = threading.Thread(target=self._renew_loop, name="unisched-lease-renew", daemon=True)
+        self._stream_thread.start()
+        if not self._welcomed.wait(connect_timeout) or self._fatal:
+            why = self._fatal or f"no answer within {connect_timeout:g} s"
+            if self._fatal and not self._fatal.startswith("unreachable"):
+                self.close()
+                raise UnischedError(f"the unisched daemon refused tenant {tenant!r}: {why}")
+            if not fail_open:
+                self.close()
+                raise UnischedUnavailable(
+                    f"cannot reach the unisched daemon at {self.socket} ({why}). Is `unisched serve` running? "
+                    "Pass fail_open=True to run ungoverned when it is not."
+                )
+            log.warning("unisched daemon unreachable at %s (%s): running UNGOVERNED (fail_open=True); "
+                        "will register when it appears", self.socket, why)
+        self._renew_thread.start()
+
+    # --- public API ---------------------------------------------------------------------------------
+    def gate(self, engine: str = "compute") -> Gate:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+        with self._cond:
+            g = self._gates.get(engine)
+            if g is None:
+                g = self._gates[engine] = Gate(self, engine)
+            return g
+
+    def step(self, engine: str = "compute", stream: object = None) -> object:
+        """PyTorch: `with client.step(): ...` gates one training or inference step (see unisched_client.torch)."""
+        from unisched_client.torch import TorchStep
+
+        return TorchStep(self.gate(engine), stream=stream)
+
+    def renew(self, engine: str = "compute", timeout: float = 5.0) -> float:
+        """Send a renewal (with the usage pending) and wait for its ack; returns the round trip in seconds."""
+        g = self.gate(engine)
+        with self._cond:
+            g.wanting = True
+            g.last_use = time.monotonic()
+        t0 = time.perf_counter()
+        self._request(pb.LeaseRequest(report=pb.LeaseReport(engine=engine, gpu_seconds=self._take(g))), timeout)
+        return time.perf_counter() - t0
+
+    def codec_session(self, kind: str, timeout: float = 5.0) -> None:
+        """Ask the daemon to admit a hardware codec session (nvdec | nvenc); raises CodecRefused."""
+        reply = self._request(pb.LeaseRequest(session=pb.CodecSession(kind=kind, open=True)), timeout)
+        if reply is not None and not reply.ack.admitted:
+            raise CodecRefused(reply.ack.reason)
+
+    def codec_session_closed(self, kind: str) -> None:
+        self._send(pb.LeaseRequest(session=pb.CodecSession(kind=kind, open=False)))
+
+    def close(self) -> None:
+        """Release every engine and end the session (the daemon hands the GPU on at once)."""
+        with self._cond:
+            if self._closing:
+                return
+            for g in self._gates.values():
+                if g.wanting:
+                    g.wanting = False
+                    self._flush_locked(g, release=True)
+            self._closing = True
+            self._send_locked(None)
+            self._cond.notify_all()
+        if self._call is not None:
+            self._call.cancel()
+        if self._stream_thread.is_alive() and threading.current_thread() is not self._stream_thread:
+            self._stream_thread.join(2.0)
+        if self._channel is not None:
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- sending --------------------------------------------------------------------------------------
+    def _send_locked(self, req: pb.LeaseRequest | None) -> None:
+        if self._out is not None:
+            self._out.put(req)
+
+    def _send(self, req: pb.LeaseRequest) -> None:
+        with self._cond:
+            self._send_locked(req)
+
+    def _request(self, req: pb.LeaseRequest, timeout: float) -> pb.LeaseReply | None:
+        """Send and wait for the ack with the same seq; None when ungoverned."""
+        w = _Waiter(threading.Event())
+        with self._cond:
+            if not self.governed:
+                return None
+            req.seq = next(self._seq)
+            self._waiters[req.seq] = w
+            self._send_locked(req)
+        if not w.event.wait(timeout):
+            with self._cond:
+                self._waiters.pop(req.seq, None)
+            raise UnischedError(f"no answer from the daemon within {timeout:g} s")
+        if self._fatal:
+            raise UnischedError(self._fatal)
+        return w.reply
+
+    def _take(self, g: Gate) -> float:
+        with self._cond:
+            s, g.pending_s = g.pending_s, 0.0
+            return s
+
+    def _flush_locked(self, g: Gate, release: bool = False) -> None:
+        s, g.pending_s = g.pending_s, 0.0
+        self._send_locked(pb.LeaseRequest(report=pb.LeaseReport(engine=g.engine, gpu_seconds=s, release=release)))
+
+    def _requests(self, out: queue.SimpleQueue[pb.LeaseRequest | None]) -> Iterator[pb.LeaseRequest]:
+        yield pb.LeaseRequest(hello=self._hello)
+        while True:
+            req = out.get()
+            if req is None:
+                return
+            yield req
+
+    # --- the stream thread ------------------------------------------------------------------------------
+    def _stream_loop(self) -> None:
+        delay = 0.05
+        while not self._closing:
+            out: queue.SimpleQueue[pb.LeaseRequest | None] = queue.SimpleQueue()
+            with self._cond:
+                self._out = out
+                for g in self._gates.values():  # after a reconnect: want again what we wanted
+                    if g.wanting:
+                        out.put(pb.LeaseRequest(want=pb.LeaseWant(engine=g.engine)))
+            try:
+                self._channel = grpc.insecure_channel(f"unix:{self.socket}")
+                stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
+                self._call = stub.Lease(self._requests(out))
+                for reply in self._call:
+                    self._on_reply(reply)
+                    delay = 0.05
+                why = "the daemon closed the stream"
+            except grpc.RpcError as e:
+                code = e.code()
+                why = e.details() or str(code)
+                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    self._set_fatal(why)
+                    return
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    why = f"unreachable: {why}"
+            finally:
+                out.put(None)  # ends this call's request generator
+                with self._cond:
+                    self._out = None
+            if self._closing:
+                break
+            self._disconnected(why)
+            time.sleep(delay)
+            delay = min(_RETRY_MAX_S, delay * 2)
+
+    def _set_fatal(self, why: str) -> None:
+        with self._cond:
+            self._fatal = why
+            self._disconnected_locked()
+        self._welcomed.set()
+        if self.connects:
+            log.error("unisched daemon ended the lease session: %s; running UNGOVERNED", why)
+
+    def _disconnected(self, why: str) -> None:
+        with self._cond:
+            was = self.governed
+            self._disconnected_locked()
+            if not self.connects:
+                self._fatal = why  # for the constructor's message
+                self._welcomed.set()
+        if was:
+            log.warning("lost the unisched daemon (%s): running UNGOVERNED until it is back", why)
+
+    def _disconnected_locked(self) -> None:
+        self.governed = False
+        for g in self._gates.values():
+            g.lease = 0
+        for w in self._waiters.values():
+            w.event.set()
+        self._waiters.clear()
+        self._cond.notify_all()
+
+    def _on_reply(self, reply: pb.LeaseReply) -> None:
+        kind = reply.WhichOneof("kind")
+        now = time.monotonic()
+        with self._cond:
+            if kind == "welcome":
+                w = reply.welcome
+                self.session, self.slice_s, self.valid_s = w.session, w.slice_s, w.valid_s
+                self.tenant_info = w.tenant
+                self.governed = True
+                self._fatal = None
+                self.connects += 1
+                if self.connects > 1:
+                    log.warning("re-registered with the unisched daemon as %s (session %d)", self.tenant, w.session)
+                self._welcomed.set()
+            elif kind == "grant":
+                g = self._gates.get(reply.grant.engine)
+                if g is not None and g.wanting:
+                    g.lease = reply.grant.lease
+                    g.contended = reply.grant.contended
+                    g.slice_end = now + reply.grant.slice_left_s
+                    g.fresh = True
+            elif kind == "revoke":
+                g = self._gates.get(reply.revoke.engine)
+                if g is not None and g.lease in (reply.revoke.lease, 0):
+                    g.lease = 0
+                    g.revokes += 1
+                    if g.pending_s > 0:
+                        self._flush_locked(g)
+            elif kind == "ack":
+                waiter = self._waiters.pop(reply.seq, None)
+                if waiter is not None:
+                    waiter.reply = reply
+                    waiter.event.set()
+            self._cond.notify_all()
+
+    # --- the renew thread -------------------------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        """Renew wanted engines ahead of their expiry, with the usage measured since; release idle ones."""
+        while True:
+            with self._cond:
+                if self._closing:
+                    return
+                interval = self._renew_interval or min(self.slice_s / 2, self.valid_s / 4)
+                idle_s = self._idle_release_s or max(4 * self.slice_s, self.valid_s / 2)
+                now = time.monotonic()
+                if self.governed:
+                    for g in self._gates.values():
+                        if not g.wanting:
+                            continue
+                        if not g.blocked and now - g.last_use > idle_s:
+                            g.wanting = False
+                            g.lease = 0
+                            self._flush_locked(g, release=True)
+                        else:
+                            self._flush_locked(g)
+                self._cond.wait(interval)

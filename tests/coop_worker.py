@@ -1,0 +1,90 @@
+"""A cooperative client doing CPU stand-in work (tests run it as a child: registering moves the process
+into the tenant's cgroup). Prints one JSON line of what it saw, at the end.
+
+Modes: normal (gate every unit), --ignore-revokes (reports work it did without holding a lease),
+--bad-requests (sends malformed lease messages on a raw stream and prints the daemon's answers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import grpc
+from unisched_client import Client, UnischedError
+
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--socket", required=True)
+ap.add_argument("--tenant", required=True)
+ap.add_argument("--weight", type=int, default=100)
+ap.add_argument("--seconds", type=float, default=3.0)
+ap.add_argument("--unit-ms", type=float, default=2.0)
+ap.add_argument("--fail-open", action="store_true")
+ap.add_argument("--ignore-revokes", action="store_true")
+ap.add_argument("--bad-requests", action="store_true")
+ap.add_argument("--ready-file", help="touched once registered")
+args = ap.parse_args()
+
+
+def burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def bad_requests() -> None:
+    stub = pb_grpc.UnischedStub(grpc.insecure_channel(f"unix:{args.socket}"))
+    cases = {
+        "want_before_hello": [pb.LeaseRequest(want=pb.LeaseWant(engine="compute"))],
+        "empty": [pb.LeaseRequest()],
+        "bad_engine": [pb.LeaseRequest(hello=pb.LeaseHello(tenant=args.tenant)),
+                       pb.LeaseRequest(want=pb.LeaseWant(engine="warp"))],
+        "nan_report": [pb.LeaseRequest(hello=pb.LeaseHello(tenant=args.tenant)),
+                       pb.LeaseRequest(report=pb.LeaseReport(engine="compute", gpu_seconds=float("nan")))],
+        "second_hello": [pb.LeaseRequest(hello=pb.LeaseHello(tenant=args.tenant))] * 2,
+        "bad_tenant": [pb.LeaseRequest(hello=pb.LeaseHello(tenant="../etc"))],
+        "bad_gpu": [pb.LeaseRequest(hello=pb.LeaseHello(tenant=args.tenant, gpu=7))],
+    }
+    out = {}
+    for name, reqs in cases.items():
+        try:
+            replies = list(stub.Lease(iter(reqs), timeout=5))
+            out[name] = {"code": "OK", "replies": len(replies)}
+        except grpc.RpcError as e:
+            out[name] = {"code": e.code().name, "details": e.details()}
+    print(json.dumps(out))
+
+
+if args.bad_requests:
+    bad_requests()
+    sys.exit(0)
+
+try:
+    client = Client(args.tenant, args.weight, socket=args.socket, fail_open=args.fail_open, connect_timeout=3.0)
+except UnischedError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(3)
+if args.ready_file:
+    open(args.ready_file, "w").close()
+gate = client.gate("compute")
+unit = args.unit_ms / 1000.0
+end = time.monotonic() + args.seconds
+units = 0
+while time.monotonic() < end:
+    if not args.ignore_revokes:
+        gate.acquire()
+    elif not gate.wanting:
+        gate.acquire()  # wants once, then runs whatever it holds
+    t0 = time.perf_counter()
+    burn(unit)
+    gate.done(time.perf_counter() - t0)
+    units += 1
+client.close()
+print(json.dumps({
+    "units": units, "used_s": round(gate.used_s, 4), "waited_s": round(gate.waited_s, 4), "revokes": gate.revokes,
+    "connects": client.connects, "governed_at_end": client.governed,
+}))
