@@ -32,5 +32,6 @@ def test_ruff_is_clean() -> None:
 
 def test_mypy_strict_on_the_package() -> None:
     _tool("mypy")
-    out = subprocess.run([sys.executable, "-m", "mypy", "unisched", "clients"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "mypy", "unisched", "clients"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
