@@ -24,6 +24,7 @@ use it. The functions here are reused by bench/calibrate_contention.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -133,6 +134,7 @@ class Config:
     unisched_module: str
     env: dict[str, str]
     kind_args: dict[str, list[str]] = field(default_factory=dict)  # e.g. render --iterations N
+    engine: str = "kernel"  # kernel: tenants under `unisched run`; user: cooperative clients (--tenant)
 
 
 def run_seconds(cfg: Config, daemon: bool = False) -> float:
@@ -300,7 +302,10 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
         report = run_dir / f"{spec.name}.json"
         report.unlink(missing_ok=True)
         argv = workload_argv(cfg, spec.kind, report, start_at, warmup)
-        if daemon is not None:
+        if daemon is not None and cfg.engine == "user":
+            assert spec.weight is not None
+            argv += ["--tenant", spec.name, "--weight", f"{spec.weight:g}", "--socket", str(daemon.socket)]
+        elif daemon is not None:
             assert spec.weight is not None
             argv = unisched_cmd(cfg, "run", "--socket", str(daemon.socket), "--tenant", spec.name,
                                 "--weight", f"{spec.weight:g}", "--engines", ENGINES[spec.kind],
@@ -716,6 +721,13 @@ def render_markdown(results: dict[str, Any]) -> str:
     for d in results["pairs"]:
         for row in table_rows(d, meta["unisched"]):
             lines.append("| " + " | ".join(row) + " |")
+    if results.get("overhead"):
+        lines += ["", f"One tenant alone under unisched ({meta.get('engine', 'kernel')} engine) against alone without it:", "",
+                  "| kind | alone | under unisched | loss |", "|---|---|---|---|"]
+        for kind, o in results["overhead"].items():
+            loss = o.get("loss")
+            lines.append(f"| {kind} | {fmt(o['alone'], 1)} | {fmt(o['alone_under_unisched'], 1)} | "
+                         f"{'n/a' if loss is None else f'{100 * loss:.1f}%'} |")
     cont = results.get("contention")
     if cont and cont.get("entry"):
         e = cont["entry"]
@@ -880,6 +892,12 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
     parser.add_argument("--gpu-name", default=None, metavar="NAME",
                         help="with --calibrate-out: the GPU name to file it under (default: GPU 0's name "
                              "from nvidia-smi, which is what the daemon looks up)")
+    parser.add_argument("--engine", choices=["kernel", "user"], default="kernel",
+                        help="kernel: tenants run under `unisched run` (freezer); user: the workloads are cooperative "
+                             "clients (they get --tenant/--weight/--socket; use the numbered examples, e.g. "
+                             "--workload-cmd-cuda 'python3 examples/02_pytorch_training.py') (default: kernel)")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also run each kind alone under unisched (weight 100) and report the throughput lost")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and time estimate, run nothing")
     args = parser.parse_args(argv)
     try:
@@ -917,10 +935,11 @@ def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path 
 
 
 def make_config(args: argparse.Namespace) -> Config:
-    return new_config(seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
-                      grace_s=args.grace, work_dir=args.work_dir, dry_run=args.dry_run,
-                      workload_cmd_cuda=args.workload_cmd_cuda, workload_cmd_render=args.workload_cmd_render,
-                      slice_ms=args.slice_ms, unisched_module=args.unisched_module)
+    cfg = new_config(seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
+                     grace_s=args.grace, work_dir=args.work_dir, dry_run=args.dry_run,
+                     workload_cmd_cuda=args.workload_cmd_cuda, workload_cmd_render=args.workload_cmd_render,
+                     slice_ms=args.slice_ms, unisched_module=args.unisched_module)
+    return dataclasses.replace(cfg, engine=args.engine)
 
 
 def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress) -> None:
@@ -969,11 +988,11 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"command": command, "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
                  "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
                  "seconds": cfg.seconds, "warmup": cfg.warmup, "unisched_warmup": cfg.unisched_warmup,
-                 "slice_ms": cfg.slice_ms,
+                 "slice_ms": cfg.slice_ms, "engine": cfg.engine,
                  "unisched": unisched_on, "pairs": [p.key for p in pairs], "work_dir": str(cfg.work_dir),
                  "workload_cmd": cfg.workload_cmd, "render_iterations": args.render_iterations,
                  "calibrate_out": None if args.calibrate_out is None else str(args.calibrate_out)},
-        "calibration": None, "solo": {}, "no_scheduler": {}, "unisched": {}, "pairs": [],
+        "calibration": None, "solo": {}, "no_scheduler": {}, "unisched": {}, "pairs": [], "overhead": {},
         "warnings": [], "errors": [],
     }
     if args.calibrate_out is not None:
@@ -1093,6 +1112,31 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             outcome.extra["daemon"] = daemon.info
             record("unisched", pair.key, outcome, shared)
+
+    if unisched_on and args.overhead:
+        for kind in solo_kinds(pairs):
+            if kind not in solo or skip(f"unisched alone: {kind}", (kind,), daemon=True):
+                continue
+            progress.step(f"unisched alone: {kind} ({cfg.engine} engine)")
+            daemon = Daemon(cfg, f"alone-{kind}", contention_path)
+            try:
+                daemon.start()
+                group = run_group(cfg, kind, "unisched alone", [TenantSpec(f"o-{kind}", kind, 100)], daemon,
+                                  warmup=cfg.warmup)
+            except DaemonError as exc:
+                results["errors"].append(f"unisched alone: {kind}: {exc}")
+                continue
+            finally:
+                daemon.stop()
+            base, under = solo[kind].throughputs()[0], group.throughputs()[0]
+            results["overhead"][kind] = {
+                "alone": base, "alone_under_unisched": under,
+                "loss": None if not base or under is None else 1.0 - under / base, "run": group.to_json(),
+            }
+            save(args.out, results)
+            loss = results["overhead"][kind]["loss"]
+            progress.note(f"  -> {kind}: alone {fmt(base, 1)}, under unisched {fmt(under, 1)}"
+                          f" (loss {'n/a' if loss is None else f'{100 * loss:.1f}%'})")
 
     save(args.out, results)
     progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'}")

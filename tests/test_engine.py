@@ -276,3 +276,24 @@ def test_device_admission_follows_gpus_and_memory(tmp_path: Path) -> None:
     assert devices.current[Path("/fake/unisched/pinned")] == frozenset()
     rig.engine.remove("pinned")
     assert Path("/fake/unisched/pinned") not in devices.current
+
+
+def test_cpu_a_tenant_uses_after_its_freeze_is_charged_so_weights_hold(tmp_path: Path) -> None:
+    """A freeze lands a few ms late: the tail a frozen tenant still runs must be charged to it, or the tenant
+    frozen most often per unit of share (the low weight) gets more than its weight."""
+    rig = Rig(tmp_path)
+    rig.add("a", 300)
+    rig.add("b", 100)
+    was_frozen = {"a": False, "b": False}
+    for _ in range(2000):
+        delay = rig.engine.tick()
+        for name in ("a", "b"):
+            g = rig.driver.groups[f"/unisched/{name}"]
+            if not g.frozen:
+                g.cpu_s += delay
+            elif not was_frozen[name]:
+                g.cpu_s += 0.25 * delay  # the tail after the freeze request
+            was_frozen[name] = g.frozen
+        rig.clock.advance(delay)
+    ratio = rig.cpu("a") / rig.cpu("b")
+    assert 2.85 < ratio < 3.15, ratio

@@ -71,3 +71,26 @@ def test_pinned_tenant_gets_device_admission_and_memory_cap_is_reported(daemon_f
         assert again.returncode != 0
     finally:
         proc.wait(timeout=60)
+
+
+DECODE = [sys.executable, str(ROOT / "examples/04_nvdec_decode.py"), "--warmup", "0"]
+
+
+def test_decode_cap_counts_one_pyav_decoder_as_one_session(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A PyAV NVDEC decoder allocates 7 NVDEC objects (one per engine): they must count as one session, so a
+    decode cap of 1 lets one decoder run, and a cap of 0 refuses it cleanly."""
+    pytest.importorskip("av", reason="PyAV not installed (source .devcache/setup.sh on the GPU machine)")
+    d: Daemon = daemon_factory(nvml=True)
+    name = f"{d.prefix}dec"
+    assert run(d, name, "true").returncode == 0
+    d.cli("set-limit", "--tenant", name, "--decode", "1", check=True)
+    ok = run(d, name, *DECODE, "--seconds", "3")
+    print("decode with cap 1:", ok.returncode, ok.stdout[-300:], ok.stderr[-600:])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert tenant(d, name)["refusals"].get("nvdec", 0) == 0
+    d.cli("set-limit", "--tenant", name, "--decode", "0", check=True)
+    refused = run(d, name, *DECODE, "--seconds", "2")
+    print("decode with cap 0:", refused.returncode, refused.stderr[-600:])
+    assert refused.returncode != 0, "NVDEC decode ran although the decode cap is 0"
+    assert tenant(d, name)["refusals"].get("nvdec", 0) >= 1
+    print("tenant:", json.dumps(tenant(d, name)))

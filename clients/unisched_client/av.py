@@ -70,14 +70,20 @@ class HardwareDecoder(_Session):
             self.close()
             raise
 
-    def frames(self) -> Iterator[Any]:
+    def frames(self, loop: bool = False) -> Iterator[Any]:
+        """Decoded frames; with loop=True the clip starts over at its end (one session throughout)."""
         own = self.codec_context is not self.stream.codec_context
-        for packet in self.container.demux(self.stream):
-            self.gate.acquire()
-            t0 = time.perf_counter()
-            out = self.codec_context.decode(packet) if own else packet.decode()
-            self.gate.done(time.perf_counter() - t0)
-            yield from out
+        while True:
+            for packet in self.container.demux(self.stream):
+                self.gate.acquire()
+                t0 = time.perf_counter()
+                out = self.codec_context.decode(packet) if own else packet.decode()
+                self.gate.done(time.perf_counter() - t0)
+                yield from out
+            if not loop:
+                return
+            self.container.seek(0)
+            self.codec_context.flush_buffers()
 
     def close(self) -> None:
         c = getattr(self, "container", None)

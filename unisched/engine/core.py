@@ -664,7 +664,10 @@ class KernelEngine:
         thawed_on: dict[Resource, list[_Tenant]] = {}
         leases = self.leases
         for t in self._tenants.values():
-            if not t.frozen and not t.missing and not leases.cooperative(t.name):  # those report their GPU time
+            # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
+            # uncharged tail favours the tenant frozen most often per unit of its share (the low weight)
+            ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0
+            if ran and not t.missing and not leases.cooperative(t.name):  # cooperative ones report their GPU time
                 for r in t.resources:
                     thawed_on.setdefault(r, []).append(t)
         gpu_active: set[str] = set()

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""04: an NVDEC decode loop under unisched (PyAV hwaccel cuda), printing frames/s and measured share.
+
+The daemon admits the decode session first (the tenant's decode cap) and releases it on close; each packet
+is decoded under the decode lease. A test clip (H.264, 1920x1080, 10 s) is encoded on the CPU first
+unless --clip is given.
+
+  python3 examples/04_nvdec_decode.py --seconds 15
+  python3 examples/04_nvdec_decode.py --seconds 15 --tenant decode --weight 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+from _coop import add_unisched_args, connect, share_line, share_report
+from _window import add_window_args, fail, measure, plan_window, write_report
+
+CPU_H264 = ("libx264", "libopenh264", "h264")
+
+
+def make_clip(path: Path, seconds: int = 10, size: tuple[int, int] = (1920, 1080), fps: int = 30) -> str:
+    """Encode a moving gradient with a CPU H.264 encoder; returns the encoder used."""
+    import av
+    import numpy as np
+
+    last: Exception | None = None
+    for name in CPU_H264:
+        try:
+            with av.open(str(path), "w") as out:
+                s = out.add_stream(name, rate=fps)
+                s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
+                s.time_base = Fraction(1, fps)
+                w, h = size
+                yy, xx = np.mgrid[0:h, 0:w]
+                for i in range(seconds * fps):
+                    img = np.stack([(xx + 4 * i) % 256, (yy + 2 * i) % 256, (xx + yy + i) % 256], axis=-1).astype(np.uint8)
+                    for p in s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                        out.mux(p)
+                for p in s.encode():
+                    out.mux(p)
+            return name
+        except Exception as e:  # that encoder is not in this PyAV build: try the next
+            last = e
+    raise RuntimeError(f"no CPU H.264 encoder in this PyAV build ({', '.join(CPU_H264)}): {last}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.time()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_window_args(ap)
+    ap.add_argument("--clip", type=Path, default=None, help="an H.264 file to decode (default: make one)")
+    add_unisched_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        import av
+        from av.codec.hwaccel import HWAccel
+    except ImportError as e:
+        return fail(f"PyAV is not importable ({e}); pip install 'unisched[codec]'")
+    clip = args.clip
+    if clip is None:
+        clip = Path(tempfile.gettempdir()) / "unisched-04-clip.mp4"
+        if not clip.exists():
+            print(f"making a test clip {clip} with {make_clip(clip)} ...", flush=True)
+    start_at, end_at = plan_window(args, start)
+    client = connect(args, ("decode",))
+    decoder = None
+    if client is not None:
+        from unisched_client.av import CodecRefused, HardwareDecoder
+
+        try:
+            decoder = HardwareDecoder(client, str(clip))
+        except CodecRefused as e:
+            return fail(f"the daemon refused the decode session: {e}")
+        it = decoder.frames(loop=True)
+    else:
+        def unmanaged():  # type: ignore[no-untyped-def]
+            while True:
+                with av.open(str(clip), hwaccel=HWAccel(device_type="cuda", allow_software_fallback=False)) as c:
+                    yield from c.decode(video=0)
+
+        it = unmanaged()
+
+    def step() -> int:
+        next(it)
+        return 1
+
+    try:
+        window = measure(step, start_at, end_at)
+    except av.error.FFmpegError as e:
+        return fail(f"hardware decode failed: {e}", code=3)
+    share = share_report(client, "decode")
+    if decoder is not None:
+        decoder.close()
+    report = write_report(args.report, "decode", "frame/s", window, {"share": share, "clip": str(clip)})
+    print(f"04_nvdec_decode pid={report['pid']}: {window.throughput:.1f} frame/s; {share_line(share)}", flush=True)
+    if client is not None:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
