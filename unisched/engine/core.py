@@ -728,8 +728,9 @@ class KernelEngine:
 
     def _cpu_deltas(self) -> dict[str, float]:
         out = {}
+        cooperative = self.leases.cooperative
         for t in self._tenants.values():
-            if t.missing:
+            if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
                 continue
             if not self.driver.exists(t.cgroup):
                 self._lost(t, "cgroup removed")

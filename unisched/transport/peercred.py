@@ -150,36 +150,94 @@ class PeerCredRelay:
                 await task
 
     async def _handle(self, conn: socket.socket) -> None:
+        """Relay one connection with two asyncio Protocols that write what one side receives straight to the
+        other (one callback per chunk and direction: the relay adds little to a lease renewal's round trip).
+        The client's bytes are held until its credentials are registered under the backend port."""
+        loop = asyncio.get_running_loop()
         port = None
-        writer: asyncio.StreamWriter | None = None
-        backend_writer: asyncio.StreamWriter | None = None
+        done: asyncio.Future[None] = loop.create_future()
+        client, backend = _Half(done), _Half(done)
+        client.peer, backend.peer = backend, client
+        backend.ready = True
         try:
             pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=_CHUNK)
-            backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", self.backend_port)
-            port = backend_writer.get_extra_info("sockname")[1]
+            await loop.connect_accepted_socket(lambda: client, sock=conn)
+            await loop.create_connection(lambda: backend, "127.0.0.1", self.backend_port)
+            assert backend.transport is not None
+            port = backend.transport.get_extra_info("sockname")[1]
             self._by_port[port] = PeerCred(pid, uid, gid)
-            await asyncio.gather(_pump(reader, backend_writer), _pump(backend_reader, writer))
+            client.start()
+            await done
         except (ConnectionError, OSError):
             pass
         finally:
             if port is not None:
                 self._by_port.pop(port, None)
-            if writer is None:
+            for half in (client, backend):
+                if half.transport is not None:
+                    half.transport.close()
+            if client.transport is None:
                 conn.close()
-            for w in (writer, backend_writer):
-                if w is not None:
-                    w.close()
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(_CHUNK):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
+class _Half(asyncio.Protocol):
+    """One side of a relayed connection: what it receives is written to the other side's transport."""
+
+    def __init__(self, done: asyncio.Future[None]) -> None:
+        self.done = done
+        self.peer: _Half | None = None
+        self.transport: asyncio.Transport | None = None
+        self.ready = False
+        self._held: list[bytes] = []
+        self._eof = False
+        self.got_eof = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def start(self) -> None:
+        """Forward from now on (what arrived before goes first)."""
+        self.ready = True
+        for data in self._held:
+            self._forward(data)
+        self._held.clear()
+        if self._eof:
+            self.eof_received()
+
+    def _forward(self, data: bytes) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.ready:
+            self._forward(data)
+        else:
+            self._held.append(data)
+
+    def eof_received(self) -> bool:
+        if not self.ready:
+            self._eof = True
+            return True
+        self.got_eof = True
+        t = self.peer.transport if self.peer else None
+        if t is None or (self.peer is not None and self.peer.got_eof) or not t.can_write_eof():
+            return False  # both directions are done: close (connection_lost then closes the other side)
         with contextlib.suppress(OSError, RuntimeError):
-            if writer.can_write_eof():
-                writer.write_eof()
+            t.write_eof()
+        return True  # half-closed: the other direction may still carry the answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.close()
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # flow control: when our side cannot take more, stop reading the other side
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()

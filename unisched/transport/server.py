@@ -245,45 +245,45 @@ class UnischedServicer(pb_grpc.UnischedServicer):
 
     async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         """The user engine's stream: hello, then wants and reports, each answered by an ack; grants and
-        revokes pushed by the engine. Closing the stream ends the session (its demand and codec sessions)."""
+        revokes pushed by the engine. Closing the stream ends the session (its demand and codec sessions).
+
+        Acks are written by the reading loop itself (a renewal's round trip is one task, no queue hop);
+        the engine's pushes go through the channel's queue to a writer task; a lock keeps writes whole."""
         cred = await self._need_caller(context)
         channel = StreamLeaseChannel()
         sid_box: list[int] = []
-        reader = asyncio.create_task(self._lease_reader(context, cred, channel, sid_box))
-        try:
-            while True:
-                item = await channel.queue.get()
-                if isinstance(item, _Overflow):
-                    log.warning("lease stream dropped", reason=str(item), pid=cred.pid)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
-                if isinstance(item, EngineError):
-                    await self._fail(context, item)
-                if isinstance(item, EOFError):
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                await context.write(item)
-        finally:
-            reader.cancel()
-            if sid_box:
-                self.engine.lease_close(sid_box[0])
-
-    async def _lease_reader(
-        self, context: grpc.aio.ServicerContext, cred: PeerCred, channel: StreamLeaseChannel, sid_box: list[int]
-    ) -> None:
+        lock = asyncio.Lock()
+        pusher = asyncio.create_task(self._lease_pusher(context, channel, lock))
         try:
             while True:
                 req = await context.read()
                 if req is grpc.aio.EOF:
-                    channel.put(EOFError())
                     return
-                channel.put(self._lease_request(req, cred, channel, sid_box))
-        except EngineError as e:
-            channel.put(e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the stream broke (client gone): end the writer too
-            channel.put(EOFError(str(e)))
+                if pusher.done():  # the client stopped reading its pushes: dropped
+                    item = pusher.result()
+                    log.warning("lease stream dropped", reason=str(item), pid=cred.pid)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                try:
+                    reply = self._lease_request(req, cred, channel, sid_box)
+                except EngineError as e:
+                    await self._fail(context, e)
+                async with lock:
+                    await context.write(reply)
+        finally:
+            pusher.cancel()
+            if sid_box:
+                self.engine.lease_close(sid_box[0])
+
+    @staticmethod
+    async def _lease_pusher(context: grpc.aio.ServicerContext, channel: StreamLeaseChannel,
+                            lock: asyncio.Lock) -> BaseException:
+        """Write the engine's grants and revokes; returns the overflow that ends the stream."""
+        while True:
+            item = await channel.queue.get()
+            if isinstance(item, BaseException):
+                return item
+            async with lock:
+                await context.write(item)
 
     def _lease_request(self, req: pb.LeaseRequest, cred: PeerCred, channel: StreamLeaseChannel,
                        sid_box: list[int]) -> pb.LeaseReply:

@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Lease load: N cooperative tenants renewing leases against one daemon; renewal round trips, daemon CPU and memory.
+
+Each tenant is one lease stream (hello, want compute, then a renewal report every --renew-ms with a little GPU
+time), spread over --procs worker processes running grpc.aio. A renewal's round trip is from sending the report to
+receiving its ack (same seq). With --tenants 1 it is the idle round trip the user engine's target is about
+(p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml (CPU only) unless --nvml.
+
+  python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
+  python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
+
+Writes results.json and results.md to --out and prints a summary; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
+                  rtts: list[float], counts: dict[str, int]) -> None:
+    q: asyncio.Queue[Any] = asyncio.Queue()
+    sent: dict[int, float] = {}
+    await q.put(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
+    await q.put(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")))
+
+    async def requests() -> Any:
+        while True:
+            item = await q.get()
+            if item is None:
+                return
+            yield item
+
+    call = stub.Lease(requests())
+
+    async def reader() -> None:
+        async for reply in call:
+            if reply.WhichOneof("kind") == "ack" and reply.seq in sent:
+                t = sent.pop(reply.seq)
+                if t >= warm_until:
+                    rtts.append(time.perf_counter() - t)
+            elif reply.WhichOneof("kind") == "grant":
+                counts["grants"] += 1
+            elif reply.WhichOneof("kind") == "revoke":
+                counts["revokes"] += 1
+
+    task = asyncio.create_task(reader())
+    seq = 0
+    loop = asyncio.get_running_loop()
+    next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
+    try:
+        while time.perf_counter() < until:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            next_at += renew_s
+            seq += 1
+            sent[seq] = time.perf_counter()
+            counts["sent"] += 1
+            await q.put(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=0.001)))
+    finally:
+        await q.put(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)))
+        await q.put(None)
+        try:
+            await asyncio.wait_for(task, 5)
+        except (TimeoutError, Exception):
+            task.cancel()
+
+
+def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
+           out: Any) -> None:
+    import grpc
+
+    from unisched.transport import unisched_pb2 as pb
+    from unisched.transport import unisched_pb2_grpc as pb_grpc
+
+    async def main() -> None:
+        rtts: list[float] = []
+        counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0}
+        channels = [grpc.aio.insecure_channel(f"unix:{sock}") for _ in names]
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.perf_counter()
+        until, warm_until = t0 + warmup + seconds, t0 + warmup
+        results = await asyncio.gather(
+            *(_tenant(pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts)
+              for ch, n in zip(channels, names, strict=True)),
+            return_exceptions=True,
+        )
+        errors = [repr(r) for r in results if isinstance(r, BaseException)]
+        counts["errors"] = len(errors)
+        for ch in channels:
+            await ch.close()
+        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5]})
+
+    asyncio.run(main())
+
+
+def proc_stats(pid: int) -> tuple[float, int]:
+    """CPU seconds (user + system) and resident memory in bytes of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    return cpu, rss
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tenants", type=int, default=1000)
+    ap.add_argument("--seconds", type=float, default=60.0, help="measured window (default 60)")
+    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured start (registration) (default 5)")
+    ap.add_argument("--renew-ms", type=float, default=100.0, help="each tenant renews this often (default 100)")
+    ap.add_argument("--lease-timeout-ms", type=float, default=1000.0, help="daemon --lease-timeout-ms (default 1000)")
+    ap.add_argument("--slice-ms", type=float, default=50.0)
+    ap.add_argument("--procs", type=int, default=0, help="client worker processes (default: 1 per 250 tenants, >= 1)")
+    ap.add_argument("--nvml", action="store_true", help="let the daemon use NVML (default: --no-nvml)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if args.tenants < 1 or args.seconds <= 0 or args.renew_ms <= 0:
+        ap.error("--tenants, --seconds and --renew-ms must be positive")
+    procs = args.procs or max(1, (args.tenants + 249) // 250)
+    work = Path(tempfile.mkdtemp(prefix="lease-load-"))
+    sock = str(work / "d.sock")
+    prefix = f"ll{os.getpid() % 10000}-"
+    argv = [sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir", str(work / "state"),
+            "--slice-ms", f"{args.slice_ms:g}", "--lease-timeout-ms", f"{args.lease_timeout_ms:g}",
+            "--log-level", "warning", "--log-format", "json", *(() if args.nvml else ("--no-nvml",))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    log = (work / "daemon.log").open("wb")
+    daemon = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not Path(sock).exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            print((work / "daemon.log").read_text()[-2000:], file=sys.stderr)
+            return 2
+        time.sleep(0.05)
+    print(f"lease_load: daemon pid {daemon.pid}; {args.tenants} tenants over {procs} processes, renew every "
+          f"{args.renew_ms:g} ms, {args.warmup:g} s warm-up + {args.seconds:g} s", file=sys.stderr)
+    names = [f"{prefix}{i}" for i in range(args.tenants)]
+    q: Any = mp.get_context("fork").Queue()
+    start_at = time.time() + 1.0
+    workers = [mp.get_context("fork").Process(
+        target=worker, args=(names[i::procs], sock, args.renew_ms / 1000.0, start_at, args.seconds, args.warmup, q))
+        for i in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(max(0.0, start_at + args.warmup - time.time()))
+    cpu0, _ = proc_stats(daemon.pid)
+    t0 = time.monotonic()
+    rss_max = 0
+    while time.monotonic() - t0 < args.seconds:
+        time.sleep(1.0)
+        _, rss = proc_stats(daemon.pid)
+        rss_max = max(rss_max, rss)
+        done = int(time.monotonic() - t0)
+        if done % 10 == 0:
+            print(f"lease_load: {done:.0f}/{args.seconds:g} s, daemon RSS {rss / 2**20:.0f} MiB", file=sys.stderr)
+    cpu1, _ = proc_stats(daemon.pid)
+    elapsed = time.monotonic() - t0
+    parts = [q.get(timeout=120) for _ in workers]
+    for w in workers:
+        w.join(30)
+    daemon.send_signal(signal.SIGTERM)
+    daemon.wait(30)
+    # remove the tenants' cgroups the daemon created
+    subprocess.run([sys.executable, "-c", f"""
+import sys; sys.path.insert(0, {str(ROOT)!r})
+from unisched.enforce.cgroups import detect_driver
+d = detect_driver('auto')
+for cg in d.managed():
+    if cg.rsplit('/', 1)[-1].startswith({prefix!r}) and not d.pids(cg):
+        d.remove(cg)
+"""], check=False)
+    rtts = [x for p in parts for x in p["rtts"]]
+    counts = {k: sum(p["counts"][k] for p in parts) for k in parts[0]["counts"]}
+    res: dict[str, Any] = {
+        "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "tenants": args.tenants, "procs": procs, "renew_ms": args.renew_ms, "seconds": args.seconds,
+        "renewals": len(rtts), "renewals_per_s": len(rtts) / elapsed,
+        "offered_per_s": args.tenants * 1000.0 / args.renew_ms,
+        "rtt_ms": {"p50": 1000 * percentile(rtts, 0.5), "p99": 1000 * percentile(rtts, 0.99),
+                   "max": 1000 * max(rtts, default=float("nan")),
+                   "mean": 1000 * statistics.fmean(rtts) if rtts else float("nan")},
+        "daemon_cpu_cores": (cpu1 - cpu0) / elapsed, "daemon_rss_mib_max": rss_max / 2**20,
+        "counts": counts, "errors": [e for p in parts for e in p["errors"]][:10],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
+          f"| tenants | renew every | renewals/s (offered) | RTT p50 | RTT p99 | RTT max | daemon CPU | daemon RSS |\n"
+          f"|---|---|---|---|---|---|---|---|\n"
+          f"| {args.tenants} | {args.renew_ms:g} ms | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
+          f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
+          f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
+    if res["errors"]:
+        md += "\nErrors: " + "; ".join(res["errors"]) + "\n"
+    (args.out / "results.md").write_text(md)
+    print(md)
+    return 0 if not res["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
