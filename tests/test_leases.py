@@ -250,3 +250,18 @@ def test_overrun_meter_counts_strikes_only_beyond_slack() -> None:
     assert v is not None and v.overrun_s == pytest.approx(0.25) and not v.enforce
     v = m.report(0.3, 0.65)
     assert v is not None and v.enforce and m.overrun_total_s == pytest.approx(0.5)
+
+
+def test_a_waiting_tenant_need_not_renew_only_holders_must(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path, lease_timeout_ms=100.0)
+    a, b = rig.coop("a", 10000), rig.coop("b", 1)
+    a.want()
+    b.want()
+    for _ in range(40):  # 2 s; b renews only while it holds the lease, as the client library does
+        delay = rig.tick()
+        rig.clock.advance(delay)
+        a.report(delay if a.held else 0.0)
+        if b.held:
+            b.report(delay)
+    assert rig.engine.snapshot("b").state in ("waiting", "running")  # still wants the GPU
+    assert not any("not renewed" in r.reason for r in b.revokes)

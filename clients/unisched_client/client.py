@@ -419,7 +419,7 @@ class Client:
 
     # --- the renew thread -------------------------------------------------------------------------------
     def _renew_loop(self) -> None:
-        """Renew wanted engines ahead of their expiry, with the usage measured since; release idle ones."""
+        """Renew held engines ahead of their expiry, with the usage measured since; release idle ones."""
         while True:
             with self._cond:
                 if self._closing:
@@ -435,6 +435,6 @@ class Client:
                             g.wanting = False
                             g.lease = 0
                             self._flush_locked(g, release=True)
-                        else:
+                        elif g.lease or g.pending_s > 0:  # holders renew; a waiting gate stays silent
                             self._flush_locked(g)
                 self._cond.wait(interval)

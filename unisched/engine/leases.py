@@ -196,20 +196,26 @@ class LeaseBook:
         return m
 
     def expire(self, now: float, frozen: Callable[[str], bool]) -> list[str]:
-        """Drop wants not renewed within valid_s; returns the tenants whose demand changed. A tenant the
-        freezer holds cannot renew: its wants are kept, and count from when it is thawed (`touch`)."""
+        """Drop the wants of lease holders that did not renew within valid_s; returns the tenants whose demand
+        changed. Only holders must renew: a waiting client stays silent (its stream closing ends its demand),
+        so a thousand waiting tenants cost the daemon nothing. A tenant the freezer holds cannot renew: its
+        wants are kept, and count from when it is thawed (`touch`)."""
         changed = []
-        for s in self._sessions.values():
-            if frozen(s.tenant):
+        for tenant, c in self._coop.items():
+            if not c.leases or frozen(tenant):
                 continue
-            stale = [e for e, at in s.wants.items() if now - at > self.valid_s]
-            if stale:
-                for e in stale:
-                    del s.wants[e]
-                log.warning("lease not renewed; revoked", tenant=s.tenant, session=s.id,
-                            engines=sorted(e.value for e in stale), valid_s=self.valid_s)
-                if self._refresh_demand(s.tenant, now, reason="not renewed"):
-                    changed.append(s.tenant)
+            for sid in c.sessions:
+                s = self._sessions[sid]
+                stale = [e for e, at in s.wants.items()
+                         if now - at > self.valid_s and self.resource(s.gpu, e) in c.leases]
+                if stale:
+                    for e in stale:
+                        del s.wants[e]
+                    log.warning("lease not renewed; revoked", tenant=s.tenant, session=s.id,
+                                engines=sorted(e.value for e in stale), valid_s=self.valid_s)
+                    changed.append(tenant)
+        for tenant in changed:
+            self._refresh_demand(tenant, now, reason="not renewed")
         return changed
 
     def touch(self, tenant: str, now: float) -> None:
@@ -220,6 +226,14 @@ class LeaseBook:
                 s = self._sessions[sid]
                 for e in s.wants:
                     s.wants[e] = now
+
+    def _touch_resource(self, c: _Coop, r: Resource, now: float) -> None:
+        for sid in c.sessions:
+            s = self._sessions[sid]
+            if s.gpu == r.gpu:
+                for e in s.wants:
+                    if self.contention.domain(e) == r.domain:
+                        s.wants[e] = now
 
     def _refresh_demand(self, tenant: str, now: float, reason: str = "released") -> bool:
         c = self._coop.get(tenant)
@@ -251,6 +265,7 @@ class LeaseBook:
                         engine = self._engine_of(c, r)
                         lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
                         self._meter(c, r).hold(now)
+                        self._touch_resource(c, r, now)  # renewals are due from the grant on
                     elif not tick and contended == lease.contended:
                         continue
                     lease.contended = contended
