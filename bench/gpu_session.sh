@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: everything the GPU machine is needed for, results under $OUT.
 #   run: source .devcache/setup.sh && bash bench/gpu_session.sh   (carry: [".devcache"])
-# Steps (each logged): machine facts, NVML sampling probe, the whole test suite (GPU tests included) on this
-# machine's real cgroup v2, then bench/gpu_pairs.py.
+# Steps (STEPS, comma-separated; each logged): probe (NVML sampling, Python modules), tests (GPU tests on this
+# machine's real cgroup v2), usertests (examples and client tests), rtt (lease round trip), coop (cooperative
+# pairs: bench/gpu_pairs.py --engine user, COOP_ARGS), pairs (kernel-engine pairs, PAIRS_ARGS).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -12,12 +13,36 @@ export PYTHONUNBUFFERED=1
   mount | grep cgroup; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 step=${STEPS:-tests,pairs}
-if [[ $step == *probe* ]]; then
+has() { [[ ",$step," == *",$1,"* ]]; }
+if has probe; then
   echo "== nvml probe"; timeout 60 python3 bench/nvml_probe.py --seconds 5 --json "$OUT/nvml_probe.json" 2>&1 | tail -12
 fi
-if [[ $step == *tests* ]]; then
+if has tests; then
   echo "== tests"; timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_daemon_cgroups.py tests/test_cli_errors.py tests/test_grpc.py tests/test_engine.py 2>&1 | tee "$OUT/pytest.log" | tail -25
 fi
-if [[ $step == *pairs* ]]; then
+if has probe; then
+  echo "== python modules"; python3 - <<'PY' 2>&1 | tee "$OUT/modules.txt"
+import importlib
+for m in ("torch", "torchvision", "pycuda", "OpenGL", "av", "structlog", "grpc"):
+    try:
+        mod = importlib.import_module(m); print(m, getattr(mod, "__version__", "?"))
+    except Exception as e:
+        print(m, "MISSING", e)
+try:
+    import av; print("h264 encoders:", [c for c in ("libx264", "libopenh264", "h264_nvenc") if c in av.codecs_available])
+except Exception as e:
+    print("av codecs:", e)
+PY
+fi
+if has usertests; then
+  echo "== user engine tests"; timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -s tests/test_examples_gpu.py tests/test_gpu_hooks.py tests/test_client.py tests/test_leases.py 2>&1 | tee "$OUT/pytest-user.log" | grep -E "passed|failed|FAILED|SKIPPED|Error|^0[1-5]_|decode with|render with" | tail -40
+fi
+if has rtt; then
+  echo "== lease rtt"; timeout 120 python3 bench/lease_load.py --tenants 1 --seconds 20 --warmup 3 --renew-ms 25 --out "$OUT/lease-rtt" 2>&1 | tail -4
+fi
+if has coop; then
+  echo "== cooperative pairs"; python3 bench/gpu_pairs.py --engine user --overhead --out "$OUT/coop-pairs" ${COOP_ARGS:-} 2>&1 | tee "$OUT/coop_pairs.log" | tail -40
+fi
+if has pairs; then
   echo "== gpu pairs"; python3 bench/gpu_pairs.py --out "$OUT/pairs" ${PAIRS_ARGS:-} 2>&1 | tee "$OUT/gpu_pairs.log" | tail -40
 fi
