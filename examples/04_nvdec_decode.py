@@ -24,15 +24,16 @@ from _window import add_window_args, fail, measure, plan_window, write_report
 CPU_H264 = ("libx264", "libopenh264", "h264")
 
 
-def make_clip(path: Path, seconds: int = 10, size: tuple[int, int] = (1920, 1080), fps: int = 30) -> str:
+def make_clip(path: Path, seconds: int = 5, size: tuple[int, int] = (1920, 1080), fps: int = 30) -> str:
     """Encode a moving gradient with a CPU H.264 encoder; returns the encoder used."""
     import av
     import numpy as np
 
     last: Exception | None = None
+    tmp = path.with_name(path.name + ".part.mp4")
     for name in CPU_H264:
         try:
-            with av.open(str(path), "w") as out:
+            with av.open(str(tmp), "w") as out:
                 s = out.add_stream(name, rate=fps)
                 s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
                 s.time_base = Fraction(1, fps)
@@ -44,6 +45,7 @@ def make_clip(path: Path, seconds: int = 10, size: tuple[int, int] = (1920, 1080
                         out.mux(p)
                 for p in s.encode():
                     out.mux(p)
+            tmp.replace(path)  # a clip cut short by an interrupt is never mistaken for a whole one
             return name
         except Exception as e:  # that encoder is not in this PyAV build: try the next
             last = e
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if clip is None:
         clip = Path(tempfile.gettempdir()) / "unisched-04-clip.mp4"
         if not clip.exists():
-            print(f"making a test clip {clip} with {make_clip(clip)} ...", flush=True)
+            print(f"making a test clip {clip} ...", flush=True)
+            print(f"made it with {make_clip(clip)}", flush=True)
+            start = time.time()  # the warm-up counts from here, not from before the clip was made
     start_at, end_at = plan_window(args, start)
     client = connect(args, ("decode",))
     decoder = None

@@ -89,8 +89,8 @@ def test_unreachable_daemon_fails_clearly_unless_fail_open(tmp_path: Path) -> No
 
 
 def test_an_overrunning_client_is_charged_and_then_frozen(daemon: Daemon, tenant_prefix: str) -> None:
-    good = worker(daemon, f"{tenant_prefix}good", seconds=5)
-    bad = worker(daemon, f"{tenant_prefix}bad", "--ignore-revokes", seconds=5)
+    good = worker(daemon, f"{tenant_prefix}good", seconds=10)
+    bad = worker(daemon, f"{tenant_prefix}bad", "--ignore-revokes", seconds=10)
     wait_until(lambda: tenant(daemon, f"{tenant_prefix}bad").get("enforced"), 20, "the overrunner to be enforced")
     t = tenant(daemon, f"{tenant_prefix}bad")
     assert t["overrun_s"] > 0

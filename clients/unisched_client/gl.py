@@ -13,6 +13,8 @@ in flight at most, all drained when the lease ends.
 
 from __future__ import annotations
 
+import ctypes
+
 from OpenGL import GL
 
 from unisched_client._inflight import InFlight
@@ -32,21 +34,28 @@ class FrameGate:
 
     @staticmethod
     def _available(q: int) -> bool:
-        return bool(GL.glGetQueryObjectuiv(q, GL.GL_QUERY_RESULT_AVAILABLE))
+        out = (ctypes.c_uint * 1)()
+        GL.glGetQueryObjectuiv(q, GL.GL_QUERY_RESULT_AVAILABLE, out)
+        return bool(out[0])
 
     @staticmethod
-    def _wait(q: int) -> None:
-        GL.glGetQueryObjectui64v(q, GL.GL_QUERY_RESULT)  # blocks until the result is there
+    def _result_ns(q: int) -> int:
+        out = (ctypes.c_uint64 * 1)()
+        GL.glGetQueryObjectui64v(q, GL.GL_QUERY_RESULT, out)  # blocks until the result is there
+        return int(out[0])
+
+    def _wait(self, q: int) -> None:
+        self._result_ns(q)
 
     def _elapsed(self, q: int) -> float:
-        ns = int(GL.glGetQueryObjectui64v(q, GL.GL_QUERY_RESULT))
+        ns = self._result_ns(q)
         self._free.append(q)
         return ns / 1e9
 
     def __enter__(self) -> FrameGate:
         self.flight.collect()
         self.gate.acquire()
-        self._query = self._free.pop() if self._free else int(GL.glGenQueries(1))
+        self._query = self._free.pop() if self._free else int(GL.glGenQueries(1)[0])
         GL.glBeginQuery(GL.GL_TIME_ELAPSED, self._query)
         return self
 

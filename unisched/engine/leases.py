@@ -59,7 +59,6 @@ class _Coop:
     demand: frozenset[Resource] = frozenset()
     leases: dict[Resource, _Lease] = field(default_factory=dict)
     meters: dict[Resource, OverrunMeter] = field(default_factory=dict)
-    enforced: bool = False
 
 
 class LeaseBook:
@@ -72,14 +71,17 @@ class LeaseBook:
         self._coop: dict[str, _Coop] = {}
         self._ids = count(1)
         self._lease_ids = count(1)
+        self._enforced: set[str] = set()
+        """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
+        self._overrun: dict[str, float] = {}
+        """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
 
     # --- queries -----------------------------------------------------------------------------------
     def cooperative(self, tenant: str) -> bool:
         return tenant in self._coop
 
     def enforced(self, tenant: str) -> bool:
-        c = self._coop.get(tenant)
-        return c is not None and c.enforced
+        return tenant in self._enforced
 
     def demand(self, tenant: str) -> frozenset[Resource]:
         c = self._coop.get(tenant)
@@ -90,8 +92,7 @@ class LeaseBook:
         return bool(c and c.leases)
 
     def overrun_s(self, tenant: str) -> float:
-        c = self._coop.get(tenant)
-        return sum(m.overrun_total_s for m in c.meters.values()) if c else 0.0
+        return self._overrun.get(tenant, 0.0)
 
     def lease_of(self, tenant: str, sid: int, engine: Engine) -> int | None:
         """The id of the lease covering the session's engine, if the tenant holds it."""
@@ -142,6 +143,8 @@ class LeaseBook:
 
     def forget_tenant(self, tenant: str) -> None:
         """The tenant is removed: revoke what it holds and drop its sessions."""
+        self._enforced.discard(tenant)
+        self._overrun.pop(tenant, None)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
@@ -173,15 +176,18 @@ class LeaseBook:
         s = self._session(sid)
         c = self._coop[s.tenant]
         r = self.resource(s.gpu, engine)
+        log.debug("lease report", tenant=s.tenant, gpu_s=round(gpu_s, 5), release=release, held=r in c.leases,
+                  now=round(now, 4))
         verdict = None
         if gpu_s > 0:
             self.policy.charge(s.tenant, r, gpu_s, now)
             verdict = self._meter(c, r).report(gpu_s, now)
             if verdict is not None and verdict.overrun_s > 0:
+                self._overrun[s.tenant] = self._overrun.get(s.tenant, 0.0) + verdict.overrun_s
                 log.warning("lease overrun", tenant=s.tenant, engine=engine.value, overrun_s=round(verdict.overrun_s, 4),
                             strikes=verdict.strikes)
-                if verdict.enforce and not c.enforced:
-                    c.enforced = True
+                if verdict.enforce and s.tenant not in self._enforced:
+                    self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
         if release:
             s.wants.pop(engine, None)
@@ -264,6 +270,8 @@ class LeaseBook:
                     if lease is None:
                         engine = self._engine_of(c, r)
                         lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
+                        log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
+                                  slice_left_s=round(slice_left_s, 4), now=round(now, 4))
                         self._meter(c, r).hold(now)
                         self._touch_resource(c, r, now)  # renewals are due from the grant on
                     elif not tick and contended == lease.contended:
@@ -300,6 +308,7 @@ class LeaseBook:
     def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
                 notify: bool = True) -> None:
         del c.leases[r]
+        log.debug("lease revoked", tenant=tenant, lease=lease.id, resource=str(r), reason=reason, now=round(now, 4))
         self._meter(c, r).drop(now)
         if notify:
             self._send(c, r, lease, reason)
