@@ -51,7 +51,8 @@ def main() -> int:
     ap.add_argument("--a-weight", type=int, default=300)
     ap.add_argument("--b-weight", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--warmup", type=float, default=10.0, help="start-up time before the shared window (default 10)")
+    ap.add_argument("--warmup", type=float, default=20.0,
+                    help="start-up time before the shared window; PyTorch's first steps take seconds (default 20)")
     ap.add_argument("--socket", default=os.environ.get("UNISCHED_SOCKET", "/run/unisched/unisched.sock"))
     ap.add_argument("--alone", action="store_true", help="first run each alone without unisched")
     ap.add_argument("--out", type=Path, default=None, help="where the JSON reports go (default: a temp folder)")

@@ -91,7 +91,12 @@ def test_unreachable_daemon_fails_clearly_unless_fail_open(tmp_path: Path) -> No
 def test_an_overrunning_client_is_charged_and_then_frozen(daemon: Daemon, tenant_prefix: str) -> None:
     good = worker(daemon, f"{tenant_prefix}good", seconds=10)
     bad = worker(daemon, f"{tenant_prefix}bad", "--ignore-revokes", seconds=10)
-    wait_until(lambda: tenant(daemon, f"{tenant_prefix}bad").get("enforced"), 20, "the overrunner to be enforced")
+    try:
+        wait_until(lambda: tenant(daemon, f"{tenant_prefix}bad").get("enforced"), 20, "the overrunner to be enforced")
+    except AssertionError:
+        print("tenants:", json.dumps(daemon.tenants()))
+        print("daemon log:", daemon.log_path.read_text()[-4000:])
+        raise
     t = tenant(daemon, f"{tenant_prefix}bad")
     assert t["overrun_s"] > 0
     wait_until(lambda: tenant(daemon, f"{tenant_prefix}bad").get("state") == "frozen", 10, "the overrunner frozen")

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None, rea
 
 def example(d: Daemon, script: str, tenant: str, tmp: Path, *extra: str, seconds: float = 4) -> dict:  # type: ignore[type-arg]
     report = tmp / f"{tenant}.json"
-    p = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--seconds", str(seconds), "--warmup", "2",
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--seconds", str(seconds), "--warmup", "15",
                         "--report", str(report), "--tenant", tenant, "--socket", d.socket, *extra],
                        capture_output=True, text=True, timeout=240, cwd=ROOT, env=child_env())
     print(script, p.returncode, p.stdout[-400:], p.stderr[-800:])
@@ -47,12 +47,13 @@ def test_05_two_examples_side_by_side_share_by_weight(daemon_factory, tmp_path: 
     pytest.importorskip("torch")
     d: Daemon = daemon_factory("--slice-ms", "50", nvml=True)
     p = subprocess.run([sys.executable, str(ROOT / "examples/05_side_by_side.py"), "--a", "02", "--b", "02",
-                        "--a-weight", "300", "--b-weight", "100", "--seconds", "8", "--warmup", "6",
+                        "--a-weight", "300", "--b-weight", "100", "--seconds", "10", "--warmup", "20",
                         "--socket", d.socket, "--out", str(tmp_path), "--", "--model", "mlp"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=child_env())
     print(p.stdout[-1500:], p.stderr[-1500:])
     assert p.returncode == 0, p.stderr[-2000:]
     a = json.loads((tmp_path / "ex02-a.json").read_text())
     b = json.loads((tmp_path / "ex02-b.json").read_text())
+    assert a["window"]["late_s"] < 1 and b["window"]["late_s"] < 1, "the warm-up did not cover start-up"
     ratio = a["throughput"] / b["throughput"]
     assert 2.4 < ratio < 3.6, ratio

@@ -29,6 +29,8 @@ DEFAULT_SOCKET = os.environ.get("UNISCHED_SOCKET", "/run/unisched/unisched.sock"
 ENGINES = ("compute", "graphics", "decode", "encode")
 _PRIORITIES = {None: pb.PRIORITY_UNSPECIFIED, "online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
 _RETRY_MAX_S = 2.0
+IDLE_CAP_S = 30.0
+"""A gate with a unit acquired but never reported done is released after this long without use."""
 
 
 class UnischedError(Exception):
@@ -73,6 +75,8 @@ class Gate:
         self.revokes = 0
         self.blocked = False
         """An app thread waits in acquire(): the engine is wanted even though no unit ran lately."""
+        self.open_units = 0
+        """Units acquired and not yet reported done (a first CUDA step can take seconds)."""
 
     @property
     def held(self) -> bool:
@@ -92,10 +96,12 @@ class Gate:
                         self.wanting = True
                         c._send_locked(pb.LeaseRequest(want=pb.LeaseWant(engine=self.engine)))
                     if not c.governed:
+                        self.open_units += 1
                         return True
                     if self.lease and (self.fresh or not self.contended or now + self.estimate_s <= self.slice_end):
                         self.fresh = False
                         self.waited_s += now - start
+                        self.open_units += 1
                         return True
                     if self.lease and self.pending_s > 0:
                         c._flush_locked(self)  # stopping early: charge what ran before the next decision
@@ -112,6 +118,7 @@ class Gate:
         """Report the measured GPU time of the unit just finished (sent with the next renewal)."""
         with self.client._cond:
             g = max(0.0, gpu_seconds)
+            self.open_units = max(0, self.open_units - 1)
             self.pending_s += g
             self.used_s += g
             self.units += 1
@@ -431,7 +438,8 @@ class Client:
                     for g in self._gates.values():
                         if not g.wanting:
                             continue
-                        if not g.blocked and now - g.last_use > idle_s:
+                        idle = now - g.last_use
+                        if not g.blocked and ((idle > idle_s and not g.open_units) or idle > IDLE_CAP_S):
                             g.wanting = False
                             g.lease = 0
                             self._flush_locked(g, release=True)
