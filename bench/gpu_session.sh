@@ -41,7 +41,11 @@ if has rtt; then
   echo "== lease rtt"; timeout 120 python3 bench/lease_load.py --tenants 1 --seconds 20 --warmup 3 --renew-ms 25 --out "$OUT/lease-rtt" 2>&1 | tail -4
 fi
 if has coop; then
-  echo "== cooperative pairs"; eval python3 bench/gpu_pairs.py --engine user --overhead --out "$OUT/coop-pairs" ${COOP_ARGS:-} 2>&1 | tee "$OUT/coop_pairs.log" | tail -40
+  echo "== cooperative pairs"
+  python3 bench/gpu_pairs.py --engine user --overhead --out "$OUT/coop-pairs" ${DRY:-} \
+    --workload-cmd-cuda "${COOP_CUDA:-python3 examples/02_pytorch_training.py --model resnet50}" \
+    --workload-cmd-render "${COOP_RENDER:-python3 examples/03_egl_render.py}" \
+    --render-iterations 447 ${COOP_ARGS:-} 2>&1 | tee "$OUT/coop_pairs.log" | tail -40
 fi
 if has pairs; then
   echo "== gpu pairs"; python3 bench/gpu_pairs.py --out "$OUT/pairs" ${PAIRS_ARGS:-} 2>&1 | tee "$OUT/gpu_pairs.log" | tail -40
