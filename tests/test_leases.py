@@ -32,6 +32,7 @@ class Coop:
         self.held = False
         self.revokes: list[LeaseRevoke] = []
         self.used = 0.0
+        self.yields = True
 
     def want(self) -> None:
         self.rig.engine.lease_want(self.sid, self.engine)
@@ -44,6 +45,8 @@ class Coop:
             else:
                 self.held = False
                 self.revokes.append(m)
+                if self.yields and m.reason == "slice over":  # nothing in flight: hand over at once
+                    self.rig.engine.lease_report(self.sid, self.engine, 0.0, False, yielded=True)
 
     def report(self, seconds: float, release: bool = False) -> None:
         self.used += seconds
@@ -68,8 +71,9 @@ class LeaseRig:
 
     def tick(self) -> float:
         delay = self.engine.tick()
-        for c in self.clients:
-            c.pump()
+        while any(c.channel.messages for c in self.clients):  # a yield can grant the next holder at once
+            for c in self.clients:
+                c.pump()
         return delay
 
     def run(self, slices: int, busy: list[Coop], obey: bool = True) -> None:
@@ -147,9 +151,10 @@ def test_a_holder_that_stops_renewing_is_revoked_and_the_other_runs(tmp_path: Pa
 def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     good, bad = rig.coop("good", 100), rig.coop("bad", 100)
+    bad.yields = False
     good.want()
     bad.want()
-    for _ in range(40):  # bad ignores revocations and uses every slice
+    for _ in range(60):  # bad ignores revocations and uses every slice
         delay = rig.tick()
         rig.clock.advance(delay)
         good.report(delay if good.held else 0.0)
@@ -265,3 +270,33 @@ def test_a_waiting_tenant_need_not_renew_only_holders_must(tmp_path: Path) -> No
             b.report(delay)
     assert rig.engine.snapshot("b").state in ("waiting", "running")  # still wants the GPU
     assert not any("not renewed" in r.reason for r in b.revokes)
+
+
+def test_the_next_holder_is_granted_when_the_revoked_one_yields_or_a_slice_later(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.yields = b.yields = False
+    a.want()
+    b.want()
+    holder, other = (a, b) if a.held else (b, a)
+    for _ in range(40):  # run until the engine switches holders at a tick
+        holder.report(SLICE)
+        rig.clock.advance(SLICE)
+        rig.tick()
+        if not holder.held:
+            break
+    assert not holder.held and not other.held  # revoked, and the other waits for the yield
+    rig.engine.lease_report(holder.sid, holder.engine, 0.004, False, yielded=True)
+    other.pump()
+    assert other.held  # granted at once on the yield, not at the next tick
+    # a holder that never yields delays the next one by at most a slice
+    for _ in range(40):
+        other.report(SLICE)
+        rig.clock.advance(SLICE)
+        rig.tick()
+        if not other.held:
+            break
+    assert not other.held and not holder.held
+    rig.clock.advance(SLICE)
+    rig.tick()
+    assert holder.held

@@ -54,8 +54,12 @@ class _Waiter:
 class Gate:
     """Leases on one engine. `acquire()` before a unit of GPU work, `done(gpu_seconds)` after it.
 
-    A unit starts only while the lease is held and, when others wait for the engine, only if it is
-    expected to finish within the slice (the first unit of a slice always may): the hand-over is clean.
+    A unit starts only while the lease is held and, when others wait for the engine, before the slice ends
+    (the daemon's next decision renews the lease or revokes it): a unit may run past the slice, never start
+    after it, so the overrun is at most one unit however late a revocation arrives. When the lease is
+    revoked, the unit in progress finishes and the gate then says so (yield); the daemon grants the next
+    holder only then, so it starts on an idle GPU and neither pays for the other's tail (the tail itself is
+    measured and charged to its owner).
     """
 
     def __init__(self, client: Client, engine: str) -> None:
@@ -64,12 +68,11 @@ class Gate:
         self.lease = 0
         self.contended = False
         self.slice_end = 0.0
-        self.fresh = False
+        """When the current slice ends: with others waiting, no unit starts after it until the lease is renewed."""
         self.wanting = False
         self.pending_s = 0.0
         self.used_s = 0.0
         self.units = 0
-        self.estimate_s = 0.0
         self.last_use = 0.0
         self.waited_s = 0.0
         self.revokes = 0
@@ -77,6 +80,7 @@ class Gate:
         """An app thread waits in acquire(): the engine is wanted even though no unit ran lately."""
         self.open_units = 0
         """Units acquired and not yet reported done (a first CUDA step can take seconds)."""
+        self.owes_yield = False
 
     @property
     def held(self) -> bool:
@@ -98,13 +102,14 @@ class Gate:
                     if not c.governed:
                         self.open_units += 1
                         return True
-                    if self.lease and (self.fresh or not self.contended or now + self.estimate_s <= self.slice_end):
-                        self.fresh = False
+                    if self.lease and (not self.contended or now < self.slice_end):
                         self.waited_s += now - start
                         self.open_units += 1
                         return True
-                    if self.lease and self.pending_s > 0:
-                        c._flush_locked(self)  # stopping early: charge what ran before the next decision
+                    if self.owes_yield:
+                        c._yield_locked(self)
+                    elif self.lease and self.pending_s > 0:
+                        c._flush_locked(self)  # slice over: charge it before the daemon decides the next
                     wait = None if deadline is None else deadline - now
                     if wait is not None and wait <= 0:
                         return False
@@ -122,17 +127,14 @@ class Gate:
             self.pending_s += g
             self.used_s += g
             self.units += 1
-            self.estimate_s = g if self.units == 1 else 0.8 * self.estimate_s + 0.2 * g
             self.last_use = time.monotonic()
+            if self.owes_yield and not self.open_units:
+                self.client._yield_locked(self)
 
     def ending(self) -> bool:
-        """Whether the next unit would have to wait: drain in-flight work now so the next holder starts clean."""
+        """Whether the lease was revoked: drain in-flight work now so the next holder starts clean."""
         with self.client._cond:
-            if not self.client.governed:
-                return False
-            if not self.lease:
-                return True
-            return self.contended and time.monotonic() + self.estimate_s > self.slice_end
+            return self.client.governed and not self.lease
 
     def release(self) -> None:
         """No more work on this engine for now: hand it on at once."""
@@ -266,12 +268,12 @@ class Client:
                     g.wanting = False
                     self._flush_locked(g, release=True)
             self._closing = True
-            self._send_locked(None)
+            self._send_locked(None)  # ends the requests: the daemon gets what is queued, then closes the stream
             self._cond.notify_all()
-        if self._call is not None:
-            self._call.cancel()
         if self._stream_thread.is_alive() and threading.current_thread() is not self._stream_thread:
             self._stream_thread.join(2.0)
+        if self._call is not None and self._stream_thread.is_alive():
+            self._call.cancel()
         if self._channel is not None:
             self._channel.close()
 
@@ -312,9 +314,15 @@ class Client:
             s, g.pending_s = g.pending_s, 0.0
             return s
 
-    def _flush_locked(self, g: Gate, release: bool = False) -> None:
+    def _flush_locked(self, g: Gate, release: bool = False, yielded: bool = False) -> None:
         s, g.pending_s = g.pending_s, 0.0
-        self._send_locked(pb.LeaseRequest(report=pb.LeaseReport(engine=g.engine, gpu_seconds=s, release=release)))
+        self._send_locked(pb.LeaseRequest(report=pb.LeaseReport(engine=g.engine, gpu_seconds=s, release=release,
+                                                                yielded=yielded)))
+
+    def _yield_locked(self, g: Gate) -> None:
+        """The revoked lease's last unit is done: report it, and let the daemon hand the engine on."""
+        g.owes_yield = False
+        self._flush_locked(g, yielded=True)
 
     def _requests(self, out: queue.SimpleQueue[pb.LeaseRequest | None]) -> Iterator[pb.LeaseRequest]:
         yield pb.LeaseRequest(hello=self._hello)
@@ -409,14 +417,14 @@ class Client:
                     g.lease = reply.grant.lease
                     g.contended = reply.grant.contended
                     g.slice_end = now + reply.grant.slice_left_s
-                    g.fresh = True
             elif kind == "revoke":
                 g = self._gates.get(reply.revoke.engine)
                 if g is not None and g.lease in (reply.revoke.lease, 0):
                     g.lease = 0
                     g.revokes += 1
-                    if g.pending_s > 0:
-                        self._flush_locked(g)
+                    g.owes_yield = True
+                    if not g.open_units:
+                        self._yield_locked(g)
             elif kind == "ack":
                 waiter = self._waiters.pop(reply.seq, None)
                 if waiter is not None:
@@ -431,7 +439,10 @@ class Client:
             with self._cond:
                 if self._closing:
                     return
-                interval = self._renew_interval or min(self.slice_s / 2, self.valid_s / 4)
+                contended = any(g.lease and g.contended for g in self._gates.values())
+                # contended holders report often (their charges decide the next slice); others just renew
+                interval = self._renew_interval or (min(self.slice_s / 2, self.valid_s / 4) if contended
+                                                    else self.valid_s / 3)
                 idle_s = self._idle_release_s or max(4 * self.slice_s, self.valid_s / 2)
                 now = time.monotonic()
                 if self.governed:

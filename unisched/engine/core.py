@@ -879,11 +879,11 @@ class KernelEngine:
             self._reschedule()
         return self._ack(sid, t, e)
 
-    def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool) -> LeaseAck:
+    def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False) -> LeaseAck:
         t = self._lease_call(sid)
         e = _parse_engine(engine)
         try:
-            changed, _ = self.leases.report(sid, e, gpu_seconds, release, self.clock.monotonic())
+            changed, _ = self.leases.report(sid, e, gpu_seconds, release, self.clock.monotonic(), yielded)
         except LeaseError as err:
             raise EngineError("invalid", str(err)) from None
         if changed:

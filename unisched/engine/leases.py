@@ -75,6 +75,8 @@ class LeaseBook:
         """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
+        self._handover: dict[Resource, tuple[str, float]] = {}
+        """Resources whose revoked holder is finishing its unit: (that tenant, when to stop waiting for it)."""
 
     # --- queries -----------------------------------------------------------------------------------
     def cooperative(self, tenant: str) -> bool:
@@ -138,6 +140,8 @@ class LeaseBook:
             for r, lease in list(c.leases.items()):
                 self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
             del self._coop[s.tenant]
+            for r in [r for r, (who, _) in self._handover.items() if who == s.tenant]:
+                del self._handover[r]
         self._refresh_demand(s.tenant, now)
         return s.tenant, dict(s.codec)
 
@@ -168,9 +172,10 @@ class LeaseBook:
         s.wants[engine] = now
         return self._refresh_demand(s.tenant, now)
 
-    def report(self, sid: int, engine: Engine, gpu_s: float, release: bool, now: float
+    def report(self, sid: int, engine: Engine, gpu_s: float, release: bool, now: float, yielded: bool = False
                ) -> tuple[bool, OverrunVerdict | None]:
-        """Charge measured GPU time (all of it, overrun included); renew, or release the engine."""
+        """Charge measured GPU time (all of it, overrun included); renew, or release the engine. Returns
+        whether the schedule may change (demand changed, or a hand-over completed) and the overrun verdict."""
         if not 0.0 <= gpu_s <= MAX_REPORT_S:  # also refuses NaN
             raise LeaseError(f"gpu_seconds must be within 0 .. {MAX_REPORT_S:g}, got {gpu_s!r}")
         s = self._session(sid)
@@ -189,11 +194,15 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
+        handed = False
+        if (release or yielded) and self._handover.get(r, ("", 0.0))[0] == s.tenant:
+            del self._handover[r]
+            handed = True
         if release:
             s.wants.pop(engine, None)
         else:  # a renewal: it still wants the engine (also after a revocation it could not see coming)
             s.wants[engine] = now
-        return self._refresh_demand(s.tenant, now), verdict
+        return self._refresh_demand(s.tenant, now) or handed, verdict
 
     def _meter(self, c: _Coop, r: Resource) -> OverrunMeter:
         m = c.meters.get(r)
@@ -262,25 +271,33 @@ class LeaseBook:
         """Grant the decision's holders their engines and revoke the rest. On a tick every holder hears
         again (how long the new slice is); between ticks only those whose lease or contention changed."""
         holders = decision.holders
+        for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
+            for r, lease in list(c.leases.items()):
+                if holders.get(r) != tenant and r in c.demand:
+                    self._revoke(tenant, c, r, lease, now, "slice over")
         for tenant, c in self._coop.items():
             for r in c.demand:
+                if holders.get(r) != tenant:
+                    continue
                 lease = c.leases.get(r)
-                if holders.get(r) == tenant:
-                    contended = self.policy.contenders(r) > 1
-                    if lease is None:
-                        engine = self._engine_of(c, r)
-                        lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
-                        log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
-                                  slice_left_s=round(slice_left_s, 4), now=round(now, 4))
-                        self._meter(c, r).hold(now)
-                        self._touch_resource(c, r, now)  # renewals are due from the grant on
-                    elif not tick and contended == lease.contended:
-                        continue
-                    lease.contended = contended
-                    lease.slice_left_s = slice_left_s
-                    self._send(c, r, lease)
-                elif lease is not None:
-                    self._revoke(tenant, c, r, lease, now, "slice over")
+                contended = self.policy.contenders(r) > 1
+                if lease is None and r in self._handover:
+                    who, deadline = self._handover[r]
+                    if who != tenant and now < deadline:
+                        continue  # the previous holder is finishing its unit: grant once it yields
+                    del self._handover[r]
+                if lease is None:
+                    engine = self._engine_of(c, r)
+                    lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
+                    log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
+                              slice_left_s=round(slice_left_s, 4), now=round(now, 4))
+                    self._meter(c, r).hold(now)
+                    self._touch_resource(c, r, now)  # renewals are due from the grant on
+                elif not tick and contended == lease.contended:
+                    continue
+                lease.contended = contended
+                lease.slice_left_s = slice_left_s
+                self._send(c, r, lease)
 
     def _engine_of(self, c: _Coop, r: Resource) -> Engine:
         for sid in c.sessions:
@@ -308,6 +325,8 @@ class LeaseBook:
     def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
                 notify: bool = True) -> None:
         del c.leases[r]
+        if reason == "slice over" and notify:  # it may be mid-unit: the next holder waits for its yield
+            self._handover[r] = (tenant, now + self.slice_s)
         log.debug("lease revoked", tenant=tenant, lease=lease.id, resource=str(r), reason=reason, now=round(now, 4))
         self._meter(c, r).drop(now)
         if notify:

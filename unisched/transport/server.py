@@ -267,8 +267,9 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                     reply = self._lease_request(req, cred, channel, sid_box)
                 except EngineError as e:
                     await self._fail(context, e)
-                async with lock:
-                    await context.write(reply)
+                if reply is not None:
+                    async with lock:
+                        await context.write(reply)
         finally:
             pusher.cancel()
             if sid_box:
@@ -286,7 +287,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 await context.write(item)
 
     def _lease_request(self, req: pb.LeaseRequest, cred: PeerCred, channel: StreamLeaseChannel,
-                       sid_box: list[int]) -> pb.LeaseReply:
+                       sid_box: list[int]) -> pb.LeaseReply | None:
+        """The reply to one lease message; None for a want or report without a seq (no ack asked)."""
         kind = req.WhichOneof("kind")
         if kind == "hello":
             if sid_box:
@@ -307,10 +309,12 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             raise EngineError("invalid", "the first message on a lease stream must be hello")
         sid = sid_box[0]
         if kind == "want":
-            return _ack_pb(self.engine.lease_want(sid, req.want.engine), req.seq)
+            ack = self.engine.lease_want(sid, req.want.engine)
+            return _ack_pb(ack, req.seq) if req.seq else None
         if kind == "report":
             r = req.report
-            return _ack_pb(self.engine.lease_report(sid, r.engine, r.gpu_seconds, r.release), req.seq)
+            ack = self.engine.lease_report(sid, r.engine, r.gpu_seconds, r.release, r.yielded)
+            return _ack_pb(ack, req.seq) if req.seq else None
         if kind == "session":
             ok, why = self.engine.lease_codec(sid, req.session.kind, req.session.open)
             return pb.LeaseReply(ack=pb.LeaseAck(admitted=ok, reason=why), seq=req.seq)

@@ -259,14 +259,16 @@ class LeaseWant(_message.Message):
     def __init__(self, engine: _Optional[str] = ...) -> None: ...
 
 class LeaseReport(_message.Message):
-    __slots__ = ("engine", "gpu_seconds", "release")
+    __slots__ = ("engine", "gpu_seconds", "release", "yielded")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    YIELDED_FIELD_NUMBER: _ClassVar[int]
     engine: str
     gpu_seconds: float
     release: bool
-    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ...) -> None: ...
+    yielded: bool
+    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ..., yielded: _Optional[bool] = ...) -> None: ...
 
 class CodecSession(_message.Message):
     __slots__ = ("kind", "open")
