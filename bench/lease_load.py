@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -45,56 +47,58 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
                   rtts: list[float], counts: dict[str, int]) -> None:
-    q: asyncio.Queue[Any] = asyncio.Queue()
+    """One cooperative tenant: hello, want, then a renewal report every renew_s (0: back to back)."""
     sent: dict[int, float] = {}
-    await q.put(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
-    await q.put(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")))
-
-    async def requests() -> Any:
-        while True:
-            item = await q.get()
-            if item is None:
-                return
-            yield item
-
-    call = stub.Lease(requests())
+    acked = asyncio.Event()
+    held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
+    call = stub.Lease()
+    await call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
+    await call.write(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")))
 
     async def reader() -> None:
-        async for reply in call:
-            if reply.WhichOneof("kind") == "ack" and reply.seq in sent:
+        while True:
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                return
+            kind = reply.WhichOneof("kind")
+            if kind == "ack" and reply.seq in sent:
                 t = sent.pop(reply.seq)
                 if t >= warm_until:
                     rtts.append(time.perf_counter() - t)
-            elif reply.WhichOneof("kind") == "grant":
+                acked.set()
+            elif kind == "grant":
                 counts["grants"] += 1
-            elif reply.WhichOneof("kind") == "revoke":
+                held[0] = True
+            elif kind == "revoke":
                 counts["revokes"] += 1
+                held[0] = False
 
     task = asyncio.create_task(reader())
-    seq = 0
     loop = asyncio.get_running_loop()
     next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
+    seq = 0
     try:
         while time.perf_counter() < until:
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
-            next_at += renew_s
+            if renew_s > 0:
+                await asyncio.sleep(max(0.0, next_at - loop.time()))
+                next_at += renew_s
             seq += 1
+            acked.clear()
             sent[seq] = time.perf_counter()
             counts["sent"] += 1
-            await q.put(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=0.001)))
-    finally:
-        await q.put(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)))
-        await q.put(None)
-        try:
-            await asyncio.wait_for(task, 5)
-        except (TimeoutError, Exception):
-            task.cancel()
+            used = 0.001 if held[0] else 0.0
+            await call.write(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used)))
+            if renew_s <= 0:  # back to back: the next renewal once this one's ack is in
+                await acked.wait()
+        await call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)))
+        await call.done_writing()
+        await asyncio.wait_for(task, 5)
+    except (TimeoutError, grpc.aio.AioRpcError):
+        task.cancel()
 
 
 def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
            out: Any) -> None:
-    import grpc
-
     from unisched.transport import unisched_pb2 as pb
     from unisched.transport import unisched_pb2_grpc as pb_grpc
 
@@ -132,22 +136,24 @@ def main() -> int:
     ap.add_argument("--tenants", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=60.0, help="measured window (default 60)")
     ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured start (registration) (default 5)")
-    ap.add_argument("--renew-ms", type=float, default=100.0, help="each tenant renews this often (default 100)")
+    ap.add_argument("--renew-ms", type=float, default=100.0,
+                    help="each tenant renews this often (default 100); 0 = back to back, each after the last ack")
     ap.add_argument("--lease-timeout-ms", type=float, default=1000.0, help="daemon --lease-timeout-ms (default 1000)")
     ap.add_argument("--slice-ms", type=float, default=50.0)
     ap.add_argument("--procs", type=int, default=0, help="client worker processes (default: 1 per 250 tenants, >= 1)")
     ap.add_argument("--nvml", action="store_true", help="let the daemon use NVML (default: --no-nvml)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.tenants < 1 or args.seconds <= 0 or args.renew_ms <= 0:
-        ap.error("--tenants, --seconds and --renew-ms must be positive")
+    if args.tenants < 1 or args.seconds <= 0 or args.renew_ms < 0:
+        ap.error("--tenants and --seconds must be positive, --renew-ms not negative")
     procs = args.procs or max(1, (args.tenants + 249) // 250)
-    work = Path(tempfile.mkdtemp(prefix="lease-load-"))
+    work = Path(os.environ.get("LL_WORK") or tempfile.mkdtemp(prefix="lease-load-"))
     sock = str(work / "d.sock")
     prefix = f"ll{os.getpid() % 10000}-"
     argv = [sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir", str(work / "state"),
             "--slice-ms", f"{args.slice_ms:g}", "--lease-timeout-ms", f"{args.lease_timeout_ms:g}",
-            "--log-level", "warning", "--log-format", "json", *(() if args.nvml else ("--no-nvml",))]
+            "--log-level", os.environ.get("LL_LOG_LEVEL", "warning"), "--log-format", "json",
+            *(() if args.nvml else ("--no-nvml",))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log = (work / "daemon.log").open("wb")
     daemon = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
@@ -202,7 +208,7 @@ for cg in d.managed():
         "host": socket.gethostname(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "tenants": args.tenants, "procs": procs, "renew_ms": args.renew_ms, "seconds": args.seconds,
         "renewals": len(rtts), "renewals_per_s": len(rtts) / elapsed,
-        "offered_per_s": args.tenants * 1000.0 / args.renew_ms,
+        "offered_per_s": args.tenants * 1000.0 / args.renew_ms if args.renew_ms else float("nan"),
         "rtt_ms": {"p50": 1000 * percentile(rtts, 0.5), "p99": 1000 * percentile(rtts, 0.99),
                    "max": 1000 * max(rtts, default=float("nan")),
                    "mean": 1000 * statistics.fmean(rtts) if rtts else float("nan")},
@@ -211,10 +217,11 @@ for cg in d.managed():
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    every = f"{args.renew_ms:g} ms" if args.renew_ms else "back to back"
     md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
           f"| tenants | renew every | renewals/s (offered) | RTT p50 | RTT p99 | RTT max | daemon CPU | daemon RSS |\n"
           f"|---|---|---|---|---|---|---|---|\n"
-          f"| {args.tenants} | {args.renew_ms:g} ms | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
+          f"| {args.tenants} | {every} | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
           f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
     if res["errors"]:

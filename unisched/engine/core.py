@@ -213,6 +213,7 @@ class KernelEngine:
         self._telemetry_failing = False
         self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
         self._next_tick = self._last_tick
+        self._logged_shares: dict[str, tuple[float, str]] = {}
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
         if self.config.contention != "auto":
@@ -360,6 +361,7 @@ class KernelEngine:
         engine_set = _parse_engines(engines)
         gpu_tuple = self._check_gpus(gpus)
         t = self._tenants.get(name)
+        changed = t is None
         if t is None:
             if not is_admin and not self.config.user_tenants:
                 raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
@@ -377,6 +379,7 @@ class KernelEngine:
         else:
             if not is_admin and uid != t.owner_uid:
                 raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
+            before = t.saved()
             if weight is not None and weight != t.base_weight:
                 if not is_admin and weight > self.config.max_user_weight:
                     raise EngineError(
@@ -399,11 +402,13 @@ class KernelEngine:
                     log.info("tenant cgroup recreated", tenant=name, cgroup=t.cgroup)
                 t.missing = False
                 t.last_cpu = None
+            changed = t.saved() != before
         try:
             self.driver.attach(t.cgroup, pid)
         except CgroupError as e:
             raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
-        self._save()
+        if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
+            self._save()
         return self.snapshot(name)
 
     def _create_cgroup(self, name: str, cgroup: str) -> None:
@@ -496,6 +501,7 @@ class KernelEngine:
         except CgroupError as e:
             log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
         del self._tenants[name]
+        self._logged_shares.pop(name, None)
         self.leases.forget_tenant(name)
         self.policy.remove(name)
         self._save()
@@ -818,18 +824,20 @@ class KernelEngine:
         self.policy.set_demand(t.name, ())
 
     def _log_shares(self, reason: str) -> None:
-        """One line per tenant on every share change; from the policy alone (no cgroup reads on the slice path)."""
+        """One line per tenant whose share or state changed materially (a tenth of its share, or a point);
+        from the policy alone (no cgroup reads on the slice path). With a thousand equal tenants, one that
+        wakes changes everyone's share by a thousandth: that one is logged, not the other 999."""
         targets = self.policy.target_shares()
+        logged = self._logged_shares
         for name, t in sorted(self._tenants.items()):
             shares = [targets.get(name, {}).get(r, 0.0) for r in t.resources]
-            log.info(
-                "share",
-                tenant=name,
-                weight=self.policy.weight(name),
-                share=round(max(shares, default=0.0), 4),
-                state=_state(t),
-                reason=reason,
-            )
+            share = round(max(shares, default=0.0), 4)
+            state = _state(t)
+            last = logged.get(name)
+            if last is not None and last[1] == state and abs(share - last[0]) <= max(0.01, 0.1 * max(share, last[0])):
+                continue
+            logged[name] = (share, state)
+            log.info("share", tenant=name, weight=self.policy.weight(name), share=share, state=state, reason=reason)
 
     # --- the user engine: lease sessions ------------------------------------------------------------
     def lease_open(
@@ -931,11 +939,13 @@ class KernelEngine:
         self._reschedule()
 
     # --- reporting ---------------------------------------------------------------------------------
-    def snapshots(self) -> list[TenantSnapshot]:
-        stats = {s.name: s for s in self.policy.stats(self.clock.monotonic())}
+    def snapshots(self, names: Iterable[str] | None = None) -> list[TenantSnapshot]:
+        """Every tenant's snapshot, or those of `names` (a registration answers with one: O(1), not O(tenants))."""
+        wanted = sorted(self._tenants) if names is None else sorted(names)
+        stats = {s.name: s for s in self.policy.stats(self.clock.monotonic(), wanted)}
         by_gpu = self._active_weight_by_gpu()
         out = []
-        for name in sorted(self._tenants):
+        for name in wanted:
             t = self._tenants[name]
             st = stats[name]
             shares = tuple(
@@ -977,10 +987,9 @@ class KernelEngine:
         return out
 
     def snapshot(self, name: str) -> TenantSnapshot:
-        for s in self.snapshots():
-            if s.name == name:
-                return s
-        raise EngineError("not_found", f"unknown tenant {name!r}")
+        if name not in self._tenants:
+            raise EngineError("not_found", f"unknown tenant {name!r}")
+        return self.snapshots([name])[0]
 
     def gpu_samples(self) -> tuple[GpuSample, ...]:
         return self._last_samples

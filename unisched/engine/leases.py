@@ -272,9 +272,9 @@ class LeaseBook:
         again (how long the new slice is); between ticks only those whose lease or contention changed."""
         holders = decision.holders
         for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
-            for r, lease in list(c.leases.items()):
+            for r, held in list(c.leases.items()):
                 if holders.get(r) != tenant and r in c.demand:
-                    self._revoke(tenant, c, r, lease, now, "slice over")
+                    self._revoke(tenant, c, r, held, now, "slice over")
         for tenant, c in self._coop.items():
             for r in c.demand:
                 if holders.get(r) != tenant:

@@ -134,7 +134,9 @@ class _Tenant:
     slices: int = 0
     last_run_end: float = float("-inf")
     turn_started: float | None = None
-    charges: deque[tuple[float, Resource, float]] = field(default_factory=deque)
+    window: dict[Resource, float] = field(default_factory=dict)
+    """GPU seconds charged per resource within the share window (kept by WeightedFairShare._prune)."""
+    removed: bool = False
     # Index bookkeeping. Resources are numbered (WeightedFairShare._rid) so that the hot path hashes ints,
     # not Resource dataclasses (whose __hash__ is Python code).
     demand_ids: tuple[int, ...] = ()
@@ -251,6 +253,9 @@ class WeightedFairShare:
         self._by_class = self.config.mode is Mode.PREEMPTIVE
         """Whether online tenants have heaps of their own (preemptive mode only)."""
         self._seq = count()
+        self._charges: deque[tuple[float, _Tenant, Resource, float]] = deque()
+        """Every charge within the share window, oldest first: the measured shares, O(1) per charge."""
+        self._window_total: dict[Resource, float] = {}
 
     def _rid(self, r: Resource) -> int:
         rid = self._rids.get(r)
@@ -278,6 +283,10 @@ class WeightedFairShare:
     def remove(self, name: str) -> None:
         t = self._get(name)
         self._unindex(t)
+        for r, used in t.window.items():  # its charges leave the measured shares now, not when they expire
+            self._window_total[r] -= used
+        t.window.clear()
+        t.removed = True
         del self._tenants[name]
         if name in self._active:
             self._active.discard(name)
@@ -350,11 +359,19 @@ class WeightedFairShare:
             if entry is not None:
                 entry[_VALUE] = v  # its heap place is fixed when it reaches the top
         t.gpu_seconds += gpu_seconds
-        charges = t.charges
-        charges.append((now, resource, gpu_seconds))
+        t.window[resource] = t.window.get(resource, 0.0) + gpu_seconds
+        self._window_total[resource] = self._window_total.get(resource, 0.0) + gpu_seconds
+        self._charges.append((now, t, resource, gpu_seconds))
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
         horizon = now - self.config.share_window_s
-        while charges[0][0] < horizon:
-            charges.popleft()
+        q = self._charges
+        while q and q[0][0] < horizon:
+            _, t, r, secs = q.popleft()
+            if not t.removed:
+                t.window[r] -= secs
+                self._window_total[r] -= secs
 
     def _clock(self, rid: int) -> float:
         """The resource's virtual clock: the lowest vtime among tenants active on it (monotonic)."""
@@ -776,20 +793,14 @@ class WeightedFairShare:
             }
         return out
 
-    def stats(self, now: float) -> list[TenantStats]:
-        horizon = now - self.config.share_window_s
-        totals: dict[Resource, float] = {}
-        for t in self._tenants.values():
-            t.charges = deque(c for c in t.charges if c[0] >= horizon)
-            for _, r, s in t.charges:
-                totals[r] = totals.get(r, 0.0) + s
+    def stats(self, now: float, names: Iterable[str] | None = None) -> list[TenantStats]:
+        """Every tenant's stats, or those of `names` only (cheap: a tenant's own sums, kept as charges come)."""
+        self._prune(now)
         targets = self.target_shares()
+        totals = self._window_total
         out = []
-        for n in sorted(self._tenants):
+        for n in sorted(self._tenants if names is None else names):
             t = self._tenants[n]
-            used: dict[Resource, float] = {}
-            for _, r, s in t.charges:
-                used[r] = used.get(r, 0.0) + s
             out.append(
                 TenantStats(
                     name=n,
@@ -797,7 +808,10 @@ class WeightedFairShare:
                     priority=t.spec.priority,
                     demand=t.demand,
                     target_share=targets[n],
-                    measured_share={r: used[r] / totals[r] for r in used if totals[r] > 0},
+                    measured_share={
+                        r: max(0.0, used) / totals[r]
+                        for r, used in t.window.items() if used > 1e-12 and totals.get(r, 0.0) > 1e-12
+                    },
                     gpu_seconds=t.gpu_seconds,
                     slices=t.slices,
                 )
