@@ -105,7 +105,9 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
     async def main() -> None:
         rtts: list[float] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0}
-        channels = [grpc.aio.insecure_channel(f"unix:{sock}") for _ in names]
+        # one connection per tenant, as separate processes would have (channels to one target share one by default)
+        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in names]
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         until, warm_until = t0 + warmup + seconds, t0 + warmup
@@ -138,7 +140,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured start (registration) (default 5)")
     ap.add_argument("--renew-ms", type=float, default=100.0,
                     help="each tenant renews this often (default 100); 0 = back to back, each after the last ack")
-    ap.add_argument("--lease-timeout-ms", type=float, default=1000.0, help="daemon --lease-timeout-ms (default 1000)")
+    ap.add_argument("--lease-timeout-ms", type=float, default=3000.0,
+                    help="daemon --lease-timeout-ms; keep it well above --renew-ms (default 3000)")
     ap.add_argument("--slice-ms", type=float, default=50.0)
     ap.add_argument("--procs", type=int, default=0, help="client worker processes (default: 1 per 250 tenants, >= 1)")
     ap.add_argument("--nvml", action="store_true", help="let the daemon use NVML (default: --no-nvml)")

@@ -44,6 +44,7 @@ __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "Le
 
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
+SAVE_DELAY_S = 0.5
 
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
@@ -214,6 +215,8 @@ class KernelEngine:
         self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
         self._next_tick = self._last_tick
         self._logged_shares: dict[str, tuple[float, str]] = {}
+        self._unsaved = False
+        self._saved_at = float("-inf")
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
         if self.config.contention != "auto":
@@ -306,11 +309,17 @@ class KernelEngine:
 
     def shutdown(self) -> None:
         self.thaw_all()
-        self._save()
+        self._save()  # also what _save_soon left for the tick
         log.info("all managed cgroups thawed")
 
     def _save(self) -> None:
         self.store.save([t.saved() for t in sorted(self._tenants.values(), key=lambda t: t.name)])
+        self._unsaved = False
+
+    def _save_soon(self) -> None:
+        """For changes a client makes again on reconnecting (lease sessions): saved by the tick within
+        SAVE_DELAY_S, so a thousand clients registering at once do not rewrite the file a thousand times."""
+        self._unsaved = True
 
     def _add(self, t: _Tenant, reason: str) -> None:
         t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
@@ -350,6 +359,7 @@ class KernelEngine:
         pid: int,
         uid: int,
         is_admin: bool,
+        save_now: bool = True,
     ) -> TenantSnapshot:
         """Move the caller's own process into the tenant's cgroup, creating the tenant if needed."""
         try:
@@ -408,7 +418,10 @@ class KernelEngine:
         except CgroupError as e:
             raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
         if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
-            self._save()
+            if save_now:
+                self._save()
+            else:
+                self._save_soon()
         return self.snapshot(name)
 
     def _create_cgroup(self, name: str, cgroup: str) -> None:
@@ -688,6 +701,9 @@ class KernelEngine:
         decision = self.policy.decide(now)
         self._next_tick = now + decision.slice_s
         self._apply(decision, now, tick=True)
+        if self._unsaved and now - self._saved_at >= SAVE_DELAY_S:
+            self._saved_at = now
+            self._save()
         active = frozenset(n for n, t in self._tenants.items() if t.active)
         if active != self._last_active:
             self._last_active = active
@@ -849,7 +865,7 @@ class KernelEngine:
             raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(self.gpu_indices)}")
         t = self._tenants.get(name)
         gpus = [gpu] if t is None or t.gpus is not None else []
-        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin)
+        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, save_now=False)
         t = self._tenants[name]
         if t.frozen:  # was a kernel tenant: leases gate it from now on
             self._thaw(t)

@@ -122,7 +122,10 @@ class StateStore:
 
     def save(self, tenants: list[SavedTenant]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"version": STATE_VERSION, "tenants": [t.to_json() for t in tenants]}, indent=1).encode()
+        # one tenant per line, each line by the C encoder (indent= would make the whole dump pure Python:
+        # 60 ms at 1000 tenants, paid on every registration)
+        lines = ",\n ".join(json.dumps(t.to_json(), separators=(",", ":")) for t in tenants)
+        body = f'{{"version": {STATE_VERSION}, "tenants": [\n {lines}\n]}}\n'.encode()
         tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

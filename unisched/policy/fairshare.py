@@ -256,6 +256,8 @@ class WeightedFairShare:
         self._charges: deque[tuple[float, _Tenant, Resource, float]] = deque()
         """Every charge within the share window, oldest first: the measured shares, O(1) per charge."""
         self._window_total: dict[Resource, float] = {}
+        self._demand_weight: dict[Resource, int] = {}
+        """Sum of the weights of the tenants with demand on each resource (targets without a scan)."""
 
     def _rid(self, r: Resource) -> int:
         rid = self._rids.get(r)
@@ -274,15 +276,22 @@ class WeightedFairShare:
         elif spec.priority is not t.spec.priority and t.demand and self._by_class:
             self._unindex(t)
             t.spec = spec
-            t.weight = spec.weight
+            self._reweigh(t, spec.weight)
             self._reindex(t)
         else:
             t.spec = spec
-            t.weight = spec.weight
+            self._reweigh(t, spec.weight)
+
+    def _reweigh(self, t: _Tenant, weight: int) -> None:
+        for r in t.demand:
+            self._demand_weight[r] += weight - t.weight
+        t.weight = weight
 
     def remove(self, name: str) -> None:
         t = self._get(name)
         self._unindex(t)
+        for r in t.demand:
+            self._demand_weight[r] -= t.weight
         for r, used in t.window.items():  # its charges leave the measured shares now, not when they expire
             self._window_total[r] -= used
         t.window.clear()
@@ -298,7 +307,7 @@ class WeightedFairShare:
 
     def set_weight(self, name: str, weight: int) -> None:
         """Effective weight (tidal schedules change it without touching the declared spec)."""
-        self._get(name).weight = validate_weight(weight)
+        self._reweigh(self._get(name), validate_weight(weight))
 
     def names(self) -> list[str]:
         return sorted(self._tenants)
@@ -332,6 +341,11 @@ class WeightedFairShare:
             else:
                 t.vtime[r] = max(t.vtime[r], clock - limit)
         self._unindex(t)
+        dw = self._demand_weight
+        for r in t.demand:
+            dw[r] -= t.weight
+        for r in new:
+            dw[r] = dw.get(r, 0) + t.weight
         t.demand = new
         self._reindex(t)
         if new:
@@ -775,17 +789,16 @@ class WeightedFairShare:
         return self.config.timeshare_window_s * t.weight / DEFAULT_WEIGHT
 
     # --- reporting --------------------------------------------------------------------------------
-    def target_shares(self) -> dict[str, dict[Resource, float]]:
-        """Weight share of each resource among tenants active on it (work-conserving targets).
+    def target_shares(self, names: Iterable[str] | None = None) -> dict[str, dict[Resource, float]]:
+        """Weight share of each resource among tenants active on it (work-conserving targets), for every
+        tenant or for `names`.
 
         An idle tenant's target is the share it would get on waking, so `tenants` shows what it is owed.
         """
-        weights: dict[Resource, int] = {}
-        for t in self._tenants.values():
-            for r in t.demand:
-                weights[r] = weights.get(r, 0) + t.weight
+        weights = self._demand_weight
         out: dict[str, dict[Resource, float]] = {}
-        for n, t in self._tenants.items():
+        for n in self._tenants if names is None else names:
+            t = self._tenants[n]
             resources = t.demand or frozenset(r for r in t.vtime)
             out[n] = {
                 r: t.weight / (weights.get(r, 0) + (0 if r in t.demand else t.weight))
@@ -796,10 +809,11 @@ class WeightedFairShare:
     def stats(self, now: float, names: Iterable[str] | None = None) -> list[TenantStats]:
         """Every tenant's stats, or those of `names` only (cheap: a tenant's own sums, kept as charges come)."""
         self._prune(now)
-        targets = self.target_shares()
+        wanted = sorted(self._tenants) if names is None else sorted(names)
+        targets = self.target_shares(wanted)
         totals = self._window_total
         out = []
-        for n in sorted(self._tenants if names is None else names):
+        for n in wanted:
             t = self._tenants[n]
             out.append(
                 TenantStats(
