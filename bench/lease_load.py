@@ -192,6 +192,10 @@ def main() -> int:
     parts = [q.get(timeout=120) for _ in workers]
     for w in workers:
         w.join(30)
+    import resource
+
+    clients_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    clients_cpu_s = clients_cpu.ru_utime + clients_cpu.ru_stime  # the workers' whole run, registration included
     daemon.send_signal(signal.SIGTERM)
     daemon.wait(30)
     # remove the tenants' cgroups the daemon created
@@ -216,6 +220,7 @@ for cg in d.managed():
                    "max": 1000 * max(rtts, default=float("nan")),
                    "mean": 1000 * statistics.fmean(rtts) if rtts else float("nan")},
         "daemon_cpu_cores": (cpu1 - cpu0) / elapsed, "daemon_rss_mib_max": rss_max / 2**20,
+        "clients_cpu_s_whole_run": clients_cpu_s,
         "counts": counts, "errors": [e for p in parts for e in p["errors"]][:10],
     }
     args.out.mkdir(parents=True, exist_ok=True)
