@@ -297,3 +297,25 @@ def test_cpu_a_tenant_uses_after_its_freeze_is_charged_so_weights_hold(tmp_path:
         rig.clock.advance(delay)
     ratio = rig.cpu("a") / rig.cpu("b")
     assert 2.85 < ratio < 3.15, ratio
+
+
+def test_encoder_counts_follow_nvml_after_two_disagreeing_checks(tmp_path: Path) -> None:
+    """A free the hooks never saw leaves the NVENC count (and a cap) too high: NVML's encoder session list wins
+    when it disagrees twice in a row; once is a session caught between its allocation and NVML's list."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA L4", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("enc", 100, busy=False, engines=("encode",))
+    pid = rig.pid
+    assert rig.engine.admit_session("enc", "nvenc", 0xC0B7) and rig.engine.admit_session("enc", "nvenc", 0xC0B7)
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.1, 0, encoder_sessions={pid: 1, 99999: 3})]
+    rig.clock.advance(MEMORY_CHECK_S)
+    rig.engine.tick()
+    assert rig.engine.snapshot("enc").sessions["nvenc"] == 2  # one disagreement: not yet
+    rig.clock.advance(MEMORY_CHECK_S)
+    rig.engine.tick()
+    assert rig.engine.snapshot("enc").sessions["nvenc"] == 1
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.1, 0, encoder_sessions=None)]  # NVML cannot say: counts kept
+    for _ in range(3):
+        rig.clock.advance(MEMORY_CHECK_S)
+        rig.engine.tick()
+    assert rig.engine.snapshot("enc").sessions["nvenc"] == 1

@@ -140,6 +140,8 @@ class _Tenant:
     memory_bytes: int = 0
     over_memory: bool = False
     devices_admitted: bool = False
+    encoder_mismatch: int = 0
+    """Consecutive once-a-second checks where NVML's encoder session list disagreed with `sessions`."""
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
@@ -651,6 +653,7 @@ class KernelEngine:
         if now - self._memory_at < MEMORY_CHECK_S:
             return
         self._memory_at = now
+        self._reconcile_encoders(samples)
         by_pid: dict[int, int] = {}
         for s in samples.values():
             for pid, used in s.process_memory.items():
@@ -669,6 +672,35 @@ class KernelEngine:
                     t.refusals["memory"] = t.refusals.get("memory", 0) + 1
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
+
+    def _reconcile_encoders(self, samples: Mapping[int, GpuSample]) -> None:
+        """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count
+        allocations and frees; a free they never saw leaves a count too high (and a cap refusing), a session
+        opened where no hook runs leaves it too low. NVML lists the sessions that exist: when it disagrees with
+        the count twice in a row (not a session caught between its allocation and NVML's list), it wins."""
+        lists = [s.encoder_sessions for s in samples.values() if s.ok and s.encoder_sessions is not None]
+        if not lists:
+            return
+        by_pid: dict[int, int] = {}
+        for sessions in lists:
+            for pid, n in sessions.items():
+                by_pid[pid] = by_pid.get(pid, 0) + n
+        for t in self._tenants.values():
+            if t.missing:
+                continue
+            seen = sum(by_pid.get(pid, 0) for pid in self.driver.pids(t.cgroup)) if by_pid else 0
+            counted = t.sessions.get("nvenc", 0)
+            if seen == counted:
+                t.encoder_mismatch = 0
+                continue
+            t.encoder_mismatch += 1
+            if t.encoder_mismatch >= 2:
+                log.warning("encoder sessions reconciled with NVML", tenant=t.name, counted=counted, nvml=seen)
+                before = t.all_engines()
+                t.sessions["nvenc"] = seen
+                t.encoder_mismatch = 0
+                if t.all_engines() != before:
+                    self._engines_changed(t)
 
     # --- the slice ---------------------------------------------------------------------------------
     def tick(self) -> float:

@@ -34,6 +34,8 @@ class GpuSample:
     """GPU memory per pid, for the processes NVML lists (graphics processes, and compute where listed)."""
     ok: bool = True
     """False when NVML failed for this GPU this time (GPU lost, Xid): values are stale zeros."""
+    encoder_sessions: Mapping[int, int] | None = None
+    """Live NVENC sessions per pid from NVML's encoder session list; None where NVML cannot say (no NVENC)."""
 
     def util(self, engine: Engine) -> float:
         if engine is Engine.DECODE:

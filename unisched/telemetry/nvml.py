@@ -69,6 +69,7 @@ class NvmlTelemetry:
         self._last_util = [0.0] * len(self._handles)
         self._procs: list[dict[int, frozenset[Engine]]] = [{} for _ in self._handles]
         self._memory: list[dict[int, int]] = [{} for _ in self._handles]
+        self._encoders: dict[int, dict[int, int] | None] = {}
         self._calls = 0
         self._failing: set[int] = set()
 
@@ -105,7 +106,22 @@ class NvmlTelemetry:
         if self._calls % PROCESS_POLL_EVERY == 1:
             self._procs[k] = self._process_engines(h)
             self._memory[k] = self._process_memory(h)
-        return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]))
+            self._encoders[k] = self._encoder_sessions(h)
+        enc_sessions = self._encoders.get(k)
+        return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]),
+                         encoder_sessions=None if enc_sessions is None else dict(enc_sessions))
+
+    def _encoder_sessions(self, h: Any) -> dict[int, int] | None:
+        """NVENC sessions per pid (what the session hooks' encoder counts are reconciled against)."""
+        nvml = self._nvml
+        try:
+            sessions = nvml.nvmlDeviceGetEncoderSessions(h)
+        except nvml.NVMLError:
+            return None  # no NVENC on this GPU (H100/H200), or the driver does not say
+        out: dict[int, int] = {}
+        for s in sessions:
+            out[int(s.pid)] = out.get(int(s.pid), 0) + 1
+        return out
 
     def _sm_util(self, i: int, h: Any) -> float:
         nvml = self._nvml
