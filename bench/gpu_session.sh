@@ -3,7 +3,7 @@
 #   run: source .devcache/setup.sh && bash bench/gpu_session.sh   (carry: [".devcache"])
 # Steps (STEPS, comma-separated; each logged): probe (NVML sampling, Python modules), tests (GPU tests on this
 # machine's real cgroup v2), usertests (examples and client tests), rtt (lease round trip), coop (cooperative
-# pairs: bench/gpu_pairs.py --engine user, COOP_ARGS), pairs (kernel-engine pairs, PAIRS_ARGS).
+# pairs: bench/gpu_pairs.py --engine user, COOP_ARGS), pairs (kernel-engine pairs, PAIRS_ARGS), hooks (session hook tests and start-up cost).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -36,6 +36,10 @@ PY
 fi
 if has usertests; then
   echo "== user engine tests"; timeout 420 python3 -m pytest -q -rs -p no:cacheprovider -s tests/test_examples_gpu.py tests/test_gpu_hooks.py tests/test_client.py tests/test_leases.py 2>&1 | tee "$OUT/pytest-user.log" | grep -E "passed|failed|FAILED|SKIPPED|Error|^0[1-5]_|decode with|render with" | tail -40
+fi
+if has hooks; then
+  echo "== kernel hooks on the real driver"; timeout 300 python3 -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu_hooks.py 2>&1 | tee "$OUT/pytest-hooks.log" | tail -15
+  timeout 240 python3 bench/hook_startup.py --out "$OUT/hook-startup" 2>&1 | tail -6
 fi
 if has rtt; then
   echo "== lease rtt"; timeout 120 python3 bench/lease_load.py --tenants 1 --seconds 20 --warmup 3 --renew-ms 25 --out "$OUT/lease-rtt" 2>&1 | tail -4

@@ -94,3 +94,36 @@ def test_decode_cap_counts_one_pyav_decoder_as_one_session(daemon_factory) -> No
     assert refused.returncode != 0, "NVDEC decode ran although the decode cap is 0"
     assert tenant(d, name)["refusals"].get("nvdec", 0) >= 1
     print("tenant:", json.dumps(tenant(d, name)))
+
+
+def test_second_concurrent_decoder_is_refused_while_another_tenant_decodes(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Decode cap 1: the tenant's first decoder runs, its second concurrent one fails with a clear error, another
+    tenant's decoder is unaffected, and the counts go back to 0 when the processes exit."""
+    pytest.importorskip("av", reason="PyAV not installed (source .devcache/setup.sh on the GPU machine)")
+    d: Daemon = daemon_factory(nvml=True)
+    a, b = f"{d.prefix}deca", f"{d.prefix}decb"
+    assert run(d, b, *DECODE, "--seconds", "1").returncode == 0  # also makes the test clip
+    assert run(d, a, "true").returncode == 0
+    d.cli("set-limit", "--tenant", a, "--decode", "1", check=True)
+
+    def start(name: str, seconds: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--",
+                                 *DECODE, "--seconds", str(seconds)], cwd=ROOT, env=child_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    first, other = start(a, 12), start(b, 10)
+    try:
+        wait_until(lambda: tenant(d, a)["sessions"].get("nvdec", 0) == 1 and tenant(d, b)["sessions"].get("nvdec", 0) == 1,
+                   60, "both tenants to hold a decoder")
+        second = run(d, a, *DECODE, "--seconds", "2")
+        print("second decoder at cap 1:", second.returncode, second.stderr[-400:])
+        assert second.returncode != 0 and "hardware decode failed" in second.stderr
+        assert tenant(d, a)["refusals"].get("nvdec", 0) >= 1
+    finally:
+        out_first, err_first = first.communicate(timeout=120)
+        out_other, err_other = other.communicate(timeout=120)
+    assert first.returncode == 0, err_first[-1000:]
+    assert other.returncode == 0, err_other[-1000:]
+    print("first:", out_first[-200:], "other:", out_other[-200:])
+    wait_until(lambda: tenant(d, a)["sessions"].get("nvdec", 0) == 0 and tenant(d, b)["sessions"].get("nvdec", 0) == 0,
+               20, "decode session counts back to 0 after exit")
