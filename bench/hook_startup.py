@@ -13,17 +13,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import shlex
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _daemon import ROOT, bench_env, start_daemon
+
 CUDA = ("import time, torch; t = time.perf_counter(); torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize(); "
         "print(time.perf_counter() - t)")
 EGL = ("import os, sys, time; os.environ.setdefault('PYOPENGL_PLATFORM', 'egl'); "
@@ -39,18 +39,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hook-startup-"))
-    sock = str(work / "d.sock")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    log = (work / "daemon.log").open("wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
-                               str(work / "state")], stdout=log, stderr=log, env=env, cwd=ROOT)
+    env = bench_env()
+    daemon, sock = start_daemon(work)
     try:
-        deadline = time.monotonic() + 30
-        while not Path(sock).exists():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                print((work / "daemon.log").read_text()[-2000:], file=sys.stderr)
-                return 2
-            time.sleep(0.05)
         res: dict[str, dict[str, list[float]]] = {}
         for name, code in (("cuda", CUDA), ("egl", EGL)):
             for hooks in (True, False):

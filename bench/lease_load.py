@@ -34,7 +34,9 @@ from typing import Any
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _daemon import ROOT, start_daemon
+
 sys.path.insert(0, str(ROOT))
 
 
@@ -151,21 +153,12 @@ def main() -> int:
         ap.error("--tenants and --seconds must be positive, --renew-ms not negative")
     procs = args.procs or max(1, (args.tenants + 249) // 250)
     work = Path(os.environ.get("LL_WORK") or tempfile.mkdtemp(prefix="lease-load-"))
-    sock = str(work / "d.sock")
     prefix = f"ll{os.getpid() % 10000}-"
-    argv = [sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir", str(work / "state"),
-            "--slice-ms", f"{args.slice_ms:g}", "--lease-timeout-ms", f"{args.lease_timeout_ms:g}",
-            "--log-level", os.environ.get("LL_LOG_LEVEL", "warning"), "--log-format", "json",
-            *(() if args.nvml else ("--no-nvml",))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    log = (work / "daemon.log").open("wb")
-    daemon = subprocess.Popen(argv, stdout=log, stderr=log, env=env, cwd=ROOT)
-    deadline = time.monotonic() + 30
-    while not Path(sock).exists():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            print((work / "daemon.log").read_text()[-2000:], file=sys.stderr)
-            return 2
-        time.sleep(0.05)
+    daemon, sock = start_daemon(
+        work, "--slice-ms", f"{args.slice_ms:g}", "--lease-timeout-ms", f"{args.lease_timeout_ms:g}",
+        "--log-level", os.environ.get("LL_LOG_LEVEL", "warning"), "--log-format", "json",
+        *(() if args.nvml else ("--no-nvml",)),
+    )
     print(f"lease_load: daemon pid {daemon.pid}; {args.tenants} tenants over {procs} processes, renew every "
           f"{args.renew_ms:g} ms, {args.warmup:g} s warm-up + {args.seconds:g} s", file=sys.stderr)
     names = [f"{prefix}{i}" for i in range(args.tenants)]

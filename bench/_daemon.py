@@ -1,0 +1,33 @@
+"""`unisched serve` on a private socket for the benchmarks that need a bare daemon (lease_load, hook_startup);
+bench/gpu_pairs.py has its own `Daemon` with status checks and tenant snapshots."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_env() -> dict[str, str]:
+    """This checkout first on PYTHONPATH, whatever was set after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the daemon with its socket, state and log in `work`; returns it and its socket once the socket is
+    there. Exits with the log's tail when it dies first or does not come up."""
+    sock = str(work / "d.sock")
+    log = (work / "daemon.log").open("wb")
+    daemon = subprocess.Popen([sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
+                               str(work / "state"), *extra], stdout=log, stderr=log, env=bench_env(), cwd=ROOT)
+    deadline = time.monotonic() + timeout_s
+    while not Path(sock).exists():
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            daemon.kill()
+            raise SystemExit(f"unisched serve did not come up:\n{(work / 'daemon.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return daemon, sock
