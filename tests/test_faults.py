@@ -621,6 +621,9 @@ class StubNvml(types.SimpleNamespace):
     def nvmlDeviceGetEncoderUtilization(self, h: int) -> tuple[int, int]:
         raise self.NVMLError_NotSupported("no NVENC")
 
+    def nvmlDeviceGetEncoderSessions(self, h: int) -> list[Any]:
+        raise self.NVMLError_NotSupported("no NVENC")
+
     def nvmlDeviceGetGraphicsRunningProcesses(self, h: int) -> list[Any]:
         self._check(h)
         return []

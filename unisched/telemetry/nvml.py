@@ -114,8 +114,11 @@ class NvmlTelemetry:
     def _encoder_sessions(self, h: Any) -> dict[int, int] | None:
         """NVENC sessions per pid (what the session hooks' encoder counts are reconciled against)."""
         nvml = self._nvml
+        query = getattr(nvml, "nvmlDeviceGetEncoderSessions", None)  # older nvidia-ml-py releases lack it
+        if query is None:
+            return None
         try:
-            sessions = nvml.nvmlDeviceGetEncoderSessions(h)
+            sessions = query(h)
         except nvml.NVMLError:
             return None  # no NVENC on this GPU (H100/H200), or the driver does not say
         out: dict[int, int] = {}
