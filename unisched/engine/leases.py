@@ -9,7 +9,7 @@ policy and the clock); it sends through each session's `LeaseChannel`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -103,9 +103,6 @@ class LeaseBook:
             return None
         lease = c.leases.get(self.resource(self._session(sid).gpu, engine))
         return lease.id if lease else None
-
-    def tenants(self) -> Iterator[str]:
-        return iter(self._coop)
 
     def session_tenant(self, sid: int) -> str:
         return self._session(sid).tenant
@@ -332,5 +329,3 @@ class LeaseBook:
         if notify:
             self._send(c, r, lease, reason)
 
-    def summary(self) -> Mapping[str, int]:
-        return {"sessions": len(self._sessions), "cooperative_tenants": len(self._coop)}
