@@ -300,3 +300,20 @@ def test_the_next_holder_is_granted_when_the_revoked_one_yields_or_a_slice_later
     rig.clock.advance(SLICE)
     rig.tick()
     assert holder.held
+
+
+def test_closing_a_waiters_session_decides_nothing_closing_the_holders_hands_over(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b, c = rig.coop("a", 100), rig.coop("b", 100), rig.coop("c", 100)
+    for x in (a, b, c):
+        x.want()
+    holder = next(x for x in (a, b, c) if x.held)
+    waiters = [x for x in (a, b, c) if x is not holder]
+    decisions = []
+    decide = rig.engine.policy.decide
+    rig.engine.policy.decide = lambda now: decisions.append(now) or decide(now)  # type: ignore[method-assign]
+    rig.engine.lease_close(waiters[0].sid)
+    assert decisions == []  # a waiter leaving changes no holder
+    rig.engine.lease_close(holder.sid)
+    waiters[1].pump()
+    assert len(decisions) == 1 and waiters[1].held  # the holder leaving hands the GPU on at once

@@ -973,7 +973,7 @@ class KernelEngine:
         closed = self.leases.close(sid, self.clock.monotonic())
         if closed is None:
             return
-        name, codec = closed
+        name, codec, affected = closed
         t = self._tenants.get(name)
         if t is None:
             return
@@ -984,7 +984,8 @@ class KernelEngine:
         if not self.leases.cooperative(name):
             t.idle_run = 0
             t.last_cpu = None
-        self._reschedule()
+        if affected:
+            self._reschedule()
 
     # --- reporting ---------------------------------------------------------------------------------
     def snapshots(self, names: Iterable[str] | None = None) -> list[TenantSnapshot]:

@@ -125,22 +125,27 @@ class LeaseBook:
         log.info("lease session opened", tenant=tenant, session=sid, gpu=gpu)
         return sid
 
-    def close(self, sid: int, now: float) -> tuple[str, dict[str, int]] | None:
-        """Forget a session; returns its tenant and the codec sessions it still had open."""
+    def close(self, sid: int, now: float) -> tuple[str, dict[str, int], bool] | None:
+        """Forget a session; returns its tenant, the codec sessions it still had open, and whether the holders
+        may change (it held a lease, or the next holder waited for its yield): only then must the engine decide
+        again, so a thousand waiting clients disconnecting at once cost no thousand decisions."""
         s = self._sessions.pop(sid, None)
         if s is None:
             return None
         c = self._coop[s.tenant]
         c.sessions.discard(sid)
         log.info("lease session closed", tenant=s.tenant, session=sid)
+        affected = False
         if not c.sessions:
+            affected = bool(c.leases)
             for r, lease in list(c.leases.items()):
                 self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
             del self._coop[s.tenant]
             for r in [r for r, (who, _) in self._handover.items() if who == s.tenant]:
                 del self._handover[r]
+                affected = True
         self._refresh_demand(s.tenant, now)
-        return s.tenant, dict(s.codec)
+        return s.tenant, dict(s.codec), affected
 
     def forget_tenant(self, tenant: str) -> None:
         """The tenant is removed: revoke what it holds and drop its sessions."""
