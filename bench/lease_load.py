@@ -9,7 +9,8 @@ receiving its ack (same seq). With --tenants 1 it is the idle round trip the use
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
-Writes results.json and results.md to --out and prints a summary; progress goes to stderr.
+Writes results.json and results.md to --out and prints a summary; progress goes to stderr. For diagnosis:
+LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level.
 """
 
 from __future__ import annotations

@@ -43,13 +43,15 @@ class InFlight(Generic[M]):
     def add(self, unit: M) -> None:
         self.units.append(unit)
         while len(self.units) > self.max_in_flight:
-            self._wait(self.units[0])
-            self.gate.done(self._elapsed(self.units.popleft()))
+            self._finish_oldest()
         self.collect()
         if self.gate.ending():
             self.drain()
 
     def drain(self) -> None:
         while self.units:
-            self._wait(self.units[0])
-            self.gate.done(self._elapsed(self.units.popleft()))
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        self._wait(self.units[0])
+        self.gate.done(self._elapsed(self.units.popleft()))

@@ -72,7 +72,6 @@ class Gate:
         self.wanting = False
         self.pending_s = 0.0
         self.used_s = 0.0
-        self.units = 0
         self.last_use = 0.0
         self.waited_s = 0.0
         self.revokes = 0
@@ -126,7 +125,6 @@ class Gate:
             self.open_units = max(0, self.open_units - 1)
             self.pending_s += g
             self.used_s += g
-            self.units += 1
             self.last_use = time.monotonic()
             if self.owes_yield and not self.open_units:
                 self.client._yield_locked(self)

@@ -599,6 +599,11 @@ class KernelEngine:
         t = self._tenants.get(tenant)
         if t is None:
             return True  # not ours (any more): never wedge a process
+        return self._admit(t, kind, h_class) is None
+
+    def _admit(self, t: _Tenant, kind: str, h_class: int) -> str | None:
+        """Count a new session of `kind`, or refuse it: returns why (logged and counted), None when admitted.
+        The one check for sessions seen by the hooks and sessions cooperative clients ask for."""
         cap_kind = _CAP_OF_KIND.get(kind)
         refuse_reason = None
         if cap_kind is not None and t.over_memory:
@@ -609,13 +614,13 @@ class KernelEngine:
                 refuse_reason = f"{kind} cap {cap} reached"
         if refuse_reason is not None:
             t.refusals[kind] = t.refusals.get(kind, 0) + 1
-            log.warning("session refused", tenant=tenant, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason)
-            return False
+            log.warning("session refused", tenant=t.name, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason)
+            return refuse_reason
         before = t.all_engines()
         t.sessions[kind] = t.sessions.get(kind, 0) + 1
         if t.all_engines() != before:
             self._engines_changed(t)
-        return True
+        return None
 
     def session_freed(self, tenant: str, kind: str, count: int = 1) -> None:
         t = self._tenants.get(tenant)
@@ -944,9 +949,9 @@ class KernelEngine:
             raise EngineError("invalid", str(err)) from None
         if changed:
             t.active = bool(self.leases.demand(t.name))
+        # (or just enforced: freeze it now if it must wait)
+        if changed or (self.leases.enforced(t.name) and not t.frozen and not self.leases.holds(t.name) and t.active):
             self._reschedule()
-        if self.leases.enforced(t.name) and not t.frozen and not self.leases.holds(t.name) and t.active:
-            self._reschedule()  # just enforced: freeze it now if it must wait
         return self._ack(sid, t, e)
 
     def lease_codec(self, sid: int, kind: str, open_: bool) -> tuple[bool, str]:
@@ -962,9 +967,8 @@ class KernelEngine:
         if kind == "nvenc" and self.video is not None and self.video.nvenc == 0:
             gpu = self.telemetry.gpus()[0].name if self.telemetry.gpus() else "this GPU"
             return False, f"{gpu} has no NVENC encoder; encode on the CPU (e.g. libx264) or on another GPU"
-        if not self.admit_session(t.name, kind, 0):
-            cap = self.cap(t, _CAP_OF_KIND[kind])
-            why = "over its memory cap" if t.over_memory else f"{kind} cap {cap} reached"
+        why = self._admit(t, kind, 0)
+        if why is not None:
             return False, f"tenant {t.name!r}: {why}"
         self.leases.note_codec(sid, kind, +1)
         return True, ""

@@ -212,11 +212,11 @@ class LeaseBook:
             m = c.meters[r] = OverrunMeter(OVERRUN_WINDOW_SLICES * self.slice_s, self.slice_s, STRIKES_TO_ENFORCE)
         return m
 
-    def expire(self, now: float, frozen: Callable[[str], bool]) -> list[str]:
-        """Drop the wants of lease holders that did not renew within valid_s; returns the tenants whose demand
-        changed. Only holders must renew: a waiting client stays silent (its stream closing ends its demand),
-        so a thousand waiting tenants cost the daemon nothing. A tenant the freezer holds cannot renew: its
-        wants are kept, and count from when it is thawed (`touch`)."""
+    def expire(self, now: float, frozen: Callable[[str], bool]) -> None:
+        """Drop the wants of lease holders that did not renew within valid_s (their demand and leases go
+        with them; the tick's decision follows). Only holders must renew: a waiting client stays silent (its
+        stream closing ends its demand), so a thousand waiting tenants cost the daemon nothing. A tenant the
+        freezer holds cannot renew: its wants are kept, and count from when it is thawed (`touch`)."""
         changed = []
         for tenant, c in self._coop.items():
             if not c.leases or frozen(tenant):
@@ -233,7 +233,6 @@ class LeaseBook:
                     changed.append(tenant)
         for tenant in changed:
             self._refresh_demand(tenant, now, reason="not renewed")
-        return changed
 
     def touch(self, tenant: str, now: float) -> None:
         """The tenant was just thawed: its wants are fresh from now."""
@@ -244,13 +243,18 @@ class LeaseBook:
                 for e in s.wants:
                     s.wants[e] = now
 
+    def _engines_on(self, s: _Session, r: Resource) -> list[Engine]:
+        """The engines the session wants that the resource covers (compute and graphics are one resource where
+        they contend)."""
+        if s.gpu != r.gpu:
+            return []
+        return [e for e in s.wants if self.contention.domain(e) == r.domain]
+
     def _touch_resource(self, c: _Coop, r: Resource, now: float) -> None:
         for sid in c.sessions:
             s = self._sessions[sid]
-            if s.gpu == r.gpu:
-                for e in s.wants:
-                    if self.contention.domain(e) == r.domain:
-                        s.wants[e] = now
+            for e in self._engines_on(s, r):
+                s.wants[e] = now
 
     def _refresh_demand(self, tenant: str, now: float, reason: str = "released") -> bool:
         c = self._coop.get(tenant)
@@ -303,10 +307,8 @@ class LeaseBook:
 
     def _engine_of(self, c: _Coop, r: Resource) -> Engine:
         for sid in c.sessions:
-            s = self._sessions[sid]
-            for e in s.wants:
-                if s.gpu == r.gpu and self.contention.domain(e) == r.domain:
-                    return e
+            for e in self._engines_on(self._sessions[sid], r):
+                return e
         raise AssertionError("a demanded resource has a wanting session")
 
     def _send(self, c: _Coop, r: Resource, lease: _Lease, reason: str | None = None) -> None:
@@ -316,7 +318,7 @@ class LeaseBook:
             s = self._sessions[sid]
             if s.gpu != r.gpu:
                 continue
-            engines = [e for e in s.wants if self.contention.domain(e) == r.domain]
+            engines = self._engines_on(s, r)
             if reason is None:
                 for e in engines:
                     s.channel.send(LeaseGrant(lease.id, e, self.valid_s, lease.contended, lease.slice_left_s))

@@ -277,11 +277,11 @@ class UnischedServicer(pb_grpc.UnischedServicer):
 
     @staticmethod
     async def _lease_pusher(context: grpc.aio.ServicerContext, channel: StreamLeaseChannel,
-                            lock: asyncio.Lock) -> BaseException:
+                            lock: asyncio.Lock) -> _Overflow:
         """Write the engine's grants and revokes; returns the overflow that ends the stream."""
         while True:
             item = await channel.queue.get()
-            if isinstance(item, BaseException):
+            if isinstance(item, _Overflow):
                 return item
             async with lock:
                 await context.write(item)
@@ -371,10 +371,10 @@ class StreamLeaseChannel:
     """The LeaseChannel of one gRPC lease stream: the engine's messages queued for the stream's writer."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[pb.LeaseReply | BaseException] = asyncio.Queue(LEASE_QUEUE_MAX)
+        self.queue: asyncio.Queue[pb.LeaseReply | _Overflow] = asyncio.Queue(LEASE_QUEUE_MAX)
         self.broken = False
 
-    def put(self, reply: pb.LeaseReply | BaseException) -> None:
+    def put(self, reply: pb.LeaseReply) -> None:
         if self.broken:
             return
         try:
