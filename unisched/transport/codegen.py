@@ -1,6 +1,7 @@
-"""Regenerate the committed gRPC code from unisched.proto (needs grpcio-tools; dev only).
+"""Regenerate the committed gRPC code from our .proto files (needs grpcio-tools; dev only).
 
-`python -m unisched.transport.codegen` rewrites the modules; `--check` exits 1 when they are stale.
+unisched.proto (the daemon's API) and the kubelet's device plugin and pod resources APIs under kubelet/.
+`python -m unisched.transport.codegen` rewrites the modules; `--check` exits 1 when any is stale.
 """
 
 from __future__ import annotations
@@ -12,31 +13,44 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-OUTPUTS = ("unisched_pb2.py", "unisched_pb2.pyi", "unisched_pb2_grpc.py")
+PROTOS = (HERE / "unisched.proto", HERE / "kubelet" / "deviceplugin_v1beta1.proto", HERE / "kubelet" / "podresources_v1.proto")
+
+
+def outputs(proto: Path) -> list[Path]:
+    """The generated files of one .proto, beside it."""
+    stem = proto.stem
+    return [proto.with_name(f"{stem}_pb2.py"), proto.with_name(f"{stem}_pb2.pyi"), proto.with_name(f"{stem}_pb2_grpc.py")]
 
 
 def generate(out_root: Path) -> None:
     from grpc_tools import protoc  # dev-only dependency
 
-    rc = protoc.main(
-        [
-            "protoc",
-            f"-I{ROOT}",
-            f"--python_out={out_root}",
-            f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}",
-            str((HERE / "unisched.proto").relative_to(ROOT)),
-        ]
-    )
-    if rc != 0:
-        raise SystemExit(f"protoc failed with exit code {rc}")
+    for proto in PROTOS:
+        rc = protoc.main(
+            [
+                "protoc",
+                f"-I{ROOT}",
+                f"--python_out={out_root}",
+                f"--pyi_out={out_root}",
+                f"--grpc_python_out={out_root}",
+                str(proto.relative_to(ROOT)),
+            ]
+        )
+        if rc != 0:
+            raise SystemExit(f"protoc failed on {proto.name} with exit code {rc}")
 
 
 def stale_files() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        gen = Path(tmp) / "unisched" / "transport"
-        return [name for name in OUTPUTS if not (HERE / name).exists() or (gen / name).read_text() != (HERE / name).read_text()]
+        stale = []
+        for proto in PROTOS:
+            for path in outputs(proto):
+                rel = path.relative_to(ROOT)
+                fresh = Path(tmp) / rel
+                if not path.exists() or fresh.read_text() != path.read_text():
+                    stale.append(str(rel))
+        return stale
 
 
 def main() -> int:
