@@ -175,6 +175,8 @@ class TenantSpec:
     name: str
     kind: str
     weight: float | None  # None: no scheduler
+    priority: str | None = None  # online | offline (preemptive mode); None: the daemon's default
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (e.g. CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
 
 
 @dataclass
@@ -302,21 +304,23 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
         report = run_dir / f"{spec.name}.json"
         report.unlink(missing_ok=True)
         argv = workload_argv(cfg, spec.kind, report, start_at, warmup)
+        priority = ["--priority", spec.priority] if spec.priority else []
         if daemon is not None and cfg.engine == "user":
             assert spec.weight is not None
-            argv += ["--tenant", spec.name, "--weight", f"{spec.weight:g}", "--socket", str(daemon.socket)]
+            argv += ["--tenant", spec.name, "--weight", f"{spec.weight:g}", "--socket", str(daemon.socket),
+                     *priority]
         elif daemon is not None:
             assert spec.weight is not None
             argv = unisched_cmd(cfg, "run", "--socket", str(daemon.socket), "--tenant", spec.name,
-                                "--weight", f"{spec.weight:g}", "--engines", ENGINES[spec.kind],
-                                "--", *argv)
+                                "--weight", f"{spec.weight:g}", "--engines", ENGINES.get(spec.kind, "compute"),
+                                *priority, "--", *argv)
         plans.append((spec, argv, report, run_dir / f"{spec.name}.log"))
     t0 = time.time()
     procs = []
-    for _, argv, _, log in plans:  # back to back: the launches are milliseconds apart
+    for spec, argv, _, log in plans:  # back to back: the launches are milliseconds apart
         with log.open("wb") as out:
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          env=cfg.env, start_new_session=True))
+                                          env={**cfg.env, **dict(spec.env)}, start_new_session=True))
     extra: dict[str, Any] = {}
     snapshot = None if daemon is None else lambda: extra.update(tenants_snapshot=daemon.tenants_json())
     finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
@@ -352,8 +356,9 @@ class Daemon:
     calibration; only that file, since a live daemon's state dir also holds its tenants (state.json).
     """
 
-    def __init__(self, cfg: Config, name: str, contention: Path | None = None) -> None:
+    def __init__(self, cfg: Config, name: str, contention: Path | None = None, serve_args: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
+        self.serve_args = serve_args  # e.g. ("--mode", "preemptive")
         self.dir = cfg.work_dir / f"daemon-{name}"
         self.state_dir = self.dir / "state"
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -370,7 +375,7 @@ class Daemon:
 
     def start(self, timeout_s: float = 20.0) -> None:
         argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
-                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}")
+                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}", *self.serve_args)
         self.info["argv"] = argv
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -762,14 +767,22 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Readers (and a run cut short) see the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_json(path: Path, results: dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(finite(results), indent=2) + "\n")
+
+
 def save(out: Path, results: dict[str, Any]) -> None:
     """Rewritten after every step, so a run cut short still leaves what it measured."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(finite(results), indent=2) + "\n"),
-                       ("results.md", render_markdown(results))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(out / name)
+    save_json(out / "results.json", results)
+    write_atomic(out / "results.md", render_markdown(results))
 
 
 def gpu_name() -> str:

@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Window", "add_window_args", "fail", "measure", "plan_window", "write_report"]
+__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "measure", "plan_window", "write_report"]
+
+TIMELINE_STEP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Window:
     end_at: float  # requested window end
     late_s: float  # 0, or how far initialisation overran start_at
     warmup_items: int
+    # (seconds since start_at, items completed in the window so far), one point per TIMELINE_STEP_S: the
+    # benchmarks plot each tenant's share over time from it
+    timeline: tuple[tuple[float, int], ...] = ()
 
     @property
     def throughput(self) -> float:
@@ -91,6 +96,8 @@ def measure(step: Callable[[], int], start_at: float, end_at: float) -> Window:
         window_start, items = t, 0
         warmup_items = done
     t_last = t
+    timeline: list[tuple[float, int]] = [(round(t - start_at, 3), items)]
+    next_point = t + TIMELINE_STEP_S
     while True:
         done = step()
         t = time.time()
@@ -98,9 +105,12 @@ def measure(step: Callable[[], int], start_at: float, end_at: float) -> Window:
             break
         items += done
         t_last = t
+        if t >= next_point:
+            timeline.append((round(t - start_at, 3), items))
+            next_point = t + TIMELINE_STEP_S
     return Window(items=items, seconds=max(0.0, end_at - window_start), t_first=window_start,
                   t_last=t_last, start_at=start_at, end_at=end_at,
-                  late_s=window_start - start_at, warmup_items=warmup_items)
+                  late_s=window_start - start_at, warmup_items=warmup_items, timeline=tuple(timeline))
 
 
 def write_report(path: Path | None, kind: str, unit: str, window: Window,

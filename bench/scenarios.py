@@ -1,0 +1,740 @@
+#!/usr/bin/env python3
+"""The field scenarios of issue 5 on the real GPU, under no scheduler, MPS where it applies, and unisched.
+
+Why one harness: users judge unisched against what they would use instead, on their own kind of load. Each
+scenario runs its real programs (examples/) under every setup that applies, in one invocation, and the
+results go to one folder: results.json (raw reports and derived numbers), results.md (the tables) and
+plots/*.png (each tenant's share over time; normalized throughput against the weights; latencies).
+
+Scenarios (--scenarios, comma separated; default all):
+  mixed     ResNet-50 training (batch 32) + a heavy 1920x1080 EGL fragment-shader render at 1:1, 3:1, 1:3:
+            alone, no scheduler, unisched kernel engine and user engine (bench/gpu_pairs.py does the runs);
+            also each alone under unisched (scenario 5, overhead).
+  online    ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online) next to ResNet-50
+            training (offline): alone, no scheduler, MPS (trainer at 30% active threads), unisched kernel
+            and user engine in preemptive mode; batch 1, and batch 8 where contention bites harder.
+  ad_sim    render -> encode -> decode (NVDEC) -> perception (examples/ad_sim.py): the two stages one
+            after another, co-located with no scheduler, and co-located under unisched at 1:1.
+  cloud     N render + encode instances, each its own tenant with a memory cap (examples/cloud_gaming.py):
+            N = 1, 4, 8, 16 under unisched, 16 with no scheduler, and 4 with one instance over its cap.
+
+A run of every scenario takes about 25 minutes on the H200; a device call allows 10, so the session script
+runs it as several invocations into the same --out: results.json is merged (a scenario run again replaces
+its earlier entry) and results.md and the plots are rebuilt from all of it each time.
+
+  python3 bench/scenarios.py --out bench/results/$(date -u +%F)-h200/scenarios
+  python3 bench/scenarios.py --out /tmp/s --scenarios online --seconds 10 --dry-run
+  python3 bench/scenarios.py --out DIR --replot          # rebuild results.md and plots from results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_pairs as gp
+import scoring
+
+ROOT = gp.ROOT
+EX = ROOT / "examples"
+SCENARIOS = ("mixed", "online", "ad_sim", "cloud")
+MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
+TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50 --batch 32"
+RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
+RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
+ONLINE_P99_TARGET = 1.05  # x alone
+OFFLINE_KEPT_TARGET = 0.80  # of solo
+CLOUD_SIZES = (1, 4, 8, 16)
+MPS_TRAINER_PERCENT = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    out: Path
+    seconds: float
+    warmup: float
+    unisched_warmup: float
+    slice_ms: float
+    rate: float
+    memory_cap: str
+    work_dir: Path
+    max_total: float
+    dry_run: bool
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def run_logged(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int | None:
+    """Run a child to completion with its output in `log`; None when it had to be killed at the timeout."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env=env or pair_env())
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            gp.kill_group(proc)
+            return None
+
+
+def pair_env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("PYOPENGL_PLATFORM", "egl")
+    return env
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+@contextlib.contextmanager
+def mps_daemon(work: Path) -> Iterator[dict[str, str]]:
+    """An MPS control daemon private to this run; yields the environment its clients need. Always stopped."""
+    pipe, logs = work / "mps-pipe", work / "mps-log"
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, capture_output=True,
+                             timeout=30)
+    if started.returncode != 0:
+        raise RuntimeError(f"nvidia-cuda-mps-control -d failed: {started.stderr.decode(errors='replace')[-500:]}")
+    try:
+        yield env
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ, **env}, capture_output=True,
+                       timeout=30)
+
+
+class Harness:
+    """Runs the scenarios, keeps results.json current after every step, and shows progress."""
+
+    def __init__(self, opts: Options, scenarios: list[str]) -> None:
+        self.opts = opts
+        self.scenarios = scenarios
+        self.progress = gp.Progress(self.step_count(), name="scenarios")
+        self.results = read_json(opts.out / "results.json") or {"scenarios": {}}
+        self.results.setdefault("scenarios", {})
+        self.results["meta"] = {
+            "command": "python3 bench/scenarios.py " + shlex.join(sys.argv[1:]),
+            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "gpu": gp.gpu_name(),
+            "seconds": opts.seconds, "warmup": opts.warmup, "unisched_warmup": opts.unisched_warmup,
+            "slice_ms": opts.slice_ms,
+        }
+
+    def step_count(self) -> int:
+        per = {"mixed": 2, "online": 12, "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
+        return sum(per[s] for s in self.scenarios)
+
+    def config(self, engine: str = "kernel") -> gp.Config:
+        o = self.opts
+        cfg = gp.new_config(seconds=o.seconds, warmup=o.warmup, unisched_warmup=o.unisched_warmup, grace_s=20.0,
+                            work_dir=o.work_dir, dry_run=o.dry_run, workload_cmd_cuda=None, workload_cmd_render=None,
+                            slice_ms=o.slice_ms, prefix="scenarios-")
+        return dataclasses.replace(cfg, engine=engine)
+
+    def time_left(self) -> float:
+        return self.opts.max_total - self.progress.elapsed()
+
+    def save(self, scenario: str, data: dict[str, Any]) -> None:
+        self.results["scenarios"][scenario] = data
+        data["date_utc"] = self.results["meta"]["date_utc"]
+        data["command"] = self.results["meta"]["command"]
+        self.opts.out.mkdir(parents=True, exist_ok=True)
+        gp.save_json(self.opts.out / "results.json", self.results)
+
+    # --------------------------------------------------------------------------------- scenario 1 (+5)
+
+    def mixed(self) -> dict[str, Any]:
+        """Delegates the runs to gpu_pairs (its alone/no-scheduler/unisched protocol), once per engine."""
+        data: dict[str, Any] = {"engines": {}}
+        for engine in ("kernel", "user"):
+            out = self.opts.out / f"mixed-{engine}"
+            budget = min(540.0, self.time_left())
+            argv = [sys.executable, str(ROOT / "bench" / "gpu_pairs.py"), "--out", str(out), "--pairs", MIXED_PAIRS,
+                    "--workload-cmd-cuda", TRAIN_CMD, "--workload-cmd-render", RENDER_CMD,
+                    "--render-iterations", str(RENDER_ITERATIONS), "--overhead", "--engine", engine,
+                    "--seconds", f"{self.opts.seconds:g}", "--warmup", f"{self.opts.warmup:g}",
+                    "--unisched-warmup", f"{self.opts.unisched_warmup:g}", "--slice-ms", f"{self.opts.slice_ms:g}",
+                    "--max-total", f"{budget - 30:g}"]
+            self.progress.step(f"mixed: {engine} engine (bench/gpu_pairs.py, up to {budget:.0f} s)")
+            if self.opts.dry_run:
+                self.progress.note("  " + shlex.join(argv))
+                continue
+            rc = run_logged(argv, self.opts.work_dir / f"mixed-{engine}.log", budget)
+            found = read_json(out / "results.json")
+            data["engines"][engine] = {"rc": rc, "argv": argv, "results": found}
+            self.save("mixed", data)
+            for p in (found or {}).get("pairs", []):
+                us = p.get("unisched") or {}
+                self.progress.note(f"  -> {p['pair']}: unisched {fmt_pair(us)}")
+        return data
+
+    # ----------------------------------------------------------------------------------- scenario 4
+
+    def online(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"rate": self.opts.rate, "batches": {}}
+        for batch in (1, 8):
+            data["batches"][str(batch)] = runs = {}
+            for setup in ("alone-online", "alone-offline", "no scheduler", "MPS", "unisched kernel", "unisched user"):
+                self.progress.step(f"online: batch {batch}, {setup}")
+                if self.opts.dry_run:
+                    continue
+                if self.time_left() < self.opts.seconds + self.opts.unisched_warmup + 20:
+                    runs[setup] = {"error": "skipped: would overrun --max-total"}
+                    continue
+                try:
+                    runs[setup] = self.online_run(batch, setup)
+                except (RuntimeError, gp.DaemonError, OSError) as e:
+                    runs[setup] = {"error": str(e)}
+                self.save("online", data)
+                self.progress.note(f"  -> {online_line(runs[setup])}")
+            data["batches"][str(batch)]["derived"] = derive_online(runs)
+            self.save("online", data)
+        return data
+
+    def online_run(self, batch: int, setup: str) -> dict[str, Any]:
+        engine = "user" if setup == "unisched user" else "kernel"
+        cfg = self.config(engine)
+        cfg = dataclasses.replace(cfg, workload_cmd={
+            "online": [sys.executable, str(EX / "online_offline.py"), "--batch", str(batch), "--rate", f"{self.opts.rate:g}"],
+            "offline": shlex.split(TRAIN_CMD),
+        })
+        under = setup.startswith("unisched")
+        weight = 100.0 if under else None
+        online = gp.TenantSpec("online", "online", weight, "online" if under else None)
+        offline = gp.TenantSpec("offline", "offline", weight, "offline" if under else None)
+        label = f"b{batch}-{setup.replace(' ', '-')}"
+        if setup == "alone-online":
+            group = gp.run_group(cfg, label, "alone", [online])
+        elif setup == "alone-offline":
+            group = gp.run_group(cfg, label, "alone", [offline])
+        elif setup == "no scheduler":
+            group = gp.run_group(cfg, label, "no scheduler", [online, offline])
+        elif setup == "MPS":
+            with mps_daemon(cfg.work_dir / label) as env:
+                pairs = tuple(env.items())
+                trainer_env = (*pairs, ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(MPS_TRAINER_PERCENT)))
+                group = gp.run_group(cfg, label, "MPS", [dataclasses.replace(online, env=pairs),
+                                                         dataclasses.replace(offline, env=trainer_env)])
+        else:
+            daemon = gp.Daemon(cfg, label, serve_args=("--mode", "preemptive"))
+            try:
+                daemon.start()
+                group = gp.run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup)
+            finally:
+                daemon.stop()
+            group.extra["daemon"] = daemon.info
+        return group.to_json()
+
+    # ----------------------------------------------------------------------------------- scenario 2
+
+    def ad_sim(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"runs": {}}
+        plans = {"sequential": ["--mode", "sequential"], "co-located, no scheduler": ["--mode", "colocated"],
+                 "co-located, unisched 1:1": ["--mode", "colocated", "--weights", "1:1"]}
+        for setup, args in plans.items():
+            self.progress.step(f"ad_sim: {setup}")
+            if self.opts.dry_run:
+                continue
+            data["runs"][setup] = self.example_run("ad_sim", setup, args, daemon="unisched" in setup)
+            self.save("ad_sim", data)
+            self.progress.note(f"  -> {ad_sim_line(data['runs'][setup])}")
+        return data
+
+    # ----------------------------------------------------------------------------------- scenario 3
+
+    def cloud(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"memory_cap": self.opts.memory_cap, "runs": {}}
+        plans: dict[str, tuple[list[str], bool]] = {}
+        for n in CLOUD_SIZES:
+            plans[f"N={n}, unisched"] = (["--instances", str(n), "--memory-cap", self.opts.memory_cap], True)
+        plans[f"N={CLOUD_SIZES[-1]}, no scheduler"] = (["--instances", str(CLOUD_SIZES[-1])], False)
+        plans["N=4, unisched, instance 0 over its cap"] = (
+            ["--instances", "4", "--memory-cap", self.opts.memory_cap, "--hog-instance", "0", "--hog-mib",
+             str(2 * parse_mib(self.opts.memory_cap))], True)
+        for setup, (args, daemon) in plans.items():
+            self.progress.step(f"cloud: {setup}")
+            if self.opts.dry_run:
+                continue
+            data["runs"][setup] = self.example_run("cloud_gaming", setup, args, daemon=daemon)
+            self.save("cloud", data)
+            self.progress.note(f"  -> {cloud_line(data['runs'][setup])}")
+        return data
+
+    def example_run(self, name: str, setup: str, args: list[str], daemon: bool) -> dict[str, Any]:
+        """One run of an orchestrating example (it starts its own tenants), under a fresh daemon if asked."""
+        cfg = self.config()
+        label = f"{name}-{setup}".replace(" ", "_").replace(",", "").replace(":", "-").replace("=", "")
+        report = cfg.work_dir / f"{label}.json"
+        report.unlink(missing_ok=True)
+        argv = [sys.executable, str(EX / f"{name}.py"), *args, "--seconds", f"{self.opts.seconds:g}",
+                "--warmup", f"{self.opts.unisched_warmup if daemon else self.opts.warmup:g}", "--report", str(report)]
+        timeout = 4 * (self.opts.seconds + self.opts.unisched_warmup) + 60
+        if self.time_left() < timeout / 2:
+            return {"error": "skipped: would overrun --max-total", "argv": argv}
+        d: gp.Daemon | None = None
+        info: dict[str, Any] = {}
+        try:
+            if daemon:
+                d = gp.Daemon(cfg, label)
+                d.start()
+                argv += ["--unisched-socket", str(d.socket)]
+            rc = run_logged(argv, cfg.work_dir / f"{label}.log", timeout)
+        except gp.DaemonError as e:
+            return {"error": f"daemon: {e}", "argv": argv}
+        finally:
+            if d is not None:
+                d.stop()
+                info = d.info
+        out = {"argv": argv, "rc": rc, "report": read_json(report), "log_tail": gp.tail(cfg.work_dir / f"{label}.log")}
+        if info:
+            out["daemon"] = {k: v for k, v in info.items() if k != "log_tail"}
+            out["daemon_log_tail"] = info.get("log_tail", "")
+        if rc != 0:
+            out["error"] = "killed at its timeout" if rc is None else f"exit status {rc}"
+        return out
+
+
+# ------------------------------------------------------------------------------------ derived numbers
+
+
+def parse_mib(size: str) -> int:
+    """'2GiB' / '512MiB' -> MiB."""
+    units = {"GiB": 1024, "MiB": 1, "G": 1024, "M": 1}
+    for unit, mult in units.items():
+        if size.endswith(unit):
+            return int(float(size[: -len(unit)]) * mult)
+    raise ValueError(f"size {size!r}: use a number followed by GiB or MiB")
+
+
+def tenant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
+    for t in run.get("tenants", []):
+        if t.get("name") == name:
+            return t.get("report")
+    return None
+
+
+def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
+    """Online p99 against alone, offline throughput kept against solo, and the target verdict, per setup."""
+    alone = tenant(runs.get("alone-online", {}), "online") or {}
+    solo = tenant(runs.get("alone-offline", {}), "offline") or {}
+    base_p99 = (alone.get("latency_ms") or {}).get("p99")
+    base_tp = solo.get("throughput")
+    out: dict[str, Any] = {"alone_p99_ms": base_p99, "alone_p50_ms": (alone.get("latency_ms") or {}).get("p50"),
+                           "offline_solo": base_tp, "setups": {}}
+    for setup in ("no scheduler", "MPS", "unisched kernel", "unisched user"):
+        run = runs.get(setup) or {}
+        on, off = tenant(run, "online") or {}, tenant(run, "offline") or {}
+        lat = on.get("latency_ms") or {}
+        p99x = ratio(lat.get("p99"), base_p99)
+        kept = ratio(off.get("throughput"), base_tp)
+        met = None if p99x is None or kept is None else (p99x <= ONLINE_P99_TARGET and kept >= OFFLINE_KEPT_TARGET)
+        out["setups"][setup] = {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "p99_x_alone": p99x,
+                                "offline_kept": kept, "dropped": on.get("dropped"), "target_met": met,
+                                "error": run.get("error")}
+    return out
+
+
+def fmt_pair(us: dict[str, Any]) -> str:
+    if not us:
+        return "n/a"
+    n = us.get("normalized") or [None, None]
+    return (f"normalized {gp.fmt(n[0])} / {gp.fmt(n[1])}, error {gp.fmt(us.get('error_pts'), 1)} pts, "
+            f"sum {gp.fmt(us.get('efficiency'))}")
+
+
+def online_line(run: dict[str, Any]) -> str:
+    if run.get("error"):
+        return f"FAILED: {run['error'][:200]}"
+    parts = []
+    for t in run.get("tenants", []):
+        r = t.get("report") or {}
+        if "latency_ms" in r:
+            parts.append(f"online p50 {gp.fmt(r['latency_ms'].get('p50'))} ms p99 {gp.fmt(r['latency_ms'].get('p99'))} ms")
+        elif r:
+            parts.append(f"offline {gp.fmt(r.get('throughput'), 1)} {r.get('unit', '')}")
+        else:
+            parts.append(f"{t.get('name')}: {t.get('error')}")
+    return "; ".join(parts)
+
+
+def ad_sim_line(run: dict[str, Any]) -> str:
+    r = run.get("report") or {}
+    if not r:
+        return f"FAILED: {run.get('error')}"
+    e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
+    return (f"{gp.fmt(r.get('fps_end_to_end'), 1)} frames/s end to end, p50 {gp.fmt(e2e.get('p50'), 1)} ms, "
+            f"GPU util {gp.fmt(r.get('gpu_util_mean'), 0)}%")
+
+
+def cloud_line(run: dict[str, Any]) -> str:
+    r = run.get("report") or {}
+    if not r:
+        return f"FAILED: {run.get('error')}"
+    fps = [i.get("fps_mean") or 0.0 for i in r.get("per_instance", [])]
+    return (f"{len(fps)} instances, FPS mean {gp.fmt(sum(fps) / len(fps) if fps else None, 1)}, min "
+            f"{gp.fmt(min(fps) if fps else None, 1)}, fairness {gp.fmt(r.get('fairness_min_over_max'))}")
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The tables for every scenario present, with the command and date each came from."""
+    meta = results.get("meta", {})
+    lines = [f"# Scenarios on {meta.get('gpu', '?')}", ""]
+    sc = results.get("scenarios", {})
+    if "mixed" in sc:
+        lines += mixed_md(sc["mixed"])
+    if "online" in sc:
+        lines += online_md(sc["online"])
+    if "ad_sim" in sc:
+        lines += ad_sim_md(sc["ad_sim"])
+    if "cloud" in sc:
+        lines += cloud_md(sc["cloud"])
+    return "\n".join(lines) + "\n"
+
+
+def provenance(data: dict[str, Any]) -> list[str]:
+    return [f"`{data.get('command', '?')}` ({data.get('date_utc', '?')} UTC)", ""]
+
+
+def mixed_md(data: dict[str, Any]) -> list[str]:
+    lines = ["## 1. Mixed training + render (ResNet-50 b32 + EGL 1920x1080)", "", *provenance(data),
+             "| engine | weights | no scheduler (norm A / B, err, sum) | unisched (norm A / B, err, sum) | verdict |",
+             "|---|---|---|---|---|"]
+    overhead: list[str] = []
+    for engine, e in data.get("engines", {}).items():
+        res = e.get("results") or {}
+        for p in res.get("pairs", []):
+            ns, us = p.get("no_scheduler") or {}, p.get("unisched") or {}
+            verdict = (us.get("verdict") or {}).get("label", "n/a")
+            w = f"{p['weights'][0]:g}:{p['weights'][1]:g}"
+            lines.append(f"| {engine} | {w} | {fmt_pair(ns)} | {fmt_pair(us)} | {verdict} |")
+        for kind, o in (res.get("overhead") or {}).items():
+            loss = o.get("loss")
+            overhead.append(f"- {engine} engine, {kind} alone: {gp.fmt(o.get('alone'), 1)} -> "
+                            f"{gp.fmt(o.get('alone_under_unisched'), 1)} under unisched "
+                            f"(loss {'n/a' if loss is None else f'{100 * loss:.1f}%'}; target <= 2%)")
+        solo = (res.get("pairs") or [{}])[0].get("solo")
+        if solo:
+            lines.append(f"| {engine} | alone | ResNet-50 {gp.fmt(solo[0], 1)} img/s, render {gp.fmt(solo[1], 1)} FPS | | |")
+    if overhead:
+        lines += ["", "5. Overhead (one tenant alone):", *overhead]
+    return [*lines, ""]
+
+
+def online_md(data: dict[str, Any]) -> list[str]:
+    lines = [f"## 4. Online + offline (ResNet-50 fp16 inference at {data.get('rate', '?')} req/s next to ResNet-50 "
+             "training; preemptive mode)", "", *provenance(data),
+             f"Target: online p99 <= {ONLINE_P99_TARGET:g}x alone while the offline tenant keeps >= "
+             f"{OFFLINE_KEPT_TARGET:.0%} of its solo throughput.", "",
+             "| batch | setup | online p50 ms | online p99 ms | p99 / alone | offline kept | target |",
+             "|---|---|---|---|---|---|---|"]
+    for batch, runs in data.get("batches", {}).items():
+        d = runs.get("derived") or {}
+        lines.append(f"| {batch} | alone | {gp.fmt(d.get('alone_p50_ms'))} | {gp.fmt(d.get('alone_p99_ms'))} | 1.00 | "
+                     f"1.00 ({gp.fmt(d.get('offline_solo'), 1)} img/s) | |")
+        for setup, s in (d.get("setups") or {}).items():
+            met = {True: "**met**", False: "missed", None: s.get("error") or "n/a"}[s.get("target_met")]
+            lines.append(f"| {batch} | {setup} | {gp.fmt(s.get('p50_ms'))} | {gp.fmt(s.get('p99_ms'))} | "
+                         f"{gp.fmt(s.get('p99_x_alone'))} | {gp.fmt(s.get('offline_kept'))} | {met} |")
+    return [*lines, ""]
+
+
+def ad_sim_md(data: dict[str, Any]) -> list[str]:
+    lines = ["## 2. Driving-simulation pipeline (render -> encode -> NVDEC decode -> perception)", "",
+             *provenance(data),
+             "| setup | frames/s end to end | e2e p50 ms | e2e p99 ms | GPU util % | NVDEC util % | encoder |",
+             "|---|---|---|---|---|---|---|"]
+    for setup, run in data.get("runs", {}).items():
+        r = run.get("report") or {}
+        e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
+        lines.append(f"| {setup} | {gp.fmt(r.get('fps_end_to_end'), 1)} | {gp.fmt(e2e.get('p50'), 1)} | "
+                     f"{gp.fmt(e2e.get('p99'), 1)} | {gp.fmt(r.get('gpu_util_mean'), 0)} | "
+                     f"{gp.fmt(r.get('decoder_util_mean'), 0)} | {r.get('encoder', run.get('error', 'n/a'))} |")
+    return [*lines, ""]
+
+
+def cloud_md(data: dict[str, Any]) -> list[str]:
+    lines = [f"## 3. Cloud-gaming density (render + encode per instance, memory cap {data.get('memory_cap')})", "",
+             *provenance(data),
+             "| setup | FPS mean | FPS min (1 s) | 1% low | fairness min/max | refusals / over cap |",
+             "|---|---|---|---|---|---|"]
+    for setup, run in data.get("runs", {}).items():
+        r = run.get("report") or {}
+        inst = r.get("per_instance") or []
+        if not inst:
+            lines.append(f"| {setup} | n/a | | | | {run.get('error', '')} |")
+            continue
+        mean = sum(i.get("fps_mean") or 0 for i in inst) / len(inst)
+        fmin = min(i.get("fps_min") or 0 for i in inst)
+        low = min(i.get("fps_1pct_low") or 0 for i in inst)
+        over = [t.get("name") for t in r.get("tenants") or [] if t.get("over_memory")]
+        hog = r.get("hog") or {}
+        note = ", ".join(filter(None, [f"over cap: {', '.join(over)}" if over else "",
+                                       f"hog: {hog.get('refused_error') or hog.get('summary') or ''}" if hog else ""]))
+        lines.append(f"| {setup} | {mean:.1f} | {fmin:.1f} | {low:.1f} | {gp.fmt(r.get('fairness_min_over_max'))} | "
+                     f"{note} |")
+    return [*lines, ""]
+
+
+# -------------------------------------------------------------------------------------------- plots
+
+
+def plots(results: dict[str, Any], folder: Path) -> list[Path]:
+    """PNG plots for what results.json holds; empty when matplotlib is missing (the tables still stand)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    folder.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []
+    sc = results.get("scenarios", {})
+    for engine, e in (sc.get("mixed") or {}).get("engines", {}).items():
+        res = e.get("results") or {}
+        made += mixed_plots(plt, res, engine, folder)
+    if "online" in sc:
+        made += online_plot(plt, sc["online"], folder)
+    if "cloud" in sc:
+        made += cloud_plot(plt, sc["cloud"], folder)
+    return made
+
+
+def share_series(reports: list[dict[str, Any] | None], solo: list[float | None], step: float = 1.0
+                 ) -> tuple[list[float], list[list[float]]]:
+    """Each tenant's share of the summed normalized throughput, per `step` seconds, from the report timelines."""
+    rates: list[dict[int, float]] = []
+    for rep, base in zip(reports, solo, strict=True):
+        tl = ((rep or {}).get("window") or {}).get("timeline") or []
+        bins: dict[int, float] = {}
+        for (t0, n0), (t1, n1) in itertools.pairwise(tl):
+            if t1 > t0 and base:
+                bins[int(t1 // step)] = bins.get(int(t1 // step), 0.0) + (n1 - n0) / base
+        rates.append(bins)
+    keys = sorted(set().union(*rates)) if rates else []
+    times = [k * step for k in keys]
+    shares_: list[list[float]] = [[] for _ in rates]
+    for k in keys:
+        total = sum(r.get(k, 0.0) for r in rates)
+        for i, r in enumerate(rates):
+            shares_[i].append(r.get(k, 0.0) / total if total else 0.0)
+    return times, shares_
+
+
+def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path) -> list[Path]:
+    made: list[Path] = []
+    pairs = res.get("pairs") or []
+    if pairs:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels, xs = [], 0
+        for p in pairs:
+            w = p["weights"]
+            want = scoring.shares(w)
+            for setup in ("no_scheduler", "unisched"):
+                s = p.get(setup) or {}
+                n = s.get("normalized")
+                if not n:
+                    continue
+                ax.bar([xs, xs + 0.4], n, width=0.4, color=["tab:blue", "tab:orange"])
+                ax.plot([xs - 0.2, xs + 0.6], [want[0] * s.get("efficiency", 1)] * 2, "k--", lw=0.8)
+                labels.append((xs + 0.2, f"{w[0]:g}:{w[1]:g}\n{'none' if setup == 'no_scheduler' else 'unisched'}"))
+                xs += 1.2
+        ax.set_xticks([x for x, _ in labels], [lab for _, lab in labels], fontsize=8)
+        ax.set_ylabel("normalized throughput (blue: training, orange: render)")
+        ax.set_title(f"ResNet-50 training + EGL render, {engine} engine (dashed: training's weighted share of the sum)")
+        fig.tight_layout()
+        path = folder / f"mixed-{engine}-normalized.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    for key, run in (res.get("unisched") or {}).items():
+        tenants = run.get("tenants") or []
+        if len(tenants) != 2:
+            continue
+        pair = next((p for p in pairs if p["pair"] == key), None)
+        if pair is None:
+            continue
+        times, sh = share_series([t.get("report") for t in tenants], pair["solo"])
+        if not times:
+            continue
+        want = scoring.shares(pair["weights"])
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for (name, series), target in zip(zip(("training", "render"), sh, strict=True), want, strict=True):
+            line = ax.plot(times, series, label=f"{name} (target {target:.2f})")[0]
+            ax.axhline(target, color=line.get_color(), ls="--", lw=0.8)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("seconds into the window")
+        ax.set_ylabel("share of normalized throughput")
+        ax.set_title(f"{key}, {engine} engine: share over time")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / f"mixed-{engine}-{key.replace(':', '-')}-share.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def online_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
+    made = []
+    for batch, runs in data.get("batches", {}).items():
+        d = runs.get("derived") or {}
+        setups = [("alone", d.get("alone_p50_ms"), d.get("alone_p99_ms"), 1.0)]
+        setups += [(k, v.get("p50_ms"), v.get("p99_ms"), v.get("offline_kept")) for k, v in (d.get("setups") or {}).items()]
+        setups = [s for s in setups if s[2] is not None]
+        if not setups:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        xs = range(len(setups))
+        ax.bar([x - 0.2 for x in xs], [s[1] or 0 for s in setups], width=0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [s[2] or 0 for s in setups], width=0.4, label="p99")
+        if d.get("alone_p99_ms"):
+            ax.axhline(ONLINE_P99_TARGET * d["alone_p99_ms"], color="k", ls="--", lw=0.8, label="target p99")
+        ax.set_xticks(list(xs), [f"{s[0]}\noffline {gp.fmt(s[3])}" for s in setups], fontsize=8)
+        ax.set_ylabel("online latency (ms)")
+        ax.set_title(f"online inference batch {batch} + training")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / f"online-b{batch}-latency.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def cloud_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
+    runs = [(k, (v.get("report") or {}).get("per_instance") or []) for k, v in data.get("runs", {}).items()]
+    runs = [(k, i) for k, i in runs if i]
+    if not runs:
+        return []
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    x = 0.0
+    ticks = []
+    for setup, inst in runs:
+        fps = [i.get("fps_mean") or 0 for i in inst]
+        ax.bar([x + j * 0.8 / len(fps) for j in range(len(fps))], fps, width=0.8 / len(fps))
+        ticks.append((x + 0.4, setup.replace(", ", "\n")))
+        x += 1.2
+    ax.set_xticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
+    ax.set_ylabel("FPS per instance")
+    ax.set_title("cloud gaming: per-instance FPS")
+    fig.tight_layout()
+    path = folder / "cloud-fps.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def summary(results: dict[str, Any]) -> str:
+    """One screen: the headline number of each scenario present."""
+    sc = results.get("scenarios", {})
+    out = [f"scenarios on {results.get('meta', {}).get('gpu', '?')}:"]
+    for engine, e in (sc.get("mixed") or {}).get("engines", {}).items():
+        for p in (e.get("results") or {}).get("pairs", []):
+            out.append(f"  mixed {engine:6} {p['pair']:10} {fmt_pair(p.get('unisched') or {})}")
+    for batch, runs in (sc.get("online") or {}).get("batches", {}).items():
+        for setup, s in ((runs.get("derived") or {}).get("setups") or {}).items():
+            out.append(f"  online b{batch} {setup:16} p99 x{gp.fmt(s.get('p99_x_alone'))}, offline kept "
+                       f"{gp.fmt(s.get('offline_kept'))}")
+    for setup, run in (sc.get("ad_sim") or {}).get("runs", {}).items():
+        out.append(f"  ad_sim {setup:26} {ad_sim_line(run)}")
+    for setup, run in (sc.get("cloud") or {}).get("runs", {}).items():
+        out.append(f"  cloud {setup:38} {cloud_line(run)}")
+    return "\n".join(out)
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    gp.save_json(out / "results.json", results)
+    gp.write_atomic(out / "results.md", markdown(results))
+    return plots(results, out / "plots")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="results folder (results.json is merged into)")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma separated of {', '.join(SCENARIOS)}")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured window per run (default 15)")
+    ap.add_argument("--warmup", type=float, default=8.0, help="warm-up before the window, no scheduler (default 8)")
+    ap.add_argument("--unisched-warmup", type=float, default=15.0, help="warm-up under unisched (default 15)")
+    ap.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default 50)")
+    ap.add_argument("--rate", type=float, default=20.0, help="online requests per second (default 20)")
+    ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
+    ap.add_argument("--max-total", type=float, default=570.0,
+                    help="skip steps that would end later than this many seconds after the start (default 570: one "
+                         "device call)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="logs and raw reports (default: a temp folder)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--replot", action="store_true", help="only rebuild results.md and plots from --out/results.json")
+    args = ap.parse_args(argv)
+    args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    bad = [s for s in args.scenario_list if s not in SCENARIOS]
+    if bad:
+        ap.error(f"unknown scenario {', '.join(bad)}: choose from {', '.join(SCENARIOS)}")
+    if args.seconds <= 0 or args.warmup < 0 or args.unisched_warmup < 0 or args.rate <= 0:
+        ap.error("--seconds and --rate must be positive, warm-ups not negative")
+    try:
+        parse_mib(args.memory_cap)
+    except ValueError as e:
+        ap.error(f"--memory-cap: {e}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        results = read_json(args.out / "results.json")
+        if results is None:
+            print(f"scenarios: error: no readable {args.out / 'results.json'}", file=sys.stderr)
+            return 2
+        made = write_outputs(results, args.out)
+        print(summary(results))
+        print(f"wrote {args.out / 'results.md'} and {len(made)} plots")
+        return 0
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="scenarios-"))
+    opts = Options(out=args.out, seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
+                   slice_ms=args.slice_ms, rate=args.rate, memory_cap=args.memory_cap, work_dir=work,
+                   max_total=args.max_total, dry_run=args.dry_run)
+    h = Harness(opts, args.scenario_list)
+    h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
+    for name in args.scenario_list:
+        data = getattr(h, name)()
+        if not args.dry_run:
+            h.save(name, data)
+    if args.dry_run:
+        return 0
+    made = write_outputs(h.results, args.out)
+    print(summary(h.results))
+    h.progress.note(f"done: {args.out / 'results.md'}, {len(made)} plots in {args.out / 'plots'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""bench/scenarios.py without a GPU: the derived numbers, tables, plots and plan (the runs need the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import scenarios  # noqa: E402
+
+
+def run_with(tenants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"tenants": [{"name": n, "report": r} for n, r in tenants.items()]}
+
+
+def online_runs(p99_shared: float, kept_tp: float) -> dict[str, Any]:
+    alone = run_with({"online": {"latency_ms": {"p50": 7.0, "p99": 9.0}}})
+    solo = run_with({"offline": {"throughput": 1500.0}})
+    shared = run_with({"online": {"latency_ms": {"p50": 7.5, "p99": p99_shared}, "dropped": 0},
+                       "offline": {"throughput": kept_tp}})
+    return {"alone-online": alone, "alone-offline": solo, "unisched user": shared, "MPS": {"error": "mps failed"}}
+
+
+def test_online_target_needs_both_latency_and_offline_throughput() -> None:
+    ok = scenarios.derive_online(online_runs(9.4, 1250.0))["setups"]["unisched user"]
+    assert ok["p99_x_alone"] == pytest.approx(9.4 / 9.0)
+    assert ok["offline_kept"] == pytest.approx(1250 / 1500)
+    assert ok["target_met"] is True
+    assert scenarios.derive_online(online_runs(9.6, 1250.0))["setups"]["unisched user"]["target_met"] is False
+    assert scenarios.derive_online(online_runs(9.4, 1100.0))["setups"]["unisched user"]["target_met"] is False
+    failed = scenarios.derive_online(online_runs(9.4, 1250.0))["setups"]["MPS"]
+    assert failed["target_met"] is None and failed["error"] == "mps failed"
+
+
+def test_share_series_follows_the_timelines() -> None:
+    # A completes 30 items/s (solo 40), B 10 items/s (solo 40): shares 0.75 / 0.25 in every second
+    a = {"window": {"timeline": [[0.5 * i, 15 * i] for i in range(9)]}}
+    b = {"window": {"timeline": [[0.5 * i, 5 * i] for i in range(9)]}}
+    times, (sa, sb) = scenarios.share_series([a, b], [40.0, 40.0])
+    assert times == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert sa[1:] == pytest.approx([0.75] * 4) and sb[1:] == pytest.approx([0.25] * 4)
+
+
+def test_parse_mib() -> None:
+    assert scenarios.parse_mib("4GiB") == 4096 and scenarios.parse_mib("512MiB") == 512
+    with pytest.raises(ValueError):
+        scenarios.parse_mib("4 gigs")
+
+
+def results_fixture() -> dict[str, Any]:
+    tl = {"window": {"timeline": [[0.5 * i, 10 * i] for i in range(11)]}}
+    pair = {"pair": "mixed3:1", "kinds": ["cuda", "render"], "weights": [3, 1], "solo": [40.0, 40.0],
+            "no_scheduler": {"normalized": [0.5, 0.9], "error_pts": 10.0, "efficiency": 1.4},
+            "unisched": {"normalized": [0.72, 0.25], "error_pts": 0.8, "efficiency": 0.97,
+                         "verdict": {"label": "PASS", "passed": True}}}
+    mixed_res = {"pairs": [pair], "overhead": {"cuda": {"alone": 100.0, "alone_under_unisched": 98.5, "loss": 0.015}},
+                 "unisched": {"mixed3:1": {"tenants": [{"report": tl}, {"report": tl}]}}}
+    return {"meta": {"gpu": "NVIDIA H200"}, "scenarios": {
+        "mixed": {"command": "c", "date_utc": "d", "engines": {"kernel": {"results": mixed_res}}},
+        "online": {"rate": 20, "batches": {"1": {"derived": scenarios.derive_online(online_runs(9.4, 1250.0))}}},
+        "cloud": {"memory_cap": "4GiB", "runs": {"N=4, unisched": {"report": {
+            "per_instance": [{"fps_mean": 60.0, "fps_min": 58.0, "fps_1pct_low": 50.0}] * 4,
+            "fairness_min_over_max": 1.0, "tenants": [{"name": "cg-0", "over_memory": True}]}}}},
+    }}
+
+
+def test_tables_and_plots_from_results(tmp_path: Path) -> None:
+    made = scenarios.write_outputs(results_fixture(), tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    assert "| kernel | 3:1 |" in md and "error 0.8 pts" in md and "PASS" in md
+    assert "loss 1.5%" in md
+    assert "| 1 | unisched user | 7.50 | 9.40 | 1.04 | 0.83 | **met** |" in md
+    assert "over cap: cg-0" in md
+    names = sorted(p.name for p in made)
+    assert names == ["cloud-fps.png", "mixed-kernel-mixed3-1-share.png", "mixed-kernel-normalized.png",
+                     "online-b1-latency.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in made)
+    assert json.loads((tmp_path / "results.json").read_text())["meta"]["gpu"] == "NVIDIA H200"
+
+
+def test_replot_and_bad_arguments(tmp_path: Path) -> None:
+    scenarios.write_outputs(results_fixture(), tmp_path)
+    (tmp_path / "results.md").unlink()
+    cmd = [sys.executable, str(ROOT / "bench" / "scenarios.py"), "--out", str(tmp_path)]
+    done = subprocess.run([*cmd, "--replot"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "results.md").exists() and "online b1 unisched user" in done.stdout
+    bad = subprocess.run([*cmd, "--scenarios", "mixed,furmark"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown scenario furmark" in bad.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[12/12] online: batch 8, unisched user" in plan.stderr
