@@ -3,7 +3,8 @@
 #   run: source .devcache/setup.sh && bash bench/gpu_session.sh   (carry: [".devcache"])
 # Steps (STEPS, comma-separated; each logged): probe (NVML sampling, Python modules), tests (GPU tests on this
 # machine's real cgroup v2), usertests (examples and client tests), rtt (lease round trip), coop (cooperative
-# pairs: bench/gpu_pairs.py --engine user, COOP_ARGS), pairs (kernel-engine pairs, PAIRS_ARGS), hooks (session hook tests and start-up cost).
+# pairs: bench/gpu_pairs.py --engine user, COOP_ARGS), pairs (kernel-engine pairs, PAIRS_ARGS), hooks (session hook tests and start-up cost),
+# scenarios (bench/scenarios.py --scenarios $SCEN, SCEN_ARGS; into $OUT/scenarios, merged with SCEN_PREV if given).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -53,4 +54,11 @@ if has coop; then
 fi
 if has pairs; then
   echo "== gpu pairs"; python3 bench/gpu_pairs.py --out "$OUT/pairs" ${PAIRS_ARGS:-} 2>&1 | tee "$OUT/gpu_pairs.log" | tail -40
+fi
+if has scenarios; then
+  echo "== scenarios ${SCEN:-all}"
+  mkdir -p "$OUT/scenarios"
+  [ -n "${SCEN_PREV:-}" ] && cp "$SCEN_PREV"/results.json "$OUT/scenarios/" 2>/dev/null
+  python3 bench/scenarios.py --out "$OUT/scenarios" --work-dir /tmp/scen-work ${SCEN:+--scenarios $SCEN} ${SCEN_ARGS:-} 2>&1 | tee "$OUT/scenarios.log" | tail -45
+  mkdir -p "$OUT/scenario-logs"; find /tmp/scen-work -name "*.log" -size -2M | head -80 | while read -r f; do cp "$f" "$OUT/scenario-logs/$(echo "${f#/tmp/scen-work/}" | tr / _)"; done
 fi
