@@ -15,6 +15,8 @@ from unisched.engine.config import DEFAULT_SOCKET, ConfigError, check_listener, 
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
+from unisched.transport.kubelet.plugin import DEFAULT_KUBELET_DIR
 
 __all__ = ["main"]
 
@@ -219,7 +221,59 @@ def build_parser() -> argparse.ArgumentParser:
     _add_remote(top)
     top.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default 1)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
+    _add_device_plugin(sub)
     return ap
+
+
+def _per_gpu(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number in 1..10000, got {text!r}") from None
+    if not 1 <= n <= 10000:
+        raise argparse.ArgumentTypeError(f"must be in 1..10000, got {n}")
+    return n
+
+
+def _add_device_plugin(sub: Any) -> None:
+    d = sub.add_parser(
+        "device-plugin",
+        help="Kubernetes device plugin: advertise GPU weight to the kubelet and adopt pods as tenants (as root)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Run beside `unisched serve` on a Kubernetes node (deploy/kubernetes/ has the DaemonSet; docs/kubernetes.md).
+
+Advertises to the kubelet (device plugin API v1beta1, one socket and Register call per resource):
+  unisched.io/gpu-weight       --units-per-gpu device IDs per GPU; a pod asks for its weight as a count and
+                               gets that many units, all on one GPU (GetPreferredAllocation keeps them there;
+                               Allocate refuses units that span GPUs)
+  unisched.io/render-sessions  --render-sessions per GPU, only when given: a pod's count is its cap on live
+  unisched.io/decode-sessions  render contexts / NVDEC sessions (a pod that asks for none gets cap 0)
+
+Allocate gives the container UNISCHED_TENANT (derived from its units), UNISCHED_WEIGHT, UNISCHED_GPU,
+UNISCHED_SOCKET, NVIDIA_VISIBLE_DEVICES, the daemon's socket directory (read-only) and the GPU's device nodes.
+The kubelet's PodResources API then says which pod holds which units; the plugin adopts each such pod's cgroup
+as a daemon tenant (weight = its units, pinned to its GPU; pod UID looked up in the API server with the pod's
+service account), before its containers start (PreStartContainer), and removes the tenant when the pod is gone.
+GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is followed by a new registration.
+""",
+    )
+    _add_socket(d)
+    d.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
+                   help=f"the kubelet's device-plugins directory, holding kubelet.sock (default {DEFAULT_KUBELET_DIR})")
+    d.add_argument("--pod-resources-socket", default=DEFAULT_POD_RESOURCES_SOCKET,
+                   help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
+    d.add_argument("--units-per-gpu", type=_per_gpu, default=100,
+                   help="unisched.io/gpu-weight device IDs per GPU (default 100: a pod's count is its weight)")
+    d.add_argument("--render-sessions", type=_per_gpu,
+                   help="advertise unisched.io/render-sessions, this many per GPU (default: not advertised)")
+    d.add_argument("--decode-sessions", type=_per_gpu,
+                   help="advertise unisched.io/decode-sessions, this many per GPU (default: not advertised)")
+    d.add_argument("--gpus", type=_gpus, default=[], help="GPU indices to advertise (default: the GPUs the daemon serves)")
+    d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
+    d.add_argument("--interval", type=_interval, default=2.0,
+                   help="seconds between kubelet, health and adoption checks (default 2)")
+    d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
 
 
 def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
@@ -513,6 +567,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_device_plugin(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from unisched.logs import configure_logging
+    from unisched.transport.kubelet.plugin import PluginConfig
+    from unisched.transport.kubelet.run import serve_device_plugin
+
+    configure_logging(args.log_format)
+    config = PluginConfig(
+        gpus=tuple(args.gpus), units_per_gpu=args.units_per_gpu, render_sessions=args.render_sessions or 0,
+        decode_sessions=args.decode_sessions or 0, kubelet_dir=Path(args.kubelet_dir), daemon_socket=args.socket,
+    )
+    return serve_device_plugin(config, args.pod_resources_socket, interval=args.interval,
+                               cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)
+
+
 def _cmd_top(args: argparse.Namespace) -> int:
     from unisched.cli.top import run_top
 
@@ -530,6 +600,7 @@ _COMMANDS = {
     "remove": _cmd_remove,
     "status": _cmd_status,
     "top": _cmd_top,
+    "device-plugin": _cmd_device_plugin,
 }
 
 

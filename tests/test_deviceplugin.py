@@ -1,0 +1,455 @@
+"""The Kubernetes device plugin against a test kubelet that speaks the real Registration, DevicePlugin and
+PodResources APIs over Unix sockets, and the adopter against the in-process daemon."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import ROOT, child_env, freezer_unavailable_reason, wait_until
+from inproc import InProcessServer, in_process_server
+from kubelet_stub import FakePodResources, StubKubelet, pod
+
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+from unisched.transport.client import DaemonClient
+from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
+from unisched.transport.kubelet.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
+from unisched.transport.kubelet.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
+from unisched.transport.kubelet.plugin import DevicePluginServer, PluginConfig
+
+SOCK = "/run/unisched/unisched.sock"
+
+
+def ids(gpu: int, first: int, count: int, letter: str = "w") -> list[str]:
+    width = 3 if letter == "w" else 1
+    return [f"gpu{gpu}-{letter}{k:0{width}d}" for k in range(first, first + count)]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Unix socket paths must stay under 108 bytes: a short directory in /tmp."""
+    d = Path(tempfile.mkdtemp(prefix="dp-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def telemetry() -> FakeTelemetry:
+    return FakeTelemetry([GpuInfo(0, "H200", "GPU-0", 141 << 30), GpuInfo(1, "H200", "GPU-1", 141 << 30)])
+
+
+class Plugin:
+    """A plugin (2 GPUs, 100 weight units, 2 render and 3 decode sessions each) registered with a stub kubelet."""
+
+    def __init__(self, root: Path, telemetry: FakeTelemetry) -> None:
+        self.dir = root / "plugins"
+        self.dir.mkdir()
+        dev = root / "dev"
+        dev.mkdir()
+        for node in ("nvidia0", "nvidiactl", "nvidia-uvm"):  # no nvidia1, no nvidia-uvm-tools on this "node"
+            (dev / node).touch()
+        self.prestarts: list[list[str]] = []
+        self.refuse: str | None = None
+        self.config = PluginConfig(gpus=(0, 1), units_per_gpu=100, render_sessions=2, decode_sessions=3,
+                                   kubelet_dir=self.dir, daemon_socket=SOCK, dev_root=dev)
+        self.telemetry = telemetry
+        self.server = DevicePluginServer(self.config, telemetry, prestart=self._prestart)
+        self.kubelet = StubKubelet(self.dir).start()
+
+    def _prestart(self, device_ids: list[str]) -> str | None:
+        self.prestarts.append(device_ids)
+        return self.refuse
+
+    def close(self) -> None:
+        self.kubelet.stop()
+        self.server.close()
+
+
+@pytest.fixture
+def plugin(short_dir: Path, telemetry: FakeTelemetry) -> Iterator[Plugin]:
+    p = Plugin(short_dir, telemetry)
+    assert p.server.check_kubelet()
+    yield p
+    p.close()
+
+
+def test_registers_each_resource_with_the_v1beta1_api(plugin: Plugin) -> None:
+    seen = {r.resource_name: r for r in plugin.kubelet.registrations}
+    assert set(seen) == {WEIGHT, RENDER, DECODE}
+    assert {r.version for r in seen.values()} == {"v1beta1"}
+    assert seen[WEIGHT].endpoint == "unisched-gpu-weight.sock" and (plugin.dir / seen[WEIGHT].endpoint).is_socket()
+    opts = {name: p.options for name, p in plugin.kubelet.plugins.items()}
+    assert opts[WEIGHT].get_preferred_allocation_available and opts[WEIGHT].pre_start_required
+    assert opts[RENDER].get_preferred_allocation_available and not opts[RENDER].pre_start_required
+    assert plugin.server.check_kubelet() is False  # nothing changed: no second registration
+    assert len(plugin.kubelet.registrations) == 3
+
+
+def test_only_configured_session_resources_are_advertised(short_dir: Path, telemetry: FakeTelemetry) -> None:
+    kubelet = StubKubelet(short_dir).start()
+    server = DevicePluginServer(PluginConfig(gpus=(0,), units_per_gpu=10, kubelet_dir=short_dir), telemetry)
+    try:
+        assert server.check_kubelet()
+        assert [r.resource_name for r in kubelet.registrations] == [WEIGHT]
+        assert kubelet.lists(WEIGHT, 1)[0] == [(i, "Healthy") for i in ids(0, 0, 10)]
+    finally:
+        kubelet.stop()
+        server.close()
+
+
+def test_list_and_watch_sends_everything_then_again_on_health_change(plugin: Plugin, telemetry: FakeTelemetry) -> None:
+    (first,) = plugin.kubelet.lists(WEIGHT, 1)
+    assert [i for i, _ in first] == ids(0, 0, 100) + ids(1, 0, 100)
+    assert {h for _, h in first} == {"Healthy"}
+    assert [i for i, _ in plugin.kubelet.lists(RENDER, 1)[0]] == ["gpu0-r0", "gpu0-r1", "gpu1-r0", "gpu1-r1"]
+
+    telemetry.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0), GpuSample(1, 0.0, 0.0, 0.0, 0, ok=False)]  # GPU 1 lost
+    assert plugin.server.check_health()
+    second = plugin.kubelet.lists(WEIGHT, 2)[1]
+    assert {i for i, h in second if h == "Unhealthy"} == set(ids(1, 0, 100))
+    assert {i for i, h in second if h == "Healthy"} == set(ids(0, 0, 100))
+    assert ("gpu1-d2", "Unhealthy") in plugin.kubelet.lists(DECODE, 2)[1]
+
+    assert plugin.server.check_health() is False  # unchanged: no list sent
+    telemetry.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0), GpuSample(1, 0.0, 0.0, 0.0, 0)]  # back
+    assert plugin.server.check_health()
+    lists = plugin.kubelet.lists(WEIGHT, 3)
+    assert {h for _, h in lists[2]} == {"Healthy"}
+    assert len(plugin.kubelet.plugins[WEIGHT].lists) == 3
+
+
+def _preferred(plugin: Plugin, available: list[str], must: list[str], size: int) -> list[str]:
+    req = dp.PreferredAllocationRequest(container_requests=[
+        dp.ContainerPreferredAllocationRequest(available_deviceIDs=available, must_include_deviceIDs=must,
+                                               allocation_size=size)
+    ])
+    (reply,) = plugin.kubelet.plugin(WEIGHT).GetPreferredAllocation(req, timeout=10).container_responses
+    return list(reply.deviceIDs)
+
+
+def test_preferred_allocation_keeps_a_pods_units_on_one_gpu(plugin: Plugin) -> None:
+    everything = ids(0, 0, 100) + ids(1, 0, 100)
+    assert _preferred(plugin, everything, [], 30) == ids(0, 0, 30)
+    assert _preferred(plugin, everything, ["gpu1-w050"], 3) == ["gpu1-w050", "gpu1-w000", "gpu1-w001"]
+    # GPU 0 has 10 units left, GPU 1 all 100: a small request fills GPU 0 (best fit), a big one goes to GPU 1
+    partly = ids(0, 90, 10) + ids(1, 0, 100)
+    assert _preferred(plugin, partly, [], 5) == ids(0, 90, 5)
+    assert _preferred(plugin, partly, [], 50) == ids(1, 0, 50)
+    # nothing fits on one GPU: the right count all the same (Allocate then says why it cannot be served)
+    spread = preferred_allocation(ids(0, 0, 10) + ids(1, 0, 10), [], 15)
+    assert len(spread) == 15 and len(set(spread)) == 15
+
+
+def _allocate(plugin: Plugin, resource: str, *containers: list[str]) -> dp.AllocateResponse:
+    req = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=c) for c in containers])
+    return plugin.kubelet.plugin(resource).Allocate(req, timeout=10)  # type: ignore[no-any-return]
+
+
+def test_allocate_gives_tenant_weight_socket_and_device_nodes(plugin: Plugin) -> None:
+    units = ids(0, 10, 30)
+    (c,) = _allocate(plugin, WEIGHT, units).container_responses
+    assert dict(c.envs) == {
+        "UNISCHED_TENANT": tenant_name(units),
+        "UNISCHED_WEIGHT": "30",
+        "UNISCHED_GPU": "0",
+        "UNISCHED_SOCKET": SOCK,
+        "NVIDIA_VISIBLE_DEVICES": "0",
+    }
+    assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [("/run/unisched", "/run/unisched", True)]
+    assert [(d.container_path, d.host_path, d.permissions) for d in c.devices] == [
+        ("/dev/nvidia0", "/dev/nvidia0", "rw"), ("/dev/nvidiactl", "/dev/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", "/dev/nvidia-uvm", "rw"),
+    ]
+    # the tenant name depends on the set of units only, so the adopter recomputes it from PodResources
+    assert tenant_name(list(reversed(units))) == c.envs["UNISCHED_TENANT"] != tenant_name(ids(0, 11, 30))
+    # two containers in one call; a GPU whose node is missing here gets no device spec for it
+    a, b = _allocate(plugin, WEIGHT, ids(0, 0, 2), ids(1, 0, 5)).container_responses
+    assert (a.envs["UNISCHED_WEIGHT"], b.envs["UNISCHED_WEIGHT"], b.envs["UNISCHED_GPU"]) == ("2", "5", "1")
+    assert "/dev/nvidia1" not in [d.host_path for d in b.devices]
+    (r,) = _allocate(plugin, RENDER, ["gpu1-r0", "gpu1-r1"]).container_responses
+    assert dict(r.envs) == {"UNISCHED_RENDER_SESSIONS": "2"} and not r.devices
+
+
+@pytest.mark.parametrize(
+    ("resource", "containers", "words"),
+    [
+        (WEIGHT, [["gpu7-w000"]], "unknown device IDs ['gpu7-w000']"),
+        (WEIGHT, [["gpu0-w100"]], "unknown device IDs ['gpu0-w100']"),
+        (WEIGHT, [["gpu0-w1"]], "unknown device IDs"),
+        (WEIGHT, [["gpu0-r0"]], "unknown device IDs ['gpu0-r0']"),
+        (WEIGHT, [["gpu0-w000", "gpu1-w000"]], "span GPUs [0, 1]"),
+        (WEIGHT, [["gpu0-w000"], ["gpu0-w001", "gpu1-w001"]], "span GPUs [0, 1]"),
+        (WEIGHT, [[]], "names no devices"),
+        (WEIGHT, [], "named no containers"),
+        (WEIGHT, [["gpu0-w000", "gpu0-w000"]], "names a device twice"),
+        (DECODE, [["gpu0-d0", "gpu1-d0"]], "span GPUs"),
+        (DECODE, [["gpu0-d3"]], "unknown device IDs"),
+    ],
+)
+def test_bad_allocate_requests_are_invalid_argument(plugin: Plugin, resource: str, containers: list[list[str]],
+                                                    words: str) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        _allocate(plugin, resource, *containers)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert words in (e.value.details() or ""), e.value.details()
+    assert resource in (e.value.details() or "")
+
+
+def test_prestart_asks_the_adopter_and_holds_the_container_back(plugin: Plugin) -> None:
+    stub = plugin.kubelet.plugin(WEIGHT)
+    stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=ids(0, 0, 3)), timeout=10)
+    plugin.refuse = "pod default/p is not a unisched tenant yet: no cgroup"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=ids(0, 3, 2)), timeout=10)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "no cgroup" in (e.value.details() or "")
+    assert plugin.prestarts == [ids(0, 0, 3), ids(0, 3, 2)]
+
+
+def test_kubelet_restart_is_followed_by_a_new_registration(plugin: Plugin) -> None:
+    plugin.kubelet.lists(WEIGHT, 1)
+    assert plugin.server.registrations == 1
+    plugin.kubelet = plugin.kubelet.restart()  # wipes our sockets, new kubelet.sock
+    assert not (plugin.dir / "unisched-gpu-weight.sock").exists()
+    assert plugin.server.check_kubelet()
+    assert {r.resource_name for r in plugin.kubelet.registrations} == {WEIGHT, RENDER, DECODE}
+    assert len(plugin.kubelet.lists(WEIGHT, 1)[0]) == 200
+    (c,) = _allocate(plugin, WEIGHT, ids(1, 0, 4)).container_responses  # the new endpoint serves
+    assert c.envs["UNISCHED_WEIGHT"] == "4"
+    assert plugin.server.registrations == 2
+
+
+def test_no_kubelet_yet_then_it_appears(short_dir: Path, telemetry: FakeTelemetry) -> None:
+    server = DevicePluginServer(PluginConfig(gpus=(0,), units_per_gpu=4, kubelet_dir=short_dir), telemetry)
+    try:
+        assert server.check_kubelet() is False
+        kubelet = StubKubelet(short_dir).start()
+        assert server.check_kubelet()
+        assert kubelet.lists(WEIGHT, 1)[0] == [(i, "Healthy") for i in ids(0, 0, 4)]
+        kubelet.stop()
+    finally:
+        server.close()
+
+
+# --- adoption -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, telemetry: FakeTelemetry) -> Iterator[InProcessServer]:
+    with in_process_server(tmp_path / "state", telemetry=telemetry) as s:
+        yield s
+
+
+@pytest.fixture
+def podres(short_dir: Path) -> Iterator[FakePodResources]:
+    fake = FakePodResources(short_dir / "pr.sock").start()
+    yield fake
+    fake.stop()
+
+
+def _pod_dir(root: Path, uid: str) -> str:
+    """A systemd-driver burstable pod cgroup, as the kubelet names it."""
+    rel = f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    (root / rel.lstrip("/") / "cri-containerd-abc.scope").mkdir(parents=True)
+    return rel
+
+
+def test_adopter_makes_pods_tenants_and_removes_them_when_gone(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    root = tmp_path / "cgroup"
+    uid = str(uuid.uuid4())
+    cg = _pod_dir(root, uid)
+    daemon.driver.create(cg)  # the daemon's fake cgroups see the same tree
+    units = ids(1, 0, 40)
+    podres.pods = [
+        pod("render", "farm-0", main={WEIGHT: units, RENDER: ["gpu1-r0"]}, sidecar={"example.com/other": ["x"]}),
+        pod("default", "no-gpu", main={}),
+    ]
+    pods = FakePods({"render/farm-0": PodInfo(uid, {"unisched.io/engines": "compute,graphics",
+                                                   "unisched.io/priority": "online"})})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root, caps=[RENDER, DECODE])
+        first = adopter.reconcile()
+        tenant = tenant_name(units)
+        assert first.adopted == (tenant,) and not first.failed and first.error is None
+        (t,) = client.tenants()
+        assert (t.name, t.weight, t.cgroup, t.adopted) == (tenant, 40, cg, True)
+        assert sorted(t.engines) == ["compute", "graphics"] and t.priority == 1  # PRIORITY_ONLINE
+        assert {s.gpu for s in t.shares} == {1}
+        assert (t.caps.render, t.caps.decode) == (1, 0)  # asked 1 render session, no decode session
+        again = adopter.reconcile()  # idempotent
+        assert again.kept == (tenant,) and not again.adopted and not again.removed
+        assert adopter.ensure(units[:1]) is None
+        podres.pods = []
+        gone = adopter.reconcile()
+        assert gone.removed == (tenant,)
+        assert client.tenants() == []
+        assert adopter.ensure(units[:1]) == f"no pod on this node holds devices {units[:1]} (PodResources does not list them)"
+
+
+def test_adopter_waits_for_the_pod_cgroup_and_follows_a_replaced_pod(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    old, new = str(uuid.uuid4()), str(uuid.uuid4())
+    units = ids(0, 0, 25)
+    podres.pods = [pod("web", "api-0", server={WEIGHT: units})]
+    pods = FakePods({"web/api-0": PodInfo(old)})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)
+        why = adopter.ensure(units)
+        assert why is not None and "no cgroup for pod web/api-0" in why and old in why
+        assert client.tenants() == []
+        old_cg = _pod_dir(root, old)
+        daemon.driver.create(old_cg)
+        assert adopter.ensure(units) is None
+        assert client.tenants()[0].cgroup == old_cg
+        # the pod is replaced by one of the same name that got the same units (a StatefulSet)
+        shutil.rmtree(root / old_cg.lstrip("/"))
+        new_cg = _pod_dir(root, new)
+        daemon.driver.create(new_cg)
+        pods.pods["web/api-0"] = PodInfo(new)
+        result = adopter.reconcile()
+        assert result.removed == result.adopted == (tenant_name(units),)
+        (t,) = client.tenants()
+        assert (t.cgroup, t.weight) == (new_cg, 25)
+        # a pod the API server does not know, and a daemon error, are reported, not raised
+        podres.pods.append(pod("web", "ghost", c={WEIGHT: ids(0, 50, 2)}))
+        result = adopter.reconcile()
+        assert result.failed == {tenant_name(ids(0, 50, 2)): "pod web/ghost not found"}
+        assert result.kept == (tenant_name(units),)
+
+
+def test_adopter_reports_an_unreachable_kubelet(daemon: InProcessServer, short_dir: Path) -> None:
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(short_dir / "none.sock"), FakePods(), cgroup_root=short_dir, timeout=2)
+        result = adopter.reconcile()
+    assert result.error is not None and "PodResources" in result.error and not result.adopted
+
+
+def test_find_pod_cgroup_knows_both_cgroup_drivers(tmp_path: Path) -> None:
+    uid = "5f1c0e4a-9d2b-4c55-8a3e-0123456789ab"
+    (tmp_path / "kubepods" / "besteffort" / f"pod{uid}" / "c1").mkdir(parents=True)
+    assert find_pod_cgroup(tmp_path, uid) == f"/kubepods/besteffort/pod{uid}"
+    other = "0a1b2c3d-0000-1111-2222-333344445555"
+    (tmp_path / "kubepods.slice" / f"kubepods-pod{other.replace('-', '_')}.slice").mkdir(parents=True)
+    assert find_pod_cgroup(tmp_path, other) == f"/kubepods.slice/kubepods-pod{other.replace('-', '_')}.slice"
+    assert find_pod_cgroup(tmp_path, str(uuid.uuid4())) is None
+
+
+def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None:
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            code, body = {
+                "/api/v1/namespaces/ns/pods/p": (200, b'{"metadata": {"uid": "u-1", "annotations": {"a": "b"}}}'),
+                "/api/v1/namespaces/ns/pods/broken": (500, b"{}"),
+            }.get(self.path, (404, b"{}"))
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    try:
+        pods = ApiServerPods(f"http://127.0.0.1:{httpd.server_port}", token, None)
+        assert pods.pod("ns", "p") == PodInfo("u-1", {"a": "b"})
+        assert pods.pod("ns", "gone") is None
+        with pytest.raises(OSError, match="500"):
+            pods.pod("ns", "broken")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert seen[0] == ("/api/v1/namespaces/ns/pods/p", "Bearer s3cret")
+
+
+@pytest.mark.root
+def test_adopter_adopts_a_real_pod_cgroup(tmp_path: Path, telemetry: FakeTelemetry, podres: FakePodResources) -> None:
+    """A real cgroup made as the kubelet would (cgroupfs driver) under the real root, adopted by a daemon
+    with the real cgroup driver: the tenant governs that directory, and goes with the pod."""
+    reason = freezer_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from unisched.enforce.cgroups import detect_driver
+
+    driver = detect_driver("auto")
+    uid = str(uuid.uuid4())
+    top = driver.mount / f"kubepods-test-{uid[:8]}"
+    pod_dir = top / "burstable" / f"pod{uid}"
+    pod_dir.mkdir(parents=True)
+    units = ids(0, 0, 60)
+    podres.pods = [pod("games", "session-7", game={WEIGHT: units})]
+    try:
+        server = in_process_server(tmp_path / "state", telemetry=telemetry, driver=driver)  # type: ignore[arg-type]
+        with server as daemon, DaemonClient(daemon.socket) as client:
+            adopter = PodAdopter(client, str(podres.socket), FakePods({"games/session-7": PodInfo(uid)}))
+            assert adopter.ensure(units) is None  # cgroup root from the daemon's Status
+            (t,) = client.tenants()
+            assert (t.name, t.weight, t.cgroup) == (tenant_name(units), 60, f"/{top.name}/burstable/pod{uid}")
+            assert not driver.is_frozen(t.cgroup)  # alone on the GPU: never frozen
+            podres.pods = []
+            assert adopter.reconcile().removed == (t.name,)
+            assert client.tenants() == []
+    finally:
+        for d in (pod_dir, pod_dir.parent, top):
+            d.rmdir()
+
+
+# --- the command ----------------------------------------------------------------------------------------
+
+
+def test_device_plugin_help_explains_the_resources() -> None:
+    out = subprocess.run([sys.executable, "-m", "unisched", "device-plugin", "--help"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=child_env())
+    assert out.returncode == 0
+    for words in ("unisched.io/gpu-weight", "unisched.io/render-sessions", "--units-per-gpu", "--kubelet-dir",
+                  "--pod-resources-socket", "PreStartContainer", "ListAndWatch"):
+        assert words in out.stdout, words
+
+
+def test_device_plugin_command_registers_and_cleans_up(daemon: InProcessServer, short_dir: Path,
+                                                       podres: FakePodResources) -> None:
+    kubelet = StubKubelet(short_dir).start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unisched", "device-plugin", "--socket", daemon.socket, "--kubelet-dir", str(short_dir),
+         "--pod-resources-socket", str(podres.socket), "--decode-sessions", "2", "--interval", "0.2",
+         "--log-format", "json"],
+        cwd=ROOT, env={**child_env(), "KUBERNETES_SERVICE_HOST": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        # GPUs from the daemon's Status (the in-process daemon's fake telemetry has GPUs 0 and 1)
+        assert len(kubelet.lists(WEIGHT, 1)[0]) == 200
+        assert len(kubelet.lists(DECODE, 1)[0]) == 4
+        assert {r.resource_name for r in kubelet.registrations} == {WEIGHT, DECODE}
+        wait_until(lambda: podres.calls >= 2, 20, "the adopter to poll PodResources")
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=20)[0].decode()
+        assert proc.returncode == 0, log[-2000:]
+        assert not (short_dir / "unisched-gpu-weight.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        kubelet.stop()
+    assert "device plugin started" in log and "registered with the kubelet" in log, log[-2000:]
+    assert os.path.exists(daemon.socket)

@@ -1,0 +1,320 @@
+"""Pods holding gpu-weight devices become daemon tenants: the adopter.
+
+Allocate runs before the container exists and names no pod, so adoption happens later, from what the kubelet
+says: its PodResources API (v1 List) gives each pod's containers and the device IDs they hold, by pod name and
+namespace. PodResources carries no pod UID, and the pod's cgroup is named by UID (pod<uid> under cgroupfs,
+kubepods-...-pod<uid_with_underscores>.slice under systemd), so a `PodDirectory` looks the UID up (the API
+server in a cluster) and the cgroup is found under the daemon's cgroup root. Each pod is one tenant, named from
+its first gpu-weight container's IDs (what that container's UNISCHED_TENANT says), weight = its units, pinned
+to their GPU; session resources become caps. A pass is idempotent: it adopts what is missing, re-adopts a
+tenant whose pod was replaced, removes k8s- tenants whose pods are gone, and logs what it cannot do yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+import structlog
+
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport.kubelet import podresources_v1_pb2 as pr
+from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
+from unisched.transport.kubelet.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
+
+__all__ = [
+    "DEFAULT_POD_RESOURCES_SOCKET",
+    "ApiServerPods",
+    "FakePods",
+    "PassResult",
+    "PodAdopter",
+    "PodClaim",
+    "PodDirectory",
+    "PodInfo",
+    "claims_of",
+    "find_pod_cgroup",
+]
+
+log = structlog.get_logger("unisched.kubelet")
+
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+ENGINES_ANNOTATION = "unisched.io/engines"
+PRIORITY_ANNOTATION = "unisched.io/priority"
+_PRIORITY = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
+_SEARCH_DEPTH = 6
+
+
+@dataclass(frozen=True)
+class PodClaim:
+    """What one pod holds of our resources, summed over its containers."""
+
+    namespace: str
+    name: str
+    tenant: str
+    weight: int
+    gpus: tuple[int, ...]
+    render: int
+    decode: int
+    device_ids: frozenset[str]
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
+    """One claim per pod with gpu-weight devices (pods with only session devices are no tenant: skipped)."""
+    out = []
+    for pod in pods:
+        held: dict[str, list[str]] = {WEIGHT: [], RENDER: [], DECODE: []}
+        first: list[str] = []
+        for c in pod.containers:
+            for d in c.devices:
+                if d.resource_name in held:
+                    held[d.resource_name] += list(d.device_ids)
+                    if d.resource_name == WEIGHT and not first:
+                        first = list(d.device_ids)
+        if not first:
+            continue
+        gpus = sorted({u.gpu for i in held[WEIGHT] if (u := parse_id(i)) is not None})
+        out.append(PodClaim(pod.namespace, pod.name, tenant_name(first), len(held[WEIGHT]), tuple(gpus),
+                            len(held[RENDER]), len(held[DECODE]), frozenset(held[WEIGHT] + held[RENDER] + held[DECODE])))
+    return out
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+class PodDirectory(Protocol):
+    def pod(self, namespace: str, name: str) -> PodInfo | None:
+        """The pod's UID and annotations; None when there is no such pod. Raises OSError when it cannot tell."""
+        ...
+
+
+class FakePods:
+    """Pods by "namespace/name", for tests."""
+
+    def __init__(self, pods: Mapping[str, PodInfo] | None = None) -> None:
+        self.pods: dict[str, PodInfo] = dict(pods or {})
+
+    def pod(self, namespace: str, name: str) -> PodInfo | None:
+        return self.pods.get(f"{namespace}/{name}")
+
+
+class ApiServerPods:
+    """GET /api/v1/namespaces/NS/pods/NAME with the pod's service account (RBAC: get on pods)."""
+
+    SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+    def __init__(self, base_url: str, token_file: Path, ca_file: Path | None, timeout: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token_file = token_file
+        self.timeout = timeout
+        self._context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
+
+    @classmethod
+    def in_cluster(cls) -> ApiServerPods | None:
+        """From the environment every pod gets; None outside a cluster."""
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host or not (cls.SA_DIR / "token").exists():
+            return None
+        host = f"[{host}]" if ":" in host else host
+        return cls(f"https://{host}:{port}", cls.SA_DIR / "token", cls.SA_DIR / "ca.crt")
+
+    def pod(self, namespace: str, name: str) -> PodInfo | None:
+        path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}"
+        token = self.token_file.read_text().strip()  # re-read: projected tokens rotate
+        req = urllib.request.Request(self.base_url + path, headers={"Authorization": f"Bearer {token}",
+                                                                    "Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as resp:
+                body = json.load(resp)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise OSError(f"API server answered {e.code} for {path}: {e.reason}") from None
+        meta = body.get("metadata", {})
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}))
+
+
+def find_pod_cgroup(root: Path, uid: str) -> str | None:
+    """The pod's cgroup below `root` ("/kubepods.slice/.../kubepods-burstable-pod<uid_>.slice"), breadth first
+    to a bounded depth, kubepods branches first; None when the kubelet has not created it (yet)."""
+    names = {f"pod{uid}", f"pod{uid.replace('-', '_')}"}
+    systemd = f"-pod{uid.replace('-', '_')}.slice"
+    level = [root]
+    for _ in range(_SEARCH_DEPTH):
+        nxt: list[Path] = []
+        for d in level:
+            try:
+                children = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: ("kubepods" not in p.name, p.name))
+            except OSError:
+                continue
+            for p in children:
+                if p.name in names or p.name.endswith(systemd):
+                    return "/" + str(p.relative_to(root))
+                if p.name != "unisched":
+                    nxt.append(p)
+        level = nxt
+    return None
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What one pass did: tenants adopted, removed, left as they were, and those it could not adopt (why)."""
+
+    adopted: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+    failed: Mapping[str, str] = field(default_factory=dict)
+    claims: tuple[PodClaim, ...] = ()
+    error: str | None = None
+    """Why the pass could not run at all (PodResources or the daemon unreachable)."""
+
+
+class PodAdopter:
+    """Keeps the daemon's k8s- tenants equal to the pods that hold gpu-weight devices."""
+
+    def __init__(
+        self,
+        daemon: DaemonClient,
+        pod_resources_socket: str,
+        pods: PodDirectory | None,
+        cgroup_root: Path | None = None,
+        caps: Sequence[str] = (),
+        timeout: float = 5.0,
+    ) -> None:
+        self.daemon = daemon
+        self.pod_resources_socket = pod_resources_socket
+        self.pods = pods
+        self.cgroup_root = cgroup_root
+        self.caps = frozenset(caps)
+        """Session resources the plugin advertises: a pod's count of each becomes its cap (0 when it asked none)."""
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._cgroups: dict[tuple[str, str], str] = {}
+
+    def list_pods(self) -> list[pr.PodResources]:
+        with grpc.insecure_channel(f"unix:{self.pod_resources_socket}") as channel:
+            stub = pr_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
+            reply = stub.List(pr.ListPodResourcesRequest(), timeout=self.timeout)
+        return list(reply.pod_resources)
+
+    def _root(self) -> Path:
+        if self.cgroup_root is None:
+            self.cgroup_root = Path(self.daemon.status().cgroup_root)
+        return self.cgroup_root
+
+    def _cgroup_of(self, claim: PodClaim) -> tuple[str | None, PodInfo | None, str]:
+        """The pod's cgroup (cached while it exists), its info when looked up, or why not."""
+        key = (claim.namespace, claim.name)
+        cached = self._cgroups.get(key)
+        if cached is not None and (self._root() / cached.lstrip("/")).is_dir():
+            return cached, None, ""
+        if self.pods is None:
+            return None, None, "no pod directory to look the pod's UID up in (not in a cluster?)"
+        try:
+            info = self.pods.pod(claim.namespace, claim.name)
+        except OSError as e:
+            return None, None, f"cannot look pod {claim.key} up: {e}"
+        if info is None:
+            return None, None, f"pod {claim.key} not found"
+        cg = find_pod_cgroup(self._root(), info.uid)
+        if cg is None:
+            return None, info, f"no cgroup for pod {claim.key} (uid {info.uid}) under {self._root()} yet"
+        self._cgroups[key] = cg
+        return cg, info, ""
+
+    def reconcile(self) -> PassResult:
+        with self._lock:
+            try:
+                claims = claims_of(self.list_pods())
+            except grpc.RpcError as e:
+                why = f"PodResources at {self.pod_resources_socket}: {e.details() or e.code()}"
+                log.warning("adoption pass skipped", reason=why)
+                return PassResult(error=why)
+            try:
+                return self._pass(claims)
+            except DaemonError as e:
+                log.warning("adoption pass stopped", reason=str(e))
+                return PassResult(claims=tuple(claims), error=str(e))
+
+    def _pass(self, claims: list[PodClaim]) -> PassResult:
+        ours = {t.name: t for t in self.daemon.tenants() if t.name.startswith(TENANT_PREFIX)}
+        adopted: list[str] = []
+        kept: list[str] = []
+        removed: list[str] = []
+        failed: dict[str, str] = {}
+        for claim in claims:
+            cg, info, why = self._cgroup_of(claim)
+            if cg is None:
+                failed[claim.tenant] = why
+                continue
+            have = ours.get(claim.tenant)
+            if have is not None and have.cgroup == cg:
+                kept.append(claim.tenant)
+                continue
+            if have is not None:  # same IDs, another pod (the old one was replaced): start over
+                self.daemon.remove(claim.tenant)
+                removed.append(claim.tenant)
+            try:
+                self._adopt(claim, cg, info)
+            except DaemonError as e:
+                if e.code is grpc.StatusCode.UNAVAILABLE:
+                    raise
+                failed[claim.tenant] = str(e)
+                log.error("adoption failed", tenant=claim.tenant, pod=claim.key, cgroup=cg, error=str(e))
+                continue
+            adopted.append(claim.tenant)
+        wanted = {c.tenant for c in claims}
+        for name, t in ours.items():
+            if name not in wanted and t.adopted:
+                self.daemon.remove(name)
+                removed.append(name)
+                log.info("pod gone; tenant removed", tenant=name, cgroup=t.cgroup)
+        live = {(c.namespace, c.name) for c in claims}
+        self._cgroups = {k: v for k, v in self._cgroups.items() if k in live}
+        return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
+
+    def _adopt(self, claim: PodClaim, cgroup: str, info: PodInfo | None) -> None:
+        notes = info.annotations if info is not None else {}
+        engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
+        priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)
+        self.daemon.adopt(pb.AdoptRequest(tenant=claim.tenant, weight=claim.weight, priority=priority, cgroup=cgroup,
+                                          engines=engines, gpus=list(claim.gpus)))
+        limits = {}
+        if RENDER in self.caps:
+            limits["render"] = claim.render
+        if DECODE in self.caps:
+            limits["decode"] = claim.decode
+        if limits:
+            self.daemon.set_limit(pb.SetLimitRequest(tenant=claim.tenant, **limits))
+        log.info("pod adopted", tenant=claim.tenant, pod=claim.key, weight=claim.weight, gpus=list(claim.gpus),
+                 cgroup=cgroup, **limits)
+
+    def ensure(self, device_ids: Sequence[str]) -> str | None:
+        """Before a container starts (PreStartContainer): its pod is a tenant, or why not."""
+        result = self.reconcile()
+        if result.error is not None:
+            return result.error
+        wanted = set(device_ids)
+        claim = next((c for c in result.claims if wanted & c.device_ids), None)
+        if claim is None:
+            return f"no pod on this node holds devices {sorted(wanted)} (PodResources does not list them)"
+        if claim.tenant in result.failed:
+            return f"pod {claim.key} is not a unisched tenant yet: {result.failed[claim.tenant]}"
+        return None

@@ -1,0 +1,73 @@
+"""`unisched device-plugin`: wire the plugin, the adopter, telemetry and the daemon together and run until
+SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+from unisched.telemetry.nvml import open_nvml
+from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport.kubelet.adopt import ApiServerPods, PodAdopter, PodDirectory
+from unisched.transport.kubelet.devices import DECODE, RENDER
+from unisched.transport.kubelet.plugin import DevicePluginServer, PluginConfig
+
+__all__ = ["daemon_gpus", "serve_device_plugin"]
+
+log = structlog.get_logger("unisched.kubelet")
+
+
+def daemon_gpus(daemon: DaemonClient, wait_s: float) -> tuple[int, ...]:
+    """The GPUs the daemon serves, waiting up to `wait_s` for it to answer (it starts beside the plugin)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return tuple(g.index for g in daemon.status().gpus)
+        except DaemonError as e:
+            if time.monotonic() > deadline:
+                raise
+            log.info("waiting for the daemon", reason=str(e))
+            time.sleep(1.0)  # retrying a connection, not standing in for a condition
+
+
+def serve_device_plugin(
+    config: PluginConfig,
+    pod_resources_socket: str,
+    interval: float = 2.0,
+    wait_s: float = 60.0,
+    cgroup_root: Path | None = None,
+    pods: PodDirectory | None = None,
+    telemetry: GpuTelemetry | None = None,
+) -> int:
+    with DaemonClient(config.daemon_socket) as daemon:
+        if not config.gpus:
+            gpus = daemon_gpus(daemon, wait_s)
+            if not gpus:
+                log.error("the daemon reports no GPUs (no NVML?); pass --gpus to advertise some anyway")
+                return 2
+            config = replace(config, gpus=gpus)
+        if telemetry is None:
+            telemetry = open_nvml() or NoGpuTelemetry()
+        if pods is None:
+            pods = ApiServerPods.in_cluster()
+            if pods is None:
+                log.warning("not in a cluster (no service account): pods cannot be looked up, so none is adopted")
+        caps = [r.name for r in config.resources if r.name in (RENDER, DECODE)]
+        adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps)
+        server = DevicePluginServer(config, telemetry, prestart=adopter.ensure)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        log.info("device plugin started", gpus=list(config.gpus), resources=[r.name for r in config.resources],
+                 kubelet_dir=str(config.kubelet_dir))
+        try:
+            server.run(stop, interval, each=adopter.reconcile)
+        finally:
+            telemetry.close()
+        return 0
