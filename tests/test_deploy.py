@@ -127,3 +127,186 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/unisched", shutil.which("true") or "/bin/true"))
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+# --- deploy/kubernetes: schemas, and what the manifests must agree on with the code -------------------------
+
+KUBE = ROOT / "deploy" / "kubernetes"
+KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the oldest release we claim, and the newest schemas kubernetes-validate bundles
+EXAMPLES_IN_PODS = {"01", "02", "03", "04", "05", "mixed_train_render", "ad_sim", "cloud_gaming", "online_offline"}
+
+
+def _docs(path: Path) -> list[dict]:  # type: ignore[type-arg]
+    import yaml
+
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _manifests() -> list[Path]:
+    return sorted(KUBE.rglob("*.yaml"))
+
+
+def _schema_errors(doc: dict) -> list[str]:  # type: ignore[type-arg]
+    """What the Kubernetes JSON schemas (strict: no unknown fields) say about one object, offline."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the test extra) bundles the schemas")
+    errors = []
+    for version in KUBE_VERSIONS:
+        try:
+            kv.validate(doc, version, strict=True)
+        except (kv.ValidationError, kv.SchemaNotFoundError) as e:
+            errors.append(f"{doc.get('kind')} {doc.get('metadata', {}).get('name')} ({version}): {str(e).splitlines()[0]}")
+    return errors
+
+
+def _by_kind(kind: str) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {d["metadata"]["name"]: d for p in _manifests() for d in _docs(p) if d["kind"] == kind}
+
+
+def _pod_specs() -> list[tuple[dict, dict]]:  # type: ignore[type-arg]
+    """(metadata, pod spec) of every pod and pod template under examples/ and schedulers/."""
+    out = []
+    for p in _manifests():
+        if p.parent == KUBE:
+            continue
+        for d in _docs(p):
+            if d["kind"] == "Pod":
+                out.append((d["metadata"], d["spec"]))
+            elif d["kind"] == "Deployment" and "unisched-examples" in str(d["metadata"].get("labels")):
+                out.append(({**d["metadata"], **d["spec"]["template"]["metadata"]}, d["spec"]["template"]["spec"]))
+    return out
+
+
+def test_kubernetes_manifests_match_the_schemas() -> None:
+    files = _manifests()
+    assert {p.name for p in files} >= {"namespace.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml"}
+    errors = [e for p in files for d in _docs(p) for e in _schema_errors(d)]
+    assert errors == []
+    assert sum(len(_docs(p)) for p in files) >= 20
+
+
+def test_schema_check_fails_on_broken_manifests(tmp_path: Path) -> None:
+    import copy
+
+    (ds,) = _docs(KUBE / "daemonset.yaml")
+    typo = copy.deepcopy(ds)
+    typo["spec"]["template"]["spec"]["hostPIDs"] = True
+    missing = copy.deepcopy(ds)
+    del missing["spec"]["selector"]
+    wrong_type = copy.deepcopy(ds)
+    wrong_type["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privileged"] = "yes"
+    bad_pod = tmp_path / "bad.yaml"
+    bad_pod.write_text((KUBE / "examples" / "01-pycuda-kernel-loop.yaml").read_text().replace("limits:", "limitz:"))
+    for doc, words in [(typo, "'hostPIDs' was unexpected"), (missing, "'selector' is a required property"),
+                       (wrong_type, "'yes' is not of type 'boolean'"), (_docs(bad_pod)[0], "'limitz' was unexpected")]:
+        errors = _schema_errors(doc)
+        assert len(errors) == len(KUBE_VERSIONS) and words in errors[0], errors
+
+
+def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_they_need() -> None:
+    from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
+    from unisched.transport.kubelet.plugin import DEFAULT_KUBELET_DIR
+
+    ds = _by_kind("DaemonSet")["unisched"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["hostPID"] is True and spec["serviceAccountName"] == "unisched"
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert set(host.values()) == {"/run/unisched", "/var/lib/unisched", "/sys/fs/cgroup", "/sys/fs/bpf",
+                                  DEFAULT_KUBELET_DIR, str(Path(DEFAULT_POD_RESOURCES_SOCKET).parent),
+                                  "/var/lib/kubelet/seccomp"}
+    containers = {c["name"]: c for c in spec["containers"]}
+    mounts = {name: {m["mountPath"]: host.get(m["name"], m["name"]) for m in c["volumeMounts"]}
+              for name, c in containers.items()}
+    for c in containers.values():
+        assert c["securityContext"]["privileged"] is True
+    # the daemon: `unisched serve` with the ConfigMap's config, in the host cgroup namespace
+    daemon = containers["daemon"]
+    argv = daemon["command"] + daemon["args"]
+    assert argv[:5] == ["nsenter", "--target", "1", "--cgroup", "--"]
+    args = build_parser().parse_args(argv[6:])
+    assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml"
+    assert {"/sys/fs/cgroup": "/sys/fs/cgroup", "/sys/fs/bpf": "/sys/fs/bpf", "/run/unisched": "/run/unisched",
+            DEFAULT_STATE_DIR: DEFAULT_STATE_DIR}.items() <= mounts["daemon"].items()
+    # the device plugin: the kubelet's directories and the daemon's socket, at the paths it is told
+    plugin = containers["device-plugin"]
+    args = build_parser().parse_args(plugin["command"][1:] + plugin["args"])
+    assert args.command == "device-plugin" and args.units_per_gpu == 100
+    assert args.socket == DEFAULT_SOCKET and str(Path(args.socket).parent) in mounts["device-plugin"]
+    assert mounts["device-plugin"][args.kubelet_dir] == DEFAULT_KUBELET_DIR
+    assert mounts["device-plugin"][str(Path(args.pod_resources_socket).parent)] == str(Path(DEFAULT_POD_RESOURCES_SOCKET).parent)
+    assert mounts["device-plugin"]["/sys/fs/cgroup"] == "/sys/fs/cgroup"  # where it finds pod cgroups
+    # session resources the samples ask for are advertised
+    asked = {k for _, s in _pod_specs() for c in s["containers"] for k in c["resources"]["limits"]}
+    assert ("unisched.io/decode-sessions" in asked) <= (args.decode_sessions is not None)
+    assert ("unisched.io/render-sessions" in asked) <= (args.render_sessions is not None)
+    # the init container installs the profile where the kubelet resolves Localhost profiles
+    (init,) = spec["initContainers"]
+    target = init["args"][0].split()[-1]
+    kube_seccomp = next(m["mountPath"] for m in init["volumeMounts"] if host.get(m["name"]) == "/var/lib/kubelet/seccomp")
+    assert target == f"{kube_seccomp}/profiles/unisched-gpu.json"
+
+
+def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Path) -> None:
+    import json
+
+    data = _by_kind("ConfigMap")["unisched-config"]["data"]
+    toml = tmp_path / "unisched.toml"
+    toml.write_text(data["unisched.toml"])
+    cfg = load_config(toml)
+    assert (cfg.socket, cfg.agent_socket, cfg.state_dir) == (DEFAULT_SOCKET, DEFAULT_AGENT_SOCKET, DEFAULT_STATE_DIR)
+    assert cfg.user_tenants is False  # a pod process may not make itself a tenant outside its pod's
+    profile = json.loads(data["unisched-gpu.json"])
+    assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
+    assert profile["listenerPath"] == cfg.agent_socket
+
+
+def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:
+    (role,) = _by_kind("ClusterRole").values()
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+    binding = _by_kind("ClusterRoleBinding")["unisched-device-plugin"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "unisched", "namespace": "unisched-system"}]
+
+
+def test_sample_pods_cover_every_example_and_ask_for_gpu_weight() -> None:
+    from unisched.transport.kubelet.devices import DECODE, RENDER, WEIGHT
+
+    specs = _pod_specs()
+    assert {m["labels"]["unisched.io/example"] for m, _ in specs if "unisched.io/example" in m["labels"]} == EXAMPLES_IN_PODS
+    for meta, spec in specs:
+        engines = meta.get("annotations", {}).get("unisched.io/engines", "compute").split(",")
+        assert set(engines) <= {e.value for e in Engine}, meta["name"]
+        assert meta.get("annotations", {}).get("unisched.io/priority", "offline") in {p.value for p in Priority}
+        assert spec["securityContext"]["runAsNonRoot"] is True  # uid 0 would be an admin of the daemon
+        for c in spec["containers"]:
+            limits = c["resources"]["limits"]
+            assert set(limits) <= {WEIGHT, RENDER, DECODE}
+            assert 1 <= int(limits[WEIGHT]) <= 100, meta["name"]  # one GPU's units (--units-per-gpu=100)
+            assert c["securityContext"]["seccompProfile"] == {"type": "Localhost",
+                                                              "localhostProfile": "profiles/unisched-gpu.json"}
+            script = next(a for a in c["command"] if a.startswith("/opt/unisched/"))
+            assert (ROOT / script.removeprefix("/opt/unisched/")).is_file(), script
+
+
+def test_second_scheduler_owns_the_render_pool_and_pods_pick_pools() -> None:
+    import yaml
+
+    (ds,) = _docs(KUBE / "daemonset.yaml")
+    pool_key = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"][0]["matchExpressions"][0]["key"]
+    config = yaml.safe_load(_by_kind("ConfigMap")["unisched-render-scheduler"]["data"]["config.yaml"])
+    assert (config["apiVersion"], config["kind"]) == ("kubescheduler.config.k8s.io/v1", "KubeSchedulerConfiguration")
+    (profile,) = config["profiles"]
+    args = {p["name"]: p["args"] for p in profile["pluginConfig"]}
+    (term,) = args["NodeAffinity"]["addedAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": pool_key, "operator": "In", "values": ["render"]}]
+    assert args["NodeResourcesFit"]["scoringStrategy"]["resources"] == [{"name": "unisched.io/gpu-weight", "weight": 1}]
+    deploy = _by_kind("Deployment")["unisched-render-scheduler"]
+    (c,) = deploy["spec"]["template"]["spec"]["containers"]
+    mount = c["volumeMounts"][0]["mountPath"]
+    assert c["command"] == ["kube-scheduler", f"--config={mount}/config.yaml"]
+    pods = {d["metadata"]["name"]: d["spec"] for d in _docs(KUBE / "schedulers" / "pool-pods.yaml")}
+    assert pods["render-player"]["schedulerName"] == profile["schedulerName"]
+    (train_term,) = pods["trainer"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert train_term["matchExpressions"] == [{"key": pool_key, "operator": "In", "values": ["train"]}]
+    assert "schedulerName" not in pods["trainer"]
