@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from unisched.engine.config import DEFAULT_SOCKET, ConfigError, check_listener, load_config, parse_size
@@ -24,14 +24,22 @@ _PRIORITY: dict[str, pb.Priority] = {"online": pb.PRIORITY_ONLINE, "offline": pb
 _PRIORITY_NAME: dict[int, str] = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
 
 
-def _weight(text: str) -> int:
-    try:
-        w = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"weight must be an integer in {WEIGHT_MIN}..{WEIGHT_MAX}, got {text!r}") from None
-    if not WEIGHT_MIN <= w <= WEIGHT_MAX:
-        raise argparse.ArgumentTypeError(f"weight must be in {WEIGHT_MIN}..{WEIGHT_MAX}, got {w}")
-    return w
+def _int_in(what: str, lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in lo..hi, with a message that names it."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be an integer in {lo}..{hi}, got {text!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"{what} must be in {lo}..{hi}, got {n}")
+        return n
+
+    return parse
+
+
+_weight = _int_in("weight", WEIGHT_MIN, WEIGHT_MAX)
 
 
 def _engines(text: str) -> list[str]:
@@ -225,16 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _per_gpu(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number in 1..10000, got {text!r}") from None
-    if not 1 <= n <= 10000:
-        raise argparse.ArgumentTypeError(f"must be in 1..10000, got {n}")
-    return n
-
-
 def _add_device_plugin(sub: Any) -> None:
     d = sub.add_parser(
         "device-plugin",
@@ -263,11 +261,11 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
                    help=f"the kubelet's device-plugins directory, holding kubelet.sock (default {DEFAULT_KUBELET_DIR})")
     d.add_argument("--pod-resources-socket", default=DEFAULT_POD_RESOURCES_SOCKET,
                    help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
-    d.add_argument("--units-per-gpu", type=_per_gpu, default=100,
+    d.add_argument("--units-per-gpu", type=_int_in("units per GPU", 1, 1000), default=100,
                    help="unisched.io/gpu-weight device IDs per GPU (default 100: a pod's count is its weight)")
-    d.add_argument("--render-sessions", type=_per_gpu,
+    d.add_argument("--render-sessions", type=_int_in("render sessions per GPU", 1, 1000),
                    help="advertise unisched.io/render-sessions, this many per GPU (default: not advertised)")
-    d.add_argument("--decode-sessions", type=_per_gpu,
+    d.add_argument("--decode-sessions", type=_int_in("decode sessions per GPU", 1, 1000),
                    help="advertise unisched.io/decode-sessions, this many per GPU (default: not advertised)")
     d.add_argument("--gpus", type=_gpus, default=[], help="GPU indices to advertise (default: the GPUs the daemon serves)")
     d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
