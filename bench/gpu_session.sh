@@ -60,5 +60,8 @@ if has scenarios; then
   mkdir -p "$OUT/scenarios"
   [ -n "${SCEN_PREV:-}" ] && cp "$SCEN_PREV"/results.json "$OUT/scenarios/" 2>/dev/null
   python3 bench/scenarios.py --out "$OUT/scenarios" --work-dir /tmp/scen-work ${SCEN:+--scenarios $SCEN} ${SCEN_ARGS:-} 2>&1 | tee "$OUT/scenarios.log" | tail -45
-  mkdir -p "$OUT/scenario-logs"; find /tmp/scen-work -name "*.log" -size -2M | head -80 | while read -r f; do cp "$f" "$OUT/scenario-logs/$(echo "${f#/tmp/scen-work/}" | tr / _)"; done
+  # one archive (what comes back is limited in count): the last 300 kB of every log and every raw report
+  rm -rf /tmp/scen-logs; mkdir -p /tmp/scen-logs
+  find /tmp/scen-work \( -name "*.log" -o -name "*.json" \) | while read -r f; do tail -c 300000 "$f" > "/tmp/scen-logs/$(echo "${f#/tmp/scen-work/}" | tr / _)"; done
+  tar czf "$OUT/scenario-logs.tgz" -C /tmp/scen-logs .
 fi

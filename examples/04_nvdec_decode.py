@@ -84,9 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         it = decoder.frames(loop=True)
     else:
         def unmanaged():  # type: ignore[no-untyped-def]
-            while True:
-                with av.open(str(clip), hwaccel=HWAccel(device_type="cuda", allow_software_fallback=False)) as c:
-                    yield from c.decode(video=0)
+            # one decoder for the whole run, as HardwareDecoder does: reopening the clip each loop would close and
+            # reopen the NVDEC session every second, and a decode cap would see the count flicker
+            with av.open(str(clip), hwaccel=HWAccel(device_type="cuda", allow_software_fallback=False)) as c:
+                stream = c.streams.video[0]
+                while True:
+                    for packet in c.demux(stream):
+                        yield from packet.decode()
+                    c.seek(0)
+                    stream.codec_context.flush_buffers()
 
         it = unmanaged()
 

@@ -33,6 +33,7 @@ from _coop import add_unisched_args, connect, share_line, share_report
 from _window import Window, add_window_args, fail, plan_window, write_report
 
 HERE = Path(__file__).resolve().parent
+WARMUP_ANSWERS = 20
 
 
 def arrivals(rate: float, start: float, end: float, seed: int) -> list[float]:
@@ -120,16 +121,23 @@ def main(argv: list[str] | None = None) -> int:
             infer()
             torch.cuda.synchronize()
 
-    while time.time() < start_at - 0.2:  # warm-up: cuDNN autotuning, lazy module loading
+    for _ in range(WARMUP_ANSWERS):  # cuDNN autotuning, lazy module loading: never inside the window
         answer()
-    times = arrivals(args.rate, start_at, end_at, args.seed)
+    while time.time() < start_at - 0.2:
+        answer()
+    # a start-up that overran the window's start must not count as queueing: requests begin once we are ready
+    late_s = max(0.0, time.time() - start_at)
+    times = arrivals(args.rate, start_at + late_s, end_at, args.seed)
+    gate = client.gate("compute") if client is not None else None
     latencies: list[float] = []
     timeline: list[tuple[float, int]] = []
-    for arrival in times:
+    for i, arrival in enumerate(times):
         now = time.time()
         if now < arrival:
             time.sleep(arrival - now)  # pacing the workload itself, not waiting on a test condition
         answer()
+        if gate is not None and (i + 1 == len(times) or times[i + 1] > time.time()):
+            gate.release()  # nothing queued: hand the GPU back to the offline tenant until the next request
         done = time.time()
         if done > end_at:
             break
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     dropped = len(times) - len(latencies)
     window = Window(items=len(latencies), seconds=end_at - start_at, t_first=start_at,
                     t_last=start_at + (timeline[-1][0] if timeline else 0.0), start_at=start_at, end_at=end_at,
-                    late_s=0.0, warmup_items=0, timeline=tuple(timeline))
+                    late_s=late_s, warmup_items=WARMUP_ANSWERS, timeline=tuple(timeline))
     share = share_report(client, "compute")
     lat = latency_summary(latencies)
     report = write_report(args.report, "online", "req/s", window,

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-import scenarios  # noqa: E402
+import scenarios
 
 
 def run_with(tenants: dict[str, dict[str, Any]]) -> dict[str, Any]:
