@@ -69,6 +69,7 @@ class Options:
     unisched_warmup: float
     slice_ms: float
     rate: float
+    online_batches: tuple[int, ...]
     memory_cap: str
     work_dir: Path
     max_total: float
@@ -145,7 +146,7 @@ class Harness:
         }
 
     def step_count(self) -> int:
-        per = {"mixed": 2, "online": 12, "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
+        per = {"mixed": 2, "online": 6 * len(self.opts.online_batches), "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
         return sum(per[s] for s in self.scenarios)
 
     def config(self, engine: str = "kernel") -> gp.Config:
@@ -196,7 +197,7 @@ class Harness:
 
     def online(self) -> dict[str, Any]:
         data: dict[str, Any] = {"rate": self.opts.rate, "batches": {}}
-        for batch in (1, 8):
+        for batch in self.opts.online_batches:
             data["batches"][str(batch)] = runs = {}
             for setup in ("alone-online", "alone-offline", "no scheduler", "MPS", "unisched kernel", "unisched user"):
                 self.progress.step(f"online: batch {batch}, {setup}")
@@ -686,6 +687,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unisched-warmup", type=float, default=15.0, help="warm-up under unisched (default 15)")
     ap.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default 50)")
     ap.add_argument("--rate", type=float, default=20.0, help="online requests per second (default 20)")
+    ap.add_argument("--online-batches", default="1,8", help="online request batch sizes (default 1,8)")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "
@@ -700,6 +702,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"unknown scenario {', '.join(bad)}: choose from {', '.join(SCENARIOS)}")
     if args.seconds <= 0 or args.warmup < 0 or args.unisched_warmup < 0 or args.rate <= 0:
         ap.error("--seconds and --rate must be positive, warm-ups not negative")
+    try:
+        args.batch_list = tuple(int(b) for b in args.online_batches.split(","))
+    except ValueError:
+        ap.error("--online-batches: comma-separated integers, e.g. 1,8")
     try:
         parse_mib(args.memory_cap)
     except ValueError as e:
@@ -720,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="scenarios-"))
     opts = Options(out=args.out, seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
-                   slice_ms=args.slice_ms, rate=args.rate, memory_cap=args.memory_cap, work_dir=work,
+                   slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
+                   memory_cap=args.memory_cap, work_dir=work,
                    max_total=args.max_total, dry_run=args.dry_run)
     h = Harness(opts, args.scenario_list)
     h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
