@@ -113,6 +113,7 @@ def test_list_and_watch_sends_everything_then_again_on_health_change(plugin: Plu
     assert [i for i, _ in first] == ids(0, 0, 100) + ids(1, 0, 100)
     assert {h for _, h in first} == {"Healthy"}
     assert [i for i, _ in plugin.kubelet.lists(RENDER, 1)[0]] == ["gpu0-r0", "gpu0-r1", "gpu1-r0", "gpu1-r1"]
+    assert len(plugin.kubelet.lists(DECODE, 1)[0]) == 6  # every stream has its first list before the change
 
     telemetry.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0), GpuSample(1, 0.0, 0.0, 0.0, 0, ok=False)]  # GPU 1 lost
     assert plugin.server.check_health()
