@@ -24,6 +24,10 @@ from _window import add_window_args, fail, measure, plan_window, write_report
 CPU_H264 = ("libx264", "libopenh264", "h264")
 
 
+class NoFrames(RuntimeError):
+    """The decoder took the clip and gave nothing back."""
+
+
 def make_clip(path: Path, seconds: int = 5, size: tuple[int, int] = (1920, 1080), fps: int = 30) -> str:
     """Encode a moving gradient with a CPU H.264 encoder; returns the encoder used."""
     import av
@@ -89,8 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             with av.open(str(clip), hwaccel=HWAccel(device_type="cuda", allow_software_fallback=False)) as c:
                 stream = c.streams.video[0]
                 while True:
+                    frames = 0
                     for packet in c.demux(stream):
-                        yield from packet.decode()
+                        for frame in packet.decode():
+                            frames += 1
+                            yield frame
+                    if not frames:  # a refused NVDEC session can fail quietly: every packet decodes to nothing
+                        raise NoFrames("a whole pass over the clip decoded no frame")
                     c.seek(0)
                     stream.codec_context.flush_buffers()
 
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         window = measure(step, start_at, end_at)
-    except av.error.FFmpegError as e:
+    except (av.error.FFmpegError, NoFrames) as e:
         return fail(f"hardware decode failed: {e}", code=3)
     share = share_report(client, "decode")
     if decoder is not None:
