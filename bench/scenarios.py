@@ -36,6 +36,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -596,7 +597,7 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path) -> lis
         ax.set_title(f"{key}, {engine} engine: share over time")
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = folder / f"mixed-{engine}-{key.replace(':', '-')}-share.png"
+        path = folder / f"mixed-{engine}-{re.sub(r'[^A-Za-z0-9]+', '-', key)}-share.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(path)
