@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from fractions import Fraction
 from typing import Any
 
 import av
@@ -50,6 +51,7 @@ class _Session:
 
 class HardwareDecoder(_Session):
     kind, engine = "nvdec", "decode"
+    codec_context: Any  # the stream's VideoCodecContext or a created one (PyAV types that as the base class)
 
     def __init__(self, client: Client, path: str, codec: str | None = None) -> None:
         """codec None: the stream's codec with hwaccel cuda (NVDEC); or a cuvid decoder such as h264_cuvid."""
@@ -94,6 +96,7 @@ class HardwareDecoder(_Session):
 
 class HardwareEncoder(_Session):
     kind, engine = "nvenc", "encode"
+    context: Any  # a VideoCodecContext; PyAV's create() is typed as returning the base class
 
     def __init__(self, client: Client, width: int, height: int, codec: str = "h264_nvenc", fps: int = 30) -> None:
         super().__init__(client)
@@ -101,7 +104,7 @@ class HardwareEncoder(_Session):
             self.context = av.CodecContext.create(codec, "w")
             self.context.width, self.context.height = width, height
             self.context.pix_fmt = "yuv420p"
-            self.context.time_base = f"1/{fps}"
+            self.context.time_base = Fraction(1, fps)  # PyAV 16 refuses the string form
             self.context.open()
         except Exception as e:
             self.close()
