@@ -95,3 +95,15 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown scenario furmark" in bad.stderr
     plan = subprocess.run([*cmd, "--scenarios", "online", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and "[12/12] online: batch 8, unisched user" in plan.stderr
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_example_explains_itself_without_a_gpu(name: str) -> None:
+    """Issue 5: each example runs on its own with --help (no GPU, no daemon needed to read it)."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert "usage:" in done.stdout and "--seconds" in done.stdout
