@@ -208,6 +208,28 @@ def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
         rig.engine.register("gpu9", None, None, (), (9,), 15, 0, True)
 
 
+def test_a_process_inside_an_adopted_tenant_joins_it_without_being_moved(tmp_path: Path) -> None:
+    """A client in a container of an adopted pod registers as the pod's tenant (issue 7): it is not moved into the
+    pod-level cgroup (cgroup v2 forbids processes there) and, though not the owner, may join but not re-weight it."""
+    rig = Rig(tmp_path)
+    rig.driver.create("/kubepods.slice/pod-u1")
+    rig.engine.adopt("pod-u1", 300, None, "/kubepods.slice/pod-u1", (), ())
+    rig.driver.pid_cgroup[41] = "/kubepods.slice/pod-u1/ctr-a"  # the container's own cgroup, below the tenant's
+    snap = rig.engine.register("pod-u1", 300, None, ("compute",), (), 41, 1000, False)
+    assert snap.weight == 300
+    assert rig.driver.pid_cgroup[41] == "/kubepods.slice/pod-u1/ctr-a"  # not moved
+    with pytest.raises(EngineError, match="may change the weight of tenant 'pod-u1'"):
+        rig.engine.register("pod-u1", 5000, None, (), (), 41, 1000, False)
+    # a process outside the tenant is still refused, and a member's registration moves nothing
+    rig.driver.pid_cgroup[42] = "/kubepods.slice/pod-u2"
+    with pytest.raises(EngineError, match="belongs to uid"):
+        rig.engine.register("pod-u1", None, None, (), (), 42, 1000, False)
+    # a look-alike prefix is not membership
+    rig.driver.pid_cgroup[43] = "/kubepods.slice/pod-u10/ctr"
+    with pytest.raises(EngineError, match="belongs to uid"):
+        rig.engine.register("pod-u1", None, None, (), (), 43, 1000, False)
+
+
 def test_decode_sessions_follow_the_weight_share_and_refusals_are_counted(tmp_path: Path) -> None:
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])  # 7 NVDEC engines
     rig = Rig(tmp_path, telemetry=tel)

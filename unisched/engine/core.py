@@ -374,6 +374,9 @@ class KernelEngine:
         gpu_tuple = self._check_gpus(gpus)
         t = self._tenants.get(name)
         changed = t is None
+        # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
+        # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
+        member = t is not None and self._is_member(t, pid)
         if t is None:
             if not is_admin and not self.config.user_tenants:
                 raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
@@ -389,10 +392,14 @@ class KernelEngine:
             t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid)
             self._add(t, reason="registered")
         else:
-            if not is_admin and uid != t.owner_uid:
+            owner = is_admin or uid == t.owner_uid
+            if not owner and not member:
                 raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
             before = t.saved()
             if weight is not None and weight != t.base_weight:
+                if not owner:
+                    raise EngineError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
+                                                    f"tenant {name!r} ({t.base_weight}); you are uid {uid}")
                 if not is_admin and weight > self.config.max_user_weight:
                     raise EngineError(
                         "permission",
@@ -415,16 +422,26 @@ class KernelEngine:
                 t.missing = False
                 t.last_cpu = None
             changed = t.saved() != before
-        try:
-            self.driver.attach(t.cgroup, pid)
-        except CgroupError as e:
-            raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
+        if not member:
+            try:
+                self.driver.attach(t.cgroup, pid)
+            except CgroupError as e:
+                raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
         if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
             if save_now:
                 self._save()
             else:
                 self._save_soon()
         return self.snapshot(name)
+
+    def _is_member(self, t: _Tenant, pid: int) -> bool:
+        """Whether `pid` already sits in the tenant's cgroup or below it."""
+        try:
+            where = self.driver.cgroup_of(pid)
+        except OSError:  # gone, or /proc unreadable: not a member
+            return False
+        root = t.cgroup.rstrip("/")
+        return where is not None and (where == t.cgroup or where.startswith(root + "/"))
 
     def _create_cgroup(self, name: str, cgroup: str) -> None:
         try:
