@@ -1,17 +1,25 @@
 """The client library against a real daemon on a temporary socket, with CPU stand-in work in child
 processes (registering moves the caller into the tenant's cgroup): lease sharing, reconnect, revocation,
-overrun charging, bad requests, fail_open."""
+overrun charging, bad requests, fail_open, online beside offline in preemptive mode. The gate's lease state
+machine alone is also tested in process, with replies fed to it and its requests read back (no daemon)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, Daemon, child_env, wait_until
+
+sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
+from unisched_client import Client
+
+from unisched.transport import unisched_pb2 as pb
 
 WORKER = str(ROOT / "tests" / "coop_worker.py")
 
@@ -119,3 +127,127 @@ def test_bad_lease_requests_get_clear_errors(daemon: Daemon, tenant_prefix: str)
     assert out["bad_tenant"]["code"] == "INVALID_ARGUMENT"
     assert out["bad_gpu"]["code"] == "INVALID_ARGUMENT" and "no GPU 7" in out["bad_gpu"]["details"]
     assert daemon.status()["tenants"] >= 1  # still serving
+
+
+# --- the client's lease state machine alone: no daemon, replies fed in, requests read back ---------------
+
+def offline_client(monkeypatch: pytest.MonkeyPatch) -> tuple[Client, queue.SimpleQueue[pb.LeaseRequest | None]]:
+    monkeypatch.setattr(Client, "_stream_loop", lambda self: None)
+    monkeypatch.setattr(Client, "_renew_loop", lambda self: None)
+    client = Client("t", socket="/nonexistent.sock", fail_open=True, connect_timeout=0)
+    out: queue.SimpleQueue[pb.LeaseRequest | None] = queue.SimpleQueue()
+    client._out, client.governed = out, True
+    return client, out
+
+
+def sent(out: queue.SimpleQueue[pb.LeaseRequest | None]) -> list[str]:
+    msgs = []
+    while not out.empty():
+        r = out.get_nowait()
+        assert r is not None
+        kind = r.WhichOneof("kind")
+        if kind == "report":
+            kind += "".join(f" {f}" for f in ("release", "yielded") if getattr(r.report, f))
+        msgs.append(kind)
+    return msgs
+
+
+def grant(client: Client, lease: int) -> None:
+    client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=lease, engine="compute", valid_s=0.25, slice_left_s=0.05)))
+
+
+def revoke(client: Client, lease: int, reason: str) -> None:
+    client._on_reply(pb.LeaseReply(revoke=pb.LeaseRevoke(lease=lease, engine="compute", reason=reason)))
+
+
+def test_a_released_gate_does_not_yield_to_the_revoke_of_its_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon reads a yield as a renewal: answering the revoke that follows a release with one wanted the
+    engine again, and an online tenant that released between requests kept a lease nobody used."""
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    assert not gate.acquire(timeout=0) and sent(out) == ["want"]
+    grant(client, 7)
+    assert gate.acquire(timeout=0)
+    gate.done(0.004)
+    gate.release()
+    assert sent(out) == ["report release"]
+    revoke(client, 7, "released")
+    assert sent(out) == [] and gate.revokes == 0 and not gate.owes_yield
+
+
+def test_a_revoked_gate_starts_no_unit_yields_once_drained_and_runs_again_when_granted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    grant(client, 3)
+    assert gate.acquire(timeout=0) and gate.acquire(timeout=0)  # two units in flight
+    sent(out)
+    revoke(client, 3, "slice over")  # an online tenant wants the GPU
+    assert gate.ending() and sent(out) == []  # the app drains the two units in flight (InFlight.add)
+    gate.done(0.015)
+    assert sent(out) == []
+    gate.done(0.015)
+    assert sent(out) == ["report yielded"]  # the last one done: the hand-over may complete
+    assert not gate.acquire(timeout=0) and sent(out) == []  # and no new unit starts while revoked
+    grant(client, 4)  # the online tenant released: the trainer runs again at once
+    assert gate.acquire(timeout=0) and not gate.ending()
+    gate.done(0.015)
+    assert sent(out) == [] and gate.revokes == 1
+
+
+def test_a_grant_while_a_yield_is_owed_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    grant(client, 3)
+    assert gate.acquire(timeout=0)
+    revoke(client, 3, "slice over")
+    grant(client, 4)  # granted again before its unit ended: the daemon waits for no yield
+    sent(out)
+    gate.done(0.015)
+    assert sent(out) == []
+
+
+ONLINE_WORKER = """
+import json, sys, time
+from unisched_client import Client
+sock, tenant, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+client = Client(tenant, socket=sock, priority="online", connect_timeout=5)
+gate = client.gate("compute")
+lat = []
+next_at = time.monotonic() + 0.3
+end = next_at + seconds
+while next_at < end:  # a request every 50 ms: 2 ms of work, then the GPU is handed back
+    if time.monotonic() < next_at:
+        time.sleep(next_at - time.monotonic())  # pacing the requests, as a server's arrivals would
+    gate.acquire()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.002:
+        pass
+    gate.done(time.perf_counter() - t0)
+    gate.release()
+    lat.append(time.monotonic() - next_at)
+    next_at += 0.05
+client.close()
+lat.sort()
+print(json.dumps({"requests": len(lat), "p50_ms": 1000 * lat[len(lat) // 2], "p90_ms": 1000 * lat[len(lat) * 9 // 10]}))
+"""
+
+
+def test_preemptive_an_online_client_releasing_between_requests_leaves_the_gpu_to_the_offline_one(
+        daemon_factory, tenant_prefix: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 4 on a CPU: an online client that releases after each request is granted at once and the offline
+    one gets the rest. Before the fix the release's revoke made the client yield, the daemon read that as a
+    want, and the online tenant held a lease nobody used: the offline one ran little and requests waited."""
+    d = daemon_factory("--mode", "preemptive", "--slice-ms", "50")
+    script = tmp_path / "online.py"
+    script.write_text(ONLINE_WORKER)
+    offline = worker(d, f"{tenant_prefix}train", seconds=4)
+    online = subprocess.Popen([sys.executable, str(script), d.socket, f"{tenant_prefix}infer", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    ron, roff = result(online), result(offline)
+    print("online", ron, "offline", roff)
+    assert ron["requests"] >= 55
+    assert ron["p50_ms"] < 15, ron  # no slice wait (a tick's re-grant waits 25 ms on average)
+    assert roff["used_s"] > 0.6 * 4, roff  # the offline tenant keeps most of its solo time

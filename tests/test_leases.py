@@ -13,6 +13,7 @@ from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig
 from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.state import StateStore
+from unisched.policy import Mode, Priority
 from unisched.policy.leases import OverrunMeter
 from unisched.telemetry import FakeTelemetry, GpuInfo, NoGpuTelemetry
 
@@ -22,13 +23,14 @@ SLICE = 0.05
 class Coop:
     """One cooperative client: its session, its channel, and the lease it believes it holds."""
 
-    def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute") -> None:
+    def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute",
+                 priority: Priority | None = None) -> None:
         self.rig = rig
         self.name = name
         self.engine = engine
         self.channel = FakeLeaseChannel()
         rig.pid += 1
-        self.sid, _ = rig.engine.lease_open(name, weight, None, [engine], 0, rig.pid, 0, True, self.channel)
+        self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, 0, True, self.channel)
         self.held = False
         self.revokes: list[LeaseRevoke] = []
         self.used = 0.0
@@ -64,8 +66,8 @@ class LeaseRig:
         self.pid = 5000
         self.clients: list[Coop] = []
 
-    def coop(self, name: str, weight: int, engine: str = "compute") -> Coop:
-        c = Coop(self, name, weight, engine)
+    def coop(self, name: str, weight: int, engine: str = "compute", priority: Priority | None = None) -> Coop:
+        c = Coop(self, name, weight, engine, priority)
         self.clients.append(c)
         return c
 
@@ -317,3 +319,151 @@ def test_closing_a_waiters_session_decides_nothing_closing_the_holders_hands_ove
     rig.engine.lease_close(holder.sid)
     waiters[1].pump()
     assert len(decisions) == 1 and waiters[1].held  # the holder leaving hands the GPU on at once
+
+
+# --- preemptive mode: an online want does not wait for an offline holder's tail ---------------------------
+
+ONLINE, OFFLINE = Priority.ONLINE, Priority.OFFLINE
+
+
+def charged(rig: LeaseRig, name: str) -> float:
+    (st,) = rig.engine.policy.stats(rig.clock.monotonic(), [name])
+    return st.gpu_seconds
+
+
+def online_offline(tmp: Path) -> tuple[LeaseRig, Coop, Coop]:
+    """A trainer holding the GPU with units in flight (it yields only when told to), and an online tenant."""
+    rig = LeaseRig(tmp, mode=Mode.PREEMPTIVE)
+    train, infer = rig.coop("train", 100, priority=OFFLINE), rig.coop("infer", 100, priority=ONLINE)
+    train.yields = False
+    train.want()
+    train.report(0.03)
+    assert train.held
+    return rig, train, infer
+
+
+def test_preemptive_an_online_want_is_granted_at_once_beside_the_revoked_offline_holder(tmp_path: Path) -> None:
+    rig, train, infer = online_offline(tmp_path)
+    infer.want()  # no tick, no yield from the trainer
+    train.pump()
+    assert infer.held
+    assert not train.held and [r.reason for r in train.revokes] == ["slice over"]  # it starts no new unit
+    assert rig.engine.snapshot("infer").state == "running"
+
+
+def test_preemptive_online_release_regrants_the_offline_tenant_in_the_same_reschedule(tmp_path: Path) -> None:
+    rig, train, infer = online_offline(tmp_path)
+    infer.want()
+    train.pump()
+    assert infer.held and not train.held  # the trainer's tail still runs: it has not yielded
+    decisions = []
+    decide = rig.engine.policy.decide
+    rig.engine.policy.decide = lambda now: decisions.append(now) or decide(now)  # type: ignore[method-assign]
+    rig.clock.advance(0.005)
+    infer.report(0.005, release=True)
+    train.pump()
+    assert train.held and len(decisions) == 1  # granted by the release's own decision: no tick, no slice wait
+    # the trainer's tail finishing later changes nothing: it keeps the lease
+    rig.engine.lease_report(train.sid, "compute", 0.02, False, yielded=True)
+    train.pump()
+    assert train.held and not infer.held
+
+
+def test_a_yield_after_a_release_is_no_want(tmp_path: Path) -> None:
+    """Older clients answered the revoke of their own release with a yield, which the daemon read as a
+    renewal: the online tenant wanted the GPU again, was granted it with nobody using it, and the trainer
+    was revoked until that lease expired. A yield on a released engine is not a want."""
+    rig, train, infer = online_offline(tmp_path)
+    infer.want()
+    infer.report(0.005, release=True)
+    assert [r.reason for r in infer.revokes] == ["released"]  # the release's own revoke
+    rig.engine.lease_report(infer.sid, "compute", 0.0, False, yielded=True)  # an older client's answer to it
+    train.pump()
+    assert train.held and not infer.held
+    assert rig.engine.snapshot("infer").state == "idle"
+    infer.want()  # a want afterwards is one again
+    assert infer.held
+
+
+def test_the_overlap_is_charged_once_half_to_each(tmp_path: Path) -> None:
+    rig, train, infer = online_offline(tmp_path)
+    before = charged(rig, "train")
+    infer.want()
+    rig.clock.advance(0.004)
+    # the trainer's last unit ends 4 ms into the online request: both timed those 4 ms
+    rig.engine.lease_report(train.sid, "compute", 0.020, False, yielded=True)
+    assert charged(rig, "train") - before == pytest.approx(0.020 - 0.002)
+    rig.clock.advance(0.003)
+    infer.report(0.007, release=True)
+    assert charged(rig, "infer") == pytest.approx(0.007 - 0.002)
+
+
+def test_an_overlap_ended_by_the_online_release_is_credited_on_later_reports(tmp_path: Path) -> None:
+    rig, train, infer = online_offline(tmp_path)
+    before = charged(rig, "train")
+    infer.want()
+    rig.clock.advance(0.006)
+    infer.report(0.006, release=True)  # charged in full: the overlap ends with this release
+    assert charged(rig, "infer") == pytest.approx(0.006)
+    rig.engine.lease_report(train.sid, "compute", 0.025, False, yielded=True)
+    assert charged(rig, "train") - before == pytest.approx(0.025 - 0.003)
+    infer.want()
+    infer.report(0.005, release=True)
+    assert charged(rig, "infer") == pytest.approx(0.006 + 0.005 - 0.003)
+
+
+def test_preemptive_online_requests_beside_a_trainer_never_wait_and_the_trainer_keeps_the_rest(tmp_path: Path) -> None:
+    rig, train, infer = online_offline(tmp_path)
+    for _ in range(50):  # 50 requests, each 5 ms of a 50 ms period, between the engine's ticks
+        infer.want()
+        train.pump()
+        assert infer.held and not train.held
+        rig.clock.advance(0.005)
+        infer.report(0.005, release=True)
+        train.pump()
+        assert train.held and not infer.held
+        rig.clock.advance(0.005)
+        rig.engine.lease_report(train.sid, "compute", 0.010, False, yielded=True)  # its tail ends
+        rig.clock.advance(0.040)
+        train.report(0.040)
+        if rig.clock.monotonic() >= rig.engine._next_tick:
+            rig.tick()
+    assert train.held
+    assert not rig.engine.snapshot("train").enforced
+
+
+def _holder_revoked_at_a_tick(rig: LeaseRig, holder: Coop) -> None:
+    for _ in range(80):
+        if not holder.held:
+            return
+        holder.report(SLICE)
+        rig.clock.advance(SLICE)
+        rig.tick()
+    raise AssertionError("the holder was never revoked")
+
+
+@pytest.mark.parametrize(("mode", "first", "second"), [
+    (Mode.SHARED, OFFLINE, ONLINE),
+    (Mode.TIMESHARE, OFFLINE, ONLINE),
+    (Mode.PREEMPTIVE, ONLINE, ONLINE),
+    (Mode.PREEMPTIVE, OFFLINE, OFFLINE),
+    (Mode.PREEMPTIVE, ONLINE, OFFLINE),
+])
+def test_other_hand_overs_still_wait_for_the_yield(tmp_path: Path, mode: Mode, first: Priority, second: Priority) -> None:
+    rig = LeaseRig(tmp_path, mode=mode)
+    a, b = rig.coop("a", 100, priority=first), rig.coop("b", 100, priority=second)
+    a.yields = b.yields = False
+    a.want()
+    a.report(0.01)
+    b.want()
+    if second is OFFLINE and first is ONLINE:  # b never outranks an online tenant: a stops wanting instead
+        assert a.held and not b.held
+        a.report(0.01, release=True)
+        b.pump()
+        assert b.held  # released (not revoked): nothing to wait for
+        return
+    _holder_revoked_at_a_tick(rig, a)
+    assert not a.held and not b.held  # b waits for a's last unit
+    rig.engine.lease_report(a.sid, "compute", 0.004, False, yielded=True)
+    b.pump()
+    assert b.held

@@ -139,8 +139,9 @@ class Gate:
         with self.client._cond:
             if self.wanting:
                 self.wanting = False
-                self.client._flush_locked(self, release=True)
+                self.client._flush_locked(self, release=True)  # also the yield of a revoked lease
                 self.lease = 0
+                self.owes_yield = False
 
     def __enter__(self) -> Gate:
         self.acquire()
@@ -415,9 +416,12 @@ class Client:
                     g.lease = reply.grant.lease
                     g.contended = reply.grant.contended
                     g.slice_end = now + reply.grant.slice_left_s
+                    g.owes_yield = False  # held again: the daemon waits for no hand-over from us
             elif kind == "revoke":
                 g = self._gates.get(reply.revoke.engine)
-                if g is not None and g.lease in (reply.revoke.lease, 0):
+                # a released gate owes no yield: its release handed the engine on, and a yield would read
+                # as a renewal (a want) to the daemon, which would grant the engine again to nobody using it
+                if g is not None and g.wanting and g.lease in (reply.revoke.lease, 0):
                     g.lease = 0
                     g.revokes += 1
                     g.owes_yield = True
@@ -451,6 +455,7 @@ class Client:
                         if not g.blocked and ((idle > idle_s and not g.open_units) or idle > IDLE_CAP_S):
                             g.wanting = False
                             g.lease = 0
+                            g.owes_yield = False
                             self._flush_locked(g, release=True)
                         elif g.lease or g.pending_s > 0:  # holders renew; a waiting gate stays silent
                             self._flush_locked(g)

@@ -16,7 +16,7 @@ from itertools import count
 import structlog
 
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
-from unisched.policy import ContentionMap, Decision, Engine, Resource, WeightedFairShare
+from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 
 __all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError"]
@@ -43,6 +43,8 @@ class _Session:
     """engine -> when the client last wanted or reported on it (demand while fresh)."""
     codec: dict[str, int] = field(default_factory=dict)
     """codec sessions admitted through this lease session, by kind (released when it closes)."""
+    released: set[Engine] = field(default_factory=set)
+    """Engines the client released and has not wanted since: a yield on one is not a renewal."""
 
 
 @dataclass
@@ -51,6 +53,18 @@ class _Lease:
     engine: Engine
     contended: bool
     slice_left_s: float = 0.0
+
+
+@dataclass
+class _Handover:
+    """A revoked holder finishing its unit in flight on a resource: the next holder waits for its yield (or
+    the deadline), except an online tenant in preemptive mode after an offline holder: it is granted at once
+    and runs beside the offline tail (`overlap`, since `since`), which the GPU time-slices."""
+
+    tenant: str
+    deadline: float
+    overlap: str | None = None
+    since: float = 0.0
 
 
 @dataclass
@@ -75,8 +89,11 @@ class LeaseBook:
         """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
-        self._handover: dict[Resource, tuple[str, float]] = {}
-        """Resources whose revoked holder is finishing its unit: (that tenant, when to stop waiting for it)."""
+        self._handover: dict[Resource, _Handover] = {}
+        """Resources whose revoked holder is finishing its unit (who, and when to stop waiting for it)."""
+        self._credit: dict[tuple[str, Resource], float] = {}
+        """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
+        off its next charges, so the overlap's wall time is charged once in all, half to each."""
 
     # --- queries -----------------------------------------------------------------------------------
     def cooperative(self, tenant: str) -> bool:
@@ -141,9 +158,10 @@ class LeaseBook:
             for r, lease in list(c.leases.items()):
                 self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
             del self._coop[s.tenant]
-            for r in [r for r, (who, _) in self._handover.items() if who == s.tenant]:
-                del self._handover[r]
+            for r in [r for r, h in self._handover.items() if h.tenant == s.tenant]:
+                self._end_handover(r, now)
                 affected = True
+            self._drop_credit(s.tenant)
         self._refresh_demand(s.tenant, now)
         return s.tenant, dict(s.codec), affected
 
@@ -151,6 +169,7 @@ class LeaseBook:
         """The tenant is removed: revoke what it holds and drop its sessions."""
         self._enforced.discard(tenant)
         self._overrun.pop(tenant, None)
+        self._drop_credit(tenant)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
@@ -172,6 +191,7 @@ class LeaseBook:
         """Demand on an engine (also a renewal). Returns whether the tenant's demand changed."""
         s = self._session(sid)
         s.wants[engine] = now
+        s.released.discard(engine)
         return self._refresh_demand(s.tenant, now)
 
     def report(self, sid: int, engine: Engine, gpu_s: float, release: bool, now: float, yielded: bool = False
@@ -183,12 +203,18 @@ class LeaseBook:
         s = self._session(sid)
         c = self._coop[s.tenant]
         r = self.resource(s.gpu, engine)
-        log.debug("lease report", tenant=s.tenant, gpu_s=round(gpu_s, 5), release=release, held=r in c.leases,
-                  now=round(now, 4))
+        log.debug("lease report", tenant=s.tenant, gpu_s=round(gpu_s, 5), release=release, yielded=yielded,
+                  held=r in c.leases, now=round(now, 4))
+        handed = False
+        h = self._handover.get(r)
+        if (release or yielded) and h is not None and h.tenant == s.tenant:
+            self._end_handover(r, now)  # first: an overlap it ends is credited against this very report
+            handed = True
         verdict = None
-        if gpu_s > 0:
-            self.policy.charge(s.tenant, r, gpu_s, now)
-            verdict = self._meter(c, r).report(gpu_s, now)
+        charged = self._less_credit(s.tenant, r, gpu_s)
+        if charged > 0:
+            self.policy.charge(s.tenant, r, charged, now)
+            verdict = self._meter(c, r).report(charged, now)
             if verdict is not None and verdict.overrun_s > 0:
                 self._overrun[s.tenant] = self._overrun.get(s.tenant, 0.0) + verdict.overrun_s
                 log.warning("lease overrun", tenant=s.tenant, engine=engine.value, overrun_s=round(verdict.overrun_s, 4),
@@ -196,14 +222,14 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        handed = False
-        if (release or yielded) and self._handover.get(r, ("", 0.0))[0] == s.tenant:
-            del self._handover[r]
-            handed = True
         if release:
             s.wants.pop(engine, None)
+            s.released.add(engine)
+        elif yielded and engine in s.released:
+            pass  # older clients answer the revoke of their own release with a yield: that is no want
         else:  # a renewal: it still wants the engine (also after a revocation it could not see coming)
             s.wants[engine] = now
+            s.released.discard(engine)
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
     def _meter(self, c: _Coop, r: Resource) -> OverrunMeter:
@@ -287,11 +313,15 @@ class LeaseBook:
                     continue
                 lease = c.leases.get(r)
                 contended = self.policy.contenders(r) > 1
-                if lease is None and r in self._handover:
-                    who, deadline = self._handover[r]
-                    if who != tenant and now < deadline:
+                h = self._handover.get(r) if lease is None else None
+                if h is not None:
+                    if h.tenant == tenant or now >= h.deadline:
+                        self._end_handover(r, now)
+                    elif self._jumps(tenant, h.tenant, now):
+                        h.overlap, h.since = tenant, now  # granted beside the offline tail, which still drains
+                        log.debug("lease overlap", tenant=tenant, draining=h.tenant, resource=str(r))
+                    else:
                         continue  # the previous holder is finishing its unit: grant once it yields
-                    del self._handover[r]
                 if lease is None:
                     engine = self._engine_of(c, r)
                     lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
@@ -329,10 +359,57 @@ class LeaseBook:
     def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
                 notify: bool = True) -> None:
         del c.leases[r]
+        h = self._handover.get(r)
+        if h is not None and h.overlap == tenant:
+            self._end_overlap(r, h, now)
         if reason == "slice over" and notify:  # it may be mid-unit: the next holder waits for its yield
-            self._handover[r] = (tenant, now + self.slice_s)
+            self._end_handover(r, now)
+            self._handover[r] = _Handover(tenant, now + self.slice_s)
         log.debug("lease revoked", tenant=tenant, lease=lease.id, resource=str(r), reason=reason, now=round(now, 4))
         self._meter(c, r).drop(now)
         if notify:
             self._send(c, r, lease, reason)
 
+    # --- hand-overs in preemptive mode: online tenants do not wait for offline tails --------------------
+    def _jumps(self, tenant: str, draining: str, now: float) -> bool:
+        """Whether `tenant` is granted at once while `draining` (revoked) finishes its units in flight: only
+        an online tenant after an offline one, in preemptive mode. Elsewhere (shared, timeshare, tidal; online
+        after online, offline after offline) the next holder waits for the yield, so neither pays for the
+        other's tail."""
+        if self.policy.config.mode is not Mode.PREEMPTIVE or draining not in self._coop:
+            return False
+        a, b = self.policy.stats(now, (tenant, draining))  # sorted by name; two tenants: cheap
+        prio = {a.name: a.priority, b.name: b.priority}
+        return prio[tenant] is Priority.ONLINE and prio[draining] is Priority.OFFLINE
+
+    def _end_handover(self, r: Resource, now: float) -> None:
+        h = self._handover.pop(r, None)
+        if h is not None and h.overlap is not None:
+            self._end_overlap(r, h, now)
+
+    def _end_overlap(self, r: Resource, h: _Handover, now: float) -> None:
+        """The online tenant stopped holding, or the offline tail yielded (or ran out its slice): both measured
+        the overlap's wall time (each one's GPU timer runs while the GPU time-slices the other's work), so each
+        is credited half of it and the overlap is charged once in all. Within a class shares stay by weight."""
+        assert h.overlap is not None
+        half = max(0.0, min(now, h.deadline) - h.since) / 2
+        for who in (h.tenant, h.overlap):
+            if who in self._coop and half > 0:
+                key = (who, r)
+                self._credit[key] = min(self.slice_s, self._credit.get(key, 0.0) + half)
+        h.overlap = None
+
+    def _less_credit(self, tenant: str, r: Resource, gpu_s: float) -> float:
+        credit = self._credit.get((tenant, r))
+        if not credit:
+            return gpu_s
+        taken = min(credit, gpu_s)
+        if credit > taken:
+            self._credit[(tenant, r)] = credit - taken
+        else:
+            del self._credit[(tenant, r)]
+        return gpu_s - taken
+
+    def _drop_credit(self, tenant: str) -> None:
+        for key in [k for k in self._credit if k[0] == tenant]:
+            del self._credit[key]
