@@ -174,6 +174,7 @@ def _mixed_pair_freezes(tmp_path: Path, kept: tuple[float, float] | None) -> boo
         (tmp_path / "state" / "contention.json").write_text(json.dumps(
             {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": kept[0], "graphics_kept": kept[1]}}}))
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # saturated: slicing is the question
     rig = Rig(tmp_path, telemetry=tel)
     rig.add("cuda", 100, engines=("compute",))
     rig.add("render", 100, engines=("graphics",))
@@ -341,3 +342,37 @@ def test_encoder_counts_follow_nvml_after_two_disagreeing_checks(tmp_path: Path)
         rig.clock.advance(MEMORY_CHECK_S)
         rig.engine.tick()
     assert rig.engine.snapshot("enc").sessions["nvenc"] == 1
+
+
+def _gpu_rig(tmp_path: Path, util: float, **config: object) -> tuple[Rig, FakeTelemetry]:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, **config), telemetry=tel)  # type: ignore[arg-type]
+    rig.add("a", 300)
+    rig.add("b", 100)
+    return rig, tel
+
+
+def test_tenants_of_an_unsaturated_gpu_all_run(tmp_path: Path) -> None:
+    """Paced or pipelined tenants that show demand but leave the GPU 40% busy are not made to take turns."""
+    rig, _ = _gpu_rig(tmp_path, 0.4)
+    rig.step(200)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+    assert rig.cpu("a") == pytest.approx(rig.cpu("b"))
+
+
+def test_a_saturated_gpu_is_sliced_by_weight_from_the_moment_it_saturates(tmp_path: Path) -> None:
+    rig, tel = _gpu_rig(tmp_path, 0.4)
+    rig.step(100)  # unsaturated: both ran all the time, b far beyond its weight's share
+    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]
+    rig.step(2)
+    a0, b0 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    # 3:1 from here on, with no catch-up for the unsaturated stretch, in which nobody was deprived
+    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
+
+
+def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
+    rig, _ = _gpu_rig(tmp_path, 0.4, saturated_util=0.0)
+    rig.step(400)
+    assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)

@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
+    s.add_argument("--saturated-util", type=float, metavar="U",
+                   help="slice a GPU engine's tenants only while its utilization is >= U (0..1, default 0.9; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
@@ -340,6 +342,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             mode=args.mode,
             slice_ms=args.slice_ms,
             lease_timeout_ms=args.lease_timeout_ms,
+            saturated_util=args.saturated_util,
             cgroup_driver=args.cgroup_driver,
             contention=args.contention,
             admin_group=args.admin_group,

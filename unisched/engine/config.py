@@ -80,6 +80,8 @@ class DaemonConfig:
     lease_timeout_ms: float = 250.0
     """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
     activity_threshold: float = 0.02
+    saturated_util: float = 0.90
+    """Kernel engine: tenants of a GPU engine are sliced only while its utilization is at least this (0 = always)."""
     contention: str = "auto"
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
@@ -113,6 +115,7 @@ _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "share_window_s": (0.1, 3600.0),
     "lease_timeout_ms": (10.0, 600_000.0),
     "activity_threshold": (0.0, 1.0),
+    "saturated_util": (0.0, 1.0),
 }
 _INT_RANGES: Mapping[str, tuple[int, int]] = {
     "idle_slices": (1, 1000),

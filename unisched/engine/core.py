@@ -38,6 +38,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
+from unisched.policy.saturation import SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
@@ -204,6 +205,8 @@ class KernelEngine:
                 share_window_s=config.share_window_s,
             )
         )
+        high = config.saturated_util
+        self.saturation = SaturationGate(SaturationConfig(high=high, low=min(high, max(0.0, high - 0.3))))
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
@@ -747,6 +750,7 @@ class KernelEngine:
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
+        self._observe_saturation(samples)
         tenants = self._tenants
         leases.expire(now, lambda name: tenants[name].frozen)
         if self.config.mode is Mode.TIDAL:
@@ -764,12 +768,41 @@ class KernelEngine:
             self._log_shares(reason="demand")
         return decision.slice_s
 
+    def _observe_saturation(self, samples: Mapping[int, GpuSample]) -> None:
+        """Feed each kernel-engine resource's busy fraction to the saturation gate (see policy.saturation)."""
+        engines_on: dict[Resource, set[Engine]] = {}
+        cooperative = self.leases.cooperative
+        for t in self._tenants.values():
+            if t.missing or cooperative(t.name):
+                continue
+            for r in t.resources:
+                engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
+        for r, engines in engines_on.items():
+            sample = samples.get(r.gpu)
+            util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
+            was_open = self.saturation.is_open(r)
+            now_open = self.saturation.observe(r, util, self.policy.contenders(r))
+            if was_open and not now_open:
+                self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
+            if now_open != was_open and self.policy.contenders(r) >= 2:
+                log.info("slicing" if not now_open else "lending", gpu=r.gpu, domain=r.domain,
+                         util=None if util is None else round(util, 3),
+                         reason="saturated" if not now_open else "unsaturated: every tenant runs")
+
     def _apply(self, decision: Decision, now: float, tick: bool) -> None:
-        """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases."""
+        """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases.
+
+        A kernel tenant whose every resource is unsaturated (the saturation gate is open) runs whatever the slice
+        says: its turn only matters once the GPU is busy; its use is still charged, so the weights hold from the
+        moment slicing starts."""
         leases = self.leases
+        is_open = self.saturation.is_open
         for t in self._tenants.values():
             want = decision.must_wait(t.name)
-            if leases.cooperative(t.name) and not leases.enforced(t.name):
+            if leases.cooperative(t.name):
+                if not leases.enforced(t.name):
+                    want = False
+            elif want and t.resources and all(is_open(r) for r in t.resources):
                 want = False
             if want != t.frozen and not t.missing:
                 try:

@@ -356,6 +356,20 @@ class WeightedFairShare:
             self._active.discard(name)
             self._active_frozen = None
 
+    def level(self, resource: Resource) -> None:
+        """Start weighted sharing of `resource` with nobody owed: every tenant wanting it gets the same virtual time
+        (the highest among them). For the moment it becomes saturated after a stretch in which every tenant ran as
+        much as it wanted: nobody was deprived then, so nobody is owed catch-up time now."""
+        members = [t for t in self._tenants.values() if resource in t.demand]
+        if len(members) < 2:
+            return
+        top = max(t.vtime.get(resource, 0.0) for t in members)
+        for t in members:
+            if t.vtime.get(resource) != top:
+                self._unindex(t)
+                t.vtime[resource] = top
+                self._reindex(t)
+
     def charge(self, name: str, resource: Resource, gpu_seconds: float, now: float) -> None:
         """Measured GPU time the tenant used on `resource` (slice, overrun and drain alike)."""
         if not (gpu_seconds >= 0 and math.isfinite(gpu_seconds)):
