@@ -9,6 +9,10 @@ receiving its ack (same seq). With --tenants 1 it is the idle round trip the use
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
+Only renewals sent within the measured window count (none is sent into the other tenants' teardown). A stream
+that ends before its tenant ends it is counted as lost, with its gRPC status and when. The report also says how
+much CPU the clients and anything else on the machine used in the window (on 2 CPUs another user's work skews it).
+
 Writes results.json and results.md to --out and prints a summary; progress goes to stderr. For diagnosis:
 LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level.
 """
@@ -49,19 +53,31 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
-                  rtts: list[float], counts: dict[str, int]) -> None:
-    """One cooperative tenant: hello, want, then a renewal report every renew_s (0: back to back)."""
+                  rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
+    """One cooperative tenant: hello, want, then a renewal report every renew_s (0: back to back).
+    A stream that ends before the tenant ends it is recorded in `lost` (when, status, details)."""
     sent: dict[int, float] = {}
     acked = asyncio.Event()
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
     call = stub.Lease()
     await call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
     await call.write(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")))
+    ending = [False]
 
     async def reader() -> None:
         while True:
-            reply = await call.read()
+            try:
+                reply = await call.read()
+            except grpc.aio.AioRpcError as e:
+                lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": e.code().name,
+                             "details": e.details(), "debug": (e.debug_error_string() or "")[:300]})
+                acked.set()
+                return
             if reply is grpc.aio.EOF:
+                if not ending[0]:
+                    lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": "EOF",
+                                 "details": "the daemon ended the stream", "debug": ""})
+                acked.set()
                 return
             kind = reply.WhichOneof("kind")
             if kind == "ack" and reply.seq in sent:
@@ -81,10 +97,12 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
     next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
     seq = 0
     try:
-        while time.perf_counter() < until:
+        while time.perf_counter() < until and not task.done():
             if renew_s > 0:
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
                 next_at += renew_s
+                if time.perf_counter() >= until:  # the window is over: none sent into the others' teardown
+                    break
             seq += 1
             acked.clear()
             sent[seq] = time.perf_counter()
@@ -93,9 +111,15 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
             await call.write(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used)))
             if renew_s <= 0:  # back to back: the next renewal once this one's ack is in
                 await acked.wait()
+        if task.done():  # the stream ended under us (recorded by the reader)
+            return
+        ending[0] = True
         await call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)))
         await call.done_writing()
         await asyncio.wait_for(task, 5)
+    except asyncio.InvalidStateError:  # a write after the stream ended: the reader records how it ended
+        await asyncio.wait([task], timeout=5)
+        task.cancel()
     except (TimeoutError, grpc.aio.AioRpcError):
         task.cancel()
 
@@ -104,28 +128,37 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
            out: Any) -> None:
     from unisched.transport import unisched_pb2 as pb
     from unisched.transport import unisched_pb2_grpc as pb_grpc
+    from unisched.transport.options import CHANNEL_OPTIONS
 
     async def main() -> None:
         rtts: list[float] = []
-        counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0}
+        lost: list[dict[str, Any]] = []
+        counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
         # one connection per tenant, as separate processes would have (channels to one target share one by default)
-        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
+        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1), *CHANNEL_OPTIONS])
                     for _ in names]
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         until, warm_until = t0 + warmup + seconds, t0 + warmup
         results = await asyncio.gather(
-            *(_tenant(pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts)
+            *(_tenant(pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts, lost, t0)
               for ch, n in zip(channels, names, strict=True)),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
         counts["errors"] = len(errors)
+        counts["lost"] = len(lost)
         for ch in channels:
             await ch.close()
-        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5]})
+        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
 
     asyncio.run(main())
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine spent busy (all CPUs; user, system, interrupts, steal), from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / os.sysconf("SC_CLK_TCK")
 
 
 def proc_stats(pid: int) -> tuple[float, int]:
@@ -172,6 +205,7 @@ def main() -> int:
         w.start()
     time.sleep(max(0.0, start_at + args.warmup - time.time()))
     cpu0, _ = proc_stats(daemon.pid)
+    clients0, busy0, self0 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
     t0 = time.monotonic()
     rss_max = 0
     while time.monotonic() - t0 < args.seconds:
@@ -182,6 +216,7 @@ def main() -> int:
         if done % 10 == 0:
             print(f"lease_load: {done:.0f}/{args.seconds:g} s, daemon RSS {rss / 2**20:.0f} MiB", file=sys.stderr)
     cpu1, _ = proc_stats(daemon.pid)
+    clients1, busy1, self1 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
     elapsed = time.monotonic() - t0
     parts = [q.get(timeout=120) for _ in workers]
     for w in workers:
@@ -203,6 +238,10 @@ for cg in d.managed():
 """], check=False)
     rtts = [x for p in parts for x in p["rtts"]]
     counts = {k: sum(p["counts"][k] for p in parts) for k in parts[0]["counts"]}
+    lost = sorted((x for p in parts for x in p["lost"]), key=lambda x: x["at_s"])
+    reasons: dict[str, int] = {}
+    for x in lost:
+        reasons[f"{x['code']}: {x['details']}"] = reasons.get(f"{x['code']}: {x['details']}", 0) + 1
     res: dict[str, Any] = {
         "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -214,8 +253,13 @@ for cg in d.managed():
                    "max": 1000 * max(rtts, default=float("nan")),
                    "mean": 1000 * statistics.fmean(rtts) if rtts else float("nan")},
         "daemon_cpu_cores": (cpu1 - cpu0) / elapsed, "daemon_rss_mib_max": rss_max / 2**20,
-        "clients_cpu_s_whole_run": clients_cpu_s,
+        "clients_cpu_s_whole_run": clients_cpu_s, "clients_cpu_cores": (clients1 - clients0) / elapsed,
+        # whatever else ran on the machine in the window (another user's tests skew a 2-CPU run)
+        "other_cpu_cores": max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - (clients1 - clients0) - (self1 - self0)) / elapsed,
         "counts": counts, "errors": [e for p in parts for e in p["errors"]][:10],
+        "streams_lost": len(lost), "lost_by_reason": reasons,
+        "lost_at_s": [min(x["at_s"] for x in lost), max(x["at_s"] for x in lost)] if lost else [],
+        "lost_first": lost[:5],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -226,11 +270,16 @@ for cg in d.managed():
           f"| {args.tenants} | {every} | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
           f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
+    md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
+           f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
+    md += f"\nStreams lost: {len(lost)} of {args.tenants}"
+    md += (" (" + "; ".join(f"{n} {r}" for r, n in reasons.items())
+           + f"; at {res['lost_at_s'][0]:.1f}..{res['lost_at_s'][1]:.1f} s from the clients' start)\n" if lost else "\n")
     if res["errors"]:
         md += "\nErrors: " + "; ".join(res["errors"]) + "\n"
     (args.out / "results.md").write_text(md)
     print(md)
-    return 0 if not res["errors"] else 1
+    return 0 if not res["errors"] and not lost else 1
 
 
 if __name__ == "__main__":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +20,7 @@ from inproc import InProcessServer, in_process_server
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched.transport.options import CHANNEL_OPTIONS, SERVER_OPTIONS
 
 
 @pytest.fixture
@@ -113,3 +118,104 @@ except DaemonError as e:
     assert "set-weight PERMISSION_DENIED" in out.stdout
     assert "join PERMISSION_DENIED" in out.stdout
     assert {s.name: s.weight for s in server.engine.snapshots()} == {"owned": 100}
+
+
+class _Echo(pb_grpc.UnischedServicer):
+    async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        while (req := await context.read()) is not grpc.aio.EOF:
+            await context.write(pb.LeaseReply(seq=req.seq))
+
+
+class _BlockableServer:
+    """A grpc.aio server on its own loop in a thread, whose loop the test can hold (a busy daemon loop)."""
+
+    def __init__(self, options: list[tuple[str, int]]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.release = threading.Event()
+        started, self.held = threading.Event(), threading.Event()
+        self.stop = asyncio.Event()
+        box: list[int] = []
+
+        async def main() -> None:
+            server = grpc.aio.server(options=options)
+            pb_grpc.add_UnischedServicer_to_server(_Echo(), server)  # type: ignore[no-untyped-call]
+            box.append(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            started.set()
+            await self.stop.wait()
+            await server.stop(0)
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),), daemon=True)
+        self.thread.start()
+        started.wait(30)
+        self.port = box[0]
+
+    def hold(self) -> None:
+        def block() -> None:
+            self.held.set()
+            self.release.wait(60)
+
+        self.loop.call_soon_threadsafe(block)
+        assert self.held.wait(30)
+
+    def close(self) -> None:
+        self.release.set()
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
+        self.loop.close()
+
+
+def test_streams_that_wait_for_a_busy_loop_are_served_not_cancelled() -> None:
+    """Issue 6: in a burst of clients the daemon's loop took new streams from gRPC core slower than they came,
+    and core cancelled the ones left waiting longer than its limit (30 s by default): the client saw CANCELLED
+    before any answer. Here the loop is held for 2.5 s while streams arrive: a server with the limit at 1 s (the
+    control: the failure, at test speed) cancels those beyond the one stream the loop had already asked for; a
+    server with the daemon's options serves them all once its loop is free."""
+    control = _BlockableServer([("grpc.server_max_unrequested_time_in_server", 1)])
+    daemon_like = _BlockableServer(SERVER_OPTIONS)
+    channels: list[grpc.Channel] = []
+    try:
+        calls = {}
+        for name, srv in (("control", control), ("daemon", daemon_like)):
+            srv.hold()
+            for i in range(4):  # one connection each, as separate clients have
+                ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                channels.append(ch)
+                stub = pb_grpc.UnischedStub(ch)  # type: ignore[no-untyped-call]
+                calls[name, i] = stub.Lease(iter([pb.LeaseRequest(seq=i + 1)]), timeout=60)
+        time.sleep(2.5)  # the streams age in core's queue past the control's 1 s limit while the loops are held
+        control.release.set()
+        daemon_like.release.set()
+
+        def outcome(call: Any) -> str:
+            try:
+                return "answered" if [r.seq for r in call] else "empty"
+            except grpc.RpcError as e:
+                return str(e.code().name)
+
+        got = {key: outcome(call) for key, call in calls.items()}
+    finally:
+        for ch in channels:
+            ch.close()
+        control.close()
+        daemon_like.close()
+    assert "CANCELLED" in [got["control", i] for i in range(4)], got
+    assert [got["daemon", i] for i in range(4)] == ["answered"] * 4, got
+
+
+def test_daemon_and_clients_use_the_shared_grpc_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's server is built with SERVER_OPTIONS (no BDP pings, no cancelling of waiting calls), and the
+    client library's channel with CHANNEL_OPTIONS."""
+    built: list[list[tuple[str, Any]]] = []
+    real_server = grpc.aio.server
+
+    def recording_server(*args: Any, options: list[tuple[str, Any]], **kw: Any) -> grpc.aio.Server:
+        built.append(options)
+        return real_server(*args, options=options, **kw)
+
+    monkeypatch.setattr(grpc.aio, "server", recording_server)
+    with in_process_server(tmp_path / "state") as s, DaemonClient(s.socket) as c:
+        assert c.status().caller_pid == os.getpid()
+    assert built and all(o in built[0] for o in SERVER_OPTIONS)
+    assert ("grpc.http2.bdp_probe", 0) in SERVER_OPTIONS and ("grpc.http2.bdp_probe", 0) in CHANNEL_OPTIONS
+    assert dict(SERVER_OPTIONS)["grpc.server_max_unrequested_time_in_server"] >= 300

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from unisched.transport.options import MAX_CONNECTIONS
+
 __all__ = ["PeerCred", "PeerCredRelay"]
 
 log = structlog.get_logger("unisched.transport")
@@ -57,7 +59,7 @@ class PeerCred:
 
 
 class PeerCredRelay:
-    def __init__(self, socket_path: str, backend_port: int, max_connections: int = 4096) -> None:
+    def __init__(self, socket_path: str, backend_port: int, max_connections: int = MAX_CONNECTIONS) -> None:
         self.socket_path = socket_path
         self.backend_port = backend_port
         self.max_connections = max_connections

@@ -28,6 +28,7 @@ from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
+from unisched.transport.options import SERVER_OPTIONS
 from unisched.transport.peercred import PeerCred, PeerCredRelay
 
 __all__ = ["UnischedServicer", "serve", "server_credentials", "snapshot_to_pb"]
@@ -457,6 +458,7 @@ async def serve_async(
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 64),
+            *SERVER_OPTIONS,
         ]
     )
     servicer = UnischedServicer(
