@@ -5,10 +5,12 @@ admits or refuses each RM_ALLOC by the tenant's caps, and `unisched tenants` sho
 from __future__ import annotations
 
 import json
+import select
+import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, Daemon
+from conftest import ROOT, Daemon, child_env
 
 ENOTTY, EPERM = "25", "1"
 IOCTLS = str(ROOT / "tests" / "nv_ioctls.py")
@@ -55,3 +57,63 @@ def test_status_reports_the_hooks(daemon: Daemon) -> None:
     st = daemon.status()
     assert st["session_hooks"] == "on"
     assert st["agent_socket"].endswith("seccomp-agent.sock")
+
+
+def test_allocations_that_are_not_sessions_pass_and_only_sessions_are_refused(daemon: Daemon, tenant_prefix: str) -> None:
+    """What a CUDA context looks like to the hooks: many allocations of channels, copy engines, TSGs and memory
+    (answered by the supervisor's thread, never asked of the engine) around the few that open a session."""
+    name = f"{tenant_prefix}ctx"
+    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    daemon.cli("set-limit", "--tenant", name, "--render", "0", check=True)
+    others = [f"alloc:{cls:#x}:{0x100 + i:#x}" for i, cls in enumerate([0xC86F, 0xC8B5, 0xA06C, 0x0040, 0x003E] * 20)]
+    calls = [*others[:50], "alloc:0xCB97:1", "alloc:0xCBC0:2", *others[50:], "alloc:0xCB97:3", "free:0x100"]
+    run = daemon.cli("run", "--tenant", name, "--", sys.executable, IOCTLS, *calls)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [ENOTTY] * 50 + [EPERM, ENOTTY] + [ENOTTY] * 50 + [EPERM, ENOTTY]
+    t = next(t for t in daemon.tenants() if t["name"] == name)
+    assert t["refusals"] == {"graphics": 2}
+    assert t["sessions"].get("compute", 0) == 0, "the process exited: its compute session is gone"
+
+
+STEPPED = """
+import ctypes, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open("/dev/null", os.O_RDWR)
+for i, line in enumerate(sys.stdin):
+    buf = ctypes.create_string_buffer(struct.pack("=IIIIQII", 0xC1D00001, 0xC1D00001, 0x10 + i, int(line, 0), 0, 0, 0), 32)
+    rc = libc.ioctl(fd, ctypes.c_ulong((3 << 30) | (32 << 16) | (ord("F") << 8) | 0x2B), buf)
+    print(ctypes.get_errno() if rc < 0 else 0, flush=True)
+"""
+
+
+def test_daemon_shutdown_with_a_hooked_tenant_running(daemon: Daemon, tenant_prefix: str) -> None:
+    """Stopping the daemon joins the supervisors' threads (it exits promptly) and the tenant carries on:
+    its later session allocations fail with ENOSYS instead of waiting."""
+    name = f"{tenant_prefix}live"
+    tenant = subprocess.Popen(
+        [sys.executable, "-m", "unisched", "run", "--socket", daemon.socket, "--tenant", name, "--",
+         sys.executable, "-c", STEPPED],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=child_env(),
+    )  # fmt: skip
+    assert tenant.stdin is not None and tenant.stdout is not None
+
+    def call(h_class: int) -> str:
+        assert tenant.stdin is not None and tenant.stdout is not None
+        tenant.stdin.write(f"{h_class:#x}\n")
+        tenant.stdin.flush()
+        ready, _, _ = select.select([tenant.stdout], [], [], 20)
+        assert ready, "the tenant did not answer"
+        return tenant.stdout.readline().strip()
+
+    try:
+        assert call(0xC86F) == ENOTTY
+        assert call(0xCB97) == ENOTTY
+        assert daemon.stop() == 0
+        assert call(0xCB97) == "38"  # ENOSYS: the listener is gone with the daemon, nothing waits
+        tenant.stdin.close()
+        assert tenant.wait(20) == 0
+    finally:
+        if tenant.poll() is None:
+            tenant.kill()
+            tenant.wait(10)
+        tenant.stdout.close()

@@ -11,9 +11,12 @@ seccomp profile has SCMP_ACT_NOTIFY and `listenerPath` (deploy/seccomp/unisched-
 (/proc/PID/mem), decodes the class (NVOS21/NVOS64 hClass@12; XFER unwrapped), classifies it
 (nvclasses.SessionKind), asks `decide(tenant, kind, h_class)` for engine sessions only, counts live sessions
 (RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
-"continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call
-whose notification is gone is skipped; if the daemon dies (the listener's last fd closes), pending and later
-notified calls fail at once with ENOSYS and everything else keeps working.
+"continue" or EPERM. In the daemon (`attach(loop)`) a thread of the supervisor's own answers every call at once
+except the first object of a new session, whose `decide` runs on the event loop: the hundred-odd allocations of
+memory, channels and copy engines of a CUDA context never wait for the loop. It never wedges a tenant: any
+failure while handling a call answers "continue"; a call whose notification is gone is skipped; if the daemon
+dies (the listener's last fd closes), pending and later notified calls fail at once with ENOSYS and everything
+else keeps working.
 
 CAVEAT (seccomp_unotify(2)): "continue" makes the kernel re-read the argument from user memory, so a hostile
 multithreaded tenant can swap the class after the supervisor looked at it, and the driver dispatches on an
@@ -35,6 +38,7 @@ import errno
 import fcntl
 import itertools
 import json
+import math
 import os
 import platform
 import select
@@ -525,6 +529,11 @@ class SupervisorStats:
     """Answer latency (notification received -> answer sent), over the most recent samples."""
     latency_samples: int
     closed: bool
+    asked_loop: int = 0
+    """Session calls whose decision was asked on the event loop (`attach`); every other call was answered by
+    the supervisor's thread alone."""
+    pending: int = 0
+    """Session calls waiting for the loop's decision now."""
 
 
 class SessionLedger:
@@ -617,6 +626,7 @@ class _Gone(Exception):
 
 
 _MAX_NODES = 200_000
+_JOIN_TIMEOUT_S: Final = 5.0  # close() waits this long for the supervisor's thread (it never waits on the loop)
 _ENGINE_KINDS: Final = frozenset({SessionKind.NVDEC, SessionKind.NVENC, SessionKind.NVJPG, SessionKind.OFA})
 _GROUPED_KINDS: Final = _ENGINE_KINDS | {SessionKind.COMPUTE}
 
@@ -654,10 +664,21 @@ def _start_time(pid: int) -> str | None:
 class SessionSupervisor:
     """Serves ONE seccomp listener fd for ONE tenant (see the module docstring).
 
-    Run it in a thread with `serve_forever()`, or on an asyncio loop with `attach(loop)`. It owns the fd:
-    `close()` (or the tenant's last process exiting) closes it. `decide` and `on_event` run on the serving
-    thread and must be quick and non-blocking; `decide` is consulted only for engine sessions, and an
-    exception in it admits the call. `stats()` may be called from any thread.
+    Two ways to run it; either way one thread of its own receives and answers the notifications, and it owns
+    the fd: `close()` (or the tenant's last process exiting) closes it.
+
+    - `serve_forever()` in a thread of the caller's: `decide` and `on_event` run on that thread.
+    - `attach(loop)`: the supervisor starts its own thread, which answers every call that needs no decision
+      at once, without the loop: non-session classes (memory, channels, copy engines...), frees, objects that
+      join an open session, and unreadable or malformed calls. Only the first object of a new session waits:
+      `decide` is called on the loop (call_soon_threadsafe) and the thread answers when it returns, while it
+      keeps answering the tenant's other calls. `on_event` runs on the loop too. If the loop is closed, a
+      session call is admitted (never wedged); a decision still on the loop when the supervisor closes is
+      not asked any more, or reported ABORTED when it had been admitted.
+
+    `decide` and `on_event` must be quick and non-blocking; `decide` is consulted only for engine sessions,
+    and an exception in it admits the call. `stats()` may be called from any thread; `close()` too (with
+    `attach`, it joins the supervisor's thread).
 
     Sessions: the driver allocates several objects for one session of some kinds (on the H200 a CUDA context
     made 8 compute objects, one PyAV decoder 7 NVDEC objects, one per engine), so counts and caps are kept
@@ -698,6 +719,7 @@ class SessionSupervisor:
         self._notifications = 0
         self._skipped = 0
         self._errors = 0
+        self._asked = 0
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._warned: set[str] = set()
         self._closed = False
@@ -706,9 +728,11 @@ class SessionSupervisor:
         self._serving = False
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._poll = select.poll()
-        self._poll.register(self._fd, select.POLLIN)
+        self._thread: threading.Thread | None = None
+        # Session calls waiting for the loop's decision (serving thread only), and decisions back from the
+        # loop not yet answered (under _lock: the loop appends, the serving thread takes).
+        self._pending: dict[int, tuple[_Call, int, int]] = {}  # notification id -> (call, tid, t0)
+        self._decided: collections.deque[tuple[int, bool, BaseException | None]] = collections.deque()
 
     # ---- running ----
     def serve_forever(self) -> None:
@@ -717,52 +741,43 @@ class SessionSupervisor:
             if self._closed or self._serving or self._loop is not None:
                 raise SeccompError("this supervisor is closed or already serving")
             self._serving = True
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        next_reconcile = time.monotonic() + self._reconcile_interval
-        try:
-            while not self._closed:
-                timeout_ms = max(0, int((next_reconcile - time.monotonic()) * 1000))
-                try:
-                    events = dict(poller.poll(timeout_ms))
-                except InterruptedError:
-                    continue
-                ev = events.get(self._fd, 0)
-                if ev & select.POLLIN:
-                    self._handle_one()
-                elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
-                    self._hangup()
-                    return
-                if time.monotonic() >= next_reconcile:
-                    self.reconcile()
-                    next_reconcile = time.monotonic() + self._reconcile_interval
-        finally:
-            self._finish(EventAction.DETACHED)
+        self._serve()
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve on `loop` (add_reader on the listener fd; a pending notification makes it readable)."""
+        """Serve from a thread of its own, asking `decide` (and calling `on_event`) on `loop`."""
         with self._lock:
             if self._closed or self._serving or self._loop is not None:
                 raise SeccompError("this supervisor is closed or already serving")
             self._loop = loop
-        loop.add_reader(self._fd, self._on_readable)
-        self._timer = loop.call_later(self._reconcile_interval, self._tick)
+            self._serving = True
+            self._thread = threading.Thread(target=self._serve, name=f"unisched-seccomp-{self.tenant}", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError as e:  # no thread to be had: nobody would answer, so let go of the listener (ENOSYS)
+            self._thread = None
+            self._finish(EventAction.DETACHED)
+            raise SeccompError(f"cannot start the session supervisor's thread: {e}") from None
 
     def close(self) -> None:
-        """Stop serving and close the listener. Call it on the loop's thread when attached to a loop.
+        """Stop serving and close the listener. Any thread; with `attach`, returns once its thread has ended.
 
-        Closing while the tenant still runs makes its later session allocations fail with ENOSYS; sessions still
-        counted are reported DETACHED.
+        Closing while the tenant still runs makes its pending and later session allocations fail with ENOSYS;
+        sessions still counted are reported DETACHED.
         """
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
-            if self._serving:  # the serving thread closes the fd itself once it wakes up
-                os.write(self._wake_w, b"x")
-                return
-        self._finish(EventAction.DETACHED)
+            serving = self._serving
+            if first and serving:  # the serving thread closes the fd itself once it wakes up
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"x")
+            thread = self._thread
+        if first and not serving:
+            self._finish(EventAction.DETACHED)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("seccomp supervisor thread did not stop", tenant=self.tenant)
 
     @property
     def closed(self) -> bool:
@@ -771,31 +786,36 @@ class SessionSupervisor:
     def wait_closed(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
 
-    def _on_readable(self) -> None:
-        for _ in range(64):  # bounded, so one busy tenant cannot starve the loop
-            if self._closed:
-                return
-            ready = self._poll.poll(0)
-            ev = ready[0][1] if ready else 0
-            if ev & select.POLLIN:
-                self._handle_one()
-            elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
-                self._hangup()
-                return
-            else:
-                return
-
-    def _tick(self) -> None:
-        if self._closed or self._loop is None:
-            return
-        self.reconcile()
-        self._timer = self._loop.call_later(self._reconcile_interval, self._tick)
-
-    def _hangup(self) -> None:
-        """Every process using the filter has exited: their sessions are gone with them."""
-        with self._lock:
-            self._closed = True
-        self._finish(EventAction.EXITED)
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        next_reconcile = time.monotonic() + self._reconcile_interval
+        why = EventAction.DETACHED
+        try:
+            while not self._closed:
+                timeout_ms = max(0, math.ceil((next_reconcile - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                try:
+                    if events.get(self._wake_r, 0):
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        self._answer_decided()
+                    ev = events.get(self._fd, 0)
+                    if ev & select.POLLIN:
+                        self._handle_one()
+                    elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                        why = EventAction.EXITED  # every process using the filter has exited: their sessions are gone
+                        return
+                    if time.monotonic() >= next_reconcile:
+                        next_reconcile = time.monotonic() + self._reconcile_interval
+                        self.reconcile()
+                except Exception:  # a bug here must not take the tenant's hooks down: log it, serve on
+                    with self._lock:
+                        self._errors += 1
+                    log.exception("seccomp supervisor error; serving on", tenant=self.tenant)
+        finally:
+            self._finish(why)
 
     def _finish(self, action: EventAction) -> None:
         with self._lock:
@@ -804,15 +824,22 @@ class SessionSupervisor:
             self._finished = True
             self._closed = True
             self._serving = False
-            if self._loop is not None:
-                with contextlib.suppress(RuntimeError, ValueError, OSError):
-                    self._loop.remove_reader(self._fd)
-                if self._timer is not None:
-                    self._timer.cancel()
             os.close(self._fd)
             os.close(self._wake_r)
             os.close(self._wake_w)
-        self._emit_all(self._release_clients(list(self._clients), action))
+            decided = list(self._decided)
+            self._decided.clear()
+        # The callers still waiting got ENOSYS when the fd closed. Admissions the loop already made are given
+        # back; decisions still on the loop are not asked any more (see _decide_on_loop).
+        events = []
+        for nid, admitted, _ in decided:
+            entry = self._pending.pop(nid, None)
+            kind = entry[0].kind if entry is not None else None
+            if admitted and entry is not None and kind is not None:
+                call, tid = entry[0], entry[1]
+                events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
+        self._pending.clear()
+        self._emit_all(events + self._release_clients(list(self._clients), action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
 
@@ -861,7 +888,6 @@ class SessionSupervisor:
         call: _Call | None = None
         admitted = False
         failure: tuple[str, BaseException] | None = None
-        events: list[SessionEvent] = []
         try:
             call = self._examine(nid, pid, nr, arch, args)
             if call.kind is not None:
@@ -870,25 +896,84 @@ class SessionSupervisor:
                     call.kind = None  # the same handle again: the driver refuses it (or a free was missed); count once
                 elif client is not None and (joined := self._joinable(client, call, pid)) is not None:
                     call.join, admitted = joined, True
+                elif self._loop is not None:
+                    self._ask_loop(self._loop, nid, pid, t0, call)
+                    return
                 else:
                     try:
                         admitted = bool(self._decide(self.tenant, call.kind, call.h_class))
                     except Exception as e:
                         failure, admitted = ("seccomp decide() failed; admitting the call", e), True
-            refused = call.kind is not None and not admitted
-            # Book-keeping happens before the answer, so counts are exact by the time the caller resumes;
-            # callbacks and logging wait until after it, so they cost the caller nothing.
-            events = self._commit(call, nid, pid, refused)
         except _Gone:
             with self._lock:
                 self._notifications += 1
                 self._skipped += 1
             return
         except Exception as e:
-            failure, refused = ("seccomp notification handling failed; letting the call continue", e), False
-            if admitted and call is not None and call.kind is not None and call.join is None:  # decide() may have reserved
-                events = [SessionEvent(self.tenant, EventAction.ABORTED, call.kind, call.h_class, pid, call.handle, 0)]
-            call = None
+            failure, call = ("seccomp notification handling failed; letting the call continue", e), None
+        self._conclude(nid, pid, t0, call, admitted, failure)
+
+    def _ask_loop(self, loop: asyncio.AbstractEventLoop, nid: int, tid: int, t0: int, call: _Call) -> None:
+        """A new session: ask `decide` on the loop; `_answer_decided` answers when it is back."""
+        assert call.kind is not None
+        self._pending[nid] = (call, tid, t0)
+        try:
+            loop.call_soon_threadsafe(self._decide_on_loop, nid, call.kind, call.h_class)
+        except RuntimeError as e:  # the loop is closed: nobody can decide, and the caller must not wait
+            del self._pending[nid]
+            self._conclude(nid, tid, t0, call, True, ("the daemon's event loop is closed; admitting the call", e))
+            return
+        with self._lock:
+            self._asked += 1
+
+    def _decide_on_loop(self, nid: int, kind: SessionKind, h_class: int) -> None:
+        """On the loop: ask `decide`, hand the answer back to the serving thread."""
+        if self._closed:
+            return  # the call failed with ENOSYS when the listener closed (or will): nothing to decide
+        admitted, error = False, None
+        try:
+            admitted = bool(self._decide(self.tenant, kind, h_class))
+        except Exception as e:
+            admitted, error = True, e
+        with self._lock:
+            if not self._finished:
+                self._decided.append((nid, admitted, error))
+                with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the thread
+                    os.write(self._wake_w, b"d")
+                return
+        if admitted:  # closed meanwhile: the caller got ENOSYS; give back what decide() reserved
+            self._emit_now([SessionEvent(self.tenant, EventAction.ABORTED, kind, h_class, 0, 0, 0)])
+
+    def _answer_decided(self) -> None:
+        while True:
+            with self._lock:
+                if not self._decided:
+                    return
+                nid, admitted, error = self._decided.popleft()
+            entry = self._pending.pop(nid, None)
+            if entry is None:
+                continue
+            call, tid, t0 = entry
+            failure = None if error is None else ("seccomp decide() failed; admitting the call", error)
+            self._conclude(nid, tid, t0, call, admitted, failure)
+
+    def _conclude(
+        self, nid: int, pid: int, t0: int, call: _Call | None, admitted: bool, failure: tuple[str, BaseException] | None
+    ) -> None:
+        """Count, answer, then report: the tail of every notification, decided or not."""
+        refused = False
+        events: list[SessionEvent] = []
+        if call is not None:
+            refused = call.kind is not None and not admitted
+            try:
+                # Book-keeping happens before the answer, so counts are exact by the time the caller resumes;
+                # callbacks and logging wait until after it, so they cost the caller nothing.
+                events = self._commit(call, nid, pid, refused)
+            except Exception as e:
+                failure, refused = ("seccomp notification handling failed; letting the call continue", e), False
+                if admitted and call.kind is not None and call.join is None:  # decide() may have reserved
+                    events = [SessionEvent(self.tenant, EventAction.ABORTED, call.kind, call.h_class, pid, call.handle, 0)]
+                call = None
         with self._lock:
             self._notifications += 1
         answered = self._answer(nid, -errno.EPERM if refused else 0)
@@ -1098,16 +1183,25 @@ class SessionSupervisor:
         return self._uncount(ended, EventAction.FREED)
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
-        for event in events:
-            self._emit(event)
-
-    def _emit(self, event: SessionEvent) -> None:
-        if self._on_event is None:
+        """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
+        if not events or self._on_event is None:
+            return
+        if self._loop is None:
+            self._emit_now(events)
             return
         try:
-            self._on_event(event)
-        except Exception:
-            log.exception("seccomp on_event callback failed", tenant=self.tenant)
+            self._loop.call_soon_threadsafe(self._emit_now, events)
+        except RuntimeError:
+            log.debug("event loop closed; session events dropped", tenant=self.tenant, n=len(events))
+
+    def _emit_now(self, events: list[SessionEvent]) -> None:
+        if self._on_event is None:
+            return
+        for event in events:
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("seccomp on_event callback failed", tenant=self.tenant)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -1123,6 +1217,7 @@ class SessionSupervisor:
             admitted = dict(self._admitted)
             refused = dict(self._refused)
             notifications, skipped, errors = self._notifications, self._skipped, self._errors
+            asked, pending = self._asked, len(self._pending)
 
         def pct(p: float) -> float | None:
             if not samples:
@@ -1142,4 +1237,6 @@ class SessionSupervisor:
             latency_p99_us=pct(0.99),
             latency_samples=len(samples),
             closed=self._done.is_set(),
+            asked_loop=asked,
+            pending=pending,
         )
