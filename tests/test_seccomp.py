@@ -11,6 +11,8 @@ import asyncio
 import errno
 import json
 import os
+import platform
+import re
 import select
 import signal
 import socket
@@ -51,6 +53,7 @@ UNAVAILABLE = probe()
 needs_notify = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"seccomp user notification unavailable: {UNAVAILABLE}")
 
 GRAPHICS, NVDEC, COMPUTE, OTHER = 0xCB97, 0xB8B0, 0xCBC0, 0x1234
+KERNEL = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
 ENOTTY, EPERM, ENOSYS = errno.ENOTTY, errno.EPERM, errno.ENOSYS
 
 
@@ -423,7 +426,8 @@ def test_asyncio_attach(tenant: tuple[Proc, int]) -> None:
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    sup = SessionSupervisor(fd, "t", lambda _t, kind, _c: kind is not SessionKind.NVDEC)
+    sup = SessionSupervisor(fd, "t", lambda _t, kind, _c: kind is not SessionKind.NVDEC, sync_wake_up=False)
+    assert not sup.stats().sync_wake_up
     try:
         asyncio.run_coroutine_threadsafe(_attach(sup, loop), loop).result(10)
         assert proc.call(f"alloc {NVDEC:#x} 0x1") == EPERM
@@ -514,6 +518,8 @@ def test_attached_supervisor_answers_non_session_calls_without_the_loop(tenant: 
         ledger.on_event(e)
 
     sup = SessionSupervisor(fd, "t", decide, on_event)
+    if KERNEL >= (6, 6):  # SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP: supervisor and caller wake on each other's CPU
+        assert sup.stats().sync_wake_up
     before = set(threading.enumerate())
     loop.run(lambda: sup.attach(loop.loop))
     (serving,) = set(threading.enumerate()) - before

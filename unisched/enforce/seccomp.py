@@ -24,8 +24,9 @@ escape's nr and size whatever the type byte says. This is admission control and 
 unaware applications, NOT a security boundary against hostile code.
 
 Kernel ABI used (no libseccomp): seccomp(2) and prctl(2) through ctypes; the listener's ioctls RECV
-0xC0502100 (struct seccomp_notif, 80 bytes), SEND 0xC0182101 (struct seccomp_notif_resp, 24 bytes) and
-ID_VALID (0x80082102, the number every kernel accepts; 0x40082102 on kernels that fixed its direction).
+0xC0502100 (struct seccomp_notif, 80 bytes), SEND 0xC0182101 (struct seccomp_notif_resp, 24 bytes),
+ID_VALID (0x80082102, the number every kernel accepts; 0x40082102 on kernels that fixed its direction) and,
+where the kernel has it (>= 6.6), SET_FLAGS 0x40082104 with SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ _NOTIF_RECV: Final = 0xC0502100
 _NOTIF_SEND: Final = 0xC0182101
 _NOTIF_ID_VALID_OLD: Final = 0x80082102
 _NOTIF_ID_VALID: Final = 0x40082102
+_NOTIF_SET_FLAGS: Final = 0x40082104  # SECCOMP_IOW(4, __u64), Linux >= 6.6; the flags are the argument itself
+_FD_SYNC_WAKE_UP: Final = 1  # SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
 _FLAG_CONTINUE: Final = 1
 _NOTIF_FORMAT: Final = "=QIIiIQ6Q"  # id, pid, flags, data{nr, arch, instruction_pointer, args[6]}
 _NOTIF_SIZE: Final = struct.calcsize(_NOTIF_FORMAT)  # 80
@@ -534,6 +537,8 @@ class SupervisorStats:
     the supervisor's thread alone."""
     pending: int = 0
     """Session calls waiting for the loop's decision now."""
+    sync_wake_up: bool = False
+    """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
 
 
 class SessionLedger:
@@ -676,6 +681,10 @@ class SessionSupervisor:
       session call is admitted (never wedged); a decision still on the loop when the supervisor closes is
       not asked any more, or reported ABORTED when it had been admitted.
 
+    On kernels >= 6.6 the listener is put in sync wake-up mode (`sync_wake_up`): the tenant only waits while
+    its call is handled, so the kernel runs the supervisor's thread on the tenant's CPU and back, instead of
+    waking another (possibly idle) CPU each way.
+
     `decide` and `on_event` must be quick and non-blocking; `decide` is consulted only for engine sessions,
     and an exception in it admits the call. `stats()` may be called from any thread; `close()` too (with
     `attach`, it joins the supervisor's thread).
@@ -700,6 +709,7 @@ class SessionSupervisor:
         reconcile_interval_s: float = 2.0,
         latency_window: int = 4096,
         join_window_s: float = 1.0,
+        sync_wake_up: bool = True,
     ) -> None:
         self._fd = listener_fd
         self.tenant = tenant
@@ -720,6 +730,7 @@ class SessionSupervisor:
         self._skipped = 0
         self._errors = 0
         self._asked = 0
+        self._sync_wake_up = sync_wake_up and self._set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._warned: set[str] = set()
         self._closed = False
@@ -778,6 +789,16 @@ class SessionSupervisor:
             thread.join(_JOIN_TIMEOUT_S)
             if thread.is_alive():
                 log.error("seccomp supervisor thread did not stop", tenant=self.tenant)
+
+    def _set_sync_wake_up(self) -> bool:
+        """SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (Linux >= 6.6): the kernel wakes the supervisor on the caller's CPU
+        and the caller on the supervisor's, as the caller only waits meanwhile (no idle CPU to wake, no IPI).
+        False where the kernel does not offer it."""
+        try:
+            fcntl.ioctl(self._fd, _NOTIF_SET_FLAGS, _FD_SYNC_WAKE_UP)
+        except OSError:
+            return False
+        return True
 
     @property
     def closed(self) -> bool:
@@ -1239,4 +1260,5 @@ class SessionSupervisor:
             closed=self._done.is_set(),
             asked_loop=asked,
             pending=pending,
+            sync_wake_up=self._sync_wake_up,
         )
