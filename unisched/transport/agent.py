@@ -1,6 +1,7 @@
 """The seccomp agent socket: where `unisched run` children and OCI runtimes (seccomp `listenerPath`) hand
-over the notification listener of a tenant's GPU session filter. Each listener gets a SessionSupervisor on
-the daemon's event loop, which asks the engine to admit or refuse every new render/compute/codec session."""
+over the notification listener of a tenant's GPU session filter. Each listener gets a SessionSupervisor: its
+own thread answers every call that is not a new session at once, and asks the engine, on the daemon's event
+loop, to admit or refuse each new render/compute/codec session."""
 
 from __future__ import annotations
 
