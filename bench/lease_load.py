@@ -10,8 +10,10 @@ receiving its ack (same seq). With --tenants 1 it is the idle round trip the use
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
 Only renewals sent within the measured window count (none is sent into the other tenants' teardown). A stream
-that ends before its tenant ends it is counted as lost, with its gRPC status and when. The report also says how
-much CPU the clients and anything else on the machine used in the window (on 2 CPUs another user's work skews it).
+that ends before its tenant ends it is counted as lost, with its gRPC status and when; one whose writes stop
+completing (STALL_S) is counted as STALLED and cancelled, so a stall is reported instead of hanging the run.
+The report also says how much CPU the clients and anything else on the machine used in the window (on 2 CPUs
+another user's work skews it).
 
 Writes results.json and results.md to --out and prints a summary; progress goes to stderr. For diagnosis:
 LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level.
@@ -45,6 +47,14 @@ from _daemon import ROOT, start_daemon
 sys.path.insert(0, str(ROOT))
 
 
+STALL_S = 20.0
+"""A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
+
+
+class _Stalled(Exception):
+    pass
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -60,9 +70,25 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
     acked = asyncio.Event()
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
     call = stub.Lease()
-    await call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
-    await call.write(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")))
     ending = [False]
+
+    async def op(aw: Any, what: str) -> None:
+        """Every write is bounded: a stream whose writes stop completing is reported, not waited for."""
+        try:
+            await asyncio.wait_for(aw, STALL_S)
+        except TimeoutError:
+            now = time.perf_counter()
+            lost.append({"tenant": name, "at_s": round(now - t0, 3), "code": "STALLED",
+                         "details": f"{what} not sent within {STALL_S:g} s" + (" (after the window)" if ending[0] else ""),
+                         "debug": ""})
+            call.cancel()
+            raise _Stalled from None
+
+    try:
+        await op(call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100))), "hello")
+        await op(call.write(pb.LeaseRequest(want=pb.LeaseWant(engine="compute"))), "want")
+    except _Stalled:
+        return
 
     async def reader() -> None:
         while True:
@@ -108,15 +134,18 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
             sent[seq] = time.perf_counter()
             counts["sent"] += 1
             used = 0.001 if held[0] else 0.0
-            await call.write(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used)))
+            await op(call.write(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used))),
+                     "renewal")
             if renew_s <= 0:  # back to back: the next renewal once this one's ack is in
                 await acked.wait()
         if task.done():  # the stream ended under us (recorded by the reader)
             return
         ending[0] = True
-        await call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)))
-        await call.done_writing()
+        await op(call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True))), "release")
+        await op(call.done_writing(), "half-close")
         await asyncio.wait_for(task, 5)
+    except _Stalled:
+        task.cancel()
     except asyncio.InvalidStateError:  # a write after the stream ended: the reader records how it ended
         await asyncio.wait([task], timeout=5)
         task.cancel()
@@ -128,14 +157,13 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
            out: Any) -> None:
     from unisched.transport import unisched_pb2 as pb
     from unisched.transport import unisched_pb2_grpc as pb_grpc
-    from unisched.transport.options import CHANNEL_OPTIONS
 
     async def main() -> None:
         rtts: list[float] = []
         lost: list[dict[str, Any]] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
         # one connection per tenant, as separate processes would have (channels to one target share one by default)
-        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1), *CHANNEL_OPTIONS])
+        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
                     for _ in names]
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
@@ -218,7 +246,7 @@ def main() -> int:
     cpu1, _ = proc_stats(daemon.pid)
     clients1, busy1, self1 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
     elapsed = time.monotonic() - t0
-    parts = [q.get(timeout=120) for _ in workers]
+    parts = [q.get(timeout=120 + 2 * STALL_S) for _ in workers]
     for w in workers:
         w.join(30)
     import resource

@@ -20,7 +20,6 @@ import grpc
 
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
-from unisched.transport.options import CHANNEL_OPTIONS
 
 __all__ = ["DEFAULT_SOCKET", "Client", "CodecRefused", "Gate", "UnischedError", "UnischedUnavailable"]
 
@@ -343,7 +342,7 @@ class Client:
                     if g.wanting:
                         out.put(pb.LeaseRequest(want=pb.LeaseWant(engine=g.engine)))
             try:
-                self._channel = grpc.insecure_channel(f"unix:{self.socket}", options=CHANNEL_OPTIONS)
+                self._channel = grpc.insecure_channel(f"unix:{self.socket}")
                 stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
                 self._call = stub.Lease(self._requests(out))
                 for reply in self._call:
