@@ -216,8 +216,10 @@ def test_a_process_inside_an_adopted_tenant_joins_it_without_being_moved(tmp_pat
     rig.driver.create("/kubepods.slice/pod-u1")
     rig.engine.adopt("pod-u1", 300, None, "/kubepods.slice/pod-u1", (), ())
     rig.driver.pid_cgroup[41] = "/kubepods.slice/pod-u1/ctr-a"  # the container's own cgroup, below the tenant's
-    snap = rig.engine.register("pod-u1", 300, None, ("compute",), (), 41, 1000, False)
+    snap = rig.engine.register("pod-u1", 300, Priority.ONLINE, ("graphics",), (0,), 41, 1000, False)
     assert snap.weight == 300
+    # it joins as the owner set the tenant up: engines, GPUs and priority are not the member's to change
+    assert snap.engines == frozenset({Engine.COMPUTE}) and snap.priority is Priority.OFFLINE
     assert rig.driver.pid_cgroup[41] == "/kubepods.slice/pod-u1/ctr-a"  # not moved
     with pytest.raises(EngineError, match="may change the weight of tenant 'pod-u1'"):
         rig.engine.register("pod-u1", 5000, None, (), (), 41, 1000, False)

@@ -409,12 +409,13 @@ class KernelEngine:
                         f"weight {weight} is above max_user_weight {self.config.max_user_weight} for non-admin callers",
                     )
                 self._set_weight(t, weight, reason="registered")
-            if priority is not None and priority != t.priority:
+            # a member that is not the owner joins as it is: engines, GPUs and priority stay as the owner set them
+            if owner and priority is not None and priority != t.priority:
                 t.priority = priority
                 self.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
-            if list(engines):
+            if owner and list(engines):
                 t.engines = engine_set
-            if list(gpus):
+            if owner and list(gpus):
                 t.gpus = gpu_tuple
             t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
             self._apply_devices(t)
