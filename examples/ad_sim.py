@@ -63,7 +63,7 @@ from typing import Any, BinaryIO, NamedTuple
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "workloads"))
-from _window import add_window_args, fail  # noqa: E402
+from _window import add_window_args, fail, write_json  # noqa: E402
 
 SCENARIO = "ad_sim"
 TENANTS = {"sim": ("ad-sim", "graphics,encode"), "perception": ("ad-perception", "decode,compute")}
@@ -697,14 +697,6 @@ def run_perception(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- orchestrator
 
 
-def write_json(path: Path | None, obj: dict[str, Any]) -> None:
-    """Write atomically, so a reader never sees half a report."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
 
 
 class NvmlSampler:

@@ -59,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the daemon's NVML telemetry, size parser
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
-from _window import add_window_args, fail, plan_window
+from _window import add_window_args, fail, percentile, plan_window, write_json
 from egl_render import EGLUnavailable, GLContext, Renderer, create_context, gl_context
 
 HERE = Path(__file__).resolve().parent
@@ -80,11 +80,6 @@ LATE_S = 0.5  # an instance whose first frame came later than this into the wind
 # ----------------------------------------------------------------------------------------- metrics (pure)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence, as examples/online_offline.py reports."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 @dataclass(frozen=True)
@@ -486,14 +481,6 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_json(path: Path | None, data: dict[str, Any]) -> None:
-    """Written whole or not at all: a reader never sees half a report."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 # ------------------------------------------------------------------------------------- the orchestrator

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from _coop import add_unisched_args, connect, share_line, share_report
-from _window import Window, add_window_args, fail, plan_window, write_report
+from _window import Window, add_window_args, fail, percentile, plan_window, write_report
 
 HERE = Path(__file__).resolve().parent
 WARMUP_ANSWERS = 20
@@ -48,11 +48,6 @@ def arrivals(rate: float, start: float, end: float, seed: int) -> list[float]:
         out.append(t)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 def latency_summary(latencies_s: list[float]) -> dict[str, float]:

@@ -19,12 +19,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "measure", "plan_window", "write_report"]
+__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "measure", "percentile", "plan_window", "write_json",
+           "write_report"]
 
 TIMELINE_STEP_S = 0.5
 
@@ -126,12 +127,25 @@ def write_report(path: Path | None, kind: str, unit: str, window: Window,
     }
     report["window"] = asdict(window)
     report.update(extra)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        tmp.replace(path)  # the orchestrator never sees a half-written report
+    write_json(path, report, indent=2)
     return report
+
+
+def write_json(path: Path | None, obj: dict[str, Any], indent: int = 1) -> None:
+    """Written whole or not at all: the orchestrator never sees a half-written report (None: nowhere)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    tmp.replace(path)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence: a value that was really seen."""
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
 
 
 def fail(message: str, code: int = 2) -> int:
