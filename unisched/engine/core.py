@@ -782,10 +782,11 @@ class KernelEngine:
             sample = samples.get(r.gpu)
             util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
             was_open = self.saturation.is_open(r)
-            now_open = self.saturation.observe(r, util, self.policy.contenders(r))
+            contenders = self.policy.contenders(r)
+            now_open = self.saturation.observe(r, util, contenders)
             if was_open and not now_open:
                 self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
-            if now_open != was_open and self.policy.contenders(r) >= 2:
+            if now_open != was_open and contenders >= 2:
                 log.info("slicing" if not now_open else "lending", gpu=r.gpu, domain=r.domain,
                          util=None if util is None else round(util, 3),
                          reason="saturated" if not now_open else "unsaturated: every tenant runs")
