@@ -111,7 +111,9 @@ def test_an_overrunning_client_is_charged_and_then_frozen(daemon: Daemon, tenant
     wait_until(lambda: tenant(daemon, f"{tenant_prefix}bad").get("state") == "frozen", 10, "the overrunner frozen")
     result(bad)
     result(good)
-    assert not tenant(daemon, f"{tenant_prefix}good")["enforced"]
+    good_now = tenant(daemon, f"{tenant_prefix}good")
+    assert not good_now["enforced"], (good_now, [line for line in daemon.log_path.read_text().splitlines()
+                                                 if "overrun" in line or f"{tenant_prefix}good" in line][-40:])
 
 
 def test_bad_lease_requests_get_clear_errors(daemon: Daemon, tenant_prefix: str) -> None:
