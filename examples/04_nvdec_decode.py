@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         window = measure(step, start_at, end_at)
     except (av.error.FFmpegError, NoFrames) as e:
         return fail(f"hardware decode failed: {e}", code=3)
+    if window.items == 0:  # a refused session can stall instead of failing: the first frame came after the window
+        return fail(f"hardware decode failed: no frame decoded in the {args.seconds:g} s window "
+                    f"(first one {window.t_first - start_at:.1f} s after the window opened)", code=3)
     share = share_report(client, "decode")
     if decoder is not None:
         decoder.close()

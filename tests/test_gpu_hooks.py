@@ -116,7 +116,9 @@ def test_second_concurrent_decoder_is_refused_while_another_tenant_decodes(daemo
         wait_until(lambda: tenant(d, a)["sessions"].get("nvdec", 0) == 1 and tenant(d, b)["sessions"].get("nvdec", 0) == 1,
                    60, "both tenants to hold a decoder")
         second = run(d, a, *DECODE, "--seconds", "2")
-        print("second decoder at cap 1:", second.returncode, second.stderr[-400:])
+        print("second decoder at cap 1:", second.returncode, second.stdout[-300:], second.stderr[-400:])
+        print("daemon on nvdec:", *[line[:300] for line in d.log_path.read_text().splitlines()
+                                    if "nvdec" in line.lower() or "refus" in line.lower()][-15:], sep="\n  ")
         assert second.returncode != 0 and "hardware decode failed" in second.stderr
         assert tenant(d, a)["refusals"].get("nvdec", 0) >= 1
     finally:
