@@ -374,7 +374,57 @@ def test_a_saturated_gpu_is_sliced_by_weight_from_the_moment_it_saturates(tmp_pa
     assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
 
 
+def test_saturation_is_judged_by_the_sms_busy_fraction_where_gpm_gives_it(tmp_path: Path) -> None:
+    """Sixteen paced renderers read 0.9+ NVML utilization (time with any kernel running) with the SMs mostly idle:
+    sliced by that signal, each got 1/16 of the time and 5 FPS of its 60 on the H200. With GPM's SM busy fraction
+    the GPU reads as unsaturated and everyone runs; a busy-SM GPU is still sliced."""
+    rig, tel = _gpu_rig(tmp_path, 0.95)
+    tel.next_samples = [GpuSample(0, 0.95, 0.0, 0.0, 0, sm_busy=0.3)]
+    rig.step(200)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+    tel.next_samples = [GpuSample(0, 0.95, 0.0, 0.0, 0, sm_busy=0.97)]
+    rig.step(2)
+    a0, b0 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
+
+
 def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
     rig, _ = _gpu_rig(tmp_path, 0.4, saturated_util=0.0)
+    rig.step(400)
+    assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_hooked_tenant_without_a_gpu_context_is_neither_frozen_nor_charged(tmp_path: Path) -> None:
+    """A trainer importing torch (hooks attached, no context yet, NVML lists none of its processes) next to a
+    saturating render: it runs its CPU start-up unfrozen and uncharged; from its first context on it is sliced
+    by weight; NVML still listing a process keeps it on the GPU after the hooks saw its context freed."""
+    rig, tel = _gpu_rig(tmp_path, 1.0)  # a: 300, b: 100, the GPU saturated
+    b_pid = rig.pid
+    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset({1001}))]  # only a's process
+    rig.engine.note_session_hooks("b")
+    rig.step(round(MEMORY_CHECK_S / SLICE) + 1)  # NVML's lists are read once a second
+    f0, a0, b0 = len(rig.driver.freeze_log), rig.cpu("a"), rig.cpu("b")
+    rig.step(200)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log[f0:])
+    assert rig.cpu("b") - b0 == pytest.approx(200 * SLICE, rel=0.01)
+    assert rig.engine.snapshot("b").gpu_seconds < 0.01 * (rig.cpu("a") - a0)
+    assert rig.engine.admit_session("b", "compute", 0xCBC0)  # its first CUDA context: sliced 3:1 from now on
+    rig.step(2)
+    a1, b1 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    assert (rig.cpu("a") - a1) / (rig.cpu("b") - b1) == pytest.approx(3.0, rel=0.1)
+    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset({1001, b_pid}))]
+    rig.step(round(MEMORY_CHECK_S / SLICE) + 1)
+    rig.engine.session_freed("b", "compute")  # the hooks saw the free; NVML still lists b's process
+    a2, b2 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    assert (rig.cpu("a") - a2) / (rig.cpu("b") - b2) == pytest.approx(3.0, rel=0.1)
+
+
+def test_without_hooks_no_gpu_context_is_assumed_missing(tmp_path: Path) -> None:
+    """An adopted or unhooked tenant's sessions are unknown: an empty NVML list alone does not exempt it."""
+    rig, tel = _gpu_rig(tmp_path, 1.0)
+    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset())]
     rig.step(400)
     assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)

@@ -142,6 +142,10 @@ class _Tenant:
     over_memory: bool = False
     devices_admitted: bool = False
     encoder_mismatch: int = 0
+    hooked: bool = False
+    """Session hooks govern (some of) its processes: its session counts say when it holds a GPU context."""
+    nvml_on_gpu: bool = True
+    """NVML lists one of its processes on a GPU (refreshed once a second; True while unknown)."""
     """Consecutive once-a-second checks where NVML's encoder session list disagreed with `sessions`."""
 
     def saved(self) -> SavedTenant:
@@ -344,6 +348,22 @@ class KernelEngine:
     # --- requests ----------------------------------------------------------------------------------
     def has_tenant(self, name: str) -> bool:
         return name in self._tenants
+
+    def note_session_hooks(self, tenant: str) -> None:
+        """The seccomp hooks now see the tenant's GPU session allocations (see `_off_gpu`)."""
+        t = self._tenants.get(tenant)
+        if t is not None:
+            t.hooked = True
+
+    @staticmethod
+    def _off_gpu(t: _Tenant) -> bool:
+        """No GPU context anywhere in the tenant: the hooks count none and NVML lists none of its processes.
+
+        Such a tenant cannot use the GPU, so it shows no demand there and is never frozen: freezing it only
+        slowed its CPU start-up (a ResNet-50 trainer at weight 1:3 next to a render took 4x its 4 s of torch
+        import and set-up on the H200) and charged it for the other tenant's GPU time. Both signals must agree,
+        so an unclassified context class or a process outside the hooks still counts as on the GPU."""
+        return t.hooked and not t.nvml_on_gpu and not any(n > 0 for n in t.sessions.values())
 
     def tenant_of_pid(self, pid: int) -> str | None:
         cg = self.driver.cgroup_of(pid)
@@ -680,6 +700,7 @@ class KernelEngine:
             return
         self._memory_at = now
         self._reconcile_encoders(samples)
+        self._update_on_gpu(samples)
         by_pid: dict[int, int] = {}
         for s in samples.values():
             for pid, used in s.process_memory.items():
@@ -698,6 +719,18 @@ class KernelEngine:
                     t.refusals["memory"] = t.refusals.get("memory", 0) + 1
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
+
+    def _update_on_gpu(self, samples: Mapping[int, GpuSample]) -> None:
+        """Whether NVML lists a process of each hooked tenant on a GPU (once a second, with the memory check)."""
+        lists = [s.gpu_pids for s in samples.values() if s.ok and s.gpu_pids is not None]
+        for t in self._tenants.values():
+            if not t.hooked or t.missing:
+                continue
+            if len(lists) < len(samples) or not lists:  # a GPU NVML cannot list for: assume on it
+                t.nvml_on_gpu = True
+                continue
+            pids = self.driver.pids(t.cgroup)
+            t.nvml_on_gpu = any(pid in listed for listed in lists for pid in pids)
 
     def _reconcile_encoders(self, samples: Mapping[int, GpuSample]) -> None:
         """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count
@@ -744,7 +777,8 @@ class KernelEngine:
             # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
             # uncharged tail favours the tenant frozen most often per unit of its share (the low weight)
             ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0
-            if ran and not t.missing and not leases.cooperative(t.name):  # cooperative ones report their GPU time
+            if ran and not t.missing and not leases.cooperative(t.name) and not self._off_gpu(t):
+                # (cooperative ones report their GPU time; one with no GPU context used none)
                 for r in t.resources:
                     thawed_on.setdefault(r, []).append(t)
         gpu_active: set[str] = set()
@@ -780,7 +814,7 @@ class KernelEngine:
                 engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
         for r, engines in engines_on.items():
             sample = samples.get(r.gpu)
-            util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
+            util = max((sample.busy(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
             was_open = self.saturation.is_open(r)
             contenders = self.policy.contenders(r)
             now_open = self.saturation.observe(r, util, contenders)
@@ -896,7 +930,7 @@ class KernelEngine:
             if leases.cooperative(t.name):
                 t.active = bool(leases.demand(t.name))  # from its lease session (LeaseBook sets the demand)
                 continue
-            if t.missing:
+            if t.missing or self._off_gpu(t):
                 active = False
             elif t.frozen:
                 active = t.active  # a frozen tenant cannot show work: keep what it had

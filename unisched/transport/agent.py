@@ -105,6 +105,7 @@ class SeccompAgentServer:
             key = self._next
             self.supervisors[key] = sup
             sup.attach(loop)
+            self.engine.note_session_hooks(tenant)
             log.info("session hooks attached", tenant=tenant, pid=hello.pid, container=hello.container_id or None)
             await loop.run_in_executor(None, ack_agent, conn, None)
             self._reap()
