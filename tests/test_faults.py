@@ -662,69 +662,15 @@ def test_nvml_errors_give_unknown_samples_and_recover() -> None:
     assert said == [("nvml error, GPU treated as unknown", 1), ("nvml recovered", 1)], said
 
 
-class GpmStubNvml(StubNvml):
-    """StubNvml with Hopper's GPM calls: SM_UTIL is whatever `sm_util` says when metrics are read."""
+def test_nvml_lists_the_pids_with_a_gpu_context_or_says_it_cannot() -> None:
+    nvml = StubNvml()
+    nvml.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=41, usedGpuMemory=None)]  # type: ignore[method-assign]
+    assert [s.gpu_pids for s in NvmlTelemetry(nvml).sample()] == [frozenset({41})] * 2  # listed, memory unknown
 
-    NVML_SUCCESS = 0
-    NVML_GPM_METRICS_GET_VERSION = 1
-    NVML_GPM_METRIC_SM_UTIL = 2
-
-    class c_nvmlGpmMetricsGet_t:
-        def __init__(self) -> None:
-            self.metrics = [types.SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0)]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sm_util = 35.0
-        self.gpm_error: Exception | None = None
-        self.freed: list[object] = []
-
-    def nvmlGpmQueryDeviceSupport(self, h: int) -> Any:
-        return types.SimpleNamespace(isSupportedDevice=1)
-
-    def nvmlGpmSampleAlloc(self) -> object:
-        return object()
-
-    def nvmlGpmSampleGet(self, h: int, sample: object) -> object:
-        if self.gpm_error is not None:
-            raise self.gpm_error
-        return sample
-
-    def nvmlGpmMetricsGet(self, m: Any) -> Any:
-        assert m.metrics[0].metricId == self.NVML_GPM_METRIC_SM_UTIL and m.sample1 is not m.sample2
-        m.metrics[0].value = self.sm_util
-        return m
-
-    def nvmlGpmSampleFree(self, sample: object) -> None:
-        self.freed.append(sample)
-
-
-def test_gpm_gives_the_sms_busy_fraction_and_falls_back_when_it_fails() -> None:
-    nvml, now = GpmStubNvml(), [0.0]
-    tel = NvmlTelemetry(nvml, clock=lambda: now[0])
-    first = tel.sample()[0]
-    assert first.sm_busy is None and first.busy(Engine.COMPUTE) == 0.6  # no span measured yet: NVML's figure
-    now[0] += 0.2
-    s = tel.sample()[0]
-    assert s.sm_busy == 0.35 and s.sm_util == 0.6
-    assert s.busy(Engine.GRAPHICS) == 0.35 and s.busy(Engine.DECODE) == s.dec_util == 0.1
-    nvml.sm_util = 90.0
-    now[0] += 0.05  # shorter than a GPM span: the last value
-    assert tel.sample()[0].sm_busy == 0.35
-    now[0] += 0.1
-    assert tel.sample()[0].sm_busy == 0.9
-    nvml.gpm_error = StubNvml.NVMLError_NotSupported("GPM not supported in this VM")
-    now[0] += 0.2
-    with capture_logs() as logs:
-        got = tel.sample()
-    assert all(g.ok and g.sm_busy is None and g.busy(Engine.COMPUTE) == 0.6 for g in got)
-    assert [e["event"] for e in logs] == ["saturation signal: GPM failed, back to NVML utilization"] * 2
-    assert len(nvml.freed) == 4  # both GPUs' two samples
-
-
-def test_without_gpm_saturation_is_nvml_utilization() -> None:
-    s = NvmlTelemetry(StubNvml()).sample()[0]  # a binding or GPU without GPM calls
-    assert s.sm_busy is None and s.busy(Engine.COMPUTE) == s.sm_util == 0.6
+    def refuse(h: int) -> list[Any]:
+        raise StubNvml.NVMLError_NotSupported("not in this VM")
+    nvml.nvmlDeviceGetGraphicsRunningProcesses = refuse  # type: ignore[method-assign]
+    assert [s.gpu_pids for s in NvmlTelemetry(nvml).sample()] == [None, None]  # one list failed: unknown
 
 
 def test_nvml_gpu_lost_before_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -814,7 +814,7 @@ class KernelEngine:
                 engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
         for r, engines in engines_on.items():
             sample = samples.get(r.gpu)
-            util = max((sample.busy(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
+            util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
             was_open = self.saturation.is_open(r)
             contenders = self.policy.contenders(r)
             now_open = self.saturation.observe(r, util, contenders)

@@ -38,23 +38,12 @@ class GpuSample:
     """Live NVENC sessions per pid from NVML's encoder session list; None where NVML cannot say (no NVENC)."""
     gpu_pids: frozenset[int] | None = None
     """Processes NVML lists with a graphics or compute context on this GPU; None where it cannot list them."""
-    sm_busy: float | None = None
-    """0..1, fraction of the SMs busy over the interval (GPM SM_UTIL, Hopper and later); None where the GPU or
-    driver has no GPM. NVML's 'gpu' utilization counts time with any kernel running, so sixteen light renderers
-    read 0.9 while the SMs idle; this is what saturation is judged by where it exists."""
-
     def util(self, engine: Engine) -> float:
         if engine is Engine.DECODE:
             return self.dec_util
         if engine is Engine.ENCODE:
             return self.enc_util
         return self.sm_util
-
-    def busy(self, engine: Engine) -> float:
-        """How saturated the engine is: the SMs' busy fraction where GPM measures it, else `util`."""
-        if self.sm_busy is not None and engine in (Engine.COMPUTE, Engine.GRAPHICS):
-            return self.sm_busy
-        return self.util(engine)
 
 
 class GpuTelemetry(Protocol):

@@ -3,16 +3,13 @@
 Utilization over an interval comes from NVML's sample buffer (nvmlDeviceGetSamples), averaged over the
 samples newer than the last call, so each engine tick sees the GPU's activity during that tick as well as
 the driver's sampling period allows; decoder/encoder utilization and per-process hints come from the
-plain queries. Where the GPU has GPM (Hopper and later), the SMs' busy fraction between calls comes from
-two GPM samples: that, not the time-with-any-kernel utilization, says whether the GPU is saturated.
-Every NVML error is caught: a lost GPU yields ok=False samples, never an exception.
+plain queries. Every NVML error is caught: a lost GPU yields ok=False samples, never an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -25,55 +22,6 @@ __all__ = ["NvmlTelemetry", "open_nvml"]
 log = structlog.get_logger("unisched.telemetry")
 
 PROCESS_POLL_EVERY = 20  # per-process queries are slow; refresh them every N samples
-GPM_MIN_INTERVAL_S = 0.1  # GPM metrics over shorter spans are noise; a faster tick reuses the last value
-
-
-class GpmUnavailable(Exception):
-    """This GPU, driver or binding has no GPM metrics."""
-
-
-class GpmSmBusy:
-    """Fraction of a GPU's SMs busy between consecutive readings, from GPM samples (Hopper and later)."""
-
-    def __init__(self, nvml: Any, handle: Any, clock: Callable[[], float]) -> None:
-        query = getattr(nvml, "nvmlGpmQueryDeviceSupport", None)
-        if query is None or not hasattr(nvml, "c_nvmlGpmMetricsGet_t"):
-            raise GpmUnavailable("this nvidia-ml-py has no GPM calls")
-        try:
-            if not query(handle).isSupportedDevice:
-                raise GpmUnavailable("the GPU has no GPM (before Hopper)")
-            self._prev = nvml.nvmlGpmSampleAlloc()
-            self._next = nvml.nvmlGpmSampleAlloc()
-            nvml.nvmlGpmSampleGet(handle, self._prev)
-        except nvml.NVMLError as e:
-            raise GpmUnavailable(f"GPM refused: {e}") from e
-        self._nvml, self._handle, self._clock = nvml, handle, clock
-        self._prev_at = clock()
-        self.last: float | None = None
-
-    def read(self) -> float | None:
-        """The busy fraction since the previous reading (None until one GPM_MIN_INTERVAL_S has passed)."""
-        now = self._clock()
-        if now - self._prev_at < GPM_MIN_INTERVAL_S:
-            return self.last
-        nvml = self._nvml
-        nvml.nvmlGpmSampleGet(self._handle, self._next)
-        m = nvml.c_nvmlGpmMetricsGet_t()
-        m.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        m.numMetrics = 1
-        m.sample1, m.sample2 = self._prev, self._next
-        m.metrics[0].metricId = nvml.NVML_GPM_METRIC_SM_UTIL
-        nvml.nvmlGpmMetricsGet(m)
-        self._prev, self._next, self._prev_at = self._next, self._prev, now
-        if m.metrics[0].nvmlReturn != nvml.NVML_SUCCESS:
-            raise GpmUnavailable(f"SM_UTIL not given (NVML return {m.metrics[0].nvmlReturn})")
-        self.last = min(1.0, max(0.0, float(m.metrics[0].value) / 100.0))
-        return self.last
-
-    def close(self) -> None:
-        for sample in (self._prev, self._next):
-            with contextlib.suppress(Exception):
-                self._nvml.nvmlGpmSampleFree(sample)
 
 
 def open_nvml() -> NvmlTelemetry | None:
@@ -98,7 +46,7 @@ def open_nvml() -> NvmlTelemetry | None:
 
 
 class NvmlTelemetry:
-    def __init__(self, nvml: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
         self._handles: list[Any] = []
         self._info: list[GpuInfo] = []
@@ -125,15 +73,6 @@ class NvmlTelemetry:
         self._encoders: dict[int, dict[int, int] | None] = {}
         self._calls = 0
         self._failing: set[int] = set()
-        self._gpm: list[GpmSmBusy | None] = []
-        for info, h in zip(self._info, self._handles, strict=True):
-            try:
-                self._gpm.append(GpmSmBusy(nvml, h, clock))
-                log.info("saturation signal", gpu=info.index, signal="GPM SM busy fraction")
-            except GpmUnavailable as e:
-                self._gpm.append(None)
-                log.info("saturation signal", gpu=info.index, signal="NVML utilization (time with any kernel running)",
-                         reason=str(e))
 
     def gpus(self) -> Sequence[GpuInfo]:
         return tuple(self._info)
@@ -172,20 +111,7 @@ class NvmlTelemetry:
         enc_sessions = self._encoders.get(k)
         return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]),
                          encoder_sessions=None if enc_sessions is None else dict(enc_sessions),
-                         gpu_pids=self._pids[k], sm_busy=self._sm_busy(k))
-
-    def _sm_busy(self, k: int) -> float | None:
-        gpm = self._gpm[k]
-        if gpm is None:
-            return None
-        try:
-            return gpm.read()
-        except (GpmUnavailable, self._nvml.NVMLError) as e:  # this GPU's GPM stopped answering: the plain signal
-            log.warning("saturation signal: GPM failed, back to NVML utilization", gpu=self._info[k].index,
-                        error=str(e) or repr(e))
-            gpm.close()
-            self._gpm[k] = None
-            return None
+                         gpu_pids=self._pids[k])
 
     def _encoder_sessions(self, h: Any) -> dict[int, int] | None:
         """NVENC sessions per pid (what the session hooks' encoder counts are reconciled against)."""
@@ -252,8 +178,5 @@ class NvmlTelemetry:
         return out, None if pids is None else frozenset(pids)
 
     def close(self) -> None:
-        for gpm in self._gpm:
-            if gpm is not None:
-                gpm.close()
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
