@@ -20,7 +20,7 @@ Scenarios (--scenarios, comma separated; default all):
 
 A run of every scenario takes about 25 minutes on the H200; a device call allows 10, so the session script
 runs it as several invocations into the same --out: results.json is merged (a scenario run again replaces
-its earlier entry) and results.md and the plots are rebuilt from all of it each time.
+its earlier entry; for online, per batch size) and results.md and the plots are rebuilt from all of it each time.
 
   python3 bench/scenarios.py --out bench/results/$(date -u +%F)-h200/scenarios
   python3 bench/scenarios.py --out /tmp/s --scenarios online --seconds 10 --dry-run
@@ -161,6 +161,9 @@ class Harness:
         return self.opts.max_total - self.progress.elapsed()
 
     def save(self, scenario: str, data: dict[str, Any]) -> None:
+        prev = self.results["scenarios"].get(scenario)
+        if scenario == "online" and prev is not None:  # batch sizes run in separate invocations add up
+            data["batches"] = {**prev.get("batches", {}), **data["batches"]}
         self.results["scenarios"][scenario] = data
         data["date_utc"] = self.results["meta"]["date_utc"]
         data["command"] = self.results["meta"]["command"]

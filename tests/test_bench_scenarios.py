@@ -107,3 +107,14 @@ def test_every_example_explains_itself_without_a_gpu(name: str) -> None:
                           timeout=60)
     assert done.returncode == 0, done.stderr[-800:]
     assert "usage:" in done.stdout and "--seconds" in done.stdout
+
+
+def test_online_batches_run_in_separate_invocations_add_up(tmp_path: Path) -> None:
+    """A device call fits one batch size; the next call's batch 8 must not drop the batch-1 results."""
+    (tmp_path / "results.json").write_text(json.dumps(results_fixture()))
+    opts = scenarios.Options(out=tmp_path, seconds=10, warmup=8, unisched_warmup=12, slice_ms=50, rate=20,
+                             online_batches=(8,), memory_cap="4GiB", work_dir=tmp_path, max_total=60, dry_run=True)
+    h = scenarios.Harness(opts, ["online"])
+    h.save("online", {"rate": 20, "batches": {"8": {"derived": {}}}})
+    saved = json.loads((tmp_path / "results.json").read_text())["scenarios"]
+    assert sorted(saved["online"]["batches"]) == ["1", "8"] and "cloud" in saved
