@@ -5,21 +5,28 @@ machine alone is also tested in process, with replies fed to it and its requests
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import queue
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, Daemon, child_env, wait_until
 
 sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
-from unisched_client import Client
+import grpc
+from unisched_client import Client, UnischedUnavailable
 
 from unisched.transport import unisched_pb2 as pb
+from unisched.transport import unisched_pb2_grpc as pb_grpc
 
 WORKER = str(ROOT / "tests" / "coop_worker.py")
 
@@ -213,7 +220,8 @@ def test_a_grant_while_a_yield_is_owed_cancels_it(monkeypatch: pytest.MonkeyPatc
 
 ONLINE_WORKER = """
 import json, sys, time
-from unisched_client import Client
+import grpc
+from unisched_client import Client, UnischedUnavailable
 sock, tenant, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 client = Client(tenant, socket=sock, priority="online", connect_timeout=5)
 gate = client.gate("compute")
@@ -253,3 +261,85 @@ def test_preemptive_an_online_client_releasing_between_requests_leaves_the_gpu_t
     assert ron["requests"] >= 55
     assert ron["p50_ms"] < 15, ron  # no slice wait (a tick's re-grant waits 25 ms on average)
     assert roff["used_s"] > 0.6 * 4, roff  # the offline tenant keeps most of its solo time
+
+
+# --- a daemon that accepts the connection but answers the registration late ---------------------------------
+
+class _SlowDaemon(pb_grpc.UnischedServicer):
+    """Accepts Lease streams and answers the hello only once `answer` is set (a daemon busy registering)."""
+
+    def __init__(self, answer: threading.Event) -> None:
+        self.answer = answer
+
+    def Lease(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        hello = next(request_iterator)
+        if not self.answer.wait(30) or not context.is_active():
+            return
+        yield pb.LeaseReply(welcome=pb.LeaseWelcome(tenant=pb.Tenant(name=hello.hello.tenant), session=1,
+                                                    slice_s=0.05, valid_s=0.25))
+        for _ in request_iterator:  # until the client closes
+            pass
+
+
+@contextlib.contextmanager
+def slow_daemon(tmp_path: Path, answer: threading.Event) -> Iterator[str]:
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_UnischedServicer_to_server(_SlowDaemon(answer), server)
+    path = str(tmp_path / "slow.sock")
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        yield path
+    finally:
+        answer.set()  # lets a handler still waiting end
+        server.stop(0)
+
+
+class _Said(logging.Handler):
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle, self.seen = needle, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.needle in record.getMessage():
+            self.seen.set()
+
+
+def test_a_connected_but_busy_daemon_is_waited_for_beyond_the_connect_timeout(tmp_path: Path) -> None:
+    """1000 tenants registering at once took the daemon up to 30 s; their clients gave up after 5 s as if it
+    were not running. Connected now means: wait (register_timeout), saying so."""
+    answer = threading.Event()
+    said = _Said("has not answered the registration")
+    logging.getLogger("unisched_client").addHandler(said)
+    try:
+        with slow_daemon(tmp_path, answer) as path:
+            got: list[Client | BaseException] = []
+
+            def connect() -> None:
+                try:
+                    got.append(Client("busy", socket=path, connect_timeout=0.3, register_timeout=30))
+                except BaseException as e:
+                    got.append(e)
+            t = threading.Thread(target=connect)
+            t.start()
+            assert said.seen.wait(30), "no warning that the daemon is slow"
+            assert not got  # still waiting, not failed
+            answer.set()
+            t.join(30)
+            client = got[0]
+            assert isinstance(client, Client) and client.governed, client
+            client.close()
+    finally:
+        logging.getLogger("unisched_client").removeHandler(said)
+
+
+def test_a_daemon_that_never_answers_fails_with_a_message_saying_it_was_connected(tmp_path: Path) -> None:
+    with slow_daemon(tmp_path, threading.Event()) as path, pytest.raises(UnischedUnavailable) as e:
+        Client("mute", socket=path, connect_timeout=0.3, register_timeout=0.5)
+    assert "connected, but no answer to the registration within 0.8 s" in str(e.value)
+
+
+def test_no_daemon_at_all_still_fails_after_the_connect_timeout(tmp_path: Path) -> None:
+    with pytest.raises(UnischedUnavailable) as e:
+        Client("nobody", socket=str(tmp_path / "none.sock"), connect_timeout=0.3, register_timeout=60)
+    assert "Is `unisched serve` running?" in str(e.value) and "connected" not in str(e.value)

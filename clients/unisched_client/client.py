@@ -159,7 +159,9 @@ class Client:
     ...     loss = model(x).sum(); loss.backward()
 
     `fail_open=True` runs ungoverned (with a warning) when the daemon is unreachable at start; without it
-    the constructor raises UnischedUnavailable. Once connected, a daemon restart is survived: the client
+    the constructor raises UnischedUnavailable. Unreachable means no connection within `connect_timeout`; a
+    daemon that accepted the connection but is slow to answer (a thousand tenants registering at once) is
+    waited for up to `register_timeout` more, with a warning. Once connected, a daemon restart is survived: the client
     reconnects and registers again, and runs ungoverned meanwhile.
     """
 
@@ -174,6 +176,7 @@ class Client:
         engines: tuple[str, ...] = ("compute",),
         fail_open: bool = False,
         connect_timeout: float = 5.0,
+        register_timeout: float = 60.0,
         renew_interval: float | None = None,
         idle_release_s: float | None = None,
     ) -> None:
@@ -207,8 +210,17 @@ class Client:
         self._stream_thread = threading.Thread(target=self._stream_loop, name="unisched-lease-stream", daemon=True)
         self._renew_thread = threading.Thread(target=self._renew_loop, name="unisched-lease-renew", daemon=True)
         self._stream_thread.start()
-        if not self._welcomed.wait(connect_timeout) or self._fatal:
-            why = self._fatal or f"no answer within {connect_timeout:g} s"
+        welcomed = self._welcomed.wait(connect_timeout)
+        if not welcomed and not self._fatal and self._transport_up():
+            # a daemon registering a thousand tenants at once answers late, but it is there: wait for it
+            log.warning("connected to the unisched daemon at %s, but it has not answered the registration in %g s "
+                        "(busy?); waiting up to %g s more", self.socket, connect_timeout, register_timeout)
+            waited = f"connected, but no answer to the registration within {connect_timeout + register_timeout:g} s"
+            welcomed = self._welcomed.wait(register_timeout)
+        else:
+            waited = f"no answer within {connect_timeout:g} s"
+        if not welcomed or self._fatal:
+            why = self._fatal or waited
             if self._fatal and not self._fatal.startswith("unreachable"):
                 self.close()
                 raise UnischedError(f"the unisched daemon refused tenant {tenant!r}: {why}")
@@ -368,6 +380,17 @@ class Client:
             self._disconnected(why)
             time.sleep(delay)
             delay = min(_RETRY_MAX_S, delay * 2)
+
+    def _transport_up(self) -> bool:
+        """Whether the socket accepted us (the gRPC channel is READY), whatever the daemon answered so far."""
+        channel = self._channel
+        if channel is None:
+            return False
+        try:
+            grpc.channel_ready_future(channel).result(timeout=0.05)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
 
     def _set_fatal(self, why: str) -> None:
         with self._cond:
