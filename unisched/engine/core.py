@@ -142,11 +142,11 @@ class _Tenant:
     over_memory: bool = False
     devices_admitted: bool = False
     encoder_mismatch: int = 0
+    """Consecutive once-a-second checks where NVML's encoder session list disagreed with `sessions`."""
     hooked: bool = False
     """Session hooks govern (some of) its processes: its session counts say when it holds a GPU context."""
     nvml_on_gpu: bool = True
     """NVML lists one of its processes on a GPU (refreshed once a second; True while unknown)."""
-    """Consecutive once-a-second checks where NVML's encoder session list disagreed with `sessions`."""
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
@@ -695,22 +695,28 @@ class KernelEngine:
             log.error("device admission failed", tenant=t.name, error=str(e))
 
     def _update_memory(self, samples: Mapping[int, GpuSample], now: float) -> None:
-        """Per-tenant GPU memory against caps, at most once a second: it reads every tenant's process list."""
+        """Per-tenant GPU memory against caps, and whether NVML lists a hooked tenant on a GPU (see `_off_gpu`),
+        at most once a second: it reads every tenant's process list."""
         if now - self._memory_at < MEMORY_CHECK_S:
             return
         self._memory_at = now
         self._reconcile_encoders(samples)
-        self._update_on_gpu(samples)
         by_pid: dict[int, int] = {}
         for s in samples.values():
             for pid, used in s.process_memory.items():
                 by_pid[pid] = by_pid.get(pid, 0) + used
-        if not by_pid:
-            return
+        lists = [s.gpu_pids for s in samples.values() if s.ok and s.gpu_pids is not None]
+        # a GPU NVML cannot list processes for: every hooked tenant may be on it
+        listed = frozenset().union(*lists) if lists and len(lists) == len(samples) else None
         for t in self._tenants.values():
-            if t.missing:
+            if t.missing or not (by_pid or t.hooked):
                 continue
-            t.memory_bytes = sum(by_pid.get(pid, 0) for pid in self.driver.pids(t.cgroup))
+            pids = self.driver.pids(t.cgroup) if by_pid or listed is not None else []
+            if t.hooked:
+                t.nvml_on_gpu = listed is None or any(pid in listed for pid in pids)
+            if not by_pid:
+                continue
+            t.memory_bytes = sum(by_pid.get(pid, 0) for pid in pids)
             cap = t.limits.memory_bytes
             over = cap is not None and t.memory_bytes > cap
             if over != t.over_memory:
@@ -719,18 +725,6 @@ class KernelEngine:
                     t.refusals["memory"] = t.refusals.get("memory", 0) + 1
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
-
-    def _update_on_gpu(self, samples: Mapping[int, GpuSample]) -> None:
-        """Whether NVML lists a process of each hooked tenant on a GPU (once a second, with the memory check)."""
-        lists = [s.gpu_pids for s in samples.values() if s.ok and s.gpu_pids is not None]
-        for t in self._tenants.values():
-            if not t.hooked or t.missing:
-                continue
-            if len(lists) < len(samples) or not lists:  # a GPU NVML cannot list for: assume on it
-                t.nvml_on_gpu = True
-                continue
-            pids = self.driver.pids(t.cgroup)
-            t.nvml_on_gpu = any(pid in listed for listed in lists for pid in pids)
 
     def _reconcile_encoders(self, samples: Mapping[int, GpuSample]) -> None:
         """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count
