@@ -8,7 +8,7 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -700,7 +700,15 @@ class KernelEngine:
         if now - self._memory_at < MEMORY_CHECK_S:
             return
         self._memory_at = now
-        self._reconcile_encoders(samples)
+        read: dict[str, list[int]] = {}
+
+        def pids_of(t: _Tenant) -> list[int]:  # each cgroup's process list read once for all three checks
+            got = read.get(t.cgroup)
+            if got is None:
+                got = read[t.cgroup] = self.driver.pids(t.cgroup)
+            return got
+
+        self._reconcile_encoders(samples, pids_of)
         by_pid: dict[int, int] = {}
         for s in samples.values():
             for pid, used in s.process_memory.items():
@@ -711,7 +719,7 @@ class KernelEngine:
         for t in self._tenants.values():
             if t.missing or not (by_pid or t.hooked):
                 continue
-            pids = self.driver.pids(t.cgroup) if by_pid or listed is not None else []
+            pids = pids_of(t) if by_pid or listed is not None else []
             if t.hooked:
                 t.nvml_on_gpu = listed is None or any(pid in listed for pid in pids)
             if not by_pid:
@@ -726,7 +734,7 @@ class KernelEngine:
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
 
-    def _reconcile_encoders(self, samples: Mapping[int, GpuSample]) -> None:
+    def _reconcile_encoders(self, samples: Mapping[int, GpuSample], pids_of: Callable[[_Tenant], list[int]]) -> None:
         """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count
         allocations and frees; a free they never saw leaves a count too high (and a cap refusing), a session
         opened where no hook runs leaves it too low. NVML lists the sessions that exist: when it disagrees with
@@ -741,7 +749,7 @@ class KernelEngine:
         for t in self._tenants.values():
             if t.missing:
                 continue
-            seen = sum(by_pid.get(pid, 0) for pid in self.driver.pids(t.cgroup)) if by_pid else 0
+            seen = sum(by_pid.get(pid, 0) for pid in pids_of(t)) if by_pid else 0
             counted = t.sessions.get("nvenc", 0)
             if seen == counted:
                 t.encoder_mismatch = 0
