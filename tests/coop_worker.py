@@ -30,15 +30,10 @@ ap.add_argument("--ready-file", help="touched once registered")
 args = ap.parse_args()
 
 
-def burn(seconds: float) -> float:
-    """Spin for `seconds` of this thread's CPU time and return the CPU time spent: the stand-in for GPU time
-    measured by CUDA events, which a busy 2-core machine does not stretch the way it stretches wall time
-    (a compliant worker descheduled mid-unit would otherwise report time it never ran as overrun)."""
-    start = time.thread_time()
-    end = start + seconds
-    while (now := time.thread_time()) < end:
+def burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
         pass
-    return now - start
 
 
 def bad_requests() -> None:
@@ -84,7 +79,9 @@ while time.monotonic() < end:
         gate.acquire()
     elif not gate.wanting:
         gate.acquire()  # wants once, then runs whatever it holds
-    gate.done(burn(unit))
+    t0 = time.perf_counter()
+    burn(unit)
+    gate.done(time.perf_counter() - t0)
     units += 1
 client.close()
 print(json.dumps({
