@@ -41,7 +41,6 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.options import SERVER_OPTIONS
 from unisched.transport.peercred import PeerCredRelay
 
@@ -54,16 +53,23 @@ def _ack(req: pb.LeaseRequest) -> pb.LeaseReply:
     return pb.LeaseReply(seq=req.seq, ack=pb.LeaseAck(engine="compute", held=True, lease=1))
 
 
-class _Echo(pb_grpc.UnischedServicer):
-    async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
-        while (req := await context.read()) is not grpc.aio.EOF:
-            await context.write(_ack(req))
+_METHOD = "/unisched.bench.Echo/Lease"
+"""The daemon's API has no gRPC lease call any more; the echo registers one of the same messages."""
 
 
-class _SyncEcho(pb_grpc.UnischedServicer):
-    def Lease(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:  # type: ignore[override]
-        for req in request_iterator:
-            yield _ack(req)
+async def _aio_echo(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    while (req := await context.read()) is not grpc.aio.EOF:
+        await context.write(_ack(req))
+
+
+def _sync_echo(request_iterator: Any, context: grpc.ServicerContext) -> Any:
+    for req in request_iterator:
+        yield _ack(req)
+
+
+def _echo_handler(fn: Any) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler("unisched.bench.Echo", {"Lease": grpc.stream_stream_rpc_method_handler(
+        fn, request_deserializer=pb.LeaseRequest.FromString, response_serializer=pb.LeaseReply.SerializeToString)})
 
 
 class _FrameEcho(asyncio.Protocol):
@@ -89,7 +95,7 @@ class _FrameEcho(asyncio.Protocol):
 def _serve(transport: str, path: str, ready: Any) -> None:
     if transport == "grpc-sync":
         server = grpc.server(futures.ThreadPoolExecutor(4), options=SERVER_OPTIONS)
-        pb_grpc.add_UnischedServicer_to_server(_SyncEcho(), server)  # type: ignore[no-untyped-call]
+        server.add_generic_rpc_handlers((_echo_handler(_sync_echo),))
         server.add_insecure_port(f"unix:{path}")
         server.start()
         ready.put(os.getpid())
@@ -108,7 +114,7 @@ def _serve(transport: str, path: str, ready: Any) -> None:
                 _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
                 await loop.connect_accepted_socket(_FrameEcho, sock=conn)
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_UnischedServicer_to_server(_Echo(), server)  # type: ignore[no-untyped-call]
+        server.add_generic_rpc_handlers((_echo_handler(_aio_echo),))
         if transport == "relay":
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -130,7 +136,8 @@ def _request(i: int) -> pb.LeaseRequest:
 
 async def _aio_client(path: str, gap_s: float, n: int, warm: int) -> list[float]:
     channel = grpc.aio.insecure_channel(f"unix:{path}")
-    call = pb_grpc.UnischedStub(channel).Lease()
+    call = channel.stream_stream(_METHOD, request_serializer=pb.LeaseRequest.SerializeToString,
+                                 response_deserializer=pb.LeaseReply.FromString)()
     rtts = []
     for i in range(n + warm):
         t = time.perf_counter()

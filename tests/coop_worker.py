@@ -2,20 +2,20 @@
 into the tenant's cgroup). Prints one JSON line of what it saw, at the end.
 
 Modes: normal (gate every unit), --ignore-revokes (reports work it did without holding a lease),
---bad-requests (sends malformed lease messages on a raw stream and prints the daemon's answers)."""
+--bad-requests (sends malformed lease messages on a raw lease stream and prints the daemon's answers)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 
-import grpc
 from unisched_client import Client, UnischedError
 
 from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--socket", required=True)
@@ -36,8 +36,23 @@ def burn(seconds: float) -> None:
         pass
 
 
+def lease_stream(reqs: list[pb.LeaseRequest]) -> dict[str, object]:
+    """Send the requests on a raw lease stream, read until the daemon closes it: its error, or OK."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(args.socket)
+        s.sendall(MAGIC + b"".join(frame(r) for r in reqs))
+        s.shutdown(socket.SHUT_WR)
+        reader, replies = FrameReader(MAX_REPLY_BYTES), []
+        while data := s.recv(1 << 16):
+            replies += [pb.LeaseReply.FromString(p) for p in reader.feed(data)]
+    errors = [r.error for r in replies if r.HasField("error")]
+    if errors:
+        return {"code": errors[0].code, "details": errors[0].details}
+    return {"code": "OK", "replies": len(replies)}
+
+
 def bad_requests() -> None:
-    stub = pb_grpc.UnischedStub(grpc.insecure_channel(f"unix:{args.socket}"))
     cases = {
         "want_before_hello": [pb.LeaseRequest(want=pb.LeaseWant(engine="compute"))],
         "empty": [pb.LeaseRequest()],
@@ -49,14 +64,7 @@ def bad_requests() -> None:
         "bad_tenant": [pb.LeaseRequest(hello=pb.LeaseHello(tenant="../etc"))],
         "bad_gpu": [pb.LeaseRequest(hello=pb.LeaseHello(tenant=args.tenant, gpu=7))],
     }
-    out = {}
-    for name, reqs in cases.items():
-        try:
-            replies = list(stub.Lease(iter(reqs), timeout=5))
-            out[name] = {"code": "OK", "replies": len(replies)}
-        except grpc.RpcError as e:
-            out[name] = {"code": e.code().name, "details": e.details()}
-    print(json.dumps(out))
+    print(json.dumps({name: lease_stream(reqs) for name, reqs in cases.items()}))
 
 
 if args.bad_requests:

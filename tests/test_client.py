@@ -11,22 +11,21 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, Daemon, child_env, wait_until
 
 sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
-import grpc
 from unisched_client import Client, UnischedUnavailable
 
 from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame
 
 WORKER = str(ROOT / "tests" / "coop_worker.py")
 
@@ -140,12 +139,19 @@ def test_bad_lease_requests_get_clear_errors(daemon: Daemon, tenant_prefix: str)
 
 # --- the client's lease state machine alone: no daemon, replies fed in, requests read back ---------------
 
+class _Recorder:
+    """Stands in for the client's connection: the requests it writes, in order."""
+
+    def __init__(self, out: queue.SimpleQueue[pb.LeaseRequest | None]) -> None:
+        self.send = out.put
+
+
 def offline_client(monkeypatch: pytest.MonkeyPatch) -> tuple[Client, queue.SimpleQueue[pb.LeaseRequest | None]]:
     monkeypatch.setattr(Client, "_stream_loop", lambda self: None)
     monkeypatch.setattr(Client, "_renew_loop", lambda self: None)
     client = Client("t", socket="/nonexistent.sock", fail_open=True, connect_timeout=0)
     out: queue.SimpleQueue[pb.LeaseRequest | None] = queue.SimpleQueue()
-    client._out, client.governed = out, True
+    client._conn, client.governed = _Recorder(out), True
     return client, out
 
 
@@ -220,7 +226,6 @@ def test_a_grant_while_a_yield_is_owed_cancels_it(monkeypatch: pytest.MonkeyPatc
 
 ONLINE_WORKER = """
 import json, sys, time
-import grpc
 from unisched_client import Client, UnischedUnavailable
 sock, tenant, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 client = Client(tenant, socket=sock, priority="online", connect_timeout=5)
@@ -265,34 +270,46 @@ def test_preemptive_an_online_client_releasing_between_requests_leaves_the_gpu_t
 
 # --- a daemon that accepts the connection but answers the registration late ---------------------------------
 
-class _SlowDaemon(pb_grpc.UnischedServicer):
-    """Accepts Lease streams and answers the hello only once `answer` is set (a daemon busy registering)."""
-
-    def __init__(self, answer: threading.Event) -> None:
-        self.answer = answer
-
-    def Lease(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        hello = next(request_iterator)
-        if not self.answer.wait(30) or not context.is_active():
+def _slow_lease_stream(conn: socket.socket, answer: threading.Event) -> None:
+    """Reads the hello; answers it only once `answer` is set (a daemon busy registering); reads until EOF."""
+    with conn:
+        got = b""
+        while not got.startswith(MAGIC) or not (hello := FrameReader(MAX_REQUEST_BYTES).feed(got[len(MAGIC):])):
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                return
+            got += chunk
+        if not answer.wait(30):
             return
-        yield pb.LeaseReply(welcome=pb.LeaseWelcome(tenant=pb.Tenant(name=hello.hello.tenant), session=1,
-                                                    slice_s=0.05, valid_s=0.25))
-        for _ in request_iterator:  # until the client closes
-            pass
+        name = pb.LeaseRequest.FromString(hello[0]).hello.tenant
+        with contextlib.suppress(OSError):
+            conn.sendall(frame(pb.LeaseReply(welcome=pb.LeaseWelcome(tenant=pb.Tenant(name=name), session=1,
+                                                                     slice_s=0.05, valid_s=0.25))))
+            while conn.recv(1 << 16):  # until the client closes
+                pass
 
 
 @contextlib.contextmanager
 def slow_daemon(tmp_path: Path, answer: threading.Event) -> Iterator[str]:
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_UnischedServicer_to_server(_SlowDaemon(answer), server)
+    """Accepts lease connections at once and answers their hello late."""
     path = str(tmp_path / "slow.sock")
-    server.add_insecure_port(f"unix:{path}")
-    server.start()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                threading.Thread(target=_slow_lease_stream, args=(conn, answer), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
     try:
         yield path
     finally:
         answer.set()  # lets a handler still waiting end
-        server.stop(0)
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
 
 
 class _Said(logging.Handler):

@@ -120,10 +120,14 @@ except DaemonError as e:
     assert {s.name: s.weight for s in server.engine.snapshots()} == {"owned": 100}
 
 
-class _Echo(pb_grpc.UnischedServicer):
-    async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
-        while (req := await context.read()) is not grpc.aio.EOF:
-            await context.write(pb.LeaseReply(seq=req.seq))
+async def _echo(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+    while (req := await context.read()) is not grpc.aio.EOF:
+        await context.write(pb.LeaseReply(seq=req.seq))
+
+
+_ECHO = grpc.method_handlers_generic_handler("unisched.test.Echo", {"Stream": grpc.stream_stream_rpc_method_handler(
+    _echo, request_deserializer=pb.LeaseRequest.FromString, response_serializer=pb.LeaseReply.SerializeToString)})
+"""A stream of long-lived calls, as the daemon's lease stream was on gRPC (it is not any more)."""
 
 
 class _BlockableServer:
@@ -138,7 +142,7 @@ class _BlockableServer:
 
         async def main() -> None:
             server = grpc.aio.server(options=options)
-            pb_grpc.add_UnischedServicer_to_server(_Echo(), server)  # type: ignore[no-untyped-call]
+            server.add_generic_rpc_handlers((_ECHO,))
             box.append(server.add_insecure_port("127.0.0.1:0"))
             await server.start()
             started.set()
@@ -181,8 +185,9 @@ def test_streams_that_wait_for_a_busy_loop_are_served_not_cancelled() -> None:
             for i in range(4):  # one connection each, as separate clients have
                 ch = grpc.insecure_channel(f"127.0.0.1:{srv.port}", options=[("grpc.use_local_subchannel_pool", 1)])
                 channels.append(ch)
-                stub = pb_grpc.UnischedStub(ch)  # type: ignore[no-untyped-call]
-                calls[name, i] = stub.Lease(iter([pb.LeaseRequest(seq=i + 1)]), timeout=60)
+                stream = ch.stream_stream("/unisched.test.Echo/Stream", request_serializer=pb.LeaseRequest.SerializeToString,
+                                          response_deserializer=pb.LeaseReply.FromString)
+                calls[name, i] = stream(iter([pb.LeaseRequest(seq=i + 1)]), timeout=60)
         time.sleep(2.5)  # the streams age in core's queue past the control's 1 s limit while the loops are held
         control.release.set()
         daemon_like.release.set()

@@ -1,25 +1,31 @@
 """The cooperative client: one lease stream to the daemon, one `Gate` per GPU engine.
 
 The app's own thread only touches local state on the fast path (is my lease held, does my next unit of
-work fit in the slice); a background thread owns the gRPC stream (grants, revokes, acks) and a second one
+work fit in the slice); a background thread reads the lease stream (grants, revokes, acks) and a second one
 renews leases and reports measured GPU time ahead of need. No RPC per kernel launch or per frame.
+
+The stream is a plain connection to the daemon's Unix socket (unisched.transport.leasewire): whichever thread
+has something to say writes it to the socket itself, under the client's lock, and the reader thread is the
+only other one a renewal's answer wakes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
-import queue
+import socket
+import struct
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
-import grpc
+from google.protobuf.message import DecodeError
 
 from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
 
 __all__ = ["DEFAULT_SOCKET", "Client", "CodecRefused", "Gate", "UnischedError", "UnischedUnavailable"]
 
@@ -31,6 +37,9 @@ _PRIORITIES = {None: pb.PRIORITY_UNSPECIFIED, "online": pb.PRIORITY_ONLINE, "off
 _RETRY_MAX_S = 2.0
 IDLE_CAP_S = 30.0
 """A gate with a unit acquired but never reported done is released after this long without use."""
+SEND_TIMEOUT_S = 5.0
+"""A write the daemon leaves unread this long (its socket buffer full) ends the connection, which is then
+made again: the app's threads, which write under the client's lock, never wait on a stuck daemon for longer."""
 
 
 class UnischedError(Exception):
@@ -43,6 +52,31 @@ class UnischedUnavailable(UnischedError):
 
 class CodecRefused(UnischedError):
     """The daemon did not admit a hardware codec session (cap reached, no such engine on this GPU)."""
+
+
+class _Sender(Protocol):
+    def send(self, req: pb.LeaseRequest) -> None: ...
+
+
+class _Connection:
+    """One connection of the lease stream: its writes (made under the client's lock) and its end."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, req: pb.LeaseRequest) -> None:
+        self.write(frame(req))
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            self.broken()  # a partial write leaves the stream unreadable: the reader reconnects
+
+    def broken(self) -> None:
+        """Wake the reader with an error or EOF so that it connects again."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass
@@ -193,7 +227,11 @@ class Client:
         self._gates: dict[str, Gate] = {}
         self._seq = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        self._out: queue.SimpleQueue[pb.LeaseRequest | None] | None = None
+        self._conn: _Sender | None = None
+        """The connection while one is up (what requests are written to)."""
+        self._connected = False
+        self._retry_s = 0.05
+        self._connect_timeout = connect_timeout
         self._closing = False
         self._fatal: str | None = None
         self.governed = False
@@ -205,8 +243,6 @@ class Client:
         self._renew_interval = renew_interval
         self._idle_release_s = idle_release_s
         self._welcomed = threading.Event()
-        self._call: grpc.Future | None = None
-        self._channel: grpc.Channel | None = None
         self._stream_thread = threading.Thread(target=self._stream_loop, name="unisched-lease-stream", daemon=True)
         self._renew_thread = threading.Thread(target=self._renew_loop, name="unisched-lease-renew", daemon=True)
         self._stream_thread.start()
@@ -279,14 +315,15 @@ class Client:
                     g.wanting = False
                     self._flush_locked(g, release=True)
             self._closing = True
-            self._send_locked(None)  # ends the requests: the daemon gets what is queued, then closes the stream
+            conn = self._conn
+            if isinstance(conn, _Connection):
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_WR)  # the daemon reads what was sent, then ends the session
             self._cond.notify_all()
         if self._stream_thread.is_alive() and threading.current_thread() is not self._stream_thread:
             self._stream_thread.join(2.0)
-        if self._call is not None and self._stream_thread.is_alive():
-            self._call.cancel()
-        if self._channel is not None:
-            self._channel.close()
+            if isinstance(conn, _Connection) and self._stream_thread.is_alive():
+                conn.broken()
 
     def __enter__(self) -> Client:
         return self
@@ -295,9 +332,9 @@ class Client:
         self.close()
 
     # --- sending --------------------------------------------------------------------------------------
-    def _send_locked(self, req: pb.LeaseRequest | None) -> None:
-        if self._out is not None:
-            self._out.put(req)
+    def _send_locked(self, req: pb.LeaseRequest) -> None:
+        if self._conn is not None:
+            self._conn.send(req)
 
     def _send(self, req: pb.LeaseRequest) -> None:
         with self._cond:
@@ -335,62 +372,59 @@ class Client:
         g.owes_yield = False
         self._flush_locked(g, yielded=True)
 
-    def _requests(self, out: queue.SimpleQueue[pb.LeaseRequest | None]) -> Iterator[pb.LeaseRequest]:
-        yield pb.LeaseRequest(hello=self._hello)
-        while True:
-            req = out.get()
-            if req is None:
-                return
-            yield req
-
     # --- the stream thread ------------------------------------------------------------------------------
     def _stream_loop(self) -> None:
-        delay = 0.05
         while not self._closing:
-            out: queue.SimpleQueue[pb.LeaseRequest | None] = queue.SimpleQueue()
-            with self._cond:
-                self._out = out
-                for g in self._gates.values():  # after a reconnect: want again what we wanted
-                    if g.wanting:
-                        out.put(pb.LeaseRequest(want=pb.LeaseWant(engine=g.engine)))
-            try:
-                self._channel = grpc.insecure_channel(f"unix:{self.socket}")
-                stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
-                self._call = stub.Lease(self._requests(out))
-                for reply in self._call:
-                    self._on_reply(reply)
-                    delay = 0.05
-                why = "the daemon closed the stream"
-            except grpc.RpcError as e:
-                code = e.code()
-                why = e.details() or str(code)
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    self._set_fatal(why)
-                    return
-                if code is grpc.StatusCode.UNAVAILABLE:
-                    why = f"unreachable: {why}"
-            finally:
-                out.put(None)  # ends this call's request generator
-                with self._cond:
-                    self._out = None
-            if self._closing:
-                break
+            why = self._stream_once()
+            if why is None or self._closing:
+                return
             self._disconnected(why)
-            time.sleep(delay)
-            delay = min(_RETRY_MAX_S, delay * 2)
+            time.sleep(self._retry_s)
+            self._retry_s = min(_RETRY_MAX_S, self._retry_s * 2)
+
+    def _stream_once(self) -> str | None:
+        """Connect, say hello (and want again what was wanted: after a reconnect), then read replies until the
+        connection ends. Returns why it ended, or None when the daemon refused us (fatal) or we are closing."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.05, self._connect_timeout))
+            sock.connect(self.socket)
+            sock.settimeout(None)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
+        except OSError as e:
+            sock.close()
+            return f"unreachable: {e.strerror or e}"
+        conn = _Connection(sock)
+        try:
+            with self._cond:
+                if self._closing:
+                    return None
+                self._conn, self._connected = conn, True
+                wants = [frame(pb.LeaseRequest(want=pb.LeaseWant(engine=g.engine)))
+                         for g in self._gates.values() if g.wanting]
+                conn.write(MAGIC + frame(pb.LeaseRequest(hello=self._hello)) + b"".join(wants))
+            reader = FrameReader(MAX_REPLY_BYTES)
+            while True:
+                data = sock.recv(1 << 16)
+                if not data:
+                    return "the daemon closed the stream"
+                for payload in reader.feed(data):
+                    reply = pb.LeaseReply.FromString(payload)
+                    if reply.HasField("error"):
+                        self._set_fatal(f"{reply.error.code}: {reply.error.details}")
+                        return None
+                    self._on_reply(reply)
+                    self._retry_s = 0.05
+        except (OSError, FrameError, DecodeError) as e:
+            return f"lost the connection: {e}"
+        finally:
+            with self._cond:
+                self._conn, self._connected = None, False
+            sock.close()
 
     def _transport_up(self) -> bool:
-        """Whether the socket accepted us (the gRPC channel is READY), whatever the daemon answered so far."""
-        channel = self._channel
-        if channel is None:
-            return False
-        try:
-            grpc.channel_ready_future(channel).result(timeout=0.05)
-            return True
-        except grpc.FutureTimeoutError:
-            return False
+        """Whether the socket accepted us, whatever the daemon answered so far."""
+        return self._connected
 
     def _set_fatal(self, why: str) -> None:
         with self._cond:

@@ -1,8 +1,9 @@
-"""Caller identity from the kernel: SO_PEERCRED on the public Unix socket.
+"""Caller identity from the kernel: SO_PEERCRED on the public Unix socket, which the daemon accepts itself.
 
-grpc does not expose the peer's credentials, so the daemon owns the public socket itself: each accepted
-connection's SO_PEERCRED (pid, uid, gid) is read, then its bytes are relayed to the gRPC server on a
-private loopback port. The relay's local port names the connection to the servicer, which looks up the
+Each accepted connection's SO_PEERCRED (pid, uid, gid) is read, then its opening bytes decide where it goes. A
+lease stream (it opens with leasewire.MAGIC) is handed to the lease service with those credentials and served
+in this loop. Anything else is gRPC: grpc does not expose the peer's credentials, so its bytes are relayed to
+the gRPC server on a private loopback port. The relay's local port names the connection to the servicer, which looks up the
 credentials by it. A connection that reaches the private port directly has no entry and is refused
 everything but the public read-only calls, so identity cannot be forged by a request field or a side door.
 """
@@ -16,13 +17,15 @@ import resource
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
+from unisched.transport.leasewire import MAGIC, is_lease_opening
 from unisched.transport.options import MAX_CONNECTIONS
 
-__all__ = ["PeerCred", "PeerCredRelay"]
+__all__ = ["LeaseHandler", "PeerCred", "PeerCredRelay"]
 
 log = structlog.get_logger("unisched.transport")
 _CRED = struct.Struct("3i")
@@ -58,10 +61,17 @@ class PeerCred:
     gid: int
 
 
+LeaseHandler = Callable[[PeerCred, bytes, asyncio.Future[None]], asyncio.Protocol]
+"""Makes the protocol serving one lease connection from its caller, the bytes that came after MAGIC, and a
+future it completes when the connection is lost."""
+
+
 class PeerCredRelay:
-    def __init__(self, socket_path: str, backend_port: int, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, socket_path: str, backend_port: int, max_connections: int = MAX_CONNECTIONS,
+                 lease: LeaseHandler | None = None) -> None:
         self.socket_path = socket_path
         self.backend_port = backend_port
+        self.lease = lease
         self.max_connections = max_connections
         self.refused = 0
         self._by_port: dict[int, PeerCred] = {}
@@ -152,22 +162,32 @@ class PeerCredRelay:
                 await task
 
     async def _handle(self, conn: socket.socket) -> None:
-        """Relay one connection with two asyncio Protocols that write what one side receives straight to the
-        other (one callback per chunk and direction: the relay adds little to a lease renewal's round trip).
-        The client's bytes are held until its credentials are registered under the backend port."""
+        """Serve one connection: a lease stream in this loop, or gRPC through the relay. The relay is two
+        asyncio Protocols that write what one side receives straight to the other (one callback per chunk and
+        direction); the client's bytes are held until its credentials are registered under the backend port."""
         loop = asyncio.get_running_loop()
         port = None
+        lease_transport: asyncio.BaseTransport | None = None
         done: asyncio.Future[None] = loop.create_future()
         client, backend = _Half(done), _Half(done)
         client.peer, backend.peer = backend, client
         backend.ready = True
         try:
-            pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            cred = PeerCred(*_CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)))
+            first = await _opening(loop, conn)
+            if not first:
+                return
+            if self.lease is not None and is_lease_opening(first):
+                proto = self.lease(cred, first[len(MAGIC):], done)
+                lease_transport, _ = await loop.connect_accepted_socket(lambda: proto, sock=conn)
+                await done
+                return
+            client._held.append(first)
             await loop.connect_accepted_socket(lambda: client, sock=conn)
             await loop.create_connection(lambda: backend, "127.0.0.1", self.backend_port)
             assert backend.transport is not None
             port = backend.transport.get_extra_info("sockname")[1]
-            self._by_port[port] = PeerCred(pid, uid, gid)
+            self._by_port[port] = cred
             client.start()
             await done
         except (ConnectionError, OSError):
@@ -178,8 +198,23 @@ class PeerCredRelay:
             for half in (client, backend):
                 if half.transport is not None:
                     half.transport.close()
-            if client.transport is None:
+            if lease_transport is not None:
+                lease_transport.close()
+            elif client.transport is None:
                 conn.close()
+
+
+async def _opening(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    """A connection's first bytes, enough to tell a lease stream from gRPC (b"" if it closed first). Both kinds
+    of client speak first, so nothing waits on the daemon; a silent one holds only its own socket."""
+    first = b""
+    while True:
+        chunk = await loop.sock_recv(conn, _CHUNK)
+        if not chunk:
+            return b""
+        first += chunk
+        if is_lease_opening(first) is not None:
+            return first
 
 
 class _Half(asyncio.Protocol):

@@ -1,5 +1,6 @@
 """The gRPC face of the daemon: a servicer that maps requests onto the engine, and `serve()` which runs
-engine, relay and server in one asyncio loop until SIGTERM/SIGINT, thawing everything on the way out."""
+engine, front door (relay and lease stream) and server in one asyncio loop until SIGTERM/SIGINT, thawing
+everything on the way out. The lease stream is not gRPC: see unisched.transport.lease."""
 
 from __future__ import annotations
 
@@ -18,15 +19,16 @@ import grpc
 import structlog
 
 from unisched import __version__
-from unisched.enforce.leases import LeaseGrant, LeaseMessage
 from unisched.enforce.seccomp import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
-from unisched.engine.core import EngineError, KernelEngine, LeaseAck, TenantSnapshot
+from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.runner import run_engine
-from unisched.policy import Priority
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
+from unisched.transport.lease import ERROR_CODES, LeaseService
+from unisched.transport.leasewire import MAX_REQUEST_BYTES
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.options import SERVER_OPTIONS
 from unisched.transport.peercred import PeerCred, PeerCredRelay
@@ -35,66 +37,9 @@ __all__ = ["UnischedServicer", "serve", "server_credentials", "snapshot_to_pb"]
 
 log = structlog.get_logger("unisched.transport")
 
-MAX_MESSAGE_BYTES = 64 * 1024
-_CODES = {
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "permission": grpc.StatusCode.PERMISSION_DENIED,
-    "failed": grpc.StatusCode.FAILED_PRECONDITION,
-}
-_PRIORITY = {pb.PRIORITY_ONLINE: Priority.ONLINE, pb.PRIORITY_OFFLINE: Priority.OFFLINE}
-_PRIORITY_PB = {v: k for k, v in _PRIORITY.items()}
-
-
-def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
-    return pb.Tenant(
-        name=s.name,
-        weight=s.weight,
-        base_weight=s.base_weight,
-        priority=_PRIORITY_PB[s.priority],
-        pids=list(s.pids),
-        state=s.state,
-        target_share=s.target_share,
-        measured_share=s.measured_share,
-        gpu_seconds=s.gpu_seconds,
-        cgroup=s.cgroup,
-        engines=sorted(e.value for e in s.engines),
-        shares=[
-            pb.ResourceShare(
-                gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured
-            )
-            for x in s.shares
-        ],
-        slices=s.slices,
-        owner_uid=s.owner_uid,
-        adopted=s.adopted,
-        sessions=dict(s.sessions),
-        refusals=dict(s.refusals),
-        caps=pb.Limits(
-            render=_cap(s.caps.get("render")), decode=_cap(s.caps.get("decode")),
-            encode=_cap(s.caps.get("encode")), memory_bytes=_cap(s.memory_cap),
-        ),
-        memory_bytes=s.memory_bytes,
-        over_memory=s.over_memory,
-        devices=s.devices or "",
-        cooperative=s.cooperative,
-        overrun_s=s.overrun_s,
-        enforced=s.enforced,
-    )
-
-
-def _to_public_summary(t: pb.Tenant) -> None:
-    """Name, owner, weight, priority, state, engines and shares stay; processes, cgroup and usage details go."""
-    del t.pids[:]
-    t.cgroup = ""
-    t.sessions.clear()
-    t.refusals.clear()
-    t.memory_bytes = 0
-    t.devices = ""
-
-
-def _cap(value: int | None) -> int:
-    return -1 if value is None else value
+MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
+"""One bound for every request, gRPC or lease stream."""
+_CODES = {kind: grpc.StatusCode[name] for kind, name in ERROR_CODES.items()}
 
 
 def _supplementary_groups(pid: int) -> set[int]:
@@ -142,7 +87,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             return None
         return self._creds(context.peer())
 
-    def _is_admin(self, cred: PeerCred) -> bool:
+    def is_admin(self, cred: PeerCred) -> bool:
         if cred.uid == 0:
             return True
         if self._admin_gid is None:
@@ -161,7 +106,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
 
     async def _need_admin(self, context: grpc.aio.ServicerContext) -> PeerCred:
         cred = await self._need_caller(context)
-        if not self._is_admin(cred):
+        if not self.is_admin(cred):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"uid {cred.uid} is not an admin (root or the admin group)")
         return cred
 
@@ -177,12 +122,12 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             snap = self.engine.register(
                 request.tenant,
                 request.weight or None,
-                _PRIORITY.get(request.priority),
+                PRIORITY.get(request.priority),
                 list(request.engines),
                 list(request.gpus),
                 cred.pid,
                 cred.uid,
-                self._is_admin(cred),
+                self.is_admin(cred),
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -195,7 +140,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             snap = self.engine.adopt(
                 request.tenant,
                 request.weight or None,
-                _PRIORITY.get(request.priority),
+                PRIORITY.get(request.priority),
                 request.cgroup,
                 list(request.engines),
                 list(request.gpus),
@@ -235,91 +180,14 @@ class UnischedServicer(pb_grpc.UnischedServicer):
     async def ListTenants(self, request: pb.ListTenantsRequest, context: grpc.aio.ServicerContext) -> pb.ListTenantsReply:
         """Admins see everything; others see their own tenants whole and a public summary of the rest."""
         cred = self._caller(context)
-        admin = cred is not None and self._is_admin(cred)
+        admin = cred is not None and self.is_admin(cred)
         out = []
         for snap in self.engine.snapshots():
             t = snapshot_to_pb(snap)
             if not admin and (cred is None or cred.uid != snap.owner_uid):
-                _to_public_summary(t)
+                public_summary(t)
             out.append(t)
         return pb.ListTenantsReply(tenants=out)
-
-    async def Lease(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
-        """The user engine's stream: hello, then wants and reports, each answered by an ack; grants and
-        revokes pushed by the engine. Closing the stream ends the session (its demand and codec sessions).
-
-        Acks are written by the reading loop itself (a renewal's round trip is one task, no queue hop);
-        the engine's pushes go through the channel's queue to a writer task; a lock keeps writes whole."""
-        cred = await self._need_caller(context)
-        channel = StreamLeaseChannel()
-        sid_box: list[int] = []
-        lock = asyncio.Lock()
-        pusher = asyncio.create_task(self._lease_pusher(context, channel, lock))
-        try:
-            while True:
-                req = await context.read()
-                if req is grpc.aio.EOF:
-                    return
-                if pusher.done():  # the client stopped reading its pushes: dropped
-                    item = pusher.result()
-                    log.warning("lease stream dropped", reason=str(item), pid=cred.pid)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
-                try:
-                    reply = self._lease_request(req, cred, channel, sid_box)
-                except EngineError as e:
-                    await self._fail(context, e)
-                if reply is not None:
-                    async with lock:
-                        await context.write(reply)
-        finally:
-            pusher.cancel()
-            if sid_box:
-                self.engine.lease_close(sid_box[0])
-
-    @staticmethod
-    async def _lease_pusher(context: grpc.aio.ServicerContext, channel: StreamLeaseChannel,
-                            lock: asyncio.Lock) -> _Overflow:
-        """Write the engine's grants and revokes; returns the overflow that ends the stream."""
-        while True:
-            item = await channel.queue.get()
-            if isinstance(item, _Overflow):
-                return item
-            async with lock:
-                await context.write(item)
-
-    def _lease_request(self, req: pb.LeaseRequest, cred: PeerCred, channel: StreamLeaseChannel,
-                       sid_box: list[int]) -> pb.LeaseReply | None:
-        """The reply to one lease message; None for a want or report without a seq (no ack asked)."""
-        kind = req.WhichOneof("kind")
-        if kind == "hello":
-            if sid_box:
-                raise EngineError("invalid", "hello was already sent on this stream")
-            h = req.hello
-            sid, snap = self.engine.lease_open(
-                h.tenant, h.weight or None, _PRIORITY.get(h.priority), list(h.engines), h.gpu,
-                cred.pid, cred.uid, self._is_admin(cred), channel,
-            )
-            sid_box.append(sid)
-            log.info("lease session", tenant=snap.name, session=sid, pid=cred.pid, uid=cred.uid)
-            cfg = self.engine.config
-            return pb.LeaseReply(welcome=pb.LeaseWelcome(
-                tenant=snapshot_to_pb(snap), session=sid, slice_s=cfg.slice_ms / 1000.0,
-                valid_s=cfg.lease_timeout_ms / 1000.0,
-            ), seq=req.seq)
-        if not sid_box:
-            raise EngineError("invalid", "the first message on a lease stream must be hello")
-        sid = sid_box[0]
-        if kind == "want":
-            ack = self.engine.lease_want(sid, req.want.engine)
-            return _ack_pb(ack, req.seq) if req.seq else None
-        if kind == "report":
-            r = req.report
-            ack = self.engine.lease_report(sid, r.engine, r.gpu_seconds, r.release, r.yielded)
-            return _ack_pb(ack, req.seq) if req.seq else None
-        if kind == "session":
-            ok, why = self.engine.lease_codec(sid, req.session.kind, req.session.open)
-            return pb.LeaseReply(ack=pb.LeaseAck(admitted=ok, reason=why), seq=req.seq)
-        raise EngineError("invalid", "empty lease request (set hello, want, report or session)")
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         cred = self._caller(context)
@@ -352,54 +220,12 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         if cred is not None:
             reply.caller_pid = cred.pid
             reply.caller_uid = cred.uid
-            reply.caller_is_admin = self._is_admin(cred)
+            reply.caller_is_admin = self.is_admin(cred)
             reply.caller_tenant = self.engine.tenant_of_pid(cred.pid) or ""
         reply.agent_socket = self.agent_socket
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
         return reply
-
-
-LEASE_QUEUE_MAX = 1024
-"""Replies queued for one lease stream; a client that lets this many pile up (it does not read) is dropped."""
-
-
-class _Overflow(Exception):
-    pass
-
-
-class StreamLeaseChannel:
-    """The LeaseChannel of one gRPC lease stream: the engine's messages queued for the stream's writer."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[pb.LeaseReply | _Overflow] = asyncio.Queue(LEASE_QUEUE_MAX)
-        self.broken = False
-
-    def put(self, reply: pb.LeaseReply) -> None:
-        if self.broken:
-            return
-        try:
-            self.queue.put_nowait(reply)
-        except asyncio.QueueFull:
-            self.broken = True
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.queue.put_nowait(_Overflow(f"client did not read {LEASE_QUEUE_MAX} lease replies; session closed"))
-
-    def send(self, message: LeaseMessage) -> None:
-        if isinstance(message, LeaseGrant):
-            self.put(pb.LeaseReply(grant=pb.LeaseGrant(
-                lease=message.lease, engine=message.engine.value, valid_s=message.valid_s,
-                contended=message.contended, slice_left_s=message.slice_left_s,
-            )))
-        else:
-            self.put(pb.LeaseReply(revoke=pb.LeaseRevoke(
-                lease=message.lease, engine=message.engine.value, reason=message.reason,
-            )))
-
-
-def _ack_pb(ack: LeaseAck, seq: int) -> pb.LeaseReply:
-    return pb.LeaseReply(ack=pb.LeaseAck(engine=ack.engine.value, held=ack.held, lease=ack.lease), seq=seq)
 
 
 def _is_tls(context: grpc.aio.ServicerContext) -> bool:
@@ -481,7 +307,7 @@ async def serve_async(
         if not bound:
             raise OSError(f"cannot listen on {config.listen}")
     _prepare_socket(config.socket, config.socket_group)
-    relay = PeerCredRelay(config.socket, port)
+    relay = PeerCredRelay(config.socket, port, lease=LeaseService(engine, servicer.is_admin).connection)
     relay_box.append(relay)
     agent = SeccompAgentServer(config.agent_socket, engine)
     servicer.agent_socket = config.agent_socket

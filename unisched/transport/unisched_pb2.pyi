@@ -342,16 +342,26 @@ class LeaseAck(_message.Message):
     reason: str
     def __init__(self, engine: _Optional[str] = ..., held: _Optional[bool] = ..., lease: _Optional[int] = ..., admitted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class LeaseError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    details: str
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
 class LeaseReply(_message.Message):
-    __slots__ = ("welcome", "grant", "revoke", "ack", "seq")
+    __slots__ = ("welcome", "grant", "revoke", "ack", "error", "seq")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     REVOKE_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     welcome: LeaseWelcome
     grant: LeaseGrant
     revoke: LeaseRevoke
     ack: LeaseAck
+    error: LeaseError
     seq: int
-    def __init__(self, welcome: _Optional[_Union[LeaseWelcome, _Mapping]] = ..., grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., revoke: _Optional[_Union[LeaseRevoke, _Mapping]] = ..., ack: _Optional[_Union[LeaseAck, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[LeaseWelcome, _Mapping]] = ..., grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., revoke: _Optional[_Union[LeaseRevoke, _Mapping]] = ..., ack: _Optional[_Union[LeaseAck, _Mapping]] = ..., error: _Optional[_Union[LeaseError, _Mapping]] = ..., seq: _Optional[int] = ...) -> None: ...

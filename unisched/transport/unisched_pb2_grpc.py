@@ -69,11 +69,6 @@ class UnischedStub:
                 request_serializer=unisched_dot_transport_dot_unisched__pb2.StatusRequest.SerializeToString,
                 response_deserializer=unisched_dot_transport_dot_unisched__pb2.StatusReply.FromString,
                 _registered_method=True)
-        self.Lease = channel.stream_stream(
-                '/unisched.v1.Unisched/Lease',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.LeaseRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.LeaseReply.FromString,
-                _registered_method=True)
 
 
 class UnischedServicer:
@@ -125,13 +120,6 @@ class UnischedServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Lease(self, request_iterator, context):
-        """user engine (see LeaseHello)
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_UnischedServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,11 +157,6 @@ def add_UnischedServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=unisched_dot_transport_dot_unisched__pb2.StatusRequest.FromString,
                     response_serializer=unisched_dot_transport_dot_unisched__pb2.StatusReply.SerializeToString,
-            ),
-            'Lease': grpc.stream_stream_rpc_method_handler(
-                    servicer.Lease,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.LeaseRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.LeaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,33 +348,6 @@ class Unisched:
             '/unisched.v1.Unisched/Status',
             unisched_dot_transport_dot_unisched__pb2.StatusRequest.SerializeToString,
             unisched_dot_transport_dot_unisched__pb2.StatusReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Lease(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/unisched.v1.Unisched/Lease',
-            unisched_dot_transport_dot_unisched__pb2.LeaseRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,63 @@
+"""Engine records to their protobuf form, for the gRPC calls and the lease stream alike."""
+
+from __future__ import annotations
+
+from unisched.engine.core import TenantSnapshot
+from unisched.policy import Priority
+from unisched.transport import unisched_pb2 as pb
+
+__all__ = ["PRIORITY", "public_summary", "snapshot_to_pb"]
+
+PRIORITY = {pb.PRIORITY_ONLINE: Priority.ONLINE, pb.PRIORITY_OFFLINE: Priority.OFFLINE}
+_PRIORITY_PB = {v: k for k, v in PRIORITY.items()}
+
+
+def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
+    return pb.Tenant(
+        name=s.name,
+        weight=s.weight,
+        base_weight=s.base_weight,
+        priority=_PRIORITY_PB[s.priority],
+        pids=list(s.pids),
+        state=s.state,
+        target_share=s.target_share,
+        measured_share=s.measured_share,
+        gpu_seconds=s.gpu_seconds,
+        cgroup=s.cgroup,
+        engines=sorted(e.value for e in s.engines),
+        shares=[
+            pb.ResourceShare(
+                gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured
+            )
+            for x in s.shares
+        ],
+        slices=s.slices,
+        owner_uid=s.owner_uid,
+        adopted=s.adopted,
+        sessions=dict(s.sessions),
+        refusals=dict(s.refusals),
+        caps=pb.Limits(
+            render=_cap(s.caps.get("render")), decode=_cap(s.caps.get("decode")),
+            encode=_cap(s.caps.get("encode")), memory_bytes=_cap(s.memory_cap),
+        ),
+        memory_bytes=s.memory_bytes,
+        over_memory=s.over_memory,
+        devices=s.devices or "",
+        cooperative=s.cooperative,
+        overrun_s=s.overrun_s,
+        enforced=s.enforced,
+    )
+
+
+def public_summary(t: pb.Tenant) -> None:
+    """Name, owner, weight, priority, state, engines and shares stay; processes, cgroup and usage details go."""
+    del t.pids[:]
+    t.cgroup = ""
+    t.sessions.clear()
+    t.refusals.clear()
+    t.memory_bytes = 0
+    t.devices = ""
+
+
+def _cap(value: int | None) -> int:
+    return -1 if value is None else value
