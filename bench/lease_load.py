@@ -2,15 +2,16 @@
 """Lease load: N cooperative tenants renewing leases against one daemon; renewal round trips, daemon CPU and memory.
 
 Each tenant is one lease stream (hello, want compute, then a renewal report every --renew-ms with a little GPU
-time), spread over --procs worker processes running grpc.aio. A renewal's round trip is from sending the report to
-receiving its ack (same seq). With --tenants 1 it is the idle round trip the user engine's target is about
-(p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml (CPU only) unless --nvml.
+time) on its own connection to the daemon's socket, spread over --procs worker processes running asyncio. A
+renewal's round trip is from sending the report to receiving its ack (same seq). With --tenants 1 it is the idle
+round trip the user engine's target is about (p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml
+(CPU only) unless --nvml.
 
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
 Only renewals sent within the measured window count (none is sent into the other tenants' teardown). A stream
-that ends before its tenant ends it is counted as lost, with its gRPC status and when; one whose writes stop
+that ends before its tenant ends it is counted as lost, with why and when; one whose writes stop
 completing (STALL_S) is counted as STALLED and cancelled, so a stall is reported instead of hanging the run.
 The report also says how much CPU the clients and anything else on the machine used in the window (on 2 CPUs
 another user's work skews it).
@@ -39,8 +40,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, start_daemon
 
@@ -62,63 +61,76 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
+async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until: float,
                   rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
-    """One cooperative tenant: hello, want, then a renewal report every renew_s (0: back to back).
-    A stream that ends before the tenant ends it is recorded in `lost` (when, status, details)."""
+    """One cooperative tenant on its own lease stream: hello, want, then a renewal report every renew_s (0: back
+    to back). A stream that ends before the tenant ends it is recorded in `lost` (when, why)."""
+    from unisched.transport import unisched_pb2 as pb
+    from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
+
     sent: dict[int, float] = {}
     acked = asyncio.Event()
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
-    call = stub.Lease()
     ending = [False]
 
-    async def op(aw: Any, what: str) -> None:
+    def lose(code: str, details: str) -> None:
+        lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": code, "details": details,
+                     "debug": ""})
+
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(sock), STALL_S)
+    except (OSError, TimeoutError) as e:
+        lose("CONNECT", repr(e))
+        return
+
+    async def send(req: Any, what: str) -> None:
         """Every write is bounded: a stream whose writes stop completing is reported, not waited for."""
+        writer.write(frame(req) if what != "hello" else MAGIC + frame(req))
         try:
-            await asyncio.wait_for(aw, STALL_S)
+            await asyncio.wait_for(writer.drain(), STALL_S)
         except TimeoutError:
-            now = time.perf_counter()
-            lost.append({"tenant": name, "at_s": round(now - t0, 3), "code": "STALLED",
-                         "details": f"{what} not sent within {STALL_S:g} s" + (" (after the window)" if ending[0] else ""),
-                         "debug": ""})
-            call.cancel()
+            lose("STALLED", f"{what} not sent within {STALL_S:g} s" + (" (after the window)" if ending[0] else ""))
+            writer.transport.abort()
             raise _Stalled from None
 
     try:
-        await op(call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100))), "hello")
-        await op(call.write(pb.LeaseRequest(want=pb.LeaseWant(engine="compute"))), "want")
-    except _Stalled:
+        await send(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)), "hello")
+        await send(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")), "want")
+    except (_Stalled, OSError):
         return
 
-    async def reader() -> None:
+    async def read_replies() -> None:
+        frames = FrameReader(MAX_REPLY_BYTES)
         while True:
             try:
-                reply = await call.read()
-            except grpc.aio.AioRpcError as e:
-                lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": e.code().name,
-                             "details": e.details(), "debug": (e.debug_error_string() or "")[:300]})
+                data = await reader.read(1 << 16)
+            except OSError as e:
+                lose(type(e).__name__, str(e))
                 acked.set()
                 return
-            if reply is grpc.aio.EOF:
+            if not data:
                 if not ending[0]:
-                    lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": "EOF",
-                                 "details": "the daemon ended the stream", "debug": ""})
+                    lose("EOF", "the daemon ended the stream")
                 acked.set()
                 return
-            kind = reply.WhichOneof("kind")
-            if kind == "ack" and reply.seq in sent:
-                t = sent.pop(reply.seq)
-                if t >= warm_until:
-                    rtts.append(time.perf_counter() - t)
-                acked.set()
-            elif kind == "grant":
-                counts["grants"] += 1
-                held[0] = True
-            elif kind == "revoke":
-                counts["revokes"] += 1
-                held[0] = False
+            for payload in frames.feed(data):
+                reply = pb.LeaseReply.FromString(payload)
+                kind = reply.WhichOneof("kind")
+                if kind == "ack" and reply.seq in sent:
+                    t = sent.pop(reply.seq)
+                    if t >= warm_until:
+                        rtts.append(time.perf_counter() - t)
+                    acked.set()
+                elif kind == "grant":
+                    counts["grants"] += 1
+                    held[0] = True
+                elif kind == "revoke":
+                    counts["revokes"] += 1
+                    held[0] = False
+                elif kind == "error":
+                    lose(reply.error.code, reply.error.details)
 
-    task = asyncio.create_task(reader())
+    task = asyncio.create_task(read_replies())
     loop = asyncio.get_running_loop()
     next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
     seq = 0
@@ -134,50 +146,39 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
             sent[seq] = time.perf_counter()
             counts["sent"] += 1
             used = 0.001 if held[0] else 0.0
-            await op(call.write(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used))),
-                     "renewal")
+            await send(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used)), "renewal")
             if renew_s <= 0:  # back to back: the next renewal once this one's ack is in
                 await acked.wait()
         if task.done():  # the stream ended under us (recorded by the reader)
             return
         ending[0] = True
-        await op(call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True))), "release")
-        await op(call.done_writing(), "half-close")
+        await send(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)), "release")
+        writer.write_eof()
         await asyncio.wait_for(task, 5)
     except _Stalled:
         task.cancel()
-    except asyncio.InvalidStateError:  # a write after the stream ended: the reader records how it ended
-        await asyncio.wait([task], timeout=5)
+    except (TimeoutError, OSError):
         task.cancel()
-    except (TimeoutError, grpc.aio.AioRpcError):
-        task.cancel()
+    finally:
+        writer.close()
 
 
 def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
            out: Any) -> None:
-    from unisched.transport import unisched_pb2 as pb
-    from unisched.transport import unisched_pb2_grpc as pb_grpc
-
     async def main() -> None:
         rtts: list[float] = []
         lost: list[dict[str, Any]] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
-        # one connection per tenant, as separate processes would have (channels to one target share one by default)
-        channels = [grpc.aio.insecure_channel(f"unix:{sock}", options=[("grpc.use_local_subchannel_pool", 1)])
-                    for _ in names]
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         until, warm_until = t0 + warmup + seconds, t0 + warmup
         results = await asyncio.gather(
-            *(_tenant(pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts, lost, t0)
-              for ch, n in zip(channels, names, strict=True)),
+            *(_tenant(sock, n, renew_s, until, warm_until, rtts, counts, lost, t0) for n in names),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
         counts["errors"] = len(errors)
         counts["lost"] = len(lost)
-        for ch in channels:
-            await ch.close()
         out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
 
     asyncio.run(main())
