@@ -1,4 +1,4 @@
-"""unisched client library: register a tenant over gRPC and gate your own GPU work on leases.
+"""unisched client library: register a tenant on the daemon's lease stream and gate your own GPU work on leases.
 
 Core: `Client`, `Gate`. Integrations (imported on use): `unisched_client.cuda` (pycuda),
 `unisched_client.torch` (PyTorch, also `Client.step()`), `unisched_client.gl` (PyOpenGL frames),
