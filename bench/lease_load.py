@@ -184,6 +184,54 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
     asyncio.run(main())
 
 
+def library_worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
+                   out: Any) -> None:
+    """--client library: each tenant is the client library's `Client` (its reader and renew threads), and a
+    thread of this process calls `Client.renew()` every renew_s: the round trip an application sees."""
+    import threading
+
+    sys.path.insert(0, str(ROOT / "clients"))
+    from unisched_client import Client, UnischedError
+
+    rtts: list[float] = []
+    lost: list[dict[str, Any]] = []
+    counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
+    errors: list[str] = []
+    clients = [Client(n, 100, socket=sock, register_timeout=120) for n in names]
+    time.sleep(max(0.0, start_at - time.time()))
+    t0 = time.perf_counter()
+    until, warm_until = t0 + warmup + seconds, t0 + warmup
+
+    def run(client: Client) -> None:
+        next_at = time.perf_counter() + renew_s * (hash(client.tenant) % 1000) / 1000.0
+        while True:
+            if renew_s > 0:
+                time.sleep(max(0.0, next_at - time.perf_counter()))  # pacing the renewals, not waiting on a condition
+                next_at += renew_s
+            start = time.perf_counter()
+            if start >= until:
+                break
+            counts["sent"] += 1
+            try:
+                rtt = client.renew("compute")
+            except UnischedError as e:
+                errors.append(f"{client.tenant}: {e}")
+                return
+            if start >= warm_until:
+                rtts.append(rtt)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        counts["revokes"] += c.gate("compute").revokes
+        c.close()
+    counts["errors"] = len(errors)
+    out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
+
+
 def busy_cpu_s() -> float:
     """CPU seconds the whole machine spent busy (all CPUs; user, system, interrupts, steal), from /proc/stat."""
     f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
@@ -209,6 +257,9 @@ def main() -> int:
                     help="daemon --lease-timeout-ms; keep it well above --renew-ms (default 3000)")
     ap.add_argument("--slice-ms", type=float, default=50.0)
     ap.add_argument("--procs", type=int, default=0, help="client worker processes (default: 1 per 250 tenants, >= 1)")
+    ap.add_argument("--client", choices=("protocol", "library"), default="protocol",
+                    help="protocol: asyncio speaking the lease stream (default); library: unisched_client.Client, "
+                         "renewals by Client.renew() from a thread per tenant (for a few tenants)")
     ap.add_argument("--nvml", action="store_true", help="let the daemon use NVML (default: --no-nvml)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -228,7 +279,8 @@ def main() -> int:
     q: Any = mp.get_context("fork").Queue()
     start_at = time.time() + 1.0
     workers = [mp.get_context("fork").Process(
-        target=worker, args=(names[i::procs], sock, args.renew_ms / 1000.0, start_at, args.seconds, args.warmup, q))
+        target=worker if args.client == "protocol" else library_worker,
+        args=(names[i::procs], sock, args.renew_ms / 1000.0, start_at, args.seconds, args.warmup, q))
         for i in range(procs)]
     for w in workers:
         w.start()
@@ -275,7 +327,7 @@ for cg in d.managed():
         "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "host": socket.gethostname(), "cpus": os.cpu_count(), "python": platform.python_version(),
-        "tenants": args.tenants, "procs": procs, "renew_ms": args.renew_ms, "seconds": args.seconds,
+        "tenants": args.tenants, "client": args.client, "procs": procs, "renew_ms": args.renew_ms, "seconds": args.seconds,
         "renewals": len(rtts), "renewals_per_s": len(rtts) / elapsed,
         "offered_per_s": args.tenants * 1000.0 / args.renew_ms if args.renew_ms else float("nan"),
         "rtt_ms": {"p50": 1000 * percentile(rtts, 0.5), "p99": 1000 * percentile(rtts, 0.99),
