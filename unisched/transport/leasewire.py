@@ -6,7 +6,7 @@ message is a 4-byte big-endian length and a serialized protobuf: LeaseRequest fr
 the daemon. Why not the gRPC stream it replaced: a renewal's round trip through gRPC aio woke four idle threads
 and loops (client, relay, gRPC's poller, the daemon's loop) and its p99 was ~2 ms at 25 ms spacing on the 2-core
 VM; these frames are read and answered in one turn of the daemon's loop and read by one client thread
-(bench/results/2026-12-01-cpu/README.md).
+(bench/results/2026-12-01-cpu/lease-stream/README.md).
 """
 
 from __future__ import annotations
