@@ -31,11 +31,29 @@ from typing import Any
 
 GPM_METRICS = {"graphics_util": 1, "sm_util": 2, "sm_occupancy": 3, "any_tensor_util": 5, "dram_bw_util": 10,
                "fp32_util": 12, "fp16_util": 13}
+SUMMARY_KEYS = ["nvml_util", *GPM_METRICS, "proc_sm_sum", "proc_sm_max"]
 
 
-def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out: list[dict[str, float]]) -> None:
+def process_sm_util(nvml: Any, handle: Any, since: int) -> tuple[dict[int, float], int]:
+    """NVML's per-process SM utilization (percent) since `since` (microseconds), and the newest timestamp.
+    Lists graphics and codec processes on the H200, not PyTorch ones (DESIGN.md)."""
+    try:
+        samples = nvml.nvmlDeviceGetProcessUtilization(handle, since)
+    except nvml.NVMLError:
+        return {}, since
+    out: dict[int, float] = {}
+    newest = since
+    for s in samples:
+        if s.timeStamp > since:
+            out[int(s.pid)] = max(out.get(int(s.pid), 0.0), float(s.smUtil))
+            newest = max(newest, int(s.timeStamp))
+    return out, newest
+
+
+def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out: list[dict[str, Any]]) -> None:
     prev, nxt = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
     nvml.nvmlGpmSampleGet(handle, prev)
+    since = 0
     while not stop.wait(every):
         nvml.nvmlGpmSampleGet(handle, nxt)
         m = nvml.c_nvmlGpmMetricsGet_t()
@@ -49,12 +67,17 @@ def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out
         for i, name in enumerate(GPM_METRICS):
             if m.metrics[i].nvmlReturn == nvml.NVML_SUCCESS:
                 row[name] = round(float(m.metrics[i].value), 2)
+        procs, since = process_sm_util(nvml, handle, since)
+        row["proc_sm"] = procs
+        if procs:
+            row["proc_sm_sum"] = sum(procs.values())
+            row["proc_sm_max"] = max(procs.values())
         out.append(row)
         prev, nxt = nxt, prev
 
 
 def run_phase(nvml: Any, handle: Any, name: str, command: str, every: float, skip: float) -> dict[str, Any]:
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     stop = threading.Event()
     sampler = threading.Thread(target=sample_loop, args=(nvml, handle, every, stop, rows), daemon=True)
     t0 = time.monotonic()
@@ -65,12 +88,17 @@ def run_phase(nvml: Any, handle: Any, name: str, command: str, every: float, ski
     kept = [r for r in rows if r["t"] - t0 >= skip]
     summary: dict[str, Any] = {"phase": name, "command": command, "rc": proc.returncode, "samples": len(kept),
                                "tail": (proc.stdout + proc.stderr)[-600:]}
-    for key in ["nvml_util", *GPM_METRICS]:
+    per_pid: dict[int, list[float]] = {}
+    for r in kept:
+        for pid, v in r.get("proc_sm", {}).items():
+            per_pid.setdefault(pid, []).append(v)
+    summary["proc_sm_median_by_pid"] = {str(pid): statistics.median(v) for pid, v in sorted(per_pid.items())}
+    for key in SUMMARY_KEYS:
         values = sorted(r[key] for r in kept if key in r)
         if values:
             summary[key] = {"median": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))]}
     print(f"saturation_signals: {name}: " + ", ".join(
-        f"{k} {v['median']:.0f}/{v['p90']:.0f}" for k, v in summary.items() if isinstance(v, dict)), flush=True)
+        f"{k} {summary[k]['median']:.0f}/{summary[k]['p90']:.0f}" for k in SUMMARY_KEYS if k in summary), flush=True)
     return summary
 
 
@@ -105,13 +133,15 @@ def main() -> int:
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "gpu": str(nvml.nvmlDeviceGetName(handle))}
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "phases": results}, indent=1) + "\n")
-    keys = ["nvml_util", *GPM_METRICS]
+    keys = SUMMARY_KEYS
     md = [f"Command: `{meta['command']}` | {meta['date_utc']} UTC | {meta['gpu']}", "",
           "Median / p90 over the run (percent), start-up skipped:", "",
           "| phase | rc | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for r in results:
         cells = [f"{r[k]['median']:.0f} / {r[k]['p90']:.0f}" if k in r else "" for k in keys]
         md.append(f"| {r['phase']} | {r['rc']} | " + " | ".join(cells) + " |")
+    md += ["", "Per-process SM utilization (NVML, median percent per pid; PyTorch processes are not listed):", ""]
+    md += [f"- {r['phase']}: " + ", ".join(f"{v:.0f}" for v in r["proc_sm_median_by_pid"].values()) for r in results]
     (args.out / "results.md").write_text("\n".join(md) + "\n")
     return 0
 

@@ -662,6 +662,70 @@ def test_nvml_errors_give_unknown_samples_and_recover() -> None:
     assert said == [("nvml error, GPU treated as unknown", 1), ("nvml recovered", 1)], said
 
 
+class GpmStubNvml(StubNvml):
+    """StubNvml with Hopper's GPM calls: GRAPHICS_UTIL is whatever `busy` says when metrics are read."""
+
+    NVML_SUCCESS = 0
+    NVML_GPM_METRICS_GET_VERSION = 1
+    NVML_GPM_METRIC_GRAPHICS_UTIL = 1
+
+    class c_nvmlGpmMetricsGet_t:
+        def __init__(self) -> None:
+            self.metrics = [types.SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0)]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = 94.0
+        self.gpm_error: Exception | None = None
+        self.freed: list[object] = []
+
+    def nvmlGpmQueryDeviceSupport(self, h: int) -> Any:
+        return types.SimpleNamespace(isSupportedDevice=1)
+
+    def nvmlGpmSampleAlloc(self) -> object:
+        return object()
+
+    def nvmlGpmSampleGet(self, h: int, sample: object) -> object:
+        if self.gpm_error is not None:
+            raise self.gpm_error
+        return sample
+
+    def nvmlGpmMetricsGet(self, m: Any) -> Any:
+        assert m.metrics[0].metricId == self.NVML_GPM_METRIC_GRAPHICS_UTIL and m.sample1 is not m.sample2
+        m.metrics[0].value = self.busy
+        return m
+
+    def nvmlGpmSampleFree(self, sample: object) -> None:
+        self.freed.append(sample)
+
+
+def test_gpm_gives_each_interval_its_own_busy_fraction_and_falls_back_when_it_fails() -> None:
+    """NVML's utilization is sampled every 200 ms on the H200, so a 50 ms slice sees a stale value; GPM measures
+    the span between two calls."""
+    nvml, now = GpmStubNvml(), [0.0]
+    tel = NvmlTelemetry(nvml, clock=lambda: now[0])
+    assert tel.sample()[0].sm_util == 0.6  # no span measured yet: NVML's figure
+    now[0] += 0.05
+    s = tel.sample()[0]
+    assert s.sm_util == 0.94 and s.util(Engine.GRAPHICS) == 0.94 and s.util(Engine.DECODE) == s.dec_util == 0.1
+    nvml.busy = 99.5
+    now[0] += 0.01  # shorter than a GPM span: the last value
+    assert tel.sample()[0].sm_util == 0.94
+    now[0] += 0.04
+    assert tel.sample()[0].sm_util == 0.995
+    nvml.gpm_error = StubNvml.NVMLError_NotSupported("GPM not supported in this VM")
+    now[0] += 0.05
+    with capture_logs() as logs:
+        got = tel.sample()
+    assert all(g.ok and g.sm_util == 0.6 for g in got)
+    assert [e["event"] for e in logs] == ["busy signal: GPM failed, back to NVML utilization samples"] * 2
+    assert len(nvml.freed) == 4  # both GPUs' two samples
+
+
+def test_without_gpm_the_busy_fraction_is_nvmls_utilization() -> None:
+    assert [s.sm_util for s in NvmlTelemetry(StubNvml()).sample()] == [0.6, 0.6]  # a binding or GPU without GPM
+
+
 def test_nvml_lists_the_pids_with_a_gpu_context_or_says_it_cannot() -> None:
     nvml = StubNvml()
     nvml.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=41, usedGpuMemory=None)]  # type: ignore[method-assign]

@@ -8,6 +8,7 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,9 @@ __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "Le
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
 SAVE_DELAY_S = 0.5
+SATURATION_ENTER_S = 0.2
+"""How long an engine must stay saturated before its tenants are sliced: paced loads that fit leave the engine
+idle a few percent of the time but can fill a single 50 ms slice (sixteen cloud-gaming instances on the H200)."""
 
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
@@ -210,7 +214,9 @@ class KernelEngine:
             )
         )
         high = config.saturated_util
-        self.saturation = SaturationGate(SaturationConfig(high=high, low=min(high, max(0.0, high - 0.3))))
+        self.saturation = SaturationGate(SaturationConfig(
+            high=high, low=min(high, max(0.0, high - 0.3)),
+            enter_slices=max(2, math.ceil(SATURATION_ENTER_S * 1000.0 / config.slice_ms - 1e-9))))
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
