@@ -8,11 +8,9 @@ import copy
 import http.server
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
@@ -24,7 +22,7 @@ from conftest import ROOT, child_env, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import StubPluginWatcher
 
-from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
 from unisched.transport.kubelet import dra_v1beta1_pb2 as dra
 from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
@@ -42,19 +40,6 @@ from unisched.transport.kubelet.plugin import tenant_edits
 SOCK = "/run/unisched/unisched.sock"
 DRIVER = "gpu.unisched.io"
 NODE = "node-a"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Unix socket paths must stay under 108 bytes: a short directory in /tmp."""
-    d = Path(tempfile.mkdtemp(prefix="dra-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def telemetry() -> FakeTelemetry:
-    return FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0a", 141 << 30), GpuInfo(1, "NVIDIA H200", "GPU-1b", 141 << 30)])
 
 
 def make_config(root: Path, **overrides: Any) -> DraConfig:
@@ -391,7 +376,7 @@ def test_resource_slice_describes_each_gpu_from_telemetry(short_dir: Path, telem
                                                                                 "resourceSliceCount": 1})
     gpu0, gpu1 = spec["devices"]
     assert gpu0["name"] == "gpu0" and gpu0["allowMultipleAllocations"] is True
-    assert gpu1["attributes"] == {"index": {"int": 1}, "uuid": {"string": "GPU-1b"}, "product": {"string": "NVIDIA H200"},
+    assert gpu1["attributes"] == {"index": {"int": 1}, "uuid": {"string": "GPU-1"}, "product": {"string": "H200"},
                                   "decodeSessions": {"int": 2}}
     assert gpu0["capacity"] == {
         "weight": {"value": "100", "requestPolicy": {"default": "100", "validRange": {"min": "1", "max": "100", "step": "1"}}},

@@ -275,14 +275,19 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
                    help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
     d.add_argument("--units-per-gpu", type=_int_in("units per GPU", 1, 1000), default=100,
                    help="unisched.io/gpu-weight device IDs per GPU (default 100: a pod's count is its weight)")
+    _add_node_agent_args(d, ("advertise", "advertised"), ("unisched.io/render-sessions", "unisched.io/decode-sessions"),
+                         "kubelet, health and adoption checks")
+
+
+def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str], checks: str) -> None:
+    """The flags `device-plugin` and `dra-driver` share."""
     d.add_argument("--render-sessions", type=_int_in("render sessions per GPU", 1, 1000),
-                   help="advertise unisched.io/render-sessions, this many per GPU (default: not advertised)")
+                   help=f"{verb[0]} {sessions[0]}, this many per GPU (default: not {verb[1]})")
     d.add_argument("--decode-sessions", type=_int_in("decode sessions per GPU", 1, 1000),
-                   help="advertise unisched.io/decode-sessions, this many per GPU (default: not advertised)")
-    d.add_argument("--gpus", type=_gpus, default=[], help="GPU indices to advertise (default: the GPUs the daemon serves)")
+                   help=f"{verb[0]} {sessions[1]}, this many per GPU (default: not {verb[1]})")
+    d.add_argument("--gpus", type=_gpus, default=[], help=f"GPU indices to {verb[0]} (default: the GPUs the daemon serves)")
     d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
-    d.add_argument("--interval", type=_interval, default=2.0,
-                   help="seconds between kubelet, health and adoption checks (default 2)")
+    d.add_argument("--interval", type=_interval, default=2.0, help=f"seconds between {checks} (default 2)")
     d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
 
 
@@ -321,15 +326,8 @@ prepared fails alone, with the reason in the pod's events.
                    help=f"where CDI specs are written, read by the container runtime (default {DEFAULT_CDI_DIR})")
     d.add_argument("--weight-per-gpu", type=_int_in("weight per GPU", 1, 1000), default=100,
                    help="the weight capacity of each GPU, and a whole GPU's weight (default 100)")
-    d.add_argument("--render-sessions", type=_int_in("render sessions per GPU", 1, 1000),
-                   help="publish attribute renderSessions, this many per GPU (default: not published)")
-    d.add_argument("--decode-sessions", type=_int_in("decode sessions per GPU", 1, 1000),
-                   help="publish attribute decodeSessions, this many per GPU (default: not published)")
-    d.add_argument("--gpus", type=_gpus, default=[], help="GPU indices to publish (default: the GPUs the daemon serves)")
-    d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
-    d.add_argument("--interval", type=_interval, default=2.0,
-                   help="seconds between socket, health, ResourceSlice and adoption checks (default 2)")
-    d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
+    _add_node_agent_args(d, ("publish", "published"), ("attribute renderSessions", "attribute decodeSessions"),
+                         "socket, health, ResourceSlice and adoption checks")
 
 
 def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:

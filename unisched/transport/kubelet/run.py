@@ -37,6 +37,16 @@ def daemon_gpus(daemon: DaemonClient, wait_s: float) -> tuple[int, ...]:
             time.sleep(1.0)  # retrying a connection, not standing in for a condition
 
 
+def _node_gpus(daemon: DaemonClient, gpus: tuple[int, ...], wait_s: float, verb: str) -> tuple[int, ...]:
+    """The GPUs given, else those the daemon serves; () when it serves none (logged)."""
+    if gpus:
+        return gpus
+    gpus = daemon_gpus(daemon, wait_s)
+    if not gpus:
+        log.error(f"the daemon reports no GPUs (no NVML?); pass --gpus to {verb} some anyway")
+    return gpus
+
+
 def _stop_on_signals() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -54,12 +64,9 @@ def serve_device_plugin(
     telemetry: GpuTelemetry | None = None,
 ) -> int:
     with DaemonClient(config.daemon_socket) as daemon:
+        config = replace(config, gpus=_node_gpus(daemon, config.gpus, wait_s, "advertise"))
         if not config.gpus:
-            gpus = daemon_gpus(daemon, wait_s)
-            if not gpus:
-                log.error("the daemon reports no GPUs (no NVML?); pass --gpus to advertise some anyway")
-                return 2
-            config = replace(config, gpus=gpus)
+            return 2
         if telemetry is None:
             telemetry = open_nvml() or NoGpuTelemetry()
         if pods is None:
@@ -90,12 +97,9 @@ def serve_dra_driver(
     """`api`: where claims are read, the slice published and pods looked up (default: the API server in the
     cluster; outside one the driver still serves, and every claim fails with the reason)."""
     with DaemonClient(config.daemon_socket) as daemon:
+        config = replace(config, gpus=_node_gpus(daemon, config.gpus, wait_s, "publish"))
         if not config.gpus:
-            gpus = daemon_gpus(daemon, wait_s)
-            if not gpus:
-                log.error("the daemon reports no GPUs (no NVML?); pass --gpus to publish some anyway")
-                return 2
-            config = replace(config, gpus=gpus)
+            return 2
         if telemetry is None:
             telemetry = open_nvml() or NoGpuTelemetry()
         pods: PodDirectory | None
