@@ -76,7 +76,17 @@ def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out
         prev, nxt = nxt, prev
 
 
-def run_phase(nvml: Any, handle: Any, name: str, command: str, every: float, skip: float) -> dict[str, Any]:
+def saturated_windows(values: list[float], n: int, threshold: float) -> float:
+    """Fraction of the windows of n consecutive samples whose mean is >= threshold (what the kernel engine's
+    saturation gate asks of its per-slice busy fraction)."""
+    if n < 1 or len(values) < n:
+        return 0.0
+    hits = sum(1 for i in range(len(values) - n + 1) if sum(values[i:i + n]) >= threshold * n - 1e-9)
+    return hits / (len(values) - n + 1)
+
+
+def run_phase(nvml: Any, handle: Any, name: str, command: str, every: float, skip: float,
+              window: float = 0.2, threshold: float = 98.0) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     stop = threading.Event()
     sampler = threading.Thread(target=sample_loop, args=(nvml, handle, every, stop, rows), daemon=True)
@@ -93,10 +103,15 @@ def run_phase(nvml: Any, handle: Any, name: str, command: str, every: float, ski
         for pid, v in r.get("proc_sm", {}).items():
             per_pid.setdefault(pid, []).append(v)
     summary["proc_sm_median_by_pid"] = {str(pid): statistics.median(v) for pid, v in sorted(per_pid.items())}
+    n = max(1, round(window / every))
     for key in SUMMARY_KEYS:
-        values = sorted(r[key] for r in kept if key in r)
+        series = [r[key] for r in kept if key in r]
+        values = sorted(series)
         if values:
-            summary[key] = {"median": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))]}
+            summary[key] = {"median": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))],
+                            "p10": values[int(0.1 * (len(values) - 1))],
+                            "saturated_windows": round(saturated_windows(series, n, threshold), 3)}
+    summary["series"] = [{k: r[k] for k in ("t", "nvml_util", "graphics_util") if k in r} for r in kept]
     print(f"saturation_signals: {name}: " + ", ".join(
         f"{k} {summary[k]['median']:.0f}/{summary[k]['p90']:.0f}" for k in SUMMARY_KEYS if k in summary), flush=True)
     return summary
@@ -108,6 +123,9 @@ def main() -> int:
                     help="a workload to run and sample (repeatable; run in order, one at a time)")
     ap.add_argument("--every", type=float, default=0.25, help="seconds between samples (default 0.25)")
     ap.add_argument("--skip", type=float, default=6.0, help="seconds of start-up not sampled (default 6)")
+    ap.add_argument("--window", type=float, default=0.2,
+                    help="seconds over which a mean busy fraction >= --threshold counts as saturated (default 0.2)")
+    ap.add_argument("--threshold", type=float, default=98.0, help="percent (default 98)")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -127,7 +145,8 @@ def main() -> int:
     except Exception as e:
         print(f"error: NVML/GPM not usable here: {e}", file=sys.stderr)
         return 2
-    results = [run_phase(nvml, handle, name, cmd, args.every, args.skip) for name, cmd in phases]
+    results = [run_phase(nvml, handle, name, cmd, args.every, args.skip, args.window, args.threshold)
+               for name, cmd in phases]
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python3 bench/saturation_signals.py " + shlex.join(sys.argv[1:]),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -140,6 +159,10 @@ def main() -> int:
     for r in results:
         cells = [f"{r[k]['median']:.0f} / {r[k]['p90']:.0f}" if k in r else "" for k in keys]
         md.append(f"| {r['phase']} | {r['rc']} | " + " | ".join(cells) + " |")
+    md += ["", f"Share of {args.window:g} s windows whose mean is >= {args.threshold:g}% (the gate's saturation test), "
+           "and p10 (percent):", ""]
+    md += [f"- {r['phase']}: " + "; ".join(f"{k} {r[k]['saturated_windows']:.2f} (p10 {r[k]['p10']:.1f})"
+                                           for k in ("nvml_util", "graphics_util") if k in r) for r in results]
     md += ["", "Per-process SM utilization (NVML, median percent per pid; PyTorch processes are not listed):", ""]
     md += [f"- {r['phase']}: " + ", ".join(f"{v:.0f}" for v in r["proc_sm_median_by_pid"].values()) for r in results]
     (args.out / "results.md").write_text("\n".join(md) + "\n")

@@ -59,3 +59,13 @@ def test_disabled_gate_always_slices_and_bad_config_is_refused() -> None:
         SaturationConfig(high=0.5, low=0.7)
     with pytest.raises(PolicyError):
         SaturationConfig(enter_slices=0)
+
+
+def test_saturation_is_the_mean_over_the_entry_window_not_every_slice() -> None:
+    """A short window's busy fraction is noisy: a pair never idle on average must not be held open by one slice
+    just below the line, and a load idle a few percent on average must not be sliced by one busy burst."""
+    gate = SaturationGate(SaturationConfig(high=0.98, low=0.68, enter_slices=4))
+    assert feed(gate, [1.0, 0.97, 1.0]) == [True] * 3  # not yet a full window
+    assert feed(gate, [1.0]) == [False]  # mean 0.9925
+    other = SaturationGate(SaturationConfig(high=0.98, low=0.68, enter_slices=4))
+    assert all(feed(other, [1.0, 1.0, 0.94, 0.94] * 10))  # bursts of full slices, 97% on average: open

@@ -8,7 +8,9 @@ lets every tenant of a resource run (the resource is "open") until the resource 
 while it is saturated.
 
 The state machine, per resource, fed one utilization sample per slice:
-  open    -> sliced  after `enter_slices` slices in a row at >= `high` with two or more tenants wanting it;
+  open    -> sliced  when the mean of the last `enter_slices` slices is >= `high` with two or more tenants wanting
+                     it all along (a mean, not every slice: a short window's busy fraction is noisy, and one slice
+                     below the line must not restart the count for a pair that is never idle on average);
   sliced  -> open    after `leave_slices` slices in a row at < `low` with two or more wanting it (the holders leave
                      the GPU idle while others wait), or as soon as fewer than two want it.
 A resource that re-saturates soon after opening (paced tenants that together overload it) waits twice as long
@@ -51,6 +53,7 @@ class _State:
     run: int = 0  # consecutive slices meeting the condition to switch
     leave_after: int = 0  # slices below `low` needed to open again (doubles on flapping)
     opened_for: int = 0  # slices since the resource last opened
+    recent: list[float] = field(default_factory=list)  # the last enter_slices samples while open and contended
 
 
 @dataclass
@@ -76,11 +79,14 @@ class SaturationGate:
             if s.sliced:
                 s.sliced, s.run, s.opened_for = False, 0, 0
             s.opened_for += 1
+            s.recent.clear()
             return True
         if not s.sliced:
             s.opened_for += 1
-            s.run = s.run + 1 if util >= c.high else 0
-            if s.run >= c.enter_slices:
+            s.recent.append(util)
+            del s.recent[:-c.enter_slices]
+            if len(s.recent) == c.enter_slices and sum(s.recent) >= c.high * c.enter_slices - 1e-9:
+                s.recent.clear()
                 if s.opened_for <= c.flap_slices:
                     s.leave_after = min(2 * s.leave_after, c.max_leave_slices)
                 else:
@@ -89,6 +95,7 @@ class SaturationGate:
         else:
             s.run = s.run + 1 if util < c.low else 0
             if s.run >= s.leave_after:
+                s.recent.clear()
                 s.sliced, s.run, s.opened_for = False, 0, 0
         return not s.sliced
 
