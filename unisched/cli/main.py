@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
     s.add_argument("--saturated-util", type=float, metavar="U",
-                   help="slice a GPU engine's tenants only while its busy fraction stays >= U for 0.2 s "
+                   help="slice a GPU engine's tenants only while its mean busy fraction over 0.4 s is >= U "
                         "(0..1, default 0.98; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")

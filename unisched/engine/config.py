@@ -81,9 +81,8 @@ class DaemonConfig:
     """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
     activity_threshold: float = 0.02
     saturated_util: float = 0.98
-    """Kernel engine: tenants of a GPU engine are sliced only while its busy fraction is at least this (0 = always).
-    Near 1 because saturated means never idle: sixteen paced cloud-gaming instances that the H200 keeps at 60 FPS
-    read 0.94 (GPM, median), a saturating render or training + render 0.996-0.999."""
+    """Kernel engine: tenants of a GPU engine are sliced only while its mean busy fraction over 0.4 s is at least
+    this (0 = always). Near 1 because saturated means never idle (engine.core: SATURATION_*)."""
     contention: str = "auto"
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT

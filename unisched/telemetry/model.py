@@ -25,8 +25,7 @@ class GpuInfo:
 class GpuSample:
     index: int
     sm_util: float
-    """0..1, the fraction of the interval any compute or graphics work ran: GPM GRAPHICS_UTIL over exactly the
-    interval where the GPU has GPM (Hopper+), else NVML's 'gpu' utilization samples (200 ms apart on the H200)."""
+    """0..1, busy fraction of the SMs (NVML 'gpu' utilization) over the interval."""
     dec_util: float
     enc_util: float
     memory_used: int

@@ -2,21 +2,14 @@
 
 Utilization over an interval comes from NVML's sample buffer (nvmlDeviceGetSamples), averaged over the
 samples newer than the last call, so each engine tick sees the GPU's activity during that tick as well as
-the driver's sampling period allows (200 ms on the H200: four 50 ms slices see one sample). Where the GPU has
-GPM (Hopper and later), the same quantity -- the fraction of time any compute or graphics work was active,
-GPM's GRAPHICS_UTIL -- is measured over exactly the span between two calls instead, so each slice sees its own
-busy fraction; that is what the saturation gate needs to tell a never-idle engine (a saturating render: 99.6-
-99.9%) from sixteen paced instances that leave it idle 4-6% of the time (93.9% median; bench/results/
-2026-12-01-h200/saturation-signals). GPM's SM_UTIL is not that quantity: it reads 3% for a saturating render,
-which runs on the few graphics-capable SMs. Decoder/encoder utilization and per-process hints come from the
+the driver's sampling period allows; decoder/encoder utilization and per-process hints come from the
 plain queries. Every NVML error is caught: a lost GPU yields ok=False samples, never an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -29,56 +22,6 @@ __all__ = ["NvmlTelemetry", "open_nvml"]
 log = structlog.get_logger("unisched.telemetry")
 
 PROCESS_POLL_EVERY = 20  # per-process queries are slow; refresh them every N samples
-GPM_MIN_INTERVAL_S = 0.02  # a busy fraction over a shorter span is noise; a faster call reuses the last value
-
-
-class GpmUnavailable(Exception):
-    """This GPU, driver or binding has no GPM metrics."""
-
-
-class GpmBusy:
-    """Fraction of time any compute or graphics work ran on a GPU between consecutive readings (GPM
-    GRAPHICS_UTIL, Hopper and later)."""
-
-    def __init__(self, nvml: Any, handle: Any, clock: Callable[[], float]) -> None:
-        query = getattr(nvml, "nvmlGpmQueryDeviceSupport", None)
-        if query is None or not hasattr(nvml, "c_nvmlGpmMetricsGet_t"):
-            raise GpmUnavailable("this nvidia-ml-py has no GPM calls")
-        try:
-            if not query(handle).isSupportedDevice:
-                raise GpmUnavailable("the GPU has no GPM (before Hopper)")
-            self._prev = nvml.nvmlGpmSampleAlloc()
-            self._next = nvml.nvmlGpmSampleAlloc()
-            nvml.nvmlGpmSampleGet(handle, self._prev)
-        except nvml.NVMLError as e:
-            raise GpmUnavailable(f"GPM refused: {e}") from e
-        self._nvml, self._handle, self._clock = nvml, handle, clock
-        self._prev_at = clock()
-        self.last: float | None = None
-
-    def read(self) -> float | None:
-        """The busy fraction since the previous reading (None until GPM_MIN_INTERVAL_S has passed once)."""
-        now = self._clock()
-        if now - self._prev_at < GPM_MIN_INTERVAL_S:
-            return self.last
-        nvml = self._nvml
-        nvml.nvmlGpmSampleGet(self._handle, self._next)
-        m = nvml.c_nvmlGpmMetricsGet_t()
-        m.version = nvml.NVML_GPM_METRICS_GET_VERSION
-        m.numMetrics = 1
-        m.sample1, m.sample2 = self._prev, self._next
-        m.metrics[0].metricId = nvml.NVML_GPM_METRIC_GRAPHICS_UTIL
-        nvml.nvmlGpmMetricsGet(m)
-        self._prev, self._next, self._prev_at = self._next, self._prev, now
-        if m.metrics[0].nvmlReturn != nvml.NVML_SUCCESS:
-            raise GpmUnavailable(f"GRAPHICS_UTIL not given (NVML return {m.metrics[0].nvmlReturn})")
-        self.last = min(1.0, max(0.0, float(m.metrics[0].value) / 100.0))
-        return self.last
-
-    def close(self) -> None:
-        for sample in (self._prev, self._next):
-            with contextlib.suppress(Exception):
-                self._nvml.nvmlGpmSampleFree(sample)
 
 
 def open_nvml() -> NvmlTelemetry | None:
@@ -103,7 +46,7 @@ def open_nvml() -> NvmlTelemetry | None:
 
 
 class NvmlTelemetry:
-    def __init__(self, nvml: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, nvml: Any) -> None:
         self._nvml = nvml
         self._handles: list[Any] = []
         self._info: list[GpuInfo] = []
@@ -130,14 +73,6 @@ class NvmlTelemetry:
         self._encoders: dict[int, dict[int, int] | None] = {}
         self._calls = 0
         self._failing: set[int] = set()
-        self._gpm: list[GpmBusy | None] = []
-        for info, h in zip(self._info, self._handles, strict=True):
-            try:
-                self._gpm.append(GpmBusy(nvml, h, clock))
-                log.info("busy signal", gpu=info.index, signal="GPM GRAPHICS_UTIL over each slice")
-            except GpmUnavailable as e:
-                self._gpm.append(None)
-                log.info("busy signal", gpu=info.index, signal="NVML utilization samples", reason=str(e))
 
     def gpus(self) -> Sequence[GpuInfo]:
         return tuple(self._info)
@@ -194,17 +129,6 @@ class NvmlTelemetry:
         return out
 
     def _sm_util(self, i: int, h: Any) -> float:
-        gpm = self._gpm[i]
-        if gpm is not None:
-            try:
-                busy = gpm.read()
-                if busy is not None:
-                    return busy
-            except (GpmUnavailable, self._nvml.NVMLError) as e:  # GPM stopped answering: the sampled signal
-                log.warning("busy signal: GPM failed, back to NVML utilization samples", gpu=self._info[i].index,
-                            error=str(e) or repr(e))
-                gpm.close()
-                self._gpm[i] = None
         nvml = self._nvml
         try:
             _, samples = nvml.nvmlDeviceGetSamples(h, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._last_ts[i])
@@ -254,8 +178,5 @@ class NvmlTelemetry:
         return out, None if pids is None else frozenset(pids)
 
     def close(self) -> None:
-        for gpm in self._gpm:
-            if gpm is not None:
-                gpm.close()
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
