@@ -423,6 +423,20 @@ def test_paced_tenants_that_leave_their_turns_unused_are_not_kept_sliced(tmp_pat
     assert 0 < sliced < 0.03 * 1200, sliced  # tried a few times, then held open for up to 30 s
 
 
+def test_a_paced_render_tenant_busy_on_its_cpu_did_not_use_its_turn(tmp_path: Path) -> None:
+    """Cloud instances encode on the CPU (libx264, 10 ms a frame) and catch up on frames when thawed: a whole core
+    busy through their turn while the GPU idles. Their GPU work is visible, so the GPU decides for them."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.add("a", 100, engines=("graphics", "encode"))
+    rig.add("b", 100, engines=("graphics", "encode"))
+
+    def busy() -> float:
+        return 0.2 if rig.frozen("a") or rig.frozen("b") else 1.0
+    sliced = _step_with_util(rig, tel, busy, 1200)
+    assert 0 < sliced < 0.03 * 1200, sliced
+
+
 def test_a_holder_busy_on_its_cpu_used_its_turn_when_utilization_cannot_see_it(tmp_path: Path) -> None:
     """PyTorch's kernels are invisible to NVML utilization on the H200 VM: a render + training pair reads busy
     only while the render runs. The trainer's busy launching thread says it used its turn: the pair stays

@@ -53,8 +53,10 @@ two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can
 SATURATION_HOLD_S = (2.0, 30.0)
 """How long an engine stays open after slicing left its turns unused (paced tenants), doubling up to the second."""
 TURN_CPU_CORES = 0.7
-"""A holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's kernels are
-invisible to NVML utilization on the H200 VM while its launching thread stays busy."""
+"""A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
+kernels are invisible to NVML utilization on the H200 VM while its launching thread stays busy. Only compute: a
+graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
+with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
 
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
@@ -829,7 +831,8 @@ class KernelEngine:
         for t in self._tenants.values():
             if t.missing or cooperative(t.name):
                 continue
-            busy = not t.frozen and cpu.get(t.name, 0.0) / dt >= TURN_CPU_CORES
+            busy = (not t.frozen and Engine.COMPUTE in t.all_engines()
+                    and cpu.get(t.name, 0.0) / dt >= TURN_CPU_CORES)
             for r in t.resources:
                 engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
                 if busy:
