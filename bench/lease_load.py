@@ -9,9 +9,12 @@ receiving its ack (same seq). With --tenants 1 it is the idle round trip the use
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
-Only renewals sent within the measured window count (none is sent into the other tenants' teardown). A stream
-that ends before its tenant ends it is counted as lost, with its gRPC status and when; one whose writes stop
-completing (STALL_S) is counted as STALLED and cancelled, so a stall is reported instead of hanging the run.
+Only renewals sent within the measured window count (none is sent into the other tenants' teardown). After the
+window each tenant releases, half-closes and keeps reading until the daemon ends its stream (CLOSE_S at most), so
+every stream is shut down cleanly. A stream that ends before its tenant ends it is counted as lost, with its gRPC
+status, when, and whether in the window or in the shutdown after it; one whose writes stop completing (STALL_S) or
+that the daemon does not end in time is counted as STALLED and cancelled, so a stall is reported instead of
+hanging the run.
 The report also says how much CPU the clients and anything else on the machine used in the window (on 2 CPUs
 another user's work skews it).
 
@@ -49,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 STALL_S = 20.0
 """A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
+CLOSE_S = 120.0
+"""After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 
 
 class _Stalled(Exception):
@@ -62,27 +67,41 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
+async def _tenant(channel: Any, stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
                   rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
-    """One cooperative tenant: hello, want, then a renewal report every renew_s (0: back to back).
-    A stream that ends before the tenant ends it is recorded in `lost` (when, status, details)."""
+    """One cooperative tenant on its own connection; closes the connection when its stream has ended."""
+    try:
+        await _lease(stub, pb, name, renew_s, until, warm_until, rtts, counts, lost, t0)
+    finally:
+        await channel.close()
+
+
+async def _lease(stub: Any, pb: Any, name: str, renew_s: float, until: float, warm_until: float,
+                 rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
+    """Hello, want, then a renewal report every renew_s (0: back to back); after the window, release, half-close
+    and read until the daemon ends the stream. A stream that ends before the tenant ends it is recorded in `lost`
+    (when, status, details, and whether in the window or in the shutdown after it)."""
     sent: dict[int, float] = {}
     acked = asyncio.Event()
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
     call = stub.Lease()
     ending = [False]
 
+    def record(code: str, details: str, debug: str = "") -> None:
+        lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": code, "details": details,
+                     "phase": "shutdown" if ending[0] else "window", "debug": debug[:300]})
+
     async def op(aw: Any, what: str) -> None:
-        """Every write is bounded: a stream whose writes stop completing is reported, not waited for."""
-        try:
-            await asyncio.wait_for(aw, STALL_S)
-        except TimeoutError:
-            now = time.perf_counter()
-            lost.append({"tenant": name, "at_s": round(now - t0, 3), "code": "STALLED",
-                         "details": f"{what} not sent within {STALL_S:g} s" + (" (after the window)" if ending[0] else ""),
-                         "debug": ""})
+        """Every write is bounded: a stream whose writes stop completing is reported, not waited for (nor is
+        its cancellation: asyncio.wait_for would wait for that too)."""
+        fut = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait([fut], timeout=STALL_S)
+        if not done:
+            record("STALLED", f"{what} not sent within {STALL_S:g} s")
             call.cancel()
-            raise _Stalled from None
+            fut.cancel()
+            raise _Stalled
+        fut.result()
 
     try:
         await op(call.write(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100))), "hello")
@@ -91,18 +110,18 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
         return
 
     async def reader() -> None:
+        """Reads every reply until the daemon ends the stream (also after the window: a stream nobody reads is
+        left open on both sides)."""
         while True:
             try:
                 reply = await call.read()
             except grpc.aio.AioRpcError as e:
-                lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": e.code().name,
-                             "details": e.details(), "debug": (e.debug_error_string() or "")[:300]})
+                record(e.code().name, e.details() or "", e.debug_error_string() or "")
                 acked.set()
                 return
             if reply is grpc.aio.EOF:
                 if not ending[0]:
-                    lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": "EOF",
-                                 "details": "the daemon ended the stream", "debug": ""})
+                    record("EOF", "the daemon ended the stream")
                 acked.set()
                 return
             kind = reply.WhichOneof("kind")
@@ -143,13 +162,15 @@ async def _tenant(stub: Any, pb: Any, name: str, renew_s: float, until: float, w
         ending[0] = True
         await op(call.write(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True))), "release")
         await op(call.done_writing(), "half-close")
-        await asyncio.wait_for(task, 5)
+        done, _ = await asyncio.wait([task], timeout=CLOSE_S)
+        if not done:
+            record("STALLED", f"stream not ended by the daemon within {CLOSE_S:g} s of the half-close")
+            call.cancel()
+            task.cancel()
     except _Stalled:
         task.cancel()
-    except asyncio.InvalidStateError:  # a write after the stream ended: the reader records how it ended
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError):  # a write after the stream ended: the reader records how
         await asyncio.wait([task], timeout=5)
-        task.cancel()
-    except (TimeoutError, grpc.aio.AioRpcError):
         task.cancel()
 
 
@@ -169,15 +190,13 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
         t0 = time.perf_counter()
         until, warm_until = t0 + warmup + seconds, t0 + warmup
         results = await asyncio.gather(
-            *(_tenant(pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts, lost, t0)
+            *(_tenant(ch, pb_grpc.UnischedStub(ch), pb, n, renew_s, until, warm_until, rtts, counts, lost, t0)
               for ch, n in zip(channels, names, strict=True)),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
         counts["errors"] = len(errors)
         counts["lost"] = len(lost)
-        for ch in channels:
-            await ch.close()
         out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
 
     asyncio.run(main())
@@ -246,7 +265,7 @@ def main() -> int:
     cpu1, _ = proc_stats(daemon.pid)
     clients1, busy1, self1 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
     elapsed = time.monotonic() - t0
-    parts = [q.get(timeout=120 + 2 * STALL_S) for _ in workers]
+    parts = [q.get(timeout=120 + 2 * STALL_S + CLOSE_S) for _ in workers]
     for w in workers:
         w.join(30)
     import resource
@@ -269,7 +288,9 @@ for cg in d.managed():
     lost = sorted((x for p in parts for x in p["lost"]), key=lambda x: x["at_s"])
     reasons: dict[str, int] = {}
     for x in lost:
-        reasons[f"{x['code']}: {x['details']}"] = reasons.get(f"{x['code']}: {x['details']}", 0) + 1
+        key = f"{x['code']}: {x['details']} ({'in the window' if x['phase'] == 'window' else 'after the window'})"
+        reasons[key] = reasons.get(key, 0) + 1
+    lost_in_window = sum(1 for x in lost if x["phase"] == "window")
     res: dict[str, Any] = {
         "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -285,7 +306,8 @@ for cg in d.managed():
         # whatever else ran on the machine in the window (another user's tests skew a 2-CPU run)
         "other_cpu_cores": max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - (clients1 - clients0) - (self1 - self0)) / elapsed,
         "counts": counts, "errors": [e for p in parts for e in p["errors"]][:10],
-        "streams_lost": len(lost), "lost_by_reason": reasons,
+        "streams_lost": len(lost), "streams_lost_in_window": lost_in_window,
+        "streams_lost_after_window": len(lost) - lost_in_window, "lost_by_reason": reasons,
         "lost_at_s": [min(x["at_s"] for x in lost), max(x["at_s"] for x in lost)] if lost else [],
         "lost_first": lost[:5],
     }
@@ -300,7 +322,8 @@ for cg in d.managed():
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
     md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
            f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
-    md += f"\nStreams lost: {len(lost)} of {args.tenants}"
+    md += (f"\nStreams lost: {len(lost)} of {args.tenants} ({lost_in_window} in the window, "
+           f"{len(lost) - lost_in_window} in the shutdown after it)")
     md += (" (" + "; ".join(f"{n} {r}" for r, n in reasons.items())
            + f"; at {res['lost_at_s'][0]:.1f}..{res['lost_at_s'][1]:.1f} s from the clients' start)\n" if lost else "\n")
     if res["errors"]:

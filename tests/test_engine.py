@@ -420,7 +420,7 @@ def test_paced_tenants_that_leave_their_turns_unused_are_not_kept_sliced(tmp_pat
     def busy() -> float:
         return 0.2 if rig.frozen("a") or rig.frozen("b") else 1.0  # alone, each leaves the GPU mostly idle
     sliced = _step_with_util(rig, tel, busy, 1200)  # a minute of 50 ms slices
-    assert 0 < sliced < 0.03 * 1200, sliced  # tried a few times, then held open for up to 30 s
+    assert 0 < sliced < 0.05 * 1200, sliced  # tried a few times (0.5 s each), then held open for up to 30 s
 
 
 def test_a_paced_render_tenant_busy_on_its_cpu_did_not_use_its_turn(tmp_path: Path) -> None:
@@ -434,7 +434,7 @@ def test_a_paced_render_tenant_busy_on_its_cpu_did_not_use_its_turn(tmp_path: Pa
     def busy() -> float:
         return 0.2 if rig.frozen("a") or rig.frozen("b") else 1.0
     sliced = _step_with_util(rig, tel, busy, 1200)
-    assert 0 < sliced < 0.03 * 1200, sliced
+    assert 0 < sliced < 0.05 * 1200, sliced
 
 
 def test_a_holder_busy_on_its_cpu_used_its_turn_when_utilization_cannot_see_it(tmp_path: Path) -> None:
@@ -450,6 +450,30 @@ def test_a_holder_busy_on_its_cpu_used_its_turn_when_utilization_cannot_see_it(t
     sliced = _step_with_util(rig, tel, busy, 800)
     assert sliced > 0.95 * 800
     assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_training_and_render_pair_stays_sliced_through_stale_samples_and_slow_thaws(tmp_path: Path) -> None:
+    """What the H200 showed: NVML's 200 ms sample averages four 50 ms turns (the render's turn reads half busy;
+    the trainer's reads nothing, its kernels are invisible), and a trainer's first slice after a thaw is not a
+    full core. Judged slice by slice, two such slices in a row opened the pair three times in 12 s."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.add("a", 100)  # trains (compute)
+    rig.add("b", 100, engines=("graphics",))  # renders
+    render_ran: list[float] = []
+    was_frozen = False
+    sliced, a_frozen = 0, 0
+    for i in range(1240):
+        render_ran.append(0.0 if rig.frozen("b") else 1.0)
+        tel.next_samples = [GpuSample(0, sum(render_ran[-4:]) / len(render_ran[-4:]), 0.0, 0.0, 0)]
+        rig.rate["a"] = 0.5 if was_frozen else 1.0
+        was_frozen = rig.frozen("a")
+        rig.step()
+        if i >= 440:
+            sliced += rig.frozen("a") or rig.frozen("b")
+            a_frozen += rig.frozen("a")
+    assert sliced > 0.95 * 800, sliced
+    assert 0.3 < a_frozen / sliced < 0.7, a_frozen / sliced  # both get turns
 
 
 def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:

@@ -50,6 +50,10 @@ SAVE_DELAY_S = 0.5
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
 two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
+SATURATION_LEAVE_S = 0.4
+"""How long the holders must leave their turns unused before slicing stops. Not one or two slices: NVML's 200 ms
+sample mixes four 50 ms turns, so a render's turn can read half busy, and a trainer's first slice after a thaw is
+not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
 SATURATION_HOLD_S = (2.0, 30.0)
 """How long an engine stays open after slicing left its turns unused (paced tenants), doubling up to the second."""
 TURN_CPU_CORES = 0.7
@@ -226,6 +230,7 @@ class KernelEngine:
             return max(2, math.ceil(seconds * 1000.0 / config.slice_ms - 1e-9))
         self.saturation = SaturationGate(SaturationConfig(
             high=high, low=min(high, max(0.0, high - 0.3)), enter_slices=slices(SATURATION_ENTER_S),
+            leave_slices=slices(SATURATION_LEAVE_S),
             hold_slices=slices(SATURATION_HOLD_S[0]), max_hold_slices=slices(SATURATION_HOLD_S[1]),
             reset_slices=slices(SATURATION_HOLD_S[0])))
         gpus = list(telemetry.gpus())
