@@ -5,14 +5,17 @@ Each tenant is one lease stream (hello, want compute, then a renewal report ever
 time) on its own connection to the daemon's socket, spread over --procs worker processes running asyncio. A
 renewal's round trip is from sending the report to receiving its ack (same seq). With --tenants 1 it is the idle
 round trip the user engine's target is about (p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml
-(CPU only) unless --nvml.
+(CPU only) unless --nvml. With --client library the tenants are the client library's `Client` instead.
 
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
-Only renewals sent within the measured window count (none is sent into the other tenants' teardown). A stream
-that ends before its tenant ends it is counted as lost, with why and when; one whose writes stop
-completing (STALL_S) is counted as STALLED and cancelled, so a stall is reported instead of hanging the run.
+Only renewals sent within the measured window count (none is sent into the other tenants' teardown). After the
+window each tenant releases, half-closes and keeps reading until the daemon ends its stream (CLOSE_S at most), so
+every stream is shut down cleanly. A stream that ends before its tenant ends it is counted as lost, with why,
+when, and whether in the window or in the shutdown after it; one whose writes stop completing (STALL_S) or
+that the daemon does not end in time is counted as STALLED and cancelled, so a stall is reported instead of
+hanging the run.
 The report also says how much CPU the clients and anything else on the machine used in the window (on 2 CPUs
 another user's work skews it).
 
@@ -48,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 STALL_S = 20.0
 """A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
+CLOSE_S = 120.0
+"""After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 
 
 class _Stalled(Exception):
@@ -63,8 +68,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until: float,
                   rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
-    """One cooperative tenant on its own lease stream: hello, want, then a renewal report every renew_s (0: back
-    to back). A stream that ends before the tenant ends it is recorded in `lost` (when, why)."""
+    """One cooperative tenant on its own connection: hello, want, then a renewal report every renew_s (0: back to
+    back); after the window, release, half-close and read until the daemon ends the stream, then close. A stream
+    that ends before the tenant ends it is recorded in `lost` (when, why, and whether in the window or in the
+    shutdown after it)."""
     from unisched.transport import unisched_pb2 as pb
     from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
@@ -73,44 +80,41 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
     ending = [False]
 
-    def lose(code: str, details: str) -> None:
+    def record(code: str, details: str) -> None:
         lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": code, "details": details,
-                     "debug": ""})
+                     "phase": "shutdown" if ending[0] else "window", "debug": ""})
 
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(sock), STALL_S)
-    except (OSError, TimeoutError) as e:
-        lose("CONNECT", repr(e))
+        reader, writer = await asyncio.open_unix_connection(sock)
+    except OSError as e:
+        record("CONNECT", repr(e))
         return
 
-    async def send(req: Any, what: str) -> None:
+    async def op(data: bytes, what: str) -> None:
         """Every write is bounded: a stream whose writes stop completing is reported, not waited for."""
-        writer.write(frame(req) if what != "hello" else MAGIC + frame(req))
-        try:
-            await asyncio.wait_for(writer.drain(), STALL_S)
-        except TimeoutError:
-            lose("STALLED", f"{what} not sent within {STALL_S:g} s" + (" (after the window)" if ending[0] else ""))
+        writer.write(data)
+        fut = asyncio.ensure_future(writer.drain())
+        done, _ = await asyncio.wait([fut], timeout=STALL_S)
+        if not done:
+            record("STALLED", f"{what} not sent within {STALL_S:g} s")
             writer.transport.abort()
-            raise _Stalled from None
-
-    try:
-        await send(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)), "hello")
-        await send(pb.LeaseRequest(want=pb.LeaseWant(engine="compute")), "want")
-    except (_Stalled, OSError):
-        return
+            fut.cancel()
+            raise _Stalled
+        fut.result()
 
     async def read_replies() -> None:
+        """Reads every reply until the daemon ends the stream (also after the window)."""
         frames = FrameReader(MAX_REPLY_BYTES)
         while True:
             try:
                 data = await reader.read(1 << 16)
             except OSError as e:
-                lose(type(e).__name__, str(e))
+                record(type(e).__name__, str(e))
                 acked.set()
                 return
             if not data:
                 if not ending[0]:
-                    lose("EOF", "the daemon ended the stream")
+                    record("EOF", "the daemon ended the stream")
                 acked.set()
                 return
             for payload in frames.feed(data):
@@ -128,13 +132,16 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
                     counts["revokes"] += 1
                     held[0] = False
                 elif kind == "error":
-                    lose(reply.error.code, reply.error.details)
+                    record(reply.error.code, reply.error.details)
 
-    task = asyncio.create_task(read_replies())
-    loop = asyncio.get_running_loop()
-    next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
-    seq = 0
+    task: asyncio.Task[None] | None = None
     try:
+        await op(MAGIC + frame(pb.LeaseRequest(hello=pb.LeaseHello(tenant=name, weight=100)))
+                 + frame(pb.LeaseRequest(want=pb.LeaseWant(engine="compute"))), "hello")
+        task = asyncio.create_task(read_replies())
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
+        seq = 0
         while time.perf_counter() < until and not task.done():
             if renew_s > 0:
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
@@ -146,19 +153,26 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
             sent[seq] = time.perf_counter()
             counts["sent"] += 1
             used = 0.001 if held[0] else 0.0
-            await send(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used)), "renewal")
+            await op(frame(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used))),
+                     "renewal")
             if renew_s <= 0:  # back to back: the next renewal once this one's ack is in
                 await acked.wait()
         if task.done():  # the stream ended under us (recorded by the reader)
             return
         ending[0] = True
-        await send(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True)), "release")
-        writer.write_eof()
-        await asyncio.wait_for(task, 5)
+        await op(frame(pb.LeaseRequest(report=pb.LeaseReport(engine="compute", release=True))), "release")
+        writer.write_eof()  # the half-close: the daemon ends the session and then the stream
+        done, _ = await asyncio.wait([task], timeout=CLOSE_S)
+        if not done:
+            record("STALLED", f"stream not ended by the daemon within {CLOSE_S:g} s of the half-close")
+            task.cancel()
     except _Stalled:
-        task.cancel()
-    except (TimeoutError, OSError):
-        task.cancel()
+        if task is not None:
+            task.cancel()
+    except OSError:  # a write after the stream ended: the reader records how
+        if task is not None:
+            await asyncio.wait([task], timeout=5)
+            task.cancel()
     finally:
         writer.close()
 
@@ -299,7 +313,7 @@ def main() -> int:
     cpu1, _ = proc_stats(daemon.pid)
     clients1, busy1, self1 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
     elapsed = time.monotonic() - t0
-    parts = [q.get(timeout=120 + 2 * STALL_S) for _ in workers]
+    parts = [q.get(timeout=120 + 2 * STALL_S + CLOSE_S) for _ in workers]
     for w in workers:
         w.join(30)
     import resource
@@ -322,7 +336,9 @@ for cg in d.managed():
     lost = sorted((x for p in parts for x in p["lost"]), key=lambda x: x["at_s"])
     reasons: dict[str, int] = {}
     for x in lost:
-        reasons[f"{x['code']}: {x['details']}"] = reasons.get(f"{x['code']}: {x['details']}", 0) + 1
+        key = f"{x['code']}: {x['details']} ({'in the window' if x['phase'] == 'window' else 'after the window'})"
+        reasons[key] = reasons.get(key, 0) + 1
+    lost_in_window = sum(1 for x in lost if x["phase"] == "window")
     res: dict[str, Any] = {
         "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
@@ -338,7 +354,8 @@ for cg in d.managed():
         # whatever else ran on the machine in the window (another user's tests skew a 2-CPU run)
         "other_cpu_cores": max(0.0, (busy1 - busy0) - (cpu1 - cpu0) - (clients1 - clients0) - (self1 - self0)) / elapsed,
         "counts": counts, "errors": [e for p in parts for e in p["errors"]][:10],
-        "streams_lost": len(lost), "lost_by_reason": reasons,
+        "streams_lost": len(lost), "streams_lost_in_window": lost_in_window,
+        "streams_lost_after_window": len(lost) - lost_in_window, "lost_by_reason": reasons,
         "lost_at_s": [min(x["at_s"] for x in lost), max(x["at_s"] for x in lost)] if lost else [],
         "lost_first": lost[:5],
     }
@@ -353,7 +370,8 @@ for cg in d.managed():
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
     md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
            f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
-    md += f"\nStreams lost: {len(lost)} of {args.tenants}"
+    md += (f"\nStreams lost: {len(lost)} of {args.tenants} ({lost_in_window} in the window, "
+           f"{len(lost) - lost_in_window} in the shutdown after it)")
     md += (" (" + "; ".join(f"{n} {r}" for r, n in reasons.items())
            + f"; at {res['lost_at_s'][0]:.1f}..{res['lost_at_s'][1]:.1f} s from the clients' start)\n" if lost else "\n")
     if res["errors"]:

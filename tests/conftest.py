@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from unisched.telemetry import FakeTelemetry, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +53,20 @@ def cli(*args: str, timeout: float = 30.0, check: bool = False) -> subprocess.Co
     if check and proc.returncode != 0:
         raise AssertionError(f"unisched {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
     return proc
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Unix socket paths must stay under 108 bytes: a short directory in /tmp (kubelet plugin sockets)."""
+    d = Path(tempfile.mkdtemp(prefix="k-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def telemetry() -> FakeTelemetry:
+    """Two H200s, as the device plugin and DRA tests see a node."""
+    return FakeTelemetry([GpuInfo(0, "H200", "GPU-0", 141 << 30), GpuInfo(1, "H200", "GPU-1", 141 << 30)])
 
 
 def wait_until(predicate, timeout: float, what: str, poll: float = 0.05):  # type: ignore[no-untyped-def]

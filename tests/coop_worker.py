@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -27,6 +28,7 @@ ap.add_argument("--fail-open", action="store_true")
 ap.add_argument("--ignore-revokes", action="store_true")
 ap.add_argument("--bad-requests", action="store_true")
 ap.add_argument("--ready-file", help="touched once registered")
+ap.add_argument("--stop-file", help="also stop once this file exists (a test that waits for a state stops it when seen)")
 args = ap.parse_args()
 
 
@@ -82,7 +84,7 @@ gate = client.gate("compute")
 unit = args.unit_ms / 1000.0
 end = time.monotonic() + args.seconds
 units = 0
-while time.monotonic() < end:
+while time.monotonic() < end and not (args.stop_file and os.path.exists(args.stop_file)):
     if not args.ignore_revokes:
         gate.acquire()
     elif not gate.wanting:

@@ -5,6 +5,9 @@ kubelet does: checks the version, dials the plugin's endpoint in the same direct
 a ListAndWatch stream open, recording every device list. `restart()` behaves like a kubelet restart: the old
 server goes, every socket in the directory is removed, and a new kubelet.sock appears.
 `FakePodResources` serves the real podresources v1 API on a Unix socket from a list the test edits.
+`StubPluginWatcher` is the kubelet's plugin watcher and DRA manager as far as a DRA driver can tell: the
+plugin registration v1 API (GetInfo, NotifyRegistrationStatus) on the sockets found in a plugins_registry
+directory, then the DRA v1beta1 API on the endpoint the driver names.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import grpc
 
 from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
 from unisched.transport.kubelet import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from unisched.transport.kubelet import dra_v1beta1_pb2_grpc as dra_grpc
+from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
+from unisched.transport.kubelet import pluginregistration_v1_pb2_grpc as reg_grpc
 from unisched.transport.kubelet import podresources_v1_pb2 as pr
 from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
 
@@ -173,3 +179,72 @@ def pod(namespace: str, name: str, **containers: dict[str, list[str]]) -> pr.Pod
             for c, held in containers.items()
         ],
     )
+
+
+@dataclass
+class DriverSeen:
+    """One DRA driver as the watcher registered it."""
+
+    info: reg.PluginInfo
+    channel: grpc.Channel
+    stub: dra_grpc.DRAPluginStub
+
+
+class StubPluginWatcher:
+    """What the kubelet does with a plugins_registry directory, one `scan()` at a time (the kubelet reacts to
+    file events; a test scans when it wants the watcher to look).
+
+    For each socket not seen before: dial it, GetInfo, validate as the kubelet's DRA plugin handler does (type
+    DRAPlugin, a supported version it knows, an endpoint that exists), NotifyRegistrationStatus with the verdict,
+    and keep a DRAPlugin stub to the endpoint of each registered driver.
+    """
+
+    def __init__(self, registry_dir: Path, versions: tuple[str, ...] = ("v1beta1.DRAPlugin",)) -> None:
+        self.dir = registry_dir
+        self.versions = versions
+        self.drivers: dict[str, DriverSeen] = {}
+        self.refused: dict[str, str] = {}
+        self._seen: set[Path] = set()
+
+    def scan(self) -> list[str]:
+        """Socket files new since the last scan, each registered or refused; the names registered."""
+        registered = []
+        for sock in sorted(p for p in self.dir.iterdir() if p.is_socket() and p not in self._seen):
+            self._seen.add(sock)
+            with grpc.insecure_channel(f"unix:{sock}") as channel:
+                stub = reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+                info = stub.GetInfo(reg.InfoRequest(), timeout=10)
+                problem = self._validate(info)
+                stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=problem is None,
+                                                                     error=problem or ""), timeout=10)
+            if problem is not None:
+                self.refused[info.name] = problem
+                continue
+            old = self.drivers.pop(info.name, None)
+            if old is not None:
+                old.channel.close()
+            ch = grpc.insecure_channel(f"unix:{info.endpoint}")
+            self.drivers[info.name] = DriverSeen(info, ch, dra_grpc.DRAPluginStub(ch))  # type: ignore[no-untyped-call]
+            registered.append(info.name)
+        return registered
+
+    def _validate(self, info: reg.PluginInfo) -> str | None:
+        if info.type != "DRAPlugin":
+            return f"plugin type {info.type!r} is not DRAPlugin"
+        if not set(info.supported_versions) & set(self.versions):
+            return f"none of the versions {list(info.supported_versions)} is supported (this kubelet: {list(self.versions)})"
+        if not Path(info.endpoint).is_absolute() or not Path(info.endpoint).is_socket():
+            return f"endpoint {info.endpoint!r} is not a socket"
+        return None
+
+    def forget(self) -> None:
+        """Look at every socket again at the next scan (a kubelet restart)."""
+        self._seen.clear()
+
+    def plugin(self, name: str) -> dra_grpc.DRAPluginStub:
+        return self.drivers[name].stub
+
+    def stop(self) -> None:
+        for d in self.drivers.values():
+            d.channel.close()
+        self.drivers = {}

@@ -1,4 +1,4 @@
-"""The committed gRPC code must match unisched.proto."""
+"""The committed gRPC code must match unisched.proto and the kubelet's .proto files beside it."""
 
 import pytest
 
@@ -8,3 +8,9 @@ def test_generated_code_is_up_to_date() -> None:
     from unisched.transport.codegen import stale_files
 
     assert stale_files() == [], "run: python -m unisched.transport.codegen"
+
+
+def test_every_proto_is_generated_and_checked() -> None:
+    from unisched.transport.codegen import HERE, PROTOS
+
+    assert set(HERE.rglob("*.proto")) == set(PROTOS)

@@ -133,6 +133,8 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 KUBE = ROOT / "deploy" / "kubernetes"
 KUBE_VERSIONS = ("1.29.0", "1.37.0")  # the oldest release we claim, and the newest schemas kubernetes-validate bundles
+DRA = KUBE / "dra"
+DRA_VERSIONS = ("1.34.0", "1.37.0")  # dra/ needs resource.k8s.io/v1, GA (and in the schemas) from 1.34
 EXAMPLES_IN_PODS = {"01", "02", "03", "04", "05", "mixed_train_render", "ad_sim", "cloud_gaming", "online_offline"}
 
 
@@ -146,11 +148,11 @@ def _manifests() -> list[Path]:
     return sorted(KUBE.rglob("*.yaml"))
 
 
-def _schema_errors(doc: dict) -> list[str]:  # type: ignore[type-arg]
+def _schema_errors(doc: dict, versions: tuple[str, ...] = KUBE_VERSIONS) -> list[str]:  # type: ignore[type-arg]
     """What the Kubernetes JSON schemas (strict: no unknown fields) say about one object, offline."""
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the test extra) bundles the schemas")
     errors = []
-    for version in KUBE_VERSIONS:
+    for version in versions:
         try:
             kv.validate(doc, version, strict=True)
         except (kv.ValidationError, kv.SchemaNotFoundError) as e:
@@ -163,10 +165,11 @@ def _by_kind(kind: str) -> dict[str, dict]:  # type: ignore[type-arg]
 
 
 def _pod_specs() -> list[tuple[dict, dict]]:  # type: ignore[type-arg]
-    """(metadata, pod spec) of every pod and pod template under examples/ and schedulers/."""
+    """(metadata, pod spec) of every pod and pod template under examples/ and schedulers/ (dra/'s pods ask
+    through claims: test_dra_manifests_agree_with_the_driver)."""
     out = []
     for p in _manifests():
-        if p.parent == KUBE:
+        if p.parent in (KUBE, DRA):
             continue
         for d in _docs(p):
             if d["kind"] == "Pod":
@@ -179,8 +182,10 @@ def _pod_specs() -> list[tuple[dict, dict]]:  # type: ignore[type-arg]
 def test_kubernetes_manifests_match_the_schemas() -> None:
     files = _manifests()
     assert {p.name for p in files} >= {"namespace.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml"}
-    errors = [e for p in files for d in _docs(p) for e in _schema_errors(d)]
+    errors = [e for p in files for d in _docs(p) for e in _schema_errors(d, DRA_VERSIONS if p.parent == DRA else KUBE_VERSIONS)]
     assert errors == []
+    assert {p.name for p in files if p.parent == DRA} == {"daemonset.yaml", "deviceclass.yaml", "rbac.yaml",
+                                                          "claim-templates.yaml", "side-by-side.yaml"}
     assert sum(len(_docs(p)) for p in files) >= 20
 
 
@@ -260,7 +265,7 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
 
 
 def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:
-    (role,) = _by_kind("ClusterRole").values()
+    role = _by_kind("ClusterRole")["unisched-device-plugin"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
     binding = _by_kind("ClusterRoleBinding")["unisched-device-plugin"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -310,3 +315,83 @@ def test_second_scheduler_owns_the_render_pool_and_pods_pick_pools() -> None:
         "nodeSelectorTerms"]
     assert train_term["matchExpressions"] == [{"key": pool_key, "operator": "In", "values": ["train"]}]
     assert "schedulerName" not in pods["trainer"]
+
+
+def test_dra_manifests_agree_with_the_driver() -> None:
+    from unisched.transport.kubelet import dra_v1beta1_pb2 as dra_pb
+    from unisched.transport.kubelet.dra import (
+        CONFIG_API_VERSION,
+        CONFIG_KIND,
+        DEFAULT_CDI_DIR,
+        DEFAULT_PLUGINS_DIR,
+        DEFAULT_REGISTRY_DIR,
+        DRIVER_NAME,
+        DraConfig,
+        prepared_claim,
+    )
+
+    (cls,) = _docs(DRA / "deviceclass.yaml")
+    assert cls["metadata"]["name"] == DRIVER_NAME
+    assert cls["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{DRIVER_NAME}"'}}]
+    # the node agent: the daemon as in ../daemonset.yaml, and the driver at the kubelet's paths
+    ds = _by_kind("DaemonSet")["unisched-dra"]
+    spec = ds["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"daemon", "dra-driver"}
+    assert containers["daemon"] == _by_kind("DaemonSet")["unisched"]["spec"]["template"]["spec"]["containers"][0]
+    driver = containers["dra-driver"]
+    args = build_parser().parse_args(driver["command"][1:] + driver["args"])
+    assert args.command == "dra-driver" and args.driver_name == DRIVER_NAME and args.socket == DEFAULT_SOCKET
+    mounts = {m["mountPath"]: host.get(m["name"], m["name"]) for m in driver["volumeMounts"]}
+    assert mounts[args.plugins_dir] == DEFAULT_PLUGINS_DIR and mounts[args.registry_dir] == DEFAULT_REGISTRY_DIR
+    assert mounts[args.cdi_dir] == DEFAULT_CDI_DIR and mounts[str(Path(args.socket).parent)] == "/run/unisched"
+    node_name = next(e for e in driver["env"] if e["name"] == "NODE_NAME")
+    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # DRA nodes run this agent and not the device plugin's: the two node selections exclude each other
+    def terms(name: str) -> list[dict]:  # type: ignore[type-arg]
+        aff = _by_kind("DaemonSet")[name]["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
+        (term,) = aff["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        return term["matchExpressions"]  # type: ignore[no-any-return]
+
+    assert {"key": "unisched.io/dra", "operator": "In", "values": ["true"]} in terms("unisched-dra")
+    assert {"key": "unisched.io/dra", "operator": "NotIn", "values": ["true"]} in terms("unisched")
+    # RBAC: read claims and pods, keep slices; nothing more
+    role = _by_kind("ClusterRole")["unisched-dra-driver"]
+    assert {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]} == {("", "pods", "get"), ("resource.k8s.io", "resourceclaims", "get"),
+                                        ("resource.k8s.io", "resourceslices", "get"),
+                                        ("resource.k8s.io", "resourceslices", "create"),
+                                        ("resource.k8s.io", "resourceslices", "update")}
+    binding = _by_kind("ClusterRoleBinding")["unisched-dra-driver"]
+    assert binding["roleRef"]["name"] == "unisched-dra-driver" and binding["subjects"][0]["name"] == spec["serviceAccountName"]
+    # each template asks for one device of the class, and the driver accepts the claim the scheduler makes of it
+    templates = _by_kind("ResourceClaimTemplate")
+    config = DraConfig(node_name="n", gpus=(0,), weight_per_gpu=args.weight_per_gpu)
+    for name, t in templates.items():
+        (request,) = t["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["deviceClassName"] == DRIVER_NAME
+        weight = request["exactly"]["capacity"]["requests"]["weight"]
+        (cfg,) = t["spec"]["spec"]["devices"]["config"]
+        params = cfg["opaque"]["parameters"]
+        assert (cfg["opaque"]["driver"], params["apiVersion"], params["kind"]) == (DRIVER_NAME, CONFIG_API_VERSION, CONFIG_KIND)
+        assert int(weight) == params["weight"] <= args.weight_per_gpu, name
+        claim = {"metadata": {"uid": "u-1"}, "status": {
+            "allocation": {"devices": {
+                "results": [{"request": request["name"], "driver": DRIVER_NAME, "pool": "n", "device": "gpu0",
+                             "consumedCapacity": {"weight": weight}}],
+                "config": [{"source": "FromClaim", **cfg}]}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": "u-2"}]}}
+        prepared = prepared_claim(config, dra_pb.Claim(namespace="default", name=name, uid="u-1"), claim)
+        assert prepared.weight == params["weight"]
+    # the sample pods name a template and use its claim, and run as non-root with the seccomp profile
+    pods = [d for d in _docs(DRA / "side-by-side.yaml") if d["kind"] == "Pod"]
+    assert len(pods) == 2
+    for pod in pods:
+        ((claim_ref,), (c,)) = pod["spec"]["resourceClaims"], pod["spec"]["containers"]
+        assert claim_ref["resourceClaimTemplateName"] in templates
+        assert c["resources"]["claims"] == [{"name": claim_ref["name"]}]
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/unisched-gpu.json"}
+        script = next(a for a in c["command"] if a.startswith("/opt/unisched/"))
+        assert (ROOT / script.removeprefix("/opt/unisched/")).is_file(), script

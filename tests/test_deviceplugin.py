@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from conftest import ROOT, child_env, freezer_unavailable_reason, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import FakePodResources, StubKubelet, pod
 
-from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
 from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
 from unisched.transport.kubelet.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
@@ -34,19 +33,6 @@ SOCK = "/run/unisched/unisched.sock"
 def ids(gpu: int, first: int, count: int, letter: str = "w") -> list[str]:
     width = 3 if letter == "w" else 1
     return [f"gpu{gpu}-{letter}{k:0{width}d}" for k in range(first, first + count)]
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Unix socket paths must stay under 108 bytes: a short directory in /tmp."""
-    d = Path(tempfile.mkdtemp(prefix="dp-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def telemetry() -> FakeTelemetry:
-    return FakeTelemetry([GpuInfo(0, "H200", "GPU-0", 141 << 30), GpuInfo(1, "H200", "GPU-1", 141 << 30)])
 
 
 class Plugin:

@@ -16,6 +16,14 @@ from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
+from unisched.transport.kubelet.dra import (
+    CDI_KIND,
+    CONFIG_KIND,
+    DEFAULT_CDI_DIR,
+    DEFAULT_PLUGINS_DIR,
+    DEFAULT_REGISTRY_DIR,
+    DRIVER_NAME,
+)
 from unisched.transport.kubelet.plugin import DEFAULT_KUBELET_DIR
 
 __all__ = ["main"]
@@ -165,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
     s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
     s.add_argument("--saturated-util", type=float, metavar="U",
-                   help="slice a GPU engine's tenants only while its utilization is >= U (0..1, default 0.9; 0 = always)")
+                   help="slice a GPU engine's tenants only while its mean busy fraction over 0.4 s is >= U "
+                        "(0..1, default 0.98; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
@@ -232,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes (default 1)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     _add_device_plugin(sub)
+    _add_dra_driver(sub)
     return ap
 
 
@@ -265,15 +275,59 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
                    help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
     d.add_argument("--units-per-gpu", type=_int_in("units per GPU", 1, 1000), default=100,
                    help="unisched.io/gpu-weight device IDs per GPU (default 100: a pod's count is its weight)")
+    _add_node_agent_args(d, ("advertise", "advertised"), ("unisched.io/render-sessions", "unisched.io/decode-sessions"),
+                         "kubelet, health and adoption checks")
+
+
+def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str], checks: str) -> None:
+    """The flags `device-plugin` and `dra-driver` share."""
     d.add_argument("--render-sessions", type=_int_in("render sessions per GPU", 1, 1000),
-                   help="advertise unisched.io/render-sessions, this many per GPU (default: not advertised)")
+                   help=f"{verb[0]} {sessions[0]}, this many per GPU (default: not {verb[1]})")
     d.add_argument("--decode-sessions", type=_int_in("decode sessions per GPU", 1, 1000),
-                   help="advertise unisched.io/decode-sessions, this many per GPU (default: not advertised)")
-    d.add_argument("--gpus", type=_gpus, default=[], help="GPU indices to advertise (default: the GPUs the daemon serves)")
+                   help=f"{verb[0]} {sessions[1]}, this many per GPU (default: not {verb[1]})")
+    d.add_argument("--gpus", type=_gpus, default=[], help=f"GPU indices to {verb[0]} (default: the GPUs the daemon serves)")
     d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
-    d.add_argument("--interval", type=_interval, default=2.0,
-                   help="seconds between kubelet, health and adoption checks (default 2)")
+    d.add_argument("--interval", type=_interval, default=2.0, help=f"seconds between {checks} (default 2)")
     d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
+
+
+def _add_dra_driver(sub: Any) -> None:
+    d = sub.add_parser(
+        "dra-driver",
+        help=f"Kubernetes DRA driver {DRIVER_NAME} (1.34+): publish GPUs, prepare claims as CDI devices (as root)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"""\
+Run beside `unisched serve` on a Kubernetes 1.34+ node, instead of `unisched device-plugin`
+(deploy/kubernetes/dra/ has the DaemonSet, DeviceClass and a sample claim; docs/kubernetes.md).
+
+Registers with the kubelet through its plugins_registry directory (plugin registration API v1: GetInfo says
+DRAPlugin {DRIVER_NAME}, v1beta1.DRAPlugin) and serves the DRA plugin API v1beta1 under --plugins-dir.
+Publishes the node's ResourceSlice: one device per GPU (gpu0, gpu1, ...; attributes index, uuid, product,
+renderSessions, decodeSessions) with capacity `weight` = --weight-per-gpu, shareable by consumable capacity.
+
+NodePrepareResources reads each ResourceClaim from the API server, takes its {DRIVER_NAME} devices on this node
+and its weight ({CONFIG_KIND} opaque config `weight`, else the weight capacity consumed, else the whole GPU's),
+writes a CDI spec ({CDI_KIND}) into --cdi-dir that gives the containers UNISCHED_TENANT, UNISCHED_WEIGHT,
+UNISCHED_GPU, UNISCHED_SOCKET, NVIDIA_VISIBLE_DEVICES, the daemon's socket directory and the GPUs' device nodes,
+and adopts the pod's cgroup as that daemon tenant. NodeUnprepareResources removes both. A claim that cannot be
+prepared fails alone, with the reason in the pod's events.
+""",
+    )
+    _add_socket(d)
+    d.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                   help="this node's name: the ResourceSlice's pool and node (default: $NODE_NAME)")
+    d.add_argument("--driver-name", default=DRIVER_NAME, help=f"the DRA driver name (default {DRIVER_NAME})")
+    d.add_argument("--plugins-dir", default=DEFAULT_PLUGINS_DIR,
+                   help=f"the kubelet's plugins directory; the driver serves <dir>/<driver-name>/dra.sock "
+                        f"(default {DEFAULT_PLUGINS_DIR})")
+    d.add_argument("--registry-dir", default=DEFAULT_REGISTRY_DIR,
+                   help=f"the kubelet's plugins_registry directory (default {DEFAULT_REGISTRY_DIR})")
+    d.add_argument("--cdi-dir", default=DEFAULT_CDI_DIR,
+                   help=f"where CDI specs are written, read by the container runtime (default {DEFAULT_CDI_DIR})")
+    d.add_argument("--weight-per-gpu", type=_int_in("weight per GPU", 1, 1000), default=100,
+                   help="the weight capacity of each GPU, and a whole GPU's weight (default 100)")
+    _add_node_agent_args(d, ("publish", "published"), ("attribute renderSessions", "attribute decodeSessions"),
+                         "socket, health, ResourceSlice and adoption checks")
 
 
 def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
@@ -584,6 +638,28 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
                                cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)
 
 
+def _cmd_dra_driver(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from unisched.logs import configure_logging
+    from unisched.transport.kubelet.dra import DraConfig
+    from unisched.transport.kubelet.run import serve_dra_driver
+
+    if not args.node_name:
+        print("unisched dra-driver: no node name: pass --node-name or set NODE_NAME (the DaemonSet sets it from "
+              "spec.nodeName)", file=sys.stderr)
+        return 2
+    configure_logging(args.log_format)
+    config = DraConfig(
+        node_name=args.node_name, gpus=tuple(args.gpus), driver_name=args.driver_name,
+        plugins_dir=Path(args.plugins_dir), registry_dir=Path(args.registry_dir), cdi_dir=Path(args.cdi_dir),
+        daemon_socket=args.socket, weight_per_gpu=args.weight_per_gpu, render_sessions=args.render_sessions or 0,
+        decode_sessions=args.decode_sessions or 0,
+    )
+    return serve_dra_driver(config, interval=args.interval,
+                            cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)
+
+
 def _cmd_top(args: argparse.Namespace) -> int:
     from unisched.cli.top import run_top
 
@@ -602,6 +678,7 @@ _COMMANDS = {
     "status": _cmd_status,
     "top": _cmd_top,
     "device-plugin": _cmd_device_plugin,
+    "dra-driver": _cmd_dra_driver,
 }
 
 

@@ -80,8 +80,9 @@ class DaemonConfig:
     lease_timeout_ms: float = 250.0
     """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
     activity_threshold: float = 0.02
-    saturated_util: float = 0.90
-    """Kernel engine: tenants of a GPU engine are sliced only while its utilization is at least this (0 = always)."""
+    saturated_util: float = 0.98
+    """Kernel engine: tenants of a GPU engine are sliced only while its mean busy fraction over 0.4 s is at least
+    this (0 = always). Near 1 because saturated means never idle (engine.core: SATURATION_*)."""
     contention: str = "auto"
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT

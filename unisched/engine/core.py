@@ -8,6 +8,7 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,20 @@ __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "Le
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
 SAVE_DELAY_S = 0.5
+SATURATION_ENTER_S = 0.4
+"""The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
+two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
+SATURATION_LEAVE_S = 0.4
+"""How long the holders must leave their turns unused before slicing stops. Not one or two slices: NVML's 200 ms
+sample mixes four 50 ms turns, so a render's turn can read half busy, and a trainer's first slice after a thaw is
+not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
+SATURATION_HOLD_S = (2.0, 30.0)
+"""How long an engine stays open after slicing left its turns unused (paced tenants), doubling up to the second."""
+TURN_CPU_CORES = 0.7
+"""A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
+kernels are invisible to NVML utilization on the H200 VM while its launching thread stays busy. Only compute: a
+graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
+with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
 
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
@@ -210,7 +225,14 @@ class KernelEngine:
             )
         )
         high = config.saturated_util
-        self.saturation = SaturationGate(SaturationConfig(high=high, low=min(high, max(0.0, high - 0.3))))
+
+        def slices(seconds: float) -> int:
+            return max(2, math.ceil(seconds * 1000.0 / config.slice_ms - 1e-9))
+        self.saturation = SaturationGate(SaturationConfig(
+            high=high, low=min(high, max(0.0, high - 0.3)), enter_slices=slices(SATURATION_ENTER_S),
+            leave_slices=slices(SATURATION_LEAVE_S),
+            hold_slices=slices(SATURATION_HOLD_S[0]), max_hold_slices=slices(SATURATION_HOLD_S[1]),
+            reset_slices=slices(SATURATION_HOLD_S[0])))
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
@@ -787,7 +809,7 @@ class KernelEngine:
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
-        self._observe_saturation(samples)
+        self._observe_saturation(samples, cpu, dt)
         tenants = self._tenants
         leases.expire(now, lambda name: tenants[name].frozen)
         if self.config.mode is Mode.TIDAL:
@@ -805,27 +827,38 @@ class KernelEngine:
             self._log_shares(reason="demand")
         return decision.slice_s
 
-    def _observe_saturation(self, samples: Mapping[int, GpuSample]) -> None:
-        """Feed each kernel-engine resource's busy fraction to the saturation gate (see policy.saturation)."""
+    def _observe_saturation(self, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float) -> None:
+        """Feed each kernel-engine resource's busy fraction, and whether the tenants that ran on it used the slice,
+        to the saturation gate (see policy.saturation)."""
         engines_on: dict[Resource, set[Engine]] = {}
+        cpu_busy: set[Resource] = set()
         cooperative = self.leases.cooperative
         for t in self._tenants.values():
             if t.missing or cooperative(t.name):
                 continue
+            busy = (not t.frozen and Engine.COMPUTE in t.all_engines()
+                    and cpu.get(t.name, 0.0) / dt >= TURN_CPU_CORES)
             for r in t.resources:
                 engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
+                if busy:
+                    cpu_busy.add(r)
+        low = self.saturation.config.low
         for r, engines in engines_on.items():
             sample = samples.get(r.gpu)
             util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
             was_open = self.saturation.is_open(r)
             contenders = self.policy.contenders(r)
-            now_open = self.saturation.observe(r, util, contenders)
+            used = r in cpu_busy or (util is not None and util >= low)
+            now_open = self.saturation.observe(r, util, contenders, used)
             if was_open and not now_open:
                 self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
             if now_open != was_open and contenders >= 2:
+                held = self.saturation.held(r)
+                reason = ("saturated" if not now_open else
+                          f"turns left unused (paced tenants): every tenant runs for {held * self.config.slice_ms / 1000.0:.1f} s"
+                          if held else "unsaturated: every tenant runs")
                 log.info("slicing" if not now_open else "lending", gpu=r.gpu, domain=r.domain,
-                         util=None if util is None else round(util, 3),
-                         reason="saturated" if not now_open else "unsaturated: every tenant runs")
+                         util=None if util is None else round(util, 3), reason=reason)
 
     def _apply(self, decision: Decision, now: float, tick: bool) -> None:
         """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases.

@@ -1,6 +1,7 @@
 """Regenerate the committed gRPC code from our .proto files (needs grpcio-tools; dev only).
 
-unisched.proto (the daemon's API) and the kubelet's device plugin and pod resources APIs under kubelet/.
+unisched.proto (the daemon's API) and the kubelet's device plugin, pod resources, plugin registration and DRA
+plugin APIs under kubelet/.
 `python -m unisched.transport.codegen` rewrites the modules; `--check` exits 1 when any is stale.
 """
 
@@ -13,7 +14,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-PROTOS = (HERE / "unisched.proto", HERE / "kubelet" / "deviceplugin_v1beta1.proto", HERE / "kubelet" / "podresources_v1.proto")
+PROTOS = (
+    HERE / "unisched.proto",
+    HERE / "kubelet" / "deviceplugin_v1beta1.proto",
+    HERE / "kubelet" / "podresources_v1.proto",
+    HERE / "kubelet" / "pluginregistration_v1.proto",
+    HERE / "kubelet" / "dra_v1beta1.proto",
+)
 
 
 def outputs(proto: Path) -> list[Path]:

@@ -12,14 +12,9 @@ tenant whose pod was replaced, removes k8s- tenants whose pods are gone, and log
 
 from __future__ import annotations
 
-import json
-import os
-import ssl
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -31,6 +26,7 @@ from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet import podresources_v1_pb2 as pr
 from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
+from unisched.transport.kubelet.apiserver import ApiServer
 from unisched.transport.kubelet.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
 
 __all__ = [
@@ -115,38 +111,13 @@ class FakePods:
         return self.pods.get(f"{namespace}/{name}")
 
 
-class ApiServerPods:
+class ApiServerPods(ApiServer):
     """GET /api/v1/namespaces/NS/pods/NAME with the pod's service account (RBAC: get on pods)."""
 
-    SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-    def __init__(self, base_url: str, token_file: Path, ca_file: Path | None, timeout: float = 5.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.token_file = token_file
-        self.timeout = timeout
-        self._context = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else None
-
-    @classmethod
-    def in_cluster(cls) -> ApiServerPods | None:
-        """From the environment every pod gets; None outside a cluster."""
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host or not (cls.SA_DIR / "token").exists():
-            return None
-        host = f"[{host}]" if ":" in host else host
-        return cls(f"https://{host}:{port}", cls.SA_DIR / "token", cls.SA_DIR / "ca.crt")
-
     def pod(self, namespace: str, name: str) -> PodInfo | None:
-        path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}"
-        token = self.token_file.read_text().strip()  # re-read: projected tokens rotate
-        req = urllib.request.Request(self.base_url + path, headers={"Authorization": f"Bearer {token}",
-                                                                    "Accept": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=self._context) as resp:
-                body = json.load(resp)
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise OSError(f"API server answered {e.code} for {path}: {e.reason}") from None
+        body = self.request("GET", f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}")
+        if body is None:
+            return None
         meta = body.get("metadata", {})
         return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}))
 
@@ -197,9 +168,12 @@ class PodAdopter:
         cgroup_root: Path | None = None,
         caps: Sequence[str] = (),
         timeout: float = 5.0,
+        claims: Callable[[], list[PodClaim]] | None = None,
     ) -> None:
         self.daemon = daemon
         self.pod_resources_socket = pod_resources_socket
+        self.claims = claims
+        """Where the pods to adopt come from; None: the kubelet's PodResources (the device plugin's units)."""
         self.pods = pods
         self.cgroup_root = cgroup_root
         self.caps = frozenset(caps)
@@ -242,9 +216,13 @@ class PodAdopter:
     def reconcile(self) -> PassResult:
         with self._lock:
             try:
-                claims = claims_of(self.list_pods())
+                claims = self.claims() if self.claims is not None else claims_of(self.list_pods())
             except grpc.RpcError as e:
                 why = f"PodResources at {self.pod_resources_socket}: {e.details() or e.code()}"
+                log.warning("adoption pass skipped", reason=why)
+                return PassResult(error=why)
+            except OSError as e:
+                why = f"cannot list the pods to adopt: {e}"
                 log.warning("adoption pass skipped", reason=why)
                 return PassResult(error=why)
             try:

@@ -99,13 +99,14 @@ def one_gpu(resource: Resource, gpus: Sequence[int], ids: Sequence[str]) -> int:
     return on[0]
 
 
-def tenant_name(ids: Iterable[str]) -> str:
+def tenant_name(ids: Iterable[str], gpus: Iterable[int] | None = None) -> str:
     """The tenant of a container's gpu-weight IDs: the same for the plugin at Allocate (which knows only the
-    IDs) and for the adopter that later finds the pod holding them."""
+    IDs) and for the adopter that later finds the pod holding them. The DRA driver passes IDs of its own
+    (claim UID and device names) with the claim's GPUs."""
     ordered = sorted(ids)
-    gpus = sorted({u.gpu for i in ordered if (u := parse_id(i)) is not None})
+    on = sorted(set(gpus) if gpus is not None else {u.gpu for i in ordered if (u := parse_id(i)) is not None})
     digest = hashlib.sha256(",".join(ordered).encode()).hexdigest()[:12]
-    return f"{TENANT_PREFIX}g{'-'.join(map(str, gpus))}-{digest}"
+    return f"{TENANT_PREFIX}g{'-'.join(map(str, on))}-{digest}"
 
 
 def preferred_allocation(available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:

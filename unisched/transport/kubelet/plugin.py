@@ -42,7 +42,9 @@ __all__ = [
     "DevicePluginServer",
     "PluginConfig",
     "PreStart",
+    "TenantEdits",
     "gpu_health",
+    "tenant_edits",
 ]
 
 log = structlog.get_logger("unisched.kubelet")
@@ -74,6 +76,33 @@ class PluginConfig:
     def resources(self) -> tuple[Resource, ...]:
         counts = ((WEIGHT, self.units_per_gpu), (RENDER, self.render_sessions), (DECODE, self.decode_sessions))
         return tuple(Resource(name, n) for name, n in counts if n > 0)
+
+
+@dataclass(frozen=True)
+class TenantEdits:
+    """What a container of a tenant gets, from the device plugin's Allocate or the DRA driver's CDI spec."""
+
+    envs: dict[str, str]
+    mounts: tuple[str, ...]
+    """Host directories bind-mounted read-only at the same path (the daemon socket's)."""
+    devices: tuple[str, ...]
+    """Device node paths, the same in the container as on the host."""
+
+
+def tenant_edits(tenant: str, weight: int, gpus: Sequence[int], daemon_socket: str, dev_root: Path) -> TenantEdits:
+    """Tenant, weight, GPUs and the daemon's socket in the env, the socket's directory mounted, and the GPUs'
+    device nodes plus the control nodes every CUDA/EGL process opens, those the node has (looked for under
+    dev_root)."""
+    listed = ",".join(map(str, gpus))
+    envs = {
+        "UNISCHED_TENANT": tenant,
+        "UNISCHED_WEIGHT": str(weight),
+        "UNISCHED_GPU": listed,
+        "UNISCHED_SOCKET": daemon_socket,
+        "NVIDIA_VISIBLE_DEVICES": listed,
+    }
+    nodes = [*(f"nvidia{g}" for g in gpus), *_DEVICE_NODES]
+    return TenantEdits(envs, (os.path.dirname(daemon_socket),), tuple(f"/dev/{n}" for n in nodes if (dev_root / n).exists()))
 
 
 def gpu_health(telemetry: GpuTelemetry, gpus: Sequence[int]) -> dict[int, bool]:
@@ -169,22 +198,11 @@ class _Endpoint(dp_grpc.DevicePluginServicer):
             return dp.ContainerAllocateResponse(envs={"UNISCHED_RENDER_SESSIONS": str(len(ids))})
         if self.resource.name == DECODE:
             return dp.ContainerAllocateResponse(envs={"UNISCHED_DECODE_SESSIONS": str(len(ids))})
-        sock = self.config.daemon_socket
-        envs = {
-            "UNISCHED_TENANT": tenant_name(ids),
-            "UNISCHED_WEIGHT": str(len(ids)),
-            "UNISCHED_GPU": str(gpu),
-            "UNISCHED_SOCKET": sock,
-            "NVIDIA_VISIBLE_DEVICES": str(gpu),
-        }
-        nodes = [f"nvidia{gpu}", *_DEVICE_NODES]
+        edits = tenant_edits(tenant_name(ids), len(ids), (gpu,), self.config.daemon_socket, self.config.dev_root)
         return dp.ContainerAllocateResponse(
-            envs=envs,
-            mounts=[dp.Mount(container_path=os.path.dirname(sock), host_path=os.path.dirname(sock), read_only=True)],
-            devices=[
-                dp.DeviceSpec(container_path=f"/dev/{n}", host_path=f"/dev/{n}", permissions="rw")
-                for n in nodes if (self.config.dev_root / n).exists()
-            ],
+            envs=edits.envs,
+            mounts=[dp.Mount(container_path=d, host_path=d, read_only=True) for d in edits.mounts],
+            devices=[dp.DeviceSpec(container_path=n, host_path=n, permissions="rw") for n in edits.devices],
         )
 
     def PreStartContainer(

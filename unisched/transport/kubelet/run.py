@@ -1,5 +1,5 @@
-"""`unisched device-plugin`: wire the plugin, the adopter, telemetry and the daemon together and run until
-SIGTERM/SIGINT."""
+"""`unisched device-plugin` and `unisched dra-driver`: wire the plugin or the driver, the adopter, telemetry and
+the daemon together and run until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from unisched.telemetry.nvml import open_nvml
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet.adopt import ApiServerPods, PodAdopter, PodDirectory
 from unisched.transport.kubelet.devices import DECODE, RENDER
+from unisched.transport.kubelet.dra import ApiServerClaims, ClaimDirectory, DraConfig, DraDriver, SlicePublisher
 from unisched.transport.kubelet.plugin import DevicePluginServer, PluginConfig
 
-__all__ = ["daemon_gpus", "serve_device_plugin"]
+__all__ = ["daemon_gpus", "serve_device_plugin", "serve_dra_driver"]
 
 log = structlog.get_logger("unisched.kubelet")
 
@@ -36,6 +37,23 @@ def daemon_gpus(daemon: DaemonClient, wait_s: float) -> tuple[int, ...]:
             time.sleep(1.0)  # retrying a connection, not standing in for a condition
 
 
+def _node_gpus(daemon: DaemonClient, gpus: tuple[int, ...], wait_s: float, verb: str) -> tuple[int, ...]:
+    """The GPUs given, else those the daemon serves; () when it serves none (logged)."""
+    if gpus:
+        return gpus
+    gpus = daemon_gpus(daemon, wait_s)
+    if not gpus:
+        log.error(f"the daemon reports no GPUs (no NVML?); pass --gpus to {verb} some anyway")
+    return gpus
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
 def serve_device_plugin(
     config: PluginConfig,
     pod_resources_socket: str,
@@ -46,12 +64,9 @@ def serve_device_plugin(
     telemetry: GpuTelemetry | None = None,
 ) -> int:
     with DaemonClient(config.daemon_socket) as daemon:
+        config = replace(config, gpus=_node_gpus(daemon, config.gpus, wait_s, "advertise"))
         if not config.gpus:
-            gpus = daemon_gpus(daemon, wait_s)
-            if not gpus:
-                log.error("the daemon reports no GPUs (no NVML?); pass --gpus to advertise some anyway")
-                return 2
-            config = replace(config, gpus=gpus)
+            return 2
         if telemetry is None:
             telemetry = open_nvml() or NoGpuTelemetry()
         if pods is None:
@@ -61,13 +76,48 @@ def serve_device_plugin(
         caps = [r.name for r in config.resources if r.name in (RENDER, DECODE)]
         adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps)
         server = DevicePluginServer(config, telemetry, prestart=adopter.ensure)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = _stop_on_signals()
         log.info("device plugin started", gpus=list(config.gpus), resources=[r.name for r in config.resources],
                  kubelet_dir=str(config.kubelet_dir))
         try:
             server.run(stop, interval, each=adopter.reconcile)
+        finally:
+            telemetry.close()
+        return 0
+
+
+def serve_dra_driver(
+    config: DraConfig,
+    interval: float = 2.0,
+    wait_s: float = 60.0,
+    cgroup_root: Path | None = None,
+    api: tuple[ClaimDirectory, SlicePublisher, PodDirectory] | None = None,
+    telemetry: GpuTelemetry | None = None,
+) -> int:
+    """`api`: where claims are read, the slice published and pods looked up (default: the API server in the
+    cluster; outside one the driver still serves, and every claim fails with the reason)."""
+    with DaemonClient(config.daemon_socket) as daemon:
+        config = replace(config, gpus=_node_gpus(daemon, config.gpus, wait_s, "publish"))
+        if not config.gpus:
+            return 2
+        if telemetry is None:
+            telemetry = open_nvml() or NoGpuTelemetry()
+        pods: PodDirectory | None
+        if api is None:
+            claims, pods = ApiServerClaims.in_cluster(), ApiServerPods.in_cluster()
+            if claims is None or pods is None:
+                log.warning("not in a cluster (no service account): no ResourceSlice is published and no claim can "
+                            "be read, so every claim fails")
+            driver = DraDriver(config, claims, telemetry, slices=claims)
+        else:
+            claims_api, slices, pods = api
+            driver = DraDriver(config, claims_api, telemetry, slices=slices)
+        driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims)
+        stop = _stop_on_signals()
+        log.info("DRA driver started", driver=config.driver_name, node=config.node_name, gpus=list(config.gpus),
+                 cdi_dir=str(config.cdi_dir))
+        try:
+            driver.run(stop, interval)
         finally:
             telemetry.close()
         return 0
