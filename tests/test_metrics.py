@@ -91,7 +91,7 @@ def test_metrics_port_in_use_fails_with_the_address(tmp_path: Path) -> None:
 
 def _engine_with_gpu(tmp_path: Path) -> tuple[KernelEngine, FakeCgroupDriver, FakeClock, FakeTelemetry]:
     telemetry = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0000", 141 * GiB)])
-    telemetry.next_samples = [GpuSample(0, sm_util=0.95, dec_util=0.25, enc_util=0.0, memory_used=10 * GiB)]
+    telemetry.next_samples = [GpuSample(0, sm_util=0.99, dec_util=0.25, enc_util=0.0, memory_used=10 * GiB)]
     driver, clock = FakeCgroupDriver(), FakeClock()
     engine = KernelEngine(DaemonConfig(slice_ms=50), driver, telemetry, StateStore(tmp_path / "state"), clock)
     engine.start()
@@ -138,7 +138,7 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     assert value("unisched_tenant_memory_cap_bytes", tenant="b") is None  # no cap: no series
     # per GPU, per engine
     assert value("unisched_gpu_info", gpu="0", name="NVIDIA H200", uuid="GPU-0000") == 1
-    assert value("unisched_gpu_utilization", gpu="0", engine="sm") == pytest.approx(0.95)
+    assert value("unisched_gpu_utilization", gpu="0", engine="sm") == pytest.approx(0.99)
     assert value("unisched_gpu_utilization", gpu="0", engine="dec") == pytest.approx(0.25)
     assert value("unisched_gpu_utilization", gpu="0", engine="enc") == 0
     assert value("unisched_gpu_memory_used_bytes", gpu="0") == 10 * GiB
