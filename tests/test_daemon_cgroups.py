@@ -126,3 +126,25 @@ def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefi
     for p in procs:
         p.kill()
         p.wait(timeout=10)
+
+
+@pytest.mark.parametrize("prefer", ["v2", "v1"])
+def test_the_drivers_read_cpu_usage_and_say_when_the_cgroup_is_gone(prefer: str, tenant_prefix: str) -> None:
+    """The slice path reads every tenant's CPU time each slice and learns from the same read that a cgroup was
+    removed underneath the daemon (no separate existence check)."""
+    from unisched.enforce.cgroups import CgroupError, detect_driver
+    try:
+        driver = detect_driver(prefer)
+    except CgroupError as e:
+        pytest.skip(f"no cgroup {prefer} freezer here: {e}")
+    cg = driver.tenant_cgroup(f"{tenant_prefix}usage")
+    driver.create(cg)
+    burn = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.3\nwhile time.time() < end: pass"])
+    try:
+        driver.attach(cg, burn.pid)
+    finally:
+        burn.wait()
+    usage = driver.cpu_usage_s(cg)
+    assert usage is not None and (usage > 0.05 or driver.kind == "v1" and usage == 0.0)  # v1 without cpuacct: 0
+    driver.remove(cg)
+    assert driver.cpu_usage_s(cg) is None

@@ -912,10 +912,10 @@ class KernelEngine:
         for t in self._tenants.values():
             if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
                 continue
-            if not self.driver.exists(t.cgroup):
+            usage = self.driver.cpu_usage_s(t.cgroup)
+            if usage is None:
                 self._lost(t, "cgroup removed")
                 continue
-            usage = self.driver.cpu_usage_s(t.cgroup)
             out[t.name] = 0.0 if t.last_cpu is None else max(0.0, usage - t.last_cpu)
             t.last_cpu = usage
         return out
