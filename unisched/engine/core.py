@@ -849,6 +849,8 @@ class KernelEngine:
             was_open = self.saturation.is_open(r)
             contenders = self.policy.contenders(r)
             used = r in cpu_busy or (util is not None and util >= low)
+            if not was_open and contenders >= 2:  # why a sliced GPU stays sliced or opens (--log-level debug)
+                log.debug("turn", gpu=r.gpu, domain=r.domain, util=util, cpu_busy=r in cpu_busy, used=used)
             now_open = self.saturation.observe(r, util, contenders, used)
             if was_open and not now_open:
                 self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
