@@ -4,6 +4,7 @@ buffers, clear errors, and no second lease path through gRPC. The client library
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 from collections.abc import Iterator
@@ -11,13 +12,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from conftest import wait_until
 from inproc import InProcessServer, in_process_server
 
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, validate_tenant_name
 from unisched.transport import lease
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient
-from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, FrameReader, frame
+from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, FrameError, FrameReader, frame
 
 
 @pytest.fixture
@@ -116,3 +120,52 @@ def test_a_client_that_never_reads_is_dropped(server: InProcessServer, monkeypat
                 s.sendall(renewal * 1000)
         wait_until(lambda: not next(t for t in server.engine.snapshots() if t.name == "mute").cooperative, 10,
                    "the session to be dropped")
+
+
+# --- fuzz: hypothesis-generated lease streams (the gRPC API's fuzz is test_fuzz_grpc.py) ---------------------
+LEASE_ERRORS = {"INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
+_NAMES = st.one_of(st.sampled_from(["fz", "fz2", "x" * 63, "x" * 64, "", "..", "a/b", "ünï", "a\x00b"]),
+                   st.text(max_size=70))
+_ENGINES = st.one_of(st.sampled_from(["compute", "graphics", "decode", "encode", "", "warp"]), st.text(max_size=10))
+_FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                    st.sampled_from([0.0, -1.0, 1e-9, 0.05, 1e9, float("nan"), float("inf")]))
+_REQUESTS = st.one_of(
+    st.builds(lambda t, w, p, e, g, s: pb.LeaseRequest(seq=s, hello=pb.LeaseHello(
+        tenant=t, weight=w, priority=p, engines=e, gpu=g)),
+        _NAMES, st.integers(-(2**31), 2**31 - 1), st.integers(-3, 5), st.lists(_ENGINES, max_size=4),
+        st.integers(-(2**31), 2**31 - 1), st.integers(0, 2**64 - 1)),
+    st.builds(lambda e, s: pb.LeaseRequest(seq=s, want=pb.LeaseWant(engine=e)), _ENGINES, st.integers(0, 2**64 - 1)),
+    st.builds(lambda e, g, r, y, s: pb.LeaseRequest(seq=s, report=pb.LeaseReport(
+        engine=e, gpu_seconds=g, release=r, yielded=y)), _ENGINES, _FLOATS, st.booleans(), st.booleans(),
+        st.integers(0, 2**64 - 1)),
+    st.builds(lambda k, o, s: pb.LeaseRequest(seq=s, session=pb.CodecSession(kind=k, open=o)),
+              st.one_of(st.sampled_from(["nvdec", "nvenc", "graphics", ""]), st.text(max_size=8)), st.booleans(),
+              st.integers(0, 2**64 - 1)),
+)
+_FRAMES = st.lists(st.one_of(_REQUESTS.map(frame), st.binary(max_size=40)), min_size=1, max_size=8)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=_FRAMES, with_magic=st.booleans())
+def test_fuzzed_lease_streams_leave_the_daemon_serving_and_consistent(
+    server: InProcessServer, frames: list[bytes], with_magic: bool,
+) -> None:
+    """Whatever a client sends on the lease stream, the daemon answers with acks, grants, revokes or one
+    documented error, then ends the stream; it keeps serving, its tenants stay well formed, and no reported
+    time makes a tenant's GPU seconds negative or not a number."""
+    with lease_socket(server) as s:
+        with contextlib.suppress(OSError):  # the daemon may end the stream before it has read everything
+            s.sendall((MAGIC if with_magic else b"") + b"".join(frames))
+            s.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError, FrameError):
+            replies = replies_until_closed(s)
+            errors = [r.error.code for r in replies if r.WhichOneof("kind") == "error"]
+            assert set(errors) <= LEASE_ERRORS and len(errors) <= 1, errors
+    with DaemonClient(server.socket) as c:
+        assert c.status().caller_pid == os.getpid()
+        tenants = c.tenants()
+    assert len({t.name for t in tenants}) == len(tenants)
+    for t in tenants:
+        validate_tenant_name(t.name)
+        assert WEIGHT_MIN <= t.weight <= WEIGHT_MAX, t
+        assert math.isfinite(t.gpu_seconds) and t.gpu_seconds >= 0, t
