@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import wait_until
 from inproc import InProcessServer, in_process_server
 
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, validate_tenant_name
