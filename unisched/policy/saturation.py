@@ -12,15 +12,16 @@ the slice used it):
   open    -> sliced  when the mean busy fraction of the last `enter_slices` slices is >= `high` with two or more
                      tenants wanting it (a mean, not every slice: a short window's busy fraction is noisy), unless
                      it is being held open (below);
-  sliced  -> open    after `leave_slices` slices in a row whose holders did not use their turn (the GPU under `low`
-                     and no holder busy on its CPU), or as soon as fewer than two want it.
+  sliced  -> open    after `leave_slices` slices in a row whose holders did not use their turn (the GPU under `low`,
+                     unless the caller says otherwise), or as soon as fewer than two want it.
 Slicing that leaves the turns unused is what paced tenants do (sixteen cloud-gaming instances keeping 60 FPS
 between them read 94-100% busy on the H200, yet each uses a few ms of its 50 ms turn): it costs them most of their
 frames and gives nobody anything. So a resource opened for unused turns is held open for `hold_slices`, doubling
-each time it happens again (up to `max_hold_slices`), and back to `hold_slices` after a sliced stretch of
-`reset_slices` whose turns were used (a greedy tenant is there: slice it).
-"used" is the caller's judgement; the engine counts a turn used when the GPU was busy or a holder kept a CPU busy
-(CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching thread busy).
+each time it happens again (up to `max_hold_slices`), and back to `hold_slices` once slicing lasts `reset_slices`
+(its turns are used: a greedy tenant is there, slice it).
+"used" is the caller's judgement; the engine counts a turn used when the GPU was busy or a compute holder kept a
+CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
+thread busy).
 Pure: no clock, no I/O; the caller passes the samples in slice order.
 """
 
