@@ -135,6 +135,7 @@ class Config:
     env: dict[str, str]
     kind_args: dict[str, list[str]] = field(default_factory=dict)  # e.g. render --iterations N
     engine: str = "kernel"  # kernel: tenants under `unisched run`; user: cooperative clients (--tenant)
+    serve_args: tuple[str, ...] = ()  # given to every `unisched serve` (--serve-arg), e.g. --log-level debug
 
 
 def run_seconds(cfg: Config, daemon: bool = False) -> float:
@@ -375,7 +376,8 @@ class Daemon:
 
     def start(self, timeout_s: float = 20.0) -> None:
         argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
-                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}", *self.serve_args)
+                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}", *self.cfg.serve_args,
+                            *self.serve_args)
         self.info["argv"] = argv
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -875,6 +877,9 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                              "for most of its own start-up, which then takes several times longer "
                              f"(default: {DEFAULT_UNISCHED_WARMUP_S:g})")
     parser.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default: 50)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for every `unisched serve` (repeatable), e.g. --serve-arg=--log-level "
+                             "--serve-arg=debug to log why a sliced pair stays sliced")
     parser.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"pairs to run (default: {DEFAULT_PAIRS})")
     parser.add_argument("--no-unisched", action="store_true",
                         help="skip the unisched phase (alone and no-scheduler runs only)")
@@ -952,7 +957,7 @@ def make_config(args: argparse.Namespace) -> Config:
                      grace_s=args.grace, work_dir=args.work_dir, dry_run=args.dry_run,
                      workload_cmd_cuda=args.workload_cmd_cuda, workload_cmd_render=args.workload_cmd_render,
                      slice_ms=args.slice_ms, unisched_module=args.unisched_module)
-    return dataclasses.replace(cfg, engine=args.engine)
+    return dataclasses.replace(cfg, engine=args.engine, serve_args=tuple(args.serve_arg))
 
 
 def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress) -> None:

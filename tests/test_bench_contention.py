@@ -135,6 +135,13 @@ def test_default_full_run_fits_one_device_call(tmp_path: Path) -> None:
     assert est <= gp.TIME_BUDGET_S
 
 
+def test_serve_args_reach_every_daemon_config(tmp_path: Path) -> None:
+    """--serve-arg is how a GPU run gets the daemon's debug log (why a pair stays sliced)."""
+    args = gp.parse_args(["--out", str(tmp_path), "--dry-run", "--serve-arg=--log-level", "--serve-arg=debug"])
+    assert gp.make_config(args).serve_args == ("--log-level", "debug")
+    assert gp.make_config(gp.parse_args(["--out", str(tmp_path), "--dry-run"])).serve_args == ()
+
+
 def test_calibrate_out_needs_a_mixed_pair(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         gp.parse_args(["--out", str(tmp_path), "--calibrate-out", str(tmp_path), "--pairs", "cuda3:1"])
