@@ -476,6 +476,24 @@ def test_a_training_and_render_pair_stays_sliced_through_stale_samples_and_slow_
     assert 0.3 < a_frozen / sliced < 0.7, a_frozen / sliced  # both get turns
 
 
+def test_trainers_invisible_to_utilization_are_still_sliced_by_weight(tmp_path: Path) -> None:
+    """Two ResNet-50 trainers read 0-5% in NVML on the H200 VM: to the gate alone the GPU looks idle and a 3:1
+    pair would run 1:1. Compute tenants keeping their CPUs busy under an idle-looking GPU mean no signal."""
+    rig, _ = _gpu_rig(tmp_path, 0.0)  # a (300) and b (100), compute, each a busy core
+    rig.step(40)
+    a0, b0 = rig.cpu("a"), rig.cpu("b")
+    rig.step(400)
+    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
+
+
+def test_paced_compute_tenants_on_an_idle_gpu_all_run(tmp_path: Path) -> None:
+    """Online inference at 20 requests/s next to another light compute tenant: neither keeps a core busy."""
+    rig, _ = _gpu_rig(tmp_path, 0.0)
+    rig.rate.update(a=0.2, b=0.2)
+    rig.step(200)
+    assert not any(frozen for _, frozen in rig.driver.freeze_log)
+
+
 def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
     rig, _ = _gpu_rig(tmp_path, 0.4, saturated_util=0.0)
     rig.step(400)

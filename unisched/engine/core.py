@@ -846,6 +846,10 @@ class KernelEngine:
         for r, engines in engines_on.items():
             sample = samples.get(r.gpu)
             util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
+            if util is not None and util <= self.config.activity_threshold and r in cpu_busy:
+                # an idle-looking GPU under compute tenants busy launching work is not idle: NVML does not see
+                # their kernels (PyTorch on the H200 VM). No signal, so the resource is sliced, as before the gate.
+                util = None
             was_open = self.saturation.is_open(r)
             contenders = self.policy.contenders(r)
             used = r in cpu_busy or (util is not None and util >= low)
