@@ -4,6 +4,8 @@
 #      GPU run), 2. the renewal round trip on the H200 (protocol and library clients), 3. the mixed training + render
 #      pairs under the kernel engine after "unused turns must last 0.4 s", with the daemon's per-slice debug lines.
 # Run: source .devcache/setup.sh && bash bench/h200_next.sh   (carry .devcache; results under $OUT)
+# A second call should re-run the online scenario (the no-signal rule for invisible compute changes the kernel
+# engine's row): STEPS=scenarios SCEN=online SCEN_ARGS="--seconds 12 --warmup 8 --unisched-warmup 12 --max-total 500"
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/gates
