@@ -139,6 +139,8 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     # per GPU, per engine
     assert value("unisched_gpu_info", gpu="0", name="NVIDIA H200", uuid="GPU-0000") == 1
     assert value("unisched_gpu_utilization", gpu="0", engine="sm") == pytest.approx(0.99)
+    assert value("unisched_gpu_sliced", gpu="0", domain="sm") == 1  # saturated: the two take turns
+    assert value("unisched_gpu_open_hold_seconds", gpu="0", domain="sm") == 0
     assert value("unisched_gpu_utilization", gpu="0", engine="dec") == pytest.approx(0.25)
     assert value("unisched_gpu_utilization", gpu="0", engine="enc") == 0
     assert value("unisched_gpu_memory_used_bytes", gpu="0") == 10 * GiB

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unisched.policy.model import PolicyError, Resource
-from unisched.policy.saturation import SaturationConfig, SaturationGate
+from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 
 SM = Resource(0, "sm")
 
@@ -43,6 +43,7 @@ def test_slicing_that_leaves_turns_unused_is_held_off_longer_each_time() -> None
     feed(gate, [1.0, 1.0])
     assert not gate.is_open(SM)
     assert feed(gate, [0.2] * 2) == [False, True]  # the holders left their turns unused: open
+    assert gate.states() == (GateState(SM, sliced=False, held_slices=4),)  # what metrics show
     assert all(feed(gate, [1.0] * 4))  # held open for 4 slices although saturated
     assert feed(gate, [1.0]) == [False]  # tried again
     assert feed(gate, [0.2] * 2) == [False, True]

@@ -39,7 +39,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
-from unisched.policy.saturation import SaturationConfig, SaturationGate
+from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
@@ -1173,6 +1173,10 @@ class KernelEngine:
 
     def gpu_samples(self) -> tuple[GpuSample, ...]:
         return self._last_samples
+
+    def gate_states(self) -> tuple[GateState, ...]:
+        """Per contended resource: sliced (tenants take turns) or open, and how long it is held open."""
+        return self.saturation.states()
 
     @property
     def tenant_count(self) -> int:

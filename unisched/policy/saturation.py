@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from unisched.policy.model import PolicyError, Resource
 
-__all__ = ["SaturationConfig", "SaturationGate"]
+__all__ = ["GateState", "SaturationConfig", "SaturationGate"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,16 @@ class SaturationConfig:
     @property
     def enabled(self) -> bool:
         return self.high > 0.0
+
+
+@dataclass(frozen=True)
+class GateState:
+    """What the gate decided for one resource: whether its tenants take turns, and for how many more slices it
+    stays open whatever its busy fraction (after slicing left turns unused)."""
+
+    resource: Resource
+    sliced: bool
+    held_slices: int
 
 
 @dataclass
@@ -113,6 +123,9 @@ class SaturationGate:
         """Slices the resource stays open whatever its busy fraction (after slicing left turns unused)."""
         s = self._states.get(resource)
         return 0 if s is None or s.sliced else s.hold
+
+    def states(self) -> tuple[GateState, ...]:
+        return tuple(GateState(r, s.sliced, 0 if s.sliced else s.hold) for r, s in self._states.items())
 
     def is_open(self, resource: Resource) -> bool:
         s = self._states.get(resource)

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from unisched import __version__
 from unisched.engine.core import KernelEngine, TenantSnapshot
+from unisched.policy.saturation import GateState
 from unisched.telemetry import GpuInfo, GpuSample
 
 __all__ = ["REFRESH_S", "EngineView", "MetricsServer", "UnischedCollector", "View", "start_metrics_server"]
@@ -40,6 +41,7 @@ class View:
     tenants: tuple[TenantSnapshot, ...]
     gpus: tuple[GpuInfo, ...]
     samples: tuple[GpuSample, ...]
+    gates: tuple[GateState, ...]
     mode: str
     taken: float
 
@@ -56,6 +58,7 @@ class EngineView:
             tenants=tuple(self.engine.snapshots()),
             gpus=tuple(self.engine.telemetry.gpus()),
             samples=tuple(self.engine.gpu_samples()),
+            gates=self.engine.gate_states(),
             mode=self.engine.config.mode.value,
             taken=time.monotonic(),
         )
@@ -96,6 +99,7 @@ class UnischedCollector(Collector):
         yield count
         yield from _tenant_metrics(view.tenants)
         yield from _gpu_metrics(view.gpus, view.samples)
+        yield from _gate_metrics(view.gates, self.view.engine.config.slice_ms / 1000.0)
 
 
 def _tenant_metrics(tenants: Sequence[TenantSnapshot]) -> Iterator[Metric]:
@@ -171,6 +175,19 @@ def _gpu_metrics(gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> Itera
         used.add_metric([i], float(s.memory_used))
         ok.add_metric([i], 1.0 if s.ok else 0.0)
     yield from (info, util, used, total, ok)
+
+
+def _gate_metrics(gates: Sequence[GateState], slice_s: float) -> Iterator[Metric]:
+    labels = ["gpu", "domain"]
+    sliced = GaugeMetricFamily("unisched_gpu_sliced", "1 while the tenants of a GPU domain take turns (it is "
+                               "saturated), 0 while every tenant runs", labels=labels)
+    held = GaugeMetricFamily("unisched_gpu_open_hold_seconds", "How long a GPU domain stays open whatever its "
+                             "busy fraction, because slicing left its turns unused (paced tenants)", labels=labels)
+    for g in gates:
+        key = [str(g.resource.gpu), g.resource.domain]
+        sliced.add_metric(key, 1.0 if g.sliced else 0.0)
+        held.add_metric(key, g.held_slices * slice_s)
+    yield from (sliced, held)
 
 
 @dataclass
