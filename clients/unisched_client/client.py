@@ -20,7 +20,6 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -52,10 +51,6 @@ class UnischedUnavailable(UnischedError):
 
 class CodecRefused(UnischedError):
     """The daemon did not admit a hardware codec session (cap reached, no such engine on this GPU)."""
-
-
-class _Sender(Protocol):
-    def send(self, req: pb.LeaseRequest) -> None: ...
 
 
 class _Connection:
@@ -227,9 +222,8 @@ class Client:
         self._gates: dict[str, Gate] = {}
         self._seq = itertools.count(1)
         self._waiters: dict[int, _Waiter] = {}
-        self._conn: _Sender | None = None
+        self._conn: _Connection | None = None
         """The connection while one is up (what requests are written to)."""
-        self._connected = False
         self._retry_s = 0.05
         self._connect_timeout = connect_timeout
         self._closing = False
@@ -316,13 +310,13 @@ class Client:
                     self._flush_locked(g, release=True)
             self._closing = True
             conn = self._conn
-            if isinstance(conn, _Connection):
+            if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(socket.SHUT_WR)  # the daemon reads what was sent, then ends the session
             self._cond.notify_all()
         if self._stream_thread.is_alive() and threading.current_thread() is not self._stream_thread:
             self._stream_thread.join(2.0)
-            if isinstance(conn, _Connection) and self._stream_thread.is_alive():
+            if conn is not None and self._stream_thread.is_alive():
                 conn.broken()
 
     def __enter__(self) -> Client:
@@ -399,7 +393,7 @@ class Client:
             with self._cond:
                 if self._closing:
                     return None
-                self._conn, self._connected = conn, True
+                self._conn = conn
                 wants = [frame(pb.LeaseRequest(want=pb.LeaseWant(engine=g.engine)))
                          for g in self._gates.values() if g.wanting]
                 conn.write(MAGIC + frame(pb.LeaseRequest(hello=self._hello)) + b"".join(wants))
@@ -419,12 +413,12 @@ class Client:
             return f"lost the connection: {e}"
         finally:
             with self._cond:
-                self._conn, self._connected = None, False
+                self._conn = None
             sock.close()
 
     def _transport_up(self) -> bool:
         """Whether the socket accepted us, whatever the daemon answered so far."""
-        return self._connected
+        return self._conn is not None
 
     def _set_fatal(self, why: str) -> None:
         with self._cond:

@@ -38,6 +38,7 @@ class GpuSample:
     """Live NVENC sessions per pid from NVML's encoder session list; None where NVML cannot say (no NVENC)."""
     gpu_pids: frozenset[int] | None = None
     """Processes NVML lists with a graphics or compute context on this GPU; None where it cannot list them."""
+
     def util(self, engine: Engine) -> float:
         if engine is Engine.DECODE:
             return self.dec_util
