@@ -42,8 +42,7 @@ class TorchStep:
         self._start: Any = None
 
     def __enter__(self) -> TorchStep:
-        self.flight.collect()
-        self.gate.acquire()
+        self.flight.acquire()
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record(self.stream)
         return self
