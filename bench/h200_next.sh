@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device call (written 2026-12-01, not yet run; ~7-8 min): what this session could not check on the GPU.
+# A device call of 2026-12-01 (run at 02:26 UTC as the second session's first call; results in bench/results/2026-12-01-h200-d/): what this session could not check on the GPU.
 #   1. the examples (01-05) on the framed lease stream the client library now speaks (it left gRPC after the last
 #      GPU run), 2. the renewal round trip on the H200 (protocol and library clients), 3. the mixed training + render
 #      pairs under the kernel engine after "unused turns must last 0.4 s", with the daemon's per-slice debug lines.
