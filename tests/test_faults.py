@@ -36,7 +36,7 @@ from test_engine import SLICE, Rig
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import Engine, Priority
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
-from unisched.telemetry.nvml import PROCESS_SM_STALE_CALLS, NvmlTelemetry, open_nvml
+from unisched.telemetry.nvml import NvmlTelemetry, open_nvml
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 
@@ -671,29 +671,6 @@ def test_nvml_lists_the_pids_with_a_gpu_context_or_says_it_cannot() -> None:
         raise StubNvml.NVMLError_NotSupported("not in this VM")
     nvml.nvmlDeviceGetGraphicsRunningProcesses = refuse  # type: ignore[method-assign]
     assert [s.gpu_pids for s in NvmlTelemetry(nvml).sample()] == [None, None]  # one list failed: unknown
-
-
-def test_nvml_per_process_sm_is_the_mean_of_fresh_samples_held_a_while_then_dropped() -> None:
-    nvml = StubNvml()
-    first = [types.SimpleNamespace(pid=p, timeStamp=ts, smUtil=u, decUtil=0, encUtil=0)
-             for p, ts, u in ((7, 100, 80), (7, 200, 100), (9, 200, 20))]
-    asked: list[int] = []
-
-    def per_process(h: int, since: int) -> list[Any]:
-        asked.append(since)
-        if since == 0:
-            return first
-        if asked.count(since) == 1:
-            return [s for s in first if s.timeStamp >= since]  # the driver may repeat the newest: not fresh
-        raise StubNvml.NVMLError_NotFound("no samples")
-    nvml.nvmlDeviceGetProcessUtilization = per_process  # type: ignore[method-assign]
-    tel = NvmlTelemetry(nvml)
-    assert tel.sample()[0].process_sm == {7: pytest.approx(0.9), 9: pytest.approx(0.2)}
-    assert tel.sample()[0].process_sm == {7: pytest.approx(0.9), 9: pytest.approx(0.2)}  # held: no new sample
-    assert 200 in asked  # only samples newer than the last one are asked for
-    for _ in range(PROCESS_SM_STALE_CALLS):
-        last = tel.sample()[0].process_sm
-    assert last == {}  # a process NVML stopped sampling (idle) is not charged on and on
 
 
 def test_nvml_gpu_lost_before_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -237,17 +237,11 @@ class KernelEngine:
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
         self.contention = self._contention(gpus[0].name if gpus else None)
-        self._sm_domains = frozenset(self.contention.domain(e) for e in (Engine.COMPUTE, Engine.GRAPHICS))
-        """Domains NVML's SM figures (device and per process) measure."""
         self._tenants: dict[str, _Tenant] = {}
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
         self._last_active: frozenset[str] = frozenset()
         self._memory_at = float("-inf")
-        self._pid_owner: dict[int, str] = {}
-        self._tail_pool: dict[Resource, float] = {}
-        """Per resource, GPU seconds NVML put on named tenants beyond their thawed time (see _charge_attributed)."""
-        """Which tenant each GPU process belongs to, for NVML's per-process utilization (refreshed with memory)."""
         self._telemetry_failing = False
         self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
         self._next_tick = self._last_tick
@@ -744,14 +738,10 @@ class KernelEngine:
         lists = [s.gpu_pids for s in samples.values() if s.ok and s.gpu_pids is not None]
         # a GPU NVML cannot list processes for: every hooked tenant may be on it
         listed = frozenset().union(*lists) if lists and len(lists) == len(samples) else None
-        attributing = any(s.process_sm for s in samples.values())
-        owner: dict[int, str] = {}
         for t in self._tenants.values():
-            if t.missing or not (by_pid or t.hooked or attributing):
+            if t.missing or not (by_pid or t.hooked):
                 continue
-            pids = pids_of(t) if by_pid or listed is not None or attributing else []
-            if attributing:
-                owner.update((pid, t.name) for pid in pids)
+            pids = pids_of(t) if by_pid or listed is not None else []
             if t.hooked:
                 t.nvml_on_gpu = listed is None or any(pid in listed for pid in pids)
             if not by_pid:
@@ -765,7 +755,6 @@ class KernelEngine:
                     t.refusals["memory"] = t.refusals.get("memory", 0) + 1
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
-        self._pid_owner = owner
 
     def _reconcile_encoders(self, samples: Mapping[int, GpuSample], pids_of: Callable[[_Tenant], list[int]]) -> None:
         """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count
@@ -807,19 +796,18 @@ class KernelEngine:
         self._update_memory(samples, now)
         cpu = self._cpu_deltas()
         thawed_on: dict[Resource, list[_Tenant]] = {}
-        attributed = self._attributed(samples)
         leases = self.leases
         for t in self._tenants.values():
             # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
             # uncharged tail favours the tenant frozen most often per unit of its share (the low weight)
-            ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0 or t.name in attributed
+            ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0
             if ran and not t.missing and not leases.cooperative(t.name) and not self._off_gpu(t):
                 # (cooperative ones report their GPU time; one with no GPU context used none)
                 for r in t.resources:
                     thawed_on.setdefault(r, []).append(t)
         gpu_active: set[str] = set()
         for r, ts in thawed_on.items():
-            self._charge_resource(r, ts, samples.get(r.gpu), attributed, cpu, dt, now, gpu_active)
+            self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
         self._observe_saturation(samples, cpu, dt)
         tenants = self._tenants
@@ -938,40 +926,21 @@ class KernelEngine:
             t.last_cpu = usage
         return out
 
-    def _attributed(self, samples: Mapping[int, GpuSample]) -> dict[str, dict[int, float]]:
-        """Per tenant and GPU, the SM busy fraction NVML's per-process samples put on its processes."""
-        out: dict[str, dict[int, float]] = {}
-        owner = self._pid_owner
-        if not owner:
-            return out
-        for s in samples.values():
-            if not s.ok:
-                continue
-            for pid, u in s.process_sm.items():
-                name = owner.get(pid)
-                if name is not None and u > 0:
-                    per_gpu = out.setdefault(name, {})
-                    per_gpu[s.index] = min(1.0, per_gpu.get(s.index, 0.0) + u)
-        return out
-
     def _charge_resource(
         self,
         r: Resource,
         ts: list[_Tenant],
         sample: GpuSample | None,
-        attributed: Mapping[str, Mapping[int, float]],
         cpu: dict[str, float],
         dt: float,
         now: float,
         gpu_active: set[str],
     ) -> None:
-        """Charge the measured use of `r` over the interval to the tenants that ran on it.
+        """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
-        With a GPU signal, the busy time is utilization x interval, split by the thawed tenants' CPU activity;
-        without one (or for work NVML does not see), each tenant's CPU time stands in for GPU time (the same
-        engine then runs on machines with no GPU). Where NVML's per-process samples name a tenant's processes,
-        that busy time is the tenant's, frozen or not: the tail its queued work ran after its freeze is
-        charged to it (see `_charge_attributed`).
+        With a GPU signal, the busy time (utilization x interval, which includes the drain of work the
+        previous holder queued) is split by the tenants' CPU activity; without one, each tenant's CPU
+        time stands in for GPU time (the same engine then runs on machines with no GPU).
         """
         util = 0.0
         if sample is not None and sample.ok:
@@ -979,11 +948,6 @@ class KernelEngine:
                 (sample.util(e) for t in ts for e in t.all_engines() if self.contention.domain(e) == r.domain),
                 default=0.0,
             )
-        tail_s = 0.0
-        if sample is not None and attributed and r.domain in self._sm_domains:
-            ts, util, tail_s = self._charge_attributed(r, ts, sample.index, attributed, util, dt, now, gpu_active)
-            if not ts:
-                return
         if util > self.config.activity_threshold:
             busy = util * dt
             weights = [cpu.get(t.name, 0.0) for t in ts]
@@ -995,50 +959,10 @@ class KernelEngine:
             if len(ts) == 1:
                 gpu_active.add(ts[0].name)
         else:
-            total = sum(cpu.get(t.name, 0.0) for t in ts)
             for t in ts:
                 used = cpu.get(t.name, 0.0)
                 if used > 0:
-                    self.policy.charge(t.name, r, max(0.0, used - tail_s * used / total), now)
-
-    def _charge_attributed(
-        self,
-        r: Resource,
-        ts: list[_Tenant],
-        gpu: int,
-        attributed: Mapping[str, Mapping[int, float]],
-        util: float,
-        dt: float,
-        now: float,
-        gpu_active: set[str],
-    ) -> tuple[list[_Tenant], float, float]:
-        """Charge the tenants NVML names their busy time; return the others, the busy left over, and the
-        seconds of the interval the GPU spent on named tenants' tails (their work while they were frozen).
-
-        The tail is what a thawed tenant NVML does not see (PyTorch on the lent H200) waited behind, so it is
-        taken off that tenant's CPU stand-in. NVML's figures average ~200 ms (four slices), so a render's
-        turn reads part busy and the turns after it part busy too: per interval, a named tenant's figure
-        beyond its thawed time goes into a pool and its shortfall while thawed comes out of it; only what
-        the pool holds over a whole cycle of turns is tail.
-        """
-        own = {t.name: a for t in ts if (a := attributed.get(t.name, {}).get(gpu, 0.0)) > 0}
-        if not own:
-            return ts, util, 0.0
-        named = sum(own.values())
-        scale = min(1.0, util / named)  # the device figure bounds the total (a per-process one may be stale)
-        pool = self._tail_pool.get(r, 0.0)
-        for t in ts:
-            if t.name not in own:
-                continue
-            a = own[t.name]
-            self.policy.charge(t.name, r, a * scale * dt, now)
-            pool += a * scale * dt - (0.0 if t.frozen else dt)
-            if not t.frozen and a * scale > self.config.activity_threshold:
-                gpu_active.add(t.name)
-        rest = [t for t in ts if t.name not in own]
-        tail_s = min(max(0.0, pool), dt) if rest else 0.0
-        self._tail_pool[r] = max(-dt, pool - tail_s)
-        return rest, max(0.0, util - named * scale), tail_s
+                    self.policy.charge(t.name, r, used, now)
 
     def _update_demand(self, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
         threshold = self.config.activity_threshold

@@ -38,9 +38,6 @@ class GpuSample:
     """Live NVENC sessions per pid from NVML's encoder session list; None where NVML cannot say (no NVENC)."""
     gpu_pids: frozenset[int] | None = None
     """Processes NVML lists with a graphics or compute context on this GPU; None where it cannot list them."""
-    process_sm: Mapping[int, float] = field(default_factory=dict)
-    """0..1 per pid: its share of SM (graphics or compute) busy time in NVML's latest per-process samples.
-    Says whose work the GPU ran, a frozen tenant's queued tail included; empty where NVML gives none."""
 
     def util(self, engine: Engine) -> float:
         if engine is Engine.DECODE:

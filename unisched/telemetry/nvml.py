@@ -22,9 +22,6 @@ __all__ = ["NvmlTelemetry", "open_nvml"]
 log = structlog.get_logger("unisched.telemetry")
 
 PROCESS_POLL_EVERY = 20  # per-process queries are slow; refresh them every N samples
-PROCESS_SM_STALE_CALLS = 10
-"""Per-process utilization with no fresh sample for this many calls (0.5 s at 50 ms slices) is dropped: NVML
-stops sampling a process that went idle, and a held figure would keep charging it."""
 
 
 def open_nvml() -> NvmlTelemetry | None:
@@ -74,9 +71,6 @@ class NvmlTelemetry:
         self._memory: list[dict[int, int]] = [{} for _ in self._handles]
         self._pids: list[frozenset[int] | None] = [None for _ in self._handles]
         self._encoders: dict[int, dict[int, int] | None] = {}
-        self._proc_ts = [0] * len(self._handles)
-        self._proc_sm: list[dict[int, float]] = [{} for _ in self._handles]
-        self._proc_age = [0] * len(self._handles)
         self._calls = 0
         self._failing: set[int] = set()
 
@@ -117,29 +111,7 @@ class NvmlTelemetry:
         enc_sessions = self._encoders.get(k)
         return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]),
                          encoder_sessions=None if enc_sessions is None else dict(enc_sessions),
-                         gpu_pids=self._pids[k], process_sm=self._process_sm(k, h))
-
-    def _process_sm(self, k: int, h: Any) -> dict[int, float]:
-        """Mean SM utilization per pid over NVML's per-process samples newer than the last call; the last
-        figures are kept while no new sample came (NVML samples every ~100-200 ms), for a while."""
-        nvml = self._nvml
-        try:
-            samples = nvml.nvmlDeviceGetProcessUtilization(h, self._proc_ts[k])
-        except nvml.NVMLError:  # NotFound: no sample since; NotSupported: never
-            samples = []
-        fresh = [s for s in samples if s.timeStamp > self._proc_ts[k]]
-        if fresh:
-            self._proc_ts[k] = max(s.timeStamp for s in fresh)
-            sums: dict[int, list[float]] = {}
-            for s in fresh:
-                sums.setdefault(int(s.pid), []).append(min(100.0, float(s.smUtil)) / 100.0)
-            self._proc_sm[k] = {pid: sum(v) / len(v) for pid, v in sums.items()}
-            self._proc_age[k] = 0
-        else:
-            self._proc_age[k] += 1
-            if self._proc_age[k] > PROCESS_SM_STALE_CALLS:
-                self._proc_sm[k] = {}
-        return self._proc_sm[k]
+                         gpu_pids=self._pids[k])
 
     def _encoder_sessions(self, h: Any) -> dict[int, int] | None:
         """NVENC sessions per pid (what the session hooks' encoder counts are reconciled against)."""
