@@ -237,40 +237,6 @@ def test_a_revoked_gate_starts_no_unit_yields_once_drained_and_runs_again_when_g
     assert sent(out) == [] and gate.revokes == 1
 
 
-def test_a_unit_waiting_past_its_slice_drains_its_queued_units_before_it_yields(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The app thread blocked in acquire() at a revoke still has units queued on the GPU: it finishes them
-    (InFlight's drain) and only then yields, so the next holder does not start beside them."""
-    from unisched_client._inflight import InFlight
-
-    client, out = offline_client(monkeypatch)
-    gate = client.gate("compute")
-    gate.acquire(timeout=0)
-    grant(client, 3)
-    finished: list[str] = []
-    queued = ["unit-1", "unit-2"]
-    flight: InFlight[str] = InFlight(gate, done=lambda u: False, wait=finished.append,
-                                     elapsed_s=lambda u: 0.01, max_in_flight=2)
-    for u in queued:
-        flight.acquire()
-        flight.add(u)
-    sent(out)
-    revoke(client, 3, "slice over")
-    assert sent(out) == [] and gate.owes_yield  # two units still running: no yield yet
-    order: list[str] = []
-    real_yield = client._yield_locked
-
-    def yield_then_granted(g: object) -> None:
-        order.append(f"yield after {len(finished)}")
-        real_yield(gate)
-        grant(client, 4)  # the daemon answers the yield (the lock is re-entrant: this thread holds it)
-
-    monkeypatch.setattr(client, "_yield_locked", yield_then_granted)
-    flight.acquire()
-    assert finished == queued and order == ["yield after 2"]
-    assert sent(out) == ["report yielded"]
-
-
 def test_a_grant_while_a_yield_is_owed_cancels_it(monkeypatch: pytest.MonkeyPatch) -> None:
     client, out = offline_client(monkeypatch)
     gate = client.gate("compute")

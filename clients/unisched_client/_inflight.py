@@ -35,11 +35,6 @@ class InFlight(Generic[M]):
         self.max_in_flight = max(1, max_in_flight)
         self.units: deque[M] = deque()
 
-    def acquire(self) -> None:
-        """Before a unit: report what finished, then wait for the lease (draining ours first if it was revoked)."""
-        self.collect()
-        self.gate.acquire(drain=self.drain)
-
     def collect(self) -> None:
         """Report every finished unit (oldest first; stop at the first that is still running)."""
         while self.units and self._done(self.units[0]):

@@ -19,7 +19,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -115,15 +114,8 @@ class Gate:
     def held(self) -> bool:
         return self.lease != 0
 
-    def acquire(self, timeout: float | None = None, drain: Callable[[], None] | None = None) -> bool:
-        """Block until this engine may be used; False on timeout. Passes at once when ungoverned.
-
-        `drain` finishes the caller's units still in flight (reporting each with `done`): when the lease is
-        revoked while they run, it is called before the yield, so the next holder starts on an idle GPU
-        rather than beside our queued work (two contexts with work queued are time-sliced by the driver,
-        which costs both, and each one's timers would count the other's time). Without it the yield goes
-        at once and the queued units finish beside the next holder's first ones.
-        """
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Block until this engine may be used; False on timeout. Passes at once when ungoverned."""
         c = self.client
         deadline = None if timeout is None else time.monotonic() + timeout
         with c._cond:
@@ -142,14 +134,6 @@ class Gate:
                         self.waited_s += now - start
                         self.open_units += 1
                         return True
-                    if self.owes_yield and drain is not None and self.open_units:
-                        c._cond.release()  # drain waits on the GPU and reports through done(), which yields
-                        try:
-                            drain()
-                        finally:
-                            c._cond.acquire()
-                        now = time.monotonic()
-                        continue
                     if self.owes_yield:
                         c._yield_locked(self)
                     elif self.lease and self.pending_s > 0:

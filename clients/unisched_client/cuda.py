@@ -41,7 +41,8 @@ class CudaGate:
         self._start: Any = None
 
     def __enter__(self) -> CudaGate:
-        self.flight.acquire()
+        self.flight.collect()
+        self.gate.acquire()
         self._start = cuda.Event()
         self._start.record(self.stream)
         return self

@@ -53,7 +53,8 @@ class FrameGate:
         return ns / 1e9
 
     def __enter__(self) -> FrameGate:
-        self.flight.acquire()
+        self.flight.collect()
+        self.gate.acquire()
         self._query = self._free.pop() if self._free else int(GL.glGenQueries(1)[0])
         GL.glBeginQuery(GL.GL_TIME_ELAPSED, self._query)
         return self

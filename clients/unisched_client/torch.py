@@ -42,7 +42,8 @@ class TorchStep:
         self._start: Any = None
 
     def __enter__(self) -> TorchStep:
-        self.flight.acquire()
+        self.flight.collect()
+        self.gate.acquire()
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record(self.stream)
         return self
