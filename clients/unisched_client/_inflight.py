@@ -2,8 +2,8 @@
 
 Each unit is bracketed by a start and an end marker; their elapsed GPU time is read once the end has
 completed, without waiting, so the app's pipeline stays full. At most `max_in_flight` units are
-outstanding (the oldest is waited for beyond that), and all are drained when the lease is ending so the
-next holder starts on an idle GPU: in-flight work stays within the lease.
+outstanding (the oldest is waited for beyond that). A unit that ends after the lease was revoked drains
+the rest (`add`); an app already waiting for the next lease does not (see `Gate`).
 """
 
 from __future__ import annotations

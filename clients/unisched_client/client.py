@@ -86,9 +86,11 @@ class Gate:
     A unit starts only while the lease is held and, when others wait for the engine, before the slice ends
     (the daemon's next decision renews the lease or revokes it): a unit may run past the slice, never start
     after it, so the overrun is at most one unit however late a revocation arrives. When the lease is
-    revoked, the unit in progress finishes and the gate then says so (yield); the daemon grants the next
-    holder only then, so it starts on an idle GPU and neither pays for the other's tail (the tail itself is
-    measured and charged to its owner).
+    revoked, the gate says so (yield) once its units are done, or at once when the app already waits in
+    `acquire()` for the next one: then up to `max_in_flight` queued units still run beside the next holder's
+    first (measured and charged to their owner). Draining them before the yield was tried on the H200 and
+    lost more (a ResNet-50 pair at 3:1: sum 0.89 against 0.94): the next holder then started late into a
+    slice that ends at the daemon's tick (bench/results/2026-12-01-h200-d/README.md).
     """
 
     def __init__(self, client: Client, engine: str) -> None:
