@@ -194,8 +194,51 @@ def test_compute_and_graphics_are_sliced_where_they_were_measured_to_contend(tmp
     assert _mixed_pair_freezes(tmp_path, (0.14, 0.87))
 
 
+def test_a_partial_overlap_is_sliced_as_before_unless_mixed_slices_are_asked_for(tmp_path: Path) -> None:
+    assert _mixed_pair_freezes(tmp_path, (0.22, 0.92))  # contention "auto": one domain, sliced
+
+
 def test_compute_and_graphics_are_sliced_when_never_measured(tmp_path: Path) -> None:
     assert _mixed_pair_freezes(tmp_path, None)
+
+
+def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float) -> dict[str, float]:
+    """A trainer beside a render on a GPU whose calibration measured partial overlap (the H200's ResNet-50 +
+    render: 22% and 92% of their solo rates kept together). Returns the part of 400 slices each ran."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "contention.json").write_text(json.dumps(
+        {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": 0.22, "graphics_kept": 0.92}}}))
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention="auto-mixed"), telemetry=tel)
+    assert rig.engine.contention.kept == (0.22, 0.92)
+    rig.add("cuda", weights[0], engines=("compute",))
+    rig.add("render", weights[1], engines=("graphics",))
+    rig.step(40)
+    ran = {"cuda": 0.0, "render": 0.0, "both": 0.0}
+    for _ in range(400):
+        rig.step()
+        ran["cuda"] += not rig.frozen("cuda")
+        ran["render"] += not rig.frozen("render")
+        ran["both"] += not rig.frozen("cuda") and not rig.frozen("render")
+    return {k: v / 400 for k, v in ran.items()}
+
+
+@pytest.mark.parametrize(("weights", "both"), [((100, 100), 0.64), ((300, 100), 0.32), ((100, 300), 0.96)])
+def test_a_partly_overlapping_pair_runs_together_as_much_as_the_weights_allow(
+        tmp_path: Path, weights: tuple[int, int], both: float) -> None:
+    """Sliced against each other the pair does 1.0 solos of work; left alone, 1.14, with the trainer at 0.22
+    whatever its weight. Mixed: together for `both` of the time, the trainer alone for the rest."""
+    ran = _partial_overlap_pair(tmp_path, weights, util=1.0)
+    assert ran["both"] == pytest.approx(both, abs=0.03)
+    assert ran["render"] == pytest.approx(both, abs=0.03)  # the render never runs alone: its share needs no more
+    share = weights[0] / sum(weights)
+    assert 0.22 * ran["both"] + (ran["cuda"] - ran["both"]) >= share - 0.02  # the trainer's guarantee, by the rates
+
+
+def test_a_partly_overlapping_pair_on_an_unsaturated_gpu_is_not_mixed(tmp_path: Path) -> None:
+    ran = _partial_overlap_pair(tmp_path, (100, 100), util=0.4)
+    assert ran["both"] == 1.0
 
 
 def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:

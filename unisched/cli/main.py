@@ -180,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
-        choices=["auto", "shared-sm", "separate-graphics"],
-        help="which engines contend (default: measured per GPU model)",
+        choices=["auto", "auto-mixed", "shared-sm", "separate-graphics"],
+        help="which engines contend (default auto: measured per GPU model by bench/calibrate_contention.py; "
+             "auto-mixed: the same, and where compute and graphics overlap partly, slices mix running them "
+             "together and each alone so both get their weight share (kernel tenants; not yet measured on a GPU))",
     )
     s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
     s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")

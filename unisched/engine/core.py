@@ -39,6 +39,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
+from unisched.policy.overlap import MixTurns, SliceKind, overlap_mix
 from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
 
@@ -46,6 +47,8 @@ __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "Le
 
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
+_MIX_DOMAIN = "sm+gfx"
+"""The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
 SAVE_DELAY_S = 0.5
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
@@ -245,12 +248,17 @@ class KernelEngine:
         self._telemetry_failing = False
         self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
         self._next_tick = self._last_tick
+        self._mix_turns: dict[int, MixTurns] = {}
+        self._mix_kind: dict[int, SliceKind] = {}
+        """Per GPU, the kind of slice running now where compute and graphics overlap partly (`_mix`)."""
+        self._paused: frozenset[Resource] = frozenset()
+        """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
         self._logged_shares: dict[str, tuple[float, str]] = {}
         self._unsaved = False
         self._saved_at = float("-inf")
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
-        if self.config.contention != "auto":
+        if self.config.contention not in ("auto", "auto-mixed"):
             return ContentionMap.named(self.config.contention)
         if gpu_name is None:
             return SHARED_SM
@@ -261,7 +269,7 @@ class KernelEngine:
                 gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
             )
             return SHARED_SM
-        chosen = ContentionMap.from_kept(*kept)
+        chosen = ContentionMap.from_kept(*kept, mixed=self.config.contention == "auto-mixed")
         log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name)
         return chosen
 
@@ -817,6 +825,8 @@ class KernelEngine:
                 self._apply_tidal(t)
         decision = self.policy.decide(now)
         self._next_tick = now + decision.slice_s
+        if self.contention.kept is not None:
+            self._paused = self._mix(dt)
         self._apply(decision, now, tick=True)
         if self._unsaved and now - self._saved_at >= SAVE_DELAY_S:
             self._saved_at = now
@@ -842,6 +852,14 @@ class KernelEngine:
                 engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
                 if busy:
                     cpu_busy.add(r)
+        if self.contention.kept is not None:  # the pair's joint resource: mixed slices only while it is saturated
+            for g in self.gpu_indices:
+                rc, rg = self._mix_pair(g)
+                if rc in engines_on or rg in engines_on:
+                    joint = Resource(g, _MIX_DOMAIN)
+                    engines_on[joint] = engines_on.get(rc, set()) | engines_on.get(rg, set())
+                    if rc in cpu_busy or rg in cpu_busy:
+                        cpu_busy.add(joint)
         low = self.saturation.config.low
         for r, engines in engines_on.items():
             sample = samples.get(r.gpu)
@@ -851,12 +869,12 @@ class KernelEngine:
                 # their kernels (PyTorch on the H200 VM). No signal, so the resource is sliced, as before the gate.
                 util = None
             was_open = self.saturation.is_open(r)
-            contenders = self.policy.contenders(r)
+            contenders = self._mix_contenders(r.gpu) if r.domain == _MIX_DOMAIN else self.policy.contenders(r)
             used = r in cpu_busy or (util is not None and util >= low)
             if not was_open and contenders >= 2:  # why a sliced GPU stays sliced or opens (--log-level debug)
                 log.debug("turn", gpu=r.gpu, domain=r.domain, util=util, cpu_busy=r in cpu_busy, used=used)
             now_open = self.saturation.observe(r, util, contenders, used)
-            if was_open and not now_open:
+            if was_open and not now_open and r.domain != _MIX_DOMAIN:
                 self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
             if now_open != was_open and contenders >= 2:
                 held = self.saturation.held(r)
@@ -866,6 +884,53 @@ class KernelEngine:
                 log.info("slicing" if not now_open else "lending", gpu=r.gpu, domain=r.domain,
                          util=None if util is None else round(util, 3), reason=reason)
 
+    # --- compute beside graphics where they overlap partly (policy.overlap) --------------------------------
+    def _mix_pair(self, gpu: int) -> tuple[Resource, Resource]:
+        return Resource(gpu, self.contention.domain(Engine.COMPUTE)), Resource(gpu, self.contention.domain(Engine.GRAPHICS))
+
+    def _mix_weights(self, gpu: int) -> tuple[int, int]:
+        """Weights of the kernel tenants with demand on the GPU's compute and graphics sides."""
+        rc, rg = self._mix_pair(gpu)
+        wc = wg = 0
+        for t in self._tenants.values():
+            if not t.active or t.missing or self.leases.cooperative(t.name):
+                continue
+            w = self.policy.weight(t.name)
+            if rc in t.resources:
+                wc += w
+            elif rg in t.resources:
+                wg += w
+        return wc, wg
+
+    def _mix_contenders(self, gpu: int) -> int:
+        """Two when both sides want the GPU (the pair contends), else the tenants of the side that does."""
+        wc, wg = self._mix_weights(gpu)
+        return 2 if wc and wg else int(bool(wc or wg))
+
+    def _mix(self, dt: float) -> frozenset[Resource]:
+        """The resources that sit out the next slice. On a saturated GPU with compute and graphics tenants that
+        overlap partly, slices are together, compute alone or graphics alone in the proportions that give each
+        side its weight share with the most overlap (policy.overlap); the kept rates are the calibration's."""
+        assert self.contention.kept is not None
+        kept_c, kept_g = self.contention.kept
+        paused: set[Resource] = set()
+        for g in self.gpu_indices:
+            turns = self._mix_turns.setdefault(g, MixTurns())
+            last = self._mix_kind.pop(g, None)
+            if last is not None:
+                turns.ran(last, dt)
+            wc, wg = self._mix_weights(g)
+            if not (wc and wg) or self.saturation.is_open(Resource(g, _MIX_DOMAIN)):
+                continue
+            kind = turns.choose(overlap_mix(kept_c, kept_g, wc / (wc + wg)))
+            self._mix_kind[g] = kind
+            rc, rg = self._mix_pair(g)
+            if kind is SliceKind.COMPUTE:
+                paused.add(rg)
+            elif kind is SliceKind.GRAPHICS:
+                paused.add(rc)
+        return frozenset(paused)
+
     def _apply(self, decision: Decision, now: float, tick: bool) -> None:
         """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases.
 
@@ -874,6 +939,7 @@ class KernelEngine:
         moment slicing starts."""
         leases = self.leases
         is_open = self.saturation.is_open
+        paused = self._paused
         for t in self._tenants.values():
             want = decision.must_wait(t.name)
             if leases.cooperative(t.name):
@@ -881,6 +947,9 @@ class KernelEngine:
                     want = False
             elif want and t.resources and all(is_open(r) for r in t.resources):
                 want = False
+            if not want and paused and t.active and not leases.cooperative(t.name) \
+                    and any(r in paused for r in t.resources):
+                want = True  # its side of a partly overlapping pair sits this slice out
             if want != t.frozen and not t.missing:
                 try:
                     self.driver.set_frozen(t.cgroup, want)

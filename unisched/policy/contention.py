@@ -5,7 +5,9 @@ On the H100/H200 rendering runs on a few graphics-capable SMs, and whether it ov
 the load: one probe (DESIGN.md) saw CUDA keep 55-95% of its solo rate next to rendering, the benchmark of
 2026-11-30 saw it keep 14% (bench/results). So compute and graphics are sliced against each other (one
 "sm" domain: the guarantee holds everywhere) unless a calibration run on that GPU measured that they
-overlap (`from_kept`). The video engines are always domains of their own.
+overlap (`from_kept`): fully (each keeps most of its rate: not sliced at all) or partly (together they do more
+than either alone, but one falls below its share: mixed slices, unisched/policy/overlap.py). The video engines
+are always domains of their own.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from types import MappingProxyType
 
 from unisched.policy.model import Engine, PolicyError, Resource
 
-__all__ = ["OVERLAP_KEPT", "SEPARATE_GRAPHICS", "SHARED_SM", "ContentionMap"]
+__all__ = ["OVERLAP_KEPT", "OVERLAP_SUM", "PARTIAL_OVERLAP", "SEPARATE_GRAPHICS", "SHARED_SM", "ContentionMap"]
 
 OVERLAP_KEPT = 0.75
+OVERLAP_SUM = 1.1
+"""Kept rates summing to at least this are a partial overlap worth keeping (DESIGN.md scores a pair whose
+no-scheduler sum is below 1.1 as contending)."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class ContentionMap:
 
     name: str
     domains: Mapping[Engine, str]
+    kept: tuple[float, float] | None = None
+    """(compute, graphics) solo-rate fractions kept together, where they overlap partly: slices are mixed."""
 
     def domain(self, engine: Engine) -> str:
         return self.domains[engine]
@@ -42,15 +49,20 @@ class ContentionMap:
             raise PolicyError(f"contention must be one of {sorted(_BY_NAME)} or 'auto', got {name!r}") from None
 
     @staticmethod
-    def from_kept(compute_kept: float, graphics_kept: float) -> ContentionMap:
+    def from_kept(compute_kept: float, graphics_kept: float, mixed: bool = False) -> ContentionMap:
         """The map a calibration implies: CUDA and rendering run together, each kept this fraction of its solo rate.
 
-        Overlap (separate domains) only where both keep >= OVERLAP_KEPT, so that leaving them unsliced still gives
-        each at least its weight share for weights up to 3:1; otherwise they are sliced as one domain.
+        Overlap (separate domains) where both keep >= OVERLAP_KEPT, so that leaving them unsliced still gives
+        each at least its weight share for weights up to 3:1; with `mixed` (opt-in: `--contention auto-mixed`,
+        not yet measured on a GPU), partial overlap (separate domains, mixed slices for kernel tenants) where
+        together they keep >= OVERLAP_SUM; otherwise they are sliced as one domain.
         Must agree with bench/scoring.py:contention_verdict.
         """
         if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:  # NaN compares False: sliced
             return SEPARATE_GRAPHICS
+        if mixed and compute_kept + graphics_kept >= OVERLAP_SUM and min(compute_kept, graphics_kept) >= 0.0:
+            kept = (min(1.0, compute_kept), min(1.0, graphics_kept))  # above solo is noise
+            return ContentionMap(PARTIAL_OVERLAP, SEPARATE_GRAPHICS.domains, kept)
         return SHARED_SM
 
 
@@ -62,4 +74,6 @@ SEPARATE_GRAPHICS = ContentionMap(
     "separate-graphics",
     MappingProxyType({Engine.COMPUTE: "sm", Engine.GRAPHICS: "gfx", Engine.DECODE: "nvdec", Engine.ENCODE: "nvenc"}),
 )
+PARTIAL_OVERLAP = "partial-overlap"
+"""The name of a map made from a calibration (its kept rates): not one `--contention` can name."""
 _BY_NAME = {m.name: m for m in (SHARED_SM, SEPARATE_GRAPHICS)}

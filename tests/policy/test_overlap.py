@@ -1,0 +1,64 @@
+"""Mixed slices for compute + graphics that overlap partly (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unisched.policy import PolicyError
+from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
+
+H200 = (0.22, 0.92)  # ResNet-50 training and a 1080p shader render together, of their solo rates (2026-12-01)
+
+
+@pytest.mark.parametrize(("share", "both", "total"), [(0.5, 0.641, 1.09), (0.75, 0.321, 1.045), (0.25, 0.962, 1.135)])
+def test_the_h200_pair_keeps_each_share_with_the_most_time_together(share: float, both: float, total: float) -> None:
+    mix = overlap_mix(*H200, share)
+    c, g = mix.kept(*H200)
+    assert mix.both == pytest.approx(both, abs=1e-3)
+    assert c == pytest.approx(share) and g >= 1 - share - 1e-9
+    assert c + g == pytest.approx(total, abs=1e-3)
+
+
+def test_no_gain_from_overlap_means_plain_slicing() -> None:
+    assert overlap_mix(0.3, 0.5, 0.5) == OverlapMix(0.0, 0.5, 0.5)
+
+
+def test_full_overlap_runs_together_all_the_time() -> None:
+    assert overlap_mix(0.9, 0.95, 0.75) == OverlapMix(1.0, 0.0, 0.0)
+
+
+def test_bad_rates_are_refused() -> None:
+    with pytest.raises(PolicyError):
+        overlap_mix(1.2, 0.5, 0.5)
+
+
+@given(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+def test_every_mix_is_a_split_of_the_time_that_keeps_both_guarantees(kc: float, kg: float, share: float) -> None:
+    mix = overlap_mix(kc, kg, share)
+    assert min(mix.both, mix.compute_only, mix.graphics_only) >= 0
+    assert mix.both + mix.compute_only + mix.graphics_only == pytest.approx(1.0)
+    c, g = mix.kept(kc, kg)
+    assert c >= share - 1e-9 and g >= 1 - share - 1e-9
+    assert c + g >= 1.0 - 1e-9 or kc + kg < 1.0  # never less work than slicing, where overlapping helps
+
+
+def test_turns_follow_the_mix_and_then_a_new_one() -> None:
+    turns = MixTurns(horizon_s=2.0)
+    counts = dict.fromkeys(SliceKind, 0)
+    mix = overlap_mix(*H200, 0.5)
+    for _ in range(400):
+        kind = turns.choose(mix)
+        turns.ran(kind, 0.05)
+        counts[kind] += 1
+    assert counts[SliceKind.BOTH] / 400 == pytest.approx(mix.both, abs=0.02)
+    assert counts[SliceKind.GRAPHICS] == 0
+    mix = overlap_mix(*H200, 0.75)  # the trainer's weight went up
+    recent = dict.fromkeys(SliceKind, 0)
+    for i in range(400):
+        kind = turns.choose(mix)
+        turns.ran(kind, 0.05)
+        if i >= 80:  # within 4 s (two horizons)
+            recent[kind] += 1
+    assert recent[SliceKind.BOTH] / 320 == pytest.approx(mix.both, abs=0.03)

@@ -1,0 +1,107 @@
+"""Compute beside graphics where they partly overlap: how much of the time to run them together.
+
+Why: on the H200 a ResNet-50 trainer keeps ~22% of its solo rate beside a heavy render, which keeps ~92% of its own
+(no scheduler, bench/results/2026-12-01-h200-d/). Together they do 1.14 solos of work, more than either alone, but
+the trainer gets far less than its weight share. Slicing them against each other gives each its share and throws
+the overlap away (sum <= 1.0). Mixing three kinds of slice does both where it can: both thawed (rates kept_c,
+kept_g), compute alone (1, 0), graphics alone (0, 1). With time fractions b, c, g (b + c + g = 1), compute gets
+kept_c*b + c and graphics kept_g*b + g of their solo rates; the most overlap that still gives each its weight share
+is the largest b for which c = max(0, share_c - kept_c*b) and g = max(0, share_g - kept_g*b) fit in 1 - b.
+
+For the H200 pair: 1:1 -> b 0.64, sum 1.09; 3:1 -> b 0.32, sum 1.05; 1:3 -> b 0.96, sum 1.13 (against 1.0 sliced).
+Open loop: the kept rates come from a calibration of the workloads on that GPU (bench/calibrate_contention.py);
+other workloads keep other rates. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import pairwise
+
+from unisched.policy.model import PolicyError
+
+__all__ = ["MixTurns", "OverlapMix", "SliceKind", "overlap_mix"]
+
+
+class SliceKind(StrEnum):
+    BOTH = "both"
+    COMPUTE = "compute"
+    GRAPHICS = "graphics"
+
+
+@dataclass(frozen=True)
+class OverlapMix:
+    """Fractions of the time each kind of slice gets (they sum to 1)."""
+
+    both: float
+    compute_only: float
+    graphics_only: float
+
+    def fraction(self, kind: SliceKind) -> float:
+        if kind is SliceKind.BOTH:
+            return self.both
+        return self.compute_only if kind is SliceKind.COMPUTE else self.graphics_only
+
+    def kept(self, kept_compute: float, kept_graphics: float) -> tuple[float, float]:
+        """(compute, graphics) normalized throughput this mix gives, by the calibrated rates."""
+        return kept_compute * self.both + self.compute_only, kept_graphics * self.both + self.graphics_only
+
+
+def overlap_mix(kept_compute: float, kept_graphics: float, share_compute: float) -> OverlapMix:
+    """The mix with the most time together that still gives compute `share_compute` and graphics the rest."""
+    if not (0.0 <= kept_compute <= 1.0 and 0.0 <= kept_graphics <= 1.0 and 0.0 <= share_compute <= 1.0):
+        raise PolicyError(f"kept rates and share must be within 0..1, got {kept_compute}, {kept_graphics}, {share_compute}")
+    share_graphics = 1.0 - share_compute
+
+    def spare(b: float) -> float:  # time left over when both run for b: >= 0 means b is feasible
+        return 1.0 - b - max(0.0, share_compute - kept_compute * b) - max(0.0, share_graphics - kept_graphics * b)
+
+    # spare() is concave and piecewise linear (0 at b = 0): its largest root lies at 1 or on the last segment
+    # that still has room; the breakpoints are where one side's exclusive time reaches zero
+    points = sorted({0.0, 1.0, *(s / k for s, k in ((share_compute, kept_compute), (share_graphics, kept_graphics))
+                                  if k > 0 and s / k < 1.0)})
+    best = 0.0
+    for lo, hi in pairwise(points):
+        if spare(hi) >= -1e-12:
+            best = hi
+            continue
+        if spare(lo) >= -1e-12:  # the root is inside [lo, hi]: spare is linear there
+            s_lo, s_hi = spare(lo), spare(hi)
+            best = lo + (hi - lo) * s_lo / (s_lo - s_hi)
+        break
+    c = max(0.0, share_compute - kept_compute * best)
+    g = max(0.0, share_graphics - kept_graphics * best)
+    left = max(0.0, 1.0 - best - c - g)
+    # time the guarantees do not need: together where that does more work in all, else split by share
+    if kept_compute + kept_graphics >= 1.0:
+        best += left
+    else:
+        c, g = c + left * share_compute, g + left * share_graphics
+    return OverlapMix(best, c, g)
+
+
+@dataclass
+class MixTurns:
+    """Which kind of slice comes next: the kind furthest behind its fraction of the recent time.
+
+    The history decays (`horizon_s`), so a new mix (weights or demand changed) is followed within seconds."""
+
+    horizon_s: float = 2.0
+    _spent: dict[SliceKind, float] = field(default_factory=dict)
+
+    def choose(self, mix: OverlapMix) -> SliceKind:
+        total = sum(self._spent.values())
+        kinds = [k for k in SliceKind if mix.fraction(k) > 0]
+        if not kinds:
+            return SliceKind.BOTH
+        return max(kinds, key=lambda k: (mix.fraction(k) * total - self._spent.get(k, 0.0), mix.fraction(k)))
+
+    def ran(self, kind: SliceKind, seconds: float) -> None:
+        keep = max(0.0, 1.0 - seconds / self.horizon_s)
+        for k in self._spent:
+            self._spent[k] *= keep
+        self._spent[kind] = self._spent.get(kind, 0.0) + seconds
+
+    def reset(self) -> None:
+        self._spent.clear()
