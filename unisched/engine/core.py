@@ -817,7 +817,8 @@ class KernelEngine:
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
-        self._observe_saturation(samples, cpu, dt)
+        mix_weights = self._mix_weights() if self.contention.kept is not None else {}
+        self._observe_saturation(samples, cpu, dt, mix_weights)
         tenants = self._tenants
         leases.expire(now, lambda name: tenants[name].frozen)
         if self.config.mode is Mode.TIDAL:
@@ -826,7 +827,7 @@ class KernelEngine:
         decision = self.policy.decide(now)
         self._next_tick = now + decision.slice_s
         if self.contention.kept is not None:
-            self._paused = self._mix(dt)
+            self._paused = self._mix(dt, mix_weights)
         self._apply(decision, now, tick=True)
         if self._unsaved and now - self._saved_at >= SAVE_DELAY_S:
             self._saved_at = now
@@ -837,7 +838,8 @@ class KernelEngine:
             self._log_shares(reason="demand")
         return decision.slice_s
 
-    def _observe_saturation(self, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float) -> None:
+    def _observe_saturation(self, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float,
+                            mix_weights: Mapping[int, tuple[int, int]]) -> None:
         """Feed each kernel-engine resource's busy fraction, and whether the tenants that ran on it used the slice,
         to the saturation gate (see policy.saturation)."""
         engines_on: dict[Resource, set[Engine]] = {}
@@ -869,7 +871,11 @@ class KernelEngine:
                 # their kernels (PyTorch on the H200 VM). No signal, so the resource is sliced, as before the gate.
                 util = None
             was_open = self.saturation.is_open(r)
-            contenders = self._mix_contenders(r.gpu) if r.domain == _MIX_DOMAIN else self.policy.contenders(r)
+            if r.domain == _MIX_DOMAIN:  # both sides want the GPU: the pair contends
+                wc, wg = mix_weights.get(r.gpu, (0, 0))
+                contenders = 2 if wc and wg else int(bool(wc or wg))
+            else:
+                contenders = self.policy.contenders(r)
             used = r in cpu_busy or (util is not None and util >= low)
             if not was_open and contenders >= 2:  # why a sliced GPU stays sliced or opens (--log-level debug)
                 log.debug("turn", gpu=r.gpu, domain=r.domain, util=util, cpu_busy=r in cpu_busy, used=used)
@@ -888,26 +894,26 @@ class KernelEngine:
     def _mix_pair(self, gpu: int) -> tuple[Resource, Resource]:
         return Resource(gpu, self.contention.domain(Engine.COMPUTE)), Resource(gpu, self.contention.domain(Engine.GRAPHICS))
 
-    def _mix_weights(self, gpu: int) -> tuple[int, int]:
-        """Weights of the kernel tenants with demand on the GPU's compute and graphics sides."""
-        rc, rg = self._mix_pair(gpu)
-        wc = wg = 0
+    def _mix_weights(self) -> dict[int, tuple[int, int]]:
+        """Per GPU, the weights of the kernel tenants with demand on its compute and on its graphics side."""
+        out: dict[int, tuple[int, int]] = {}
+        compute, graphics = self.contention.domain(Engine.COMPUTE), self.contention.domain(Engine.GRAPHICS)
         for t in self._tenants.values():
             if not t.active or t.missing or self.leases.cooperative(t.name):
                 continue
             w = self.policy.weight(t.name)
-            if rc in t.resources:
-                wc += w
-            elif rg in t.resources:
-                wg += w
-        return wc, wg
+            sides: dict[int, bool] = {}  # GPU -> on its compute side (a tenant using both counts there)
+            for r in t.resources:
+                if r.domain == compute:
+                    sides[r.gpu] = True
+                elif r.domain == graphics:
+                    sides.setdefault(r.gpu, False)
+            for g, is_compute in sides.items():
+                wc, wg = out.get(g, (0, 0))
+                out[g] = (wc + w, wg) if is_compute else (wc, wg + w)
+        return out
 
-    def _mix_contenders(self, gpu: int) -> int:
-        """Two when both sides want the GPU (the pair contends), else the tenants of the side that does."""
-        wc, wg = self._mix_weights(gpu)
-        return 2 if wc and wg else int(bool(wc or wg))
-
-    def _mix(self, dt: float) -> frozenset[Resource]:
+    def _mix(self, dt: float, weights: Mapping[int, tuple[int, int]]) -> frozenset[Resource]:
         """The resources that sit out the next slice. On a saturated GPU with compute and graphics tenants that
         overlap partly, slices are together, compute alone or graphics alone in the proportions that give each
         side its weight share with the most overlap (policy.overlap); the kept rates are the calibration's."""
@@ -919,7 +925,7 @@ class KernelEngine:
             last = self._mix_kind.pop(g, None)
             if last is not None:
                 turns.ran(last, dt)
-            wc, wg = self._mix_weights(g)
+            wc, wg = weights.get(g, (0, 0))
             if not (wc and wg) or self.saturation.is_open(Resource(g, _MIX_DOMAIN)):
                 continue
             kind = turns.choose(overlap_mix(kept_c, kept_g, wc / (wc + wg)))
