@@ -5,6 +5,9 @@
 # unisched runs use the kept rates just measured (12-01: 0.22 / 0.92, a partial overlap).
 # Compare with bench/results/2026-12-01-h200-d/ (call-next/mixed-kernel: sliced, sums 0.96-0.99, 2.6-5.0 pts).
 # Run: source .devcache/setup.sh && bash bench/h200_pending.sh   (carry .devcache; results under $OUT)
+# A second call should repeat the online scenario in rounds, each with its own solo runs (12-01's single runs had
+# solo references 20% off): STEPS=scenarios SCEN=online SCEN_ARGS="--seconds 12 --warmup 8 --unisched-warmup 12
+# --online-batches 1 --repeat 3 --max-total 540" bash bench/gpu_session.sh   (~7.5 min)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
