@@ -70,15 +70,8 @@ def overlap_mix(kept_compute: float, kept_graphics: float, share_compute: float)
             s_lo, s_hi = spare(lo), spare(hi)
             best = lo + (hi - lo) * s_lo / (s_lo - s_hi)
         break
-    c = max(0.0, share_compute - kept_compute * best)
-    g = max(0.0, share_graphics - kept_graphics * best)
-    left = max(0.0, 1.0 - best - c - g)
-    # time the guarantees do not need: together where that does more work in all, else split by share
-    if kept_compute + kept_graphics >= 1.0:
-        best += left
-    else:
-        c, g = c + left * share_compute, g + left * share_graphics
-    return OverlapMix(best, c, g)
+    # nothing is left over: spare(best) is 0 (a root), or best is 1 with neither side owed time alone
+    return OverlapMix(best, max(0.0, share_compute - kept_compute * best), max(0.0, share_graphics - kept_graphics * best))
 
 
 @dataclass
@@ -102,6 +95,3 @@ class MixTurns:
         for k in self._spent:
             self._spent[k] *= keep
         self._spent[kind] = self._spent.get(kind, 0.0) + seconds
-
-    def reset(self) -> None:
-        self._spent.clear()
