@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next device call (written 2026-12-01, not yet run; ~6 min): mixed slices for compute + graphics that overlap
+# A device call of 2026-12-01 (run at 03:32 UTC, 157 s; results in bench/results/2026-12-01-h200-e/call-a/): mixed slices for compute + graphics that overlap
 # partly (`unisched serve --contention auto-mixed`, policy/overlap.py), never measured on a GPU. gpu_pairs'
 # --calibrate-out turns this run's own no-scheduler cuda+render pair into the daemon's contention.json, so the
 # unisched runs use the kept rates just measured (12-01: 0.22 / 0.92, a partial overlap).

@@ -45,7 +45,7 @@ def test_every_mix_is_a_split_of_the_time_that_keeps_both_guarantees(kc: float, 
 
 
 def test_turns_follow_the_mix_and_then_a_new_one() -> None:
-    turns = MixTurns(horizon_s=2.0)
+    turns = MixTurns(period_s=1.0, horizon_s=2.0)
     counts = dict.fromkeys(SliceKind, 0)
     mix = overlap_mix(*H200, 0.5)
     for _ in range(400):
@@ -62,3 +62,17 @@ def test_turns_follow_the_mix_and_then_a_new_one() -> None:
         if i >= 80:  # within 4 s (two horizons)
             recent[kind] += 1
     assert recent[SliceKind.BOTH] / 320 == pytest.approx(mix.both, abs=0.03)
+
+
+@pytest.mark.parametrize("period_s", [0.5, 1.0, 2.0])
+def test_each_kind_runs_at_a_stretch_once_a_period(period_s: float) -> None:
+    """A paused render finishes its frame beside the compute after it: few switches, few such frames."""
+    turns = MixTurns(period_s=period_s)
+    mix = overlap_mix(*H200, 0.5)
+    kinds = []
+    for _ in range(1000):  # 50 s of 50 ms slices
+        kinds.append(turns.choose(mix))
+        turns.ran(kinds[-1], 0.05)
+    switches = sum(a is not b for a, b in zip(kinds, kinds[1:]))
+    assert switches <= 2 * 50 / period_s + 2  # one run of each kind a period (50 ms slices alternating: ~430)
+    assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.01)  # whole slices, still the mix

@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0..1, default 0.98; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
+    s.add_argument("--mix-period-ms", type=float, metavar="MS",
+                   help="with --contention auto-mixed: each kind of mixed slice (together, compute alone, graphics "
+                        "alone) runs for its part of a period this long at a stretch; longer loses less to the "
+                        "frame a paused render finishes, shorter pauses each side for less (default 1000)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
@@ -401,6 +405,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             saturated_util=args.saturated_util,
             cgroup_driver=args.cgroup_driver,
             contention=args.contention,
+            mix_period_ms=args.mix_period_ms,
             admin_group=args.admin_group,
             socket_group=args.socket_group,
             log_format=args.log_format,

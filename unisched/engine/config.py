@@ -86,6 +86,9 @@ class DaemonConfig:
     contention: str = "auto"
     """auto: from a calibration of the GPU model (else shared-sm); auto-mixed: the same, and compute + graphics
     that overlap partly get mixed slices (policy.overlap; not yet measured on a GPU); or a map by name."""
+    mix_period_ms: float = 1000.0
+    """With auto-mixed contention: each kind of mixed slice runs for its part of a period this long at a stretch
+    (policy.overlap.MixTurns)."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
     tenants: tuple[DeclaredTenant, ...] = ()
@@ -119,6 +122,7 @@ _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "lease_timeout_ms": (10.0, 600_000.0),
     "activity_threshold": (0.0, 1.0),
     "saturated_util": (0.0, 1.0),
+    "mix_period_ms": (1.0, 600_000.0),
 }
 _INT_RANGES: Mapping[str, tuple[int, int]] = {
     "idle_slices": (1, 1000),

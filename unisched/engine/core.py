@@ -39,7 +39,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
-from unisched.policy.overlap import MixTurns, SliceKind, overlap_mix
+from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
 
@@ -250,6 +250,7 @@ class KernelEngine:
         self._next_tick = self._last_tick
         self._mix_turns: dict[int, MixTurns] = {}
         self._mix_kind: dict[int, SliceKind] = {}
+        self._mix_shown: dict[int, OverlapMix] = {}
         """Per GPU, the kind of slice running now where compute and graphics overlap partly (`_mix`)."""
         self._paused: frozenset[Resource] = frozenset()
         """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
@@ -921,14 +922,22 @@ class KernelEngine:
         kept_c, kept_g = self.contention.kept
         paused: set[Resource] = set()
         for g in self.gpu_indices:
-            turns = self._mix_turns.setdefault(g, MixTurns())
+            turns = self._mix_turns.setdefault(g, MixTurns(period_s=self.config.mix_period_ms / 1000.0))
             last = self._mix_kind.pop(g, None)
             if last is not None:
                 turns.ran(last, dt)
             wc, wg = weights.get(g, (0, 0))
             if not (wc and wg) or self.saturation.is_open(Resource(g, _MIX_DOMAIN)):
                 continue
-            kind = turns.choose(overlap_mix(kept_c, kept_g, wc / (wc + wg)))
+            mix = overlap_mix(kept_c, kept_g, wc / (wc + wg))
+            if self._mix_shown.get(g) != mix:
+                self._mix_shown[g] = mix
+                log.info("mixed slices", gpu=g, together=round(mix.both, 3), compute_alone=round(mix.compute_only, 3),
+                         graphics_alone=round(mix.graphics_only, 3), period_ms=self.config.mix_period_ms,
+                         compute_weight=wc, graphics_weight=wg)
+            kind = turns.choose(mix)
+            if kind is not last:
+                log.debug("mixed slice", gpu=g, kind=kind.value)
             self._mix_kind[g] = kind
             rc, rg = self._mix_pair(g)
             if kind is SliceKind.COMPUTE:

@@ -76,22 +76,45 @@ def overlap_mix(kept_compute: float, kept_graphics: float, share_compute: float)
 
 @dataclass
 class MixTurns:
-    """Which kind of slice comes next: the kind furthest behind its fraction of the recent time.
+    """Which kind of slice comes next: each kind runs for its fraction of a period at a stretch, and then the
+    kind furthest behind its fraction of the recent time goes next.
 
-    The history decays (`horizon_s`), so a new mix (weights or demand changed) is followed within seconds."""
+    Why runs and not single slices: a render paused mid-frame finishes that frame beside the compute that
+    follows it (up to a frame, ~28 ms on the H200), so every switch turns the start of a compute-only slice into
+    time together. Alternating 50 ms slices (BBC BBC ...) switched ~7 times a second and the render took ~9
+    points of the trainer's 1:1 share that way (bench/results/2026-12-01-h200-e/); one switch a period costs
+    about one frame a period. A longer period pauses each side for longer at a time.
+    The history decays (`horizon_s`, at least two periods), so a new mix (weights or demand changed) is followed
+    within a few periods."""
 
+    period_s: float = 1.0
     horizon_s: float = 2.0
     _spent: dict[SliceKind, float] = field(default_factory=dict)
+    _owed: dict[SliceKind, float] = field(default_factory=dict)
+    """What a kind's last run fell short of its part of the period (negative: overran; slices are whole), added
+    to its next run so that the runs keep the fractions on average."""
+    _current: SliceKind | None = None
+    _run_s: float = 0.0
 
     def choose(self, mix: OverlapMix) -> SliceKind:
-        total = sum(self._spent.values())
         kinds = [k for k in SliceKind if mix.fraction(k) > 0]
         if not kinds:
             return SliceKind.BOTH
-        return max(kinds, key=lambda k: (mix.fraction(k) * total - self._spent.get(k, 0.0), mix.fraction(k)))
+        current = self._current
+        if current is not None and self._run_s > 0.0:
+            target = mix.fraction(current) * self.period_s + self._owed.get(current, 0.0)
+            if current in kinds and self._run_s < target:
+                return current
+            self._owed[current] = max(-self.period_s, min(self.period_s, target - self._run_s))
+            self._run_s = 0.0
+        total = sum(self._spent.values())
+        others = [k for k in kinds if k is not current] or kinds
+        return max(others, key=lambda k: (mix.fraction(k) * total - self._spent.get(k, 0.0), mix.fraction(k)))
 
     def ran(self, kind: SliceKind, seconds: float) -> None:
-        keep = max(0.0, 1.0 - seconds / self.horizon_s)
+        keep = max(0.0, 1.0 - seconds / max(self.horizon_s, 2.0 * self.period_s))
         for k in self._spent:
             self._spent[k] *= keep
         self._spent[kind] = self._spent.get(kind, 0.0) + seconds
+        self._run_s = self._run_s + seconds if kind is self._current else seconds
+        self._current = kind
