@@ -1089,8 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.note(f"  -> contention calibration NOT written: {exc}")
             else:
                 results["warnings"] += device_warnings(calibrate_gpu, [solo["cuda"], solo["render"], nosched[key]])
-                verdict = scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"],
-                                                     mixed="auto-mixed" in cfg.serve_args)
+                verdict = scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
                 results["contention"] = {"gpu": calibrate_gpu, "path": str(contention_path),
                                          "entry": entry, "verdict": verdict}
                 progress.note(f"  -> contention: compute kept {entry['compute_kept']:.2f}, graphics kept "

@@ -51,7 +51,7 @@ MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
 OVERLAP_EFFICIENCY_TOLERANCE = 0.05
 OVERLAP_KEPT = 0.75
-OVERLAP_SUM = 1.1
+MIX_SUM = 1.05
 SEPARATE_GRAPHICS = "separate-graphics"
 PARTIAL_OVERLAP = "partial-overlap"
 SHARED_SM = "shared-sm"
@@ -104,22 +104,22 @@ def contends(no_scheduler_efficiency: float, threshold: float = CONTENTION_THRES
     return no_scheduler_efficiency < threshold
 
 
-def contention_verdict(compute_kept: float, graphics_kept: float, mixed: bool = False) -> str:
+def contention_verdict(compute_kept: float, graphics_kept: float) -> str:
     """The contention map the daemon derives from a calibration of CUDA + rendering with no scheduler.
 
     compute_kept / graphics_kept: throughput together / throughput alone of the CUDA and the render load.
     "separate-graphics" (compute and graphics overlap in hardware and are not sliced against each other)
     when both kept >= OVERLAP_KEPT (0.75: left unsliced, each still gets its weight share for weights up to
-    3:1); with `mixed` (the daemon's `--contention auto-mixed`), "partial-overlap" (mixed slices: together
-    part of the time, each alone as its share needs) when the two kept rates sum to >= OVERLAP_SUM; otherwise
-    "shared-sm" (they contend and are sliced as one domain). NaN never counts as overlap.
+    3:1); "partial-overlap" (mixed slices: together part of the time, each alone as its share needs) when the
+    two kept rates sum to >= MIX_SUM; otherwise "shared-sm" (they contend and are sliced as one domain).
+    NaN never counts as overlap.
 
     MUST AGREE with the daemon's own copy of this rule, unisched/policy/contention.py
-    (ContentionMap.from_kept and its OVERLAP_KEPT); tests/test_bench_scoring.py checks that they do.
+    (ContentionMap.from_kept, OVERLAP_KEPT, MIX_SUM); tests/test_bench_scoring.py checks that they do.
     """
     if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:
         return SEPARATE_GRAPHICS
-    if mixed and compute_kept + graphics_kept >= OVERLAP_SUM and min(compute_kept, graphics_kept) >= 0.0:
+    if compute_kept + graphics_kept >= MIX_SUM and min(compute_kept, graphics_kept) >= 0.0:
         return PARTIAL_OVERLAP
     return SHARED_SM
 

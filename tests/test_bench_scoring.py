@@ -149,12 +149,11 @@ def test_contention_verdict_threshold() -> None:
     assert scoring.contention_verdict(0.14, 0.87) == "shared-sm"
     assert scoring.contention_verdict(0.95, 0.90) == "separate-graphics"
     assert scoring.contention_verdict(0.75, 0.75) == "separate-graphics"  # the threshold itself overlaps
-    assert scoring.contention_verdict(0.7499, 0.99) == "shared-sm"
-    assert scoring.contention_verdict(0.99, 0.7499) == "shared-sm"  # both must keep enough
-    assert scoring.contention_verdict(0.99, 0.7499, mixed=True) == "partial-overlap"  # unless slices are mixed
-    assert scoring.contention_verdict(0.22, 0.92, mixed=True) == "partial-overlap"  # the H200's pair (sum 1.14)
-    assert scoring.contention_verdict(0.20, 0.89, mixed=True) == "shared-sm"  # sum 1.09: contends
-    assert scoring.contention_verdict(0.8, 0.9, mixed=True) == "separate-graphics"
+    assert scoring.contention_verdict(0.7499, 0.99) == "partial-overlap"  # both must keep enough to run unsliced
+    assert scoring.contention_verdict(0.22, 0.92) == "partial-overlap"  # the H200's pair (sum 1.14): mixed slices
+    assert scoring.contention_verdict(0.16, 0.91) == "partial-overlap"  # the same pair on a slower run (sum 1.07)
+    assert scoring.contention_verdict(0.12, 0.92) == "shared-sm"  # sum 1.04: too little to gain, sliced
+    assert scoring.contention_verdict(0.8, 0.9) == "separate-graphics"
     assert scoring.contention_verdict(1.2, 1.1) == "separate-graphics"  # noise above solo is no contention
 
 
@@ -165,12 +164,11 @@ def test_contention_verdict_nan_is_never_overlap() -> None:
 
 def test_contention_verdict_agrees_with_the_daemon() -> None:
     # The daemon derives its map with its own copy of the rule; the two must never disagree.
-    from unisched.policy.contention import OVERLAP_KEPT, OVERLAP_SUM, ContentionMap
+    from unisched.policy.contention import MIX_SUM, OVERLAP_KEPT, ContentionMap
 
-    assert scoring.OVERLAP_KEPT == OVERLAP_KEPT and scoring.OVERLAP_SUM == OVERLAP_SUM
+    assert scoring.OVERLAP_KEPT == OVERLAP_KEPT and scoring.MIX_SUM == MIX_SUM
     grid = [0.0, 0.14, 0.22, 0.5, 0.55, 0.7, 0.7499, 0.75, 0.7501, 0.8, 0.87, 0.92, 0.95, 1.0, 1.3, math.nan]
     for compute in grid:
         for graphics in grid:
-            for mixed in (False, True):
-                assert scoring.contention_verdict(compute, graphics, mixed) == \
-                    ContentionMap.from_kept(compute, graphics, mixed).name, (compute, graphics, mixed)
+            assert scoring.contention_verdict(compute, graphics) == \
+                ContentionMap.from_kept(compute, graphics).name, (compute, graphics)

@@ -194,15 +194,12 @@ def test_compute_and_graphics_are_sliced_where_they_were_measured_to_contend(tmp
     assert _mixed_pair_freezes(tmp_path, (0.14, 0.87))
 
 
-def test_a_partial_overlap_is_sliced_as_before_unless_mixed_slices_are_asked_for(tmp_path: Path) -> None:
-    assert _mixed_pair_freezes(tmp_path, (0.22, 0.92))  # contention "auto": one domain, sliced
-
-
 def test_compute_and_graphics_are_sliced_when_never_measured(tmp_path: Path) -> None:
     assert _mixed_pair_freezes(tmp_path, None)
 
 
-def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float) -> dict[str, float]:
+def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
+                          contention: str = "auto") -> dict[str, float]:
     """A trainer beside a render on a GPU whose calibration measured partial overlap (the H200's ResNet-50 +
     render: 22% and 92% of their solo rates kept together). Returns the part of 400 slices each ran."""
     (tmp_path / "state").mkdir()
@@ -210,8 +207,7 @@ def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float)
         {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": 0.22, "graphics_kept": 0.92}}}))
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
     tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention="auto-mixed"), telemetry=tel)
-    assert rig.engine.contention.kept == (0.22, 0.92)
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention=contention), telemetry=tel)
     rig.add("cuda", weights[0], engines=("compute",))
     rig.add("render", weights[1], engines=("graphics",))
     rig.step(40)
@@ -234,6 +230,11 @@ def test_a_partly_overlapping_pair_runs_together_as_much_as_the_weights_allow(
     assert ran["render"] == pytest.approx(both, abs=0.03)  # the render never runs alone: its share needs no more
     share = weights[0] / sum(weights)
     assert 0.22 * ran["both"] + (ran["cuda"] - ran["both"]) >= share - 0.02  # the trainer's guarantee, by the rates
+
+
+def test_a_partial_overlap_is_sliced_when_contention_is_named(tmp_path: Path) -> None:
+    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="shared-sm")
+    assert ran["both"] < 0.05 and ran["cuda"] == pytest.approx(0.5, abs=0.05)
 
 
 def test_a_partly_overlapping_pair_on_an_unsaturated_gpu_is_not_mixed(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -482,3 +483,31 @@ def test_other_hand_overs_still_wait_for_the_yield(tmp_path: Path, mode: Mode, f
     rig.engine.lease_report(a.sid, "compute", 0.004, False, yielded=True)
     b.pump()
     assert b.held
+
+
+@pytest.mark.parametrize(("weights", "both"), [((100, 100), 0.64), ((300, 100), 0.32)])
+def test_cooperative_compute_and_graphics_that_overlap_partly_get_mixed_leases(
+        tmp_path: Path, weights: tuple[int, int], both: float) -> None:
+    """As kernel tenants do (policy.overlap): both leases held together part of the time, the trainer's alone for
+    the rest, so the trainer gets its weight share and the pair keeps most of the overlap. Side by side, the
+    trainer would keep 22% whatever its weight; leases sliced against each other would keep no overlap."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "contention.json").write_text(json.dumps(
+        {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": 0.22, "graphics_kept": 0.92}}}))
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
+    assert rig.engine.contention.kept == (0.22, 0.92)
+    cuda, render = rig.coop("cuda", weights[0], "compute"), rig.coop("render", weights[1], "graphics")
+    cuda.want()
+    render.want()
+    rig.run(40, [cuda, render])
+    held = {"cuda": 0, "render": 0, "both": 0}
+    for _ in range(400):
+        rig.run(1, [cuda, render])
+        held["cuda"] += cuda.held
+        held["render"] += render.held
+        held["both"] += cuda.held and render.held
+    assert held["both"] / 400 == pytest.approx(both, abs=0.04)
+    assert held["render"] == held["both"]  # the render never needs time alone at these weights
+    share = weights[0] / sum(weights)
+    assert 0.22 * held["both"] / 400 + (held["cuda"] - held["both"]) / 400 >= share - 0.02
+    assert any(r.reason == "slice over" for r in render.revokes)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -73,6 +75,6 @@ def test_each_kind_runs_at_a_stretch_once_a_period(period_s: float) -> None:
     for _ in range(1000):  # 50 s of 50 ms slices
         kinds.append(turns.choose(mix))
         turns.ran(kinds[-1], 0.05)
-    switches = sum(a is not b for a, b in zip(kinds, kinds[1:]))
+    switches = sum(a is not b for a, b in pairwise(kinds))
     assert switches <= 2 * 50 / period_s + 2  # one run of each kind a period (50 ms slices alternating: ~430)
     assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.01)  # whole slices, still the mix

@@ -178,16 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
     s.add_argument("--mix-period-ms", type=float, metavar="MS",
-                   help="with --contention auto-mixed: each kind of mixed slice (together, compute alone, graphics "
+                   help="where compute and graphics overlap partly: each kind of mixed slice (together, compute alone, graphics "
                         "alone) runs for its part of a period this long at a stretch; longer loses less to the "
                         "frame a paused render finishes, shorter pauses each side for less (default 1000)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
-        choices=["auto", "auto-mixed", "shared-sm", "separate-graphics"],
-        help="which engines contend (default auto: measured per GPU model by bench/calibrate_contention.py; "
-             "auto-mixed: the same, and where compute and graphics overlap partly, slices mix running them "
-             "together and each alone so both get their weight share (kernel tenants; not yet measured on a GPU))",
+        choices=["auto", "shared-sm", "separate-graphics"],
+        help="which engines contend (default auto: measured per GPU model by bench/calibrate_contention.py; where "
+             "compute and graphics overlap partly there, slices mix running them together and each alone so "
+             "both get their weight share; without a calibration: shared-sm, sliced as one)",
     )
     s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
     s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")

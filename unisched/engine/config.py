@@ -84,10 +84,10 @@ class DaemonConfig:
     """Kernel engine: tenants of a GPU engine are sliced only while its mean busy fraction over 0.4 s is at least
     this (0 = always). Near 1 because saturated means never idle (engine.core: SATURATION_*)."""
     contention: str = "auto"
-    """auto: from a calibration of the GPU model (else shared-sm); auto-mixed: the same, and compute + graphics
-    that overlap partly get mixed slices (policy.overlap; not yet measured on a GPU); or a map by name."""
+    """auto: from a calibration of the GPU model (else shared-sm; compute + graphics that overlap partly get mixed
+    slices, policy.overlap); or a map by name."""
     mix_period_ms: float = 1000.0
-    """With auto-mixed contention: each kind of mixed slice runs for its part of a period this long at a stretch
+    """Where compute and graphics overlap partly: each kind of mixed slice runs for its part of a period this long at a stretch
     (policy.overlap.MixTurns)."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
@@ -110,7 +110,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = {
     "cgroup_driver": ("auto", "v2", "v1"),
     "log_format": ("auto", "json", "console"),
     "log_level": ("debug", "info", "warning", "error"),
-    "contention": ("auto", "auto-mixed", "shared-sm", "separate-graphics"),
+    "contention": ("auto", "shared-sm", "separate-graphics"),
     "mode": tuple(m.value for m in Mode),
 }
 _STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen", *TLS_KEYS)

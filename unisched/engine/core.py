@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -49,6 +49,16 @@ log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
 _MIX_DOMAIN = "sm+gfx"
 """The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
+
+
+@dataclass(frozen=True)
+class _PairWeights:
+    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
+
+    compute: int
+    graphics: int
+    cooperative: bool
+    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
 SAVE_DELAY_S = 0.5
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
@@ -259,7 +269,7 @@ class KernelEngine:
         self._saved_at = float("-inf")
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
-        if self.config.contention not in ("auto", "auto-mixed"):
+        if self.config.contention != "auto":
             return ContentionMap.named(self.config.contention)
         if gpu_name is None:
             return SHARED_SM
@@ -270,7 +280,7 @@ class KernelEngine:
                 gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
             )
             return SHARED_SM
-        chosen = ContentionMap.from_kept(*kept, mixed=self.config.contention == "auto-mixed")
+        chosen = ContentionMap.from_kept(*kept)
         log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name)
         return chosen
 
@@ -840,7 +850,7 @@ class KernelEngine:
         return decision.slice_s
 
     def _observe_saturation(self, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float,
-                            mix_weights: Mapping[int, tuple[int, int]]) -> None:
+                            mix_weights: Mapping[int, _PairWeights]) -> None:
         """Feed each kernel-engine resource's busy fraction, and whether the tenants that ran on it used the slice,
         to the saturation gate (see policy.saturation)."""
         engines_on: dict[Resource, set[Engine]] = {}
@@ -873,8 +883,8 @@ class KernelEngine:
                 util = None
             was_open = self.saturation.is_open(r)
             if r.domain == _MIX_DOMAIN:  # both sides want the GPU: the pair contends
-                wc, wg = mix_weights.get(r.gpu, (0, 0))
-                contenders = 2 if wc and wg else int(bool(wc or wg))
+                pw = mix_weights.get(r.gpu, _PairWeights(0, 0, False))
+                contenders = 2 if pw.compute and pw.graphics else int(bool(pw.compute or pw.graphics))
             else:
                 contenders = self.policy.contenders(r)
             used = r in cpu_busy or (util is not None and util >= low)
@@ -895,14 +905,15 @@ class KernelEngine:
     def _mix_pair(self, gpu: int) -> tuple[Resource, Resource]:
         return Resource(gpu, self.contention.domain(Engine.COMPUTE)), Resource(gpu, self.contention.domain(Engine.GRAPHICS))
 
-    def _mix_weights(self) -> dict[int, tuple[int, int]]:
-        """Per GPU, the weights of the kernel tenants with demand on its compute and on its graphics side."""
-        out: dict[int, tuple[int, int]] = {}
+    def _mix_weights(self) -> dict[int, _PairWeights]:
+        """Per GPU, the weights of the tenants with demand on its compute and on its graphics side."""
+        out: dict[int, _PairWeights] = {}
         compute, graphics = self.contention.domain(Engine.COMPUTE), self.contention.domain(Engine.GRAPHICS)
         for t in self._tenants.values():
-            if not t.active or t.missing or self.leases.cooperative(t.name):
+            if not t.active or t.missing:
                 continue
             w = self.policy.weight(t.name)
+            coop = self.leases.cooperative(t.name)
             sides: dict[int, bool] = {}  # GPU -> on its compute side (a tenant using both counts there)
             for r in t.resources:
                 if r.domain == compute:
@@ -910,11 +921,11 @@ class KernelEngine:
                 elif r.domain == graphics:
                     sides.setdefault(r.gpu, False)
             for g, is_compute in sides.items():
-                wc, wg = out.get(g, (0, 0))
-                out[g] = (wc + w, wg) if is_compute else (wc, wg + w)
+                p = out.get(g, _PairWeights(0, 0, False))
+                out[g] = _PairWeights(p.compute + w * is_compute, p.graphics + w * (not is_compute), p.cooperative or coop)
         return out
 
-    def _mix(self, dt: float, weights: Mapping[int, tuple[int, int]]) -> frozenset[Resource]:
+    def _mix(self, dt: float, weights: Mapping[int, _PairWeights]) -> frozenset[Resource]:
         """The resources that sit out the next slice. On a saturated GPU with compute and graphics tenants that
         overlap partly, slices are together, compute alone or graphics alone in the proportions that give each
         side its weight share with the most overlap (policy.overlap); the kept rates are the calibration's."""
@@ -926,9 +937,11 @@ class KernelEngine:
             last = self._mix_kind.pop(g, None)
             if last is not None:
                 turns.ran(last, dt)
-            wc, wg = weights.get(g, (0, 0))
-            if not (wc and wg) or self.saturation.is_open(Resource(g, _MIX_DOMAIN)):
-                continue
+            pair = weights.get(g)
+            if pair is None or not (pair.compute and pair.graphics) \
+                    or (self.saturation.is_open(Resource(g, _MIX_DOMAIN)) and not pair.cooperative):
+                continue  # (cooperative tenants ask for leases only when they have work: no gate for them)
+            wc, wg = pair.compute, pair.graphics
             mix = overlap_mix(kept_c, kept_g, wc / (wc + wg))
             if self._mix_shown.get(g) != mix:
                 self._mix_shown[g] = mix
@@ -973,6 +986,8 @@ class KernelEngine:
                         leases.touch(t.name, now)
                 except CgroupError as e:
                     self._lost(t, str(e))
+        if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
+            decision = replace(decision, holders={r: n for r, n in decision.holders.items() if r not in paused})
         leases.apply(decision, now, max(0.0, self._next_tick - now), tick)
 
     def _reschedule(self) -> None:
