@@ -34,6 +34,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,7 @@ CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
 CONTENTION_FILE = "contention.json"  # in the daemon's --state-dir; read once at start
 CONTENTION_VERSION = 1
+SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 LOG_TAIL_CHARS = 3000
 
@@ -145,10 +147,11 @@ def run_seconds(cfg: Config, daemon: bool = False) -> float:
     return cfg.warmup + cfg.seconds + RUN_OVERHEAD_S
 
 
-def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool) -> float:
-    total = (len(solo_kinds(pairs)) + len(kind_pairs(pairs))) * run_seconds(cfg)
-    total += (len(pairs) * run_seconds(cfg, daemon=True)) if unisched else 0.0
-    return total + (CALIBRATION_S if calibrate else 0.0)
+def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, repeat: int = 1,
+                     solo_after: bool = False) -> float:
+    per_round = (len(solo_kinds(pairs)) * (2 if solo_after else 1) + len(kind_pairs(pairs))) * run_seconds(cfg)
+    per_round += (len(pairs) * run_seconds(cfg, daemon=True)) if unisched else 0.0
+    return repeat * per_round + (CALIBRATION_S if calibrate else 0.0)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -647,10 +650,27 @@ def score_setup(throughput: list[float | None], solo: list[float | None], weight
     return out
 
 
+def solo_reference(kind: str, solo: dict[str, GroupResult], solo_after: dict[str, GroupResult]) -> float | None:
+    """A kind's throughput alone: the mean of its solo runs before and after the shared ones (--solo-after), so
+    that a reference which drifts while they run (the H200 VM's CPU-bound trainer: 1322-2109 img/s in one
+    session) is met halfway; the run before alone without them."""
+    got = [g.throughputs()[0] for g in (solo.get(kind), solo_after.get(kind)) if g is not None]
+    ok = [t for t in got if t]
+    return sum(ok) / len(ok) if ok else None
+
+
+def solo_drift(kind: str, solo: dict[str, GroupResult], solo_after: dict[str, GroupResult]) -> float | None:
+    """How far the solo run after the shared ones moved from the one before (after / before - 1)."""
+    if kind not in solo or kind not in solo_after:
+        return None
+    before, after = solo[kind].throughputs()[0], solo_after[kind].throughputs()[0]
+    return after / before - 1.0 if before and after is not None else None
+
+
 def derive_pair(pair: Pair, solo: dict[str, GroupResult], nosched: dict[str, GroupResult],
-                unisched: dict[str, GroupResult]) -> dict[str, Any]:
+                unisched: dict[str, GroupResult], solo_after: dict[str, GroupResult] | None = None) -> dict[str, Any]:
     """Everything the table shows for one pair, from the raw runs (None where a run is missing)."""
-    solo_tp = [solo[k].throughputs()[0] if k in solo else None for k in pair.kinds]
+    solo_tp = [solo_reference(k, solo, solo_after or {}) for k in pair.kinds]
     units = [(solo[k].tenants[0].report or {}).get("unit", "") if k in solo else "" for k in pair.kinds]
     ns_run = nosched.get(pair.kinds_key)
     ns = score_setup(ns_run.throughputs(), solo_tp, pair.weights) if ns_run else None
@@ -755,6 +775,77 @@ def render_markdown(results: dict[str, Any]) -> str:
         if results.get(key):
             lines += ["", f"{title}:", *["- " + " / ".join(str(x).split("\n")).strip(" /")
                                           for x in results[key]]]
+    return "\n".join(lines) + "\n"
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
+def combine_rounds(rounds: list[dict[str, Any]], command: str) -> dict[str, Any]:
+    """Each pair's figures over the rounds (each round scored against its own solo runs): medians, ranges and
+    how many rounds passed; the solo runs of every round, so a reference that drifts shows."""
+    summary: dict[str, Any] = {"meta": {**rounds[0]["meta"], "command": command, "rounds": len(rounds)},
+                               "pairs": [], "solo": {}, "warnings": [], "errors": []}
+    for k, r in enumerate(rounds, 1):
+        summary["warnings"] += [f"round {k}: {w}" for w in r["warnings"]]
+        summary["errors"] += [f"round {k}: {e}" for e in r["errors"]]
+        for kind, group in r["solo"].items():
+            summary["solo"].setdefault(kind, []).append(group_throughput(group))
+        for kind, group in r.get("solo_after", {}).items():
+            summary["solo"].setdefault(f"{kind} (after)", []).append(group_throughput(group))
+    for i, first in enumerate(rounds[0]["pairs"]):
+        per = [r["pairs"][i] for r in rounds if i < len(r["pairs"])]
+        out: dict[str, Any] = {"pair": first["pair"], "kinds": first["kinds"], "weights": first["weights"]}
+        for setup in ("no_scheduler", "unisched"):
+            got = [d[setup] for d in per if d.get(setup)]
+            out[setup] = {
+                "rounds": len(got),
+                "normalized": [_spread([g["normalized"][j] for g in got]) for j in (0, 1)],
+                "error_pts": _spread([g["error_pts"] for g in got]),
+                "efficiency": _spread([g["efficiency"] for g in got]),
+                "passed": sum(bool(g.get("verdict", {}).get("passed")) for g in got),
+            }
+        summary["pairs"].append(out)
+    return summary
+
+
+def group_throughput(group: dict[str, Any]) -> float | None:
+    """The first tenant's throughput in a run's JSON (results["solo"][kind])."""
+    tenants = group.get("tenants") or [{}]
+    report = tenants[0].get("report") or {}
+    return float(report["throughput"]) if "throughput" in report else None
+
+
+def render_rounds_markdown(summary: dict[str, Any]) -> str:
+    meta = summary["meta"]
+    n = meta["rounds"]
+
+    def cell(x: dict[str, float] | None, digits: int = 2) -> str:
+        return "n/a" if x is None else f"{x['median']:.{digits}f} [{x['min']:.{digits}f}-{x['max']:.{digits}f}]"
+
+    lines = [f"Command: `{meta['command']}` | date (UTC): {meta['date_utc']} | GPU: {meta['gpu']} | "
+             f"host: {meta['hostname']}", "",
+             f"{n} rounds, each scored against its own solo runs"
+             + (" (the mean of those before and after the shared ones)" if meta.get("solo_after") else "")
+             + f"; window {meta['seconds']:g} s; slice {meta['slice_ms']:g} ms; engine {meta.get('engine', 'kernel')}. "
+             "Medians [min-max] over the rounds; the rounds' own tables are in round-K/results.md.", "",
+             "| pair | weights | setup | normalized A / B | error pts | sum | passed |", "|---|---|---|---|---|---|---|"]
+    for d in summary["pairs"]:
+        w = f"{d['weights'][0]:g}:{d['weights'][1]:g}"
+        name = d["kinds"][0] + " + " + d["kinds"][1]
+        for setup, label in (("no_scheduler", "no scheduler"), ("unisched", "unisched")):
+            x = d[setup]
+            if not x["rounds"]:
+                continue
+            passed = f"{x['passed']} of {x['rounds']}" if setup == "unisched" else ""
+            lines.append(f"| {name} | {w} | {label} | {cell(x['normalized'][0])} / {cell(x['normalized'][1])} | "
+                         f"{cell(x['error_pts'], 1)} | {cell(x['efficiency'])} | {passed} |")
+    lines += ["", "Alone, per round: " + "; ".join(
+        f"{kind} " + ", ".join(fmt(t, 1) for t in tps) for kind, tps in summary["solo"].items())]
+    for title, key in (("Warnings", "warnings"), ("Errors", "errors")):
+        if summary.get(key):
+            lines += ["", f"{title}:", *["- " + " / ".join(str(x).split("\n")).strip(" /") for x in summary[key]]]
     return "\n".join(lines) + "\n"
 
 
@@ -916,12 +1007,22 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                              "--workload-cmd-cuda 'python3 examples/02_pytorch_training.py') (default: kernel)")
     parser.add_argument("--overhead", action="store_true",
                         help="also run each kind alone under unisched (weight 100) and report the throughput lost")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run everything N times, each round against its own solo runs (and its own "
+                             "calibration with --calibrate-out), into OUT/round-K/; OUT/results.md gives each "
+                             "pair's medians with ranges and how many rounds passed (default 1)")
+    parser.add_argument("--solo-after", action="store_true",
+                        help="run the solo runs again after the shared ones and normalize against the mean of "
+                             "the two (a warning names a solo that moved > 10%%): for workloads whose rate drifts "
+                             "between minutes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and time estimate, run nothing")
     args = parser.parse_args(argv)
     try:
         args.pair_list = parse_pairs(args.pairs)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.seconds <= 0 or args.warmup < 0 or args.unisched_warmup < 0 or args.slice_ms <= 0:
         parser.error("--seconds and --slice-ms must be positive, --warmup and --unisched-warmup not negative")
     if args.calibrate_out is not None and ("cuda", "render") not in kind_pairs(args.pair_list):
@@ -960,11 +1061,13 @@ def make_config(args: argparse.Namespace) -> Config:
     return dataclasses.replace(cfg, engine=args.engine, serve_args=tuple(args.serve_arg))
 
 
-def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress) -> None:
-    est = estimate_seconds(cfg, pairs, unisched, calibrate)
-    progress.note(f"plan: alone {solo_kinds(pairs)}; no scheduler {[a + '+' + b for a, b in kind_pairs(pairs)]}; "
+def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, progress: Progress,
+               repeat: int = 1, solo_after: bool = False) -> None:
+    est = estimate_seconds(cfg, pairs, unisched, calibrate, repeat, solo_after)
+    progress.note(f"plan: alone {solo_kinds(pairs)}{' (before and after)' if solo_after else ''}; no scheduler "
+                  f"{[a + '+' + b for a, b in kind_pairs(pairs)]}; "
                   f"unisched {[p.key for p in pairs] if unisched else 'skipped'}; "
-                  f"calibration {'yes' if calibrate else 'no'}")
+                  f"calibration {'yes' if calibrate else 'no'}{f'; {repeat} rounds' if repeat > 1 else ''}")
     progress.note(f"estimated {est:.0f} s ({est / 60:.1f} min); warm-up {cfg.warmup:g} s"
                   f"{f' ({cfg.unisched_warmup:g} s under unisched)' if unisched else ''}, window "
                   f"{cfg.seconds:g} s; work dir {cfg.work_dir}")
@@ -980,14 +1083,15 @@ def main(argv: list[str] | None = None) -> int:
     unisched_on = not args.no_unisched
     needs_render = "render" in solo_kinds(pairs)
     calibrate = render_calibration_wanted(cfg, args.render_fps, args.render_iterations) and needs_render
-    total = (int(calibrate) + len(solo_kinds(pairs)) + len(kind_pairs(pairs))
-             + (len(pairs) if unisched_on else 0))
-    progress = Progress(total)
-    print_plan(cfg, pairs, unisched_on, calibrate, progress)
+    per_round = (len(solo_kinds(pairs)) * (2 if args.solo_after else 1) + len(kind_pairs(pairs))
+                 + (len(pairs) if unisched_on else 0))
+    progress = Progress(int(calibrate) + args.repeat * per_round)
+    print_plan(cfg, pairs, unisched_on, calibrate, progress, args.repeat, args.solo_after)
     if args.calibrate_out is not None:
         progress.note(f"contention calibration: from the no-scheduler cuda+render run to "
                       f"{args.calibrate_out / CONTENTION_FILE}"
-                      f"{'; the unisched daemons start with it' if unisched_on else ''}")
+                      f"{'; the unisched daemons start with it' if unisched_on else ''}"
+                      f"{' (each round its own)' if args.repeat > 1 else ''}")
     if args.dry_run:
         return 0
     calibrate_gpu: str | None = None
@@ -1000,8 +1104,34 @@ def main(argv: list[str] | None = None) -> int:
         except ContentionFileError as exc:
             print(f"gpu_pairs: error: --calibrate-out: {exc}", file=sys.stderr)
             return 2
-
     command = "python3 bench/gpu_pairs.py" + ("" if not sys.argv[1:] else " " + shlex.join(sys.argv[1:]))
+    rounds: list[dict[str, Any]] = []
+    for k in range(args.repeat):
+        if args.repeat == 1:
+            rounds.append(run_round(args, cfg, progress, command, calibrate, calibrate_gpu, args.out, ""))
+            continue
+        work = cfg.work_dir / f"round-{k + 1}"
+        work.mkdir(parents=True, exist_ok=True)
+        rounds.append(run_round(args, dataclasses.replace(cfg, work_dir=work), progress, command, calibrate and k == 0,
+                                calibrate_gpu, args.out / f"round-{k + 1}", f", round {k + 1}/{args.repeat}"))
+    if args.repeat == 1:
+        progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'}")
+        sys.stdout.write(render_markdown(rounds[0]))
+    else:
+        summary = combine_rounds(rounds, command)
+        save_json(args.out / "results.json", summary)
+        write_atomic(args.out / "results.md", render_rounds_markdown(summary))
+        progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'} (rounds in round-N/)")
+        sys.stdout.write(render_rounds_markdown(summary))
+    return 1 if any(r["errors"] for r in rounds) else 0
+
+
+def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command: str, calibrate: bool,
+              calibrate_gpu: str | None, out: Path, tag: str) -> dict[str, Any]:
+    """One round: the solo runs, the no-scheduler pairs (the calibration), the pairs under unisched, the overhead
+    runs and (--solo-after) the solo runs again; results under `out`. `tag` names the round in progress lines."""
+    pairs: list[Pair] = args.pair_list
+    unisched_on = not args.no_unisched
     results: dict[str, Any] = {
         "meta": {"command": command, "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
                  "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
@@ -1009,13 +1139,16 @@ def main(argv: list[str] | None = None) -> int:
                  "slice_ms": cfg.slice_ms, "engine": cfg.engine,
                  "unisched": unisched_on, "pairs": [p.key for p in pairs], "work_dir": str(cfg.work_dir),
                  "workload_cmd": cfg.workload_cmd, "render_iterations": args.render_iterations,
-                 "calibrate_out": None if args.calibrate_out is None else str(args.calibrate_out)},
-        "calibration": None, "solo": {}, "no_scheduler": {}, "unisched": {}, "pairs": [], "overhead": {},
+                 "calibrate_out": None if args.calibrate_out is None else str(args.calibrate_out),
+                 "solo_after": args.solo_after, "round": tag.strip(", ") or None},
+        "calibration": None, "solo": {}, "solo_after": {}, "no_scheduler": {}, "unisched": {}, "pairs": [],
+        "overhead": {},
         "warnings": [], "errors": [],
     }
     if args.calibrate_out is not None:
         results["contention"] = None
     solo: dict[str, GroupResult] = {}
+    solo_after: dict[str, GroupResult] = {}
     nosched: dict[str, GroupResult] = {}
     shared: dict[str, GroupResult] = {}
     failed_kinds: set[str] = set()
@@ -1026,8 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         store[key] = group
         results[section][key] = group.to_json()
         check_group(group, results["warnings"], results["errors"])
-        results["pairs"] = [derive_pair(p, solo, nosched, shared) for p in pairs]
-        save(args.out, results)
+        results["pairs"] = [derive_pair(p, solo, nosched, shared, solo_after) for p in pairs]
+        save(out, results)
         summary = ", ".join(f"{t.name} {fmt_tp(t.throughput, (t.report or {}).get('unit', ''))}"
                             for t in group.tenants)
         progress.note(f"  -> {summary} ({group.wall_s:.0f} s{'' if group.ok else ', FAILED'})")
@@ -1046,10 +1179,10 @@ def main(argv: list[str] | None = None) -> int:
             return False
         progress.step(f"{what}: skipped ({reason})")
         results["errors"].append(f"{what}: skipped ({reason})")
-        save(args.out, results)
+        save(out, results)
         return True
 
-    save(args.out, results)
+    save(out, results)
     if calibrate:
         cal, iters = prepare_render(cfg, args.render_fps, progress)
         results["calibration"] = cal
@@ -1058,12 +1191,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failed_kinds.add("render")
             results["errors"].append(str(cal["error"]))
-        save(args.out, results)
+        save(out, results)
 
     for kind in solo_kinds(pairs):
         if skip(f"alone: {kind}", (kind,)):
             continue
-        progress.step(f"alone: {kind}")
+        progress.step(f"alone: {kind}{tag}")
         group = run_group(cfg, kind, "alone", [TenantSpec(f"a-{kind}", kind, None)])
         record("solo", kind, group, solo)
         if not group.ok:
@@ -1073,7 +1206,7 @@ def main(argv: list[str] | None = None) -> int:
         key = "+".join(kinds)
         if skip(f"no scheduler: {key}", kinds):
             continue
-        progress.step(f"no scheduler: {key}")
+        progress.step(f"no scheduler: {key}{tag}")
         specs = [TenantSpec(f"{tag}-{k}", k, None) for tag, k in zip("ab", kinds, strict=True)]
         record("no_scheduler", key, run_group(cfg, key, "no scheduler", specs), nosched)
         if args.calibrate_out is not None and kinds == ("cuda", "render"):
@@ -1094,16 +1227,16 @@ def main(argv: list[str] | None = None) -> int:
                                          "entry": entry, "verdict": verdict}
                 progress.note(f"  -> contention: compute kept {entry['compute_kept']:.2f}, graphics kept "
                               f"{entry['graphics_kept']:.2f}: {verdict}; wrote {contention_path}")
-            save(args.out, results)
+            save(out, results)
     if args.calibrate_out is not None and "cuda+render" not in nosched:
         results["errors"].append("contention calibration not written: the no-scheduler cuda+render run did not run")
-        save(args.out, results)
+        save(out, results)
 
     if unisched_on:
         for n, pair in enumerate(pairs):
             if skip(f"unisched: {pair.key}", pair.kinds, daemon=True):
                 continue
-            progress.step(f"unisched: {pair.key} (slice {cfg.slice_ms:g} ms)")
+            progress.step(f"unisched: {pair.key} (slice {cfg.slice_ms:g} ms){tag}")
             specs = [TenantSpec(f"{tag}-{k}", k, w) for tag, k, w in zip("ab", pair.kinds, pair.weights, strict=True)]
             daemon = Daemon(cfg, str(n), contention_path)
             outcome: GroupResult | None = None
@@ -1126,7 +1259,7 @@ def main(argv: list[str] | None = None) -> int:
             if outcome is None:
                 results["unisched"][pair.key] = {"label": pair.key, "setup": "unisched", "ok": False,
                                                  "daemon": daemon.info}
-                save(args.out, results)
+                save(out, results)
                 continue
             outcome.extra["daemon"] = daemon.info
             record("unisched", pair.key, outcome, shared)
@@ -1151,15 +1284,26 @@ def main(argv: list[str] | None = None) -> int:
                 "alone": base, "alone_under_unisched": under,
                 "loss": None if not base or under is None else 1.0 - under / base, "run": group.to_json(),
             }
-            save(args.out, results)
+            save(out, results)
             loss = results["overhead"][kind]["loss"]
             progress.note(f"  -> {kind}: alone {fmt(base, 1)}, under unisched {fmt(under, 1)}"
                           f" (loss {'n/a' if loss is None else f'{100 * loss:.1f}%'})")
 
-    save(args.out, results)
-    progress.note(f"done in {progress.elapsed():.0f} s: {args.out / 'results.md'}")
-    sys.stdout.write(render_markdown(results))
-    return 1 if results["errors"] else 0
+    if args.solo_after:
+        for kind in solo_kinds(pairs):
+            if kind not in solo or skip(f"alone again: {kind}{tag}", (kind,)):
+                continue
+            progress.step(f"alone again: {kind}{tag}")
+            record("solo_after", kind, run_group(cfg, f"{kind}-after", "alone after",
+                                                 [TenantSpec(f"z-{kind}", kind, None)]), solo_after)
+            drift = solo_drift(kind, solo, solo_after)
+            if drift is not None and abs(drift) > SOLO_DRIFT_WARN:
+                results["warnings"].append(f"alone {kind}: {100 * drift:+.0f}% from the run before to the run after "
+                                           "the shared ones; normalized against their mean")
+    save(out, results)
+    return results
+
+
 
 
 if __name__ == "__main__":

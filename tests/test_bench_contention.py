@@ -190,8 +190,9 @@ if cmd == "serve":
     state, sock = Path(opt(args, "--state-dir")), opt(args, "--socket")
     try:
         kept = json.loads((state / "contention.json").read_text())["gpus"]["Test GPU"]
-        both = min(kept["compute_kept"], kept["graphics_kept"])
-        contention = "separate-graphics" if both >= 0.75 else "shared-sm"
+        c, g = kept["compute_kept"], kept["graphics_kept"]
+        contention = ("separate-graphics" if min(c, g) >= 0.75 else "partial-overlap" if c + g >= 1.05
+                      else "shared-sm")  # the daemon's rule (policy.contention.from_kept)
     except FileNotFoundError:
         contention = "none"
     Path(sock + ".json").write_text(json.dumps({"gpus": [{"index": 0, "name": "Test GPU", "contention": contention}]}))
@@ -250,3 +251,42 @@ def test_gpu_pairs_without_calibrate_out_is_unchanged(tmp_path: Path, monkeypatc
     daemon = results["unisched"]["cuda+render 1:1"]["daemon"]
     assert "status" not in daemon and "contention_file" not in daemon
     assert list(Path(daemon["state_dir"]).iterdir()) == []
+
+
+def test_gpu_pairs_rounds_each_against_their_own_solo_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--repeat 2 --solo-after: two rounds, each with solo runs before and after; a summary of both."""
+    rc, summary = _run_pairs(tmp_path, monkeypatch, "rounds", "--repeat", "2", "--solo-after")
+    assert rc == 0, summary["errors"]
+    out = tmp_path / "rounds"
+    rounds = [json.loads((out / f"round-{k}" / "results.json").read_text()) for k in (1, 2)]
+    for r in rounds:
+        assert set(r["solo_after"]) == {"cuda", "render"}
+        (pair,) = r["pairs"]
+        before = r["solo"]["cuda"]["tenants"][0]["report"]["throughput"]
+        after = r["solo_after"]["cuda"]["tenants"][0]["report"]["throughput"]
+        assert pair["solo"][0] == pytest.approx((before + after) / 2)  # the reference is their mean
+    assert [round(t, 6) for t in summary["solo"]["cuda"]] == [
+        round(r["solo"]["cuda"]["tenants"][0]["report"]["throughput"], 6) for r in rounds]
+    (pair,) = summary["pairs"]
+    norms = sorted(r["pairs"][0]["unisched"]["normalized"][0] for r in rounds)
+    assert pair["unisched"]["rounds"] == 2
+    assert pair["unisched"]["normalized"][0]["min"] == norms[0] and pair["unisched"]["normalized"][0]["max"] == norms[1]
+    assert pair["unisched"]["passed"] == sum(r["pairs"][0]["unisched"]["verdict"]["passed"] for r in rounds)
+    text = (out / "results.md").read_text()
+    assert "2 rounds" in text and "Alone, per round: cuda" in text and "cuda (after)" in text
+
+
+def test_solo_reference_is_the_mean_of_before_and_after() -> None:
+    def group(tp: float | None) -> gp.GroupResult:
+        report = None if tp is None else {"throughput": tp}
+        return gp.GroupResult("x", "alone", [gp.TenantResult("t", "cuda", None, [], 0, report, "", None)], 0.0, 1.0)
+
+    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == 1700.0
+    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {}) == 1300.0
+    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(None)}) == 1300.0  # a failed rerun
+    assert gp.solo_drift("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == pytest.approx(0.615, abs=1e-3)
+
+
+def test_repeat_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        gp.parse_args(["--out", str(tmp_path), "--repeat", "0"])
