@@ -807,6 +807,12 @@ def combine_rounds(rounds: list[dict[str, Any]], command: str) -> dict[str, Any]
                 "passed": sum(bool(g.get("verdict", {}).get("passed")) for g in got),
             }
         summary["pairs"].append(out)
+    losses: dict[str, list[float]] = {}
+    for r in rounds:
+        for kind, o in r.get("overhead", {}).items():
+            if o.get("loss") is not None:
+                losses.setdefault(kind, []).append(o["loss"])
+    summary["overhead"] = {kind: _spread(v) for kind, v in losses.items()}
     return summary
 
 
@@ -841,6 +847,10 @@ def render_rounds_markdown(summary: dict[str, Any]) -> str:
             passed = f"{x['passed']} of {x['rounds']}" if setup == "unisched" else ""
             lines.append(f"| {name} | {w} | {label} | {cell(x['normalized'][0])} / {cell(x['normalized'][1])} | "
                          f"{cell(x['error_pts'], 1)} | {cell(x['efficiency'])} | {passed} |")
+    if summary.get("overhead"):
+        lines += ["", "One tenant alone under unisched against alone without it, loss per round: " + "; ".join(
+            f"{kind} {100 * x['median']:.1f}% [{100 * x['min']:.1f}-{100 * x['max']:.1f}%]"
+            for kind, x in summary["overhead"].items() if x)]
     lines += ["", "Alone, per round: " + "; ".join(
         f"{kind} " + ", ".join(fmt(t, 1) for t in tps) for kind, tps in summary["solo"].items())]
     for title, key in (("Warnings", "warnings"), ("Errors", "errors")):

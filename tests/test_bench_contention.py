@@ -255,7 +255,7 @@ def test_gpu_pairs_without_calibrate_out_is_unchanged(tmp_path: Path, monkeypatc
 
 def test_gpu_pairs_rounds_each_against_their_own_solo_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--repeat 2 --solo-after: two rounds, each with solo runs before and after; a summary of both."""
-    rc, summary = _run_pairs(tmp_path, monkeypatch, "rounds", "--repeat", "2", "--solo-after")
+    rc, summary = _run_pairs(tmp_path, monkeypatch, "rounds", "--repeat", "2", "--solo-after", "--overhead")
     assert rc == 0, summary["errors"]
     out = tmp_path / "rounds"
     rounds = [json.loads((out / f"round-{k}" / "results.json").read_text()) for k in (1, 2)]
@@ -272,7 +272,10 @@ def test_gpu_pairs_rounds_each_against_their_own_solo_runs(tmp_path: Path, monke
     assert pair["unisched"]["rounds"] == 2
     assert pair["unisched"]["normalized"][0]["min"] == norms[0] and pair["unisched"]["normalized"][0]["max"] == norms[1]
     assert pair["unisched"]["passed"] == sum(r["pairs"][0]["unisched"]["verdict"]["passed"] for r in rounds)
+    losses = sorted(r["overhead"]["cuda"]["loss"] for r in rounds)
+    assert summary["overhead"]["cuda"] == {"median": pytest.approx(sum(losses) / 2), "min": losses[0], "max": losses[1]}
     text = (out / "results.md").read_text()
+    assert "loss per round: cuda" in text
     assert "2 rounds" in text and "Alone, per round: cuda" in text and "cuda (after)" in text
 
 
