@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from itertools import pairwise
+from itertools import groupby, pairwise
 
 import pytest
 from hypothesis import given
@@ -78,3 +78,31 @@ def test_each_kind_runs_at_a_stretch_once_a_period(period_s: float) -> None:
     switches = sum(a is not b for a, b in pairwise(kinds))
     assert switches <= 2 * 50 / period_s + 2  # one run of each kind a period (50 ms slices alternating: ~430)
     assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.01)  # whole slices, still the mix
+
+
+def test_a_kind_back_in_the_mix_gets_its_whole_run() -> None:
+    turns = MixTurns(period_s=1.0)
+    for mix, n in ((OverlapMix(0.5, 0.5, 0.0), 15), (OverlapMix(1.0, 0.0, 0.0), 40)):  # compute cut off mid-run
+        for _ in range(n):
+            turns.ran(turns.choose(mix), 0.05)
+    kinds = []
+    for _ in range(40):
+        kinds.append(turns.choose(OverlapMix(0.5, 0.5, 0.0)))
+        turns.ran(kinds[-1], 0.05)
+    runs = [len(list(g)) for _, g in groupby(kinds)]
+    # 0.5 s each (the first began in the lone kind's last slice): nothing carried over from the cut-off run, or
+    # from the lone kind's stretch
+    assert runs[:3] == [9, 10, 10]
+
+
+def test_a_kind_that_left_for_another_gets_its_whole_run_back() -> None:
+    turns = MixTurns(period_s=1.0)
+    for mix, n in ((OverlapMix(0.5, 0.5, 0.0), 13), (OverlapMix(0.5, 0.0, 0.5), 40)):  # compute cut off 3 slices in
+        for _ in range(n):
+            turns.ran(turns.choose(mix), 0.05)
+    kinds = []
+    for _ in range(60):
+        kinds.append(turns.choose(OverlapMix(0.5, 0.5, 0.0)))
+        turns.ran(kinds[-1], 0.05)
+    runs = [(k, len(list(g))) for k, g in groupby(kinds)]
+    assert next(r for r in runs if r[0] is SliceKind.COMPUTE) == (SliceKind.COMPUTE, 10)  # not 17 (owed 7 slices)

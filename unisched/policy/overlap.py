@@ -100,10 +100,16 @@ class MixTurns:
         kinds = [k for k in SliceKind if mix.fraction(k) > 0]
         if not kinds:
             return SliceKind.BOTH
+        for k in [k for k in self._owed if k not in kinds]:  # a kind that left the mix owes nothing on its return
+            del self._owed[k]
+        if len(kinds) == 1:  # one kind all the time: no runs to keep (and none overrun)
+            self._owed.clear()
+            self._current = None
+            return kinds[0]
         current = self._current
         if current is not None and self._run_s > 0.0:
             target = mix.fraction(current) * self.period_s + self._owed.get(current, 0.0)
-            if current in kinds and self._run_s < target:
+            if current in kinds and self._run_s < target - 1e-9:  # (ten 0.05 s slices sum to 0.4999...)
                 return current
             self._owed[current] = max(-self.period_s, min(self.period_s, target - self._run_s))
             self._run_s = 0.0
