@@ -106,3 +106,14 @@ def test_a_kind_that_left_for_another_gets_its_whole_run_back() -> None:
         turns.ran(kinds[-1], 0.05)
     runs = [(k, len(list(g))) for k, g in groupby(kinds)]
     assert next(r for r in runs if r[0] is SliceKind.COMPUTE) == (SliceKind.COMPUTE, 10)  # not 17 (owed 7 slices)
+
+
+@pytest.mark.parametrize("period_s", [0.001, 0.05])
+def test_a_period_shorter_than_a_slice_still_keeps_the_mix(period_s: float) -> None:
+    turns = MixTurns(period_s=period_s)
+    mix = overlap_mix(*H200, 0.5)
+    kinds = []
+    for _ in range(1000):
+        kinds.append(turns.choose(mix))
+        turns.ran(kinds[-1], 0.05)
+    assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.02)  # not 1:1 alternation

@@ -95,6 +95,7 @@ class MixTurns:
     to its next run so that the runs keep the fractions on average."""
     _current: SliceKind | None = None
     _run_s: float = 0.0
+    _slice_s: float = 0.0
 
     def choose(self, mix: OverlapMix) -> SliceKind:
         kinds = [k for k in SliceKind if mix.fraction(k) > 0]
@@ -114,8 +115,15 @@ class MixTurns:
             self._owed[current] = max(-self.period_s, min(self.period_s, target - self._run_s))
             self._run_s = 0.0
         total = sum(self._spent.values())
-        others = [k for k in kinds if k is not current] or kinds
-        return max(others, key=lambda k: (mix.fraction(k) * total - self._spent.get(k, 0.0), mix.fraction(k)))
+
+        def behind(k: SliceKind) -> float:
+            return mix.fraction(k) * total - self._spent.get(k, 0.0)
+
+        # where a kind's part of the period is under a slice, runs are single slices and the one that just ran
+        # goes again while still behind (by half a slice); otherwise another kind follows a run
+        short = current is not None and mix.fraction(current) * self.period_s < self._slice_s
+        nxt = [k for k in kinds if k is not current or (short and behind(k) > 0.5 * self._slice_s)] or kinds
+        return max(nxt, key=lambda k: (behind(k), mix.fraction(k)))
 
     def ran(self, kind: SliceKind, seconds: float) -> None:
         keep = max(0.0, 1.0 - seconds / max(self.horizon_s, 2.0 * self.period_s))
@@ -124,3 +132,4 @@ class MixTurns:
         self._spent[kind] = self._spent.get(kind, 0.0) + seconds
         self._run_s = self._run_s + seconds if kind is self._current else seconds
         self._current = kind
+        self._slice_s = seconds
