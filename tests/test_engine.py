@@ -15,6 +15,7 @@ from unisched.engine.config import DaemonConfig, DeclaredTenant
 from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
+from unisched.policy.overlap import SliceKind
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
 SLICE = 0.05
@@ -211,6 +212,11 @@ def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
     rig.add("cuda", weights[0], engines=("compute",))
     rig.add("render", weights[1], engines=("graphics",))
     rig.step(40)
+    mixed = rig.engine.mixed_slices(0)
+    if util >= 0.98 and contention == "auto":  # what `unisched status` shows for the GPU
+        assert mixed is not None and mixed[0].both > 0 and mixed[1] in SliceKind
+    else:
+        assert mixed is None
     ran = {"cuda": 0.0, "render": 0.0, "both": 0.0}
     for _ in range(400):
         rig.step()

@@ -16,7 +16,7 @@ from conftest import ROOT, child_env, cli
 from inproc import in_process_server
 from rich.console import Console
 
-from unisched.cli.top import BAR_WIDTH, render_frame, share_bar
+from unisched.cli.top import BAR_WIDTH, gpu_line, render_frame, share_bar
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient
 
@@ -156,3 +156,10 @@ def test_ctrl_c_ends_the_view_when_stdin_is_not_a_terminal(tmp_path: Path) -> No
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+def test_a_gpu_with_mixed_slices_shows_them() -> None:
+    g = pb.Gpu(index=0, name="NVIDIA H200", contention="partial-overlap", sm_util=1.0, memory_total=140 * 2**30,
+               mix=pb.MixedSlices(together=0.605, compute_alone=0.395, graphics_alone=0.0, now="compute"))
+    assert gpu_line(g).endswith("mixed: together 60% / compute 40% / graphics 0% (now compute)")
+    assert "mixed" not in gpu_line(pb.Gpu(index=0, name="NVIDIA H200", contention="partial-overlap"))

@@ -602,6 +602,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 "enc_util": g.enc_util,
                 "memory_used": g.memory_used,
                 "memory_total": g.memory_total,
+                "mix": {"together": g.mix.together, "compute_alone": g.mix.compute_alone,
+                        "graphics_alone": g.mix.graphics_alone, "now": g.mix.now} if g.HasField("mix") else None,
             }
             for g in s.gpus
         ],
@@ -621,11 +623,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("no NVML: scheduling on CPU signals")
     print(f"session hooks (seccomp): {s.session_hooks}" + (f", agent socket {s.agent_socket}" if s.agent_socket else ""))
     print(f"device admission (cgroup eBPF): {s.device_admission}")
+    from unisched.cli.top import gpu_line
+
     for g in s.gpus:
-        print(
-            f"gpu{g.index} {g.name} [{g.contention}] sm {100 * g.sm_util:.0f}% dec {100 * g.dec_util:.0f}% "
-            f"enc {100 * g.enc_util:.0f}% mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
-        )
+        print(gpu_line(g))
     return 0
 
 

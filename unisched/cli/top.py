@@ -66,10 +66,18 @@ def _header(status: pb.StatusReply | None, tenants: int) -> Iterator[RenderableT
         style="bold",
     )
     for g in status.gpus:
-        yield Text(
-            f"gpu{g.index} {g.name} [{g.contention}]  sm {100 * g.sm_util:.0f}%  dec {100 * g.dec_util:.0f}%  "
-            f"enc {100 * g.enc_util:.0f}%  mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB"
-        )
+        yield Text(gpu_line(g))
+
+
+def gpu_line(g: pb.Gpu) -> str:
+    """One GPU as `unisched status` and `top` show it, with its mixed slices while it has them."""
+    line = (f"gpu{g.index} {g.name} [{g.contention}]  sm {100 * g.sm_util:.0f}%  dec {100 * g.dec_util:.0f}%  "
+            f"enc {100 * g.enc_util:.0f}%  mem {g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:.1f} GiB")
+    if g.HasField("mix"):
+        m = g.mix
+        line += (f"  mixed: together {100 * m.together:.0f}% / compute {100 * m.compute_alone:.0f}% / graphics "
+                 f"{100 * m.graphics_alone:.0f}% (now {m.now})")
+    return line
 
 
 def render_frame(

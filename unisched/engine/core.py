@@ -1273,6 +1273,13 @@ class KernelEngine:
     def gpu_samples(self) -> tuple[GpuSample, ...]:
         return self._last_samples
 
+    def mixed_slices(self, gpu: int) -> tuple[OverlapMix, SliceKind] | None:
+        """The mix a GPU's partly overlapping compute + graphics get now, and the kind of slice running; None
+        while it is not mixing (no such pair with work, or an unsaturated GPU)."""
+        kind = self._mix_kind.get(gpu)
+        mix = self._mix_shown.get(gpu)
+        return None if kind is None or mix is None else (mix, kind)
+
     def gate_states(self) -> tuple[GateState, ...]:
         """Per contended resource: sliced (tenants take turns) or open, and how long it is held open."""
         return self.saturation.states()

@@ -205,18 +205,22 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         )
         for i, g in sorted(gpus.items()):
             s = samples.get(i)
-            reply.gpus.append(
-                pb.Gpu(
-                    index=i,
-                    name=g.name,
-                    contention=self.engine.contention.name,
-                    sm_util=s.sm_util if s else 0.0,
-                    dec_util=s.dec_util if s else 0.0,
-                    enc_util=s.enc_util if s else 0.0,
-                    memory_used=s.memory_used if s else 0,
-                    memory_total=g.memory_total,
-                )
+            gpu = pb.Gpu(
+                index=i,
+                name=g.name,
+                contention=self.engine.contention.name,
+                sm_util=s.sm_util if s else 0.0,
+                dec_util=s.dec_util if s else 0.0,
+                enc_util=s.enc_util if s else 0.0,
+                memory_used=s.memory_used if s else 0,
+                memory_total=g.memory_total,
             )
+            mixed = self.engine.mixed_slices(i)
+            if mixed is not None:
+                mix, kind = mixed
+                gpu.mix.CopyFrom(pb.MixedSlices(together=mix.both, compute_alone=mix.compute_only,
+                                                graphics_alone=mix.graphics_only, now=kind.value))
+            reply.gpus.append(gpu)
         if cred is not None:
             reply.caller_pid = cred.pid
             reply.caller_uid = cred.uid

@@ -179,7 +179,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "name", "contention", "sm_util", "dec_util", "enc_util", "memory_used", "memory_total")
+    __slots__ = ("index", "name", "contention", "sm_util", "dec_util", "enc_util", "memory_used", "memory_total", "mix")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class Gpu(_message.Message):
     ENC_UTIL_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MIX_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     contention: str
@@ -196,7 +197,20 @@ class Gpu(_message.Message):
     enc_util: float
     memory_used: int
     memory_total: int
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., contention: _Optional[str] = ..., sm_util: _Optional[float] = ..., dec_util: _Optional[float] = ..., enc_util: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_total: _Optional[int] = ...) -> None: ...
+    mix: MixedSlices
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., contention: _Optional[str] = ..., sm_util: _Optional[float] = ..., dec_util: _Optional[float] = ..., enc_util: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_total: _Optional[int] = ..., mix: _Optional[_Union[MixedSlices, _Mapping]] = ...) -> None: ...
+
+class MixedSlices(_message.Message):
+    __slots__ = ("together", "compute_alone", "graphics_alone", "now")
+    TOGETHER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_ALONE_FIELD_NUMBER: _ClassVar[int]
+    GRAPHICS_ALONE_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    together: float
+    compute_alone: float
+    graphics_alone: float
+    now: str
+    def __init__(self, together: _Optional[float] = ..., compute_alone: _Optional[float] = ..., graphics_alone: _Optional[float] = ..., now: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission")
