@@ -359,7 +359,8 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     solo = tenant(runs.get("alone-offline", {}), "offline") or {}
     base_p99 = (alone.get("latency_ms") or {}).get("p99")
     base_tp = solo.get("throughput")
-    base_p50 = (alone.get("latency_ms") or {}).get("p50")
+    base_lat = alone.get("latency_ms") or {}
+    base_p50 = base_lat.get("p50")
     out: dict[str, Any] = {"alone_p99_ms": base_p99, "alone_p50_ms": base_p50, "offline_solo": base_tp, "setups": {}}
     for setup in ("no scheduler", "MPS", "unisched kernel", "unisched user"):
         run = runs.get(setup) or {}
@@ -368,10 +369,30 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
         p99x = ratio(lat.get("p99"), base_p99)
         kept = ratio(off.get("throughput"), base_tp)
         out["setups"][setup] = {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "p99_x_alone": p99x,
+                                "p99_x_bounds": p99_ratio_bounds(lat, base_lat),
                                 "p50_x_alone": ratio(lat.get("p50"), base_p50), "offline_kept": kept,
                                 "dropped": on.get("dropped"), "target_met": online_target_met(p99x, kept),
                                 "error": run.get("error")}
     return out
+
+
+def p99_ratio_bounds(lat: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
+    """The p99 / alone ratio's bounds from both p99s' 90% intervals (examples/online_offline.py reports them):
+    [shared low / alone high, shared high / alone low]. Where they straddle the target, these runs cannot say
+    whether it was met: a p99 of a few hundred requests rests on its top few samples."""
+    lo, hi, base_lo, base_hi = lat.get("p99_lo"), lat.get("p99_hi"), base.get("p99_lo"), base.get("p99_hi")
+    if None in (lo, hi, base_lo, base_hi) or not base_lo or not base_hi:
+        return None
+    return [lo / base_hi, hi / base_lo]
+
+
+def p99_resolution(bounds: list[float] | None) -> str:
+    """Whether the p99 part of the target is settled by these runs."""
+    if not bounds:
+        return ""
+    if bounds[1] <= ONLINE_P99_TARGET:
+        return "below the target"
+    return "above the target" if bounds[0] > ONLINE_P99_TARGET else "cannot tell"
 
 
 def online_target_met(p99x: float | None, kept: float | None) -> bool | None:
@@ -400,6 +421,8 @@ def combine_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for k in ONLINE_RANGED:
             got = [e[k] for e in each if e.get(k) is not None]
             s[f"{k}_range"] = [min(got), max(got)] if got else None
+        bounds = [e["p99_x_bounds"] for e in each if e.get("p99_x_bounds")]
+        s["p99_x_bounds"] = [med([b[0] for b in bounds]), med([b[1] for b in bounds])] if bounds else None
         s["dropped"] = sum(e.get("dropped") or 0 for e in each)
         s["target_met"] = online_target_met(s["p99_x_alone"], s["offline_kept"])
         s["target_met_rounds"] = sum(1 for e in each if e.get("target_met"))
@@ -503,22 +526,28 @@ def online_md(data: dict[str, Any]) -> list[str]:
              "training; preemptive mode)", "", *provenance(data),
              f"Target: online p99 <= {ONLINE_P99_TARGET:g}x alone while the offline tenant keeps >= "
              f"{OFFLINE_KEPT_TARGET:.0%} of its solo throughput.", "",
-             "| batch | setup | online p50 ms | online p99 ms | p50 / alone | p99 / alone | offline kept | target |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| batch | setup | online p50 ms | online p99 ms | p50 / alone | p99 / alone | p99 / alone, 90% bounds | "
+             "offline kept | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for batch, runs in data.get("batches", {}).items():
         d = runs.get("derived") or {}
         n = d.get("rounds")
         lines.append(f"| {batch} | alone{f' (median of {n} rounds)' if n else ''} | {gp.fmt(d.get('alone_p50_ms'))} | "
-                     f"{gp.fmt(d.get('alone_p99_ms'))} | 1.00 | 1.00 | 1.00 ({gp.fmt(d.get('offline_solo'), 1)} img/s) | |")
+                     f"{gp.fmt(d.get('alone_p99_ms'))} | 1.00 | 1.00 | | 1.00 ({gp.fmt(d.get('offline_solo'), 1)} img/s) | |")
         for setup, s in (d.get("setups") or {}).items():
             met = {True: "**met**", False: "missed", None: s.get("error") or "n/a"}[s.get("target_met")]
             if n and s.get("target_met") is not None:
                 met += f" ({s.get('target_met_rounds', 0)} of {n} rounds)"
-            cells = [fmt_ranged(s, k) for k in ("p50_x_alone", "p99_x_alone", "offline_kept")]
+            b = s.get("p99_x_bounds")
+            bounds = f"{gp.fmt(b[0])}-{gp.fmt(b[1])}: {p99_resolution(b)}" if b else "n/a"
+            cells = [fmt_ranged(s, k) for k in ("p50_x_alone", "p99_x_alone")] + [bounds, fmt_ranged(s, "offline_kept")]
             lines.append(f"| {batch} | {setup} | {gp.fmt(s.get('p50_ms'))} | {gp.fmt(s.get('p99_ms'))} | "
                          f"{' | '.join(cells)} | {met} |")
     if any((runs.get("derived") or {}).get("rounds") for runs in data.get("batches", {}).values()):
         lines += ["", "Medians over the rounds, each ratio against its own round's solo runs; [min-max] across rounds."]
+    lines += ["", f"90% bounds: from each p99's distribution-free 90% interval (order statistics of its requests), "
+                  f"shared low / alone high to shared high / alone low; 'cannot tell' where they straddle "
+                  f"{ONLINE_P99_TARGET:g}x."]
     return [*lines, ""]
 
 

@@ -16,7 +16,8 @@ it beside this one so the pair can be run by hand:
 
 bench/scenarios.py runs every setup (alone, no scheduler, MPS, both engines) and scores them.
 Report (--report): the shared workload fields (throughput = answered requests/s) plus latency_ms
-{p50, p90, p99, mean, max}, requests, dropped (arrivals never answered inside the window).
+{p50, p90, p99, p99_lo, p99_hi (the p99's 90% distribution-free interval), n, mean, max}, requests, dropped
+(arrivals never answered inside the window).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from _coop import add_unisched_args, connect, share_line, share_report
-from _window import Window, add_window_args, fail, percentile, plan_window, write_report
+from _window import Window, add_window_args, fail, percentile, plan_window, quantile_interval, write_report
 
 HERE = Path(__file__).resolve().parent
 WARMUP_ANSWERS = 20
@@ -54,7 +55,9 @@ def latency_summary(latencies_s: list[float]) -> dict[str, float]:
     if not latencies_s:
         return {}
     ms = [1000.0 * v for v in latencies_s]
+    p99_lo, p99_hi = quantile_interval(ms, 99)
     return {"p50": round(percentile(ms, 50), 3), "p90": round(percentile(ms, 90), 3), "p99": round(percentile(ms, 99), 3),
+            "p99_lo": round(p99_lo, 3), "p99_hi": round(p99_hi, 3), "n": len(ms),
             "mean": round(sum(ms) / len(ms), 3), "max": round(max(ms), 3)}
 
 

@@ -19,10 +19,14 @@ def run_with(tenants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {"tenants": [{"name": n, "report": r} for n, r in tenants.items()]}
 
 
-def online_runs(p99_shared: float, kept_tp: float) -> dict[str, Any]:
-    alone = run_with({"online": {"latency_ms": {"p50": 7.0, "p99": 9.0}}})
+def online_runs(p99_shared: float, kept_tp: float, spread: float = 0.02) -> dict[str, Any]:
+    """p99s with 90% intervals +-`spread` around them (examples/online_offline.py reports p99_lo / p99_hi)."""
+    def lat(p50: float, p99: float) -> dict[str, float]:
+        return {"p50": p50, "p99": p99, "p99_lo": p99 * (1 - spread), "p99_hi": p99 * (1 + spread)}
+
+    alone = run_with({"online": {"latency_ms": lat(7.0, 9.0)}})
     solo = run_with({"offline": {"throughput": 1500.0}})
-    shared = run_with({"online": {"latency_ms": {"p50": 7.5, "p99": p99_shared}, "dropped": 0},
+    shared = run_with({"online": {"latency_ms": lat(7.5, p99_shared), "dropped": 0},
                        "offline": {"throughput": kept_tp}})
     return {"alone-online": alone, "alone-offline": solo, "unisched user": shared, "MPS": {"error": "mps failed"}}
 
@@ -75,7 +79,7 @@ def test_tables_and_plots_from_results(tmp_path: Path) -> None:
     md = (tmp_path / "results.md").read_text()
     assert "| kernel | 3:1 |" in md and "error 0.8 pts" in md and "PASS" in md
     assert "loss 1.5%" in md
-    assert "| 1 | unisched user | 7.50 | 9.40 | 1.07 | 1.04 | 0.83 | **met** |" in md
+    assert "| 1 | unisched user | 7.50 | 9.40 | 1.07 | 1.04 | 1.00-1.09: cannot tell | 0.83 | **met** |" in md
     assert "over cap: cg-0" in md
     names = sorted(p.name for p in made)
     assert names == ["cloud-fps.png", "mixed-kernel-mixed3-1-share.png", "mixed-kernel-normalized.png",
@@ -115,8 +119,8 @@ def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
     assert s["target_met"] is False and s["target_met_rounds"] == 1
     assert d["setups"]["MPS"]["error"] == "mps failed" and d["setups"]["MPS"]["target_met"] is None
     table = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {"derived": d}}}))
-    assert ("| 1 | unisched user | 7.50 | 12.00 | 1.07 [1.07-1.07] | 1.33 [1.04-1.50] | 0.73 [0.67-0.83] | "
-            "missed (1 of 3 rounds) |") in table
+    assert ("| 1 | unisched user | 7.50 | 12.00 | 1.07 [1.07-1.07] | 1.33 [1.04-1.50] | 1.28-1.39: above the target | "
+            "0.73 [0.67-0.83] | missed (1 of 3 rounds) |") in table
     assert scenarios.combine_online([scenarios.derive_online(lucky)]) == scenarios.derive_online(lucky)
 
 
@@ -141,3 +145,21 @@ def test_online_batches_run_in_separate_invocations_add_up(tmp_path: Path) -> No
     h.save("online", {"rate": 20, "batches": {"8": {"derived": {}}}})
     saved = json.loads((tmp_path / "results.json").read_text())["scenarios"]
     assert sorted(saved["online"]["batches"]) == ["1", "8"] and "cloud" in saved
+
+
+@pytest.mark.parametrize(("p99", "spread", "says"), [(9.0, 0.01, "below the target"), (9.4, 0.2, "cannot tell"),
+                                                     (12.0, 0.05, "above the target")])
+def test_p99_bounds_say_whether_the_runs_can_tell(p99: float, spread: float, says: str) -> None:
+    s = scenarios.derive_online(online_runs(p99, 1250.0, spread))["setups"]["unisched user"]
+    lo, hi = s["p99_x_bounds"]
+    assert lo == pytest.approx(p99 * (1 - spread) / (9.0 * (1 + spread)))
+    assert hi == pytest.approx(p99 * (1 + spread) / (9.0 * (1 - spread)))
+    assert scenarios.p99_resolution(s["p99_x_bounds"]) == says
+
+
+def test_reports_without_intervals_have_no_bounds() -> None:
+    runs = online_runs(9.4, 1250.0)
+    for run in (runs["alone-online"], runs["unisched user"]):
+        for t in run["tenants"]:
+            (t["report"].get("latency_ms") or {}).pop("p99_lo", None)
+    assert scenarios.derive_online(runs)["setups"]["unisched user"]["p99_x_bounds"] is None

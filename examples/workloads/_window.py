@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -146,6 +147,30 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
     return ordered[rank - 1]
+
+
+def quantile_interval(values: Sequence[float], q: float, confidence: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval for the q-th percentile (q in 0..100) of what was sampled: the order
+    statistics that bracket it with `confidence` (binomial ranks), clamped to the smallest and largest value.
+
+    Why: a p99 from a few hundred requests rests on its top few samples; two setups whose intervals overlap
+    cannot be told apart by it (12 s at 20 req/s: 240 requests, p99 between the 1st and the ~6th highest)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("no values")
+    p, tail = q / 100.0, (1.0 - confidence) / 2.0
+    cdf, acc = [], 0.0  # cdf[k] = P(Binomial(n, p) <= k)
+    for k in range(n + 1):
+        if 0.0 < p < 1.0:
+            acc += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+                            + k * math.log(p) + (n - k) * math.log1p(-p))
+        else:
+            acc = 1.0 if (p <= 0.0 or k == n) else 0.0
+        cdf.append(acc)
+    lo = max([k for k in range(n + 1) if cdf[k] <= tail], default=0)  # ranks are 1-based: x_(lo) ... x_(hi)
+    hi = min([k for k in range(n + 1) if cdf[k] >= 1.0 - tail], default=n) + 1
+    return ordered[max(1, lo) - 1], ordered[min(n, hi) - 1]
 
 
 def fail(message: str, code: int = 2) -> int:
