@@ -49,16 +49,6 @@ log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
 _MIX_DOMAIN = "sm+gfx"
 """The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
-
-
-@dataclass(frozen=True)
-class _PairWeights:
-    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
-
-    compute: int
-    graphics: int
-    cooperative: bool
-    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
 SAVE_DELAY_S = 0.5
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
@@ -212,6 +202,16 @@ def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
     return engines or frozenset({Engine.COMPUTE})
 
 
+@dataclass(frozen=True)
+class _PairWeights:
+    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
+
+    compute: int
+    graphics: int
+    cooperative: bool
+    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
+
+
 class KernelEngine:
     def __init__(
         self,
@@ -260,8 +260,9 @@ class KernelEngine:
         self._next_tick = self._last_tick
         self._mix_turns: dict[int, MixTurns] = {}
         self._mix_kind: dict[int, SliceKind] = {}
-        self._mix_shown: dict[int, OverlapMix] = {}
         """Per GPU, the kind of slice running now where compute and graphics overlap partly (`_mix`)."""
+        self._mix_shown: dict[int, OverlapMix] = {}
+        """Per GPU, the last mix logged (and shown by `mixed_slices`)."""
         self._paused: frozenset[Resource] = frozenset()
         """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
         self._logged_shares: dict[str, tuple[float, str]] = {}
