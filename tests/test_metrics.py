@@ -198,3 +198,32 @@ def test_a_failed_refresh_keeps_the_last_view_and_retries(tmp_path: Path) -> Non
     engine.snapshots = broken  # type: ignore[method-assign,assignment]
     asyncio.run(asyncio.wait_for(view.run(stop, interval=0.001), timeout=10))
     assert calls == 3 and view.current is first
+
+
+def test_mixed_slices_are_exported(tmp_path: Path) -> None:
+    """A GPU whose calibration measured a partial overlap (the H200's trainer + render: 0.22 / 0.92), both sides
+    busy at 1:1: the mix's fractions and the kind running now."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "contention.json").write_text(
+        '{"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": 0.22, "graphics_kept": 0.92}}}')
+    engine, driver, clock, telemetry = _engine_with_gpu(tmp_path)
+    telemetry.next_samples = [GpuSample(0, sm_util=1.0, dec_util=0.0, enc_util=0.0, memory_used=0)]
+    engine.register("cuda", 100, None, ("compute",), (), 1001, 0, True)
+    engine.register("render", 100, None, ("graphics",), (), 1002, 0, True)
+    for _ in range(60):
+        delay = engine.tick()
+        for name in ("cuda", "render"):
+            g = driver.groups[f"/unisched/{name}"]
+            if not g.frozen:
+                g.cpu_s += delay
+        clock.advance(delay)
+    view = EngineView(engine)
+    view.refresh()
+    registry = CollectorRegistry()
+    registry.register(UnischedCollector(view))
+    mix, kind = engine.mixed_slices(0) or (None, None)
+    assert mix is not None and kind is not None
+    assert registry.get_sample_value("unisched_gpu_mixed_fraction", {"gpu": "0", "kind": "both"}) == \
+        pytest.approx(mix.both) == pytest.approx(0.641, abs=1e-3)
+    assert registry.get_sample_value("unisched_gpu_mixed_fraction", {"gpu": "0", "kind": "graphics"}) == 0.0
+    assert registry.get_sample_value("unisched_gpu_mixed_now", {"gpu": "0", "kind": kind.value}) == 1.0

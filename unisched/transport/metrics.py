@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from unisched import __version__
 from unisched.engine.core import KernelEngine, TenantSnapshot
+from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
 from unisched.telemetry import GpuInfo, GpuSample
 
@@ -42,6 +43,8 @@ class View:
     gpus: tuple[GpuInfo, ...]
     samples: tuple[GpuSample, ...]
     gates: tuple[GateState, ...]
+    mixes: tuple[tuple[int, OverlapMix, SliceKind], ...]
+    """Per GPU that mixes slices now (partly overlapping compute + graphics): its mix and the kind running."""
     mode: str
     taken: float
 
@@ -59,6 +62,7 @@ class EngineView:
             gpus=tuple(self.engine.telemetry.gpus()),
             samples=tuple(self.engine.gpu_samples()),
             gates=self.engine.gate_states(),
+            mixes=tuple((g, *m) for g in self.engine.gpu_indices if (m := self.engine.mixed_slices(g)) is not None),
             mode=self.engine.config.mode.value,
             taken=time.monotonic(),
         )
@@ -100,6 +104,7 @@ class UnischedCollector(Collector):
         yield from _tenant_metrics(view.tenants)
         yield from _gpu_metrics(view.gpus, view.samples)
         yield from _gate_metrics(view.gates, self.view.engine.config.slice_ms / 1000.0)
+        yield from _mix_metrics(view.mixes)
 
 
 def _tenant_metrics(tenants: Sequence[TenantSnapshot]) -> Iterator[Metric]:
@@ -188,6 +193,18 @@ def _gate_metrics(gates: Sequence[GateState], slice_s: float) -> Iterator[Metric
         sliced.add_metric(key, 1.0 if g.sliced else 0.0)
         held.add_metric(key, g.held_slices * slice_s)
     yield from (sliced, held)
+
+
+def _mix_metrics(mixes: Sequence[tuple[int, OverlapMix, SliceKind]]) -> Iterator[Metric]:
+    labels = ["gpu", "kind"]
+    fraction = GaugeMetricFamily("unisched_gpu_mixed_fraction", "Where compute and graphics overlap partly: the "
+                                 "part of the time each kind of slice gets (both, compute, graphics)", labels=labels)
+    now = GaugeMetricFamily("unisched_gpu_mixed_now", "1 for the kind of mixed slice running now", labels=labels)
+    for gpu, mix, kind in mixes:
+        for k in SliceKind:
+            fraction.add_metric([str(gpu), k.value], mix.fraction(k))
+            now.add_metric([str(gpu), k.value], 1.0 if k is kind else 0.0)
+    yield from (fraction, now)
 
 
 @dataclass
