@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "STATE_DIR/contention.json, which the daemon reads at start.",
         epilog=f"""verdict (what the daemon derives; bench/scoring.py contention_verdict):
   separate-graphics  both kept >= {scoring.OVERLAP_KEPT:g}: compute and graphics overlap, not sliced against each other
+  partial-overlap    the two kept sum to >= {scoring.MIX_SUM:g}: mixed slices (together part of the time, each alone
+                     as its weight share needs; unisched/policy/overlap.py)
   shared-sm          otherwise: they contend, and are sliced against each other as one domain
 
 time: render calibration (~10 s) + 3 runs of warmup + seconds (+ ~3 s): about 65 s by default.
@@ -93,7 +95,10 @@ def verdict_line(verdict: str) -> str:
     if verdict == scoring.SEPARATE_GRAPHICS:
         return (f"{verdict}: compute and graphics overlap (both kept >= {scoring.OVERLAP_KEPT:g}); the daemon "
                 "will not slice them against each other")
-    return (f"{verdict}: compute and graphics contend (not both kept >= {scoring.OVERLAP_KEPT:g}); the daemon "
+    if verdict == scoring.PARTIAL_OVERLAP:
+        return (f"{verdict}: compute and graphics overlap partly (kept sum >= {scoring.MIX_SUM:g}); the daemon "
+                "will mix slices: together part of the time, each alone as its weight share needs")
+    return (f"{verdict}: compute and graphics contend (kept sum < {scoring.MIX_SUM:g}); the daemon "
             "will slice them against each other as one domain")
 
 

@@ -293,3 +293,9 @@ def test_solo_reference_is_the_mean_of_before_and_after() -> None:
 def test_repeat_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         gp.parse_args(["--out", str(tmp_path), "--repeat", "0"])
+
+
+@pytest.mark.parametrize(("kept", "says"), [((0.9, 0.95), "will not slice"), ((0.22, 0.92), "will mix slices"),
+                                           ((0.12, 0.9), "as one domain")])
+def test_the_calibration_says_what_the_daemon_will_do(kept: tuple[float, float], says: str) -> None:
+    assert says in calibrate.verdict_line(calibrate.scoring.contention_verdict(*kept))
