@@ -4,6 +4,7 @@
 # --calibrate-out turns this run's own no-scheduler cuda+render pair into the daemon's contention.json, so the
 # unisched runs use the kept rates just measured (12-01: 0.22 / 0.92, a partial overlap).
 # Compare with bench/results/2026-12-01-h200-d/ (call-next/mixed-kernel: sliced, sums 0.96-0.99, 2.6-5.0 pts).
+# (`auto-mixed` has since become what `auto` does and is gone: drop that --serve-arg pair to run this again.)
 # Run: source .devcache/setup.sh && bash bench/h200_pending.sh   (carry .devcache; results under $OUT)
 # A second call should repeat the online scenario in rounds, each with its own solo runs (12-01's single runs had
 # solo references 20% off): STEPS=scenarios SCEN=online SCEN_ARGS="--seconds 12 --warmup 8 --unisched-warmup 12
