@@ -98,6 +98,27 @@ def _engine_with_gpu(tmp_path: Path) -> tuple[KernelEngine, FakeCgroupDriver, Fa
     return engine, driver, clock, telemetry
 
 
+def _run_busy(engine: KernelEngine, driver: FakeCgroupDriver, clock: FakeClock, names: tuple[str, ...],
+              ticks: int) -> None:
+    """Tick the engine with every named tenant busy: each burns CPU while thawed."""
+    for _ in range(ticks):
+        delay = engine.tick()
+        for name in names:
+            g = driver.groups[f"/unisched/{name}"]
+            if not g.frozen:
+                g.cpu_s += delay
+        clock.advance(delay)
+
+
+def _registry(engine: KernelEngine) -> CollectorRegistry:
+    """A registry whose collector reads a View of the engine taken now."""
+    view = EngineView(engine)
+    view.refresh()
+    registry = CollectorRegistry()
+    registry.register(UnischedCollector(view))
+    return registry
+
+
 def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     engine, driver, clock, _ = _engine_with_gpu(tmp_path)
     engine.register("a", 300, None, (), (), 1001, 0, True)
@@ -105,18 +126,8 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     engine.set_limits("a", render=0, decode=None, encode=None, memory_bytes=8 * GiB)
     assert not engine.admit_session("a", "graphics", 0xC197)  # refused: render cap 0
     assert engine.admit_session("b", "compute", 0xC6C0)
-    for _ in range(600):  # both busy: each burns CPU while thawed
-        delay = engine.tick()
-        for name in ("a", "b"):
-            g = driver.groups[f"/unisched/{name}"]
-            if not g.frozen:
-                g.cpu_s += delay
-        clock.advance(delay)
-
-    view = EngineView(engine)
-    view.refresh()
-    registry = CollectorRegistry()
-    registry.register(UnischedCollector(view))
+    _run_busy(engine, driver, clock, ("a", "b"), 600)
+    registry = _registry(engine)
 
     def value(metric: str, /, **labels: str) -> float | None:
         return registry.get_sample_value(metric, labels)
@@ -210,17 +221,8 @@ def test_mixed_slices_are_exported(tmp_path: Path) -> None:
     telemetry.next_samples = [GpuSample(0, sm_util=1.0, dec_util=0.0, enc_util=0.0, memory_used=0)]
     engine.register("cuda", 100, None, ("compute",), (), 1001, 0, True)
     engine.register("render", 100, None, ("graphics",), (), 1002, 0, True)
-    for _ in range(60):
-        delay = engine.tick()
-        for name in ("cuda", "render"):
-            g = driver.groups[f"/unisched/{name}"]
-            if not g.frozen:
-                g.cpu_s += delay
-        clock.advance(delay)
-    view = EngineView(engine)
-    view.refresh()
-    registry = CollectorRegistry()
-    registry.register(UnischedCollector(view))
+    _run_busy(engine, driver, clock, ("cuda", "render"), 60)
+    registry = _registry(engine)
     mix, kind = engine.mixed_slices(0) or (None, None)
     assert mix is not None and kind is not None
     assert registry.get_sample_value("unisched_gpu_mixed_fraction", {"gpu": "0", "kind": "both"}) == \

@@ -14,6 +14,15 @@ from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
 H200 = (0.22, 0.92)  # ResNet-50 training and a 1080p shader render together, of their solo rates (2026-12-01)
 
 
+def slices(turns: MixTurns, mix: OverlapMix, n: int) -> list[SliceKind]:
+    """The kinds of `n` 50 ms slices, each chosen and then run, as the engine does every tick."""
+    kinds = []
+    for _ in range(n):
+        kinds.append(turns.choose(mix))
+        turns.ran(kinds[-1], 0.05)
+    return kinds
+
+
 @pytest.mark.parametrize(("share", "both", "total"), [(0.5, 0.641, 1.09), (0.75, 0.321, 1.045), (0.25, 0.962, 1.135)])
 def test_the_h200_pair_keeps_each_share_with_the_most_time_together(share: float, both: float, total: float) -> None:
     mix = overlap_mix(*H200, share)
@@ -48,22 +57,13 @@ def test_every_mix_is_a_split_of_the_time_that_keeps_both_guarantees(kc: float, 
 
 def test_turns_follow_the_mix_and_then_a_new_one() -> None:
     turns = MixTurns(period_s=1.0, horizon_s=2.0)
-    counts = dict.fromkeys(SliceKind, 0)
     mix = overlap_mix(*H200, 0.5)
-    for _ in range(400):
-        kind = turns.choose(mix)
-        turns.ran(kind, 0.05)
-        counts[kind] += 1
-    assert counts[SliceKind.BOTH] / 400 == pytest.approx(mix.both, abs=0.02)
-    assert counts[SliceKind.GRAPHICS] == 0
+    kinds = slices(turns, mix, 400)
+    assert kinds.count(SliceKind.BOTH) / 400 == pytest.approx(mix.both, abs=0.02)
+    assert SliceKind.GRAPHICS not in kinds
     mix = overlap_mix(*H200, 0.75)  # the trainer's weight went up
-    recent = dict.fromkeys(SliceKind, 0)
-    for i in range(400):
-        kind = turns.choose(mix)
-        turns.ran(kind, 0.05)
-        if i >= 80:  # within 4 s (two horizons)
-            recent[kind] += 1
-    assert recent[SliceKind.BOTH] / 320 == pytest.approx(mix.both, abs=0.03)
+    recent = slices(turns, mix, 400)[80:]  # within 4 s (two horizons)
+    assert recent.count(SliceKind.BOTH) / 320 == pytest.approx(mix.both, abs=0.03)
 
 
 @pytest.mark.parametrize("period_s", [0.5, 1.0, 2.0])
@@ -71,10 +71,7 @@ def test_each_kind_runs_at_a_stretch_once_a_period(period_s: float) -> None:
     """A paused render finishes its frame beside the compute after it: few switches, few such frames."""
     turns = MixTurns(period_s=period_s)
     mix = overlap_mix(*H200, 0.5)
-    kinds = []
-    for _ in range(1000):  # 50 s of 50 ms slices
-        kinds.append(turns.choose(mix))
-        turns.ran(kinds[-1], 0.05)
+    kinds = slices(turns, mix, 1000)  # 50 s of 50 ms slices
     switches = sum(a is not b for a, b in pairwise(kinds))
     assert switches <= 2 * 50 / period_s + 2  # one run of each kind a period (50 ms slices alternating: ~430)
     assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.01)  # whole slices, still the mix
@@ -83,12 +80,8 @@ def test_each_kind_runs_at_a_stretch_once_a_period(period_s: float) -> None:
 def test_a_kind_back_in_the_mix_gets_its_whole_run() -> None:
     turns = MixTurns(period_s=1.0)
     for mix, n in ((OverlapMix(0.5, 0.5, 0.0), 15), (OverlapMix(1.0, 0.0, 0.0), 40)):  # compute cut off mid-run
-        for _ in range(n):
-            turns.ran(turns.choose(mix), 0.05)
-    kinds = []
-    for _ in range(40):
-        kinds.append(turns.choose(OverlapMix(0.5, 0.5, 0.0)))
-        turns.ran(kinds[-1], 0.05)
+        slices(turns, mix, n)
+    kinds = slices(turns, OverlapMix(0.5, 0.5, 0.0), 40)
     runs = [len(list(g)) for _, g in groupby(kinds)]
     # 0.5 s each (the first began in the lone kind's last slice): nothing carried over from the cut-off run, or
     # from the lone kind's stretch
@@ -98,12 +91,8 @@ def test_a_kind_back_in_the_mix_gets_its_whole_run() -> None:
 def test_a_kind_that_left_for_another_gets_its_whole_run_back() -> None:
     turns = MixTurns(period_s=1.0)
     for mix, n in ((OverlapMix(0.5, 0.5, 0.0), 13), (OverlapMix(0.5, 0.0, 0.5), 40)):  # compute cut off 3 slices in
-        for _ in range(n):
-            turns.ran(turns.choose(mix), 0.05)
-    kinds = []
-    for _ in range(60):
-        kinds.append(turns.choose(OverlapMix(0.5, 0.5, 0.0)))
-        turns.ran(kinds[-1], 0.05)
+        slices(turns, mix, n)
+    kinds = slices(turns, OverlapMix(0.5, 0.5, 0.0), 60)
     runs = [(k, len(list(g))) for k, g in groupby(kinds)]
     assert next(r for r in runs if r[0] is SliceKind.COMPUTE) == (SliceKind.COMPUTE, 10)  # not 17 (owed 7 slices)
 
@@ -112,8 +101,5 @@ def test_a_kind_that_left_for_another_gets_its_whole_run_back() -> None:
 def test_a_period_shorter_than_a_slice_still_keeps_the_mix(period_s: float) -> None:
     turns = MixTurns(period_s=period_s)
     mix = overlap_mix(*H200, 0.5)
-    kinds = []
-    for _ in range(1000):
-        kinds.append(turns.choose(mix))
-        turns.ran(kinds[-1], 0.05)
+    kinds = slices(turns, mix, 1000)
     assert kinds.count(SliceKind.BOTH) / 1000 == pytest.approx(mix.both, abs=0.02)  # not 1:1 alternation
