@@ -123,7 +123,7 @@ def scripts(draw: st.DrawFn, single_only: bool = False) -> list[tuple[str, Any]]
     names = [f"t{i}" for i in range(draw(st.integers(1, 7)))]
     ops: list[tuple[str, Any]] = [("add", (n, draw(weights), draw(st.sampled_from(list(Priority))))) for n in names]
     for _ in range(draw(st.integers(1, 60))):
-        kind = draw(st.sampled_from(["demand", "demand", "decide", "decide", "decide", "weight", "remove"]))
+        kind = draw(st.sampled_from(["demand", "demand", "decide", "decide", "decide", "weight", "remove", "min_run"]))
         name = draw(st.sampled_from(names))
         if kind == "demand":
             ds = draw(demand_sets)
@@ -134,6 +134,8 @@ def scripts(draw: st.DrawFn, single_only: bool = False) -> list[tuple[str, Any]]
             ops.append(("weight", (name, draw(weights))))
         elif kind == "remove":
             ops.append(("remove", name))
+        elif kind == "min_run":
+            ops.append(("min_run", (name, draw(st.sampled_from([0.0, 0.1, 0.5, 2.0])))))
         else:
             ops.append(("decide", draw(st.floats(0.0, 0.2))))
     return ops
@@ -160,6 +162,10 @@ def play(p: WeightedFairShare, ops: list[tuple[str, Any]], check: Check) -> None
             if arg in p.names():
                 p.remove(arg)
                 p.upsert(TenantSpec(arg))
+        elif kind == "min_run":
+            name, seconds = arg
+            if name in p.names():
+                p.set_min_run(name, seconds)
         else:
             d = p.decide(now)
             check(p, d)
@@ -385,6 +391,70 @@ def test_shared_mode_ignores_priority() -> None:
     p = scheduler({"serve": (100, [SM0]), "train": (300, [SM0])}, priorities=prios)
     _, used = run(p, 400)
     assert used["train"][SM0] / (400 * SLICE) == pytest.approx(0.75, abs=0.01)
+
+
+# --- minimum runs (cooperative tenants with long units) ----------------------------------------------------
+def turns(p: WeightedFairShare, slices: int, now: float = 0.0) -> tuple[float, list[tuple[str, int]]]:
+    """`run`, returning the holders of SM0 as runs: (name, slices in a row)."""
+    out: list[tuple[str, int]] = []
+    for _ in range(slices):
+        now, used = run(p, 1, now)
+        (name,) = used
+        if out and out[-1][0] == name:
+            out[-1] = (name, out[-1][1] + 1)
+        else:
+            out.append((name, 1))
+    return now, out
+
+
+@pytest.mark.parametrize(("wa", "wb"), [(300, 100), (100, 100), (100, 300)])
+def test_min_run_makes_turns_longer_and_keeps_the_weights(wa: int, wb: int) -> None:
+    p = scheduler({"a": (wa, [SM0]), "b": (wb, [SM0])})
+    _, plain = turns(p, 400)
+    assert min(n for _, n in plain[1:-1]) <= 2  # without it: a slice or two (the holder wins ties)
+    for name in ("a", "b"):
+        p.set_min_run(name, 10 * SLICE)
+    now, runs = turns(p, 40)  # the runs in progress end
+    now, runs = turns(p, 1200, now)
+    inner = runs[1:-1]
+    assert min(n for _, n in inner) >= 10, inner
+    used = {name: sum(n for who, n in runs if who == name) for name in ("a", "b")}
+    assert used["a"] / 1200 == pytest.approx(wa / (wa + wb), abs=0.02)
+    assert len(runs) < len(plain) / 4
+
+
+def test_min_run_ends_when_the_holder_has_no_more_work() -> None:
+    p = scheduler({"a": (100, [SM0]), "b": (100, [SM0])})
+    p.set_min_run("a", 1.0)
+    p.set_min_run("b", 1.0)
+    now, _ = run(p, 2)
+    holder = p.decide(now).holders[SM0]
+    assert p.min_run_left(holder, now) == pytest.approx(0.9)
+    p.set_demand(holder, [])
+    assert p.decide(now).holders[SM0] != holder
+    assert p.min_run_left(holder, now) == 0.0
+
+
+def test_online_preempts_an_offline_tenant_within_its_min_run() -> None:
+    prios = {"serve": Priority.ONLINE, "train": Priority.OFFLINE, "other": Priority.OFFLINE}
+    p = scheduler({"train": (100, [SM0]), "other": (100, [SM0])}, mode=Mode.PREEMPTIVE, priorities=prios)
+    p.set_min_run("train", 5.0)
+    p.set_min_run("other", 5.0)
+    now, _ = run(p, 1)
+    holder = p.decide(now).holders[SM0]
+    assert p.min_run_left(holder, now) == pytest.approx(5.0 - SLICE)
+    now, used = run(p, 20, now)
+    assert set(used) == {holder}  # its own class waits out the run
+    p.upsert(TenantSpec("serve", 1, Priority.ONLINE))
+    p.set_demand("serve", [SM0])
+    assert p.decide(now).holders[SM0] == "serve"
+
+
+@pytest.mark.parametrize("bad", [-0.1, 10.5, math.nan])
+def test_bad_min_runs_are_refused(bad: float) -> None:
+    p = scheduler({"a": (100, [SM0])})
+    with pytest.raises(PolicyError, match="minimum run"):
+        p.set_min_run("a", bad)
 
 
 # --- timeshare ------------------------------------------------------------------------------------------

@@ -134,6 +134,8 @@ class _Tenant:
     slices: int = 0
     last_run_end: float = float("-inf")
     turn_started: float | None = None
+    min_run_s: float = 0.0
+    """Once it holds a resource, it keeps it this long against tenants of its class (see set_min_run)."""
     window: dict[Resource, float] = field(default_factory=dict)
     """GPU seconds charged per resource within the share window (kept by WeightedFairShare._prune)."""
     removed: bool = False
@@ -166,6 +168,11 @@ class _Index:
         self.turn: tuple[list[_Entry], ...] = ([], [])
         self.turn_alive = [0, 0]
         self.active = 0
+
+
+def _in_min_run(t: _Tenant, now: float) -> bool:
+    started = t.turn_started
+    return started is not None and now - started < t.min_run_s - _TURN_EPS_S
 
 
 def _push(heap: list[_Entry], alive: int, entry: _Entry) -> None:
@@ -308,6 +315,23 @@ class WeightedFairShare:
     def set_weight(self, name: str, weight: int) -> None:
         """Effective weight (tidal schedules change it without touching the declared spec)."""
         self._reweigh(self._get(name), validate_weight(weight))
+
+    def set_min_run(self, name: str, seconds: float) -> None:
+        """A holder keeps its resource at least this long against tenants of its own class (a higher class
+        still preempts it; it hands over at once when its demand ends). For work whose hand-over costs time
+        in proportion to the work in flight (a cooperative tenant's queued units run beside the next
+        holder's): fewer, longer turns. Charges are unchanged, so shares converge to the weights as before,
+        over longer turns. 0 turns it off; timeshare mode and multi-resource tenants ignore it."""
+        if not (0.0 <= seconds <= 10.0):
+            raise PolicyError(f"minimum run must be within 0 .. 10 s, got {seconds!r}")
+        self._get(name).min_run_s = seconds
+
+    def min_run_left(self, name: str, now: float) -> float:
+        """How long the tenant's minimum run still holds it in place (0 when none, or not in a turn)."""
+        t = self._tenants.get(name)
+        if t is None or not t.min_run_s or t.turn_started is None:
+            return 0.0
+        return max(0.0, t.turn_started + t.min_run_s - now)
 
     def names(self) -> list[str]:
         return sorted(self._tenants)
@@ -565,8 +589,11 @@ class WeightedFairShare:
             holder = prev.get(rid)
             if holder is not None and holder != name:
                 ht = tenants.get(holder)
-                if ht is not None and ht.only == rid and ht.entries[rid][_VALUE] - clock == key - clock:
-                    t = ht  # tied: the holder wins ties
+                if ht is not None and ht.only == rid and (
+                    ht.entries[rid][_VALUE] - clock == key - clock  # tied: the holder wins ties
+                    or _in_min_run(ht, now)
+                ):
+                    t = ht
                     name = holder
             holder_ids[rid] = name
             pair = t.held.get(rid)
@@ -640,8 +667,8 @@ class WeightedFairShare:
                 ht = tenants.get(holder)
                 if ht is not None and ht.only == rid and ht.slot == top[_OWNER].slot:
                     mine = ht.entries[rid]
-                    if mine[_VALUE] - clock == top[_KEY] - clock:
-                        top = mine  # tied: the holder wins ties
+                    if mine[_VALUE] - clock == top[_KEY] - clock or _in_min_run(ht, now):
+                        top = mine  # tied (the holder wins ties), or within its minimum run
             if multi:
                 best[rid] = top[_OWNER]
                 continue
