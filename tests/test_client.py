@@ -250,6 +250,50 @@ def test_a_grant_while_a_yield_is_owed_cancels_it(monkeypatch: pytest.MonkeyPatc
     assert sent(out) == []
 
 
+def test_reports_count_the_units_they_cover(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon learns a tenant's unit length from them (long units earn longer turns)."""
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    grant(client, 1)
+    for _ in range(3):
+        assert gate.acquire(timeout=0)
+        gate.done(0.01)
+    gate.release()
+    gate.acquire(timeout=0)
+    grant(client, 2)
+    gate.done(0.02)
+    gate.release()
+    reports: list[pb.LeaseReport] = []
+    while not out.empty():
+        r = out.get_nowait()
+        if r is not None and r.WhichOneof("kind") == "report":
+            reports.append(r.report)
+    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports] == [(3, 0.03), (1, 0.02)]
+
+
+@pytest.mark.parametrize(("contended", "waited_after"), [(False, [[], [], [0]]), (True, [[], [0], [0, 1]])])
+def test_one_unit_in_flight_while_others_wait_for_the_engine(
+        monkeypatch: pytest.MonkeyPatch, contended: bool, waited_after: list[list[int]]) -> None:
+    """A hand-over leaves the holder's queued units to run beside the next holder's, which the driver time-slices:
+    while contended the app waits for the previous unit before queueing past the next one."""
+    from unisched_client._inflight import InFlight
+
+    client, _ = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=1, engine="compute", valid_s=0.25, slice_left_s=0.05,
+                                                       contended=contended)))
+    waited: list[int] = []
+    flight: InFlight[int] = InFlight(gate, done=lambda u: u in waited, wait=waited.append, elapsed_s=lambda u: 0.01)
+    seen = []
+    for unit in range(3):
+        assert gate.acquire(timeout=0)
+        flight.add(unit)
+        seen.append(list(waited))
+    assert seen == waited_after
+
+
 ONLINE_WORKER = """
 import json, sys, time
 from unisched_client import Client, UnischedUnavailable

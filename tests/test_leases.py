@@ -34,6 +34,7 @@ class Coop:
         self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, 0, True, self.channel)
         self.held = False
         self.revokes: list[LeaseRevoke] = []
+        self.grants: list[LeaseGrant] = []
         self.used = 0.0
         self.yields = True
 
@@ -45,15 +46,16 @@ class Coop:
         for m in self.channel.take():
             if isinstance(m, LeaseGrant):
                 self.held = True
+                self.grants.append(m)
             else:
                 self.held = False
                 self.revokes.append(m)
                 if self.yields and m.reason == "slice over":  # nothing in flight: hand over at once
                     self.rig.engine.lease_report(self.sid, self.engine, 0.0, False, yielded=True)
 
-    def report(self, seconds: float, release: bool = False) -> None:
+    def report(self, seconds: float, release: bool = False, units: int = 0) -> None:
         self.used += seconds
-        self.rig.engine.lease_report(self.sid, self.engine, seconds, release)
+        self.rig.engine.lease_report(self.sid, self.engine, seconds, release, units=units)
         self.pump()
 
 
@@ -79,16 +81,20 @@ class LeaseRig:
                 c.pump()
         return delay
 
-    def run(self, slices: int, busy: list[Coop], obey: bool = True) -> None:
-        """Each slice, every busy client that holds its lease (or every busy one, obey=False) uses all of it."""
+    def run(self, slices: int, busy: list[Coop], obey: bool = True, unit_s: float = 0.0) -> list[str]:
+        """Each slice, every busy client that holds its lease (or every busy one, obey=False) uses all of it, in
+        units of `unit_s` (counted in its reports) when given. Returns who held the lease, slice by slice."""
+        holders = []
         for _ in range(slices):
             delay = self.tick()
+            holders.append("+".join(c.name for c in busy if c.held))
             self.clock.advance(delay)
             for c in busy:
                 if c.held or not obey:
-                    c.report(delay)
+                    c.report(delay, units=max(1, round(delay / unit_s)) if unit_s else 0)
                 else:
                     c.report(0.0)  # renews: still wants the engine
+        return holders
 
 
 def test_a_lone_cooperative_tenant_is_granted_at_once_and_uncontended(tmp_path: Path) -> None:
@@ -110,6 +116,62 @@ def test_two_cooperative_tenants_at_3_to_1_get_leases_3_to_1(tmp_path: Path) -> 
     assert 2.85 < a.used / b.used < 3.15
     assert a.used + b.used == pytest.approx(800 * SLICE, rel=0.01)  # one holder at a time, no idle slice
     assert rig.engine.snapshot("a").overrun_s == 0.0
+
+
+def turn_lengths(holders: list[str]) -> list[int]:
+    """Slices per turn, the first and last (cut by the window) left out."""
+    runs: list[int] = []
+    for i, h in enumerate(holders):
+        if i and h == holders[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs[1:-1]
+
+
+@pytest.mark.parametrize(("unit_s", "max_run_ms", "shortest"), [(0.025, 500.0, 4), (0.05, 500.0, 8), (0.05, 300.0, 6),
+                                                                 (0.025, 0.0, 1), (0.005, 500.0, 1)])
+def test_long_units_earn_turns_of_several_units(tmp_path: Path, unit_s: float, max_run_ms: float, shortest: int) -> None:
+    """8 units of 25 ms a turn: 200 ms, 4 slices of 50 ms; of 50 ms: 400 ms; capped at 300 ms: 6 slices. 5 ms
+    units (40 ms < a slice) and a cap of 0 leave the 3:1 pair's turns of one slice for the low weight."""
+    rig = LeaseRig(tmp_path, lease_max_run_ms=max_run_ms)
+    a, b = rig.coop("a", 300), rig.coop("b", 100)
+    a.want()
+    b.want()
+    rig.run(40, [a, b], unit_s=unit_s)  # the unit estimate settles
+    a.used = b.used = 0.0
+    turns = turn_lengths(rig.run(1200, [a, b], unit_s=unit_s))
+    assert min(turns) == shortest, turns
+    assert 2.8 < a.used / b.used < 3.2
+    if shortest > 1:
+        assert rig.engine.leases.unit_s("b") == pytest.approx(unit_s, rel=0.2)
+
+
+def test_a_long_turn_is_granted_as_one_slice_and_cleared_with_the_session(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    b.want()
+    rig.run(40, [a, b], unit_s=0.025)
+    a.grants.clear()
+    b.grants.clear()
+    rig.run(40, [a, b], unit_s=0.025)
+    # a client may start units until the decision that can end its turn (200 ms on), not only until the next tick
+    firsts = [g.slice_left_s for g in a.grants + b.grants if g.slice_left_s > SLICE + 1e-6]
+    assert firsts and max(firsts) == pytest.approx(0.2)  # then 0.15, 0.1 as the turn goes on
+    assert max(rig.engine.policy.min_run_left(n, rig.clock.monotonic()) for n in "ab") > 0
+    rig.engine.lease_close(a.sid)
+    rig.engine.lease_close(b.sid)
+    assert rig.engine.leases.unit_s("a") is None
+    assert rig.engine.policy.min_run_left("a", rig.clock.monotonic()) == 0.0
+
+
+def test_negative_units_are_refused(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    a.want()
+    with pytest.raises(EngineError, match="units"):
+        rig.engine.lease_report(a.sid, "compute", 0.01, False, units=-1)
 
 
 def test_the_holder_hears_it_is_contended_when_another_wants(tmp_path: Path) -> None:

@@ -90,3 +90,48 @@ def test_same_seed_same_run() -> None:
         return (res.tenants, res.wakes)
 
     assert once() == once()
+
+
+def test_time_slicing_two_queues_does_less_work_and_charges_each_half_the_wall_time() -> None:
+    from unisched.policy import Engine
+    from unisched.sim.gpu import SimResource, SimStream
+    from unisched.sim.workload import StreamSpec
+
+    res = SimResource(Resource(0, "sm"), efficiency=0.8)
+    a, b = (SimStream(n, StreamSpec(Engine.COMPUTE, 0.01, 2), res) for n in "ab")
+    for s in (a, b):
+        s.submitting = True
+        s.fill()
+    res.advance(1.0)
+    assert a.used == pytest.approx(0.5) and b.used == pytest.approx(0.5)
+    assert a.done + b.done == pytest.approx(79, abs=1.5)  # 0.8 s of work in 1 s: 80 items of 10 ms, the last pair at 1 s
+    b.submitting = False
+    done = a.done
+    res.advance(2.0)  # b's queue runs out soon; then a runs alone at full speed
+    assert a.done - done > 95
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5])
+def test_bad_timeslice_efficiency_is_refused(bad: float) -> None:
+    from unisched.policy import PolicyError
+
+    with pytest.raises(PolicyError, match="timeslice_efficiency"):
+        SimConfig(timeslice_efficiency=bad)
+
+
+def test_long_turns_keep_more_of_a_pair_that_loses_work_to_time_slicing() -> None:
+    """The mechanism bench/handover_model.py tabulates: a freeze (a revocation) leaves the queued units to run beside
+    the next holder's, at the pair's time-slicing efficiency; turns of several units have fewer such overlaps."""
+    from unisched.policy import Engine
+    from unisched.sim.workload import SimTenant, StreamSpec
+
+    def total(min_run_s: float) -> float:
+        tenants = [SimTenant(n, w, (StreamSpec(Engine.COMPUTE, 0.03, 2),), min_run_s=min_run_s)
+                   for n, w in (("a", 300), ("b", 100))]
+        sim = Simulation(tenants, SimConfig(policy=FairShareConfig(slice_s=0.05), timeslice_efficiency=0.9))
+        sim.run(2.0)
+        before = {n: sim.items(n) for n in "ab"}
+        sim.run(22.0)
+        return sum(sim.items(n) - before[n] for n in "ab") * 0.03 / 20.0
+
+    assert total(0.25) > total(0.0) + 0.02

@@ -2,8 +2,10 @@
 
 Each unit is bracketed by a start and an end marker; their elapsed GPU time is read once the end has
 completed, without waiting, so the app's pipeline stays full. At most `max_in_flight` units are
-outstanding (the oldest is waited for beyond that). A unit that ends after the lease was revoked drains
-the rest (`add`); an app already waiting for the next lease does not (see `Gate`).
+outstanding (the oldest is waited for beyond that), and one while others wait for the engine (the lease is
+contended): the next unit is still queued behind the running one, but a hand-over leaves only that one to
+run beside the next holder's work, where the driver time-slices the two. A unit that ends after the lease was
+revoked drains the rest (`add`); an app already waiting for the next lease does not (see `Gate`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class InFlight(Generic[M]):
 
     def add(self, unit: M) -> None:
         self.units.append(unit)
-        while len(self.units) > self.max_in_flight:
+        limit = 1 if self.gate.contended and self.gate.client.governed else self.max_in_flight
+        while len(self.units) > limit:
             self._finish_oldest()
         self.collect()
         if self.gate.ending():

@@ -87,10 +87,12 @@ class Gate:
     (the daemon's next decision renews the lease or revokes it): a unit may run past the slice, never start
     after it, so the overrun is at most one unit however late a revocation arrives. When the lease is
     revoked, the gate says so (yield) once its units are done, or at once when the app already waits in
-    `acquire()` for the next one: then up to `max_in_flight` queued units still run beside the next holder's
-    first (measured and charged to their owner). Draining them before the yield was tried on the H200 and
-    lost more (a ResNet-50 pair at 3:1: sum 0.89 against 0.94): the next holder then started late into a
-    slice that ends at the daemon's tick (bench/results/2026-12-01-h200-d/README.md).
+    `acquire()` for the next one: then its queued unit (one while contended, see `InFlight`) still runs beside
+    the next holder's first (measured and charged to their owner). Each report counts the units it covers, and
+    the daemon gives a tenant with long units turns of several of them (engine.leases.RUN_UNITS), so that
+    hand-overs, which the two contexts pay for, come once per several units. Draining them before the yield
+    was tried on the H200 and lost more (a ResNet-50 pair at 3:1: sum 0.89 against 0.94): the next holder then
+    started late into a slice that ends at the daemon's tick (bench/results/2026-12-01-h200-d/README.md).
     """
 
     def __init__(self, client: Client, engine: str) -> None:
@@ -102,6 +104,8 @@ class Gate:
         """When the current slice ends: with others waiting, no unit starts after it until the lease is renewed."""
         self.wanting = False
         self.pending_s = 0.0
+        self.pending_units = 0
+        """Units done since the last report: the daemon learns their length from the two (see LeaseReport.units)."""
         self.used_s = 0.0
         self.last_use = 0.0
         self.waited_s = 0.0
@@ -155,6 +159,7 @@ class Gate:
             g = max(0.0, gpu_seconds)
             self.open_units = max(0, self.open_units - 1)
             self.pending_s += g
+            self.pending_units += 1
             self.used_s += g
             self.last_use = time.monotonic()
             if self.owes_yield and not self.open_units:
@@ -288,8 +293,9 @@ class Client:
         with self._cond:
             g.wanting = True
             g.last_use = time.monotonic()
+            req = self._report_locked(g)
         t0 = time.perf_counter()
-        self._request(pb.LeaseRequest(report=pb.LeaseReport(engine=engine, gpu_seconds=self._take(g))), timeout)
+        self._request(req, timeout)
         return time.perf_counter() - t0
 
     def codec_session(self, kind: str, timeout: float = 5.0) -> None:
@@ -353,15 +359,16 @@ class Client:
             raise UnischedError(self._fatal)
         return w.reply
 
-    def _take(self, g: Gate) -> float:
-        with self._cond:
-            s, g.pending_s = g.pending_s, 0.0
-            return s
+    @staticmethod
+    def _report_locked(g: Gate, release: bool = False, yielded: bool = False) -> pb.LeaseRequest:
+        """The gate's pending usage as a report (taken: the next report starts from zero)."""
+        s, g.pending_s = g.pending_s, 0.0
+        n, g.pending_units = g.pending_units, 0
+        return pb.LeaseRequest(report=pb.LeaseReport(engine=g.engine, gpu_seconds=s, units=n, release=release,
+                                                     yielded=yielded))
 
     def _flush_locked(self, g: Gate, release: bool = False, yielded: bool = False) -> None:
-        s, g.pending_s = g.pending_s, 0.0
-        self._send_locked(pb.LeaseRequest(report=pb.LeaseReport(engine=g.engine, gpu_seconds=s, release=release,
-                                                                yielded=yielded)))
+        self._send_locked(self._report_locked(g, release, yielded))
 
     def _yield_locked(self, g: Gate) -> None:
         """The revoked lease's last unit is done: report it, and let the daemon hand the engine on."""

@@ -1,8 +1,8 @@
 """PyTorch: `with client.step(): ...` around each training or inference step.
 
 The step waits for the compute lease, is timed with CUDA events on the current stream, and is reported to
-the daemon as measured GPU time. Steps are not synchronized one by one (two may be in flight); all are
-drained when the lease ends.
+the daemon as measured GPU time. Steps are not synchronized one by one (two may be in flight, one while
+others wait for the engine); all are drained when the lease ends.
 """
 
 from __future__ import annotations

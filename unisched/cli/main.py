@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0..1, default 0.98; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
+    s.add_argument("--lease-max-run-ms", type=float, metavar="MS",
+                   help="a cooperative tenant whose steps or frames are long keeps its lease for 8 of them a turn, at most "
+                        "this long: fewer hand-overs, at which its queued work runs beside the next holder's (default "
+                        "500; 0 = one slice a turn)")
     s.add_argument("--mix-period-ms", type=float, metavar="MS",
                    help="where compute and graphics overlap partly: each kind of mixed slice (together, compute alone, graphics "
                         "alone) runs for its part of a period this long at a stretch; longer loses less to the "
@@ -402,6 +406,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             mode=args.mode,
             slice_ms=args.slice_ms,
             lease_timeout_ms=args.lease_timeout_ms,
+            lease_max_run_ms=args.lease_max_run_ms,
             saturated_util=args.saturated_util,
             cgroup_driver=args.cgroup_driver,
             contention=args.contention,

@@ -79,6 +79,9 @@ class DaemonConfig:
     idle_slices: int = 2
     lease_timeout_ms: float = 250.0
     """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
+    lease_max_run_ms: float = 500.0
+    """A cooperative tenant with long units (steps, frames) keeps its lease for several of them a turn
+    (engine.leases.RUN_UNITS), at most this long; 0 = one slice a turn whatever its units."""
     activity_threshold: float = 0.02
     saturated_util: float = 0.98
     """Kernel engine: tenants of a GPU engine are sliced only while its mean busy fraction over 0.4 s is at least
@@ -120,6 +123,7 @@ _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "timeshare_window_ms": (1.0, 600_000.0),
     "share_window_s": (0.1, 3600.0),
     "lease_timeout_ms": (10.0, 600_000.0),
+    "lease_max_run_ms": (0.0, 10_000.0),
     "activity_threshold": (0.0, 1.0),
     "saturated_util": (0.0, 1.0),
     "mix_period_ms": (1.0, 600_000.0),

@@ -256,7 +256,8 @@ class KernelEngine:
         self._last_active: frozenset[str] = frozenset()
         self._memory_at = float("-inf")
         self._telemetry_failing = False
-        self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0)
+        self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0,
+                                config.lease_max_run_ms / 1000.0)
         self._next_tick = self._last_tick
         self._mix_turns: dict[int, MixTurns] = {}
         self._mix_kind: dict[int, SliceKind] = {}
@@ -1167,11 +1168,12 @@ class KernelEngine:
             self._reschedule()
         return self._ack(sid, t, e)
 
-    def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False) -> LeaseAck:
+    def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False,
+                     units: int = 0) -> LeaseAck:
         t = self._lease_call(sid)
         e = _parse_engine(engine)
         try:
-            changed, _ = self.leases.report(sid, e, gpu_seconds, release, self.clock.monotonic(), yielded)
+            changed, _ = self.leases.report(sid, e, gpu_seconds, release, self.clock.monotonic(), yielded, units)
         except LeaseError as err:
             raise EngineError("invalid", str(err)) from None
         if changed:

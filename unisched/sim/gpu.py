@@ -1,7 +1,8 @@
 """A simulated GPU contention domain: the queued work of several tenants sharing one engine.
 
-Streams that have work queued share the domain by processor sharing: with k of them busy, each runs at 1/k
-(the driver time-slices contexts; measured on the H200: two CUDA processes 46/46, two render 50/50).
+Streams that have work queued share the domain by processor sharing: with k of them busy, each runs at e/k
+(the driver time-slices contexts; measured on the H200: two CUDA processes 46/46, so e = 0.92 for them; two
+render 50/50, e = 1). Each is charged its 1/k of the wall time, as a GPU timer around its work would see it.
 Nothing here knows about freezing: a stream whose `submitting` is False submits nothing new, and whatever it
 has queued runs to the end, which is exactly the drain a real GPU shows after a cgroup freeze.
 """
@@ -48,10 +49,12 @@ class SimStream:
 class SimResource:
     """One contention domain of one GPU (e.g. the SMs of GPU 0), advanced in time by `advance`."""
 
-    __slots__ = ("busy", "busy_s", "clock", "contended_s", "emptied", "resource", "wanted_s", "wanting")
+    __slots__ = ("busy", "busy_s", "clock", "contended_s", "efficiency", "emptied", "resource", "wanted_s", "wanting")
 
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: Resource, efficiency: float = 1.0) -> None:
         self.resource = resource
+        self.efficiency = efficiency
+        """Work done per second of wall time while two or more streams time-slice the domain."""
         self.busy: list[SimStream] = []
         """Streams with work queued."""
         self.emptied: list[SimStream] = []
@@ -75,20 +78,23 @@ class SimResource:
         start = t
         while busy:
             k = len(busy)
+            rate = (1.0 if k == 1 else self.efficiency) / k
             step = min(s.head_left for s in busy)
-            if t + step * k >= until:
-                share = (until - t) / k
+            wall = step / rate
+            if t + wall >= until:
+                progress, share = (until - t) * rate, (until - t) / k
                 for s in busy:
-                    s.head_left -= share
+                    s.head_left -= progress
                     s.used += share
                     s.slice_used += share
                 t = until
                 break
+            share = wall / k
             for s in busy:
                 s.head_left -= step
-                s.used += step
-                s.slice_used += step
-            t += step * k
+                s.used += share
+                s.slice_used += share
+            t += wall
             emptied = False
             for s in busy:
                 if s.head_left <= _EPS_S:

@@ -52,10 +52,14 @@ class SimConfig:
     idle_slices: int = 1
     """Slices a thawed tenant may show no use before it loses its demand."""
     seed: int = 0
+    timeslice_efficiency: float = 1.0
+    """Work a domain does per second while it time-slices two or more tenants' queued work (sim.gpu)."""
 
     def __post_init__(self) -> None:
         if self.idle_slices < 1:
             raise PolicyError("idle_slices must be >= 1")
+        if not 0.0 < self.timeslice_efficiency <= 1.0:
+            raise PolicyError(f"timeslice_efficiency must be within (0, 1], got {self.timeslice_efficiency}")
 
 
 @dataclass(frozen=True)
@@ -230,12 +234,14 @@ class Simulation:
         if spec.name in self._tenants:
             raise PolicyError(f"tenant {spec.name!r} added twice")
         self.policy.upsert(TenantSpec(spec.name, spec.weight, spec.priority))
+        if spec.min_run_s:
+            self.policy.set_min_run(spec.name, spec.min_run_s)
         t = _Tenant(spec)
         for s in spec.streams:
             r = Resource(s.gpu, self.config.contention.domain(s.engine))
             res = self._resources.get(r)
             if res is None:
-                res = self._resources[r] = SimResource(r)
+                res = self._resources[r] = SimResource(r, self.config.timeslice_efficiency)
                 res.clock = self.now
                 self._fair_integral[r] = 0.0
                 self._on_weight[r] = 0

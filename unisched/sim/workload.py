@@ -9,7 +9,7 @@ already queued keeps running (the drain a real GPU shows after a cgroup freeze).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from unisched.policy import DEFAULT_WEIGHT, Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 
@@ -79,10 +79,14 @@ class SimTenant:
     streams: tuple[StreamSpec, ...] = ()
     activity: Activity = ALWAYS
     priority: Priority = Priority.OFFLINE
+    min_run_s: float = 0.0
+    """The policy's minimum run for it (what the user engine gives a tenant with long units)."""
 
     def __post_init__(self) -> None:
         validate_tenant_name(self.name)
         validate_weight(self.weight)
+        if not 0.0 <= self.min_run_s <= 10.0:
+            raise PolicyError(f"min_run_s must be within 0 .. 10 s, got {self.min_run_s}")
 
 
 def cuda(
@@ -125,4 +129,4 @@ def idle(name: str, weight: int = DEFAULT_WEIGHT, *, gpu: int = 0) -> SimTenant:
 
 def bursty(base: SimTenant, on_s: float, off_s: float, *, start_s: float = 0.0, jitter: bool = True) -> SimTenant:
     """`base` with work only in on/off periods (exponentially drawn around the means when `jitter`)."""
-    return SimTenant(base.name, base.weight, base.streams, Activity(on_s, off_s, start_s, jitter), base.priority)
+    return replace(base, activity=Activity(on_s, off_s, start_s, jitter))

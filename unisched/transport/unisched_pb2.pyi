@@ -273,16 +273,18 @@ class LeaseWant(_message.Message):
     def __init__(self, engine: _Optional[str] = ...) -> None: ...
 
 class LeaseReport(_message.Message):
-    __slots__ = ("engine", "gpu_seconds", "release", "yielded")
+    __slots__ = ("engine", "gpu_seconds", "release", "yielded", "units")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     YIELDED_FIELD_NUMBER: _ClassVar[int]
+    UNITS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     gpu_seconds: float
     release: bool
     yielded: bool
-    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ..., yielded: _Optional[bool] = ...) -> None: ...
+    units: int
+    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ..., yielded: _Optional[bool] = ..., units: _Optional[int] = ...) -> None: ...
 
 class CodecSession(_message.Message):
     __slots__ = ("kind", "open")
