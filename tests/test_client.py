@@ -64,6 +64,24 @@ def test_two_cooperative_clients_at_3_to_1_share_3_to_1(daemon: Daemon, tenant_p
     assert ta["cooperative"] is False and not ta["enforced"] and ta["overrun_s"] < 0.1 * ra["used_s"]
 
 
+@pytest.mark.parametrize(("unit_ms", "long_turns"), [(2.0, False), (30.0, True)])
+def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tenant_prefix: str, unit_ms: float,
+                                                            long_turns: bool) -> None:
+    """30 ms units: turns of 8 (240 ms, 5 slices of 50 ms) instead of a slice or two; 2 ms units keep short turns."""
+    names = [f"{tenant_prefix}{n}" for n in "ab"]
+    procs = [worker(daemon, n, "--unit-ms", str(unit_ms), seconds=4) for n in names]
+    results = [result(p) for p in procs]
+    events = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
+    turns = {e["tenant"]: e["min_run_ms"] for e in events if e["event"] == "lease turns"}
+    revokes = sum(r["revokes"] for r in results)
+    if long_turns:
+        assert turns == {n: pytest.approx(240, rel=0.2) for n in names}, turns
+        assert revokes < 40, results  # 4 s of 250 ms turns: ~16 hand-overs (measured 15)
+    else:
+        assert turns == {} and revokes > 60, (turns, results)  # a slice or two a turn (measured 103)
+    assert 0.8 < results[0]["used_s"] / results[1]["used_s"] < 1.25, results
+
+
 def test_a_stopped_holder_is_revoked_and_the_other_gets_the_gpu(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory("--slice-ms", "20", "--lease-timeout-ms", "200")
     a = worker(d, f"{tenant_prefix}a", seconds=6)
