@@ -6,8 +6,11 @@
 # are the default for a calibrated partial overlap). Three calls of ~6-7 min each:
 #   source .devcache/setup.sh && ENGINE=kernel bash bench/h200_rounds.sh     # mixed b32 + render, 1:1 and 3:1
 #   source .devcache/setup.sh && ENGINE=user bash bench/h200_rounds.sh       # the same as cooperative clients
-#   source .devcache/setup.sh && ENGINE=user PAIRS=cuda3:1 BATCH=128 REPEAT=3 EXTRA=--overhead bash bench/h200_rounds.sh
-#       # issue 4: the b128 trainer pair (sum 0.89-0.94 in single runs) and one tenant's overhead (1.8-3.0%)
+#   source .devcache/setup.sh && ENGINE=user PAIRS=cuda3:1,render3:1 BATCH=128 REPEAT=2 EXTRA=--overhead bash bench/h200_rounds.sh
+#       # issue 4: the b128 trainer pair (sum 0.89-0.94 in single runs, before the client kept one step in flight
+#       # while contended and the daemon gave long units turns of 8: bench/results/2026-12-01-cpu/handover-model/
+#       # models 0.96 -> 0.99), the render pair under the same long turns, and one tenant's overhead (1.8-3.0%).
+#       # The daemon logs "lease turns" (unit_ms, min_run_ms) per tenant: the gates below keep those lines.
 # Then, if time is left: the contended matmul + render pair with longer turns (the render's frame tail is a smaller
 # part of a longer turn): ENGINE=kernel PAIRS=mixed1:1,mixed1:3 CUDA_CMD="python3 examples/workloads/cuda_matmul.py"
 #   EXTRA="--slice-ms 200" bash bench/h200_rounds.sh
@@ -28,6 +31,6 @@ python3 bench/gpu_pairs.py --out "$OUT/rounds-$TAG" --work-dir /tmp/pairs-work -
 # the daemons' slicing and mix lines, and (user engine) their lease grants and revokes: why a render got more than
 # its planned share on 12-01 (call-d: 0.67 against 0.57) is not known yet
 find /tmp/pairs-work -name daemon.log | while read -r f; do
-  grep -E '"(slicing|lending|mixed slices|mixed slice|measured contention|lease granted|lease revoked)"' "$f" \
+  grep -E '"(slicing|lending|mixed slices|mixed slice|measured contention|lease granted|lease revoked|lease turns)"' "$f" \
     | tail -c 150000 > "/tmp/gates/$(echo "${f#/tmp/pairs-work/}" | tr / _).gate"; done
 cd "$OUT" && tar czf "results-rounds-$TAG.tgz" "rounds-$TAG" "rounds-$TAG.log" -C /tmp gates && ls
