@@ -420,6 +420,20 @@ def online_offline(tmp: Path) -> tuple[LeaseRig, Coop, Coop]:
     return rig, train, infer
 
 
+@pytest.mark.parametrize(("mode", "online_session", "contended"), [
+    (Mode.PREEMPTIVE, True, True), (Mode.PREEMPTIVE, False, False), (Mode.SHARED, True, False)])
+def test_an_offline_holder_an_online_client_may_preempt_is_told_it_is_contended(
+        tmp_path: Path, mode: Mode, online_session: bool, contended: bool) -> None:
+    """So it keeps one unit in flight: at a preemption its queued units run beside the online request."""
+    rig = LeaseRig(tmp_path, mode=mode)
+    train = rig.coop("train", 100, priority=OFFLINE)
+    if online_session:
+        rig.coop("infer", 100, priority=ONLINE)  # registered, idle between requests
+    train.want()
+    rig.tick()
+    assert train.held and train.grants[-1].contended is contended
+
+
 def test_preemptive_an_online_want_is_granted_at_once_beside_the_revoked_offline_holder(tmp_path: Path) -> None:
     rig, train, infer = online_offline(tmp_path)
     infer.want()  # no tick, no yield from the trainer

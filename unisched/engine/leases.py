@@ -373,7 +373,7 @@ class LeaseBook:
                 if holders.get(r) != tenant:
                     continue
                 lease = c.leases.get(r)
-                contended = self.policy.contenders(r) > 1
+                contended = self.policy.contenders(r) > 1 or self._preemptible(tenant, r)
                 h = self._handover.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
@@ -395,6 +395,19 @@ class LeaseBook:
                 lease.contended = contended
                 lease.slice_left_s = self._turn_left(tenant, now, slice_left_s)
                 self._send(c, r, lease)
+
+    def _preemptible(self, tenant: str, r: Resource) -> bool:
+        """Preemptive mode: an offline holder that an online cooperative tenant on its GPU may preempt at any moment
+        is told it is contended, so that it keeps one unit in flight (and reports often). At a preemption its queued
+        units run beside the online tenant's first request, which waits on them (unisched_client._inflight)."""
+        if self.policy.config.mode is not Mode.PREEMPTIVE or self.policy.priority(tenant) is Priority.ONLINE:
+            return False
+        sessions = self._sessions
+        return any(
+            other != tenant and self.policy.priority(other) is Priority.ONLINE
+            and any(sessions[sid].gpu == r.gpu for sid in c.sessions)
+            for other, c in self._coop.items()
+        )
 
     def _engine_of(self, c: _Coop, r: Resource) -> Engine:
         for sid in c.sessions:

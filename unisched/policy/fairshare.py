@@ -344,6 +344,9 @@ class WeightedFairShare:
     def weight(self, name: str) -> int:
         return self._get(name).weight
 
+    def priority(self, name: str) -> Priority:
+        return self._get(name).spec.priority
+
     def _get(self, name: str) -> _Tenant:
         try:
             return self._tenants[name]
