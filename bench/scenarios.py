@@ -25,6 +25,11 @@ its earlier entry; for online, per batch size) and results.md and the plots are 
   python3 bench/scenarios.py --out bench/results/$(date -u +%F)-h200/scenarios
   python3 bench/scenarios.py --out /tmp/s --scenarios online --seconds 10 --dry-run
   python3 bench/scenarios.py --out DIR --replot          # rebuild results.md and plots from results.json
+  python3 bench/scenarios.py --out DIR --scenarios online --online-batches 1 --online-setups kernel,user \
+      --repeat 2 --seconds 45                            # the online target with requests enough to tell
+
+Online rounds (--repeat): medians of each round's ratios (each against its own solo runs), and each setup's
+requests pooled over the rounds into one p99 with its 90% interval (results.md: "Pooled").
 """
 
 from __future__ import annotations
@@ -47,16 +52,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
+from _window import percentile, quantile_interval
 
 ROOT = gp.ROOT
 EX = ROOT / "examples"
+
 SCENARIOS = ("mixed", "online", "ad_sim", "cloud")
 MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
 TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50 --batch 32"
 RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
 RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
+ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "kernel": "unisched kernel", "user": "unisched user"}
+"""--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
@@ -78,6 +88,7 @@ class Options:
     dry_run: bool
     repeat: int = 1
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
+    online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS.values())
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -150,8 +161,8 @@ class Harness:
         }
 
     def step_count(self) -> int:
-        per = {"mixed": 2, "online": 6 * len(self.opts.online_batches) * self.opts.repeat, "ad_sim": 3,
-               "cloud": len(CLOUD_SIZES) + 2}
+        online = (2 + len(self.opts.online_setups)) * len(self.opts.online_batches) * self.opts.repeat
+        per = {"mixed": 2, "online": online, "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
         return sum(per[s] for s in self.scenarios)
 
     def config(self, engine: str = "kernel") -> gp.Config:
@@ -214,7 +225,7 @@ class Harness:
                 if k:
                     rounds.append({})
                     runs["more_rounds"] = rounds[1:]
-                for setup in ("alone-online", "alone-offline", "no scheduler", "MPS", "unisched kernel", "unisched user"):
+                for setup in ("alone-online", "alone-offline", *self.opts.online_setups):
                     self.progress.step(f"online: batch {batch}, {setup}" + (f", round {k + 1}/{repeat}" if repeat > 1 else ""))
                     if self.opts.dry_run:
                         continue
@@ -228,6 +239,7 @@ class Harness:
                     self.save("online", data)
                     self.progress.note(f"  -> {online_line(rounds[k][setup])}")
             runs["derived"] = combine_online([derive_online(r) for r in rounds])
+            runs["derived"]["pooled"] = pool_online(rounds)
             self.save("online", data)
         return data
 
@@ -362,7 +374,7 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     base_lat = alone.get("latency_ms") or {}
     base_p50 = base_lat.get("p50")
     out: dict[str, Any] = {"alone_p99_ms": base_p99, "alone_p50_ms": base_p50, "offline_solo": base_tp, "setups": {}}
-    for setup in ("no scheduler", "MPS", "unisched kernel", "unisched user"):
+    for setup in (s for s in ONLINE_SETUPS.values() if s in runs):
         run = runs.get(setup) or {}
         on, off = tenant(run, "online") or {}, tenant(run, "offline") or {}
         lat = on.get("latency_ms") or {}
@@ -393,6 +405,34 @@ def p99_resolution(bounds: list[float] | None) -> str:
     if bounds[1] <= ONLINE_P99_TARGET:
         return "below the target"
     return "above the target" if bounds[0] > ONLINE_P99_TARGET else "cannot tell"
+
+
+def pooled_latency(runs: list[dict[str, Any]], setup: str) -> dict[str, Any] | None:
+    """The online tenant's requests of every round of a setup, as one sample: its p99 and that p99's 90% interval.
+    Why: the median of a few rounds' p99s rests on each round's top few requests; pooled, a p99 rests on a few times
+    more (3 rounds of 12 s: 720 requests, the p99 between about the 3rd and 12th highest)."""
+    ms: list[float] = []
+    for r in runs:
+        rep = tenant(r.get(setup) or {}, "online") or {}
+        ms += rep.get("latencies_ms") or []
+    if not ms:
+        return None
+    lo, hi = quantile_interval(ms, 99)
+    return {"n": len(ms), "p99_ms": round(percentile(ms, 99), 3), "p99_lo": round(lo, 3), "p99_hi": round(hi, 3)}
+
+
+def pool_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per setup, its pooled p99 against the pooled p99 alone, with bounds and whether they settle the target."""
+    alone = pooled_latency(rounds, "alone-online")
+    out: dict[str, Any] = {"alone": alone, "setups": {}}
+    for setup in (s for s in ONLINE_SETUPS.values() if any(s in r for r in rounds)):
+        pooled = pooled_latency(rounds, setup)
+        if pooled is None or alone is None:
+            continue
+        bounds = p99_ratio_bounds(pooled, alone)
+        out["setups"][setup] = {**pooled, "p99_x_alone": ratio(pooled["p99_ms"], alone["p99_ms"]),
+                                "p99_x_bounds": bounds, "resolution": p99_resolution(bounds)}
+    return out
 
 
 def online_target_met(p99x: float | None, kept: float | None) -> bool | None:
@@ -545,6 +585,19 @@ def online_md(data: dict[str, Any]) -> list[str]:
                          f"{' | '.join(cells)} | {met} |")
     if any((runs.get("derived") or {}).get("rounds") for runs in data.get("batches", {}).values()):
         lines += ["", "Medians over the rounds, each ratio against its own round's solo runs; [min-max] across rounds."]
+        lines += ["", "Pooled: every round's requests of a setup as one sample, against every round's requests alone.", "",
+                  "| batch | setup | requests | p99 ms (90% interval) | p99 / alone | 90% bounds | p99 target |",
+                  "|---|---|---|---|---|---|---|"]
+        for batch, runs in data.get("batches", {}).items():
+            pooled = (runs.get("derived") or {}).get("pooled") or {}
+            rows = [("alone", pooled.get("alone")), *(pooled.get("setups") or {}).items()]
+            for setup, q in rows:
+                if not q:
+                    continue
+                b = q.get("p99_x_bounds")
+                lines.append(f"| {batch} | {setup} | {q['n']} | {gp.fmt(q['p99_ms'])} ({gp.fmt(q['p99_lo'])}-"
+                             f"{gp.fmt(q['p99_hi'])}) | {gp.fmt(q.get('p99_x_alone', 1.0))} | "
+                             f"{f'{gp.fmt(b[0])}-{gp.fmt(b[1])}' if b else ''} | {q.get('resolution', '')} |")
     lines += ["", f"90% bounds: from each p99's distribution-free 90% interval (order statistics of its requests), "
                   f"shared low / alone high to shared high / alone low; 'cannot tell' where they straddle "
                   f"{ONLINE_P99_TARGET:g}x."]
@@ -751,9 +804,13 @@ def summary(results: dict[str, Any]) -> str:
         for p in (e.get("results") or {}).get("pairs", []):
             out.append(f"  mixed {engine:6} {p['pair']:10} {fmt_pair(p.get('unisched') or {})}")
     for batch, runs in (sc.get("online") or {}).get("batches", {}).items():
-        for setup, s in ((runs.get("derived") or {}).get("setups") or {}).items():
+        derived = runs.get("derived") or {}
+        pooled = (derived.get("pooled") or {}).get("setups") or {}
+        for setup, s in (derived.get("setups") or {}).items():
+            q = pooled.get(setup) if derived.get("rounds") else None
+            more = f"; pooled p99 x{gp.fmt(q.get('p99_x_alone'))} of {q['n']} requests: {q['resolution']}" if q else ""
             out.append(f"  online b{batch} {setup:16} p99 x{gp.fmt(s.get('p99_x_alone'))}, offline kept "
-                       f"{gp.fmt(s.get('offline_kept'))}")
+                       f"{gp.fmt(s.get('offline_kept'))}{more}")
     for setup, run in (sc.get("ad_sim") or {}).get("runs", {}).items():
         out.append(f"  ad_sim {setup:26} {ad_sim_line(run)}")
     for setup, run in (sc.get("cloud") or {}).get("runs", {}).items():
@@ -781,6 +838,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1,
                     help="online scenario: run all its setups (solo runs included) this many rounds and report "
                          "medians with ranges (default 1)")
+    ap.add_argument("--online-setups", default=",".join(ONLINE_SETUPS),
+                    help=f"online scenario: which of {', '.join(ONLINE_SETUPS)} run beside the two solo runs (default "
+                         "all); fewer setups leave time for longer windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "
@@ -797,6 +857,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--seconds and --rate must be positive, warm-ups not negative")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    names = [n.strip() for n in args.online_setups.split(",") if n.strip()]
+    bad = [n for n in names if n not in ONLINE_SETUPS]
+    if bad or not names:
+        ap.error(f"--online-setups: choose from {', '.join(ONLINE_SETUPS)}; got {args.online_setups!r}")
+    args.online_setup_list = tuple(ONLINE_SETUPS[n] for n in ONLINE_SETUPS if n in names)
     try:
         args.batch_list = tuple(int(b) for b in args.online_batches.split(","))
     except ValueError:
@@ -823,7 +888,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(out=args.out, seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
                    slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
                    memory_cap=args.memory_cap, work_dir=work,
-                   max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat)
+                   max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat,
+                   online_setups=args.online_setup_list)
     h = Harness(opts, args.scenario_list)
     h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
     for name in args.scenario_list:

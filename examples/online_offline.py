@@ -16,8 +16,9 @@ it beside this one so the pair can be run by hand:
 
 bench/scenarios.py runs every setup (alone, no scheduler, MPS, both engines) and scores them.
 Report (--report): the shared workload fields (throughput = answered requests/s) plus latency_ms
-{p50, p90, p99, p99_lo, p99_hi (the p99's 90% distribution-free interval), n, mean, max}, requests, dropped
-(arrivals never answered inside the window).
+{p50, p90, p99, p99_lo, p99_hi (the p99's 90% distribution-free interval), n, mean, max}, latencies_ms (every
+answered request's, in arrival order: rounds of a benchmark pool them), requests, dropped (arrivals never answered
+inside the window).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     lat = latency_summary(latencies)
     report = write_report(args.report, "online", "req/s", window,
                           {"requests": len(times), "dropped": dropped, "rate": args.rate, "batch": args.batch,
-                           "model": args.model, "latency_ms": lat, "share": share})
+                           "model": args.model, "latency_ms": lat, "share": share,
+                           "latencies_ms": [round(1000.0 * v, 3) for v in latencies]})
     print(f"online_offline pid={report['pid']}: {args.model} fp16 batch {args.batch} at {args.rate:g} req/s: "
           f"p50 {lat.get('p50', float('nan')):.2f} ms, p99 {lat.get('p99', float('nan')):.2f} ms, "
           f"{len(latencies)}/{len(times)} answered; {share_line(share)}", flush=True)

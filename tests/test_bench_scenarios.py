@@ -104,6 +104,12 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     assert plan.returncode == 0 and "[18/18] online: batch 1, unisched user, round 3/3" in plan.stderr
     bad = subprocess.run([*cmd, "--repeat", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user,kernel",
+                           "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[4/4] online: batch 1, unisched user" in plan.stderr
+    assert "MPS" not in plan.stderr and "no scheduler" not in plan.stderr
+    bad = subprocess.run([*cmd, "--online-setups", "user,slurm"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--online-setups: choose from no-scheduler, mps, kernel, user" in bad.stderr
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
@@ -122,6 +128,29 @@ def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
     assert ("| 1 | unisched user | 7.50 | 12.00 | 1.07 [1.07-1.07] | 1.33 [1.04-1.50] | 1.28-1.39: above the target | "
             "0.73 [0.67-0.83] | missed (1 of 3 rounds) |") in table
     assert scenarios.combine_online([scenarios.derive_online(lucky)]) == scenarios.derive_online(lucky)
+
+
+def test_pooled_rounds_rest_the_p99_on_every_round_s_requests() -> None:
+    """Three rounds of 240 requests: each round's p99 is its ~3rd highest; pooled, the ~8th of 720, with an
+    interval that can settle what no single round's can."""
+    def with_latencies(alone: list[float], shared: list[float]) -> dict[str, Any]:
+        runs = online_runs(9.4, 1250.0)
+        runs["alone-online"]["tenants"][0]["report"]["latencies_ms"] = alone
+        runs["unisched user"]["tenants"][0]["report"]["latencies_ms"] = shared
+        return runs
+
+    alone = [5.0 + 0.01 * i for i in range(240)]  # 5.00 .. 7.39 ms
+    rounds = [with_latencies(alone, [v * 1.2 for v in alone]) for _ in range(3)]
+    pooled = scenarios.pool_online(rounds)
+    assert pooled["alone"]["n"] == 720 and pooled["setups"]["unisched user"]["n"] == 720
+    s = pooled["setups"]["unisched user"]
+    assert s["p99_x_alone"] == pytest.approx(1.2, rel=1e-3)
+    assert s["p99_x_bounds"][0] > 1.05 and s["resolution"] == "above the target"
+    assert "MPS" not in pooled["setups"]  # it failed: no requests to pool
+    table = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {"derived": {
+        **scenarios.combine_online([scenarios.derive_online(r) for r in rounds]), "pooled": pooled}}}}))
+    assert "| 1 | unisched user | 720 | 8.84 (" in table and "| above the target |" in table
+    assert scenarios.pool_online([online_runs(9.4, 1250.0)]) == {"alone": None, "setups": {}}  # older reports
 
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
