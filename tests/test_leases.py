@@ -587,3 +587,5 @@ def test_cooperative_compute_and_graphics_that_overlap_partly_get_mixed_leases(
     share = weights[0] / sum(weights)
     assert 0.22 * held["both"] / 400 + (held["cuda"] - held["both"]) / 400 >= share - 0.02
     assert any(r.reason == "slice over" for r in render.revokes)
+    # each side is revoked when it sits out: contended, so a paused render leaves one frame in flight, not two
+    assert render.grants[-1].contended and cuda.grants[-1].contended

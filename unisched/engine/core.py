@@ -266,6 +266,8 @@ class KernelEngine:
         """Per GPU, the last mix logged (and shown by `mixed_slices`)."""
         self._paused: frozenset[Resource] = frozenset()
         """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
+        self._mixed: frozenset[Resource] = frozenset()
+        """Both sides of every GPU whose compute and graphics take mixed slices now (their leases are contended)."""
         self._logged_shares: dict[str, tuple[float, str]] = {}
         self._unsaved = False
         self._saved_at = float("-inf")
@@ -934,6 +936,7 @@ class KernelEngine:
         assert self.contention.kept is not None
         kept_c, kept_g = self.contention.kept
         paused: set[Resource] = set()
+        mixed: set[Resource] = set()
         for g in self.gpu_indices:
             turns = self._mix_turns.setdefault(g, MixTurns(period_s=self.config.mix_period_ms / 1000.0))
             last = self._mix_kind.pop(g, None)
@@ -955,10 +958,12 @@ class KernelEngine:
                 log.debug("mixed slice", gpu=g, kind=kind.value)
             self._mix_kind[g] = kind
             rc, rg = self._mix_pair(g)
+            mixed.update((rc, rg))
             if kind is SliceKind.COMPUTE:
                 paused.add(rg)
             elif kind is SliceKind.GRAPHICS:
                 paused.add(rc)
+        self._mixed = frozenset(mixed)
         return frozenset(paused)
 
     def _apply(self, decision: Decision, now: float, tick: bool) -> None:
@@ -990,7 +995,7 @@ class KernelEngine:
                     self._lost(t, str(e))
         if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
             decision = replace(decision, holders={r: n for r, n in decision.holders.items() if r not in paused})
-        leases.apply(decision, now, max(0.0, self._next_tick - now), tick)
+        leases.apply(decision, now, max(0.0, self._next_tick - now), tick, self._mixed)
 
     def _reschedule(self) -> None:
         """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine

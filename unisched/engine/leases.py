@@ -360,9 +360,12 @@ class LeaseBook:
         return True
 
     # --- decisions -----------------------------------------------------------------------------------
-    def apply(self, decision: Decision, now: float, slice_left_s: float, tick: bool) -> None:
+    def apply(self, decision: Decision, now: float, slice_left_s: float, tick: bool,
+              mixed: frozenset[Resource] = frozenset()) -> None:
         """Grant the decision's holders their engines and revoke the rest. On a tick every holder hears
-        again (how long the new slice is); between ticks only those whose lease or contention changed."""
+        again (how long the new slice is); between ticks only those whose lease or contention changed.
+        `mixed`: resources that take turns with the other side of a partly overlapping pair (policy.overlap): a
+        holder there is revoked when its side sits out, so it is told it is contended (one unit in flight)."""
         holders = decision.holders
         for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
             for r, held in list(c.leases.items()):
@@ -373,7 +376,7 @@ class LeaseBook:
                 if holders.get(r) != tenant:
                     continue
                 lease = c.leases.get(r)
-                contended = self.policy.contenders(r) > 1 or self._preemptible(tenant, r)
+                contended = self.policy.contenders(r) > 1 or r in mixed or self._preemptible(tenant, r)
                 h = self._handover.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
