@@ -218,12 +218,34 @@ class GroupResult:
     def ok(self) -> bool:
         return all(t.report is not None for t in self.tenants)
 
+    def common_window(self) -> tuple[float, float] | None:
+        """Where a tenant of a shared run started late (scoring.COMMON_WINDOW_LATE_S), the seconds of the window
+        in which both ran: both are scored over them, not the one that ran alone meanwhile over the whole."""
+        if len(self.tenants) < 2 or not self.ok:
+            return None
+        return scoring.common_window([((t.report or {}).get("window") or {}).get("timeline") or [] for t in self.tenants])
+
     def throughputs(self) -> list[float | None]:
-        return [t.throughput for t in self.tenants]
+        window = self.common_window()
+        if window is None:
+            return [t.throughput for t in self.tenants]
+        rates = scoring.rates_over([(t.report or {})["window"]["timeline"] for t in self.tenants], window)
+        return list(rates)
 
     def to_json(self) -> dict[str, Any]:
+        window = self.common_window()
+        common = {} if window is None else {"common_window": [round(window[0], 3), round(window[1], 3)]}
         return {"label": self.label, "setup": self.setup, "ok": self.ok, "start_at": self.start_at,
-                "wall_s": self.wall_s, "tenants": [t.to_json() for t in self.tenants], **self.extra}
+                "wall_s": self.wall_s, "tenants": [t.to_json() for t in self.tenants], **common, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GroupResult:
+        """A run as results.json keeps it (bench/rescore_pairs.py scores old runs again)."""
+        tenants = [TenantResult(t["name"], t["kind"], t.get("weight"), t.get("argv") or [], t.get("rc"), t.get("report"),
+                                t.get("log_tail") or "", t.get("error")) for t in data.get("tenants", [])]
+        known = {"label", "setup", "ok", "start_at", "wall_s", "tenants", "common_window"}
+        return cls(data["label"], data["setup"], tenants, data.get("start_at", 0.0), data.get("wall_s", 0.0),
+                   {k: v for k, v in data.items() if k not in known})
 
 
 def tail(path: Path, limit: int = LOG_TAIL_CHARS) -> str:
@@ -549,12 +571,18 @@ def kept_fractions(solo_cuda: GroupResult, solo_render: GroupResult,
                 return t.throughput
         raise ContentionFileError(f"{group.setup} {group.label}: no {kind} throughput")
 
+    def shared(kind: str) -> float:  # over the part of the window where both ran (GroupResult.throughputs)
+        for t, rate in zip(together.tenants, together.throughputs(), strict=True):
+            if t.kind == kind and rate is not None:
+                return rate
+        raise ContentionFileError(f"{together.setup} {together.label}: no {kind} throughput")
+
     kept = []
     for kind, alone in (("cuda", solo_cuda), ("render", solo_render)):
         base = tp(alone, kind)
         if not base > 0:
             raise ContentionFileError(f"alone {kind}: throughput {base} is not positive")
-        kept.append(tp(together, kind) / base)
+        kept.append(shared(kind) / base)
     if not all(math.isfinite(k) and k >= 0 for k in kept):
         raise ContentionFileError(f"kept fractions {kept} are not finite and non-negative")
     return kept[0], kept[1]
@@ -908,7 +936,9 @@ def check_group(group: GroupResult, warnings: list[str], errors: list[str]) -> N
         late = (rep.get("window") or {}).get("late_s", 0.0)
         if late > 1.0:
             option = "--unisched-warmup" if group.setup == "unisched" else "--warmup"
-            warnings.append(f"{where}: window started {late:.1f} s late (slow start-up; raise {option})")
+            common = group.common_window()
+            scored = "" if common is None else f"; the pair is scored over the {common[1] - common[0]:.1f} s both ran"
+            warnings.append(f"{where}: window started {late:.1f} s late (slow start-up; raise {option}){scored}")
         renderer = str(rep.get("gl_renderer", "")) + str(rep.get("egl_display", ""))
         if "llvmpipe" in renderer or "software" in renderer:
             warnings.append(f"{where}: rendered on a software renderer ({rep.get('gl_renderer')})")

@@ -107,6 +107,40 @@ def test_kept_fractions() -> None:
                           _group("no scheduler", ("cuda", 82.9), ("render", None)))
 
 
+def _timed(kind: str, late_s: float, rate_alone: float, rate_shared: float, partner_from: float) -> Any:
+    """A report whose timeline runs at `rate_alone` until its partner's first completion, then at `rate_shared`."""
+    points, items, t = [], 0.0, late_s
+    while t <= 12.0:
+        points.append([round(t, 3), round(items)])
+        items += 0.5 * (rate_alone if t < partner_from else rate_shared)
+        t += 0.5
+    return gp.TenantResult(f"t-{kind}", kind, None, [], 0, {"throughput": points[-1][1] / (12.0 - late_s),
+                                                            "window": {"late_s": late_s, "timeline": points}}, "", None)
+
+
+def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
+    """The H200's no-scheduler trainer + render runs: the trainer's first step 4.5 s into a 12 s window, the render
+    alone (35 frame/s) until then and at 31.5 beside it. Over the whole window the render 'kept' 0.93; it keeps 0.88."""
+    together = gp.GroupResult("x", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
+                                                     _timed("render", 0.0, 35.0, 31.5, 4.5)], 0.0, 0.0)
+    assert together.common_window() == (4.5, 12.0)
+    cuda, render = together.throughputs()
+    assert cuda == pytest.approx(330.0, rel=0.01) and render == pytest.approx(31.5, rel=0.01)
+    assert together.tenants[1].throughput == pytest.approx(32.8, abs=0.3)  # what the whole window said
+    kept = gp.kept_fractions(_group("alone", ("cuda", 1650.0)), _group("alone", ("render", 35.8)), together)
+    assert kept == pytest.approx((0.2, 0.88), abs=0.005)
+    assert together.to_json()["common_window"] == [4.5, 12.0]
+    assert gp.GroupResult.from_json(together.to_json()).throughputs() == together.throughputs()
+    warnings: list[str] = []
+    gp.check_group(together, warnings, [])
+    assert warnings == ["no scheduler x / t-cuda: window started 4.5 s late (slow start-up; raise --warmup); the pair "
+                        "is scored over the 7.5 s both ran"]
+    on_time = gp.GroupResult("x", "unisched", [_timed("cuda", 0.2, 330.0, 330.0, 0.0),
+                                                _timed("render", 0.0, 35.0, 31.5, 0.0)], 0.0, 0.0)
+    assert on_time.common_window() is None  # within 0.5 s: the shared nominal window stands
+    assert on_time.throughputs() == [t.throughput for t in on_time.tenants]
+
+
 def test_daemon_contention_check() -> None:
     def daemon(contention: str | None, status: dict[str, Any]) -> Any:
         return SimpleNamespace(gpu_contention=lambda: contention, info={"status": status})

@@ -172,3 +172,17 @@ def test_contention_verdict_agrees_with_the_daemon() -> None:
         for graphics in grid:
             assert scoring.contention_verdict(compute, graphics) == \
                 ContentionMap.from_kept(compute, graphics).name, (compute, graphics)
+
+
+def test_items_at_interpolates_and_holds_at_the_ends() -> None:
+    tl = [[0.5, 10], [1.0, 20], [2.0, 20], [3.0, 50]]
+    assert [scoring.items_at(tl, t) for t in (0.0, 0.75, 1.5, 2.5, 9.0)] == [10, 15, 20, 35, 50]
+
+
+def test_common_window_only_for_a_late_start_and_real_overlap() -> None:
+    early, late = [[0.0, 1], [12.0, 100]], [[4.0, 0], [12.0, 40]]
+    assert scoring.common_window([early, late]) == (4.0, 12.0)
+    assert scoring.common_window([early, [[0.3, 0], [12.0, 40]]]) is None  # started together
+    assert scoring.common_window([early]) is None and scoring.common_window([early, [[4.0, 0]]]) is None
+    assert scoring.common_window([[[0.0, 0], [3.0, 9]], [[5.0, 0], [12.0, 9]]]) is None  # never ran at once
+    assert scoring.rates_over([early, late], (4.0, 12.0)) == pytest.approx([99 / 12, 5.0])
