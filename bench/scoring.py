@@ -21,6 +21,7 @@ daemon derives from the two fractions.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ def items_at(timeline: Sequence[Sequence[float]], t: float) -> float:
     ((seconds since the window's start, items so far), examples/workloads/_window.py); held at the ends."""
     if t <= timeline[0][0]:
         return float(timeline[0][1])
-    for (t0, n0), (t1, n1) in zip(timeline, timeline[1:], strict=False):
+    for (t0, n0), (t1, n1) in itertools.pairwise(timeline):
         if t <= t1:
             return float(n0) if t1 <= t0 else n0 + (n1 - n0) * (t - t0) / (t1 - t0)
     return float(timeline[-1][1])
