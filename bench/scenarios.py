@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
-from _window import percentile, quantile_interval
+from _window import latency_summary, percentile, quantile_interval
 
 ROOT = gp.ROOT
 EX = ROOT / "examples"
@@ -365,6 +365,25 @@ def tenant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
     return None
 
 
+def met_partner(run: dict[str, Any]) -> tuple[dict[str, Any], float | None, list[float] | None, list[float] | None]:
+    """The online tenant's latency summary, the offline throughput, and the requests' latencies (ms), over the
+    seconds both tenants ran, where one started late (scoring.common_window; the window used is returned last):
+    requests answered before the trainer's first step met no trainer, and a trainer alone is faster. Otherwise the
+    reports' own figures."""
+    on, off = tenant(run, "online") or {}, tenant(run, "offline") or {}
+    latencies = on.get("latencies_ms")
+    tls = [(r.get("window") or {}).get("timeline") or [] for r in (on, off)]
+    window = scoring.common_window(tls)
+    if window is None:
+        return on.get("latency_ms") or {}, off.get("throughput"), latencies, None
+    (offline_tp,) = scoring.rates_over([tls[1]], window)
+    arrivals = on.get("arrivals_s")
+    if not latencies or not arrivals:
+        return on.get("latency_ms") or {}, offline_tp, latencies, list(window)
+    kept = [ms for at, ms in zip(arrivals, latencies, strict=False) if window[0] <= at <= window[1]]
+    return latency_summary(kept), offline_tp, kept, list(window)
+
+
 def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     """Online p99 against alone, offline throughput kept against solo, and the target verdict, per setup."""
     alone = tenant(runs.get("alone-online", {}), "online") or {}
@@ -376,15 +395,15 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"alone_p99_ms": base_p99, "alone_p50_ms": base_p50, "offline_solo": base_tp, "setups": {}}
     for setup in (s for s in ONLINE_SETUPS.values() if s in runs):
         run = runs.get(setup) or {}
-        on, off = tenant(run, "online") or {}, tenant(run, "offline") or {}
-        lat = on.get("latency_ms") or {}
+        on = tenant(run, "online") or {}
+        lat, offline_tp, _, window = met_partner(run)
         p99x = ratio(lat.get("p99"), base_p99)
-        kept = ratio(off.get("throughput"), base_tp)
+        kept = ratio(offline_tp, base_tp)
         out["setups"][setup] = {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "p99_x_alone": p99x,
                                 "p99_x_bounds": p99_ratio_bounds(lat, base_lat),
                                 "p50_x_alone": ratio(lat.get("p50"), base_p50), "offline_kept": kept,
                                 "dropped": on.get("dropped"), "target_met": online_target_met(p99x, kept),
-                                "error": run.get("error")}
+                                "error": run.get("error"), "common_window": window}
     return out
 
 
@@ -413,8 +432,7 @@ def pooled_latency(runs: list[dict[str, Any]], setup: str) -> dict[str, Any] | N
     more (3 rounds of 12 s: 720 requests, the p99 between about the 3rd and 12th highest)."""
     ms: list[float] = []
     for r in runs:
-        rep = tenant(r.get(setup) or {}, "online") or {}
-        ms += rep.get("latencies_ms") or []
+        ms += met_partner(r.get(setup) or {})[2] or []
     if not ms:
         return None
     lo, hi = quantile_interval(ms, 99)

@@ -16,9 +16,9 @@ it beside this one so the pair can be run by hand:
 
 bench/scenarios.py runs every setup (alone, no scheduler, MPS, both engines) and scores them.
 Report (--report): the shared workload fields (throughput = answered requests/s) plus latency_ms
-{p50, p90, p99, p99_lo, p99_hi (the p99's 90% distribution-free interval), n, mean, max}, latencies_ms (every
-answered request's, in arrival order: rounds of a benchmark pool them), requests, dropped (arrivals never answered
-inside the window).
+{p50, p90, p99, p99_lo, p99_hi (the p99's 90% distribution-free interval), n, mean, max}, latencies_ms and arrivals_s
+(every answered request's latency and arrival, seconds into the window, in arrival order: a benchmark keeps the
+requests that met its partner and pools rounds), requests, dropped (arrivals never answered inside the window).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from _coop import add_unisched_args, connect, share_line, share_report
-from _window import Window, add_window_args, fail, percentile, plan_window, quantile_interval, write_report
+from _window import Window, add_window_args, fail, latency_summary, plan_window, write_report
 
 HERE = Path(__file__).resolve().parent
 WARMUP_ANSWERS = 20
@@ -48,18 +48,6 @@ def arrivals(rate: float, start: float, end: float, seed: int) -> list[float]:
         if t >= end:
             return out
         out.append(t)
-
-
-
-
-def latency_summary(latencies_s: list[float]) -> dict[str, float]:
-    if not latencies_s:
-        return {}
-    ms = [1000.0 * v for v in latencies_s]
-    p99_lo, p99_hi = quantile_interval(ms, 99)
-    return {"p50": round(percentile(ms, 50), 3), "p90": round(percentile(ms, 90), 3), "p99": round(percentile(ms, 99), 3),
-            "p99_lo": round(p99_lo, 3), "p99_hi": round(p99_hi, 3), "n": len(ms),
-            "mean": round(sum(ms) / len(ms), 3), "max": round(max(ms), 3)}
 
 
 def build(batch: int, model: str) -> Any:
@@ -147,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                     t_last=start_at + (timeline[-1][0] if timeline else 0.0), start_at=start_at, end_at=end_at,
                     late_s=late_s, warmup_items=WARMUP_ANSWERS, timeline=tuple(timeline))
     share = share_report(client, "compute")
-    lat = latency_summary(latencies)
+    lat = latency_summary([1000.0 * v for v in latencies])
     report = write_report(args.report, "online", "req/s", window,
                           {"requests": len(times), "dropped": dropped, "rate": args.rate, "batch": args.batch,
                            "model": args.model, "latency_ms": lat, "share": share,
-                           "latencies_ms": [round(1000.0 * v, 3) for v in latencies]})
+                           "latencies_ms": [round(1000.0 * v, 3) for v in latencies],
+                           "arrivals_s": [round(a - start_at, 3) for a in times[:len(latencies)]]})
     print(f"online_offline pid={report['pid']}: {args.model} fp16 batch {args.batch} at {args.rate:g} req/s: "
           f"p50 {lat.get('p50', float('nan')):.2f} ms, p99 {lat.get('p99', float('nan')):.2f} ms, "
           f"{len(latencies)}/{len(times)} answered; {share_line(share)}", flush=True)

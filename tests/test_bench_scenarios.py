@@ -153,6 +153,25 @@ def test_pooled_rounds_rest_the_p99_on_every_round_s_requests() -> None:
     assert scenarios.pool_online([online_runs(9.4, 1250.0)]) == {"alone": None, "setups": {}}  # older reports
 
 
+def test_a_late_trainer_counts_only_the_requests_that_met_it() -> None:
+    """The H200's kernel-engine round 2 of 12-01: the trainer's first step 5.3 s into the 12 s window. Requests
+    before it met no trainer (fast), and the trainer is scored over the seconds the online tenant also ran."""
+    runs = online_runs(9.4, 1250.0)
+    arrivals = [0.05 * i for i in range(240)]  # 0 .. 11.95 s
+    latencies = [5.0 if a < 5.3 else 11.0 + 0.01 * i for i, a in enumerate(arrivals)]
+    online = runs["unisched user"]["tenants"][0]["report"]
+    online.update({"latencies_ms": latencies, "arrivals_s": arrivals,
+                   "window": {"timeline": [[0.05 + 0.5 * k, 10 * k] for k in range(24)]}})
+    offline = runs["unisched user"]["tenants"][1]["report"]
+    offline["window"] = {"late_s": 5.3, "timeline": [[5.3 + 0.5 * k, 600 * k] for k in range(14)]}  # 1200 img/s
+    s = scenarios.derive_online(runs)["setups"]["unisched user"]
+    assert s["common_window"] == [5.3, pytest.approx(11.55)]
+    assert s["offline_kept"] == pytest.approx(1200 / 1500)
+    assert s["p50_ms"] > 11.0 and s["p99_ms"] > 13.0  # no 5 ms request left (all 240: p50 ~5 ms)
+    pooled = scenarios.pool_online([runs])
+    assert pooled["setups"]["unisched user"]["n"] == sum(1 for a in arrivals if 5.3 <= a <= 11.55)
+
+
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
 
 

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "measure", "percentile", "plan_window", "write_json",
-           "write_report"]
+__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "latency_summary", "measure", "percentile",
+           "plan_window", "quantile_interval", "write_json", "write_report"]
 
 TIMELINE_STEP_S = 0.5
 
@@ -171,6 +171,16 @@ def quantile_interval(values: Sequence[float], q: float, confidence: float = 0.9
     lo = max([k for k in range(n + 1) if cdf[k] <= tail], default=0)  # ranks are 1-based: x_(lo) ... x_(hi)
     hi = min([k for k in range(n + 1) if cdf[k] >= 1.0 - tail], default=n) + 1
     return ordered[max(1, lo) - 1], ordered[min(n, hi) - 1]
+
+
+def latency_summary(ms: Sequence[float]) -> dict[str, float]:
+    """p50, p90, p99 with the p99's 90% interval (p99_lo, p99_hi), n, mean and max of latencies in ms ({} if none)."""
+    if not ms:
+        return {}
+    p99_lo, p99_hi = quantile_interval(ms, 99)
+    return {"p50": round(percentile(ms, 50), 3), "p90": round(percentile(ms, 90), 3), "p99": round(percentile(ms, 99), 3),
+            "p99_lo": round(p99_lo, 3), "p99_hi": round(p99_hi, 3), "n": len(ms),
+            "mean": round(sum(ms) / len(ms), 3), "max": round(max(ms), 3)}
 
 
 def fail(message: str, code: int = 2) -> int:
