@@ -68,7 +68,7 @@ class Row:
 def run_one(weights: tuple[int, int], setup: Setup, unit_s: float, efficiency: float, slice_s: float,
             max_run_s: float, seconds: float) -> Row:
     run = min(max_run_s, RUN_UNITS * unit_s) if setup.min_run else 0.0
-    if run < slice_s:
+    if run < 2 * slice_s:  # as engine.leases does
         run = 0.0
     tenants = [SimTenant(name, w, (StreamSpec(Engine.COMPUTE, unit_s, setup.depth),), min_run_s=run)
                for name, w in zip(("a", "b"), weights, strict=True)]

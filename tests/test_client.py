@@ -67,9 +67,14 @@ def test_two_cooperative_clients_at_3_to_1_share_3_to_1(daemon: Daemon, tenant_p
 @pytest.mark.parametrize(("unit_ms", "long_turns"), [(2.0, False), (30.0, True)])
 def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tenant_prefix: str, unit_ms: float,
                                                             long_turns: bool) -> None:
-    """30 ms units: turns of 8 (240 ms, 5 slices of 50 ms) instead of a slice or two; 2 ms units keep short turns."""
+    """30 ms units: turns of 8 (240 ms, 12 of the test daemon's 20 ms slices) instead of a slice or two; 2 ms units keep
+    short turns."""
     names = [f"{tenant_prefix}{n}" for n in "ab"]
     procs = [worker(daemon, n, "--unit-ms", str(unit_ms), seconds=4) for n in names]
+    if long_turns:  # shown while they run: `unisched tenants --json`
+        shown = wait_until(lambda: [t for t in daemon.tenants() if t["name"] in names and t["turn_ms"]] or None, 10,
+                           "the daemon to show the long units' turns")
+        assert all(t["unit_ms"] == pytest.approx(30.0, rel=0.25) and t["turn_ms"] > 200 for t in shown), shown
     results = [result(p) for p in procs]
     events = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
     turns = {e["tenant"]: e["min_run_ms"] for e in events if e["event"] == "lease turns"}

@@ -143,8 +143,12 @@ def test_long_units_earn_turns_of_several_units(tmp_path: Path, unit_s: float, m
     turns = turn_lengths(rig.run(1200, [a, b], unit_s=unit_s))
     assert min(turns) == shortest, turns
     assert 2.8 < a.used / b.used < 3.2
+    snap = rig.engine.snapshot("b")  # what `unisched tenants --json` shows as unit_ms and turn_ms
     if shortest > 1:
-        assert rig.engine.leases.unit_s("b") == pytest.approx(unit_s, rel=0.2)
+        assert snap.unit_s == pytest.approx(unit_s, rel=0.2)
+        assert snap.turn_s == pytest.approx(min(max_run_ms / 1000, 8 * unit_s), rel=0.2)
+    else:
+        assert snap.turn_s == 0.0
 
 
 def test_a_long_turn_is_granted_as_one_slice_and_cleared_with_the_session(tmp_path: Path) -> None:

@@ -375,6 +375,8 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
         "cooperative": t.cooperative,
         "overrun_s": round(t.overrun_s, 4),
         "enforced": t.enforced,
+        "unit_ms": round(t.unit_ms, 2) if t.unit_ms else None,
+        "turn_ms": round(t.turn_ms, 1),
     }
 
 

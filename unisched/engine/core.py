@@ -120,6 +120,10 @@ class TenantSnapshot:
     cooperative: bool = False
     overrun_s: float = 0.0
     enforced: bool = False
+    unit_s: float | None = None
+    """Cooperative: the mean GPU time of its units, once it reported counted ones."""
+    turn_s: float = 0.0
+    """Cooperative: its minimum run (engine.leases.RUN_UNITS units, capped), 0 when its units are short."""
 
 
 @dataclass(frozen=True)
@@ -1269,6 +1273,8 @@ class KernelEngine:
                     cooperative=coop,
                     overrun_s=self.leases.overrun_s(name),
                     enforced=self.leases.enforced(name),
+                    unit_s=self.leases.unit_s(name),
+                    turn_s=self.leases.min_run_s(name),
                 )
             )
         return out

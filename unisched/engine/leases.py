@@ -265,7 +265,7 @@ class LeaseBook:
         unit = unit_s if old is None else old + UNIT_EWMA * (unit_s - old)
         self._unit_s[tenant] = unit
         run = min(self.max_run_s, RUN_UNITS * unit)
-        if run < self.slice_s:
+        if run < 2 * self.slice_s:  # a turn of two slices is what the holder's tie rule gives anyway
             run = 0.0
         last = self._min_run.get(tenant, 0.0)
         if abs(run - last) <= 0.1 * max(run, last):
@@ -285,6 +285,10 @@ class LeaseBook:
     def unit_s(self, tenant: str) -> float | None:
         """The tenant's mean unit length, once it reported counted units."""
         return self._unit_s.get(tenant)
+
+    def min_run_s(self, tenant: str) -> float:
+        """The minimum run its units earned (0: turns of a slice)."""
+        return self._min_run.get(tenant, 0.0)
 
     def _turn_left(self, tenant: str, now: float, slice_left_s: float) -> float:
         """Until the decision that may end the holder's turn: past its minimum run, on the tick grid."""

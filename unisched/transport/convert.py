@@ -46,6 +46,8 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         cooperative=s.cooperative,
         overrun_s=s.overrun_s,
         enforced=s.enforced,
+        unit_ms=1000.0 * (s.unit_s or 0.0),
+        turn_ms=1000.0 * s.turn_s,
     )
 
 
