@@ -85,6 +85,7 @@ def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tena
     else:
         assert turns == {} and revokes > 60, (turns, results)  # a slice or two a turn (measured 103)
     assert 0.8 < results[0]["used_s"] / results[1]["used_s"] < 1.25, results
+    assert not any(tenant(daemon, n)["enforced"] for n in names)  # a unit run past a revoke is no overrun
 
 
 def test_a_stopped_holder_is_revoked_and_the_other_gets_the_gpu(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]
