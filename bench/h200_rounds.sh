@@ -14,6 +14,8 @@
 # Then, if time is left: the contended matmul + render pair with longer turns (the render's frame tail is a smaller
 # part of a longer turn): ENGINE=kernel PAIRS=mixed1:1,mixed1:3 CUDA_CMD="python3 examples/workloads/cuda_matmul.py"
 #   EXTRA="--slice-ms 200" bash bench/h200_rounds.sh
+# Warm-ups of 16 s (were 10 / 12): on 12-01 the trainer's first step came 4-7 s into the window of every no-scheduler
+# run beside the render; such a pair is now scored over the seconds both ran, which a longer warm-up keeps near 12.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 ENGINE=${ENGINE:-kernel}
@@ -26,7 +28,7 @@ case "${PAIRS:-mixed}" in *mixed*) ;; *) calibrate=() ;; esac
 python3 bench/gpu_pairs.py --out "$OUT/rounds-$TAG" --work-dir /tmp/pairs-work --pairs "${PAIRS:-mixed1:1,mixed3:1}" \
   --engine "$ENGINE" --repeat "${REPEAT:-2}" --solo-after --workload-cmd-cuda "$CUDA_CMD" \
   --workload-cmd-render "python3 examples/03_egl_render.py" --render-iterations 447 "${calibrate[@]}" \
-  --serve-arg=--log-level --serve-arg=debug --seconds 12 --warmup 10 --unisched-warmup 12 --max-total 520 ${EXTRA:-} \
+  --serve-arg=--log-level --serve-arg=debug --seconds 12 --warmup "${WARMUP:-16}" --unisched-warmup "${UWARMUP:-16}" --max-total 540 ${EXTRA:-} \
   2>&1 | tee "$OUT/rounds-$TAG.log" | grep -E "^\| |Alone, per round|loss per round|round [0-9]: alone" | tail -14
 # the daemons' slicing and mix lines, and (user engine) their lease grants and revokes: why a render got more than
 # its planned share on 12-01 (call-d: 0.67 against 0.57) is not known yet
