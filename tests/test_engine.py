@@ -11,10 +11,11 @@ import pytest
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
+from unisched.policy.contention import MIX_SUM
 from unisched.policy.overlap import SliceKind
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
@@ -200,12 +201,12 @@ def test_compute_and_graphics_are_sliced_when_never_measured(tmp_path: Path) -> 
 
 
 def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
-                          contention: str = "auto") -> dict[str, float]:
+                          contention: str = "auto", kept: tuple[float, float] = (0.22, 0.92)) -> dict[str, float]:
     """A trainer beside a render on a GPU whose calibration measured partial overlap (the H200's ResNet-50 +
     render: 22% and 92% of their solo rates kept together). Returns the part of 400 slices each ran."""
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "contention.json").write_text(json.dumps(
-        {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": 0.22, "graphics_kept": 0.92}}}))
+        {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": kept[0], "graphics_kept": kept[1]}}}))
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
     tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
     rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention=contention), telemetry=tel)
@@ -213,7 +214,8 @@ def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
     rig.add("render", weights[1], engines=("graphics",))
     rig.step(40)
     mixed = rig.engine.mixed_slices(0)
-    if util >= 0.98 and contention == "auto":  # what `unisched status` shows for the GPU
+    partial = contention == "partial-overlap" or (contention == "auto" and sum(kept) >= MIX_SUM)
+    if util >= 0.98 and partial:  # what `unisched status` shows for the GPU
         assert mixed is not None and mixed[0].both > 0 and mixed[1] in SliceKind
     else:
         assert mixed is None
@@ -241,6 +243,22 @@ def test_a_partly_overlapping_pair_runs_together_as_much_as_the_weights_allow(
 def test_a_partial_overlap_is_sliced_when_contention_is_named(tmp_path: Path) -> None:
     ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="shared-sm")
     assert ran["both"] < 0.05 and ran["cuda"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_partial_overlap_named_mixes_a_calibration_auto_would_slice(tmp_path: Path) -> None:
+    """Kept 0.16 + 0.88 = 1.04, under MIX_SUM: auto slices it; named, the operator's word stands (one calibration of
+    a trainer whose solo rate drifts can fall under it while the pair overlaps)."""
+    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="partial-overlap", kept=(0.16, 0.88))
+    assert ran["both"] > 0.5 and ran["cuda"] == 1.0  # mixed: together, and the trainer alone
+    (tmp_path / "auto").mkdir()
+    sliced = _partial_overlap_pair(tmp_path / "auto", (100, 100), util=1.0, kept=(0.16, 0.88))
+    assert sliced["both"] < 0.05
+
+
+def test_partial_overlap_without_a_calibration_stops_the_start(tmp_path: Path) -> None:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    with pytest.raises(ConfigError, match="there is none for NVIDIA H200"):
+        Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention="partial-overlap"), telemetry=tel)
 
 
 def test_a_partly_overlapping_pair_on_an_unsaturated_gpu_is_not_mixed(tmp_path: Path) -> None:

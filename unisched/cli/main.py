@@ -188,10 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
-        choices=["auto", "shared-sm", "separate-graphics"],
+        choices=["auto", "shared-sm", "separate-graphics", "partial-overlap"],
         help="which engines contend (default auto: measured per GPU model by bench/calibrate_contention.py; where "
              "compute and graphics overlap partly there, slices mix running them together and each alone so "
-             "both get their weight share; without a calibration: shared-sm, sliced as one)",
+             "both get their weight share; without a calibration: shared-sm, sliced as one). partial-overlap: "
+             "mixed slices from the calibration's rates whatever their sum (it must exist)",
     )
     s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
     s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")

@@ -113,7 +113,7 @@ _CHOICES: Mapping[str, tuple[str, ...]] = {
     "cgroup_driver": ("auto", "v2", "v1"),
     "log_format": ("auto", "json", "console"),
     "log_level": ("debug", "info", "warning", "error"),
-    "contention": ("auto", "shared-sm", "separate-graphics"),
+    "contention": ("auto", "shared-sm", "separate-graphics", "partial-overlap"),
     "mode": tuple(m.value for m in Mode),
 }
 _STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen", *TLS_KEYS)

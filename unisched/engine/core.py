@@ -19,7 +19,7 @@ from unisched.enforce.cgroups import CgroupDriver, CgroupError
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.enforce.leases import LeaseChannel
 from unisched.engine.clock import Clock
-from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.engine.leases import LeaseBook, LeaseError
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import (
@@ -39,6 +39,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
+from unisched.policy.contention import PARTIAL_OVERLAP
 from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
@@ -277,6 +278,16 @@ class KernelEngine:
         self._saved_at = float("-inf")
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
+        if self.config.contention == PARTIAL_OVERLAP:  # mixed slices whatever the calibration's sum: it must exist
+            kept = self.store.measured_contention(gpu_name) if gpu_name is not None else None
+            if kept is None:
+                raise ConfigError(f"contention 'partial-overlap' plans mixed slices from a calibration of the GPU "
+                                  f"model, and there is none for {gpu_name or 'this machine (no GPU seen)'} in "
+                                  f"{self.config.state_dir}: run bench/calibrate_contention.py, or use 'auto'")
+            chosen = ContentionMap.partial(*kept)
+            log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name,
+                     reason="--contention partial-overlap")
+            return chosen
         if self.config.contention != "auto":
             return ContentionMap.named(self.config.contention)
         if gpu_name is None:

@@ -64,9 +64,17 @@ class ContentionMap:
         if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:  # NaN compares False: sliced
             return SEPARATE_GRAPHICS
         if compute_kept + graphics_kept >= MIX_SUM and min(compute_kept, graphics_kept) >= 0.0:
-            kept = (min(1.0, compute_kept), min(1.0, graphics_kept))  # above solo is noise
-            return ContentionMap(PARTIAL_OVERLAP, SEPARATE_GRAPHICS.domains, kept)
+            return ContentionMap.partial(compute_kept, graphics_kept)
         return SHARED_SM
+
+    @staticmethod
+    def partial(compute_kept: float, graphics_kept: float) -> ContentionMap:
+        """Mixed slices planned with these kept rates, whatever their sum (`--contention partial-overlap`: an operator
+        who knows the pair overlaps, where one calibration's noise fell under MIX_SUM)."""
+        if not (compute_kept >= 0.0 and graphics_kept >= 0.0):  # NaN too
+            raise PolicyError(f"kept rates must be >= 0, got {compute_kept!r}, {graphics_kept!r}")
+        kept = (min(1.0, compute_kept), min(1.0, graphics_kept))  # above solo is noise
+        return ContentionMap(PARTIAL_OVERLAP, SEPARATE_GRAPHICS.domains, kept)
 
 
 SHARED_SM = ContentionMap(
