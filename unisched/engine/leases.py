@@ -371,6 +371,8 @@ class LeaseBook:
         `mixed`: resources that take turns with the other side of a partly overlapping pair (policy.overlap): a
         holder there is revoked when its side sits out, so it is told it is contended (one unit in flight)."""
         holders = decision.holders
+        preemptive = self.policy.config.mode is Mode.PREEMPTIVE
+        online_gpus: set[int] | None = None  # found once, when an offline holder needs it
         for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
             for r, held in list(c.leases.items()):
                 if holders.get(r) != tenant and r in c.demand:
@@ -380,7 +382,11 @@ class LeaseBook:
                 if holders.get(r) != tenant:
                     continue
                 lease = c.leases.get(r)
-                contended = self.policy.contenders(r) > 1 or r in mixed or self._preemptible(tenant, r)
+                contended = self.policy.contenders(r) > 1 or r in mixed
+                if not contended and preemptive and self.policy.priority(tenant) is not Priority.ONLINE:
+                    if online_gpus is None:
+                        online_gpus = self._online_gpus()
+                    contended = r.gpu in online_gpus
                 h = self._handover.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
@@ -403,18 +409,13 @@ class LeaseBook:
                 lease.slice_left_s = self._turn_left(tenant, now, slice_left_s)
                 self._send(c, r, lease)
 
-    def _preemptible(self, tenant: str, r: Resource) -> bool:
-        """Preemptive mode: an offline holder that an online cooperative tenant on its GPU may preempt at any moment
-        is told it is contended, so that it keeps one unit in flight (and reports often). At a preemption its queued
-        units run beside the online tenant's first request, which waits on them (unisched_client._inflight)."""
-        if self.policy.config.mode is not Mode.PREEMPTIVE or self.policy.priority(tenant) is Priority.ONLINE:
-            return False
-        sessions = self._sessions
-        return any(
-            other != tenant and self.policy.priority(other) is Priority.ONLINE
-            and any(sessions[sid].gpu == r.gpu for sid in c.sessions)
-            for other, c in self._coop.items()
-        )
+    def _online_gpus(self) -> set[int]:
+        """GPUs with an online cooperative tenant connected. In preemptive mode an offline holder there may be
+        preempted at any moment, so it is told it is contended: it keeps one unit in flight (and reports often),
+        and a request waits on less of its queued work (unisched_client._inflight)."""
+        priority = self.policy.priority
+        return {self._sessions[sid].gpu for tenant, c in self._coop.items() if priority(tenant) is Priority.ONLINE
+                for sid in c.sessions}
 
     def _engine_of(self, c: _Coop, r: Resource) -> Engine:
         for sid in c.sessions:
