@@ -450,6 +450,33 @@ def test_online_preempts_an_offline_tenant_within_its_min_run() -> None:
     assert p.decide(now).holders[SM0] == "serve"
 
 
+def test_a_tenant_that_wakes_takes_its_share_back_within_a_min_run() -> None:
+    """Min runs space out hand-overs between tenants that keep waiting; a tenant whose share was lent while it
+    idled takes it back at the next decision, whatever is left of the holder's run."""
+    p = scheduler({"busy": (100, [SM0]), "sleeper": (100, [])})
+    for name in ("busy", "sleeper"):
+        p.set_min_run(name, 1.0)
+    now, used = run(p, 4)
+    assert set(used) == {"busy"}  # alone: it holds the GPU, its turn began at the first decision
+    p.set_demand("sleeper", [SM0])  # wakes 0.2 s into the busy tenant's 1 s run, level with it (the lag clamp)
+    now, used = run(p, 1, now)
+    assert set(used) == {"busy"}  # a tie: the holder wins it, as without min runs
+    assert p.decide(now).holders[SM0] == "sleeper"  # the second decision after waking, not 0.8 s later
+    now, used = run(p, 10, now)
+    assert set(used) == {"sleeper"}  # and now the sleeper's own run holds off the tenant that was waiting
+
+
+def test_a_waiting_tenant_is_held_off_for_the_min_run() -> None:
+    p = scheduler({"a": (100, [SM0]), "b": (100, [SM0])})
+    for name in "ab":
+        p.set_min_run(name, 0.5)
+    now, _ = run(p, 1)
+    holder = p.decide(now).holders[SM0]
+    now, used = run(p, 9, now)  # 0.5 s of turn: nine more slices
+    assert set(used) == {holder}
+    assert p.decide(now).holders[SM0] != holder
+
+
 @pytest.mark.parametrize("bad", [-0.1, 10.5, math.nan])
 def test_bad_min_runs_are_refused(bad: float) -> None:
     p = scheduler({"a": (100, [SM0])})

@@ -136,6 +136,10 @@ class _Tenant:
     turn_started: float | None = None
     min_run_s: float = 0.0
     """Once it holds a resource, it keeps it this long against tenants of its class (see set_min_run)."""
+    activated: int = 0
+    """WeightedFairShare._activations when its demand last went from none to some."""
+    turn_mark: int = 0
+    """WeightedFairShare._activations when its turn began: a tenant activated later is not held off by its min run."""
     window: dict[Resource, float] = field(default_factory=dict)
     """GPU seconds charged per resource within the share window (kept by WeightedFairShare._prune)."""
     removed: bool = False
@@ -170,9 +174,11 @@ class _Index:
         self.active = 0
 
 
-def _in_min_run(t: _Tenant, now: float) -> bool:
+def _in_min_run(t: _Tenant, rival: _Tenant, now: float) -> bool:
+    """The holder `t` keeps its turn against `rival`: within its minimum run, and the rival was already waiting
+    when the turn began (a tenant that wakes up takes its share back at the next decision, min runs or not)."""
     started = t.turn_started
-    return started is not None and now - started < t.min_run_s - _TURN_EPS_S
+    return started is not None and now - started < t.min_run_s - _TURN_EPS_S and rival.activated <= t.turn_mark
 
 
 def _push(heap: list[_Entry], alive: int, entry: _Entry) -> None:
@@ -252,6 +258,8 @@ class WeightedFairShare:
         self._active: set[str] = set()
         self._active_frozen: frozenset[str] | None = frozenset()
         self._in_turn: set[str] = set()
+        self._activations = 0
+        """Counts tenants whose demand went from none to some (min runs do not hold off one that woke in a turn)."""
         """Tenants that run since the last decision (their turn_started is set)."""
         self._multi = 0
         """Active tenants with demand on several resources (none: each resource is decided on its own)."""
@@ -373,6 +381,9 @@ class WeightedFairShare:
             dw[r] -= t.weight
         for r in new:
             dw[r] = dw.get(r, 0) + t.weight
+        if new and not t.demand:
+            self._activations += 1
+            t.activated = self._activations
         t.demand = new
         self._reindex(t)
         if new:
@@ -594,7 +605,7 @@ class WeightedFairShare:
                 ht = tenants.get(holder)
                 if ht is not None and ht.only == rid and (
                     ht.entries[rid][_VALUE] - clock == key - clock  # tied: the holder wins ties
-                    or _in_min_run(ht, now)
+                    or _in_min_run(ht, t, now)
                 ):
                     t = ht
                     name = holder
@@ -606,10 +617,10 @@ class WeightedFairShare:
             running.append(name)
             t.slices += 1
             if t.turn_started is None:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
                 in_turn.add(name)
             elif holder != name:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
         return holder_ids, holders, running
 
     def _decide_vtime(self, now: float, preemptive: bool) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
@@ -670,7 +681,7 @@ class WeightedFairShare:
                 ht = tenants.get(holder)
                 if ht is not None and ht.only == rid and ht.slot == top[_OWNER].slot:
                     mine = ht.entries[rid]
-                    if mine[_VALUE] - clock == top[_KEY] - clock or _in_min_run(ht, now):
+                    if mine[_VALUE] - clock == top[_KEY] - clock or _in_min_run(ht, top[_OWNER], now):
                         top = mine  # tied (the holder wins ties), or within its minimum run
             if multi:
                 best[rid] = top[_OWNER]
@@ -686,10 +697,10 @@ class WeightedFairShare:
             running.append(name)
             t.slices += 1
             if t.turn_started is None:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
                 in_turn.add(name)
             elif holder != name:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
         if not multi:
             return holder_ids, holders, running
 
@@ -742,10 +753,10 @@ class WeightedFairShare:
             running.append(name)
             t.slices += 1
             if t.turn_started is None:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
                 in_turn.add(name)
             elif prev.get(rid) != name:
-                t.turn_started = now
+                t.turn_started, t.turn_mark = now, self._activations
 
     def _run(
         self, t: _Tenant, now: float,
@@ -759,14 +770,14 @@ class WeightedFairShare:
         running.append(name)
         t.slices += 1
         if t.turn_started is None:
-            t.turn_started = now
+            t.turn_started, t.turn_mark = now, self._activations
             self._in_turn.add(name)
             if self._turn_index:
                 self._leave_turn_queue(t)
         elif not _holds(self._holders, name, t) or (
             self._turn_index and now - t.turn_started >= self._window(t) - _TURN_EPS_S
         ):
-            t.turn_started = now  # a new turn (in timeshare: nobody else wanted its resources)
+            t.turn_started, t.turn_mark = now, self._activations  # a new turn (in timeshare: nobody else wanted its resources)
 
     def _decide_turns(self, now: float) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
         """Timeshare: the tenant in its turn keeps its resources until its window is over, then the one
