@@ -278,29 +278,24 @@ class KernelEngine:
         self._saved_at = float("-inf")
 
     def _contention(self, gpu_name: str | None) -> ContentionMap:
-        if self.config.contention == PARTIAL_OVERLAP:  # mixed slices whatever the calibration's sum: it must exist
-            kept = self.store.measured_contention(gpu_name) if gpu_name is not None else None
-            if kept is None:
+        wanted = self.config.contention
+        if wanted not in ("auto", PARTIAL_OVERLAP):
+            return ContentionMap.named(wanted)
+        kept = self.store.measured_contention(gpu_name) if gpu_name is not None else None
+        if kept is None:
+            if wanted == PARTIAL_OVERLAP:  # mixed slices whatever the calibration's sum: it must exist
                 raise ConfigError(f"contention 'partial-overlap' plans mixed slices from a calibration of the GPU "
                                   f"model, and there is none for {gpu_name or 'this machine (no GPU seen)'} in "
                                   f"{self.config.state_dir}: run bench/calibrate_contention.py, or use 'auto'")
-            chosen = ContentionMap.partial(*kept)
-            log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name,
-                     reason="--contention partial-overlap")
-            return chosen
-        if self.config.contention != "auto":
-            return ContentionMap.named(self.config.contention)
-        if gpu_name is None:
+            if gpu_name is not None:
+                log.info(
+                    "contention of compute and graphics not measured on this GPU: slicing them as one domain",
+                    gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
+                )
             return SHARED_SM
-        kept = self.store.measured_contention(gpu_name)
-        if kept is None:
-            log.info(
-                "contention of compute and graphics not measured on this GPU: slicing them as one domain",
-                gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
-            )
-            return SHARED_SM
-        chosen = ContentionMap.from_kept(*kept)
-        log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name)
+        chosen = ContentionMap.partial(*kept) if wanted == PARTIAL_OVERLAP else ContentionMap.from_kept(*kept)
+        log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name,
+                 contention=wanted)
         return chosen
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -857,7 +852,7 @@ class KernelEngine:
         decision = self.policy.decide(now)
         self._next_tick = now + decision.slice_s
         if self.contention.kept is not None:
-            self._paused = self._mix(dt, mix_weights)
+            self._paused, self._mixed = self._mix(dt, mix_weights)
         self._apply(decision, now, tick=True)
         if self._unsaved and now - self._saved_at >= SAVE_DELAY_S:
             self._saved_at = now
@@ -944,10 +939,11 @@ class KernelEngine:
                 out[g] = _PairWeights(p.compute + w * is_compute, p.graphics + w * (not is_compute), p.cooperative or coop)
         return out
 
-    def _mix(self, dt: float, weights: Mapping[int, _PairWeights]) -> frozenset[Resource]:
-        """The resources that sit out the next slice. On a saturated GPU with compute and graphics tenants that
-        overlap partly, slices are together, compute alone or graphics alone in the proportions that give each
-        side its weight share with the most overlap (policy.overlap); the kept rates are the calibration's."""
+    def _mix(self, dt: float, weights: Mapping[int, _PairWeights]) -> tuple[frozenset[Resource], frozenset[Resource]]:
+        """The resources that sit out the next slice, and those that take mixed slices now (both sides of a GPU).
+        On a saturated GPU with compute and graphics tenants that overlap partly, slices are together, compute
+        alone or graphics alone in the proportions that give each side its weight share with the most overlap
+        (policy.overlap); the kept rates are the calibration's."""
         assert self.contention.kept is not None
         kept_c, kept_g = self.contention.kept
         paused: set[Resource] = set()
@@ -978,8 +974,7 @@ class KernelEngine:
                 paused.add(rg)
             elif kind is SliceKind.GRAPHICS:
                 paused.add(rc)
-        self._mixed = frozenset(mixed)
-        return frozenset(paused)
+        return frozenset(paused), frozenset(mixed)
 
     def _apply(self, decision: Decision, now: float, tick: bool) -> None:
         """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases.
