@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
-from _window import latency_summary, percentile, quantile_interval
+from _window import latency_summary
 
 ROOT = gp.ROOT
 EX = ROOT / "examples"
@@ -435,8 +435,8 @@ def pooled_latency(runs: list[dict[str, Any]], setup: str) -> dict[str, Any] | N
         ms += met_partner(r.get(setup) or {})[2] or []
     if not ms:
         return None
-    lo, hi = quantile_interval(ms, 99)
-    return {"n": len(ms), "p99_ms": round(percentile(ms, 99), 3), "p99_lo": round(lo, 3), "p99_hi": round(hi, 3)}
+    lat = latency_summary(ms)
+    return {"n": lat["n"], "p99_ms": lat["p99"], "p99_lo": lat["p99_lo"], "p99_hi": lat["p99_hi"]}
 
 
 def pool_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
