@@ -88,6 +88,14 @@ class Pair:
     def key(self) -> str:
         return f"{self.kinds_key} {self.weights[0]:g}:{self.weights[1]:g}"
 
+    @classmethod
+    def from_key(cls, key: str) -> Pair:
+        """The inverse of `key` ('cuda+render 1:1'), as results.json names its pairs."""
+        kinds, weights = key.rsplit(" ", 1)
+        ka, kb = kinds.split("+")
+        a, b = (float(w) for w in weights.split(":"))
+        return cls((ka, kb), (a, b))
+
 
 def parse_pairs(text: str) -> list[Pair]:
     """'cuda3:1,render1:1,mixed1:3' -> pairs; kinds cuda, render, mixed (= cuda+render)."""

@@ -28,17 +28,9 @@ import gpu_pairs as gp
 SECTIONS = ("solo", "solo_after", "no_scheduler", "unisched")
 
 
-def pair_of(key: str) -> gp.Pair:
-    """'cuda+render 1:1' (a results.json pair key) -> Pair."""
-    kinds, weights = key.rsplit(" ", 1)
-    a, b = (float(w) for w in weights.split(":"))
-    ka, kb = kinds.split("+")
-    return gp.Pair((ka, kb), (a, b))
-
-
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
     runs = {s: {k: gp.GroupResult.from_json(v) for k, v in (results.get(s) or {}).items()} for s in SECTIONS}
-    pairs = [pair_of(p["pair"]) for p in results.get("pairs", [])]
+    pairs = [gp.Pair.from_key(p["pair"]) for p in results.get("pairs", [])]
     new = [gp.derive_pair(p, runs["solo"], runs["no_scheduler"], runs["unisched"], runs["solo_after"]) for p in pairs]
     out: dict[str, Any] = {"pairs": new, "common_windows": {}, "kept": None}
     for s in ("no_scheduler", "unisched"):

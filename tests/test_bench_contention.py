@@ -141,6 +141,29 @@ def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
     assert on_time.throughputs() == [t.throughput for t in on_time.tenants]
 
 
+def test_pair_keys_round_trip() -> None:
+    for pair in gp.parse_pairs("cuda3:1,render1:1,mixed1:3"):
+        assert gp.Pair.from_key(pair.key) == pair
+
+
+def test_rescore_pairs_scores_a_committed_run_over_the_seconds_both_ran(tmp_path: Path) -> None:
+    rescore_pairs = _load("rescore_pairs")
+
+    together = gp.GroupResult("cuda+render", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
+                                                               _timed("render", 0.0, 35.0, 31.5, 4.5)], 0.0, 0.0)
+    solo = {"cuda": _group("alone", ("cuda", 1650.0)), "render": _group("alone", ("render", 35.8))}
+    pair = gp.parse_pairs("mixed1:1")[0]
+    as_measured = {"solo": {k: g.to_json() for k, g in solo.items()}, "no_scheduler": {"cuda+render": together.to_json()},
+                   "unisched": {}, "pairs": [{"pair": pair.key, "no_scheduler": {"normalized": [0.2, 0.93]}}]}
+    new = rescore_pairs.rescore(json.loads(json.dumps(as_measured)))
+    assert new["kept"] == pytest.approx([0.2, 0.88], abs=0.005)
+    assert new["pairs"][0]["no_scheduler"]["normalized"] == pytest.approx([0.2, 0.88], abs=0.005)
+    assert new["common_windows"] == {"no_scheduler cuda+render": [4.5, 12.0]}
+    (tmp_path / "results.json").write_text(json.dumps(as_measured))
+    assert rescore_pairs.main([str(tmp_path)]) == 0
+    assert "0.20 / 0.88" in (tmp_path / "rescored.md").read_text()
+
+
 def test_daemon_contention_check() -> None:
     def daemon(contention: str | None, status: dict[str, Any]) -> Any:
         return SimpleNamespace(gpu_contention=lambda: contention, info={"status": status})
