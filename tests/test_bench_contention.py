@@ -154,7 +154,7 @@ def test_rescore_pairs_scores_a_committed_run_over_the_seconds_both_ran(tmp_path
     solo = {"cuda": _group("alone", ("cuda", 1650.0)), "render": _group("alone", ("render", 35.8))}
     pair = gp.parse_pairs("mixed1:1")[0]
     as_measured = {"solo": {k: g.to_json() for k, g in solo.items()}, "no_scheduler": {"cuda+render": together.to_json()},
-                   "unisched": {}, "pairs": [{"pair": pair.key, "no_scheduler": {"normalized": [0.2, 0.93]}}]}
+                   "unisched": {}, "pairs": [{"pair": pair.key, "no_scheduler": {"normalized": [0.2, 0.93], "efficiency": 1.13}}]}
     new = rescore_pairs.rescore(json.loads(json.dumps(as_measured)))
     assert new["kept"] == pytest.approx([0.2, 0.88], abs=0.005)
     assert new["pairs"][0]["no_scheduler"]["normalized"] == pytest.approx([0.2, 0.88], abs=0.005)
