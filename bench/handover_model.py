@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from unisched.engine.leases import RUN_UNITS
+from unisched.engine.leases import min_run_for
 from unisched.policy import Engine, FairShareConfig
 from unisched.sim import SimConfig, Simulation
 from unisched.sim.workload import SimTenant, StreamSpec
@@ -67,9 +67,7 @@ class Row:
 
 def run_one(weights: tuple[int, int], setup: Setup, unit_s: float, efficiency: float, slice_s: float,
             max_run_s: float, seconds: float) -> Row:
-    run = min(max_run_s, RUN_UNITS * unit_s) if setup.min_run else 0.0
-    if run < 2 * slice_s:  # as engine.leases does
-        run = 0.0
+    run = min_run_for(unit_s, slice_s, max_run_s) if setup.min_run else 0.0
     tenants = [SimTenant(name, w, (StreamSpec(Engine.COMPUTE, unit_s, setup.depth),), min_run_s=run)
                for name, w in zip(("a", "b"), weights, strict=True)]
     sim = Simulation(tenants, SimConfig(policy=FairShareConfig(slice_s=slice_s), timeslice_efficiency=efficiency))

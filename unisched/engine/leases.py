@@ -21,7 +21,7 @@ from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 
-__all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError"]
+__all__ = ["MAX_REPORT_S", "RUN_UNITS", "LeaseBook", "LeaseError", "min_run_for"]
 
 log = structlog.get_logger("unisched.engine")
 
@@ -37,6 +37,13 @@ slices every moment was such an overlap and the pair's sum fell to the no-schedu
 leave about one hand-over per eight units of work."""
 UNIT_EWMA = 0.25
 """Weight of a new report's mean unit length in the running estimate."""
+
+
+def min_run_for(unit_s: float, slice_s: float, max_run_s: float) -> float:
+    """The minimum run a tenant with units of `unit_s` earns: RUN_UNITS of them, at most `max_run_s`; 0 below two
+    slices (a turn of two slices is what the holder's tie rule gives anyway)."""
+    run = min(max_run_s, RUN_UNITS * unit_s)
+    return run if run >= 2 * slice_s else 0.0
 
 
 class LeaseError(Exception):
@@ -264,9 +271,7 @@ class LeaseBook:
         old = self._unit_s.get(tenant)
         unit = unit_s if old is None else old + UNIT_EWMA * (unit_s - old)
         self._unit_s[tenant] = unit
-        run = min(self.max_run_s, RUN_UNITS * unit)
-        if run < 2 * self.slice_s:  # a turn of two slices is what the holder's tie rule gives anyway
-            run = 0.0
+        run = min_run_for(unit, self.slice_s, self.max_run_s)
         last = self._min_run.get(tenant, 0.0)
         if abs(run - last) <= 0.1 * max(run, last):
             return
