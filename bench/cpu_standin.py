@@ -42,12 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin-cpu", type=int, default=None, metavar="CPU",
                         help="run on this CPU only, so stand-ins pinned alike contend")
     parser.add_argument("--chunk", type=int, default=20000, help="loop rounds per item")
+    parser.add_argument("--start-up-s", type=float, default=0.0, metavar="S",
+                        help="idle this long before the first item, as a slow start-up (torch import, CUDA init) "
+                             "would: a start-up longer than the warm-up makes the window start late")
     # Accepted and ignored so the orchestrator can pass the real workloads' options unchanged.
     parser.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
     start_at, end_at = plan_window(args, process_start)
+    time.sleep(max(0.0, args.start_up_s))  # the start-up being stood in for, not a wait for a condition
     window = measure(lambda: burn(args.chunk), start_at, end_at)
     report = write_report(args.report, args.kind, UNITS[args.kind], window,
                           {"standin": True, "pin_cpu": args.pin_cpu, "chunk": args.chunk})

@@ -301,6 +301,26 @@ def test_gpu_pairs_calibrate_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert "Contention calibration" in (tmp_path / "with" / "results.md").read_text()
 
 
+def test_gpu_pairs_scores_a_late_starting_pair_over_the_seconds_both_ran(tmp_path: Path) -> None:
+    """End to end with stand-ins on one CPU: the cuda one starts 1.5 s into a 3 s window; the render one runs alone
+    (its full rate) until then and at about half after. Over the common seconds it keeps about half."""
+    out = tmp_path / "late"
+    rc = gp.main(["--pairs", "mixed1:1", "--no-unisched", "--seconds", "3", "--warmup", "0.5", "--grace", "10",
+                  "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                  "--workload-cmd-cuda", f"{STANDIN} --kind cuda --pin-cpu 0 --start-up-s 2",
+                  "--workload-cmd-render", f"{STANDIN} --kind render --pin-cpu 0"])
+    results = json.loads((out / "results.json").read_text())
+    assert rc == 0, results["errors"]
+    group = results["no_scheduler"]["cuda+render"]
+    lo, hi = group["common_window"]
+    assert 1.0 < lo < 2.5 and hi > 2.5
+    (pair,) = results["pairs"]
+    render = pair["no_scheduler"]["normalized"][1]
+    whole = group["tenants"][1]["report"]["throughput"] / pair["solo"][1]
+    assert 0.35 < render < 0.65 and whole > render + 0.15, (render, whole)
+    assert any("scored over the" in w for w in results["warnings"])
+
+
 def test_gpu_pairs_without_calibrate_out_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rc, results = _run_pairs(tmp_path, monkeypatch, "without")
     assert rc == 0, results["errors"]
