@@ -11,9 +11,10 @@
 #       # while contended and the daemon gave long units turns of 8: bench/results/2026-12-01-cpu/handover-model/
 #       # models 0.96 -> 0.99), the render pair under the same long turns, and one tenant's overhead (1.8-3.0%).
 #       # The daemon logs "lease turns" (unit_ms, min_run_ms) per tenant: the gates below keep those lines.
-# Then, if time is left: the contended matmul + render pair with longer turns (the render's frame tail is a smaller
-# part of a longer turn): ENGINE=kernel PAIRS=mixed1:1,mixed1:3 CUDA_CMD="python3 examples/workloads/cuda_matmul.py"
-#   EXTRA="--slice-ms 200" bash bench/h200_rounds.sh
+# Then, if time is left: the contended matmul + render pair (issue 2), mixed in runs of 1 s by partial-overlap (the
+# model keeps the matmul tenant 1.5 points from plan: bench/results/2026-12-01-cpu/mix-model/contended-matmul-pair/)
+# and sliced as before (CONTENTION=auto): ENGINE=kernel PAIRS=mixed1:1,mixed1:3 CUDA_CMD="python3
+#   examples/workloads/cuda_matmul.py" [CONTENTION=auto] bash bench/h200_rounds.sh
 # Warm-ups of 16 s (were 10 / 12): on 12-01 the trainer's first step came 4-7 s into the window of every no-scheduler
 # run beside the render; such a pair is now scored over the seconds both ran, which a longer warm-up keeps near 12.
 set -uo pipefail
