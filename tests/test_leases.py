@@ -151,6 +151,17 @@ def test_long_units_earn_turns_of_several_units(tmp_path: Path, unit_s: float, m
         assert snap.turn_s == 0.0
 
 
+def test_long_frames_earn_no_long_turns(tmp_path: Path) -> None:
+    """Two renders time-slice at no loss: longer turns would only stall each one's frames for longer."""
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 300, "graphics"), rig.coop("b", 100, "graphics")
+    a.want()
+    b.want()
+    rig.run(40, [a, b], unit_s=0.028)
+    assert rig.engine.snapshot("b").turn_s == 0.0 and rig.engine.leases.unit_s("b") is None
+    assert min(turn_lengths(rig.run(400, [a, b], unit_s=0.028))) == 1
+
+
 def test_a_long_turn_is_granted_as_one_slice_and_cleared_with_the_session(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     a, b = rig.coop("a", 100), rig.coop("b", 100)

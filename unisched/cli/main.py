@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lease-timeout-ms", type=float,
                    help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
     s.add_argument("--lease-max-run-ms", type=float, metavar="MS",
-                   help="a cooperative tenant whose steps or frames are long keeps its lease for 8 of them a turn, at most "
+                   help="a cooperative compute tenant whose steps are long keeps its lease for 8 of them a turn, at most "
                         "this long: fewer hand-overs, at which its queued work runs beside the next holder's (default "
                         "500; 0 = one slice a turn)")
     s.add_argument("--mix-period-ms", type=float, metavar="MS",

@@ -80,7 +80,7 @@ class DaemonConfig:
     lease_timeout_ms: float = 250.0
     """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
     lease_max_run_ms: float = 500.0
-    """A cooperative tenant with long units (steps, frames) keeps its lease for several of them a turn
+    """A cooperative compute tenant with long units (steps) keeps its lease for several of them a turn
     (engine.leases.RUN_UNITS), at most this long; 0 = one slice a turn whatever its units."""
     activity_threshold: float = 0.02
     saturated_util: float = 0.98

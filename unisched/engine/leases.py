@@ -30,11 +30,12 @@ MAX_REPORT_S = 60.0
 OVERRUN_WINDOW_SLICES = 4
 STRIKES_TO_ENFORCE = 3
 RUN_UNITS = 8
-"""A cooperative holder whose units (steps, frames) are long keeps the engine for at least this many of them
-(up to `max_run_s`). At a hand-over its queued units run beside the next holder's first, and two contexts that
-the driver time-slices lose throughput (two ResNet-50 b128 trainers: 8% on the H200); with 30 ms units and 50 ms
-slices every moment was such an overlap and the pair's sum fell to the no-scheduler 0.92. Eight units a turn
-leave about one hand-over per eight units of work."""
+"""A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
+(up to `max_run_s`). At a hand-over its queued units run beside the next holder's first, and two CUDA contexts
+that the driver time-slices lose throughput (two ResNet-50 b128 trainers: 8% on the H200); with 30 ms units and
+50 ms slices every moment was such an overlap and the pair's sum fell to the no-scheduler 0.92. Eight units a
+turn leave about one hand-over per eight units of work. Not for frames: two renders time-slice at no loss (sum
+0.99-1.00 on the H200), so longer turns would only stall each render's frames for longer."""
 UNIT_EWMA = 0.25
 """Weight of a new report's mean unit length in the running estimate."""
 
@@ -255,7 +256,7 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        if units and gpu_s > 0:
+        if units and gpu_s > 0 and engine is Engine.COMPUTE:
             self._note_units(s.tenant, gpu_s / units)
         if release:
             s.wants.pop(engine, None)
