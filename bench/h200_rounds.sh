@@ -9,7 +9,8 @@
 #   source .devcache/setup.sh && ENGINE=user PAIRS=cuda3:1,render3:1 BATCH=128 REPEAT=2 EXTRA=--overhead bash bench/h200_rounds.sh
 #       # issue 4: the b128 trainer pair (sum 0.89-0.94 in single runs, before the client kept one step in flight
 #       # while contended and the daemon gave long units turns of 8: bench/results/2026-12-01-cpu/handover-model/
-#       # models 0.96 -> 0.99), the render pair under the same long turns, and one tenant's overhead (1.8-3.0%).
+#       # models 0.96 -> 0.99), the render pair (no long turns for frames; one frame in flight while contended),
+#       # and one tenant's overhead (1.8-3.0%).
 #       # The daemon logs "lease turns" (unit_ms, min_run_ms) per tenant: the gates below keep those lines.
 # Then, if time is left: the contended matmul + render pair (issue 2), mixed in runs of 1 s by partial-overlap (the
 # model keeps the matmul tenant 1.5 points from plan: bench/results/2026-12-01-cpu/mix-model/contended-matmul-pair/)
