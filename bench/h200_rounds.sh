@@ -6,11 +6,13 @@
 # are the default for a calibrated partial overlap). Three calls of ~6-7 min each:
 #   source .devcache/setup.sh && ENGINE=kernel bash bench/h200_rounds.sh     # mixed b32 + render, 1:1 and 3:1
 #   source .devcache/setup.sh && ENGINE=user bash bench/h200_rounds.sh       # the same as cooperative clients
-#   source .devcache/setup.sh && ENGINE=user PAIRS=cuda3:1,render3:1 BATCH=128 REPEAT=2 EXTRA=--overhead bash bench/h200_rounds.sh
+#   source .devcache/setup.sh && ENGINE=user PAIRS=cuda3:1,render3:1 BATCH=128 REPEAT=2 bash bench/h200_rounds.sh
+#       # (estimated 508 s; --overhead would add ~140 s past the 540 s cap: measure it in a call of its own,
+#       # PAIRS=cuda3:1 BATCH=128 REPEAT=1 EXTRA=--overhead)
 #       # issue 4: the b128 trainer pair (sum 0.89-0.94 in single runs, before the client kept one step in flight
 #       # while contended and the daemon gave long units turns of 8: bench/results/2026-12-01-cpu/handover-model/
 #       # models 0.96 -> 0.99), the render pair (no long turns for frames; one frame in flight while contended),
-#       # and one tenant's overhead (1.8-3.0%).
+#       # (one tenant's overhead, 1.8-3.0% so far, in the call noted above).
 #       # The daemon logs "lease turns" (unit_ms, min_run_ms) per tenant: the gates below keep those lines.
 # Then, if time is left: the contended matmul + render pair (issue 2), mixed in runs of 1 s by partial-overlap (the
 # model keeps the matmul tenant 1.5 points from plan: bench/results/2026-12-01-cpu/mix-model/contended-matmul-pair/)
