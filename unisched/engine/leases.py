@@ -31,10 +31,11 @@ OVERRUN_WINDOW_SLICES = 4
 STRIKES_TO_ENFORCE = 3
 RUN_UNITS = 8
 """A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
-(up to `max_run_s`). At a hand-over its queued units run beside the next holder's first, and two CUDA contexts
-that the driver time-slices lose throughput (two ResNet-50 b128 trainers: 8% on the H200); with 30 ms units and
-50 ms slices every moment was such an overlap and the pair's sum fell to the no-scheduler 0.92. Eight units a
-turn leave about one hand-over per eight units of work. Not for frames: two renders time-slice at no loss (sum
+(up to `max_run_s`). Every hand-over costs a pair of CUDA tenants: an app that pipelines its steps leaves them
+queued to run beside the next holder's first, which two time-sliced contexts pay for (two ResNet-50 b128 trainers:
+8% on the H200), and one that waits for each step leaves the GPU idle until the next holder's first launch. With
+30 ms steps and 50 ms slices the b128 pair at 3:1 changed hands ~10 times a second and kept 0.89-0.94. Eight units
+a turn leave about one hand-over per eight units of work. Not for frames: two renders time-slice at no loss (sum
 0.99-1.00 on the H200), so longer turns would only stall each render's frames for longer."""
 UNIT_EWMA = 0.25
 """Weight of a new report's mean unit length in the running estimate."""
