@@ -3,11 +3,12 @@
 
 Why: on the H200 two cooperative ResNet-50 b128 trainers at 3:1 (steps of ~30 ms of GPU time) kept a sum of
 0.89-0.94 under the user engine (the guarantee missed: 0.66-0.71 for the 0.75 tenant), while the driver's own
-time-slicing of the pair keeps 0.92 (0.46 / 0.46). The client yields at once at a revocation and its queued steps
-run beside the next holder's first; the driver time-slices the two contexts there, at the pair's 0.92. With 50 ms
-slices and two 30 ms steps in flight, nearly every moment was such an overlap. Since then the client keeps one step
-in flight while contended, and the daemon gives a tenant with long units turns of RUN_UNITS of them (at most
---max-run-ms; unisched.engine.leases).
+time-slicing of the pair keeps 0.92 (0.46 / 0.46); they changed hands ~10 times a second. Every hand-over costs
+such a pair: an app that pipelines its steps leaves them queued to run beside the next holder's first, where the
+driver time-slices the two contexts at the pair's 0.92 (this model), and one that waits for each step, as
+examples/02_pytorch_training.py does, leaves the GPU idle until the next holder's first launch (not in this
+model). Since then the client keeps one step in flight while contended, and the daemon gives a tenant with long
+units turns of RUN_UNITS of them (at most --max-run-ms; unisched.engine.leases): fewer hand-overs for either cost.
 
 This model runs the daemon's policy (unisched.policy.WeightedFairShare, with its minimum runs) in the simulator
 (unisched.sim): each tenant keeps --depth steps of --unit-ms queued while it holds the engine and its queued steps

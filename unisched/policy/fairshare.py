@@ -327,9 +327,9 @@ class WeightedFairShare:
     def set_min_run(self, name: str, seconds: float) -> None:
         """A holder keeps its resource at least this long against tenants of its own class that were already
         waiting when its turn began (a higher class still preempts it, a tenant that wakes during the turn takes
-        its share back at the next decision, and it hands over at once when its demand ends). For work whose hand-over costs time
-        in proportion to the work in flight (a cooperative tenant's queued units run beside the next
-        holder's): fewer, longer turns. Charges are unchanged, so shares converge to the weights as before,
+        its share back at the next decision, and it hands over at once when its demand ends). For work whose
+        hand-overs cost (queued units time-sliced beside the next holder's, the GPU idle until its first launch):
+        fewer, longer turns. Charges are unchanged, so shares converge to the weights as before,
         over longer turns. 0 turns it off; timeshare mode and multi-resource tenants ignore it."""
         if not (0.0 <= seconds <= 10.0):
             raise PolicyError(f"minimum run must be within 0 .. 10 s, got {seconds!r}")
