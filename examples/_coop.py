@@ -56,7 +56,8 @@ def share_report(client: Client | None, engine: str) -> dict[str, Any]:
         out["share_error"] = str(e)
         return out
     if me is not None:
-        out.update(weight=me.weight, target_share=round(me.target_share, 4), measured_share=round(me.measured_share, 4))
+        out.update(weight=me.weight, target_share=round(me.target_share, 4), measured_share=round(me.measured_share, 4),
+                   unit_ms=round(me.unit_ms, 2), turn_ms=round(me.turn_ms, 1))  # the turns its steps earned
     return out
 
 
