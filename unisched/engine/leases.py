@@ -110,6 +110,9 @@ class LeaseBook:
         """Each cooperative tenant's mean unit length (GPU seconds per step or frame it reported)."""
         self._min_run: dict[str, float] = {}
         """The minimum run last given to the policy per tenant."""
+        self._logged_run: dict[str, float] = {}
+        """The minimum run last logged per tenant: the mean drifts in small steps (from a first step's autotuning
+        down to its steady unit), and each must not hide behind the one before."""
         self._sessions: dict[int, _Session] = {}
         self._coop: dict[str, _Coop] = {}
         self._ids = count(1)
@@ -202,6 +205,7 @@ class LeaseBook:
         self._drop_credit(tenant)
         self._unit_s.pop(tenant, None)
         self._min_run.pop(tenant, None)
+        self._logged_run.pop(tenant, None)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
@@ -279,13 +283,16 @@ class LeaseBook:
             return
         self._min_run[tenant] = run
         self.policy.set_min_run(tenant, run)
-        if (run == 0.0) != (last == 0.0) or abs(run - last) > 0.25 * max(run, last):
+        logged = self._logged_run.get(tenant, 0.0)
+        if (run == 0.0) != (logged == 0.0) or abs(run - logged) > 0.25 * max(run, logged):
+            self._logged_run[tenant] = run
             log.info("lease turns", tenant=tenant, unit_ms=round(unit * 1000, 2), min_run_ms=round(run * 1000, 1),
                      reason="units long against the slice" if run else "units short against the slice")
 
     def _drop_units(self, tenant: str) -> None:
         """No lease session left: a kernel tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
+        self._logged_run.pop(tenant, None)
         if self._min_run.pop(tenant, 0.0):
             self.policy.set_min_run(tenant, 0.0)
 
