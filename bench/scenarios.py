@@ -12,7 +12,8 @@ Scenarios (--scenarios, comma separated; default all):
             also each alone under unisched (scenario 5, overhead).
   online    ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online) next to ResNet-50
             training (offline): alone, no scheduler, MPS (trainer at 30% active threads), unisched kernel
-            and user engine in preemptive mode; batch 1, and batch 8 where contention bites harder.
+            and user engine in preemptive mode (and, by name, MPS with the trainer's client priority below
+            normal); batch 1, and batch 8 where contention bites harder.
   ad_sim    render -> encode -> decode (NVDEC) -> perception (examples/ad_sim.py): the two stages one
             after another, co-located with no scheduler, and co-located under unisched at 1:1.
   cloud     N render + encode instances, each its own tenant with a memory cap (examples/cloud_gaming.py):
@@ -65,12 +66,20 @@ MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
 TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50 --batch 32"
 RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
 RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
-ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "kernel": "unisched kernel", "user": "unisched user"}
+ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
+                 "kernel": "unisched kernel", "user": "unisched user"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
+DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
+"""mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
+(CUDA_MPS_CLIENT_PRIORITY=1) with no thread cap. Why: a request that meets a trainer step shares the GPU with it
+under time slicing or leases alike (a b32 step is ~25 ms of queued work; a request ~6 ms); only the SM dispatcher
+can put a request first. Drivers without client priorities ignore the variable, which the run then shows as MPS
+uncapped; the MPS server's log is kept with the run."""
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
 MPS_TRAINER_PERCENT = 30
+MPS_BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +97,7 @@ class Options:
     dry_run: bool
     repeat: int = 1
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
-    online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS.values())
+    online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS[n] for n in DEFAULT_ONLINE_SETUPS)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -142,6 +151,12 @@ def mps_daemon(work: Path) -> Iterator[dict[str, str]]:
     finally:
         subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ, **env}, capture_output=True,
                        timeout=30)
+
+
+def mps_log_tail(work: Path, limit: int = 4000) -> dict[str, str]:
+    """The MPS control and server logs' ends: whether the server took the clients and their priorities."""
+    logs = work / "mps-log"
+    return {f.name: f.read_text(errors="replace")[-limit:] for f in sorted(logs.glob("*.log"))} if logs.is_dir() else {}
 
 
 class Harness:
@@ -254,19 +269,21 @@ class Harness:
         weight = 100.0 if under else None
         online = gp.TenantSpec("online", "online", weight, "online" if under else None)
         offline = gp.TenantSpec("offline", "offline", weight, "offline" if under else None)
-        label = f"b{batch}-{setup.replace(' ', '-')}"
+        label = f"b{batch}-{re.sub(r'[^A-Za-z0-9]+', '-', setup)}"
         if setup == "alone-online":
             group = gp.run_group(cfg, label, "alone", [online])
         elif setup == "alone-offline":
             group = gp.run_group(cfg, label, "alone", [offline])
         elif setup == "no scheduler":
             group = gp.run_group(cfg, label, "no scheduler", [online, offline])
-        elif setup == "MPS":
+        elif setup.startswith("MPS"):
             with mps_daemon(cfg.work_dir / label) as env:
                 pairs = tuple(env.items())
-                trainer_env = (*pairs, ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(MPS_TRAINER_PERCENT)))
-                group = gp.run_group(cfg, label, "MPS", [dataclasses.replace(online, env=pairs),
+                trainer_env = (*pairs, ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(MPS_TRAINER_PERCENT))
+                               if setup == "MPS" else ("CUDA_MPS_CLIENT_PRIORITY", MPS_BELOW_NORMAL))
+                group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=pairs),
                                                          dataclasses.replace(offline, env=trainer_env)])
+            group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         else:
             daemon = gp.Daemon(cfg, label, serve_args=("--mode", "preemptive"))
             try:
@@ -403,7 +420,8 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
                                 "p99_x_bounds": p99_ratio_bounds(lat, base_lat),
                                 "p50_x_alone": ratio(lat.get("p50"), base_p50), "offline_kept": kept,
                                 "dropped": on.get("dropped"), "target_met": online_target_met(p99x, kept),
-                                "error": run.get("error"), "common_window": window}
+                                "lease_wait_ms": on.get("lease_wait_ms"), "error": run.get("error"),
+                                "common_window": window}
     return out
 
 
@@ -505,7 +523,9 @@ def online_line(run: dict[str, Any]) -> str:
     for t in run.get("tenants", []):
         r = t.get("report") or {}
         if "latency_ms" in r:
-            parts.append(f"online p50 {gp.fmt(r['latency_ms'].get('p50'))} ms p99 {gp.fmt(r['latency_ms'].get('p99'))} ms")
+            wait = r.get("lease_wait_ms") or {}
+            parts.append(f"online p50 {gp.fmt(r['latency_ms'].get('p50'))} ms p99 {gp.fmt(r['latency_ms'].get('p99'))} ms"
+                         + (f" (lease wait p50 {gp.fmt(wait.get('p50'))} p99 {gp.fmt(wait.get('p99'))} ms)" if wait else ""))
         elif r:
             parts.append(f"offline {gp.fmt(r.get('throughput'), 1)} {r.get('unit', '')}")
         else:
@@ -856,9 +876,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1,
                     help="online scenario: run all its setups (solo runs included) this many rounds and report "
                          "medians with ranges (default 1)")
-    ap.add_argument("--online-setups", default=",".join(ONLINE_SETUPS),
+    ap.add_argument("--online-setups", default=",".join(DEFAULT_ONLINE_SETUPS),
                     help=f"online scenario: which of {', '.join(ONLINE_SETUPS)} run beside the two solo runs (default "
-                         "all); fewer setups leave time for longer windows, which a p99 needs")
+                         f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
+                         "normal, no thread cap); fewer setups leave time for longer windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "

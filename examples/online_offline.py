@@ -98,10 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, TypeError) as e:
         return fail(f"--model {args.model}: not a torchvision classification model ({e})")
     step_gate = client.step() if client is not None else None
+    waits: list[float] = []
+    """Per answer, the seconds from asking for the lease to holding it: the part of a latency spent on unisched's
+    round trip (and, in preemptive mode, nothing more: an online request is granted beside the holder)."""
 
     def answer() -> None:
         if step_gate is not None:
+            asked = time.perf_counter()
             with step_gate:
+                waits.append(time.perf_counter() - asked)
                 infer()
             step_gate.drain()
         else:
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     late_s = max(0.0, time.time() - start_at)
     times = arrivals(args.rate, start_at + late_s, end_at, args.seed)
     gate = client.gate("compute") if client is not None else None
+    waits.clear()  # the warm-up's answers are not the window's
     latencies: list[float] = []
     timeline: list[tuple[float, int]] = []
     for i, arrival in enumerate(times):
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                           {"requests": len(times), "dropped": dropped, "rate": args.rate, "batch": args.batch,
                            "model": args.model, "latency_ms": lat, "share": share,
                            "latencies_ms": [round(1000.0 * v, 3) for v in latencies],
+                           "lease_wait_ms": latency_summary([1000.0 * v for v in waits]) if waits else None,
                            "arrivals_s": [round(a - start_at, 3) for a in times[:len(latencies)]]})
     print(f"online_offline pid={report['pid']}: {args.model} fp16 batch {args.batch} at {args.rate:g} req/s: "
           f"p50 {lat.get('p50', float('nan')):.2f} ms, p99 {lat.get('p99', float('nan')):.2f} ms, "

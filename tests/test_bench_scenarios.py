@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +112,10 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     assert plan.returncode == 0 and "[4/4] online: batch 1, unisched user" in plan.stderr
     assert "MPS" not in plan.stderr and "no scheduler" not in plan.stderr
     bad = subprocess.run([*cmd, "--online-setups", "user,slurm"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--online-setups: choose from no-scheduler, mps, kernel, user" in bad.stderr
+    assert bad.returncode == 2 and "--online-setups: choose from no-scheduler, mps, mps-priority, kernel, user" in bad.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "mps-priority",
+                           "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[3/3] online: batch 1, MPS, trainer below normal" in plan.stderr
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
@@ -212,3 +218,42 @@ def test_reports_without_intervals_have_no_bounds() -> None:
         for t in run["tenants"]:
             (t["report"].get("latency_ms") or {}).pop("p99_lo", None)
     assert scenarios.derive_online(runs)["setups"]["unisched user"]["p99_x_bounds"] is None
+
+
+@pytest.mark.parametrize(("setup", "trainer_var", "value"), [("MPS", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "30"),
+                                                             ("MPS, trainer below normal", "CUDA_MPS_CLIENT_PRIORITY", "1")])
+def test_mps_setups_give_the_trainer_its_cap_or_its_low_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 setup: str, trainer_var: str, value: str) -> None:
+    """The online tenant is an MPS client as it is; only the trainer carries the setup's variable."""
+    seen: list[Any] = []
+
+    @contextlib.contextmanager
+    def fake_mps(work: Path) -> Iterator[dict[str, str]]:
+        (work / "mps-log").mkdir(parents=True)
+        (work / "mps-log" / "server.log").write_text("[server] client connected\n")
+        yield {"CUDA_MPS_PIPE_DIRECTORY": str(work / "pipe")}
+
+    def fake_run_group(cfg: Any, label: str, setup_name: str, tenants: list[Any], *a: Any, **k: Any) -> Any:
+        seen.extend(tenants)
+        assert re.fullmatch(r"b1-[A-Za-z0-9-]+", label), label  # a folder name: no spaces or commas
+        return scenarios.gp.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
+
+    monkeypatch.setattr(scenarios, "mps_daemon", fake_mps)
+    monkeypatch.setattr(scenarios.gp, "run_group", fake_run_group)
+    opts = scenarios.Options(out=tmp_path, seconds=10, warmup=8, unisched_warmup=12, slice_ms=50, rate=20,
+                             online_batches=(1,), memory_cap="4GiB", work_dir=tmp_path, max_total=60, dry_run=False)
+    run = scenarios.Harness(opts, ["online"]).online_run(1, setup)
+    env = {t.name: dict(t.env) for t in seen}
+    assert env["offline"][trainer_var] == value and trainer_var not in env["online"]
+    assert env["online"]["CUDA_MPS_PIPE_DIRECTORY"] == env["offline"]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert "client connected" in run["mps_log"]["server.log"]
+
+
+def test_the_online_clients_lease_wait_is_shown_and_kept() -> None:
+    """Where a user-engine request's time goes: the lease round trip, apart from the GPU work."""
+    runs = online_runs(9.4, 1250.0)
+    online = next(t for t in runs["unisched user"]["tenants"] if t["name"] == "online")
+    online["report"]["lease_wait_ms"] = {"p50": 0.41, "p99": 1.2}
+    assert "(lease wait p50 0.41 p99 1.20 ms)" in scenarios.online_line(runs["unisched user"])
+    assert scenarios.derive_online(runs)["setups"]["unisched user"]["lease_wait_ms"]["p99"] == 1.2
+    assert "lease wait" not in scenarios.online_line(runs["alone-online"])

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 5's online target: where a request's extra time goes, and whether anything on this GPU can put a request
+# first (written 2026-12-01, fifth session, not yet run). Why: over 40 s windows (h200_online_long.sh,
+# bench/results/2026-12-01-h200-f/call-d) both unisched engines miss p99 <= 1.05x alone (kernel 1.17x, user 1.24x).
+# A b32 trainer step is ~25 ms of queued GPU work and a request ~6 ms: whoever gates whom at step boundaries, a
+# request that meets a step shares the GPU with the rest of it under the driver's time slicing. This call measures
+# (1) the user engine's own part, now in each report (`lease_wait_ms`: asking for the lease until holding it), and
+# (2) MPS with the trainer's client priority below normal and no thread cap (`mps-priority`), against MPS with the
+# trainer capped at 30% and no scheduler, all in one round of 40 s windows (~6 runs of ~55 s):
+#   source .devcache/setup.sh && bash bench/h200_online_probe.sh          (carry: [".devcache"])
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
+python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
+  --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user}" \
+  --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 2>&1 \
+  | tee "$OUT/online-probe.log" | tail -20
+find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do
+  tail -c 20000 "$f" > "$OUT/online-probe/$(echo "${f#/tmp/online-work/}" | tr / _)"; done
+cd "$OUT" && tar czf results-online-probe.tgz online-probe online-probe.log machine.txt && ls
