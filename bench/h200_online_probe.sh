@@ -6,7 +6,9 @@
 # request that meets a step shares the GPU with the rest of it under the driver's time slicing. This call measures
 # (1) the user engine's own part, now in each report (`lease_wait_ms`: asking for the lease until holding it), and
 # (2) MPS with the trainer's client priority below normal and no thread cap (`mps-priority`), against MPS with the
-# trainer capped at 30% and no scheduler, all in one round of 40 s windows (~6 runs of ~55 s):
+# trainer capped at 30% and no scheduler, and (3) the user engine with the trainer pausing inside its steps every 8
+# weight layers (`user-points`: a revoked step leaves ~2 ms, not ~12 ms on average, beside the request), against the
+# user engine as it was; all in one round of 40 s windows (7 runs of ~55 s):
 #   source .devcache/setup.sh && bash bench/h200_online_probe.sh          (carry: [".devcache"])
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -14,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
-  --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user}" \
+  --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
   --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 2>&1 \
   | tee "$OUT/online-probe.log" | tail -20
 find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do

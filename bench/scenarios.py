@@ -67,14 +67,18 @@ TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50 --batch 3
 RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
 RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
-                 "kernel": "unisched kernel", "user": "unisched user"}
+                 "kernel": "unisched kernel", "user": "unisched user",
+                 "user-points": "unisched user, trainer pausing"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
 """mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
 (CUDA_MPS_CLIENT_PRIORITY=1) with no thread cap. Why: a request that meets a trainer step shares the GPU with it
 under time slicing or leases alike (a b32 step is ~25 ms of queued work; a request ~6 ms); only the SM dispatcher
 can put a request first. Drivers without client priorities ignore the variable, which the run then shows as MPS
-uncapped; the MPS server's log is kept with the run."""
+uncapped; the MPS server's log is kept with the run. user-points, also by name: the user engine with the trainer
+pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked step leaves a part of it, not its
+rest, beside the request."""
+PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
@@ -259,11 +263,12 @@ class Harness:
         return data
 
     def online_run(self, batch: int, setup: str) -> dict[str, Any]:
-        engine = "user" if setup == "unisched user" else "kernel"
+        engine = "user" if setup.startswith("unisched user") else "kernel"
         cfg = self.config(engine)
+        pausing = ["--pause-every", str(PAUSE_EVERY)] if setup == ONLINE_SETUPS["user-points"] else []
         cfg = dataclasses.replace(cfg, workload_cmd={
             "online": [sys.executable, str(EX / "online_offline.py"), "--batch", str(batch), "--rate", f"{self.opts.rate:g}"],
-            "offline": shlex.split(TRAIN_CMD),
+            "offline": [*shlex.split(TRAIN_CMD), *pausing],
         })
         under = setup.startswith("unisched")
         weight = 100.0 if under else None

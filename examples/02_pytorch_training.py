@@ -49,9 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     add_window_args(ap)
     ap.add_argument("--model", choices=["resnet50", "mlp"], default="resnet50")
     ap.add_argument("--batch", type=int, default=None, help="batch size (default 32 for resnet50, 1024 for mlp)")
+    ap.add_argument("--pause-every", type=int, default=0, metavar="N",
+                    help="under unisched: let each step pause after every N-th weight layer, forward and backward, "
+                         "while others wait for the GPU (a revoked step then leaves a part, not its rest, beside "
+                         "the next holder's work; for trainers next to online tenants). 0 (default): off")
     add_unisched_args(ap)
     args = ap.parse_args(argv)
     batch = args.batch or (32 if args.model == "resnet50" else 1024)
+    if args.pause_every < 0:
+        ap.error("--pause-every must be 0 (off) or a positive number of layers")
     start_at, end_at = plan_window(args, start)
     try:
         import torch
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     loss_fn = nn.CrossEntropyLoss()
     step_gate = client.step() if client is not None else None
+    if step_gate is not None and args.pause_every:
+        step_gate.pause_points(net, every=args.pause_every)
 
     def train_step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     window = measure(step, start_at, end_at)
     share = share_report(client, "compute")
     report = write_report(args.report, "train", "img/s", window,
-                          {"share": share, "model": args.model, "batch": batch, "device_name": torch.cuda.get_device_name()})
+                          {"share": share, "model": args.model, "batch": batch, "device_name": torch.cuda.get_device_name(),
+                           "pause_splits": step_gate.flight.splits if step_gate is not None else 0})
     print(f"02_pytorch_training pid={report['pid']}: {window.throughput:.1f} img/s ({args.model}, batch {batch}); "
           f"{share_line(share)}", flush=True)
     if client is not None:

@@ -257,3 +257,33 @@ def test_the_online_clients_lease_wait_is_shown_and_kept() -> None:
     assert "(lease wait p50 0.41 p99 1.20 ms)" in scenarios.online_line(runs["unisched user"])
     assert scenarios.derive_online(runs)["setups"]["unisched user"]["lease_wait_ms"]["p99"] == 1.2
     assert "lease wait" not in scenarios.online_line(runs["alone-online"])
+
+
+def test_the_pausing_setup_runs_the_user_engine_with_a_pausing_trainer(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeDaemon:
+        def __init__(self, cfg: Any, label: str, serve_args: tuple[str, ...] = ()) -> None:
+            self.info: dict[str, Any] = {}
+            seen["serve_args"] = serve_args
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    def fake_run_group(cfg: Any, label: str, setup_name: str, tenants: list[Any], *a: Any, **k: Any) -> Any:
+        seen.update(engine=cfg.engine, cmd=cfg.workload_cmd, label=label)
+        return scenarios.gp.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
+
+    monkeypatch.setattr(scenarios.gp, "Daemon", FakeDaemon)
+    monkeypatch.setattr(scenarios.gp, "run_group", fake_run_group)
+    opts = scenarios.Options(out=tmp_path, seconds=10, warmup=8, unisched_warmup=12, slice_ms=50, rate=20,
+                             online_batches=(1,), memory_cap="4GiB", work_dir=tmp_path, max_total=60, dry_run=False)
+    h = scenarios.Harness(opts, ["online"])
+    h.online_run(1, "unisched user, trainer pausing")
+    assert seen["engine"] == "user" and seen["serve_args"] == ("--mode", "preemptive")
+    assert seen["cmd"]["offline"][-2:] == ["--pause-every", str(scenarios.PAUSE_EVERY)]
+    assert seen["label"] == "b1-unisched-user-trainer-pausing"
+    h.online_run(1, "unisched user")
+    assert "--pause-every" not in seen["cmd"]["offline"]

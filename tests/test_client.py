@@ -454,3 +454,63 @@ def test_no_daemon_at_all_still_fails_after_the_connect_timeout(tmp_path: Path) 
     with pytest.raises(UnischedUnavailable) as e:
         Client("nobody", socket=str(tmp_path / "none.sock"), connect_timeout=0.3, register_timeout=60)
     assert "Is `unisched serve` running?" in str(e.value) and "connected" not in str(e.value)
+
+
+def contended_grant(client: Client, lease: int, slice_left_s: float = 0.05) -> None:
+    client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=lease, engine="compute", valid_s=0.25,
+                                                       slice_left_s=slice_left_s, contended=True)))
+
+
+def test_pause_points_split_a_step_only_while_others_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone (uncontended) a point costs nothing; contended, each part is timed and charged, and the step is still
+    counted once in the reports (the daemon learns the step's length from them)."""
+    from unisched_client._inflight import InFlight
+
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    grant(client, 1)
+    flight: InFlight[str] = InFlight(gate, done=lambda u: True, wait=lambda u: None, elapsed_s=lambda u: 0.01)
+    assert gate.acquire(timeout=0) and not flight.split_wanted()
+    contended_grant(client, 2)
+    assert flight.split_wanted()
+    flight.split("part 1")
+    flight.split("part 2")
+    flight.add("end")
+    gate.release()
+    reports: list[pb.LeaseReport] = []
+    while not out.empty():
+        r = out.get_nowait()
+        if r is not None and r.WhichOneof("kind") == "report":
+            reports.append(r.report)
+    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports] == [(1, 0.03)]
+    assert flight.splits == 2 and gate.open_units == 0
+
+
+def test_a_revoked_step_stops_at_its_next_point_and_goes_on_when_granted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point drains what the step queued so far, yields, and starts nothing more until the next grant."""
+    from unisched_client._inflight import InFlight
+
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    contended_grant(client, 1)
+    waited: list[str] = []
+    flight: InFlight[str] = InFlight(gate, done=lambda u: u in waited, wait=waited.append, elapsed_s=lambda u: 0.01)
+    assert gate.acquire(timeout=0)
+    sent(out)
+    revoke(client, 1, "online tenant wants the GPU")
+    assert flight.split_wanted()
+    resumed = threading.Event()
+
+    def step_goes_on() -> None:
+        flight.split("part before the revoke")
+        resumed.set()
+
+    t = threading.Thread(target=step_goes_on, daemon=True)
+    t.start()
+    yielded = wait_until(lambda: "report yielded" in sent(out) or None, 5, "the paused step to yield")
+    assert yielded and waited == ["part before the revoke"] and not resumed.is_set()
+    contended_grant(client, 2)
+    t.join(timeout=5)
+    assert resumed.is_set() and gate.open_units == 1  # the rest of the step runs under the new lease

@@ -57,3 +57,20 @@ def test_05_two_examples_side_by_side_share_by_weight(daemon_factory, tmp_path: 
     assert a["window"]["late_s"] < 1 and b["window"]["late_s"] < 1, "the warm-up did not cover start-up"
     ratio = a["throughput"] / b["throughput"]
     assert 2.4 < ratio < 3.6, ratio
+
+
+def test_pause_points_split_contended_steps_and_keep_the_shares(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two trainers at 1:1, each pausing after every 2nd weight layer: contended, their steps are split (and the
+    parts charged), and the shares still follow the weights."""
+    pytest.importorskip("torch")
+    d: Daemon = daemon_factory("--slice-ms", "50", nvml=True)
+    p = subprocess.run([sys.executable, str(ROOT / "examples/05_side_by_side.py"), "--a", "02", "--b", "02",
+                        "--a-weight", "100", "--b-weight", "100", "--seconds", "8", "--warmup", "20",
+                        "--socket", d.socket, "--out", str(tmp_path), "--", "--model", "mlp", "--pause-every", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=child_env())
+    print(p.stdout[-1500:], p.stderr[-1500:])
+    assert p.returncode == 0, p.stderr[-2000:]
+    a = json.loads((tmp_path / "ex02-a.json").read_text())
+    b = json.loads((tmp_path / "ex02-b.json").read_text())
+    assert a["pause_splits"] > 0 and b["pause_splits"] > 0, (a["pause_splits"], b["pause_splits"])
+    assert 0.7 < a["throughput"] / b["throughput"] < 1.4

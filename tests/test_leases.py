@@ -168,6 +168,19 @@ def test_the_turns_log_follows_the_unit_down_from_a_slow_first_step(tmp_path: Pa
     assert abs(runs[-1] - given) <= 0.25 * max(runs[-1], given), (runs, given)  # the log is never more than 25% off
 
 
+def test_parts_of_a_step_reported_apart_count_as_one_step(tmp_path: Path) -> None:
+    """A client with pause points reports a 30 ms step as parts (0 units) and its end (1 unit), often in different
+    reports: the daemon learns 30 ms steps, not the last part's length."""
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    a.want()
+    for _ in range(40):
+        a.report(0.01, units=0)
+        a.report(0.01, units=0)
+        a.report(0.01, units=1)
+    assert rig.engine.leases.unit_s("a") == pytest.approx(0.03)
+
+
 def test_long_frames_earn_no_long_turns(tmp_path: Path) -> None:
     """Two renders time-slice at no loss: longer turns would only stall each one's frames for longer."""
     rig = LeaseRig(tmp_path)

@@ -20,11 +20,15 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
+
+if TYPE_CHECKING:
+    from unisched_client.torch import TorchStep
 
 __all__ = ["DEFAULT_SOCKET", "Client", "CodecRefused", "Gate", "UnischedError", "UnischedUnavailable"]
 
@@ -153,13 +157,15 @@ class Gate:
                 self.blocked = False
                 self.last_use = time.monotonic()
 
-    def done(self, gpu_seconds: float) -> None:
-        """Report the measured GPU time of the unit just finished (sent with the next renewal)."""
+    def done(self, gpu_seconds: float, units: int = 1) -> None:
+        """Report the measured GPU time of the unit just finished (sent with the next renewal). `units=0` for a
+        part of a unit that a pause point ended (see `InFlight.split`): timed and charged, not counted as a unit,
+        so the daemon still learns the whole step's length."""
         with self.client._cond:
             g = max(0.0, gpu_seconds)
             self.open_units = max(0, self.open_units - 1)
             self.pending_s += g
-            self.pending_units += 1
+            self.pending_units += units
             self.used_s += g
             self.last_use = time.monotonic()
             if self.owes_yield and not self.open_units:
@@ -281,7 +287,7 @@ class Client:
                 g = self._gates[engine] = Gate(self, engine)
             return g
 
-    def step(self, engine: str = "compute", stream: object = None) -> object:
+    def step(self, engine: str = "compute", stream: object = None) -> TorchStep:
         """PyTorch: `with client.step(): ...` gates one training or inference step (see unisched_client.torch)."""
         from unisched_client.torch import TorchStep
 

@@ -3,11 +3,17 @@
 The step waits for the compute lease, is timed with CUDA events on the current stream, and is reported to
 the daemon as measured GPU time. Steps are not synchronized one by one (two may be in flight, one while
 others wait for the engine); all are drained when the lease ends.
+
+`step.pause_points(model)` lets a step stop inside itself while others wait for the engine: every few weight
+layers, forward and backward, the step ends a timed part and goes on only while the lease is held (see
+`InFlight.split`). For tenants next to latency-sensitive ones: a revoked step then leaves a part or two, not the
+rest of the step, to run beside the next holder's work.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -52,6 +58,42 @@ class TorchStep:
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
         self.flight.add((self._start, end))
+        self._start = None
+
+    def point(self) -> None:
+        """A place inside the step where it may pause (a no-op outside a step and while nobody else waits)."""
+        if self._start is None or not self.flight.split_wanted():
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        self.flight.split((self._start, end))
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record(self.stream)
+
+    def pause_points(self, model: torch.nn.Module, every: int = 8) -> Callable[[], None]:
+        """Pause points after every `every`-th weight layer (a parameter of 2+ dimensions: convolutions, linear
+        layers) in the forward pass and, through a hook on its output, in the backward pass. Returns a function
+        that removes them. Normalization layers are skipped: their outputs are often changed in place."""
+        if every < 1:
+            raise ValueError(f"every must be at least 1; got {every}")
+        layers = [m for m in model.modules() if not any(True for _ in m.children())
+                  and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+
+        def backward_point(grad: Any) -> None:
+            self.point()
+
+        def forward_point(module: Any, inputs: Any, output: Any) -> None:
+            self.point()
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(backward_point)
+
+        handles = [m.register_forward_hook(forward_point) for m in layers[every - 1::every]]
+
+        def remove() -> None:
+            for h in handles:
+                h.remove()
+
+        return remove
 
     def drain(self) -> None:
         self.flight.drain()

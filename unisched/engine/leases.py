@@ -110,6 +110,8 @@ class LeaseBook:
         """Each cooperative tenant's mean unit length (GPU seconds per step or frame it reported)."""
         self._min_run: dict[str, float] = {}
         """The minimum run last given to the policy per tenant."""
+        self._unit_acc_s: dict[str, float] = {}
+        """GPU seconds reported since the tenant's last whole unit (parts of one, see clients' pause points)."""
         self._logged_run: dict[str, float] = {}
         """The minimum run last logged per tenant: the mean drifts in small steps (from a first step's autotuning
         down to its steady unit), and each must not hide behind the one before."""
@@ -206,6 +208,7 @@ class LeaseBook:
         self._unit_s.pop(tenant, None)
         self._min_run.pop(tenant, None)
         self._logged_run.pop(tenant, None)
+        self._unit_acc_s.pop(tenant, None)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
@@ -261,8 +264,13 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        if units and gpu_s > 0 and engine is Engine.COMPUTE:
-            self._note_units(s.tenant, gpu_s / units)
+        if gpu_s > 0 and engine is Engine.COMPUTE:
+            # parts of a unit that pause points ended come in reports of 0 units: their time counts toward the unit
+            # that a later report completes, so a step split across reports is still one step long
+            acc = self._unit_acc_s.get(s.tenant, 0.0) + gpu_s
+            self._unit_acc_s[s.tenant] = 0.0 if units else acc
+            if units:
+                self._note_units(s.tenant, acc / units)
         if release:
             s.wants.pop(engine, None)
             s.released.add(engine)
@@ -293,6 +301,7 @@ class LeaseBook:
         """No lease session left: a kernel tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
         self._logged_run.pop(tenant, None)
+        self._unit_acc_s.pop(tenant, None)
         if self._min_run.pop(tenant, 0.0):
             self.policy.set_min_run(tenant, 0.0)
 
