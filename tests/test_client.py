@@ -217,6 +217,16 @@ def sent(out: queue.SimpleQueue[pb.LeaseRequest | None]) -> list[str]:
     return msgs
 
 
+def reports(out: queue.SimpleQueue[pb.LeaseRequest | None]) -> list[pb.LeaseReport]:
+    """The usage reports sent so far (taken off the queue)."""
+    found: list[pb.LeaseReport] = []
+    while not out.empty():
+        r = out.get_nowait()
+        if r is not None and r.WhichOneof("kind") == "report":
+            found.append(r.report)
+    return found
+
+
 def grant(client: Client, lease: int) -> None:
     client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=lease, engine="compute", valid_s=0.25, slice_left_s=0.05)))
 
@@ -288,12 +298,7 @@ def test_reports_count_the_units_they_cover(monkeypatch: pytest.MonkeyPatch) -> 
     grant(client, 2)
     gate.done(0.02)
     gate.release()
-    reports: list[pb.LeaseReport] = []
-    while not out.empty():
-        r = out.get_nowait()
-        if r is not None and r.WhichOneof("kind") == "report":
-            reports.append(r.report)
-    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports] == [(3, 0.03), (1, 0.02)]
+    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports(out)] == [(3, 0.03), (1, 0.02)]
 
 
 @pytest.mark.parametrize(("contended", "waited_after"), [(False, [[], [], [0]]), (True, [[], [0], [0, 1]])])
@@ -478,12 +483,7 @@ def test_pause_points_split_a_step_only_while_others_wait(monkeypatch: pytest.Mo
     flight.split("part 2")
     flight.add("end")
     gate.release()
-    reports: list[pb.LeaseReport] = []
-    while not out.empty():
-        r = out.get_nowait()
-        if r is not None and r.WhichOneof("kind") == "report":
-            reports.append(r.report)
-    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports] == [(1, 0.03)]
+    assert [(r.units, round(r.gpu_seconds, 6)) for r in reports(out)] == [(1, 0.03)]
     assert flight.splits == 2 and gate.open_units == 0
 
 

@@ -9,9 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install torch==2.13.0: a CPU build)")
 
-from test_client import contended_grant, grant, offline_client  # noqa: E402
-
-from unisched.transport import unisched_pb2 as pb  # noqa: E402
+from test_client import contended_grant, grant, offline_client, reports  # noqa: E402
 
 
 class StandInEvent:
@@ -45,15 +43,6 @@ def train_step(net: Any) -> None:
     x = torch.randn(2, 3, 8, 8)
     loss = net(x).sum()
     loss.backward()
-
-
-def reports(out: Any) -> list[pb.LeaseReport]:
-    found = []
-    while not out.empty():
-        r = out.get_nowait()
-        if r is not None and r.WhichOneof("kind") == "report":
-            found.append(r.report)
-    return found
 
 
 @pytest.mark.parametrize(("contended", "splits"), [(False, 0), (True, 4)])
