@@ -26,6 +26,15 @@ __all__ = ["TorchStep"]
 _Pair = tuple[Any, Any]
 
 
+def _timing_event(stream: Any) -> Any:
+    """A CUDA event that can time, recorded on `stream` (None: the current one). Typed Any: torch's stubs leave
+    the event's constructor untyped, and mypy must pass with torch installed or not."""
+    make: Any = torch.cuda.Event
+    event = make(enable_timing=True)
+    event.record(stream)
+    return event
+
+
 class TorchStep:
     """Reusable: keep one per loop (`step = client.step()`), or call `client.step()` each time (cheap)."""
 
@@ -50,25 +59,19 @@ class TorchStep:
     def __enter__(self) -> TorchStep:
         self.flight.collect()
         self.gate.acquire()
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record(self.stream)
+        self._start = _timing_event(self.stream)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        self.flight.add((self._start, end))
+        self.flight.add((self._start, _timing_event(self.stream)))
         self._start = None
 
     def point(self) -> None:
         """A place inside the step where it may pause (a no-op outside a step and while nobody else waits)."""
         if self._start is None or not self.flight.split_wanted():
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        self.flight.split((self._start, end))
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record(self.stream)
+        self.flight.split((self._start, _timing_event(self.stream)))
+        self._start = _timing_event(self.stream)
 
     def pause_points(self, model: torch.nn.Module, every: int = 8) -> Callable[[], None]:
         """Pause points after every `every`-th weight layer (a parameter of 2+ dimensions: convolutions, linear
@@ -84,8 +87,9 @@ class TorchStep:
 
         def forward_point(module: Any, inputs: Any, output: Any) -> None:
             self.point()
+            tensor: Any = output  # (torch's stubs leave register_hook untyped)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(backward_point)
+                tensor.register_hook(backward_point)
 
         handles = [m.register_forward_hook(forward_point) for m in layers[every - 1::every]]
 
