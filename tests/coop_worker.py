@@ -1,7 +1,8 @@
 """A cooperative client doing CPU stand-in work (tests run it as a child: registering moves the process
 into the tenant's cgroup). Prints one JSON line of what it saw, at the end.
 
-Modes: normal (gate every unit), --ignore-revokes (reports work it did without holding a lease),
+Modes: normal (gate every unit; --parts N: each unit in N parts with a pause point between them, as
+TorchStep.pause_points makes them), --ignore-revokes (reports work it did without holding a lease),
 --bad-requests (sends malformed lease messages on a raw lease stream and prints the daemon's answers)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 
 from unisched_client import Client, UnischedError
+from unisched_client._inflight import InFlight
 
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
@@ -24,6 +26,7 @@ ap.add_argument("--tenant", required=True)
 ap.add_argument("--weight", type=int, default=100)
 ap.add_argument("--seconds", type=float, default=3.0)
 ap.add_argument("--unit-ms", type=float, default=2.0)
+ap.add_argument("--parts", type=int, default=1, help="pause points: each unit in this many parts")
 ap.add_argument("--fail-open", action="store_true")
 ap.add_argument("--ignore-revokes", action="store_true")
 ap.add_argument("--bad-requests", action="store_true")
@@ -84,7 +87,28 @@ gate = client.gate("compute")
 unit = args.unit_ms / 1000.0
 end = time.monotonic() + args.seconds
 units = 0
+# CPU work is done when it returns: a part is "finished" at once and its marker is the seconds it took
+flight: InFlight[float] = InFlight(gate, done=lambda s: True, wait=lambda s: None, elapsed_s=lambda s: s)
+
+
+def unit_in_parts() -> None:
+    gate.acquire()
+    spent = 0.0
+    for k in range(args.parts):
+        t0 = time.perf_counter()
+        burn(unit / args.parts)
+        spent += time.perf_counter() - t0
+        if k + 1 < args.parts and flight.split_wanted():
+            flight.split(spent)
+            spent = 0.0
+    flight.add(spent)
+
+
 while time.monotonic() < end and not (args.stop_file and os.path.exists(args.stop_file)):
+    if args.parts > 1:
+        unit_in_parts()
+        units += 1
+        continue
     if not args.ignore_revokes:
         gate.acquire()
     elif not gate.wanting:
@@ -96,5 +120,5 @@ while time.monotonic() < end and not (args.stop_file and os.path.exists(args.sto
 client.close()
 print(json.dumps({
     "units": units, "used_s": round(gate.used_s, 4), "waited_s": round(gate.waited_s, 4), "revokes": gate.revokes,
-    "connects": client.connects, "governed_at_end": client.governed,
+    "connects": client.connects, "governed_at_end": client.governed, "splits": flight.splits,
 }))

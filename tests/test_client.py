@@ -83,9 +83,27 @@ def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tena
         assert turns == {n: pytest.approx(240, rel=0.2) for n in names}, turns
         assert revokes < 40, results  # 4 s of 250 ms turns: ~16 hand-overs (measured 15)
     else:
-        assert turns == {} and revokes > 60, (turns, results)  # a slice or two a turn (measured 103)
+        # a slice or two a turn (measured 103); a first unit stretched by this 2-core machine's load can earn a
+        # turn for a moment, which the log then takes back: what counts is that none is left
+        assert all(v == 0 for v in turns.values()) and revokes > 60, (turns, results)
     assert 0.8 < results[0]["used_s"] / results[1]["used_s"] < 1.25, results
     assert not any(tenant(daemon, n)["enforced"] for n in names)  # a unit run past a revoke is no overrun
+
+
+def test_units_in_parts_keep_their_length_turns_and_shares(daemon: Daemon, tenant_prefix: str) -> None:
+    """Pause points on a real daemon: 30 ms units in 10 parts, two tenants at 1:1. Contended, each unit is split
+    (parts reported as 0 units), and the daemon still learns units of ~30 ms, not 3, and gives turns of 8 of them."""
+    names = [f"{tenant_prefix}{n}" for n in "ab"]
+    procs = [worker(daemon, n, "--unit-ms", "30", "--parts", "10", seconds=4) for n in names]
+    shown = wait_until(lambda: [t for t in daemon.tenants() if t["name"] in names and t["turn_ms"]] or None, 10,
+                       "the daemon to show the split units' turns")
+    # units of ~30 ms (more where this 2-core machine descheduled a busy loop), far from a part's 3 ms
+    assert all(t["unit_ms"] > 20 and t["turn_ms"] > 200 for t in shown), \
+        [(t["name"], t["unit_ms"], t["turn_ms"]) for t in shown]
+    results = [result(p) for p in procs]
+    assert all(r["splits"] > 0 for r in results), results
+    assert 0.8 < results[0]["used_s"] / results[1]["used_s"] < 1.25, results
+    assert not any(tenant(daemon, n)["enforced"] for n in names)
 
 
 def test_a_stopped_holder_is_revoked_and_the_other_gets_the_gpu(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]
