@@ -205,10 +205,7 @@ class LeaseBook:
         self._enforced.discard(tenant)
         self._overrun.pop(tenant, None)
         self._drop_credit(tenant)
-        self._unit_s.pop(tenant, None)
-        self._min_run.pop(tenant, None)
-        self._logged_run.pop(tenant, None)
-        self._unit_acc_s.pop(tenant, None)
+        self._drop_units(tenant)  # (the engine removes it from the policy right after)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
