@@ -8,6 +8,7 @@
 # LeaseBook._online_gpus), so a request waits on less of it. One call, ~8 min (8 runs of ~55 s):
 #   source .devcache/setup.sh && bash bench/h200_online_long.sh          (carry: [".devcache"])
 set -uo pipefail
+source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -11,6 +11,7 @@
 # user engine as it was; all in one round of 40 s windows (7 runs of ~55 s):
 #   source .devcache/setup.sh && bash bench/h200_online_probe.sh          (carry: [".devcache"])
 set -uo pipefail
+source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

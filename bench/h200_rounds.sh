@@ -23,6 +23,7 @@
 # Warm-ups of 16 s (were 10 / 12): on 12-01 the trainer's first step came 4-7 s into the window of every no-scheduler
 # run beside the render; such a pair is now scored over the seconds both ran, which a longer warm-up keeps near 12.
 set -uo pipefail
+source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
 ENGINE=${ENGINE:-kernel}
 TAG=${TAG:-$ENGINE}
