@@ -48,7 +48,7 @@ def share_report(client: Client | None, engine: str) -> dict[str, Any]:
     gate = client.gate(engine)
     out: dict[str, Any] = {"unisched": True, "tenant": client.tenant, "governed": client.governed,
                            "gpu_seconds_reported": round(gate.used_s, 3), "lease_wait_s": round(gate.waited_s, 3),
-                           "revokes": gate.revokes}
+                           "revokes": gate.revokes, "lease_jumps": gate.jumps}
     try:
         with DaemonClient(client.socket, timeout=5) as d:
             me = next((t for t in d.tenants() if t.name == client.tenant), None)

@@ -249,6 +249,52 @@ def grant(client: Client, lease: int) -> None:
     client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=lease, engine="compute", valid_s=0.25, slice_left_s=0.05)))
 
 
+def jump_grant(client: Client, lease: int, jump: bool) -> None:
+    client._on_reply(pb.LeaseReply(grant=pb.LeaseGrant(lease=lease, engine="compute", valid_s=0.25, slice_left_s=0.05,
+                                                       jump=jump)))
+
+
+def test_an_online_gate_told_it_jumps_starts_its_next_unit_with_the_want(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a release, a gate whose last grant said `jump` passes acquire() as it sends the want (no round trip);
+    once per release; the grant that follows makes it a holder; a grant without the flag, or a revoke, or a lost
+    daemon makes it ask and wait again."""
+    client, out = offline_client(monkeypatch)
+    gate = client.gate("compute")
+    assert not gate.acquire(timeout=0)  # never granted: it waits like any gate
+    jump_grant(client, 1, True)
+    assert gate.acquire(timeout=0)
+    gate.done(0.004)
+    gate.release()
+    sent(out)
+    assert gate.acquire(timeout=0) and not gate.held and sent(out) == ["want"] and gate.jumps == 1
+    assert not gate.acquire(timeout=0)  # the second unit before the grant waits for it
+    jump_grant(client, 2, True)
+    assert gate.held and gate.acquire(timeout=0)
+    gate.release()
+    assert gate.acquire(timeout=0) and gate.jumps == 2  # (the grant renewed the flag)
+    gate.done(0.002)
+    gate.release()  # a unit shorter than the want's round trip: its grant comes after the release
+    jump_grant(client, 3, True)
+    assert not gate.held and gate.acquire(timeout=0) and gate.jumps == 3  # and still renews the flag
+    jump_grant(client, 3, False)  # another online tenant came: wants wait for their grants again
+    gate.release()
+    assert not gate.acquire(timeout=0) and gate.jumps == 3
+    jump_grant(client, 4, True)
+    gate.release()
+    revoke(client, 4, "released")  # the answer to a release leaves the flag
+    assert gate.acquire(timeout=0) and gate.jumps == 4
+    jump_grant(client, 5, True)
+    revoke(client, 5, "slice over")  # revoked while wanted: outranked, no jump until a grant says so
+    gate.release()
+    assert not gate.acquire(timeout=0) and gate.jumps == 4
+    jump_grant(client, 6, True)
+    gate.release()
+    with client._cond:
+        client._disconnected_locked()  # a restarted daemon may see other online tenants
+    client.governed = True
+    assert not gate.acquire(timeout=0) and gate.jumps == 4
+
+
 def revoke(client: Client, lease: int, reason: str) -> None:
     client._on_reply(pb.LeaseReply(revoke=pb.LeaseRevoke(lease=lease, engine="compute", reason=reason)))
 
@@ -363,7 +409,8 @@ while next_at < end:  # a request every 50 ms: 2 ms of work, then the GPU is han
     next_at += 0.05
 client.close()
 lat.sort()
-print(json.dumps({"requests": len(lat), "p50_ms": 1000 * lat[len(lat) // 2], "p90_ms": 1000 * lat[len(lat) * 9 // 10]}))
+print(json.dumps({"requests": len(lat), "p50_ms": 1000 * lat[len(lat) // 2], "p90_ms": 1000 * lat[len(lat) * 9 // 10],
+                  "jumps": gate.jumps, "revokes": gate.revokes}))
 """
 
 
@@ -383,6 +430,8 @@ def test_preemptive_an_online_client_releasing_between_requests_leaves_the_gpu_t
     assert ron["requests"] >= 55
     assert ron["p50_ms"] < 15, ron  # no slice wait (a tick's re-grant waits 25 ms on average)
     assert roff["used_s"] > 0.6 * 4, roff  # the offline tenant keeps most of its solo time
+    # alone in its class, every request after the first starts with its want (LeaseGrant.jump), not after it
+    assert ron["jumps"] >= ron["requests"] - 2, ron
 
 
 # --- a daemon that accepts the connection but answers the registration late ---------------------------------

@@ -488,6 +488,34 @@ def test_preemptive_an_online_want_is_granted_at_once_beside_the_revoked_offline
     assert rig.engine.snapshot("infer").state == "running"
 
 
+@pytest.mark.parametrize(("mode", "priority", "second_online", "jump"), [
+    (Mode.PREEMPTIVE, ONLINE, False, True),  # its wants are granted at once: it may start as it asks
+    (Mode.PREEMPTIVE, ONLINE, True, False),  # another online tenant may hold: it must wait for its grant
+    (Mode.PREEMPTIVE, OFFLINE, False, False),
+    (Mode.SHARED, ONLINE, False, False),
+])
+def test_grants_tell_an_online_tenant_alone_in_its_class_in_preemptive_mode_it_may_jump(
+        tmp_path: Path, mode: Mode, priority: Priority, second_online: bool, jump: bool) -> None:
+    rig = LeaseRig(tmp_path, mode=mode)
+    a = rig.coop("a", 100, priority=priority)
+    if second_online:
+        rig.coop("b", 100, priority=ONLINE)  # registered, idle
+    a.want()
+    assert a.held and [g.jump for g in a.grants] == [jump]
+
+
+def test_a_jumping_tenant_hears_at_the_next_tick_that_another_online_tenant_arrived(tmp_path: Path) -> None:
+    """The flag follows the tenants: the holder's next grant (the next tick's) says it may no longer jump."""
+    rig = LeaseRig(tmp_path, mode=Mode.PREEMPTIVE)
+    a = rig.coop("a", 100, priority=ONLINE)
+    a.want()
+    assert a.grants[-1].jump
+    rig.coop("b", 100, priority=ONLINE)
+    rig.tick()
+    a.pump()
+    assert a.held and not a.grants[-1].jump
+
+
 def test_preemptive_online_release_regrants_the_offline_tenant_in_the_same_reschedule(tmp_path: Path) -> None:
     rig, train, infer = online_offline(tmp_path)
     infer.want()

@@ -119,13 +119,19 @@ class Gate:
         self.open_units = 0
         """Units acquired and not yet reported done (a first CUDA step can take seconds)."""
         self.owes_yield = False
+        self.jump = False
+        """The last grant said our wants are granted at once (preemptive mode, online, no other online tenant):
+        after a release the next unit starts as it asks, without the want's round trip."""
+        self.jumps = 0
 
     @property
     def held(self) -> bool:
         return self.lease != 0
 
     def acquire(self, timeout: float | None = None) -> bool:
-        """Block until this engine may be used; False on timeout. Passes at once when ungoverned."""
+        """Block until this engine may be used; False on timeout. Passes at once when ungoverned, and, after a
+        release, when the last grant said our wants are granted at once (`jump`: the daemon then revokes the
+        offline holder as the want arrives, and the grant follows)."""
         c = self.client
         deadline = None if timeout is None else time.monotonic() + timeout
         with c._cond:
@@ -137,6 +143,11 @@ class Gate:
                     if not self.wanting:
                         self.wanting = True
                         c._send_locked(pb.LeaseRequest(want=pb.LeaseWant(engine=self.engine)))
+                        if self.jump and c.governed and not self.lease:
+                            self.jump = False  # once per release: the grant (or its absence) says the rest
+                            self.jumps += 1
+                            self.open_units += 1
+                            return True
                     if not c.governed:
                         self.open_units += 1
                         return True
@@ -457,6 +468,7 @@ class Client:
         self.governed = False
         for g in self._gates.values():
             g.lease = 0
+            g.jump = False  # a restarted daemon may see other online tenants: ask, until a grant says otherwise
         for w in self._waiters.values():
             w.event.set()
         self._waiters.clear()
@@ -478,6 +490,8 @@ class Client:
                 self._welcomed.set()
             elif kind == "grant":
                 g = self._gates.get(reply.grant.engine)
+                if g is not None:  # (a grant that comes after a short unit's release still says if we may jump)
+                    g.jump = reply.grant.jump
                 if g is not None and g.wanting:
                     g.lease = reply.grant.lease
                     g.contended = reply.grant.contended
@@ -488,6 +502,7 @@ class Client:
                 # a released gate owes no yield: its release handed the engine on, and a yield would read
                 # as a renewal (a want) to the daemon, which would grant the engine again to nobody using it
                 if g is not None and g.wanting and g.lease in (reply.revoke.lease, 0):
+                    g.jump = False  # revoked while wanted: someone outranks us, wants wait for grants again
                     g.lease = 0
                     g.revokes += 1
                     g.owes_yield = True

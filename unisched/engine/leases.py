@@ -75,6 +75,7 @@ class _Lease:
     engine: Engine
     contended: bool
     slice_left_s: float = 0.0
+    jump: bool = False
 
 
 @dataclass
@@ -393,6 +394,7 @@ class LeaseBook:
         holders = decision.holders
         preemptive = self.policy.config.mode is Mode.PREEMPTIVE
         online_gpus: set[int] | None = None  # found once, when an offline holder needs it
+        online: set[str] | None = None  # found once, when an online holder needs it
         for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
             for r, held in list(c.leases.items()):
                 if holders.get(r) != tenant and r in c.demand:
@@ -407,6 +409,11 @@ class LeaseBook:
                     if online_gpus is None:
                         online_gpus = self._online_gpus()
                     contended = r.gpu in online_gpus
+                jump = False
+                if preemptive and self.policy.priority(tenant) is Priority.ONLINE:
+                    if online is None:
+                        online = {n for n in self.policy.names() if self.policy.priority(n) is Priority.ONLINE}
+                    jump = online == {tenant}
                 h = self._handover.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
@@ -423,9 +430,9 @@ class LeaseBook:
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))
                     self._meter(c, r).hold(now)
                     self._touch_resource(c, r, now)  # renewals are due from the grant on
-                elif not tick and contended == lease.contended:
+                elif not tick and contended == lease.contended and jump == lease.jump:
                     continue
-                lease.contended = contended
+                lease.contended, lease.jump = contended, jump
                 lease.slice_left_s = self._turn_left(tenant, now, slice_left_s)
                 self._send(c, r, lease)
 
@@ -453,7 +460,8 @@ class LeaseBook:
             engines = self._engines_on(s, r)
             if reason is None:
                 for e in engines:
-                    s.channel.send(LeaseGrant(lease.id, e, self.valid_s, lease.contended, lease.slice_left_s))
+                    s.channel.send(LeaseGrant(lease.id, e, self.valid_s, lease.contended, lease.slice_left_s,
+                                              lease.jump))
             else:
                 for e in engines or [lease.engine]:
                     s.channel.send(LeaseRevoke(lease.id, e, reason))

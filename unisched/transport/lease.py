@@ -126,7 +126,7 @@ class LeaseConnection(asyncio.Protocol):
         if isinstance(message, LeaseGrant):
             reply = pb.LeaseReply(grant=pb.LeaseGrant(
                 lease=message.lease, engine=message.engine.value, valid_s=message.valid_s,
-                contended=message.contended, slice_left_s=message.slice_left_s,
+                contended=message.contended, slice_left_s=message.slice_left_s, jump=message.jump,
             ))
         else:
             reply = pb.LeaseReply(revoke=pb.LeaseRevoke(lease=message.lease, engine=message.engine.value,

@@ -325,18 +325,20 @@ class LeaseWelcome(_message.Message):
     def __init__(self, tenant: _Optional[_Union[Tenant, _Mapping]] = ..., session: _Optional[int] = ..., slice_s: _Optional[float] = ..., valid_s: _Optional[float] = ...) -> None: ...
 
 class LeaseGrant(_message.Message):
-    __slots__ = ("lease", "engine", "valid_s", "contended", "slice_left_s")
+    __slots__ = ("lease", "engine", "valid_s", "contended", "slice_left_s", "jump")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     VALID_S_FIELD_NUMBER: _ClassVar[int]
     CONTENDED_FIELD_NUMBER: _ClassVar[int]
     SLICE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    JUMP_FIELD_NUMBER: _ClassVar[int]
     lease: int
     engine: str
     valid_s: float
     contended: bool
     slice_left_s: float
-    def __init__(self, lease: _Optional[int] = ..., engine: _Optional[str] = ..., valid_s: _Optional[float] = ..., contended: _Optional[bool] = ..., slice_left_s: _Optional[float] = ...) -> None: ...
+    jump: bool
+    def __init__(self, lease: _Optional[int] = ..., engine: _Optional[str] = ..., valid_s: _Optional[float] = ..., contended: _Optional[bool] = ..., slice_left_s: _Optional[float] = ..., jump: _Optional[bool] = ...) -> None: ...
 
 class LeaseRevoke(_message.Message):
     __slots__ = ("lease", "engine", "reason")
