@@ -669,8 +669,9 @@ def write_contention_file(state_dir: Path, gpu: str, entry: dict[str, Any]) -> P
 
 
 def score_setup(throughput: list[float | None], solo: list[float | None], weights: tuple[float, float],
-                contending: bool | None = None, no_sched_eff: float | None = None) -> dict[str, Any] | None:
-    """Normalized numbers, error, sum, guarantee (and the verdict when `contending` is given)."""
+                contending: bool | None = None, no_sched: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Normalized numbers, error, sum, guarantee (and the verdict when `contending` is given; `no_sched`, the
+    no-scheduler run's own scores, gives an overlapping pair its yardstick and the bound any mix could reach)."""
     if any(t is None for t in throughput) or any(not s for s in solo):
         return None
     norm = [scoring.normalized(t, s) for t, s in zip(throughput, solo, strict=True)]  # type: ignore[arg-type]
@@ -680,7 +681,10 @@ def score_setup(throughput: list[float | None], solo: list[float | None], weight
         "guarantee": scoring.guarantee_ok(norm, weights),
     }
     if contending is not None:
-        v = scoring.verdict(norm, weights, contending, no_sched_eff)
+        bound = None if contending or no_sched is None else scoring.overlap_bound(no_sched["normalized"], weights)
+        if bound is not None:
+            out["overlap_bound"] = bound
+        v = scoring.verdict(norm, weights, contending, no_sched["efficiency"] if no_sched else None, bound)
         out["verdict"] = {"passed": v.passed, "label": v.label(), "reasons": list(v.reasons),
                           "contending": v.contending}
     return out
@@ -717,8 +721,7 @@ def derive_pair(pair: Pair, solo: dict[str, GroupResult], nosched: dict[str, Gro
     us_run = unisched.get(pair.key)
     us = None
     if us_run is not None:
-        us = score_setup(us_run.throughputs(), solo_tp, pair.weights, contending,
-                         ns["efficiency"] if ns else None)
+        us = score_setup(us_run.throughputs(), solo_tp, pair.weights, contending, ns)
     return {"pair": pair.key, "kinds": list(pair.kinds), "weights": list(pair.weights),
             "units": units, "solo": solo_tp, "contending": contending, "contending_from": source,
             "no_scheduler": ns, "unisched": us}
