@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5's online target: where a request's extra time goes, and whether anything on this GPU can put a request
-# first (written 2026-12-01, fifth session, not yet run). Why: over 40 s windows (h200_online_long.sh,
+# first (written 2026-12-01, fifth session; ran in the sixth: bench/results/2026-12-01-h200-g/ calls a and b). Why: over 40 s windows (h200_online_long.sh,
 # bench/results/2026-12-01-h200-f/call-d) both unisched engines miss p99 <= 1.05x alone (kernel 1.17x, user 1.24x).
 # A b32 trainer step is ~25 ms of queued GPU work and a request ~6 ms: whoever gates whom at step boundaries, a
 # request that meets a step shares the GPU with the rest of it under the driver's time slicing. This call measures
@@ -10,6 +10,9 @@
 # weight layers (`user-points`: a revoked step leaves ~2 ms, not ~12 ms on average, beside the request), against the
 # user engine as it was; all in one round of 40 s windows (7 runs of ~55 s):
 #   source .devcache/setup.sh && bash bench/h200_online_probe.sh          (carry: [".devcache"])
+# Next (queued after the sixth session: online tenants now start a request with their want, LeaseGrant.jump), two
+# rounds of the user-engine setups against their own alone runs, ~7 min:
+#   source .devcache/setup.sh && REPEAT=2 SETUPS=user,user-points bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}

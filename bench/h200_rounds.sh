@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Ran in the fifth session of 12-01 (bench/results/2026-12-01-h200-f/): the kernel call and the b128 user call below,
-# and the overhead call. Still to run: ENGINE=user (the mixed pair as clients) and the matmul pair at the end.
+# and the overhead call; in the sixth (../2026-12-01-h200-g/): ENGINE=user (the mixed pair as clients, and at 1:3
+# with PAIRS=mixed1:3 REPEAT=1) and the matmul pair at the end (mixed). Not run: the matmul pair with CONTENTION=auto.
 # Device calls (written 2026-12-01): pairs in rounds, each scored against solo runs taken
 # before and after its shared ones (gpu_pairs --repeat --solo-after). Why: on 12-01 the ResNet-50 b32 trainer alone
 # measured 1322-2109 img/s between invocations (bench/results/2026-12-01-h200-e/), so single-run verdicts measured
