@@ -302,10 +302,11 @@ def test_gpu_pairs_calibrate_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_gpu_pairs_scores_a_late_starting_pair_over_the_seconds_both_ran(tmp_path: Path) -> None:
-    """End to end with stand-ins on one CPU: the cuda one starts 1.5 s into a 3 s window; the render one runs alone
-    (its full rate) until then and at about half after. Over the common seconds it keeps about half."""
+    """End to end with stand-ins on one CPU: the cuda one starts ~1.5 s into a 4 s window; the render one runs alone
+    (its full rate) until then and at about half after. Over the common seconds it keeps about half (0.71 of its
+    whole-window rate, ideally)."""
     out = tmp_path / "late"
-    rc = gp.main(["--pairs", "mixed1:1", "--no-unisched", "--seconds", "3", "--warmup", "0.5", "--grace", "10",
+    rc = gp.main(["--pairs", "mixed1:1", "--no-unisched", "--seconds", "4", "--warmup", "0.5", "--grace", "10",
                   "--out", str(out), "--work-dir", str(tmp_path / "work"),
                   "--workload-cmd-cuda", f"{STANDIN} --kind cuda --pin-cpu 0 --start-up-s 2",
                   "--workload-cmd-render", f"{STANDIN} --kind render --pin-cpu 0"])
@@ -317,7 +318,9 @@ def test_gpu_pairs_scores_a_late_starting_pair_over_the_seconds_both_ran(tmp_pat
     (pair,) = results["pairs"]
     render = pair["no_scheduler"]["normalized"][1]
     whole = group["tenants"][1]["report"]["throughput"] / pair["solo"][1]
-    assert 0.35 < render < 0.65 and whole > render + 0.15, (render, whole)
+    # (relative to its whole-window figure: both divide by one solo run, which on a loaded 2-core runner is off by
+    # up to ~20%; scored over the nominal window, as before the fix, the two would be equal)
+    assert render < 0.88 * whole, (render, whole)
     assert any("scored over the" in w for w in results["warnings"])
 
 
