@@ -735,7 +735,11 @@ def share_series(reports: list[dict[str, Any] | None], solo: list[float | None],
     return times, shares_
 
 
-def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path) -> list[Path]:
+def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path,
+                what: str = "ResNet-50 training + EGL render", names: tuple[str, str] = ("training", "render")
+                ) -> list[Path]:
+    """From a gpu_pairs results.json: normalized throughput against the weights, and each unisched run's shares
+    over time (`what` and `names` say which workloads the pair ran)."""
     made: list[Path] = []
     pairs = res.get("pairs") or []
     if pairs:
@@ -754,8 +758,8 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path) -> lis
                 labels.append((xs + 0.2, f"{w[0]:g}:{w[1]:g}\n{'none' if setup == 'no_scheduler' else 'unisched'}"))
                 xs += 1.2
         ax.set_xticks([x for x, _ in labels], [lab for _, lab in labels], fontsize=8)
-        ax.set_ylabel("normalized throughput (blue: training, orange: render)")
-        ax.set_title(f"ResNet-50 training + EGL render, {engine} engine (dashed: training's weighted share of the sum)")
+        ax.set_ylabel(f"normalized throughput (blue: {names[0]}, orange: {names[1]})")
+        ax.set_title(f"{what}, {engine} engine (dashed: {names[0]}'s weighted share of the sum)")
         fig.tight_layout()
         path = folder / f"mixed-{engine}-normalized.png"
         fig.savefig(path, dpi=110)
@@ -773,7 +777,7 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path) -> lis
             continue
         want = scoring.shares(pair["weights"])
         fig, ax = plt.subplots(figsize=(7, 3))
-        for (name, series), target in zip(zip(("training", "render"), sh, strict=True), want, strict=True):
+        for (name, series), target in zip(zip(names, sh, strict=True), want, strict=True):
             line = ax.plot(times, series, label=f"{name} (target {target:.2f})")[0]
             ax.axhline(target, color=line.get_color(), ls="--", lw=0.8)
         ax.set_ylim(0, 1)

@@ -287,3 +287,26 @@ def test_the_pausing_setup_runs_the_user_engine_with_a_pausing_trainer(tmp_path:
     assert seen["label"] == "b1-unisched-user-trainer-pausing"
     h.online_run(1, "unisched user")
     assert "--pause-every" not in seen["cmd"]["offline"]
+
+
+def test_plot_pairs_draws_each_round_of_a_committed_rounds_folder(tmp_path: Path) -> None:
+    """bench/plot_pairs.py on a copy of a committed rounds folder: one bar chart per round and one share plot per
+    unisched pair, titled with the workload the round ran (a matmul pair here, not "training")."""
+    import shutil
+
+    src = ROOT / "bench/results/2026-12-01-h200-g/call-d-kernel-matmul/rounds-kernel-matmul"
+    dst = tmp_path / "rounds"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("plots"))
+    p = subprocess.run([sys.executable, str(ROOT / "bench/plot_pairs.py"), str(dst)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    made = sorted(Path(line).relative_to(dst).as_posix() for line in p.stdout.split())
+    assert made == [f"round-{r}/plots/mixed-kernel-{name}.png" for r in (1, 2)
+                    for name in ("cuda-render-1-1-share", "cuda-render-1-3-share", "normalized")]
+    assert all((dst / m).stat().st_size > 5000 for m in made)
+    import plot_pairs
+
+    assert plot_pairs.workloads(json.loads((src / "round-1/results.json").read_text())["meta"])[1] == ("matmul", "render")
+    bad = subprocess.run([sys.executable, str(ROOT / "bench/plot_pairs.py"), str(tmp_path)], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "no results.json" in bad.stderr
