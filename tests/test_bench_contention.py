@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -323,7 +324,7 @@ def test_gpu_pairs_scores_a_late_starting_pair_over_the_seconds_both_ran(tmp_pat
     timeline = group["tenants"][1]["report"]["window"]["timeline"]
 
     def items(t: float) -> float:
-        for (t0, n0), (t1, n1) in zip(timeline, timeline[1:], strict=False):
+        for (t0, n0), (t1, n1) in itertools.pairwise(timeline):
             if t0 <= t <= t1:
                 return n0 + (n1 - n0) * (t - t0) / (t1 - t0) if t1 > t0 else n1
         raise AssertionError(f"{t} outside the timeline")
