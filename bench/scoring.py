@@ -57,7 +57,7 @@ MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
 OVERLAP_EFFICIENCY_TOLERANCE = 0.05
 OVERLAP_KEPT = 0.75
-MIX_SUM = 1.05
+MIX_SUM = 0.97
 COMMON_WINDOW_LATE_S = 0.5
 """A tenant of a shared run whose first completion came this much after its partner's first: the pair is scored
 over the part of the window where both ran (common_window). On the H200 the trainer of every no-scheduler

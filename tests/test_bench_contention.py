@@ -249,7 +249,7 @@ if cmd == "serve":
     try:
         kept = json.loads((state / "contention.json").read_text())["gpus"]["Test GPU"]
         c, g = kept["compute_kept"], kept["graphics_kept"]
-        contention = ("separate-graphics" if min(c, g) >= 0.75 else "partial-overlap" if c + g >= 1.05
+        contention = ("separate-graphics" if min(c, g) >= 0.75 else "partial-overlap" if c + g >= 0.97
                       else "shared-sm")  # the daemon's rule (policy.contention.from_kept)
     except FileNotFoundError:
         contention = "none"
@@ -386,6 +386,6 @@ def test_repeat_must_be_positive(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kept", "says"), [((0.9, 0.95), "will not slice"), ((0.22, 0.92), "will mix slices"),
-                                           ((0.12, 0.9), "as one domain")])
+                                           ((0.06, 0.9), "as one domain")])
 def test_the_calibration_says_what_the_daemon_will_do(kept: tuple[float, float], says: str) -> None:
     assert says in calibrate.verdict_line(calibrate.scoring.contention_verdict(*kept))

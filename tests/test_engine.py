@@ -216,7 +216,7 @@ def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
     mixed = rig.engine.mixed_slices(0)
     partial = contention == "partial-overlap" or (contention == "auto" and sum(kept) >= MIX_SUM)
     if util >= 0.98 and partial:  # what `unisched status` shows for the GPU
-        assert mixed is not None and mixed[0].both > 0 and mixed[1] in SliceKind
+        assert mixed is not None and (mixed[0].both > 0 or sum(kept) < 1) and mixed[1] in SliceKind
     else:
         assert mixed is None
     ran = {"cuda": 0.0, "render": 0.0, "both": 0.0}
@@ -246,12 +246,13 @@ def test_a_partial_overlap_is_sliced_when_contention_is_named(tmp_path: Path) ->
 
 
 def test_partial_overlap_named_mixes_a_calibration_auto_would_slice(tmp_path: Path) -> None:
-    """Kept 0.16 + 0.88 = 1.04, under MIX_SUM: auto slices it; named, the operator's word stands (one calibration of
-    a trainer whose solo rate drifts can fall under it while the pair overlaps)."""
-    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="partial-overlap", kept=(0.16, 0.88))
-    assert ran["both"] > 0.5 and ran["cuda"] == 1.0  # mixed: together, and the trainer alone
+    """Kept 0.06 + 0.88 = 0.94, under MIX_SUM: auto slices the pair as one domain (no mixed plan, checked by the
+    helper); named, the operator's word stands and the pair gets the mixed plan. A sum under 1 gains nothing
+    together, so the plan is each side alone for its share, in runs of a period."""
+    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="partial-overlap", kept=(0.06, 0.88))
+    assert ran["both"] < 0.05 and ran["cuda"] == pytest.approx(0.5, abs=0.05)
     (tmp_path / "auto").mkdir()
-    sliced = _partial_overlap_pair(tmp_path / "auto", (100, 100), util=1.0, kept=(0.16, 0.88))
+    sliced = _partial_overlap_pair(tmp_path / "auto", (100, 100), util=1.0, kept=(0.06, 0.88))
     assert sliced["both"] < 0.05
 
 
