@@ -88,7 +88,8 @@ def test_contention_from_calibration(compute_kept: float, graphics_kept: float, 
     assert ContentionMap.from_kept(compute_kept, graphics_kept) is expected
 
 
-@pytest.mark.parametrize(("compute_kept", "graphics_kept"), [(0.74, 0.99), (0.22, 0.92), (0.16, 0.91), (0.14, 1.0), (0.125, 0.875), (0.04, 1.0)])
+@pytest.mark.parametrize(("compute_kept", "graphics_kept"),
+                         [(0.74, 0.99), (0.22, 0.92), (0.16, 0.91), (0.14, 1.0), (0.125, 0.875), (0.04, 1.0)])
 def test_a_partial_overlap_gets_mixed_slices(compute_kept: float, graphics_kept: float) -> None:
     cmap = ContentionMap.from_kept(compute_kept, graphics_kept)
     assert cmap.name == "partial-overlap" and cmap.kept == (compute_kept, graphics_kept)
