@@ -13,6 +13,9 @@
 # Next (queued after the sixth session: online tenants now start a request with their want, LeaseGrant.jump), two
 # rounds of the user-engine setups against their own alone runs, ~7 min:
 #   source .devcache/setup.sh && REPEAT=2 SETUPS=user,user-points bash bench/h200_online_probe.sh
+# (ran in the seventh session, bench/results/2026-12-01-h200-h/call-a: missed, 1.20-1.28x). Next, the user engine over
+# MPS with the trainer below normal priority (one round there, call-d: 1.14x, trainer kept 0.99) against MPS capped:
+#   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps,mps bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
