@@ -33,7 +33,8 @@ mkdir -p "$OUT" /tmp/gates
 export PYTHONUNBUFFERED=1
 calibrate=(--calibrate-out /tmp/calibration --serve-arg=--contention --serve-arg="${CONTENTION:-partial-overlap}")
 # (partial-overlap: mixed slices from each round's calibration even where its sum falls under MIX_SUM = 0.97; the
-# b32 pair's sums, scored over the seconds both ran, were 1.03-1.13 on 12-01, the matmul pair's 1.00. CONTENTION=auto lets the sum decide.)
+# b32 pair's sums, scored over the seconds both ran, were 1.03-1.13 on 12-01, the matmul pair's 1.00.
+# CONTENTION=auto lets the sum decide.)
 case "${PAIRS:-mixed}" in *mixed*) ;; *) calibrate=() ;; esac
 python3 bench/gpu_pairs.py --out "$OUT/rounds-$TAG" --work-dir /tmp/pairs-work --pairs "${PAIRS:-mixed1:1,mixed3:1}" \
   --engine "$ENGINE" --repeat "${REPEAT:-2}" --solo-after --workload-cmd-cuda "$CUDA_CMD" \

@@ -79,7 +79,8 @@ uncapped; the MPS server's log is kept with the run. user-points, also by name: 
 pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked step leaves a part of it, not its
 rest, beside the request. user-mps, by name: the user engine with both tenants MPS clients and the trainer below
 normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 the user engine
-kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x, and mps-priority read 1.03x in one round)."""
+kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in
+two single rounds)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
@@ -284,8 +285,9 @@ class Harness:
         elif setup == "no scheduler":
             group = gp.run_group(cfg, label, "no scheduler", [online, offline])
         else:
+            mps = "MPS" in setup
             with contextlib.ExitStack() as stack:
-                if "MPS" in setup:  # the trainer capped (MPS) or below normal priority (the others)
+                if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
                     trainer_env = (*pairs, ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(MPS_TRAINER_PERCENT))
                                    if setup == "MPS" else ("CUDA_MPS_CLIENT_PRIORITY", MPS_BELOW_NORMAL))
@@ -301,7 +303,7 @@ class Harness:
                     group.extra["daemon"] = daemon.info
                 else:
                     group = gp.run_group(cfg, label, setup, [online, offline])
-            if "MPS" in setup:
+            if mps:
                 group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         return group.to_json()
 

@@ -239,6 +239,7 @@ FAKE_UNISCHED = '''
 """A stand-in daemon with unisched's CLI contract: picks its contention map from STATE_DIR/contention.json."""
 import json, os, signal, socket, sys, time
 from pathlib import Path
+from unisched.policy.contention import ContentionMap
 
 def opt(args, name):
     return args[args.index(name) + 1]
@@ -248,9 +249,7 @@ if cmd == "serve":
     state, sock = Path(opt(args, "--state-dir")), opt(args, "--socket")
     try:
         kept = json.loads((state / "contention.json").read_text())["gpus"]["Test GPU"]
-        c, g = kept["compute_kept"], kept["graphics_kept"]
-        contention = ("separate-graphics" if min(c, g) >= 0.75 else "partial-overlap" if c + g >= 0.97
-                      else "shared-sm")  # the daemon's rule (policy.contention.from_kept)
+        contention = ContentionMap.from_kept(kept["compute_kept"], kept["graphics_kept"]).name  # the daemon's rule
     except FileNotFoundError:
         contention = "none"
     Path(sock + ".json").write_text(json.dumps({"gpus": [{"index": 0, "name": "Test GPU", "contention": contention}]}))
