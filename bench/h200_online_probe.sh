@@ -16,6 +16,8 @@
 # (ran in the seventh session, bench/results/2026-12-01-h200-h/call-a: missed, 1.20-1.28x). Next, the user engine over
 # MPS with the trainer below normal priority (one round there, call-d: 1.14x, trainer kept 0.99) against MPS capped:
 #   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps,mps bash bench/h200_online_probe.sh
+# (eighth session: with user-mps-cap beside them, the trainer also capped at 50% of the SMs:
+#   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps-cap,user-mps,mps bash bench/h200_online_probe.sh)
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}

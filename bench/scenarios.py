@@ -68,7 +68,8 @@ RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
 RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
                  "kernel": "unisched kernel", "user": "unisched user",
-                 "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal"}
+                 "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal",
+                 "user-mps-cap": "unisched user, MPS, trainer below normal and capped"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
 """mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
@@ -80,12 +81,15 @@ pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked s
 rest, beside the request. user-mps, by name: the user engine with both tenants MPS clients and the trainer below
 normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 the user engine
 kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in
-two single rounds)."""
+two single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of
+the SMs, so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the
+trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
 MPS_TRAINER_PERCENT = 30
+USER_MPS_TRAINER_PERCENT = 50
 MPS_BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
 
 
@@ -289,8 +293,10 @@ class Harness:
             with contextlib.ExitStack() as stack:
                 if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
-                    trainer_env = (*pairs, ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(MPS_TRAINER_PERCENT))
-                                   if setup == "MPS" else ("CUDA_MPS_CLIENT_PRIORITY", MPS_BELOW_NORMAL))
+                    capped = {"MPS": MPS_TRAINER_PERCENT, ONLINE_SETUPS["user-mps-cap"]: USER_MPS_TRAINER_PERCENT}
+                    below = () if setup == "MPS" else (("CUDA_MPS_CLIENT_PRIORITY", MPS_BELOW_NORMAL),)
+                    cap = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(capped[setup])),) if setup in capped else ()
+                    trainer_env = (*pairs, *below, *cap)
                     online = dataclasses.replace(online, env=pairs)
                     offline = dataclasses.replace(offline, env=trainer_env)
                 if under:
@@ -897,7 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"online scenario: which of {', '.join(ONLINE_SETUPS)} run beside the two solo runs (default "
                          f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
                          "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
-                         "user-mps: the user engine with mps-priority's MPS); fewer setups leave time for longer "
+                         "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
+                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs); fewer setups leave time for longer "
                          "windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,

@@ -120,6 +120,9 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
                            "user-mps,mps-priority", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and "[3/4] online: batch 1, MPS, trainer below normal" in plan.stderr
     assert "[4/4] online: batch 1, unisched user, MPS, trainer below normal" in plan.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user-mps-cap",
+                           "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[3/3] online: batch 1, unisched user, MPS, trainer below normal and capped" in plan.stderr
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
