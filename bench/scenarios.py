@@ -58,6 +58,8 @@ import gpu_pairs as gp
 import scoring
 from _window import latency_summary
 
+from unisched.policy.mps import MPS_BELOW_NORMAL
+
 ROOT = gp.ROOT
 EX = ROOT / "examples"
 
@@ -69,7 +71,8 @@ RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DES
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
                  "kernel": "unisched kernel", "user": "unisched user",
                  "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal",
-                 "user-mps-cap": "unisched user, MPS, trainer below normal and capped"}
+                 "user-mps-cap": "unisched user, MPS, trainer below normal and capped",
+                 "user-mps-daemon": "unisched user, --mps"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
 """mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
@@ -83,14 +86,15 @@ normal, as mps-priority (leases for the weights, the dispatcher for the request'
 kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in
 two single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of
 the SMs, so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the
-trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99)."""
+trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by
+the product, not the harness: `unisched serve --mps --mps-offline-sm-percent USER_MPS_TRAINER_PERCENT` starts MPS and
+`unisched run` starts each tenant's processes as clients of their class (unisched.policy.mps)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
 MPS_TRAINER_PERCENT = 30
 USER_MPS_TRAINER_PERCENT = 50
-MPS_BELOW_NORMAL = "1"  # CUDA_MPS_CLIENT_PRIORITY: 0 normal, 1 below normal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,24 +293,29 @@ class Harness:
         elif setup == "no scheduler":
             group = gp.run_group(cfg, label, "no scheduler", [online, offline])
         else:
-            mps = "MPS" in setup
+            mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
+            serve_args = ("--mode", "preemptive")
+            if setup == ONLINE_SETUPS["user-mps-daemon"]:
+                serve_args = (*serve_args, "--mps", "--mps-offline-sm-percent", str(USER_MPS_TRAINER_PERCENT))
             with contextlib.ExitStack() as stack:
                 if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
                     capped = {"MPS": MPS_TRAINER_PERCENT, ONLINE_SETUPS["user-mps-cap"]: USER_MPS_TRAINER_PERCENT}
-                    below = () if setup == "MPS" else (("CUDA_MPS_CLIENT_PRIORITY", MPS_BELOW_NORMAL),)
+                    below = () if setup == "MPS" else (("CUDA_MPS_CLIENT_PRIORITY", str(MPS_BELOW_NORMAL)),)
                     cap = (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(capped[setup])),) if setup in capped else ()
                     trainer_env = (*pairs, *below, *cap)
                     online = dataclasses.replace(online, env=pairs)
                     offline = dataclasses.replace(offline, env=trainer_env)
                 if under:
-                    daemon = gp.Daemon(cfg, label, serve_args=("--mode", "preemptive"))
+                    daemon = gp.Daemon(cfg, label, serve_args=serve_args)
                     try:
                         daemon.start()
                         group = gp.run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup)
                     finally:
                         daemon.stop()
                     group.extra["daemon"] = daemon.info
+                    if "--mps" in serve_args:
+                        group.extra["mps_log"] = mps_log_tail(daemon.state_dir)
                 else:
                     group = gp.run_group(cfg, label, setup, [online, offline])
             if mps:
@@ -904,7 +913,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
                          "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
                          "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
-                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs); fewer setups leave time for longer "
+                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: those settings by unisched serve --mps); "
+                         "fewer setups leave time for longer "
                          "windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,

@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where compute and graphics overlap partly: each kind of mixed slice (together, compute alone, graphics "
                         "alone) runs for its part of a period this long at a stretch; longer loses less to the "
                         "frame a paused render finishes, shorter pauses each side for less (default 1000)")
+    s.add_argument("--mps", action="store_true", default=None,
+                   help="start (or join) an MPS control daemon (pipe directory 'mps' beside --socket) and start "
+                        "compute tenants' processes (unisched run) as its clients; in preemptive mode offline ones "
+                        "run below normal priority on part of the SMs, so online requests' kernels go first. CUDA "
+                        "only; needs nvidia-cuda-mps-control")
+    s.add_argument("--mps-offline-sm-percent", type=int, metavar="P",
+                   help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
+                        "default 50; 100 = all, priority only)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
@@ -387,7 +395,10 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from unisched.enforce.cgroups import CgroupError, detect_driver
+    from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
     from unisched.engine.clock import SystemClock
     from unisched.engine.core import KernelEngine
     from unisched.engine.state import StateStore
@@ -419,11 +430,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             log_format=args.log_format,
             log_level=args.log_level,
             nvml=False if args.no_nvml else None,
+            mps=args.mps,
+            mps_offline_sm_percent=args.mps_offline_sm_percent,
         )
         check_listener(config)
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
+    if config.mps and (why := mps_unavailable_reason()) is not None:
+        print(f"unisched serve: --mps: {why}", file=sys.stderr)
+        return 1
     configure_logging(config.log_format, config.log_level)
     try:
         driver = detect_driver(config.cgroup_driver)
@@ -448,12 +464,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         import structlog
 
         structlog.get_logger("unisched").warning("device admission (cgroup eBPF) unavailable", reason=reason)
+    mps: MpsControl | None = None
+    if config.mps:
+        mps = NvidiaMpsControl(Path(config.socket).parent / "mps", Path(config.state_dir) / "mps-log")
     try:
-        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock(), devices)
+        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock(), devices, mps)
         serve(config, engine, nvml)
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
+    except MpsError as e:
+        print(f"unisched serve: --mps: {e}", file=sys.stderr)
+        return 1
     except (CgroupError, OSError) as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
@@ -480,13 +502,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("unisched run: missing command; usage: unisched run --tenant NAME [--weight W] -- CMD ARGS...", file=sys.stderr)
         return 2
     with DaemonClient(args.socket) as client:
-        client.register(_register_request(args))
+        tenant = client.register(_register_request(args))
         agent = "" if args.no_session_hooks else client.status().agent_socket
     if agent:
         # a fresh single-threaded process installs the session filter, hands it to the daemon, then execs CMD
         cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", agent, "--", *cmd]
     try:
-        child = subprocess.Popen(cmd)
+        # the daemon's settings win over inherited ones (an MPS client priority or SM cap from the caller's shell)
+        child = subprocess.Popen(cmd, env={**os.environ, **tenant.env} if tenant.env else None)
     except FileNotFoundError:
         print(f"unisched run: command not found: {cmd[0]}", file=sys.stderr)
         return 127
@@ -618,6 +641,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "agent_socket": s.agent_socket,
         "session_hooks": s.session_hooks,
         "device_admission": s.device_admission,
+        "mps": s.mps or "off",
+        "mps_pipe_dir": s.mps_pipe_dir or None,
         "caller": {"pid": s.caller_pid, "uid": s.caller_uid, "admin": s.caller_is_admin, "tenant": s.caller_tenant or None},
     }
     if args.json:
@@ -631,6 +656,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("no NVML: scheduling on CPU signals")
     print(f"session hooks (seccomp): {s.session_hooks}" + (f", agent socket {s.agent_socket}" if s.agent_socket else ""))
     print(f"device admission (cgroup eBPF): {s.device_admission}")
+    print(f"MPS: {s.mps or 'off'}" + (f", pipe directory {s.mps_pipe_dir}" if s.mps_pipe_dir else ""))
     from unisched.cli.top import gpu_line
 
     for g in s.gpus:

@@ -92,6 +92,12 @@ class DaemonConfig:
     mix_period_ms: float = 1000.0
     """Where compute and graphics overlap partly: each kind of mixed slice runs for its part of a period this long at a stretch
     (policy.overlap.MixTurns)."""
+    mps: bool = False
+    """Start (or join) an MPS control daemon and start compute tenants' processes (`unisched run`) as its clients,
+    with client priority and SM cap by class (policy.mps): in preemptive mode the one way found on the H200 to put
+    an online request's kernels before a trainer's queued step."""
+    mps_offline_sm_percent: int = 50
+    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all)."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
     tenants: tuple[DeclaredTenant, ...] = ()
@@ -132,8 +138,9 @@ _INT_RANGES: Mapping[str, tuple[int, int]] = {
     "idle_slices": (1, 1000),
     "max_user_weight": (WEIGHT_MIN, WEIGHT_MAX),
     "metrics_port": (0, 65535),
+    "mps_offline_sm_percent": (1, 100),
 }
-_BOOL_KEYS = ("user_tenants", "nvml")
+_BOOL_KEYS = ("user_tenants", "nvml", "mps")
 
 
 def _err(where: str, key: str, msg: str) -> ConfigError:

@@ -18,6 +18,7 @@ import structlog
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.enforce.leases import LeaseChannel
+from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.engine.clock import Clock
 from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.engine.leases import LeaseBook, LeaseError
@@ -40,6 +41,7 @@ from unisched.policy import (
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.policy.contention import PARTIAL_OVERLAP
+from unisched.policy.mps import mps_client_settings
 from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
@@ -125,6 +127,8 @@ class TenantSnapshot:
     """Cooperative: the mean GPU time of its units, once it reported counted ones."""
     turn_s: float = 0.0
     """Cooperative: its minimum run (engine.leases.RUN_UNITS units, capped), 0 when its units are short."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """What its processes start with (`unisched run` sets it): the MPS client settings while the daemon runs MPS."""
 
 
 @dataclass(frozen=True)
@@ -226,9 +230,13 @@ class KernelEngine:
         store: StateStore,
         clock: Clock,
         devices: DeviceAdmission | None = None,
+        mps: MpsControl | None = None,
     ) -> None:
         self.config = config
         self.devices = devices
+        if config.mps and mps is None:
+            raise ConfigError("config 'mps': this engine was built without an MPS control")
+        self.mps = mps if config.mps else None
         self.driver = driver
         self.telemetry = telemetry
         self.store = store
@@ -300,7 +308,13 @@ class KernelEngine:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Thaw everything we may have left frozen, then restore tenants (saved state, then config)."""
+        """Start (or join) MPS where configured, thaw everything we may have left frozen, then restore tenants
+        (saved state, then config). Raises MpsError before touching any cgroup when MPS does not start."""
+        if self.mps is not None:
+            mps = self.mps.start()
+            capped = self.config.mode is Mode.PREEMPTIVE and self.config.mps_offline_sm_percent < 100
+            log.info("MPS joined" if mps.joined else "MPS started", pipe_dir=mps.pipe_dir, servers=list(mps.servers),
+                     offline_sm_percent=self.config.mps_offline_sm_percent if capped else None)
         thawed = self.thaw_all(extra=[t.cgroup for t in self.store.load()])
         if thawed:
             log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
@@ -375,6 +389,19 @@ class KernelEngine:
         self.thaw_all()
         self._save()  # also what _save_soon left for the tick
         log.info("all managed cgroups thawed")
+        if self.mps is not None:
+            self.mps.stop()
+            log.info("MPS asked to quit once its clients are done", pipe_dir=self.mps.pipe_dir)
+
+    def mps_status(self) -> MpsStatus | None:
+        """None while the daemon runs without MPS."""
+        return None if self.mps is None else self.mps.status()
+
+    def _client_env(self, t: _Tenant) -> dict[str, str]:
+        if self.mps is None:
+            return {}
+        settings = mps_client_settings(t.all_engines(), t.priority, self.config.mode, self.config.mps_offline_sm_percent)
+        return {} if settings is None else settings.env(self.mps.pipe_dir)
 
     def _save(self) -> None:
         self.store.save([t.saved() for t in sorted(self._tenants.values(), key=lambda t: t.name)])
@@ -1281,6 +1308,7 @@ class KernelEngine:
                     enforced=self.leases.enforced(name),
                     unit_s=self.leases.unit_s(name),
                     turn_s=self.leases.min_run_s(name),
+                    env=self._client_env(t),
                 )
             )
         return out

@@ -48,6 +48,7 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         enforced=s.enforced,
         unit_ms=1000.0 * (s.unit_s or 0.0),
         turn_ms=1000.0 * s.turn_s,
+        env=dict(s.env),
     )
 
 
@@ -59,6 +60,7 @@ def public_summary(t: pb.Tenant) -> None:
     t.refusals.clear()
     t.memory_bytes = 0
     t.devices = ""
+    t.env.clear()
 
 
 def _cap(value: int | None) -> int:

@@ -29,7 +29,7 @@ class ResourceShare(_message.Message):
     def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced", "unit_ms", "turn_ms")
+    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced", "unit_ms", "turn_ms", "env")
     class SessionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,13 @@ class Tenant(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     BASE_WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +77,7 @@ class Tenant(_message.Message):
     ENFORCED_FIELD_NUMBER: _ClassVar[int]
     UNIT_MS_FIELD_NUMBER: _ClassVar[int]
     TURN_MS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: int
     base_weight: int
@@ -96,7 +104,8 @@ class Tenant(_message.Message):
     enforced: bool
     unit_ms: float
     turn_ms: float
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ..., cooperative: _Optional[bool] = ..., overrun_s: _Optional[float] = ..., enforced: _Optional[bool] = ..., unit_ms: _Optional[float] = ..., turn_ms: _Optional[float] = ...) -> None: ...
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ..., cooperative: _Optional[bool] = ..., overrun_s: _Optional[float] = ..., enforced: _Optional[bool] = ..., unit_ms: _Optional[float] = ..., turn_ms: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("render", "decode", "encode", "memory_bytes")
@@ -217,7 +226,7 @@ class MixedSlices(_message.Message):
     def __init__(self, together: _Optional[float] = ..., compute_alone: _Optional[float] = ..., graphics_alone: _Optional[float] = ..., now: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission")
+    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission", "mps", "mps_pipe_dir")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SLICE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +243,8 @@ class StatusReply(_message.Message):
     AGENT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SESSION_HOOKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    MPS_FIELD_NUMBER: _ClassVar[int]
+    MPS_PIPE_DIR_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     slice_ms: float
@@ -250,7 +261,9 @@ class StatusReply(_message.Message):
     agent_socket: str
     session_hooks: str
     device_admission: str
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ..., agent_socket: _Optional[str] = ..., session_hooks: _Optional[str] = ..., device_admission: _Optional[str] = ...) -> None: ...
+    mps: str
+    mps_pipe_dir: str
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ..., agent_socket: _Optional[str] = ..., session_hooks: _Optional[str] = ..., device_admission: _Optional[str] = ..., mps: _Optional[str] = ..., mps_pipe_dir: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
