@@ -87,8 +87,9 @@ kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-p
 two single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of
 the SMs, so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the
 trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by
-the product, not the harness: `unisched serve --mps --mps-offline-sm-percent USER_MPS_TRAINER_PERCENT` starts MPS and
-`unisched run` starts each tenant's processes as clients of their class (unisched.policy.mps)."""
+the product, not the harness, with its default SM cap for offline tenants: `unisched serve --mps` starts MPS and each
+tenant's processes join it as clients of their class (unisched.policy.mps; cooperative clients take the settings at
+registration)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
@@ -295,8 +296,8 @@ class Harness:
         else:
             mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
             serve_args = ("--mode", "preemptive")
-            if setup == ONLINE_SETUPS["user-mps-daemon"]:
-                serve_args = (*serve_args, "--mps", "--mps-offline-sm-percent", str(USER_MPS_TRAINER_PERCENT))
+            if setup == ONLINE_SETUPS["user-mps-daemon"]:  # the daemon's default SM cap
+                serve_args = (*serve_args, "--mps")
             with contextlib.ExitStack() as stack:
                 if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
@@ -913,7 +914,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
                          "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
                          "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
-                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: those settings by unisched serve --mps); "
+                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, its default cap); "
                          "fewer setups leave time for longer "
                          "windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")

@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         from torch import nn
     except ImportError as e:
         return fail(f"PyTorch is not importable: {e}")
+    client = connect(args, ("compute",))  # before CUDA starts: the daemon's MPS settings, where it has them
     if not torch.cuda.is_available():
         return fail("torch.cuda.is_available() is False (no GPU or no CUDA driver)")
-    client = connect(args, ("compute",))
     try:
         net, opt, x, y = build(args.model, batch)
     except RuntimeError as e:

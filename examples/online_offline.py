@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
     except ImportError as e:
         return fail(f"PyTorch is not importable: {e}")
+    client = connect(args, ("compute",))  # before CUDA starts: the daemon's MPS settings, where it has them
     if not torch.cuda.is_available():
         return fail("torch.cuda.is_available() is False (no GPU or no CUDA driver)")
     trainer = subprocess.Popen(trainer_argv(args)) if args.trainer else None
-    client = connect(args, ("compute",))
     try:
         infer = build(args.batch, args.model)
     except (AttributeError, TypeError) as e:

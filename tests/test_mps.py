@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from conftest import child_env, cli
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.mps import FakeMpsControl, MpsError, NvidiaMpsControl
@@ -146,7 +147,8 @@ def test_unisched_run_starts_processes_as_mps_clients_of_their_class(
     daemon_factory, standin: Path, tenant_prefix: str, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     monkeypatch.setenv("PATH", f"{standin.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")  # the caller's shell does not get the trainer first
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "0")  # the caller's shell does not get the trainer first,
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "90")  # nor cap the online tenant
     d = daemon_factory("--mps", "--mode", "preemptive", "--mps-offline-sm-percent", "40")
     st = d.status()
     pipe = str(Path(d.socket).parent / "mps")
@@ -159,5 +161,12 @@ def test_unisched_run_starts_processes_as_mps_clients_of_their_class(
     online = d.cli("run", "--tenant", f"{tenant_prefix}-serve", "--priority", "online", "--no-session-hooks", "--",
                    sys.executable, "-c", show, check=True)
     assert json.loads(online.stdout) == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_CLIENT_PRIORITY": "0"}
+    # a cooperative client started on its own takes the same settings at its registration, before its first CUDA call
+    coop = ("import json, os; from unisched_client import Client; "
+            f"c = Client({tenant_prefix + '-coop'!r}, socket={d.socket!r}, priority='offline'); " + show.split("; ", 1)[1])
+    seen = subprocess.run([sys.executable, "-c", coop], capture_output=True, text=True, timeout=60, env=child_env())
+    assert seen.returncode == 0, seen.stderr
+    assert json.loads(seen.stdout) == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_CLIENT_PRIORITY": "1",
+                                       "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
     assert d.stop() == 0
     assert calls(Path(d.state_dir) / "mps-log")[-1] == "quit"

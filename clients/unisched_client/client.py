@@ -17,13 +17,16 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
 
@@ -33,6 +36,24 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_SOCKET", "Client", "CodecRefused", "Gate", "UnischedError", "UnischedUnavailable"]
 
 log = logging.getLogger("unisched_client")
+
+
+def _apply_env(env: Mapping[str, str]) -> None:
+    """The daemon's settings for this tenant's processes (MPS client priority and SM cap, `unisched serve --mps`),
+    applied at the first registration. CUDA reads them when the process first initializes it, so they take effect
+    only where the Client is created before the process's first CUDA call (torch.cuda.is_available() is one);
+    a program that cannot do that is started under `unisched run`, which sets them before it starts."""
+    if not env:
+        return
+    torch = sys.modules.get("torch")
+    late = torch is not None and torch.cuda.is_initialized()
+    wanted = process_env(os.environ, env)
+    for key in [k for k in os.environ if k not in wanted]:
+        del os.environ[key]
+    os.environ.update(wanted)
+    if late:
+        log.warning("CUDA was initialized before the unisched Client: its settings %s apply to child processes only; "
+                    "create the Client first, or start the program under `unisched run`", sorted(env))
 
 DEFAULT_SOCKET = os.environ.get("UNISCHED_SOCKET", "/run/unisched/unisched.sock")
 ENGINES = ("compute", "graphics", "decode", "encode")
@@ -482,6 +503,8 @@ class Client:
                 w = reply.welcome
                 self.session, self.slice_s, self.valid_s = w.session, w.slice_s, w.valid_s
                 self.tenant_info = w.tenant
+                if self.connects == 0:
+                    _apply_env(w.tenant.env)
                 self.governed = True
                 self._fatal = None
                 self.connects += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unisched.policy import Engine, Mode, PolicyError, Priority
-from unisched.policy.mps import MPS_BELOW_NORMAL, MPS_NORMAL, MpsClientSettings, mps_client_settings
+from unisched.policy.mps import MPS_BELOW_NORMAL, MPS_NORMAL, MpsClientSettings, mps_client_settings, process_env
 
 COMPUTE = frozenset({Engine.COMPUTE})
 
@@ -34,3 +34,11 @@ def test_env_names_the_pipe_and_leaves_the_cap_out_when_uncapped() -> None:
 def test_bad_percent_is_refused(bad: object) -> None:
     with pytest.raises(PolicyError, match=r"1\.\.100"):
         mps_client_settings(COMPUTE, Priority.OFFLINE, Mode.PREEMPTIVE, bad)  # type: ignore[arg-type]
+
+
+def test_process_env_replaces_inherited_mps_settings_but_the_log_directory() -> None:
+    inherited = {"PATH": "/bin", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "90", "CUDA_MPS_CLIENT_PRIORITY": "1",
+                 "CUDA_MPS_LOG_DIRECTORY": "/var/log/mps"}
+    online = MpsClientSettings(MPS_NORMAL, None).env("/p")
+    assert process_env(inherited, online) == {"PATH": "/bin", "CUDA_MPS_LOG_DIRECTORY": "/var/log/mps", **online}
+    assert process_env(inherited, {}) == inherited

@@ -13,6 +13,7 @@ from typing import Any
 
 from unisched.engine.config import DEFAULT_SOCKET, ConfigError, check_listener, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
@@ -192,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only; needs nvidia-cuda-mps-control")
     s.add_argument("--mps-offline-sm-percent", type=int, metavar="P",
                    help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
-                        "default 50; 100 = all, priority only)")
+                        "default 30; 100 = all, priority only)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",
@@ -508,8 +509,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # a fresh single-threaded process installs the session filter, hands it to the daemon, then execs CMD
         cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", agent, "--", *cmd]
     try:
-        # the daemon's settings win over inherited ones (an MPS client priority or SM cap from the caller's shell)
-        child = subprocess.Popen(cmd, env={**os.environ, **tenant.env} if tenant.env else None)
+        child = subprocess.Popen(cmd, env=process_env(os.environ, tenant.env) if tenant.env else None)
     except FileNotFoundError:
         print(f"unisched run: command not found: {cmd[0]}", file=sys.stderr)
         return 127

@@ -96,8 +96,10 @@ class DaemonConfig:
     """Start (or join) an MPS control daemon and start compute tenants' processes (`unisched run`) as its clients,
     with client priority and SM cap by class (policy.mps): in preemptive mode the one way found on the H200 to put
     an online request's kernels before a trainer's queued step."""
-    mps_offline_sm_percent: int = 50
-    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all)."""
+    mps_offline_sm_percent: int = 30
+    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 30: on the H200
+    a ResNet-50 b32 trainer kept 1.01-1.12 of its solo rate so capped (launch-bound), and requests beside it their
+    alone p99 (bench/results/2026-12-01-h200-i); 50 left them 1.06x."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
     tenants: tuple[DeclaredTenant, ...] = ()

@@ -4,17 +4,19 @@ Why: in preemptive mode an online request that meets a trainer's queued step sha
 step, whoever gates whom at step boundaries (a ResNet-50 b32 step is ~25 ms of queued work, a b1 request ~6 ms).
 Leases keep the weights; only the GPU's own block dispatcher can put the request's kernels first, and it does so
 only for MPS clients: an offline client of priority below normal, and capped to part of the SMs, leaves SMs free
-for the request (bench/results/2026-12-01-h200-i). Both settings are fixed when the client's CUDA context is
+for the request (bench/results/2026-12-01-h200-i/). Both settings are fixed when the client's CUDA context is
 created, so they come from the tenant's class, not from the moment's demand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from unisched.policy.model import Engine, Mode, PolicyError, Priority
 
-__all__ = ["MPS_BELOW_NORMAL", "MPS_NORMAL", "MpsClientSettings", "mps_client_settings", "validate_sm_percent"]
+__all__ = ["MPS_BELOW_NORMAL", "MPS_NORMAL", "MpsClientSettings", "mps_client_settings", "process_env",
+           "validate_sm_percent"]
 
 MPS_NORMAL = 0
 MPS_BELOW_NORMAL = 1
@@ -54,3 +56,12 @@ def mps_client_settings(
     if mode is not Mode.PREEMPTIVE or priority is Priority.ONLINE:
         return MpsClientSettings(MPS_NORMAL, None)
     return MpsClientSettings(MPS_BELOW_NORMAL, None if offline_sm_percent == 100 else offline_sm_percent)
+
+
+def process_env(inherited: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
+    """A tenant process's environment: the daemon's MPS settings replace every inherited CUDA_MPS_* value (a cap
+    from the caller's shell must not stay on an online tenant), but the log directory, which is not a setting."""
+    if not settings:
+        return dict(inherited)
+    kept = {k: v for k, v in inherited.items() if not k.startswith("CUDA_MPS_") or k == "CUDA_MPS_LOG_DIRECTORY"}
+    return {**kept, **settings}
