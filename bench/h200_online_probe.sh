@@ -16,8 +16,10 @@
 # (ran in the seventh session, bench/results/2026-12-01-h200-h/call-a: missed, 1.20-1.28x). Next, the user engine over
 # MPS with the trainer below normal priority (one round there, call-d: 1.14x, trainer kept 0.99) against MPS capped:
 #   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps,mps bash bench/h200_online_probe.sh
-# (eighth session: with user-mps-cap beside them, the trainer also capped at 50% of the SMs:
-#   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps-cap,user-mps,mps bash bench/h200_online_probe.sh)
+# (eighth session, bench/results/2026-12-01-h200-i/: the daemon's own MPS, `serve --mps`, beside user-mps-cap and MPS:
+#   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps-daemon,user-mps-cap,mps bash bench/h200_online_probe.sh
+# missed; the same setup moves 0.15-0.3x between rounds). Next, one setup a call, three rounds of 45 s windows:
+#   source .devcache/setup.sh && REPEAT=3 SECONDS_WINDOW=45 SETUPS=user-mps-daemon bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
