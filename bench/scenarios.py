@@ -58,6 +58,7 @@ import gpu_pairs as gp
 import scoring
 from _window import latency_summary
 
+from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
 
 ROOT = gp.ROOT
@@ -153,20 +154,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 @contextlib.contextmanager
 def mps_daemon(work: Path) -> Iterator[dict[str, str]]:
-    """An MPS control daemon private to this run; yields the environment its clients need. Always stopped."""
+    """An MPS control daemon private to this run (the daemon's own control, unisched.enforce.mps); yields the
+    environment its clients need. Always stopped; a start that fails raises MpsError (a RuntimeError)."""
     pipe, logs = work / "mps-pipe", work / "mps-log"
-    pipe.mkdir(parents=True, exist_ok=True)
-    logs.mkdir(parents=True, exist_ok=True)
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
-    started = subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **env}, capture_output=True,
-                             timeout=30)
-    if started.returncode != 0:
-        raise RuntimeError(f"nvidia-cuda-mps-control -d failed: {started.stderr.decode(errors='replace')[-500:]}")
+    control = NvidiaMpsControl(pipe, logs)
+    control.start()
     try:
-        yield env
+        yield {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
     finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ, **env}, capture_output=True,
-                       timeout=30)
+        control.stop()
 
 
 def mps_log_tail(work: Path, limit: int = 4000) -> dict[str, str]:
