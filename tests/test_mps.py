@@ -161,6 +161,8 @@ def test_unisched_run_starts_processes_as_mps_clients_of_their_class(
     online = d.cli("run", "--tenant", f"{tenant_prefix}-serve", "--priority", "online", "--no-session-hooks", "--",
                    sys.executable, "-c", show, check=True)
     assert json.loads(online.stdout) == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_CLIENT_PRIORITY": "0"}
+    shown = {t["name"]: t["env"] for t in d.tenants()}  # what operators see: each tenant's settings
+    assert shown[f"{tenant_prefix}-train"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     # a cooperative client started on its own takes the same settings at its registration, before its first CUDA call
     coop = ("import json, os; from unisched_client import Client; "
             f"c = Client({tenant_prefix + '-coop'!r}, socket={d.socket!r}, priority='offline'); " + show.split("; ", 1)[1])

@@ -387,6 +387,7 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
         "enforced": t.enforced,
         "unit_ms": round(t.unit_ms, 2) if t.unit_ms else None,
         "turn_ms": round(t.turn_ms, 1),
+        "env": dict(t.env),
     }
 
 
