@@ -1,0 +1,48 @@
+"""bench/online_breakdown.py: an online request's latency split into its own service time and its wait behind the
+request before it (the online example times requests from their arrival)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import online_breakdown as ob
+
+
+def test_a_request_that_arrives_during_the_previous_answer_waits_for_it() -> None:
+    # 5 ms answers: the second arrives 1 ms after the first, so it ends at 10 ms (latency 9 ms, service 5 ms)
+    b = ob.breakdown([0.0, 0.001, 0.100], [5.0, 9.0, 5.0])
+    assert b.queued == 1
+    assert b.service_ms == pytest.approx((5.0, 5.0, 5.0))
+    with pytest.raises(ValueError, match="2 arrivals but 1 latencies"):
+        ob.breakdown([0.0, 0.1], [5.0])
+
+
+def report(arrivals: list[float], latencies: list[float]) -> dict[str, object]:
+    return {"tenants": [{"report": {"arrivals_s": arrivals, "latencies_ms": latencies}}]}
+
+
+def test_the_table_pools_rounds_and_compares_each_setup_with_alone(tmp_path: Path) -> None:
+    arrivals = [0.05 * i for i in range(200)]
+    alone, slow = [5.0] * 200, [6.0] * 200
+    results = {"scenarios": {"online": {"batches": {"1": {
+        "alone-online": report(arrivals, alone), "MPS": report(arrivals, slow),
+        "alone-offline": {"tenants": [{"report": {"throughput": 1.0}}]},  # no latencies: not an online run
+        "more_rounds": [{"alone-online": report(arrivals, alone), "MPS": report(arrivals, slow)}]}}}}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    runs = ob.pooled([path])
+    assert sorted(runs) == ["MPS", "alone-online"] and len(runs["MPS"]) == 2
+    assert "| MPS | 2 | 400 | 0.0% | 6.00 / 6.00 | 1.20x | 6.00 / 6.00 | 1.20x |" in ob.table(runs)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "online_breakdown.py"), str(path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "| alone-online | 2 | 400 |" in out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "online_breakdown.py"), str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no such file" in bad.stderr
