@@ -82,15 +82,20 @@ class NvidiaMpsControl:
     def _env(self) -> dict[str, str]:
         return {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self._pipe), "CUDA_MPS_LOG_DIRECTORY": str(self._logs)}
 
-    def _ask(self, command: str) -> str:
+    def _run(self, what: str, args: tuple[str, ...] = (), command: str | None = None) -> str:
+        """The control program with `args`, or asked `command` on its stdin; its stdout. Raises MpsError with
+        its own words (`what` names the call in them)."""
         try:
-            done = subprocess.run([self._binary], input=command + "\n", env=self._env(), capture_output=True,
-                                  text=True, timeout=COMMAND_TIMEOUT_S)
+            done = subprocess.run([self._binary, *args], input=None if command is None else command + "\n",
+                                  env=self._env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise MpsError(f"{self._binary} ({command}): {e}") from None
+            raise MpsError(f"{self._binary} {what}: {e}") from None
         if done.returncode != 0:
-            raise MpsError(f"{self._binary} ({command}) exited {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}")
+            raise MpsError(f"{self._binary} {what} exited {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}")
         return done.stdout
+
+    def _ask(self, command: str) -> str:
+        return self._run(f"({command})", command=command)
 
     def _servers(self) -> tuple[int, ...] | None:
         """The server PIDs, or None when no control daemon answers on the pipe directory."""
@@ -115,13 +120,9 @@ class NvidiaMpsControl:
             except OSError as e:
                 raise MpsError(f"cannot create {d}: {e.strerror or e}") from None
         try:
-            done = subprocess.run([self._binary, "-d"], env=self._env(), capture_output=True, text=True,
-                                  timeout=COMMAND_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise MpsError(f"{self._binary} -d: {e}") from None
-        if done.returncode != 0:
-            raise MpsError(f"{self._binary} -d exited {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}"
-                           f" (logs in {self._logs})")
+            self._run("-d", ("-d",))
+        except MpsError as e:
+            raise MpsError(f"{e} (logs in {self._logs})") from None
         self._joined = False
         return self.status()
 

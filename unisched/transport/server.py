@@ -229,7 +229,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         reply.agent_socket = self.agent_socket
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
-        mps = self.engine.mps_status()
+        # asks nvidia-cuda-mps-control (a process, up to its timeout): off the loop that runs the slices
+        mps = await asyncio.to_thread(self.engine.mps_status)
         reply.mps = "off" if mps is None else "running" if mps.running else "not running"
         reply.mps_pipe_dir = "" if mps is None else mps.pipe_dir
         return reply
