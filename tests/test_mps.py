@@ -91,9 +91,10 @@ def test_a_failed_start_carries_the_programs_words(tmp_path: Path, standin: Path
         NvidiaMpsControl(tmp_path / "mps", tmp_path / "logs", binary=str(tmp_path / "none")).start()
 
 
-def engine_with(tmp_path: Path, control: FakeMpsControl | None, **config: object) -> KernelEngine:
-    return KernelEngine(DaemonConfig(**config), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"),  # type: ignore[arg-type]
-                        FakeClock(), None, control)
+def engine_with(tmp_path: Path, control: FakeMpsControl | None, driver: FakeCgroupDriver | None = None,
+                **config: object) -> KernelEngine:
+    return KernelEngine(DaemonConfig(**config), driver or FakeCgroupDriver(), NoGpuTelemetry(),  # type: ignore[arg-type]
+                        StateStore(tmp_path / "state"), FakeClock(), None, control)
 
 
 def test_the_engine_gives_each_class_its_client_settings_and_quits_mps_on_shutdown(tmp_path: Path) -> None:
@@ -123,14 +124,17 @@ def test_without_mps_no_tenant_gets_settings(tmp_path: Path) -> None:
 
 
 def test_mps_that_does_not_start_stops_the_engine_before_it_restores_tenants(tmp_path: Path) -> None:
-    first = engine_with(tmp_path, None)
+    driver = FakeCgroupDriver()
+    first = engine_with(tmp_path, None, driver)
     first.start()
     first.register("train", None, None, (), (), 1001, 0, True)
     first.shutdown()
-    engine = engine_with(tmp_path, FakeMpsControl(fail="nvidia-cuda-mps-control -d exited 1"), mps=True)
+    driver.set_frozen("/unisched/train", True)  # as a crashed daemon leaves it
+    engine = engine_with(tmp_path, FakeMpsControl(fail="nvidia-cuda-mps-control -d exited 1"), driver, mps=True)
     with pytest.raises(MpsError, match="exited 1"):
         engine.start()
     assert engine.tenant_count == 0
+    assert not driver.is_frozen("/unisched/train")  # a daemon that cannot start leaves nothing frozen
     with pytest.raises(ConfigError, match="without an MPS control"):
         engine_with(tmp_path, None, mps=True)
 

@@ -97,9 +97,9 @@ class DaemonConfig:
     with client priority and SM cap by class (policy.mps): in preemptive mode the one way found on the H200 to put
     an online request's kernels before a trainer's queued step."""
     mps_offline_sm_percent: int = 30
-    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 30: on the H200
-    a ResNet-50 b32 trainer kept 1.01-1.12 of its solo rate so capped (launch-bound), and requests beside it their
-    alone p99 (bench/results/2026-12-01-h200-i); 50 left them 1.06x."""
+    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 30 as the MPS
+    reference of issue 5: on the H200 a ResNet-50 b32 trainer so capped kept 0.72-1.02 of its solo rate (partly
+    launch-bound); neither 30 nor 50 held the online p99 target over rounds (bench/results/2026-12-01-h200-i/)."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
     tenants: tuple[DeclaredTenant, ...] = ()

@@ -308,16 +308,17 @@ class KernelEngine:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start (or join) MPS where configured, thaw everything we may have left frozen, then restore tenants
-        (saved state, then config). Raises MpsError before touching any cgroup when MPS does not start."""
+        """Thaw everything we may have left frozen, start (or join) MPS where configured, then restore tenants
+        (saved state, then config). Raises MpsError before restoring any tenant when MPS does not start; the thaw
+        comes first so that a daemon which cannot start leaves no cgroup frozen."""
+        thawed = self.thaw_all(extra=[t.cgroup for t in self.store.load()])
+        if thawed:
+            log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
         if self.mps is not None:
             mps = self.mps.start()
             capped = self.config.mode is Mode.PREEMPTIVE and self.config.mps_offline_sm_percent < 100
             log.info("MPS joined" if mps.joined else "MPS started", pipe_dir=mps.pipe_dir, servers=list(mps.servers),
                      offline_sm_percent=self.config.mps_offline_sm_percent if capped else None)
-        thawed = self.thaw_all(extra=[t.cgroup for t in self.store.load()])
-        if thawed:
-            log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
         for saved in self.store.load():
             missing = False
             if not self.driver.exists(saved.cgroup):
