@@ -20,6 +20,9 @@
 #   source .devcache/setup.sh && REPEAT=2 SETUPS=user-mps-daemon,user-mps-cap,mps bash bench/h200_online_probe.sh
 # missed; the same setup moves 0.15-0.3x between rounds). Next, one setup a call, three rounds of 45 s windows:
 #   source .devcache/setup.sh && REPEAT=3 SECONDS_WINDOW=45 SETUPS=user-mps-daemon bash bench/h200_online_probe.sh
+# Ninth session, first: what MPS itself adds (mps-alone) and the trainer paused by the leases rather than capped
+# (user-mps-points), beside serve --mps at its defaults, two rounds (~9 min):
+#   source .devcache/setup.sh && REPEAT=2 SETUPS=mps-alone,user-mps-points,user-mps-daemon bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}

@@ -73,7 +73,9 @@ ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "
                  "kernel": "unisched kernel", "user": "unisched user",
                  "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal",
                  "user-mps-cap": "unisched user, MPS, trainer below normal and capped",
-                 "user-mps-daemon": "unisched user, --mps"}
+                 "user-mps-daemon": "unisched user, --mps",
+                 "user-mps-points": "unisched user, --mps, trainer pausing, uncapped",
+                 "mps-alone": "online alone, MPS client"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
 """mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
@@ -90,7 +92,12 @@ the SMs, so a request always finds SMs free of the trainer's queued step (MPS ca
 trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by
 the product, not the harness, with its default SM cap for offline tenants: `unisched serve --mps` starts MPS and each
 tenant's processes join it as clients of their class (unisched.policy.mps; cooperative clients take the settings at
-registration)."""
+registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the trainer pausing inside its steps
+(user-points): the leases, not an SM cap, keep the trainer off the GPU while a request runs, and MPS's dispatcher
+puts the request's kernels before the trainer's last part (under time slicing, user-points kept 0.64 and read
+1.20x). mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
+so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
+read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
@@ -273,7 +280,8 @@ class Harness:
     def online_run(self, batch: int, setup: str) -> dict[str, Any]:
         engine = "user" if setup.startswith("unisched user") else "kernel"
         cfg = self.config(engine)
-        pausing = ["--pause-every", str(PAUSE_EVERY)] if setup == ONLINE_SETUPS["user-points"] else []
+        pausers = (ONLINE_SETUPS["user-points"], ONLINE_SETUPS["user-mps-points"])
+        pausing = ["--pause-every", str(PAUSE_EVERY)] if setup in pausers else []
         cfg = dataclasses.replace(cfg, workload_cmd={
             "online": [sys.executable, str(EX / "online_offline.py"), "--batch", str(batch), "--rate", f"{self.opts.rate:g}"],
             "offline": [*shlex.split(TRAIN_CMD), *pausing],
@@ -289,11 +297,17 @@ class Harness:
             group = gp.run_group(cfg, label, "alone", [offline])
         elif setup == "no scheduler":
             group = gp.run_group(cfg, label, "no scheduler", [online, offline])
+        elif setup == ONLINE_SETUPS["mps-alone"]:
+            with mps_daemon(cfg.work_dir / label) as pairs:
+                group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(pairs.items()))])
+            group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         else:
             mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
             serve_args = ("--mode", "preemptive")
             if setup == ONLINE_SETUPS["user-mps-daemon"]:  # the daemon's default SM cap
                 serve_args = (*serve_args, "--mps")
+            elif setup == ONLINE_SETUPS["user-mps-points"]:  # no cap: the leases pause the trainer
+                serve_args = (*serve_args, "--mps", "--mps-offline-sm-percent", "100")
             with contextlib.ExitStack() as stack:
                 if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
@@ -910,7 +924,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
                          "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
                          "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
-                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, its default cap); "
+                         f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, its default cap; "
+                         "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; mps-alone: "
+                         "the online tenant alone as an MPS client, a reference); "
                          "fewer setups leave time for longer "
                          "windows, which a p99 needs")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")

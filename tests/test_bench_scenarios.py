@@ -43,6 +43,12 @@ def test_online_target_needs_both_latency_and_offline_throughput() -> None:
     assert scenarios.derive_online(online_runs(9.4, 1100.0))["setups"]["unisched user"]["target_met"] is False
     failed = scenarios.derive_online(online_runs(9.4, 1250.0))["setups"]["MPS"]
     assert failed["target_met"] is None and failed["error"] == "mps failed"
+    # the online tenant alone under MPS is a reference: its p99 against alone, no trainer and so no verdict
+    floor_run = run_with({"online": {"latency_ms": {"p50": 7.7, "p99": 9.9}}})
+    runs = {**online_runs(9.4, 1250.0), "online alone, MPS client": floor_run}
+    floor = scenarios.derive_online(runs)["setups"]["online alone, MPS client"]
+    assert floor["p99_x_alone"] == pytest.approx(1.1) and floor["p50_x_alone"] == pytest.approx(1.1)
+    assert floor["offline_kept"] is None and floor["target_met"] is None
 
 
 def test_share_series_follows_the_timelines() -> None:
@@ -123,6 +129,10 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user-mps-cap",
                            "--dry-run"], capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and "[3/3] online: batch 1, unisched user, MPS, trainer below normal and capped" in plan.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups",
+                           "mps-alone,user-mps-points", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[3/4] online: batch 1, unisched user, --mps, trainer pausing, uncapped" in plan.stderr
+    assert "[4/4] online: batch 1, online alone, MPS client" in plan.stderr
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
