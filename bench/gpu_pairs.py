@@ -46,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
+from interleave import Alternation, Alternator
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
@@ -324,10 +325,13 @@ def unisched_cmd(cfg: Config, *args: str) -> list[str]:
 
 
 def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
-              daemon: Daemon | None = None, warmup: float | None = None) -> GroupResult:
+              daemon: Daemon | None = None, warmup: float | None = None,
+              alternate: tuple[str, float, float] | None = None) -> GroupResult:
     """Launch the tenants together, wait for their shared window to end, collect their reports.
 
-    The window starts `warmup` seconds after the launch (default: cfg.warmup).
+    The window starts `warmup` seconds after the launch (default: cfg.warmup). `alternate` = (tenant, period s,
+    guard s): that tenant is paused (SIGUSR1 / SIGUSR2: its workload must be --pausable) in every other period of the
+    window (interleave.py); the plan and how it went are in extra["alternation"].
     """
     run_dir = cfg.work_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{setup}-{label}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -356,9 +360,19 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                           env={**cfg.env, **dict(spec.env)}, start_new_session=True))
     extra: dict[str, Any] = {}
+    alternator, paused_name = None, None
+    if alternate is not None:
+        paused_name, period_s, guard_s = alternate
+        (paused,) = [proc for (spec, *_), proc in zip(plans, procs, strict=True) if spec.name == paused_name]
+        alternator = Alternator(Alternation(start_at, cfg.seconds, period_s, guard_s), paused.pid)
+        alternator.start()
     snapshot = None if daemon is None else lambda: extra.update(tenants_snapshot=daemon.tenants_json())
-    finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
-                        at=start_at + 0.85 * cfg.seconds, action=snapshot)
+    try:
+        finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
+                            at=start_at + 0.85 * cfg.seconds, action=snapshot)
+    finally:
+        if alternator is not None:  # resumed before anything is killed
+            extra["alternation"] = {"tenant": paused_name, **alternator.stop()}
     if not finished:
         extra["timed_out"] = True
         for proc in procs:

@@ -23,6 +23,9 @@
 # Ninth session, first: what MPS itself adds (mps-alone) and the trainer paused by the leases rather than capped
 # (user-mps-points), beside serve --mps at its defaults, two rounds (~9 min):
 #   source .devcache/setup.sh && REPEAT=2 SETUPS=mps-alone,user-mps-points,user-mps-daemon bash bench/h200_online_probe.sh
+# Then (this session, after that call read every setup within the alone runs' own drift: two alone runs minutes apart
+# had p50s of 5.82 and 4.58 ms), interleaved: one long run per setup, the trainer idle in every other second:
+#   source .devcache/setup.sh && INTERLEAVE=1 SECONDS_WINDOW=90 SETUPS=no-scheduler,mps,user-mps-daemon bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
@@ -31,7 +34,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
-  --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 2>&1 \
+  --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 \
+  --interleave "${INTERLEAVE:-0}" 2>&1 \
   | tee "$OUT/online-probe.log" | tail -20
 find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do
   tail -c 20000 "$f" > "$OUT/online-probe/$(echo "${f#/tmp/online-work/}" | tr / _)"; done

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "wo
 import gpu_pairs as gp
 import scoring
 from _window import latency_summary
+from interleave import PAUSED, RUNNING, Alternation, running_rate, split_latencies
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
@@ -103,6 +104,8 @@ ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
 CLOUD_SIZES = (1, 4, 8, 16)
 MPS_TRAINER_PERCENT = 30
+INTERLEAVE_GUARD_S = 0.1
+"""With --interleave: requests this close to a switch count for neither phase (interleave.py)."""
 USER_MPS_TRAINER_PERCENT = 50
 
 
@@ -122,6 +125,9 @@ class Options:
     repeat: int = 1
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
     online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS[n] for n in DEFAULT_ONLINE_SETUPS)
+    interleave_s: float = 0.0
+    """Online scenario: > 0 pauses the offline tenant in every other period of this length in each shared run,
+    and scores the requests that met it against those of the same run that did not (interleave.py)."""
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -284,19 +290,20 @@ class Harness:
         pausing = ["--pause-every", str(PAUSE_EVERY)] if setup in pausers else []
         cfg = dataclasses.replace(cfg, workload_cmd={
             "online": [sys.executable, str(EX / "online_offline.py"), "--batch", str(batch), "--rate", f"{self.opts.rate:g}"],
-            "offline": [*shlex.split(TRAIN_CMD), *pausing],
+            "offline": [*shlex.split(TRAIN_CMD), *pausing, *(["--pausable"] if self.opts.interleave_s > 0 else [])],
         })
         under = setup.startswith("unisched")
         weight = 100.0 if under else None
         online = gp.TenantSpec("online", "online", weight, "online" if under else None)
         offline = gp.TenantSpec("offline", "offline", weight, "offline" if under else None)
         label = f"b{batch}-{re.sub(r'[^A-Za-z0-9]+', '-', setup)}"
+        alternate = ("offline", self.opts.interleave_s, INTERLEAVE_GUARD_S) if self.opts.interleave_s > 0 else None
         if setup == "alone-online":
             group = gp.run_group(cfg, label, "alone", [online])
         elif setup == "alone-offline":
             group = gp.run_group(cfg, label, "alone", [offline])
         elif setup == "no scheduler":
-            group = gp.run_group(cfg, label, "no scheduler", [online, offline])
+            group = gp.run_group(cfg, label, "no scheduler", [online, offline], alternate=alternate)
         elif setup == ONLINE_SETUPS["mps-alone"]:
             with mps_daemon(cfg.work_dir / label) as pairs:
                 group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(pairs.items()))])
@@ -321,14 +328,15 @@ class Harness:
                     daemon = gp.Daemon(cfg, label, serve_args=serve_args)
                     try:
                         daemon.start()
-                        group = gp.run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup)
+                        group = gp.run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup,
+                                             alternate=alternate)
                     finally:
                         daemon.stop()
                     group.extra["daemon"] = daemon.info
                     if "--mps" in serve_args:
                         group.extra["mps_log"] = mps_log_tail(daemon.state_dir)
                 else:
-                    group = gp.run_group(cfg, label, setup, [online, offline])
+                    group = gp.run_group(cfg, label, setup, [online, offline], alternate=alternate)
             if mps:
                 group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         return group.to_json()
@@ -453,15 +461,53 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
         run = runs.get(setup) or {}
         on = tenant(run, "online") or {}
         lat, offline_tp, _, window = met_partner(run)
-        p99x = ratio(lat.get("p99"), base_p99)
+        ref, ref_p50, ref_p99 = base_lat, base_p50, base_p99
+        inter = interleaved(run)
+        if inter is not None:  # against the paused periods of the same run, the trainer over its running periods
+            lat, ref, offline_tp = inter["running"], inter["paused"], inter["offline_running_tp"]
+            ref_p50, ref_p99 = ref.get("p50"), ref.get("p99")
+            inter["running_p99_x_alone_run"] = ratio(lat.get("p99"), base_p99)
+            inter["paused_p99_x_alone_run"] = ratio(ref_p99, base_p99)
+        p99x = ratio(lat.get("p99"), ref_p99)
         kept = ratio(offline_tp, base_tp)
         out["setups"][setup] = {"p50_ms": lat.get("p50"), "p99_ms": lat.get("p99"), "p99_x_alone": p99x,
-                                "p99_x_bounds": p99_ratio_bounds(lat, base_lat),
-                                "p50_x_alone": ratio(lat.get("p50"), base_p50), "offline_kept": kept,
+                                "p99_x_bounds": p99_ratio_bounds(lat, ref),
+                                "p50_x_alone": ratio(lat.get("p50"), ref_p50), "offline_kept": kept,
                                 "dropped": on.get("dropped"), "target_met": online_target_met(p99x, kept),
                                 "lease_wait_ms": on.get("lease_wait_ms"), "error": run.get("error"),
-                                "common_window": window}
+                                "common_window": window, "interleaved": inter}
     return out
+
+
+def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
+    """A run whose offline tenant was paused in every other period (--interleave): the online requests of its
+    running periods and of its paused ones (the reference: same processes, seconds apart), and the offline
+    throughput over its running periods. None for a run without pauses."""
+    alt = run.get("alternation")
+    if not alt:
+        return None
+    plan = Alternation.from_json(alt)
+    off = tenant(run, "offline") or {}
+    shared, ref = setup_samples(run)
+    w = off.get("window") or {}
+    rate = running_rate(plan, w["items"], since_s=w.get("late_s") or 0.0) if "items" in w else None
+    return {"running": latency_summary(shared), "paused": latency_summary(ref or []),
+            "offline_running_tp": rate, "period_s": plan.period_s,
+            "guard_s": plan.guard_s, "switches": alt.get("switches"), "max_lag_ms": alt.get("max_lag_ms"),
+            "alternation_error": alt.get("error")}
+
+
+def setup_samples(run: dict[str, Any]) -> tuple[list[float], list[float] | None]:
+    """The online latencies (ms) that met the trainer, and, for an interleaved run, those of its paused periods
+    (the run's own reference); None for a run scored against the separate alone run."""
+    alt = run.get("alternation")
+    if not alt:
+        return met_partner(run)[2] or [], None
+    on = tenant(run, "online") or {}
+    window = met_partner(run)[3]
+    split = split_latencies(Alternation.from_json(alt), on.get("arrivals_s") or [], on.get("latencies_ms") or [],
+                            since_s=window[0] if window else 0.0)
+    return split[RUNNING], split[PAUSED]
 
 
 def p99_ratio_bounds(lat: dict[str, Any], base: dict[str, Any]) -> list[float] | None:
@@ -483,30 +529,41 @@ def p99_resolution(bounds: list[float] | None) -> str:
     return "above the target" if bounds[0] > ONLINE_P99_TARGET else "cannot tell"
 
 
-def pooled_latency(runs: list[dict[str, Any]], setup: str) -> dict[str, Any] | None:
-    """The online tenant's requests of every round of a setup, as one sample: its p99 and that p99's 90% interval.
-    Why: the median of a few rounds' p99s rests on each round's top few requests; pooled, a p99 rests on a few times
-    more (3 rounds of 12 s: 720 requests, the p99 between about the 3rd and 12th highest)."""
-    ms: list[float] = []
-    for r in runs:
-        ms += met_partner(r.get(setup) or {})[2] or []
+def pooled_summary(ms: list[float]) -> dict[str, Any] | None:
     if not ms:
         return None
     lat = latency_summary(ms)
     return {"n": lat["n"], "p99_ms": lat["p99"], "p99_lo": lat["p99_lo"], "p99_hi": lat["p99_hi"]}
 
 
+def pooled_latency(runs: list[dict[str, Any]], setup: str, reference: bool = False) -> dict[str, Any] | None:
+    """The online tenant's requests of every round of a setup, as one sample: its p99 and that p99's 90% interval
+    (`reference`: those of the runs' paused periods, for interleaved runs). Why: the median of a few rounds' p99s
+    rests on each round's top few requests; pooled, a p99 rests on a few times more (3 rounds of 12 s: 720
+    requests, the p99 between about the 3rd and 12th highest)."""
+    ms: list[float] = []
+    for r in runs:
+        shared, ref = setup_samples(r.get(setup) or {})
+        ms += (ref or []) if reference else shared
+    return pooled_summary(ms)
+
+
 def pool_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per setup, its pooled p99 against the pooled p99 alone, with bounds and whether they settle the target."""
+    """Per setup, its pooled p99 against the pooled p99 alone (for interleaved runs, against their own paused
+    periods, pooled likewise), with bounds and whether they settle the target."""
     alone = pooled_latency(rounds, "alone-online")
     out: dict[str, Any] = {"alone": alone, "setups": {}}
     for setup in (s for s in ONLINE_SETUPS.values() if any(s in r for r in rounds)):
         pooled = pooled_latency(rounds, setup)
-        if pooled is None or alone is None:
+        ref = pooled_latency(rounds, setup, reference=True)
+        against = ref or alone
+        if pooled is None or against is None:
             continue
-        bounds = p99_ratio_bounds(pooled, alone)
-        out["setups"][setup] = {**pooled, "p99_x_alone": ratio(pooled["p99_ms"], alone["p99_ms"]),
-                                "p99_x_bounds": bounds, "resolution": p99_resolution(bounds)}
+        bounds = p99_ratio_bounds(pooled, against)
+        out["setups"][setup] = {**pooled, "p99_x_alone": ratio(pooled["p99_ms"], against["p99_ms"]),
+                                "p99_x_bounds": bounds, "resolution": p99_resolution(bounds),
+                                "reference": "paused periods" if ref else "alone runs",
+                                **({"paused": ref} if ref else {})}
     return out
 
 
@@ -569,6 +626,11 @@ def online_line(run: dict[str, Any]) -> str:
             parts.append(f"offline {gp.fmt(r.get('throughput'), 1)} {r.get('unit', '')}")
         else:
             parts.append(f"{t.get('name')}: {t.get('error')}")
+    inter = interleaved(run)
+    if inter is not None:
+        r, q = inter["running"], inter["paused"]
+        parts.append(f"interleaved: p99 {gp.fmt(r.get('p99'))} ms beside the trainer ({r.get('n', 0)}), {gp.fmt(q.get('p99'))} "
+                     f"ms while it idled ({q.get('n', 0)}); trainer {gp.fmt(inter['offline_running_tp'], 1)} running")
     return "; ".join(parts)
 
 
@@ -658,8 +720,10 @@ def online_md(data: dict[str, Any]) -> list[str]:
             b = s.get("p99_x_bounds")
             bounds = f"{gp.fmt(b[0])}-{gp.fmt(b[1])}: {p99_resolution(b)}" if b else "n/a"
             cells = [fmt_ranged(s, k) for k in ("p50_x_alone", "p99_x_alone")] + [bounds, fmt_ranged(s, "offline_kept")]
-            lines.append(f"| {batch} | {setup} | {gp.fmt(s.get('p50_ms'))} | {gp.fmt(s.get('p99_ms'))} | "
+            name = f"{setup} (interleaved)" if s.get("interleaved") else setup
+            lines.append(f"| {batch} | {name} | {gp.fmt(s.get('p50_ms'))} | {gp.fmt(s.get('p99_ms'))} | "
                          f"{' | '.join(cells)} | {met} |")
+    lines += interleaved_md(data)
     if any((runs.get("derived") or {}).get("rounds") for runs in data.get("batches", {}).values()):
         lines += ["", "Medians over the rounds, each ratio against its own round's solo runs; [min-max] across rounds."]
         lines += ["", "Pooled: every round's requests of a setup as one sample, against every round's requests alone.", "",
@@ -679,6 +743,34 @@ def online_md(data: dict[str, Any]) -> list[str]:
                   f"shared low / alone high to shared high / alone low; 'cannot tell' where they straddle "
                   f"{ONLINE_P99_TARGET:g}x."]
     return [*lines, ""]
+
+
+def interleaved_md(data: dict[str, Any]) -> list[str]:
+    """Interleaved runs, round by round: the two phases, and each against the separate alone run (which shows what
+    a setup costs a lone online tenant in both phases, across minutes of the VM's drift)."""
+    rows = []
+    for batch, runs in data.get("batches", {}).items():
+        for k, rnd in enumerate([runs, *runs.get("more_rounds", [])]):
+            d = derive_online(rnd)
+            for setup, s in d.get("setups", {}).items():
+                i = s.get("interleaved")
+                if not i:
+                    continue
+                r, q = i.get("running") or {}, i.get("paused") or {}
+                rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {gp.fmt(r.get('p50'))} / "
+                            f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | "
+                            f"{gp.fmt(s.get('p99_x_alone'))} | {gp.fmt(i.get('paused_p99_x_alone_run'))} | "
+                            f"{gp.fmt(s.get('offline_kept'))} | {i.get('switches')}, {gp.fmt(i.get('max_lag_ms'), 1)} ms |")
+    if not rows:
+        return []
+    return ["", "Interleaved (`--interleave S`): in each shared run the trainer was stopped in every other period of S "
+            f"seconds; requests within {INTERLEAVE_GUARD_S:g} s of a switch count for neither phase. The setup's p99 / alone "
+            "above is its running periods' p99 against its paused periods' (same run, seconds apart), the offline kept "
+            "its rate over its running periods against its solo run. A cost the setup puts on the online tenant in both "
+            "phases shows in the paused periods against the alone run (with the minutes of drift between them).", "",
+            "| batch | round | setup | requests running / paused | running p50 / p99 ms | paused p50 / p99 ms | "
+            "running p99 / paused | paused p99 / alone run | offline kept (running) | switches, max lag |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows]
 
 
 def fmt_ranged(s: dict[str, Any], key: str) -> str:
@@ -929,6 +1021,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the online tenant alone as an MPS client, a reference); "
                          "fewer setups leave time for longer "
                          "windows, which a p99 needs")
+    ap.add_argument("--interleave", type=float, default=0.0, metavar="S",
+                    help="online scenario: stop the offline tenant in every other period of S seconds of each shared "
+                         "run (it idles between steps, examples/02 --pausable) and score the requests that met it against those "
+                         "of the same run "
+                         "that did not, so the host's drift between runs falls on both sides (default 0: off)")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "
@@ -945,6 +1042,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--seconds and --rate must be positive, warm-ups not negative")
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.interleave < 0 or 0 < args.interleave <= 2 * INTERLEAVE_GUARD_S:
+        ap.error(f"--interleave: a period over {2 * INTERLEAVE_GUARD_S:g} s (the guards at its ends), or 0 for off")
     names = [n.strip() for n in args.online_setups.split(",") if n.strip()]
     bad = [n for n in names if n not in ONLINE_SETUPS]
     if bad or not names:
@@ -977,7 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
                    slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
                    memory_cap=args.memory_cap, work_dir=work,
                    max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat,
-                   online_setups=args.online_setup_list)
+                   online_setups=args.online_setup_list, interleave_s=args.interleave)
     h = Harness(opts, args.scenario_list)
     h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
     for name in args.scenario_list:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from _coop import add_unisched_args, connect, share_line, share_report
-from _window import add_window_args, fail, measure, plan_window, write_report
+from _window import StepPauser, add_window_args, fail, measure, plan_window, write_report
 
 
 def build(model: str, batch: int) -> tuple[Any, Any, Any, Any]:
@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="under unisched: let each step pause after every N-th weight layer, forward and backward, "
                          "while others wait for the GPU (a revoked step then leaves a part, not its rest, beside "
                          "the next holder's work; for trainers next to online tenants). 0 (default): off")
+    ap.add_argument("--pausable", action="store_true",
+                    help="idle between steps from SIGUSR1 to SIGUSR2, the lease handed back meanwhile (for benchmarks "
+                         "that alternate this load on and off: bench/scenarios.py --interleave)")
     add_unisched_args(ap)
     args = ap.parse_args(argv)
+    pauser = StepPauser() if args.pausable else None  # before any thread starts: they inherit its signal mask
     batch = args.batch or (32 if args.model == "resnet50" else 1024)
     if args.pause_every < 0:
         ap.error("--pause-every must be 0 (off) or a positive number of layers")
@@ -84,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
 
     def step() -> int:
+        if pauser is not None and client is not None:
+            pauser.between_steps(client.gate("compute").release)
+        elif pauser is not None:
+            pauser.between_steps()
         if step_gate is not None:
             with step_gate:
                 train_step()
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     share = share_report(client, "compute")
     report = write_report(args.report, "train", "img/s", window,
                           {"share": share, "model": args.model, "batch": batch, "device_name": torch.cuda.get_device_name(),
-                           "pause_splits": step_gate.flight.splits if step_gate is not None else 0})
+                           "pause_splits": step_gate.flight.splits if step_gate is not None else 0,
+                           **({"pauses": pauser.pauses, "paused_s": round(pauser.paused_s, 3)} if pauser else {})})
     print(f"02_pytorch_training pid={report['pid']}: {window.throughput:.1f} img/s ({args.model}, batch {batch}); "
           f"{share_line(share)}", flush=True)
     if client is not None:

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TIMELINE_STEP_S", "Window", "add_window_args", "fail", "latency_summary", "measure", "percentile",
+__all__ = ["TIMELINE_STEP_S", "StepPauser", "Window", "add_window_args", "fail", "latency_summary", "measure", "percentile",
            "plan_window", "quantile_interval", "write_json", "write_report"]
 
 TIMELINE_STEP_S = 0.5
@@ -140,6 +141,40 @@ def write_json(path: Path | None, obj: dict[str, Any], indent: int = 1) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=indent) + "\n")
     tmp.replace(path)
+
+
+class StepPauser:
+    """Idle between steps on request: SIGUSR1 pauses at the next step boundary, SIGUSR2 resumes.
+
+    Why: a benchmark that compares requests beside a busy trainer with requests beside an idle one in the same run
+    (bench/interleave.py) needs the trainer to go idle the way a real one does, between steps, with nothing in
+    flight and its lease handed back; a SIGSTOP mid-step would be timed into that step. The signals are blocked
+    and read with sigpending/sigwait, so no handler races the check: make one before any thread starts (the
+    unisched client's, PyTorch's), which then inherit the mask.
+    """
+
+    SIGNALS = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+
+    def __init__(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        self.pauses = 0
+        self.paused_s = 0.0
+
+    def between_steps(self, on_pause: Callable[[], None] = lambda: None) -> None:
+        """At a step boundary: when a pause was asked for, call `on_pause` (hand the GPU back) and wait for the
+        resume. A resume already pending with it (both came within one step) is no pause."""
+        pending = signal.sigpending() & self.SIGNALS
+        if not pending:
+            return
+        for sig in pending:
+            signal.sigwait({sig})
+        if pending != {signal.SIGUSR1}:
+            return  # a resume alone (the end of a run), or a pause and its resume within one step
+        on_pause()
+        t = time.monotonic()
+        signal.sigwait({signal.SIGUSR2})
+        self.pauses += 1
+        self.paused_s += time.monotonic() - t
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,0 +1,144 @@
+"""bench/interleave.py and the examples' StepPauser: the online scenario's trainer idle in every other period.
+
+Plans, splits and rates are pure; the Alternator runs on an injected clock; the pause itself runs for real in a
+child process (signals, sigwait), waited on by reading its output, not by sleeping."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import scenarios
+from interleave import PAUSED, RUNNING, Alternation, Alternator, running_rate, split_latencies
+
+
+def test_phases_alternate_from_running_with_guards_at_each_switch() -> None:
+    plan = Alternation(start_at=100.0, seconds=5.0, period_s=1.0, guard_s=0.1)
+    assert [plan.phase(t) for t in (0.05, 0.5, 0.95, 1.05, 1.5, 2.5, 3.5, 4.5)] == \
+        [None, RUNNING, None, None, PAUSED, RUNNING, PAUSED, RUNNING]
+    assert plan.phase(-0.1) is None and plan.phase(5.0) is None
+    assert plan.switches() == [(1.0, True), (2.0, False), (3.0, True), (4.0, False)]
+    assert plan.phase_seconds(RUNNING) == pytest.approx(3 * 0.8) and plan.phase_seconds(PAUSED) == pytest.approx(1.6)
+    assert Alternation.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="guard"):
+        Alternation(0.0, 5.0, 0.2, 0.1)
+    with pytest.raises(ValueError, match="positive"):
+        Alternation(0.0, 5.0, 0.0, 0.0)
+
+
+def test_requests_split_by_the_phase_they_arrived_in() -> None:
+    plan = Alternation(0.0, 4.0, 1.0, 0.1)
+    arrivals = [0.2, 0.5, 0.98, 1.3, 1.7, 2.4, 3.2, 3.99]
+    latencies = [7.0, 7.5, 99.0, 5.0, 5.5, 8.0, 6.0, 99.0]
+    split = split_latencies(plan, arrivals, latencies)
+    assert split == {RUNNING: [7.0, 7.5, 8.0], PAUSED: [5.0, 5.5, 6.0]}
+    assert split_latencies(plan, arrivals, latencies, since_s=1.0) == {RUNNING: [8.0], PAUSED: [5.0, 5.5, 6.0]}
+
+
+def test_offline_rate_counts_only_its_running_seconds() -> None:
+    plan = Alternation(0.0, 10.0, 1.0, 0.1)  # running 0-1, 2-3, 4-5, 6-7, 8-9: 5 s
+    assert running_rate(plan, 500) == pytest.approx(100.0)
+    assert running_rate(plan, 400, since_s=2.0) == pytest.approx(100.0)  # started late: 4 s of running periods
+    assert running_rate(Alternation(0.0, 1.0, 1.0, 0.1), 0, since_s=1.0) is None
+
+
+def test_alternator_sends_pause_and_resume_on_time_and_resumes_at_the_end() -> None:
+    now = [100.0]
+    sent: list[tuple[float, int, int]] = []
+
+    def wait(s: float) -> bool:
+        now[0] += s + 0.002  # each switch 2 ms late
+        return now[0] > 103.5  # halted before the fourth switch
+
+    alt = Alternator(Alternation(100.0, 6.0, 1.0, 0.1), pid=42, kill=lambda pid, sig: sent.append((now[0], pid, sig)),
+                     clock=lambda: now[0], wait=wait)
+    alt.run()
+    assert [(round(t, 3), sig) for t, _, sig in sent] == [(101.002, signal.SIGUSR1), (102.002, signal.SIGUSR2),
+                                                         (103.002, signal.SIGUSR1), (104.002, signal.SIGUSR2)]
+    assert all(pid == 42 for _, pid, _ in sent)
+    assert alt.lags_s == pytest.approx([0.002] * 3)
+
+    def gone(pid: int, sig: int) -> None:
+        raise ProcessLookupError
+
+    ended = Alternator(Alternation(0.0, 3.0, 1.0, 0.1), pid=1, kill=gone, clock=lambda: 0.0, wait=lambda s: False)
+    ended.run()
+    assert ended.error == "the paused tenant ended before the window did"
+
+
+PAUSABLE = textwrap.dedent("""
+    import sys, threading
+    sys.path.insert(0, %r)
+    from _window import StepPauser
+    pauser = StepPauser()
+    threading.Thread(target=lambda: None).start()  # a thread started after it inherits the mask
+    print("ready", flush=True)
+    for line in sys.stdin:  # one step per line read
+        pauser.between_steps(lambda: print("paused", flush=True))
+        print(f"step {line.strip()} pauses={pauser.pauses}", flush=True)
+""")
+
+
+def test_step_pauser_idles_between_steps_until_resumed() -> None:
+    child = subprocess.Popen([sys.executable, "-c", PAUSABLE % str(ROOT / "examples" / "workloads")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+
+        def step(n: int) -> None:
+            assert child.stdin is not None
+            child.stdin.write(f"{n}\n")
+            child.stdin.flush()
+
+        step(1)
+        assert child.stdout.readline().strip() == "step 1 pauses=0"
+        child.send_signal(signal.SIGUSR1)  # blocked: pending until the next step boundary, not fatal
+        step(2)
+        assert child.stdout.readline().strip() == "paused"
+        child.send_signal(signal.SIGUSR2)
+        assert child.stdout.readline().strip() == "step 2 pauses=1"
+        child.send_signal(signal.SIGUSR1)
+        child.send_signal(signal.SIGUSR2)  # both within one step: no pause
+        step(3)
+        assert child.stdout.readline().strip() == "step 3 pauses=1"
+        child.send_signal(signal.SIGUSR2)  # a resume alone (the alternator's last word): nothing
+        step(4)
+        assert child.stdout.readline().strip() == "step 4 pauses=1"
+    finally:
+        child.stdin.close()
+        rc = child.wait(timeout=30)
+        child.stdout.close()
+    assert rc == 0
+
+
+def interleaved_run() -> dict[str, object]:
+    """A 4 s run in 1 s periods: requests beside the trainer 8 ms, without it 6 ms; the trainer 300 items."""
+    plan = Alternation(1000.0, 4.0, 1.0, 0.1)
+    arrivals = [k * 0.05 for k in range(1, 80)]
+    lat = [8.0 if plan.phase(a) == RUNNING else 6.0 for a in arrivals]
+    online = {"latency_ms": {"p50": 7.0, "p99": 8.0}, "latencies_ms": lat, "arrivals_s": arrivals, "dropped": 0}
+    offline = {"throughput": 75.0, "window": {"items": 300, "late_s": 0.0, "timeline": [[0.0, 0], [3.9, 300]]}}
+    return {"tenants": [{"name": "online", "report": online}, {"name": "offline", "report": offline}],
+            "alternation": {**plan.to_json(), "switches": 3, "max_lag_ms": 0.4, "error": None}}
+
+
+def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
+    alone = {"tenants": [{"name": "online", "report": {"latency_ms": {"p50": 5.0, "p99": 5.5}}}]}
+    solo = {"tenants": [{"name": "offline", "report": {"throughput": 200.0}}]}
+    runs = {"alone-online": alone, "alone-offline": solo, "MPS": interleaved_run()}
+    s = scenarios.derive_online(runs)["setups"]["MPS"]
+    assert s["p99_x_alone"] == pytest.approx(8.0 / 6.0) and s["p50_x_alone"] == pytest.approx(8.0 / 6.0)
+    assert s["offline_kept"] == pytest.approx(150.0 / 200.0)  # 300 items over 2 s of running periods
+    i = s["interleaved"]
+    assert i["paused_p99_x_alone_run"] == pytest.approx(6.0 / 5.5) and i["switches"] == 3
+    pooled = scenarios.pool_online([runs, runs])["setups"]["MPS"]
+    assert pooled["reference"] == "paused periods" and pooled["p99_x_alone"] == pytest.approx(8.0 / 6.0)
+    md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {**runs, "derived": scenarios.derive_online(runs)}}}))
+    assert "| 1 | MPS (interleaved) |" in md and "| 1 | 1 | MPS |" in md
