@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "workloads"))
-from _window import add_window_args, measure, plan_window, write_report
+from _window import StepPauser, add_window_args, measure, plan_window, write_report
 
 UNITS = {"cuda": "matmul/s", "render": "frames/s"}
 
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-up-s", type=float, default=0.0, metavar="S",
                         help="idle this long before the first item, as a slow start-up (torch import, CUDA init) "
                              "would: a start-up longer than the warm-up makes the window start late")
+    parser.add_argument("--pausable", action="store_true",
+                        help="idle between items from SIGUSR1 to SIGUSR2, as examples/02 --pausable")
     # Accepted and ignored so the orchestrator can pass the real workloads' options unchanged.
     parser.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -52,9 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {args.pin_cpu})
     start_at, end_at = plan_window(args, process_start)
     time.sleep(max(0.0, args.start_up_s))  # the start-up being stood in for, not a wait for a condition
-    window = measure(lambda: burn(args.chunk), start_at, end_at)
+    pauser = StepPauser() if args.pausable else None
+
+    def item() -> int:
+        if pauser is not None:
+            pauser.between_steps()
+        return burn(args.chunk)
+
+    window = measure(item, start_at, end_at)
     report = write_report(args.report, args.kind, UNITS[args.kind], window,
-                          {"standin": True, "pin_cpu": args.pin_cpu, "chunk": args.chunk})
+                          {"standin": True, "pin_cpu": args.pin_cpu, "chunk": args.chunk,
+                           **({"pauses": pauser.pauses} if pauser else {})})
     print(f"cpu_standin[{args.kind}] pid={report['pid']}: {window.throughput:.1f} {UNITS[args.kind]} "
           f"({window.items} items in {window.seconds:.2f} s)", flush=True)
     return 0

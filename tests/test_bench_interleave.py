@@ -5,10 +5,12 @@ child process (signals, sigwait), waited on by reading its output, not by sleepi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -142,3 +144,26 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
     assert pooled["reference"] == "paused periods" and pooled["p99_x_alone"] == pytest.approx(8.0 / 6.0)
     md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {**runs, "derived": scenarios.derive_online(runs)}}}))
     assert "| 1 | MPS (interleaved) |" in md and "| 1 | 1 | MPS |" in md
+
+
+def test_run_group_idles_the_named_tenant_in_every_other_period(tmp_path: Path) -> None:
+    """End to end without a GPU: gpu_pairs.run_group pauses a --pausable CPU stand-in in alternate periods of
+    its window; its report shows the pauses, and its timeline does not move inside a paused period."""
+    import gpu_pairs as gp
+
+    standin = [sys.executable, str(ROOT / "bench" / "cpu_standin.py"), "--kind", "cuda", "--chunk", "2000"]
+    cfg = gp.Config(python=sys.executable, seconds=3.0, warmup=1.0, unisched_warmup=1.0, slice_ms=50.0, grace_s=20.0,
+                    work_dir=tmp_path, workload_cmd={"cuda": [*standin, "--pausable"]}, custom_cmd={"cuda": True},
+                    unisched_module="unisched", env=dict(os.environ))
+    group = gp.run_group(cfg, "alt", "no scheduler", [gp.TenantSpec("offline", "cuda", None)],
+                         alternate=("offline", 0.6, 0.1))
+    alt = group.extra["alternation"]
+    assert alt["tenant"] == "offline" and alt["switches"] == 4 and alt["error"] is None  # 0.6, 1.2, 1.8, 2.4 s
+    (t,) = group.tenants
+    assert t.report is not None and t.error is None
+    assert t.report["pauses"] == 2
+    plan = Alternation.from_json(alt)
+    timeline = t.report["window"]["timeline"]
+    paused = [c for at, c in timeline if plan.phase(at) == PAUSED]
+    assert len(set(paused)) <= 2  # at most one count per paused period: nothing completes while idle
+    assert running_rate(plan, t.report["window"]["items"]) > t.report["throughput"]
