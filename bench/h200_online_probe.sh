@@ -34,7 +34,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
-  --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 \
+  --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total "${MAX_TOTAL:-560}" \
   --interleave "${INTERLEAVE:-0}" 2>&1 \
   | tee "$OUT/online-probe.log" | tail -20
 find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do
