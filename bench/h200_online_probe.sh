@@ -35,7 +35,7 @@ nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/mach
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
   --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total "${MAX_TOTAL:-560}" \
-  --interleave "${INTERLEAVE:-0}" 2>&1 \
+  --interleave "${INTERLEAVE:-0}" --solo-seconds "${SOLO_SECONDS:-0}" 2>&1 \
   | tee "$OUT/online-probe.log" | tail -20
 find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do
   tail -c 20000 "$f" > "$OUT/online-probe/$(echo "${f#/tmp/online-work/}" | tr / _)"; done

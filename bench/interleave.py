@@ -20,7 +20,9 @@ the client library's round trip). Those are measured apart (the mps-alone setup;
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import random
 import signal
 import threading
 import time
@@ -94,6 +96,53 @@ def split_latencies(plan: Alternation, arrivals_s: Sequence[float], latencies_ms
         if p is not None and a >= since_s:
             out[p].append(ms)
     return out
+
+
+def pair_of(plan: Alternation, t: float) -> int | None:
+    """Which running period + following paused period (a pair, 0-based) a moment belongs to, guards left out."""
+    return None if plan.phase(t) is None else int(t // (2 * plan.period_s))
+
+
+Block = tuple[list[float], list[float]]
+"""One pair of periods: the latencies (ms) of requests beside the trainer, and of those in the idle period after."""
+
+
+def period_pairs(plan: Alternation, arrivals_s: Sequence[float], latencies_ms: Sequence[float],
+                 since_s: float = 0.0) -> list[Block]:
+    """The run's requests by pair of periods (a running period and the paused one after it), pairs with both."""
+    pairs: dict[int, Block] = {}
+    for a, ms in zip(arrivals_s, latencies_ms, strict=False):
+        k = pair_of(plan, a)
+        if k is None or a < since_s:
+            continue
+        side = pairs.setdefault(k, ([], []))
+        side[0 if plan.phase(a) == RUNNING else 1].append(ms)
+    return [pairs[k] for k in sorted(pairs) if pairs[k][0] and pairs[k][1]]
+
+
+def paired_bootstrap(blocks: Sequence[Block], stat: Callable[[Sequence[float]], float], reps: int = 1000,
+                     seed: int = 1, confidence: float = 0.9) -> tuple[float, float] | None:
+    """A `confidence` interval for stat(running) / stat(paused), resampling whole pairs of periods with
+    replacement: requests seconds apart share the host's state, so the pairs, not the requests, are the
+    independent units; a pair keeps both of its sides. Pairs of several runs pool. None below 4 pairs."""
+    if len(blocks) < 4:
+        return None
+    rng = random.Random(seed)
+    ratios: list[float] = []
+    for _ in range(reps):
+        run: list[float] = []
+        idle: list[float] = []
+        for r, q in (blocks[rng.randrange(len(blocks))] for _ in blocks):
+            run += r
+            idle += q
+        base = stat(idle)
+        if base > 0:
+            ratios.append(stat(run) / base)
+    ratios.sort()
+    tail = (1 - confidence) / 2
+    lo = ratios[max(0, math.floor(tail * len(ratios)))]
+    hi = ratios[min(len(ratios) - 1, math.ceil((1 - tail) * len(ratios)) - 1)]
+    return lo, hi
 
 
 def running_rate(plan: Alternation, items: float, since_s: float = 0.0) -> float | None:

@@ -56,8 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
-from _window import latency_summary
-from interleave import PAUSED, RUNNING, Alternation, running_rate, split_latencies
+from _window import latency_summary, percentile
+from interleave import PAUSED, RUNNING, Alternation, paired_bootstrap, period_pairs, running_rate, split_latencies
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
@@ -125,6 +125,9 @@ class Options:
     repeat: int = 1
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
     online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS[n] for n in DEFAULT_ONLINE_SETUPS)
+    solo_seconds: float = 0.0
+    """Online scenario: the two solo runs' window (0: --seconds). Interleaved runs are their own reference for the
+    latency; the solo trainer run only gives the kept fraction, which needs far fewer seconds than a p99."""
     interleave_s: float = 0.0
     """Online scenario: > 0 pauses the offline tenant in every other period of this length in each shared run,
     and scores the requests that met it against those of the same run that did not (interleave.py)."""
@@ -286,6 +289,8 @@ class Harness:
     def online_run(self, batch: int, setup: str) -> dict[str, Any]:
         engine = "user" if setup.startswith("unisched user") else "kernel"
         cfg = self.config(engine)
+        if setup in ("alone-online", "alone-offline") and self.opts.solo_seconds > 0:
+            cfg = dataclasses.replace(cfg, seconds=self.opts.solo_seconds)
         pausers = (ONLINE_SETUPS["user-points"], ONLINE_SETUPS["user-mps-points"])
         pausing = ["--pause-every", str(PAUSE_EVERY)] if setup in pausers else []
         cfg = dataclasses.replace(cfg, workload_cmd={
@@ -479,19 +484,42 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
-    """A run whose offline tenant was paused in every other period (--interleave): the online requests of its
-    running periods and of its paused ones (the reference: same processes, seconds apart), and the offline
-    throughput over its running periods. None for a run without pauses."""
+INTERLEAVED_STATS = {"p50": lambda v: percentile(v, 50), "mean": statistics.fmean, "p99": lambda v: percentile(v, 99)}
+"""The statistics whose running / paused ratio an interleaved run reports with a paired-bootstrap interval."""
+
+
+def interleave_inputs(run: dict[str, Any]) -> tuple[Alternation, list[float], list[float], float] | None:
+    """An interleaved run's plan, its online requests' arrivals and latencies, and the second from which they
+    count (the trainer's first step, where it started late); None for a run without pauses."""
     alt = run.get("alternation")
     if not alt:
         return None
-    plan = Alternation.from_json(alt)
-    off = tenant(run, "offline") or {}
+    on = tenant(run, "online") or {}
+    window = met_partner(run)[3]
+    return (Alternation.from_json(alt), on.get("arrivals_s") or [], on.get("latencies_ms") or [],
+            window[0] if window else 0.0)
+
+
+def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
+    """A run whose offline tenant was paused in every other period (--interleave): the online requests of its
+    running periods and of its paused ones (the reference: same processes, seconds apart), running / paused of
+    p50, mean and p99 each with a 90% interval from resampling pairs of periods, and the offline throughput over
+    its running periods. None for a run without pauses."""
+    inputs = interleave_inputs(run)
+    if inputs is None:
+        return None
+    plan, arrivals, latencies, since = inputs
+    alt = run["alternation"]
     shared, ref = setup_samples(run)
-    w = off.get("window") or {}
+    w = (tenant(run, "offline") or {}).get("window") or {}
     rate = running_rate(plan, w["items"], since_s=w.get("late_s") or 0.0) if "items" in w else None
-    return {"running": latency_summary(shared), "paused": latency_summary(ref or []),
+    ratios = {}
+    blocks = period_pairs(plan, arrivals, latencies, since_s=since)
+    for name, stat in INTERLEAVED_STATS.items():
+        ci = paired_bootstrap(blocks, stat)
+        ratios[f"{name}_x"] = ratio(stat(shared), stat(ref)) if shared and ref else None
+        ratios[f"{name}_x_ci"] = list(ci) if ci else None
+    return {"running": latency_summary(shared), "paused": latency_summary(ref or []), **ratios,
             "offline_running_tp": rate, "period_s": plan.period_s,
             "guard_s": plan.guard_s, "switches": alt.get("switches"), "max_lag_ms": alt.get("max_lag_ms"),
             "alternation_error": alt.get("error")}
@@ -500,13 +528,11 @@ def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
 def setup_samples(run: dict[str, Any]) -> tuple[list[float], list[float] | None]:
     """The online latencies (ms) that met the trainer, and, for an interleaved run, those of its paused periods
     (the run's own reference); None for a run scored against the separate alone run."""
-    alt = run.get("alternation")
-    if not alt:
+    inputs = interleave_inputs(run)
+    if inputs is None:
         return met_partner(run)[2] or [], None
-    on = tenant(run, "online") or {}
-    window = met_partner(run)[3]
-    split = split_latencies(Alternation.from_json(alt), on.get("arrivals_s") or [], on.get("latencies_ms") or [],
-                            since_s=window[0] if window else 0.0)
+    plan, arrivals, latencies, since = inputs
+    split = split_latencies(plan, arrivals, latencies, since_s=since)
     return split[RUNNING], split[PAUSED]
 
 
@@ -563,8 +589,20 @@ def pool_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         out["setups"][setup] = {**pooled, "p99_x_alone": ratio(pooled["p99_ms"], against["p99_ms"]),
                                 "p99_x_bounds": bounds, "resolution": p99_resolution(bounds),
                                 "reference": "paused periods" if ref else "alone runs",
-                                **({"paused": ref} if ref else {})}
+                                **({"paused": ref, "p99_x_paired_ci": pooled_pairs_ci(rounds, setup)} if ref else {})}
     return out
+
+
+def pooled_pairs_ci(rounds: list[dict[str, Any]], setup: str) -> list[float] | None:
+    """The p99 running / paused interval from the pairs of periods of every round's interleaved run of a setup."""
+    blocks = []
+    for r in rounds:
+        inputs = interleave_inputs(r.get(setup) or {})
+        if inputs is not None:
+            plan, arrivals, latencies, since = inputs
+            blocks += period_pairs(plan, arrivals, latencies, since_s=since)
+    ci = paired_bootstrap(blocks, INTERLEAVED_STATS["p99"])
+    return list(ci) if ci else None
 
 
 def online_target_met(p99x: float | None, kept: float | None) -> bool | None:
@@ -736,9 +774,12 @@ def online_md(data: dict[str, Any]) -> list[str]:
                 if not q:
                     continue
                 b = q.get("p99_x_bounds")
-                lines.append(f"| {batch} | {setup} | {q['n']} | {gp.fmt(q['p99_ms'])} ({gp.fmt(q['p99_lo'])}-"
-                             f"{gp.fmt(q['p99_hi'])}) | {gp.fmt(q.get('p99_x_alone', 1.0))} | "
-                             f"{f'{gp.fmt(b[0])}-{gp.fmt(b[1])}' if b else ''} | {q.get('resolution', '')} |")
+                paired = q.get("p99_x_paired_ci")
+                lines.append(f"| {batch} | {setup}{' (vs its paused periods)' if q.get('paused') else ''} | {q['n']} | "
+                             f"{gp.fmt(q['p99_ms'])} ({gp.fmt(q['p99_lo'])}-{gp.fmt(q['p99_hi'])}) | "
+                             f"{gp.fmt(q.get('p99_x_alone', 1.0))} | {f'{gp.fmt(b[0])}-{gp.fmt(b[1])}' if b else ''}"
+                             f"{f'; paired {gp.fmt(paired[0])}-{gp.fmt(paired[1])}' if paired else ''} | "
+                             f"{q.get('resolution', '')} |")
     lines += ["", f"90% bounds: from each p99's distribution-free 90% interval (order statistics of its requests), "
                   f"shared low / alone high to shared high / alone low; 'cannot tell' where they straddle "
                   f"{ONLINE_P99_TARGET:g}x."]
@@ -757,20 +798,28 @@ def interleaved_md(data: dict[str, Any]) -> list[str]:
                 if not i:
                     continue
                 r, q = i.get("running") or {}, i.get("paused") or {}
+                cis = " | ".join(fmt_ci(i.get(f"{n}_x"), i.get(f"{n}_x_ci")) for n in INTERLEAVED_STATS)
                 rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {gp.fmt(r.get('p50'))} / "
-                            f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | "
-                            f"{gp.fmt(s.get('p99_x_alone'))} | {gp.fmt(i.get('paused_p99_x_alone_run'))} | "
+                            f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | {cis} | "
+                            f"{gp.fmt(i.get('paused_p99_x_alone_run'))} | "
                             f"{gp.fmt(s.get('offline_kept'))} | {i.get('switches')}, {gp.fmt(i.get('max_lag_ms'), 1)} ms |")
     if not rows:
         return []
-    return ["", "Interleaved (`--interleave S`): in each shared run the trainer was stopped in every other period of S "
+    return ["", "Interleaved (`--interleave S`): in each shared run the trainer idled in every other period of S "
             f"seconds; requests within {INTERLEAVE_GUARD_S:g} s of a switch count for neither phase. The setup's p99 / alone "
             "above is its running periods' p99 against its paused periods' (same run, seconds apart), the offline kept "
             "its rate over its running periods against its solo run. A cost the setup puts on the online tenant in both "
             "phases shows in the paused periods against the alone run (with the minutes of drift between them).", "",
+            "Running / paused ratios carry a 90% interval from resampling whole pairs of periods (a running second and "
+            "the idle one after it), the independent units here.", "",
             "| batch | round | setup | requests running / paused | running p50 / p99 ms | paused p50 / p99 ms | "
-            "running p99 / paused | paused p99 / alone run | offline kept (running) | switches, max lag |",
-            "|---|---|---|---|---|---|---|---|---|---|", *rows]
+            "p50 running / paused | mean running / paused | p99 running / paused | paused p99 / alone run | "
+            "offline kept (running) | switches, max lag |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def fmt_ci(x: float | None, ci: list[float] | None) -> str:
+    return gp.fmt(x) + (f" [{gp.fmt(ci[0])}-{gp.fmt(ci[1])}]" if ci else "")
 
 
 def fmt_ranged(s: dict[str, Any], key: str) -> str:
@@ -1026,6 +1075,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "run (it idles between steps, examples/02 --pausable) and score the requests that met it against those "
                          "of the same run "
                          "that did not, so the host's drift between runs falls on both sides (default 0: off)")
+    ap.add_argument("--solo-seconds", type=float, default=0.0, metavar="S",
+                    help="online scenario: the solo runs' window (default 0: --seconds); with --interleave the shared "
+                         "runs carry their own latency reference, and the solo trainer needs less time for its rate")
     ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "
@@ -1044,6 +1096,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeat must be at least 1")
     if args.interleave < 0 or 0 < args.interleave <= 2 * INTERLEAVE_GUARD_S:
         ap.error(f"--interleave: a period over {2 * INTERLEAVE_GUARD_S:g} s (the guards at its ends), or 0 for off")
+    if args.solo_seconds < 0:
+        ap.error("--solo-seconds must be positive, or 0 for --seconds")
     names = [n.strip() for n in args.online_setups.split(",") if n.strip()]
     bad = [n for n in names if n not in ONLINE_SETUPS]
     if bad or not names:
@@ -1076,7 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
                    slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
                    memory_cap=args.memory_cap, work_dir=work,
                    max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat,
-                   online_setups=args.online_setup_list, interleave_s=args.interleave)
+                   online_setups=args.online_setup_list, interleave_s=args.interleave, solo_seconds=args.solo_seconds)
     h = Harness(opts, args.scenario_list)
     h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
     for name in args.scenario_list:

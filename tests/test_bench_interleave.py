@@ -6,7 +6,9 @@ child process (signals, sigwait), waited on by reading its output, not by sleepi
 from __future__ import annotations
 
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -17,7 +19,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import scenarios
-from interleave import PAUSED, RUNNING, Alternation, Alternator, running_rate, split_latencies
+from interleave import PAUSED, RUNNING, Alternation, Alternator, paired_bootstrap, period_pairs, running_rate, split_latencies
 
 
 def test_phases_alternate_from_running_with_guards_at_each_switch() -> None:
@@ -140,6 +142,7 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
     assert s["offline_kept"] == pytest.approx(150.0 / 200.0)  # 300 items over 2 s of running periods
     i = s["interleaved"]
     assert i["paused_p99_x_alone_run"] == pytest.approx(6.0 / 5.5) and i["switches"] == 3
+    assert i["mean_x"] == pytest.approx(8.0 / 6.0) and i["mean_x_ci"] is None  # two pairs of periods: no interval
     pooled = scenarios.pool_online([runs, runs])["setups"]["MPS"]
     assert pooled["reference"] == "paused periods" and pooled["p99_x_alone"] == pytest.approx(8.0 / 6.0)
     md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {**runs, "derived": scenarios.derive_online(runs)}}}))
@@ -167,3 +170,30 @@ def test_run_group_idles_the_named_tenant_in_every_other_period(tmp_path: Path) 
     paused = [c for at, c in timeline if plan.phase(at) == PAUSED]
     assert len(set(paused)) <= 2  # at most one count per paused period: nothing completes while idle
     assert running_rate(plan, t.report["window"]["items"]) > t.report["throughput"]
+
+
+def drifting_requests(effect: float) -> tuple[Alternation, list[float], list[float]]:
+    """60 s of 1 s periods, 20 requests a second; the host drifts between 5 and 9 ms from pair to pair, and a
+    request beside the trainer takes `effect` times as long."""
+    plan = Alternation(0.0, 60.0, 1.0, 0.1)
+    rng = random.Random(7)
+    arrivals, lat = [], []
+    for k in range(1200):
+        a = k * 0.05 + 0.025
+        if plan.phase(a) is None:
+            continue
+        host = 5.0 + 4.0 * ((int(a) // 2 * 7919) % 13) / 12  # one level per pair of periods
+        arrivals.append(a)
+        lat.append(host * rng.uniform(0.9, 1.1) * (effect if plan.phase(a) == RUNNING else 1.0))
+    return plan, arrivals, lat
+
+
+def test_paired_bootstrap_sees_an_effect_through_the_drift_and_no_effect_where_there_is_none() -> None:
+    mean = statistics.fmean
+    blocks = period_pairs(*drifting_requests(1.2))
+    assert len(blocks) == 30 and all(len(r) == len(q) == 16 for r, q in blocks)
+    ci = paired_bootstrap(blocks, mean, reps=400)
+    assert ci is not None and 1.1 < ci[0] < 1.2 < ci[1] < 1.3
+    ci = paired_bootstrap(period_pairs(*drifting_requests(1.0)), mean, reps=400)
+    assert ci is not None and ci[0] < 1.0 < ci[1] and ci[1] - ci[0] < 0.05
+    assert paired_bootstrap(blocks[:3], mean) is None  # under 4 pairs
