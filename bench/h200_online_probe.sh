@@ -26,6 +26,9 @@
 # Then (this session, after that call read every setup within the alone runs' own drift: two alone runs minutes apart
 # had p50s of 5.82 and 4.58 ms), interleaved: one long run per setup, the trainer idle in every other second:
 #   source .devcache/setup.sh && INTERLEAVE=1 SECONDS_WINDOW=90 SETUPS=no-scheduler,mps,user-mps-daemon bash bench/h200_online_probe.sh
+# (ran: bench/results/2026-12-02-h200-a/ call-b, and call-c with BATCHES=8: every setup, no scheduler included, within
+# a few percent at p50; the p99 unresolved at ~700 requests a side). Next, a positive control, the trainer at b128:
+#   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=60 SOLO_SECONDS=30 SETUPS=no-scheduler,mps,user-mps-daemon bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}
@@ -35,7 +38,7 @@ nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/mach
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
   --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total "${MAX_TOTAL:-560}" \
-  --interleave "${INTERLEAVE:-0}" --solo-seconds "${SOLO_SECONDS:-0}" 2>&1 \
+  --interleave "${INTERLEAVE:-0}" --solo-seconds "${SOLO_SECONDS:-0}" --offline-batch "${OFFLINE_BATCH:-32}" 2>&1 \
   | tee "$OUT/online-probe.log" | tail -20
 find /tmp/online-work -path '*mps-log*' -name '*.log' | while read -r f; do
   tail -c 20000 "$f" > "$OUT/online-probe/$(echo "${f#/tmp/online-work/}" | tr / _)"; done

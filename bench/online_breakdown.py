@@ -10,6 +10,10 @@ at max(a, previous c), and its service time is c - start. Reports per setup, poo
 latency and of service time against alone, and how many requests queued. A diagnosis, not the issue's target.
 
   python3 bench/online_breakdown.py bench/results/2026-12-01-h200-i/call-b/online-probe/results.json [more.json ...]
+  python3 bench/online_breakdown.py --batch 8 bench/results/2026-12-02-h200-a/call-c/online-probe/results.json
+
+Interleaved runs (scenarios.py --interleave) get a second table: running / paused, their pairs of periods pooled
+over every file given.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scenarios
 from _window import percentile
+from interleave import Block, paired_bootstrap, period_pairs
 
 ALONE = "alone-online"
 
@@ -52,26 +59,52 @@ def breakdown(arrivals_s: Sequence[float], latencies_ms: Sequence[float]) -> Bre
     return Breakdown(tuple(latencies_ms), tuple(service), queued)
 
 
-def online_reports(results: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(setup, the online tenant's report) for every run of every round of batch-1 runs in a results.json."""
-    for batch in results.get("scenarios", {}).get("online", {}).get("batches", {}).values():
-        rounds = [batch, *batch.get("more_rounds", [])]
-        for rnd in rounds:
-            for setup, run in rnd.items():
-                if not isinstance(run, dict) or "tenants" not in run:
-                    continue
-                for t in run["tenants"]:
-                    rep = t.get("report") or {}
-                    if "latencies_ms" in rep and "arrivals_s" in rep:
-                        yield setup, rep
+def online_runs(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(setup, run, the online tenant's report) for every run of every round of one batch size in a results.json."""
+    runs = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch))
+    if not runs:
+        return
+    for rnd in [runs, *runs.get("more_rounds", [])]:
+        for setup, run in rnd.items():
+            if not isinstance(run, dict) or "tenants" not in run:
+                continue
+            for t in run["tenants"]:
+                rep = t.get("report") or {}
+                if "latencies_ms" in rep and "arrivals_s" in rep:
+                    yield setup, run, rep
 
 
-def pooled(paths: Sequence[Path]) -> dict[str, list[Breakdown]]:
+def pooled(paths: Sequence[Path], batch: int = 1) -> dict[str, list[Breakdown]]:
     out: dict[str, list[Breakdown]] = {}
     for p in paths:
-        for setup, rep in online_reports(json.loads(p.read_text())):
+        for setup, _, rep in online_runs(json.loads(p.read_text()), batch):
             out.setdefault(setup, []).append(breakdown(rep["arrivals_s"], rep["latencies_ms"]))
     return out
+
+
+def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
+    """Interleaved runs (scenarios.py --interleave) of every file, pooled per setup: running / paused ratios with
+    90% intervals from resampling their pairs of periods (interleave.paired_bootstrap), so calls add up."""
+    blocks: dict[str, list[Block]] = {}
+    for p in paths:
+        for setup, run, _ in online_runs(json.loads(p.read_text()), batch):
+            inputs = scenarios.interleave_inputs(run)
+            if inputs is not None:
+                plan, arrivals, latencies, since = inputs
+                blocks.setdefault(setup, []).extend(period_pairs(plan, arrivals, latencies, since_s=since))
+    if not blocks:
+        return ""
+    lines = ["| setup (interleaved) | pairs of periods | requests running / paused | p50 running / paused | "
+             "mean running / paused | p99 running / paused |", "|---|---|---|---|---|---|"]
+    for setup, bs in sorted(blocks.items()):
+        run = [v for b in bs for v in b[0]]
+        idle = [v for b in bs for v in b[1]]
+        cells = []
+        for stat in scenarios.INTERLEAVED_STATS.values():
+            ci = paired_bootstrap(bs, stat)
+            cells.append(f"{stat(run) / stat(idle):.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
+        lines.append(f"| {setup} | {len(bs)} | {len(run)} / {len(idle)} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def table(runs: dict[str, list[Breakdown]]) -> str:
@@ -98,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Pools every round of every file given; setups are named as in the files.")
     ap.add_argument("results", nargs="+", type=Path, help="bench/scenarios.py results.json files (online scenario)")
+    ap.add_argument("--batch", type=int, default=1, help="which online batch size to read (default 1)")
     args = ap.parse_args(argv)
     missing = [str(p) for p in args.results if not p.is_file()]
     if missing:
         ap.error(f"no such file: {', '.join(missing)}")
     try:
-        print(table(pooled(args.results)))
+        print(table(pooled(args.results, args.batch)))
+        inter = interleaved_table(args.results, args.batch)
+        if inter:
+            print("\n" + inter)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         print(f"online_breakdown: {e}", file=sys.stderr)
         return 2

@@ -125,6 +125,8 @@ class Options:
     repeat: int = 1
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
     online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS[n] for n in DEFAULT_ONLINE_SETUPS)
+    offline_batch: int = 32
+    """Online scenario: the trainer's batch (32, the issue's; 128 keeps the GPU busy: steps of GPU work, not launches)."""
     solo_seconds: float = 0.0
     """Online scenario: the two solo runs' window (0: --seconds). Interleaved runs are their own reference for the
     latency; the solo trainer run only gives the kept fraction, which needs far fewer seconds than a p99."""
@@ -295,7 +297,8 @@ class Harness:
         pausing = ["--pause-every", str(PAUSE_EVERY)] if setup in pausers else []
         cfg = dataclasses.replace(cfg, workload_cmd={
             "online": [sys.executable, str(EX / "online_offline.py"), "--batch", str(batch), "--rate", f"{self.opts.rate:g}"],
-            "offline": [*shlex.split(TRAIN_CMD), *pausing, *(["--pausable"] if self.opts.interleave_s > 0 else [])],
+            "offline": [*shlex.split(TRAIN_CMD), "--batch", str(self.opts.offline_batch), *pausing,
+                        *(["--pausable"] if self.opts.interleave_s > 0 else [])],
         })
         under = setup.startswith("unisched")
         weight = 100.0 if under else None
@@ -1075,6 +1078,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "run (it idles between steps, examples/02 --pausable) and score the requests that met it against those "
                          "of the same run "
                          "that did not, so the host's drift between runs falls on both sides (default 0: off)")
+    ap.add_argument("--offline-batch", type=int, default=32, metavar="N",
+                    help="online scenario: the trainer's batch (default 32; 128 keeps the GPU busier, where contention "
+                         "bites harder)")
     ap.add_argument("--solo-seconds", type=float, default=0.0, metavar="S",
                     help="online scenario: the solo runs' window (default 0: --seconds); with --interleave the shared "
                          "runs carry their own latency reference, and the solo trainer needs less time for its rate")
@@ -1096,6 +1102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeat must be at least 1")
     if args.interleave < 0 or 0 < args.interleave <= 2 * INTERLEAVE_GUARD_S:
         ap.error(f"--interleave: a period over {2 * INTERLEAVE_GUARD_S:g} s (the guards at its ends), or 0 for off")
+    if args.offline_batch < 1:
+        ap.error("--offline-batch must be at least 1")
     if args.solo_seconds < 0:
         ap.error("--solo-seconds must be positive, or 0 for --seconds")
     names = [n.strip() for n in args.online_setups.split(",") if n.strip()]
@@ -1130,7 +1138,8 @@ def main(argv: list[str] | None = None) -> int:
                    slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
                    memory_cap=args.memory_cap, work_dir=work,
                    max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat,
-                   online_setups=args.online_setup_list, interleave_s=args.interleave, solo_seconds=args.solo_seconds)
+                   online_setups=args.online_setup_list, interleave_s=args.interleave, solo_seconds=args.solo_seconds,
+                   offline_batch=args.offline_batch)
     h = Harness(opts, args.scenario_list)
     h.progress.note(f"plan: {', '.join(args.scenario_list)}; window {args.seconds:g} s; work dir {work}")
     for name in args.scenario_list:

@@ -46,3 +46,21 @@ def test_the_table_pools_rounds_and_compares_each_setup_with_alone(tmp_path: Pat
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "online_breakdown.py"), str(tmp_path / "none.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_interleaved_runs_of_several_files_pool_their_pairs_of_periods(tmp_path: Path) -> None:
+    from interleave import RUNNING, Alternation
+
+    plan = Alternation(0.0, 20.0, 1.0, 0.1)  # 10 pairs of periods a run
+    arrivals = [0.05 * i + 0.025 for i in range(400)]
+    lat = [8.0 if plan.phase(a) == RUNNING else 6.0 for a in arrivals]
+    run = {"tenants": [{"name": "online", "report": {"arrivals_s": arrivals, "latencies_ms": lat}}],
+           "alternation": plan.to_json()}
+    paths = []
+    for k in range(2):
+        paths.append(tmp_path / f"r{k}.json")
+        batches = {"8": {"alone-online": report(arrivals, [6.0] * 400), "no scheduler": run}}
+        paths[-1].write_text(json.dumps({"scenarios": {"online": {"batches": batches}}}))
+    assert ob.interleaved_table(paths, batch=1) == ""  # another batch size: nothing read
+    table = ob.interleaved_table(paths, batch=8)
+    assert "| no scheduler | 20 | 320 / 320 | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] |" in table

@@ -113,6 +113,11 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     assert plan.returncode == 0 and "[18/18] online: batch 1, unisched user, round 3/3" in plan.stderr
     bad = subprocess.run([*cmd, "--repeat", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr
+    for args, says in ((["--interleave", "0.2"], "--interleave: a period over 0.2 s"),
+                       (["--solo-seconds", "-1"], "--solo-seconds must be positive"),
+                       (["--offline-batch", "0"], "--offline-batch must be at least 1")):
+        bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr
     plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user,kernel",
                            "--dry-run"], capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and "[4/4] online: batch 1, unisched user" in plan.stderr
