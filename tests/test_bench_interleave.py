@@ -197,3 +197,13 @@ def test_paired_bootstrap_sees_an_effect_through_the_drift_and_no_effect_where_t
     ci = paired_bootstrap(period_pairs(*drifting_requests(1.0)), mean, reps=400)
     assert ci is not None and ci[0] < 1.0 < ci[1] and ci[1] - ci[0] < 0.05
     assert paired_bootstrap(blocks[:3], mean) is None  # under 4 pairs
+
+
+def test_an_interleaved_online_scenario_gets_its_own_plot(tmp_path: Path) -> None:
+    alone = {"tenants": [{"name": "online", "report": {"latency_ms": {"p50": 5.0, "p99": 5.5}}}]}
+    solo = {"tenants": [{"name": "offline", "report": {"throughput": 200.0}}]}
+    plain = {"alone-online": alone, "alone-offline": solo}
+    results = {"scenarios": {"online": {"batches": {"1": {**plain, "MPS": interleaved_run()}, "8": plain}}}}
+    made = scenarios.plots(results, tmp_path)
+    assert tmp_path / "online-b1-interleaved.png" in made and tmp_path / "online-b8-interleaved.png" not in made
+    assert (tmp_path / "online-b1-interleaved.png").stat().st_size > 1000
