@@ -20,6 +20,7 @@ the client library's round trip). Those are measured apart (the mps-alone setup;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -42,6 +43,11 @@ class Alternation:
     seconds: float
     period_s: float
     guard_s: float
+    until_s: float | None = None
+    """Where the pauses ended (the final resume, seconds into the window), when before the window's end: nothing
+    after it counts for either phase. Runs recorded without `resumed_at_s` (the first ones, 2026-12-02 calls b and c)
+    resumed the trainer right after the last switch, so a last pause of theirs ran it: from_json finds that from
+    the number of switches."""
 
     def __post_init__(self) -> None:
         if self.period_s <= 0 or self.seconds <= 0:
@@ -51,7 +57,7 @@ class Alternation:
 
     def phase(self, t: float) -> str | None:
         """The phase of a moment `t` seconds into the window; None near a switch or outside the window."""
-        if not 0 <= t < self.seconds:
+        if not 0 <= t < self.seconds or (self.until_s is not None and t >= self.until_s - self.guard_s):
             return None
         k, into = divmod(t, self.period_s)
         if into < self.guard_s or self.period_s - into < self.guard_s:
@@ -68,23 +74,22 @@ class Alternation:
             k += 1
         return out
 
-    def phase_seconds(self, phase: str) -> float:
-        """How many seconds of the window count for `phase` (guards left out)."""
-        total, k = 0.0, 0
-        while k * self.period_s < self.seconds:
-            if (RUNNING if k % 2 == 0 else PAUSED) == phase:
-                a = k * self.period_s + self.guard_s
-                b = min((k + 1) * self.period_s - self.guard_s, self.seconds)
-                total += max(0.0, b - a)
-            k += 1
-        return total
-
     def to_json(self) -> dict[str, float]:
-        return {"start_at": self.start_at, "seconds": self.seconds, "period_s": self.period_s, "guard_s": self.guard_s}
+        out = {"start_at": self.start_at, "seconds": self.seconds, "period_s": self.period_s, "guard_s": self.guard_s}
+        return out if self.until_s is None else {**out, "until_s": self.until_s}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Alternation:
-        return cls(float(d["start_at"]), float(d["seconds"]), float(d["period_s"]), float(d["guard_s"]))
+        """A plan as a run recorded it (with how it went: `resumed_at_s`, `switches`)."""
+        plan = cls(float(d["start_at"]), float(d["seconds"]), float(d["period_s"]), float(d["guard_s"]),
+                   None if d.get("until_s") is None else float(d["until_s"]))
+        if d.get("resumed_at_s") is not None:
+            until = float(d["resumed_at_s"])
+        elif d.get("switches") is not None and int(d["switches"]) % 2 == 1:  # recorded before the final pause was held
+            until = int(d["switches"]) * plan.period_s
+        else:
+            return plan
+        return plan if until >= plan.seconds else dataclasses.replace(plan, until_s=until)
 
 
 def split_latencies(plan: Alternation, arrivals_s: Sequence[float], latencies_ms: Sequence[float],
@@ -146,12 +151,14 @@ def paired_bootstrap(blocks: Sequence[Block], stat: Callable[[Sequence[float]], 
 
 
 def running_rate(plan: Alternation, items: float, since_s: float = 0.0) -> float | None:
-    """Items per second of the offline tenant's running periods: `items` completed in the window from `since_s`
-    (its first step, where it started late) over the seconds of running periods from then on, guards included."""
-    seconds, k = 0.0, 0
-    while k * plan.period_s < plan.seconds:
+    """Items per second the offline tenant ran: `items` completed in the window from `since_s` (its first step,
+    where it started late) over the seconds it ran from then on: its running periods, guards included, and all
+    of the window after the pauses ended (`until_s`)."""
+    end = plan.seconds if plan.until_s is None else min(plan.seconds, plan.until_s)
+    seconds, k = max(0.0, plan.seconds - max(end, since_s)), 0
+    while k * plan.period_s < end:
         if k % 2 == 0:
-            seconds += max(0.0, min((k + 1) * plan.period_s, plan.seconds) - max(k * plan.period_s, since_s))
+            seconds += max(0.0, min((k + 1) * plan.period_s, end) - max(k * plan.period_s, since_s))
         k += 1
     return items / seconds if seconds > 0 else None
 
@@ -170,6 +177,8 @@ class Alternator:
     resume_signal: int = signal.SIGUSR2
     lags_s: list[float] = field(default_factory=list)
     """How late each switch was sent."""
+    resumed_at_s: float | None = None
+    """When the final resume was sent, seconds into the window."""
     error: str | None = None
 
     def __post_init__(self) -> None:
@@ -187,9 +196,12 @@ class Alternator:
                     return
                 self.kill(self.pid, self.pause_signal if stop else self.resume_signal)
                 self.lags_s.append(self.clock() - due)
+            # a last pause holds to the window's end: resumed at once, its period would run the trainer
+            self.wait(max(0.0, self.plan.start_at + self.plan.seconds - self.clock()))
         except ProcessLookupError:
             self.error = "the paused tenant ended before the window did"
         finally:
+            self.resumed_at_s = self.clock() - self.plan.start_at
             with contextlib.suppress(ProcessLookupError):
                 self.kill(self.pid, self.resume_signal)
 
@@ -202,5 +214,5 @@ class Alternator:
         self._halt.set()
         if self._thread is not None:
             self._thread.join()
-        return {**self.plan.to_json(), "switches": len(self.lags_s),
+        return {**self.plan.to_json(), "switches": len(self.lags_s), "resumed_at_s": self.resumed_at_s,
                 "max_lag_ms": round(1000 * max(self.lags_s), 3) if self.lags_s else None, "error": self.error}

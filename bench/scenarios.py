@@ -283,8 +283,7 @@ class Harness:
                         rounds[k][setup] = {"error": str(e)}
                     self.save("online", data)
                     self.progress.note(f"  -> {online_line(rounds[k][setup])}")
-            runs["derived"] = combine_online([derive_online(r) for r in rounds])
-            runs["derived"]["pooled"] = pool_online(rounds)
+            derive_batch(runs)
             self.save("online", data)
         return data
 
@@ -454,6 +453,14 @@ def met_partner(run: dict[str, Any]) -> tuple[dict[str, Any], float | None, list
         return on.get("latency_ms") or {}, offline_tp, latencies, list(window)
     kept = [ms for at, ms in zip(arrivals, latencies, strict=False) if window[0] <= at <= window[1]]
     return latency_summary(kept), offline_tp, kept, list(window)
+
+
+def derive_batch(runs: dict[str, Any]) -> None:
+    """(Re)derive one online batch size's verdicts from its raw runs, every round: at the end of a run, and on
+    --replot, so a scoring change reaches committed results."""
+    rounds = [runs, *runs.get("more_rounds", [])]
+    runs["derived"] = combine_online([derive_online(r) for r in rounds])
+    runs["derived"]["pooled"] = pool_online(rounds)
 
 
 def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
@@ -1163,6 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
         if results is None:
             print(f"scenarios: error: no readable {args.out / 'results.json'}", file=sys.stderr)
             return 2
+        for runs in ((results.get("scenarios") or {}).get("online") or {}).get("batches", {}).values():
+            derive_batch(runs)
         made = write_outputs(results, args.out)
         print(summary(results))
         print(f"wrote {args.out / 'results.md'} and {len(made)} plots")

@@ -5,6 +5,7 @@ child process (signals, sigwait), waited on by reading its output, not by sleepi
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -28,8 +29,15 @@ def test_phases_alternate_from_running_with_guards_at_each_switch() -> None:
         [None, RUNNING, None, None, PAUSED, RUNNING, PAUSED, RUNNING]
     assert plan.phase(-0.1) is None and plan.phase(5.0) is None
     assert plan.switches() == [(1.0, True), (2.0, False), (3.0, True), (4.0, False)]
-    assert plan.phase_seconds(RUNNING) == pytest.approx(3 * 0.8) and plan.phase_seconds(PAUSED) == pytest.approx(1.6)
     assert Alternation.from_json(plan.to_json()) == plan
+    # the pauses ended early (the final resume at 3.5 s): nothing after counts for either phase
+    ended = Alternation.from_json({**plan.to_json(), "resumed_at_s": 3.5, "switches": 3})
+    assert ended.until_s == 3.5 and ended.phase(3.3) is PAUSED and ended.phase(3.45) is None and ended.phase(4.5) is None
+    held = Alternation.from_json({**plan.to_json(), "resumed_at_s": 5.001, "switches": 4})
+    assert held == plan
+    # recorded before the last pause was held to the end: an odd count of switches, the last a pause cut short
+    assert Alternation.from_json({**plan.to_json(), "switches": 3}).until_s == 3.0
+    assert Alternation.from_json({**plan.to_json(), "switches": 4}) == plan
     with pytest.raises(ValueError, match="guard"):
         Alternation(0.0, 5.0, 0.2, 0.1)
     with pytest.raises(ValueError, match="positive"):
@@ -50,6 +58,8 @@ def test_offline_rate_counts_only_its_running_seconds() -> None:
     assert running_rate(plan, 500) == pytest.approx(100.0)
     assert running_rate(plan, 400, since_s=2.0) == pytest.approx(100.0)  # started late: 4 s of running periods
     assert running_rate(Alternation(0.0, 1.0, 1.0, 0.1), 0, since_s=1.0) is None
+    # pauses ended at 7 s (resumed then): it ran 0-1, 2-3, 4-5, 6-7 and 7-10: 7 s
+    assert running_rate(Alternation(0.0, 10.0, 1.0, 0.1, until_s=7.0), 700) == pytest.approx(100.0)
 
 
 def test_alternator_sends_pause_and_resume_on_time_and_resumes_at_the_end() -> None:
@@ -67,6 +77,16 @@ def test_alternator_sends_pause_and_resume_on_time_and_resumes_at_the_end() -> N
                                                          (103.002, signal.SIGUSR1), (104.002, signal.SIGUSR2)]
     assert all(pid == 42 for _, pid, _ in sent)
     assert alt.lags_s == pytest.approx([0.002] * 3)
+    assert alt.stop()["resumed_at_s"] == pytest.approx(4.002)
+
+    # to the end: a last pause (at 3 s of a 3.5 s window) is held until the window ends, then resumed
+    now[0], sent[:] = 200.0, []
+    full = Alternator(Alternation(200.0, 3.5, 1.0, 0.1), pid=7, kill=lambda pid, sig: sent.append((now[0], pid, sig)),
+                      clock=lambda: now[0], wait=lambda s: bool(now.__setitem__(0, now[0] + s)))
+    full.run()
+    assert [(round(t - 200.0, 3), sig) for t, _, sig in sent] == [(1.0, signal.SIGUSR1), (2.0, signal.SIGUSR2),
+                                                                 (3.0, signal.SIGUSR1), (3.5, signal.SIGUSR2)]
+    assert full.resumed_at_s == pytest.approx(3.5)
 
     def gone(pid: int, sig: int) -> None:
         raise ProcessLookupError
@@ -130,7 +150,7 @@ def interleaved_run() -> dict[str, object]:
     online = {"latency_ms": {"p50": 7.0, "p99": 8.0}, "latencies_ms": lat, "arrivals_s": arrivals, "dropped": 0}
     offline = {"throughput": 75.0, "window": {"items": 300, "late_s": 0.0, "timeline": [[0.0, 0], [3.9, 300]]}}
     return {"tenants": [{"name": "online", "report": online}, {"name": "offline", "report": offline}],
-            "alternation": {**plan.to_json(), "switches": 3, "max_lag_ms": 0.4, "error": None}}
+            "alternation": {**plan.to_json(), "switches": 3, "resumed_at_s": 4.0, "max_lag_ms": 0.4, "error": None}}
 
 
 def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
@@ -207,3 +227,17 @@ def test_an_interleaved_online_scenario_gets_its_own_plot(tmp_path: Path) -> Non
     made = scenarios.plots(results, tmp_path)
     assert tmp_path / "online-b1-interleaved.png" in made and tmp_path / "online-b8-interleaved.png" not in made
     assert (tmp_path / "online-b1-interleaved.png").stat().st_size > 1000
+
+
+def test_replot_derives_the_verdicts_again_from_the_raw_runs(tmp_path: Path) -> None:
+    """A scoring change must reach committed results: --replot recomputes what the run stored as derived."""
+    alone = {"tenants": [{"name": "online", "report": {"latency_ms": {"p50": 5.0, "p99": 5.5}}}]}
+    solo = {"tenants": [{"name": "offline", "report": {"throughput": 200.0}}]}
+    runs = {"alone-online": alone, "alone-offline": solo, "MPS": interleaved_run(), "derived": {"setups": {}}}
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {}, "scenarios": {"online": {"batches": {"1": runs}}}}))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "scenarios.py"), "--out", str(tmp_path), "--replot"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    derived = json.loads((tmp_path / "results.json").read_text())["scenarios"]["online"]["batches"]["1"]["derived"]
+    assert derived["setups"]["MPS"]["p99_x_alone"] == pytest.approx(8.0 / 6.0)
+    assert "| 1 | MPS (interleaved) |" in (tmp_path / "results.md").read_text()

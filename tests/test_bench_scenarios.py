@@ -76,7 +76,8 @@ def results_fixture() -> dict[str, Any]:
                  "unisched": {"mixed3:1": {"tenants": [{"report": tl}, {"report": tl}]}}}
     return {"meta": {"gpu": "NVIDIA H200"}, "scenarios": {
         "mixed": {"command": "c", "date_utc": "d", "engines": {"kernel": {"results": mixed_res}}},
-        "online": {"rate": 20, "batches": {"1": {"derived": scenarios.derive_online(online_runs(9.4, 1250.0))}}},
+        "online": {"rate": 20, "batches": {"1": {**online_runs(9.4, 1250.0),
+                                                 "derived": scenarios.derive_online(online_runs(9.4, 1250.0))}}},
         "cloud": {"memory_cap": "4GiB", "runs": {"N=4, unisched": {"report": {
             "per_instance": [{"fps_mean": 60.0, "fps_min": 58.0, "fps_1pct_low": 50.0}] * 4,
             "fairness_min_over_max": 1.0, "tenants": [{"name": "cg-0", "over_memory": True}]}}}},
