@@ -67,7 +67,7 @@ EX = ROOT / "examples"
 
 SCENARIOS = ("mixed", "online", "ad_sim", "cloud")
 MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
-TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50 --batch 32"
+TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50"  # batch 32: the example's default
 RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
 RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
@@ -459,8 +459,8 @@ def derive_batch(runs: dict[str, Any]) -> None:
     """(Re)derive one online batch size's verdicts from its raw runs, every round: at the end of a run, and on
     --replot, so a scoring change reaches committed results."""
     rounds = [runs, *runs.get("more_rounds", [])]
-    runs["derived"] = combine_online([derive_online(r) for r in rounds])
-    runs["derived"]["pooled"] = pool_online(rounds)
+    each = [derive_online(r) for r in rounds]
+    runs["derived"] = {**combine_online(each), "pooled": pool_online(rounds), "per_round": each}
 
 
 def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
@@ -520,7 +520,8 @@ def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
         return None
     plan, arrivals, latencies, since = inputs
     alt = run["alternation"]
-    shared, ref = setup_samples(run)
+    split = split_latencies(plan, arrivals, latencies, since_s=since)
+    shared, ref = split[RUNNING], split[PAUSED]
     w = (tenant(run, "offline") or {}).get("window") or {}
     rate = running_rate(plan, w["items"], since_s=w.get("late_s") or 0.0) if "items" in w else None
     ratios = {}
@@ -529,7 +530,7 @@ def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
         ci = paired_bootstrap(blocks, stat)
         ratios[f"{name}_x"] = ratio(stat(shared), stat(ref)) if shared and ref else None
         ratios[f"{name}_x_ci"] = list(ci) if ci else None
-    return {"running": latency_summary(shared), "paused": latency_summary(ref or []), **ratios,
+    return {"running": latency_summary(shared), "paused": latency_summary(ref), **ratios,
             "offline_running_tp": rate, "period_s": plan.period_s,
             "guard_s": plan.guard_s, "switches": alt.get("switches"), "max_lag_ms": alt.get("max_lag_ms"),
             "alternation_error": alt.get("error")}
@@ -801,8 +802,7 @@ def interleaved_md(data: dict[str, Any]) -> list[str]:
     a setup costs a lone online tenant in both phases, across minutes of the VM's drift)."""
     rows = []
     for batch, runs in data.get("batches", {}).items():
-        for k, rnd in enumerate([runs, *runs.get("more_rounds", [])]):
-            d = derive_online(rnd)
+        for k, d in enumerate((runs.get("derived") or {}).get("per_round") or []):
             for setup, s in d.get("setups", {}).items():
                 i = s.get("interleaved")
                 if not i:
@@ -900,6 +900,14 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
     return made
 
 
+def save_plot(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def share_series(reports: list[dict[str, Any] | None], solo: list[float | None], step: float = 1.0
                  ) -> tuple[list[float], list[list[float]]]:
     """Each tenant's share of the summed normalized throughput, per `step` seconds, from the report timelines."""
@@ -946,11 +954,7 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path,
         ax.set_xticks([x for x, _ in labels], [lab for _, lab in labels], fontsize=8)
         ax.set_ylabel(f"normalized throughput (blue: {names[0]}, orange: {names[1]})")
         ax.set_title(f"{what}, {engine} engine (dashed: {names[0]}'s weighted share of the sum)")
-        fig.tight_layout()
-        path = folder / f"mixed-{engine}-normalized.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(save_plot(plt, fig, folder / f"mixed-{engine}-normalized.png"))
     for key, run in (res.get("unisched") or {}).items():
         tenants = run.get("tenants") or []
         if len(tenants) != 2:
@@ -971,11 +975,7 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path,
         ax.set_ylabel("share of normalized throughput")
         ax.set_title(f"{key}, {engine} engine: share over time")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"mixed-{engine}-{re.sub(r'[^A-Za-z0-9]+', '-', key)}-share.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(save_plot(plt, fig, folder / f"mixed-{engine}-{re.sub(r'[^A-Za-z0-9]+', '-', key)}-share.png"))
     return made
 
 
@@ -998,11 +998,7 @@ def online_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_ylabel("online latency (ms)")
         ax.set_title(f"online inference batch {batch} + training")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"online-b{batch}-latency.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(save_plot(plt, fig, folder / f"online-b{batch}-latency.png"))
     return made
 
 
@@ -1012,7 +1008,8 @@ def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> lis
     seconds, not the alone run the latency plot's target line is drawn from."""
     made = []
     for batch, runs in data.get("batches", {}).items():
-        rows = [(k, v["interleaved"]) for k, v in derive_online(runs)["setups"].items() if v.get("interleaved")]
+        first = ((runs.get("derived") or {}).get("per_round") or [{}])[0]
+        rows = [(k, v["interleaved"]) for k, v in (first.get("setups") or {}).items() if v.get("interleaved")]
         if not rows:
             continue
         fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -1031,11 +1028,7 @@ def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> lis
         ax.set_ylabel("beside the trainer / its idle seconds")
         ax.set_title(f"online batch {batch}, interleaved (90% intervals)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = folder / f"online-b{batch}-interleaved.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(save_plot(plt, fig, folder / f"online-b{batch}-interleaved.png"))
     return made
 
 
@@ -1055,11 +1048,7 @@ def cloud_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
     ax.set_xticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
     ax.set_ylabel("FPS per instance")
     ax.set_title("cloud gaming: per-instance FPS")
-    fig.tight_layout()
-    path = folder / "cloud-fps.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_plot(plt, fig, folder / "cloud-fps.png")]
 
 
 def summary(results: dict[str, Any]) -> str:

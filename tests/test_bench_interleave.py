@@ -165,7 +165,8 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
     assert i["mean_x"] == pytest.approx(8.0 / 6.0) and i["mean_x_ci"] is None  # two pairs of periods: no interval
     pooled = scenarios.pool_online([runs, runs])["setups"]["MPS"]
     assert pooled["reference"] == "paused periods" and pooled["p99_x_alone"] == pytest.approx(8.0 / 6.0)
-    md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {**runs, "derived": scenarios.derive_online(runs)}}}))
+    scenarios.derive_batch(runs)
+    md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": runs}}))
     assert "| 1 | MPS (interleaved) |" in md and "| 1 | 1 | MPS |" in md
 
 
@@ -223,7 +224,9 @@ def test_an_interleaved_online_scenario_gets_its_own_plot(tmp_path: Path) -> Non
     alone = {"tenants": [{"name": "online", "report": {"latency_ms": {"p50": 5.0, "p99": 5.5}}}]}
     solo = {"tenants": [{"name": "offline", "report": {"throughput": 200.0}}]}
     plain = {"alone-online": alone, "alone-offline": solo}
-    results = {"scenarios": {"online": {"batches": {"1": {**plain, "MPS": interleaved_run()}, "8": plain}}}}
+    results = {"scenarios": {"online": {"batches": {"1": {**plain, "MPS": interleaved_run()}, "8": dict(plain)}}}}
+    for runs in results["scenarios"]["online"]["batches"].values():
+        scenarios.derive_batch(runs)
     made = scenarios.plots(results, tmp_path)
     assert tmp_path / "online-b1-interleaved.png" in made and tmp_path / "online-b8-interleaved.png" not in made
     assert (tmp_path / "online-b1-interleaved.png").stat().st_size > 1000
