@@ -76,6 +76,7 @@ ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "
                  "user-mps-cap": "unisched user, MPS, trainer below normal and capped",
                  "user-mps-daemon": "unisched user, --mps",
                  "user-mps-points": "unisched user, --mps, trainer pausing, uncapped",
+                 "user-mps-daemon-60": "unisched user, --mps, offline at 60%",
                  "mps-alone": "online alone, MPS client"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
@@ -96,7 +97,9 @@ tenant's processes join it as clients of their class (unisched.policy.mps; coope
 registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the trainer pausing inside its steps
 (user-points): the leases, not an SM cap, keep the trainer off the GPU while a request runs, and MPS's dispatcher
 puts the request's kernels before the trainer's last part (under time slicing, user-points kept 0.64 and read
-1.20x). mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
+1.20x). user-mps-daemon-60: serve --mps with offline tenants on 60% of the SMs, not its default 30%: beside a b128
+trainer (12-02) the default kept the request at 0.96x p50 but the trainer at 0.50 of its solo rate. mps-alone, a
+reference, not a shared setup: the online tenant alone as the only client of an MPS server,
 so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
 read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
@@ -317,11 +320,7 @@ class Harness:
             group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         else:
             mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
-            serve_args = ("--mode", "preemptive")
-            if setup == ONLINE_SETUPS["user-mps-daemon"]:  # the daemon's default SM cap
-                serve_args = (*serve_args, "--mps")
-            elif setup == ONLINE_SETUPS["user-mps-points"]:  # no cap: the leases pause the trainer
-                serve_args = (*serve_args, "--mps", "--mps-offline-sm-percent", "100")
+            serve_args = serve_args_for(setup)
             with contextlib.ExitStack() as stack:
                 if mps:  # the trainer capped (MPS) or below normal priority (the others)
                     pairs = tuple(stack.enter_context(mps_daemon(cfg.work_dir / label)).items())
@@ -418,6 +417,19 @@ class Harness:
 
 
 # ------------------------------------------------------------------------------------ derived numbers
+
+
+DAEMON_SM_PERCENT = {ONLINE_SETUPS["user-mps-daemon"]: None, ONLINE_SETUPS["user-mps-points"]: 100,
+                     ONLINE_SETUPS["user-mps-daemon-60"]: 60}
+"""The setups that run `unisched serve --mps`, each with its --mps-offline-sm-percent (None: the daemon's default)."""
+
+
+def serve_args_for(setup: str) -> tuple[str, ...]:
+    """The daemon's arguments for a unisched setup: preemptive mode, and its own MPS for the --mps setups."""
+    if setup not in DAEMON_SM_PERCENT:
+        return ("--mode", "preemptive")
+    percent = DAEMON_SM_PERCENT[setup]
+    return ("--mode", "preemptive", "--mps", *(() if percent is None else ("--mps-offline-sm-percent", str(percent))))
 
 
 def parse_mib(size: str) -> int:
@@ -1099,7 +1111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
                          "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
                          f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, its default cap; "
-                         "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; mps-alone: "
+                         "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; "
+                         "user-mps-daemon-60: serve --mps with offline tenants on 60%% of the SMs; mps-alone: "
                          "the online tenant alone as an MPS client, a reference); "
                          "fewer setups leave time for longer "
                          "windows, which a p99 needs")

@@ -139,6 +139,19 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
                            "mps-alone,user-mps-points", "--dry-run"], capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0 and "[3/4] online: batch 1, unisched user, --mps, trainer pausing, uncapped" in plan.stderr
     assert "[4/4] online: batch 1, online alone, MPS client" in plan.stderr
+    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user-mps-daemon-60",
+                           "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0 and "[3/3] online: batch 1, unisched user, --mps, offline at 60%" in plan.stderr
+
+
+def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
+    """The setups differ only in the daemon's arguments: a wrong cap would measure another setup under its name."""
+    s = scenarios.ONLINE_SETUPS
+    assert scenarios.serve_args_for(s["user"]) == ("--mode", "preemptive")
+    assert scenarios.serve_args_for(s["user-mps-daemon"]) == ("--mode", "preemptive", "--mps")
+    assert scenarios.serve_args_for(s["user-mps-points"])[-2:] == ("--mps-offline-sm-percent", "100")
+    sixty = ("--mode", "preemptive", "--mps", "--mps-offline-sm-percent", "60")
+    assert scenarios.serve_args_for(s["user-mps-daemon-60"]) == sixty
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
