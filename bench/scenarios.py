@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "
                  "user-mps-cap": "unisched user, MPS, trainer below normal and capped",
                  "user-mps-daemon": "unisched user, --mps",
                  "user-mps-points": "unisched user, --mps, trainer pausing, uncapped",
-                 "user-mps-daemon-60": "unisched user, --mps, offline at 60%",
+                 **{f"user-mps-daemon-{p}": f"unisched user, --mps, offline at {p}%" for p in (50, 60, 70, 80, 90)},
                  "mps-alone": "online alone, MPS client"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
@@ -97,9 +98,9 @@ tenant's processes join it as clients of their class (unisched.policy.mps; coope
 registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the trainer pausing inside its steps
 (user-points): the leases, not an SM cap, keep the trainer off the GPU while a request runs, and MPS's dispatcher
 puts the request's kernels before the trainer's last part (under time slicing, user-points kept 0.64 and read
-1.20x). user-mps-daemon-60: serve --mps with offline tenants on 60% of the SMs, not its default 30%: beside a b128
-trainer (12-02) the default kept the request at 0.96x p50 but the trainer at 0.50 of its solo rate. mps-alone, a
-reference, not a shared setup: the online tenant alone as the only client of an MPS server,
+1.20x). user-mps-daemon-N (N = 50, 60, 70, 80, 90): serve --mps with offline tenants on N% of the SMs, not its default
+30%: beside a b128 trainer (12-02) the default kept the request at 0.96x p50 but the trainer at 0.50 of its solo rate.
+mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
 so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
 read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
@@ -420,7 +421,8 @@ class Harness:
 
 
 DAEMON_SM_PERCENT = {ONLINE_SETUPS["user-mps-daemon"]: None, ONLINE_SETUPS["user-mps-points"]: 100,
-                     ONLINE_SETUPS["user-mps-daemon-60"]: 60}
+                     **{label: int(name.rsplit("-", 1)[1]) for name, label in ONLINE_SETUPS.items()
+                        if re.fullmatch(r"user-mps-daemon-\d+", name)}}
 """The setups that run `unisched serve --mps`, each with its --mps-offline-sm-percent (None: the daemon's default)."""
 
 
@@ -1006,12 +1008,17 @@ def online_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
         ax.bar([x + 0.2 for x in xs], [s[2] or 0 for s in setups], width=0.4, label="p99")
         if d.get("alone_p99_ms"):
             ax.axhline(ONLINE_P99_TARGET * d["alone_p99_ms"], color="k", ls="--", lw=0.8, label="target p99")
-        ax.set_xticks(list(xs), [f"{s[0]}\noffline {gp.fmt(s[3])}" for s in setups], fontsize=8)
+        ax.set_xticks(list(xs), [setup_tick(s[0], s[3]) for s in setups], fontsize=8)
         ax.set_ylabel("online latency (ms)")
         ax.set_title(f"online inference batch {batch} + training")
         ax.legend(fontsize=8)
         made.append(save_plot(plt, fig, folder / f"online-b{batch}-latency.png"))
     return made
+
+
+def setup_tick(setup: str, kept: float | None) -> str:
+    """A setup's tick label, wrapped (the long names ran into each other) above the trainer's kept."""
+    return f"{textwrap.fill(setup, 24)}\noffline {gp.fmt(kept)}"
 
 
 def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
@@ -1021,21 +1028,22 @@ def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> lis
     made = []
     for batch, runs in data.get("batches", {}).items():
         first = ((runs.get("derived") or {}).get("per_round") or [{}])[0]
-        rows = [(k, v["interleaved"]) for k, v in (first.get("setups") or {}).items() if v.get("interleaved")]
+        rows = [(k, v["interleaved"], v.get("offline_kept")) for k, v in (first.get("setups") or {}).items()
+                if v.get("interleaved")]
         if not rows:
             continue
         fig, ax = plt.subplots(figsize=(8, 3.5))
         width = 0.8 / len(INTERLEAVED_STATS)
         for j, name in enumerate(INTERLEAVED_STATS):
             xs = [i + (j - (len(INTERLEAVED_STATS) - 1) / 2) * width for i in range(len(rows))]
-            ys = [r.get(f"{name}_x") or 0.0 for _, r in rows]
-            cis = [r.get(f"{name}_x_ci") or [y, y] for (_, r), y in zip(rows, ys, strict=True)]
+            ys = [r.get(f"{name}_x") or 0.0 for _, r, _ in rows]
+            cis = [r.get(f"{name}_x_ci") or [y, y] for (_, r, _), y in zip(rows, ys, strict=True)]
             err = [[max(0.0, y - c[0]) for y, c in zip(ys, cis, strict=True)],
                    [max(0.0, c[1] - y) for y, c in zip(ys, cis, strict=True)]]
             ax.bar(xs, ys, width=width, yerr=err, capsize=3, label=name)
         ax.axhline(ONLINE_P99_TARGET, color="k", ls="--", lw=0.8, label=f"{ONLINE_P99_TARGET:g}x")
         ax.axhline(1.0, color="grey", lw=0.5)
-        ax.set_xticks(list(range(len(rows))), [k for k, _ in rows], fontsize=8)
+        ax.set_xticks(list(range(len(rows))), [setup_tick(k, kept) for k, _, kept in rows], fontsize=8)
         ax.set_ylim(0.5, 1.6)
         ax.set_ylabel("beside the trainer / its idle seconds")
         ax.set_title(f"online batch {batch}, interleaved (90% intervals)")
@@ -1112,7 +1120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
                          f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, its default cap; "
                          "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; "
-                         "user-mps-daemon-60: serve --mps with offline tenants on 60%% of the SMs; mps-alone: "
+                         "user-mps-daemon-N: serve --mps with offline tenants on N%% of the SMs; mps-alone: "
                          "the online tenant alone as an MPS client, a reference); "
                          "fewer setups leave time for longer "
                          "windows, which a p99 needs")

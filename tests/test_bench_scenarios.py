@@ -152,6 +152,7 @@ def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
     assert scenarios.serve_args_for(s["user-mps-points"])[-2:] == ("--mps-offline-sm-percent", "100")
     sixty = ("--mode", "preemptive", "--mps", "--mps-offline-sm-percent", "60")
     assert scenarios.serve_args_for(s["user-mps-daemon-60"]) == sixty
+    assert scenarios.serve_args_for(s["user-mps-daemon-90"])[-1] == "90"
 
 
 def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
