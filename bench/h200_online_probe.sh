@@ -29,6 +29,10 @@
 # (ran: bench/results/2026-12-02-h200-a/ call-b, and call-c with BATCHES=8: every setup, no scheduler included, within
 # a few percent at p50; the p99 unresolved at ~700 requests a side). Next, a positive control, the trainer at b128:
 #   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=60 SOLO_SECONDS=30 SETUPS=no-scheduler,mps,user-mps-daemon bash bench/h200_online_probe.sh
+# (tenth session, bench/results/2026-12-02-h200-b/: no scheduler 1.17x p50 pooled, so the method sees contention;
+# unisched 0.96-1.02x, the trainer kept 0.47-0.50 at the daemon's default cap of 30%, 0.73-0.76 at 60%). Next, the cap
+# between 60 and 100:
+#   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=90 SOLO_SECONDS=30 SETUPS=user-mps-daemon-70,user-mps-daemon-80,user-mps-daemon-90 bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 OUT=${OUT:-/tmp/out}

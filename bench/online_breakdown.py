@@ -82,20 +82,35 @@ def pooled(paths: Sequence[Path], batch: int = 1) -> dict[str, list[Breakdown]]:
     return out
 
 
+def interleaved_kept(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, float | None]]:
+    """(setup, the trainer's kept over its running periods) for every interleaved run of every round, as the
+    results' own derivation scored it (each round against its own solo run)."""
+    derived = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch), {}).get("derived") or {}
+    for rnd in derived.get("per_round") or []:
+        for setup, s in (rnd.get("setups") or {}).items():
+            if s.get("interleaved"):
+                yield setup, s.get("offline_kept")
+
+
 def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     """Interleaved runs (scenarios.py --interleave) of every file, pooled per setup: running / paused ratios with
-    90% intervals from resampling their pairs of periods (interleave.paired_bootstrap), so calls add up."""
+    90% intervals from resampling their pairs of periods (interleave.paired_bootstrap), so calls add up; beside
+    them the trainer's kept of each run, since the target asks for both."""
     blocks: dict[str, list[Block]] = {}
+    kept: dict[str, list[str]] = {}
     for p in paths:
-        for setup, run, _ in online_runs(json.loads(p.read_text()), batch):
+        results = json.loads(p.read_text())
+        for setup, run, _ in online_runs(results, batch):
             inputs = scenarios.interleave_inputs(run)
             if inputs is not None:
                 plan, arrivals, latencies, since = inputs
                 blocks.setdefault(setup, []).extend(period_pairs(plan, arrivals, latencies, since_s=since))
+        for setup, k in interleaved_kept(results, batch):
+            kept.setdefault(setup, []).append("n/a" if k is None else f"{k:.2f}")
     if not blocks:
         return ""
     lines = ["| setup (interleaved) | pairs of periods | requests running / paused | p50 running / paused | "
-             "mean running / paused | p99 running / paused |", "|---|---|---|---|---|---|"]
+             "mean running / paused | p99 running / paused | trainer kept (per run) |", "|---|---|---|---|---|---|---|"]
     for setup, bs in sorted(blocks.items()):
         run = [v for b in bs for v in b[0]]
         idle = [v for b in bs for v in b[1]]
@@ -103,7 +118,8 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
         for stat in scenarios.INTERLEAVED_STATS.values():
             ci = paired_bootstrap(bs, stat)
             cells.append(f"{stat(run) / stat(idle):.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
-        lines.append(f"| {setup} | {len(bs)} | {len(run)} / {len(idle)} | {' | '.join(cells)} |")
+        lines.append(f"| {setup} | {len(bs)} | {len(run)} / {len(idle)} | {' | '.join(cells)} | "
+                     f"{', '.join(kept.get(setup, [])) or 'n/a'} |")
     return "\n".join(lines)
 
 

@@ -59,8 +59,12 @@ def test_interleaved_runs_of_several_files_pool_their_pairs_of_periods(tmp_path:
     paths = []
     for k in range(2):
         paths.append(tmp_path / f"r{k}.json")
-        batches = {"8": {"alone-online": report(arrivals, [6.0] * 400), "no scheduler": run}}
+        # each file's derivation scored its trainer against its own solo run (the first call's had none)
+        derived = {"per_round": [{"setups": {"no scheduler": {"interleaved": {"p50_x": 1.33},
+                                                              "offline_kept": [None, 0.9][k]}}}]}
+        batches = {"8": {"alone-online": report(arrivals, [6.0] * 400), "no scheduler": run, "derived": derived}}
         paths[-1].write_text(json.dumps({"scenarios": {"online": {"batches": batches}}}))
     assert ob.interleaved_table(paths, batch=1) == ""  # another batch size: nothing read
     table = ob.interleaved_table(paths, batch=8)
-    assert "| no scheduler | 20 | 320 / 320 | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] |" in table
+    assert ("| no scheduler | 20 | 320 / 320 | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] | 1.33 [1.33-1.33] | n/a, 0.90 |"
+            in table)
