@@ -1,0 +1,206 @@
+"""What CUDA green contexts would give a trainer that shares the GPU with online requests (issue 5).
+
+Why: beside a ResNet-50 b128 trainer the MPS SM cap keeps the request at ~1.0x, but a static cap costs the trainer
+all the time (0.47-0.50 of its solo rate at 30% of the SMs, 0.73-0.76 at 60%; bench/results/2026-12-02-h200-b), while
+the requests hold the GPU ~14% of it. A trainer that ran narrow only while a request runs, on a green context of
+N SMs (torch.cuda.green_contexts; with MPS only where the client has no thread cap), and on the whole device
+otherwise, could keep most of its rate, if switching is cheap. Before the daemon tells trainers when to narrow,
+this measures, in one process and with no daemon:
+  1. a training step's rate on N SMs against the whole device: the kept that narrowing to N costs while narrow;
+  2. what a switch costs: a step with a switch to the narrow context and back at every --switch-every-th weight
+     layer (forward), against the plain step; a trainer narrowing for each request pays one such pair a request;
+  3. whether green contexts work here at all (the torch build, the driver, under MPS with --mps).
+
+  python3 bench/green_ctx_probe.py --out /tmp/green             # whole device, then each N
+  python3 bench/green_ctx_probe.py --out /tmp/green-mps --mps   # the same as a client of a private MPS server
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SMS = "112,92,66,40,24"
+REQUESTS_PER_S = 20.0  # the online scenario's rate; a trainer narrowing for each request switches there and back once
+
+
+def load_build() -> Callable[[str, int], tuple[Any, Any, Any, Any]]:
+    """examples/02's model builder (the file name starts with a digit: not importable by name)."""
+    sys.path.insert(0, str(ROOT / "examples" / "workloads"))
+    sys.path.insert(0, str(ROOT / "examples"))
+    spec = importlib.util.spec_from_file_location("pytorch_training", ROOT / "examples" / "02_pytorch_training.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.build  # type: ignore[no-any-return]
+
+
+def parse_sms(text: str) -> list[int]:
+    try:
+        sms = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated SM counts, e.g. {DEFAULT_SMS}; got {text!r}") from None
+    if not sms or any(n < 1 for n in sms):
+        raise argparse.ArgumentTypeError(f"SM counts must be positive; got {text!r}")
+    return sms
+
+
+def switch_cost(plain_ms: float, switching_ms: float, switches_per_step: int) -> dict[str, float | None]:
+    """Per switch pair (to narrow and back), and what it would cost a trainer narrowing for every request."""
+    if switches_per_step < 1:
+        return {"us_per_pair": None, "overhead_at_rate": None}
+    per_pair_s = max(0.0, switching_ms - plain_ms) / 1000 / switches_per_step
+    return {"us_per_pair": per_pair_s * 1e6, "overhead_at_rate": per_pair_s * REQUESTS_PER_S}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch.cuda.is_available() is False (no GPU or no CUDA driver)")
+    from torch.cuda import green_contexts
+
+    props = torch.cuda.get_device_properties(0)
+    out: dict[str, Any] = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "green_supported": bool(green_contexts.SUPPORTED),
+                           "mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "model": args.model,
+                           "batch": args.batch, "steps": args.steps}
+    net, opt, x, y = load_build()(args.model, args.batch)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(net(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def timed(label: str) -> float:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t0) * 1000)
+        med = statistics.median(ms)
+        print(f"green_ctx_probe: {label}: {med:.2f} ms a step (median of {args.steps})", file=sys.stderr, flush=True)
+        return med
+
+    full = timed("whole device")
+    out["whole_device_ms"] = full
+    if not green_contexts.SUPPORTED:
+        out["error"] = "this torch build has no green contexts"
+        return out
+    out["narrow"] = {}
+    for n in args.sms:
+        try:
+            gc: Any = green_contexts.GreenContext.create(num_sms=n, device_id=0)
+            gc.set_context()
+            try:
+                ms = timed(f"{n} SMs")
+            finally:
+                gc.pop_context()
+            out["narrow"][str(n)] = {"step_ms": ms, "kept": full / ms}
+        except RuntimeError as e:  # the driver refused (too old, MPS with a thread cap, a count it cannot split)
+            out["narrow"][str(n)] = {"error": str(e).splitlines()[0]}
+            print(f"green_ctx_probe: {n} SMs: {e}", file=sys.stderr, flush=True)
+    try:
+        gc = green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0)
+    except RuntimeError as e:
+        out["switch"] = {"error": str(e).splitlines()[0]}
+        return out
+    points = [m for m in net.modules() if isinstance(m, nn.Conv2d | nn.Linear)][:: args.switch_every]
+
+    def there_and_back(*_: Any) -> None:
+        gc.set_context()
+        gc.pop_context()
+
+    hooks = [m.register_forward_pre_hook(there_and_back) for m in points]
+    try:
+        switching = timed(f"a switch to {args.switch_sms} SMs and back at {len(points)} layers")
+    finally:
+        for h in hooks:
+            h.remove()
+    out["switch"] = {"narrow_sms": args.switch_sms, "pairs_per_step": len(points), "step_ms": switching,
+                     "plain_ms": full, **switch_cost(full, switching, len(points))}
+    return out
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"# Green contexts on {r.get('device')} ({r.get('sms')} SMs), torch {r.get('torch')}, CUDA {r.get('cuda')}",
+             "", f"{r.get('model')} training, batch {r.get('batch')}, median of {r.get('steps')} steps; "
+             f"MPS client: {'yes' if r.get('mps_pipe') else 'no'}; green contexts in this build: "
+             f"{r.get('green_supported')}.", "", "| SMs | step ms | kept (of the whole device) |", "|---|---|---|",
+             f"| all ({r.get('sms')}) | {r.get('whole_device_ms', 0):.2f} | 1.00 |"]
+    for n, v in (r.get("narrow") or {}).items():
+        lines.append(f"| {n} | {v['step_ms']:.2f} | {v['kept']:.2f} |" if "error" not in v else f"| {n} | {v['error']} | |")
+    s = r.get("switch") or {}
+    if "error" in s:
+        lines += ["", f"Switching: {s['error']}"]
+    elif s:
+        lines += ["", f"Switching to {s['narrow_sms']} SMs and back at {s['pairs_per_step']} layers a step: "
+                  f"{s['step_ms']:.2f} ms against {s['plain_ms']:.2f} ms plain, "
+                  f"{s['us_per_pair'] or 0:.0f} us a pair; narrowing for each of {REQUESTS_PER_S:g} requests/s, the "
+                  f"trainer would lose {100 * (s['overhead_at_rate'] or 0):.2f}% to switching."]
+    if r.get("error"):
+        lines += ["", f"Error: {r['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for results.json and results.md")
+    ap.add_argument("--model", choices=["resnet50", "mlp"], default="resnet50")
+    ap.add_argument("--batch", type=int, default=128, help="training batch (default 128: SM-bound on the H200)")
+    ap.add_argument("--sms", type=parse_sms, default=parse_sms(DEFAULT_SMS),
+                    help=f"green context sizes to time a step on, in SMs (default {DEFAULT_SMS}; the driver rounds "
+                         "them to its granularity)")
+    ap.add_argument("--switch-sms", type=int, default=40, help="the narrow context of the switching test (default 40)")
+    ap.add_argument("--switch-every", type=int, default=8, help="switch at every N-th weight layer (default 8, as the "
+                    "trainer's pause points in bench/scenarios.py)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per setting (default 30)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    ap.add_argument("--mps", action="store_true", help="run as the only client of a private MPS server, no thread cap")
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.switch_every < 1 or args.switch_sms < 1:
+        ap.error("--batch, --steps, --switch-every and --switch-sms must be positive, --warmup at least 0")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.mps and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        sys.path.insert(0, str(ROOT / "bench"))
+        from scenarios import mps_daemon
+
+        try:
+            with mps_daemon(args.out / "mps") as env:  # the child is the client: its CUDA starts under MPS
+                env = {k: v for k, v in {**os.environ, **env}.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+                return subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])],
+                                      env=env, check=False).returncode
+        except RuntimeError as e:
+            print(f"error: MPS did not start: {e}", file=sys.stderr)
+            return 2
+    try:
+        results = measure(args)
+    except (RuntimeError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.md").write_text(markdown(results))
+    print(markdown(results), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""bench/green_ctx_probe.py: what narrowing a trainer onto a green context would cost it (the arithmetic and the
+report; the timing itself runs on the GPU machine: bench/README.md's queue)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import green_ctx_probe as probe
+
+PROBE = [sys.executable, str(ROOT / "bench" / "green_ctx_probe.py")]
+
+
+def test_a_switch_pair_costs_what_the_switching_step_adds_over_the_plain_one() -> None:
+    cost = probe.switch_cost(plain_ms=100.0, switching_ms=107.0, switches_per_step=7)
+    assert cost["us_per_pair"] == pytest.approx(1000.0)
+    assert cost["overhead_at_rate"] == pytest.approx(0.02)  # one pair for each of 20 requests a second
+    assert probe.switch_cost(100.0, 90.0, 7)["us_per_pair"] == 0.0  # noise below the plain step is no gain
+    assert probe.switch_cost(100.0, 107.0, 0) == {"us_per_pair": None, "overhead_at_rate": None}
+
+
+def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> None:
+    r = {"device": "NVIDIA H200", "sms": 132, "torch": "2.13", "cuda": "13.0", "green_supported": True,
+         "mps_pipe": "/tmp/p", "model": "resnet50", "batch": 128, "steps": 30, "whole_device_ms": 30.0,
+         "narrow": {"66": {"step_ms": 50.0, "kept": 0.6}, "3": {"error": "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"}},
+         "switch": {"narrow_sms": 40, "pairs_per_step": 7, "step_ms": 37.0, "plain_ms": 30.0,
+                    **probe.switch_cost(30.0, 37.0, 7)}}
+    md = probe.markdown(r)
+    assert "| all (132) | 30.00 | 1.00 |" in md and "| 66 | 50.00 | 0.60 |" in md
+    assert "| 3 | CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION | |" in md and "MPS client: yes" in md
+    assert "1000 us a pair" in md and "lose 2.00% to switching" in md
+
+
+def test_bad_sizes_are_refused_and_a_machine_without_a_gpu_says_so(tmp_path: Path) -> None:
+    bad = subprocess.run([*PROBE, "--out", str(tmp_path), "--sms", "66,0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "SM counts must be positive" in bad.stderr
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the probe would run")
+    out = subprocess.run([*PROBE, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "torch.cuda.is_available() is False" in out.stderr
+    assert not (tmp_path / "results.json").exists()
