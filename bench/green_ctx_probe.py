@@ -63,6 +63,14 @@ def switch_cost(plain_ms: float, switching_ms: float, switches_per_step: int) ->
     return {"us_per_pair": per_pair_s * 1e6, "overhead_at_rate": per_pair_s * REQUESTS_PER_S}
 
 
+def entered(gc: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The green context's enter and leave: set_context / pop_context in recent torch, make_current / pop_current in
+    the first releases that had green contexts (the GPU machine has torch 2.11)."""
+    if hasattr(gc, "set_context"):
+        return gc.set_context, gc.pop_context
+    return gc.make_current, gc.pop_current
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch import nn
@@ -73,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     props = torch.cuda.get_device_properties(0)
     out: dict[str, Any] = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "green_supported": bool(green_contexts.SUPPORTED),
+                           "cuda": torch.version.cuda, "green_supported": bool(getattr(green_contexts, "SUPPORTED", True)),
                            "mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "model": args.model,
                            "batch": args.batch, "steps": args.steps}
     net, opt, x, y = load_build()(args.model, args.batch)
@@ -102,32 +110,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     full = timed("whole device")
     out["whole_device_ms"] = full
-    if not green_contexts.SUPPORTED:
+    if not out["green_supported"]:
         out["error"] = "this torch build has no green contexts"
         return out
     out["narrow"] = {}
     for n in args.sms:
         try:
-            gc: Any = green_contexts.GreenContext.create(num_sms=n, device_id=0)
-            gc.set_context()
+            enter, leave = entered(green_contexts.GreenContext.create(num_sms=n, device_id=0))
+            enter()
             try:
                 ms = timed(f"{n} SMs")
             finally:
-                gc.pop_context()
+                leave()
             out["narrow"][str(n)] = {"step_ms": ms, "kept": full / ms}
         except RuntimeError as e:  # the driver refused (too old, MPS with a thread cap, a count it cannot split)
             out["narrow"][str(n)] = {"error": str(e).splitlines()[0]}
             print(f"green_ctx_probe: {n} SMs: {e}", file=sys.stderr, flush=True)
     try:
-        gc = green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0)
+        enter, leave = entered(green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0))
     except RuntimeError as e:
         out["switch"] = {"error": str(e).splitlines()[0]}
         return out
     points = [m for m in net.modules() if isinstance(m, nn.Conv2d | nn.Linear)][:: args.switch_every]
 
     def there_and_back(*_: Any) -> None:
-        gc.set_context()
-        gc.pop_context()
+        enter()
+        leave()
 
     hooks = [m.register_forward_pre_hook(there_and_back) for m in points]
     try:

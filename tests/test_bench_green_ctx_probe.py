@@ -45,3 +45,28 @@ def test_bad_sizes_are_refused_and_a_machine_without_a_gpu_says_so(tmp_path: Pat
     out = subprocess.run([*PROBE, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "torch.cuda.is_available() is False" in out.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+def test_green_contexts_are_entered_by_either_torch_api() -> None:
+    """torch renamed make_current / pop_current to set_context / pop_context; the GPU machine has torch 2.11."""
+    calls: list[str] = []
+
+    class Old:
+        def make_current(self) -> None:
+            calls.append("make")
+
+        def pop_current(self) -> None:
+            calls.append("pop")
+
+    class New:
+        def set_context(self) -> None:
+            calls.append("set")
+
+        def pop_context(self) -> None:
+            calls.append("pop_context")
+
+    for gc in (Old(), New()):
+        enter, leave = probe.entered(gc)
+        enter()
+        leave()
+    assert calls == ["make", "pop", "set", "pop_context"]
