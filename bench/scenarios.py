@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +268,8 @@ class Harness:
         repeat = self.opts.repeat
         for batch in self.opts.online_batches:
             # round 1's runs at the top (as without --repeat), the others under "more_rounds"
-            data["batches"][str(batch)] = runs = {}
+            runs: dict[str, Any] = {}
+            data["batches"][str(batch)] = runs
             rounds: list[dict[str, Any]] = [runs]
             for k in range(repeat):
                 if k:
@@ -316,8 +317,8 @@ class Harness:
         elif setup == "no scheduler":
             group = gp.run_group(cfg, label, "no scheduler", [online, offline], alternate=alternate)
         elif setup == ONLINE_SETUPS["mps-alone"]:
-            with mps_daemon(cfg.work_dir / label) as pairs:
-                group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(pairs.items()))])
+            with mps_daemon(cfg.work_dir / label) as client_env:
+                group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(client_env.items()))])
             group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         else:
             mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
@@ -446,7 +447,8 @@ def parse_mib(size: str) -> int:
 def tenant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
     for t in run.get("tenants", []):
         if t.get("name") == name:
-            return t.get("report")
+            report: dict[str, Any] | None = t.get("report")
+            return report
     return None
 
 
@@ -508,7 +510,8 @@ def derive_online(runs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-INTERLEAVED_STATS = {"p50": lambda v: percentile(v, 50), "mean": statistics.fmean, "p99": lambda v: percentile(v, 99)}
+INTERLEAVED_STATS: dict[str, Callable[[Sequence[float]], float]] = {
+    "p50": lambda v: percentile(v, 50), "mean": statistics.fmean, "p99": lambda v: percentile(v, 99)}
 """The statistics whose running / paused ratio an interleaved run reports with a paired-bootstrap interval."""
 
 
@@ -538,7 +541,7 @@ def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
     shared, ref = split[RUNNING], split[PAUSED]
     w = (tenant(run, "offline") or {}).get("window") or {}
     rate = running_rate(plan, w["items"], since_s=w.get("late_s") or 0.0) if "items" in w else None
-    ratios = {}
+    ratios: dict[str, Any] = {}
     blocks = period_pairs(plan, arrivals, latencies, since_s=since)
     for name, stat in INTERLEAVED_STATS.items():
         ci = paired_bootstrap(blocks, stat)
@@ -952,7 +955,8 @@ def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path,
     pairs = res.get("pairs") or []
     if pairs:
         fig, ax = plt.subplots(figsize=(8, 4))
-        labels, xs = [], 0
+        labels: list[tuple[float, str]] = []
+        xs = 0.0
         for p in pairs:
             w = p["weights"]
             want = scoring.shares(w)
