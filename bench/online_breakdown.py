@@ -112,13 +112,13 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     lines = ["| setup (interleaved) | pairs of periods | requests running / paused | p50 running / paused | "
              "mean running / paused | p99 running / paused | trainer kept (per run) |", "|---|---|---|---|---|---|---|"]
     for setup, bs in sorted(blocks.items()):
-        run = [v for b in bs for v in b[0]]
+        running = [v for b in bs for v in b[0]]
         idle = [v for b in bs for v in b[1]]
         cells = []
         for stat in scenarios.INTERLEAVED_STATS.values():
             ci = paired_bootstrap(bs, stat)
-            cells.append(f"{stat(run) / stat(idle):.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
-        lines.append(f"| {setup} | {len(bs)} | {len(run)} / {len(idle)} | {' | '.join(cells)} | "
+            cells.append(f"{stat(running) / stat(idle):.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
+        lines.append(f"| {setup} | {len(bs)} | {len(running)} / {len(idle)} | {' | '.join(cells)} | "
                      f"{', '.join(kept.get(setup, [])) or 'n/a'} |")
     return "\n".join(lines)
 
