@@ -91,45 +91,55 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(net(x), y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # runs on autograd's own thread, where the green context is not current: may be refused
         opt.step()
 
-    def timed(label: str) -> float:
+    def forward() -> None:  # the main thread only: tells "green contexts work" from "backward works under them"
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            net(x)
+
+    kinds = {"step": step, "forward": forward}
+
+    def timed(label: str, fn: Callable[[], None]) -> float:
         for _ in range(args.warmup):
-            step()
+            fn()
         torch.cuda.synchronize()
         ms = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            step()
+            fn()
             torch.cuda.synchronize()
             ms.append((time.perf_counter() - t0) * 1000)
         med = statistics.median(ms)
-        print(f"green_ctx_probe: {label}: {med:.2f} ms a step (median of {args.steps})", file=sys.stderr, flush=True)
+        print(f"green_ctx_probe: {label}: {med:.2f} ms (median of {args.steps})", file=sys.stderr, flush=True)
         return med
 
-    full = timed("whole device")
-    out["whole_device_ms"] = full
+    whole = {k: timed(f"whole device, {k}", fn) for k, fn in kinds.items()}
+    out["whole_device_ms"] = whole
     if not out["green_supported"]:
         out["error"] = "this torch build has no green contexts"
         return out
     out["narrow"] = {}
     for n in args.sms:
-        try:
+        entry: dict[str, Any] = out["narrow"].setdefault(str(n), {})
+        try:  # the driver may refuse: too old, MPS with a thread cap, a count it cannot split
             enter, leave = entered(green_contexts.GreenContext.create(num_sms=n, device_id=0))
+        except RuntimeError as e:
+            entry["error"] = first_line(e)
+            continue
+        for k, fn in kinds.items():
             enter()
             try:
-                ms = timed(f"{n} SMs")
+                entry[f"{k}_ms"] = ms = timed(f"{n} SMs, {k}", fn)
+                entry[f"{k}_kept"] = whole[k] / ms
+            except RuntimeError as e:
+                entry[f"{k}_error"] = first_line(e)
             finally:
                 leave()
-            out["narrow"][str(n)] = {"step_ms": ms, "kept": full / ms}
-        except RuntimeError as e:  # the driver refused (too old, MPS with a thread cap, a count it cannot split)
-            out["narrow"][str(n)] = {"error": str(e).splitlines()[0]}
-            print(f"green_ctx_probe: {n} SMs: {e}", file=sys.stderr, flush=True)
     try:
         enter, leave = entered(green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0))
     except RuntimeError as e:
-        out["switch"] = {"error": str(e).splitlines()[0]}
+        out["switch"] = {"error": first_line(e)}
         return out
     points = [m for m in net.modules() if isinstance(m, nn.Conv2d | nn.Linear)][:: args.switch_every]
 
@@ -139,23 +149,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     hooks = [m.register_forward_pre_hook(there_and_back) for m in points]
     try:
-        switching = timed(f"a switch to {args.switch_sms} SMs and back at {len(points)} layers")
+        switching = timed(f"a switch to {args.switch_sms} SMs and back at {len(points)} layers", step)
+    except RuntimeError as e:
+        out["switch"] = {"error": first_line(e)}
+        return out
     finally:
         for h in hooks:
             h.remove()
     out["switch"] = {"narrow_sms": args.switch_sms, "pairs_per_step": len(points), "step_ms": switching,
-                     "plain_ms": full, **switch_cost(full, switching, len(points))}
+                     "plain_ms": whole["step"], **switch_cost(whole["step"], switching, len(points))}
     return out
+
+
+def cell(ms: dict[str, Any], kind: str) -> str:
+    return f"{ms[kind]:.2f}" if isinstance(ms.get(kind), int | float) else "n/a"
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"# Green contexts on {r.get('device')} ({r.get('sms')} SMs), torch {r.get('torch')}, CUDA {r.get('cuda')}",
              "", f"{r.get('model')} training, batch {r.get('batch')}, median of {r.get('steps')} steps; "
              f"MPS client: {'yes' if r.get('mps_pipe') else 'no'}; green contexts in this build: "
-             f"{r.get('green_supported')}.", "", "| SMs | step ms | kept (of the whole device) |", "|---|---|---|",
-             f"| all ({r.get('sms')}) | {r.get('whole_device_ms', 0):.2f} | 1.00 |"]
+             f"{r.get('green_supported')}.", "", "| SMs | training step ms | kept | forward only ms | kept |",
+             "|---|---|---|---|---|"]
+    whole = r.get("whole_device_ms") or {}
+    lines.append(f"| all ({r.get('sms')}) | {cell(whole, 'step')} | 1.00 | {cell(whole, 'forward')} | 1.00 |")
     for n, v in (r.get("narrow") or {}).items():
-        lines.append(f"| {n} | {v['step_ms']:.2f} | {v['kept']:.2f} |" if "error" not in v else f"| {n} | {v['error']} | |")
+        if "error" in v:
+            lines.append(f"| {n} | {v['error']} | | | |")
+            continue
+        cells = [n]
+        for k in ("step", "forward"):
+            cells += [v[f"{k}_error"], ""] if f"{k}_error" in v else [f"{v[f'{k}_ms']:.2f}", f"{v[f'{k}_kept']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     s = r.get("switch") or {}
     if "error" in s:
         lines += ["", f"Switching: {s['error']}"]
