@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.switch_every < 1 or args.switch_sms < 1:
         ap.error("--batch, --steps, --switch-every and --switch-sms must be positive, --warmup at least 0")
     args.out.mkdir(parents=True, exist_ok=True)
+    # stopped from outside (`timeout` in h200_green_probe.sh): unwind, so a private MPS server is asked to quit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.mps and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         sys.path.insert(0, str(ROOT / "bench"))
         from scenarios import mps_daemon

@@ -3,6 +3,7 @@ report; the timing itself runs on the GPU machine: bench/README.md's queue)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,9 @@ def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> No
 def test_bad_sizes_are_refused_and_a_machine_without_a_gpu_says_so(tmp_path: Path) -> None:
     bad = subprocess.run([*PROBE, "--out", str(tmp_path), "--sms", "66,0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "SM counts must be positive" in bad.stderr
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        no_mps = subprocess.run([*PROBE, "--out", str(tmp_path), "--mps"], capture_output=True, text=True, timeout=60)
+        assert no_mps.returncode == 2 and "MPS did not start: nvidia-cuda-mps-control not found" in no_mps.stderr
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the probe would run")
