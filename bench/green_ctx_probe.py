@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gpu_pairs as gp
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SMS = "112,92,66,40,24"
 REQUESTS_PER_S = 20.0  # the online scenario's rate; a trainer narrowing for each request switches there and back once
@@ -162,10 +164,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def cell(ms: dict[str, Any], kind: str) -> str:
-    return f"{ms[kind]:.2f}" if isinstance(ms.get(kind), int | float) else "n/a"
-
-
 def first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
@@ -177,7 +175,7 @@ def markdown(r: dict[str, Any]) -> str:
              f"{r.get('green_supported')}.", "", "| SMs | training step ms | kept | forward only ms | kept |",
              "|---|---|---|---|---|"]
     whole = r.get("whole_device_ms") or {}
-    lines.append(f"| all ({r.get('sms')}) | {cell(whole, 'step')} | 1.00 | {cell(whole, 'forward')} | 1.00 |")
+    lines.append(f"| all ({r.get('sms')}) | {gp.fmt(whole.get('step'))} | 1.00 | {gp.fmt(whole.get('forward'))} | 1.00 |")
     for n, v in (r.get("narrow") or {}).items():
         if "error" in v:
             lines.append(f"| {n} | {v['error']} | | | |")
@@ -220,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     # stopped from outside (`timeout` in h200_green_probe.sh): unwind, so a private MPS server is asked to quit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.mps and not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-        sys.path.insert(0, str(ROOT / "bench"))
         from scenarios import mps_daemon
 
         try:

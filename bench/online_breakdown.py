@@ -85,11 +85,9 @@ def pooled(paths: Sequence[Path], batch: int = 1) -> dict[str, list[Breakdown]]:
 def interleaved_kept(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, float | None]]:
     """(setup, the trainer's kept over its running periods) for every interleaved run of every round, as the
     results' own derivation scored it (each round against its own solo run)."""
-    derived = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch), {}).get("derived") or {}
-    for rnd in derived.get("per_round") or []:
-        for setup, s in (rnd.get("setups") or {}).items():
-            if s.get("interleaved"):
-                yield setup, s.get("offline_kept")
+    runs = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch), {})
+    for _, setup, s in scenarios.interleaved_setups(runs):
+        yield setup, s.get("offline_kept")
 
 
 def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:

@@ -814,22 +814,28 @@ def online_md(data: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def interleaved_setups(runs: dict[str, Any]) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(round index, setup, its derivation) for each interleaved run of one batch size's rounds, as derive_batch
+    scored them (each round against its own solo runs)."""
+    for k, d in enumerate((runs.get("derived") or {}).get("per_round") or []):
+        for setup, s in (d.get("setups") or {}).items():
+            if s.get("interleaved"):
+                yield k, setup, s
+
+
 def interleaved_md(data: dict[str, Any]) -> list[str]:
     """Interleaved runs, round by round: the two phases, and each against the separate alone run (which shows what
     a setup costs a lone online tenant in both phases, across minutes of the VM's drift)."""
     rows = []
     for batch, runs in data.get("batches", {}).items():
-        for k, d in enumerate((runs.get("derived") or {}).get("per_round") or []):
-            for setup, s in d.get("setups", {}).items():
-                i = s.get("interleaved")
-                if not i:
-                    continue
-                r, q = i.get("running") or {}, i.get("paused") or {}
-                cis = " | ".join(fmt_ci(i.get(f"{n}_x"), i.get(f"{n}_x_ci")) for n in INTERLEAVED_STATS)
-                rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {gp.fmt(r.get('p50'))} / "
-                            f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | {cis} | "
-                            f"{gp.fmt(i.get('paused_p99_x_alone_run'))} | "
-                            f"{gp.fmt(s.get('offline_kept'))} | {i.get('switches')}, {gp.fmt(i.get('max_lag_ms'), 1)} ms |")
+        for k, setup, s in interleaved_setups(runs):
+            i = s["interleaved"]
+            r, q = i.get("running") or {}, i.get("paused") or {}
+            cis = " | ".join(fmt_ci(i.get(f"{n}_x"), i.get(f"{n}_x_ci")) for n in INTERLEAVED_STATS)
+            rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {gp.fmt(r.get('p50'))} / "
+                        f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | {cis} | "
+                        f"{gp.fmt(i.get('paused_p99_x_alone_run'))} | "
+                        f"{gp.fmt(s.get('offline_kept'))} | {i.get('switches')}, {gp.fmt(i.get('max_lag_ms'), 1)} ms |")
     if not rows:
         return []
     return ["", "Interleaved (`--interleave S`): in each shared run the trainer idled in every other period of S "
@@ -1031,9 +1037,7 @@ def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> lis
     seconds, not the alone run the latency plot's target line is drawn from."""
     made = []
     for batch, runs in data.get("batches", {}).items():
-        first = ((runs.get("derived") or {}).get("per_round") or [{}])[0]
-        rows = [(k, v["interleaved"], v.get("offline_kept")) for k, v in (first.get("setups") or {}).items()
-                if v.get("interleaved")]
+        rows = [(setup, s["interleaved"], s.get("offline_kept")) for k, setup, s in interleaved_setups(runs) if k == 0]
         if not rows:
             continue
         fig, ax = plt.subplots(figsize=(8, 3.5))

@@ -119,30 +119,28 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
                        (["--offline-batch", "0"], "--offline-batch must be at least 1")):
         bad = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user,kernel",
-                           "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[4/4] online: batch 1, unisched user" in plan.stderr
-    assert "MPS" not in plan.stderr and "no scheduler" not in plan.stderr
+
+    def online_plan(setups: str) -> str:
+        """The dry-run plan of the online scenario at batch 1 with these --online-setups."""
+        plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", setups,
+                               "--dry-run"], capture_output=True, text=True, timeout=60)
+        assert plan.returncode == 0, plan.stderr
+        return plan.stderr
+
+    plan_text = online_plan("user,kernel")
+    assert "[4/4] online: batch 1, unisched user" in plan_text
+    assert "MPS" not in plan_text and "no scheduler" not in plan_text
     bad = subprocess.run([*cmd, "--online-setups", "user,slurm"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--online-setups: choose from no-scheduler, mps, mps-priority, kernel, user" in bad.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "mps-priority",
-                           "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[3/3] online: batch 1, MPS, trainer below normal" in plan.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups",
-                           "user-mps,mps-priority", "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[3/4] online: batch 1, MPS, trainer below normal" in plan.stderr
-    assert "[4/4] online: batch 1, unisched user, MPS, trainer below normal" in plan.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user-mps-cap",
-                           "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[3/3] online: batch 1, unisched user, MPS, trainer below normal and capped" in plan.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups",
-                           "mps-alone,user-mps-points", "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[3/4] online: batch 1, unisched user, --mps, trainer pausing, uncapped" in plan.stderr
-    assert "[4/4] online: batch 1, online alone, MPS client" in plan.stderr
-    plan = subprocess.run([*cmd, "--scenarios", "online", "--online-batches", "1", "--online-setups", "user-mps-daemon-60",
-                           "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert plan.returncode == 0 and "[3/3] online: batch 1, unisched user, --mps, offline at 60%" in plan.stderr
-
+    assert "[3/3] online: batch 1, MPS, trainer below normal" in online_plan("mps-priority")
+    plan_text = online_plan("user-mps,mps-priority")
+    assert "[3/4] online: batch 1, MPS, trainer below normal" in plan_text
+    assert "[4/4] online: batch 1, unisched user, MPS, trainer below normal" in plan_text
+    assert "[3/3] online: batch 1, unisched user, MPS, trainer below normal and capped" in online_plan("user-mps-cap")
+    plan_text = online_plan("mps-alone,user-mps-points")
+    assert "[3/4] online: batch 1, unisched user, --mps, trainer pausing, uncapped" in plan_text
+    assert "[4/4] online: batch 1, online alone, MPS client" in plan_text
+    assert "[3/3] online: batch 1, unisched user, --mps, offline at 60%" in online_plan("user-mps-daemon-60")
 
 def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
     """The setups differ only in the daemon's arguments: a wrong cap would measure another setup under its name."""
