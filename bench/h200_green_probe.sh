@@ -6,10 +6,7 @@
 #   source .devcache/setup.sh && bash bench/h200_green_probe.sh          (carry: [".devcache"])
 set -uo pipefail
 source bench/preflight.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
+record_machine
 timeout 150 python3 bench/green_ctx_probe.py --out "$OUT/green" 2>&1 | tee "$OUT/green.log" | tail -15
 timeout 150 python3 bench/green_ctx_probe.py --out "$OUT/green-mps" --mps 2>&1 | tee "$OUT/green-mps.log" | tail -15
 cd "$OUT" && tar czf results-green.tgz --ignore-failed-read green green-mps green.log green-mps.log machine.txt; ls

@@ -9,9 +9,6 @@
 #   source .devcache/setup.sh && bash bench/h200_online_long.sh          (carry: [".devcache"])
 set -uo pipefail
 source bench/preflight.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 python3 bench/scenarios.py --out "$OUT/online-long" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-kernel,user}" --repeat "${REPEAT:-2}" \
   --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total 560 2>&1 | tee "$OUT/online-long.log" | tail -20

@@ -35,10 +35,7 @@
 #   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=90 SOLO_SECONDS=30 SETUPS=user-mps-daemon-70,user-mps-daemon-80,user-mps-daemon-90 bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-nvidia-smi -q | grep -iE "product name|driver version|compute mode" > "$OUT/machine.txt" 2>&1
+record_machine
 python3 bench/scenarios.py --out "$OUT/online-probe" --work-dir /tmp/online-work --scenarios online \
   --online-batches "${BATCHES:-1}" --online-setups "${SETUPS:-no-scheduler,mps,mps-priority,user,user-points}" \
   --repeat "${REPEAT:-1}" --seconds "${SECONDS_WINDOW:-40}" --warmup 8 --unisched-warmup 12 --max-total "${MAX_TOTAL:-560}" \

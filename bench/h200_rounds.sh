@@ -25,12 +25,10 @@
 # run beside the render; such a pair is now scored over the seconds both ran, which a longer warm-up keeps near 12.
 set -uo pipefail
 source bench/preflight.sh
-OUT=${OUT:-/tmp/out}
 ENGINE=${ENGINE:-kernel}
 TAG=${TAG:-$ENGINE}
 CUDA_CMD=${CUDA_CMD:-python3 examples/02_pytorch_training.py --model resnet50 --batch ${BATCH:-32}}
-mkdir -p "$OUT" /tmp/gates
-export PYTHONUNBUFFERED=1
+mkdir -p /tmp/gates
 calibrate=(--calibrate-out /tmp/calibration --serve-arg=--contention --serve-arg="${CONTENTION:-partial-overlap}")
 # (partial-overlap: mixed slices from each round's calibration even where its sum falls under MIX_SUM = 0.97; the
 # b32 pair's sums, scored over the seconds both ran, were 1.03-1.13 on 12-01, the matmul pair's 1.00.
