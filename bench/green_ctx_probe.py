@@ -74,7 +74,14 @@ def entered(gc: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     return gc.make_current, gc.pop_current
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def note(msg: str) -> None:
+    """Each driver call announced first: on 12-02 a run stopped answering after the first size (no line said where)."""
+    print(f"green_ctx_probe: {msg}", file=sys.stderr, flush=True)
+
+
+def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The timings; `save` gets the results so far after each setting, so a run killed in a hung driver call keeps
+    what it had measured."""
     import torch
     from torch import nn
 
@@ -114,23 +121,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
             ms.append((time.perf_counter() - t0) * 1000)
         med = statistics.median(ms)
-        print(f"green_ctx_probe: {label}: {med:.2f} ms (median of {args.steps})", file=sys.stderr, flush=True)
+        note(f"{label}: {med:.2f} ms (median of {args.steps})")
         return med
 
     whole = {k: timed(f"whole device, {k}", fn) for k, fn in kinds.items()}
     out["whole_device_ms"] = whole
+    save(out)
     if not out["green_supported"]:
         out["error"] = "this torch build has no green contexts"
         return out
     out["narrow"] = {}
     for n in args.sms:
         entry: dict[str, Any] = out["narrow"].setdefault(str(n), {})
+        note(f"creating a green context of {n} SMs")
         try:  # the driver may refuse: too old, MPS with a thread cap, a count it cannot split
             enter, leave = entered(green_contexts.GreenContext.create(num_sms=n, device_id=0))
         except RuntimeError as e:
             entry["error"] = first_line(e)
             continue
         for k, fn in kinds.items():
+            note(f"entering {n} SMs for {k}")
             enter()
             try:
                 entry[f"{k}_ms"] = ms = timed(f"{n} SMs, {k}", fn)
@@ -138,7 +148,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             except RuntimeError as e:
                 entry[f"{k}_error"] = first_line(e)
             finally:
+                note(f"leaving {n} SMs")
                 leave()
+            save(out)
+    if args.switch_sms == 0:
+        return out
+    note(f"creating a green context of {args.switch_sms} SMs for switching")
     try:
         enter, leave = entered(green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0))
     except RuntimeError as e:
@@ -205,15 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sms", type=parse_sms, default=parse_sms(DEFAULT_SMS),
                     help=f"green context sizes to time a step on, in SMs (default {DEFAULT_SMS}; the driver rounds "
                          "them to its granularity)")
-    ap.add_argument("--switch-sms", type=int, default=40, help="the narrow context of the switching test (default 40)")
+    ap.add_argument("--switch-sms", type=int, default=40, help="the narrow context of the switching test (default 40; "
+                    "0 = no switching test)")
     ap.add_argument("--switch-every", type=int, default=8, help="switch at every N-th weight layer (default 8, as the "
                     "trainer's pause points in bench/scenarios.py)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per setting (default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     ap.add_argument("--mps", action="store_true", help="run as the only client of a private MPS server, no thread cap")
     args = ap.parse_args(argv)
-    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.switch_every < 1 or args.switch_sms < 1:
-        ap.error("--batch, --steps, --switch-every and --switch-sms must be positive, --warmup at least 0")
+    if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.switch_every < 1 or args.switch_sms < 0:
+        ap.error("--batch, --steps and --switch-every must be positive, --warmup and --switch-sms at least 0")
     args.out.mkdir(parents=True, exist_ok=True)
     # stopped from outside (`timeout` in h200_green_probe.sh): unwind, so a private MPS server is asked to quit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -228,13 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"error: MPS did not start: {e}", file=sys.stderr)
             return 2
+    def save(results: dict[str, Any]) -> None:
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "results.md").write_text(markdown(results))
+
     try:
-        results = measure(args)
+        results = measure(args, save)
     except (RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "results.md").write_text(markdown(results))
+    save(results)
     print(markdown(results), end="")
     return 0
 

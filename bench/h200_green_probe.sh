@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Issue 5: would a trainer narrowed onto a green context only while requests run keep more than the static MPS cap
-# (0.47-0.50 at 30%, 0.73-0.76 at 60% beside a b128 trainer; bench/results/2026-12-02-h200-b)? bench/green_ctx_probe.py,
-# written in the tenth session, not yet run: a b128 step on N SMs, the cost of switching, alone and under MPS (~3 min;
-# each half stopped after 150 s):
+# Issue 5: would a trainer narrowed onto a green context only while requests run keep more than a static MPS cap
+# (0.47-0.50 at 30%, 0.73-0.76 at 60%, 0.83-0.85 at 70% beside a b128 trainer; bench/results/2026-12-02-h200-b, -c)?
+# bench/green_ctx_probe.py: a b128 step on N SMs and the cost of switching, alone and under MPS (~5 min):
 #   source .devcache/setup.sh && bash bench/h200_green_probe.sh          (carry: [".devcache"])
+# First run (12-02, bench/results/2026-12-02-h200-c/call-a): 112 SMs worked (forward 0.86 of the whole device's rate,
+# the step 0.99), then the process stopped answering in the driver, where `timeout`'s SIGTERM could not reach Python,
+# and took the call's whole limit. So now each size runs in its own process, killed 5 s after its SIGTERM, each
+# writes its results after every setting, and an MPS server left behind by a killed client is told to quit.
 set -uo pipefail
 source bench/preflight.sh
 record_machine
-timeout 150 python3 bench/green_ctx_probe.py --out "$OUT/green" 2>&1 | tee "$OUT/green.log" | tail -15
-timeout 150 python3 bench/green_ctx_probe.py --out "$OUT/green-mps" --mps 2>&1 | tee "$OUT/green-mps.log" | tail -15
-cd "$OUT" && tar czf results-green.tgz --ignore-failed-read green green-mps green.log green-mps.log machine.txt; ls
+SIZES="${SIZES:-112 92 66 40 24}"
+probe() {  # probe <folder> <seconds> <args...>
+  local dir="$1" limit="$2"; shift 2
+  mkdir -p "$dir"
+  timeout -k 5 "$limit" python3 bench/green_ctx_probe.py --out "$dir" "$@" 2>&1 | tee -a "$dir.log" | tail -4
+  echo "exit ${PIPESTATUS[0]}" | tee -a "$dir.log"
+  if [ -d "$dir/mps/mps-pipe" ]; then echo quit | CUDA_MPS_PIPE_DIRECTORY="$dir/mps/mps-pipe" timeout 10 nvidia-cuda-mps-control; fi
+}
+for mode in green green-mps; do
+  extra=(); [ "$mode" = green-mps ] && extra=(--mps)
+  for n in $SIZES; do probe "$OUT/$mode/sms-$n" 60 --sms "$n" --switch-sms 0 "${extra[@]}"; done
+  probe "$OUT/$mode/switch" 75 --sms 40 --switch-sms 40 "${extra[@]}"
+done
+cd "$OUT" && tar czf results-green.tgz --ignore-failed-read green green-mps machine.txt; ls

@@ -89,18 +89,19 @@ uncapped; the MPS server's log is kept with the run. user-points, also by name: 
 pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked step leaves a part of it, not its
 rest, beside the request. user-mps, by name: the user engine with both tenants MPS clients and the trainer below
 normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 the user engine
-kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in
-two single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of
-the SMs, so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the
-trainer keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by
-the product, not the harness, with its default SM cap for offline tenants: `unisched serve --mps` starts MPS and each
-tenant's processes join it as clients of their class (unisched.policy.mps; cooperative clients take the settings at
-registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the trainer pausing inside its steps
-(user-points): the leases, not an SM cap, keep the trainer off the GPU while a request runs, and MPS's dispatcher
-puts the request's kernels before the trainer's last part (under time slicing, user-points kept 0.64 and read
-1.20x). user-mps-daemon-N (N = 50, 60, 70, 80, 90): serve --mps with offline tenants on N% of the SMs, not its default
-30%: beside a b128 trainer (12-02) the default kept the request at 0.96x p50 but the trainer at 0.50 of its solo rate.
-mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
+kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in two
+single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of the SMs,
+so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the trainer
+keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by the
+product, not the harness, with offline tenants on 30% of the SMs (the daemon's default until 12-02): `unisched serve
+--mps` starts MPS and each tenant's processes join it as clients of their class (unisched.policy.mps; cooperative
+clients take the settings at registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the
+trainer pausing inside its steps (user-points): the leases, not an SM cap, keep the trainer off the GPU while a
+request runs, and MPS's dispatcher puts the request's kernels before the trainer's last part (under time slicing,
+user-points kept 0.64 and read 1.20x). user-mps-daemon-N (N = 50, 60, 70, 80, 90): serve --mps with offline tenants
+on N% of the SMs: beside a b128 trainer (12-02) 30% kept the request at 0.96x p50 but the trainer at 0.50 of its
+solo rate; 70% (the daemon's default since) kept the trainer at 0.83-0.85 with the request's p99 1.03x pooled over
+three runs. mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
 so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
 read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
@@ -421,18 +422,18 @@ class Harness:
 # ------------------------------------------------------------------------------------ derived numbers
 
 
-DAEMON_SM_PERCENT = {ONLINE_SETUPS["user-mps-daemon"]: None, ONLINE_SETUPS["user-mps-points"]: 100,
+DAEMON_SM_PERCENT = {ONLINE_SETUPS["user-mps-daemon"]: 30, ONLINE_SETUPS["user-mps-points"]: 100,
                      **{label: int(name.rsplit("-", 1)[1]) for name, label in ONLINE_SETUPS.items()
                         if re.fullmatch(r"user-mps-daemon-\d+", name)}}
-"""The setups that run `unisched serve --mps`, each with its --mps-offline-sm-percent (None: the daemon's default)."""
+"""The setups that run `unisched serve --mps`, each with its --mps-offline-sm-percent, always given: user-mps-daemon
+keeps the 30% that was the daemon's default when its committed runs were made (the default is 70 since 12-02)."""
 
 
 def serve_args_for(setup: str) -> tuple[str, ...]:
     """The daemon's arguments for a unisched setup: preemptive mode, and its own MPS for the --mps setups."""
     if setup not in DAEMON_SM_PERCENT:
         return ("--mode", "preemptive")
-    percent = DAEMON_SM_PERCENT[setup]
-    return ("--mode", "preemptive", "--mps", *(() if percent is None else ("--mps-offline-sm-percent", str(percent))))
+    return ("--mode", "preemptive", "--mps", "--mps-offline-sm-percent", str(DAEMON_SM_PERCENT[setup]))
 
 
 def parse_mib(size: str) -> int:

@@ -44,6 +44,8 @@ def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> No
 def test_bad_sizes_are_refused_and_a_machine_without_a_gpu_says_so(tmp_path: Path) -> None:
     bad = subprocess.run([*PROBE, "--out", str(tmp_path), "--sms", "66,0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "SM counts must be positive" in bad.stderr
+    neg = subprocess.run([*PROBE, "--out", str(tmp_path), "--switch-sms", "-1"], capture_output=True, text=True, timeout=60)
+    assert neg.returncode == 2 and "--warmup and --switch-sms at least 0" in neg.stderr  # 0 (no switching) is allowed
     if shutil.which("nvidia-cuda-mps-control") is None:
         no_mps = subprocess.run([*PROBE, "--out", str(tmp_path), "--mps"], capture_output=True, text=True, timeout=60)
         assert no_mps.returncode == 2 and "MPS did not start: nvidia-cuda-mps-control not found" in no_mps.stderr

@@ -146,7 +146,7 @@ def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
     """The setups differ only in the daemon's arguments: a wrong cap would measure another setup under its name."""
     s = scenarios.ONLINE_SETUPS
     assert scenarios.serve_args_for(s["user"]) == ("--mode", "preemptive")
-    assert scenarios.serve_args_for(s["user-mps-daemon"]) == ("--mode", "preemptive", "--mps")
+    assert scenarios.serve_args_for(s["user-mps-daemon"])[-2:] == ("--mps-offline-sm-percent", "30")
     assert scenarios.serve_args_for(s["user-mps-points"])[-2:] == ("--mps-offline-sm-percent", "100")
     sixty = ("--mode", "preemptive", "--mps", "--mps-offline-sm-percent", "60")
     assert scenarios.serve_args_for(s["user-mps-daemon-60"]) == sixty

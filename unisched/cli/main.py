@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "only; needs nvidia-cuda-mps-control")
     s.add_argument("--mps-offline-sm-percent", type=int, metavar="P",
                    help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
-                        "default 30; 100 = all, priority only)")
+                        "default 70; 100 = all, priority only)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
     s.add_argument(
         "--contention",

@@ -96,7 +96,7 @@ class DaemonConfig:
     """Start (or join) an MPS control daemon and start compute tenants' processes (`unisched run`) as its clients,
     with client priority and SM cap by class (policy.mps): in preemptive mode the one way found on the H200 to put
     an online request's kernels before a trainer's queued step."""
-    mps_offline_sm_percent: int = 30
+    mps_offline_sm_percent: int = 70
     """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 30 as the MPS
     reference of issue 5: on the H200 a ResNet-50 b32 trainer so capped kept 0.72-1.02 of its solo rate (partly
     launch-bound); neither 30 nor 50 held the online p99 target over rounds (bench/results/2026-12-01-h200-i/)."""
