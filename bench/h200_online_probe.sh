@@ -33,6 +33,9 @@
 # unisched 0.96-1.02x, the trainer kept 0.47-0.50 at the daemon's default cap of 30%, 0.73-0.76 at 60%). Next, the cap
 # between 60 and 100:
 #   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=90 SOLO_SECONDS=30 SETUPS=user-mps-daemon-70,user-mps-daemon-80,user-mps-daemon-90 bash bench/h200_online_probe.sh
+# (eleventh session, bench/results/2026-12-02-h200-c/: 70% three times, p99 1.03x [0.97-1.16] pooled with the trainer
+# at 0.83-0.85, now the daemon's default; 80 and 90% one run each). Next, more of 70% to resolve its p99, then b32:
+#   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=300 SOLO_SECONDS=30 MAX_TOTAL=560 SETUPS=user-mps-daemon-70 bash bench/h200_online_probe.sh
 set -uo pipefail
 source bench/preflight.sh
 record_machine

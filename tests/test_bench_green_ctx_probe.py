@@ -28,16 +28,19 @@ def test_a_switch_pair_costs_what_the_switching_step_adds_over_the_plain_one() -
 def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> None:
     r = {"device": "NVIDIA H200", "sms": 132, "torch": "2.13", "cuda": "13.0", "green_supported": True,
          "mps_pipe": "/tmp/p", "model": "resnet50", "batch": 128, "steps": 30,
-         "whole_device_ms": {"step": 30.0, "forward": 10.0},
-         "narrow": {"66": {"step_ms": 50.0, "step_kept": 0.6, "forward_ms": 12.5, "forward_kept": 0.8},
+         "whole_device_ms": {"step": 30.0, "forward": 10.0, "train_forward": 14.0},
+         "narrow": {"66": {"step_ms": 50.0, "step_kept": 0.6, "forward_ms": 12.5, "forward_kept": 0.8,
+                           "train_forward_ms": 20.0, "train_forward_kept": 0.7},
                     "40": {"step_error": "invalid resource handle", "forward_ms": 20.0, "forward_kept": 0.5},
                     "3": {"error": "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"}},
          "switch": {"narrow_sms": 40, "pairs_per_step": 7, "step_ms": 37.0, "plain_ms": 30.0,
                     **probe.switch_cost(30.0, 37.0, 7)}}
     md = probe.markdown(r)
-    assert "| all (132) | 30.00 | 1.00 | 10.00 | 1.00 |" in md and "| 66 | 50.00 | 0.60 | 12.50 | 0.80 |" in md
-    assert "| 40 | invalid resource handle |  | 20.00 | 0.50 |" in md  # backward refused, forward measured
-    assert "| 3 | CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION | | | |" in md and "MPS client: yes" in md
+    assert "| all (132) | 30.00 | 1.00 | 10.00 | 1.00 | 14.00 | 1.00 |" in md
+    assert "| 66 | 50.00 | 0.60 | 12.50 | 0.80 | 20.00 | 0.70 |" in md
+    # backward refused, forward measured, and the run killed before the step's forward: each said, none dropped
+    assert "| 40 | invalid resource handle |  | 20.00 | 0.50 | not run |  |" in md
+    assert "| 3 | CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION | | | | | |" in md and "MPS client: yes" in md
     assert "1000 us a pair" in md and "lose 2.00% to switching" in md
 
 
