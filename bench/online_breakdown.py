@@ -13,7 +13,8 @@ latency and of service time against alone, and how many requests queued. A diagn
   python3 bench/online_breakdown.py --batch 8 bench/results/2026-12-02-h200-a/call-c/online-probe/results.json
 
 Interleaved runs (scenarios.py --interleave) get a second table: running / paused, their pairs of periods pooled
-over every file given.
+over every file given, each setup's trainer kept per run, and the target's verdict on the pool (the pooled p99 ratio
+and the lowest kept; where met, whether the p99's 90% interval settles it).
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def interleaved_kept(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[
 def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     """Interleaved runs (scenarios.py --interleave) of every file, pooled per setup: running / paused ratios with
     90% intervals from resampling their pairs of periods (interleave.paired_bootstrap), so calls add up; beside
-    them the trainer's kept of each run, since the target asks for both."""
+    them the trainer's kept of each run, since the target asks for both, and the verdict: the pooled p99 and the
+    lowest kept against the target, and whether the p99's interval settles it."""
     blocks: dict[str, list[Block]] = {}
-    kept: dict[str, list[str]] = {}
+    kept: dict[str, list[float | None]] = {}
     for p in paths:
         results = json.loads(p.read_text())
         for setup, run, _ in online_runs(results, batch):
@@ -104,20 +106,32 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
                 plan, arrivals, latencies, since = inputs
                 blocks.setdefault(setup, []).extend(period_pairs(plan, arrivals, latencies, since_s=since))
         for setup, k in interleaved_kept(results, batch):
-            kept.setdefault(setup, []).append("n/a" if k is None else f"{k:.2f}")
+            kept.setdefault(setup, []).append(k)
     if not blocks:
         return ""
     lines = ["| setup (interleaved) | pairs of periods | requests running / paused | p50 running / paused | "
-             "mean running / paused | p99 running / paused | trainer kept (per run) |", "|---|---|---|---|---|---|---|"]
+             "mean running / paused | p99 running / paused | trainer kept (per run) | target |",
+             "|---|---|---|---|---|---|---|---|"]
     for setup, bs in sorted(blocks.items()):
         running = [v for b in bs for v in b[0]]
         idle = [v for b in bs for v in b[1]]
-        cells = []
-        for stat in scenarios.INTERLEAVED_STATS.values():
+        cells: list[str] = []
+        p99x: float | None = None
+        p99_ci: tuple[float, float] | None = None
+        for name, stat in scenarios.INTERLEAVED_STATS.items():
             ci = paired_bootstrap(bs, stat)
-            cells.append(f"{stat(running) / stat(idle):.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
+            ratio = stat(running) / stat(idle)
+            cells.append(f"{ratio:.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
+            if name == "p99":
+                p99x, p99_ci = ratio, ci
+        ks = kept.get(setup, [])
+        known = [k for k in ks if k is not None]
+        met = scenarios.online_target_met(p99x, min(known) if known else None)
+        verdict = {True: "**met**", False: "missed", None: "n/a"}[met]
+        if met and p99_ci:  # met at the point: say whether the interval settles it
+            verdict += f" (p99 {scenarios.p99_resolution(list(p99_ci))})"
         lines.append(f"| {setup} | {len(bs)} | {len(running)} / {len(idle)} | {' | '.join(cells)} | "
-                     f"{', '.join(kept.get(setup, [])) or 'n/a'} |")
+                     f"{', '.join('n/a' if k is None else f'{k:.2f}' for k in ks) or 'n/a'} | {verdict} |")
     return "\n".join(lines)
 
 
