@@ -139,11 +139,19 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         out["error"] = "this torch build has no green contexts"
         return out
     out["narrow"] = {}
+    # Every context stays alive to the end: rebinding `enter` would destroy the last one (cuGreenCtxDestroy) while
+    # torch's caching allocator may still hold blocks allocated inside it, one suspect for 12-02's hang.
+    alive: list[Any] = []
+
+    def create(n: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        alive.append(green_contexts.GreenContext.create(num_sms=n, device_id=0))
+        return entered(alive[-1])
+
     for n in args.sms:
         entry: dict[str, Any] = out["narrow"].setdefault(str(n), {})
         note(f"creating a green context of {n} SMs")
         try:  # the driver may refuse: too old, MPS with a thread cap, a count it cannot split
-            enter, leave = entered(green_contexts.GreenContext.create(num_sms=n, device_id=0))
+            enter, leave = create(n)
         except RuntimeError as e:
             entry["error"] = first_line(e)
             continue
@@ -163,7 +171,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         return out
     note(f"creating a green context of {args.switch_sms} SMs for switching")
     try:
-        enter, leave = entered(green_contexts.GreenContext.create(num_sms=args.switch_sms, device_id=0))
+        enter, leave = create(args.switch_sms)
     except RuntimeError as e:
         out["switch"] = {"error": first_line(e)}
         return out
