@@ -147,6 +147,36 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         alive.append(green_contexts.GreenContext.create(num_sms=n, device_id=0))
         return entered(alive[-1])
 
+    def narrow_backward(n: int, enter: Callable[[], None], leave: Callable[[], None], entry: dict[str, Any]) -> None:
+        """A step with the context current on autograd's backward thread too: pushed there by a hook on the loss's
+        gradient at the first backward, and left there (popping it at the end of backward would need a hook that
+        runs last on that thread), so this must be the process's last use of that thread."""
+        pushed: list[bool] = []
+
+        def on_backward_thread(grad: Any) -> Any:
+            if not pushed:
+                note(f"entering {n} SMs on autograd's thread")
+                enter()
+                pushed.append(True)
+            return grad
+
+        def step_narrow_backward() -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_fn(net(x), y)
+            loss.register_hook(on_backward_thread)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        enter()
+        try:
+            entry["step_narrow_backward_ms"] = ms = timed(f"{n} SMs, step, backward narrowed too", step_narrow_backward)
+            entry["step_narrow_backward_kept"] = whole["step"] / ms
+        except RuntimeError as e:
+            entry["step_narrow_backward_error"] = first_line(e)
+        finally:
+            leave()
+
     for n in args.sms:
         entry: dict[str, Any] = out["narrow"].setdefault(str(n), {})
         note(f"creating a green context of {n} SMs")
@@ -166,6 +196,9 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
             finally:
                 note(f"leaving {n} SMs")
                 leave()
+            save(out)
+        if args.narrow_backward:
+            narrow_backward(n, enter, leave, entry)
             save(out)
     if args.switch_sms == 0:
         return out
@@ -219,6 +252,12 @@ def markdown(r: dict[str, Any]) -> str:
             else:
                 cells += [f"{v[f'{k}_ms']:.2f}", f"{v[f'{k}_kept']:.2f}"] if f"{k}_ms" in v else ["not run", ""]
         lines.append("| " + " | ".join(cells) + " |")
+    for n, v in (r.get("narrow") or {}).items():
+        if "step_narrow_backward_error" in v:
+            lines += ["", f"{n} SMs, the context current on autograd's thread too: {v['step_narrow_backward_error']}"]
+        elif "step_narrow_backward_ms" in v:
+            lines += ["", f"{n} SMs, the context current on autograd's thread too: a step {v['step_narrow_backward_ms']:.2f} ms, "
+                      f"{v['step_narrow_backward_kept']:.2f} kept."]
     s = r.get("switch") or {}
     if "error" in s:
         lines += ["", f"Switching: {s['error']}"]
@@ -246,10 +285,16 @@ def main(argv: list[str] | None = None) -> int:
                     "trainer's pause points in bench/scenarios.py)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per setting (default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    ap.add_argument("--narrow-backward", action="store_true",
+                    help="also time a step with the context pushed on autograd's backward thread (left there: use with "
+                         "one size a process and no switching test)")
     ap.add_argument("--mps", action="store_true", help="run as the only client of a private MPS server, no thread cap")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.steps < 1 or args.warmup < 0 or args.switch_every < 1 or args.switch_sms < 0:
         ap.error("--batch, --steps and --switch-every must be positive, --warmup and --switch-sms at least 0")
+    if args.narrow_backward and (len(args.sms) > 1 or args.switch_sms):
+        ap.error("--narrow-backward leaves the context current on autograd's thread, which would narrow every later "
+                 "backward: give it one --sms size and --switch-sms 0")
     args.out.mkdir(parents=True, exist_ok=True)
     # stopped from outside (`timeout` in h200_green_probe.sh): unwind, so a private MPS server is asked to quit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

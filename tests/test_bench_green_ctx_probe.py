@@ -32,7 +32,9 @@ def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> No
          "narrow": {"66": {"step_ms": 50.0, "step_kept": 0.6, "forward_ms": 12.5, "forward_kept": 0.8,
                            "train_forward_ms": 20.0, "train_forward_kept": 0.7},
                     "40": {"step_error": "invalid resource handle", "forward_ms": 20.0, "forward_kept": 0.5},
-                    "3": {"error": "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"}},
+                    "3": {"error": "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION"},
+                    "24": {"step_ms": 90.0, "step_kept": 0.33, "step_narrow_backward_ms": 120.0,
+                           "step_narrow_backward_kept": 0.25}},
          "switch": {"narrow_sms": 40, "pairs_per_step": 7, "step_ms": 37.0, "plain_ms": 30.0,
                     **probe.switch_cost(30.0, 37.0, 7)}}
     md = probe.markdown(r)
@@ -41,6 +43,7 @@ def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> No
     # backward refused, forward measured, and the run killed before the step's forward: each said, none dropped
     assert "| 40 | invalid resource handle |  | 20.00 | 0.50 | not run |  |" in md
     assert "| 3 | CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION | | | | | |" in md and "MPS client: yes" in md
+    assert "24 SMs, the context current on autograd's thread too: a step 120.00 ms, 0.25 kept." in md
     assert "1000 us a pair" in md and "lose 2.00% to switching" in md
 
 
@@ -49,6 +52,10 @@ def test_bad_sizes_are_refused_and_a_machine_without_a_gpu_says_so(tmp_path: Pat
     assert bad.returncode == 2 and "SM counts must be positive" in bad.stderr
     neg = subprocess.run([*PROBE, "--out", str(tmp_path), "--switch-sms", "-1"], capture_output=True, text=True, timeout=60)
     assert neg.returncode == 2 and "--warmup and --switch-sms at least 0" in neg.stderr  # 0 (no switching) is allowed
+    # the backward thread stays narrowed after that timing: every later setting of the process would be narrowed
+    mixed = subprocess.run([*PROBE, "--out", str(tmp_path), "--narrow-backward", "--sms", "66,40", "--switch-sms", "0"],
+                           capture_output=True, text=True, timeout=60)
+    assert mixed.returncode == 2 and "give it one --sms size and --switch-sms 0" in mixed.stderr
     if shutil.which("nvidia-cuda-mps-control") is None:
         no_mps = subprocess.run([*PROBE, "--out", str(tmp_path), "--mps"], capture_output=True, text=True, timeout=60)
         assert no_mps.returncode == 2 and "MPS did not start: nvidia-cuda-mps-control not found" in no_mps.stderr
