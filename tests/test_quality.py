@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,3 +49,21 @@ def test_mypy_strict_on_the_package() -> None:
     out = subprocess.run([sys.executable, "-m", "mypy", "unisched", "clients"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+DOCS = ("README.md", "bench/README.md", "bench/results/HISTORY.md")
+"""The pages users read first; their relative links point at committed plots and results."""
+
+
+def markdown_links(page: Path) -> list[str]:
+    """Relative link targets of a markdown page (web links and in-page anchors left out)."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+    return [t.split("#")[0] for t in targets if not t.startswith(("http://", "https://", "#", "mailto:"))]
+
+
+def test_the_docs_link_only_to_files_that_exist(tmp_path: Path) -> None:
+    missing = [f"{doc}: {t}" for doc in DOCS for t in markdown_links(ROOT / doc) if not (ROOT / doc).parent.joinpath(t).exists()]
+    assert not missing, missing
+    page = tmp_path / "page.md"  # the check itself: a link to a moved plot is caught, web links and anchors are not
+    page.write_text("[a](gone.png) [b](https://example.org/x.png) [c](#results) [d](page.md#top)")
+    assert markdown_links(page) == ["gone.png", "page.md"]
