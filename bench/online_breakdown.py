@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "wo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scenarios
 from _window import percentile
-from interleave import Block, paired_bootstrap, period_pairs
+from interleave import Block
 
 ALONE = "alone-online"
 
@@ -60,9 +60,14 @@ def breakdown(arrivals_s: Sequence[float], latencies_ms: Sequence[float]) -> Bre
     return Breakdown(tuple(latencies_ms), tuple(service), queued)
 
 
+def batch_runs(results: dict[str, Any], batch: int) -> dict[str, Any]:
+    """One online batch size's runs (its first round, `more_rounds` and `derived`) in a results.json; {} if none."""
+    return results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch)) or {}
+
+
 def online_runs(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
     """(setup, run, the online tenant's report) for every run of every round of one batch size in a results.json."""
-    runs = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch))
+    runs = batch_runs(results, batch)
     if not runs:
         return
     for rnd in [runs, *runs.get("more_rounds", [])]:
@@ -86,8 +91,7 @@ def pooled(paths: Sequence[Path], batch: int = 1) -> dict[str, list[Breakdown]]:
 def interleaved_kept(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, float | None]]:
     """(setup, the trainer's kept over its running periods) for every interleaved run of every round, as the
     results' own derivation scored it (each round against its own solo run)."""
-    runs = results.get("scenarios", {}).get("online", {}).get("batches", {}).get(str(batch), {})
-    for _, setup, s in scenarios.interleaved_setups(runs):
+    for _, setup, s in scenarios.interleaved_setups(batch_runs(results, batch)):
         yield setup, s.get("offline_kept")
 
 
@@ -101,10 +105,8 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     for p in paths:
         results = json.loads(p.read_text())
         for setup, run, _ in online_runs(results, batch):
-            inputs = scenarios.interleave_inputs(run)
-            if inputs is not None:
-                plan, arrivals, latencies, since = inputs
-                blocks.setdefault(setup, []).extend(period_pairs(plan, arrivals, latencies, since_s=since))
+            if run.get("alternation"):
+                blocks.setdefault(setup, []).extend(scenarios.run_pairs(run))
         for setup, k in interleaved_kept(results, batch):
             kept.setdefault(setup, []).append(k)
     if not blocks:
@@ -115,21 +117,18 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     for setup, bs in sorted(blocks.items()):
         running = [v for b in bs for v in b[0]]
         idle = [v for b in bs for v in b[1]]
-        cells: list[str] = []
-        p99x: float | None = None
-        p99_ci: tuple[float, float] | None = None
-        for name, stat in scenarios.INTERLEAVED_STATS.items():
-            ci = paired_bootstrap(bs, stat)
-            ratio = stat(running) / stat(idle)
-            cells.append(f"{ratio:.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
-            if name == "p99":
-                p99x, p99_ci = ratio, ci
+        r = scenarios.interleaved_ratios(running, idle, bs)
+        cells = []
+        for name in scenarios.INTERLEAVED_STATS:
+            x, ci = r[f"{name}_x"], r[f"{name}_x_ci"]
+            cells.append(f"{x:.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
+        p99x, p99_ci = r["p99_x"], r["p99_x_ci"]
         ks = kept.get(setup, [])
         known = [k for k in ks if k is not None]
         met = scenarios.online_target_met(p99x, min(known) if known else None)
         verdict = {True: "**met**", False: "missed", None: "n/a"}[met]
         if met and p99_ci:  # met at the point: say whether the interval settles it
-            verdict += f" (p99 {scenarios.p99_resolution(list(p99_ci))})"
+            verdict += f" (p99 {scenarios.p99_resolution(p99_ci)})"
         lines.append(f"| {setup} | {len(bs)} | {len(running)} / {len(idle)} | {' | '.join(cells)} | "
                      f"{', '.join('n/a' if k is None else f'{k:.2f}' for k in ks) or 'n/a'} | {verdict} |")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "wo
 import gpu_pairs as gp
 import scoring
 from _window import latency_summary, percentile
-from interleave import PAUSED, RUNNING, Alternation, paired_bootstrap, period_pairs, running_rate, split_latencies
+from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
@@ -528,6 +528,26 @@ def interleave_inputs(run: dict[str, Any]) -> tuple[Alternation, list[float], li
             window[0] if window else 0.0)
 
 
+def run_pairs(run: dict[str, Any]) -> list[Block]:
+    """An interleaved run's requests by pair of periods (interleave.period_pairs); [] for a run without pauses."""
+    inputs = interleave_inputs(run)
+    if inputs is None:
+        return []
+    plan, arrivals, latencies, since = inputs
+    return period_pairs(plan, arrivals, latencies, since_s=since)
+
+
+def interleaved_ratios(shared: Sequence[float], ref: Sequence[float], blocks: Sequence[Block]) -> dict[str, Any]:
+    """`<stat>_x` (shared / ref) and `<stat>_x_ci` (its 90% interval from resampling `blocks`, the pairs of periods)
+    for each of INTERLEAVED_STATS: one run's (interleaved) or the pairs of many runs pooled (online_breakdown)."""
+    out: dict[str, Any] = {}
+    for name, stat in INTERLEAVED_STATS.items():
+        ci = paired_bootstrap(blocks, stat)
+        out[f"{name}_x"] = ratio(stat(shared), stat(ref)) if shared and ref else None
+        out[f"{name}_x_ci"] = list(ci) if ci else None
+    return out
+
+
 def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
     """A run whose offline tenant was paused in every other period (--interleave): the online requests of its
     running periods and of its paused ones (the reference: same processes, seconds apart), running / paused of
@@ -542,12 +562,7 @@ def interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
     shared, ref = split[RUNNING], split[PAUSED]
     w = (tenant(run, "offline") or {}).get("window") or {}
     rate = running_rate(plan, w["items"], since_s=w.get("late_s") or 0.0) if "items" in w else None
-    ratios: dict[str, Any] = {}
-    blocks = period_pairs(plan, arrivals, latencies, since_s=since)
-    for name, stat in INTERLEAVED_STATS.items():
-        ci = paired_bootstrap(blocks, stat)
-        ratios[f"{name}_x"] = ratio(stat(shared), stat(ref)) if shared and ref else None
-        ratios[f"{name}_x_ci"] = list(ci) if ci else None
+    ratios = interleaved_ratios(shared, ref, period_pairs(plan, arrivals, latencies, since_s=since))
     return {"running": latency_summary(shared), "paused": latency_summary(ref), **ratios,
             "offline_running_tp": rate, "period_s": plan.period_s,
             "guard_s": plan.guard_s, "switches": alt.get("switches"), "max_lag_ms": alt.get("max_lag_ms"),
@@ -624,12 +639,7 @@ def pool_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def pooled_pairs_ci(rounds: list[dict[str, Any]], setup: str) -> list[float] | None:
     """The p99 running / paused interval from the pairs of periods of every round's interleaved run of a setup."""
-    blocks = []
-    for r in rounds:
-        inputs = interleave_inputs(r.get(setup) or {})
-        if inputs is not None:
-            plan, arrivals, latencies, since = inputs
-            blocks += period_pairs(plan, arrivals, latencies, since_s=since)
+    blocks = [b for r in rounds for b in run_pairs(r.get(setup) or {})]
     ci = paired_bootstrap(blocks, INTERLEAVED_STATS["p99"])
     return list(ci) if ci else None
 
