@@ -100,9 +100,11 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
     net, opt, x, y = load_build()(args.model, args.batch)
     loss_fn = nn.CrossEntropyLoss()
 
-    def step() -> None:
+    def step(on_backward: Callable[[Any], Any] | None = None) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(net(x), y)
+        if on_backward is not None:  # a hook on the loss's gradient: the first thing autograd's thread runs
+            loss.register_hook(on_backward)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # runs on autograd's own thread, where the green context is not current: may be refused
         opt.step()
@@ -147,6 +149,21 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
         alive.append(green_contexts.GreenContext.create(num_sms=n, device_id=0))
         return entered(alive[-1])
 
+    def time_narrow(n: int, enter: Callable[[], None], leave: Callable[[], None], entry: dict[str, Any], key: str,
+                    fn: Callable[[], None], whole_ms: float) -> None:
+        """`fn` timed inside the context into entry[key_ms] and its kept against the whole device, or the
+        driver's refusal into entry[key_error]."""
+        note(f"entering {n} SMs for {key}")
+        enter()
+        try:
+            entry[f"{key}_ms"] = ms = timed(f"{n} SMs, {key}", fn)
+            entry[f"{key}_kept"] = whole_ms / ms
+        except RuntimeError as e:
+            entry[f"{key}_error"] = first_line(e)
+        finally:
+            note(f"leaving {n} SMs")
+            leave()
+
     def narrow_backward(n: int, enter: Callable[[], None], leave: Callable[[], None], entry: dict[str, Any]) -> None:
         """A step with the context current on autograd's backward thread too: pushed there by a hook on the loss's
         gradient at the first backward, and left there (popping it at the end of backward would need a hook that
@@ -160,22 +177,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
                 pushed.append(True)
             return grad
 
-        def step_narrow_backward() -> None:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(net(x), y)
-            loss.register_hook(on_backward_thread)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        enter()
-        try:
-            entry["step_narrow_backward_ms"] = ms = timed(f"{n} SMs, step, backward narrowed too", step_narrow_backward)
-            entry["step_narrow_backward_kept"] = whole["step"] / ms
-        except RuntimeError as e:
-            entry["step_narrow_backward_error"] = first_line(e)
-        finally:
-            leave()
+        time_narrow(n, enter, leave, entry, "step_narrow_backward", lambda: step(on_backward_thread), whole["step"])
 
     for n in args.sms:
         entry: dict[str, Any] = out["narrow"].setdefault(str(n), {})
@@ -186,16 +188,7 @@ def measure(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) ->
             entry["error"] = first_line(e)
             continue
         for k, fn in kinds.items():
-            note(f"entering {n} SMs for {k}")
-            enter()
-            try:
-                entry[f"{k}_ms"] = ms = timed(f"{n} SMs, {k}", fn)
-                entry[f"{k}_kept"] = whole[k] / ms
-            except RuntimeError as e:
-                entry[f"{k}_error"] = first_line(e)
-            finally:
-                note(f"leaving {n} SMs")
-                leave()
+            time_narrow(n, enter, leave, entry, k, fn, whole[k])
             save(out)
         if args.narrow_backward:
             narrow_backward(n, enter, leave, entry)
