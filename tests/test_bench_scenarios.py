@@ -142,6 +142,7 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
     assert "[4/4] online: batch 1, online alone, MPS client" in plan_text
     assert "[3/3] online: batch 1, unisched user, --mps, offline at 60%" in online_plan("user-mps-daemon-60")
 
+
 def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
     """The setups differ only in the daemon's arguments: a wrong cap would measure another setup under its name."""
     s = scenarios.ONLINE_SETUPS
