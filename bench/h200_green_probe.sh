@@ -10,6 +10,10 @@
 # size also times a step with the context pushed on autograd's backward thread (--narrow-backward), the rate of a
 # trainer narrowed whole; ~5 min in all, and no probe starts after BUDGET_S (default 450) seconds, so a call of 600 s
 # always comes back with what was measured.
+# Second run (12-02, twelfth session, SIZES=66 BUDGET_S=140, bench/results/2026-12-02-h200-d/call-d): 66 SMs worked
+# alone and under MPS (forward 0.66-0.67 kept, the step narrowed whole 0.70 alone, 0.78 under MPS); the switching
+# test's first step on 40 SMs never finished, alone (killed) and under MPS (exit 124). Now each size times its forward
+# passes before its step, and the switching test runs on 66 SMs.
 set -uo pipefail
 source bench/preflight.sh
 record_machine
@@ -25,6 +29,6 @@ probe() {  # probe <folder> <seconds> <args...>
 for mode in green green-mps; do
   extra=(); [ "$mode" = green-mps ] && extra=(--mps)
   for n in $SIZES; do probe "$OUT/$mode/sms-$n" 75 --sms "$n" --switch-sms 0 --narrow-backward "${extra[@]}"; done
-  probe "$OUT/$mode/switch" 75 --sms 40 --switch-sms 40 "${extra[@]}"
+  probe "$OUT/$mode/switch" 75 --sms 66 --switch-sms 66 "${extra[@]}"
 done
 cd "$OUT" && tar czf results-green.tgz --ignore-failed-read green green-mps machine.txt; ls
