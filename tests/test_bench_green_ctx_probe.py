@@ -38,10 +38,11 @@ def test_the_report_names_each_size_its_kept_and_what_the_driver_refused() -> No
          "switch": {"narrow_sms": 40, "pairs_per_step": 7, "step_ms": 37.0, "plain_ms": 30.0,
                     **probe.switch_cost(30.0, 37.0, 7)}}
     md = probe.markdown(r)
-    assert "| all (132) | 30.00 | 1.00 | 10.00 | 1.00 | 14.00 | 1.00 |" in md
-    assert "| 66 | 50.00 | 0.60 | 12.50 | 0.80 | 20.00 | 0.70 |" in md
-    # backward refused, forward measured, and the run killed before the step's forward: each said, none dropped
-    assert "| 40 | invalid resource handle |  | 20.00 | 0.50 | not run |  |" in md
+    assert "| SMs | forward only ms | kept | step's forward ms | kept | training step ms | kept |" in md
+    assert "| all (132) | 10.00 | 1.00 | 14.00 | 1.00 | 30.00 | 1.00 |" in md
+    assert "| 66 | 12.50 | 0.80 | 20.00 | 0.70 | 50.00 | 0.60 |" in md
+    # forward measured, the run killed before the step's forward, backward refused: each said, none dropped
+    assert "| 40 | 20.00 | 0.50 | not run |  | invalid resource handle |  |" in md
     assert "| 3 | CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION | | | | | |" in md and "MPS client: yes" in md
     assert "24 SMs, the context current on autograd's thread too: a step 120.00 ms, 0.25 kept." in md
     assert "1000 us a pair" in md and "lose 2.00% to switching" in md

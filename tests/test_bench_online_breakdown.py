@@ -97,6 +97,6 @@ def test_the_pooled_verdict_needs_both_halves_and_says_whether_the_p99_interval_
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"scenarios": {"online": {"batches": batches}}}))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in ob.interleaved_table([path]).splitlines()}
-    assert rows["steady"].endswith("| 0.85 | **met** (p99 below the target) |")
+    assert rows["steady"].endswith("| 0.85 | **met** (p99 1.000x, below the target) |")
     assert rows["starved"].endswith("| 0.75 | missed |")  # the request untouched, the trainer below 0.80
-    assert " 1.00 [" in rows["unsettled"] and rows["unsettled"].endswith("| 0.85 | **met** (p99 cannot tell) |")
+    assert " 1.00 [" in rows["unsettled"] and rows["unsettled"].endswith("| 0.85 | **met** (p99 1.000x, cannot tell) |")

@@ -98,9 +98,9 @@ class DaemonConfig:
     an online request's kernels before a trainer's queued step."""
     mps_offline_sm_percent: int = 70
     """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 70 since
-    2026-12-02: on the H200 an SM-bound ResNet-50 b128 trainer kept 0.83-0.85 of its solo rate at 70 with the online
-    request's p99 1.03x pooled over three runs, against 0.47-0.50 at the earlier default of 30
-    (bench/results/2026-12-02-h200-b/, -c/); a launch-bound b32 one kept 0.82-1.00 even at 30."""
+    2026-12-02: on the H200 an SM-bound ResNet-50 b128 trainer kept 0.83-0.87 of its solo rate at 70 with the online
+    request's p99 1.047x pooled over five runs, against 0.47-0.50 at the earlier default of 30
+    (bench/results/2026-12-02-h200-b/, -c/, -d/); a launch-bound b32 one kept 0.82-1.00 even at 30, 1.00 at 70."""
     user_tenants: bool = True
     max_user_weight: int = DEFAULT_WEIGHT
     tenants: tuple[DeclaredTenant, ...] = ()
