@@ -36,6 +36,9 @@
 # (eleventh session, bench/results/2026-12-02-h200-c/: 70% three times, p99 1.03x [0.97-1.16] pooled with the trainer
 # at 0.83-0.85, now the daemon's default; 80 and 90% one run each). Next, more of 70% to resolve its p99, then b32:
 #   source .devcache/setup.sh && OFFLINE_BATCH=128 INTERLEAVE=1 SECONDS_WINDOW=300 SOLO_SECONDS=30 MAX_TOTAL=560 SETUPS=user-mps-daemon-70 bash bench/h200_online_probe.sh
+# (twelfth session, bench/results/2026-12-02-h200-d/: SECONDS_WINDOW=420 and 430 with MAX_TOTAL=570-575, ~9 min each;
+# pooled over five runs p99 1.047x [1.005-1.115] with the trainer at 0.83-0.87, the target met at its edge; and
+# OFFLINE_BATCH=32 SECONDS_WINDOW=200 MAX_TOTAL=400: 0.94x, kept 1.00).
 set -uo pipefail
 source bench/preflight.sh
 record_machine
