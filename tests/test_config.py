@@ -77,3 +77,33 @@ def test_flags_override_the_file_and_are_validated(tmp_path: Path) -> None:
     assert out.slice_ms == 20.0 and out.mode is Mode.PREEMPTIVE and out.socket == "/tmp/y.sock"
     with pytest.raises(ConfigError, match="flag 'slice_ms'"):
         DaemonConfig().with_overrides(slice_ms=0.0)
+
+
+def test_serve_help_names_the_defaults_the_daemon_runs_with() -> None:
+    """Every `serve` option whose help says "default X" and that sets a DaemonConfig field names that field's value:
+    the MPS cap's help said 30 after the default became 70."""
+    import argparse
+    import dataclasses
+    import re
+
+    from unisched.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    fields = {f.name for f in dataclasses.fields(DaemonConfig)}
+    d = DaemonConfig()
+    checked = []
+    for action in sub.choices["serve"]._actions:
+        m = re.search(r"\bdefault ([^\s;:)]+)", action.help or "")
+        if m is None or action.dest not in fields:
+            continue
+        value = getattr(d, action.dest)
+        said = m.group(1)
+        if isinstance(value, bool | str):
+            assert said == str(value), (action.dest, said, value)
+        else:
+            assert float(said) == float(value), (action.dest, said, value)
+        checked.append(action.dest)
+    # the options that name a default; one that stops saying it (or whose dest stops matching a field) fails here
+    assert set(checked) >= {"socket", "metrics_port", "metrics_listen", "state_dir", "mode", "slice_ms", "saturated_util",
+                            "lease_timeout_ms", "lease_max_run_ms", "mix_period_ms", "mps_offline_sm_percent",
+                            "cgroup_driver", "contention", "log_format", "log_level"}, checked

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from unisched.engine.config import DEFAULT_SOCKET, ConfigError, check_listener, load_config, parse_size
+from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
@@ -159,33 +159,36 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="run the daemon (as root)", description="Run the unisched daemon. Flags override the config file."
     )
+    d = DaemonConfig()  # the defaults the help names, from one place (the MPS cap's help once said 30 after it was 70)
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
-    s.add_argument("--socket", help=f"Unix socket to serve on (default {DEFAULT_SOCKET})")
+    s.add_argument("--socket", help=f"Unix socket to serve on (default {d.socket})")
     s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT (needs --tls-cert, --tls-key, "
                                     "--tls-client-ca)")
     s.add_argument("--tls-cert", help="PEM certificate of the TCP listener")
     s.add_argument("--tls-key", help="PEM private key of the TCP listener")
     s.add_argument("--tls-client-ca", help="PEM CA certificate; TCP clients must present a certificate it signed")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0: off)")
-    s.add_argument("--metrics-listen", help="address for --metrics-port (default 127.0.0.1)")
+    s.add_argument("--metrics-port", type=int, help=f"serve Prometheus metrics on this port (default {d.metrics_port}: off)")
+    s.add_argument("--metrics-listen", help=f"address for --metrics-port (default {d.metrics_listen})")
     s.add_argument("--agent-socket", help="seccomp agent socket for GPU session hooks (default: seccomp-agent.sock "
                                           "beside --socket; OCI runtimes use it as listenerPath)")
-    s.add_argument("--state-dir", help="where tenants and weights are kept across restarts (default /var/lib/unisched)")
-    s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"], help="scheduling mode (default shared)")
-    s.add_argument("--slice-ms", type=float, help="slice length in ms (default 50)")
+    s.add_argument("--state-dir", help=f"where tenants and weights are kept across restarts (default {d.state_dir})")
+    s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"],
+                   help=f"scheduling mode (default {d.mode.value})")
+    s.add_argument("--slice-ms", type=float, help=f"slice length in ms (default {d.slice_ms:g})")
     s.add_argument("--saturated-util", type=float, metavar="U",
                    help="slice a GPU engine's tenants only while its mean busy fraction over 0.4 s is >= U "
-                        "(0..1, default 0.98; 0 = always)")
+                        f"(0..1, default {d.saturated_util:g}; 0 = always)")
     s.add_argument("--lease-timeout-ms", type=float,
-                   help="a cooperative client's lease is revoked when not renewed within this long (default 250)")
+                   help="a cooperative client's lease is revoked when not renewed within this long "
+                        f"(default {d.lease_timeout_ms:g})")
     s.add_argument("--lease-max-run-ms", type=float, metavar="MS",
                    help="a cooperative compute tenant whose steps are long keeps its lease for 8 of them a turn, at most "
                         "this long: fewer hand-overs, at which its queued work runs beside the next holder's (default "
-                        "500; 0 = one slice a turn)")
+                        f"{d.lease_max_run_ms:g}; 0 = one slice a turn)")
     s.add_argument("--mix-period-ms", type=float, metavar="MS",
                    help="where compute and graphics overlap partly: each kind of mixed slice (together, compute alone, graphics "
                         "alone) runs for its part of a period this long at a stretch; longer loses less to the "
-                        "frame a paused render finishes, shorter pauses each side for less (default 1000)")
+                        f"frame a paused render finishes, shorter pauses each side for less (default {d.mix_period_ms:g})")
     s.add_argument("--mps", action="store_true", default=None,
                    help="start (or join) an MPS control daemon (pipe directory 'mps' beside --socket) and start "
                         "compute tenants' processes (unisched run) as its clients; in preemptive mode offline ones "
@@ -193,12 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "only; needs nvidia-cuda-mps-control")
     s.add_argument("--mps-offline-sm-percent", type=int, metavar="P",
                    help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
-                        "default 70; 100 = all, priority only)")
-    s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help="freezer to use (default auto)")
+                        f"default {d.mps_offline_sm_percent}; 100 = all, priority only)")
+    s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help=f"freezer to use (default {d.cgroup_driver})")
     s.add_argument(
         "--contention",
         choices=["auto", "shared-sm", "separate-graphics", "partial-overlap"],
-        help="which engines contend (default auto: measured per GPU model by bench/calibrate_contention.py; where "
+        help=f"which engines contend (default {d.contention}: measured per GPU model by bench/calibrate_contention.py; where "
              "compute and graphics overlap partly there, slices mix running them together and each alone so "
              "both get their weight share; without a calibration: shared-sm, sliced as one). partial-overlap: "
              "mixed slices from the calibration's rates whatever their sum (it must exist)",
@@ -206,8 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
     s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")
     s.add_argument("--no-nvml", action="store_true", help="ignore GPUs; schedule on CPU signals only")
-    s.add_argument("--log-format", choices=["auto", "json", "console"])
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-format", choices=["auto", "json", "console"],
+                   help=f"log lines as JSON or for a terminal (default {d.log_format}: JSON unless stderr is a terminal)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default {d.log_level})")
 
     r = sub.add_parser(
         "run",
