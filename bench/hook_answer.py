@@ -193,7 +193,8 @@ class Load:
     PERIOD in a call that releases the GIL, as NVML through ctypes does) or "cpu:MS/PERIOD" (MS of Python)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, spec: str) -> None:
-        self.loop, self.handle = loop, None
+        self.loop = loop
+        self.handle: asyncio.TimerHandle | None = None
         self.kind, _, times = spec.partition(":")
         if self.kind not in ("idle", "blocking", "cpu"):
             raise ValueError(f"unknown load {spec!r}")

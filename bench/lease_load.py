@@ -298,9 +298,10 @@ def main() -> int:
         for i in range(procs)]
     for w in workers:
         w.start()
+    pids = [w.pid for w in workers if w.pid is not None]  # every started process has one
     time.sleep(max(0.0, start_at + args.warmup - time.time()))
     cpu0, _ = proc_stats(daemon.pid)
-    clients0, busy0, self0 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
+    clients0, busy0, self0 = sum(proc_stats(pid)[0] for pid in pids), busy_cpu_s(), sum(os.times()[:2])
     t0 = time.monotonic()
     rss_max = 0
     while time.monotonic() - t0 < args.seconds:
@@ -311,7 +312,7 @@ def main() -> int:
         if done % 10 == 0:
             print(f"lease_load: {done:.0f}/{args.seconds:g} s, daemon RSS {rss / 2**20:.0f} MiB", file=sys.stderr)
     cpu1, _ = proc_stats(daemon.pid)
-    clients1, busy1, self1 = sum(proc_stats(w.pid)[0] for w in workers), busy_cpu_s(), sum(os.times()[:2])
+    clients1, busy1, self1 = sum(proc_stats(pid)[0] for pid in pids), busy_cpu_s(), sum(os.times()[:2])
     elapsed = time.monotonic() - t0
     parts = [q.get(timeout=120 + 2 * STALL_S + CLOSE_S) for _ in workers]
     for w in workers:

@@ -63,7 +63,7 @@ def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out
         for i, mid in enumerate(GPM_METRICS.values()):
             m.metrics[i].metricId = mid
         nvml.nvmlGpmMetricsGet(m)
-        row = {"t": time.monotonic(), "nvml_util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)}
+        row: dict[str, Any] = {"t": time.monotonic(), "nvml_util": float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)}
         for i, name in enumerate(GPM_METRICS):
             if m.metrics[i].nvmlReturn == nvml.NVML_SUCCESS:
                 row[name] = round(float(m.metrics[i].value), 2)

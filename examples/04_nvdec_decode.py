@@ -15,8 +15,10 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 from _coop import add_unisched_args, connect, share_line, share_report
 from _window import add_window_args, fail, measure, plan_window, write_report
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"the daemon refused the decode session: {e}")
         it = decoder.frames(loop=True)
     else:
-        def unmanaged():  # type: ignore[no-untyped-def]
+        def unmanaged() -> Iterator[Any]:
             # one decoder for the whole run, as HardwareDecoder does: reopening the clip each loop would close and
             # reopen the NVDEC session every second, and a decode cap would see the count flicker
             with av.open(str(clip), hwaccel=HWAccel(device_type="cuda", allow_software_fallback=False)) as c:

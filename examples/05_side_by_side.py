@@ -18,13 +18,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 EXAMPLES = {"01": "01_pycuda_kernel_loop.py", "02": "02_pytorch_training.py", "03": "03_egl_render.py",
             "04": "04_nvdec_decode.py"}
 
 
-def run(specs: list[tuple[str, str, int | None]], args: argparse.Namespace, out: Path, warmup: float) -> list[dict]:
+def run(specs: list[tuple[str, str, int | None]], args: argparse.Namespace, out: Path, warmup: float) -> list[dict[str, Any]]:
     start_at = time.time() + warmup
     procs = []
     for name, ex, weight in specs:

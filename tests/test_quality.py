@@ -32,16 +32,16 @@ def test_ruff_is_clean() -> None:
     assert out.returncode == 0, out.stdout[-3000:]
 
 
-BENCH_TYPED = ("scenarios.py", "interleave.py", "online_breakdown.py", "green_ctx_probe.py", "scoring.py")
-"""bench modules whose numbers the README quotes: held to mypy strict like the package."""
-
-
-def test_mypy_strict_on_the_bench_analysis() -> None:
+def test_mypy_strict_on_the_benchmarks_and_examples() -> None:
+    """Every bench module and example, held to mypy strict like the package: users run them, and the README quotes
+    their numbers."""
     _tool("mypy")
-    env = {**os.environ, "MYPYPATH": f"{ROOT / 'examples' / 'workloads'}:{ROOT / 'bench'}"}
-    out = subprocess.run([sys.executable, "-m", "mypy", *(f"bench/{f}" for f in BENCH_TYPED)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    paths = [ROOT / "examples" / "workloads", ROOT / "examples", ROOT / "bench", ROOT / "clients"]
+    files = sorted(str(f.relative_to(ROOT)) for d in ("bench", "examples", "examples/workloads") for f in (ROOT / d).glob("*.py"))
+    out = subprocess.run([sys.executable, "-m", "mypy", *files], cwd=ROOT,
+                         env={**os.environ, "MYPYPATH": ":".join(map(str, paths))}, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:]
+    assert len(files) > 30 and "bench/scenarios.py" in files and "examples/02_pytorch_training.py" in files
 
 
 def test_mypy_strict_on_the_package() -> None:
