@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 5: would a trainer narrowed onto a green context only while requests run keep more than a static MPS cap
-# (0.47-0.50 at 30%, 0.73-0.76 at 60%, 0.83-0.85 at 70% beside a b128 trainer; bench/results/2026-12-02-h200-b, -c)?
+# (0.47-0.50 at 30%, 0.73-0.76 at 60%, 0.83-0.87 at 70% beside a b128 trainer; bench/results/2026-12-02-h200-b, -c, -d)?
 # bench/green_ctx_probe.py: a b128 step on N SMs and the cost of switching, alone and under MPS (~5 min):
 #   source .devcache/setup.sh && bash bench/h200_green_probe.sh          (carry: [".devcache"])
 # First run (12-02, bench/results/2026-12-02-h200-c/call-a): 112 SMs worked (forward 0.86 of the whole device's rate,

@@ -105,8 +105,9 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     for p in paths:
         results = json.loads(p.read_text())
         for setup, run, _ in online_runs(results, batch):
-            if run.get("alternation"):
-                blocks.setdefault(setup, []).extend(scenarios.run_pairs(run))
+            pairs = scenarios.run_pairs(run)  # [] for a run without pauses: that setup gets no row from it
+            if pairs:
+                blocks.setdefault(setup, []).extend(pairs)
         for setup, k in interleaved_kept(results, batch):
             kept.setdefault(setup, []).append(k)
     if not blocks:

@@ -100,8 +100,8 @@ trainer pausing inside its steps (user-points): the leases, not an SM cap, keep 
 request runs, and MPS's dispatcher puts the request's kernels before the trainer's last part (under time slicing,
 user-points kept 0.64 and read 1.20x). user-mps-daemon-N (N = 50, 60, 70, 80, 90): serve --mps with offline tenants
 on N% of the SMs: beside a b128 trainer (12-02) 30% kept the request at 0.96x p50 but the trainer at 0.50 of its
-solo rate; 70% (the daemon's default since) kept the trainer at 0.83-0.85 with the request's p99 1.03x pooled over
-three runs. mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
+solo rate; 70% (the daemon's default since) kept the trainer at 0.83-0.87 with the request's p99 1.047x pooled over
+five runs. mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
 so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
 read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32

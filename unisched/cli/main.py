@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
-from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--agent-socket", help="seccomp agent socket for GPU session hooks (default: seccomp-agent.sock "
                                           "beside --socket; OCI runtimes use it as listenerPath)")
     s.add_argument("--state-dir", help=f"where tenants and weights are kept across restarts (default {d.state_dir})")
-    s.add_argument("--mode", choices=["shared", "preemptive", "timeshare", "tidal"],
+    s.add_argument("--mode", choices=[m.value for m in Mode],
                    help=f"scheduling mode (default {d.mode.value})")
     s.add_argument("--slice-ms", type=float, help=f"slice length in ms (default {d.slice_ms:g})")
     s.add_argument("--saturated-util", type=float, metavar="U",
