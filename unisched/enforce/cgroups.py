@@ -52,17 +52,21 @@ class CgroupDriver(Protocol):
     def normalize(self, path: str) -> str: ...
 
 
+# A cgroup removed between a file's open and its read or write fails that call with ENODEV, not ENOENT
+_GONE = (errno.ENOENT, errno.ENODEV)
+
+
 def _write(path: Path, value: str) -> None:
     try:
         with open(path, "w") as f:
             f.write(value)
-    except FileNotFoundError:
-        raise CgroupError(f"{path.parent} does not exist (cgroup removed?)") from None
     except PermissionError:
         raise CgroupError(f"permission denied writing {path}: run the daemon as root") from None
     except OSError as e:
         if e.errno == errno.ESRCH:
             return  # the process exited before it could be moved
+        if e.errno in _GONE:
+            raise CgroupError(f"{path.parent} does not exist (cgroup removed?)") from None
         raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from None
 
 
@@ -74,15 +78,26 @@ def _read_head(path: str) -> bytes | None:
         return None
     try:
         return os.read(fd, 64)
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
     finally:
         os.close(fd)
 
 
-def _read_pids(path: Path) -> list[int]:
+def _read_text(path: Path) -> str | None:
+    """A whole cgroup file; None when the cgroup is gone."""
     try:
-        return [int(line) for line in path.read_text().split()]
-    except FileNotFoundError:
-        return []
+        return path.read_text()
+    except OSError as e:
+        if e.errno in _GONE:
+            return None
+        raise
+
+
+def _read_pids(path: Path) -> list[int]:
+    return [int(line) for line in (_read_text(path) or "").split()]
 
 
 class _Common:
@@ -160,10 +175,7 @@ class CgroupV2Driver(_Common):
         _write(self._dir(cgroup) / "cgroup.freeze", "1" if frozen else "0")
 
     def is_frozen(self, cgroup: str) -> bool:
-        try:
-            return (self._dir(cgroup) / "cgroup.freeze").read_text().strip() == "1"
-        except FileNotFoundError:
-            return False
+        return (_read_text(self._dir(cgroup) / "cgroup.freeze") or "").strip() == "1"
 
     def cgroup_of(self, pid: int) -> str | None:
         for hierarchy, controllers, path in _proc_cgroup(pid):
@@ -230,10 +242,8 @@ class CgroupV1Driver(_Common):
         _write(self._dir(cgroup) / "freezer.state", "FROZEN" if frozen else "THAWED")
 
     def is_frozen(self, cgroup: str) -> bool:
-        try:
-            return (self._dir(cgroup) / "freezer.state").read_text().strip() != "THAWED"
-        except FileNotFoundError:
-            return False
+        state = _read_text(self._dir(cgroup) / "freezer.state")
+        return state is not None and state.strip() != "THAWED"
 
     def cgroup_of(self, pid: int) -> str | None:
         for _, controllers, path in _proc_cgroup(pid):
