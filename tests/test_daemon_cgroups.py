@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
 
+from unisched.enforce.cgroups import CgroupDriver, CgroupError, detect_driver
+
 pytestmark = [needs_freezer, pytest.mark.root]
 HOG = str(ROOT / "tests" / "hog.py")
 
@@ -114,7 +116,6 @@ def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefi
         return any(t["state"] == "frozen" for t in daemon.tenants())
 
     wait_until(one_frozen, 10, "one tenant to be frozen")
-    from unisched.enforce.cgroups import detect_driver
 
     driver = detect_driver("auto")
     daemon.stop(signal.SIGKILL)
@@ -139,17 +140,22 @@ def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefi
         p.wait(timeout=10)
 
 
-@pytest.mark.parametrize("prefer", ["v2", "v1"])
-def test_the_drivers_read_cpu_usage_and_say_when_the_cgroup_is_gone(prefer: str, tenant_prefix: str) -> None:
-    """The slice path reads every tenant's CPU time each slice and learns from the same read that a cgroup was
-    removed underneath the daemon (no separate existence check)."""
-    from unisched.enforce.cgroups import CgroupError, detect_driver
+def usage_driver(prefer: str) -> CgroupDriver:
+    """The real driver of that cgroup version, skipping where it is absent or has no CPU usage to read."""
     try:
         driver = detect_driver(prefer)
     except CgroupError as e:
         pytest.skip(f"no cgroup {prefer} freezer here: {e}")
     if getattr(driver, "cpuacct", True) is None:
         pytest.skip("cgroup v1 freezer without a cpuacct hierarchy: no CPU usage to read")
+    return driver
+
+
+@pytest.mark.parametrize("prefer", ["v2", "v1"])
+def test_the_drivers_read_cpu_usage_and_say_when_the_cgroup_is_gone(prefer: str, tenant_prefix: str) -> None:
+    """The slice path reads every tenant's CPU time each slice and learns from the same read that a cgroup was
+    removed underneath the daemon (no separate existence check)."""
+    driver = usage_driver(prefer)
     cg = driver.tenant_cgroup(f"{tenant_prefix}usage")
     driver.create(cg)
     burn = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.3\nwhile time.time() < end: pass"])
@@ -169,13 +175,7 @@ def test_a_cgroup_removed_between_the_open_and_the_read_reads_as_gone(
 ) -> None:
     """The kernel fails a read with ENODEV, not ENOENT, when the cgroup goes after the file was opened: the race
     CI once hit as a traceback in the slice loop. Here the removal lands in that window every time."""
-    from unisched.enforce.cgroups import CgroupError, detect_driver
-    try:
-        driver = detect_driver(prefer)
-    except CgroupError as e:
-        pytest.skip(f"no cgroup {prefer} freezer here: {e}")
-    if getattr(driver, "cpuacct", True) is None:
-        pytest.skip("cgroup v1 freezer without a cpuacct hierarchy: no CPU usage to read")
+    driver = usage_driver(prefer)
     cg = driver.tenant_cgroup(f"{tenant_prefix}race")
     driver.create(cg)
     real_open = os.open
