@@ -74,16 +74,14 @@ def _read_head(path: str) -> bytes | None:
     """The first bytes of a cgroup file (the counter the slice path needs comes first); None when it is gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        return os.read(fd, 64)
+        try:
+            return os.read(fd, 64)
+        finally:
+            os.close(fd)
     except OSError as e:
         if e.errno in _GONE:
             return None
         raise
-    finally:
-        os.close(fd)
 
 
 def _read_text(path: Path) -> str | None:
