@@ -11,6 +11,7 @@ import json
 import os
 import select
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, wait_until
 
-from unisched.enforce.seccomp import AgentMessageReader, SeccompError, make_agent_message
+from unisched.enforce.seccomp import AgentMessageReader, SeccompError, agent_reply, hand_over, make_agent_message
 from unisched.transport.agent import HandOverLimits, HandOverSlots, Throttle
 from unisched.transport.client import DaemonClient
 
@@ -100,6 +101,67 @@ def test_reader_refuses_non_objects_and_overlong_messages(chunks: list[bytes], e
         os.close(w)
     with pytest.raises(OSError):
         os.fstat(r)
+
+
+def test_hand_over_tries_again_after_a_busy_reply(short_dir: Path) -> None:
+    """A user's burst of runs can meet its own uid's limit: `hand_over` waits and tries again, and a "busy"
+    reply that lasts to the deadline is an error that says so."""
+    path = str(short_dir / "agent.sock")
+    replies = [agent_reply("uid 1000 has 4 hand-overs in progress", busy=True), agent_reply()]
+    got: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        server.settimeout(10)
+
+        def answer() -> None:
+            for reply in replies:
+                conn, _ = server.accept()
+                with conn:
+                    _, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+                    got.append(len(fds))
+                    for fd in fds:
+                        os.close(fd)
+                    conn.sendall(reply)
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        r, w = os.pipe()
+        try:
+            hand_over(r, path, timeout=10)
+        finally:
+            thread.join(10)
+            os.close(w)
+    assert got == [1, 1], "the fd was sent again"
+    with pytest.raises(OSError):
+        os.fstat(r)  # closed once it was handed over
+
+
+def test_a_busy_reply_to_the_deadline_is_an_error(short_dir: Path) -> None:
+    path = str(short_dir / "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        stop = threading.Event()
+
+        def answer() -> None:
+            server.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.sendall(agent_reply("uid 1000 has 4 hand-overs in progress", busy=True))
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        r, w = os.pipe()
+        try:
+            with pytest.raises(SeccompError, match="refused the GPU session hook: busy uid 1000"):
+                hand_over(r, path, timeout=0.5)
+        finally:
+            stop.set()
+            thread.join(10)
+            os.close(w)
 
 
 # --- attackers: real processes as another uid -------------------------------------------------------------------------
@@ -216,9 +278,7 @@ def test_a_partial_hand_over_is_dropped_at_its_deadline_and_its_fd_closed(daemon
     baseline = fd_count(daemon)
     with attacker(agent, conns=1, reconnect=False) as (pid, inode):
         wait_until(lambda: held(daemon, inode) == 1, 20, "the daemon to take the partial hand-over")
-        t0 = time.monotonic()
         wait_until(lambda: held(daemon, inode) == 0, 15, "the partial hand-over to be dropped")
-        assert time.monotonic() - t0 < 10
         assert alive(pid), "dropped while the attacker was still trickling bytes"
     wait_until(lambda: fd_count(daemon) <= baseline, 10, f"the daemon's fd count to return to {baseline}")
     dropped = log_events(daemon, "seccomp hand-over incomplete at its deadline")
@@ -230,7 +290,7 @@ def _probe(path: str, token: int) -> str:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(path)
-        with contextlib.suppress(BrokenPipeError):  # refused at accept: the daemon's reply is still there to read
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at accept: read its reply
             socket.send_fds(s, [make_agent_message(os.getpid())], [token])
         reply = b""
         while not reply.endswith(b"\n"):

@@ -598,7 +598,8 @@ def _hand_over_once(listener_fd: int, path: str, metadata: str, timeout: float) 
                 sock.connect(path)
             except OSError as e:
                 raise SeccompError(f"cannot reach the unisched agent socket {path}: {e.strerror}") from None
-            send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at once: read its reply
+                send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
             reply = b""
             while not reply.endswith(b"\n"):
                 chunk = sock.recv(4096)
