@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import re
 import select
 import socket
 import struct
@@ -86,6 +87,7 @@ __all__ = [
     "SessionSupervisor",
     "SupervisorStats",
     "ack_agent",
+    "agent_reply",
     "build_filter",
     "hand_over",
     "install_filter",
@@ -93,6 +95,7 @@ __all__ = [
     "make_agent_message",
     "parse_agent_message",
     "probe",
+    "recv_agent_chunk",
     "recv_agent_message",
     "recv_fd",
     "send_fd",
@@ -399,43 +402,165 @@ def make_agent_message(pid: int, *, metadata: str = "", container_id: str = "", 
     ).encode()
 
 
-def recv_agent_message(sock: socket.socket, timeout: float = 5.0) -> tuple[int, AgentHello]:
-    """Receive one hand-over on an accepted agent connection: (listener fd, parsed message). Blocking.
+MAX_AGENT_MESSAGE_BYTES: Final = 1 << 20
+"""The longest hand-over message read. The OCI state's annotations are its only large part (Kubernetes caps a
+pod's at 256 KiB); 1 MiB leaves room for JSON escaping, and the agent's connection limits bound how many such
+buffers a flood can pin."""
+MAX_ACK_BYTES: Final = 1024
+"""The longest reply line: it must fit in an empty socket buffer at once, so writing it never waits on a peer
+that does not read."""
+_AGENT_CHUNK: Final = 65536
+"""Bytes per recvmsg: an honest message arrives in one."""
+_AGENT_MAX_FDS: Final = 8
+"""fds taken per recvmsg (all but the first hand-over fd are closed at once); more are cut off (MSG_CTRUNC)."""
+_JSON_WS: Final = b" \t\n\r"
+_OUTSIDE_STRING: Final = re.compile(rb'["{}\[\]]')
+_INSIDE_STRING: Final = re.compile(rb'["\\]')
 
-    Reads until the JSON is complete (runc and crun send it in one message and close; `hand_over` keeps the
-    connection open for `ack_agent`'s reply). The fd is checked to be a seccomp listener.
-    """
-    sock.settimeout(timeout)
-    fd, data = recv_fd(sock)
-    try:
-        decoder = json.JSONDecoder()
-        while True:
-            try:
-                text = data.decode().lstrip()
-                _, end = decoder.raw_decode(text)
-                break
-            except (ValueError, UnicodeDecodeError):
-                more = sock.recv(65536)
-                if not more or len(data) > 1 << 20:
-                    raise SeccompError("seccomp agent message incomplete or too long") from None
-                data += more
-        hello = parse_agent_message(text[:end])
+
+class _ObjectEnd:
+    """Where a JSON object ends in a byte stream fed in pieces: nesting depth and string state carried between
+    pieces, so the whole scan is linear (re-parsing the buffer after every byte a peer trickles would be
+    quadratic). Only finds the end; json.loads judges the text once it is complete."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, chunk: bytes) -> int | None:
+        """Offset just past the object's closing brace in all bytes fed so far, or None while it is open."""
+        base, pos = self.seen, 0
+        self.seen += len(chunk)
+        if self.depth == 0:
+            pos = len(chunk) - len(chunk.lstrip(_JSON_WS))
+            if pos == len(chunk):
+                return None
+            if chunk[pos:pos + 1] != b"{":
+                raise SeccompError("seccomp agent message must be a JSON object")
+            self.depth, pos = 1, pos + 1
+        if self.escaped and pos < len(chunk):
+            self.escaped, pos = False, pos + 1
+        while (m := (_INSIDE_STRING if self.in_string else _OUTSIDE_STRING).search(chunk, pos)) is not None:
+            c, pos = m.group(), m.end()
+            if c == b'"':
+                self.in_string = not self.in_string
+            elif c == b"\\":  # inside a string: the next byte is escaped, maybe in the next piece
+                self.escaped = pos >= len(chunk)
+                pos += 1
+            elif c in (b"{", b"["):
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    return base + pos
+        return None
+
+
+class AgentMessageReader:
+    """One hand-over (the listener fd and the OCI JSON) assembled from whatever each recvmsg returns. It does no
+    I/O itself, so the daemon's event loop and a blocking caller share it. It owns every fd it is fed: the
+    first is the listener (`take_fd`), the rest are closed at once, and `close` closes what it still holds."""
+
+    def __init__(self, max_bytes: int = MAX_AGENT_MESSAGE_BYTES) -> None:
+        self._fd = -1
+        self._data = bytearray()
+        self._end = _ObjectEnd()
+        self._max = max_bytes
+
+    def feed(self, data: bytes, fds: list[int]) -> AgentHello | None:
+        """Add one recvmsg's bytes and fds: the parsed message once complete, else None. Raises SeccompError
+        for a closed peer, a missing fd, an overlong or malformed message, or an fd that is no listener."""
+        for extra in fds if self._fd >= 0 else fds[1:]:
+            os.close(extra)
+        if self._fd < 0 and fds:
+            self._fd = fds[0]
+        if not data:
+            raise SeccompError("the peer closed before the message was complete" if self._data or self._fd >= 0
+                               else "the peer closed without sending")
+        if self._fd < 0:
+            raise SeccompError("no file descriptor came with the message")
+        if len(self._data) + len(data) > self._max:
+            raise SeccompError("seccomp agent message too long")
+        self._data += data
+        end = self._end.feed(data)
+        if end is None:
+            return None
+        hello = parse_agent_message(bytes(self._data[:end]))
         if hello.fd_index != 0:
             raise SeccompError("seccomp agent message: only one fd (seccompFd) is supported")
-        if not is_listener_fd(fd):
+        if not is_listener_fd(self._fd):
             raise SeccompError("the fd received is not a seccomp notification listener")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, hello
+        return hello
+
+    def take_fd(self) -> int:
+        """The listener, now the caller's to close."""
+        fd, self._fd = self._fd, -1
+        return fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
-def ack_agent(sock: socket.socket, error: str | None = None) -> None:
-    """Reply to a hand-over: "ok", or the reason the daemon will not govern it. OCI runtimes have hung up by
-    then and read no reply: a closed peer is ignored."""
-    line = "ok\n" if error is None else f"error {error}\n"
+def recv_agent_chunk(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One recvmsg on an agent connection: (bytes, fds). Raises BlockingIOError on a non-blocking socket with
+    nothing to read; fds cut off by MSG_CTRUNC were closed by the kernel and those received are closed here."""
+    msg, fds, flags, _ = socket.recv_fds(sock, _AGENT_CHUNK, _AGENT_MAX_FDS)
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise SeccompError("the fd message was truncated (MSG_CTRUNC): too many fds sent")
+    return msg, fds
+
+
+def recv_agent_message(sock: socket.socket, timeout: float = 5.0) -> tuple[int, AgentHello]:
+    """Receive one hand-over on an accepted agent connection: (listener fd, parsed message). Blocking, for one
+    trusted peer (tests, a helper process); the daemon reads with `AgentMessageReader` from its event loop.
+
+    Reads until the JSON is complete, within `timeout` for the whole message (runc and crun send it in one
+    message and close; `hand_over` keeps the connection open for `ack_agent`'s reply). The fd is checked to be
+    a seccomp listener.
+    """
+    reader = AgentMessageReader()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SeccompError(f"seccomp agent message not complete within {timeout:g} s")
+            sock.settimeout(left)
+            try:
+                data, fds = recv_agent_chunk(sock)
+            except TimeoutError:
+                raise SeccompError(f"seccomp agent message not complete within {timeout:g} s") from None
+            hello = reader.feed(data, fds)
+            if hello is not None:
+                return reader.take_fd(), hello
+    finally:
+        reader.close()
+
+
+def agent_reply(error: str | None = None, *, busy: bool = False) -> bytes:
+    """The reply line: "ok", "error REASON" (the daemon will not govern it), or "busy REASON" (too many
+    hand-overs in progress: `hand_over` tries again). At most MAX_ACK_BYTES."""
+    line = "ok" if error is None else f"{'busy' if busy else 'error'} {' '.join(error.split())}"
+    return line.encode(errors="replace")[: MAX_ACK_BYTES - 1] + b"\n"
+
+
+def ack_agent(sock: socket.socket, error: str | None = None, *, busy: bool = False) -> None:
+    """Reply to a hand-over without waiting: one short line into the socket's (empty) buffer. OCI runtimes have
+    hung up by then and read no reply, and a peer that never reads must not hold the daemon: a closed or full
+    peer is ignored."""
     with contextlib.suppress(OSError):
-        sock.sendall(line.encode())
+        sock.send(agent_reply(error, busy=busy), socket.MSG_DONTWAIT)
+
+
+_BUSY_RETRY_S: Final = (0.02, 0.5)
+"""`hand_over`'s pause after a "busy" reply: first, and the most it doubles to (a burst of runs by one user
+clears in milliseconds; a flood by that user lasts until the deadline)."""
 
 
 def hand_over(
@@ -445,9 +570,27 @@ def hand_over(
 
     Sends the OCI-shaped message (pid = this process) with the fd, then closes the fd here (`close`): the
     tenant must not keep its own listener, or a notified call would wait for itself, and the daemon's death
-    would no longer fail calls with ENOSYS. Raises SeccompError when the daemon is unreachable or says no;
-    the caller should then exit rather than exec (the tenant's GPU session calls would all fail with ENOSYS).
+    would no longer fail calls with ENOSYS. A "busy" reply (too many of this uid's hand-overs in progress) is
+    tried again within `timeout`. Raises SeccompError when the daemon is unreachable or says no; the caller
+    should then exit rather than exec (the tenant's GPU session calls would all fail with ENOSYS).
     """
+    deadline = time.monotonic() + timeout
+    pause = _BUSY_RETRY_S[0]
+    try:
+        while True:
+            answer = _hand_over_once(listener_fd, path, metadata, max(0.01, deadline - time.monotonic()))
+            if not answer.startswith("busy ") or time.monotonic() + pause >= deadline:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, _BUSY_RETRY_S[1])
+    finally:
+        if close:
+            os.close(listener_fd)
+    if answer != "ok":
+        raise SeccompError(f"the unisched daemon refused the GPU session hook: {answer or 'connection closed'}")
+
+
+def _hand_over_once(listener_fd: int, path: str, metadata: str, timeout: float) -> str:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -455,7 +598,8 @@ def hand_over(
                 sock.connect(path)
             except OSError as e:
                 raise SeccompError(f"cannot reach the unisched agent socket {path}: {e.strerror}") from None
-            send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at once: read its reply
+                send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
             reply = b""
             while not reply.endswith(b"\n"):
                 chunk = sock.recv(4096)
@@ -463,15 +607,10 @@ def hand_over(
                     break
                 reply += chunk
     except TimeoutError:
-        raise SeccompError(f"the unisched daemon did not answer on {path} within {timeout}s") from None
+        raise SeccompError(f"the unisched daemon did not answer on {path} within {timeout:.3g}s") from None
     except OSError as e:
         raise SeccompError(f"handing the GPU session hook to {path} failed: {e.strerror or e}") from None
-    finally:
-        if close:
-            os.close(listener_fd)
-    answer = reply.decode(errors="replace").strip()
-    if answer != "ok":
-        raise SeccompError(f"the unisched daemon refused the GPU session hook: {answer or 'connection closed'}")
+    return reply.decode(errors="replace").strip()
 
 
 # --- events and counts -----------------------------------------------------------------------------------------------

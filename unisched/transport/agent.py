@@ -11,36 +11,149 @@ import os
 import socket
 import stat
 import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import structlog
 
 from unisched.enforce.seccomp import (
+    AgentHello,
+    AgentMessageReader,
     EventAction,
     SeccompError,
     SessionEvent,
     SessionSupervisor,
     ack_agent,
-    recv_agent_message,
+    recv_agent_chunk,
 )
 from unisched.engine.core import KernelEngine
 
-__all__ = ["SeccompAgentServer"]
+__all__ = [
+    "HANDOVER_DEADLINE_S",
+    "MAX_HANDOVERS_PER_UID",
+    "MAX_HANDOVERS_ROOT",
+    "MAX_HANDOVERS_USERS",
+    "HandOverLimits",
+    "HandOverSlots",
+    "SeccompAgentServer",
+    "Throttle",
+]
 
 log = structlog.get_logger("unisched.agent")
 _CRED = struct.Struct("3i")
 _GIVE_BACK = (EventAction.ABORTED, EventAction.FREED, EventAction.EXITED, EventAction.DETACHED)
 
+HANDOVER_DEADLINE_S: Final = 2.0
+"""How long one hand-over (fd and message) may take from accept. runc, crun and `unisched run`'s trampoline send
+it all in one sendmsg right after connecting, so it is there at once; 2 s leaves room for a loaded host and
+bounds how long a slow peer holds one of its uid's slots."""
+MAX_HANDOVERS_PER_UID: Final = 4
+"""Hand-overs in progress per non-root uid. Each takes milliseconds, so a user's burst of runs rarely has more
+than a few at once (and `hand_over` retries a "busy" reply); a user who stalls their own only waits on them."""
+MAX_HANDOVERS_USERS: Final = 64
+"""Hand-overs in progress from all non-root uids together: bounds the fds and buffers (up to
+MAX_AGENT_MESSAGE_BYTES each) that many uids at once can pin."""
+MAX_HANDOVERS_ROOT: Final = 64
+"""Hand-overs in progress from root (runc/containerd starting containers, root's runs): root's own room, which
+no other uid's connections can take."""
+REFUSAL_LOG_INTERVAL_S: Final = 10.0
+"""At most one warning per kind and uid this often: a flood must not flood the journal too."""
+_ACCEPT_RETRY_S: Final = 0.1
+"""Pause after accept fails (out of fds or memory) before trying again, instead of spinning or giving up."""
+
+
+@dataclass(frozen=True)
+class HandOverLimits:
+    """The agent socket's bounds (one place per knob: the constants above)."""
+
+    per_uid: int = MAX_HANDOVERS_PER_UID
+    users: int = MAX_HANDOVERS_USERS
+    root: int = MAX_HANDOVERS_ROOT
+    deadline_s: float = HANDOVER_DEADLINE_S
+
+
+class HandOverSlots:
+    """Hand-overs in progress per uid, taken at accept and given back when the connection ends: a uid at its
+    limit is refused at once, so a flood costs only the uid that sends it (and root always keeps its room)."""
+
+    def __init__(self, limits: HandOverLimits) -> None:
+        self.limits = limits
+        self._by_uid: dict[int, int] = {}
+        self._users = 0
+
+    def take(self, uid: int) -> str | None:
+        """None when a slot was taken; else why not."""
+        n = self._by_uid.get(uid, 0)
+        if uid == 0:
+            if n >= self.limits.root:
+                return f"{n} hand-overs from root in progress (at most {self.limits.root})"
+        elif n >= self.limits.per_uid:
+            return f"uid {uid} has {n} hand-overs in progress (at most {self.limits.per_uid})"
+        elif self._users >= self.limits.users:
+            return f"{self._users} hand-overs from users in progress (at most {self.limits.users})"
+        else:
+            self._users += 1
+        self._by_uid[uid] = n + 1
+        return None
+
+    def give_back(self, uid: int) -> None:
+        n = self._by_uid.get(uid, 0) - 1
+        if n < 0:
+            return
+        if n:
+            self._by_uid[uid] = n
+        else:
+            del self._by_uid[uid]
+        if uid != 0:
+            self._users -= 1
+
+    def in_progress(self, uid: int) -> int:
+        return self._by_uid.get(uid, 0)
+
+
+class Throttle:
+    """At most one log line per key per interval; counts the lines held back so the next one can say so."""
+
+    _MAX_KEYS: Final = 4096
+    """Keys kept before old ones are forgotten (a user namespace can present many uids)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[object, tuple[float, int]] = {}
+
+    def allow(self, key: object) -> int | None:
+        """The number of lines held back since the last one when this one may go out; None to hold it back."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        if len(self._last) >= self._MAX_KEYS:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
+        self._last[key] = (now, 0)
+        return 0 if last is None else last[1]
+
 
 class SeccompAgentServer:
-    def __init__(self, path: str, engine: KernelEngine) -> None:
+    """Reads hand-overs on the event loop without blocking (non-blocking recvmsg when the socket is readable),
+    never on a thread pool that other requests share; every hand-over has a deadline and each uid a bounded
+    number in progress."""
+
+    def __init__(self, path: str, engine: KernelEngine, limits: HandOverLimits | None = None) -> None:
         self.path = path
         self.engine = engine
+        self.limits = limits or HandOverLimits()
         self.supervisors: dict[int, SessionSupervisor] = {}
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._next = 0
         self._pending: set[asyncio.Task[None]] = set()
+        self._slots = HandOverSlots(self.limits)
+        self._throttle = Throttle(REFUSAL_LOG_INTERVAL_S)
 
     async def start(self) -> None:
         p = Path(self.path)
@@ -59,10 +172,12 @@ class SeccompAgentServer:
         self._task = asyncio.create_task(self._accept_loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._pending) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
@@ -75,46 +190,79 @@ class SeccompAgentServer:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
-            task = asyncio.create_task(self._handle(conn))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the pending connection waits in the backlog
+                self._warn("seccomp agent cannot accept", -1, error=str(e))
+                await asyncio.sleep(_ACCEPT_RETRY_S)
+                continue
+            self._admit(conn, loop.time() + self.limits.deadline_s)
 
-    async def _handle(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        fd = -1
+    def _admit(self, conn: socket.socket, deadline: float) -> None:
+        """Take a slot for the peer's uid, or refuse at once ("busy", then close)."""
         try:
             pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-            conn.setblocking(True)
+        except OSError:
+            conn.close()
+            return
+        refusal = self._slots.take(uid)
+        if refusal is not None:
+            self._warn("seccomp hand-over refused: too many in progress", uid, peer_pid=pid, reason=refusal)
+            ack_agent(conn, refusal, busy=True)
+            conn.close()
+            return
+        conn.setblocking(False)
+        task = asyncio.create_task(self._handle(conn, pid, uid, deadline))
+        self._pending.add(task)
+        task.add_done_callback(lambda t: self._done(t, conn, uid))
+
+    def _done(self, task: asyncio.Task[None], conn: socket.socket, uid: int) -> None:
+        """However the handler ended (even cancelled before it ran): the connection closes, the slot returns."""
+        self._pending.discard(task)
+        conn.close()
+        self._slots.give_back(uid)
+
+    async def _handle(self, conn: socket.socket, pid: int, uid: int, deadline: float) -> None:
+        fd = -1
+        try:
             try:
-                fd, hello = await loop.run_in_executor(None, recv_agent_message, conn)
+                async with asyncio.timeout_at(deadline):
+                    fd, hello = await _receive(conn)
+            except TimeoutError:
+                self._warn("seccomp hand-over incomplete at its deadline", uid, peer_pid=pid,
+                           deadline_s=self.limits.deadline_s)
+                ack_agent(conn, f"the hand-over was not complete within {self.limits.deadline_s:g} s")
+                return
             except (SeccompError, OSError) as e:
-                log.warning("seccomp hand-over failed", peer_pid=pid, error=str(e))
-                await loop.run_in_executor(None, ack_agent, conn, str(e))
+                self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
+                ack_agent(conn, str(e))
                 return
             tenant, reason = self._tenant_for(pid, uid, hello.pid, hello.metadata)
             if reason is not None or tenant is None:
-                log.warning("seccomp hand-over refused", peer_pid=pid, pid=hello.pid, reason=reason)
-                os.close(fd)
-                fd = -1
-                await loop.run_in_executor(None, ack_agent, conn, reason)
+                self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
+                ack_agent(conn, reason)
                 return
             sup = SessionSupervisor(fd, tenant, self._decide, self._on_event)
             fd = -1  # the supervisor owns it now
             self._next += 1
             key = self._next
             self.supervisors[key] = sup
-            sup.attach(loop)
+            sup.attach(asyncio.get_running_loop())
             self.engine.note_session_hooks(tenant)
             log.info("session hooks attached", tenant=tenant, pid=hello.pid, container=hello.container_id or None)
-            await loop.run_in_executor(None, ack_agent, conn, None)
+            ack_agent(conn, None)
             self._reap()
         except Exception:
             log.exception("seccomp agent connection failed")
         finally:
             if fd >= 0:
                 os.close(fd)
-            conn.close()
+
+    def _warn(self, event: str, uid: int, **fields: object) -> None:
+        """Root's (runc's) refusals always; another uid's at most once per REFUSAL_LOG_INTERVAL_S per event."""
+        held_back = 0 if uid == 0 else self._throttle.allow((event, uid))
+        if held_back is not None:
+            log.warning(event, peer_uid=uid, **fields, **({"held_back": held_back} if held_back else {}))
 
     def _tenant_for(self, peer_pid: int, peer_uid: int, pid: int, metadata: str) -> tuple[str | None, str | None]:
         """Which tenant a hand-over governs: `tenant=NAME` in the profile's listenerMetadata when a root runtime
@@ -146,3 +294,36 @@ class SeccompAgentServer:
         for key, sup in list(self.supervisors.items()):
             if sup.closed:
                 del self.supervisors[key]
+
+
+async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:
+    """One hand-over from a non-blocking connection, waiting for readability on the loop between reads."""
+    reader = AgentMessageReader()
+    try:
+        while True:
+            try:
+                data, fds = recv_agent_chunk(conn)
+            except BlockingIOError:
+                await _readable(conn)
+                continue
+            hello = reader.feed(data, fds)
+            if hello is not None:
+                return reader.take_fd(), hello
+    finally:
+        reader.close()
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, _wake, ready)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _wake(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)

@@ -1,0 +1,361 @@
+"""The seccomp agent socket (mode 0666) under a hostile local user: slow and partial hand-overs, and floods of
+connections, must cost only that user. The attacker is a real process forked from the test and set to an
+unprivileged uid; it sends real fds with SCM_RIGHTS to the real daemon's agent socket. The daemon's holdings
+are read from /proc/<daemon>/fd. The pure parts (the per-uid slots, the log throttle, the message reader) are
+checked first without a daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, wait_until
+
+from unisched.enforce.seccomp import AgentMessageReader, SeccompError, agent_reply, hand_over, make_agent_message
+from unisched.transport.agent import HandOverLimits, HandOverSlots, Throttle
+from unisched.transport.client import DaemonClient
+
+NOBODY = 65534
+OTHER_UID = 65533
+HALF = b'{"ociVersion":"1.1.0","fds":["seccompFd"],"pid":1,"state":{"id":"x",'
+"""An agent message cut in the middle of its object: the daemon waits for the rest, which never comes."""
+TRICKLE_S = 0.3
+"""The attacker's pace: one more byte per connection this often, well inside any per-read timeout."""
+
+
+# --- pure parts ------------------------------------------------------------------------------------------------------
+def test_slots_bound_each_uid_and_keep_room_for_root() -> None:
+    slots = HandOverSlots(HandOverLimits(per_uid=2, users=3, root=1))
+    assert slots.take(1000) is None and slots.take(1000) is None
+    refusal = slots.take(1000)
+    assert refusal is not None and "uid 1000" in refusal
+    assert slots.take(1001) is None  # another uid still gets in
+    assert slots.take(1002) is not None, "all non-root uids together are capped"
+    assert slots.take(0) is None, "root has room of its own"
+    assert slots.take(0) is not None
+    slots.give_back(1000)
+    assert slots.take(1002) is None
+    assert slots.in_progress(1000) == 1 and slots.in_progress(0) == 1
+
+
+def test_throttle_lets_one_line_per_interval_and_counts_the_rest() -> None:
+    now = [0.0]
+    throttle = Throttle(10.0, clock=lambda: now[0])
+    assert throttle.allow("k") == 0
+    assert throttle.allow("k") is None and throttle.allow("k") is None
+    assert throttle.allow("other") == 0
+    now[0] = 10.0
+    assert throttle.allow("k") == 2, "the next line says how many were held back"
+
+
+def _pipe_fd() -> tuple[int, int]:
+    r, w = os.pipe()
+    return r, w
+
+
+def test_reader_assembles_a_message_split_anywhere_and_closes_extra_fds() -> None:
+    message = make_agent_message(42, metadata='tenant=a,"x}\\"{')
+    r, w = _pipe_fd()
+    extra_r, extra_w = _pipe_fd()
+    try:
+        reader = AgentMessageReader()
+        assert reader.feed(b"  " + message[:7], [r]) is None
+        for i in range(7, len(message) - 1):
+            assert reader.feed(message[i:i + 1], [extra_r] if i == 9 else []) is None
+        with pytest.raises(SeccompError, match="not a seccomp notification listener"):
+            reader.feed(message[-1:] + b"trailing", [])
+        reader.close()
+        for fd in (r, extra_r):
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        os.close(w)
+        os.close(extra_w)
+
+
+@pytest.mark.parametrize(("chunks", "error"), [
+    ([b"[1,2]"], "must be a JSON object"),
+    ([b"{" + b" " * 100], "too long"),
+    ([b'{"a":1'], None),
+])
+def test_reader_refuses_non_objects_and_overlong_messages(chunks: list[bytes], error: str | None) -> None:
+    r, w = _pipe_fd()
+    reader = AgentMessageReader(max_bytes=64)
+    try:
+        if error is None:
+            assert reader.feed(chunks[0], [r]) is None
+        else:
+            with pytest.raises(SeccompError, match=error):
+                reader.feed(chunks[0], [r])
+    finally:
+        reader.close()
+        os.close(w)
+    with pytest.raises(OSError):
+        os.fstat(r)
+
+
+def test_hand_over_tries_again_after_a_busy_reply(short_dir: Path) -> None:
+    """A user's burst of runs can meet its own uid's limit: `hand_over` waits and tries again, and a "busy"
+    reply that lasts to the deadline is an error that says so."""
+    path = str(short_dir / "agent.sock")
+    replies = [agent_reply("uid 1000 has 4 hand-overs in progress", busy=True), agent_reply()]
+    got: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        server.settimeout(10)
+
+        def answer() -> None:
+            for reply in replies:
+                conn, _ = server.accept()
+                with conn:
+                    _, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+                    got.append(len(fds))
+                    for fd in fds:
+                        os.close(fd)
+                    conn.sendall(reply)
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        r, w = os.pipe()
+        try:
+            hand_over(r, path, timeout=10)
+        finally:
+            thread.join(10)
+            os.close(w)
+    assert got == [1, 1], "the fd was sent again"
+    with pytest.raises(OSError):
+        os.fstat(r)  # closed once it was handed over
+
+
+def test_a_busy_reply_to_the_deadline_is_an_error(short_dir: Path) -> None:
+    path = str(short_dir / "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        stop = threading.Event()
+
+        def answer() -> None:
+            server.settimeout(0.2)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.sendall(agent_reply("uid 1000 has 4 hand-overs in progress", busy=True))
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        r, w = os.pipe()
+        try:
+            with pytest.raises(SeccompError, match="refused the GPU session hook: busy uid 1000"):
+                hand_over(r, path, timeout=0.5)
+        finally:
+            stop.set()
+            thread.join(10)
+            os.close(w)
+
+
+# --- attackers: real processes as another uid -------------------------------------------------------------------------
+def _fork_as(uid: int, body: Callable[[], None]) -> int:
+    """Run `body` in a forked child with `uid` (no supplementary groups); its exit status says if it held."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            body()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _reap(pid: int) -> int:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
+    return os.waitpid(pid, 0)[1]
+
+
+def _open_partial(path: str, token: int) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+        socket.send_fds(s, [HALF], [token])
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def slow_loris(path: str, token: int, conns: int, reconnect: bool) -> None:
+    """The attack: `conns` connections that each send an fd and half a message, then a byte at a time."""
+    held: list[socket.socket | None] = [_open_partial(path, token) for _ in range(conns)]
+    while True:
+        time.sleep(TRICKLE_S)  # the attacker's own pace, not a wait on the daemon
+        for i, s in enumerate(held):
+            if s is None:
+                held[i] = _open_partial(path, token) if reconnect else None
+                continue
+            try:
+                s.send(b" ", socket.MSG_DONTWAIT)
+            except OSError:  # the daemon hung up on us
+                s.close()
+                held[i] = None
+
+
+@contextlib.contextmanager
+def attacker(path: str, conns: int, *, reconnect: bool = True, uid: int = NOBODY) -> Iterator[tuple[int, int]]:
+    """A slow-loris attacker process; yields (its pid, the inode of the pipe whose fd it sends)."""
+    r, w = os.pipe()
+    pid = _fork_as(uid, lambda: slow_loris(path, r, conns, reconnect))
+    try:
+        yield pid, os.fstat(r).st_ino
+    finally:
+        _reap(pid)
+        os.close(r)
+        os.close(w)
+
+
+def held(daemon: Daemon, inode: int) -> int:
+    """How many fds of the attacker's pipe the daemon holds now."""
+    n = 0
+    for entry in Path(f"/proc/{daemon.proc.pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            n += os.readlink(entry) == f"pipe:[{inode}]"
+    return n
+
+
+def fd_count(daemon: Daemon) -> int:
+    return len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+
+
+def alive(pid: int) -> bool:
+    return os.waitpid(pid, os.WNOHANG) == (0, 0)
+
+
+def log_events(daemon: Daemon, event: str) -> list[dict]:  # type: ignore[type-arg]
+    lines = [json.loads(x) for x in daemon.log_path.read_text().splitlines() if x.startswith("{")]
+    return [e for e in lines if e.get("event") == event]
+
+
+# --- against the real daemon ------------------------------------------------------------------------------------------
+def test_slow_loris_on_the_agent_socket_costs_only_the_attacker(daemon: Daemon, tenant_prefix: str) -> None:
+    """Eight connections that each send an fd and half a message, then trickle bytes: root's status still
+    answers within 1 s and root's `unisched run` (with session hooks) hands over its listener."""
+    agent = daemon.status()["agent_socket"]
+    name = f"{tenant_prefix}run"
+    with attacker(agent, conns=8) as (pid, inode):
+        wait_until(lambda: held(daemon, inode) >= 4, 20, "the daemon to take the attacker's partial hand-overs")
+        with DaemonClient(daemon.socket, timeout=10) as client:
+            for _ in range(3):
+                t0 = time.monotonic()
+                client.status()
+                assert time.monotonic() - t0 < 1.0, "status waited on the attacker"
+        run = daemon.cli("run", "--tenant", name, "--", "true", timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert alive(pid), "the attack ran throughout"
+        assert held(daemon, inode) <= 4, "one uid holds at most its own slots"
+    attached = [e for e in log_events(daemon, "session hooks attached") if e["tenant"] == name]
+    assert attached, "the run's listener was handed over and governed"
+
+
+def test_a_partial_hand_over_is_dropped_at_its_deadline_and_its_fd_closed(daemon: Daemon) -> None:
+    agent = daemon.status()["agent_socket"]
+    baseline = fd_count(daemon)
+    with attacker(agent, conns=1, reconnect=False) as (pid, inode):
+        wait_until(lambda: held(daemon, inode) == 1, 20, "the daemon to take the partial hand-over")
+        wait_until(lambda: held(daemon, inode) == 0, 15, "the partial hand-over to be dropped")
+        assert alive(pid), "dropped while the attacker was still trickling bytes"
+    wait_until(lambda: fd_count(daemon) <= baseline, 10, f"the daemon's fd count to return to {baseline}")
+    dropped = log_events(daemon, "seccomp hand-over incomplete at its deadline")
+    assert dropped and dropped[-1]["peer_uid"] == NOBODY
+
+
+def _probe(path: str, token: int) -> str:
+    """A complete hand-over of a non-listener fd: the daemon's answer, or "" when it hung up unanswered."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at accept: read its reply
+            socket.send_fds(s, [make_agent_message(os.getpid())], [token])
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return reply.decode().strip()
+
+
+def _report(w: int, text: str) -> None:
+    os.write(w, text.encode() + b"\n")
+
+
+def _read_line(r: int, timeout: float = 20.0) -> str:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while not out.endswith(b"\n"):
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, "a probe process did not report"
+        chunk = os.read(r, 4096)
+        assert chunk, "a probe process exited without reporting"
+        out += chunk
+    return out.decode().strip()
+
+
+def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_through(daemon: Daemon) -> None:
+    """uid A holds four partial hand-overs (the per-uid limit): its fifth is refused at once, while uid B's
+    hand-over at the same moment is read and answered."""
+    agent = daemon.status()["agent_socket"]
+    token_r, token_w = os.pipe()
+    a_r, a_w = os.pipe()  # A -> test: its fifth's answer, then whether its four were still held
+    go_r, go_w = os.pipe()  # A -> B: "holding"
+    b_r, b_w = os.pipe()  # B -> test and A: B's answer
+    done_r, done_w = os.pipe()  # B -> A: done
+
+    def uid_a() -> None:
+        conns = [_open_partial(agent, token_r) for _ in range(4)]
+        assert all(conns)
+        _report(a_w, _probe(agent, token_r))
+        _report(go_w, "holding")
+        _read_line(done_r)
+        # still held when B was answered: the daemon has not hung up on any of the four
+        readable, _, _ = select.select([c for c in conns if c is not None], [], [], 0)
+        _report(a_w, "held" if not readable else "dropped")
+
+    def uid_b() -> None:
+        _read_line(go_r)
+        _report(b_w, _probe(agent, token_r))
+        _report(done_w, "done")
+
+    pids = [_fork_as(NOBODY, uid_a), _fork_as(OTHER_UID, uid_b)]
+    try:
+        fifth = _read_line(a_r)
+        b_answer = _read_line(b_r)
+        still = _read_line(a_r)
+    finally:
+        for p in pids:
+            _reap(p)
+        for fd in (token_r, token_w, a_r, a_w, go_r, go_w, b_r, b_w, done_r, done_w):
+            os.close(fd)
+    if still != "held":
+        pytest.fail("uid A's four hand-overs were dropped before B was answered (host too loaded to tell)")
+    assert fifth.startswith("busy "), f"uid A's fifth hand-over was not refused: {fifth!r}"
+    assert f"uid {NOBODY}" in fifth
+    assert b_answer == "error the fd received is not a seccomp notification listener", b_answer
+    refused = log_events(daemon, "seccomp hand-over refused: too many in progress")
+    assert refused and refused[-1]["peer_uid"] == NOBODY
