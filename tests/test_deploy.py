@@ -101,24 +101,36 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     svc = _unit()["Service"]
     (exec_start,) = svc["ExecStart"]
     argv = shlex.split(exec_start)
-    assert argv == ["/usr/local/bin/unisched", "serve", "--config", "/etc/unisched/unisched.toml"]
+    assert argv == ["/usr/local/bin/unisched", "serve", "--config", "/etc/unisched/unisched.toml", "--delegated"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert Path(argv[0]).name in scripts
     args = build_parser().parse_args(argv[1:])
-    assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml"
-    assert svc["Type"] == ["simple"]
+    assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml" and args.delegated
+    # sd_notify: ready when the sockets answer, and a watchdog the slice loop feeds
+    assert svc["Type"] == ["notify"] and svc["NotifyAccess"] == ["main"] and int(svc["WatchdogSec"][0]) >= 10
     # the directories systemd creates are the ones the defaults use
     assert svc["RuntimeDirectory"] == ["unisched"]
     assert Path(DEFAULT_SOCKET).parent == Path(DEFAULT_AGENT_SOCKET).parent == Path("/run/unisched")
     assert svc["StateDirectory"] == ["unisched"] and DEFAULT_STATE_DIR == "/var/lib/unisched"
     assert svc["ConfigurationDirectory"] == ["unisched"]
-    # a stop thaws every tenant: SIGTERM to the daemon, time to finish, restart on crashes but not on bad config
-    assert svc["KillSignal"] == ["SIGTERM"] and svc["KillMode"] == ["mixed"]
+    # a stop thaws every tenant and leaves them running: SIGTERM to the daemon only, time to finish, restart on
+    # crashes but not on bad config
+    assert svc["KillSignal"] == ["SIGTERM"] and svc["KillMode"] == ["process"]
     assert int(svc["TimeoutStopSec"][0]) >= 10
     assert svc["Restart"] == ["on-failure"] and svc["RestartPreventExitStatus"] == ["2"]
     assert svc["Delegate"] == ["yes"]
-    assert "ProtectControlGroups" not in svc and "PrivateDevices" not in svc
+    # it writes cgroups and opens /dev/nvidia*; tenants live in its cgroup, so no cgroup-level device or IP policy
+    for kept_open in ("ProtectControlGroups", "PrivateDevices", "DeviceAllow", "ProtectClock", "IPAddressDeny", "MemoryMax"):
+        assert kept_open not in svc, kept_open
+    caps = set(svc["CapabilityBoundingSet"][0].split())
+    assert {"CAP_SYS_ADMIN", "CAP_BPF", "CAP_SYS_PTRACE"} <= caps and not caps & {"CAP_SETUID", "CAP_SYS_MODULE"}
     assert _unit()["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_package_ships_the_unit_install_service_writes() -> None:
+    from unisched.cli.service import unit_template
+
+    assert unit_template() == UNIT.read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -127,6 +139,35 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/unisched", shutil.which("true") or "/bin/true"))
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+SECURITY_EXPOSURE_MAX = 5.0
+"""`systemd-analyze security`'s 0-10 scale: 5 and below is "OK" or better (the unit was 9.5, UNSAFE)."""
+
+
+def _security_exposure(unit: Path) -> float | None:
+    """The overall exposure systemd-analyze gives the unit file, or None when this systemd cannot rate files
+    offline (--offline needs systemd 250)."""
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+                         capture_output=True, text=True, timeout=60)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
+    return float(found.group(1)) if found else None
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_hardening_exposure_is_at_most_five(tmp_path: Path) -> None:
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text())
+    exposure = _security_exposure(unit)
+    if exposure is None:
+        pytest.skip("this systemd-analyze cannot rate a unit file offline (needs systemd >= 250)")
+    assert exposure <= SECURITY_EXPOSURE_MAX
+    # the rating is of this file: the unit without its hardening block is rated worse
+    bare = tmp_path / "bare" / UNIT.name
+    bare.parent.mkdir()
+    bare.write_text(UNIT.read_text().split("# Hardening:", 1)[0] + "[Install]\nWantedBy=multi-user.target\n")
+    bare_exposure = _security_exposure(bare)
+    assert bare_exposure is not None and bare_exposure > SECURITY_EXPOSURE_MAX
 
 
 # --- deploy/kubernetes: schemas, and what the manifests must agree on with the code -------------------------
