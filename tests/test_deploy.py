@@ -262,8 +262,7 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     containers = {c["name"]: c for c in spec["containers"]}
     mounts = {name: {m["mountPath"]: host.get(m["name"], m["name"]) for m in c["volumeMounts"]}
               for name, c in containers.items()}
-    for c in containers.values():
-        assert c["securityContext"]["privileged"] is True
+    assert containers["daemon"]["securityContext"]["privileged"] is True  # cgroups, BPF, /dev/nvidia*, host PIDs
     # the daemon: `unisched serve` with the ConfigMap's config, in the host cgroup namespace
     daemon = containers["daemon"]
     argv = daemon["command"] + daemon["args"]
@@ -289,6 +288,47 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     target = init["args"][0].split()[-1]
     kube_seccomp = next(m["mountPath"] for m in init["volumeMounts"] if host.get(m["name"]) == "/var/lib/kubelet/seccomp")
     assert target == f"{kube_seccomp}/profiles/unisched-gpu.json"
+
+
+def _all_pod_specs() -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    """(file: name, pod spec) of every pod and pod template under deploy/kubernetes."""
+    out = []
+    for p in _manifests():
+        for d in _docs(p):
+            spec = d.get("spec", {})
+            spec = spec.get("template", {}).get("spec", spec) if d["kind"] != "Pod" else spec
+            if "containers" in spec:
+                out.append((f"{p.relative_to(KUBE)}: {d['metadata']['name']}", spec))
+    return out
+
+
+def test_only_the_daemon_container_is_privileged() -> None:
+    """The device plugin and the DRA driver only talk to sockets (the kubelet's, the daemon's): they run
+    without privilege, capabilities or a writable image, and every other container is unprivileged too."""
+    specs = _all_pod_specs()
+    assert len(specs) >= 10
+    privileged = {(where, c["name"]) for where, s in specs for c in s.get("initContainers", []) + s["containers"]
+                  if c.get("securityContext", {}).get("privileged")}
+    assert privileged == {("daemonset.yaml: unisched", "daemon"), ("dra/daemonset.yaml: unisched-dra", "daemon")}
+    for ds, name in (("unisched", "device-plugin"), ("unisched-dra", "dra-driver")):
+        spec = _by_kind("DaemonSet")[ds]["spec"]["template"]["spec"]
+        sc = next(c for c in spec["containers"] if c["name"] == name)["securityContext"]
+        assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"} and "add" not in sc["capabilities"]
+        # it keeps the sockets it talks to
+        mounts = {m["mountPath"] for c in spec["containers"] if c["name"] == name for m in c["volumeMounts"]}
+        assert "/run/unisched" in mounts
+
+
+def test_admin_rights_follow_the_host_namespaces() -> None:
+    """uid 0 is an admin of the daemon only in the daemon's own PID and user namespaces: the node agent's pods
+    (which adopt pods) share the host's; no other pod does, so root in a workload pod is not an admin."""
+    agents = {"daemonset.yaml: unisched", "dra/daemonset.yaml: unisched-dra"}
+    for where, spec in _all_pod_specs():
+        assert (spec.get("hostPID") is True) == (where in agents), where
+        if where in agents:
+            assert spec["hostUsers"] is True, where  # said explicitly: a user-namespaced agent would lose admin
 
 
 def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Path) -> None:
