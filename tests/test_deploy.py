@@ -7,6 +7,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -343,6 +344,28 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
     assert profile["listenerPath"] == cfg.agent_socket
+
+
+def test_seccomp_profile_is_the_runtime_default_plus_our_notify_rules() -> None:
+    """Generated, not hand-edited: the committed profile (and its ConfigMap copy) is what generate.py makes of
+    the vendored runtime default, so governed pods keep the default's refusals (defaultAction an errno)."""
+    import json
+
+    seccomp = ROOT / "deploy" / "seccomp"
+    check = subprocess.run([sys.executable, str(seccomp / "generate.py"), "--check"], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stderr
+    profile = json.loads((seccomp / "unisched-gpu.json").read_text())
+    default = json.loads((seccomp / "runtime-default.json").read_text())
+    assert profile["defaultAction"] == default["defaultAction"] == "SCMP_ACT_ERRNO" and profile["defaultErrnoRet"] == 38
+    notify = [r for r in profile["syscalls"] if r["action"] == "SCMP_ACT_NOTIFY"]
+    assert {r["args"][0]["valueTwo"] for r in notify} == {0x462B, 0x46D3, 0x4629}
+    # every rule of the default is kept, except ioctl leaving the argument-free ALLOW list for conditional rules
+    kept = [r for r in profile["syscalls"] if r["names"] != ["ioctl"]]
+    plain = [r for r in default["syscalls"]]
+    plain[1] = {**plain[1], "names": [n for n in plain[1]["names"] if n != "ioctl"]}
+    assert kept == plain
+    assert all(r.get("args") for r in profile["syscalls"] if "ioctl" in r["names"])
 
 
 def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:
