@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "serve`), so it works for a venv or a `pip install --user` as for a system install.",
     )
     i.add_argument("--unit-path", default=DEFAULT_UNIT_PATH, help=f"where to write the unit (default {DEFAULT_UNIT_PATH})")
-    i.add_argument("--config", default=DEFAULT_CONFIG_PATH, help=f"config the unit's daemon reads (default {DEFAULT_CONFIG_PATH})")
+    i.add_argument("--config", default=DEFAULT_CONFIG_PATH,
+                   help=f"config the unit's daemon reads (default {DEFAULT_CONFIG_PATH})")
 
     r = sub.add_parser(
         "run",

@@ -19,11 +19,11 @@ import grpc
 import structlog
 
 from unisched import __version__
-from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.enforce.seccomp import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
 from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.runner import run_engine
+from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
