@@ -7,6 +7,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -101,24 +102,36 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     svc = _unit()["Service"]
     (exec_start,) = svc["ExecStart"]
     argv = shlex.split(exec_start)
-    assert argv == ["/usr/local/bin/unisched", "serve", "--config", "/etc/unisched/unisched.toml"]
+    assert argv == ["/usr/local/bin/unisched", "serve", "--config", "/etc/unisched/unisched.toml", "--delegated"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert Path(argv[0]).name in scripts
     args = build_parser().parse_args(argv[1:])
-    assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml"
-    assert svc["Type"] == ["simple"]
+    assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml" and args.delegated
+    # sd_notify: ready when the sockets answer, and a watchdog the slice loop feeds
+    assert svc["Type"] == ["notify"] and svc["NotifyAccess"] == ["main"] and int(svc["WatchdogSec"][0]) >= 10
     # the directories systemd creates are the ones the defaults use
     assert svc["RuntimeDirectory"] == ["unisched"]
     assert Path(DEFAULT_SOCKET).parent == Path(DEFAULT_AGENT_SOCKET).parent == Path("/run/unisched")
     assert svc["StateDirectory"] == ["unisched"] and DEFAULT_STATE_DIR == "/var/lib/unisched"
     assert svc["ConfigurationDirectory"] == ["unisched"]
-    # a stop thaws every tenant: SIGTERM to the daemon, time to finish, restart on crashes but not on bad config
-    assert svc["KillSignal"] == ["SIGTERM"] and svc["KillMode"] == ["mixed"]
+    # a stop thaws every tenant and leaves them running: SIGTERM to the daemon only, time to finish, restart on
+    # crashes but not on bad config
+    assert svc["KillSignal"] == ["SIGTERM"] and svc["KillMode"] == ["process"]
     assert int(svc["TimeoutStopSec"][0]) >= 10
     assert svc["Restart"] == ["on-failure"] and svc["RestartPreventExitStatus"] == ["2"]
     assert svc["Delegate"] == ["yes"]
-    assert "ProtectControlGroups" not in svc and "PrivateDevices" not in svc
+    # it writes cgroups and opens /dev/nvidia*; tenants live in its cgroup, so no cgroup-level device or IP policy
+    for kept_open in ("ProtectControlGroups", "PrivateDevices", "DeviceAllow", "ProtectClock", "IPAddressDeny", "MemoryMax"):
+        assert kept_open not in svc, kept_open
+    caps = set(svc["CapabilityBoundingSet"][0].split())
+    assert {"CAP_SYS_ADMIN", "CAP_BPF", "CAP_SYS_PTRACE"} <= caps and not caps & {"CAP_SETUID", "CAP_SYS_MODULE"}
     assert _unit()["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_package_ships_the_unit_install_service_writes() -> None:
+    from unisched.cli.service import unit_template
+
+    assert unit_template() == UNIT.read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -127,6 +140,35 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/unisched", shutil.which("true") or "/bin/true"))
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not out.stderr.strip(), out.stderr
+
+
+SECURITY_EXPOSURE_MAX = 5.0
+"""`systemd-analyze security`'s 0-10 scale: 5 and below is "OK" or better (the unit was 9.5, UNSAFE)."""
+
+
+def _security_exposure(unit: Path) -> float | None:
+    """The overall exposure systemd-analyze gives the unit file, or None when this systemd cannot rate files
+    offline (--offline needs systemd 250)."""
+    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+                         capture_output=True, text=True, timeout=60)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
+    return float(found.group(1)) if found else None
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_unit_hardening_exposure_is_at_most_five(tmp_path: Path) -> None:
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text())
+    exposure = _security_exposure(unit)
+    if exposure is None:
+        pytest.skip("this systemd-analyze cannot rate a unit file offline (needs systemd >= 250)")
+    assert exposure <= SECURITY_EXPOSURE_MAX
+    # the rating is of this file: the unit without its hardening block is rated worse
+    bare = tmp_path / "bare" / UNIT.name
+    bare.parent.mkdir()
+    bare.write_text(UNIT.read_text().split("# Hardening:", 1)[0] + "[Install]\nWantedBy=multi-user.target\n")
+    bare_exposure = _security_exposure(bare)
+    assert bare_exposure is not None and bare_exposure > SECURITY_EXPOSURE_MAX
 
 
 # --- deploy/kubernetes: schemas, and what the manifests must agree on with the code -------------------------
@@ -221,8 +263,7 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     containers = {c["name"]: c for c in spec["containers"]}
     mounts = {name: {m["mountPath"]: host.get(m["name"], m["name"]) for m in c["volumeMounts"]}
               for name, c in containers.items()}
-    for c in containers.values():
-        assert c["securityContext"]["privileged"] is True
+    assert containers["daemon"]["securityContext"]["privileged"] is True  # cgroups, BPF, /dev/nvidia*, host PIDs
     # the daemon: `unisched serve` with the ConfigMap's config, in the host cgroup namespace
     daemon = containers["daemon"]
     argv = daemon["command"] + daemon["args"]
@@ -250,6 +291,47 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     assert target == f"{kube_seccomp}/profiles/unisched-gpu.json"
 
 
+def _all_pod_specs() -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    """(file: name, pod spec) of every pod and pod template under deploy/kubernetes."""
+    out = []
+    for p in _manifests():
+        for d in _docs(p):
+            spec = d.get("spec", {})
+            spec = spec.get("template", {}).get("spec", spec) if d["kind"] != "Pod" else spec
+            if "containers" in spec:
+                out.append((f"{p.relative_to(KUBE)}: {d['metadata']['name']}", spec))
+    return out
+
+
+def test_only_the_daemon_container_is_privileged() -> None:
+    """The device plugin and the DRA driver only talk to sockets (the kubelet's, the daemon's): they run
+    without privilege, capabilities or a writable image, and every other container is unprivileged too."""
+    specs = _all_pod_specs()
+    assert len(specs) >= 10
+    privileged = {(where, c["name"]) for where, s in specs for c in s.get("initContainers", []) + s["containers"]
+                  if c.get("securityContext", {}).get("privileged")}
+    assert privileged == {("daemonset.yaml: unisched", "daemon"), ("dra/daemonset.yaml: unisched-dra", "daemon")}
+    for ds, name in (("unisched", "device-plugin"), ("unisched-dra", "dra-driver")):
+        spec = _by_kind("DaemonSet")[ds]["spec"]["template"]["spec"]
+        sc = next(c for c in spec["containers"] if c["name"] == name)["securityContext"]
+        assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"} and "add" not in sc["capabilities"]
+        # it keeps the sockets it talks to
+        mounts = {m["mountPath"] for c in spec["containers"] if c["name"] == name for m in c["volumeMounts"]}
+        assert "/run/unisched" in mounts
+
+
+def test_admin_rights_follow_the_host_namespaces() -> None:
+    """uid 0 is an admin of the daemon only in the daemon's own PID and user namespaces: the node agent's pods
+    (which adopt pods) share the host's; no other pod does, so root in a workload pod is not an admin."""
+    agents = {"daemonset.yaml: unisched", "dra/daemonset.yaml: unisched-dra"}
+    for where, spec in _all_pod_specs():
+        assert (spec.get("hostPID") is True) == (where in agents), where
+        if where in agents:
+            assert spec["hostUsers"] is True, where  # said explicitly: a user-namespaced agent would lose admin
+
+
 def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Path) -> None:
     import json
 
@@ -262,6 +344,28 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
     assert profile["listenerPath"] == cfg.agent_socket
+
+
+def test_seccomp_profile_is_the_runtime_default_plus_our_notify_rules() -> None:
+    """Generated, not hand-edited: the committed profile (and its ConfigMap copy) is what generate.py makes of
+    the vendored runtime default, so governed pods keep the default's refusals (defaultAction an errno)."""
+    import json
+
+    seccomp = ROOT / "deploy" / "seccomp"
+    check = subprocess.run([sys.executable, str(seccomp / "generate.py"), "--check"], capture_output=True, text=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stderr
+    profile = json.loads((seccomp / "unisched-gpu.json").read_text())
+    default = json.loads((seccomp / "runtime-default.json").read_text())
+    assert profile["defaultAction"] == default["defaultAction"] == "SCMP_ACT_ERRNO" and profile["defaultErrnoRet"] == 38
+    notify = [r for r in profile["syscalls"] if r["action"] == "SCMP_ACT_NOTIFY"]
+    assert {r["args"][0]["valueTwo"] for r in notify} == {0x462B, 0x46D3, 0x4629}
+    # every rule of the default is kept, except ioctl leaving the argument-free ALLOW list for conditional rules
+    kept = [r for r in profile["syscalls"] if r["names"] != ["ioctl"]]
+    plain = [r for r in default["syscalls"]]
+    plain[1] = {**plain[1], "names": [n for n in plain[1]["names"] if n != "ioctl"]}
+    assert kept == plain
+    assert all(r.get("args") for r in profile["syscalls"] if "ioctl" in r["names"])
 
 
 def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:

@@ -1,13 +1,48 @@
-"""structlog set-up: JSON lines when stderr is not a TTY, a readable console otherwise."""
+"""structlog set-up: JSON lines when stderr is not a TTY, a readable console otherwise. When stderr is the
+journal (systemd's $JOURNAL_STREAM names stderr's device and inode), every line starts with its syslog
+priority, `<N>` (journald's SyslogLevelPrefix=, on by default), so `journalctl -p warning` filters by level."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["SYSLOG_PRIORITY", "configure_logging", "stderr_is_journal"]
+
+SYSLOG_PRIORITY: Mapping[str, int] = {
+    "critical": 2, "error": 3, "exception": 3, "warning": 4, "warn": 4, "info": 6, "debug": 7, "notset": 7,
+}
+"""structlog level name -> syslog priority (sd-daemon(3): <2> crit ... <7> debug)."""
+
+
+def stderr_is_journal(stream: TextIO | None = None, env: Mapping[str, str] | None = None) -> bool:
+    """True when `stream` (stderr) is the journal stream systemd connected, not merely inherited: a child whose
+    stderr was redirected elsewhere keeps $JOURNAL_STREAM, so the device and inode must match (systemd.exec(5))."""
+    env = os.environ if env is None else env
+    stream = sys.stderr if stream is None else stream
+    dev, _, ino = env.get("JOURNAL_STREAM", "").partition(":")
+    try:
+        st = os.fstat(stream.fileno())
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+class _PriorityPrefix:
+    """Wraps the renderer: `<N>` before every line of a rendered event (a console traceback spans lines)."""
+
+    def __init__(self, renderer: structlog.typing.Processor) -> None:
+        self._renderer = renderer
+
+    def __call__(self, logger: Any, name: str, event_dict: MutableMapping[str, Any]) -> str:
+        prefix = f"<{SYSLOG_PRIORITY.get(str(event_dict.get('level', name)), 6)}>"
+        text = str(self._renderer(logger, name, event_dict))
+        return prefix + text.replace("\n", "\n" + prefix)
 
 
 def configure_logging(fmt: str = "auto", level: str = "info") -> None:
@@ -15,6 +50,8 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
     )
+    if stderr_is_journal():
+        renderer = _PriorityPrefix(renderer)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
 from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
@@ -212,6 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["auto", "json", "console"],
                    help=f"log lines as JSON or for a terminal (default {d.log_format}: JSON unless stderr is a terminal)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default {d.log_level})")
+    s.add_argument("--delegated", action="store_true",
+                   help="run in a cgroup subtree systemd delegated (Delegate=yes): move the daemon into the leaf "
+                        "<own cgroup>/daemon before it starts; tenants belong under <own cgroup>/tenants")
+
+    i = sub.add_parser(
+        "install-service", help="write the systemd unit for this installation (as root)",
+        description="Write the systemd unit with ExecStart running this Python interpreter (`python -m unisched "
+                    "serve`), so it works for a venv or a `pip install --user` as for a system install.",
+    )
+    i.add_argument("--unit-path", default=DEFAULT_UNIT_PATH, help=f"where to write the unit (default {DEFAULT_UNIT_PATH})")
+    i.add_argument("--config", default=DEFAULT_CONFIG_PATH,
+                   help=f"config the unit's daemon reads (default {DEFAULT_CONFIG_PATH})")
 
     r = sub.add_parser(
         "run",
@@ -452,6 +465,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except CgroupError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
+    if args.delegated:
+        from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
+
+        try:
+            tenants_subtree = enter_delegated_leaf(driver.kind, driver.mount)
+        except DelegationError as e:
+            print(f"unisched serve: {e}", file=sys.stderr)
+            return 1
+        import structlog
+
+        structlog.get_logger("unisched").info("delegated", daemon_cgroup=driver.cgroup_of(os.getpid()),
+                                              tenants_subtree=tenants_subtree)
     telemetry: GpuTelemetry = NoGpuTelemetry()
     nvml = False
     if config.nvml:
@@ -487,6 +512,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         telemetry.close()
+    return 0
+
+
+def _cmd_install_service(args: argparse.Namespace) -> int:
+    from unisched.cli.service import install_service
+
+    try:
+        print(install_service(args.unit_path, args.config))
+    except (OSError, ValueError) as e:
+        print(f"unisched install-service: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -716,6 +752,7 @@ def _cmd_top(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "serve": _cmd_serve,
+    "install-service": _cmd_install_service,
     "run": _cmd_run,
     "adopt": _cmd_adopt,
     "tenants": _cmd_tenants,

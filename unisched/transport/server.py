@@ -23,6 +23,7 @@ from unisched.enforce.seccomp import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
 from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.runner import run_engine
+from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
@@ -324,7 +325,8 @@ async def serve_async(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    engine_task = asyncio.create_task(run_engine(engine, stop))
+    notifier = Notifier.from_env()
+    engine_task = asyncio.create_task(run_engine(engine, stop, _watchdog(notifier, engine)))
     metrics: MetricsServer | None = None
     metrics_task: asyncio.Task[None] | None = None
     try:
@@ -351,8 +353,11 @@ async def serve_async(
         )
         if ready is not None:
             ready(relay)
+        # Type=notify: systemd starts units ordered after this one only now, when both sockets answer
+        notifier.ready(f"serving on {config.socket}, {engine.tenant_count} tenants")
         await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        notifier.stopping("thawing every tenant and saving state")
         stop.set()
         with contextlib.suppress(Exception):
             await engine_task  # its finally thaws every managed cgroup
@@ -367,6 +372,15 @@ async def serve_async(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(config.socket)
         log.info("stopped")
+        notifier.close()
+
+
+def _watchdog(notifier: Notifier, engine: KernelEngine) -> Callable[[], None] | None:
+    """The engine loop's liveness ping when systemd set WatchdogSec (WATCHDOG_USEC); None otherwise."""
+    interval = watchdog_interval_s()
+    if not notifier.enabled or interval is None:
+        return None
+    return Watchdog(notifier, interval, lambda: f"serving on {engine.config.socket}, {engine.tenant_count} tenants").alive
 
 
 def serve(config: DaemonConfig, engine: KernelEngine, nvml: bool) -> None:

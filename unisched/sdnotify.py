@@ -1,0 +1,103 @@
+"""sd_notify without libsystemd: tell systemd (Type=notify) when the daemon serves, what it is doing, and
+that its slice loop is alive (WatchdogSec). One datagram per message to $NOTIFY_SOCKET; a name starting
+with '@' is in the abstract namespace. Without $NOTIFY_SOCKET every call does nothing, so the daemon run by
+hand, in a test or in a container behaves the same."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Notifier", "Watchdog", "watchdog_interval_s"]
+
+WATCHDOG_FRACTION = 0.5
+"""Ping at half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises: one late slice never trips systemd."""
+
+
+def _address(name: str) -> str | bytes:
+    return b"\0" + name[1:].encode() if name.startswith("@") else name
+
+
+@dataclass
+class Notifier:
+    """Sends sd_notify messages; a no-op when systemd did not ask for them (no NOTIFY_SOCKET)."""
+
+    path: str | None
+    _sock: socket.socket | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Notifier:
+        env = os.environ if env is None else env
+        return cls(env.get("NOTIFY_SOCKET") or None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def send(self, **fields: str | int) -> bool:
+        """Send KEY=VALUE lines in one datagram; False (never an exception) when systemd cannot be reached:
+        a lost notification must not take the daemon down."""
+        if self.path is None:
+            return False
+        message = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.sendto(message, _address(self.path))
+        except OSError:
+            return False
+        return True
+
+    def ready(self, status: str) -> bool:
+        return self.send(READY=1, STATUS=status, MAINPID=os.getpid())
+
+    def status(self, status: str) -> bool:
+        return self.send(STATUS=status)
+
+    def stopping(self, status: str) -> bool:
+        return self.send(STOPPING=1, STATUS=status)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def watchdog_interval_s(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
+    """How often to ping, from WATCHDOG_USEC (and WATCHDOG_PID, when systemd names another process); None
+    when no watchdog is configured."""
+    env = os.environ if env is None else env
+    try:
+        usec = int(env.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    owner = env.get("WATCHDOG_PID")
+    if usec <= 0 or (owner and owner != str(os.getpid() if pid is None else pid)):
+        return None
+    return usec / 1e6 * WATCHDOG_FRACTION
+
+
+@dataclass
+class Watchdog:
+    """Called after every slice that ran; pings at most once per interval. A loop that stops running
+    slices stops the pings, and systemd restarts the daemon (whose start thaws every tenant first)."""
+
+    notifier: Notifier
+    interval_s: float
+    status: Callable[[], str] = lambda: ""
+    clock: Callable[[], float] = time.monotonic
+    _last: float | None = field(default=None, init=False)
+
+    def alive(self) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return
+        self._last = now
+        text = self.status()
+        if text:
+            self.notifier.send(WATCHDOG=1, STATUS=text)
+        else:
+            self.notifier.send(WATCHDOG=1)
