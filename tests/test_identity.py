@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -120,7 +121,8 @@ def _lease_hello(conn: socket.socket, tenant: str, weight: int) -> pb.LeaseReply
         chunk = conn.recv(n - len(body))
         assert chunk
         body += chunk
-    return pb.LeaseReply.FromString(body)
+    reply: pb.LeaseReply = pb.LeaseReply.FromString(body)
+    return reply
 
 
 def _bridge(conn: socket.socket, opened: list[socket.socket]) -> int:
@@ -137,10 +139,8 @@ def _bridge(conn: socket.socket, opened: list[socket.socket]) -> int:
         except OSError:
             pass
         for s in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def serve() -> None:
         tcp, _ = listener.accept()
@@ -177,9 +177,9 @@ def test_a_reused_pid_does_not_hand_over_root_rights(root_tenant: tuple[Daemon, 
         assert reply.WhichOneof("kind") == "error", reply
         assert reply.error.code == "FAILED_PRECONDITION" and "exited" in reply.error.details
 
-        with grpc.insecure_channel(f"127.0.0.1:{_bridge(grpc_conn, opened)}") as ch:
-            with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.UnischedStub(ch).Register(pb.RegisterRequest(tenant=tenant, weight=9999), timeout=20)  # type: ignore[no-untyped-call]
+        with grpc.insecure_channel(f"127.0.0.1:{_bridge(grpc_conn, opened)}") as ch, \
+                pytest.raises(grpc.RpcError) as err:
+            pb_grpc.UnischedStub(ch).Register(pb.RegisterRequest(tenant=tenant, weight=9999), timeout=20)  # type: ignore[no-untyped-call]
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION, err.value
         assert "exited" in str(err.value.details())
 
