@@ -8,6 +8,7 @@ injected Clock, so tests drive it step by step with a FakeClock and fake cgroups
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -201,6 +202,15 @@ def _parse_engine(name: str) -> Engine:
         return Engine(name)
     except ValueError:
         raise EngineError("invalid", f"engine must be one of {', '.join(e.value for e in Engine)}; got {name[:40]!r}") from None
+
+
+CALLER_GONE = "the connecting process has exited"
+"""Why a call that would act on the caller's process is refused once that process is gone."""
+
+
+def _need_alive(alive: Callable[[], bool] | None) -> None:
+    if alive is not None and not alive():
+        raise EngineError("failed", CALLER_GONE)
 
 
 def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
@@ -468,8 +478,14 @@ class KernelEngine:
         uid: int,
         is_admin: bool,
         save_now: bool = True,
+        alive: Callable[[], bool] | None = None,
     ) -> TenantSnapshot:
-        """Move the caller's own process into the tenant's cgroup, creating the tenant if needed."""
+        """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
+
+        `alive` says whether the process that connected still runs (the transport pins it; None: not checked).
+        A pid outlives its process: once the caller exits another process may take the number, so a caller
+        that is gone is never acted on, before anything changes and again after the move."""
+        _need_alive(alive)
         try:
             validate_tenant_name(name)
             if weight is not None:
@@ -483,6 +499,7 @@ class KernelEngine:
         # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
         # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
         member = t is not None and self._is_member(t, pid)
+        _need_alive(alive)  # what was read from /proc/<pid> was the caller's
         if t is None:
             if not is_admin and not self.config.user_tenants:
                 raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
@@ -530,16 +547,33 @@ class KernelEngine:
                 t.last_cpu = None
             changed = t.saved() != before
         if not member:
-            try:
-                self.driver.attach(t.cgroup, pid)
-            except CgroupError as e:
-                raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
+            self._attach_caller(t.cgroup, pid, alive)
         if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
             if save_now:
                 self._save()
             else:
                 self._save_soon()
         return self.snapshot(name)
+
+    def _attach_caller(self, cgroup: str, pid: int, alive: Callable[[], bool] | None) -> None:
+        """Move the caller into `cgroup`; if it exited meanwhile, the pid may name another process by now:
+        whatever process holds the pid in `cgroup` goes back where the caller was, and the call fails."""
+        try:
+            origin = self.driver.cgroup_of(pid)
+        except OSError:
+            origin = None
+        _need_alive(alive)
+        try:
+            self.driver.attach(cgroup, pid)
+        except CgroupError as e:
+            raise EngineError("failed", f"cannot move pid {pid} into {cgroup}: {e}") from None
+        if alive is None or alive():
+            return
+        with contextlib.suppress(OSError, CgroupError):
+            if origin is not None and self.driver.cgroup_of(pid) == cgroup:
+                self.driver.attach(origin, pid)
+                log.warning("moved a reused pid back", pid=pid, cgroup=origin)
+        raise EngineError("failed", CALLER_GONE)
 
     def _is_member(self, t: _Tenant, pid: int) -> bool:
         """Whether `pid` already sits in the tenant's cgroup or below it."""
@@ -1166,14 +1200,14 @@ class KernelEngine:
     # --- the user engine: lease sessions ------------------------------------------------------------
     def lease_open(
         self, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
-        pid: int, uid: int, is_admin: bool, channel: LeaseChannel,
+        pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
     ) -> tuple[int, TenantSnapshot]:
         """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""
         if gpu not in self.gpu_indices:
             raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(self.gpu_indices)}")
         t = self._tenants.get(name)
         gpus = [gpu] if t is None or t.gpus is not None else []
-        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, save_now=False)
+        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, save_now=False, alive=alive)
         t = self._tenants[name]
         if t.frozen:  # was a kernel tenant: leases gate it from now on
             self._thaw(t)

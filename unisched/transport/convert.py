@@ -53,8 +53,16 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
 
 
 def public_summary(t: pb.Tenant) -> None:
-    """Name, owner, weight, priority, state, engines and shares stay; processes, cgroup and usage details go."""
+    """What others may see of a tenant: name, owner, weight, priority, state, engines, limits and target
+    shares stay; processes, cgroup and every measure of its usage go."""
     del t.pids[:]
+    t.gpu_seconds = 0.0
+    t.measured_share = 0.0
+    for share in t.shares:
+        share.measured_share = 0.0
+    t.slices = 0
+    t.overrun_s = 0.0
+    t.over_memory = False
     t.cgroup = ""
     t.sessions.clear()
     t.refusals.clear()

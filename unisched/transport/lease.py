@@ -21,7 +21,7 @@ from unisched.engine.core import EngineError, KernelEngine, LeaseAck
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.leasewire import MAX_REQUEST_BYTES, FrameError, FrameReader, frame
-from unisched.transport.peercred import PeerCred
+from unisched.transport.peercred import PeerCred, StreamLimits
 
 __all__ = ["ERROR_CODES", "LEASE_UNSENT_MAX", "LeaseConnection", "LeaseService"]
 
@@ -47,18 +47,25 @@ class LeaseService:
         self.engine = engine
         self.is_admin = is_admin
 
-    def connection(self, cred: PeerCred, first: bytes, closed: asyncio.Future[None]) -> LeaseConnection:
+    def connection(self, cred: PeerCred, first: bytes, closed: asyncio.Future[None],
+                   limits: StreamLimits | None = None) -> LeaseConnection:
         """`first`: the bytes that came after MAGIC with it, read before anything else; `closed` is completed
         when the connection is lost (the front door's LeaseHandler)."""
-        return LeaseConnection(self, cred, first, closed)
+        return LeaseConnection(self, cred, first, closed, limits)
 
 
 class LeaseConnection(asyncio.Protocol):
-    def __init__(self, service: LeaseService, cred: PeerCred, first: bytes, closed: asyncio.Future[None]) -> None:
+    def __init__(self, service: LeaseService, cred: PeerCred, first: bytes, closed: asyncio.Future[None],
+                 limits: StreamLimits | None = None) -> None:
         self.service = service
         self.cred = cred
         self.closed = closed
+        self.limits = limits
         self._first = first
+        self._held = 0
+        """Bytes of an unfinished frame, as accounted against the uid's budget."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The deadline running now: for the hello, then for each partial frame."""
         self._reader = FrameReader(MAX_REQUEST_BYTES)
         self._transport: asyncio.Transport | None = None
         self._sid: int | None = None
@@ -72,9 +79,42 @@ class LeaseConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        if self.limits is not None:
+            self._deadline(self.limits.hello_s, "no hello")
         first, self._first = self._first, b""
         if first:
             self.data_received(first)
+
+    def _deadline(self, seconds: float, why: str) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expired, why)
+
+    def _expired(self, why: str) -> None:
+        self._timer = None
+        if self._transport is not None and not self._ended:
+            self._ended = True
+            self._log.info("lease stream dropped", reason=f"{why} within its deadline")
+            self._transport.abort()
+
+    def _account(self) -> None:
+        """After a read: the unfinished frame's bytes against the uid's budget, and its deadline (from the
+        frame's first byte: a drip of bytes does not extend it)."""
+        pending = self._reader.pending
+        if self.limits is None or pending == self._held:
+            return
+        was, self._held = self._held, pending
+        within = self.limits.hold(pending - was)
+        if pending and not was and self._sid is not None:
+            self._deadline(self.limits.partial_frame_s, "a partial frame was not completed")
+        elif not pending and self._sid is not None and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not within and not self._ended:
+            self._ended = True
+            self._log.warning("lease stream dropped", reason="its uid holds too many bytes of unfinished frames")
+            if self._transport is not None:
+                self._transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._ended:
@@ -102,12 +142,19 @@ class LeaseConnection(asyncio.Protocol):
             self._end(out, "RESOURCE_EXHAUSTED", str(e))
         finally:
             self._pushed = None
+            self._account()
         self._write(out)
         if self._ended and self._transport is not None:
             self._transport.close()  # after what was written: the client reads the error, then EOF
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.limits is not None and self._held:
+            self.limits.hold(-self._held)
+            self._held = 0
         sid, self._sid = self._sid, None
         if sid is not None:
             self.service.engine.lease_close(sid)
@@ -163,9 +210,12 @@ class LeaseConnection(asyncio.Protocol):
             h, cred = req.hello, self.cred
             sid, snap = engine.lease_open(
                 h.tenant, h.weight or None, PRIORITY.get(h.priority), list(h.engines), h.gpu,
-                cred.pid, cred.uid, self.service.is_admin(cred), self,
+                cred.pid, cred.uid, self.service.is_admin(cred), self, alive=cred.alive,
             )
             self._sid = sid
+            if self._timer is not None:  # the hello came in time
+                self._timer.cancel()
+                self._timer = None
             self._log = self._log.bind(tenant=snap.name, session=sid)
             self._log.info("lease session")
             cfg = engine.config

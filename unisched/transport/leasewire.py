@@ -48,6 +48,11 @@ class FrameReader:
         self.limit = limit
         self._buf = bytearray()
 
+    @property
+    def pending(self) -> int:
+        """Bytes held of a frame not yet complete."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._buf
         buf += data

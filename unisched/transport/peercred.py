@@ -1,38 +1,82 @@
 """Caller identity from the kernel: SO_PEERCRED on the public Unix socket, which the daemon accepts itself.
 
-Each accepted connection's SO_PEERCRED (pid, uid, gid) is read, then its opening bytes decide where it goes. A
+Each accepted connection's SO_PEERCRED (pid, uid, gid) is read and the connecting process pinned by a pidfd
+(identity.py), then its opening bytes decide where it goes. A
 lease stream (it opens with leasewire.MAGIC) is handed to the lease service with those credentials and served
 in this loop. Anything else is gRPC: grpc does not expose the peer's credentials, so its bytes are relayed to
 the gRPC server on a private loopback port. The relay's local port names the connection to the servicer, which looks up the
 credentials by it. A connection that reaches the private port directly has no entry and is refused
 everything but the public read-only calls, so identity cannot be forged by a request field or a side door.
+
+What one user's connections may cost is bounded (options.py gives each number's reason): connections per uid,
+with a reserve the global cap keeps for admins; a deadline for a connection's opening bytes, a lease stream's
+hello and each partial lease frame; the bytes of unfinished frames per uid; and an idle timeout for relayed
+gRPC connections. Refusals happen at accept, before any read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import resource
 import socket
-import struct
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
+from unisched.transport.identity import PeerCred, peer_of
 from unisched.transport.leasewire import MAGIC, is_lease_opening
-from unisched.transport.options import MAX_CONNECTIONS
+from unisched.transport.options import (
+    ADMIN_RESERVE,
+    GRPC_IDLE_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_UID,
+    MAX_PARTIAL_BYTES_PER_UID,
+    OPENING_DEADLINE_S,
+    PARTIAL_FRAME_S,
+    TRIM_AFTER_CLOSED,
+)
 
-__all__ = ["LeaseHandler", "PeerCred", "PeerCredRelay"]
+__all__ = ["FrontDoorLimits", "LeaseHandler", "PeerCred", "PeerCredRelay", "StreamLimits"]
 
 log = structlog.get_logger("unisched.transport")
-_CRED = struct.Struct("3i")
 _CHUNK = 1 << 16
-FDS_PER_CONNECTION = 3  # the accepted Unix socket, the relay's loopback socket, and the gRPC server's end of it
+FDS_PER_CONNECTION = 4  # the accepted Unix socket, its caller's pidfd, the relay's loopback socket, the gRPC server's end
 FD_RESERVE = 256  # for everything else: cgroup files, state file, logs, seccomp listeners handed over by tenants
 BACKLOG = 1024  # a burst of clients queues in the kernel instead of getting EAGAIN (asyncio's default is 100)
+ACCEPT_BATCH = 256
+"""Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
+task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
+_ADMIN = -1
+"""The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
+
+
+@dataclass(frozen=True)
+class FrontDoorLimits:
+    """The relay's limits (options.py says why each default is what it is); tests may pass smaller ones."""
+
+    per_uid: int = MAX_CONNECTIONS_PER_UID
+    admin_reserve: int = ADMIN_RESERVE
+    opening_s: float = OPENING_DEADLINE_S
+    partial_frame_s: float = PARTIAL_FRAME_S
+    partial_bytes_per_uid: int = MAX_PARTIAL_BYTES_PER_UID
+    grpc_idle_s: float = GRPC_IDLE_S
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What one lease connection is held to: its hello and each partial frame in time, and its unfinished
+    frames' bytes against its uid's budget (`hold(delta)` is False once that budget is exceeded)."""
+
+    hello_s: float
+    partial_frame_s: float
+    hold: Callable[[int], bool]
 
 
 def connection_budget(wanted: int) -> int:
@@ -54,32 +98,37 @@ def connection_budget(wanted: int) -> int:
     return max(1, min(wanted, (soft - FD_RESERVE) // FDS_PER_CONNECTION))
 
 
-@dataclass(frozen=True)
-class PeerCred:
-    pid: int
-    uid: int
-    gid: int
-
-
-LeaseHandler = Callable[[PeerCred, bytes, asyncio.Future[None]], asyncio.Protocol]
-"""Makes the protocol serving one lease connection from its caller, the bytes that came after MAGIC, and a
-future it completes when the connection is lost."""
+LeaseHandler = Callable[[PeerCred, bytes, asyncio.Future[None], StreamLimits], asyncio.Protocol]
+"""Makes the protocol serving one lease connection from its caller, the bytes that came after MAGIC, a future it
+completes when the connection is lost, and the limits it is held to."""
 
 
 class PeerCredRelay:
     def __init__(self, socket_path: str, backend_port: int, max_connections: int = MAX_CONNECTIONS,
-                 lease: LeaseHandler | None = None) -> None:
+                 lease: LeaseHandler | None = None, is_admin: Callable[[PeerCred], bool] | None = None,
+                 limits: FrontDoorLimits | None = None) -> None:
         self.socket_path = socket_path
         self.backend_port = backend_port
         self.lease = lease
+        self.is_admin = is_admin or (lambda cred: False)
+        self.limits = limits or FrontDoorLimits()
         self.max_connections = max_connections
         self.refused = 0
         self._by_port: dict[int, PeerCred] = {}
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._per_uid: Counter[int] = Counter()
+        """Connections held per bucket: a non-admin uid, or _ADMIN for those in the admins' reserve."""
+        self._partial: Counter[int] = Counter()
+        """Bytes of unfinished lease frames held per bucket."""
+        self._relayed: dict[int, _Half] = {}
+        """The client side of each relayed gRPC connection, by backend port (for the idle sweep)."""
         self._refused_logged = 0
         self._refusal_logged_at = 0.0
+        self._closed_since_trim = 0
+        self._trim_pending = False
 
     def lookup(self, grpc_peer: str) -> PeerCred | None:
         """grpc's context.peer() is 'ipv4:127.0.0.1:PORT' for relayed connections."""
@@ -110,11 +159,12 @@ class PeerCredRelay:
             raise
         self._listener = listener
         self._acceptor = asyncio.create_task(self._accept_loop(listener))
+        self._sweeper = asyncio.create_task(self._sweep_idle())
 
     async def _accept_loop(self, listener: socket.socket) -> None:
-        """Accept one connection at a time and decide on it before the next: asyncio's own server accepts a
-        whole backlog in one go, so a burst of clients ran the daemon out of file descriptors (EMFILE) before
-        any limit could apply."""
+        """Wait for a connection, then take what the backlog holds (up to ACCEPT_BATCH), deciding on each as it
+        is accepted: admitted ones get a task, the rest are closed at once, so limits apply before any read and
+        a burst never runs the daemon out of file descriptors (EMFILE)."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -122,46 +172,113 @@ class PeerCredRelay:
             except OSError as e:
                 if listener.fileno() == -1:
                     return  # closed
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.error("out of file descriptors accepting a client; pausing accepts", error=e.strerror)
-                    await asyncio.sleep(0.1)  # back off; the clients wait in the kernel's backlog meanwhile
-                elif e.errno not in (errno.ECONNABORTED, errno.EAGAIN, errno.EINTR, errno.EPROTO):
-                    log.error("accepting a client failed", error=e.strerror)
-                    await asyncio.sleep(0.1)
+                await _accept_failed(e)
                 continue
-            if len(self._tasks) >= self.max_connections:
-                self._refuse()
-                conn.close()
-                continue
-            task = asyncio.create_task(self._handle(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._admit(conn)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:
+                    await _accept_failed(e)
+                    break
+                self._admit(conn)
 
-    def _refuse(self) -> None:
+    def _admit(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        try:
+            cred = peer_of(conn)
+        except OSError:
+            conn.close()
+            return
+        bucket = self._bucket(cred)
+        if bucket is None:
+            self._refuse(cred.uid)
+            if cred.process is not None:
+                cred.process.close()
+            conn.close()
+            return
+        self._per_uid[bucket] += 1
+        task = asyncio.create_task(self._handle(conn, cred, bucket))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._closed(t, bucket))
+
+    def _bucket(self, cred: PeerCred) -> int | None:
+        """Which count the connection goes to, or None to refuse it: a uid's own (at most `per_uid`, and
+        only while the global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
+        total = len(self._tasks)
+        if total >= self.max_connections:
+            return None
+        reserve = min(self.limits.admin_reserve, self.max_connections // 4)
+        if self._per_uid[cred.uid] < self.limits.per_uid and total < self.max_connections - reserve:
+            return cred.uid
+        return _ADMIN if self.is_admin(cred) else None
+
+    def _closed(self, task: asyncio.Task[None], bucket: int) -> None:
+        self._tasks.discard(task)
+        self._per_uid[bucket] -= 1
+        if self._per_uid[bucket] <= 0:
+            del self._per_uid[bucket]
+        self._closed_since_trim += 1
+        if self._closed_since_trim >= TRIM_AFTER_CLOSED and not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        """Give the heap a burst of connections left behind back to the system (glibc only)."""
+        self._trim_pending = False
+        self._closed_since_trim = 0
+        _malloc_trim()
+
+    def _hold(self, bucket: int, delta: int) -> bool:
+        """Account bytes of a lease connection's unfinished frame; False when its uid is over its budget."""
+        held = self._partial[bucket] + delta
+        if held <= 0:
+            self._partial.pop(bucket, None)
+        else:
+            self._partial[bucket] = held
+        return bucket == _ADMIN or held <= self.limits.partial_bytes_per_uid
+
+    def _refuse(self, uid: int) -> None:
         """Count a refused connection; log the first of a burst and then at most once a second (a flood of
         clients must not become a flood of log lines)."""
         self.refused += 1
         now = time.monotonic()
         if self._refused_logged == 0 or now - self._refusal_logged_at >= 1.0:
-            log.warning("too many connections; refusing", limit=self.max_connections,
-                        refused=self.refused - self._refused_logged)
+            log.warning("too many connections; refusing", limit=self.max_connections, per_uid=self.limits.per_uid,
+                        uid=uid, refused=self.refused - self._refused_logged)
             self._refused_logged = self.refused
             self._refusal_logged_at = now
 
+    async def _sweep_idle(self) -> None:
+        """Close relayed gRPC connections that carried nothing for `grpc_idle_s` (see options.GRPC_IDLE_S)."""
+        idle = self.limits.grpc_idle_s
+        while True:
+            await asyncio.sleep(max(0.05, idle / 4))
+            cutoff = time.monotonic() - idle
+            for half in [h for h in self._relayed.values() if h.activity[0] < cutoff]:
+                if half.transport is not None:
+                    half.transport.close()
+
     async def close(self) -> None:
-        if self._acceptor is not None:
-            self._acceptor.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._acceptor
+        for task in (self._acceptor, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._listener is not None:
             self._listener.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                await t
 
-    async def _handle(self, conn: socket.socket) -> None:
+    def _stream_limits(self, bucket: int) -> StreamLimits:
+        return StreamLimits(self.limits.opening_s, self.limits.partial_frame_s, lambda d: self._hold(bucket, d))
+
+    async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: int) -> None:
         """Serve one connection: a lease stream in this loop, or gRPC through the relay. The relay is two
         asyncio Protocols that write what one side receives straight to the other (one callback per chunk and
         direction); the client's bytes are held until its credentials are registered under the backend port."""
@@ -171,14 +288,17 @@ class PeerCredRelay:
         done: asyncio.Future[None] = loop.create_future()
         client, backend = _Half(done), _Half(done)
         client.peer, backend.peer = backend, client
+        backend.activity = client.activity
         backend.ready = True
         try:
-            cred = PeerCred(*_CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)))
-            first = await _opening(loop, conn)
+            try:
+                first = await asyncio.wait_for(_opening(loop, conn), self.limits.opening_s)
+            except TimeoutError:
+                return  # silent: it held one socket for a few seconds
             if not first:
                 return
             if self.lease is not None and is_lease_opening(first):
-                proto = self.lease(cred, first[len(MAGIC):], done)
+                proto = self.lease(cred, first[len(MAGIC):], done, self._stream_limits(bucket))
                 lease_transport, _ = await loop.connect_accepted_socket(lambda: proto, sock=conn)
                 await done
                 return
@@ -188,6 +308,7 @@ class PeerCredRelay:
             assert backend.transport is not None
             port = backend.transport.get_extra_info("sockname")[1]
             self._by_port[port] = cred
+            self._relayed[port] = client
             client.start()
             await done
         except (ConnectionError, OSError):
@@ -195,6 +316,9 @@ class PeerCredRelay:
         finally:
             if port is not None:
                 self._by_port.pop(port, None)
+                self._relayed.pop(port, None)
+            if cred.process is not None:
+                cred.process.close()
             for half in (client, backend):
                 if half.transport is not None:
                     half.transport.close()
@@ -204,9 +328,27 @@ class PeerCredRelay:
                 conn.close()
 
 
+async def _accept_failed(e: OSError) -> None:
+    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+        log.error("out of file descriptors accepting a client; pausing accepts", error=e.strerror)
+        await asyncio.sleep(0.1)  # back off; the clients wait in the kernel's backlog meanwhile
+    elif e.errno not in (errno.ECONNABORTED, errno.EAGAIN, errno.EINTR, errno.EPROTO):
+        log.error("accepting a client failed", error=e.strerror)
+        await asyncio.sleep(0.1)
+
+
+def _malloc_trim() -> None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 async def _opening(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
     """A connection's first bytes, enough to tell a lease stream from gRPC (b"" if it closed first). Both kinds
-    of client speak first, so nothing waits on the daemon; a silent one holds only its own socket."""
+    of client speak first, so nothing waits on the daemon; a silent one holds only its own socket until the
+    opening deadline."""
     first = b""
     while True:
         chunk = await loop.sock_recv(conn, _CHUNK)
@@ -228,6 +370,8 @@ class _Half(asyncio.Protocol):
         self._held: list[bytes] = []
         self._eof = False
         self.got_eof = False
+        self.activity = [time.monotonic()]
+        """When either side of the connection last carried bytes (shared by both halves)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -247,6 +391,7 @@ class _Half(asyncio.Protocol):
             self.peer.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
+        self.activity[0] = time.monotonic()
         if self.ready:
             self._forward(data)
         else:

@@ -28,6 +28,7 @@ from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
+from unisched.transport.identity import is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.leasewire import MAX_REQUEST_BYTES
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
@@ -41,16 +42,6 @@ log = structlog.get_logger("unisched.transport")
 MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
 """One bound for every request, gRPC or lease stream."""
 _CODES = {kind: grpc.StatusCode[name] for kind, name in ERROR_CODES.items()}
-
-
-def _supplementary_groups(pid: int) -> set[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
 
 
 class UnischedServicer(pb_grpc.UnischedServicer):
@@ -89,11 +80,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         return self._creds(context.peer())
 
     def is_admin(self, cred: PeerCred) -> bool:
-        if cred.uid == 0:
-            return True
-        if self._admin_gid is None:
-            return False
-        return cred.gid == self._admin_gid or self._admin_gid in _supplementary_groups(cred.pid)
+        """Root or the admin group by the uid's group list, in the host's namespaces (identity.is_admin)."""
+        return is_admin(cred, self._admin_gid)
 
     async def _need_caller(self, context: grpc.aio.ServicerContext) -> PeerCred:
         cred = self._caller(context)
@@ -129,6 +117,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 cred.pid,
                 cred.uid,
                 self.is_admin(cred),
+                alive=cred.alive,
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -226,7 +215,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             reply.caller_pid = cred.pid
             reply.caller_uid = cred.uid
             reply.caller_is_admin = self.is_admin(cred)
-            reply.caller_tenant = self.engine.tenant_of_pid(cred.pid) or ""
+            tenant = self.engine.tenant_of_pid(cred.pid) or ""
+            reply.caller_tenant = tenant if cred.alive() else ""  # read through a pid that still named the caller
         reply.agent_socket = self.agent_socket
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
@@ -316,7 +306,8 @@ async def serve_async(
         if not bound:
             raise OSError(f"cannot listen on {config.listen}")
     _prepare_socket(config.socket, config.socket_group)
-    relay = PeerCredRelay(config.socket, port, lease=LeaseService(engine, servicer.is_admin).connection)
+    relay = PeerCredRelay(config.socket, port, lease=LeaseService(engine, servicer.is_admin).connection,
+                          is_admin=servicer.is_admin)
     relay_box.append(relay)
     agent = SeccompAgentServer(config.agent_socket, engine)
     servicer.agent_socket = config.agent_socket

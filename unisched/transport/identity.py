@@ -1,0 +1,163 @@
+"""Who is calling: the connecting process pinned by a pidfd, groups from the uid, admin only for host callers.
+
+SO_PEERCRED gives the pid, uid and gid of the process that called connect(). A pid is only a number: once that
+process exits, any process (root's included, placed with /proc/sys/kernel/ns_last_pid) may take it, and a
+daemon that later reads /proc/<pid> or moves <pid> into a cgroup acts on that stranger. So each connection
+keeps a pidfd of the process that connected (SO_PEERPIDFD, or pidfd_open right after accept where the kernel
+lacks it): while the pidfd reports the process alive, the pid still names it, and what was read from /proc/<pid>
+before that check was the caller's. A process that is gone is never acted on.
+
+Admin rights are a property of the host: root (or a member of `admin_group`, by the uid's group list in
+/etc/group and passwd, not by what the process happens to hold) in the daemon's own user and pid namespaces.
+Root inside a container with its own pid namespace is an ordinary user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["PeerCred", "ProcessHandle", "is_admin", "peer_of", "uid_groups"]
+
+SO_PEERPIDFD = 77
+"""getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the peer that connected (Linux 6.5+; no Python constant)."""
+GROUPS_CACHE_S = 5.0
+"""How long a uid's group list is reused: a flood of connections must not cost an /etc/group read each, and a
+change of membership takes effect within seconds."""
+_CRED = struct.Struct("3i")
+
+
+class ProcessHandle:
+    """The process that connected. With a pidfd (the normal case) it is alive until the pidfd polls readable;
+    without one, it is alive while /proc/<pid> shows the same start time and uid as at accept."""
+
+    def __init__(self, pid: int, uid: int, pidfd: int | None, start: str | None) -> None:
+        self.pid = pid
+        self.uid = uid
+        self._fd = pidfd
+        self._start = start
+        self._closed = pidfd is None and start is None  # nothing to check against: treated as gone
+
+    def alive(self) -> bool:
+        if self._closed:
+            return False
+        if self._fd is not None:
+            p = select.poll()
+            p.register(self._fd, select.POLLIN)
+            return not p.poll(0)  # POLLIN: the process has exited
+        return _start_and_uid(self.pid) == (self._start, self.uid)
+
+    def close(self) -> None:
+        """With the connection: after this the process counts as gone (the fd number may be reused)."""
+        self._closed = True
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    @property
+    def holds_fd(self) -> bool:
+        return self._fd is not None
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """SO_PEERCRED at connect time, and the process it names (None only where a test builds one by hand)."""
+
+    pid: int
+    uid: int
+    gid: int
+    process: ProcessHandle | None = field(default=None, compare=False, repr=False)
+
+    def alive(self) -> bool:
+        """Whether the process that connected still runs (so its pid still names it)."""
+        return self.process is None or self.process.alive()
+
+
+def peer_of(conn: socket.socket) -> PeerCred:
+    """The credentials of an accepted Unix connection, with the connecting process pinned."""
+    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return PeerCred(pid, uid, gid, _pin(conn, pid, uid))
+
+
+def _pin(conn: socket.socket, pid: int, uid: int) -> ProcessHandle:
+    try:
+        return ProcessHandle(pid, uid, conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD), None)
+    except OSError:
+        pass  # an older kernel (ENOPROTOOPT), or the peer already gone (ESRCH)
+    start = _start_and_uid(pid)
+    if start is None or start[1] != uid:
+        return ProcessHandle(pid, uid, None, None)  # gone, or the pid already names another user's process
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except OSError:
+        fd = None
+    if fd is not None and _start_and_uid(pid) != start:  # replaced between the read and pidfd_open
+        os.close(fd)
+        return ProcessHandle(pid, uid, None, None)
+    return ProcessHandle(pid, uid, fd, start[0])
+
+
+def _start_and_uid(pid: int) -> tuple[str, int] | None:
+    """Field 22 of /proc/<pid>/stat (start time since boot) and the owner of /proc/<pid>; None when gone."""
+    try:
+        st = os.stat(f"/proc/{pid}")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)", which may hold spaces: field 3 on
+    if len(fields) < 20 or fields[0] == b"Z":
+        return None
+    return fields[19].decode(), st.st_uid
+
+
+_groups: dict[int, tuple[float, frozenset[int]]] = {}
+
+
+def uid_groups(uid: int) -> frozenset[int]:
+    """The groups the uid belongs to by passwd and /etc/group (empty for a uid with no account)."""
+    now = time.monotonic()
+    hit = _groups.get(uid)
+    if hit is not None and now - hit[0] < GROUPS_CACHE_S:
+        return hit[1]
+    try:
+        pw = pwd.getpwuid(uid)
+        groups = frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    except (KeyError, OSError):
+        groups = frozenset()
+    if len(_groups) > 4096:
+        _groups.clear()
+    _groups[uid] = (now, groups)
+    return groups
+
+
+def _ns(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def in_host_namespaces(cred: PeerCred) -> bool:
+    """Whether the caller shares the daemon's user and pid namespaces (read through its pid, then checked
+    alive: a live pidfd means the pid still named the caller when its namespaces were read)."""
+    for kind in ("user", "pid"):
+        theirs = _ns(f"/proc/{cred.pid}/ns/{kind}")
+        if theirs is None or theirs != _ns(f"/proc/self/ns/{kind}"):
+            return False
+    return cred.alive()
+
+
+def is_admin(cred: PeerCred, admin_gid: int | None) -> bool:
+    """Root, or a member of the admin group by the uid's group list, and in the host's namespaces."""
+    if cred.uid != 0 and (admin_gid is None or admin_gid not in uid_groups(cred.uid)):
+        return False
+    return in_host_namespaces(cred)
