@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from unisched import __version__
 from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="unisched",
         description="Share NVIDIA GPUs between tenants by one weight each, over compute, rendering and video.",
     )
+    ap.add_argument("--version", action="version", version=f"unisched {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
@@ -222,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tenant_opts(r)
     r.add_argument("--no-session-hooks", action="store_true",
                    help="do not install the seccomp hook that lets the daemon admit and count GPU sessions")
+    r.add_argument("--keep", action="store_true",
+                   help="keep the tenant (weight, caps) after its last process exits; without it a tenant this run "
+                        "creates is removed then, unless the config declares it")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
     a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
@@ -249,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--encode", type=_count, help="live NVENC sessions")
     lim.add_argument("--memory", type=_size, help="GPU memory, e.g. 8GiB (-1 clears)")
 
-    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin)")
+    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin, or the tenant's owner)")
     _add_socket(rm)
     rm.add_argument("--tenant", required=True)
 
@@ -497,6 +502,7 @@ def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
         priority=_PRIORITY.get(args.priority or "", pb.PRIORITY_UNSPECIFIED),
         engines=args.engines,
         gpus=args.gpus,
+        keep=args.keep,
     )
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "CgroupV1Driver",
     "CgroupV2Driver",
     "FakeCgroupDriver",
+    "canonical_cgroup",
     "detect_driver",
 ]
 
@@ -70,6 +71,21 @@ def _write(path: Path, value: str) -> None:
         raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from None
 
 
+def canonical_cgroup(path: str, mount: Path) -> str:
+    """One spelling per cgroup ("/a/b"): `//a/b/` and `a/b` name the same cgroup, so they must not become two
+    tenants. An absolute path under `mount` is taken relative to it. '.', '..' and NUL are refused rather than
+    resolved: a path that needs them is not one an operator means to hand the daemon."""
+    if "\0" in path:
+        raise CgroupError(f"cgroup path {path!r} contains a NUL byte")
+    parts = [p for p in path.split("/") if p]
+    under = list(mount.parts[1:])
+    if path.startswith("/") and parts[: len(under)] == under:
+        parts = parts[len(under):]
+    if any(p in (".", "..") for p in parts) or not parts:
+        raise CgroupError(f"cgroup path {path!r} must name a cgroup below {mount} (no '.' or '..')")
+    return "/" + "/".join(parts)
+
+
 def _read_head(path: str) -> bytes | None:
     """The first bytes of a cgroup file (the counter the slice path needs comes first); None when it is gone."""
     try:
@@ -107,17 +123,10 @@ class _Common:
 
     def normalize(self, path: str) -> str:
         """An adoptable cgroup: absolute under the mount, or relative to it; never outside it."""
-        p = Path(path)
-        if p.is_absolute() and (p == self.mount or self.mount in p.parents):
-            p = Path("/") / p.relative_to(self.mount)
-        elif not p.is_absolute():
-            p = Path("/") / p
-        resolved = Path(os.path.normpath(p))
-        if ".." in Path(path).parts or str(resolved) == "/":
-            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
-        if not (self.mount / str(resolved).lstrip("/")).is_dir():
+        resolved = canonical_cgroup(path, self.mount)
+        if not (self.mount / resolved.lstrip("/")).is_dir():
             raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
-        return str(resolved)
+        return resolved
 
     def _dir(self, cgroup: str) -> Path:
         return self.mount / cgroup.lstrip("/")
@@ -321,9 +330,7 @@ class FakeCgroupDriver:
         return f"/{MANAGED_DIR}/{tenant}"
 
     def normalize(self, path: str) -> str:
-        if ".." in Path(path).parts or path.strip("/") == "":
-            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
-        p = "/" + path.strip("/")
+        p = canonical_cgroup(path, self.mount)
         if p not in self.groups:
             raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
         return p
