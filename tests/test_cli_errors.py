@@ -41,7 +41,7 @@ def test_malformed_config_fails_serve_with_the_key(tmp_path: Path) -> None:
 
 def test_errors_against_a_running_daemon_leave_it_working(daemon: Daemon, tenant_prefix: str) -> None:
     name = f"{tenant_prefix}ok"
-    assert daemon.cli("run", "--tenant", name, "--weight", "250", "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--weight", "250", "--keep", "--", "true").returncode == 0
     for args, code, text in [
         (("set-weight", "--tenant", "ghost", "--weight", "5"), 1, "unknown tenant 'ghost'"),
         (("adopt", "--tenant", "x", "--cgroup", "../../etc"), 1, "must name a cgroup below"),

@@ -12,7 +12,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from unisched import __version__
-from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
+from unisched.engine.config import (
+    DEFAULT_SOCKET,
+    ConfigError,
+    DaemonConfig,
+    check_declared_cgroups,
+    check_gpus,
+    check_groups,
+    check_listener,
+    load_config,
+    parse_size,
+)
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
@@ -163,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = DaemonConfig()  # the defaults the help names, from one place (the MPS cap's help once said 30 after it was 70)
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
+    s.add_argument("--check-config", action="store_true",
+                   help="check the config and flags against this host (GPUs, groups, declared cgroups), print a "
+                        "summary and exit: 0 when good, 2 with the key at fault; starts and changes nothing")
     s.add_argument("--socket", help=f"Unix socket to serve on (default {d.socket})")
     s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT (needs --tls-cert, --tls-key, "
                                     "--tls-client-ca)")
@@ -445,6 +458,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             mps_offline_sm_percent=args.mps_offline_sm_percent,
         )
         check_listener(config)
+        warnings = check_groups(config)
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
@@ -453,7 +467,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     configure_logging(config.log_format, config.log_level)
     try:
-        driver = detect_driver(config.cgroup_driver)
+        driver = detect_driver(config.cgroup_driver, create=not args.check_config)
     except CgroupError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
@@ -465,6 +479,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         opened = open_nvml()
         if opened is not None:
             telemetry, nvml = opened, True
+    try:
+        check_gpus(config, [g.index for g in telemetry.gpus()])
+        check_declared_cgroups(config, driver, os.getpid())
+    except ConfigError as e:
+        telemetry.close()
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        telemetry.close()
+        for w in warnings:
+            print(f"unisched serve: warning: {w}", file=sys.stderr)
+        print(_config_summary(args.config, config, driver, [g.index for g in telemetry.gpus()]))
+        return 0
     from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
 
     devices: DeviceAdmission | None = None
@@ -493,6 +520,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         telemetry.close()
     return 0
+
+
+def _config_summary(path: str | None, config: DaemonConfig, driver: Any, gpus: list[int]) -> str:
+    declared = ", ".join(t.name for t in config.tenants) or "none"
+    return (f"config OK: {path or 'built-in defaults'}: socket {config.socket}, mode {config.mode.value}, "
+            f"slice {config.slice_ms:g} ms, cgroup {driver.kind} at {driver.mount}, "
+            f"GPUs {gpus if gpus else 'none seen'}, declared tenants: {declared}")
 
 
 def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal, within
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
@@ -48,7 +48,7 @@ from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot", "adopt_refusal"]
+__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
 
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
@@ -189,27 +189,6 @@ class _Tenant:
         """Declared engines plus those its open sessions show (an open decoder is demand on NVDEC)."""
         seen = {_ENGINE_OF_KIND[k] for k, n in self.sessions.items() if n > 0 and k in _ENGINE_OF_KIND}
         return self.engines | seen
-
-
-def _within(path: str, root: str) -> bool:
-    """`path` is the cgroup `root` or below it (both canonical: "/a/b")."""
-    return root == "/" or path == root or path.startswith(root + "/")
-
-
-def adopt_refusal(path: str, subtree: str, daemon_cgroup: str | None, governed: Iterable[tuple[str, str]]) -> str | None:
-    """Why a canonical cgroup path must not become a tenant, or None. Freezing a cgroup freezes everything below
-    it: the parent of every tenant (`subtree`) or one holding the daemon would stop the scheduler itself, and a
-    cgroup nested with a governed one would be frozen and thawed by two tenants' turns at once."""
-    if _within(subtree, path):
-        return f"cgroup {path} holds every tenant this daemon creates ({subtree}); adopt a container's cgroup instead"
-    if daemon_cgroup is not None and _within(daemon_cgroup, path):
-        return f"cgroup {path} contains the daemon itself ({daemon_cgroup}): freezing it would stop the scheduler"
-    for name, cgroup in governed:
-        if path == cgroup:
-            return f"cgroup {path} is already tenant {name!r}"
-        if _within(path, cgroup) or _within(cgroup, path):
-            return f"cgroup {path} is nested with tenant {name!r}'s cgroup {cgroup}"
-    return None
 
 
 def _state(t: _Tenant, holds_lease: bool | None = None) -> str:
@@ -584,7 +563,7 @@ class KernelEngine:
     def _check_not_governed(self, name: str, cgroup: str) -> None:
         """A new tenant's cgroup must not be (or nest with) an adopted one: two tenants would freeze one cgroup."""
         for o in self._tenants.values():
-            if o.adopted and (_within(cgroup, o.cgroup) or _within(o.cgroup, cgroup)):
+            if o.adopted and (within(cgroup, o.cgroup) or within(o.cgroup, cgroup)):
                 raise EngineError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
                                              f"tenant {o.name!r}'s cgroup {o.cgroup}; choose another name")
 
