@@ -324,8 +324,10 @@ def _parse_tidal(raw: Any, i: int) -> TidalWindow:
         end = parse_clock(raw["end"])
     except PolicyError as e:
         raise ConfigError(f"{where} 'end': {e}") from None
+    if not isinstance(raw["tenant"], str):
+        raise ConfigError(f"{where} 'tenant': must be a string (a tenant name); got {raw['tenant']!r}")
     try:
-        validate_tenant_name(raw["tenant"] if isinstance(raw["tenant"], str) else repr(raw["tenant"]))
+        validate_tenant_name(raw["tenant"])
     except PolicyError as e:
         raise ConfigError(f"{where} 'tenant': {e}") from None
     try:
