@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
 
 from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.enforce.leases import FakeLeaseChannel
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
 from unisched.engine.core import MAX_USER_TENANTS, MEMORY_CHECK_S, KernelEngine
@@ -54,7 +55,7 @@ c = DaemonClient(sock)
 os.setgroups([])
 os.setgid(uid)
 os.setuid(uid)
-c.register(pb.RegisterRequest(tenant=mine, keep=True))
+c.register(pb.RegisterRequest(tenant=mine))  # this process stays in it: the tenant stays until removed
 out = {}
 for label, name in (("other", other), ("mine", mine)):
     try:
@@ -82,11 +83,12 @@ def names(d: Daemon) -> set[str]:
 def test_a_run_tenant_goes_away_when_its_last_process_exits_and_a_kept_one_stays(daemon: Daemon,
                                                                                   tenant_prefix: str) -> None:
     kept, once = f"{tenant_prefix}kept", f"{tenant_prefix}once"
-    daemon.cli("run", "--tenant", kept, "--weight", "300", "--keep", "--", "true", check=True)
     out = daemon.cli("run", "--tenant", once, "--", "cat", "/proc/self/cgroup", check=True)
     assert f"/unisched/{once}\n" in out.stdout  # it ran as the tenant
+    keep = daemon.cli("run", "--tenant", kept, "--weight", "300", "--keep", "--", "true")
     root = Path(daemon.status()["cgroup_root"])
     wait_until(lambda: once not in names(daemon), GONE_S, "the finished run's tenant to go away")
+    assert keep.returncode == 0, keep.stderr
     assert not (root / "unisched" / once).exists(), "its cgroup was left behind"
     shown = {t["name"]: t for t in daemon.tenants()}
     assert shown[kept]["base_weight"] == 300, "run --keep's tenant went away with its process"
@@ -105,7 +107,6 @@ def test_a_tenant_whose_process_exited_while_the_daemon_was_down_goes_away_at_re
         wait_until(lambda: any(t["name"] == name and t["pids"] for t in daemon.tenants()), 20, "the run to register")
         procs = daemon.cgroup_dir(name) / "cgroup.procs"
         assert daemon.stop() == 0
-        assert {t.name: t for t in StateStore(daemon.state_dir).load()}[name].ephemeral
         for pid in procs.read_text().split():  # the run and its `sleep` end while no daemon runs
             os.kill(int(pid), signal.SIGKILL)
         wait_until(lambda: not procs.read_text().split(), 10, "the tenant's processes to exit")
@@ -206,3 +207,17 @@ def test_old_state_files_load_as_kept(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text(json.dumps({"version": 1, "tenants": [old]}))
     (t,) = StateStore(tmp_path).load()
     assert not t.ephemeral
+
+
+def test_a_run_tenant_with_a_lease_session_open_stays_and_a_lease_client_does_not_keep_it(tmp_path: Path) -> None:
+    """A cooperative client's session is its claim on the tenant, whatever its cgroup shows; joining does not
+    change whether the tenant goes when it is done."""
+    engine, driver, clock = _engine(tmp_path)
+    engine.register("t", None, None, (), (), 11, 1000, False, keep=False)
+    sid, _ = engine.lease_open("t", None, None, ["compute"], 0, 12, 1000, False, FakeLeaseChannel())
+    _exit_all(driver, "/unisched/t")
+    _tick_past_check(engine, clock)
+    assert engine.has_tenant("t")
+    engine.lease_close(sid)
+    _tick_past_check(engine, clock)
+    assert not engine.has_tenant("t")

@@ -479,12 +479,13 @@ class KernelEngine:
         uid: int,
         is_admin: bool,
         save_now: bool = True,
-        keep: bool = True,
+        keep: bool | None = None,
     ) -> TenantSnapshot:
         """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
 
         keep=False (`unisched run` without --keep): a tenant this call creates is removed once its last process
-        has exited, so tenants made for one run do not pile up against MAX_USER_TENANTS."""
+        has exited, so tenants made for one run do not pile up against MAX_USER_TENANTS. keep=True: the owner
+        keeps it (also one made that way before). None (lease sessions): a new tenant is kept, a known one unchanged."""
         try:
             validate_tenant_name(name)
             if weight is not None:
@@ -512,7 +513,7 @@ class KernelEngine:
             self._check_not_governed(name, cgroup)
             self._create_cgroup(name, cgroup)
             t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid,
-                        ephemeral=not keep and name not in self._declared)
+                        ephemeral=keep is False and name not in self._declared)
             self._add(t, reason="registered")
         else:
             owner = is_admin or uid == t.owner_uid
@@ -537,7 +538,7 @@ class KernelEngine:
                 t.engines = engine_set
             if owner and list(gpus):
                 t.gpus = gpu_tuple
-            if owner and keep:
+            if owner and keep is True:
                 t.ephemeral = False
             t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
             self._apply_devices(t)
