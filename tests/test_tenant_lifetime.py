@@ -151,12 +151,18 @@ def test_a_non_admin_can_run_more_than_the_tenant_limit_one_after_another(daemon
 @pytest.mark.root
 def test_an_owner_removes_its_own_tenant_and_not_another(daemon: Daemon, tenant_prefix: str) -> None:
     rooted, mine = f"{tenant_prefix}root", f"{tenant_prefix}mine"
-    daemon.cli("run", "--tenant", rooted, "--keep", "--", "true", check=True)
-    got = as_user(REMOVES_AS, daemon.socket, str(NOBODY), mine, rooted)
-    assert isinstance(got, dict)
-    assert got["mine"] == "OK"
-    assert got["other"].startswith("PERMISSION_DENIED") and "belongs to uid 0" in got["other"], got
-    assert names(daemon) == {rooted}
+    root_run = subprocess.Popen([sys.executable, "-m", "unisched", "run", "--socket", daemon.socket, "--tenant", rooted,
+                                 "--no-session-hooks", "--", "sleep", "60"], cwd=ROOT, env=child_env())
+    try:
+        wait_until(lambda: rooted in names(daemon), 20, "root's run to register")
+        got = as_user(REMOVES_AS, daemon.socket, str(NOBODY), mine, rooted)
+        assert isinstance(got, dict)
+        assert got["mine"] == "OK", got
+        assert got["other"].startswith("PERMISSION_DENIED") and "belongs to uid 0" in got["other"], got
+        assert names(daemon) == {rooted}
+    finally:
+        root_run.send_signal(signal.SIGTERM)  # forwarded to its sleep
+        root_run.wait(timeout=20)
 
 
 # --- the rules, against fake cgroups ----------------------------------------------------------------------
