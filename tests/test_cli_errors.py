@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import Daemon, cli
+import pytest
+from conftest import Daemon, cli, freezer_unavailable_reason
 
 
 def test_bad_flags_fail_before_contacting_anything() -> None:
@@ -41,7 +42,7 @@ def test_malformed_config_fails_serve_with_the_key(tmp_path: Path) -> None:
 
 def test_errors_against_a_running_daemon_leave_it_working(daemon: Daemon, tenant_prefix: str) -> None:
     name = f"{tenant_prefix}ok"
-    assert daemon.cli("run", "--tenant", name, "--weight", "250", "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--weight", "250", "--keep", "--", "true").returncode == 0
     for args, code, text in [
         (("set-weight", "--tenant", "ghost", "--weight", "5"), 1, "unknown tenant 'ghost'"),
         (("adopt", "--tenant", "x", "--cgroup", "../../etc"), 1, "must name a cgroup below"),
@@ -71,3 +72,80 @@ def test_adopt_an_existing_cgroup(daemon: Daemon, tenant_prefix: str) -> None:
     assert "session admission" in out.stdout  # says what adopt cannot do
     t = next(t for t in daemon.tenants() if t["name"] == f"{tenant_prefix}ctr")
     assert t["adopted"] and t["weight"] == 400 and t["cgroup"] == f"/unisched/{tenant_prefix}ctr"
+
+
+# --- serve: every bad config value exits 2 before anything starts, naming the key --------------------------
+def _serve(tmp_path: Path, config: Path | str, *extra: str) -> tuple[int, str, bool]:
+    """(exit code, stderr, whether anything was started: the socket or the state directory)."""
+    sock, state = tmp_path / "run" / "s.sock", tmp_path / "state"
+    out = cli("serve", "--config", str(config), "--socket", str(sock), "--state-dir", str(state), "--no-nvml", *extra)
+    return out.returncode, out.stderr, sock.exists() or state.exists() or sock.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        (b"[daemon]\nsocket = '/tmp/\xe9.sock'\n", "is not UTF-8 text"),
+        (b"[[tenants]]\nname = 'a'\nmemory = '1e400GiB'\n", "tenants[0] 'memory'"),
+        (b"[[tenants]]\nname = 123\n", "tenants[0] 'name'"),
+        (b"[daemon]\nmode = 'preemptive'\n", "[daemon] 'mode': belongs in [policy]"),
+        (b"[[tenants]]\nname = 'a'\ncgroup = '/x/../../etc'\n", "tenants[0] 'cgroup'"),
+        (b"[daemon]\nsocket_group = 'no-such-group-x'\n", "'socket_group': group 'no-such-group-x' does not exist"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key_before_anything_starts(tmp_path: Path, body: bytes, key: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_bytes(body)
+    rc, err, started = _serve(tmp_path, cfg)
+    assert rc == 2 and key in err and "Traceback" not in err, err
+    assert not started
+
+
+def test_a_directory_as_the_config_exits_2(tmp_path: Path) -> None:
+    rc, err, started = _serve(tmp_path, tmp_path)
+    assert rc == 2 and "is a directory" in err and "Traceback" not in err, err
+    assert not started
+
+
+@pytest.mark.skipif(freezer_unavailable_reason() is not None, reason=str(freezer_unavailable_reason()))
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ("[[tenants]]\nname = 'a'\ngpus = [5]\n", "tenants[0] 'gpus': no GPU 5 on this host"),
+        ("[[tenants]]\nname = 'a'\ncgroup = '/no-such-cgroup-x'\n", "tenants[0] 'cgroup': cgroup '/no-such-cgroup-x' "
+                                                                   "does not exist"),
+        ("[[tenants]]\nname = 'a'\ncgroup = '/unisched'\n", "tenants[0] 'cgroup': cgroup /unisched holds every tenant"),
+    ],
+)
+def test_config_checked_against_the_host_exits_2_before_anything_starts(tmp_path: Path, body: str, key: str) -> None:
+    """GPUs and declared cgroups need the host (NVML, the cgroup mount): checked before the engine starts."""
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(body)
+    for extra in ((), ("--check-config",)):
+        rc, err, started = _serve(tmp_path, cfg, *extra)
+        assert rc == 2 and key in err and "Traceback" not in err, (extra, err)
+        assert not started
+
+
+@pytest.mark.skipif(freezer_unavailable_reason() is not None, reason=str(freezer_unavailable_reason()))
+def test_check_config_says_ok_and_starts_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "good.toml"
+    cfg.write_text("[daemon]\nadmin_group = 'no-such-group-x'\n[policy]\nmode = 'preemptive'\n"
+                   "[[tenants]]\nname = 'infer'\ngpus = [0]\n")
+    out = cli("serve", "--check-config", "--config", str(cfg), "--socket", str(tmp_path / "run" / "s.sock"),
+              "--state-dir", str(tmp_path / "state"), "--no-nvml")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("config OK: ") and "mode preemptive" in out.stdout and "infer" in out.stdout
+    assert "admin_group 'no-such-group-x' does not exist: only root will be admin" in out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "state").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[policy]\nslice_ms = 0\n")
+    out = cli("serve", "--check-config", "--config", str(bad))
+    assert out.returncode == 2 and "'slice_ms': must be a number in 1..10000" in out.stderr
+
+
+def test_version() -> None:
+    from unisched import __version__
+
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"unisched {__version__}"

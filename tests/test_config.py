@@ -4,7 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from unisched.engine.config import ConfigError, DaemonConfig, load_config
+from unisched.engine.config import (
+    MAX_SIZE_BYTES,
+    ConfigError,
+    DaemonConfig,
+    DeclaredTenant,
+    check_gpus,
+    check_groups,
+    load_config,
+    parse_size,
+)
 from unisched.policy import Engine, Mode, Priority
 
 
@@ -107,3 +116,68 @@ def test_serve_help_names_the_defaults_the_daemon_runs_with() -> None:
     assert set(checked) >= {"socket", "metrics_port", "metrics_listen", "state_dir", "mode", "slice_ms", "saturated_util",
                             "lease_timeout_ms", "lease_max_run_ms", "mix_period_ms", "mps_offline_sm_percent",
                             "cgroup_driver", "contention", "log_format", "log_level"}, checked
+
+
+# --- every bad value is a ConfigError naming its key (never a traceback, never accepted) ---------------------
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[tenants]]\nname = 'a'\nmemory = '1e400GiB'", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 'a'\nmemory = '-1GiB'", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 'a'\nmemory = 'nanGiB'", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 'a'\nmemory = 9999999999999999999999", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 'a'\nmemory = '9999999999TiB'", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 123", "tenants[0] 'name': must be a string"),
+        ("[[tenants]]\nname = true", "tenants[0] 'name': must be a string"),
+        ("[[tenants]]\nname = 'a'\nrender = -1", "tenants[0] 'render'"),
+        ("[[tenants]]\nname = 'a'\ncgroup = '/a/../b'", "tenants[0] 'cgroup': must be a cgroup path without"),
+        ("[[tenants]]\nname = 'a'\ncgroup = '..'", "tenants[0] 'cgroup'"),
+        ("[[tenants]]\nname = 'a'\ncgroup = '/'", "tenants[0] 'cgroup'"),
+        ("[[tenants]]\nname = 'a'\ncgroup = 5", "tenants[0] 'cgroup'"),
+        ("[daemon]\nmode = 'shared'", "config [daemon] 'mode': belongs in [policy]"),
+        ("[daemon]\nslice_ms = 20", "config [daemon] 'slice_ms': belongs in [policy]"),
+        ("[policy]\nsocket = '/x.sock'", "config [policy] 'socket': belongs in [daemon]"),
+        ("[policy]\nmode = 'tidal'\n[[tidal]]\ntenant = 123\nstart = '08:00'\nend = '09:00'\nweight = 5",
+         "tidal[0] 'tenant'"),
+        ("[policy]\nmode = 'tidal'\n[[tidal]]\ntenant = 'a'\nstart = '08:00'\nend = '09:00'\nweight = 'x'",
+         "tidal[0] 'weight'"),
+    ],
+)
+def test_bad_values_name_their_key(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert message in str(e.value)
+
+
+def test_a_file_that_is_not_utf8_or_not_a_file_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"[daemon]\nsocket = '/tmp/\xe9.sock'\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_sizes() -> None:
+    assert parse_size("8GiB") == 8 << 30 and parse_size(512) == 512 and parse_size("1.5k") == 1536
+    assert parse_size("9223372036854775807") == MAX_SIZE_BYTES
+    for bad in ("1e400GiB", "inf", "-1", "8XB", "", True, None, "9223372036854775808", 2.5e30):
+        with pytest.raises(ValueError, match="size must be"):
+            parse_size(bad)
+
+
+def test_declared_gpus_are_checked_against_the_host() -> None:
+    cfg = DaemonConfig(tenants=(DeclaredTenant("a", gpus=(1,)), DeclaredTenant("b", gpus=(5,))))
+    with pytest.raises(ConfigError, match=r"tenants\[1\] 'gpus': no GPU 5 on this host, which has GPUs \[0, 1\]"):
+        check_gpus(cfg, [0, 1])
+    check_gpus(DaemonConfig(tenants=(DeclaredTenant("a", gpus=(0,)),)), [])  # no GPU seen: 0 is the host
+    with pytest.raises(ConfigError, match=r"tenants\[0\] 'gpus': no GPU 1 .*no GPU the daemon can see"):
+        check_gpus(DaemonConfig(tenants=(DeclaredTenant("a", gpus=(1,)),)), [])
+
+
+def test_groups_socket_group_must_exist_admin_group_is_a_warning() -> None:
+    assert check_groups(DaemonConfig(socket_group="root", admin_group="root")) == []
+    with pytest.raises(ConfigError, match="'socket_group': group 'no-such-group-x' does not exist"):
+        check_groups(DaemonConfig(socket_group="no-such-group-x"))
+    (warning,) = check_groups(DaemonConfig(admin_group="no-such-group-x"))
+    assert "only root will be admin" in warning

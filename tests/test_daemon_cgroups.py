@@ -34,7 +34,7 @@ def cpu_seconds(cg_dir: Path) -> float:
 def start_tenant(d: Daemon, name: str, weight: int, *hog_args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", str(weight),
-         "--", sys.executable, HOG, *hog_args],
+         "--keep", "--", sys.executable, HOG, *hog_args],
         cwd=ROOT, env=child_env(),
     )
 

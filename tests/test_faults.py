@@ -254,7 +254,7 @@ def test_fork_storm_while_another_tenant_contends(daemon: Daemon, tenant_prefix:
     dirs = wait_registered(daemon, [busy_t])
     storm = subprocess.Popen(
         [sys.executable, "-m", "unisched", "run", "--socket", daemon.socket, "--tenant", storm_t, "--weight", "200",
-         "--", "sh", "-c", 'i=0; while [ $i -lt 500 ]; do /bin/true; i=$((i+1)); done; echo "forked $i"'],
+         "--keep", "--", "sh", "-c", 'i=0; while [ $i -lt 500 ]; do /bin/true; i=$((i+1)); done; echo "forked $i"'],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True,
     )
     latencies, states = [], set()
@@ -487,7 +487,7 @@ def test_cgroup_removed_underneath_is_recreated_by_run(daemon: Daemon, tenant_pr
         shown = tenants(daemon)
         assert shown[gone].state == "idle" and list(shown[gone].pids) == [] and shown[gone].base_weight == 100
         # `unisched run` into it later recreates the cgroup and runs there
-        out = daemon.cli("run", "--tenant", gone, "--", "cat", "/proc/self/cgroup", check=True)
+        out = daemon.cli("run", "--tenant", gone, "--keep", "--", "cat", "/proc/self/cgroup", check=True)
         assert f"/unisched/{gone}\n" in out.stdout
         assert dirs[gone].is_dir()
         assert [e for e in events(daemon) if e["event"] == "tenant cgroup recreated" and e["tenant"] == gone]
@@ -705,7 +705,7 @@ def test_engine_with_nvml_losing_a_gpu_mid_run(tmp_path: Path) -> None:
 @pytest.mark.root
 def test_corrupt_state_file_is_kept_aside_and_the_daemon_serves(daemon: Daemon, tenant_prefix: str) -> None:
     tenant = f"{tenant_prefix}keep"
-    daemon.cli("run", "--tenant", tenant, "--weight", "250", "--", "true", check=True)
+    daemon.cli("run", "--tenant", tenant, "--weight", "250", "--keep", "--", "true", check=True)
     root_dir = Path(daemon.status()["cgroup_root"])
     escaped = root_dir / f"{tenant_prefix}escaped"
     daemon.stop()

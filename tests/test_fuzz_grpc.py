@@ -47,7 +47,8 @@ METHODS = {
     pb.ListTenantsRequest: "ListTenants",
     pb.StatusRequest: "Status",
 }
-MUTATING_ADMIN = {"Adopt", "SetWeight", "SetLimit", "RemoveTenant"}
+MUTATING_ADMIN = {"Adopt", "SetWeight", "SetLimit"}
+OWNER_OR_ADMIN = {"RemoveTenant"}
 EXISTING_CGROUPS = ("/other", "/system.slice/ctr.scope", "/unisched/orphan")
 USERS = (1000, 1001)
 
@@ -203,10 +204,12 @@ def test_fuzzed_requests_never_crash_or_corrupt(fuzz_server: FuzzServer, calls: 
                         assert not t.pids and not t.cgroup, f"{caller} sees the details of {t.name!r}"
             if caller == "side-door" or method in MUTATING_ADMIN:
                 # no identity, or not an admin: nothing may change
-                if method in MUTATING_ADMIN or method == "Register":
+                if method in MUTATING_ADMIN | OWNER_OR_ADMIN or method == "Register":
                     assert code is grpc.StatusCode.PERMISSION_DENIED, f"{method} as {caller} got {code}"
                 assert after == before, f"{method} as {caller} changed tenants"
                 continue
+            if method in OWNER_OR_ADMIN and code is grpc.StatusCode.OK:
+                assert before[req.tenant][2] == caller, f"uid {caller} removed a tenant of uid {before[req.tenant][2]}"
             if method == "Register" and code is grpc.StatusCode.OK:
                 # only its own tenant, or the one whose cgroup already holds it (a container of an adopted pod)
                 assert reply.owner_uid == caller or was_in == before[req.tenant][4], (

@@ -19,8 +19,8 @@ RENDER = [sys.executable, str(ROOT / "examples/workloads/egl_render.py"), "--ite
 
 
 def run(d: Daemon, tenant: str, *cmd: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", tenant, *extra,
-                           "--", *cmd], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env())
+    return subprocess.run([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", tenant, "--keep",
+                           *extra, "--", *cmd], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env())
 
 
 def tenant(d: Daemon, name: str) -> dict:  # type: ignore[type-arg]

@@ -180,7 +180,7 @@ def test_serve_metrics_port_flag(daemon_factory) -> None:  # type: ignore[no-unt
     """The real daemon from the command line (root, real cgroups) with --metrics-port."""
     port = free_port()
     d = daemon_factory("--metrics-port", str(port))
-    assert d.cli("run", "--tenant", f"{d.prefix}m", "--weight", "250", "--", "true").returncode == 0
+    assert d.cli("run", "--tenant", f"{d.prefix}m", "--weight", "250", "--keep", "--", "true").returncode == 0
     m = wait_until(lambda: (s := _scrape(port)).get(_key("unisched_tenant_weight", tenant=f"{d.prefix}m")) and s,
                    10, "the tenant in /metrics")
     assert m[_key("unisched_tenant_weight", tenant=f"{d.prefix}m")] == 250

@@ -158,11 +158,11 @@ def test_unisched_run_starts_processes_as_mps_clients_of_their_class(
     pipe = str(Path(d.socket).parent / "mps")
     assert st["mps"] == "running" and st["mps_pipe_dir"] == pipe
     show = "import json, os; print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('CUDA_MPS_')}))"
-    offline = d.cli("run", "--tenant", f"{tenant_prefix}-train", "--priority", "offline", "--no-session-hooks", "--",
+    offline = d.cli("run", "--tenant", f"{tenant_prefix}-train", "--priority", "offline", "--no-session-hooks", "--keep", "--",
                     sys.executable, "-c", show, check=True)
     assert json.loads(offline.stdout) == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_CLIENT_PRIORITY": "1",
                                           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
-    online = d.cli("run", "--tenant", f"{tenant_prefix}-serve", "--priority", "online", "--no-session-hooks", "--",
+    online = d.cli("run", "--tenant", f"{tenant_prefix}-serve", "--priority", "online", "--no-session-hooks", "--keep", "--",
                    sys.executable, "-c", show, check=True)
     assert json.loads(online.stdout) == {"CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_CLIENT_PRIORITY": "0"}
     shown = {t["name"]: t["env"] for t in d.tenants()}  # what operators see: each tenant's settings

@@ -84,7 +84,7 @@ def run_container(tmp: Path, b: Path, name: str) -> subprocess.CompletedProcess[
 
 def test_runc_container_is_governed_through_the_agent_socket(daemon: Daemon, tenant_prefix: str, tmp_path: Path) -> None:
     name = f"{tenant_prefix}ctr"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
     agent = daemon.status()["agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}",

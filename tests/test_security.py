@@ -55,7 +55,7 @@ for label, method, kwargs in calls:
         elif method == "register_until_refused":
             n = 0
             while n < 200:
-                c.register(pb.RegisterRequest(tenant=f"{kwargs['prefix']}{n}"))
+                c.register(pb.RegisterRequest(tenant=f"{kwargs['prefix']}{n}", keep=True))
                 n += 1
             out["created"] = n
         elif method == "tenants":
@@ -86,7 +86,7 @@ def run_as(socket: str, uid: int, calls: list[tuple[str, str, dict]]) -> dict:  
 @pytest.mark.root
 def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_prefix: str) -> None:
     owned, mine, other = f"{tenant_prefix}root", f"{tenant_prefix}mine", f"{tenant_prefix}adopted"
-    daemon.cli("run", "--tenant", owned, "--weight", "300", "--", "true", check=True)
+    daemon.cli("run", "--tenant", owned, "--weight", "300", "--keep", "--", "true", check=True)
     with DaemonClient(daemon.socket) as admin:
         admin.set_limit(pb.SetLimitRequest(tenant=owned, render=3))
     before = {t["name"]: t for t in daemon.tenants()}
@@ -99,18 +99,17 @@ def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_pref
         ("remove_other", "remove", {"tenant": owned}),
         ("join_other", "register", {"tenant": owned}),
         ("create_over_max_weight", "register", {"tenant": mine, "weight": 101}),
-        ("create", "register", {"tenant": mine, "weight": 100}),
+        ("create", "register", {"tenant": mine, "weight": 100, "keep": True}),
         ("raise_own_over_max_weight", "register", {"tenant": mine, "weight": 5000}),
         ("set_weight_own", "set_weight", {"tenant": mine, "weight": 50}),
         ("set_limit_own", "set_limit", {"tenant": mine, "render": 100}),
-        ("remove_own", "remove", {"tenant": mine}),
         ("name_too_long", "register", {"tenant": "x" * 64}),
         ("many", "register_until_refused", {"prefix": f"{tenant_prefix}n"}),
     ])
     assert got["identity"] == [65534, False, True]
     denied = ["set_weight_other", "set_limit_other", "adopt_tenant_cgroup", "adopt_root_cgroup", "remove_other",
               "join_other", "create_over_max_weight", "raise_own_over_max_weight", "set_weight_own", "set_limit_own",
-              "remove_own", "many"]
+              "many"]
     assert {k: got[k] for k in denied} == dict.fromkeys(denied, "PERMISSION_DENIED")
     assert got["create"] == "OK" and got["name_too_long"] == "INVALID_ARGUMENT"
     # refused calls did not move the caller: before it created its own tenant it was still where it started
@@ -153,7 +152,7 @@ def varint(n):
             return out
 
 forged = pb.RegisterRequest(tenant=tenant, weight=100).SerializeToString()
-for field in (6, 15, 99):  # unknown varint fields holding the victim's pid
+for field in (7, 15, 99):  # unknown varint fields holding the victim's pid
     forged += varint(field << 3) + varint(victim)
 with grpc.insecure_channel(f"unix:{sock}") as ch:
     reply = ch.unary_unary("/unisched.v1.Unisched/Register", request_serializer=lambda b: b,

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(_hooks_reason() is not None, reason=f"seccomp us
 
 def test_render_cap_refuses_the_second_context_and_counts_it(daemon: Daemon, tenant_prefix: str) -> None:
     name = f"{tenant_prefix}gfx"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     out = daemon.cli("set-limit", "--tenant", name, "--render", "1")
     assert out.returncode == 0 and "render 1" in out.stdout, out.stderr
     run = daemon.cli("run", "--tenant", name, "--", sys.executable, IOCTLS,
@@ -45,7 +45,7 @@ def test_render_cap_refuses_the_second_context_and_counts_it(daemon: Daemon, ten
 
 def test_without_hooks_nothing_is_refused(daemon: Daemon, tenant_prefix: str) -> None:
     name = f"{tenant_prefix}free"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "0", check=True)
     hooked = daemon.cli("run", "--tenant", name, "--", sys.executable, IOCTLS, "alloc:0xCB97:1")
     unhooked = daemon.cli("run", "--tenant", name, "--no-session-hooks", "--", sys.executable, IOCTLS, "alloc:0xCB97:1")
@@ -63,7 +63,7 @@ def test_allocations_that_are_not_sessions_pass_and_only_sessions_are_refused(da
     """What a CUDA context looks like to the hooks: many allocations of channels, copy engines, TSGs and memory
     (answered by the supervisor's thread, never asked of the engine) around the few that open a session."""
     name = f"{tenant_prefix}ctx"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "0", check=True)
     others = [f"alloc:{cls:#x}:{0x100 + i:#x}" for i, cls in enumerate([0xC86F, 0xC8B5, 0xA06C, 0x0040, 0x003E] * 20)]
     calls = [*others[:50], "alloc:0xCB97:1", "alloc:0xCBC0:2", *others[50:], "alloc:0xCB97:3", "free:0x100"]

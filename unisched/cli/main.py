@@ -11,8 +11,19 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from unisched import __version__
 from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
-from unisched.engine.config import DEFAULT_SOCKET, ConfigError, DaemonConfig, check_listener, load_config, parse_size
+from unisched.engine.config import (
+    DEFAULT_SOCKET,
+    ConfigError,
+    DaemonConfig,
+    check_declared_cgroups,
+    check_gpus,
+    check_groups,
+    check_listener,
+    load_config,
+    parse_size,
+)
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
@@ -155,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="unisched",
         description="Share NVIDIA GPUs between tenants by one weight each, over compute, rendering and video.",
     )
+    ap.add_argument("--version", action="version", version=f"unisched {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
@@ -162,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = DaemonConfig()  # the defaults the help names, from one place (the MPS cap's help once said 30 after it was 70)
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
+    s.add_argument("--check-config", action="store_true",
+                   help="check the config and flags against this host (GPUs, groups, declared cgroups), print a "
+                        "summary and exit: 0 when good, 2 with the key at fault; starts and changes nothing")
     s.add_argument("--socket", help=f"Unix socket to serve on (default {d.socket})")
     s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT (needs --tls-cert, --tls-key, "
                                     "--tls-client-ca)")
@@ -235,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tenant_opts(r)
     r.add_argument("--no-session-hooks", action="store_true",
                    help="do not install the seccomp hook that lets the daemon admit and count GPU sessions")
+    r.add_argument("--keep", action="store_true",
+                   help="keep the tenant (weight, caps) after its last process exits; without it a tenant this run "
+                        "creates is removed then, unless the config declares it")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
     a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
@@ -262,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--encode", type=_count, help="live NVENC sessions")
     lim.add_argument("--memory", type=_size, help="GPU memory, e.g. 8GiB (-1 clears)")
 
-    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin)")
+    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin, or the tenant's owner)")
     _add_socket(rm)
     rm.add_argument("--tenant", required=True)
 
@@ -453,6 +471,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             mps_offline_sm_percent=args.mps_offline_sm_percent,
         )
         check_listener(config)
+        warnings = check_groups(config)
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
@@ -461,11 +480,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     configure_logging(config.log_format, config.log_level)
     try:
-        driver = detect_driver(config.cgroup_driver)
+        driver = detect_driver(config.cgroup_driver, create=not args.check_config)
     except CgroupError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
-    if args.delegated:
+    if args.delegated and not args.check_config:
         from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
 
         try:
@@ -485,6 +504,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         opened = open_nvml()
         if opened is not None:
             telemetry, nvml = opened, True
+    try:
+        check_gpus(config, [g.index for g in telemetry.gpus()])
+        check_declared_cgroups(config, driver, os.getpid())
+    except ConfigError as e:
+        telemetry.close()
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        telemetry.close()
+        for w in warnings:
+            print(f"unisched serve: warning: {w}", file=sys.stderr)
+        print(_config_summary(args.config, config, driver, [g.index for g in telemetry.gpus()]))
+        return 0
     from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
 
     devices: DeviceAdmission | None = None
@@ -526,6 +558,13 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_summary(path: str | None, config: DaemonConfig, driver: Any, gpus: list[int]) -> str:
+    declared = ", ".join(t.name for t in config.tenants) or "none"
+    return (f"config OK: {path or 'built-in defaults'}: socket {config.socket}, mode {config.mode.value}, "
+            f"slice {config.slice_ms:g} ms, cgroup {driver.kind} at {driver.mount}, "
+            f"GPUs {gpus if gpus else 'none seen'}, declared tenants: {declared}")
+
+
 def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         tenant=args.tenant,
@@ -533,6 +572,7 @@ def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
         priority=_PRIORITY.get(args.priority or "", pb.PRIORITY_UNSPECIFIED),
         engines=args.engines,
         gpus=args.gpus,
+        keep=args.keep,
     )
 
 

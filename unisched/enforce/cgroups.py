@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +19,10 @@ __all__ = [
     "CgroupV1Driver",
     "CgroupV2Driver",
     "FakeCgroupDriver",
+    "adopt_refusal",
+    "canonical_cgroup",
     "detect_driver",
+    "within",
 ]
 
 MANAGED_DIR = "unisched"
@@ -70,6 +73,42 @@ def _write(path: Path, value: str) -> None:
         raise CgroupError(f"cannot write {value!r} to {path}: {e.strerror}") from None
 
 
+def canonical_cgroup(path: str, mount: Path) -> str:
+    """One spelling per cgroup ("/a/b"): `//a/b/` and `a/b` name the same cgroup, so they must not become two
+    tenants. An absolute path under `mount` is taken relative to it. '.', '..' and NUL are refused rather than
+    resolved: a path that needs them is not one an operator means to hand the daemon."""
+    if "\0" in path:
+        raise CgroupError(f"cgroup path {path!r} contains a NUL byte")
+    parts = [p for p in path.split("/") if p]
+    under = list(mount.parts[1:])
+    if path.startswith("/") and parts[: len(under)] == under:
+        parts = parts[len(under):]
+    if any(p in (".", "..") for p in parts) or not parts:
+        raise CgroupError(f"cgroup path {path!r} must name a cgroup below {mount} (no '.' or '..')")
+    return "/" + "/".join(parts)
+
+
+def within(path: str, root: str) -> bool:
+    """`path` is the cgroup `root` or below it (both canonical: "/a/b")."""
+    return root == "/" or path == root or path.startswith(root + "/")
+
+
+def adopt_refusal(path: str, subtree: str, daemon_cgroup: str | None, governed: Iterable[tuple[str, str]]) -> str | None:
+    """Why a canonical cgroup path must not become a tenant, or None. Freezing a cgroup freezes everything below
+    it: the parent of every tenant (`subtree`) or one holding the daemon would stop the scheduler itself, and a
+    cgroup nested with a governed one would be frozen and thawed by two tenants' turns at once."""
+    if within(subtree, path):
+        return f"cgroup {path} holds every tenant this daemon creates ({subtree}); adopt a container's cgroup instead"
+    if daemon_cgroup is not None and within(daemon_cgroup, path):
+        return f"cgroup {path} contains the daemon itself ({daemon_cgroup}): freezing it would stop the scheduler"
+    for name, cgroup in governed:
+        if path == cgroup:
+            return f"cgroup {path} is already tenant {name!r}"
+        if within(path, cgroup) or within(cgroup, path):
+            return f"cgroup {path} is nested with tenant {name!r}'s cgroup {cgroup}"
+    return None
+
+
 def _read_head(path: str) -> bytes | None:
     """The first bytes of a cgroup file (the counter the slice path needs comes first); None when it is gone."""
     try:
@@ -107,17 +146,10 @@ class _Common:
 
     def normalize(self, path: str) -> str:
         """An adoptable cgroup: absolute under the mount, or relative to it; never outside it."""
-        p = Path(path)
-        if p.is_absolute() and (p == self.mount or self.mount in p.parents):
-            p = Path("/") / p.relative_to(self.mount)
-        elif not p.is_absolute():
-            p = Path("/") / p
-        resolved = Path(os.path.normpath(p))
-        if ".." in Path(path).parts or str(resolved) == "/":
-            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
-        if not (self.mount / str(resolved).lstrip("/")).is_dir():
+        resolved = canonical_cgroup(path, self.mount)
+        if not (self.mount / resolved.lstrip("/")).is_dir():
             raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
-        return str(resolved)
+        return resolved
 
     def _dir(self, cgroup: str) -> Path:
         return self.mount / cgroup.lstrip("/")
@@ -270,8 +302,10 @@ def _mounts() -> list[tuple[str, Path, list[str]]]:
     return out
 
 
-def _v2_can_freeze(mount: Path) -> bool:
+def _v2_can_freeze(mount: Path, create: bool = True) -> bool:
     probe = mount / MANAGED_DIR
+    if not create and not probe.is_dir():  # (a root cgroup has no cgroup.freeze: ask an existing child)
+        return any((c / "cgroup.freeze").exists() for c in mount.iterdir() if c.is_dir())
     try:
         probe.mkdir(exist_ok=True)
     except OSError:
@@ -279,8 +313,9 @@ def _v2_can_freeze(mount: Path) -> bool:
     return (probe / "cgroup.freeze").exists()
 
 
-def detect_driver(prefer: str = "auto") -> CgroupDriver:
-    """Pick the freezer at start: cgroup v2 where it can freeze, else the v1 freezer; clear errors."""
+def detect_driver(prefer: str = "auto", create: bool = True) -> CgroupDriver:
+    """Pick the freezer at start: cgroup v2 where it can freeze, else the v1 freezer; clear errors.
+    create=False (`serve --check-config`) decides without making the probe cgroup."""
     if prefer not in ("auto", "v2", "v1"):
         raise CgroupError(f"cgroup_driver must be one of auto, v2, v1; got {prefer!r}")
     if os.geteuid() != 0:
@@ -288,7 +323,7 @@ def detect_driver(prefer: str = "auto") -> CgroupDriver:
     mounts = _mounts()
     if prefer in ("auto", "v2"):
         for fstype, path, _ in mounts:
-            if fstype == "cgroup2" and _v2_can_freeze(path):
+            if fstype == "cgroup2" and _v2_can_freeze(path, create):
                 return CgroupV2Driver(path)
         if prefer == "v2":
             raise CgroupError("no cgroup v2 hierarchy with cgroup.freeze is mounted")
@@ -321,9 +356,7 @@ class FakeCgroupDriver:
         return f"/{MANAGED_DIR}/{tenant}"
 
     def normalize(self, path: str) -> str:
-        if ".." in Path(path).parts or path.strip("/") == "":
-            raise CgroupError(f"cgroup path {path!r} must name a cgroup below {self.mount}")
-        p = "/" + path.strip("/")
+        p = canonical_cgroup(path, self.mount)
         if p not in self.groups:
             raise CgroupError(f"cgroup {path!r} does not exist under {self.mount}")
         return p

@@ -5,12 +5,16 @@ Every bad value fails at start with a message that names the key and the allowed
 
 from __future__ import annotations
 
+import grp
+import math
+import posixpath
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal
 from unisched.policy import (
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
@@ -26,13 +30,25 @@ from unisched.policy import (
 )
 from unisched.policy.caps import SessionLimits
 
-__all__ = ["ConfigError", "DaemonConfig", "DeclaredTenant", "check_listener", "load_config", "parse_size"]
+__all__ = [
+    "ConfigError",
+    "DaemonConfig",
+    "DeclaredTenant",
+    "check_declared_cgroups",
+    "check_gpus",
+    "check_groups",
+    "check_listener",
+    "load_config",
+    "parse_size",
+]
 
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
 DEFAULT_METRICS_LISTEN = "127.0.0.1"
 TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
+MAX_SIZE_BYTES = (1 << 63) - 1
+"""The largest size a config or flag may give: the API carries sizes as int64."""
 
 
 class ConfigError(ValueError):
@@ -144,10 +160,22 @@ _INT_RANGES: Mapping[str, tuple[int, int]] = {
     "mps_offline_sm_percent": (1, 100),
 }
 _BOOL_KEYS = ("user_tenants", "nvml", "mps")
+POLICY_KEYS = frozenset({
+    "mode", "slice_ms", "lag_limit_slices", "timeshare_window_ms", "share_window_s", "lease_timeout_ms",
+    "lease_max_run_ms", "mps", "mps_offline_sm_percent", "idle_slices", "activity_threshold", "saturated_util",
+    "contention", "mix_period_ms",
+})
+"""Keys of [policy] (how tenants are scheduled); every other daemon key belongs in [daemon]. One section per key,
+so a key written in the other one is an error that names the right section, not a silent second spelling."""
 
 
 def _err(where: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{where} {key!r}: {msg}")
+
+
+def _daemon_keys() -> frozenset[str]:
+    every = set(_CHOICES) | set(_STR_KEYS) | set(_NUM_RANGES) | set(_INT_RANGES) | set(_BOOL_KEYS)
+    return frozenset(every - POLICY_KEYS)
 
 
 def _parse_daemon(raw: Mapping[str, Any], base: DaemonConfig, where: str) -> DaemonConfig:
@@ -224,8 +252,11 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
+    name_raw = raw.get("name")
+    if not isinstance(name_raw, str):
+        raise ConfigError(f"{where} 'name': must be a string (a tenant name); got {name_raw!r}")
     try:
-        name = validate_tenant_name(str(raw.get("name", "")))
+        name = validate_tenant_name(name_raw)
     except PolicyError as e:
         raise ConfigError(f"{where} 'name': {e}") from None
     weight = raw.get("weight", DEFAULT_WEIGHT)
@@ -239,15 +270,21 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     if gpus is not None and (not isinstance(gpus, list) or not all(isinstance(g, int) and 0 <= g < 256 for g in gpus)):
         raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..255; got {gpus!r}")
     cgroup = raw.get("cgroup")
-    if cgroup is not None and (not isinstance(cgroup, str) or not cgroup):
-        raise ConfigError(f"{where} 'cgroup': must be a cgroup path; got {cgroup!r}")
+    if cgroup is not None:
+        parts = cgroup.split("/") if isinstance(cgroup, str) else []
+        if not isinstance(cgroup, str) or not cgroup.strip("/") or "\0" in cgroup or {".", ".."} & set(parts):
+            raise ConfigError(f"{where} 'cgroup': must be a cgroup path without '.' or '..'; got {cgroup!r}")
     try:
-        limits = SessionLimits(
-            render=raw.get("render"), decode=raw.get("decode"), encode=raw.get("encode"),
-            memory_bytes=parse_size(raw["memory"]) if "memory" in raw else None,
-        )
-    except (PolicyError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        memory = parse_size(raw["memory"]) if "memory" in raw else None
+    except ValueError as e:
+        raise ConfigError(f"{where} 'memory': {e}") from None
+    for key in ("render", "decode", "encode"):
+        try:
+            SessionLimits(**{key: raw.get(key)})
+        except PolicyError as e:
+            raise ConfigError(f"{where} {key!r}: {e}") from None
+    limits = SessionLimits(render=raw.get("render"), decode=raw.get("decode"), encode=raw.get("encode"),
+                           memory_bytes=memory)
     return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup, limits)
 
 
@@ -256,15 +293,23 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 
 
 
 def parse_size(value: object) -> int:
-    """'8GiB', '512M', 1073741824 -> bytes (binary units)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
+    """'8GiB', '512M', 1073741824 -> bytes (binary units), 0..MAX_SIZE_BYTES."""
+    bad = ValueError(f"size must be a number of bytes or like 8GiB, 512MiB (at most {MAX_SIZE_BYTES}); got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise bad
     text = str(value).strip().lower().replace(" ", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(num):]
-    if not num or unit not in _SIZE_UNITS:
-        raise ValueError(f"size must be a number of bytes or like 8GiB, 512MiB; got {value!r}")
-    return int(float(num) * _SIZE_UNITS[unit])
+    try:
+        number = float(num) if num else math.nan
+    except ValueError:
+        raise bad from None
+    if unit not in _SIZE_UNITS or not math.isfinite(number) or number < 0:
+        raise bad
+    size = int(num) * _SIZE_UNITS[unit] if num.isdigit() else int(number * _SIZE_UNITS[unit])
+    if size > MAX_SIZE_BYTES:
+        raise bad
+    return size
 
 
 def _parse_tidal(raw: Any, i: int) -> TidalWindow:
@@ -272,9 +317,23 @@ def _parse_tidal(raw: Any, i: int) -> TidalWindow:
     if not isinstance(raw, dict) or set(raw) != {"tenant", "start", "end", "weight"}:
         raise ConfigError(f"{where}: must be a table with exactly tenant, start, end, weight")
     try:
-        return TidalWindow(raw["tenant"], parse_clock(raw["start"]), parse_clock(raw["end"]), raw["weight"])
+        start = parse_clock(raw["start"])
     except PolicyError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where} 'start': {e}") from None
+    try:
+        end = parse_clock(raw["end"])
+    except PolicyError as e:
+        raise ConfigError(f"{where} 'end': {e}") from None
+    if not isinstance(raw["tenant"], str):
+        raise ConfigError(f"{where} 'tenant': must be a string (a tenant name); got {raw['tenant']!r}")
+    try:
+        validate_tenant_name(raw["tenant"])
+    except PolicyError as e:
+        raise ConfigError(f"{where} 'tenant': {e}") from None
+    try:
+        return TidalWindow(raw["tenant"], start, end, raw["weight"])
+    except PolicyError as e:
+        raise ConfigError(f"{where} 'weight': {e}") from None
 
 
 def load_config(path: str | Path | None) -> DaemonConfig:
@@ -283,11 +342,17 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         return DaemonConfig()
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {p} is a directory, not a TOML file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {p} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        raise ConfigError(f"config file {p} is not valid TOML: {str(e) or 'nested too deeply'}") from None
     allowed = {"daemon", "policy", "tenants", "tidal"}
     for key in data:
         if key not in allowed:
@@ -298,6 +363,9 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"config [{section}]: must be a table")
         for key, value in table.items():
+            right = "policy" if key in POLICY_KEYS else "daemon" if key in _daemon_keys() else section
+            if right != section:
+                raise ConfigError(f"config [{section}] {key!r}: belongs in [{right}], not [{section}]")
             flat[key] = value
     cfg = _parse_daemon(flat, DaemonConfig(), where="config")
     tenants_raw = data.get("tenants", [])
@@ -312,3 +380,51 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     if windows and cfg.mode is not Mode.TIDAL:
         raise ConfigError('config [[tidal]] windows need mode = "tidal" in [policy]')
     return replace(cfg, tenants=tenants, tidal=TidalSchedule(windows))
+
+
+# --- checks against this host (after parsing; before anything starts) -----------------------------------------
+def check_groups(config: DaemonConfig) -> list[str]:
+    """socket_group must exist (the socket could not be given to it). A missing admin_group only narrows who is
+    admin to root, as deploy/unisched.toml documents: returned as a warning."""
+    warnings = []
+    for key in ("socket_group", "admin_group"):
+        group = getattr(config, key)
+        if group is None:
+            continue
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            if key == "socket_group":
+                raise ConfigError(f"config 'socket_group': group {group!r} does not exist (create it, e.g. with "
+                                  "deploy/sysusers.d/unisched.conf, or unset socket_group)") from None
+            warnings.append(f"admin_group {group!r} does not exist: only root will be admin")
+    return warnings
+
+
+def check_gpus(config: DaemonConfig, seen: Sequence[int]) -> None:
+    """Declared tenants' GPUs against those the daemon sees; with none (no NVML), GPU 0 stands for the host, as
+    in the engine."""
+    have = tuple(seen) or (0,)
+    for i, t in enumerate(config.tenants):
+        bad = [g for g in t.gpus or () if g not in have]
+        if bad:
+            shown = f"GPUs {list(seen)}" if seen else "no GPU the daemon can see (NVML off or none found; 0 stands for the host)"
+            raise ConfigError(f"tenants[{i}] 'gpus': no GPU {bad[0]} on this host, which has {shown}")
+
+
+def check_declared_cgroups(config: DaemonConfig, driver: CgroupDriver, daemon_pid: int) -> None:
+    """Declared cgroups must exist and be adoptable (see cgroups.adopt_refusal), each apart from the others."""
+    subtree = posixpath.dirname(driver.tenant_cgroup("x"))
+    daemon_cgroup = driver.cgroup_of(daemon_pid)
+    governed: list[tuple[str, str]] = []
+    for i, t in enumerate(config.tenants):
+        if t.cgroup is None:
+            continue
+        try:
+            path = driver.normalize(t.cgroup)
+        except CgroupError as e:
+            raise ConfigError(f"tenants[{i}] 'cgroup': {e}") from None
+        why = adopt_refusal(path, subtree, daemon_cgroup, governed)
+        if why is not None:
+            raise ConfigError(f"tenants[{i}] 'cgroup': {why}")
+        governed.append((t.name, path))

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import posixpath
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
 
-from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal, within
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
@@ -175,11 +177,13 @@ class _Tenant:
     """Session hooks govern (some of) its processes: its session counts say when it holds a GPU context."""
     nvml_on_gpu: bool = True
     """NVML lists one of its processes on a GPU (refreshed once a second; True while unknown)."""
+    ephemeral: bool = False
+    """Made by `unisched run` without --keep: removed once its last process has exited (`_reap_emptied`)."""
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
             self.name, self.base_weight, self.priority, self.engines, self.gpus,
-            self.cgroup, self.adopted, self.owner_uid, self.limits,
+            self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral,
         )
 
     def all_engines(self) -> frozenset[Engine]:
@@ -274,6 +278,8 @@ class KernelEngine:
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
         self.contention = self._contention(gpus[0].name if gpus else None)
         self._tenants: dict[str, _Tenant] = {}
+        self._declared = frozenset(d.name for d in config.tenants)
+        """Tenants the config declares stay when their processes exit, however they were first made."""
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
         self._last_active: frozenset[str] = frozenset()
@@ -353,6 +359,7 @@ class KernelEngine:
                     saved.owner_uid,
                     missing=missing,
                     limits=saved.limits,
+                    ephemeral=saved.ephemeral and saved.name not in self._declared,
                 ),
                 reason="restored",
             )
@@ -367,6 +374,10 @@ class KernelEngine:
                 cgroup = self.driver.normalize(d.cgroup)
             except CgroupError as e:
                 log.error("declared tenant's cgroup not adopted", tenant=d.name, error=str(e))
+                return
+            why = self.adopt_refusal(cgroup)
+            if why is not None:
+                log.error("declared tenant's cgroup not adopted", tenant=d.name, error=why)
                 return
             adopted = True
         else:
@@ -479,12 +490,17 @@ class KernelEngine:
         is_admin: bool,
         save_now: bool = True,
         alive: Callable[[], bool] | None = None,
+        keep: bool | None = None,
     ) -> TenantSnapshot:
         """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
 
         `alive` says whether the process that connected still runs (the transport pins it; None: not checked).
         A pid outlives its process: once the caller exits another process may take the number, so a caller
-        that is gone is never acted on, before anything changes and again after the move."""
+        that is gone is never acted on, before anything changes and again after the move.
+
+        keep=False (`unisched run` without --keep): a tenant this call creates is removed once its last process
+        has exited, so tenants made for one run do not pile up against MAX_USER_TENANTS. keep=True: the owner
+        keeps it (also one made that way before). None (lease sessions): a new tenant is kept, a known one unchanged."""
         _need_alive(alive)
         try:
             validate_tenant_name(name)
@@ -511,8 +527,10 @@ class KernelEngine:
                 )
             self._check_room(uid, is_admin)
             cgroup = self.driver.tenant_cgroup(name)
+            self._check_not_governed(name, cgroup)
             self._create_cgroup(name, cgroup)
-            t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid)
+            t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid,
+                        ephemeral=keep is False and name not in self._declared)
             self._add(t, reason="registered")
         else:
             owner = is_admin or uid == t.owner_uid
@@ -537,6 +555,8 @@ class KernelEngine:
                 t.engines = engine_set
             if owner and list(gpus):
                 t.gpus = gpu_tuple
+            if owner and keep is True:
+                t.ephemeral = False
             t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
             self._apply_devices(t)
             if t.missing or not self.driver.exists(t.cgroup):
@@ -574,6 +594,13 @@ class KernelEngine:
                 self.driver.attach(origin, pid)
                 log.warning("moved a reused pid back", pid=pid, cgroup=origin)
         raise EngineError("failed", CALLER_GONE)
+
+    def _check_not_governed(self, name: str, cgroup: str) -> None:
+        """A new tenant's cgroup must not be (or nest with) an adopted one: two tenants would freeze one cgroup."""
+        for o in self._tenants.values():
+            if o.adopted and (within(cgroup, o.cgroup) or within(o.cgroup, cgroup)):
+                raise EngineError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
+                                             f"tenant {o.name!r}'s cgroup {o.cgroup}; choose another name")
 
     def _is_member(self, t: _Tenant, pid: int) -> bool:
         """Whether `pid` already sits in the tenant's cgroup or below it."""
@@ -626,9 +653,9 @@ class KernelEngine:
             path = self.driver.normalize(cgroup)
         except CgroupError as e:
             raise EngineError("invalid", str(e)) from None
-        for other in self._tenants.values():
-            if other.cgroup == path:
-                raise EngineError("invalid", f"cgroup {path} is already tenant {other.name!r}")
+        why = self.adopt_refusal(path)
+        if why is not None:
+            raise EngineError("invalid", why)
         t = _Tenant(
             name,
             weight if weight is not None else DEFAULT_WEIGHT,
@@ -642,6 +669,12 @@ class KernelEngine:
         self._add(t, reason="adopted")
         self._save()
         return self.snapshot(name)
+
+    def adopt_refusal(self, path: str) -> str | None:
+        """Why this canonical cgroup path cannot be adopted here (see `adopt_refusal`), or None."""
+        subtree = posixpath.dirname(self.driver.tenant_cgroup("x"))
+        return adopt_refusal(path, subtree, self.driver.cgroup_of(os.getpid()),
+                             ((t.name, t.cgroup) for t in self._tenants.values()))
 
     def set_weight(self, name: str, weight: int) -> TenantSnapshot:
         t = self._get(name)
@@ -659,8 +692,23 @@ class KernelEngine:
         self._apply_tidal(t)
         self._log_shares(reason=reason)
 
-    def remove(self, name: str) -> None:
+    def remove_as(self, name: str, uid: int, is_admin: bool) -> None:
+        """Remove a tenant for a caller: an admin any, others only tenants they own."""
         t = self._get(name)
+        if not is_admin and uid != t.owner_uid:
+            raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; only its owner or an "
+                                            f"admin may remove it (you are uid {uid})")
+        self.remove(name)
+
+    def remove(self, name: str) -> None:
+        self._drop(self._get(name))
+        self._save()
+        log.info("tenant removed", tenant=name)
+        self._log_shares(reason="removed")
+
+    def _drop(self, t: _Tenant) -> None:
+        """Forget a tenant and thaw (and, when it made it and it is empty, delete) its cgroup; the caller saves."""
+        name = t.name
         if t.devices_admitted and self.devices is not None:
             try:
                 self.devices.revoke(self._v2_dir(t))
@@ -677,9 +725,6 @@ class KernelEngine:
         self._logged_shares.pop(name, None)
         self.leases.forget_tenant(name)
         self.policy.remove(name)
-        self._save()
-        log.info("tenant removed", tenant=name)
-        self._log_shares(reason="removed")
 
     def _get(self, name: str) -> _Tenant:
         t = self._tenants.get(name)
@@ -812,8 +857,8 @@ class KernelEngine:
             log.error("device admission failed", tenant=t.name, error=str(e))
 
     def _update_memory(self, samples: Mapping[int, GpuSample], now: float) -> None:
-        """Per-tenant GPU memory against caps, and whether NVML lists a hooked tenant on a GPU (see `_off_gpu`),
-        at most once a second: it reads every tenant's process list."""
+        """Per-tenant GPU memory against caps, whether NVML lists a hooked tenant on a GPU (see `_off_gpu`), and
+        which `unisched run` tenants have emptied, at most once a second: it reads tenants' process lists."""
         if now - self._memory_at < MEMORY_CHECK_S:
             return
         self._memory_at = now
@@ -850,6 +895,20 @@ class KernelEngine:
                     t.refusals["memory"] = t.refusals.get("memory", 0) + 1
                 log.warning("memory cap", tenant=t.name, memory_bytes=t.memory_bytes, cap=cap, over=over)
                 self._apply_devices(t)
+        self._reap_emptied(pids_of)
+
+    def _reap_emptied(self, pids_of: Callable[[_Tenant], list[int]]) -> None:
+        """Remove tenants `unisched run` made whose last process has exited (once a second, from the same process
+        lists as the memory checks). Never one with a lease session open: its client talks to it even while its
+        cgroup shows no process (a client outside the cgroup cannot hold one, but the session is its claim)."""
+        gone = [t for t in self._tenants.values()
+                if t.ephemeral and not self.leases.cooperative(t.name) and (t.missing or not pids_of(t))]
+        for t in gone:
+            self._drop(t)
+            log.info("tenant removed", tenant=t.name, reason="its last process exited")
+        if gone:
+            self._save()
+            self._log_shares(reason="removed")
 
     def _reconcile_encoders(self, samples: Mapping[int, GpuSample], pids_of: Callable[[_Tenant], list[int]]) -> None:
         """Live NVENC session counts against NVML's encoder session list (once a second). The hooks count

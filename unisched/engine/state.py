@@ -36,6 +36,8 @@ class SavedTenant:
     adopted: bool
     owner_uid: int
     limits: SessionLimits = field(default_factory=SessionLimits)
+    ephemeral: bool = False
+    """Removed once its last process exits (`unisched run` without --keep). Absent in older files: kept."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,6 +53,7 @@ class SavedTenant:
                 "render": self.limits.render, "decode": self.limits.decode, "encode": self.limits.encode,
                 "memory_bytes": self.limits.memory_bytes,
             },
+            "ephemeral": self.ephemeral,
         }
 
     @staticmethod
@@ -67,6 +70,7 @@ class SavedTenant:
             adopted=bool(d["adopted"]),
             owner_uid=int(d["owner_uid"]),
             limits=SessionLimits(**d.get("limits", {})),
+            ephemeral=d.get("ephemeral", False) is True,
         )
 
 

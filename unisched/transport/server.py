@@ -118,6 +118,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 cred.uid,
                 self.is_admin(cred),
                 alive=cred.alive,
+                keep=request.keep,
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -160,9 +161,10 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             await self._fail(context, e)
 
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
-        await self._need_admin(context)
+        """An admin removes any tenant; anyone else only tenants they own (run --keep ones, or those not yet gone)."""
+        cred = await self._need_caller(context)
         try:
-            self.engine.remove(request.tenant)
+            self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
         except EngineError as e:
             await self._fail(context, e)
         return pb.Empty()
