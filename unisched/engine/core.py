@@ -53,6 +53,8 @@ MEMORY_CHECK_S = 1.0
 _MIX_DOMAIN = "sm+gfx"
 """The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
 SAVE_DELAY_S = 0.5
+"""Registrations are written to the state file by the tick at most this long after them: one write per burst
+instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
 two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
@@ -409,8 +411,8 @@ class KernelEngine:
         self._unsaved = False
 
     def _save_soon(self) -> None:
-        """For changes a client makes again on reconnecting (lease sessions): saved by the tick within
-        SAVE_DELAY_S, so a thousand clients registering at once do not rewrite the file a thousand times."""
+        """For registrations (`run` and lease sessions): saved by the tick within SAVE_DELAY_S, so a thousand
+        clients registering at once do not rewrite the file a thousand times."""
         self._unsaved = True
 
     def _add(self, t: _Tenant, reason: str) -> None:
@@ -467,9 +469,13 @@ class KernelEngine:
         pid: int,
         uid: int,
         is_admin: bool,
-        save_now: bool = True,
     ) -> TenantSnapshot:
-        """Move the caller's own process into the tenant's cgroup, creating the tenant if needed."""
+        """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
+
+        What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
+        tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
+        behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
+        entries of the registrations made in it."""
         try:
             validate_tenant_name(name)
             if weight is not None:
@@ -535,10 +541,7 @@ class KernelEngine:
             except CgroupError as e:
                 raise EngineError("failed", f"cannot move pid {pid} into {t.cgroup}: {e}") from None
         if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
-            if save_now:
-                self._save()
-            else:
-                self._save_soon()
+            self._save_soon()
         return self.snapshot(name)
 
     def _is_member(self, t: _Tenant, pid: int) -> bool:
@@ -1173,7 +1176,7 @@ class KernelEngine:
             raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(self.gpu_indices)}")
         t = self._tenants.get(name)
         gpus = [gpu] if t is None or t.gpus is not None else []
-        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, save_now=False)
+        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin)
         t = self._tenants[name]
         if t.frozen:  # was a kernel tenant: leases gate it from now on
             self._thaw(t)
