@@ -17,13 +17,15 @@ def bench_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the daemon with its socket, state and log in `work`; returns it and its socket once the socket is
-    there. Exits with the log's tail when it dies first or does not come up."""
+def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0,
+                 root: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
+    """Start the daemon (of the checkout `root`) with its socket, state and log in `work`; returns it and its socket
+    once the socket is there. Exits with the log's tail when it dies first or does not come up."""
     sock = str(work / "d.sock")
     log = (work / "daemon.log").open("wb")
     daemon = subprocess.Popen([sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
-                               str(work / "state"), *extra], stdout=log, stderr=log, env=bench_env(), cwd=ROOT)
+                               str(work / "state"), *extra], stdout=log, stderr=log,
+                              env={**bench_env(), "PYTHONPATH": str(root)}, cwd=root)
     deadline = time.monotonic() + timeout_s
     while not Path(sock).exists():
         if daemon.poll() is not None or time.monotonic() > deadline:

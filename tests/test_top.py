@@ -148,9 +148,11 @@ def test_ctrl_c_ends_the_view_when_stdin_is_not_a_terminal(tmp_path: Path) -> No
             assert proc.stdout is not None
             frames = _read_until(proc.stdout.fileno(), b"Ctrl-C quits", 20)
             frames += _read_until(proc.stdout.fileno(), b"Ctrl-C quits", 5)  # a second frame follows the first
-            assert frames.count(b"batch") >= 2
+            assert frames.count(b"batch") >= 2  # ready: its handler is in place and it is redrawing
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=10)
+            # generous for "it ends" (a loaded 2-core CI machine); whatever the view was doing when the signal
+            # came, it must end, and with 0
+            _, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
         finally:
             if proc.poll() is None:

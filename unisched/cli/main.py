@@ -28,16 +28,16 @@ from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
-from unisched.transport.kubelet.dra import (
+from unisched.transport.kubelet.defaults import (
     CDI_KIND,
     CONFIG_KIND,
     DEFAULT_CDI_DIR,
+    DEFAULT_KUBELET_DIR,
     DEFAULT_PLUGINS_DIR,
+    DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_REGISTRY_DIR,
     DRIVER_NAME,
 )
-from unisched.transport.kubelet.plugin import DEFAULT_KUBELET_DIR
 
 __all__ = ["main"]
 
@@ -584,9 +584,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("unisched run: missing command; usage: unisched run --tenant NAME [--weight W] -- CMD ARGS...", file=sys.stderr)
         return 2
     with DaemonClient(args.socket) as client:
-        tenant = client.register(_register_request(args))
-        agent = "" if args.no_session_hooks else client.status().agent_socket
-    if agent:
+        tenant, agent = client.register_for_run(_register_request(args))
+    if agent and not args.no_session_hooks:
         # a fresh single-threaded process installs the session filter, hands it to the daemon, then execs CMD
         cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", agent, "--", *cmd]
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import sys
 import termios
 import time
@@ -139,16 +140,48 @@ class _Keys:
     def close(self) -> None:
         termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
 
-    def wait_quit(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds; True when q was pressed."""
+    def wait_quit(self, timeout: float, interrupt_fd: int) -> bool:
+        """Wait up to `timeout` seconds; True when q was pressed or `interrupt_fd` became readable (Ctrl-C)."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([self.fd], [], [], left)
+            ready, _, _ = select.select([self.fd, interrupt_fd], [], [], left)
+            if interrupt_fd in ready:
+                return True
             if ready:
                 data = os.read(self.fd, 64)
                 if not data or b"q" in data.lower():
                     return True  # q, or the terminal went away
         return False
+
+
+class _Interrupt:
+    """SIGINT as a byte on a pipe that the view's wait selects on, instead of KeyboardInterrupt: raised at
+    whatever bytecode runs when the signal lands, it could land inside grpc's or rich's internals (a finalizer,
+    a callback) and be swallowed there, and the view never ended. The view now ends at its next wait, at most
+    one call's deadline later. The previous handler comes back on close()."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._previous = signal.signal(signal.SIGINT, self._note)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def _note(self, _signum: int, _frame: object) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._w, b"!")
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds; True once Ctrl-C came (also before this wait)."""
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        return bool(ready)
+
+    def close(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+        os.close(self._r)
+        os.close(self._w)
 
 
 def run_top(
@@ -178,11 +211,12 @@ def run_top(
         except DaemonError as e:
             return render_frame([], None, error=str(e), hint=hint)
 
+    interrupted = _Interrupt()
+
     def wait() -> bool:
         if keys is not None:
-            return keys.wait_quit(interval)
-        time.sleep(interval)
-        return False
+            return keys.wait_quit(interval, interrupted.fd)
+        return interrupted.wait(interval)
 
     try:
         if console.is_terminal:
@@ -197,6 +231,7 @@ def run_top(
     except KeyboardInterrupt:
         pass
     finally:
+        interrupted.close()
         if keys is not None:
             with contextlib.suppress(termios.error):
                 keys.close()

@@ -56,6 +56,8 @@ MEMORY_CHECK_S = 1.0
 _MIX_DOMAIN = "sm+gfx"
 """The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
 SAVE_DELAY_S = 0.5
+"""Registrations are written to the state file by the tick at most this long after them: one write per burst
+instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
 SATURATION_ENTER_S = 0.4
 """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
 two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
@@ -430,8 +432,8 @@ class KernelEngine:
         self._unsaved = False
 
     def _save_soon(self) -> None:
-        """For changes a client makes again on reconnecting (lease sessions): saved by the tick within
-        SAVE_DELAY_S, so a thousand clients registering at once do not rewrite the file a thousand times."""
+        """For registrations (`run` and lease sessions): saved by the tick within SAVE_DELAY_S, so a thousand
+        clients registering at once do not rewrite the file a thousand times."""
         self._unsaved = True
 
     def _add(self, t: _Tenant, reason: str) -> None:
@@ -488,7 +490,6 @@ class KernelEngine:
         pid: int,
         uid: int,
         is_admin: bool,
-        save_now: bool = True,
         alive: Callable[[], bool] | None = None,
         keep: bool | None = None,
     ) -> TenantSnapshot:
@@ -500,7 +501,12 @@ class KernelEngine:
 
         keep=False (`unisched run` without --keep): a tenant this call creates is removed once its last process
         has exited, so tenants made for one run do not pile up against MAX_USER_TENANTS. keep=True: the owner
-        keeps it (also one made that way before). None (lease sessions): a new tenant is kept, a known one unchanged."""
+        keeps it (also one made that way before). None (lease sessions): a new tenant is kept, a known one unchanged.
+
+        What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
+        tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
+        behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
+        entries of the registrations made in it."""
         _need_alive(alive)
         try:
             validate_tenant_name(name)
@@ -569,10 +575,7 @@ class KernelEngine:
         if not member:
             self._attach_caller(t.cgroup, pid, alive)
         if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
-            if save_now:
-                self._save()
-            else:
-                self._save_soon()
+            self._save_soon()
         return self.snapshot(name)
 
     def _attach_caller(self, cgroup: str, pid: int, alive: Callable[[], bool] | None) -> None:
@@ -1266,7 +1269,7 @@ class KernelEngine:
             raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(self.gpu_indices)}")
         t = self._tenants.get(name)
         gpus = [gpu] if t is None or t.gpus is not None else []
-        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, save_now=False, alive=alive)
+        self.register(name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
         t = self._tenants[name]
         if t.frozen:  # was a kernel tenant: leases gate it from now on
             self._thaw(t)

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 
-__all__ = ["DaemonClient", "DaemonError", "TlsFiles"]
+__all__ = ["AGENT_SOCKET_METADATA", "DaemonClient", "DaemonError", "TlsFiles"]
+
+AGENT_SOCKET_METADATA = "unisched-agent-socket"
+"""Register's trailing metadata: the daemon's seccomp agent socket ("" when it has none), so `unisched run`
+learns it in the same round trip as its registration."""
 
 TlsFiles = tuple[str | Path, str | Path, str | Path]
 """(CA that signed the daemon's certificate, client certificate, client key): PEM files."""
@@ -60,14 +65,34 @@ class DaemonClient:
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
-            code = e.code()
-            if code is grpc.StatusCode.UNAVAILABLE:
-                hint = f"({e.details()})" if self.tls else "is `unisched serve` running?"
-                raise DaemonError(code, f"cannot reach the unisched daemon at {self.address}: {hint}") from None
-            raise DaemonError(code, e.details() or str(code)) from None
+            raise self._error(e) from None
+
+    def _call_with(self, method: str, request: object) -> tuple[Any, grpc.Call]:
+        """The reply and the call (its metadata)."""
+        try:
+            return getattr(self._stub, method).with_call(request, timeout=self.timeout)  # type: ignore[no-any-return]
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> DaemonError:
+        code = e.code()
+        if code is grpc.StatusCode.UNAVAILABLE:
+            hint = f"({e.details()})" if self.tls else "is `unisched serve` running?"
+            return DaemonError(code, f"cannot reach the unisched daemon at {self.address}: {hint}")
+        return DaemonError(code, e.details() or str(code))
 
     def register(self, request: pb.RegisterRequest) -> pb.Tenant:
         return self._call("Register", request)  # type: ignore[return-value]
+
+    def register_for_run(self, request: pb.RegisterRequest) -> tuple[pb.Tenant, str]:
+        """Register, and the daemon's agent socket ("" for none): one round trip, or a Status call after it
+        for a daemon that does not send the socket with its reply."""
+        tenant, call = self._call_with("Register", request)
+        sent = dict(call.trailing_metadata() or ())
+        agent = sent.get(AGENT_SOCKET_METADATA)
+        if agent is None:
+            agent = self.status().agent_socket
+        return tenant, str(agent)
 
     def adopt(self, request: pb.AdoptRequest) -> pb.Tenant:
         return self._call("Adopt", request)  # type: ignore[return-value]

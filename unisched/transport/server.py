@@ -27,6 +27,7 @@ from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.client import AGENT_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
 from unisched.transport.identity import is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
@@ -123,6 +124,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         except EngineError as e:
             await self._fail(context, e)
         log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
+        # what `unisched run` needs next, with this reply: no Status round trip per run
+        context.set_trailing_metadata(((AGENT_SOCKET_METADATA, self.agent_socket),))
         return snapshot_to_pb(snap)
 
     async def Adopt(self, request: pb.AdoptRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:

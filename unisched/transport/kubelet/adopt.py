@@ -27,6 +27,7 @@ from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet import podresources_v1_pb2 as pr
 from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
 from unisched.transport.kubelet.apiserver import ApiServer
+from unisched.transport.kubelet.defaults import DEFAULT_POD_RESOURCES_SOCKET
 from unisched.transport.kubelet.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
 
 log = structlog.get_logger("unisched.kubelet")
 
-DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 ENGINES_ANNOTATION = "unisched.io/engines"
 PRIORITY_ANNOTATION = "unisched.io/priority"
 _PRIORITY = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}

@@ -44,6 +44,14 @@ from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
 from unisched.transport.kubelet import pluginregistration_v1_pb2_grpc as reg_grpc
 from unisched.transport.kubelet.adopt import PodAdopter, PodClaim
 from unisched.transport.kubelet.apiserver import ApiServer, ApiServerError
+from unisched.transport.kubelet.defaults import (
+    CDI_KIND,
+    CONFIG_KIND,
+    DEFAULT_CDI_DIR,
+    DEFAULT_PLUGINS_DIR,
+    DEFAULT_REGISTRY_DIR,
+    DRIVER_NAME,
+)
 from unisched.transport.kubelet.devices import tenant_name
 from unisched.transport.kubelet.plugin import gpu_health, tenant_edits
 
@@ -72,19 +80,12 @@ __all__ = [
 
 log = structlog.get_logger("unisched.dra")
 
-DRIVER_NAME = "gpu.unisched.io"
 PLUGIN_TYPE = "DRAPlugin"
 DRAPLUGIN_SERVICE = "v1beta1.DRAPlugin"
 """What PluginInfo.supported_versions lists for the v1beta1 DRAPlugin service (DRAPluginService in the kubelet)."""
-DEFAULT_PLUGINS_DIR = "/var/lib/kubelet/plugins"
-DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
-DEFAULT_CDI_DIR = "/var/run/cdi"
 CDI_VERSION = "0.6.0"
 """The first CDI version with spec annotations, where the driver keeps what it prepared."""
-CDI_KIND = "unisched.io/gpu"
 CONFIG_API_VERSION = "gpu.unisched.io/v1alpha1"
-CONFIG_KIND = "GpuConfig"
-"""Opaque config a claim or class passes to this driver: {"apiVersion": ..., "kind": "GpuConfig", "weight": 30}."""
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 _NOTE = "unisched.io/"
 _DEVICE = re.compile(r"gpu(\d{1,3})")

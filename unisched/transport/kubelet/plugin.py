@@ -25,6 +25,7 @@ from unisched.engine.config import DEFAULT_SOCKET
 from unisched.telemetry import GpuTelemetry
 from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
 from unisched.transport.kubelet import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from unisched.transport.kubelet.defaults import DEFAULT_KUBELET_DIR
 from unisched.transport.kubelet.devices import (
     DECODE,
     RENDER,
@@ -50,7 +51,6 @@ __all__ = [
 log = structlog.get_logger("unisched.kubelet")
 
 API_VERSION = "v1beta1"
-DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 _DEVICE_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
