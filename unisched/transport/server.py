@@ -26,6 +26,7 @@ from unisched.engine.runner import run_engine
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.claim import socket_answers
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.leasewire import MAX_REQUEST_BYTES
@@ -253,11 +254,15 @@ def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
 
 
 def _prepare_socket(path: str, group: str | None) -> None:
+    """Remove a stale socket file; never one a live daemon answers on (`unisched serve` refuses to start earlier,
+    transport.claim; this guards every other caller of serve_async)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SystemExit(f"unisched: {path} exists and is not a socket; refusing to replace it")
+        if socket_answers(path):
+            raise SystemExit(f"unisched: a daemon answers on {path}; refusing to replace its socket")
         p.unlink()
 
 
