@@ -99,10 +99,11 @@ class Daemon:
     extra: tuple[str, ...]
     prefix: str
     nvml: bool = False
+    subtree: str = ""
+    """This daemon's cgroup subtree (its --cgroup-subtree); subtree_for(prefix) when empty."""
 
-    @property
-    def subtree(self) -> str:
-        return subtree_for(self.prefix)
+    def __post_init__(self) -> None:
+        self.subtree = self.subtree or subtree_for(self.prefix)
 
     def cgroup(self, tenant: str) -> str:
         """Where this daemon creates `tenant`'s cgroup."""
@@ -152,24 +153,23 @@ def _empty_and_remove(driver: CgroupDriver, cg: str) -> None:
 
 
 def _cleanup_cgroups(prefix: str) -> None:
-    """The test's subtree with all below it, in every hierarchy; and cgroups named after the test in the default
-    subtree (tests that drive the cgroup driver directly)."""
+    """Every subtree named after the test, with all below it, in every hierarchy; and cgroups named after the test
+    in the default subtree (tests that drive the cgroup driver directly)."""
     from unisched.enforce.cgroups import detect_driver
 
     default = detect_driver("auto")
     for cg in default.managed():
         if cg.rsplit("/", 1)[-1].startswith(prefix):
             _empty_and_remove(default, cg)
-    subtree = subtree_for(prefix)
-    driver = detect_driver("auto", subtree)
-    mounts = {driver.mount, getattr(driver, "cpuacct", None) or driver.mount}
-    for top, _, _ in sorted(os.walk(driver.mount / subtree), key=lambda w: -len(w[0])):  # deepest first
-        if Path(top) != driver.mount / subtree:
-            _empty_and_remove(driver, "/" + str(Path(top).relative_to(driver.mount)))
-    for mount in mounts:
-        for top, _, _ in sorted(os.walk(mount / subtree), key=lambda w: -len(w[0])):
-            with contextlib.suppress(OSError):
-                os.rmdir(top)
+    mounts = {default.mount, getattr(default, "cpuacct", None) or default.mount}
+    for top in sorted(p.name for p in default.mount.iterdir() if p.name.startswith(subtree_for(prefix))):
+        driver = detect_driver("auto", top)
+        for d, _, _ in sorted(os.walk(driver.mount / top), key=lambda w: -len(w[0])):  # deepest first
+            _empty_and_remove(driver, "/" + str(Path(d).relative_to(driver.mount)))
+        for mount in mounts:
+            for d, _, _ in sorted(os.walk(mount / top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
 
 
 @pytest.fixture
@@ -184,11 +184,14 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
         pytest.skip(reason)
     started: list[Daemon] = []
 
-    def make(*extra: str, nvml: bool = False) -> Daemon:
+    def make(*extra: str, nvml: bool = False, name: str = "") -> Daemon:
+        """name: a second daemon of the test, with its own socket, state, log and subtree."""
         sock_dir = Path(f"/tmp/us-{tenant_prefix}")
         sock_dir.mkdir(exist_ok=True)
-        extra = ("--cgroup-subtree", subtree_for(tenant_prefix), *extra)
-        d = Daemon(str(sock_dir / "d.sock"), str(tmp_path / "state"), None, tmp_path / "daemon.log", extra, tenant_prefix, nvml)  # type: ignore[arg-type]
+        subtree = f"{subtree_for(tenant_prefix)}{'-' + name if name else ''}"
+        extra = ("--cgroup-subtree", subtree, *extra)
+        d = Daemon(str(sock_dir / f"{name or 'd'}.sock"), str(tmp_path / f"{name}state"), None,  # type: ignore[arg-type]
+                   tmp_path / f"{name or 'daemon'}.log", extra, tenant_prefix, nvml, subtree)
         d.start()
         started.append(d)
         return d

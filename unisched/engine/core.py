@@ -445,6 +445,13 @@ class KernelEngine:
         self._unsaved = True
 
     def _add(self, t: _Tenant, reason: str) -> None:
+        if t.adopted and self.driver.before_freeze is not None:
+            # recorded now, where a damaged state file cannot lose it (enforce.governed); a freeze retries it
+            try:
+                self.driver.before_freeze(t.cgroup)
+            except OSError as e:
+                log.error("could not record the adopted cgroup; it is not frozen until it can be", tenant=t.name,
+                          cgroup=t.cgroup, error=str(e))
         t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
         self._tenants[t.name] = t
         self._apply_devices(t)
