@@ -43,6 +43,15 @@ def start_hog(d: Daemon, name: str, weight: int = 100) -> subprocess.Popen[bytes
     return proc
 
 
+def end(proc: subprocess.Popen[bytes], d: Daemon, cgroup: str) -> None:
+    """Kill a test process, thawing its cgroup first (the v1 freezer holds even SIGKILL while frozen)."""
+    driver = driver_of(d)
+    if driver.exists(cgroup):
+        driver.set_frozen(cgroup, False)
+    proc.kill()
+    proc.wait(timeout=20)
+
+
 def serve(d: Daemon, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`unisched serve` as the daemon's own command line, run to its exit (a start that fails)."""
     return subprocess.run(
@@ -87,7 +96,7 @@ def test_a_second_serve_on_a_live_socket_is_refused_and_the_first_keeps_serving(
         assert {k: after[k] for k in ("weight", "pids", "cgroup")} == {k: before[k] for k in ("weight", "pids", "cgroup")}
         assert Path(f"{daemon.socket}.lock").read_text().strip() == str(daemon.proc.pid)
     finally:
-        hog.kill()
+        end(hog, daemon, daemon.cgroup(name))
 
 
 @needs_freezer
@@ -109,7 +118,7 @@ def test_two_daemons_with_their_own_subtrees_never_touch_each_others_tenants(dae
         assert driver_of(a).is_frozen(frozen_cg), "stopping one daemon thawed the other's tenant"
         assert [t["name"] for t in a.tenants()] == [name]
     finally:
-        hog.kill()
+        end(hog, a, a.cgroup(name))
 
 
 @needs_freezer
@@ -149,7 +158,7 @@ def test_sigkill_while_frozen_then_a_bad_config_exits_2_with_the_tenant_thawed(d
         assert not driver_of(daemon).is_frozen(cg), "a restart that failed on its config left the tenant frozen"
         assert f"thawed cgroups left frozen by a daemon that is gone: /{daemon.subtree}" in out.stderr
     finally:
-        hog.kill()
+        end(hog, daemon, cg)
 
 
 @needs_freezer
@@ -175,7 +184,7 @@ def test_sigkill_while_frozen_then_a_broken_state_file_thaws_and_serves(daemon: 
         t = shown(daemon)[name]
         assert t["pids"] and t["weight"] == 100 and t["owner_uid"] == 0 and t["cgroup"] == cg
     finally:
-        hog.kill()
+        end(hog, daemon, cg)
 
 
 @needs_freezer
@@ -197,7 +206,7 @@ def test_an_adopted_cgroup_frozen_at_a_kill_is_thawed_whatever_the_state_file(da
         thawed = [e for e in events(daemon) if e["event"] == "thawed cgroups left frozen by a previous run"]
         assert thawed and ctr in thawed[-1]["cgroups"]  # type: ignore[operator]
     finally:
-        hog.kill()
+        end(hog, daemon, ctr)
 
 
 # --- a damaged state file costs only its damaged entries ------------------------------------------------------
@@ -225,8 +234,8 @@ def test_one_bad_entry_keeps_the_others_and_live_cgroups_are_readopted(daemon: D
         first = int(str(now[lost]["slices"]))
         wait_until(lambda: int(str(shown(daemon)[lost]["slices"])) > first, 30, "the re-adopted tenant to be sliced")
     finally:
-        for h in hogs:
-            h.kill()
+        for h, n in zip(hogs, (kept, lost), strict=True):
+            end(h, daemon, daemon.cgroup(n))
 
 
 # --- pure parts: the subtree name, the record of governed cgroups ---------------------------------------------
