@@ -281,3 +281,13 @@ def test_orphan_records_are_thawed_once_and_live_ones_left_alone(tmp_path: Path)
         GovernedRecord(tmp_path, "live/inner")
     live.close()
     assert not live.path.exists() and thaw_orphans(tmp_path).records == 0
+
+
+def test_records_in_a_directory_others_can_write_are_not_acted_on(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could have written this record
+    (shared / "1.list").write_text("subtree /kubepods\n")
+    got = thaw_orphans(shared)
+    assert got.records == 0 and (shared / "1.list").exists()
+    assert got.problems and "its records are ignored" in got.problems[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,7 +151,22 @@ def _thaw(governed: Governed, mounts: list[tuple[str, Path]], problems: list[str
     return thawed
 
 
+def _untrusted(directory: Path) -> str | None:
+    """Why records there must not be acted on (another user could write them), or None. Missing: nothing to do."""
+    try:
+        st = directory.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{directory}: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return f"{directory}: not a directory of ours that only we can write; its records are ignored"
+    return None
+
+
 def _records(directory: Path) -> list[Path]:
+    if _untrusted(directory) is not None:
+        return []
     try:
         return sorted(p for p in directory.iterdir() if p.name.endswith(_SUFFIX) and p.is_file())
     except OSError:
@@ -164,6 +180,8 @@ def _read_locked(path: Path) -> tuple[int, str] | None:
     except OSError:
         return None
     try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise PermissionError
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
@@ -177,7 +195,7 @@ def thaw_orphans(directory: Path | None = None) -> Orphans:
     directory = directory or governed_dir()
     mounts = _freezer_mounts()
     thawed: list[str] = []
-    problems: list[str] = []
+    problems: list[str] = [why] if (why := _untrusted(directory)) else []
     removed = 0
     for path in _records(directory):
         opened = _read_locked(path)
