@@ -40,7 +40,17 @@ def start_hog(d: Daemon, name: str, weight: int = 100) -> subprocess.Popen[bytes
         cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wait_until(lambda: any(t["name"] == name and t["pids"] for t in d.tenants()), 30, f"tenant {name} to register")
+    # and the hog itself runs (past the session-hook handshake with the daemon, which a kill would break)
+    wait_until(lambda: any(_is_hog(pid) for pid in driver_of(d).pids(d.cgroup(name))), 30, f"{name}'s hog to start")
     return proc
+
+
+def _is_hog(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return len(argv) > 1 and argv[1] == HOG.encode()
 
 
 def end(proc: subprocess.Popen[bytes], d: Daemon, cgroup: str) -> None:
