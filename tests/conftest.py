@@ -18,15 +18,24 @@ from pathlib import Path
 
 import pytest
 
+from unisched.enforce.cgroups import CgroupDriver
 from unisched.telemetry import FakeTelemetry, GpuInfo
 
 ROOT = Path(__file__).resolve().parent.parent
+GOVERNED_DIR = Path(tempfile.gettempdir()) / f"us-governed-{os.getpid()}"
+"""The test daemons' records of what they may freeze (enforce.governed): one directory per pytest run, so a test's
+daemons never thaw what a daemon of another run (or the host's own) left frozen on purpose."""
 
 
 def child_env() -> dict[str, str]:
     """The environment for child processes: this checkout first, whatever PYTHONPATH was set after it."""
     paths = [str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "UNISCHED_GOVERNED_DIR": str(GOVERNED_DIR)}
+
+
+def subtree_for(prefix: str) -> str:
+    """A test daemon's own cgroup subtree: it never touches a production daemon's tenants (or another test's)."""
+    return f"unisched-test-{prefix}"
 
 
 def freezer_unavailable_reason() -> str | None:
@@ -90,6 +99,15 @@ class Daemon:
     extra: tuple[str, ...]
     prefix: str
     nvml: bool = False
+    subtree: str = ""
+    """This daemon's cgroup subtree (its --cgroup-subtree); subtree_for(prefix) when empty."""
+
+    def __post_init__(self) -> None:
+        self.subtree = self.subtree or subtree_for(self.prefix)
+
+    def cgroup(self, tenant: str) -> str:
+        """Where this daemon creates `tenant`'s cgroup."""
+        return f"/{self.subtree}/{tenant}"
 
     def cli(self, *args: str, timeout: float = 30.0, check: bool = False) -> subprocess.CompletedProcess[str]:
         return cli(*args[:1], "--socket", self.socket, *args[1:], timeout=timeout, check=check)
@@ -125,19 +143,33 @@ class Daemon:
         return Path(st["cgroup_root"]) / t["cgroup"].lstrip("/")
 
 
+def _empty_and_remove(driver: CgroupDriver, cg: str) -> None:
+    driver.set_frozen(cg, False)
+    for pid in driver.pids(cg):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not driver.pids(cg), 10, f"{cg} to empty")
+    driver.remove(cg)
+
+
 def _cleanup_cgroups(prefix: str) -> None:
+    """Every subtree named after the test, with all below it, in every hierarchy; and cgroups named after the test
+    in the default subtree (tests that drive the cgroup driver directly)."""
     from unisched.enforce.cgroups import detect_driver
 
-    driver = detect_driver("auto")
-    for cg in driver.managed():
-        if not cg.rsplit("/", 1)[-1].startswith(prefix):
-            continue
-        driver.set_frozen(cg, False)
-        for pid in driver.pids(cg):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        wait_until(lambda cg=cg: not driver.pids(cg), 10, f"{cg} to empty")
-        driver.remove(cg)
+    default = detect_driver("auto")
+    for cg in default.managed():
+        if cg.rsplit("/", 1)[-1].startswith(prefix):
+            _empty_and_remove(default, cg)
+    mounts = {default.mount, getattr(default, "cpuacct", None) or default.mount}
+    for top in sorted(p.name for p in default.mount.iterdir() if p.name.startswith(subtree_for(prefix))):
+        driver = detect_driver("auto", top)
+        for d, _, _ in sorted(os.walk(driver.mount / top), key=lambda w: -len(w[0])):  # deepest first
+            _empty_and_remove(driver, "/" + str(Path(d).relative_to(driver.mount)))
+        for mount in mounts:
+            for d, _, _ in sorted(os.walk(mount / top), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
 
 
 @pytest.fixture
@@ -152,10 +184,14 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
         pytest.skip(reason)
     started: list[Daemon] = []
 
-    def make(*extra: str, nvml: bool = False) -> Daemon:
+    def make(*extra: str, nvml: bool = False, name: str = "") -> Daemon:
+        """name: a second daemon of the test, with its own socket, state, log and subtree."""
         sock_dir = Path(f"/tmp/us-{tenant_prefix}")
         sock_dir.mkdir(exist_ok=True)
-        d = Daemon(str(sock_dir / "d.sock"), str(tmp_path / "state"), None, tmp_path / "daemon.log", extra, tenant_prefix, nvml)  # type: ignore[arg-type]
+        subtree = f"{subtree_for(tenant_prefix)}{'-' + name if name else ''}"
+        extra = ("--cgroup-subtree", subtree, *extra)
+        d = Daemon(str(sock_dir / f"{name or 'd'}.sock"), str(tmp_path / f"{name}state"), None,  # type: ignore[arg-type]
+                   tmp_path / f"{name or 'daemon'}.log", extra, tenant_prefix, nvml, subtree)
         d.start()
         started.append(d)
         return d

@@ -57,7 +57,8 @@ def in_process_server(
         **overrides,
     )
     driver = driver or FakeCgroupDriver()
-    engine = KernelEngine(config, driver, telemetry or NoGpuTelemetry(), StateStore(config.state_dir), SystemClock())
+    store = StateStore(config.state_dir, driver.subtree)
+    engine = KernelEngine(config, driver, telemetry or NoGpuTelemetry(), store, SystemClock())
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     started = threading.Event()

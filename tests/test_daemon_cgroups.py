@@ -120,7 +120,7 @@ def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefi
     driver = detect_driver("auto")
     daemon.stop(signal.SIGKILL)
     # the kill can land at any point of a slice; make sure it left a tenant frozen so the restart has work
-    cgroups = [f"/unisched/{a}", f"/unisched/{b}"]
+    cgroups = [daemon.cgroup(a), daemon.cgroup(b)]
     if not any(driver.is_frozen(cg) for cg in cgroups):
         driver.set_frozen(cgroups[0], True)
     left_frozen = [cg for cg in cgroups if driver.is_frozen(cg)]

@@ -379,8 +379,9 @@ def test_adopter_adopts_a_real_pod_cgroup(tmp_path: Path, telemetry: FakeTelemet
         pytest.skip(reason)
     from unisched.enforce.cgroups import detect_driver
 
-    driver = detect_driver("auto")
     uid = str(uuid.uuid4())
+    subtree = f"unisched-test-{uid[:8]}"  # its own: the default one may hold other daemons' live tenants
+    driver = detect_driver("auto", subtree)
     top = driver.mount / f"kubepods-test-{uid[:8]}"
     pod_dir = top / "burstable" / f"pod{uid}"
     pod_dir.mkdir(parents=True)
@@ -400,6 +401,7 @@ def test_adopter_adopts_a_real_pod_cgroup(tmp_path: Path, telemetry: FakeTelemet
     finally:
         for d in (pod_dir, pod_dir.parent, top):
             d.rmdir()
+        driver.remove(f"/{subtree}")
 
 
 # --- the command ----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Daemon, child_env, wait_until
+from conftest import ROOT, Daemon, child_env, subtree_for, wait_until
 from structlog.testing import capture_logs
 from test_daemon_cgroups import cpu_seconds, measure, start_tenant, wait_registered
 from test_engine import SLICE, Rig
@@ -332,8 +332,9 @@ def test_stopped_then_killed_tenant(daemon: Daemon, tenant_prefix: str) -> None:
 @pytest.mark.root
 def test_clients_that_never_read_or_send_garbage(daemon_factory, tenant_prefix: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     names = [f"{tenant_prefix}s{i:02d}" for i in range(40)]  # big ListTenants replies pile up faster
+    subtree = subtree_for(tenant_prefix)
     StateStore(tmp_path / "state").save([
-        SavedTenant(n, 100 + i, Priority.OFFLINE, frozenset({Engine.COMPUTE}), None, f"/unisched/{n}", False, 0)
+        SavedTenant(n, 100 + i, Priority.OFFLINE, frozenset({Engine.COMPUTE}), None, f"/{subtree}/{n}", False, 0)
         for i, n in enumerate(names)
     ])
     d = daemon_factory("--slice-ms", "20")
@@ -488,7 +489,7 @@ def test_cgroup_removed_underneath_is_recreated_by_run(daemon: Daemon, tenant_pr
         assert shown[gone].state == "idle" and list(shown[gone].pids) == [] and shown[gone].base_weight == 100
         # `unisched run` into it later recreates the cgroup and runs there
         out = daemon.cli("run", "--tenant", gone, "--keep", "--", "cat", "/proc/self/cgroup", check=True)
-        assert f"/unisched/{gone}\n" in out.stdout
+        assert f"{daemon.cgroup(gone)}\n" in out.stdout
         assert dirs[gone].is_dir()
         assert [e for e in events(daemon) if e["event"] == "tenant cgroup recreated" and e["tenant"] == gone]
         # and it is sliced again like any tenant
@@ -711,7 +712,7 @@ def test_corrupt_state_file_is_kept_aside_and_the_daemon_serves(daemon: Daemon, 
     daemon.stop()
     state = Path(daemon.state_dir) / "state.json"
     good = state.read_bytes()
-    assert [(t.name, t.weight) for t in StateStore(daemon.state_dir).load()] == [(tenant, 250)]
+    assert [(t.name, t.weight) for t in StateStore(daemon.state_dir, daemon.subtree).load()] == [(tenant, 250)]
     damages = {
         "truncated": good[: len(good) // 2],
         "garbage": random.Random(3).randbytes(300),
@@ -732,8 +733,8 @@ def test_corrupt_state_file_is_kept_aside_and_the_daemon_serves(daemon: Daemon, 
             assert not escaped.exists(), "a corrupt file made the daemon create a cgroup outside /unisched"
             with DaemonClient(daemon.socket, timeout=10) as c:
                 assert c.status().tenants == 0, f"{what}: tenants restored from a damaged file"
-                c.adopt(pb.AdoptRequest(tenant=tenant, weight=250, cgroup=f"/unisched/{tenant}"))  # it serves
-            assert [(t.name, t.weight) for t in StateStore(daemon.state_dir).load()] == [(tenant, 250)]
+                c.adopt(pb.AdoptRequest(tenant=tenant, weight=250, cgroup=daemon.cgroup(tenant)))  # it serves
+            assert [(t.name, t.weight) for t in StateStore(daemon.state_dir, daemon.subtree).load()] == [(tenant, 250)]
             assert_clean_log(daemon, since)
             daemon.stop()
         copies = sorted(Path(daemon.state_dir).glob("state.json.corrupt-*"))
@@ -752,7 +753,7 @@ def test_sigkill_at_random_points_then_restart(daemon: Daemon, tenant_prefix: st
     a, b = f"{tenant_prefix}k1", f"{tenant_prefix}k3"
     procs = [start_tenant(daemon, a, 100, "--seconds", "60"), start_tenant(daemon, b, 300, "--seconds", "60")]
     driver = detect_driver("auto")
-    cgroups = [f"/unisched/{a}", f"/unisched/{b}"]
+    cgroups = [daemon.cgroup(a), daemon.cgroup(b)]
     try:
         dirs = wait_registered(daemon, [a, b])
         wait_until(lambda: any(t.state == "frozen" for t in tenants(daemon).values()), 10, "the two to contend")

@@ -94,7 +94,7 @@ def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_pref
     got = run_as(daemon.socket, 65534, [
         ("set_weight_other", "set_weight", {"tenant": owned, "weight": 5000}),
         ("set_limit_other", "set_limit", {"tenant": owned, "render": 0, "memory_bytes": 1}),
-        ("adopt_tenant_cgroup", "adopt", {"tenant": other, "cgroup": f"/unisched/{owned}", "weight": 100}),
+        ("adopt_tenant_cgroup", "adopt", {"tenant": other, "cgroup": daemon.cgroup(owned), "weight": 100}),
         ("adopt_root_cgroup", "adopt", {"tenant": other, "cgroup": "/"}),
         ("remove_other", "remove", {"tenant": owned}),
         ("join_other", "register", {"tenant": owned}),
@@ -113,8 +113,8 @@ def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_pref
     assert {k: got[k] for k in denied} == dict.fromkeys(denied, "PERMISSION_DENIED")
     assert got["create"] == "OK" and got["name_too_long"] == "INVALID_ARGUMENT"
     # refused calls did not move the caller: before it created its own tenant it was still where it started
-    assert f"/unisched/{owned}" not in got["join_other_cgroup"]
-    assert f"/unisched/{mine}\n" in got["create_cgroup"]
+    assert daemon.cgroup(owned) not in got["join_other_cgroup"]
+    assert f"{daemon.cgroup(mine)}\n" in got["create_cgroup"]
     # the number of tenants one uid may create is bounded (it already had one)
     assert got["created"] == MAX_USER_TENANTS - 1
 
@@ -132,7 +132,7 @@ def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_pref
         ("remove", "remove", {"tenant": mine}),
     ])
     assert [got2["join"], got2["set_weight"], got2["remove"]] == ["PERMISSION_DENIED"] * 3
-    assert f"/unisched/{mine}" not in got2["join_cgroup"]
+    assert daemon.cgroup(mine) not in got2["join_cgroup"]
     assert {t["name"]: t["base_weight"] for t in daemon.tenants()}[mine] == 100
 
 
@@ -183,7 +183,7 @@ def test_register_moves_the_caller_and_no_other_pid(daemon: Daemon, tenant_prefi
         procs = [int(p) for p in (daemon.cgroup_dir(tenant) / "cgroup.procs").read_text().split()]
         assert procs == [caller.pid], f"the tenant's cgroup holds {procs}, not just the caller {caller.pid}"
         for pid in (victim.pid, os.getpid()):
-            assert f"/unisched/{tenant}" not in Path(f"/proc/{pid}/cgroup").read_text(), f"pid {pid} was moved"
+            assert daemon.cgroup(tenant) not in Path(f"/proc/{pid}/cgroup").read_text(), f"pid {pid} was moved"
         shown = next(t for t in daemon.tenants() if t["name"] == tenant)
         assert shown["pids"] == [caller.pid]
         caller.stdin.close()

@@ -13,6 +13,7 @@ from typing import Any
 
 from unisched import __version__
 from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
+from unisched.enforce.governed import Orphans, thaw_orphans
 from unisched.engine.config import (
     DEFAULT_SOCKET,
     ConfigError,
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
                         f"default {d.mps_offline_sm_percent}; 100 = all, priority only)")
     s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help=f"freezer to use (default {d.cgroup_driver})")
+    s.add_argument("--cgroup-subtree", help="this daemon's cgroup subtree, relative to the cgroup root; tenants' "
+                                            f"cgroups are created below it (default {d.cgroup_subtree})")
     s.add_argument(
         "--contention",
         choices=["auto", "shared-sm", "separate-graphics", "partial-overlap"],
@@ -431,18 +434,44 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def _say_orphans(orphans: Orphans | None) -> None:
+    """Before logging is configured (an early error exit): what the first step thawed, on stderr."""
+    if orphans is not None and orphans.thawed:
+        print(f"unisched serve: thawed cgroups left frozen by a daemon that is gone: {', '.join(orphans.thawed)}",
+              file=sys.stderr)
+    for problem in orphans.problems if orphans is not None else ():
+        print(f"unisched serve: {problem}", file=sys.stderr)
+
+
+def _log_orphans(orphans: Orphans | None) -> None:
+    import structlog
+
+    log = structlog.get_logger("unisched")
+    if orphans is not None and orphans.thawed:
+        log.warning("thawed cgroups left frozen by a previous run", cgroups=list(orphans.thawed),
+                    records=orphans.records)
+    for problem in orphans.problems if orphans is not None else ():
+        log.error("record of governed cgroups", problem=problem)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    """Start order: what a dead daemon left frozen was thawed before this ran (main); then the config (exit 2),
+    the socket lock (exit 1 while another daemon serves there), the record of what this one may freeze, and
+    only then cgroups, state and the engine."""
     from pathlib import Path
 
     from unisched.enforce.cgroups import CgroupError, detect_driver
+    from unisched.enforce.governed import GovernedRecord, RecordError, governed_dir
     from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
     from unisched.engine.clock import SystemClock
     from unisched.engine.core import KernelEngine
     from unisched.engine.state import StateStore
     from unisched.logs import configure_logging
     from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+    from unisched.transport.claim import SocketInUse, claim_socket
     from unisched.transport.server import serve
 
+    orphans: Orphans | None = getattr(args, "orphans", None)
     try:
         config = load_config(args.config).with_overrides(
             socket=args.socket,
@@ -460,6 +489,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             lease_max_run_ms=args.lease_max_run_ms,
             saturated_util=args.saturated_util,
             cgroup_driver=args.cgroup_driver,
+            cgroup_subtree=args.cgroup_subtree,
             contention=args.contention,
             mix_period_ms=args.mix_period_ms,
             admin_group=args.admin_group,
@@ -473,29 +503,49 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         check_listener(config)
         warnings = check_groups(config)
     except ConfigError as e:
+        _say_orphans(orphans)
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
     if config.mps and (why := mps_unavailable_reason()) is not None:
+        _say_orphans(orphans)
         print(f"unisched serve: --mps: {why}", file=sys.stderr)
         return 1
-    configure_logging(config.log_format, config.log_level)
+    if args.check_config:
+        return _check_config(args, config, warnings)
     try:
-        driver = detect_driver(config.cgroup_driver, create=not args.check_config)
-    except CgroupError as e:
+        claim = claim_socket(config.socket)
+    except (SocketInUse, OSError) as e:
+        _say_orphans(orphans)
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
-    if args.delegated and not args.check_config:
+    configure_logging(config.log_format, config.log_level)
+    _log_orphans(orphans)
+    if args.delegated:
+        # systemd's Delegate=yes: the daemon moves into the leaf <unit>/daemon and governs <unit>/tenants
         from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
 
         try:
-            tenants_subtree = enter_delegated_leaf(driver.kind, driver.mount)
-        except DelegationError as e:
-            print(f"unisched serve: {e}", file=sys.stderr)
+            probe = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
+            config = config.with_overrides(cgroup_subtree=enter_delegated_leaf(probe.kind, probe.mount))
+        except (DelegationError, CgroupError, ConfigError) as e:
+            print(f"unisched serve: --delegated: {e}", file=sys.stderr)
             return 1
+    try:
+        record = GovernedRecord(governed_dir(), config.cgroup_subtree)
+    except RecordError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
+    try:
+        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree)
+    except CgroupError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
+    driver.before_freeze = record.note
+    if args.delegated:
         import structlog
 
         structlog.get_logger("unisched").info("delegated", daemon_cgroup=driver.cgroup_of(os.getpid()),
-                                              tenants_subtree=tenants_subtree)
+                                              tenants_subtree=config.cgroup_subtree)
     telemetry: GpuTelemetry = NoGpuTelemetry()
     nvml = False
     if config.nvml:
@@ -511,12 +561,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         telemetry.close()
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
-    if args.check_config:
-        telemetry.close()
-        for w in warnings:
-            print(f"unisched serve: warning: {w}", file=sys.stderr)
-        print(_config_summary(args.config, config, driver, [g.index for g in telemetry.gpus()]))
-        return 0
     from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
 
     devices: DeviceAdmission | None = None
@@ -531,8 +575,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if config.mps:
         mps = NvidiaMpsControl(Path(config.socket).parent / "mps", Path(config.state_dir) / "mps-log")
     try:
-        engine = KernelEngine(config, driver, telemetry, StateStore(config.state_dir), SystemClock(), devices, mps)
+        store = StateStore(config.state_dir, config.cgroup_subtree)
+        engine = KernelEngine(config, driver, telemetry, store, SystemClock(), devices, mps)
         serve(config, engine, nvml)
+        record.close()  # stopped cleanly: everything it froze was thawed
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
@@ -544,6 +590,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         telemetry.close()
+        claim.release()
     return 0
 
 
@@ -555,6 +602,36 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"unisched install-service: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _check_config(args: argparse.Namespace, config: DaemonConfig, warnings: Sequence[str]) -> int:
+    """`serve --check-config`: what serving would check (cgroups, GPUs, declared cgroups), touching nothing."""
+    from unisched.enforce.cgroups import CgroupError, detect_driver
+    from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+
+    try:
+        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
+    except CgroupError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
+    telemetry: GpuTelemetry = NoGpuTelemetry()
+    if config.nvml:
+        from unisched.telemetry.nvml import open_nvml
+
+        telemetry = open_nvml() or telemetry
+    try:
+        gpus = [g.index for g in telemetry.gpus()]
+        check_gpus(config, gpus)
+        check_declared_cgroups(config, driver, os.getpid())
+    except ConfigError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 2
+    finally:
+        telemetry.close()
+    for w in warnings:
+        print(f"unisched serve: warning: {w}", file=sys.stderr)
+    print(_config_summary(args.config, config, driver, gpus))
     return 0
 
 
@@ -806,8 +883,18 @@ _COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `serve` thaws what a dead daemon left frozen before anything else, so no later error (a bad flag or config,
+    # a damaged state file) can leave a tenant frozen for good
+    serving = argv[:1] == ["serve"] and "--check-config" not in argv
+    orphans = thaw_orphans() if serving and os.geteuid() == 0 else None
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
+        _say_orphans(orphans)
+        raise
+    args.orphans = orphans
     if hasattr(args, "target") and (problem := _remote_error(args)):
         parser.error(problem)
     try:

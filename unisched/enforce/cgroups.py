@@ -2,13 +2,19 @@
 
 One Protocol, `CgroupDriver`, with the two real drivers and `FakeCgroupDriver` for logic tests. A cgroup
 is named by its path relative to the hierarchy's mount ("/unisched/trainer"), as /proc/PID/cgroup shows it.
+
+Each daemon governs one subtree of the hierarchy (`cgroup_subtree`, default "unisched"): it creates its tenants'
+cgroups there and looks nowhere else for cgroups of its own, so two daemons (tests beside a production one) never
+touch each other's tenants.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,14 +24,32 @@ __all__ = [
     "CgroupError",
     "CgroupV1Driver",
     "CgroupV2Driver",
+    "DEFAULT_SUBTREE",
     "FakeCgroupDriver",
     "adopt_refusal",
     "canonical_cgroup",
+    "check_subtree",
     "detect_driver",
     "within",
 ]
 
-MANAGED_DIR = "unisched"
+DEFAULT_SUBTREE = "unisched"
+MAX_SUBTREE_CHARS = 255
+"""A subtree is a short path of cgroup names; one name may not exceed NAME_MAX (255) anyway."""
+_SUBTREE_PART = re.compile(r"[A-Za-z0-9_@:+-][A-Za-z0-9._@:+-]*")
+"""Names a systemd slice or a plain directory uses; no whitespace or newline (the governed record is
+line-oriented), no leading '.' (so never '.' or '..')."""
+
+
+def check_subtree(value: str) -> str:
+    """The normalised subtree ("a/b", no leading or trailing '/'), or ValueError saying what is wrong."""
+    if not isinstance(value, str):
+        raise ValueError(f"must be a cgroup path relative to the cgroup root; got {value!r}")
+    parts = value.strip("/").split("/")
+    if len(value) > MAX_SUBTREE_CHARS or not all(_SUBTREE_PART.fullmatch(p) for p in parts):
+        raise ValueError(f"must be a path of cgroup names (letters, digits, '.', '_', '-', '@', ':', '+'; "
+                         f"no empty name, no '..', at most {MAX_SUBTREE_CHARS} characters); got {value!r}")
+    return "/".join(parts)
 
 
 class CgroupError(RuntimeError):
@@ -37,6 +61,10 @@ class CgroupDriver(Protocol):
     """"v2" or "v1"."""
     mount: Path
     """Where the hierarchy that carries the freezer is mounted."""
+    subtree: str
+    """This daemon's own part of the hierarchy ("unisched"): its tenants' cgroups are created below it."""
+    before_freeze: Callable[[str], None] | None
+    """Called with a cgroup before each freeze; an OSError from it refuses the freeze (CgroupError)."""
 
     def tenant_cgroup(self, tenant: str) -> str: ...
     def create(self, cgroup: str) -> None: ...
@@ -140,9 +168,20 @@ def _read_pids(path: Path) -> list[int]:
 class _Common:
     kind: str
     mount: Path
+    subtree: str
+    before_freeze: Callable[[str], None] | None = None
+    """Called with a cgroup before each freeze (the daemon records it there, enforce.governed); a failure refuses
+    the freeze, so nothing is frozen that a crash could leave frozen for good."""
+
+    def _note_freeze(self, cgroup: str) -> None:
+        if self.before_freeze is not None:
+            try:
+                self.before_freeze(cgroup)
+            except OSError as e:
+                raise CgroupError(f"not freezing {cgroup}: {e}") from None
 
     def tenant_cgroup(self, tenant: str) -> str:
-        return f"/{MANAGED_DIR}/{tenant}"
+        return f"/{self.subtree}/{tenant}"
 
     def normalize(self, path: str) -> str:
         """An adoptable cgroup: absolute under the mount, or relative to it; never outside it."""
@@ -155,17 +194,19 @@ class _Common:
         return self.mount / cgroup.lstrip("/")
 
     def managed(self) -> list[str]:
-        base = self.mount / MANAGED_DIR
+        """The cgroups directly below this daemon's subtree (its tenants', and any it left behind)."""
+        base = self.mount / self.subtree
         if not base.is_dir():
             return []
-        return sorted(f"/{MANAGED_DIR}/{p.name}" for p in base.iterdir() if p.is_dir())
+        return sorted(f"/{self.subtree}/{p.name}" for p in base.iterdir() if p.is_dir())
 
 
 class CgroupV2Driver(_Common):
     kind = "v2"
 
-    def __init__(self, mount: Path) -> None:
+    def __init__(self, mount: Path, subtree: str = DEFAULT_SUBTREE) -> None:
         self.mount = mount
+        self.subtree = check_subtree(subtree)
 
     def create(self, cgroup: str) -> None:
         d = self._dir(cgroup)
@@ -202,6 +243,8 @@ class CgroupV2Driver(_Common):
         return int(value) / 1e6 if key == b"usage_usec" else 0.0
 
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
+        if frozen:
+            self._note_freeze(cgroup)
         _write(self._dir(cgroup) / "cgroup.freeze", "1" if frozen else "0")
 
     def is_frozen(self, cgroup: str) -> bool:
@@ -219,9 +262,10 @@ class CgroupV1Driver(_Common):
 
     kind = "v1"
 
-    def __init__(self, mount: Path, cpuacct: Path | None) -> None:
+    def __init__(self, mount: Path, cpuacct: Path | None, subtree: str = DEFAULT_SUBTREE) -> None:
         self.mount = mount
         self.cpuacct = cpuacct
+        self.subtree = check_subtree(subtree)
 
     def _acct(self, cgroup: str) -> Path | None:
         return self.cpuacct / cgroup.lstrip("/") if self.cpuacct else None
@@ -269,6 +313,8 @@ class CgroupV1Driver(_Common):
             return 0.0
 
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
+        if frozen:
+            self._note_freeze(cgroup)
         _write(self._dir(cgroup) / "freezer.state", "FROZEN" if frozen else "THAWED")
 
     def is_frozen(self, cgroup: str) -> bool:
@@ -302,36 +348,46 @@ def _mounts() -> list[tuple[str, Path, list[str]]]:
     return out
 
 
-def _v2_can_freeze(mount: Path, create: bool = True) -> bool:
-    probe = mount / MANAGED_DIR
-    if not create and not probe.is_dir():  # (a root cgroup has no cgroup.freeze: ask an existing child)
+def _v2_can_freeze(mount: Path, subtree: str, create: bool = True) -> bool:
+    probe = mount / subtree
+    existed = probe.is_dir()
+    if not create and not existed:  # (a root cgroup has no cgroup.freeze: ask an existing child)
         return any((c / "cgroup.freeze").exists() for c in mount.iterdir() if c.is_dir())
     try:
-        probe.mkdir(exist_ok=True)
+        probe.mkdir(parents=True, exist_ok=True)
     except OSError:
         return False
-    return (probe / "cgroup.freeze").exists()
+    if (probe / "cgroup.freeze").exists():
+        return True
+    if not existed:  # this v2 cannot freeze: leave no empty subtree behind on it
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+    return False
 
 
-def detect_driver(prefer: str = "auto", create: bool = True) -> CgroupDriver:
+def detect_driver(prefer: str = "auto", subtree: str = DEFAULT_SUBTREE, create: bool = True) -> CgroupDriver:
     """Pick the freezer at start: cgroup v2 where it can freeze, else the v1 freezer; clear errors.
     create=False (`serve --check-config`) decides without making the probe cgroup."""
     if prefer not in ("auto", "v2", "v1"):
         raise CgroupError(f"cgroup_driver must be one of auto, v2, v1; got {prefer!r}")
+    try:
+        subtree = check_subtree(subtree)
+    except ValueError as e:
+        raise CgroupError(f"cgroup_subtree {e}") from None
     if os.geteuid() != 0:
         raise CgroupError("unisched serve must run as root to create and freeze cgroups")
     mounts = _mounts()
     if prefer in ("auto", "v2"):
         for fstype, path, _ in mounts:
-            if fstype == "cgroup2" and _v2_can_freeze(path, create):
-                return CgroupV2Driver(path)
+            if fstype == "cgroup2" and _v2_can_freeze(path, subtree, create):
+                return CgroupV2Driver(path, subtree)
         if prefer == "v2":
             raise CgroupError("no cgroup v2 hierarchy with cgroup.freeze is mounted")
     freezer = next((p for t, p, o in mounts if t == "cgroup" and "freezer" in o), None)
     cpuacct = next((p for t, p, o in mounts if t == "cgroup" and "cpuacct" in o), None)
     if freezer is None:
         raise CgroupError("no freezer found: need cgroup v2 with cgroup.freeze (Linux >= 5.2) or the v1 freezer controller")
-    return CgroupV1Driver(freezer, cpuacct)
+    return CgroupV1Driver(freezer, cpuacct, subtree)
 
 
 @dataclass
@@ -347,13 +403,15 @@ class FakeCgroupDriver:
     kind = "fake"
     mount = Path("/fake")
 
-    def __init__(self) -> None:
+    def __init__(self, subtree: str = DEFAULT_SUBTREE) -> None:
+        self.subtree = check_subtree(subtree)
+        self.before_freeze: Callable[[str], None] | None = None
         self.groups: dict[str, _FakeGroup] = {}
         self.freeze_log: list[tuple[str, bool]] = []
         self.pid_cgroup: dict[int, str] = {}
 
     def tenant_cgroup(self, tenant: str) -> str:
-        return f"/{MANAGED_DIR}/{tenant}"
+        return f"/{self.subtree}/{tenant}"
 
     def normalize(self, path: str) -> str:
         p = canonical_cgroup(path, self.mount)
@@ -387,6 +445,8 @@ class FakeCgroupDriver:
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
         if cgroup not in self.groups:
             raise CgroupError(f"{cgroup} does not exist (cgroup removed?)")
+        if frozen and self.before_freeze is not None:
+            self.before_freeze(cgroup)
         self.groups[cgroup].frozen = frozen
         self.freeze_log.append((cgroup, frozen))
 
@@ -398,4 +458,5 @@ class FakeCgroupDriver:
         return self.pid_cgroup.get(pid)
 
     def managed(self) -> list[str]:
-        return sorted(c for c in self.groups if c.startswith(f"/{MANAGED_DIR}/"))
+        base = f"/{self.subtree}/"
+        return sorted(c for c in self.groups if c.startswith(base) and "/" not in c[len(base):])

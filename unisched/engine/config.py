@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal
+from unisched.enforce.cgroups import DEFAULT_SUBTREE, CgroupDriver, CgroupError, adopt_refusal, check_subtree
 from unisched.policy import (
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
@@ -84,6 +84,9 @@ class DaemonConfig:
     admin_group: str | None = None
     socket_group: str | None = None
     cgroup_driver: str = "auto"
+    cgroup_subtree: str = DEFAULT_SUBTREE
+    """This daemon's part of each cgroup hierarchy (relative to its root): tenants' cgroups are created below it,
+    and the daemon looks at nothing else it did not adopt. Two daemons on one host need two subtrees."""
     log_format: str = "auto"
     log_level: str = "info"
     nvml: bool = True
@@ -141,7 +144,8 @@ _CHOICES: Mapping[str, tuple[str, ...]] = {
     "contention": ("auto", "shared-sm", "separate-graphics", "partial-overlap"),
     "mode": tuple(m.value for m in Mode),
 }
-_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen", *TLS_KEYS)
+_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen",
+             "cgroup_subtree", *TLS_KEYS)
 _NUM_RANGES: Mapping[str, tuple[float, float]] = {
     "slice_ms": (1.0, 10_000.0),
     "lag_limit_slices": (0.0, 100.0),
@@ -206,6 +210,11 @@ def _parse_daemon(raw: Mapping[str, Any], base: DaemonConfig, where: str) -> Dae
             if not isinstance(value, bool):
                 raise _err(where, key, f"must be true or false; got {value!r}")
             values[key] = value
+    if "cgroup_subtree" in values:
+        try:
+            values["cgroup_subtree"] = check_subtree(values["cgroup_subtree"])
+        except ValueError as e:
+            raise _err(where, "cgroup_subtree", str(e)) from None
     if "listen" in values:
         host, _, port = values["listen"].rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

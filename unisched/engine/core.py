@@ -327,9 +327,11 @@ class KernelEngine:
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Thaw everything we may have left frozen, start (or join) MPS where configured, then restore tenants
-        (saved state, then config). Raises MpsError before restoring any tenant when MPS does not start; the thaw
-        comes first so that a daemon which cannot start leaves no cgroup frozen."""
-        thawed = self.thaw_all(extra=[t.cgroup for t in self.store.load()])
+        (saved state, then config, then live cgroups of the subtree that neither names). Raises MpsError before
+        restoring any tenant when MPS does not start; the thaw comes first so that a daemon which cannot start
+        leaves no cgroup frozen. The state file is read once: reading it moves a damaged one aside."""
+        saved = self.store.load()
+        thawed = self.thaw_all(extra=[t.cgroup for t in saved])
         if thawed:
             log.warning("thawed cgroups left frozen by a previous run", cgroups=thawed)
         if self.mps is not None:
@@ -337,38 +339,67 @@ class KernelEngine:
             capped = self.config.mode is Mode.PREEMPTIVE and self.config.mps_offline_sm_percent < 100
             log.info("MPS joined" if mps.joined else "MPS started", pipe_dir=mps.pipe_dir, servers=list(mps.servers),
                      offline_sm_percent=self.config.mps_offline_sm_percent if capped else None)
-        for saved in self.store.load():
-            missing = False
-            if not self.driver.exists(saved.cgroup):
-                if saved.adopted:
-                    log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
-                    continue
-                try:
-                    self.driver.create(saved.cgroup)
-                except (CgroupError, OSError) as e:
-                    # keep the tenant (and its weight); it is recreated when it registers again
-                    log.error("could not recreate a saved tenant's cgroup", tenant=saved.name, cgroup=saved.cgroup, error=str(e))
-                    missing = True
-            self._add(
-                _Tenant(
-                    saved.name,
-                    saved.weight,
-                    saved.priority,
-                    saved.engines,
-                    saved.gpus,
-                    saved.cgroup,
-                    saved.adopted,
-                    saved.owner_uid,
-                    missing=missing,
-                    limits=saved.limits,
-                    ephemeral=saved.ephemeral and saved.name not in self._declared,
-                ),
-                reason="restored",
-            )
+        for s in saved:
+            self._restore(s)
         for declared in self.config.tenants:
             if declared.name not in self._tenants:
                 self._add_declared(declared)
+        self._readopt_live()
         self._save()
+
+    def _restore(self, saved: SavedTenant) -> None:
+        missing = False
+        if not self.driver.exists(saved.cgroup):
+            if saved.adopted:
+                log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
+                return
+            try:
+                self.driver.create(saved.cgroup)
+            except (CgroupError, OSError) as e:
+                # keep the tenant (and its weight); it is recreated when it registers again
+                log.error("could not recreate a saved tenant's cgroup", tenant=saved.name, cgroup=saved.cgroup, error=str(e))
+                missing = True
+        self._add(
+            _Tenant(saved.name, saved.weight, saved.priority, saved.engines, saved.gpus, saved.cgroup, saved.adopted,
+                    saved.owner_uid, missing=missing, limits=saved.limits,
+                    ephemeral=saved.ephemeral and saved.name not in self._declared),
+            reason="restored",
+        )
+
+    def _readopt_live(self) -> None:
+        """A cgroup of our subtree with processes in it that no tenant names (its entry was lost with a damaged
+        state file) is governed again, not left to run unscheduled: a tenant named after it, default weight,
+        owned by root."""
+        named = {t.cgroup for t in self._tenants.values()}
+        for cg in self.driver.managed():
+            if cg in named:
+                continue
+            name = cg.rsplit("/", 1)[-1]
+            try:
+                pids = self.driver.pids(cg)
+            except (CgroupError, OSError, ValueError):
+                continue
+            if not pids:
+                continue
+            why = self._cannot_readopt(name)
+            if why is not None:
+                log.error("live cgroup in the subtree not governed", cgroup=cg, pids=len(pids), why=why)
+                continue
+            self._add(_Tenant(name, DEFAULT_WEIGHT, Priority.OFFLINE, _parse_engines(()), None, cg, False, 0),
+                      reason="re-adopted")
+            log.warning("re-adopted a live cgroup the state file did not name", tenant=name, cgroup=cg,
+                        pids=len(pids), weight=DEFAULT_WEIGHT)
+
+    def _cannot_readopt(self, name: str) -> str | None:
+        try:
+            validate_tenant_name(name)
+        except PolicyError as e:
+            return str(e)
+        if name in self._tenants:
+            return f"tenant {name!r} exists with another cgroup"
+        if len(self._tenants) >= MAX_TENANTS:
+            return f"this daemon already has {len(self._tenants)} tenants, the most it keeps"
+        return None
 
     def _add_declared(self, d: DeclaredTenant) -> None:
         if d.cgroup is not None:
@@ -437,6 +468,13 @@ class KernelEngine:
         self._unsaved = True
 
     def _add(self, t: _Tenant, reason: str) -> None:
+        if t.adopted and self.driver.before_freeze is not None:
+            # recorded now, where a damaged state file cannot lose it (enforce.governed); a freeze retries it
+            try:
+                self.driver.before_freeze(t.cgroup)
+            except OSError as e:
+                log.error("could not record the adopted cgroup; it is not frozen until it can be", tenant=t.name,
+                          cgroup=t.cgroup, error=str(e))
         t.resources = self.contention.resources(t.gpus or self.gpu_indices, t.all_engines())
         self._tenants[t.name] = t
         self._apply_devices(t)

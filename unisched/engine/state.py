@@ -1,13 +1,16 @@
 """Tenants and weights survive restarts: a small JSON state file, written atomically (tmp, fsync, rename).
 
-A truncated or corrupt file never stops the daemon: it is kept aside as state.json.corrupt-<time> and the
-daemon starts with what the config declares, saying so in the log.
+A damaged file never stops the daemon and never costs the tenants it still describes: the file holds one tenant
+per line, so from a truncated or partly corrupt file every entry that parses is kept and each dropped one is
+logged with why. The damaged file is kept aside as state.json.corrupt-<time>. A state path that is a directory,
+or JSON nested past the parser's depth, is the same: logged, kept aside, and the daemon starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,14 +18,18 @@ from typing import Any
 
 import structlog
 
-from unisched.enforce.cgroups import MANAGED_DIR
+from unisched.enforce.cgroups import DEFAULT_SUBTREE
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
 
-__all__ = ["SavedTenant", "StateStore"]
+__all__ = ["SavedTenant", "StateStore", "parse_state"]
 
 log = structlog.get_logger("unisched.state")
 STATE_VERSION = 1
+MAX_ENTRY_CHARS = 64 << 10
+"""A tenant's line is a few hundred characters; a longer line is damage, not parsed (and cannot nest deep)."""
+_HEADER = re.compile(r'\{"version": (\d+), "tenants": \[')
+_ENTRY_ERRORS = (ValueError, KeyError, TypeError, AttributeError, PolicyError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class SavedTenant:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> SavedTenant:
+    def from_json(d: dict[str, Any], subtree: str = DEFAULT_SUBTREE) -> SavedTenant:
         gpus = d.get("gpus")
         name = validate_tenant_name(d["name"])
         return SavedTenant(
@@ -66,7 +73,7 @@ class SavedTenant:
             priority=Priority(d["priority"]),
             engines=frozenset(Engine(e) for e in d["engines"]),
             gpus=tuple(int(g) for g in gpus) if gpus is not None else None,
-            cgroup=_checked_cgroup(name, d["cgroup"], d["adopted"]),
+            cgroup=_checked_cgroup(name, d["cgroup"], d["adopted"], subtree),
             adopted=bool(d["adopted"]),
             owner_uid=int(d["owner_uid"]),
             limits=SessionLimits(**d.get("limits", {})),
@@ -74,42 +81,120 @@ class SavedTenant:
         )
 
 
-def _checked_cgroup(name: str, cgroup: Any, adopted: Any) -> str:
+def _checked_cgroup(name: str, cgroup: Any, adopted: Any, subtree: str) -> str:
     """A corrupt file must not point the daemon at a cgroup it does not manage: a tenant it created lives at
-    /unisched/<name>; an adopted one at an absolute path below the root, without '..'."""
+    /<subtree>/<name>; an adopted one at an absolute path below the root, without '..'."""
     if not isinstance(cgroup, str) or not isinstance(adopted, bool):
         raise ValueError(f"tenant {name!r}: cgroup must be a string and adopted a boolean")
-    if not adopted and cgroup != f"/{MANAGED_DIR}/{name}":
-        raise ValueError(f"tenant {name!r}: cgroup {cgroup!r} is not /{MANAGED_DIR}/{name}")
+    if not adopted and cgroup != f"/{subtree}/{name}":
+        raise ValueError(f"tenant {name!r}: cgroup {cgroup!r} is not /{subtree}/{name}")
     if not cgroup.startswith("/") or cgroup.strip("/") == "" or ".." in cgroup.split("/") or "\0" in cgroup:
         raise ValueError(f"tenant {name!r}: cgroup {cgroup!r} is not a path below the cgroup root")
     return cgroup
 
 
+def _why(e: BaseException) -> str:
+    if isinstance(e, KeyError):
+        return f"missing {e}"
+    if isinstance(e, RecursionError):
+        return "nested too deep"
+    return str(e) or type(e).__name__
+
+
+def _entries(data: Any) -> tuple[list[Any], list[str]]:
+    """The tenant entries of a whole parsed file, or why there are none."""
+    if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
+        return [], ["not a state file: no tenants list"]
+    if data.get("version") != STATE_VERSION:
+        return [], [f"unsupported state version {data.get('version')!r}"]
+    return list(data["tenants"]), []
+
+
+def _entries_by_line(text: str) -> tuple[list[tuple[str, Any]], list[str]]:
+    """(where, entry) from each line that parses, when the whole file does not; and why each other line does not."""
+    out: list[tuple[str, Any]] = []
+    problems: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        body = line.strip().rstrip(",")
+        header = _HEADER.match(body)
+        if header:
+            if int(header.group(1)) != STATE_VERSION:
+                return [], [f"line {n}: unsupported state version {header.group(1)}"]
+            body = body[header.end():].strip().rstrip(",")  # a file cut inside its first entry
+        if body in ("", "]}", "]", "}"):
+            continue
+        if len(body) > MAX_ENTRY_CHARS:
+            problems.append(f"line {n}: {len(body)} characters, more than any tenant's entry")
+            continue
+        try:
+            out.append((f"line {n}", json.loads(body)))
+        except (ValueError, RecursionError) as e:
+            problems.append(f"line {n}: {_why(e)}")
+    return out, problems
+
+
+def parse_state(raw: bytes, subtree: str = DEFAULT_SUBTREE) -> tuple[list[SavedTenant], list[str]]:
+    """Every tenant entry that parses, and for each one dropped, why (empty when the file is whole)."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        whole, problems = _entries(json.loads(text))
+        entries = [(f"entry {i + 1}", e) for i, e in enumerate(whole)]
+    except (ValueError, RecursionError) as e:
+        entries, problems = _entries_by_line(text)
+        problems.insert(0, f"file: {_why(e)}")
+    tenants: dict[str, SavedTenant] = {}
+    for where, entry in entries:
+        try:
+            t = SavedTenant.from_json(entry, subtree)
+        except _ENTRY_ERRORS as e:
+            problems.append(f"{where}: {_why(e)}")
+            continue
+        if t.name in tenants:
+            problems.append(f"{where}: tenant {t.name!r} again")
+            continue
+        tenants[t.name] = t
+    return list(tenants.values()), problems
+
+
 class StateStore:
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, subtree: str = DEFAULT_SUBTREE) -> None:
         self.dir = Path(directory)
         self.path = self.dir / "state.json"
+        self.subtree = subtree
 
     def load(self) -> list[SavedTenant]:
+        """The saved tenants: all that parse, whatever else the file holds; a damaged file is kept aside."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return []
-        try:
-            data = json.loads(raw)
-            if data.get("version") != STATE_VERSION:
-                raise ValueError(f"unsupported state version {data.get('version')!r}")
-            return [SavedTenant.from_json(t) for t in data["tenants"]]
-        except (ValueError, KeyError, TypeError, AttributeError, PolicyError) as e:
-            keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
-            n = 1
-            while keep.exists():  # two corrupt files within a second: keep both
-                keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}-{n}")
-                n += 1
-            os.replace(self.path, keep)
-            log.error("state file unreadable; kept a copy and starting from the config", error=str(e), copy=str(keep))
+        except OSError as e:  # a directory where the file should be, or unreadable
+            copy = self._keep_aside()
+            log.error("state file unreadable; kept it aside and starting from the config", error=e.strerror or str(e),
+                      copy=copy)
             return []
+        tenants, problems = parse_state(raw, self.subtree)
+        if problems:
+            copy = self._keep_aside()
+            for why in problems:
+                log.error("state entry dropped", why=why, copy=copy)
+            log.error("state file unreadable in part; kept a copy and restoring every entry that parses",
+                      restored=len(tenants), dropped=len(problems), error=problems[0], copy=copy)
+        return tenants
+
+    def _keep_aside(self) -> str | None:
+        """Move the damaged file (or directory) aside for a person to look at, never over an earlier copy."""
+        keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}")
+        n = 1
+        while keep.exists():  # two corrupt files within a second: keep both
+            keep = self.path.with_name(f"state.json.corrupt-{int(time.time())}-{n}")
+            n += 1
+        try:
+            os.replace(self.path, keep)
+        except OSError as e:
+            log.error("could not keep the damaged state file aside", path=str(self.path), error=e.strerror or str(e))
+            return None
+        return str(keep)
 
     def measured_contention(self, gpu_name: str) -> tuple[float, float] | None:
         """(compute_kept, graphics_kept) from a calibration run on this GPU model (bench/calibrate_contention.py)."""

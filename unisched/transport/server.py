@@ -27,6 +27,7 @@ from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.claim import socket_answers
 from unisched.transport.client import AGENT_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
 from unisched.transport.identity import is_admin
@@ -249,11 +250,15 @@ def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
 
 
 def _prepare_socket(path: str, group: str | None) -> None:
+    """Remove a stale socket file; never one a live daemon answers on (`unisched serve` refuses to start earlier,
+    transport.claim; this guards every other caller of serve_async)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SystemExit(f"unisched: {path} exists and is not a socket; refusing to replace it")
+        if socket_answers(path):
+            raise SystemExit(f"unisched: a daemon answers on {path}; refusing to replace its socket")
         p.unlink()
 
 

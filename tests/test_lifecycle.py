@@ -1,0 +1,303 @@
+"""Daemon lifecycle: one daemon per socket, each daemon only its own cgroup subtree, nothing left frozen by a crash
+followed by a restart that fails, and tenants kept (or picked up again) when the state file is damaged.
+
+The real-daemon tests need root and a freezer. A tenant is frozen by writing its cgroup's freezer directly, as the
+daemon would have: the daemon only writes a tenant's freezer when its own decision changes, so a lone tenant frozen
+by hand stays frozen while the daemon runs, and a kill then leaves it frozen just as a kill mid-slice does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
+
+from unisched.enforce.cgroups import CgroupDriver, check_subtree, detect_driver
+from unisched.enforce.governed import GovernedRecord, RecordError, live_subtrees, parse_record, thaw_orphans
+from unisched.engine.config import ConfigError, DaemonConfig, load_config
+
+HOG = str(ROOT / "tests" / "hog.py")
+NESTED = 100_000
+"""Deeper than json's recursion limit: a state file of this many '[' raised RecursionError at start."""
+
+
+def driver_of(d: Daemon) -> CgroupDriver:
+    return detect_driver("auto", d.subtree)
+
+
+def start_hog(d: Daemon, name: str, weight: int = 100) -> subprocess.Popen[bytes]:
+    """A CPU-bound process in tenant `name`, registered through `unisched run`; returns once the daemon shows it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", str(weight),
+         "--", sys.executable, HOG, "--seconds", "600"],
+        cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_until(lambda: any(t["name"] == name and t["pids"] for t in d.tenants()), 30, f"tenant {name} to register")
+    # and the hog itself runs (past the session-hook handshake with the daemon, which a kill would break)
+    wait_until(lambda: any(_is_hog(pid) for pid in driver_of(d).pids(d.cgroup(name))), 30, f"{name}'s hog to start")
+    return proc
+
+
+def _is_hog(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return len(argv) > 1 and argv[1] == HOG.encode()
+
+
+def end(proc: subprocess.Popen[bytes], d: Daemon, cgroup: str) -> None:
+    """Kill a test process, thawing its cgroup first (the v1 freezer holds even SIGKILL while frozen)."""
+    driver = driver_of(d)
+    if driver.exists(cgroup):
+        driver.set_frozen(cgroup, False)
+    proc.kill()
+    proc.wait(timeout=20)
+
+
+def serve(d: Daemon, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`unisched serve` as the daemon's own command line, run to its exit (a start that fails)."""
+    return subprocess.run(
+        [sys.executable, "-m", "unisched", "serve", "--socket", d.socket, "--state-dir", d.state_dir, "--no-nvml",
+         "--log-format", "json", *d.extra, *extra],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=child_env(),
+    )
+
+
+def events(d: Daemon) -> list[dict[str, object]]:
+    out = []
+    for line in d.log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def shown(d: Daemon) -> dict[str, dict[str, object]]:
+    return {t["name"]: t for t in d.tenants()}
+
+
+# --- one daemon per socket ------------------------------------------------------------------------------------
+@needs_freezer
+@pytest.mark.root
+def test_a_second_serve_on_a_live_socket_is_refused_and_the_first_keeps_serving(daemon: Daemon,
+                                                                                 tenant_prefix: str) -> None:
+    name = f"{tenant_prefix}first"
+    hog = start_hog(daemon, name, weight=300)
+    try:
+        driver = driver_of(daemon)
+        driver.set_frozen(daemon.cgroup(name), True)
+        before = shown(daemon)[name]
+        second = serve(daemon, timeout=30)  # the same command line again: an operator's slip, a second unit
+        assert second.returncode == 1, second.stderr
+        assert f"another unisched daemon (pid {daemon.proc.pid}) serves on {daemon.socket}" in second.stderr
+        assert driver.is_frozen(daemon.cgroup(name)), "the refused daemon thawed the first one's tenant"
+        assert daemon.proc.poll() is None and os.path.exists(daemon.socket)
+        after = shown(daemon)[name]  # the first still answers, its tenant as it was
+        assert {k: after[k] for k in ("weight", "pids", "cgroup")} == {k: before[k] for k in ("weight", "pids", "cgroup")}
+        assert Path(f"{daemon.socket}.lock").read_text().strip() == str(daemon.proc.pid)
+    finally:
+        end(hog, daemon, daemon.cgroup(name))
+
+
+@needs_freezer
+@pytest.mark.root
+def test_two_daemons_with_their_own_subtrees_never_touch_each_others_tenants(daemon_factory: Callable[..., Daemon],
+                                                                            tenant_prefix: str) -> None:
+    a = daemon_factory("--slice-ms", "20")
+    name = f"{tenant_prefix}ofa"
+    hog = start_hog(a, name)
+    try:
+        frozen_cg = a.cgroup(name)
+        driver_of(a).set_frozen(frozen_cg, True)
+        b = daemon_factory("--slice-ms", "20", name="b")  # a test daemon beside a production one
+        assert b.subtree != a.subtree
+        b_name = f"{tenant_prefix}ofb"
+        out = b.cli("run", "--tenant", b_name, "--", "cat", "/proc/self/cgroup", check=True)
+        assert f":/{b.subtree}/{b_name}\n" in out.stdout and name not in shown(b)
+        assert b.stop(signal.SIGTERM) == 0
+        assert driver_of(a).is_frozen(frozen_cg), "stopping one daemon thawed the other's tenant"
+        assert [t["name"] for t in a.tenants()] == [name]
+    finally:
+        end(hog, a, a.cgroup(name))
+
+
+@needs_freezer
+@pytest.mark.root
+def test_a_daemon_on_another_socket_but_the_same_subtree_is_refused(daemon_factory: Callable[..., Daemon],
+                                                                   tenant_prefix: str, tmp_path: Path) -> None:
+    a = daemon_factory("--slice-ms", "20")
+    out = subprocess.run(
+        [sys.executable, "-m", "unisched", "serve", "--socket", f"/tmp/us-{tenant_prefix}/other.sock", "--state-dir",
+         str(tmp_path / "other"), "--no-nvml", "--cgroup-subtree", f"{a.subtree}/nested"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=child_env(),
+    )
+    assert out.returncode == 1 and f"overlaps /{a.subtree}, which a running daemon governs" in out.stderr, out.stderr
+    assert a.proc.poll() is None
+
+
+# --- nothing left frozen by a kill followed by a restart that fails -------------------------------------------
+def _kill_while_frozen(d: Daemon, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    hog = start_hog(d, name)
+    cg = d.cgroup(name)
+    driver_of(d).set_frozen(cg, True)
+    d.stop(signal.SIGKILL)
+    assert driver_of(d).is_frozen(cg)
+    return hog, cg
+
+
+@needs_freezer
+@pytest.mark.root
+def test_sigkill_while_frozen_then_a_bad_config_exits_2_with_the_tenant_thawed(daemon: Daemon, tenant_prefix: str,
+                                                                              tmp_path: Path) -> None:
+    hog, cg = _kill_while_frozen(daemon, f"{tenant_prefix}cfg")
+    try:
+        bad = tmp_path / "bad.toml"
+        bad.write_text('[daemon]\nslice_ms = "fast"\n')
+        out = serve(daemon, "--config", str(bad))
+        assert out.returncode == 2 and "slice_ms" in out.stderr, out.stderr
+        assert not driver_of(daemon).is_frozen(cg), "a restart that failed on its config left the tenant frozen"
+        assert f"thawed cgroups left frozen by a daemon that is gone: /{daemon.subtree}" in out.stderr
+    finally:
+        end(hog, daemon, cg)
+
+
+@needs_freezer
+@pytest.mark.root
+@pytest.mark.parametrize("damage", ["directory", "nested"])
+def test_sigkill_while_frozen_then_a_broken_state_file_thaws_and_serves(daemon: Daemon, tenant_prefix: str,
+                                                                       damage: str) -> None:
+    name = f"{tenant_prefix}st"
+    hog, cg = _kill_while_frozen(daemon, name)
+    try:
+        state = Path(daemon.state_dir) / "state.json"
+        state.unlink()
+        if damage == "directory":
+            state.mkdir()
+        else:
+            state.write_text("[" * NESTED)
+        daemon.start()
+        assert not driver_of(daemon).is_frozen(cg), "the tenant is still frozen"
+        said = [e for e in events(daemon) if str(e["event"]).startswith("state file unreadable")]
+        assert said and Path(str(said[-1]["copy"])).name.startswith("state.json.corrupt-")
+        assert not state.is_dir()
+        # the live tenant's entry went with the file: it is governed again, not left to run unscheduled
+        t = shown(daemon)[name]
+        assert t["pids"] and t["weight"] == 100 and t["owner_uid"] == 0 and t["cgroup"] == cg
+    finally:
+        end(hog, daemon, cg)
+
+
+@needs_freezer
+@pytest.mark.root
+def test_an_adopted_cgroup_frozen_at_a_kill_is_thawed_whatever_the_state_file(daemon: Daemon,
+                                                                             tenant_prefix: str) -> None:
+    ctr = f"/{daemon.subtree}-ctr"  # a container's cgroup outside the daemon's subtree
+    driver = driver_of(daemon)
+    driver.create(ctr)
+    hog = subprocess.Popen([sys.executable, HOG, "--seconds", "600"])
+    try:
+        driver.attach(ctr, hog.pid)
+        daemon.cli("adopt", "--tenant", f"{tenant_prefix}ctr", "--cgroup", ctr, check=True)
+        driver.set_frozen(ctr, True)
+        daemon.stop(signal.SIGKILL)
+        (Path(daemon.state_dir) / "state.json").write_bytes(b"\x00garbage{")  # its path lived only there
+        daemon.start()
+        assert not driver.is_frozen(ctr), "the adopted cgroup is still frozen"
+        thawed = [e for e in events(daemon) if e["event"] == "thawed cgroups left frozen by a previous run"]
+        assert thawed and ctr in thawed[-1]["cgroups"]  # type: ignore[operator]
+    finally:
+        end(hog, daemon, ctr)
+
+
+# --- a damaged state file costs only its damaged entries ------------------------------------------------------
+@needs_freezer
+@pytest.mark.root
+def test_one_bad_entry_keeps_the_others_and_live_cgroups_are_readopted(daemon: Daemon, tenant_prefix: str) -> None:
+    kept, lost = f"{tenant_prefix}kept", f"{tenant_prefix}lost"
+    hogs = [start_hog(daemon, kept, weight=300), start_hog(daemon, lost, weight=250)]
+    try:
+        daemon.stop(signal.SIGKILL)
+        state = Path(daemon.state_dir) / "state.json"
+        lines = state.read_text().splitlines()
+        bad = next(i for i, line in enumerate(lines) if f'"name":"{lost}"' in line)
+        lines[bad] = lines[bad].replace('"weight":250', '"weight":"heavy"')
+        state.write_text("\n".join(lines) + "\n")
+        daemon.start()
+        now = shown(daemon)
+        assert now[kept]["weight"] == 300, "the good entry was dropped"
+        assert now[lost]["weight"] == 100 and now[lost]["owner_uid"] == 0 and now[lost]["pids"]
+        dropped = [e for e in events(daemon) if e["event"] == "state entry dropped"]
+        assert len(dropped) == 1 and "heavy" in str(dropped[0]["why"])
+        readopted = [e for e in events(daemon) if e["event"] == "re-adopted a live cgroup the state file did not name"]
+        assert [e["tenant"] for e in readopted] == [lost]
+        # it is scheduled like any tenant: the engine slices it (its slice count grows)
+        first = int(str(now[lost]["slices"]))
+        wait_until(lambda: int(str(shown(daemon)[lost]["slices"])) > first, 30, "the re-adopted tenant to be sliced")
+    finally:
+        for h, n in zip(hogs, (kept, lost), strict=True):
+            end(h, daemon, daemon.cgroup(n))
+
+
+# --- pure parts: the subtree name, the record of governed cgroups ---------------------------------------------
+@pytest.mark.parametrize("bad", ["", "/", "a/../b", "..", "a//b", "./a", "a b", "a\nb", "x" * 300])
+def test_bad_subtrees_are_refused_naming_the_key(bad: str, tmp_path: Path) -> None:
+    why = "'cgroup_subtree': must be a (non-empty string|path of cgroup names)"
+    with pytest.raises(ConfigError, match=why):
+        DaemonConfig().with_overrides(cgroup_subtree=bad)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[daemon]\ncgroup_subtree = {json.dumps(bad)}\n")
+    with pytest.raises(ConfigError, match=why):
+        load_config(cfg)
+
+
+def test_subtrees_are_normalised() -> None:
+    assert check_subtree("/unisched-test/x/") == "unisched-test/x"
+    assert DaemonConfig().cgroup_subtree == "unisched"
+    assert DaemonConfig().with_overrides(cgroup_subtree="/ci.slice/").cgroup_subtree == "ci.slice"
+
+
+def test_a_record_read_after_a_crash_skips_garbage_and_refuses_dotdot() -> None:
+    text = ("subtree /unisched\nadopted /kubepods/pod1\nadopted /a/../../etc\nsubtree /\nadopted relative\n"
+            "\x00\xff junk\nadopted /x/./y\nsubtree /unisched\nadopted /kubepods/pod1")
+    got, skipped = parse_record(text)
+    assert got.subtrees == ("/unisched",) and got.adopted == ("/kubepods/pod1",)
+    assert len(skipped) == 5
+
+
+def test_orphan_records_are_thawed_once_and_live_ones_left_alone(tmp_path: Path) -> None:
+    """Without cgroups: the records themselves. A dead daemon's record is removed; a live one's is kept and its
+    subtree counts for overlap."""
+    live = GovernedRecord(tmp_path, "live")
+    live.note("/kubepods/pod1")
+    live.note("/live/t1")  # inside its subtree: never listed
+    assert live.path.read_text() == "subtree /live\nadopted /kubepods/pod1\n"
+    dead = tmp_path / "0123.list"
+    dead.write_text("subtree /nowhere-on-this-host\n")
+    (tmp_path / "notes.txt").write_text("not a record")
+    got = thaw_orphans(tmp_path)
+    assert got.records == 1 and got.thawed == () and not dead.exists() and live.path.exists()
+    assert [s for _, s in live_subtrees(tmp_path)] == ["/live"]
+    with pytest.raises(RecordError, match="overlaps /live"):
+        GovernedRecord(tmp_path, "live/inner")
+    live.close()
+    assert not live.path.exists() and thaw_orphans(tmp_path).records == 0
+
+
+def test_records_in_a_directory_others_can_write_are_not_acted_on(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could have written this record
+    (shared / "1.list").write_text("subtree /kubepods\n")
+    got = thaw_orphans(shared)
+    assert got.records == 0 and (shared / "1.list").exists()
+    assert got.problems and "its records are ignored" in got.problems[0]

@@ -1,0 +1,79 @@
+"""One daemon per socket: `<socket>.lock`, flock'ed for the daemon's life, taken before anything is touched.
+
+A second `unisched serve` on a live daemon's socket would delete the socket and thaw the first daemon's tenants;
+it is refused instead, while another daemon holds the lock or answers on the socket (one that took no lock).
+The lock file is never deleted: deleting it would let two daemons hold locks on two different files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "socket_answers"]
+
+CONNECT_TIMEOUT_S = 2.0
+"""A live daemon accepts a Unix connection at once (the kernel queues it); 2 s covers one busy on 2 cores."""
+
+
+class SocketInUse(RuntimeError):
+    """Another daemon serves on this socket; the message says which and what to do."""
+
+
+@dataclass
+class SocketClaim:
+    """Held for the daemon's life; the lock goes with the process (also on SIGKILL)."""
+
+    lock_path: Path
+    fd: int
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def socket_answers(path: str) -> bool:
+    """Whether something accepts connections on the Unix socket `path` now."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        s.connect(path)
+    except OSError as e:
+        # EAGAIN: a listener whose backlog is full lives
+        return e.errno in (errno.EAGAIN, errno.ETIMEDOUT) or isinstance(e, TimeoutError)
+    finally:
+        s.close()
+    return True
+
+
+def _holder(fd: int) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(os.pread(fd, 32, 0).decode().strip())
+        return f"pid {pid}"
+    return "another process"
+
+
+def claim_socket(path: str) -> SocketClaim:
+    """Take `<path>.lock` and make sure nothing answers on `path`; SocketInUse otherwise."""
+    lock_path = Path(f"{path}.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise SocketInUse(f"another unisched daemon ({holder}) serves on {path} (it holds {lock_path}); "
+                          f"stop it first, or give this one its own --socket and --cgroup-subtree") from None
+    if socket_answers(path):
+        os.close(fd)
+        raise SocketInUse(f"a daemon answers on {path} (without holding {lock_path}); "
+                          f"stop it first, or give this one its own --socket and --cgroup-subtree")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return SocketClaim(lock_path, fd)
