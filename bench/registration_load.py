@@ -101,12 +101,12 @@ def one_round(sock: str, count: int, tenants: int, prefix: str, work: Path, root
     for i in range(count):
         marks = work / f"marks-{i}.json"
         marks.unlink(missing_ok=True)
-        err = (work / f"stderr-{i}.txt").open("wb")
+        errf = (work / f"stderr-{i}.txt").open("wb")
         spawned = time.monotonic()
         p = subprocess.Popen([sys.executable, "-c", _WRAPPER, "run", "--socket", sock, "--tenant",
-                              f"{prefix}{i % tenants}", "--", "true"], stdout=subprocess.DEVNULL, stderr=err,
+                              f"{prefix}{i % tenants}", "--", "true"], stdout=subprocess.DEVNULL, stderr=errf,
                              env={**env, "RL_MARKS": str(marks)}, cwd=root)
-        err.close()
+        errf.close()
         procs.append((p, spawned, marks, work / f"stderr-{i}.txt"))
     runs = []
     deadline = time.monotonic() + RUN_TIMEOUT_S
