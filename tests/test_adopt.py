@@ -53,7 +53,8 @@ def test_two_spellings_of_one_cgroup_are_one_tenant(daemon: Daemon, tenant_prefi
 
 
 def test_the_parent_of_every_tenant_is_refused(daemon: Daemon, tenant_prefix: str) -> None:
-    for spelling in ("/unisched", "unisched", "//unisched/", "/"):
+    sub = daemon.subtree
+    for spelling in (f"/{sub}", sub, f"//{sub}/", "/"):
         rc, err = adopt(daemon, f"{tenant_prefix}all", spelling)
         assert rc == 1 and ("holds every tenant" in err or "must name a cgroup below" in err), (spelling, err)
     assert daemon.tenants() == []
@@ -69,7 +70,7 @@ def test_a_cgroup_nested_with_a_governed_one_is_refused(daemon: Daemon, tenant_p
     (outside / "inner" / "deeper").mkdir()
     rc, err = adopt(daemon, f"{tenant_prefix}down", f"/{outside.name}/inner/deeper")  # a child of one
     assert rc == 1 and "is nested with tenant" in err, err
-    rc, err = adopt(daemon, f"{tenant_prefix}dup", f"/unisched/{run}")  # a run tenant's own cgroup
+    rc, err = adopt(daemon, f"{tenant_prefix}dup", daemon.cgroup(run))  # a run tenant's own cgroup
     assert rc == 1 and f"is already tenant '{run}'" in err, err
     assert sorted(t["name"] for t in daemon.tenants()) == sorted([run, f"{tenant_prefix}in"])
 

@@ -65,13 +65,17 @@ def test_run_passes_the_exit_code_through(daemon: Daemon, tenant_prefix: str) ->
 
 def test_adopt_an_existing_cgroup(daemon: Daemon, tenant_prefix: str) -> None:
     st = daemon.status()
-    cg = Path(st["cgroup_root"]) / "unisched" / f"{tenant_prefix}ctr"
+    cg = Path(st["cgroup_root"]) / f"{tenant_prefix}-ctr"  # a container's cgroup, outside the tenants' subtree
     cg.mkdir()
-    out = daemon.cli("adopt", "--tenant", f"{tenant_prefix}ctr", "--weight", "400", "--cgroup", str(cg))
-    assert out.returncode == 0, out.stderr
-    assert "session admission" in out.stdout  # says what adopt cannot do
-    t = next(t for t in daemon.tenants() if t["name"] == f"{tenant_prefix}ctr")
-    assert t["adopted"] and t["weight"] == 400 and t["cgroup"] == f"/unisched/{tenant_prefix}ctr"
+    try:
+        out = daemon.cli("adopt", "--tenant", f"{tenant_prefix}ctr", "--weight", "400", "--cgroup", str(cg))
+        assert out.returncode == 0, out.stderr
+        assert "session admission" in out.stdout  # says what adopt cannot do
+        t = next(t for t in daemon.tenants() if t["name"] == f"{tenant_prefix}ctr")
+        assert t["adopted"] and t["weight"] == 400 and t["cgroup"] == f"/{tenant_prefix}-ctr"
+    finally:
+        daemon.cli("remove", "--tenant", f"{tenant_prefix}ctr")
+        cg.rmdir()
 
 
 # --- serve: every bad config value exits 2 before anything starts, naming the key --------------------------

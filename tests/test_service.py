@@ -320,15 +320,25 @@ def test_delegated_daemon_moves_itself_into_a_leaf_of_its_unit_cgroup(tmp_path: 
         delegated = next(json.loads(x) for x in log.read_text().splitlines() if '"delegated"' in x)
         assert delegated["tenants_subtree"] == f"{tenant_prefix}.service/tenants"
         assert delegated["daemon_cgroup"] == f"/{tenant_prefix}.service/daemon" or kind == "v1"
+        out = cli("run", "--socket", sock, "--tenant", f"{tenant_prefix}d", "--", "cat", "/proc/self/cgroup")
+        assert f":/{tenant_prefix}.service/tenants/{tenant_prefix}d\n" in out.stdout, out  # tenants in the unit's subtree
     finally:
         if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=20)
-        for base in {hierarchy, driver.mount}:
-            for d in (base / f"{tenant_prefix}.service" / "daemon", base / f"{tenant_prefix}.service"):
-                if d.is_dir():
-                    d.rmdir()
+        for base in {hierarchy, driver.mount, *_v1_cpuacct()}:
+            top = base / f"{tenant_prefix}.service"
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) if top.is_dir() else ():
+                d.rmdir()  # the tenants' subtree and the daemon's leaf, deepest first
+            if top.is_dir():
+                top.rmdir()
         shutil.rmtree(Path(sock).parent, ignore_errors=True)
+
+
+def _v1_cpuacct() -> list[Path]:
+    """The v1 cpuacct hierarchy, where the v1 driver also makes tenant cgroups (none on a v2 host)."""
+    lines = Path("/proc/self/mounts").read_text().splitlines()
+    return [Path(f.split()[1]) for f in lines if f.split()[2] == "cgroup" and "cpuacct" in f.split()[3]]
 
 
 def test_delegated_refuses_the_root_cgroup(tmp_path: Path) -> None:

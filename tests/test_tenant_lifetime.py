@@ -84,15 +84,15 @@ def test_a_run_tenant_goes_away_when_its_last_process_exits_and_a_kept_one_stays
                                                                                   tenant_prefix: str) -> None:
     kept, once = f"{tenant_prefix}kept", f"{tenant_prefix}once"
     out = daemon.cli("run", "--tenant", once, "--", "cat", "/proc/self/cgroup", check=True)
-    assert f"/unisched/{once}\n" in out.stdout  # it ran as the tenant
+    assert f"{daemon.cgroup(once)}\n" in out.stdout  # it ran as the tenant
     keep = daemon.cli("run", "--tenant", kept, "--weight", "300", "--keep", "--", "true")
     root = Path(daemon.status()["cgroup_root"])
     wait_until(lambda: once not in names(daemon), GONE_S, "the finished run's tenant to go away")
     assert keep.returncode == 0, keep.stderr
-    assert not (root / "unisched" / once).exists(), "its cgroup was left behind"
+    assert not (root / daemon.cgroup(once).lstrip("/")).exists(), "its cgroup was left behind"
     shown = {t["name"]: t for t in daemon.tenants()}
     assert shown[kept]["base_weight"] == 300, "run --keep's tenant went away with its process"
-    assert (root / "unisched" / kept).is_dir()
+    assert (root / daemon.cgroup(kept).lstrip("/")).is_dir()
 
 
 @needs_freezer

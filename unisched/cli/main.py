@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unisched import __version__
 from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
@@ -44,6 +44,9 @@ __all__ = ["main"]
 
 _PRIORITY: dict[str, pb.Priority] = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
 _PRIORITY_NAME: dict[int, str] = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
+
+if TYPE_CHECKING:
+    from unisched.telemetry import GpuTelemetry
 
 
 def _int_in(what: str, lo: int, hi: int) -> Callable[[str], int]:
@@ -467,7 +470,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from unisched.engine.core import KernelEngine
     from unisched.engine.state import StateStore
     from unisched.logs import configure_logging
-    from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
     from unisched.transport.claim import SocketInUse, claim_socket
     from unisched.transport.server import serve
 
@@ -510,11 +512,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _say_orphans(orphans)
         print(f"unisched serve: --mps: {why}", file=sys.stderr)
         return 1
-    if args.check_config:
-        return _check_config(args, config, warnings)
+    telemetry, nvml = _open_telemetry(config)
+    rc = _check_host(config, telemetry)
+    if rc is not None or args.check_config:
+        telemetry.close()
+        if rc is not None:
+            _say_orphans(orphans)
+            return rc
+        for w in warnings:
+            print(f"unisched serve: warning: {w}", file=sys.stderr)
+        print(_config_summary(args.config, config, [g.index for g in telemetry.gpus()]))
+        return 0
     try:
         claim = claim_socket(config.socket)
     except (SocketInUse, OSError) as e:
+        telemetry.close()
         _say_orphans(orphans)
         print(f"unisched serve: {e}", file=sys.stderr)
         return 1
@@ -546,21 +558,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         structlog.get_logger("unisched").info("delegated", daemon_cgroup=driver.cgroup_of(os.getpid()),
                                               tenants_subtree=config.cgroup_subtree)
-    telemetry: GpuTelemetry = NoGpuTelemetry()
-    nvml = False
-    if config.nvml:
-        from unisched.telemetry.nvml import open_nvml
-
-        opened = open_nvml()
-        if opened is not None:
-            telemetry, nvml = opened, True
-    try:
-        check_gpus(config, [g.index for g in telemetry.gpus()])
-        check_declared_cgroups(config, driver, os.getpid())
-    except ConfigError as e:
-        telemetry.close()
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 2
     from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
 
     devices: DeviceAdmission | None = None
@@ -605,40 +602,41 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_config(args: argparse.Namespace, config: DaemonConfig, warnings: Sequence[str]) -> int:
-    """`serve --check-config`: what serving would check (cgroups, GPUs, declared cgroups), touching nothing."""
-    from unisched.enforce.cgroups import CgroupError, detect_driver
-    from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+def _open_telemetry(config: DaemonConfig) -> tuple[GpuTelemetry, bool]:
+    """NVML where configured and present (True), else no GPU signal (False)."""
+    from unisched.telemetry import NoGpuTelemetry
 
-    try:
-        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
-    except CgroupError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    telemetry: GpuTelemetry = NoGpuTelemetry()
     if config.nvml:
         from unisched.telemetry.nvml import open_nvml
 
-        telemetry = open_nvml() or telemetry
+        opened = open_nvml()
+        if opened is not None:
+            return opened, True
+    return NoGpuTelemetry(), False
+
+
+def _check_host(config: DaemonConfig, telemetry: GpuTelemetry) -> int | None:
+    """What the config names on this host (the cgroup freezer, GPUs, declared cgroups), checked before anything
+    starts and touching nothing: None when it holds, else the exit code after saying why (2: a bad value)."""
+    from unisched.enforce.cgroups import CgroupError, detect_driver
+
     try:
-        gpus = [g.index for g in telemetry.gpus()]
-        check_gpus(config, gpus)
+        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
+        check_gpus(config, [g.index for g in telemetry.gpus()])
         check_declared_cgroups(config, driver, os.getpid())
+    except CgroupError as e:
+        print(f"unisched serve: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
         return 2
-    finally:
-        telemetry.close()
-    for w in warnings:
-        print(f"unisched serve: warning: {w}", file=sys.stderr)
-    print(_config_summary(args.config, config, driver, gpus))
-    return 0
+    return None
 
 
-def _config_summary(path: str | None, config: DaemonConfig, driver: Any, gpus: list[int]) -> str:
+def _config_summary(path: str | None, config: DaemonConfig, gpus: list[int]) -> str:
     declared = ", ".join(t.name for t in config.tenants) or "none"
     return (f"config OK: {path or 'built-in defaults'}: socket {config.socket}, mode {config.mode.value}, "
-            f"slice {config.slice_ms:g} ms, cgroup {driver.kind} at {driver.mount}, "
+            f"slice {config.slice_ms:g} ms, cgroup {config.cgroup_driver} driver, subtree {config.cgroup_subtree}, "
             f"GPUs {gpus if gpus else 'none seen'}, declared tenants: {declared}")
 
 
