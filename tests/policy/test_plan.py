@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Resource
+from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
 from unisched.policy.overlap import SliceKind
 from unisched.policy.plan import (
     MIX_DOMAIN,
@@ -22,8 +22,11 @@ from unisched.policy.plan import (
     demand_rule,
     freeze_rule,
     gate_reading,
+    lease_contended,
+    lease_jump,
     mix_contenders,
     observe,
+    online_jumps,
     pair_weights,
     plan,
     turn_used,
@@ -158,6 +161,40 @@ def test_demand_rule(case: dict[str, object], expected: tuple[bool, int, Rule]) 
 def test_freeze_rule(tenant: TenantView, waits: bool, state: PlanState, frozen: bool, rule: Rule) -> None:
     verdict = freeze_rule(tenant, waits, state)
     assert (verdict.frozen, verdict.rule) == (frozen, rule)
+
+
+# --- a lease grant ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("contenders", "mixed", "beside", "contended"), [
+    (1, False, False, False),  # alone: it may keep its queue full
+    (2, False, False, True),
+    (1, True, False, True),  # its side of a mixed pair sits out at the next switch
+    (1, False, True, True),  # an online tenant may preempt it any moment
+    (0, False, False, False),
+])
+def test_lease_contended(contenders: int, mixed: bool, beside: bool, contended: bool) -> None:
+    assert lease_contended(contenders, mixed, beside) is contended
+
+
+ON, OFF = Priority.ONLINE, Priority.OFFLINE
+
+
+@pytest.mark.parametrize(("preemptive", "tenant", "draining", "jumps"), [
+    (True, ON, OFF, True),  # an online request does not wait on an offline tail
+    (True, ON, ON, False), (True, OFF, OFF, False), (True, OFF, ON, False),
+    (False, ON, OFF, False),  # shared, timeshare, tidal: the next holder waits for the yield
+])
+def test_online_jumps(preemptive: bool, tenant: Priority, draining: Priority, jumps: bool) -> None:
+    assert online_jumps(preemptive, tenant, draining) is jumps
+
+
+@pytest.mark.parametrize(("preemptive", "prio", "online", "jump"), [
+    (True, ON, frozenset({"a"}), True),
+    (True, ON, frozenset({"a", "b"}), False),  # another online tenant may be behind it
+    (True, OFF, frozenset(), False),
+    (False, ON, frozenset({"a"}), False),
+])
+def test_lease_jump(preemptive: bool, prio: Priority, online: frozenset[str], jump: bool) -> None:
+    assert lease_jump(preemptive, prio, online, "a") is jump
 
 
 # --- the two steps over slices ---------------------------------------------------------------------------------

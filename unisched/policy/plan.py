@@ -19,7 +19,7 @@ from typing import Protocol
 
 from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
-from unisched.policy.model import Engine, Resource
+from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step
 
@@ -43,8 +43,11 @@ __all__ = [
     "demand_rule",
     "freeze_rule",
     "gate_reading",
+    "lease_contended",
+    "lease_jump",
     "mix_contenders",
     "observe",
+    "online_jumps",
     "pair_weights",
     "plan",
     "turn_used",
@@ -374,6 +377,27 @@ def freeze_rule(t: TenantView, waits: bool, state: PlanState) -> Verdict:
     if not verdict.frozen and paused and t.active and not paused.isdisjoint(t.resources):
         verdict = _PAUSED
     return verdict
+
+
+# --- the rules: a lease grant (engine.leases.LeaseBook keeps the hand-overs in flight) ---------------------
+def lease_contended(contenders: int, mixed: bool, online_beside: bool) -> bool:
+    """A lease is granted as contended (the client keeps one unit in flight and stops soon after a revoke) where
+    others want the resource, where it takes mixed slices, or where `online_beside`: an offline holder on a GPU
+    with an online cooperative tenant, in preemptive mode (it may be preempted at any moment)."""
+    return contenders > 1 or mixed or online_beside
+
+
+def online_jumps(preemptive: bool, tenant: Priority, draining: Priority) -> bool:
+    """Whether a tenant is granted at once while the revoked holder still finishes its unit in flight: only an
+    online tenant after an offline one, in preemptive mode. Elsewhere the next holder waits for the yield, so
+    neither pays for the other's tail."""
+    return preemptive and tenant is Priority.ONLINE and draining is Priority.OFFLINE
+
+
+def lease_jump(preemptive: bool, tenant: Priority, online_tenants: frozenset[str], name: str) -> bool:
+    """The grant tells an online holder it may jump queued work (`LeaseGrant.jump`) when it is the only online
+    tenant in preemptive mode: nobody of its class can be behind it."""
+    return preemptive and tenant is Priority.ONLINE and online_tenants == {name}
 
 
 # --- the plan ----------------------------------------------------------------------------------------------
