@@ -258,7 +258,7 @@ def test_plan_revokes_the_side_that_sits_out_and_marks_the_pair_mixed() -> None:
             assert p.holders == {SM: "cuda"} and p.revoked == {GFX: Rule.MIX_PAUSED}
         else:
             assert p.holders == decision.holders and p.revoked == {}
-        assert p.freeze["cuda"].frozen is (p.mixes[0].kind is SliceKind.GRAPHICS)
+        assert p.verdict("cuda").frozen is (p.mixes[0].kind is SliceKind.GRAPHICS)
     assert SliceKind.COMPUTE in kinds and SliceKind.BOTH in kinds  # 3:1 with kept 0.22/0.92: together 32%
     between, same = plan(cfg, PlanInputs(decision, tenants), state)  # between ticks the tick's mix stays
     assert between.mixes == {} and same == state and between.mixed == p.mixed
@@ -271,4 +271,4 @@ def test_plan_on_an_open_pair_without_cooperative_tenants_does_not_mix() -> None
     tenants = (TenantView("cuda", frozenset({SM}), True), TenantView("render", frozenset({GFX}), True))
     p, _ = plan(cfg, PlanInputs(decision, tenants, {0: PairWeights(100, 100, False)}, 0.05),
                 PlanState(gates=opened(JOINT)))
-    assert p.mixes == {} and p.mixed == frozenset() and not any(v.frozen for v in p.freeze.values())
+    assert p.mixes == {} and p.mixed == frozenset() and not any(v.frozen for v in p.freeze)

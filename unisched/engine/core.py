@@ -921,12 +921,13 @@ class KernelEngine:
         """Ask the scheduling model (policy.plan) what the decision means for each tenant and lease, then freeze or
         thaw kernel tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
         leases = self.leases
-        views = tuple(TenantView(t.name, t.resources, t.active, leases.cooperative(t.name), leases.enforced(t.name))
-                      for t in self._tenants.values())
+        tenants = tuple(self._tenants.values())
+        coop, enforced = leases.cooperative, leases.enforced
+        views = tuple([TenantView(t.name, t.resources, t.active, c, c and enforced(t.name))
+                       for t in tenants for c in (coop(t.name),)])
         p, self._plan = plan(self.plan_config, PlanInputs(decision, views, pairs, dt), self._plan)
         self._log_mixes(p)
-        for name, verdict in p.freeze.items():
-            t = self._tenants[name]
+        for t, verdict in zip(tenants, p.freeze, strict=True):
             if verdict.frozen != t.frozen and not t.missing:
                 try:
                     self.driver.set_frozen(t.cgroup, verdict.frozen)

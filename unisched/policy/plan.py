@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
@@ -153,9 +153,9 @@ class PairWeights:
     """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
 
 
-@dataclass(frozen=True, slots=True)
-class TenantView:
-    """A tenant as the freeze rules see it."""
+class TenantView(NamedTuple):
+    """A tenant as the freeze rules see it (a named tuple, not a dataclass: one is built per tenant per decision,
+    and decisions also come between slices, at every cooperative client's request)."""
 
     name: str
     resources: frozenset[Resource]
@@ -235,14 +235,18 @@ class MixSlice:
 
 @dataclass(frozen=True)
 class Plan:
-    freeze: Mapping[str, Verdict]
-    """Per tenant (those passed in): frozen or not, and why."""
+    freeze: tuple[Verdict, ...]
+    """Per tenant, in the order passed in: frozen or not, and why."""
     holders: Mapping[Resource, str]
     """Who may hold a lease on each resource (the fair share's holders, less the sides that sit out)."""
     revoked: Mapping[Resource, Rule]
     """Resources whose fair-share holder is revoked all the same, and why."""
     mixed: frozenset[Resource]
     mixes: Mapping[int, MixSlice]
+    names: tuple[str, ...] = ()
+
+    def verdict(self, name: str) -> Verdict:
+        return self.freeze[self.names.index(name)]
 
 
 # --- the rules: what the gate reads ---------------------------------------------------------------------------
@@ -445,11 +449,11 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
         mixes, state = _mix_slices(config, inputs.pairs, inputs.dt, state)
     decision = inputs.decision
     must_wait = decision.must_wait
-    freeze = {t.name: freeze_rule(t, must_wait(t.name), state) for t in inputs.tenants}
+    freeze = tuple([freeze_rule(t, must_wait(t.name), state) for t in inputs.tenants])
     paused = state.paused
     holders: Mapping[Resource, str] = decision.holders
     revoked: dict[Resource, Rule] = {}
     if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
         revoked = {r: Rule.MIX_PAUSED for r in holders if r in paused}
         holders = {r: n for r, n in holders.items() if r not in paused}
-    return Plan(freeze, holders, revoked, state.mixed, mixes), state
+    return Plan(freeze, holders, revoked, state.mixed, mixes, tuple(t.name for t in inputs.tenants)), state
