@@ -258,7 +258,7 @@ def test_plan_revokes_the_side_that_sits_out_and_marks_the_pair_mixed() -> None:
             assert p.holders == {SM: "cuda"} and p.revoked == {GFX: Rule.MIX_PAUSED}
         else:
             assert p.holders == decision.holders and p.revoked == {}
-        assert p.verdict("cuda").frozen is (p.mixes[0].kind is SliceKind.GRAPHICS)
+        assert p.freeze[0].frozen is (p.mixes[0].kind is SliceKind.GRAPHICS)
     assert SliceKind.COMPUTE in kinds and SliceKind.BOTH in kinds  # 3:1 with kept 0.22/0.92: together 32%
     between, same = plan(cfg, PlanInputs(decision, tenants), state)  # between ticks the tick's mix stays
     assert between.mixes == {} and same == state and between.mixed == p.mixed

@@ -243,10 +243,6 @@ class Plan:
     """Resources whose fair-share holder is revoked all the same, and why."""
     mixed: frozenset[Resource]
     mixes: Mapping[int, MixSlice]
-    names: tuple[str, ...] = ()
-
-    def verdict(self, name: str) -> Verdict:
-        return self.freeze[self.names.index(name)]
 
 
 # --- the rules: what the gate reads ---------------------------------------------------------------------------
@@ -456,4 +452,4 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
     if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
         revoked = {r: Rule.MIX_PAUSED for r in holders if r in paused}
         holders = {r: n for r, n in holders.items() if r not in paused}
-    return Plan(freeze, holders, revoked, state.mixed, mixes, tuple(t.name for t in inputs.tenants)), state
+    return Plan(freeze, holders, revoked, state.mixed, mixes), state

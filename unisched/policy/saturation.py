@@ -19,8 +19,8 @@ between them read 94-100% busy on the H200, yet each uses a few ms of its 50 ms 
 frames and gives nobody anything. So a resource opened for unused turns is held open for `hold_slices`, doubling
 each time it happens again (up to `max_hold_slices`), and back to `hold_slices` once slicing lasts `reset_slices`
 (its turns are used: a greedy tenant is there, slice it).
-"used" is the caller's judgement; the engine counts a turn used when the GPU was busy or a compute holder kept a
-CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
+"used" is the caller's judgement; policy.plan.turn_used counts a turn used when the GPU was busy or a compute
+holder kept a CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
 thread busy).
 Pure: no clock, no I/O; the caller passes the samples in slice order.
 """
