@@ -922,9 +922,8 @@ class KernelEngine:
         thaw kernel tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
         leases = self.leases
         tenants = tuple(self._tenants.values())
-        coop, enforced = leases.cooperative, leases.enforced
-        views = tuple([TenantView(t.name, t.resources, t.active, c, c and enforced(t.name))
-                       for t in tenants for c in (coop(t.name),)])
+        coop, enforced = leases.cooperative_names(), leases.enforced_names()
+        views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced) for t in tenants])
         p, self._plan = plan(self.plan_config, PlanInputs(decision, views, pairs, dt), self._plan)
         self._log_mixes(p)
         for t, verdict in zip(tenants, p.freeze, strict=True):

@@ -10,7 +10,7 @@ policy and the clock); it sends through each session's `LeaseChannel`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -137,6 +137,14 @@ class LeaseBook:
 
     def enforced(self, tenant: str) -> bool:
         return tenant in self._enforced
+
+    def cooperative_names(self) -> Collection[str]:
+        """The cooperative tenants (a live read-only view: membership tests without a call per tenant)."""
+        return self._coop.keys()
+
+    def enforced_names(self) -> Collection[str]:
+        """The tenants whose leases the freezer backs (live; do not modify)."""
+        return self._enforced
 
     def demand(self, tenant: str) -> frozenset[Resource]:
         c = self._coop.get(tenant)
