@@ -18,6 +18,7 @@ from unisched.policy.plan import (
     PlanState,
     Rule,
     TenantView,
+    charge_rule,
     cpu_busy,
     demand_rule,
     freeze_rule,
@@ -118,6 +119,19 @@ def test_mix_contenders(pair: PairWeights | None, n: int) -> None:
 ])
 def test_pair_weights(members: list[PairMember], expected: dict[int, PairWeights]) -> None:
     assert pair_weights(members, SEPARATE_GRAPHICS) == expected
+
+
+# --- charging the tenants that ran on a resource ------------------------------------------------------------------
+@pytest.mark.parametrize(("util", "cpu", "charged", "rule"), [
+    (0.5, [0.03, 0.01], [0.01875, 0.00625], Rule.SIGNAL),  # 0.025 s busy, split 3:1 by CPU activity
+    (0.5, [0.0, 0.0], [0.0125, 0.0125], Rule.SIGNAL),  # no CPU shown: evenly
+    (0.5, [0.0, 0.02], [0.0, 0.025], Rule.SIGNAL),  # the drain of the frozen one's queue is the runner's
+    (0.02, [0.03, 0.0], [0.03, 0.0], Rule.CPU_TIME),  # GPU idle (or no GPU): CPU time stands in
+    (0.0, [], [], Rule.CPU_TIME),
+])
+def test_charge_rule(util: float, cpu: list[float], charged: list[float], rule: Rule) -> None:
+    amounts, why = charge_rule(util, 0.05, cpu, 0.02)
+    assert amounts == pytest.approx(charged) and why is rule
 
 
 # --- a kernel tenant's demand -------------------------------------------------------------------------------

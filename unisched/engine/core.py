@@ -52,7 +52,9 @@ from unisched.policy.plan import (
     PlanConfig,
     PlanInputs,
     PlanState,
+    Rule,
     TenantView,
+    charge_rule,
     demand_rule,
     observe,
     pair_weights,
@@ -997,31 +999,20 @@ class KernelEngine:
     ) -> None:
         """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
-        With a GPU signal, the busy time (utilization x interval, which includes the drain of work the
-        previous holder queued) is split by the tenants' CPU activity; without one, each tenant's CPU
-        time stands in for GPU time (the same engine then runs on machines with no GPU).
-        """
+        `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
+        policy.plan.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
         util = 0.0
         if sample is not None and sample.ok:
             util = max(
                 (sample.util(e) for t in ts for e in t.all_engines() if self.contention.domain(e) == r.domain),
                 default=0.0,
             )
-        if util > self.config.activity_threshold:
-            busy = util * dt
-            weights = [cpu.get(t.name, 0.0) for t in ts]
-            total = sum(weights)
-            for t, w in zip(ts, weights, strict=True):
-                share = w / total if total > 0 else 1.0 / len(ts)
-                if share > 0:
-                    self.policy.charge(t.name, r, busy * share, now)
-            if len(ts) == 1:
-                gpu_active.add(ts[0].name)
-        else:
-            for t in ts:
-                used = cpu.get(t.name, 0.0)
-                if used > 0:
-                    self.policy.charge(t.name, r, used, now)
+        amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], self.config.activity_threshold)
+        for t, seconds in zip(ts, amounts, strict=True):
+            if seconds > 0:
+                self.policy.charge(t.name, r, seconds, now)
+        if rule is Rule.SIGNAL and len(ts) == 1:
+            gpu_active.add(ts[0].name)
 
     def _update_demand(self, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
         threshold = self.config.activity_threshold

@@ -12,7 +12,7 @@ and what measurement motivated it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -40,6 +40,8 @@ __all__ = [
     "TenantView",
     "UtilSample",
     "Verdict",
+    "charge_rule",
+    "cpu_busy",
     "demand_rule",
     "freeze_rule",
     "gate_reading",
@@ -72,6 +74,9 @@ class Rule(StrEnum):
     """No GPU sample (no GPU, NVML failed): nothing is known about saturation, so the resource is sliced."""
     CPU_STAND_IN = "cpu-stand-in"
     """The GPU reads idle under a compute tenant busy launching work: read as no signal (sliced)."""
+    # how a kernel tenant is charged (also SIGNAL: the GPU's busy time, split by CPU activity)
+    CPU_TIME = "cpu-time"
+    """No GPU signal: each tenant's CPU time stands in for its GPU time."""
     # a kernel tenant's demand
     LOST = "lost"
     """Its cgroup is gone: no demand."""
@@ -336,6 +341,19 @@ def observe(config: PlanConfig, use: Iterable[KernelUse], samples: Mapping[int, 
             level.append(r)
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
     return GateOutcome(tuple(readings), tuple(level)), replace(state, gates=gates)
+
+
+# --- the rules: charging the kernel tenants that ran on a resource -----------------------------------------------
+def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float) -> tuple[list[float], Rule]:
+    """GPU seconds to charge each tenant that was thawed on a resource over the interval (`cpu_s`: their CPU
+    seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
+    included) is split by CPU activity (evenly when none showed any); without one each tenant's CPU time stands in
+    for GPU time, so the same engine runs (and is tested) on machines with no GPU."""
+    if util > activity_threshold:
+        busy = util * dt
+        total = sum(cpu_s)
+        return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
+    return list(cpu_s), Rule.CPU_TIME
 
 
 # --- the rules: a kernel tenant's demand ------------------------------------------------------------------------
