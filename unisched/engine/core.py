@@ -2,8 +2,9 @@
 freezes or thaws.
 
 `KernelEngine.tick()` is one synchronous step (measure the interval that just ended -> charge the policy ->
-update demand -> decide -> freeze/thaw); the asyncio runner calls it every slice. Time comes from an
-injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
+update demand -> observe the gates -> decide -> plan -> freeze/thaw, grant/revoke); the asyncio runner calls it
+every slice. The rules of each step are policy.plan's (docs/design/scheduling.md): the engine measures and applies.
+Time comes from an injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
 """
 
 from __future__ import annotations
