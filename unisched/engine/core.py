@@ -2,8 +2,9 @@
 freezes or thaws.
 
 `KernelEngine.tick()` is one synchronous step (measure the interval that just ended -> charge the policy ->
-update demand -> decide -> freeze/thaw); the asyncio runner calls it every slice. Time comes from an
-injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
+update demand -> observe the gates -> decide -> plan -> freeze/thaw, grant/revoke); the asyncio runner calls it
+every slice. The rules of each step are policy.plan's (docs/design/scheduling.md): the engine measures and applies.
+Time comes from an injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
 """
 
 from __future__ import annotations
@@ -45,16 +46,31 @@ from unisched.policy import (
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.policy.contention import PARTIAL_OVERLAP
 from unisched.policy.mps import mps_client_settings
-from unisched.policy.overlap import MixTurns, OverlapMix, SliceKind, overlap_mix
-from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
+from unisched.policy.overlap import OverlapMix, SliceKind
+from unisched.policy.plan import (
+    GateOutcome,
+    KernelUse,
+    PairMember,
+    PairWeights,
+    Plan,
+    PlanConfig,
+    PlanInputs,
+    PlanState,
+    Rule,
+    TenantView,
+    charge_rule,
+    demand_rule,
+    observe,
+    pair_weights,
+    plan,
+)
+from unisched.policy.saturation import GateState, SaturationConfig, gate_states
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
 
 log = structlog.get_logger("unisched.engine")
 MEMORY_CHECK_S = 1.0
-_MIX_DOMAIN = "sm+gfx"
-"""The saturation gate's key for a GPU's partly overlapping compute + graphics pair (see `_mix`)."""
 SAVE_DELAY_S = 0.5
 """Registrations are written to the state file by the tick at most this long after them: one write per burst
 instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
@@ -67,12 +83,6 @@ sample mixes four 50 ms turns, so a render's turn can read half busy, and a trai
 not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
 SATURATION_HOLD_S = (2.0, 30.0)
 """How long an engine stays open after slicing left its turns unused (paced tenants), doubling up to the second."""
-TURN_CPU_CORES = 0.7
-"""A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
-kernels are invisible to NVML utilization on the H200 VM while its launching thread stays busy. Only compute: a
-graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
-with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
-
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
 MAX_USER_TENANTS = 32
@@ -227,16 +237,6 @@ def _parse_engines(names: Iterable[str]) -> frozenset[Engine]:
     return engines or frozenset({Engine.COMPUTE})
 
 
-@dataclass(frozen=True)
-class _PairWeights:
-    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
-
-    compute: int
-    graphics: int
-    cooperative: bool
-    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
-
-
 class KernelEngine:
     def __init__(
         self,
@@ -270,15 +270,19 @@ class KernelEngine:
 
         def slices(seconds: float) -> int:
             return max(2, math.ceil(seconds * 1000.0 / config.slice_ms - 1e-9))
-        self.saturation = SaturationGate(SaturationConfig(
+        gate = SaturationConfig(
             high=high, low=min(high, max(0.0, high - 0.3)), enter_slices=slices(SATURATION_ENTER_S),
             leave_slices=slices(SATURATION_LEAVE_S),
             hold_slices=slices(SATURATION_HOLD_S[0]), max_hold_slices=slices(SATURATION_HOLD_S[1]),
-            reset_slices=slices(SATURATION_HOLD_S[0])))
+            reset_slices=slices(SATURATION_HOLD_S[0]))
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
         self.contention = self._contention(gpus[0].name if gpus else None)
+        self.plan_config = PlanConfig(self.contention, self.gpu_indices, gate, config.activity_threshold,
+                                      config.idle_slices, config.mix_period_ms / 1000.0)
+        self._plan = PlanState()
+        """The scheduling model's state between slices (policy.plan): gates, mixed-slice clocks."""
         self._tenants: dict[str, _Tenant] = {}
         self._declared = frozenset(d.name for d in config.tenants)
         """Tenants the config declares stay when their processes exit, however they were first made."""
@@ -290,15 +294,8 @@ class KernelEngine:
         self.leases = LeaseBook(self.policy, self.contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0,
                                 config.lease_max_run_ms / 1000.0)
         self._next_tick = self._last_tick
-        self._mix_turns: dict[int, MixTurns] = {}
-        self._mix_kind: dict[int, SliceKind] = {}
-        """Per GPU, the kind of slice running now where compute and graphics overlap partly (`_mix`)."""
         self._mix_shown: dict[int, OverlapMix] = {}
         """Per GPU, the last mix logged (and shown by `mixed_slices`)."""
-        self._paused: frozenset[Resource] = frozenset()
-        """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
-        self._mixed: frozenset[Resource] = frozenset()
-        """Both sides of every GPU whose compute and graphics take mixed slices now (their leases are contended)."""
         self._logged_shares: dict[str, tuple[float, str]] = {}
         self._unsaved = False
         self._saved_at = float("-inf")
@@ -1004,8 +1001,8 @@ class KernelEngine:
         for r, ts in thawed_on.items():
             self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
         self._update_demand(cpu, dt, gpu_active)
-        mix_weights = self._mix_weights() if self.contention.kept is not None else {}
-        self._observe_saturation(samples, cpu, dt, mix_weights)
+        pairs = self._mix_weights() if self.plan_config.mixing else {}
+        self._observe_saturation(samples, cpu, dt, pairs)
         tenants = self._tenants
         leases.expire(now, lambda name: tenants[name].frozen)
         if self.config.mode is Mode.TIDAL:
@@ -1013,9 +1010,7 @@ class KernelEngine:
                 self._apply_tidal(t)
         decision = self.policy.decide(now)
         self._next_tick = now + decision.slice_s
-        if self.contention.kept is not None:
-            self._paused, self._mixed = self._mix(dt, mix_weights)
-        self._apply(decision, now, tick=True)
+        self._apply(decision, now, tick=True, pairs=pairs, dt=dt)
         if self._unsaved and now - self._saved_at >= SAVE_DELAY_S:
             self._saved_at = now
             self._save()
@@ -1026,148 +1021,71 @@ class KernelEngine:
         return decision.slice_s
 
     def _observe_saturation(self, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float,
-                            mix_weights: Mapping[int, _PairWeights]) -> None:
-        """Feed each kernel-engine resource's busy fraction, and whether the tenants that ran on it used the slice,
-        to the saturation gate (see policy.saturation)."""
-        engines_on: dict[Resource, set[Engine]] = {}
-        cpu_busy: set[Resource] = set()
+                            pairs: Mapping[int, PairWeights]) -> None:
+        """Measure what the saturation gates read (policy.plan.observe), level the fair share of resources that
+        slicing starts on, and log the gates' changes."""
         cooperative = self.leases.cooperative
-        for t in self._tenants.values():
-            if t.missing or cooperative(t.name):
-                continue
-            busy = (not t.frozen and Engine.COMPUTE in t.all_engines()
-                    and cpu.get(t.name, 0.0) / dt >= TURN_CPU_CORES)
-            for r in t.resources:
-                engines_on.setdefault(r, set()).update(e for e in t.all_engines() if self.contention.domain(e) == r.domain)
-                if busy:
-                    cpu_busy.add(r)
-        if self.contention.kept is not None:  # the pair's joint resource: mixed slices only while it is saturated
-            for g in self.gpu_indices:
-                rc, rg = self._mix_pair(g)
-                if rc in engines_on or rg in engines_on:
-                    joint = Resource(g, _MIX_DOMAIN)
-                    engines_on[joint] = engines_on.get(rc, set()) | engines_on.get(rg, set())
-                    if rc in cpu_busy or rg in cpu_busy:
-                        cpu_busy.add(joint)
-        low = self.saturation.config.low
-        for r, engines in engines_on.items():
-            sample = samples.get(r.gpu)
-            util = max((sample.util(e) for e in engines), default=0.0) if sample is not None and sample.ok else None
-            if util is not None and util <= self.config.activity_threshold and r in cpu_busy:
-                # an idle-looking GPU under compute tenants busy launching work is not idle: NVML does not see
-                # their kernels (PyTorch on the H200 VM). No signal, so the resource is sliced, as before the gate.
-                util = None
-            was_open = self.saturation.is_open(r)
-            if r.domain == _MIX_DOMAIN:  # both sides want the GPU: the pair contends
-                pw = mix_weights.get(r.gpu, _PairWeights(0, 0, False))
-                contenders = 2 if pw.compute and pw.graphics else int(bool(pw.compute or pw.graphics))
-            else:
-                contenders = self.policy.contenders(r)
-            used = r in cpu_busy or (util is not None and util >= low)
-            if not was_open and contenders >= 2:  # why a sliced GPU stays sliced or opens (--log-level debug)
-                log.debug("turn", gpu=r.gpu, domain=r.domain, util=util, cpu_busy=r in cpu_busy, used=used)
-            now_open = self.saturation.observe(r, util, contenders, used)
-            if was_open and not now_open and r.domain != _MIX_DOMAIN:
-                self.policy.level(r)  # everyone ran as much as it wanted until now: nobody is owed catch-up time
-            if now_open != was_open and contenders >= 2:
-                held = self.saturation.held(r)
-                reason = ("saturated" if not now_open else
-                          f"turns left unused (paced tenants): every tenant runs for {held * self.config.slice_ms / 1000.0:.1f} s"
-                          if held else "unsaturated: every tenant runs")
-                log.info("slicing" if not now_open else "lending", gpu=r.gpu, domain=r.domain,
-                         util=None if util is None else round(util, 3), reason=reason)
+        use = [KernelUse(t.resources, t.all_engines(), t.frozen, cpu.get(t.name, 0.0) / dt)
+               for t in self._tenants.values() if not t.missing and not cooperative(t.name)]
+        contenders = {r: self.policy.contenders(r) for u in use for r in u.resources}
+        outcome, self._plan = observe(self.plan_config, use, samples, contenders, pairs, self._plan)
+        for r in outcome.level:
+            self.policy.level(r)
+        self._log_gates(outcome)
 
-    # --- compute beside graphics where they overlap partly (policy.overlap) --------------------------------
-    def _mix_pair(self, gpu: int) -> tuple[Resource, Resource]:
-        return Resource(gpu, self.contention.domain(Engine.COMPUTE)), Resource(gpu, self.contention.domain(Engine.GRAPHICS))
+    def _log_gates(self, outcome: GateOutcome) -> None:
+        """Why a sliced GPU stays sliced or opens (--log-level debug), and each change of a contended gate."""
+        for g in outcome.readings:
+            r = g.resource
+            if not g.was_open and g.contenders >= 2:
+                log.debug("turn", gpu=r.gpu, domain=r.domain, util=g.util, cpu_busy=g.cpu_busy, used=g.used)
+            if g.now_open != g.was_open and g.contenders >= 2:
+                held_s = g.held * self.config.slice_ms / 1000.0
+                reason = ("saturated" if not g.now_open else
+                          f"turns left unused (paced tenants): every tenant runs for {held_s:.1f} s"
+                          if g.held else "unsaturated: every tenant runs")
+                log.info("slicing" if not g.now_open else "lending", gpu=r.gpu, domain=r.domain,
+                         util=None if g.util is None else round(g.util, 3), reason=reason)
 
-    def _mix_weights(self) -> dict[int, _PairWeights]:
+    def _mix_weights(self) -> dict[int, PairWeights]:
         """Per GPU, the weights of the tenants with demand on its compute and on its graphics side."""
-        out: dict[int, _PairWeights] = {}
-        compute, graphics = self.contention.domain(Engine.COMPUTE), self.contention.domain(Engine.GRAPHICS)
-        for t in self._tenants.values():
-            if not t.active or t.missing:
-                continue
-            w = self.policy.weight(t.name)
-            coop = self.leases.cooperative(t.name)
-            sides: dict[int, bool] = {}  # GPU -> on its compute side (a tenant using both counts there)
-            for r in t.resources:
-                if r.domain == compute:
-                    sides[r.gpu] = True
-                elif r.domain == graphics:
-                    sides.setdefault(r.gpu, False)
-            for g, is_compute in sides.items():
-                p = out.get(g, _PairWeights(0, 0, False))
-                out[g] = _PairWeights(p.compute + w * is_compute, p.graphics + w * (not is_compute), p.cooperative or coop)
-        return out
+        cooperative, weight = self.leases.cooperative, self.policy.weight
+        return pair_weights((PairMember(weight(t.name), t.resources, cooperative(t.name))
+                             for t in self._tenants.values() if t.active and not t.missing), self.contention)
 
-    def _mix(self, dt: float, weights: Mapping[int, _PairWeights]) -> tuple[frozenset[Resource], frozenset[Resource]]:
-        """The resources that sit out the next slice, and those that take mixed slices now (both sides of a GPU).
-        On a saturated GPU with compute and graphics tenants that overlap partly, slices are together, compute
-        alone or graphics alone in the proportions that give each side its weight share with the most overlap
-        (policy.overlap); the kept rates are the calibration's."""
-        assert self.contention.kept is not None
-        kept_c, kept_g = self.contention.kept
-        paused: set[Resource] = set()
-        mixed: set[Resource] = set()
-        for g in self.gpu_indices:
-            turns = self._mix_turns.setdefault(g, MixTurns(period_s=self.config.mix_period_ms / 1000.0))
-            last = self._mix_kind.pop(g, None)
-            if last is not None:
-                turns.ran(last, dt)
-            pair = weights.get(g)
-            if pair is None or not (pair.compute and pair.graphics) \
-                    or (self.saturation.is_open(Resource(g, _MIX_DOMAIN)) and not pair.cooperative):
-                continue  # (cooperative tenants ask for leases only when they have work: no gate for them)
-            wc, wg = pair.compute, pair.graphics
-            mix = overlap_mix(kept_c, kept_g, wc / (wc + wg))
-            if self._mix_shown.get(g) != mix:
-                self._mix_shown[g] = mix
-                log.info("mixed slices", gpu=g, together=round(mix.both, 3), compute_alone=round(mix.compute_only, 3),
-                         graphics_alone=round(mix.graphics_only, 3), period_ms=self.config.mix_period_ms,
-                         compute_weight=wc, graphics_weight=wg)
-            kind = turns.choose(mix)
-            if kind is not last:
-                log.debug("mixed slice", gpu=g, kind=kind.value)
-            self._mix_kind[g] = kind
-            rc, rg = self._mix_pair(g)
-            mixed.update((rc, rg))
-            if kind is SliceKind.COMPUTE:
-                paused.add(rg)
-            elif kind is SliceKind.GRAPHICS:
-                paused.add(rc)
-        return frozenset(paused), frozenset(mixed)
-
-    def _apply(self, decision: Decision, now: float, tick: bool) -> None:
-        """Freeze or thaw kernel tenants (and cooperative ones the freezer backs); grant or revoke leases.
-
-        A kernel tenant whose every resource is unsaturated (the saturation gate is open) runs whatever the slice
-        says: its turn only matters once the GPU is busy; its use is still charged, so the weights hold from the
-        moment slicing starts."""
+    def _apply(self, decision: Decision, now: float, tick: bool, pairs: Mapping[int, PairWeights] | None = None,
+               dt: float = 0.0) -> None:
+        """Ask the scheduling model (policy.plan) what the decision means for each tenant and lease, then freeze or
+        thaw kernel tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
         leases = self.leases
-        is_open = self.saturation.is_open
-        paused = self._paused
-        for t in self._tenants.values():
-            want = decision.must_wait(t.name)
-            if leases.cooperative(t.name):
-                if not leases.enforced(t.name):
-                    want = False
-            elif want and t.resources and all(is_open(r) for r in t.resources):
-                want = False
-            if not want and paused and t.active and not leases.cooperative(t.name) \
-                    and any(r in paused for r in t.resources):
-                want = True  # its side of a partly overlapping pair sits this slice out
-            if want != t.frozen and not t.missing:
+        tenants = tuple(self._tenants.values())
+        coop, enforced = leases.cooperative_names(), leases.enforced_names()
+        views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced) for t in tenants])
+        p, self._plan = plan(self.plan_config, PlanInputs(decision, views, pairs, dt), self._plan)
+        self._log_mixes(p)
+        for t, verdict in zip(tenants, p.freeze, strict=True):
+            if verdict.frozen != t.frozen and not t.missing:
                 try:
-                    self.driver.set_frozen(t.cgroup, want)
-                    t.frozen = want
-                    if not want:
+                    self.driver.set_frozen(t.cgroup, verdict.frozen)
+                    t.frozen = verdict.frozen
+                    if not verdict.frozen:
                         leases.touch(t.name, now)
                 except CgroupError as e:
                     self._lost(t, str(e))
-        if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
-            decision = replace(decision, holders={r: n for r, n in decision.holders.items() if r not in paused})
-        leases.apply(decision, now, max(0.0, self._next_tick - now), tick, self._mixed)
+        if p.revoked:
+            decision = replace(decision, holders=p.holders)
+        leases.apply(decision, now, max(0.0, self._next_tick - now), tick, p.mixed)
+
+    def _log_mixes(self, p: Plan) -> None:
+        for g, m in p.mixes.items():
+            if self._mix_shown.get(g) != m.mix:
+                self._mix_shown[g] = m.mix
+                log.info("mixed slices", gpu=g, together=round(m.mix.both, 3),
+                         compute_alone=round(m.mix.compute_only, 3), graphics_alone=round(m.mix.graphics_only, 3),
+                         period_ms=self.config.mix_period_ms, compute_weight=m.weights.compute,
+                         graphics_weight=m.weights.graphics)
+            if m.kind is not m.previous:
+                log.debug("mixed slice", gpu=g, kind=m.kind.value)
 
     def _reschedule(self) -> None:
         """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine
@@ -1216,31 +1134,20 @@ class KernelEngine:
     ) -> None:
         """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
-        With a GPU signal, the busy time (utilization x interval, which includes the drain of work the
-        previous holder queued) is split by the tenants' CPU activity; without one, each tenant's CPU
-        time stands in for GPU time (the same engine then runs on machines with no GPU).
-        """
+        `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
+        policy.plan.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
         util = 0.0
         if sample is not None and sample.ok:
             util = max(
                 (sample.util(e) for t in ts for e in t.all_engines() if self.contention.domain(e) == r.domain),
                 default=0.0,
             )
-        if util > self.config.activity_threshold:
-            busy = util * dt
-            weights = [cpu.get(t.name, 0.0) for t in ts]
-            total = sum(weights)
-            for t, w in zip(ts, weights, strict=True):
-                share = w / total if total > 0 else 1.0 / len(ts)
-                if share > 0:
-                    self.policy.charge(t.name, r, busy * share, now)
-            if len(ts) == 1:
-                gpu_active.add(ts[0].name)
-        else:
-            for t in ts:
-                used = cpu.get(t.name, 0.0)
-                if used > 0:
-                    self.policy.charge(t.name, r, used, now)
+        amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], self.config.activity_threshold)
+        for t, seconds in zip(ts, amounts, strict=True):
+            if seconds > 0:
+                self.policy.charge(t.name, r, seconds, now)
+        if rule is Rule.SIGNAL and len(ts) == 1:
+            gpu_active.add(ts[0].name)
 
     def _update_demand(self, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
         threshold = self.config.activity_threshold
@@ -1249,16 +1156,10 @@ class KernelEngine:
             if leases.cooperative(t.name):
                 t.active = bool(leases.demand(t.name))  # from its lease session (LeaseBook sets the demand)
                 continue
-            if t.missing or self._off_gpu(t):
-                active = False
-            elif t.frozen:
-                active = t.active  # a frozen tenant cannot show work: keep what it had
-            elif t.name in gpu_active or cpu.get(t.name, 0.0) / dt > threshold:
-                t.idle_run = 0
-                active = True
-            else:
-                t.idle_run += 1
-                active = t.active and t.idle_run < self.config.idle_slices
+            active, t.idle_run, _ = demand_rule(
+                was_active=t.active, lost=t.missing, frozen=t.frozen, off_gpu=self._off_gpu(t),
+                gpu_alone=t.name in gpu_active, cpu_cores=cpu.get(t.name, 0.0) / dt, idle_run=t.idle_run,
+                activity_threshold=threshold, idle_slices=self.config.idle_slices)
             if active != t.active or not active:
                 self.policy.set_demand(t.name, t.resources if active else ())
             t.active = active
@@ -1459,13 +1360,13 @@ class KernelEngine:
     def mixed_slices(self, gpu: int) -> tuple[OverlapMix, SliceKind] | None:
         """The mix a GPU's partly overlapping compute + graphics get now, and the kind of slice running; None
         while it is not mixing (no such pair with work, or an unsaturated GPU)."""
-        kind = self._mix_kind.get(gpu)
+        kind = self._plan.running.get(gpu)
         mix = self._mix_shown.get(gpu)
         return None if kind is None or mix is None else (mix, kind)
 
     def gate_states(self) -> tuple[GateState, ...]:
         """Per contended resource: sliced (tenants take turns) or open, and how long it is held open."""
-        return self.saturation.states()
+        return gate_states(self._plan.gates)
 
     @property
     def tenant_count(self) -> int:

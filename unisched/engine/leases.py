@@ -10,7 +10,7 @@ policy and the clock); it sends through each session's `LeaseChannel`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -20,6 +20,7 @@ from structlog.typing import FilteringBoundLogger
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
+from unisched.policy.plan import lease_contended, lease_jump, online_jumps
 
 __all__ = ["MAX_REPORT_S", "RUN_UNITS", "LeaseBook", "LeaseError", "min_run_for"]
 
@@ -136,6 +137,14 @@ class LeaseBook:
 
     def enforced(self, tenant: str) -> bool:
         return tenant in self._enforced
+
+    def cooperative_names(self) -> Collection[str]:
+        """The cooperative tenants (a live read-only view: membership tests without a call per tenant)."""
+        return self._coop.keys()
+
+    def enforced_names(self) -> Collection[str]:
+        """The tenants whose leases the freezer backs (live; do not modify)."""
+        return self._enforced
 
     def demand(self, tenant: str) -> frozenset[Resource]:
         c = self._coop.get(tenant)
@@ -393,8 +402,8 @@ class LeaseBook:
         holder there is revoked when its side sits out, so it is told it is contended (one unit in flight)."""
         holders = decision.holders
         preemptive = self.policy.config.mode is Mode.PREEMPTIVE
-        online_gpus: set[int] | None = None  # found once, when an offline holder needs it
-        online: set[str] | None = None  # found once, when an online holder needs it
+        online_gpus: set[int] | None = None
+        online: frozenset[str] | None = None
         for tenant, c in self._coop.items():  # revokes first: a grant must see the hand-over they start
             for r, held in list(c.leases.items()):
                 if holders.get(r) != tenant and r in c.demand:
@@ -404,16 +413,17 @@ class LeaseBook:
                 if holders.get(r) != tenant:
                     continue
                 lease = c.leases.get(r)
-                contended = self.policy.contenders(r) > 1 or r in mixed
-                if not contended and preemptive and self.policy.priority(tenant) is not Priority.ONLINE:
-                    if online_gpus is None:
+                prio = self.policy.priority(tenant)
+                wanting, is_mixed = self.policy.contenders(r), r in mixed
+                beside = False
+                if not lease_contended(wanting, is_mixed, False) and preemptive and prio is not Priority.ONLINE:
+                    if online_gpus is None:  # found once, when an offline holder needs it
                         online_gpus = self._online_gpus()
-                    contended = r.gpu in online_gpus
-                jump = False
-                if preemptive and self.policy.priority(tenant) is Priority.ONLINE:
-                    if online is None:
-                        online = {n for n in self.policy.names() if self.policy.priority(n) is Priority.ONLINE}
-                    jump = online == {tenant}
+                    beside = r.gpu in online_gpus
+                contended = lease_contended(wanting, is_mixed, beside)
+                if preemptive and prio is Priority.ONLINE and online is None:  # found once, when needed
+                    online = frozenset(n for n in self.policy.names() if self.policy.priority(n) is Priority.ONLINE)
+                jump = lease_jump(preemptive, prio, online or frozenset(), tenant)
                 h = self._handover.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
@@ -490,7 +500,7 @@ class LeaseBook:
             return False
         a, b = self.policy.stats(now, (tenant, draining))  # sorted by name; two tenants: cheap
         prio = {a.name: a.priority, b.name: b.priority}
-        return prio[tenant] is Priority.ONLINE and prio[draining] is Priority.OFFLINE
+        return online_jumps(True, prio[tenant], prio[draining])
 
     def _end_handover(self, r: Resource, now: float) -> None:
         h = self._handover.pop(r, None)

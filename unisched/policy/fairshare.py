@@ -578,8 +578,6 @@ class WeightedFairShare:
         prev = self._holders
         tenants = self._tenants
         vclock = self._vclock
-        resources = self._resources
-        in_turn = self._in_turn
         heappop = heapq.heappop
         heapreplace = heapq.heapreplace
         holder_ids: dict[int, str] = {}
@@ -610,18 +608,7 @@ class WeightedFairShare:
                 ):
                     t = ht
                     name = holder
-            holder_ids[rid] = name
-            pair = t.held.get(rid)
-            if pair is None:
-                pair = t.held[rid] = {resources[rid]: name}
-            holders.update(pair)
-            running.append(name)
-            t.slices += 1
-            if t.turn_started is None:
-                t.turn_started, t.turn_mark = now, self._activations
-                in_turn.add(name)
-            elif holder != name:
-                t.turn_started, t.turn_mark = now, self._activations
+            self._win(t, rid, name, holder, now, holder_ids, holders, running)
         return holder_ids, holders, running
 
     def _decide_vtime(self, now: float, preemptive: bool) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
@@ -639,8 +626,6 @@ class WeightedFairShare:
         vclock = self._vclock
         inf = math.inf
         multi = self._multi > 0
-        resources = self._resources
-        in_turn = self._in_turn
         holder_ids: dict[int, str] = {}
         holders: dict[Resource, str] = {}
         running: list[str] = []
@@ -687,21 +672,9 @@ class WeightedFairShare:
             if multi:
                 best[rid] = top[_OWNER]
                 continue
-            # no multi-resource tenant anywhere: the best single one runs (inlined _run_singles)
+            # no multi-resource tenant anywhere: the best single one runs
             t = top[_OWNER]
-            name = t.spec.name
-            holder_ids[rid] = name
-            pair = t.held.get(rid)
-            if pair is None:
-                pair = t.held[rid] = {resources[rid]: name}
-            holders.update(pair)
-            running.append(name)
-            t.slices += 1
-            if t.turn_started is None:
-                t.turn_started, t.turn_mark = now, self._activations
-                in_turn.add(name)
-            elif holder != name:
-                t.turn_started, t.turn_mark = now, self._activations
+            self._win(t, rid, t.spec.name, holder, now, holder_ids, holders, running)
         if not multi:
             return holder_ids, holders, running
 
@@ -740,24 +713,29 @@ class WeightedFairShare:
         self, best: Mapping[int, _Tenant], now: float,
         holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
     ) -> None:
-        """Hand each resource to its single-resource winner; count the slice; start turns."""
+        """Hand each resource to its single-resource winner."""
         prev = self._holders
-        in_turn = self._in_turn
-        resources = self._resources
         for rid, t in best.items():
-            name = t.spec.name
-            holder_ids[rid] = name
-            pair = t.held.get(rid)
-            if pair is None:
-                pair = t.held[rid] = {resources[rid]: name}
-            holders.update(pair)
-            running.append(name)
-            t.slices += 1
-            if t.turn_started is None:
-                t.turn_started, t.turn_mark = now, self._activations
-                in_turn.add(name)
-            elif prev.get(rid) != name:
-                t.turn_started, t.turn_mark = now, self._activations
+            self._win(t, rid, t.spec.name, prev.get(rid), now, holder_ids, holders, running)
+
+    def _win(
+        self, t: _Tenant, rid: int, name: str, held_by: str | None, now: float,
+        holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
+    ) -> None:
+        """Hand resource `rid` to its single-resource winner `t`; count the slice; start a turn when it was not in
+        one, or a new one when the resource was someone else's (`held_by`)."""
+        holder_ids[rid] = name
+        pair = t.held.get(rid)
+        if pair is None:
+            pair = t.held[rid] = {self._resources[rid]: name}
+        holders.update(pair)
+        running.append(name)
+        t.slices += 1
+        if t.turn_started is None:
+            t.turn_started, t.turn_mark = now, self._activations
+            self._in_turn.add(name)
+        elif held_by != name:
+            t.turn_started, t.turn_mark = now, self._activations
 
     def _run(
         self, t: _Tenant, now: float,

@@ -15,13 +15,14 @@ other workloads keep other rates. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
 
 from unisched.policy.model import PolicyError
 
-__all__ = ["MixTurns", "OverlapMix", "SliceKind", "overlap_mix"]
+__all__ = ["MixClock", "MixTurns", "OverlapMix", "SliceKind", "overlap_mix"]
 
 
 class SliceKind(StrEnum):
@@ -74,11 +75,10 @@ def overlap_mix(kept_compute: float, kept_graphics: float, share_compute: float)
     return OverlapMix(best, max(0.0, share_compute - kept_compute * best), max(0.0, share_graphics - kept_graphics * best))
 
 
-@dataclass
-class MixTurns:
+@dataclass(frozen=True)
+class MixClock:
     """Which kind of slice comes next: each kind runs for its fraction of a period at a stretch, and then the
-    kind furthest behind its fraction of the recent time goes next.
-
+    kind furthest behind its fraction of the recent time goes next. A value: `choose` and `ran` return the next.
     Why runs and not single slices: a render paused mid-frame finishes that frame beside the compute that
     follows it (up to a frame, ~28 ms on the H200), so every switch turns the start of a compute-only slice into
     time together. Alternating 50 ms slices (BBC BBC ...) switched ~7 times a second and the render took ~9
@@ -89,47 +89,64 @@ class MixTurns:
 
     period_s: float = 1.0
     horizon_s: float = 2.0
-    _spent: dict[SliceKind, float] = field(default_factory=dict)
-    _owed: dict[SliceKind, float] = field(default_factory=dict)
+    spent: Mapping[SliceKind, float] = field(default_factory=dict)
+    owed: Mapping[SliceKind, float] = field(default_factory=dict)
     """What a kind's last run fell short of its part of the period (negative: overran; slices are whole), added
     to its next run so that the runs keep the fractions on average."""
-    _current: SliceKind | None = None
-    _run_s: float = 0.0
-    _slice_s: float = 0.0
+    current: SliceKind | None = None
+    run_s: float = 0.0
+    slice_s: float = 0.0
 
-    def choose(self, mix: OverlapMix) -> SliceKind:
+    def choose(self, mix: OverlapMix) -> tuple[SliceKind, MixClock]:
         kinds = [k for k in SliceKind if mix.fraction(k) > 0]
         if not kinds:
-            return SliceKind.BOTH
-        for k in [k for k in self._owed if k not in kinds]:  # a kind that left the mix owes nothing on its return
-            del self._owed[k]
+            return SliceKind.BOTH, self
+        owed = {k: v for k, v in self.owed.items() if k in kinds}  # a kind that left the mix owes nothing on its return
         if len(kinds) == 1:  # one kind all the time: no runs to keep (and none overrun)
-            self._owed.clear()
-            self._current = None
-            return kinds[0]
-        current = self._current
-        if current is not None and self._run_s > 0.0:
-            target = mix.fraction(current) * self.period_s + self._owed.get(current, 0.0)
-            if current in kinds and self._run_s < target - 1e-9:  # (ten 0.05 s slices sum to 0.4999...)
-                return current
-            self._owed[current] = max(-self.period_s, min(self.period_s, target - self._run_s))
-            self._run_s = 0.0
-        total = sum(self._spent.values())
+            return kinds[0], replace(self, owed={}, current=None)
+        current = self.current
+        run_s = self.run_s
+        if current is not None and run_s > 0.0:
+            target = mix.fraction(current) * self.period_s + owed.get(current, 0.0)
+            if current in kinds and run_s < target - 1e-9:  # (ten 0.05 s slices sum to 0.4999...)
+                return current, replace(self, owed=owed)
+            owed[current] = max(-self.period_s, min(self.period_s, target - run_s))
+            run_s = 0.0
+        total = sum(self.spent.values())
 
         def behind(k: SliceKind) -> float:
-            return mix.fraction(k) * total - self._spent.get(k, 0.0)
+            return mix.fraction(k) * total - self.spent.get(k, 0.0)
 
         # where a kind's part of the period is under a slice, runs are single slices and the one that just ran
         # goes again while still behind (by half a slice); otherwise another kind follows a run
-        short = current is not None and mix.fraction(current) * self.period_s < self._slice_s
-        nxt = [k for k in kinds if k is not current or (short and behind(k) > 0.5 * self._slice_s)] or kinds
-        return max(nxt, key=lambda k: (behind(k), mix.fraction(k)))
+        short = current is not None and mix.fraction(current) * self.period_s < self.slice_s
+        nxt = [k for k in kinds if k is not current or (short and behind(k) > 0.5 * self.slice_s)] or kinds
+        return max(nxt, key=lambda k: (behind(k), mix.fraction(k))), replace(self, owed=owed, run_s=run_s)
+
+    def ran(self, kind: SliceKind, seconds: float) -> MixClock:
+        keep = max(0.0, 1.0 - seconds / max(self.horizon_s, 2.0 * self.period_s))
+        spent = {k: v * keep for k, v in self.spent.items()}
+        spent[kind] = spent.get(kind, 0.0) + seconds
+        run_s = self.run_s + seconds if kind is self.current else seconds
+        return replace(self, spent=spent, run_s=run_s, current=kind, slice_s=seconds)
+
+
+@dataclass
+class MixTurns:
+    """A mutable holder of a `MixClock` (the same turns, one call at a time)."""
+
+    period_s: float = 1.0
+    horizon_s: float = 2.0
+    _clock: MixClock | None = None
+
+    def choose(self, mix: OverlapMix) -> SliceKind:
+        kind, self._clock = self._now().choose(mix)
+        return kind
 
     def ran(self, kind: SliceKind, seconds: float) -> None:
-        keep = max(0.0, 1.0 - seconds / max(self.horizon_s, 2.0 * self.period_s))
-        for k in self._spent:
-            self._spent[k] *= keep
-        self._spent[kind] = self._spent.get(kind, 0.0) + seconds
-        self._run_s = self._run_s + seconds if kind is self._current else seconds
-        self._current = kind
-        self._slice_s = seconds
+        self._clock = self._now().ran(kind, seconds)
+
+    def _now(self) -> MixClock:
+        if self._clock is None:
+            self._clock = MixClock(self.period_s, self.horizon_s)
+        return self._clock

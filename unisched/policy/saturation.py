@@ -19,19 +19,20 @@ between them read 94-100% busy on the H200, yet each uses a few ms of its 50 ms 
 frames and gives nobody anything. So a resource opened for unused turns is held open for `hold_slices`, doubling
 each time it happens again (up to `max_hold_slices`), and back to `hold_slices` once slicing lasts `reset_slices`
 (its turns are used: a greedy tenant is there, slice it).
-"used" is the caller's judgement; the engine counts a turn used when the GPU was busy or a compute holder kept a
-CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
+"used" is the caller's judgement; policy.plan.turn_used counts a turn used when the GPU was busy or a compute
+holder kept a CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
 thread busy).
 Pure: no clock, no I/O; the caller passes the samples in slice order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from unisched.policy.model import PolicyError, Resource
 
-__all__ = ["GateState", "SaturationConfig", "SaturationGate"]
+__all__ = ["GateMemory", "GateState", "SaturationConfig", "SaturationGate", "fresh_gate", "gate_step", "gate_states"]
 
 
 @dataclass(frozen=True)
@@ -66,70 +67,99 @@ class GateState:
     held_slices: int
 
 
-@dataclass
-class _State:
+@dataclass(frozen=True)
+class GateMemory:
+    """One resource's gate between slices (a value: `gate_step` returns the next one)."""
+
     sliced: bool = False
-    run: int = 0  # consecutive sliced slices whose turns went unused
-    sliced_for: int = 0  # slices since slicing began
-    hold: int = 0  # slices left to stay open whatever the busy fraction
-    next_hold: int = 0  # the hold after the next slicing that leaves turns unused
-    recent: list[float] = field(default_factory=list)  # the last enter_slices samples while open and contended
+    run: int = 0
+    """Consecutive sliced slices whose turns went unused."""
+    sliced_for: int = 0
+    """Slices since slicing began."""
+    hold: int = 0
+    """Slices left to stay open whatever the busy fraction."""
+    next_hold: int = 0
+    """The hold after the next slicing that leaves turns unused."""
+    recent: tuple[float, ...] = ()
+    """The last enter_slices samples while open and contended."""
+
+    @property
+    def open(self) -> bool:
+        return not self.sliced
+
+    @property
+    def held(self) -> int:
+        """Slices it stays open whatever its busy fraction (after slicing left turns unused)."""
+        return 0 if self.sliced else self.hold
+
+
+def fresh_gate(config: SaturationConfig) -> GateMemory:
+    """A resource the gate has not seen yet (open, with the first hold ready)."""
+    return GateMemory(next_hold=config.hold_slices)
+
+
+def gate_step(c: SaturationConfig, s: GateMemory, util: float | None, contenders: int,
+              used: bool | None = None) -> GateMemory:
+    """The state machine of the module docstring: one slice's busy fraction (None: no GPU signal), how many
+    tenants want the resource, and whether the tenants that ran used the slice (None: judged by the busy fraction
+    alone). Without a signal nothing is known about saturation, so the resource is sliced."""
+    if not c.enabled or util is None:
+        return replace(s, sliced=True, run=0)
+    if contenders < 2:  # nobody to share with: nothing to slice, and a new set of contenders starts afresh
+        return replace(s, sliced=False, run=0, hold=0, next_hold=c.hold_slices, recent=())
+    if not s.sliced:
+        recent = (*s.recent, util)[-c.enter_slices:]
+        if s.hold > 0:
+            return replace(s, recent=recent, hold=s.hold - 1)
+        if len(recent) == c.enter_slices and sum(recent) >= c.high * c.enter_slices - 1e-9:
+            return replace(s, recent=(), sliced=True, run=0, sliced_for=0)
+        return replace(s, recent=recent)
+    sliced_for = s.sliced_for + 1
+    next_hold = s.next_hold
+    if sliced_for >= c.reset_slices and s.run == 0:
+        next_hold = c.hold_slices  # the turns are being used: slicing is doing its job
+    turn_used = util >= c.low if used is None else used
+    run = 0 if turn_used else s.run + 1
+    if run >= c.leave_slices:
+        return replace(s, sliced=False, run=0, sliced_for=sliced_for, hold=next_hold, recent=(),
+                       next_hold=min(2 * next_hold, c.max_hold_slices) if next_hold else c.hold_slices)
+    return replace(s, run=run, sliced_for=sliced_for, next_hold=next_hold)
 
 
 @dataclass
 class SaturationGate:
-    """Per-resource open/sliced state; `open(r)` says whether every tenant of r may run regardless of the slice."""
+    """Per-resource open/sliced state; `open(r)` says whether every tenant of r may run regardless of the slice.
+    A mutable holder of `GateMemory` values around `gate_step`."""
 
     config: SaturationConfig = field(default_factory=SaturationConfig)
-    _states: dict[Resource, _State] = field(default_factory=dict)
+    _states: dict[Resource, GateMemory] = field(default_factory=dict)
 
     def observe(self, resource: Resource, util: float | None, contenders: int, used: bool | None = None) -> bool:
         """One slice's busy fraction of `resource` (None: no GPU signal), how many tenants want it, and whether
         the tenants that ran used the slice (None: judged by the busy fraction alone).
 
-        Returns whether the resource is open for the next slice. Without a signal nothing is known about
-        saturation, so the resource is sliced (the engine's behaviour before this gate).
+        Returns whether the resource is open for the next slice (see `gate_step`).
         """
-        c = self.config
-        s = self._states.setdefault(resource, _State(next_hold=c.hold_slices))
-        if not c.enabled or util is None:
-            s.sliced, s.run = True, 0
-            return False
-        if contenders < 2:  # nobody to share with: nothing to slice, and a new set of contenders starts afresh
-            s.sliced, s.run, s.hold, s.next_hold = False, 0, 0, c.hold_slices
-            s.recent.clear()
-            return True
-        if not s.sliced:
-            s.recent.append(util)
-            del s.recent[:-c.enter_slices]
-            if s.hold > 0:
-                s.hold -= 1
-            elif len(s.recent) == c.enter_slices and sum(s.recent) >= c.high * c.enter_slices - 1e-9:
-                s.recent.clear()
-                s.sliced, s.run, s.sliced_for = True, 0, 0
-            return not s.sliced
-        s.sliced_for += 1
-        if s.sliced_for >= c.reset_slices and s.run == 0:
-            s.next_hold = c.hold_slices  # the turns are being used: slicing is doing its job
-        turn_used = util >= c.low if used is None else used
-        s.run = 0 if turn_used else s.run + 1
-        if s.run >= c.leave_slices:
-            s.sliced, s.run, s.hold = False, 0, s.next_hold
-            s.next_hold = min(2 * s.next_hold, c.max_hold_slices) if s.next_hold else c.hold_slices
-            s.recent.clear()
-        return not s.sliced
+        s = self._states.get(resource) or fresh_gate(self.config)
+        s = self._states[resource] = gate_step(self.config, s, util, contenders, used)
+        return s.open
 
     def held(self, resource: Resource) -> int:
         """Slices the resource stays open whatever its busy fraction (after slicing left turns unused)."""
         s = self._states.get(resource)
-        return 0 if s is None or s.sliced else s.hold
+        return 0 if s is None else s.held
 
     def states(self) -> tuple[GateState, ...]:
-        return tuple(GateState(r, s.sliced, 0 if s.sliced else s.hold) for r, s in self._states.items())
+        return gate_states(self._states)
 
     def is_open(self, resource: Resource) -> bool:
         s = self._states.get(resource)
-        return s is not None and not s.sliced
+        return s is not None and s.open
 
     def forget(self, resource: Resource) -> None:
         self._states.pop(resource, None)
+
+
+def gate_states(memory: Mapping[Resource, GateMemory]) -> tuple[GateState, ...]:
+    """What metrics show per resource: sliced or open, and the hold left."""
+    return tuple(GateState(r, s.sliced, s.held) for r, s in memory.items())

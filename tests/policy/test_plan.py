@@ -1,0 +1,288 @@
+"""The scheduling model (policy.plan): each rule as a table, then the two steps over a few slices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
+from unisched.policy.overlap import SliceKind
+from unisched.policy.plan import (
+    MIX_DOMAIN,
+    KernelUse,
+    PairMember,
+    PairWeights,
+    PlanConfig,
+    PlanInputs,
+    PlanState,
+    Rule,
+    TenantView,
+    charge_rule,
+    cpu_busy,
+    demand_rule,
+    freeze_rule,
+    gate_reading,
+    lease_contended,
+    lease_jump,
+    mix_contenders,
+    observe,
+    online_jumps,
+    pair_weights,
+    plan,
+    turn_used,
+)
+from unisched.policy.saturation import GateMemory, SaturationConfig
+
+SM = Resource(0, "sm")
+GFX = Resource(0, "gfx")
+DEC = Resource(0, "nvdec")
+JOINT = Resource(0, MIX_DOMAIN)
+C, G, D = Engine.COMPUTE, Engine.GRAPHICS, Engine.DECODE
+GATE = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=2, hold_slices=4, max_hold_slices=8,
+                        reset_slices=4)
+PARTIAL = ContentionMap.partial(0.22, 0.92)
+
+
+@dataclass(frozen=True)
+class Sample:
+    sm: float
+    dec: float = 0.0
+    ok: bool = True
+
+    def util(self, engine: Engine) -> float:
+        return self.dec if engine is Engine.DECODE else self.sm
+
+
+def config(contention: ContentionMap = SHARED_SM, gate: SaturationConfig = GATE) -> PlanConfig:
+    return PlanConfig(contention, (0,), gate, activity_threshold=0.05, idle_slices=3, mix_period_s=0.2)
+
+
+def opened(*rs: Resource) -> dict[Resource, GateMemory]:
+    return {r: GateMemory() for r in rs}
+
+
+def sliced(*rs: Resource) -> dict[Resource, GateMemory]:
+    return {r: GateMemory(sliced=True) for r in rs}
+
+
+# --- what the gate reads ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("sample", "engines", "busy", "util", "rule"), [
+    (None, {C}, False, None, Rule.NO_SIGNAL),  # no GPU: sliced, as the engine did before the gate
+    (Sample(1.0, ok=False), {C}, False, None, Rule.NO_SIGNAL),  # NVML failed: stale zeros are no reading
+    (Sample(0.02), {C}, True, None, Rule.CPU_STAND_IN),  # PyTorch on the H200 reads 0-5%: not idle
+    (Sample(0.02), {C}, False, 0.02, Rule.SIGNAL),  # idle, and nobody busy launching: idle
+    (Sample(0.05), {C}, True, None, Rule.CPU_STAND_IN),  # at the threshold still reads idle
+    (Sample(0.86), {C}, True, 0.86, Rule.SIGNAL),  # a reading that shows the work wins over the stand-in
+    (Sample(0.3, dec=0.9), {C, D}, False, 0.9, Rule.SIGNAL),  # the busiest of its engines
+    (Sample(0.3), set(), False, 0.0, Rule.SIGNAL),
+])
+def test_gate_reading(sample: Sample | None, engines: set[Engine], busy: bool, util: float | None, rule: Rule) -> None:
+    assert gate_reading(sample, engines, busy, 0.05) == (util, rule)
+
+
+@pytest.mark.parametrize(("use", "busy"), [
+    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.9), True),
+    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # TURN_CPU_CORES is inclusive
+    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.69), False),
+    (KernelUse(frozenset({SM}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
+    (KernelUse(frozenset({SM}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn
+    (KernelUse(frozenset({SM}), frozenset({C, G}), False, 1.0), True),
+])
+def test_cpu_busy(use: KernelUse, busy: bool) -> None:
+    assert cpu_busy(use, config()) is busy
+
+
+@pytest.mark.parametrize(("util", "busy", "used"), [
+    (None, False, False), (None, True, True), (0.59, False, False), (0.6, False, True), (0.1, True, True),
+])
+def test_turn_used(util: float | None, busy: bool, used: bool) -> None:
+    assert turn_used(util, busy, 0.6) is used
+
+
+@pytest.mark.parametrize(("pair", "n"), [
+    (None, 0), (PairWeights(0, 0, False), 0), (PairWeights(100, 0, False), 1), (PairWeights(0, 100, True), 1),
+    (PairWeights(100, 300, False), 2),
+])
+def test_mix_contenders(pair: PairWeights | None, n: int) -> None:
+    assert mix_contenders(pair) == n
+
+
+@pytest.mark.parametrize(("members", "expected"), [
+    ([], {}),
+    ([PairMember(100, frozenset({SM}), False), PairMember(300, frozenset({GFX}), True)],
+     {0: PairWeights(100, 300, True)}),
+    ([PairMember(100, frozenset({SM, GFX}), False)], {0: PairWeights(100, 0, False)}),  # both sides: compute
+    ([PairMember(100, frozenset({DEC}), False)], {}),  # a decoder is on neither side
+    ([PairMember(50, frozenset({GFX, Resource(1, "sm")}), False)],
+     {0: PairWeights(0, 50, False), 1: PairWeights(50, 0, False)}),
+])
+def test_pair_weights(members: list[PairMember], expected: dict[int, PairWeights]) -> None:
+    assert pair_weights(members, SEPARATE_GRAPHICS) == expected
+
+
+# --- charging the tenants that ran on a resource ------------------------------------------------------------------
+@pytest.mark.parametrize(("util", "cpu", "charged", "rule"), [
+    (0.5, [0.03, 0.01], [0.01875, 0.00625], Rule.SIGNAL),  # 0.025 s busy, split 3:1 by CPU activity
+    (0.5, [0.0, 0.0], [0.0125, 0.0125], Rule.SIGNAL),  # no CPU shown: evenly
+    (0.5, [0.0, 0.02], [0.0, 0.025], Rule.SIGNAL),  # the drain of the frozen one's queue is the runner's
+    (0.02, [0.03, 0.0], [0.03, 0.0], Rule.CPU_TIME),  # GPU idle (or no GPU): CPU time stands in
+    (0.0, [], [], Rule.CPU_TIME),
+])
+def test_charge_rule(util: float, cpu: list[float], charged: list[float], rule: Rule) -> None:
+    amounts, why = charge_rule(util, 0.05, cpu, 0.02)
+    assert amounts == pytest.approx(charged) and why is rule
+
+
+# --- a kernel tenant's demand -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("case", "expected"), [
+    (dict(lost=True, was_active=True), (False, 1, Rule.LOST)),
+    (dict(off_gpu=True, was_active=True, cpu_cores=1.0), (False, 1, Rule.OFF_GPU)),  # CPU start-up: no GPU demand
+    (dict(frozen=True, was_active=True), (True, 1, Rule.FROZEN_KEEPS)),
+    (dict(frozen=True, was_active=False), (False, 1, Rule.FROZEN_KEEPS)),
+    (dict(cpu_cores=0.5), (True, 0, Rule.BUSY)),
+    (dict(gpu_alone=True), (True, 0, Rule.BUSY)),
+    (dict(was_active=True), (True, 2, Rule.IDLE)),  # one idle slice more: still within idle_slices
+    (dict(was_active=True, idle_run=2), (False, 3, Rule.IDLE)),  # the third: demand ends
+    (dict(cpu_cores=0.05), (False, 2, Rule.IDLE)),  # at the threshold is no activity
+])
+def test_demand_rule(case: dict[str, object], expected: tuple[bool, int, Rule]) -> None:
+    args: dict[str, object] = dict(was_active=False, lost=False, frozen=False, off_gpu=False, gpu_alone=False,
+                                   cpu_cores=0.0, idle_run=1, activity_threshold=0.05, idle_slices=3)
+    args.update(case)
+    assert demand_rule(**args) == expected  # type: ignore[arg-type]
+
+
+# --- a tenant's freeze --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("tenant", "waits", "state", "frozen", "rule"), [
+    (TenantView("k", frozenset({SM}), True), False, PlanState(), False, Rule.RUNS),
+    (TenantView("k", frozenset({SM}), True), True, PlanState(), True, Rule.WAITS),
+    (TenantView("k", frozenset({SM}), True), True, PlanState(gates=sliced(SM)), True, Rule.WAITS),
+    (TenantView("k", frozenset({SM}), True), True, PlanState(gates=opened(SM)), False, Rule.UNSATURATED),
+    (TenantView("k", frozenset({SM, DEC}), True), True, PlanState(gates=opened(SM)), True, Rule.WAITS),  # DEC sliced
+    (TenantView("k", frozenset(), True), True, PlanState(), True, Rule.WAITS),
+    (TenantView("c", frozenset({SM}), True, cooperative=True), True, PlanState(), False, Rule.COOPERATIVE),
+    (TenantView("c", frozenset({SM}), True, cooperative=True, enforced=True), True, PlanState(gates=opened(SM)),
+     True, Rule.WAITS),  # an overrunner is frozen when it must wait, open gate or not
+    (TenantView("c", frozenset({SM}), True, cooperative=True, enforced=True), False, PlanState(paused=frozenset({SM})),
+     False, Rule.RUNS),  # its lease is revoked instead (Plan.revoked)
+    (TenantView("k", frozenset({SM}), True), False, PlanState(paused=frozenset({SM})), True, Rule.MIX_PAUSED),
+    (TenantView("k", frozenset({SM}), True), True, PlanState(gates=opened(SM), paused=frozenset({SM})),
+     True, Rule.MIX_PAUSED),  # open for the fair share, but its side sits out
+    (TenantView("k", frozenset({SM}), False), False, PlanState(paused=frozenset({SM})), False, Rule.RUNS),  # idle
+    (TenantView("k", frozenset({GFX}), True), False, PlanState(paused=frozenset({SM})), False, Rule.RUNS),
+])
+def test_freeze_rule(tenant: TenantView, waits: bool, state: PlanState, frozen: bool, rule: Rule) -> None:
+    verdict = freeze_rule(tenant, waits, state)
+    assert (verdict.frozen, verdict.rule) == (frozen, rule)
+
+
+# --- a lease grant ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("contenders", "mixed", "beside", "contended"), [
+    (1, False, False, False),  # alone: it may keep its queue full
+    (2, False, False, True),
+    (1, True, False, True),  # its side of a mixed pair sits out at the next switch
+    (1, False, True, True),  # an online tenant may preempt it any moment
+    (0, False, False, False),
+])
+def test_lease_contended(contenders: int, mixed: bool, beside: bool, contended: bool) -> None:
+    assert lease_contended(contenders, mixed, beside) is contended
+
+
+ON, OFF = Priority.ONLINE, Priority.OFFLINE
+
+
+@pytest.mark.parametrize(("preemptive", "tenant", "draining", "jumps"), [
+    (True, ON, OFF, True),  # an online request does not wait on an offline tail
+    (True, ON, ON, False), (True, OFF, OFF, False), (True, OFF, ON, False),
+    (False, ON, OFF, False),  # shared, timeshare, tidal: the next holder waits for the yield
+])
+def test_online_jumps(preemptive: bool, tenant: Priority, draining: Priority, jumps: bool) -> None:
+    assert online_jumps(preemptive, tenant, draining) is jumps
+
+
+@pytest.mark.parametrize(("preemptive", "prio", "online", "jump"), [
+    (True, ON, frozenset({"a"}), True),
+    (True, ON, frozenset({"a", "b"}), False),  # another online tenant may be behind it
+    (True, OFF, frozenset(), False),
+    (False, ON, frozenset({"a"}), False),
+])
+def test_lease_jump(preemptive: bool, prio: Priority, online: frozenset[str], jump: bool) -> None:
+    assert lease_jump(preemptive, prio, online, "a") is jump
+
+
+# --- the two steps over slices ---------------------------------------------------------------------------------
+def _observe(state: PlanState, util: float | None, cpu: float = 0.0, contenders: int = 2,
+             cfg: PlanConfig | None = None) -> tuple[list[bool], tuple[Resource, ...], PlanState]:
+    cfg = cfg or config()
+    use = [KernelUse(frozenset({SM}), frozenset({C}), False, cpu), KernelUse(frozenset({SM}), frozenset({C}), True, 0.0)]
+    samples = {} if util is None else {0: Sample(util)}
+    outcome, state = observe(cfg, use, samples, {SM: contenders}, {}, state)
+    return [g.now_open for g in outcome.readings], outcome.level, state
+
+
+def test_observe_slices_a_saturated_resource_and_levels_it_once() -> None:
+    state = PlanState()
+    opens, level, state = _observe(state, 1.0)
+    assert opens == [True] and level == ()
+    opens, level, state = _observe(state, 1.0)
+    assert opens == [False] and level == (SM,)  # the fair share starts with nobody owed
+    opens, level, state = _observe(state, 1.0)
+    assert opens == [False] and level == ()
+
+
+def test_observe_reads_no_signal_and_the_cpu_stand_in_as_sliced() -> None:
+    _, _, state = _observe(PlanState(), None)
+    assert not state.is_open(SM)
+    _, _, state = _observe(PlanState(gates=opened(SM)), 0.02, cpu=0.9)
+    assert not state.is_open(SM)
+
+
+def test_observe_leaves_the_input_state_alone() -> None:
+    before = PlanState(gates=opened(SM))
+    _observe(before, None)
+    assert before.is_open(SM)
+
+
+def test_observe_keys_a_partly_overlapping_pair_by_its_joint_resource() -> None:
+    cfg = config(PARTIAL)
+    use = [KernelUse(frozenset({SM}), frozenset({C}), False, 1.0), KernelUse(frozenset({GFX}), frozenset({G}), False, 0.2)]
+    pairs = {0: PairWeights(100, 100, False)}
+    state = PlanState()
+    for _ in range(2):
+        outcome, state = observe(cfg, use, {0: Sample(1.0)}, {SM: 1, GFX: 1}, pairs, state)
+    by = {g.resource: g for g in outcome.readings}
+    assert by[SM].now_open and by[GFX].now_open  # alone on its side
+    assert not by[JOINT].now_open and by[JOINT].contenders == 2  # the pair contends: mixed slices
+    assert JOINT not in outcome.level  # no fair-share clock behind the joint key
+
+
+def test_plan_revokes_the_side_that_sits_out_and_marks_the_pair_mixed() -> None:
+    cfg = config(PARTIAL)
+    decision = Decision(0.0, 0.05, frozenset({"cuda", "render"}), frozenset({"cuda", "render"}),
+                        {SM: "cuda", GFX: "render"})
+    tenants = (TenantView("cuda", frozenset({SM}), True), TenantView("render", frozenset({GFX}), True, cooperative=True))
+    state = PlanState(gates=sliced(JOINT))
+    kinds = []
+    for _ in range(8):
+        p, state = plan(cfg, PlanInputs(decision, tenants, {0: PairWeights(300, 100, True)}, 0.05), state)
+        kinds.append(p.mixes[0].kind)
+        assert p.mixed == frozenset({SM, GFX})
+        if p.mixes[0].kind is SliceKind.COMPUTE:  # the render's side sits out: its lease is revoked
+            assert p.holders == {SM: "cuda"} and p.revoked == {GFX: Rule.MIX_PAUSED}
+        else:
+            assert p.holders == decision.holders and p.revoked == {}
+        assert p.freeze[0].frozen is (p.mixes[0].kind is SliceKind.GRAPHICS)
+    assert SliceKind.COMPUTE in kinds and SliceKind.BOTH in kinds  # 3:1 with kept 0.22/0.92: together 32%
+    between, same = plan(cfg, PlanInputs(decision, tenants), state)  # between ticks the tick's mix stays
+    assert between.mixes == {} and same == state and between.mixed == p.mixed
+
+
+def test_plan_on_an_open_pair_without_cooperative_tenants_does_not_mix() -> None:
+    cfg = config(PARTIAL)
+    decision = Decision(0.0, 0.05, frozenset({"cuda", "render"}), frozenset({"cuda", "render"}),
+                        {SM: "cuda", GFX: "render"})
+    tenants = (TenantView("cuda", frozenset({SM}), True), TenantView("render", frozenset({GFX}), True))
+    p, _ = plan(cfg, PlanInputs(decision, tenants, {0: PairWeights(100, 100, False)}, 0.05),
+                PlanState(gates=opened(JOINT)))
+    assert p.mixes == {} and p.mixed == frozenset() and not any(v.frozen for v in p.freeze)

@@ -1,0 +1,473 @@
+"""One scheduling model: who runs on each resource in the next slice, and the rule that decided it.
+
+A slice goes: measure -> `observe` (the saturation gates read the measurements) -> the fair-share core decides
+(policy.fairshare) -> `plan` (what the freezer and the leases do with that decision). Both steps are pure: they
+take frozen values (time and measurements passed in) and the previous `PlanState`, and return a new state. The
+fair-share core sits between them because a resource the gate starts slicing has its virtual clocks levelled
+(`GateOutcome.level`) before the decision that slices it.
+
+Each rule is a named function below, in the order it applies; docs/design/scheduling.md says why each exists
+and what measurement motivated it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import NamedTuple, Protocol
+
+from unisched.policy.contention import ContentionMap
+from unisched.policy.fairshare import Decision
+from unisched.policy.model import Engine, Priority, Resource
+from unisched.policy.overlap import MixClock, OverlapMix, SliceKind, overlap_mix
+from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step
+
+__all__ = [
+    "MIX_DOMAIN",
+    "TURN_CPU_CORES",
+    "GateOutcome",
+    "GateReading",
+    "KernelUse",
+    "MixSlice",
+    "PairMember",
+    "PairWeights",
+    "Plan",
+    "PlanConfig",
+    "PlanInputs",
+    "PlanState",
+    "Rule",
+    "TenantView",
+    "UtilSample",
+    "Verdict",
+    "charge_rule",
+    "cpu_busy",
+    "demand_rule",
+    "freeze_rule",
+    "gate_reading",
+    "lease_contended",
+    "lease_jump",
+    "mix_contenders",
+    "observe",
+    "online_jumps",
+    "pair_weights",
+    "plan",
+    "turn_used",
+]
+
+MIX_DOMAIN = "sm+gfx"
+"""The gate's key for a GPU's partly overlapping compute + graphics pair: mixed slices only while it is saturated."""
+TURN_CPU_CORES = 0.7
+"""A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
+kernels are invisible to NVML utilization on the H200 while its launching thread stays busy. Only compute: a
+graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
+with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
+
+
+class Rule(StrEnum):
+    """The rule that decided a reading, a demand, or a tenant's freeze (logs and tests name it)."""
+
+    # what the gate reads for a resource
+    SIGNAL = "signal"
+    """The GPU's busy fraction, as measured."""
+    NO_SIGNAL = "no-signal"
+    """No GPU sample (no GPU, NVML failed): nothing is known about saturation, so the resource is sliced."""
+    CPU_STAND_IN = "cpu-stand-in"
+    """The GPU reads idle under a compute tenant busy launching work: read as no signal (sliced)."""
+    # how a kernel tenant is charged (also SIGNAL: the GPU's busy time, split by CPU activity)
+    CPU_TIME = "cpu-time"
+    """No GPU signal: each tenant's CPU time stands in for its GPU time."""
+    # a kernel tenant's demand
+    LOST = "lost"
+    """Its cgroup is gone: no demand."""
+    OFF_GPU = "off-gpu"
+    """No GPU context anywhere in it: no demand, never frozen."""
+    FROZEN_KEEPS = "frozen-keeps"
+    """Frozen, it cannot show work: it keeps the demand it had."""
+    BUSY = "busy"
+    """It used the GPU alone, or its CPUs past the activity threshold."""
+    IDLE = "idle"
+    """It showed no work: demand ends after idle_slices such slices."""
+    # a tenant's freeze
+    RUNS = "runs"
+    """The fair-share core let it run (it holds its resources, or has no demand)."""
+    WAITS = "waits"
+    """The fair-share core made it wait for its turn."""
+    COOPERATIVE = "cooperative"
+    """Leases, not the freezer, gate a cooperative tenant."""
+    UNSATURATED = "unsaturated"
+    """Every resource it waits for is open (unsaturated, or held open after slicing left turns unused)."""
+    MIX_PAUSED = "mix-paused"
+    """Its side of a partly overlapping compute + graphics pair sits this slice out."""
+
+
+class UtilSample(Protocol):
+    """One GPU's busy fractions over the interval (telemetry.GpuSample is one)."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    def util(self, engine: Engine) -> float: ...
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    contention: ContentionMap
+    gpus: tuple[int, ...]
+    gate: SaturationConfig
+    activity_threshold: float
+    """A busy fraction (or CPU cores) above this is activity; at or below it the GPU reads idle."""
+    idle_slices: int
+    mix_period_s: float = 1.0
+    turn_cpu_cores: float = TURN_CPU_CORES
+
+    @property
+    def mixing(self) -> bool:
+        """Compute and graphics overlap partly on these GPUs: they take mixed slices (policy.overlap)."""
+        return self.contention.kept is not None
+
+
+# --- values in ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KernelUse:
+    """A kernel tenant's last interval as measured (cooperative and lost tenants are left out)."""
+
+    resources: frozenset[Resource]
+    engines: frozenset[Engine]
+    frozen: bool
+    cpu_cores: float
+    """CPU time over the interval, per second of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PairMember:
+    """A tenant with demand, as the compute + graphics mix weighs it."""
+
+    weight: int
+    resources: frozenset[Resource]
+    cooperative: bool
+
+
+@dataclass(frozen=True)
+class PairWeights:
+    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
+
+    compute: int
+    graphics: int
+    cooperative: bool
+    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
+
+
+class TenantView(NamedTuple):
+    """A tenant as the freeze rules see it (a named tuple, not a dataclass: one is built per tenant per decision,
+    and decisions also come between slices, at every cooperative client's request)."""
+
+    name: str
+    resources: frozenset[Resource]
+    active: bool
+    cooperative: bool = False
+    enforced: bool = False
+    """Cooperative, and it kept overrunning its leases: the freezer backs them."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    decision: Decision
+    """The fair-share core's holders for the next slice."""
+    tenants: tuple[TenantView, ...]
+    pairs: Mapping[int, PairWeights] | None = None
+    """Per GPU, the mix weights measured this tick; None between ticks (the mix of the tick stays)."""
+    dt: float = 0.0
+    """The interval that just ended (the running mixed slice is counted for it)."""
+
+
+# --- state -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanState:
+    gates: Mapping[Resource, GateMemory] = field(default_factory=dict)
+    clocks: Mapping[int, MixClock] = field(default_factory=dict)
+    running: Mapping[int, SliceKind] = field(default_factory=dict)
+    """Per GPU, the kind of mixed slice running now."""
+    paused: frozenset[Resource] = frozenset()
+    """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
+    mixed: frozenset[Resource] = frozenset()
+    """Both sides of every GPU whose compute and graphics take mixed slices now (their leases are contended)."""
+
+    def is_open(self, r: Resource) -> bool:
+        s = self.gates.get(r)
+        return s is not None and s.open
+
+
+# --- values out --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GateReading:
+    """What the gate read for one resource this slice, and what it decided (for logs and tests)."""
+
+    resource: Resource
+    util: float | None
+    rule: Rule
+    cpu_busy: bool
+    used: bool
+    contenders: int
+    was_open: bool
+    now_open: bool
+    held: int
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    readings: tuple[GateReading, ...]
+    level: tuple[Resource, ...]
+    """Resources slicing starts on (in reading order): everyone ran as much as it wanted until now, so nobody is
+    owed catch-up time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    frozen: bool
+    rule: Rule
+
+
+@dataclass(frozen=True)
+class MixSlice:
+    """One GPU's mix this slice: the weights it follows, the proportions, the kind of slice now and the one before."""
+
+    weights: PairWeights
+    mix: OverlapMix
+    kind: SliceKind
+    previous: SliceKind | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    freeze: tuple[Verdict, ...]
+    """Per tenant, in the order passed in: frozen or not, and why."""
+    holders: Mapping[Resource, str]
+    """Who may hold a lease on each resource (the fair share's holders, less the sides that sit out)."""
+    revoked: Mapping[Resource, Rule]
+    """Resources whose fair-share holder is revoked all the same, and why."""
+    mixed: frozenset[Resource]
+    mixes: Mapping[int, MixSlice]
+
+
+# --- the rules: what the gate reads ---------------------------------------------------------------------------
+def cpu_busy(u: KernelUse, config: PlanConfig) -> bool:
+    """A thawed compute tenant whose CPUs kept busy used its turn, whatever the GPU reads (TURN_CPU_CORES)."""
+    return not u.frozen and Engine.COMPUTE in u.engines and u.cpu_cores >= config.turn_cpu_cores
+
+
+def gate_reading(sample: UtilSample | None, engines: Iterable[Engine], busy_cpu: bool,
+                 activity_threshold: float) -> tuple[float | None, Rule]:
+    """The busy fraction the gate reads for a resource: the highest of its engines'; None (sliced) without a
+    sample, or when the GPU looks idle under compute tenants busy launching work (NVML does not see them)."""
+    if sample is None or not sample.ok:
+        return None, Rule.NO_SIGNAL
+    util = max((sample.util(e) for e in engines), default=0.0)
+    if util <= activity_threshold and busy_cpu:
+        return None, Rule.CPU_STAND_IN
+    return util, Rule.SIGNAL
+
+
+def turn_used(util: float | None, busy_cpu: bool, low: float) -> bool:
+    """The tenants that ran used their turn: a compute one kept its CPUs busy, or the GPU read busier than `low`."""
+    return busy_cpu or (util is not None and util >= low)
+
+
+def mix_contenders(pair: PairWeights | None) -> int:
+    """The joint resource's contenders: two when both sides have demand, else the one side (or none)."""
+    if pair is None:
+        return 0
+    return 2 if pair.compute and pair.graphics else int(bool(pair.compute or pair.graphics))
+
+
+def pair_weights(members: Iterable[PairMember], contention: ContentionMap) -> dict[int, PairWeights]:
+    """Per GPU, the weights of the tenants with demand on its compute and on its graphics side (a tenant using
+    both counts on the compute side)."""
+    out: dict[int, PairWeights] = {}
+    compute, graphics = contention.domain(Engine.COMPUTE), contention.domain(Engine.GRAPHICS)
+    for m in members:
+        sides: dict[int, bool] = {}  # GPU -> on its compute side
+        for r in m.resources:
+            if r.domain == compute:
+                sides[r.gpu] = True
+            elif r.domain == graphics:
+                sides.setdefault(r.gpu, False)
+        for g, is_compute in sides.items():
+            p = out.get(g, PairWeights(0, 0, False))
+            out[g] = PairWeights(p.compute + m.weight * is_compute, p.graphics + m.weight * (not is_compute),
+                                 p.cooperative or m.cooperative)
+    return out
+
+
+def _mix_pair(config: PlanConfig, gpu: int) -> tuple[Resource, Resource]:
+    c = config.contention
+    return Resource(gpu, c.domain(Engine.COMPUTE)), Resource(gpu, c.domain(Engine.GRAPHICS))
+
+
+def observe(config: PlanConfig, use: Iterable[KernelUse], samples: Mapping[int, UtilSample],
+            contenders: Mapping[Resource, int], pairs: Mapping[int, PairWeights],
+            state: PlanState) -> tuple[GateOutcome, PlanState]:
+    """Feed each kernel-engine resource's reading, and whether the tenants that ran on it used the slice, to its
+    saturation gate (policy.saturation). `contenders`: the fair share's count of tenants with demand, per resource
+    the kernel tenants use; `pairs`: the mix weights (where compute and graphics overlap partly)."""
+    engines_on: dict[Resource, set[Engine]] = {}
+    busy: set[Resource] = set()
+    domain = config.contention.domain
+    for u in use:
+        b = cpu_busy(u, config)
+        for r in u.resources:
+            engines_on.setdefault(r, set()).update(e for e in u.engines if domain(e) == r.domain)
+            if b:
+                busy.add(r)
+    if config.mixing:  # the pair's joint resource: mixed slices only while it is saturated
+        for g in config.gpus:
+            rc, rg = _mix_pair(config, g)
+            if rc in engines_on or rg in engines_on:
+                joint = Resource(g, MIX_DOMAIN)
+                engines_on[joint] = engines_on.get(rc, set()) | engines_on.get(rg, set())
+                if rc in busy or rg in busy:
+                    busy.add(joint)
+    gates = dict(state.gates)
+    readings = []
+    level = []
+    for r, engines in engines_on.items():
+        util, rule = gate_reading(samples.get(r.gpu), engines, r in busy, config.activity_threshold)
+        n = mix_contenders(pairs.get(r.gpu)) if r.domain == MIX_DOMAIN else contenders.get(r, 0)
+        used = turn_used(util, r in busy, config.gate.low)
+        before = gates.get(r)
+        was_open = before is not None and before.open
+        after = gates[r] = gate_step(config.gate, before or fresh_gate(config.gate), util, n, used)
+        if was_open and not after.open and r.domain != MIX_DOMAIN:
+            level.append(r)
+        readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
+    return GateOutcome(tuple(readings), tuple(level)), replace(state, gates=gates)
+
+
+# --- the rules: charging the kernel tenants that ran on a resource -----------------------------------------------
+def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float) -> tuple[list[float], Rule]:
+    """GPU seconds to charge each tenant that was thawed on a resource over the interval (`cpu_s`: their CPU
+    seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
+    included) is split by CPU activity (evenly when none showed any); without one each tenant's CPU time stands in
+    for GPU time, so the same engine runs (and is tested) on machines with no GPU."""
+    if util > activity_threshold:
+        busy = util * dt
+        total = sum(cpu_s)
+        return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
+    return list(cpu_s), Rule.CPU_TIME
+
+
+# --- the rules: a kernel tenant's demand ------------------------------------------------------------------------
+def demand_rule(*, was_active: bool, lost: bool, frozen: bool, off_gpu: bool, gpu_alone: bool, cpu_cores: float,
+                idle_run: int, activity_threshold: float, idle_slices: int) -> tuple[bool, int, Rule]:
+    """Whether a kernel tenant has demand after this interval, its run of idle slices, and why. `gpu_alone`: it
+    was the only tenant on a resource whose GPU read busy (that busy time is its own)."""
+    if lost:
+        return False, idle_run, Rule.LOST
+    if off_gpu:
+        return False, idle_run, Rule.OFF_GPU
+    if frozen:
+        return was_active, idle_run, Rule.FROZEN_KEEPS
+    if gpu_alone or cpu_cores > activity_threshold:
+        return True, 0, Rule.BUSY
+    return was_active and idle_run + 1 < idle_slices, idle_run + 1, Rule.IDLE
+
+
+# --- the rules: a tenant's freeze ---------------------------------------------------------------------------
+_RUNS = Verdict(False, Rule.RUNS)
+_WAITS = Verdict(True, Rule.WAITS)
+_COOPERATIVE = Verdict(False, Rule.COOPERATIVE)
+_UNSATURATED = Verdict(False, Rule.UNSATURATED)
+_PAUSED = Verdict(True, Rule.MIX_PAUSED)
+
+
+def freeze_rule(t: TenantView, waits: bool, state: PlanState) -> Verdict:
+    """Frozen or not for the next slice, in order: the fair share's turn; a cooperative tenant is not frozen
+    unless the freezer backs its leases; a kernel tenant waiting only for open resources runs; a kernel tenant
+    with demand on a side that sits out is frozen."""
+    if t.cooperative:
+        if not t.enforced:
+            return _COOPERATIVE
+        return _WAITS if waits else _RUNS
+    verdict = _WAITS if waits else _RUNS
+    if waits and t.resources and all(state.is_open(r) for r in t.resources):
+        verdict = _UNSATURATED
+    paused = state.paused
+    if not verdict.frozen and paused and t.active and not paused.isdisjoint(t.resources):
+        verdict = _PAUSED
+    return verdict
+
+
+# --- the rules: a lease grant (engine.leases.LeaseBook keeps the hand-overs in flight) ---------------------
+def lease_contended(contenders: int, mixed: bool, online_beside: bool) -> bool:
+    """A lease is granted as contended (the client keeps one unit in flight and stops soon after a revoke) where
+    others want the resource, where it takes mixed slices, or where `online_beside`: an offline holder on a GPU
+    with an online cooperative tenant, in preemptive mode (it may be preempted at any moment)."""
+    return contenders > 1 or mixed or online_beside
+
+
+def online_jumps(preemptive: bool, tenant: Priority, draining: Priority) -> bool:
+    """Whether a tenant is granted at once while the revoked holder still finishes its unit in flight: only an
+    online tenant after an offline one, in preemptive mode. Elsewhere the next holder waits for the yield, so
+    neither pays for the other's tail."""
+    return preemptive and tenant is Priority.ONLINE and draining is Priority.OFFLINE
+
+
+def lease_jump(preemptive: bool, tenant: Priority, online_tenants: frozenset[str], name: str) -> bool:
+    """The grant tells an online holder it may jump queued work (`LeaseGrant.jump`) when it is the only online
+    tenant in preemptive mode: nobody of its class can be behind it."""
+    return preemptive and tenant is Priority.ONLINE and online_tenants == {name}
+
+
+# --- the plan ----------------------------------------------------------------------------------------------
+def _mix_slices(config: PlanConfig, pairs: Mapping[int, PairWeights], dt: float,
+                state: PlanState) -> tuple[dict[int, MixSlice], PlanState]:
+    """On a saturated GPU with compute and graphics tenants that overlap partly, slices are together, compute
+    alone or graphics alone in the proportions that give each side its weight share with the most overlap
+    (policy.overlap; the kept rates are the calibration's). Cooperative tenants ask for leases only when they
+    have work: the gate does not hold a pair with one of them open."""
+    kept = config.contention.kept
+    assert kept is not None
+    clocks = dict(state.clocks)
+    running = dict(state.running)
+    paused: set[Resource] = set()
+    mixed: set[Resource] = set()
+    out: dict[int, MixSlice] = {}
+    for g in config.gpus:
+        clock = clocks.get(g) or MixClock(period_s=config.mix_period_s)
+        last = running.pop(g, None)
+        if last is not None:
+            clock = clock.ran(last, dt)
+        clocks[g] = clock
+        pair = pairs.get(g)
+        if pair is None or not (pair.compute and pair.graphics) \
+                or (state.is_open(Resource(g, MIX_DOMAIN)) and not pair.cooperative):
+            continue
+        mix = overlap_mix(kept[0], kept[1], pair.compute / (pair.compute + pair.graphics))
+        kind, clocks[g] = clock.choose(mix)
+        running[g] = kind
+        out[g] = MixSlice(pair, mix, kind, last)
+        rc, rg = _mix_pair(config, g)
+        mixed.update((rc, rg))
+        if kind is SliceKind.COMPUTE:
+            paused.add(rg)
+        elif kind is SliceKind.GRAPHICS:
+            paused.add(rc)
+    return out, replace(state, clocks=clocks, running=running, paused=frozenset(paused), mixed=frozenset(mixed))
+
+
+def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan, PlanState]:
+    """What the freezer and the leases do until the next decision. On a tick (`inputs.pairs` given) the mixed
+    slices move on; between ticks the tick's mix stays."""
+    mixes: dict[int, MixSlice] = {}
+    if inputs.pairs is not None and config.mixing:
+        mixes, state = _mix_slices(config, inputs.pairs, inputs.dt, state)
+    decision = inputs.decision
+    must_wait = decision.must_wait
+    freeze = tuple([freeze_rule(t, must_wait(t.name), state) for t in inputs.tenants])
+    paused = state.paused
+    holders: Mapping[Resource, str] = decision.holders
+    revoked: dict[Resource, Rule] = {}
+    if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
+        revoked = {r: Rule.MIX_PAUSED for r in holders if r in paused}
+        holders = {r: n for r, n in holders.items() if r not in paused}
+    return Plan(freeze, holders, revoked, state.mixed, mixes), state
