@@ -19,6 +19,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from conftest import wait_until
 from inproc import in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
@@ -167,11 +168,15 @@ def _check_consistent(s: FuzzServer, stub: Any) -> None:
             assert t.cgroup == f"/unisched/{t.name}", t
     for uid in USERS:
         assert sum(1 for t in reply.tenants if t.owner_uid == uid) <= MAX_USER_TENANTS
-    # the state file is what the server shows, and it reloads cleanly (a corrupt file would be renamed aside)
-    saved = {t.name: t for t in StateStore(s.state_dir).load()}
-    assert not list(s.state_dir.glob("state.json.corrupt-*")), "the daemon wrote a state file it cannot read back"
+    # the state file is what the server shows once the tick has saved (registrations are saved within
+    # SAVE_DELAY_S), and it reloads cleanly (a corrupt file would be renamed aside)
     shown = {t.name: (t.base_weight, t.owner_uid, t.adopted, t.cgroup) for t in reply.tenants}
-    assert {n: (t.weight, t.owner_uid, t.adopted, t.cgroup) for n, t in saved.items()} == shown
+
+    def saved() -> dict[str, tuple[int, int, bool, str]]:
+        return {t.name: (t.weight, t.owner_uid, t.adopted, t.cgroup) for t in StateStore(s.state_dir).load()}
+
+    wait_until(lambda: saved() == shown, 20, f"the state file to hold what the server shows: {shown}")
+    assert not list(s.state_dir.glob("state.json.corrupt-*")), "the daemon wrote a state file it cannot read back"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
