@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import wait_until
 from inproc import in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
