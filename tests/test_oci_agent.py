@@ -125,7 +125,7 @@ print(0 if libc.syscall(278, 1, None, 0, 0) == 0 else ctypes.get_errno())
 def test_governed_container_keeps_the_runtime_default_refusals(daemon: Daemon, tenant_prefix: str, tmp_path: Path) -> None:
     assert SHIPPED["defaultAction"] == "SCMP_ACT_ERRNO"
     name = f"{tenant_prefix}def"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
     agent = daemon.status()["agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}", ["/usr/bin/python3", "-c", _PLAIN_IOCTL_AND_VMSPLICE])
@@ -142,7 +142,7 @@ def test_an_argument_free_ioctl_allow_would_swallow_the_notify_rules(
     naive = json.loads(GENERATOR.DEFAULT.read_text())
     naive["syscalls"] += [GENERATOR._notify_rule(req, comment) for req, comment in GENERATOR.NOTIFIED_IOCTLS]
     name = f"{tenant_prefix}nv"
-    assert daemon.cli("run", "--tenant", name, "--", "true").returncode == 0
+    assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
     agent = daemon.status()["agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}",
