@@ -9,6 +9,7 @@ replies queue past that deadline. Every run must exit 0.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -79,3 +80,15 @@ def test_200_concurrent_runs_at_default_priority_all_succeed(daemon_factory, tmp
     assert not failed, f"{len(failed)}/{RUNS} runs failed in {took:.0f} s (load {os.getloadavg()[0]:.1f}): {summary}"
     assert daemon.proc.poll() is None, "the daemon died under the burst"
     assert _thread_nices(daemon.proc.pid) == {DAEMON_NICE}, "serve sets its nice value on every thread"
+
+
+def test_a_hand_over_late_under_load_is_told_to_try_again(daemon: Daemon) -> None:
+    """A run preempted between connecting to the agent socket and sending its listener (hundreds of runnable
+    processes on 2 cores) misses the daemon's hand-over deadline: the reply must be "busy" (`hand_over` tries
+    again), not an error that fails the run."""
+    agent = str(Path(daemon.socket).with_name("seccomp-agent.sock"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(agent)  # and send nothing, as if preempted here
+        s.settimeout(30)
+        reply = s.recv(4096).decode()
+    assert reply.startswith("busy ") and "not complete within" in reply, reply

@@ -218,7 +218,8 @@ def hand_over(
 
     Sends the OCI-shaped message (pid = this process) with the fd, then closes the fd here (`close`): the
     tenant must not keep its own listener, or a notified call would wait for itself, and the daemon's death
-    would no longer fail calls with ENOSYS. A "busy" reply (too many of this uid's hand-overs in progress) is
+    would no longer fail calls with ENOSYS. A "busy" reply (too many of this uid's hand-overs in progress, or this one
+    was not complete by the daemon's deadline: preempted on a loaded host) is
     tried again within `timeout`. Raises SeccompError when the daemon is unreachable or says no; the caller
     should then exit rather than exec (the tenant's GPU session calls would all fail with ENOSYS).
     """
@@ -239,6 +240,7 @@ def hand_over(
 
 
 def _hand_over_once(listener_fd: int, path: str, metadata: str, timeout: float) -> str:
+    message = make_agent_message(os.getpid(), metadata=metadata)  # before connecting: the daemon's deadline runs
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -247,7 +249,7 @@ def _hand_over_once(listener_fd: int, path: str, metadata: str, timeout: float) 
             except OSError as e:
                 raise SeccompError(f"cannot reach the unisched agent socket {path}: {e.strerror}") from None
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused at once: read its reply
-                send_fd(sock, listener_fd, make_agent_message(os.getpid(), metadata=metadata))
+                send_fd(sock, listener_fd, message)
             reply = b""
             while not reply.endswith(b"\n"):
                 chunk = sock.recv(4096)
