@@ -206,22 +206,28 @@ def make_agent_message(pid: int, *, metadata: str = "", container_id: str = "", 
 
 
 
+HAND_OVER_TIMEOUT_S: Final = 30.0
+"""How long `hand_over` keeps trying. The trampoline runs in its tenant's cgroup, which the daemon's time slicing
+may freeze between its connect and its send: with a hundred tenants in demand its turn comes round every few
+seconds, the daemon drops the late attempt at its own deadline and answers "busy", and the next attempt, once
+thawed, takes microseconds. A dead daemon still fails at once (the connect is refused)."""
 _BUSY_RETRY_S: Final = (0.02, 0.5)
 """`hand_over`'s pause after a "busy" reply: first, and the most it doubles to (a burst of runs by one user
 clears in milliseconds; a flood by that user lasts until the deadline)."""
 
 
 def hand_over(
-    listener_fd: int, path: str = DEFAULT_LISTENER_PATH, *, metadata: str = "", timeout: float = 5.0, close: bool = True
+    listener_fd: int, path: str = DEFAULT_LISTENER_PATH, *, metadata: str = "", timeout: float = HAND_OVER_TIMEOUT_S,
+    close: bool = True,
 ) -> None:
     """`unisched run`'s child side: give the listener to the daemon's agent socket and wait for its "ok".
 
     Sends the OCI-shaped message (pid = this process) with the fd, then closes the fd here (`close`): the
     tenant must not keep its own listener, or a notified call would wait for itself, and the daemon's death
-    would no longer fail calls with ENOSYS. A "busy" reply (too many of this uid's hand-overs in progress, or this one
-    was not complete by the daemon's deadline: preempted on a loaded host) is
-    tried again within `timeout`. Raises SeccompError when the daemon is unreachable or says no; the caller
-    should then exit rather than exec (the tenant's GPU session calls would all fail with ENOSYS).
+    would no longer fail calls with ENOSYS. A "busy" reply (too many of this uid's hand-overs in progress, or this
+    one was not complete by the daemon's deadline: frozen or preempted in between) is tried again within
+    `timeout`. Raises SeccompError when the daemon is unreachable or says no; the caller should then exit rather
+    than exec (the tenant's GPU session calls would all fail with ENOSYS).
     """
     deadline = time.monotonic() + timeout
     pause = _BUSY_RETRY_S[0]
