@@ -92,3 +92,18 @@ def test_a_hand_over_late_under_load_is_told_to_try_again(daemon: Daemon) -> Non
         s.settimeout(30)
         reply = s.recv(4096).decode()
     assert reply.startswith("busy ") and "not complete within" in reply, reply
+
+
+def test_nice_is_a_daemon_key_in_its_range(tmp_path: Path) -> None:
+    from unisched.engine.config import ConfigError, load_config
+
+    assert load_config(None).nice == DAEMON_NICE
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[daemon]\nnice = 5\n")
+    assert load_config(cfg).nice == 5
+    for bad in ("-21", "20", '"high"'):
+        cfg.write_text(f"[daemon]\nnice = {bad}\n")
+        with pytest.raises(ConfigError, match=r"'nice'.*-20\.\.19"):
+            load_config(cfg)
+    with pytest.raises(ConfigError, match="nice"):
+        load_config(None).with_overrides(nice=-30)
