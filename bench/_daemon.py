@@ -17,13 +17,15 @@ def bench_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0,
-                 root: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = ROOT,
+                 profile: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start the daemon (of the checkout `root`) with its socket, state and log in `work`; returns it and its socket
-    once the socket is there. Exits with the log's tail when it dies first or does not come up."""
+    once the socket is there. Exits with the log's tail when it dies first or does not come up. `profile`: run it
+    under cProfile (its main thread: the event loop and every gRPC handler), written there when it exits."""
     sock = str(work / "d.sock")
     log = (work / "daemon.log").open("wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
+    prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                str(work / "state"), *extra], stdout=log, stderr=log,
                               env={**bench_env(), "PYTHONPATH": str(root)}, cwd=root)
     deadline = time.monotonic() + timeout_s

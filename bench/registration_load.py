@@ -10,9 +10,13 @@ whole-run wall time p50/p99, plus the machine: CPUs, load before the round, Pyth
 
   python3 bench/registration_load.py --count 200 --rounds 3 --out bench/results/DATE-cpu-registration/after
 
-The daemon runs `--no-nvml` as this user (root: real cgroups), at nice 0 unless --daemon-nice. Runs use --tenants
-distinct tenant names round robin (each new one is a cgroup and a state-file entry). Writes results.json and
-results.md to --out (when given) and prints a summary; exits 1 when any run failed.
+The daemon runs `--no-nvml` as this user (root: real cgroups) at the nice value its config gives it (`serve` sets
+it on itself; --daemon-nice passes `--nice`); the nice it really had is read from /proc and reported, with its CPU
+time for the round. --profile DIR runs it under cProfile and writes DIR/daemon-roundN.prof and a top-20 text (its
+CPU time then includes the profiler's cost). Runs use --tenants distinct tenant names round robin (each new one
+is a cgroup and a state-file entry). Writes results.json and results.md to --out (when given) and prints a
+summary with the verdict (every run of every round ok: met; else missed by how many runs); exits 1 when any run
+failed.
 """
 
 from __future__ import annotations
@@ -129,6 +133,24 @@ def one_round(sock: str, count: int, tenants: int, prefix: str, work: Path, root
     return {"load_before": load, "runs": runs}
 
 
+def daemon_cpu(pid: int) -> tuple[float, int]:
+    """(CPU seconds the daemon used, user + system, all threads; its main thread's nice value) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[16])
+
+
+def _profile_top(prof: Path, n: int = 20) -> str:
+    """The top `n` functions by own time, then by cumulative time (pstats text)."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    st = pstats.Stats(str(prof), stream=out)
+    st.sort_stats("tottime").print_stats(n)
+    st.sort_stats("cumulative").print_stats(n)
+    return out.getvalue()
+
+
 def _remove_cgroups(prefix: str) -> None:
     """The round's tenant cgroups (the daemon keeps them across restarts); their `true` has exited."""
     sys.path.insert(0, str(ROOT))
@@ -166,7 +188,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each against a fresh daemon (default 3)")
     ap.add_argument("--tenants", type=int, default=200,
                     help="distinct tenant names the runs use, round robin (default 200: one new tenant per run)")
-    ap.add_argument("--daemon-nice", type=int, default=0, help="the daemon's nice value (default 0)")
+    ap.add_argument("--daemon-nice", type=int,
+                    help="pass `--nice N` to the daemon (default: none, the daemon's configured default)")
+    ap.add_argument("--profile", type=Path, help="run the daemon under cProfile; .prof and top-20 text here")
     ap.add_argument("--out", type=Path, help="folder for results.json and results.md")
     ap.add_argument("--checkout", type=Path, default=ROOT,
                     help="the unisched checkout whose daemon and CLI run (default this one; e.g. a `git worktree` of "
@@ -178,17 +202,26 @@ def main() -> int:
     root = args.checkout.resolve()
     info = {**machine(root), "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "count": args.count,
-            "tenants": args.tenants, "daemon_nice": args.daemon_nice}
+            "tenants": args.tenants,
+            "daemon_nice": "none (config default)" if args.daemon_nice is None else args.daemon_nice}
     rounds = []
     for n in range(args.rounds):
         work = Path(tempfile.mkdtemp(prefix="unisched-rl-", dir="/tmp"))
         prefix = f"rl{os.getpid()}r{n}-"
         extra = ["--no-nvml", "--log-level", "warning"]
-        daemon, sock = start_daemon(work, *extra, root=root)
+        if args.daemon_nice is not None:
+            extra += ["--nice", str(args.daemon_nice)]
+        prof = None
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            prof = args.profile.resolve() / f"daemon-round{n + 1}.prof"
+        daemon, sock = start_daemon(work, *extra, root=root, profile=prof)
         try:
-            if args.daemon_nice:
-                os.setpriority(os.PRIO_PROCESS, daemon.pid, args.daemon_nice)
+            cpu0, nice = daemon_cpu(daemon.pid)
             s = summarize(one_round(sock, args.count, max(1, args.tenants), prefix, work, root))
+            cpu1, _ = daemon_cpu(daemon.pid)
+            s["daemon"] = {"nice": nice, "cpu_s": cpu1 - cpu0, "cpu_ms_per_run": 1000 * (cpu1 - cpu0) / args.count,
+                           "profiled": prof is not None}
         finally:
             daemon.terminate()
             try:
@@ -197,12 +230,16 @@ def main() -> int:
                 daemon.kill()
             shutil.rmtree(work, ignore_errors=True)
             _remove_cgroups(prefix)
+        if prof is not None and prof.exists():
+            (args.profile / f"daemon-round{n + 1}-top.txt").write_text(_profile_top(prof))
         rounds.append(s)
         print(f"round {n + 1}: {s['runs'] - s['failed']}/{s['runs']} ok; registration p50 "
               f"{s['register_ms']['p50']:.0f} ms p99 {s['register_ms']['p99']:.0f} ms max {s['register_ms']['max']:.0f} ms; "
               f"start->connect p50 {s['to_connect_ms']['p50']:.0f} ms p99 {s['to_connect_ms']['p99']:.0f} ms; "
-              f"load before {s['load_before'][0]:.2f}; errors {s['errors'] or '-'}", flush=True)
-    res = {"machine": info, "rounds": rounds}
+              f"load before {s['load_before'][0]:.2f}; daemon nice {s['daemon']['nice']}, CPU "
+              f"{s['daemon']['cpu_ms_per_run']:.1f} ms/run; errors {s['errors'] or '-'}", flush=True)
+    res = {"machine": info, "rounds": rounds, "verdict": verdict(rounds)}
+    print(f"verdict: {res['verdict']}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -210,18 +247,30 @@ def main() -> int:
     return 1 if any(r["failed"] for r in rounds) else 0
 
 
+def verdict(rounds: list[dict[str, Any]]) -> str:
+    """The goal: every run of every round exits 0."""
+    failed = sum(r["failed"] for r in rounds)
+    runs = sum(r["runs"] for r in rounds)
+    if not failed:
+        return f"met: {runs}/{runs} runs ok over {len(rounds)} rounds"
+    per = ", ".join(str(r["failed"]) for r in rounds)
+    return f"missed by {failed} of {runs} runs (failed per round: {per})"
+
+
 def _markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
     md = (f"# registration load: {m['count']} concurrent `unisched run` ({m['tenants']} tenant names)\n\n"
           f"{m['date_utc']}; {m['cpus']} CPUs ({m['cpu_model']}), Python {m['python']}, kernel {m['kernel']}, "
-          f"commit {m['commit']}, daemon nice {m['daemon_nice']}\n\n`{m['command']}`\n\n"
+          f"commit {m['commit']}, daemon nice flag {m['daemon_nice']}\n\n`{m['command']}`\n\n"
+          f"Verdict (all {m['count']} ok in every round): **{res['verdict']}**\n\n"
           "| round | ok | failed | registration p50 | p99 | max | start->connect p50 | p99 | run wall p50 | p99 | "
-          "load before |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+          "load before | daemon nice | daemon CPU/run |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for i, r in enumerate(res["rounds"], 1):
         md += (f"| {i} | {r['runs'] - r['failed']} | {r['failed']} | {r['register_ms']['p50']:.0f} ms | "
                f"{r['register_ms']['p99']:.0f} ms | {r['register_ms']['max']:.0f} ms | {r['to_connect_ms']['p50']:.0f} ms | "
                f"{r['to_connect_ms']['p99']:.0f} ms | {r['wall_ms']['p50']:.0f} ms | {r['wall_ms']['p99']:.0f} ms | "
-               f"{r['load_before'][0]:.2f} |\n")
+               f"{r['load_before'][0]:.2f} | {r['daemon']['nice']} | {r['daemon']['cpu_ms_per_run']:.1f} ms"
+               f"{' (profiled)' if r['daemon']['profiled'] else ''} |\n")
     errs = {k: v for r in res["rounds"] for k, v in r["errors"].items()}
     if errs:
         md += "\nErrors (last stderr line, count in the last round that had it):\n\n"

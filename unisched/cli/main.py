@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["auto", "json", "console"],
                    help=f"log lines as JSON or for a terminal (default {d.log_format}: JSON unless stderr is a terminal)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default {d.log_level})")
+    s.add_argument("--nice", type=int, metavar="N",
+                   help=f"the daemon's nice value, set at start (-20..19, default {d.nice}; raising it needs root)")
     s.add_argument("--delegated", action="store_true",
                    help="run in a cgroup subtree systemd delegated (Delegate=yes): move the daemon into the leaf "
                         "<own cgroup>/daemon before it starts; tenants belong under <own cgroup>/tenants")
@@ -498,6 +500,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             socket_group=args.socket_group,
             log_format=args.log_format,
             log_level=args.log_level,
+            nice=args.nice,
             nvml=False if args.no_nvml else None,
             mps=args.mps,
             mps_offline_sm_percent=args.mps_offline_sm_percent,
@@ -532,6 +535,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     configure_logging(config.log_format, config.log_level)
     _log_orphans(orphans)
+    if (why := _set_own_nice(config.nice)) is not None:
+        import structlog
+
+        structlog.get_logger("unisched").warning("cannot set the daemon's nice value", nice=config.nice, reason=why)
     if args.delegated:
         # systemd's Delegate=yes: the daemon moves into the leaf <unit>/daemon and governs <unit>/tenants
         from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
@@ -589,6 +596,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         telemetry.close()
         claim.release()
     return 0
+
+
+def _set_own_nice(nice: int) -> str | None:
+    """Give every thread of this process the nice value (Linux nice is per thread: threads started later inherit
+    it from their creator). Called before the engine's and gRPC's threads start. None, or why it failed."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except OSError as e:
+            return f"{e.strerror} (lowering nice needs root or CAP_SYS_NICE)"
+    return None
 
 
 def _cmd_install_service(args: argparse.Namespace) -> int:

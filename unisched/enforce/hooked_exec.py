@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from unisched.enforce.seccomp import SeccompError, SeccompUnavailable, hand_over, install_filter
+from unisched.enforce.sessionfilter import SeccompError, SeccompUnavailable, hand_over, install_filter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -231,7 +231,10 @@ class SeccompAgentServer:
             except TimeoutError:
                 self._warn("seccomp hand-over incomplete at its deadline", uid, peer_pid=pid,
                            deadline_s=self.limits.deadline_s)
-                ack_agent(conn, f"the hand-over was not complete within {self.limits.deadline_s:g} s")
+                # "busy": `hand_over` tries again. An honest peer sends all right after connecting, but its tenant
+                # can be frozen by the time slicing (or preempted) in between for longer than this; a slow peer
+                # still loses its slot at the deadline and only its own retries pay for it
+                ack_agent(conn, f"the hand-over was not complete within {self.limits.deadline_s:g} s", busy=True)
                 return
             except (SeccompError, OSError) as e:
                 self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
