@@ -67,7 +67,7 @@ def test_cuda_tenant_is_charged_gpu_seconds(daemon_factory) -> None:  # type: ig
     try:
         t = wait_until(lambda: next((t for t in d.tenants() if t["name"] == name and t["gpu_seconds"] > 2.0), None),
                        40, "GPU seconds to be charged")
-        assert t["state"] == "running"
+        assert t["state"] == "running", f"a CUDA tenant busy on the GPU reads {t['state']!r}: {t}"
     finally:
         assert p.wait(timeout=60) == 0
 
