@@ -52,6 +52,7 @@ from unisched.enforce.seccomp.accounting import (
     decode_call,
     escape_of,
 )
+from unisched.enforce.seccomp.proc import owner, read_mem, start_time
 
 log = structlog.get_logger("unisched.seccomp")
 
@@ -88,36 +89,6 @@ class _Gone(Exception):
 JOIN_TIMEOUT_S: Final = 5.0
 """How long close() waits for the supervisor's thread: it never waits on the loop, so only a stuck ioctl could
 keep it longer."""
-
-
-def _read_mem(fd: int, addr: int, size: int) -> bytes:
-    if not 0 < addr < 1 << 63:
-        raise ValueError(f"bad user address {addr:#x}")
-    data = os.pread(fd, size, addr)
-    if len(data) != size:
-        raise ValueError(f"short read of {size} bytes at {addr:#x}")
-    return data
-
-
-def _owner(tid: int) -> tuple[int, str]:
-    """(tgid, start time) of the process that thread `tid` belongs to."""
-    tgid = tid
-    with open(f"/proc/{tid}/status") as f:
-        for line in f:
-            if line.startswith("Tgid:"):
-                tgid = int(line.split()[1])
-                break
-    return tgid, _start_time(tgid) or ""
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else None
 
 
 class SessionSupervisor:
@@ -308,7 +279,7 @@ class SessionSupervisor:
 
         Runs on the serving thread every `reconcile_interval_s`; do not call it from another thread while serving.
         """
-        gone = [h for h, (tgid, start) in self._book.owners().items() if tgid and _start_time(tgid) != start]
+        gone = [h for h, (tgid, start) in self._book.owners().items() if tgid and start_time(tgid) != start]
         self._emit_all(self._book.release(gone, EventAction.EXITED))
 
     # ---- one notification ----
@@ -463,12 +434,12 @@ class SessionSupervisor:
         except OSError:
             return Call(0)  # gone already: the answer will fail harmlessly
         try:
-            call = decode_call(escape[0], escape[1], args[2], lambda addr, size: _read_mem(mem, addr, size))
+            call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
         finally:
             os.close(mem)
         if call.op == RM_ALLOC and not self._book.knows(call.h_root):
             try:
-                call.owner = _owner(pid)
+                call.owner = owner(pid)
             except (OSError, ValueError):
                 call.owner = (0, "")
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
