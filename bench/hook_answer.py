@@ -27,7 +27,7 @@ in this process, which is idle or loaded (`--loads`):
   cpu:MS/PERIOD       every PERIOD ms the loop runs MS ms of Python (holds the GIL)
 
 "before" is unisched/enforce/seccomp.py at `--old-rev` (read with `git show`, loaded from a temp dir; the
-filter and the examination code are the same), "after" is the working tree's (a thread per listener, with
+filter and the examination code are the same), "after" is the working tree's seccomp/supervisor.py (a thread per listener, with
 SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP where the kernel has it), "after, no sync wake-up" the same without that
 flag. Writes results.json and results.md under --out.
 
@@ -107,7 +107,8 @@ def context(kind: str, client: int) -> list[tuple[str, int, int, int]]:
 
 
 def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
-    from unisched.enforce.seccomp import install_filter, make_agent_message, send_fd
+    from unisched.enforce.seccomp.filter import install_filter
+    from unisched.enforce.seccomp.handover import make_agent_message, send_fd
 
     libc = ctypes.CDLL(None, use_errno=True)
     listener = install_filter()
@@ -233,7 +234,7 @@ def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> Any:
 
 
 def one_run(mod: ModuleType, load: str, contexts: int, plain: int, gap_us: float, **options: Any) -> dict[str, Any]:
-    from unisched.enforce.seccomp import recv_agent_message
+    from unisched.enforce.seccomp.agent import recv_agent_message
 
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, name="event-loop", daemon=True)
@@ -354,8 +355,8 @@ def main() -> int:
         return 0
     if args.out is None:
         ap.error("--out is required")
-    from unisched.enforce import seccomp as after
-    from unisched.enforce.seccomp import probe
+    from unisched.enforce.seccomp import supervisor as after
+    from unisched.enforce.seccomp.abi import probe
 
     why = probe()
     if why is not None:

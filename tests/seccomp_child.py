@@ -69,7 +69,9 @@ def xfer(inner_nr: int, inner: ctypes.Array[ctypes.c_char]) -> ctypes.Array[ctyp
 
 def tenant(where: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from unisched.enforce.seccomp import SeccompError, hand_over, install_filter, make_agent_message, send_fd
+    from unisched.enforce.seccomp.abi import SeccompError
+    from unisched.enforce.seccomp.filter import install_filter
+    from unisched.enforce.seccomp.handover import hand_over, make_agent_message, send_fd
 
     listener = install_filter()
     if where.isdigit():  # an inherited socket: send and close, as runc does
@@ -142,7 +144,7 @@ def tenant(where: str) -> None:
 
 def hold(where: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from unisched.enforce.seccomp import recv_agent_message
+    from unisched.enforce.seccomp.agent import recv_agent_message
 
     with socket.socket(fileno=int(where)) as sock:
         listener, _ = recv_agent_message(sock)

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 from conftest import Daemon, wait_until
 
-from unisched.enforce.seccomp import AgentMessageReader, SeccompError, agent_reply, hand_over, make_agent_message
+from unisched.enforce.seccomp.abi import SeccompError
+from unisched.enforce.seccomp.agent import AgentMessageReader, agent_reply
+from unisched.enforce.seccomp.handover import hand_over, make_agent_message
 from unisched.transport.agent import HandOverLimits, HandOverSlots, Throttle
 from unisched.transport.client import DaemonClient
 

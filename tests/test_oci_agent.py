@@ -27,7 +27,7 @@ def _reason() -> str | None:
         return "needs root to run containers"
     if RUNC is None:
         return "runc is not installed (.ci/run installs it)"
-    from unisched.enforce.seccomp import probe
+    from unisched.enforce.seccomp.abi import probe
 
     return probe()
 

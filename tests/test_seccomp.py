@@ -29,24 +29,20 @@ from conftest import ROOT, child_env
 
 from unisched.enforce import nvclasses as nv
 from unisched.enforce.nvclasses import SessionKind, classify, decode_ioctl, iowr
-from unisched.enforce.seccomp import (
+from unisched.enforce.seccomp.abi import (
     AUDIT_ARCH_AARCH64,
     AUDIT_ARCH_I386,
     AUDIT_ARCH_X86_64,
     SECCOMP_RET_ALLOW,
     SECCOMP_RET_USER_NOTIF,
-    EventAction,
     SeccompError,
-    SessionEvent,
-    SessionLedger,
-    SessionSupervisor,
-    ack_agent,
-    build_filter,
-    make_agent_message,
-    parse_agent_message,
     probe,
-    recv_agent_message,
 )
+from unisched.enforce.seccomp.accounting import EventAction, SessionEvent, SessionLedger
+from unisched.enforce.seccomp.agent import ack_agent, parse_agent_message, recv_agent_message
+from unisched.enforce.seccomp.filter import build_filter
+from unisched.enforce.seccomp.handover import make_agent_message
+from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 CHILD = Path(__file__).with_name("seccomp_child.py")
 UNAVAILABLE = probe()
@@ -623,7 +619,8 @@ def test_a_closed_loop_admits_session_calls_instead_of_wedging(tenant: tuple[Pro
 
 DAEMON_STANDIN = """
 import asyncio, socket, sys, threading
-from unisched.enforce.seccomp import SessionSupervisor, recv_agent_message
+from unisched.enforce.seccomp.agent import recv_agent_message
+from unisched.enforce.seccomp.supervisor import SessionSupervisor
 with socket.socket(fileno=int(sys.argv[1])) as sock:
     fd, _ = recv_agent_message(sock)
 never = threading.Event()

@@ -17,7 +17,7 @@ IOCTLS = str(ROOT / "tests" / "nv_ioctls.py")
 
 
 def _hooks_reason() -> str | None:
-    from unisched.enforce.seccomp import probe
+    from unisched.enforce.seccomp.abi import probe
 
     return probe()
 

@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
-from unisched.enforce.sessionfilter import SeccompError, SeccompUnavailable, hand_over, install_filter
+from unisched.enforce.seccomp.abi import SeccompError, SeccompUnavailable
+from unisched.enforce.seccomp.filter import install_filter
+from unisched.enforce.seccomp.handover import hand_over
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The seccomp agent socket: where `unisched run` children and OCI runtimes (seccomp `listenerPath`) hand
-over the notification listener of a tenant's GPU session filter. Each listener gets a SessionSupervisor: its
-own thread answers every call that is not a new session at once, and asks the engine, on the daemon's event
-loop, to admit or refuse each new render/compute/codec session."""
+over the notification listener of a tenant's GPU session filter. Each listener goes to the session hooks (by
+default a SessionSupervisor each: its own thread answers every call that is not a new session at once, and asks
+the engine, on the daemon's event loop, to admit or refuse each new render/compute/codec session)."""
 
 from __future__ import annotations
 
@@ -19,16 +19,10 @@ from typing import Final
 
 import structlog
 
-from unisched.enforce.seccomp import (
-    AgentHello,
-    AgentMessageReader,
-    EventAction,
-    SeccompError,
-    SessionEvent,
-    SessionSupervisor,
-    ack_agent,
-    recv_agent_chunk,
-)
+from unisched.enforce.seccomp.abi import SeccompError
+from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
+from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
+from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.engine.core import KernelEngine
 
 __all__ = [
@@ -143,14 +137,15 @@ class SeccompAgentServer:
     never on a thread pool that other requests share; every hand-over has a deadline and each uid a bounded
     number in progress."""
 
-    def __init__(self, path: str, engine: KernelEngine, limits: HandOverLimits | None = None) -> None:
+    def __init__(
+        self, path: str, engine: KernelEngine, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None
+    ) -> None:
         self.path = path
         self.engine = engine
         self.limits = limits or HandOverLimits()
-        self.supervisors: dict[int, SessionSupervisor] = {}
+        self.hooks: SessionHooks = hooks or SupervisedHooks(self._decide, self._on_event)
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self._next = 0
         self._pending: set[asyncio.Task[None]] = set()
         self._slots = HandOverSlots(self.limits)
         self._throttle = Throttle(REFUSAL_LOG_INTERVAL_S)
@@ -182,9 +177,7 @@ class SeccompAgentServer:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        for sup in list(self.supervisors.values()):
-            sup.close()
-        self.supervisors.clear()
+        self.hooks.close()
 
     async def _accept_loop(self) -> None:
         assert self._sock is not None
@@ -245,16 +238,11 @@ class SeccompAgentServer:
                 self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
                 ack_agent(conn, reason)
                 return
-            sup = SessionSupervisor(fd, tenant, self._decide, self._on_event)
-            fd = -1  # the supervisor owns it now
-            self._next += 1
-            key = self._next
-            self.supervisors[key] = sup
-            sup.attach(asyncio.get_running_loop())
+            fd, listener = -1, fd  # the hooks own it now
+            self.hooks.attach(listener, tenant)
             self.engine.note_session_hooks(tenant)
             log.info("session hooks attached", tenant=tenant, pid=hello.pid, container=hello.container_id or None)
             ack_agent(conn, None)
-            self._reap()
         except Exception:
             log.exception("seccomp agent connection failed")
         finally:
@@ -292,11 +280,6 @@ class SeccompAgentServer:
     def _on_event(self, event: SessionEvent) -> None:
         if event.action in _GIVE_BACK:
             self.engine.session_freed(event.tenant, str(event.kind))
-
-    def _reap(self) -> None:
-        for key, sup in list(self.supervisors.items()):
-            if sup.closed:
-                del self.supervisors[key]
 
 
 async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:

@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from unisched import __version__
-from unisched.enforce.seccomp import probe as seccomp_probe
+from unisched.enforce.seccomp.abi import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
 from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.runner import run_engine

@@ -1,0 +1,220 @@
+"""Session accounting as pure code: which RM_ALLOC / RM_FREE calls open, join and close which sessions, and how
+calls are decoded from the caller's memory. Tables of calls in, events and live counts out; no kernel needed.
+The agent's logic with the fake session hooks is at the end (a real socket and a real filter's listener)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
+from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
+from unisched.enforce.seccomp.accounting import Call, EventAction, SessionBook, decode_call, escape_of
+from unisched.enforce.seccomp.hooks import FakeSessionHooks
+from unisched.engine.clock import FakeClock
+from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.core import KernelEngine
+from unisched.engine.state import StateStore
+from unisched.telemetry import NoGpuTelemetry
+from unisched.transport.agent import SeccompAgentServer
+
+ROOT = 0xC1D00001
+GRAPHICS, COMPUTE, NVDEC, CHANNEL = 0xCB97, 0xCBC0, 0xB8B0, 0xC86F
+MS = 1_000_000
+Step = tuple[str, dict[str, int]]
+
+
+def alloc(handle: int, h_class: int, **kw: int) -> Step:
+    return "alloc", {"handle": handle, "h_class": h_class, **kw}
+
+
+def refuse(handle: int, h_class: int, **kw: int) -> Step:
+    return "refuse", {"handle": handle, "h_class": h_class, **kw}
+
+
+def free(handle: int) -> Step:
+    return "free", {"handle": handle}
+
+
+def play(steps: list[Step]) -> tuple[list[str], dict[str, int], int]:
+    """Run calls through a book as the supervisor does (decide says yes unless the step is a refusal): the events
+    ("action kind"), the live counts and how many decisions were asked."""
+    book = SessionBook("t", join_window_ns=1000 * MS)
+    events: list[str] = []
+    asked = 0
+    for op, a in steps:
+        now = a.get("t_ms", 0) * MS
+        if op == "free":
+            call = Call(RM_FREE, ROOT, ROOT, a["handle"])
+        else:
+            owner = None if book.knows(ROOT) else (4242, "start")
+            call = Call(RM_ALLOC, ROOT, a.get("parent", ROOT), a["handle"], a["h_class"], classify(a["h_class"]),
+                        owner=owner, instance=a.get("instance"))
+        decided = book.needs_decision(call, a.get("tid", 1), now)
+        asked += decided
+        for e in book.commit(call, a.get("tid", 1), op == "refuse" and decided, now):
+            events.append(f"{e.action} {e.kind}")
+    return events, {str(k): n for k, n in book.counts().live.items()}, asked
+
+
+CASES = {
+    "graphics objects are one session each": (
+        [alloc(1, GRAPHICS), alloc(2, GRAPHICS), free(1)],
+        ["admitted graphics", "admitted graphics", "freed graphics"], {"graphics": 1}, 2),
+    "non-session objects are never counted": (
+        [alloc(1, CHANNEL), alloc(2, 0x1234), free(1)], [], {}, 0),
+    "compute objects of one thread within the window join": (
+        [alloc(1, COMPUTE), alloc(2, COMPUTE, t_ms=500), free(1)], ["admitted compute"], {"compute": 1}, 1),
+    "the session ends with its last object": (
+        [alloc(1, COMPUTE), alloc(2, COMPUTE), free(1), free(2)], ["admitted compute", "freed compute"], {}, 1),
+    "another thread opens its own compute session": (
+        [alloc(1, COMPUTE, tid=1), alloc(2, COMPUTE, tid=2)], ["admitted compute"] * 2, {"compute": 2}, 2),
+    "past the join window a new session opens": (
+        [alloc(1, COMPUTE), alloc(2, COMPUTE, t_ms=1001)], ["admitted compute"] * 2, {"compute": 2}, 2),
+    "a decoder's objects on new engine instances join": (
+        [alloc(1, NVDEC, instance=0), alloc(2, NVDEC, instance=1)], ["admitted nvdec"], {"nvdec": 1}, 1),
+    "a second decoder needs engine 0 again: a new session": (
+        [alloc(1, NVDEC, instance=0), alloc(2, NVDEC, instance=1), alloc(3, NVDEC, instance=0)],
+        ["admitted nvdec"] * 2, {"nvdec": 2}, 2),
+    "a video object without an instance opens its own session": (
+        [alloc(1, NVDEC, instance=0), alloc(2, NVDEC)], ["admitted nvdec"] * 2, {"nvdec": 2}, 2),
+    "freeing an ancestor ends the sessions below it": (
+        [alloc(10, CHANNEL), alloc(1, GRAPHICS, parent=10), alloc(2, COMPUTE, parent=10), free(10)],
+        ["admitted graphics", "admitted compute", "freed graphics", "freed compute"], {}, 2),
+    "freeing the client ends everything it holds": (
+        [alloc(1, GRAPHICS), alloc(2, NVDEC, instance=0), free(ROOT)],
+        ["admitted graphics", "admitted nvdec", "freed graphics", "freed nvdec"], {}, 2),
+    "the same handle again is counted once": (
+        [alloc(1, GRAPHICS), alloc(1, GRAPHICS)], ["admitted graphics"], {"graphics": 1}, 1),
+    "a refused call is not counted and opens nothing to join": (
+        [refuse(1, COMPUTE), alloc(2, COMPUTE)], ["refused compute", "admitted compute"], {"compute": 1}, 2),
+    "a free of an unknown handle uncounts nothing": (
+        [alloc(1, GRAPHICS), free(99)], ["admitted graphics"], {"graphics": 1}, 1),
+}
+
+
+@pytest.mark.parametrize("steps, events, live, asked", CASES.values(), ids=list(CASES))
+def test_calls_open_join_and_close_sessions(steps: list[Step], events: list[str], live: dict[str, int], asked: int) -> None:
+    got, got_live, got_asked = play(steps)
+    assert sorted(got) == sorted(events)  # one free ends sessions in no particular order
+    assert (got_live, got_asked) == (live, asked)
+
+
+def test_a_call_gone_before_its_answer_is_taken_back() -> None:
+    book = SessionBook("t", join_window_ns=1000 * MS)
+    call = Call(RM_ALLOC, ROOT, ROOT, 1, GRAPHICS, SessionKind.GRAPHICS, owner=(1, "s"))
+    undone = book.undo(call, book.commit(call, 7, False, 0))
+    assert [(e.action, e.live) for e in undone] == [(EventAction.ABORTED, 0)]
+    counts = book.counts()
+    assert dict(counts.live) == {} and dict(counts.objects) == {} and counts.admitted[SessionKind.GRAPHICS] == 0
+    refused = Call(RM_ALLOC, ROOT, ROOT, 2, GRAPHICS, SessionKind.GRAPHICS)
+    assert book.undo(refused, book.commit(refused, 7, True, 0)) == []
+    assert book.counts().refused[SessionKind.GRAPHICS] == 0
+
+
+def test_exited_and_detached_clients_release_their_sessions() -> None:
+    book = SessionBook("t", join_window_ns=1000 * MS)
+    for h_root, tgid in ((ROOT, 10), (ROOT + 1, 11)):
+        call = Call(RM_ALLOC, h_root, h_root, 5, NVDEC, SessionKind.NVDEC, owner=(tgid, "s"), instance=0)
+        book.commit(call, tgid, False, 0)
+    assert book.owners() == {ROOT: (10, "s"), ROOT + 1: (11, "s")}
+    assert [e.action for e in book.release([ROOT], EventAction.EXITED)] == [EventAction.EXITED]
+    assert [e.action for e in book.release_all(EventAction.DETACHED)] == [EventAction.DETACHED]
+    assert dict(book.counts().live) == {} and book.owners() == {}
+
+
+def test_objects_past_the_node_limit_are_not_tracked_but_sessions_are() -> None:
+    book = SessionBook("t", join_window_ns=0, max_nodes=1)
+    for handle, h_class in ((1, CHANNEL), (2, CHANNEL), (3, GRAPHICS)):
+        book.commit(Call(RM_ALLOC, ROOT, ROOT, handle, h_class, classify(h_class), owner=(1, "s")), 1, False, 0)
+    assert book.untracked == 1 and dict(book.counts().live) == {SessionKind.GRAPHICS: 1}
+
+
+# --- decoding --------------------------------------------------------------------------------------------------------
+def test_only_rm_escapes_by_ioctl_are_followed() -> None:
+    assert escape_of(16, AUDIT_ARCH_X86_64, iowr(0x46, RM_ALLOC, 32)) == (RM_ALLOC, 32)
+    assert escape_of(29, AUDIT_ARCH_AARCH64, iowr(0x46, RM_FREE, 16) | 0xFFFFFFFF00000000) == (RM_FREE, 16)
+    assert escape_of(16, AUDIT_ARCH_X86_64, iowr(0x46, XFER, 16)) == (XFER, 16)
+    assert escape_of(16, AUDIT_ARCH_X86_64, iowr(0x46, RM_CONTROL, 32)) is None
+    assert escape_of(29, AUDIT_ARCH_X86_64, iowr(0x46, RM_ALLOC, 32)) is None  # shmget on x86_64
+
+
+MEMORY = {
+    0x1000: struct.pack("=IIIIQ", ROOT, ROOT, 7, NVDEC, 0x3000),
+    0x2000: struct.pack("=IIQ", RM_ALLOC, 32, 0x1000),
+    0x3000: struct.pack("=III", 12, 0, 2),
+    0x4000: struct.pack("=III", ROOT, ROOT, 7),
+    0x5000: struct.pack("=IIIIQ", ROOT, ROOT, 8, NVDEC, 0x6000),  # parameters unreadable
+}
+
+
+def read(addr: int, size: int) -> bytes:
+    if addr not in MEMORY:
+        raise OSError(14, "Bad address")
+    return MEMORY[addr][:size]
+
+
+@pytest.mark.parametrize("enr, size, addr, expected", [
+    (RM_ALLOC, 32, 0x1000, (RM_ALLOC, 7, SessionKind.NVDEC, 2)),
+    (RM_ALLOC, 48, 0x1000, (RM_ALLOC, 7, SessionKind.NVDEC, 2)),  # NVOS64
+    (XFER, 16, 0x2000, (RM_ALLOC, 7, SessionKind.NVDEC, 2)),  # the wrapped escape
+    (RM_FREE, NVOS00_SIZE, 0x4000, (RM_FREE, 7, None, None)),
+    (RM_ALLOC, 5000, 0x1000, (0, 0, None, None)),  # a size the driver refuses
+    (XFER, 24, 0x2000, (0, 0, None, None)),
+    (RM_ALLOC, 32, 0x9000, (0, 0, None, None)),  # unreadable: the driver answers EFAULT
+    (RM_ALLOC, 32, 0x5000, (RM_ALLOC, 8, SessionKind.NVDEC, None)),
+])
+def test_calls_are_decoded_from_the_caller_s_memory(enr: int, size: int, addr: int, expected: tuple[object, ...]) -> None:
+    call = decode_call(enr, size, addr, read)
+    assert (call.op, call.handle, call.kind, call.instance) == expected
+
+
+# --- the agent with fake session hooks -------------------------------------------------------------------------------
+HAND_OVER = """
+import sys
+from unisched.enforce.seccomp.abi import SeccompError
+from unisched.enforce.seccomp.filter import install_filter
+from unisched.enforce.seccomp.handover import hand_over
+try:
+    hand_over(install_filter(), sys.argv[1], metadata=sys.argv[2], timeout=10)
+except SeccompError as e:
+    print(e)
+    raise SystemExit(1)
+print("ok")
+"""
+
+
+async def _hand_overs(server: SeccompAgentServer, metadata: list[str]) -> list[str]:
+    await server.start()
+    try:
+        out = []
+        for m in metadata:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", HAND_OVER, server.path, m, env=child_env(), stdout=subprocess.PIPE)
+            stdout, _ = await asyncio.wait_for(proc.communicate(), 30)
+            out.append(stdout.decode().strip())
+        return out
+    finally:
+        await server.close()
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp_path: Path) -> None:
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
+    engine = KernelEngine(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine.start()
+    hooks = FakeSessionHooks()
+    server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks)
+    answers = asyncio.run(_hand_overs(server, ["tenant=render", "tenant=nobody"]))
+    assert answers[0] == "ok"
+    assert "unknown tenant 'nobody'" in answers[1]
+    assert hooks.attached == ["render"], "only the accepted hand-over reaches the hooks"
+    assert hooks.closed, "closing the agent closes the hooks"
+    assert [s.tenant for s in hooks.stats()] == ["render"]

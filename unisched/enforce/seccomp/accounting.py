@@ -1,0 +1,441 @@
+"""Object and session accounting: which RM_ALLOC / RM_FREE calls open and close which engine sessions.
+
+Pure: no I/O and no clock of its own (times come in as arguments), so every rule is table-tested. The
+supervisor reads the calls from the tenant's memory (`decode_call` takes the reader), asks for decisions and
+answers the kernel; this module only keeps the books.
+
+Sessions: the driver allocates several objects for one session of some kinds (on the H200 a CUDA context made 8
+compute objects, one PyAV decoder 7 NVDEC objects, one per engine), so counts and caps are kept per session,
+and a decision is asked once, for the first object. A later object of a video engine kind joins the same
+client's latest session of that kind when the same thread allocates it within the join window of the previous
+one and on an engine instance that session does not use yet (engineInstance from the allocation parameters); a
+second decoder, which needs engine 0 again, opens a new session. Compute objects join on the same thread and
+window; graphics and NVENC_SW_SESSION objects are one session each. A session ends when its last object is
+freed (directly or with an ancestor) or its process exits.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
+
+from unisched.enforce.nvclasses import (
+    NVOS00_SIZE,
+    RM_ALLOC,
+    RM_ALLOC_SIZES,
+    RM_FREE,
+    XFER,
+    XFER_FORMAT,
+    XFER_SIZE,
+    SessionKind,
+    classify,
+    decode_ioctl,
+)
+from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
+
+MAX_NODES: Final = 200_000
+"""RM objects tracked per supervisor beyond sessions' own: bounds a tenant's memory in the daemon (a CUDA
+context allocates a hundred-odd); past it, frees of untracked ancestors are missed until the process exits."""
+ENGINE_KINDS: Final = frozenset({SessionKind.NVDEC, SessionKind.NVENC, SessionKind.NVJPG, SessionKind.OFA})
+"""Video engine kinds: one object per engine instance, joined into one session."""
+GROUPED_KINDS: Final = ENGINE_KINDS | {SessionKind.COMPUTE}
+"""Kinds whose later objects may join an open session."""
+
+
+class EventAction(StrEnum):
+    ADMITTED = "admitted"
+    """An engine session's allocation was let through and is counted (+1)."""
+    REFUSED = "refused"
+    """Refused with EPERM; not counted."""
+    ABORTED = "aborted"
+    """decide() said yes but the call was gone (killed or interrupted) before the answer; not counted."""
+    FREED = "freed"
+    """RM_FREE of the session object or of one of its ancestors (-1)."""
+    EXITED = "exited"
+    """The owning process exited, or every process of the filter did (-1)."""
+    DETACHED = "detached"
+    """The supervisor was closed while the session was still counted (-1: nobody follows it any more)."""
+
+
+_ENDS: Final = frozenset({EventAction.FREED, EventAction.EXITED, EventAction.DETACHED})
+
+
+@dataclass(frozen=True)
+class SessionEvent:
+    tenant: str
+    action: EventAction
+    kind: SessionKind
+    h_class: int
+    pid: int
+    """Thread id that made the call (0 when not known)."""
+    handle: int
+    """hObjectNew (0 when the RM chose the handle)."""
+    live: int
+    """This supervisor's live count of `kind` after the event."""
+
+    @property
+    def delta(self) -> int:
+        if self.action is EventAction.ADMITTED:
+            return 1
+        return -1 if self.action in _ENDS else 0
+
+
+class SessionLedger:
+    """Per-tenant live session counts against caps, shared by several supervisors (thread-safe).
+
+    `decide` reserves a slot when it says yes; the supervisor then reports ADMITTED (the reservation becomes
+    a live session) or ABORTED (released), and FREED / EXITED / DETACHED give slots back. `cap(tenant, kind)`
+    returns the cap, or None for no cap. Pass `ledger.decide` and `ledger.on_event` to each supervisor.
+    """
+
+    def __init__(self, cap: Callable[[str, SessionKind], int | None]) -> None:
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._live: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+        self._pending: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+        self._refused: collections.Counter[tuple[str, SessionKind]] = collections.Counter()
+
+    def decide(self, tenant: str, kind: SessionKind, h_class: int) -> bool:
+        cap = self._cap(tenant, kind)
+        with self._lock:
+            key = (tenant, kind)
+            if cap is not None and self._live[key] + self._pending[key] >= cap:
+                return False
+            self._pending[key] += 1
+            return True
+
+    def on_event(self, event: SessionEvent) -> None:
+        key = (event.tenant, event.kind)
+        with self._lock:
+            if event.action in (EventAction.ADMITTED, EventAction.ABORTED) and self._pending[key] > 0:
+                self._pending[key] -= 1
+            if event.action is EventAction.REFUSED:
+                self._refused[key] += 1
+            elif event.delta:
+                self._live[key] = max(0, self._live[key] + event.delta)
+
+    def live(self, tenant: str) -> dict[SessionKind, int]:
+        with self._lock:
+            return {k: n for (t, k), n in self._live.items() if t == tenant and n}
+
+    def refused(self, tenant: str) -> dict[SessionKind, int]:
+        with self._lock:
+            return {k: n for (t, k), n in self._refused.items() if t == tenant and n}
+
+
+# --- decoding a call -------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Session:
+    """One engine session: one or more RM objects of one kind."""
+
+    kind: SessionKind
+    h_class: int
+    pid: int  # the thread that opened it
+    handle: int  # its first object's handle
+    objects: set[int] = field(default_factory=set)
+    instances: set[int] = field(default_factory=set)
+    last_ns: int = 0
+
+
+@dataclass
+class Client:
+    """One RM client (hRoot) and the part of its object tree seen through RM_ALLOC."""
+
+    tgid: int
+    start_time: str
+    parent: dict[int, int] = field(default_factory=dict)
+    children: dict[int, set[int]] = field(default_factory=dict)
+    sessions: dict[int, Session] = field(default_factory=dict)  # object handle -> its session
+    latest: dict[SessionKind, Session] = field(default_factory=dict)  # the session new objects may join
+
+
+@dataclass
+class Call:
+    """What one notification asks for, decoded from the tenant's memory."""
+
+    op: int  # RM_ALLOC or RM_FREE; 0 = nothing to track
+    h_root: int = 0
+    h_parent: int = 0
+    handle: int = 0  # hObjectNew (alloc) or hObjectOld (free)
+    h_class: int = 0
+    kind: SessionKind | None = None
+    owner: tuple[int, str] | None = None  # (tgid, start time) when this client is new
+    instance: int | None = None  # engineInstance from the allocation parameters (video engines)
+    join: Session | None = None  # the open session this object joins (no decision needed)
+    node: int = 0  # where an admitted object was recorded
+
+
+def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
+    """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
+    if IOCTL_SYSCALL.get(arch) != nr:
+        return None
+    _type, enr, size = decode_ioctl(request)
+    return (enr, size) if enr in (RM_ALLOC, RM_FREE, XFER) else None
+
+
+def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
+    """The call behind escape `enr` with its argument at `addr`; `read(addr, size)` reads the caller's memory and
+    raises OSError or ValueError when it cannot. Unreadable or malformed calls are Call(0) (nothing to track): the driver fails
+    them itself (EFAULT, EINVAL)."""
+    try:
+        if enr == XFER:
+            if size != XFER_SIZE:
+                return Call(0)
+            enr, size, addr = struct.unpack(XFER_FORMAT, read(addr, XFER_SIZE))
+        if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
+            h_root, h_parent, h_new, h_class, params = struct.unpack("=IIIIQ", read(addr, 24))
+            call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
+            if call.kind in ENGINE_KINDS and params:
+                call.instance = _engine_instance(params, read)
+            return call
+        if enr == RM_FREE and size == NVOS00_SIZE:
+            h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
+            return Call(RM_FREE, h_root, h_parent, h_old)
+    except (OSError, ValueError):
+        pass
+    return Call(0)
+
+
+def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | None:
+    """engineInstance of NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS {size, prohibitMultipleInstances, instance}."""
+    try:
+        p_size, _prohibit, instance = struct.unpack("=III", read(params, 12))
+    except (OSError, ValueError):
+        return None
+    return instance if p_size >= 12 else None
+
+
+# --- the books -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Counts:
+    live: Mapping[SessionKind, int]
+    """Live sessions per kind (what caps count)."""
+    objects: Mapping[SessionKind, int]
+    """Live RM objects per kind behind those sessions."""
+    admitted: Mapping[SessionKind, int]
+    refused: Mapping[SessionKind, int]
+
+
+class SessionBook:
+    """One tenant's RM clients, object trees and sessions, and the counts that follow from them.
+
+    The tree is changed by one thread (the supervisor's); `counts()` may be read from any (the counters are
+    under a lock).
+    """
+
+    def __init__(self, tenant: str, join_window_ns: int, max_nodes: int = MAX_NODES) -> None:
+        self.tenant = tenant
+        self._join_window_ns = join_window_ns
+        self._max_nodes = max_nodes
+        self._clients: dict[int, Client] = {}
+        self._nodes = 0
+        self._synthetic = itertools.count(-1, -1)
+        self.untracked = 0
+        """Non-session objects not recorded because MAX_NODES was reached."""
+        self._lock = threading.Lock()
+        self._live: collections.Counter[SessionKind] = collections.Counter()
+        self._objects: collections.Counter[SessionKind] = collections.Counter()
+        self._admitted: collections.Counter[SessionKind] = collections.Counter()
+        self._refused: collections.Counter[SessionKind] = collections.Counter()
+
+    def knows(self, h_root: int) -> bool:
+        """Whether RM client `h_root` was seen (a new one needs its owner recorded on the call)."""
+        return h_root in self._clients
+
+    def holds_sessions(self, h_root: int) -> bool:
+        """Whether a free in client `h_root` may uncount something (check the caller is still there first)."""
+        client = self._clients.get(h_root)
+        return client is not None and bool(client.sessions)
+
+    def owners(self) -> dict[int, tuple[int, str]]:
+        """hRoot -> (tgid, start time) of each client's process, for finding the exited."""
+        return {h: (c.tgid, c.start_time) for h, c in self._clients.items()}
+
+    def needs_decision(self, call: Call, tid: int, now_ns: int) -> bool:
+        """For a session call: whether it opens a new session. Otherwise it is marked: a handle seen again
+        (the driver refuses it, or a free was missed) loses its kind, so it is counted once; an object that
+        joins an open session gets `join`."""
+        if call.kind is None:
+            return False
+        client = self._clients.get(call.h_root)
+        if client is None:
+            return True
+        if call.handle and call.handle in client.sessions:
+            call.kind = None
+            return False
+        call.join = self._joinable(client, call, tid, now_ns)
+        return call.join is None
+
+    def _joinable(self, client: Client, call: Call, tid: int, now_ns: int) -> Session | None:
+        kind = call.kind
+        if kind not in GROUPED_KINDS:
+            return None
+        session = client.latest.get(kind)
+        if session is None or not session.objects or session.pid != tid:
+            return None
+        if now_ns - session.last_ns > self._join_window_ns:
+            return None
+        if kind in ENGINE_KINDS and (call.instance is None or call.instance in session.instances):
+            return None
+        return session
+
+    def commit(self, call: Call, pid: int, refused: bool, now_ns: int) -> list[SessionEvent]:
+        """Apply an answered call to the counts and the object tree; the events to report."""
+        kind = call.kind
+        if call.op == 0:
+            return []
+        if refused and kind is not None:
+            with self._lock:
+                self._refused[kind] += 1
+                live = self._live[kind]
+            return [SessionEvent(self.tenant, EventAction.REFUSED, kind, call.h_class, pid, call.handle, live)]
+        if call.op == RM_FREE:
+            return self._free(call)
+        client = self._clients.get(call.h_root)
+        if client is None:
+            tgid, start = call.owner or (0, "")
+            client = self._clients[call.h_root] = Client(tgid, start)
+        node = self._record(client, call)
+        if kind is None:
+            return []
+        call.node = node
+        return self._add_object(client, call, kind, node, pid, now_ns)
+
+    def _record(self, client: Client, call: Call) -> int:
+        """Put the new object in its client's tree (session objects always; others up to MAX_NODES)."""
+        node = call.handle or next(self._synthetic)
+        if node == call.h_parent:
+            return node
+        if call.kind is not None or self._nodes < self._max_nodes:
+            if node not in client.parent:
+                self._nodes += 1
+            client.parent[node] = call.h_parent
+            client.children.setdefault(call.h_parent, set()).add(node)
+        else:
+            self.untracked += 1
+        return node
+
+    def _add_object(
+        self, client: Client, call: Call, kind: SessionKind, node: int, pid: int, now_ns: int
+    ) -> list[SessionEvent]:
+        session = call.join
+        opened = session is None
+        if session is None:
+            session = Session(kind, call.h_class, pid, call.handle)
+            client.latest[kind] = session
+        session.objects.add(node)
+        if call.instance is not None:
+            session.instances.add(call.instance)
+        session.last_ns = now_ns
+        client.sessions[node] = session
+        with self._lock:
+            self._objects[kind] += 1
+            if not opened:
+                return []
+            self._live[kind] += 1
+            self._admitted[kind] += 1
+            live = self._live[kind]
+        return [SessionEvent(self.tenant, EventAction.ADMITTED, kind, call.h_class, pid, call.handle, live)]
+
+    def undo(self, call: Call | None, events: list[SessionEvent]) -> list[SessionEvent]:
+        """The answer found the call gone: take back an admission or a refusal that did not happen."""
+        out = []
+        client = self._clients.get(call.h_root) if call is not None else None
+        if call is not None and call.kind is not None and call.node and client is not None:
+            session = client.sessions.pop(call.node, None)
+            if session is not None:  # the object was recorded: take it back (its session stays if it has others)
+                session.objects.discard(call.node)
+                with self._lock:
+                    self._objects[session.kind] -= 1
+        for e in events:
+            if e.action is EventAction.ADMITTED:
+                with self._lock:
+                    self._live[e.kind] -= 1
+                    self._admitted[e.kind] -= 1
+                    live = self._live[e.kind]
+                out.append(SessionEvent(e.tenant, EventAction.ABORTED, e.kind, e.h_class, e.pid, e.handle, live))
+            elif e.action is EventAction.REFUSED:
+                with self._lock:
+                    self._refused[e.kind] -= 1
+            else:
+                out.append(e)
+        return out
+
+    def _free(self, call: Call) -> list[SessionEvent]:
+        client = self._clients.get(call.h_root)
+        if client is None:
+            return []
+        if call.handle == call.h_root:  # freeing the client frees everything it holds
+            return self.release([call.h_root], EventAction.FREED)
+        ended: list[Session] = []
+        stack, seen = [call.handle], set()
+        while stack:
+            h = stack.pop()
+            if h in seen:
+                continue
+            seen.add(h)
+            stack.extend(client.children.pop(h, ()))
+            self._unlink(client, h)
+            session = client.sessions.pop(h, None)
+            if session is not None and h in session.objects and self._drop_object(session, h):
+                ended.append(session)
+                if client.latest.get(session.kind) is session:
+                    del client.latest[session.kind]
+        return self._uncount(ended, EventAction.FREED)
+
+    def _unlink(self, client: Client, h: int) -> None:
+        parent = client.parent.pop(h, None)
+        if parent is not None:
+            self._nodes -= 1
+            siblings = client.children.get(parent)
+            if siblings is not None:
+                siblings.discard(h)
+
+    def _drop_object(self, session: Session, h: int) -> bool:
+        """Take object `h` out of its session; True when that was the session's last."""
+        session.objects.discard(h)
+        with self._lock:
+            self._objects[session.kind] -= 1
+        return not session.objects
+
+    def release(self, roots: list[int], action: EventAction) -> list[SessionEvent]:
+        """Forget RM clients (freed, their process exited, or nobody follows them any more) and end their sessions."""
+        events: list[SessionEvent] = []
+        for h_root in roots:
+            client = self._clients.pop(h_root, None)
+            if client is not None:
+                self._nodes -= len(client.parent)
+                sessions = list({id(x): x for x in client.sessions.values()}.values())
+                with self._lock:
+                    for x in sessions:
+                        self._objects[x.kind] -= len(x.objects)
+                events += self._uncount(sessions, action)
+        return events
+
+    def release_all(self, action: EventAction) -> list[SessionEvent]:
+        return self.release(list(self._clients), action)
+
+    def _uncount(self, sessions: list[Session], action: EventAction) -> list[SessionEvent]:
+        events = []
+        for s in sessions:
+            with self._lock:
+                self._live[s.kind] -= 1
+                live = self._live[s.kind]
+            events.append(SessionEvent(self.tenant, action, s.kind, s.h_class, s.pid, max(s.handle, 0), live))
+        return events
+
+    def counts(self) -> Counts:
+        with self._lock:
+            return Counts(
+                live=MappingProxyType({k: n for k, n in self._live.items() if n}),
+                objects=MappingProxyType({k: n for k, n in self._objects.items() if n}),
+                admitted=MappingProxyType(dict(self._admitted)),
+                refused=MappingProxyType(dict(self._refused)),
+            )

@@ -1,0 +1,84 @@
+"""What the daemon needs from the GPU session hooks, the real hooks (one supervisor per listener) and a fake.
+
+The agent socket resolves which tenant a hand-over governs; `SessionHooks` is everything after that: serve the
+listener for the tenant, stop serving, say how it goes. Logic tests of the agent put `FakeSessionHooks` there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Protocol
+
+from unisched.enforce.nvclasses import SessionKind
+from unisched.enforce.seccomp.accounting import SessionEvent
+from unisched.enforce.seccomp.supervisor import SessionSupervisor, SupervisorStats
+
+
+class SessionHooks(Protocol):
+    def attach(self, listener_fd: int, tenant: str) -> None:
+        """Serve the seccomp listener `listener_fd` for `tenant` from now on. Called on the daemon's event loop.
+        The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
+
+    def close(self) -> None:
+        """Stop serving every listener (their tenants' pending and later session calls fail with ENOSYS)."""
+
+    def stats(self) -> list[SupervisorStats]:
+        """One entry per listener still served."""
+
+
+class SupervisedHooks:
+    """The real hooks: a SessionSupervisor per listener, its thread answering, `decide` and `on_event` on the loop."""
+
+    def __init__(
+        self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None]
+    ) -> None:
+        self._decide = decide
+        self._on_event = on_event
+        self._supervisors: list[SessionSupervisor] = []
+
+    def attach(self, listener_fd: int, tenant: str) -> None:
+        try:
+            sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event)
+        except BaseException:
+            os.close(listener_fd)
+            raise
+        self._supervisors = [s for s in self._supervisors if not s.closed]  # forget those whose tenant has gone
+        self._supervisors.append(sup)
+        sup.attach(asyncio.get_running_loop())
+
+    def close(self) -> None:
+        for sup in self._supervisors:
+            sup.close()
+        self._supervisors.clear()
+
+    def stats(self) -> list[SupervisorStats]:
+        return [sup.stats() for sup in self._supervisors if not sup.closed]
+
+
+class FakeSessionHooks:
+    """Records what it is asked to serve and closes each listener at once (its tenant's session calls then fail
+    with ENOSYS): for tests of the agent's logic, which need no supervisor thread."""
+
+    def __init__(self) -> None:
+        self.attached: list[str] = []
+        """The tenants given a listener, in order."""
+        self.closed = False
+
+    def attach(self, listener_fd: int, tenant: str) -> None:
+        os.close(listener_fd)
+        self.attached.append(tenant)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def stats(self) -> list[SupervisorStats]:
+        empty: MappingProxyType[SessionKind, int] = MappingProxyType({})
+        return [
+            SupervisorStats(live=empty, objects=empty, admitted=empty, refused=empty, tenant=tenant, notifications=0,
+                            skipped=0, errors=0, latency_p50_us=None, latency_p99_us=None, latency_samples=0,
+                            closed=self.closed)
+            for tenant in self.attached
+        ]

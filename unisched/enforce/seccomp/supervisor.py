@@ -1,0 +1,515 @@
+"""SessionSupervisor: one thread that serves one tenant's seccomp listener. I/O only; the books are accounting.py.
+
+It reads each notified call's argument from the tenant's memory (/proc/PID/mem), decodes the class (NVOS21/NVOS64
+hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts
+(RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
+"continue" or EPERM. In the daemon (`attach(loop)`) the thread answers every call at once except the first object
+of a new session, whose `decide` runs on the event loop: the hundred-odd allocations of memory, channels and copy
+engines of a CUDA context never wait for the loop. It never wedges a tenant: any failure while handling a call
+answers "continue"; a call whose notification is gone is skipped; if the daemon dies (the listener's last fd
+closes), pending and later notified calls fail at once with ENOSYS and everything else keeps working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import fcntl
+import math
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import structlog
+
+from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
+from unisched.enforce.seccomp.abi import (
+    FD_SYNC_WAKE_UP,
+    FLAG_CONTINUE,
+    NOTIF_FORMAT,
+    NOTIF_ID_VALID,
+    NOTIF_ID_VALID_OLD,
+    NOTIF_RECV,
+    NOTIF_SEND,
+    NOTIF_SET_FLAGS,
+    NOTIF_SIZE,
+    RESP_FORMAT,
+    SeccompError,
+)
+from unisched.enforce.seccomp.accounting import (
+    Call,
+    Counts,
+    EventAction,
+    SessionBook,
+    SessionEvent,
+    decode_call,
+    escape_of,
+)
+from unisched.enforce.seccomp.proc import owner, read_mem, start_time
+
+log = structlog.get_logger("unisched.seccomp")
+
+
+@dataclass(frozen=True)
+class SupervisorStats(Counts):
+    """The books' counts, and how the supervisor has been answering."""
+
+    tenant: str
+    notifications: int
+    """Notifications answered or skipped."""
+    skipped: int
+    """Notifications that were gone before the answer (killed or interrupted callers)."""
+    errors: int
+    """Notifications answered "continue" because handling them failed."""
+    latency_p50_us: float | None
+    latency_p99_us: float | None
+    """Answer latency (notification received -> answer sent), over the most recent samples."""
+    latency_samples: int
+    closed: bool
+    asked_loop: int = 0
+    """Session calls whose decision was asked on the event loop (`attach`); every other call was answered by
+    the supervisor's thread alone."""
+    pending: int = 0
+    """Session calls waiting for the loop's decision now."""
+    sync_wake_up: bool = False
+    """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
+
+
+class _Gone(Exception):
+    """The notification is no longer valid (the caller was killed or interrupted)."""
+
+
+JOIN_TIMEOUT_S: Final = 5.0
+"""How long close() waits for the supervisor's thread: it never waits on the loop, so only a stuck ioctl could
+keep it longer."""
+
+
+class SessionSupervisor:
+    """Serves ONE seccomp listener fd for ONE tenant (see the module docstring).
+
+    Two ways to run it; either way one thread of its own receives and answers the notifications, and it owns
+    the fd: `close()` (or the tenant's last process exiting) closes it.
+
+    - `serve_forever()` in a thread of the caller's: `decide` and `on_event` run on that thread.
+    - `attach(loop)`: the supervisor starts its own thread, which answers every call that needs no decision
+      at once, without the loop: non-session classes (memory, channels, copy engines...), frees, objects that
+      join an open session, and unreadable or malformed calls. Only the first object of a new session waits:
+      `decide` is called on the loop (call_soon_threadsafe) and the thread answers when it returns, while it
+      keeps answering the tenant's other calls. `on_event` runs on the loop too. If the loop is closed, a
+      session call is admitted (never wedged); a decision still on the loop when the supervisor closes is
+      not asked any more, or reported ABORTED when it had been admitted.
+
+    On kernels >= 6.6 the listener is put in sync wake-up mode (`sync_wake_up`): the tenant only waits while
+    its call is handled, so the kernel runs the supervisor's thread on the tenant's CPU and back, instead of
+    waking another (possibly idle) CPU each way.
+
+    `decide` and `on_event` must be quick and non-blocking; `decide` is consulted only for the first object of
+    an engine session (accounting.py says which objects join one), and an exception in it admits the call.
+    `stats()` may be called from any thread; `close()` too (with `attach`, it joins the supervisor's thread).
+    """
+
+    def __init__(
+        self,
+        listener_fd: int,
+        tenant: str,
+        decide: Callable[[str, SessionKind, int], bool],
+        on_event: Callable[[SessionEvent], None] | None = None,
+        *,
+        reconcile_interval_s: float = 2.0,
+        latency_window: int = 4096,
+        join_window_s: float = 1.0,
+        sync_wake_up: bool = True,
+    ) -> None:
+        self._fd = listener_fd
+        self.tenant = tenant
+        self._decide = decide
+        self._on_event = on_event
+        self._reconcile_interval = reconcile_interval_s
+        self._id_valid_cmd = NOTIF_ID_VALID_OLD
+        self._lock = threading.Lock()
+        self._book = SessionBook(tenant, int(join_window_s * 1e9))
+        self._notifications = 0
+        self._skipped = 0
+        self._errors = 0
+        self._asked = 0
+        self._sync_wake_up = sync_wake_up and self._set_sync_wake_up()
+        self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
+        self._warned: set[str] = set()
+        self._closed = False
+        self._finished = False
+        self._done = threading.Event()
+        self._serving = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Session calls waiting for the loop's decision (serving thread only), and decisions back from the
+        # loop not yet answered (under _lock: the loop appends, the serving thread takes).
+        self._pending: dict[int, tuple[Call, int, int]] = {}  # notification id -> (call, tid, t0)
+        self._decided: collections.deque[tuple[int, bool, BaseException | None]] = collections.deque()
+
+    # ---- running ----
+    def serve_forever(self) -> None:
+        """Serve until `close()` or until every process of the filter has exited. Blocking; for a thread."""
+        with self._lock:
+            if self._closed or self._serving or self._loop is not None:
+                raise SeccompError("this supervisor is closed or already serving")
+            self._serving = True
+        self._serve()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from a thread of its own, asking `decide` (and calling `on_event`) on `loop`."""
+        with self._lock:
+            if self._closed or self._serving or self._loop is not None:
+                raise SeccompError("this supervisor is closed or already serving")
+            self._loop = loop
+            self._serving = True
+            self._thread = threading.Thread(target=self._serve, name=f"unisched-seccomp-{self.tenant}", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError as e:  # no thread to be had: nobody would answer, so let go of the listener (ENOSYS)
+            self._thread = None
+            self._finish(EventAction.DETACHED)
+            raise SeccompError(f"cannot start the session supervisor's thread: {e}") from None
+
+    def close(self) -> None:
+        """Stop serving and close the listener. Any thread; with `attach`, returns once its thread has ended.
+
+        Closing while the tenant still runs makes its pending and later session allocations fail with ENOSYS;
+        sessions still counted are reported DETACHED.
+        """
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            serving = self._serving
+            if first and serving:  # the serving thread closes the fd itself once it wakes up
+                with contextlib.suppress(BlockingIOError):
+                    os.write(self._wake_w, b"x")
+            thread = self._thread
+        if first and not serving:
+            self._finish(EventAction.DETACHED)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.error("seccomp supervisor thread did not stop", tenant=self.tenant)
+
+    def _set_sync_wake_up(self) -> bool:
+        """SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (Linux >= 6.6): the kernel wakes the supervisor on the caller's CPU
+        and the caller on the supervisor's, as the caller only waits meanwhile (no idle CPU to wake, no IPI).
+        False where the kernel does not offer it."""
+        try:
+            fcntl.ioctl(self._fd, NOTIF_SET_FLAGS, FD_SYNC_WAKE_UP)
+        except OSError:
+            return False
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._done.is_set()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _serve(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        next_reconcile = time.monotonic() + self._reconcile_interval
+        why = EventAction.DETACHED
+        try:
+            while not self._closed:
+                timeout_ms = max(0, math.ceil((next_reconcile - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                try:
+                    if events.get(self._wake_r, 0):
+                        with contextlib.suppress(BlockingIOError):
+                            os.read(self._wake_r, 4096)
+                        self._answer_decided()
+                    ev = events.get(self._fd, 0)
+                    if ev & select.POLLIN:
+                        self._handle_one()
+                    elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                        why = EventAction.EXITED  # every process using the filter has exited: their sessions are gone
+                        return
+                    if time.monotonic() >= next_reconcile:
+                        next_reconcile = time.monotonic() + self._reconcile_interval
+                        self.reconcile()
+                except Exception:  # a bug here must not take the tenant's hooks down: log it, serve on
+                    with self._lock:
+                        self._errors += 1
+                    log.exception("seccomp supervisor error; serving on", tenant=self.tenant)
+        finally:
+            self._finish(why)
+
+    def _finish(self, action: EventAction) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._closed = True
+            self._serving = False
+            os.close(self._fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            decided = list(self._decided)
+            self._decided.clear()
+        # The callers still waiting got ENOSYS when the fd closed. Admissions the loop already made are given
+        # back; decisions still on the loop are not asked any more (see _decide_on_loop).
+        events = []
+        for nid, admitted, _ in decided:
+            entry = self._pending.pop(nid, None)
+            kind = entry[0].kind if entry is not None else None
+            if admitted and entry is not None and kind is not None:
+                call, tid = entry[0], entry[1]
+                events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
+        self._pending.clear()
+        self._emit_all(events + self._book.release_all(action))
+        self._done.set()
+        log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
+
+    # ---- process exit ----
+    def reconcile(self) -> None:
+        """Uncount the sessions of RM clients whose process has exited (the driver freed them on close).
+
+        Runs on the serving thread every `reconcile_interval_s`; do not call it from another thread while serving.
+        """
+        gone = [h for h, (tgid, start) in self._book.owners().items() if tgid and start_time(tgid) != start]
+        self._emit_all(self._book.release(gone, EventAction.EXITED))
+
+    # ---- one notification ----
+    def _handle_one(self) -> None:
+        buf = bytearray(NOTIF_SIZE)  # zeroed, as the kernel requires
+        try:
+            fcntl.ioctl(self._fd, NOTIF_RECV, buf, True)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: the caller went away meanwhile
+                self._warn_once("recv", f"seccomp receive failed: {e.strerror}")
+            return
+        t0 = time.perf_counter_ns()
+        nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(NOTIF_FORMAT, buf)
+        call: Call | None = None
+        admitted = True  # every call that needs no decision goes on
+        failure: tuple[str, BaseException] | None = None
+        try:
+            call = self._examine(nid, pid, nr, arch, args)
+            if call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns()):
+                if self._loop is not None:
+                    self._ask_loop(self._loop, nid, pid, t0, call)
+                    return
+                try:
+                    admitted = bool(self._decide(self.tenant, call.kind, call.h_class))
+                except Exception as e:
+                    failure = ("seccomp decide() failed; admitting the call", e)
+        except _Gone:
+            with self._lock:
+                self._notifications += 1
+                self._skipped += 1
+            return
+        except Exception as e:
+            failure, call = ("seccomp notification handling failed; letting the call continue", e), None
+        self._conclude(nid, pid, t0, call, admitted, failure)
+
+    def _ask_loop(self, loop: asyncio.AbstractEventLoop, nid: int, tid: int, t0: int, call: Call) -> None:
+        """A new session: ask `decide` on the loop; `_answer_decided` answers when it is back."""
+        assert call.kind is not None
+        self._pending[nid] = (call, tid, t0)
+        try:
+            loop.call_soon_threadsafe(self._decide_on_loop, nid, call.kind, call.h_class)
+        except RuntimeError as e:  # the loop is closed: nobody can decide, and the caller must not wait
+            del self._pending[nid]
+            self._conclude(nid, tid, t0, call, True, ("the daemon's event loop is closed; admitting the call", e))
+            return
+        with self._lock:
+            self._asked += 1
+
+    def _decide_on_loop(self, nid: int, kind: SessionKind, h_class: int) -> None:
+        """On the loop: ask `decide`, hand the answer back to the serving thread."""
+        if self._closed:
+            return  # the call failed with ENOSYS when the listener closed (or will): nothing to decide
+        admitted, error = False, None
+        try:
+            admitted = bool(self._decide(self.tenant, kind, h_class))
+        except Exception as e:
+            admitted, error = True, e
+        with self._lock:
+            if not self._finished:
+                self._decided.append((nid, admitted, error))
+                with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the thread
+                    os.write(self._wake_w, b"d")
+                return
+        if admitted:  # closed meanwhile: the caller got ENOSYS; give back what decide() reserved
+            self._emit_now([SessionEvent(self.tenant, EventAction.ABORTED, kind, h_class, 0, 0, 0)])
+
+    def _answer_decided(self) -> None:
+        while True:
+            with self._lock:
+                if not self._decided:
+                    return
+                nid, admitted, error = self._decided.popleft()
+            entry = self._pending.pop(nid, None)
+            if entry is None:
+                continue
+            call, tid, t0 = entry
+            failure = None if error is None else ("seccomp decide() failed; admitting the call", error)
+            self._conclude(nid, tid, t0, call, admitted, failure)
+
+    def _conclude(
+        self, nid: int, pid: int, t0: int, call: Call | None, admitted: bool, failure: tuple[str, BaseException] | None
+    ) -> None:
+        """Count, answer, then report: the tail of every notification, decided or not."""
+        refused = False
+        events: list[SessionEvent] = []
+        if call is not None:
+            refused = call.kind is not None and not admitted
+            try:
+                # Book-keeping happens before the answer, so counts are exact by the time the caller resumes;
+                # callbacks and logging wait until after it, so they cost the caller nothing.
+                events = self._commit(call, nid, pid, refused)
+            except Exception as e:
+                failure, refused = ("seccomp notification handling failed; letting the call continue", e), False
+                if admitted and call.kind is not None and call.join is None:  # decide() may have reserved
+                    events = [SessionEvent(self.tenant, EventAction.ABORTED, call.kind, call.h_class, pid, call.handle, 0)]
+                call = None
+        with self._lock:
+            self._notifications += 1
+        answered = self._answer(nid, -errno.EPERM if refused else 0)
+        with self._lock:
+            self._latency_ns.append(time.perf_counter_ns() - t0)
+            if not answered:
+                self._skipped += 1
+        if not answered:
+            events = self._book.undo(call, events)
+        self._emit_all(events)
+        if failure is not None:
+            with self._lock:
+                self._errors += 1
+            log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
+        if refused and call is not None and answered:
+            log.info("gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
+
+    def _answer(self, nid: int, error: int) -> bool:
+        """SEND: "continue" (error 0) or fail the call with `error` (-errno). False when the call is gone."""
+        resp = struct.pack(RESP_FORMAT, nid, 0, error, 0 if error else FLAG_CONTINUE)
+        try:
+            fcntl.ioctl(self._fd, NOTIF_SEND, resp)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                self._warn_once("send", f"seccomp answer failed: {e.strerror}")
+            return False
+        return True
+
+    def _id_valid(self, nid: int) -> bool:
+        arg = struct.pack("=Q", nid)
+        while True:
+            try:
+                fcntl.ioctl(self._fd, self._id_valid_cmd, arg)
+                return True
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    return False
+                if e.errno in (errno.EINVAL, errno.ENOTTY) and self._id_valid_cmd == NOTIF_ID_VALID_OLD:
+                    self._id_valid_cmd = NOTIF_ID_VALID
+                    continue
+                raise
+
+    def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
+        """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue."""
+        escape = escape_of(nr, arch, args[1])
+        if escape is None:
+            return Call(0)
+        if pid == 0:
+            self._warn_once("pid0", "a notified caller is outside the daemon's pid namespace; letting its calls continue")
+            return Call(0)
+        try:
+            mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        except PermissionError:
+            self._warn_once("mem", "cannot read tenants' memory (/proc/PID/mem): run the daemon as root; letting calls continue")
+            return Call(0)
+        except OSError:
+            return Call(0)  # gone already: the answer will fail harmlessly
+        try:
+            call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
+        finally:
+            os.close(mem)
+        if call.op == RM_ALLOC and not self._book.knows(call.h_root):
+            try:
+                call.owner = owner(pid)
+            except (OSError, ValueError):
+                call.owner = (0, "")
+        # Before a decision or a count that depends on what was read, make sure it was read from the caller
+        # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
+        if call.kind is not None and not self._id_valid(nid):
+            raise _Gone
+        return call
+
+    def _commit(self, call: Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
+        """Book the answered call; the events to report after the answer."""
+        if call.op == RM_FREE and self._book.holds_sessions(call.h_root) and not self._id_valid(nid):
+            return []  # read from a process that is gone: uncount nothing
+        events = self._book.commit(call, pid, refused, time.monotonic_ns())
+        if self._book.untracked:
+            self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
+        return events
+
+    def _emit_all(self, events: list[SessionEvent]) -> None:
+        """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
+        if not events or self._on_event is None:
+            return
+        if self._loop is None:
+            self._emit_now(events)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._emit_now, events)
+        except RuntimeError:
+            log.debug("event loop closed; session events dropped", tenant=self.tenant, n=len(events))
+
+    def _emit_now(self, events: list[SessionEvent]) -> None:
+        if self._on_event is None:
+            return
+        for event in events:
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("seccomp on_event callback failed", tenant=self.tenant)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, tenant=self.tenant)
+
+    # ---- numbers ----
+    def stats(self) -> SupervisorStats:
+        with self._lock:
+            samples = sorted(self._latency_ns)
+            notifications, skipped, errors = self._notifications, self._skipped, self._errors
+            asked, pending = self._asked, len(self._pending)
+
+        def pct(p: float) -> float | None:
+            if not samples:
+                return None
+            return samples[min(len(samples) - 1, int(p * len(samples)))] / 1000.0
+
+        counts = self._book.counts()
+        return SupervisorStats(
+            tenant=self.tenant,
+            live=counts.live,
+            objects=counts.objects,
+            admitted=counts.admitted,
+            refused=counts.refused,
+            notifications=notifications,
+            skipped=skipped,
+            errors=errors,
+            latency_p50_us=pct(0.50),
+            latency_p99_us=pct(0.99),
+            latency_samples=len(samples),
+            closed=self._done.is_set(),
+            asked_loop=asked,
+            pending=pending,
+            sync_wake_up=self._sync_wake_up,
+        )
