@@ -112,7 +112,7 @@ class DaemonConfig:
                      "thread; below 0 needs root): a burst of user processes must not starve the replies they wait on",
                      bounds=(-20, 19))
     nvml: bool = knob(True, "daemon", "read GPU utilization and memory with NVML; false ignores GPUs and schedules "
-                      "on cgroup CPU time alone", flag="--no-nvml")
+                      "on cgroup CPU time alone")
     metrics_port: int = knob(0, "daemon", "serve Prometheus metrics on http://metrics_listen:metrics_port/metrics; "
                              "0 = off", bounds=(0, 65535), unit="port")
     metrics_listen: str = knob(DEFAULT_METRICS_LISTEN, "daemon", "address for metrics_port; the metrics name every "

@@ -58,7 +58,8 @@ class Knob:
     def flag_name(self) -> str:
         if self.flag:
             return self.flag
-        return "--" + self.name.replace("_", "-")
+        negated = self.kind == "bool" and self.default
+        return ("--no-" if negated else "--") + self.name.replace("_", "-")
 
     def parse(self, value: Any) -> Any:
         """A TOML or flag value -> the field's value; KnobError names what is allowed."""
