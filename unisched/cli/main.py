@@ -200,6 +200,11 @@ def _add_knob_flag(parser: argparse.ArgumentParser, spec: Knob) -> None:
         parser.add_argument(spec.flag_name, type=kind, metavar=metavar, **common)
 
 
+def knob_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """`serve`'s flags as DaemonConfig.with_overrides takes them (None: not given)."""
+    return {spec.name: getattr(args, spec.name) for spec in KNOBS}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="unisched",
@@ -458,7 +463,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     orphans: Orphans | None = getattr(args, "orphans", None)
     try:
-        config = load_config(args.config).with_overrides(**{spec.name: getattr(args, spec.name) for spec in KNOBS})
+        config = load_config(args.config).with_overrides(**knob_flags(args))
         check_listener(config)
         warnings = check_groups(config)
     except ConfigError as e:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE, CgroupDriver, CgroupError, adopt_refusal, check_subtree
-from unisched.engine.knobs import Knob, KnobError, knob, knobs_of
+from unisched.engine.knobs import Knob, KnobError, TableKey, knob, knobs_of
 from unisched.policy import (
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
@@ -29,13 +29,15 @@ from unisched.policy import (
     parse_clock,
     validate_tenant_name,
 )
-from unisched.policy.caps import SessionLimits
+from unisched.policy.caps import MAX_SESSIONS, SessionLimits
 
 __all__ = [
     "ConfigError",
     "DaemonConfig",
     "DeclaredTenant",
     "KNOBS",
+    "TENANT_KEYS",
+    "TIDAL_KEYS",
     "check_declared_cgroups",
     "check_gpus",
     "check_groups",
@@ -72,6 +74,32 @@ class DeclaredTenant:
     cgroup: str | None = None
     """Adopt this existing cgroup at start (a container's)."""
     limits: SessionLimits = field(default_factory=SessionLimits)
+
+
+TENANT_KEYS = (
+    TableKey("name", "string", "1-63 letters, digits, '_', '.', '-'", "required", "the tenant's name"),
+    TableKey("weight", "integer", f"{WEIGHT_MIN}..{WEIGHT_MAX}", str(DEFAULT_WEIGHT), "its share of each GPU engine, by weight"),
+    TableKey("priority", "string", "online | offline", "offline", "online tenants go first in preemptive mode"),
+    TableKey("engines", "list of strings", ", ".join(e.value for e in Engine), '["compute"]', "the GPU engines it uses"),
+    TableKey("gpus", "list of integers", "GPU indices 0..255", "all", "pinned: it may open only these GPUs' device "
+             "nodes (device admission)"),
+    TableKey("cgroup", "string", "a cgroup path without '.' or '..'", "unset", "adopt this existing cgroup (a "
+             "container's) at start instead of creating one below cgroup_subtree"),
+    TableKey("render", "integer", f"0..{MAX_SESSIONS}", "unlimited", "cap on live render (3D/graphics) contexts"),
+    TableKey("decode", "integer", f"0..{MAX_SESSIONS}", "weight share", "cap on live NVDEC sessions (default: the weight "
+             "share of the GPU's video engines)"),
+    TableKey("encode", "integer", f"0..{MAX_SESSIONS}", "weight share", "cap on live NVENC sessions (default: the weight "
+             "share of the GPU's video engines)"),
+    TableKey("memory", "size", "bytes or 8GiB, 512MiB, ...", "unlimited", "cap on GPU memory"),
+)
+"""Keys of [[tenants]]: tenants declared ahead, created at start if not already known."""
+TIDAL_KEYS = (
+    TableKey("tenant", "string", "a tenant name", "required", "whose weight the window sets"),
+    TableKey("start", "string", "HH:MM", "required", "local time the window starts"),
+    TableKey("end", "string", "HH:MM", "required", "local time it ends; may wrap midnight"),
+    TableKey("weight", "integer", f"{WEIGHT_MIN}..{WEIGHT_MAX}", "required", "the tenant's weight within the window"),
+)
+"""Keys of [[tidal]] (mode = "tidal" only), all required."""
 
 
 def _check_listen(value: str) -> str:
@@ -246,7 +274,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     where = f"tenants[{i}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a table")
-    allowed = {"name", "weight", "priority", "engines", "gpus", "cgroup", "render", "decode", "encode", "memory"}
+    allowed = {k.name for k in TENANT_KEYS}
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
@@ -312,7 +340,7 @@ def parse_size(value: object) -> int:
 
 def _parse_tidal(raw: Any, i: int) -> TidalWindow:
     where = f"tidal[{i}]"
-    if not isinstance(raw, dict) or set(raw) != {"tenant", "start", "end", "weight"}:
+    if not isinstance(raw, dict) or set(raw) != {k.name for k in TIDAL_KEYS}:
         raise ConfigError(f"{where}: must be a table with exactly tenant, start, end, weight")
     try:
         start = parse_clock(raw["start"])

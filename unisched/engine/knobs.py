@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, TypeVar
 
-__all__ = ["Knob", "KnobError", "knob", "knobs_of", "shown"]
+__all__ = ["Knob", "KnobError", "TableKey", "knob", "knobs_of", "shown"]
 
 T = TypeVar("T")
 Section = Literal["daemon", "policy"]
@@ -108,6 +108,18 @@ class Knob:
     @property
     def default_shown(self) -> str:
         return self.default_text or shown(self.default)
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """A key of an array of tables ([[tenants]], [[tidal]]): what docs/configuration.md says of it, and the loader's
+    list of allowed keys."""
+
+    name: str
+    type: str
+    allowed: str
+    default: str
+    help: str
 
 
 def shown(value: Any) -> str:
