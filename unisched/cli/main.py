@@ -16,6 +16,7 @@ from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
 from unisched.enforce.governed import Orphans, thaw_orphans
 from unisched.engine.config import (
     DEFAULT_SOCKET,
+    KNOBS,
     ConfigError,
     DaemonConfig,
     check_declared_cgroups,
@@ -25,7 +26,8 @@ from unisched.engine.config import (
     load_config,
     parse_size,
 )
-from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine, Mode
+from unisched.engine.knobs import Knob
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.policy.mps import process_env
 from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
@@ -165,6 +167,44 @@ def _add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) 
     p.add_argument("--gpus", type=_gpus, default=[], help="GPU indices it may use (default all)")
 
 
+def _knob_help(spec: Knob) -> str:
+    """The knob's help with its range, unit and default, from the one table (engine.config.KNOBS); argparse
+    expands %, so it is doubled."""
+    if spec.kind == "bool":
+        text = f"turn {'off' if spec.default else 'on'} {spec.name} ({'on' if spec.default else 'off'} by default): {spec.help}"
+    else:
+        said = " ".join(p for p in (spec.range_text if spec.bounds else "", spec.unit) if p)
+        if spec.default_text:
+            default = f"default: {spec.default_text}"
+        else:
+            default = "unset by default" if spec.default is None else f"default {spec.default_shown}"
+        text = f"{spec.help} ({said + '; ' if said else ''}{default})"
+    return text.replace("%", "%%")
+
+
+_METAVARS = {"ms": "MS", "s": "S", "fraction": "U", "port": "PORT", "%": "P", "slices": "N"}
+
+
+def _add_knob_flag(parser: argparse.ArgumentParser, spec: Knob) -> None:
+    """One `serve` flag per config key; None when not given, so the file's value stands (with_overrides)."""
+    common: dict[str, Any] = {"dest": spec.name, "default": None, "help": _knob_help(spec)}
+    if spec.kind == "bool":
+        parser.add_argument(spec.flag_name, action="store_const", const=not spec.default, **common)
+    elif spec.kind == "choice":
+        parser.add_argument(spec.flag_name, choices=spec.choices, **common)
+    elif spec.kind == "str":
+        parser.add_argument(spec.flag_name, **common)
+    else:
+        kind = int if spec.kind == "int" else float
+        metavar = _METAVARS.get(spec.unit, "N" if kind is int else "X")
+        parser.add_argument(spec.flag_name, type=kind, metavar=metavar, **common)
+
+
+def knob_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """`serve`'s flags as DaemonConfig.with_overrides takes them (None: not given)."""
+    return {spec.name: getattr(args, spec.name) for spec in KNOBS}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="unisched",
@@ -176,66 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="run the daemon (as root)", description="Run the unisched daemon. Flags override the config file."
     )
-    d = DaemonConfig()  # the defaults the help names, from one place (the MPS cap's help once said 30 after it was 70)
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
     s.add_argument("--check-config", action="store_true",
                    help="check the config and flags against this host (GPUs, groups, declared cgroups), print a "
                         "summary and exit: 0 when good, 2 with the key at fault; starts and changes nothing")
-    s.add_argument("--socket", help=f"Unix socket to serve on (default {d.socket})")
-    s.add_argument("--listen", help="also serve read-only calls on TCP HOST:PORT (needs --tls-cert, --tls-key, "
-                                    "--tls-client-ca)")
-    s.add_argument("--tls-cert", help="PEM certificate of the TCP listener")
-    s.add_argument("--tls-key", help="PEM private key of the TCP listener")
-    s.add_argument("--tls-client-ca", help="PEM CA certificate; TCP clients must present a certificate it signed")
-    s.add_argument("--metrics-port", type=int, help=f"serve Prometheus metrics on this port (default {d.metrics_port}: off)")
-    s.add_argument("--metrics-listen", help=f"address for --metrics-port (default {d.metrics_listen})")
-    s.add_argument("--agent-socket", help="seccomp agent socket for GPU session hooks (default: seccomp-agent.sock "
-                                          "beside --socket; OCI runtimes use it as listenerPath)")
-    s.add_argument("--state-dir", help=f"where tenants and weights are kept across restarts (default {d.state_dir})")
-    s.add_argument("--mode", choices=[m.value for m in Mode],
-                   help=f"scheduling mode (default {d.mode.value})")
-    s.add_argument("--slice-ms", type=float, help=f"slice length in ms (default {d.slice_ms:g})")
-    s.add_argument("--saturated-util", type=float, metavar="U",
-                   help="slice a GPU engine's tenants only while its mean busy fraction over 0.4 s is >= U "
-                        f"(0..1, default {d.saturated_util:g}; 0 = always)")
-    s.add_argument("--lease-timeout-ms", type=float,
-                   help="a cooperative client's lease is revoked when not renewed within this long "
-                        f"(default {d.lease_timeout_ms:g})")
-    s.add_argument("--lease-max-run-ms", type=float, metavar="MS",
-                   help="a cooperative compute tenant whose steps are long keeps its lease for 8 of them a turn, at most "
-                        "this long: fewer hand-overs, at which its queued work runs beside the next holder's (default "
-                        f"{d.lease_max_run_ms:g}; 0 = one slice a turn)")
-    s.add_argument("--mix-period-ms", type=float, metavar="MS",
-                   help="where compute and graphics overlap partly: each kind of mixed slice (together, compute alone, graphics "
-                        "alone) runs for its part of a period this long at a stretch; longer loses less to the "
-                        f"frame a paused render finishes, shorter pauses each side for less (default {d.mix_period_ms:g})")
-    s.add_argument("--mps", action="store_true", default=None,
-                   help="start (or join) an MPS control daemon (pipe directory 'mps' beside --socket) and start "
-                        "compute tenants' processes (unisched run) as its clients; in preemptive mode offline ones "
-                        "run below normal priority on part of the SMs, so online requests' kernels go first. CUDA "
-                        "only; needs nvidia-cuda-mps-control")
-    s.add_argument("--mps-offline-sm-percent", type=int, metavar="P",
-                   help="with --mps in preemptive mode: the SMs an offline tenant's processes may use (1..100, "
-                        f"default {d.mps_offline_sm_percent}; 100 = all, priority only)")
-    s.add_argument("--cgroup-driver", choices=["auto", "v2", "v1"], help=f"freezer to use (default {d.cgroup_driver})")
-    s.add_argument("--cgroup-subtree", help="this daemon's cgroup subtree, relative to the cgroup root; tenants' "
-                                            f"cgroups are created below it (default {d.cgroup_subtree})")
-    s.add_argument(
-        "--contention",
-        choices=["auto", "shared-sm", "separate-graphics", "partial-overlap"],
-        help=f"which engines contend (default {d.contention}: measured per GPU model by bench/calibrate_contention.py; where "
-             "compute and graphics overlap partly there, slices mix running them together and each alone so "
-             "both get their weight share; without a calibration: shared-sm, sliced as one). partial-overlap: "
-             "mixed slices from the calibration's rates whatever their sum (it must exist)",
-    )
-    s.add_argument("--admin-group", help="group whose members may change weights and adopt cgroups")
-    s.add_argument("--socket-group", help="only this group may connect (socket mode 0660)")
-    s.add_argument("--no-nvml", action="store_true", help="ignore GPUs; schedule on CPU signals only")
-    s.add_argument("--log-format", choices=["auto", "json", "console"],
-                   help=f"log lines as JSON or for a terminal (default {d.log_format}: JSON unless stderr is a terminal)")
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default {d.log_level})")
-    s.add_argument("--nice", type=int, metavar="N",
-                   help=f"the daemon's nice value, set at start (-20..19, default {d.nice}; raising it needs root)")
+    for spec in KNOBS:
+        _add_knob_flag(s, spec)
     s.add_argument("--delegated", action="store_true",
                    help="run in a cgroup subtree systemd delegated (Delegate=yes): move the daemon into the leaf "
                         "<own cgroup>/daemon before it starts; tenants belong under <own cgroup>/tenants")
@@ -477,34 +463,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     orphans: Orphans | None = getattr(args, "orphans", None)
     try:
-        config = load_config(args.config).with_overrides(
-            socket=args.socket,
-            agent_socket=args.agent_socket,
-            listen=args.listen,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            metrics_port=args.metrics_port,
-            metrics_listen=args.metrics_listen,
-            state_dir=args.state_dir,
-            mode=args.mode,
-            slice_ms=args.slice_ms,
-            lease_timeout_ms=args.lease_timeout_ms,
-            lease_max_run_ms=args.lease_max_run_ms,
-            saturated_util=args.saturated_util,
-            cgroup_driver=args.cgroup_driver,
-            cgroup_subtree=args.cgroup_subtree,
-            contention=args.contention,
-            mix_period_ms=args.mix_period_ms,
-            admin_group=args.admin_group,
-            socket_group=args.socket_group,
-            log_format=args.log_format,
-            log_level=args.log_level,
-            nice=args.nice,
-            nvml=False if args.no_nvml else None,
-            mps=args.mps,
-            mps_offline_sm_percent=args.mps_offline_sm_percent,
-        )
+        config = load_config(args.config).with_overrides(**knob_flags(args))
         check_listener(config)
         warnings = check_groups(config)
     except ConfigError as e:

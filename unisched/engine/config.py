@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE, CgroupDriver, CgroupError, adopt_refusal, check_subtree
+from unisched.engine.knobs import Knob, KnobError, TableKey, knob, knobs_of
 from unisched.policy import (
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
@@ -28,12 +29,15 @@ from unisched.policy import (
     parse_clock,
     validate_tenant_name,
 )
-from unisched.policy.caps import SessionLimits
+from unisched.policy.caps import MAX_SESSIONS, SessionLimits
 
 __all__ = [
     "ConfigError",
     "DaemonConfig",
     "DeclaredTenant",
+    "KNOBS",
+    "TENANT_KEYS",
+    "TIDAL_KEYS",
     "check_declared_cgroups",
     "check_gpus",
     "check_groups",
@@ -72,63 +76,129 @@ class DeclaredTenant:
     limits: SessionLimits = field(default_factory=SessionLimits)
 
 
+TENANT_KEYS = (
+    TableKey("name", "string", "1-63 letters, digits, '_', '.', '-'", "required", "the tenant's name"),
+    TableKey("weight", "integer", f"{WEIGHT_MIN}..{WEIGHT_MAX}", str(DEFAULT_WEIGHT), "its share of each GPU engine, by weight"),
+    TableKey("priority", "string", "online | offline", "offline", "online tenants go first in preemptive mode"),
+    TableKey("engines", "list of strings", ", ".join(e.value for e in Engine), '["compute"]', "the GPU engines it uses"),
+    TableKey("gpus", "list of integers", "GPU indices 0..255", "all", "pinned: it may open only these GPUs' device "
+             "nodes (device admission)"),
+    TableKey("cgroup", "string", "a cgroup path without '.' or '..'", "unset", "adopt this existing cgroup (a "
+             "container's) at start instead of creating one below cgroup_subtree"),
+    TableKey("render", "integer", f"0..{MAX_SESSIONS}", "unlimited", "cap on live render (3D/graphics) contexts"),
+    TableKey("decode", "integer", f"0..{MAX_SESSIONS}", "weight share", "cap on live NVDEC sessions (default: the weight "
+             "share of the GPU's video engines)"),
+    TableKey("encode", "integer", f"0..{MAX_SESSIONS}", "weight share", "cap on live NVENC sessions (default: the weight "
+             "share of the GPU's video engines)"),
+    TableKey("memory", "size", "bytes or 8GiB, 512MiB, ...", "unlimited", "cap on GPU memory"),
+)
+"""Keys of [[tenants]]: tenants declared ahead, created at start if not already known."""
+TIDAL_KEYS = (
+    TableKey("tenant", "string", "a tenant name", "required", "whose weight the window sets"),
+    TableKey("start", "string", "HH:MM", "required", "local time the window starts"),
+    TableKey("end", "string", "HH:MM", "required", "local time it ends; may wrap midnight"),
+    TableKey("weight", "integer", f"{WEIGHT_MIN}..{WEIGHT_MAX}", "required", "the tenant's weight within the window"),
+)
+"""Keys of [[tidal]] (mode = "tidal" only), all required."""
+
+
+def _check_listen(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be HOST:PORT; got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
-    socket: str = DEFAULT_SOCKET
-    agent_socket: str = DEFAULT_AGENT_SOCKET
-    listen: str | None = None
-    """TCP HOST:PORT for read-only calls; needs tls_cert, tls_key and tls_client_ca (see check_listener)."""
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    """CA that signs the client certificates the TCP listener accepts (clients must present one)."""
-    metrics_port: int = 0
-    """Prometheus exposition port; 0 = off."""
-    metrics_listen: str = DEFAULT_METRICS_LISTEN
-    state_dir: str = DEFAULT_STATE_DIR
-    admin_group: str | None = None
-    socket_group: str | None = None
-    cgroup_driver: str = "auto"
-    cgroup_subtree: str = DEFAULT_SUBTREE
-    """This daemon's part of each cgroup hierarchy (relative to its root): tenants' cgroups are created below it,
-    and the daemon looks at nothing else it did not adopt. Two daemons on one host need two subtrees."""
-    log_format: str = "auto"
-    log_level: str = "info"
-    nice: int = DEFAULT_NICE
-    """Set by `serve` on itself at start (every thread): the priority does not depend on how it was started."""
-    nvml: bool = True
-    mode: Mode = Mode.SHARED
-    slice_ms: float = 50.0
-    lag_limit_slices: float = 2.0
-    timeshare_window_ms: float = 100.0
-    share_window_s: float = 10.0
-    idle_slices: int = 2
-    lease_timeout_ms: float = 250.0
-    """A cooperative client that does not renew its lease within this long loses it (and its demand)."""
-    lease_max_run_ms: float = 500.0
-    """A cooperative compute tenant with long units (steps) keeps its lease for several of them a turn
-    (engine.leases.RUN_UNITS), at most this long; 0 = one slice a turn whatever its units."""
-    activity_threshold: float = 0.02
-    saturated_util: float = 0.98
-    """Kernel engine: tenants of a GPU engine are sliced only while its mean busy fraction over 0.4 s is at least
-    this (0 = always). Near 1 because saturated means never idle (engine.core: SATURATION_*)."""
-    contention: str = "auto"
-    """auto: from a calibration of the GPU model (else shared-sm; compute + graphics that overlap partly get mixed
-    slices, policy.overlap); or a map by name."""
-    mix_period_ms: float = 1000.0
-    """Where compute and graphics overlap partly: each kind of mixed slice runs for its part of a period this long at a stretch
-    (policy.overlap.MixTurns)."""
-    mps: bool = False
-    """Start (or join) an MPS control daemon and start compute tenants' processes (`unisched run`) as its clients,
-    with client priority and SM cap by class (policy.mps): in preemptive mode the one way found on the H200 to put
-    an online request's kernels before a trainer's queued step."""
-    mps_offline_sm_percent: int = 70
-    """Preemptive mode with `mps`: the SMs an offline compute tenant's processes may use (100 = all). 70 since
-    2026-12-02: on the H200 an SM-bound ResNet-50 b128 trainer kept 0.83-0.87 of its solo rate at 70 with the online
-    request's p99 1.047x pooled over five runs, against 0.47-0.50 at the earlier default of 30
-    (bench/results/2026-12-02-h200-b/, -c/, -d/); a launch-bound b32 one kept 0.82-1.00 even at 30, 1.00 at 70."""
-    user_tenants: bool = True
-    max_user_weight: int = DEFAULT_WEIGHT
+    """Each knob is declared once here (engine.knobs): its TOML key, `serve` flag and docs/configuration.md row."""
+
+    # [daemon]
+    socket: str = knob(DEFAULT_SOCKET, "daemon", "Unix socket for clients (`unisched run`, `tenants`, ...); callers "
+                       "are identified by the kernel (SO_PEERCRED), never by what they send")
+    agent_socket: str = knob(
+        DEFAULT_AGENT_SOCKET, "daemon", "seccomp agent socket: `unisched run` children and OCI runtimes (seccomp "
+        "listenerPath) hand over their GPU session filter here", default_text="seccomp-agent.sock beside socket")
+    socket_group: str | None = knob(None, "daemon", "only root and this group may connect to socket (mode 0660; "
+                                    "unset: everyone, 0666); the group must exist")
+    admin_group: str | None = knob(None, "daemon", "members may change weights and caps, adopt and remove tenants, "
+                                   "besides root (a missing group leaves only root)")
+    user_tenants: bool = knob(True, "daemon", "non-admins may create tenants (`unisched run --tenant NEW`)")
+    max_user_weight: int = knob(DEFAULT_WEIGHT, "daemon", "the highest weight a non-admin may ask for",
+                                bounds=(WEIGHT_MIN, WEIGHT_MAX))
+    state_dir: str = knob(DEFAULT_STATE_DIR, "daemon", "where tenants and weights are kept across restarts")
+    cgroup_driver: str = knob("auto", "daemon", "freezer to use: auto (cgroup v2, else the v1 freezer on hybrid "
+                              "hosts)", choices=("auto", "v2", "v1"))
+    cgroup_subtree: str = knob(
+        DEFAULT_SUBTREE, "daemon", "this daemon's part of each cgroup hierarchy, relative to its root: tenants' "
+        "cgroups are created below it, and the daemon touches nothing else it did not adopt (two daemons on one "
+        "host need two subtrees)", check=check_subtree)
+    log_format: str = knob("auto", "daemon", "log lines as JSON or for a terminal (auto: JSON unless stderr is a "
+                           "terminal)", choices=("auto", "json", "console"))
+    log_level: str = knob("info", "daemon", "lowest level logged", choices=("debug", "info", "warning", "error"))
+    nice: int = knob(DEFAULT_NICE, "daemon", "the daemon's nice value, set by `serve` on itself at start (every "
+                     "thread; below 0 needs root): a burst of user processes must not starve the replies they wait on",
+                     bounds=(-20, 19))
+    nvml: bool = knob(True, "daemon", "read GPU utilization and memory with NVML; false ignores GPUs and schedules "
+                      "on cgroup CPU time alone")
+    metrics_port: int = knob(0, "daemon", "serve Prometheus metrics on http://metrics_listen:metrics_port/metrics; "
+                             "0 = off", bounds=(0, 65535), unit="port")
+    metrics_listen: str = knob(DEFAULT_METRICS_LISTEN, "daemon", "address for metrics_port; the metrics name every "
+                               "tenant, so open it wider only behind a firewall")
+    listen: str | None = knob(None, "daemon", "also serve read-only calls (tenants, status, top) on TCP HOST:PORT; "
+                              "needs tls_cert, tls_key and tls_client_ca", check=_check_listen)
+    tls_cert: str | None = knob(None, "daemon", "PEM certificate of the TCP listener")
+    tls_key: str | None = knob(None, "daemon", "PEM private key of the TCP listener")
+    tls_client_ca: str | None = knob(None, "daemon", "PEM CA certificate; TCP clients must present a certificate "
+                                     "it signed")
+    # [policy]
+    mode: Mode = knob(  # noqa: RUF009 (a field(), as every knob() is)
+        Mode.SHARED, "policy", "shared (weighted, work conserving), preemptive (online tenants first), "
+        "timeshare (fixed windows in turn), tidal (weights by time of day from [[tidal]])",
+        choices=tuple(m.value for m in Mode))
+    slice_ms: float = knob(50.0, "policy", "slice length: how often the daemon measures, decides and freezes or "
+                           "thaws", bounds=(1.0, 10_000.0), unit="ms")
+    lag_limit_slices: float = knob(2.0, "policy", "credit an idle tenant may keep: stops a tenant banking idle time",
+                                   bounds=(0.0, 100.0), unit="slices")
+    timeshare_window_ms: float = knob(100.0, "policy", "timeshare mode: a tenant's window is this x weight / 100",
+                                      bounds=(1.0, 600_000.0), unit="ms")
+    share_window_s: float = knob(10.0, "policy", "window over which measured shares are reported",
+                                 bounds=(0.1, 3600.0), unit="s")
+    idle_slices: int = knob(2, "policy", "thawed slices without activity before a tenant counts as idle and lends "
+                            "its share", bounds=(1, 1000), unit="slices")
+    activity_threshold: float = knob(0.02, "policy", "fraction of a slice of CPU (or GPU busy) below which a tenant "
+                                     "shows no work", bounds=(0.0, 1.0), unit="fraction")
+    lease_timeout_ms: float = knob(250.0, "policy", "a cooperative client's lease is revoked, and its demand dropped, "
+                                   "when not renewed within this long", bounds=(10.0, 600_000.0), unit="ms")
+    lease_max_run_ms: float = knob(
+        500.0, "policy", "a cooperative compute tenant whose steps are long keeps its lease for 8 of them a turn "
+        "(engine.leases.RUN_UNITS), at most this long: fewer hand-overs, at which its queued work runs beside the "
+        "next holder's; 0 = one slice a turn", bounds=(0.0, 10_000.0), unit="ms")
+    saturated_util: float = knob(
+        0.98, "policy", "kernel engine: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
+        "is at least this (0 = always); near 1 because saturated means never idle (engine.core: SATURATION_*)",
+        bounds=(0.0, 1.0), unit="fraction")
+    contention: str = knob(
+        "auto", "policy", "which engines contend. auto: measured per GPU model by bench/calibrate_contention.py "
+        "(compute and graphics that overlap partly get mixed slices, policy.overlap), without a calibration "
+        "shared-sm (sliced as one); partial-overlap: mixed slices from the calibration's rates whatever their sum "
+        "(it must exist)", choices=("auto", "shared-sm", "separate-graphics", "partial-overlap"))
+    mix_period_ms: float = knob(
+        1000.0, "policy", "where compute and graphics overlap partly: each kind of mixed slice (together, compute "
+        "alone, graphics alone) runs for its part of a period this long at a stretch (policy.overlap.MixTurns); "
+        "longer loses less to the frame a paused render finishes, shorter pauses each side for less",
+        bounds=(1.0, 600_000.0), unit="ms")
+    mps: bool = knob(
+        False, "policy", "start (or join) an MPS control daemon (pipe directory 'mps' beside socket) and start compute "
+        "tenants' processes as its clients, with client priority and SM cap by class (policy.mps): in preemptive "
+        "mode offline ones run below normal priority on part of the SMs, so online requests' kernels go first. "
+        "CUDA only; needs nvidia-cuda-mps-control")
+    mps_offline_sm_percent: int = knob(
+        70, "policy", "with mps in preemptive mode: the SMs an offline compute tenant's processes may use "
+        "(100 = all, priority only)", bounds=(1, 100), unit="%")
+    """70: on the H200 an SM-bound ResNet-50 b128 trainer kept 0.83-0.87 of its solo rate at 70 with the online
+    request's p99 1.047x pooled over five runs, against 0.47-0.50 at 30 (bench/results/2026-12-02-h200-b/, -c/,
+    -d/); a launch-bound b32 one kept 0.82-1.00 even at 30, 1.00 at 70."""
     tenants: tuple[DeclaredTenant, ...] = ()
     tidal: TidalSchedule = field(default_factory=TidalSchedule)
 
@@ -144,89 +214,28 @@ class DaemonConfig:
         return out
 
 
-_CHOICES: Mapping[str, tuple[str, ...]] = {
-    "cgroup_driver": ("auto", "v2", "v1"),
-    "log_format": ("auto", "json", "console"),
-    "log_level": ("debug", "info", "warning", "error"),
-    "contention": ("auto", "shared-sm", "separate-graphics", "partial-overlap"),
-    "mode": tuple(m.value for m in Mode),
-}
-_STR_KEYS = ("socket", "agent_socket", "listen", "state_dir", "admin_group", "socket_group", "metrics_listen",
-             "cgroup_subtree", *TLS_KEYS)
-_NUM_RANGES: Mapping[str, tuple[float, float]] = {
-    "slice_ms": (1.0, 10_000.0),
-    "lag_limit_slices": (0.0, 100.0),
-    "timeshare_window_ms": (1.0, 600_000.0),
-    "share_window_s": (0.1, 3600.0),
-    "lease_timeout_ms": (10.0, 600_000.0),
-    "lease_max_run_ms": (0.0, 10_000.0),
-    "activity_threshold": (0.0, 1.0),
-    "saturated_util": (0.0, 1.0),
-    "mix_period_ms": (1.0, 600_000.0),
-}
-_INT_RANGES: Mapping[str, tuple[int, int]] = {
-    "idle_slices": (1, 1000),
-    "max_user_weight": (WEIGHT_MIN, WEIGHT_MAX),
-    "metrics_port": (0, 65535),
-    "mps_offline_sm_percent": (1, 100),
-    "nice": (-20, 19),
-}
-_BOOL_KEYS = ("user_tenants", "nvml", "mps")
-POLICY_KEYS = frozenset({
-    "mode", "slice_ms", "lag_limit_slices", "timeshare_window_ms", "share_window_s", "lease_timeout_ms",
-    "lease_max_run_ms", "mps", "mps_offline_sm_percent", "idle_slices", "activity_threshold", "saturated_util",
-    "contention", "mix_period_ms",
-})
-"""Keys of [policy] (how tenants are scheduled); every other daemon key belongs in [daemon]. One section per key,
-so a key written in the other one is an error that names the right section, not a silent second spelling."""
+KNOBS = knobs_of(DaemonConfig)
+"""Every [daemon] and [policy] key, in the order docs/configuration.md and `serve --help` show them."""
+_BY_NAME: Mapping[str, Knob] = {k.name: k for k in KNOBS}
+POLICY_KEYS = frozenset(k.name for k in KNOBS if k.section == "policy")
+"""Keys of [policy] (how tenants are scheduled); every other key belongs in [daemon]. One section per key, so a key
+written in the other one is an error that names the right section, not a silent second spelling."""
 
 
 def _err(where: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{where} {key!r}: {msg}")
 
 
-def _daemon_keys() -> frozenset[str]:
-    every = set(_CHOICES) | set(_STR_KEYS) | set(_NUM_RANGES) | set(_INT_RANGES) | set(_BOOL_KEYS)
-    return frozenset(every - POLICY_KEYS)
-
-
 def _parse_daemon(raw: Mapping[str, Any], base: DaemonConfig, where: str) -> DaemonConfig:
     values: dict[str, Any] = {}
-    allowed = set(_CHOICES) | set(_STR_KEYS) | set(_NUM_RANGES) | set(_INT_RANGES) | set(_BOOL_KEYS)
     for key, value in raw.items():
-        if key not in allowed:
-            raise _err(where, key, f"unknown key; allowed keys: {', '.join(sorted(allowed))}")
-        if key in _CHOICES:
-            if value not in _CHOICES[key]:
-                raise _err(where, key, f"must be one of {', '.join(_CHOICES[key])}; got {value!r}")
-            values[key] = Mode(value) if key == "mode" else value
-        elif key in _STR_KEYS:
-            if not isinstance(value, str) or not value:
-                raise _err(where, key, f"must be a non-empty string; got {value!r}")
-            values[key] = value
-        elif key in _NUM_RANGES:
-            lo, hi = _NUM_RANGES[key]
-            if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-                raise _err(where, key, f"must be a number in {lo:g}..{hi:g}; got {value!r}")
-            values[key] = float(value)
-        elif key in _INT_RANGES:
-            lo2, hi2 = _INT_RANGES[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not lo2 <= value <= hi2:
-                raise _err(where, key, f"must be an integer in {lo2}..{hi2}; got {value!r}")
-            values[key] = value
-        else:
-            if not isinstance(value, bool):
-                raise _err(where, key, f"must be true or false; got {value!r}")
-            values[key] = value
-    if "cgroup_subtree" in values:
+        spec = _BY_NAME.get(key)
+        if spec is None:
+            raise _err(where, key, f"unknown key; allowed keys: {', '.join(sorted(_BY_NAME))}")
         try:
-            values["cgroup_subtree"] = check_subtree(values["cgroup_subtree"])
-        except ValueError as e:
-            raise _err(where, "cgroup_subtree", str(e)) from None
-    if "listen" in values:
-        host, _, port = values["listen"].rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise _err(where, "listen", f"must be HOST:PORT; got {values['listen']!r}")
+            values[key] = spec.parse(value)
+        except KnobError as e:
+            raise _err(where, key, str(e)) from None
     return replace(base, **values)
 
 
@@ -265,7 +274,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
     where = f"tenants[{i}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a table")
-    allowed = {"name", "weight", "priority", "engines", "gpus", "cgroup", "render", "decode", "encode", "memory"}
+    allowed = {k.name for k in TENANT_KEYS}
     for key in raw:
         if key not in allowed:
             raise ConfigError(f"{where} {key!r}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
@@ -331,7 +340,7 @@ def parse_size(value: object) -> int:
 
 def _parse_tidal(raw: Any, i: int) -> TidalWindow:
     where = f"tidal[{i}]"
-    if not isinstance(raw, dict) or set(raw) != {"tenant", "start", "end", "weight"}:
+    if not isinstance(raw, dict) or set(raw) != {k.name for k in TIDAL_KEYS}:
         raise ConfigError(f"{where}: must be a table with exactly tenant, start, end, weight")
     try:
         start = parse_clock(raw["start"])
@@ -380,7 +389,7 @@ def load_config(path: str | Path | None) -> DaemonConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"config [{section}]: must be a table")
         for key, value in table.items():
-            right = "policy" if key in POLICY_KEYS else "daemon" if key in _daemon_keys() else section
+            right = _BY_NAME[key].section if key in _BY_NAME else section
             if right != section:
                 raise ConfigError(f"config [{section}] {key!r}: belongs in [{right}], not [{section}]")
             flat[key] = value
