@@ -21,13 +21,13 @@ from pathlib import Path
 
 import grpc
 
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2_grpc as dp_grpc
-from unisched.transport.kubelet import dra_v1beta1_pb2_grpc as dra_grpc
-from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
-from unisched.transport.kubelet import pluginregistration_v1_pb2_grpc as reg_grpc
-from unisched.transport.kubelet import podresources_v1_pb2 as pr
-from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from unisched.integrations.kubernetes import dra_v1beta1_pb2_grpc as dra_grpc
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2_grpc as reg_grpc
+from unisched.integrations.kubernetes import podresources_v1_pb2 as pr
+from unisched.integrations.kubernetes import podresources_v1_pb2_grpc as pr_grpc
 
 CHECKPOINT = "kubelet_internal_checkpoint"
 

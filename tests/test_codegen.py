@@ -1,4 +1,4 @@
-"""The committed gRPC code must match unisched.proto and the kubelet's .proto files beside it."""
+"""The committed gRPC code must match unisched.proto and the kubelet's .proto files under integrations/kubernetes."""
 
 import pytest
 
@@ -11,6 +11,6 @@ def test_generated_code_is_up_to_date() -> None:
 
 
 def test_every_proto_is_generated_and_checked() -> None:
-    from unisched.transport.codegen import HERE, PROTOS
+    from unisched.transport.codegen import PACKAGE, PROTOS
 
-    assert set(HERE.rglob("*.proto")) == set(PROTOS)
+    assert set(PACKAGE.rglob("*.proto")) == set(PROTOS)

@@ -250,8 +250,8 @@ def test_schema_check_fails_on_broken_manifests(tmp_path: Path) -> None:
 
 
 def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_they_need() -> None:
-    from unisched.transport.kubelet.adopt import DEFAULT_POD_RESOURCES_SOCKET
-    from unisched.transport.kubelet.plugin import DEFAULT_KUBELET_DIR
+    from unisched.integrations.kubernetes.adopt import DEFAULT_POD_RESOURCES_SOCKET
+    from unisched.integrations.kubernetes.plugin import DEFAULT_KUBELET_DIR
 
     ds = _by_kind("DaemonSet")["unisched"]
     spec = ds["spec"]["template"]["spec"]
@@ -377,7 +377,7 @@ def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:
 
 
 def test_sample_pods_cover_every_example_and_ask_for_gpu_weight() -> None:
-    from unisched.transport.kubelet.devices import DECODE, RENDER, WEIGHT
+    from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT
 
     specs = _pod_specs()
     assert {m["labels"]["unisched.io/example"] for m, _ in specs if "unisched.io/example" in m["labels"]} == EXAMPLES_IN_PODS
@@ -422,8 +422,8 @@ def test_second_scheduler_owns_the_render_pool_and_pods_pick_pools() -> None:
 
 
 def test_dra_manifests_agree_with_the_driver() -> None:
-    from unisched.transport.kubelet import dra_v1beta1_pb2 as dra_pb
-    from unisched.transport.kubelet.dra import (
+    from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra_pb
+    from unisched.integrations.kubernetes.dra import (
         CONFIG_API_VERSION,
         CONFIG_KIND,
         DEFAULT_CDI_DIR,

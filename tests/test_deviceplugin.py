@@ -20,12 +20,12 @@ from conftest import ROOT, child_env, freezer_unavailable_reason, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import FakePodResources, StubKubelet, pod
 
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
+from unisched.integrations.kubernetes.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
+from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
+from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
 from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
-from unisched.transport.kubelet.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
-from unisched.transport.kubelet.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
-from unisched.transport.kubelet.plugin import DevicePluginServer, PluginConfig
 
 SOCK = "/run/unisched/unisched.sock"
 

@@ -22,20 +22,20 @@ from conftest import ROOT, child_env, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import StubPluginWatcher
 
-from unisched.telemetry import FakeTelemetry, GpuSample
-from unisched.transport.client import DaemonClient
-from unisched.transport.kubelet import dra_v1beta1_pb2 as dra
-from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
-from unisched.transport.kubelet.adopt import FakePods, PodAdopter, PodInfo
-from unisched.transport.kubelet.devices import tenant_name
-from unisched.transport.kubelet.dra import (
+from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
+from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
+from unisched.integrations.kubernetes.devices import tenant_name
+from unisched.integrations.kubernetes.dra import (
     ApiServerClaims,
     DraConfig,
     DraDriver,
     FakeClaims,
     resource_slice,
 )
-from unisched.transport.kubelet.plugin import tenant_edits
+from unisched.integrations.kubernetes.plugin import tenant_edits
+from unisched.telemetry import FakeTelemetry, GpuSample
+from unisched.transport.client import DaemonClient
 
 SOCK = "/run/unisched/unisched.sock"
 DRIVER = "gpu.unisched.io"

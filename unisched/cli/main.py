@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from unisched import __version__
 from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
@@ -19,19 +19,13 @@ from unisched.engine.config import (
     KNOBS,
     ConfigError,
     DaemonConfig,
-    check_declared_cgroups,
-    check_gpus,
     check_groups,
     check_listener,
     load_config,
     parse_size,
 )
 from unisched.engine.knobs import Knob
-from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
-from unisched.policy.mps import process_env
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport.kubelet.defaults import (
+from unisched.integrations.kubernetes.defaults import (
     CDI_KIND,
     CONFIG_KIND,
     DEFAULT_CDI_DIR,
@@ -41,15 +35,15 @@ from unisched.transport.kubelet.defaults import (
     DEFAULT_REGISTRY_DIR,
     DRIVER_NAME,
 )
+from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.policy.mps import process_env
+from unisched.transport import unisched_pb2 as pb
+from unisched.transport.client import DaemonClient, DaemonError
 
 __all__ = ["main"]
 
 _PRIORITY: dict[str, pb.Priority] = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
 _PRIORITY_NAME: dict[int, str] = {pb.PRIORITY_ONLINE: "online", pb.PRIORITY_OFFLINE: "offline"}
-
-if TYPE_CHECKING:
-    from unisched.telemetry import GpuTelemetry
-
 
 def _int_in(what: str, lo: int, hi: int) -> Callable[[str], int]:
     """An argparse type: a whole number in lo..hi, with a message that names it."""
@@ -425,41 +419,12 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def _say_orphans(orphans: Orphans | None) -> None:
-    """Before logging is configured (an early error exit): what the first step thawed, on stderr."""
-    if orphans is not None and orphans.thawed:
-        print(f"unisched serve: thawed cgroups left frozen by a daemon that is gone: {', '.join(orphans.thawed)}",
-              file=sys.stderr)
-    for problem in orphans.problems if orphans is not None else ():
-        print(f"unisched serve: {problem}", file=sys.stderr)
-
-
-def _log_orphans(orphans: Orphans | None) -> None:
-    import structlog
-
-    log = structlog.get_logger("unisched")
-    if orphans is not None and orphans.thawed:
-        log.warning("thawed cgroups left frozen by a previous run", cgroups=list(orphans.thawed),
-                    records=orphans.records)
-    for problem in orphans.problems if orphans is not None else ():
-        log.error("record of governed cgroups", problem=problem)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Start order: what a dead daemon left frozen was thawed before this ran (main); then the config (exit 2),
-    the socket lock (exit 1 while another daemon serves there), the record of what this one may freeze, and
-    only then cgroups, state and the engine."""
-    from pathlib import Path
-
-    from unisched.enforce.cgroups import CgroupError, detect_driver
-    from unisched.enforce.governed import GovernedRecord, RecordError, governed_dir
-    from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
-    from unisched.engine.clock import SystemClock
-    from unisched.engine.core import KernelEngine
-    from unisched.engine.state import StateStore
-    from unisched.logs import configure_logging
-    from unisched.transport.claim import SocketInUse, claim_socket
-    from unisched.transport.server import serve
+    """Start order: what a dead daemon left frozen was thawed before this ran (main); then the config and flags
+    (exit 2), and unisched.daemon does the rest: host checks (freezer, GPUs, declared cgroups), the socket lock
+    (exit 1 while another daemon serves there), nice, --delegated, the record of what this one may freeze, and
+    only then the cgroup driver, state and the engine. Its StartError carries the exit code (2: bad config)."""
+    from unisched import daemon
 
     orphans: Orphans | None = getattr(args, "orphans", None)
     try:
@@ -467,111 +432,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         check_listener(config)
         warnings = check_groups(config)
     except ConfigError as e:
-        _say_orphans(orphans)
+        daemon.say_orphans(orphans)
         print(f"unisched serve: {e}", file=sys.stderr)
-        return 2
-    if config.mps and (why := mps_unavailable_reason()) is not None:
-        _say_orphans(orphans)
-        print(f"unisched serve: --mps: {why}", file=sys.stderr)
-        return 1
-    telemetry, nvml = _open_telemetry(config)
-    rc = _check_host(config, telemetry)
-    if rc is not None or args.check_config:
-        telemetry.close()
-        if rc is not None:
-            _say_orphans(orphans)
-            return rc
-        for w in warnings:
-            print(f"unisched serve: warning: {w}", file=sys.stderr)
-        print(_config_summary(args.config, config, [g.index for g in telemetry.gpus()]))
-        return 0
+        return daemon.EXIT_BAD_CONFIG
     try:
-        claim = claim_socket(config.socket)
-    except (SocketInUse, OSError) as e:
-        telemetry.close()
-        _say_orphans(orphans)
+        if args.check_config:
+            gpus = daemon.check_host(config)
+            for w in warnings:
+                print(f"unisched serve: warning: {w}", file=sys.stderr)
+            print(_config_summary(args.config, config, gpus))
+            return 0
+        daemon.run(config, delegated=args.delegated, orphans=orphans)
+    except daemon.StartError as e:
         print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    configure_logging(config.log_format, config.log_level)
-    _log_orphans(orphans)
-    if (why := _set_own_nice(config.nice)) is not None:
-        import structlog
-
-        structlog.get_logger("unisched").warning("cannot set the daemon's nice value", nice=config.nice, reason=why)
-    if args.delegated:
-        # systemd's Delegate=yes: the daemon moves into the leaf <unit>/daemon and governs <unit>/tenants
-        from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
-
-        try:
-            probe = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
-            config = config.with_overrides(cgroup_subtree=enter_delegated_leaf(probe.kind, probe.mount))
-        except (DelegationError, CgroupError, ConfigError) as e:
-            print(f"unisched serve: --delegated: {e}", file=sys.stderr)
-            return 1
-    try:
-        record = GovernedRecord(governed_dir(), config.cgroup_subtree)
-    except RecordError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    try:
-        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree)
-    except CgroupError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    driver.before_freeze = record.note
-    if args.delegated:
-        import structlog
-
-        structlog.get_logger("unisched").info("delegated", daemon_cgroup=driver.cgroup_of(os.getpid()),
-                                              tenants_subtree=config.cgroup_subtree)
-    from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
-
-    devices: DeviceAdmission | None = None
-    reason = device_admission_unavailable_reason()
-    if reason is None:
-        devices = BpfDeviceAdmission()
-    else:
-        import structlog
-
-        structlog.get_logger("unisched").warning("device admission (cgroup eBPF) unavailable", reason=reason)
-    mps: MpsControl | None = None
-    if config.mps:
-        mps = NvidiaMpsControl(Path(config.socket).parent / "mps", Path(config.state_dir) / "mps-log")
-    try:
-        store = StateStore(config.state_dir, config.cgroup_subtree)
-        engine = KernelEngine(config, driver, telemetry, store, SystemClock(), devices, mps)
-        serve(config, engine, nvml)
-        record.close()  # stopped cleanly: everything it froze was thawed
-    except ConfigError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 2
-    except MpsError as e:
-        print(f"unisched serve: --mps: {e}", file=sys.stderr)
-        return 1
-    except (CgroupError, OSError) as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    finally:
-        telemetry.close()
-        claim.release()
+        return e.exit_code
     return 0
-
-
-def _set_own_nice(nice: int) -> str | None:
-    """Give every thread of this process the nice value (Linux nice is per thread: threads started later inherit
-    it from their creator). Called before the engine's and gRPC's threads start. None, or why it failed."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:
-            continue  # a thread that ended meanwhile
-        except OSError as e:
-            return f"{e.strerror} (lowering nice needs root or CAP_SYS_NICE)"
-    return None
 
 
 def _cmd_install_service(args: argparse.Namespace) -> int:
@@ -583,37 +458,6 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
         print(f"unisched install-service: {e}", file=sys.stderr)
         return 1
     return 0
-
-
-def _open_telemetry(config: DaemonConfig) -> tuple[GpuTelemetry, bool]:
-    """NVML where configured and present (True), else no GPU signal (False)."""
-    from unisched.telemetry import NoGpuTelemetry
-
-    if config.nvml:
-        from unisched.telemetry.nvml import open_nvml
-
-        opened = open_nvml()
-        if opened is not None:
-            return opened, True
-    return NoGpuTelemetry(), False
-
-
-def _check_host(config: DaemonConfig, telemetry: GpuTelemetry) -> int | None:
-    """What the config names on this host (the cgroup freezer, GPUs, declared cgroups), checked before anything
-    starts and touching nothing: None when it holds, else the exit code after saying why (2: a bad value)."""
-    from unisched.enforce.cgroups import CgroupError, detect_driver
-
-    try:
-        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
-        check_gpus(config, [g.index for g in telemetry.gpus()])
-        check_declared_cgroups(config, driver, os.getpid())
-    except CgroupError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 1
-    except ConfigError as e:
-        print(f"unisched serve: {e}", file=sys.stderr)
-        return 2
-    return None
 
 
 def _config_summary(path: str | None, config: DaemonConfig, gpus: list[int]) -> str:
@@ -805,9 +649,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_device_plugin(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from unisched.integrations.kubernetes.plugin import PluginConfig
+    from unisched.integrations.kubernetes.run import serve_device_plugin
     from unisched.logs import configure_logging
-    from unisched.transport.kubelet.plugin import PluginConfig
-    from unisched.transport.kubelet.run import serve_device_plugin
 
     configure_logging(args.log_format)
     config = PluginConfig(
@@ -821,9 +665,9 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
 def _cmd_dra_driver(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from unisched.integrations.kubernetes.dra import DraConfig
+    from unisched.integrations.kubernetes.run import serve_dra_driver
     from unisched.logs import configure_logging
-    from unisched.transport.kubelet.dra import DraConfig
-    from unisched.transport.kubelet.run import serve_dra_driver
 
     if not args.node_name:
         print("unisched dra-driver: no node name: pass --node-name or set NODE_NAME (the DaemonSet sets it from "
@@ -873,7 +717,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit:
-        _say_orphans(orphans)
+        if orphans is not None:
+            from unisched.daemon import say_orphans
+
+            say_orphans(orphans)
         raise
     args.orphans = orphans
     if hasattr(args, "target") and (problem := _remote_error(args)):

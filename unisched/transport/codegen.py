@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC code from our .proto files (needs grpcio-tools; dev only).
 
 unisched.proto (the daemon's API) and the kubelet's device plugin, pod resources, plugin registration and DRA
-plugin APIs under kubelet/.
+plugin APIs under unisched/integrations/kubernetes/.
 `python -m unisched.transport.codegen` rewrites the modules; `--check` exits 1 when any is stale.
 """
 
@@ -14,12 +14,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+PACKAGE = ROOT / "unisched"
+KUBERNETES = PACKAGE / "integrations" / "kubernetes"
 PROTOS = (
     HERE / "unisched.proto",
-    HERE / "kubelet" / "deviceplugin_v1beta1.proto",
-    HERE / "kubelet" / "podresources_v1.proto",
-    HERE / "kubelet" / "pluginregistration_v1.proto",
-    HERE / "kubelet" / "dra_v1beta1.proto",
+    KUBERNETES / "deviceplugin_v1beta1.proto",
+    KUBERNETES / "podresources_v1.proto",
+    KUBERNETES / "pluginregistration_v1.proto",
+    KUBERNETES / "dra_v1beta1.proto",
 )
 
 

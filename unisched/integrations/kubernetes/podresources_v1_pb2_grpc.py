@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from unisched.transport.kubelet import podresources_v1_pb2 as unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2
+from unisched.integrations.kubernetes import podresources_v1_pb2 as unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in unisched/transport/kubelet/podresources_v1_pb2_grpc.py depends on'
+        + ' but the generated code in unisched/integrations/kubernetes/podresources_v1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class PodResourcesListerStub:
         """
         self.List = channel.unary_unary(
                 '/v1.PodResourcesLister/List',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesResponse.FromString,
                 _registered_method=True)
         self.GetAllocatableResources = channel.unary_unary(
                 '/v1.PodResourcesLister/GetAllocatableResources',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesResponse.FromString,
                 _registered_method=True)
         self.Get = channel.unary_unary(
                 '/v1.PodResourcesLister/Get',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesResponse.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_PodResourcesListerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesResponse.SerializeToString,
             ),
             'GetAllocatableResources': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAllocatableResources,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesResponse.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class PodResourcesLister:
             request,
             target,
             '/v1.PodResourcesLister/List',
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.ListPodResourcesResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.ListPodResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class PodResourcesLister:
             request,
             target,
             '/v1.PodResourcesLister/GetAllocatableResources',
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.AllocatableResourcesResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.AllocatableResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class PodResourcesLister:
             request,
             target,
             '/v1.PodResourcesLister/Get',
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_podresources__v1__pb2.GetPodResourcesResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_podresources__v1__pb2.GetPodResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,

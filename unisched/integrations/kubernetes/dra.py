@@ -36,15 +36,13 @@ import grpc
 import structlog
 
 from unisched.engine.config import DEFAULT_SOCKET
-from unisched.policy import PolicyError, validate_weight
-from unisched.telemetry import GpuInfo, GpuTelemetry
-from unisched.transport.kubelet import dra_v1beta1_pb2 as dra
-from unisched.transport.kubelet import dra_v1beta1_pb2_grpc as dra_grpc
-from unisched.transport.kubelet import pluginregistration_v1_pb2 as reg
-from unisched.transport.kubelet import pluginregistration_v1_pb2_grpc as reg_grpc
-from unisched.transport.kubelet.adopt import PodAdopter, PodClaim
-from unisched.transport.kubelet.apiserver import ApiServer, ApiServerError
-from unisched.transport.kubelet.defaults import (
+from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
+from unisched.integrations.kubernetes import dra_v1beta1_pb2_grpc as dra_grpc
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2_grpc as reg_grpc
+from unisched.integrations.kubernetes.adopt import PodAdopter, PodClaim
+from unisched.integrations.kubernetes.apiserver import ApiServer, ApiServerError
+from unisched.integrations.kubernetes.defaults import (
     CDI_KIND,
     CONFIG_KIND,
     DEFAULT_CDI_DIR,
@@ -52,8 +50,10 @@ from unisched.transport.kubelet.defaults import (
     DEFAULT_REGISTRY_DIR,
     DRIVER_NAME,
 )
-from unisched.transport.kubelet.devices import tenant_name
-from unisched.transport.kubelet.plugin import gpu_health, tenant_edits
+from unisched.integrations.kubernetes.devices import tenant_name
+from unisched.integrations.kubernetes.plugin import gpu_health, tenant_edits
+from unisched.policy import PolicyError, validate_weight
+from unisched.telemetry import GpuInfo, GpuTelemetry
 
 __all__ = [
     "CDI_KIND",

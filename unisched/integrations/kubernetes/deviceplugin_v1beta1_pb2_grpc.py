@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in unisched/transport/kubelet/deviceplugin_v1beta1_pb2_grpc.py depends on'
+        + ' but the generated code in unisched/integrations/kubernetes/deviceplugin_v1beta1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,8 +38,8 @@ class RegistrationStub:
         """
         self.Register = channel.unary_unary(
                 '/v1beta1.Registration/Register',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -59,8 +59,8 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.RegisterRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.RegisterRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,8 +90,8 @@ class Registration:
             request,
             target,
             '/v1beta1.Registration/Register',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.RegisterRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.RegisterRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -115,28 +115,28 @@ class DevicePluginStub:
         """
         self.GetDevicePluginOptions = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.FromString,
                 _registered_method=True)
         self.ListAndWatch = channel.unary_stream(
                 '/v1beta1.DevicePlugin/ListAndWatch',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.FromString,
                 _registered_method=True)
         self.GetPreferredAllocation = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetPreferredAllocation',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/v1beta1.DevicePlugin/Allocate',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.PreStartContainer = channel.unary_unary(
                 '/v1beta1.DevicePlugin/PreStartContainer',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.FromString,
                 _registered_method=True)
 
 
@@ -183,28 +183,28 @@ def add_DevicePluginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetDevicePluginOptions': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDevicePluginOptions,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.SerializeToString,
             ),
             'ListAndWatch': grpc.unary_stream_rpc_method_handler(
                     servicer.ListAndWatch,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.SerializeToString,
             ),
             'GetPreferredAllocation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPreferredAllocation,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateResponse.SerializeToString,
             ),
             'PreStartContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.PreStartContainer,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,8 +233,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.DevicePluginOptions.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/ListAndWatch',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.Empty.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.ListAndWatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetPreferredAllocation',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreferredAllocationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -314,8 +314,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/Allocate',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.AllocateResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,8 +341,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/PreStartContainer',
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_deviceplugin__v1beta1__pb2.PreStartContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,

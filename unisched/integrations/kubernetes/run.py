@@ -11,13 +11,13 @@ from pathlib import Path
 
 import structlog
 
+from unisched.integrations.kubernetes.adopt import ApiServerPods, PodAdopter, PodDirectory
+from unisched.integrations.kubernetes.devices import DECODE, RENDER
+from unisched.integrations.kubernetes.dra import ApiServerClaims, ClaimDirectory, DraConfig, DraDriver, SlicePublisher
+from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.nvml import open_nvml
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport.kubelet.adopt import ApiServerPods, PodAdopter, PodDirectory
-from unisched.transport.kubelet.devices import DECODE, RENDER
-from unisched.transport.kubelet.dra import ApiServerClaims, ClaimDirectory, DraConfig, DraDriver, SlicePublisher
-from unisched.transport.kubelet.plugin import DevicePluginServer, PluginConfig
 
 __all__ = ["daemon_gpus", "serve_device_plugin", "serve_dra_driver"]
 

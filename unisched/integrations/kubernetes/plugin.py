@@ -22,11 +22,10 @@ import grpc
 import structlog
 
 from unisched.engine.config import DEFAULT_SOCKET
-from unisched.telemetry import GpuTelemetry
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2 as dp
-from unisched.transport.kubelet import deviceplugin_v1beta1_pb2_grpc as dp_grpc
-from unisched.transport.kubelet.defaults import DEFAULT_KUBELET_DIR
-from unisched.transport.kubelet.devices import (
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
+from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from unisched.integrations.kubernetes.defaults import DEFAULT_KUBELET_DIR
+from unisched.integrations.kubernetes.devices import (
     DECODE,
     RENDER,
     WEIGHT,
@@ -36,6 +35,7 @@ from unisched.transport.kubelet.devices import (
     preferred_allocation,
     tenant_name,
 )
+from unisched.telemetry import GpuTelemetry
 
 __all__ = [
     "API_VERSION",

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from unisched.transport.kubelet import pluginregistration_v1_pb2 as unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2
+from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in unisched/transport/kubelet/pluginregistration_v1_pb2_grpc.py depends on'
+        + ' but the generated code in unisched/integrations/kubernetes/pluginregistration_v1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,13 +38,13 @@ class RegistrationStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/pluginregistration.Registration/GetInfo',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.InfoRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.PluginInfo.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.InfoRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.PluginInfo.FromString,
                 _registered_method=True)
         self.NotifyRegistrationStatus = channel.unary_unary(
                 '/pluginregistration.Registration/NotifyRegistrationStatus',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatus.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatus.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.InfoRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.PluginInfo.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.InfoRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.PluginInfo.SerializeToString,
             ),
             'NotifyRegistrationStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyRegistrationStatus,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatus.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatus.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/GetInfo',
-            unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.InfoRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.PluginInfo.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.InfoRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.PluginInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/NotifyRegistrationStatus',
-            unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatus.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatus.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_pluginregistration__v1__pb2.RegistrationStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

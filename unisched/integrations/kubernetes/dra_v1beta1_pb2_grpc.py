@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from unisched.transport.kubelet import dra_v1beta1_pb2 as unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2
+from unisched.integrations.kubernetes import dra_v1beta1_pb2 as unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in unisched/transport/kubelet/dra_v1beta1_pb2_grpc.py depends on'
+        + ' but the generated code in unisched/integrations/kubernetes/dra_v1beta1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class DRAPluginStub:
         """
         self.NodePrepareResources = channel.unary_unary(
                 '/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.FromString,
                 _registered_method=True)
         self.NodeUnprepareResources = channel.unary_unary(
                 '/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources',
-                request_serializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.FromString,
+                request_serializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.SerializeToString,
+                response_deserializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.FromString,
                 _registered_method=True)
 
 
@@ -71,13 +71,13 @@ def add_DRAPluginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'NodePrepareResources': grpc.unary_unary_rpc_method_handler(
                     servicer.NodePrepareResources,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.SerializeToString,
             ),
             'NodeUnprepareResources': grpc.unary_unary_rpc_method_handler(
                     servicer.NodeUnprepareResources,
-                    request_deserializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.SerializeToString,
+                    request_deserializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.FromString,
+                    response_serializer=unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -106,8 +106,8 @@ class DRAPlugin:
             request,
             target,
             '/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources',
-            unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodePrepareResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -133,8 +133,8 @@ class DRAPlugin:
             request,
             target,
             '/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources',
-            unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.SerializeToString,
-            unisched_dot_transport_dot_kubelet_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.FromString,
+            unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesRequest.SerializeToString,
+            unisched_dot_integrations_dot_kubernetes_dot_dra__v1beta1__pb2.NodeUnprepareResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
