@@ -199,7 +199,7 @@ def test_admin_group_comes_from_the_uids_group_list(daemon_factory, tenant_prefi
     nogroup = grp.getgrgid(NOBODY).gr_name
     daemon = daemon_factory("--slice-ms", "20", "--admin-group", nogroup)
     name = f"{tenant_prefix}g"
-    daemon.cli("run", "--tenant", name, "--", "true", check=True)
+    daemon.cli("run", "--tenant", name, "--keep", "--", "true", check=True)
     member = _whoami(daemon, name, NOBODY, 65533, ())
     assert member == {"admin": True, "uid": NOBODY, "set_weight": "OK"}
     holder_only = _whoami(daemon, name, 65533, 65533, (NOBODY,))
@@ -209,7 +209,7 @@ def test_admin_group_comes_from_the_uids_group_list(daemon_factory, tenant_prefi
 def test_root_in_its_own_pid_namespace_is_not_admin(daemon: Daemon, tenant_prefix: str) -> None:
     """A pod's root (uid 0 in its own pid namespace) is an ordinary user; root on the host stays admin."""
     name = f"{tenant_prefix}ns"
-    daemon.cli("run", "--tenant", name, "--", "true", check=True)
+    daemon.cli("run", "--tenant", name, "--keep", "--", "true", check=True)
     assert _whoami(daemon, name) == {"admin": True, "uid": 0, "set_weight": "OK"}
     probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True)
     if probe.returncode != 0:
