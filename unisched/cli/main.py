@@ -28,8 +28,6 @@ from unisched.engine.config import (
 )
 from unisched.engine.knobs import Knob
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
-from unisched.policy.mps import process_env
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet.defaults import (
     CDI_KIND,
@@ -41,6 +39,8 @@ from unisched.transport.kubelet.defaults import (
     DEFAULT_REGISTRY_DIR,
     DRIVER_NAME,
 )
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.tenantenv import process_env
 
 __all__ = ["main"]
 

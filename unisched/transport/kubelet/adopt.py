@@ -22,13 +22,13 @@ from typing import Protocol
 import grpc
 import structlog
 
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.kubelet import podresources_v1_pb2 as pr
 from unisched.transport.kubelet import podresources_v1_pb2_grpc as pr_grpc
 from unisched.transport.kubelet.apiserver import ApiServer
 from unisched.transport.kubelet.defaults import DEFAULT_POD_RESOURCES_SOCKET
 from unisched.transport.kubelet.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
+from unisched_wire import unisched_pb2 as pb
 
 __all__ = [
     "DEFAULT_POD_RESOURCES_SOCKET",
