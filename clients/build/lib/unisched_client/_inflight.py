@@ -1,0 +1,86 @@
+"""Timing GPU work with events, shared by the CUDA (pycuda), PyTorch and GL helpers.
+
+Each unit is bracketed by a start and an end marker; their elapsed GPU time is read once the end has
+completed, without waiting, so the app's pipeline stays full. At most `max_in_flight` units are
+outstanding (the oldest is waited for beyond that), and one while others wait for the engine (the lease is
+contended): the next unit is still queued behind the running one, but a hand-over leaves only that one to
+run beside the next holder's work, where the driver time-slices the two. A unit that ends after the lease was
+revoked drains the rest (`add`); an app already waiting for the next lease does not (see `Gate`).
+
+Pause points (`split`) end a part of a unit inside it, while others wait for the engine: the part is timed and
+charged like a unit, and the rest starts only as a unit would (the lease held, the slice not over). Why: an app gated
+once per step leaves the rest of a revoked step to run beside the next holder (a ResNet-50 b32 step is ~25 ms; an
+online request ~6 ms, which then shares the GPU for all of its time); split, at most a part or two is left.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from unisched_client.client import Gate
+
+__all__ = ["InFlight"]
+
+M = TypeVar("M")
+
+
+class InFlight(Generic[M]):
+    def __init__(
+        self,
+        gate: Gate,
+        done: Callable[[M], bool],
+        wait: Callable[[M], None],
+        elapsed_s: Callable[[M], float],
+        max_in_flight: int = 2,
+    ) -> None:
+        self.gate = gate
+        self._done = done
+        self._wait = wait
+        self._elapsed = elapsed_s
+        self.max_in_flight = max(1, max_in_flight)
+        self.units: deque[tuple[M, int]] = deque()
+        """Outstanding units or parts, each with how many units it completes (0 for a part, 1 for a unit's end)."""
+        self.splits = 0
+
+    def collect(self) -> None:
+        """Report every finished unit (oldest first; stop at the first that is still running)."""
+        while self.units and self._done(self.units[0][0]):
+            self._report(self.units.popleft())
+
+    def add(self, unit: M, whole: bool = True) -> None:
+        self.units.append((unit, 1 if whole else 0))
+        limit = 1 if self.gate.contended and self.gate.client.governed else self.max_in_flight
+        while len(self.units) > limit:
+            self._finish_oldest()
+        self.collect()
+        if self.gate.ending():
+            self.drain()
+
+    def split_wanted(self) -> bool:
+        """Whether a pause point should end a part here: only while others wait for the engine (or it was
+        revoked), so a tenant alone pays nothing for its points."""
+        g = self.gate
+        with g.client._cond:
+            return g.client.governed and (g.contended or not g.lease)
+
+    def split(self, part: M) -> None:
+        """End the part of the current unit queued since its start (or the last split), then wait to go on as a
+        unit would start: until the lease is held and, when contended, the slice not over. The caller starts
+        timing the next part after this returns."""
+        self.splits += 1
+        self.add(part, whole=False)
+        self.gate.acquire()
+
+    def drain(self) -> None:
+        while self.units:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        self._wait(self.units[0][0])
+        self._report(self.units.popleft())
+
+    def _report(self, entry: tuple[M, int]) -> None:
+        unit, units = entry
+        self.gate.done(self._elapsed(unit), units)
