@@ -72,8 +72,8 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
     back); after the window, release, half-close and read until the daemon ends the stream, then close. A stream
     that ends before the tenant ends it is recorded in `lost` (when, why, and whether in the window or in the
     shutdown after it)."""
-    from unisched.transport import unisched_pb2 as pb
-    from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
+    from unisched_wire import unisched_pb2 as pb
+    from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
     sent: dict[int, float] = {}
     acked = asyncio.Event()

@@ -40,9 +40,9 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.options import SERVER_OPTIONS
 from unisched.transport.peercred import PeerCredRelay
+from unisched_wire import unisched_pb2 as pb
 
 TRANSPORTS = ("relay", "direct", "grpc-sync", "frame", "frame-2t", "frame-spin")
 _LEN = struct.Struct("<I")

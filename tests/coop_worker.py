@@ -16,9 +16,8 @@ import time
 
 from unisched_client import Client, UnischedError
 from unisched_client._inflight import InFlight
-
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--socket", required=True)

@@ -23,11 +23,11 @@ from conftest import ROOT, Daemon, child_env, wait_until
 
 sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
 import grpc
-from unisched_client import Client, UnischedUnavailable
 
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
-from unisched.transport.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame
+from unisched_client import Client, UnischedUnavailable
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire import unisched_pb2_grpc as pb_grpc
+from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame
 
 WORKER = str(ROOT / "tests" / "coop_worker.py")
 

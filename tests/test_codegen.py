@@ -1,4 +1,5 @@
-"""The committed gRPC code must match unisched.proto and the kubelet's .proto files under integrations/kubernetes."""
+"""The committed gRPC code must match unisched.proto (in the wire package) and the kubelet's .proto files under
+integrations/kubernetes."""
 
 import pytest
 
@@ -11,6 +12,14 @@ def test_generated_code_is_up_to_date() -> None:
 
 
 def test_every_proto_is_generated_and_checked() -> None:
-    from unisched.transport.codegen import PACKAGE, PROTOS
+    from unisched.transport.codegen import PROTOS, ROOT
 
-    assert set(PACKAGE.rglob("*.proto")) == set(PROTOS)
+    assert set(ROOT.joinpath("unisched").rglob("*.proto")) | set(ROOT.joinpath("clients").rglob("*.proto")) == set(PROTOS)
+
+
+def test_the_wire_protocol_lives_in_one_place() -> None:
+    """The daemon and the client import the same generated module: no second copy of the protocol in the daemon."""
+    from unisched.transport.codegen import ROOT
+
+    assert list(ROOT.joinpath("unisched").rglob("unisched.proto")) == []
+    assert list(ROOT.joinpath("unisched").rglob("leasewire.py")) == []

@@ -37,8 +37,8 @@ from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import Engine, Priority
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 from unisched.telemetry.nvml import NvmlTelemetry, open_nvml
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
 
 
 def events(d: Daemon, since: int = 0) -> list[dict[str, Any]]:

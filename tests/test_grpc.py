@@ -17,10 +17,10 @@ import pytest
 from conftest import child_env
 from inproc import InProcessServer, in_process_server
 
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.options import SERVER_OPTIONS
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire import unisched_pb2_grpc as pb_grpc
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def test_non_admin_cannot_change_weights_and_is_seen_as_itself(server: InProcess
     code = """
 import os, sys, grpc
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport import unisched_pb2 as pb
+from unisched_wire import unisched_pb2 as pb
 c = DaemonClient(sys.argv[1])  # channels connect lazily: the connect() happens after the drop
 os.setgroups([])
 os.setgid(65534)

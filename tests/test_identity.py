@@ -26,9 +26,9 @@ import grpc
 import pytest
 from conftest import Daemon, child_env, wait_until
 
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
-from unisched.transport.leasewire import MAGIC, frame
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire import unisched_pb2_grpc as pb_grpc
+from unisched_wire.leasewire import MAGIC, frame
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")]
 NOBODY = 65534

@@ -19,9 +19,9 @@ from inproc import InProcessServer, in_process_server
 
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, validate_tenant_name
 from unisched.transport import lease
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient
-from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, FrameError, FrameReader, frame
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, MAX_REQUEST_BYTES, FrameError, FrameReader, frame
 
 
 @pytest.fixture

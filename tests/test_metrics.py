@@ -18,9 +18,9 @@ from unisched.engine.config import DaemonConfig
 from unisched.engine.core import KernelEngine
 from unisched.engine.state import StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient
 from unisched.transport.metrics import EngineView, UnischedCollector
+from unisched_wire import unisched_pb2 as pb
 
 GiB = 1 << 30
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,7 +24,8 @@ def _tool(name: str) -> str:
 
 
 def test_layers_import_downward_only() -> None:
-    out = subprocess.run([_tool("lint-imports")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """Also the client contract: unisched_client imports only the wire module (this checkout's, not an installed copy)."""
+    out = subprocess.run([_tool("lint-imports")], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:]
 
 

@@ -19,9 +19,9 @@ from conftest import Daemon, child_env, needs_freezer
 from inproc import InProcessServer, in_process_server
 
 from unisched.engine.core import MAX_USER_TENANTS
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.server import MAX_MESSAGE_BYTES
+from unisched_wire import unisched_pb2 as pb
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
@@ -31,7 +31,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a c
 AS_USER = r"""
 import json, os, sys
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport import unisched_pb2 as pb
+from unisched_wire import unisched_pb2 as pb
 sock, uid, calls = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 c = DaemonClient(sock)
 os.setgroups([])
@@ -140,7 +140,7 @@ def test_non_admin_cannot_touch_what_it_does_not_own(daemon: Daemon, tenant_pref
 # field (an unknown field number carrying another pid) must change nothing.
 CALLER = r"""
 import json, os, sys, grpc
-from unisched.transport import unisched_pb2 as pb
+from unisched_wire import unisched_pb2 as pb
 sock, tenant, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 def varint(n):

@@ -245,7 +245,7 @@ def test_install_service_writes_a_unit_that_runs_this_interpreter(tmp_path: Path
     argv = shlex.split(exec_start)
     assert argv == [sys.executable, "-m", "unisched", "serve", "--config", str(config), "--delegated"]
     env = dict(shlex.split(e)[0].split("=", 1) for e in svc["Environment"])
-    assert env["PYTHONPATH"] == str(ROOT)  # where this unisched was imported from
+    assert env["PYTHONPATH"] == f"{ROOT}:{ROOT / 'clients'}"  # where this unisched and its wire package were imported from
     assert svc["ProtectHome"] == (["read-only"] if sys.executable.startswith(("/root/", "/home/")) else ["yes"])
     # the unit's command finds unisched in an empty environment, as systemd starts it (serve -> --help: no daemon)
     ran = subprocess.run([*argv[:4], "--help"], env=env, capture_output=True, text=True, timeout=60, cwd="/")

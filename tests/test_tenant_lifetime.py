@@ -49,7 +49,7 @@ print(json.dumps([main(["run", "--socket", sock, "--tenant", n, "--no-session-ho
 REMOVES_AS = r"""
 import json, os, sys
 from unisched.transport.client import DaemonClient, DaemonError
-from unisched.transport import unisched_pb2 as pb
+from unisched_wire import unisched_pb2 as pb
 sock, uid, mine, other = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 c = DaemonClient(sock)
 os.setgroups([])

@@ -15,9 +15,9 @@ from conftest import cli
 from inproc import InProcessServer, free_port, in_process_server
 
 from unisched.engine.config import ConfigError, DaemonConfig, check_listener
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire import unisched_pb2_grpc as pb_grpc
 
 x509 = pytest.importorskip("cryptography.x509", reason="needs the cryptography package (pip install -e '.[test]')")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

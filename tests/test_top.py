@@ -17,8 +17,8 @@ from inproc import in_process_server
 from rich.console import Console
 
 from unisched.cli.top import BAR_WIDTH, gpu_line, render_frame, share_bar
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient
+from unisched_wire import unisched_pb2 as pb
 
 
 def _text(renderable: object) -> str:

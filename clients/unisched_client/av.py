@@ -19,7 +19,12 @@ from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
-import av
+from unisched_client._extras import missing_extra
+
+try:
+    import av
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "av") from None
 
 from unisched_client.client import Client, CodecRefused
 

@@ -4,7 +4,7 @@ The app's own thread only touches local state on the fast path (is my lease held
 work fit in the slice); a background thread reads the lease stream (grants, revokes, acks) and a second one
 renews leases and reports measured GPU time ahead of need. No RPC per kernel launch or per frame.
 
-The stream is a plain connection to the daemon's Unix socket (unisched.transport.leasewire): whichever thread
+The stream is a plain connection to the daemon's Unix socket (unisched_wire.leasewire): whichever thread
 has something to say writes it to the socket itself, under the client's lock, and the reader thread is the
 only other one a renewal's answer wakes.
 """
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
-from unisched.policy.mps import process_env
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
+from unisched_wire.tenantenv import process_env
 
 if TYPE_CHECKING:
     from unisched_client.torch import TorchStep

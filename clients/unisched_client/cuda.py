@@ -16,7 +16,12 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pycuda.driver as cuda
+from unisched_client._extras import missing_extra
+
+try:
+    import pycuda.driver as cuda
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "cuda") from None
 
 from unisched_client._inflight import InFlight
 from unisched_client.client import Client

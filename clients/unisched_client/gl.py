@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import ctypes
 
-from OpenGL import GL
+from unisched_client._extras import missing_extra
+
+try:
+    from OpenGL import GL
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "gl") from None
 
 from unisched_client._inflight import InFlight
 from unisched_client.client import Client

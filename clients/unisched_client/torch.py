@@ -16,7 +16,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
+from unisched_client._extras import missing_extra
+
+try:
+    import torch
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "torch") from None
 
 from unisched_client._inflight import InFlight
 from unisched_client.client import Gate

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from unisched.policy import Engine, Mode, PolicyError, Priority
-from unisched.policy.mps import MPS_BELOW_NORMAL, MPS_NORMAL, MpsClientSettings, mps_client_settings, process_env
+from unisched.policy.mps import MPS_BELOW_NORMAL, MPS_NORMAL, MpsClientSettings, mps_client_settings
+from unisched_wire.tenantenv import process_env
 
 COMPUTE = frozenset({Engine.COMPUTE})
 

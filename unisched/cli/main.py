@@ -36,9 +36,9 @@ from unisched.integrations.kubernetes.defaults import (
     DRIVER_NAME,
 )
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
-from unisched.policy.mps import process_env
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.tenantenv import process_env
 
 __all__ = ["main"]
 

@@ -3,9 +3,10 @@ command (`python -m unisched serve`), so the unit works for a venv, a `pip insta
 install alike: no guess at where a console script went.
 
 The unit's text is deploy/systemd/unisched.service (shipped in the package as unisched/cli/unisched.service);
-only the lines that depend on the install change: ExecStart, the PYTHONPATH that finds this package, and
-ProtectHome= (read-only instead of yes when the interpreter or the package lives under /home or /root, which
-ProtectHome=yes would hide from the daemon)."""
+only the lines that depend on the install change: ExecStart, the PYTHONPATH that finds this package and its
+wire package (unisched_wire, from the unisched-client distribution), and ProtectHome= (read-only instead of yes
+when the interpreter or the package lives under /home or /root, which ProtectHome=yes would hide from the
+daemon)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 import unisched
+import unisched_wire
 
 __all__ = ["DEFAULT_CONFIG_PATH", "DEFAULT_UNIT_PATH", "Install", "render_unit", "unit_template"]
 
@@ -30,12 +32,14 @@ class Install:
 
     python: str
     package_dir: str
+    """The PYTHONPATH: the directories unisched and unisched_wire were imported from (one when they share it)."""
     config: str
 
     @classmethod
     def current(cls, config: str = DEFAULT_CONFIG_PATH) -> Install:
         # sys.executable as given, not resolved: a venv's python finds the venv through its own path
-        return cls(sys.executable, str(Path(unisched.__file__).resolve().parent.parent), config)
+        dirs = (str(Path(pkg.__file__ or "").resolve().parent.parent) for pkg in (unisched, unisched_wire))
+        return cls(sys.executable, os.pathsep.join(dict.fromkeys(dirs)), config)
 
 
 def unit_template() -> str:
@@ -65,7 +69,9 @@ def render_unit(template: str, install: Install) -> str:
             line = f"ExecStart={_quote(install.python)} -m unisched serve {' '.join(rest)}"
         elif line == "Environment=PYTHONUNBUFFERED=1":
             line += "\n" + _quote(f"Environment=PYTHONPATH={install.package_dir}")
-        elif line == "ProtectHome=yes" and (_under_home(install.python) or _under_home(install.package_dir)):
+        elif line == "ProtectHome=yes" and (
+            _under_home(install.python) or any(_under_home(d) for d in install.package_dir.split(os.pathsep))
+        ):
             line = "# read-only, not yes: this interpreter or package lives under /home or /root\nProtectHome=read-only"
         out.append(line)
     return "\n".join(out) + "\n"

@@ -25,8 +25,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["BAR_WIDTH", "render_frame", "run_top", "share_bar"]
 

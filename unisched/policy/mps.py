@@ -10,13 +10,11 @@ created, so they come from the tenant's class, not from the moment's demand.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from unisched.policy.model import Engine, Mode, PolicyError, Priority
 
-__all__ = ["MPS_BELOW_NORMAL", "MPS_NORMAL", "MpsClientSettings", "mps_client_settings", "process_env",
-           "validate_sm_percent"]
+__all__ = ["MPS_BELOW_NORMAL", "MPS_NORMAL", "MpsClientSettings", "mps_client_settings", "validate_sm_percent"]
 
 MPS_NORMAL = 0
 MPS_BELOW_NORMAL = 1
@@ -57,11 +55,3 @@ def mps_client_settings(
         return MpsClientSettings(MPS_NORMAL, None)
     return MpsClientSettings(MPS_BELOW_NORMAL, None if offline_sm_percent == 100 else offline_sm_percent)
 
-
-def process_env(inherited: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
-    """A tenant process's environment: the daemon's MPS settings replace every inherited CUDA_MPS_* value (a cap
-    from the caller's shell must not stay on an online tenant), but the log directory, which is not a setting."""
-    if not settings:
-        return dict(inherited)
-    kept = {k: v for k, v in inherited.items() if not k.startswith("CUDA_MPS_") or k == "CUDA_MPS_LOG_DIRECTORY"}
-    return {**kept, **settings}

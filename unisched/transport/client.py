@@ -7,8 +7,8 @@ from typing import Any
 
 import grpc
 
-from unisched.transport import unisched_pb2 as pb
-from unisched.transport import unisched_pb2_grpc as pb_grpc
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire import unisched_pb2_grpc as pb_grpc
 
 __all__ = ["AGENT_SOCKET_METADATA", "DaemonClient", "DaemonError", "TlsFiles"]
 

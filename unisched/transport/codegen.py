@@ -1,7 +1,8 @@
 """Regenerate the committed gRPC code from our .proto files (needs grpcio-tools; dev only).
 
-unisched.proto (the daemon's API) and the kubelet's device plugin, pod resources, plugin registration and DRA
-plugin APIs under unisched/integrations/kubernetes/.
+unisched.proto (the daemon's API, in the wire package clients/unisched_wire that the daemon and the client library
+share) and the kubelet's device plugin, pod resources, plugin registration and DRA plugin APIs under
+unisched/integrations/kubernetes/.
 `python -m unisched.transport.codegen` rewrites the modules; `--check` exits 1 when any is stale.
 """
 
@@ -16,8 +17,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PACKAGE = ROOT / "unisched"
 KUBERNETES = PACKAGE / "integrations" / "kubernetes"
+CLIENTS = ROOT / "clients"
+"""The client distribution's root: its .proto files are generated from here, so their code imports `unisched_wire`."""
 PROTOS = (
-    HERE / "unisched.proto",
+    CLIENTS / "unisched_wire" / "unisched.proto",
     KUBERNETES / "deviceplugin_v1beta1.proto",
     KUBERNETES / "podresources_v1.proto",
     KUBERNETES / "pluginregistration_v1.proto",
@@ -31,18 +34,27 @@ def outputs(proto: Path) -> list[Path]:
     return [proto.with_name(f"{stem}_pb2.py"), proto.with_name(f"{stem}_pb2.pyi"), proto.with_name(f"{stem}_pb2_grpc.py")]
 
 
+def include_root(proto: Path) -> Path:
+    """The directory a .proto's import path starts from: the generated code imports its package from there."""
+    return CLIENTS if proto.is_relative_to(CLIENTS) else ROOT
+
+
 def generate(out_root: Path) -> None:
+    """Write every .proto's code under out_root, at the path its package has under the repository."""
     from grpc_tools import protoc  # dev-only dependency
 
     for proto in PROTOS:
+        base = include_root(proto)
+        out = out_root / base.relative_to(ROOT)
+        out.mkdir(parents=True, exist_ok=True)
         rc = protoc.main(
             [
                 "protoc",
-                f"-I{ROOT}",
-                f"--python_out={out_root}",
-                f"--pyi_out={out_root}",
-                f"--grpc_python_out={out_root}",
-                str(proto.relative_to(ROOT)),
+                f"-I{base}",
+                f"--python_out={out}",
+                f"--pyi_out={out}",
+                f"--grpc_python_out={out}",
+                str(proto.relative_to(base)),
             ]
         )
         if rc != 0:

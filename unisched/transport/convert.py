@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from unisched.engine.core import TenantSnapshot
 from unisched.policy import Priority
-from unisched.transport import unisched_pb2 as pb
+from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["PRIORITY", "public_summary", "snapshot_to_pb"]
 

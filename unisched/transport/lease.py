@@ -18,10 +18,10 @@ from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
 from unisched.engine.core import EngineError, KernelEngine, LeaseAck
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
-from unisched.transport.leasewire import MAX_REQUEST_BYTES, FrameError, FrameReader, frame
 from unisched.transport.peercred import PeerCred, StreamLimits
+from unisched_wire import unisched_pb2 as pb
+from unisched_wire.leasewire import MAX_REQUEST_BYTES, FrameError, FrameReader, frame
 
 __all__ = ["ERROR_CODES", "LEASE_UNSENT_MAX", "LeaseConnection", "LeaseService"]
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import structlog
 
 from unisched.transport.identity import PeerCred, peer_of
-from unisched.transport.leasewire import MAGIC, is_lease_opening
 from unisched.transport.options import (
     ADMIN_RESERVE,
     GRPC_IDLE_S,
@@ -42,6 +41,7 @@ from unisched.transport.options import (
     PARTIAL_FRAME_S,
     TRIM_AFTER_CLOSED,
 )
+from unisched_wire.leasewire import MAGIC, is_lease_opening
 
 __all__ = ["FrontDoorLimits", "LeaseHandler", "PeerCred", "PeerCredRelay", "StreamLimits"]
 

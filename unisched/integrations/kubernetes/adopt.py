@@ -27,8 +27,8 @@ from unisched.integrations.kubernetes import podresources_v1_pb2_grpc as pr_grpc
 from unisched.integrations.kubernetes.apiserver import ApiServer
 from unisched.integrations.kubernetes.defaults import DEFAULT_POD_RESOURCES_SOCKET
 from unisched.integrations.kubernetes.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
-from unisched.transport import unisched_pb2 as pb
 from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
 
 __all__ = [
     "DEFAULT_POD_RESOURCES_SOCKET",

@@ -17,8 +17,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "clients"))
-import unisched_client.client as ucc
 from _daemon import start_daemon
+
+import unisched_client.client as ucc
 from unisched_client import Client
 
 EVENTS: list[tuple[float, str]] = []

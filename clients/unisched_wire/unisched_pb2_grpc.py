@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from unisched.transport import unisched_pb2 as unisched_dot_transport_dot_unisched__pb2
+from unisched_wire import unisched_pb2 as unisched__wire_dot_unisched__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in unisched/transport/unisched_pb2_grpc.py depends on'
+        + ' but the generated code in unisched_wire/unisched_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class UnischedStub:
         """
         self.Register = channel.unary_unary(
                 '/unisched.v1.Unisched/Register',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.Tenant.FromString,
                 _registered_method=True)
         self.Adopt = channel.unary_unary(
                 '/unisched.v1.Unisched/Adopt',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.AdoptRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.Tenant.FromString,
                 _registered_method=True)
         self.SetWeight = channel.unary_unary(
                 '/unisched.v1.Unisched/SetWeight',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.SetWeightRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.Tenant.FromString,
                 _registered_method=True)
         self.SetLimit = channel.unary_unary(
                 '/unisched.v1.Unisched/SetLimit',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.SetLimitRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.Tenant.FromString,
                 _registered_method=True)
         self.RemoveTenant = channel.unary_unary(
                 '/unisched.v1.Unisched/RemoveTenant',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.RemoveTenantRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.Empty.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.RemoveTenantRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.Empty.FromString,
                 _registered_method=True)
         self.ListTenants = channel.unary_unary(
                 '/unisched.v1.Unisched/ListTenants',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.ListTenantsRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.ListTenantsReply.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.ListTenantsReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/unisched.v1.Unisched/Status',
-                request_serializer=unisched_dot_transport_dot_unisched__pb2.StatusRequest.SerializeToString,
-                response_deserializer=unisched_dot_transport_dot_unisched__pb2.StatusReply.FromString,
+                request_serializer=unisched__wire_dot_unisched__pb2.StatusRequest.SerializeToString,
+                response_deserializer=unisched__wire_dot_unisched__pb2.StatusReply.FromString,
                 _registered_method=True)
 
 
@@ -125,38 +125,38 @@ def add_UnischedServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.RegisterRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.RegisterRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.Tenant.SerializeToString,
             ),
             'Adopt': grpc.unary_unary_rpc_method_handler(
                     servicer.Adopt,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.AdoptRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.AdoptRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.Tenant.SerializeToString,
             ),
             'SetWeight': grpc.unary_unary_rpc_method_handler(
                     servicer.SetWeight,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.SetWeightRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.Tenant.SerializeToString,
             ),
             'SetLimit': grpc.unary_unary_rpc_method_handler(
                     servicer.SetLimit,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Tenant.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.SetLimitRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.Tenant.SerializeToString,
             ),
             'RemoveTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveTenant,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.RemoveTenantRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.Empty.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.RemoveTenantRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.Empty.SerializeToString,
             ),
             'ListTenants': grpc.unary_unary_rpc_method_handler(
                     servicer.ListTenants,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.ListTenantsRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.ListTenantsReply.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.ListTenantsRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.ListTenantsReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=unisched_dot_transport_dot_unisched__pb2.StatusRequest.FromString,
-                    response_serializer=unisched_dot_transport_dot_unisched__pb2.StatusReply.SerializeToString,
+                    request_deserializer=unisched__wire_dot_unisched__pb2.StatusRequest.FromString,
+                    response_serializer=unisched__wire_dot_unisched__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,8 +184,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/Register',
-            unisched_dot_transport_dot_unisched__pb2.RegisterRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+            unisched__wire_dot_unisched__pb2.RegisterRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.Tenant.FromString,
             options,
             channel_credentials,
             insecure,
@@ -211,8 +211,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/Adopt',
-            unisched_dot_transport_dot_unisched__pb2.AdoptRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+            unisched__wire_dot_unisched__pb2.AdoptRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.Tenant.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,8 +238,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/SetWeight',
-            unisched_dot_transport_dot_unisched__pb2.SetWeightRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+            unisched__wire_dot_unisched__pb2.SetWeightRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.Tenant.FromString,
             options,
             channel_credentials,
             insecure,
@@ -265,8 +265,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/SetLimit',
-            unisched_dot_transport_dot_unisched__pb2.SetLimitRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.Tenant.FromString,
+            unisched__wire_dot_unisched__pb2.SetLimitRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.Tenant.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,8 +292,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/RemoveTenant',
-            unisched_dot_transport_dot_unisched__pb2.RemoveTenantRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.Empty.FromString,
+            unisched__wire_dot_unisched__pb2.RemoveTenantRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -319,8 +319,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/ListTenants',
-            unisched_dot_transport_dot_unisched__pb2.ListTenantsRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.ListTenantsReply.FromString,
+            unisched__wire_dot_unisched__pb2.ListTenantsRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.ListTenantsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -346,8 +346,8 @@ class Unisched:
             request,
             target,
             '/unisched.v1.Unisched/Status',
-            unisched_dot_transport_dot_unisched__pb2.StatusRequest.SerializeToString,
-            unisched_dot_transport_dot_unisched__pb2.StatusReply.FromString,
+            unisched__wire_dot_unisched__pb2.StatusRequest.SerializeToString,
+            unisched__wire_dot_unisched__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
