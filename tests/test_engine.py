@@ -596,6 +596,26 @@ def test_a_hooked_tenant_without_a_gpu_context_is_neither_frozen_nor_charged(tmp
     assert (rig.cpu("a") - a2) / (rig.cpu("b") - b2) == pytest.approx(3.0, rel=0.1)
 
 
+def test_a_run_tenants_cpu_start_up_is_not_charged_as_gpu_time(tmp_path: Path) -> None:
+    """`unisched run` registers with session_hooks: the tenant it creates holds no GPU context until the hooks
+    count one, so its CPU start-up (a torch import) on an idle GPU is neither charged nor shown as running; the
+    CPU stand-in charged it as GPU time until the hand-over and NVML's next list (3 GPU-s on the H200 machine),
+    and a test reading 'GPU seconds > 2' then saw the tenant idle before its first kernel."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, gpu_pids=frozenset())]  # the GPU idle, NVML lists nobody
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.pid += 1
+    rig.engine.register("t", None, None, (), (), rig.pid, 0, True, session_hooks=True)
+    rig.busy.add("t")  # importing torch: one core busy
+    rig.step(round(3.0 / SLICE))
+    snap = rig.engine.snapshot("t")
+    assert rig.cpu("t") == pytest.approx(3.0, rel=0.05) and snap.gpu_seconds == 0.0 and snap.state == "idle"
+    assert rig.engine.admit_session("t", "compute", 0xCBC0)  # its first CUDA context
+    rig.step(round(1.0 / SLICE))
+    snap = rig.engine.snapshot("t")
+    assert snap.gpu_seconds > 0.9 and snap.state == "running"
+
+
 def test_without_hooks_no_gpu_context_is_assumed_missing(tmp_path: Path) -> None:
     """An adopted or unhooked tenant's sessions are unknown: an empty NVML list alone does not exempt it."""
     rig, tel = _gpu_rig(tmp_path, 1.0)

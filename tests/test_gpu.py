@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, Daemon, child_env, wait_until
@@ -34,6 +35,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None, rea
 
 BURN = "import torch,time\nx=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16)\nend=time.time()+{s}\n" \
        "while time.time()<end:\n    for _ in range(4): y=x@x\n    torch.cuda.synchronize()\n"
+MARKED_BURN = "import os,torch,time\nx=torch.randn(8192,8192,device='cuda',dtype=torch.bfloat16)\n" \
+              "open(os.environ['BURN_MARK'],'w').close()\nend=time.time()+{s}\n" \
+              "while time.time()<end:\n    for _ in range(4): y=x@x\n    torch.cuda.synchronize()\n"
 
 
 def test_nvml_telemetry_sees_the_gpu_and_its_load() -> None:
@@ -55,16 +59,20 @@ def test_nvml_telemetry_sees_the_gpu_and_its_load() -> None:
         tel.close()
 
 
-def test_cuda_tenant_is_charged_gpu_seconds(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_tenant_is_charged_gpu_seconds(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     if _torch_reason():
         pytest.skip(str(_torch_reason()))
     d: Daemon = daemon_factory("--slice-ms", "50", nvml=True)
     assert d.status()["nvml"] is True
     name = f"{d.prefix}cuda"
+    mark = tmp_path / "burning"
     p = subprocess.Popen([sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name,
-                          "--", sys.executable, "-c", BURN.format(s=10)], cwd=ROOT,
-                         env=child_env())
+                          "--", sys.executable, "-c", MARKED_BURN.format(s=10)], cwd=ROOT,
+                         env={**child_env(), "BURN_MARK": str(mark)})
     try:
+        wait_until(mark.exists, 60, "the tenant's first kernels")  # torch imported, a context made
+        before = next(t for t in d.tenants() if t["name"] == name)
+        assert before["gpu_seconds"] < 1.0, f"its CPU start-up was charged as GPU time: {before}"
         t = wait_until(lambda: next((t for t in d.tenants() if t["name"] == name and t["gpu_seconds"] > 2.0), None),
                        40, "GPU seconds to be charged")
         assert t["state"] == "running", f"a CUDA tenant busy on the GPU reads {t['state']!r}: {t}"

@@ -134,20 +134,22 @@ class SetLimitRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("tenant", "weight", "priority", "engines", "gpus", "keep")
+    __slots__ = ("tenant", "weight", "priority", "engines", "gpus", "keep", "session_hooks")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_HOOKS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: int
     priority: Priority
     engines: _containers.RepeatedScalarFieldContainer[str]
     gpus: _containers.RepeatedScalarFieldContainer[int]
     keep: bool
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., keep: _Optional[bool] = ...) -> None: ...
+    session_hooks: bool
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., keep: _Optional[bool] = ..., session_hooks: _Optional[bool] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
     __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus")

@@ -475,6 +475,7 @@ def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
         engines=args.engines,
         gpus=args.gpus,
         keep=args.keep,
+        session_hooks=not args.no_session_hooks,
     )
 
 

@@ -527,6 +527,7 @@ class KernelEngine:
         is_admin: bool,
         alive: Callable[[], bool] | None = None,
         keep: bool | None = None,
+        session_hooks: bool = False,
     ) -> TenantSnapshot:
         """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
 
@@ -541,7 +542,12 @@ class KernelEngine:
         What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
         tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
         behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
-        entries of the registrations made in it."""
+        entries of the registrations made in it.
+
+        session_hooks (`unisched run`): the caller's children get the session hooks before they exec, so a tenant
+        this call creates is hooked from its first process on and holds no GPU context until the hooks count one.
+        Without it the CPU of its start-up (a torch import: ~3 s on the H200 machine) was charged as GPU time,
+        through the CPU stand-in, until the hand-over and NVML's next process list caught up."""
         _need_alive(alive)
         try:
             validate_tenant_name(name)
@@ -572,6 +578,8 @@ class KernelEngine:
             self._create_cgroup(name, cgroup)
             t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid,
                         ephemeral=keep is False and name not in self._declared)
+            if session_hooks:
+                t.hooked, t.nvml_on_gpu = True, False  # its only process now is the CLI, which holds no context
             self._add(t, reason="registered")
         else:
             owner = is_admin or uid == t.owner_uid

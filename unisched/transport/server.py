@@ -121,6 +121,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 self.is_admin(cred),
                 alive=cred.alive,
                 keep=request.keep,
+                session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             )
         except EngineError as e:
             await self._fail(context, e)
