@@ -604,6 +604,7 @@ def test_a_run_tenants_cpu_start_up_is_not_charged_as_gpu_time(tmp_path: Path) -
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
     tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, gpu_pids=frozenset())]  # the GPU idle, NVML lists nobody
     rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.step()  # the daemon has sampled the GPU before anyone registers
     rig.pid += 1
     rig.engine.register("t", None, None, (), (), rig.pid, 0, True, session_hooks=True)
     rig.busy.add("t")  # importing torch: one core busy
@@ -614,6 +615,19 @@ def test_a_run_tenants_cpu_start_up_is_not_charged_as_gpu_time(tmp_path: Path) -
     rig.step(round(1.0 / SLICE))
     snap = rig.engine.snapshot("t")
     assert snap.gpu_seconds > 0.9 and snap.state == "running"
+
+
+def test_without_a_process_list_a_run_tenants_cpu_is_its_gpu_work(tmp_path: Path) -> None:
+    """Without NVML (CPU time stands in for GPU time) a run tenant is on the GPU from its first process: it
+    contends at once, as a fork storm beside a busy tenant must (tests/test_faults.py)."""
+    rig = Rig(tmp_path)
+    rig.add("busy", 100)
+    rig.step()
+    rig.pid += 1
+    rig.engine.register("t", None, None, (), (), rig.pid, 0, True, session_hooks=True)
+    rig.busy.add("t")
+    rig.step(round(0.5 / SLICE))
+    assert rig.engine.snapshot("t").gpu_seconds > 0.1 and rig.engine.snapshot("t").state in ("running", "frozen")
 
 
 def test_without_hooks_no_gpu_context_is_assumed_missing(tmp_path: Path) -> None:

@@ -579,7 +579,10 @@ class KernelEngine:
             t = _Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid,
                         ephemeral=keep is False and name not in self._declared)
             if session_hooks:
-                t.hooked, t.nvml_on_gpu = True, False  # its only process now is the CLI, which holds no context
+                # its only process now is the CLI, which holds no context; where NVML lists the GPUs' processes
+                # that list says when one appears (without it, CPU time is the GPU's stand-in: on the GPU as before)
+                t.hooked = True
+                t.nvml_on_gpu = not self._nvml_lists_processes()
             self._add(t, reason="registered")
         else:
             owner = is_admin or uid == t.owner_uid
@@ -647,6 +650,11 @@ class KernelEngine:
             if o.adopted and (within(cgroup, o.cgroup) or within(o.cgroup, cgroup)):
                 raise EngineError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
                                              f"tenant {o.name!r}'s cgroup {o.cgroup}; choose another name")
+
+    def _nvml_lists_processes(self) -> bool:
+        """Whether the last samples listed every GPU's processes (NVML on a GPU that reports them)."""
+        samples = self._last_samples
+        return bool(samples) and all(s.ok and s.gpu_pids is not None for s in samples)
 
     def _is_member(self, t: _Tenant, pid: int) -> bool:
         """Whether `pid` already sits in the tenant's cgroup or below it."""
