@@ -23,6 +23,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from unisched.enforce.seccomp.proc import state_and_start
+
 __all__ = ["PeerCred", "ProcessHandle", "is_admin", "peer_of", "uid_groups"]
 
 SO_PEERPIDFD = 77
@@ -105,17 +107,15 @@ def _pin(conn: socket.socket, pid: int, uid: int) -> ProcessHandle:
 
 
 def _start_and_uid(pid: int) -> tuple[str, int] | None:
-    """Field 22 of /proc/<pid>/stat (start time since boot) and the owner of /proc/<pid>; None when gone."""
+    """The start time of process `pid` and the owner of /proc/<pid>; None when it is gone or a zombie."""
     try:
-        st = os.stat(f"/proc/{pid}")
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()  # after "(comm)", which may hold spaces: field 3 on
-    if len(fields) < 20 or fields[0] == b"Z":
+    stat = state_and_start(pid)
+    if stat is None or stat[0] == "Z":
         return None
-    return fields[19].decode(), st.st_uid
+    return stat[1], uid
 
 
 _groups: dict[int, tuple[float, frozenset[int]]] = {}

@@ -1,4 +1,5 @@
-"""A tenant's process as the supervisor reads it through /proc: its memory and its identity over time."""
+"""Processes as the daemon reads them through /proc: a tenant's memory, and who a pid names over time (the
+session supervisor and the front door both tell a reused pid apart by its start time)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ def owner(tid: int) -> tuple[int, str]:
     return tgid, start_time(tgid) or ""
 
 
-def start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks): tells a reused pid apart. None when it is gone."""
+def state_and_start(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks): fields 3 and 22 of /proc/PID/stat. The start time tells a reused
+    pid apart; None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat.rpartition(")")[2].split()
-    return fields[19] if len(fields) > 19 else None
+    fields = stat.rpartition(")")[2].split()  # after "(comm)", which may hold spaces and parentheses
+    return (fields[0], fields[19]) if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks); None when the process is gone."""
+    stat = state_and_start(pid)
+    return None if stat is None else stat[1]
