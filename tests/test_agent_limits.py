@@ -23,7 +23,8 @@ from conftest import Daemon, wait_until
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.agent import AgentMessageReader, agent_reply
 from unisched.enforce.seccomp.handover import hand_over, make_agent_message
-from unisched.transport.agent import HandOverLimits, HandOverSlots, Throttle
+from unisched.logs import Throttle
+from unisched.transport.agent import HandOverLimits, HandOverSlots
 from unisched.transport.client import DaemonClient
 
 NOBODY = 65534

@@ -27,7 +27,7 @@ from unisched.engine.config import DaemonConfig
 from unisched.engine.core import MAX_USER_TENANTS
 from unisched.engine.state import StateStore
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, PolicyError, validate_tenant_name
-from unisched.transport.peercred import PeerCred
+from unisched.transport.identity import PeerCred
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
 

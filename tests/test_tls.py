@@ -202,7 +202,7 @@ def test_a_tls_peer_never_borrows_a_relayed_identity(tmp_path: Path) -> None:
     from unisched.engine.core import KernelEngine
     from unisched.engine.state import StateStore
     from unisched.telemetry import NoGpuTelemetry
-    from unisched.transport.peercred import PeerCred
+    from unisched.transport.identity import PeerCred
     from unisched.transport.server import UnischedServicer
 
     engine = KernelEngine(DaemonConfig(), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path), SystemClock())

@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
-from typing import Any, TextIO
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, Final, TextIO
 
 import structlog
 
-__all__ = ["SYSLOG_PRIORITY", "configure_logging", "stderr_is_journal"]
+__all__ = ["SYSLOG_PRIORITY", "Throttle", "configure_logging", "stderr_is_journal"]
 
 SYSLOG_PRIORITY: Mapping[str, int] = {
     "critical": 2, "error": 3, "exception": 3, "warning": 4, "warn": 4, "info": 6, "debug": 7, "notset": 7,
@@ -64,3 +65,27 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+class Throttle:
+    """At most one log line per key per interval; counts the lines held back so the next one can say so."""
+
+    _MAX_KEYS: Final = 4096
+    """Keys kept before old ones are forgotten (a user namespace can present many uids)."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[object, tuple[float, int]] = {}
+
+    def allow(self, key: object) -> int | None:
+        """The number of lines held back since the last one when this one may go out; None to hold it back."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self.interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        if len(self._last) >= self._MAX_KEYS:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
+        self._last[key] = (now, 0)
+        return 0 if last is None else last[1]

@@ -11,8 +11,6 @@ import os
 import socket
 import stat
 import struct
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -24,6 +22,7 @@ from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
 from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.engine.core import KernelEngine
+from unisched.logs import Throttle
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -33,7 +32,6 @@ __all__ = [
     "HandOverLimits",
     "HandOverSlots",
     "SeccompAgentServer",
-    "Throttle",
 ]
 
 log = structlog.get_logger("unisched.agent")
@@ -106,30 +104,6 @@ class HandOverSlots:
 
     def in_progress(self, uid: int) -> int:
         return self._by_uid.get(uid, 0)
-
-
-class Throttle:
-    """At most one log line per key per interval; counts the lines held back so the next one can say so."""
-
-    _MAX_KEYS: Final = 4096
-    """Keys kept before old ones are forgotten (a user namespace can present many uids)."""
-
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[object, tuple[float, int]] = {}
-
-    def allow(self, key: object) -> int | None:
-        """The number of lines held back since the last one when this one may go out; None to hold it back."""
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last[0] < self.interval_s:
-            self._last[key] = (last[0], last[1] + 1)
-            return None
-        if len(self._last) >= self._MAX_KEYS:
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
-        self._last[key] = (now, 0)
-        return 0 if last is None else last[1]
 
 
 class SeccompAgentServer:

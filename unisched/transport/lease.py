@@ -19,7 +19,8 @@ from google.protobuf.message import DecodeError
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
 from unisched.engine.core import EngineError, KernelEngine, LeaseAck
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
-from unisched.transport.peercred import PeerCred, StreamLimits
+from unisched.transport.identity import PeerCred
+from unisched.transport.peercred import StreamLimits
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAX_REQUEST_BYTES, FrameError, FrameReader, frame
 

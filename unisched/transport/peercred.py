@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from unisched.logs import Throttle
 from unisched.transport.identity import PeerCred, peer_of
 from unisched.transport.options import (
     ADMIN_RESERVE,
@@ -43,13 +44,15 @@ from unisched.transport.options import (
 )
 from unisched_wire.leasewire import MAGIC, is_lease_opening
 
-__all__ = ["FrontDoorLimits", "LeaseHandler", "PeerCred", "PeerCredRelay", "StreamLimits"]
+__all__ = ["FrontDoorLimits", "LeaseHandler", "PeerCredRelay", "StreamLimits"]
 
 log = structlog.get_logger("unisched.transport")
 _CHUNK = 1 << 16
 FDS_PER_CONNECTION = 4  # the accepted Unix socket, its caller's pidfd, the relay's loopback socket, the gRPC server's end
 FD_RESERVE = 256  # for everything else: cgroup files, state file, logs, seccomp listeners handed over by tenants
 BACKLOG = 1024  # a burst of clients queues in the kernel instead of getting EAGAIN (asyncio's default is 100)
+REFUSAL_LOG_INTERVAL_S = 1.0
+"""At most one 'too many connections' line a second, saying how many were refused since the last."""
 ACCEPT_BATCH = 256
 """Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
 task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
@@ -125,8 +128,7 @@ class PeerCredRelay:
         """Bytes of unfinished lease frames held per bucket."""
         self._relayed: dict[int, _Half] = {}
         """The client side of each relayed gRPC connection, by backend port (for the idle sweep)."""
-        self._refused_logged = 0
-        self._refusal_logged_at = 0.0
+        self._refusals = Throttle(REFUSAL_LOG_INTERVAL_S)
         self._closed_since_trim = 0
         self._trim_pending = False
 
@@ -244,12 +246,10 @@ class PeerCredRelay:
         """Count a refused connection; log the first of a burst and then at most once a second (a flood of
         clients must not become a flood of log lines)."""
         self.refused += 1
-        now = time.monotonic()
-        if self._refused_logged == 0 or now - self._refusal_logged_at >= 1.0:
+        held_back = self._refusals.allow("refused")
+        if held_back is not None:
             log.warning("too many connections; refusing", limit=self.max_connections, per_uid=self.limits.per_uid,
-                        uid=uid, refused=self.refused - self._refused_logged)
-            self._refused_logged = self.refused
-            self._refusal_logged_at = now
+                        uid=uid, refused=held_back + 1)
 
     async def _sweep_idle(self) -> None:
         """Close relayed gRPC connections that carried nothing for `grpc_idle_s` (see options.GRPC_IDLE_S)."""

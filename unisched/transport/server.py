@@ -28,11 +28,11 @@ from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.claim import socket_answers
 from unisched.transport.client import AGENT_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
-from unisched.transport.identity import is_admin
+from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.options import SERVER_OPTIONS
-from unisched.transport.peercred import PeerCred, PeerCredRelay
+from unisched.transport.peercred import PeerCredRelay
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
 from unisched_wire.leasewire import MAX_REQUEST_BYTES
