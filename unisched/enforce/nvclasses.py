@@ -1,7 +1,7 @@
 """NVIDIA RM ioctl numbers and the object classes that open a session on a GPU engine.
 
 Pure data and arithmetic, no I/O. The numbers come from NVIDIA's open kernel modules and were checked
-against what the driver really allocates on the H200 (see DESIGN.md, "Kernel hooks: facts"):
+against what the driver really allocates on the H200 (tests/test_gpu_hooks.py):
 an EGL context allocates HOPPER_A 0xCB97 once, a CUDA context HOPPER_COMPUTE_A 0xCBC0, an NVDEC
 session 0xB8B0. Everything else a driver allocates (channels, copy engines, TSGs, memory) is not a
 session and is never refused.

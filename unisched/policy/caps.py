@@ -52,7 +52,7 @@ class VideoEngines:
     nvenc: int
 
 
-# Engine counts per model (vendor data sheets; the H200's were seen in DESIGN.md: NVDEC yes, NVENC none).
+# Engine counts per model (vendor data sheets; the H200's seen on the driver: NVDEC yes, NVENC none).
 _VIDEO_ENGINES = (
     ("H200", VideoEngines(7, 0)),
     ("H100", VideoEngines(7, 0)),

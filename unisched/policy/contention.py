@@ -2,7 +2,7 @@
 
 Measured, not assumed. On graphics-class GPUs every SM renders, and compute and graphics contend fully.
 On the H100/H200 rendering runs on a few graphics-capable SMs, and whether it overlaps with CUDA depends on
-the load: one probe (DESIGN.md) saw CUDA keep 55-95% of its solo rate next to rendering, the benchmark of
+the load: one probe saw CUDA keep 55-95% of its solo rate next to rendering, the benchmark of
 2026-11-30 saw it keep 14% (bench/results). So compute and graphics are sliced against each other (one
 "sm" domain: the guarantee holds everywhere) unless a calibration run on that GPU measured that they
 overlap (`from_kept`): fully (each keeps most of its rate: not sliced at all) or partly (together they do more
