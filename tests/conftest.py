@@ -185,9 +185,13 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
     started: list[Daemon] = []
 
     def make(*extra: str, nvml: bool = False, name: str = "") -> Daemon:
-        """name: a second daemon of the test, with its own socket, state, log and subtree."""
+        """name: a second daemon of the test, with its own socket directory (so its own seccomp agent socket,
+        which sits beside the main one), state, log and subtree."""
         sock_dir = Path(f"/tmp/us-{tenant_prefix}")
         sock_dir.mkdir(exist_ok=True)
+        if name:
+            sock_dir = sock_dir / name
+            sock_dir.mkdir(exist_ok=True)
         subtree = f"{subtree_for(tenant_prefix)}{'-' + name if name else ''}"
         extra = ("--cgroup-subtree", subtree, *extra)
         d = Daemon(str(sock_dir / f"{name or 'd'}.sock"), str(tmp_path / f"{name}state"), None,  # type: ignore[arg-type]

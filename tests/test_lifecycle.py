@@ -301,3 +301,31 @@ def test_records_in_a_directory_others_can_write_are_not_acted_on(tmp_path: Path
     got = thaw_orphans(shared)
     assert got.records == 0 and (shared / "1.list").exists()
     assert got.problems and "its records are ignored" in got.problems[0]
+
+
+def test_a_socket_something_answers_on_is_never_replaced(tmp_path: Path) -> None:
+    """The main socket and the seccomp agent's go through one check: a stale socket file is removed, a file that
+    is not a socket or a socket a live daemon answers on is refused (the agent socket was replaced regardless)."""
+    import socket as _socket
+
+    from unisched.transport.claim import replace_stale_socket
+
+    live, stale, plain = tmp_path / "live.sock", tmp_path / "stale.sock", tmp_path / "plain"
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    listener.bind(str(live))
+    listener.listen(1)
+    dead = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    dead.bind(str(stale))  # bound, never listening: what a killed daemon leaves
+    dead.close()
+    plain.write_text("x")
+    try:
+        with pytest.raises(OSError, match="answers on"):
+            replace_stale_socket(str(live))
+        with pytest.raises(OSError, match="not a socket"):
+            replace_stale_socket(str(plain))
+        replace_stale_socket(str(stale))
+        assert live.exists() and plain.exists() and not stale.exists()
+        replace_stale_socket(str(tmp_path / "new" / "d.sock"))  # makes its directory
+        assert (tmp_path / "new").is_dir()
+    finally:
+        listener.close()

@@ -9,10 +9,8 @@ import asyncio
 import contextlib
 import os
 import socket
-import stat
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 import structlog
@@ -23,6 +21,7 @@ from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_a
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.engine.core import KernelEngine
 from unisched.logs import Throttle
+from unisched.transport.claim import replace_stale_socket
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -125,12 +124,7 @@ class SeccompAgentServer:
         self._throttle = Throttle(REFUSAL_LOG_INTERVAL_S)
 
     async def start(self) -> None:
-        p = Path(self.path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if p.exists() or p.is_symlink():
-            if not stat.S_ISSOCK(p.lstat().st_mode):
-                raise OSError(f"{self.path} exists and is not a socket")
-            p.unlink()
+        replace_stale_socket(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self.path)
         # tenants' children hand over their listener as themselves (any uid); identity is checked per connection

@@ -12,10 +12,11 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "socket_answers"]
+__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "replace_stale_socket", "socket_answers"]
 
 CONNECT_TIMEOUT_S = 2.0
 """A live daemon accepts a Unix connection at once (the kernel queues it); 2 s covers one busy on 2 cores."""
@@ -49,6 +50,20 @@ def socket_answers(path: str) -> bool:
     finally:
         s.close()
     return True
+
+
+def replace_stale_socket(path: str) -> None:
+    """Make way for a socket at `path`: create its directory and remove a stale socket file left there, but never
+    a file that is not a socket, nor a socket something answers on (another daemon's: the main socket and the
+    seccomp agent's alike). Raises OSError saying why not."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise OSError(f"{path} exists and is not a socket; refusing to replace it")
+        if socket_answers(path):
+            raise OSError(f"a daemon answers on {path}; refusing to replace its socket")
+        p.unlink()
 
 
 def _holder(fd: int) -> str:

@@ -9,7 +9,6 @@ import contextlib
 import grp
 import os
 import signal
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
-from unisched.transport.claim import socket_answers
+from unisched.transport.claim import replace_stale_socket
 from unisched.transport.client import AGENT_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
 from unisched.transport.identity import PeerCred, is_admin
@@ -250,19 +249,6 @@ def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
     )
 
 
-def _prepare_socket(path: str, group: str | None) -> None:
-    """Remove a stale socket file; never one a live daemon answers on (`unisched serve` refuses to start earlier,
-    transport.claim; this guards every other caller of serve_async)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise SystemExit(f"unisched: {path} exists and is not a socket; refusing to replace it")
-        if socket_answers(path):
-            raise SystemExit(f"unisched: a daemon answers on {path}; refusing to replace its socket")
-        p.unlink()
-
-
 def _secure_socket(path: str, group: str | None) -> None:
     if group is None:
         os.chmod(path, 0o666)
@@ -316,7 +302,7 @@ async def serve_async(
             raise OSError(f"cannot listen on {config.listen}: {e}") from None
         if not bound:
             raise OSError(f"cannot listen on {config.listen}")
-    _prepare_socket(config.socket, config.socket_group)
+    replace_stale_socket(config.socket)  # (`serve` holds the socket's lock already: transport.claim)
     relay = PeerCredRelay(config.socket, port, lease=LeaseService(engine, servicer.is_admin).connection,
                           is_admin=servicer.is_admin)
     relay_box.append(relay)
