@@ -226,8 +226,11 @@ def test_one_bad_entry_keeps_the_others_and_live_cgroups_are_readopted(daemon: D
     kept, lost = f"{tenant_prefix}kept", f"{tenant_prefix}lost"
     hogs = [start_hog(daemon, kept, weight=300), start_hog(daemon, lost, weight=250)]
     try:
-        daemon.stop(signal.SIGKILL)
         state = Path(daemon.state_dir) / "state.json"
+        # registrations are saved by the tick within SAVE_DELAY_S: kill the daemon once both entries are on disk
+        wait_until(lambda: state.exists() and all(f'"name":"{n}"' in state.read_text() for n in (kept, lost)), 20,
+                   "both registrations in the state file")
+        daemon.stop(signal.SIGKILL)
         lines = state.read_text().splitlines()
         bad = next(i for i, line in enumerate(lines) if f'"name":"{lost}"' in line)
         lines[bad] = lines[bad].replace('"weight":250', '"weight":"heavy"')
