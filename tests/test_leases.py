@@ -17,7 +17,7 @@ from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.state import StateStore
 from unisched.policy import Mode, Priority
 from unisched.policy.leases import OverrunMeter
-from unisched.telemetry import FakeTelemetry, GpuInfo, NoGpuTelemetry
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
 SLICE = 0.05
 
@@ -302,6 +302,47 @@ def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
         a.report(delay if a.held else 0.0)
     assert 0.9 < a.used / kern_cpu < 1.1
     assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
+
+
+FREEZE_TAIL_S = 0.002
+"""CPU time a kernel tenant still uses after the freeze is asked for: the freezer lands a few ms late."""
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
+def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_path: Path, coop_w: int,
+                                                                           kern_w: int, late: bool) -> None:
+    """The GPU reads busy whoever runs. The kernel tenant is charged the busy time of the intervals it ran in,
+    and it also ran (a few ms) in each interval its freeze came late in, while the client held the GPU: charged
+    that interval's whole busy time, it paid about twice its use and got a third of the GPU at 1:1. `late`: the
+    client's reports arrive half a slice after its work (with its next renewal), in the next interval."""
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
+    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    c = rig.coop("coop", coop_w)
+    c.want()
+    rig.pid += 1
+    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    g = rig.driver.groups["/unisched/kern"]
+    kern_s = owed = 0.0
+    for _ in range(1200):
+        was_frozen = g.frozen
+        delay = rig.tick()
+        if not g.frozen:  # ran the interval
+            g.cpu_s += delay
+            kern_s += delay
+        elif not was_frozen:  # frozen now: its freeze lands a little late
+            g.cpu_s += FREEZE_TAIL_S
+        used = delay if c.held else 0.0
+        if late:
+            rig.clock.advance(delay / 2)
+            c.report(owed)
+            rig.clock.advance(delay / 2)
+            owed = used
+        else:
+            rig.clock.advance(delay)
+            c.report(used)
+    share = c.used / (c.used + kern_s)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (c.used, kern_s)
 
 
 def test_closing_the_session_drops_demand_and_frees_codec_sessions(tmp_path: Path) -> None:

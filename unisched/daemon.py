@@ -35,6 +35,7 @@ from unisched.engine.core import KernelEngine
 from unisched.engine.state import StateStore
 from unisched.logs import configure_logging
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
+from unisched.telemetry.standin import CpuStandIn
 from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket
 from unisched.transport.server import serve
 
@@ -77,7 +78,10 @@ def log_orphans(orphans: Orphans | None) -> None:
 
 
 def _open_telemetry(config: DaemonConfig) -> tuple[GpuTelemetry, bool]:
-    """NVML where configured and present (True), else no GPU signal (False)."""
+    """NVML where configured and present (True), else no GPU signal (False); a CPU core when asked to stand in."""
+    if config.cpu_stand_in:
+        driver = detect_driver(config.cgroup_driver, config.cgroup_subtree, create=False)
+        return CpuStandIn(lambda: driver.cpu_usage_s("/" + driver.subtree), SystemClock().monotonic), False
     if config.nvml:
         from unisched.telemetry.nvml import open_nvml
 

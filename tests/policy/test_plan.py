@@ -16,9 +16,12 @@ from unisched.policy.plan import (
     PlanConfig,
     PlanInputs,
     PlanState,
+    ReportMatch,
     Rule,
     TenantView,
+    Unmatched,
     charge_rule,
+    cooperative_part,
     cpu_busy,
     demand_rule,
     freeze_rule,
@@ -132,6 +135,39 @@ def test_pair_weights(members: list[PairMember], expected: dict[int, PairWeights
 def test_charge_rule(util: float, cpu: list[float], charged: list[float], rule: Rule) -> None:
     amounts, why = charge_rule(util, 0.05, cpu, 0.02)
     assert amounts == pytest.approx(charged) and why is rule
+
+
+def test_charge_rule_takes_off_what_cooperative_tenants_did() -> None:
+    amounts, rule = charge_rule(1.0, 0.05, [0.002], 0.02, cooperative_s=0.048)
+    assert amounts == [pytest.approx(0.002)] and rule is Rule.SIGNAL
+    assert charge_rule(1.0, 0.05, [0.002], 0.02, cooperative_s=0.07)[0] == [0.0]  # never below nothing
+
+
+@pytest.mark.parametrize(("busy", "reports", "state", "charged", "part", "after"), [
+    # a report of work inside the interval: that much is the client's
+    (0.05, [(1.05, 0.04)], ReportMatch(), True, 0.04, ReportMatch(Unmatched(1.0, 1.05, 0.01))),
+    # no report yet: all busy time is the kernel tenants', kept as unmatched for a late report
+    (0.05, [], ReportMatch(), True, 0.0, ReportMatch(Unmatched(1.0, 1.05, 0.05))),
+    # never more than the busy time
+    (0.02, [(1.05, 0.05)], ReportMatch(), True, 0.02, ReportMatch()),
+    # a late report of the previous interval's work, with no kernel tenant now: credited for later
+    # (work over 0.98 .. 1.01: 0.02 s of it in the earlier interval)
+    (0.0, [(1.01, 0.03)], ReportMatch(Unmatched(0.95, 1.0, 0.05)), False, 0.0,
+     ReportMatch(Unmatched(0.95, 1.0, 0.03), 0.02)),
+    # the credit comes off the next charge, up to its busy time
+    (0.05, [], ReportMatch(None, 0.02), True, 0.02, ReportMatch(Unmatched(1.0, 1.05, 0.05))),
+    # unmatched time older than keep_s (0.25) is no longer credited
+    (0.0, [(1.05, 0.05)], ReportMatch(Unmatched(0.5, 0.6, 0.05)), False, 0.0, ReportMatch()),
+])
+def test_cooperative_part(busy: float, reports: list[tuple[float, float]], state: ReportMatch, charged: bool,
+                          part: float, after: ReportMatch) -> None:
+    got, new = cooperative_part(busy, 1.0, 1.05, reports, state, 0.25, charged)
+    assert got == pytest.approx(part)
+    assert (new.unmatched is None) == (after.unmatched is None)
+    if new.unmatched is not None and after.unmatched is not None:
+        assert (new.unmatched.start, new.unmatched.end) == (after.unmatched.start, after.unmatched.end)
+        assert new.unmatched.seconds == pytest.approx(after.unmatched.seconds)
+    assert new.credit_s == pytest.approx(after.credit_s)
 
 
 # --- a kernel tenant's demand -------------------------------------------------------------------------------

@@ -141,6 +141,9 @@ class DaemonConfig:
                      bounds=(-20, 19))
     nvml: bool = knob(True, "daemon", "read GPU utilization and memory with NVML; false ignores GPUs and schedules "
                       "on cgroup CPU time alone")
+    cpu_stand_in: bool = knob(False, "daemon", "no GPU needed: one CPU core stands in for GPU 0, its busy fraction "
+                              "being the CPU time all tenants used (pin them to one core so they contend as GPU work "
+                              "does); for trying unisched and for tests, never for real GPU work")
     metrics_port: int = knob(0, "daemon", "serve Prometheus metrics on http://metrics_listen:metrics_port/metrics; "
                              "0 = off", bounds=(0, 65535), unit="port")
     metrics_listen: str = knob(DEFAULT_METRICS_LISTEN, "daemon", "address for metrics_port; the metrics name every "

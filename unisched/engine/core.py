@@ -56,9 +56,11 @@ from unisched.policy.plan import (
     PlanConfig,
     PlanInputs,
     PlanState,
+    ReportMatch,
     Rule,
     TenantView,
     charge_rule,
+    cooperative_part,
     demand_rule,
     observe,
     pair_weights,
@@ -288,6 +290,8 @@ class KernelEngine:
         """Tenants the config declares stay when their processes exit, however they were first made."""
         self._last_tick = clock.monotonic()
         self._last_samples: tuple[GpuSample, ...] = ()
+        self._matches: dict[Resource, ReportMatch] = {}
+        """Per resource, cooperative reports matched against the busy time charged to kernel tenants."""
         self._last_active: frozenset[str] = frozenset()
         self._memory_at = float("-inf")
         self._telemetry_failing = False
@@ -1014,8 +1018,12 @@ class KernelEngine:
                 for r in t.resources:
                     thawed_on.setdefault(r, []).append(t)
         gpu_active: set[str] = set()
+        reports = leases.take_reported()
         for r, ts in thawed_on.items():
-            self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active)
+            self._charge_resource(r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()))
+        for r in set(reports) | (set(self._matches) - set(thawed_on)):  # late reports of intervals already charged
+            _, self._matches[r] = cooperative_part(0.0, now - dt, now, reports.get(r, ()),
+                                                   self._matches.get(r, ReportMatch()), leases.valid_s, False)
         self._update_demand(cpu, dt, gpu_active)
         pairs = self._mix_weights() if self.plan_config.mixing else {}
         self._observe_saturation(samples, cpu, dt, pairs)
@@ -1147,6 +1155,7 @@ class KernelEngine:
         dt: float,
         now: float,
         gpu_active: set[str],
+        reports: Sequence[tuple[float, float]] = (),
     ) -> None:
         """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
@@ -1158,7 +1167,11 @@ class KernelEngine:
                 (sample.util(e) for t in ts for e in t.all_engines() if self.contention.domain(e) == r.domain),
                 default=0.0,
             )
-        amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], self.config.activity_threshold)
+        threshold = self.config.activity_threshold
+        busy = util * dt if util > threshold else 0.0
+        matched, self._matches[r] = cooperative_part(busy, now - dt, now, reports, self._matches.get(r, ReportMatch()),
+                                                     self.leases.valid_s, True)
+        amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched)
         for t, seconds in zip(ts, amounts, strict=True):
             if seconds > 0:
                 self.policy.charge(t.name, r, seconds, now)

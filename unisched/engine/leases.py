@@ -130,6 +130,14 @@ class LeaseBook:
         self._credit: dict[tuple[str, Resource], float] = {}
         """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
         off its next charges, so the overlap's wall time is charged once in all, half to each."""
+        self._reported: dict[Resource, list[tuple[float, float]]] = {}
+        """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
+
+    def take_reported(self) -> dict[Resource, list[tuple[float, float]]]:
+        """The reports per resource since the last call, as (arrival, GPU seconds): the kernel tenants that ran
+        beside cooperative ones are charged the busy time less the work these cover (policy.plan.cooperative_part)."""
+        out, self._reported = self._reported, {}
+        return out
 
     # --- queries -----------------------------------------------------------------------------------
     def cooperative(self, tenant: str) -> bool:
@@ -260,6 +268,8 @@ class LeaseBook:
             self._end_handover(r, now)  # first: an overlap it ends is credited against this very report
             handed = True
         verdict = None
+        if gpu_s > 0:
+            self._reported.setdefault(r, []).append((now, gpu_s))
         charged = self._less_credit(s.tenant, r, gpu_s)
         if charged > 0:
             self.policy.charge(s.tenant, r, charged, now)
