@@ -129,9 +129,9 @@ def _unmount_under(d: Path) -> None:
 def containerd() -> Iterator[Containerd]:
     d = Path(tempfile.mkdtemp(prefix="ctrd-"))  # short: socket paths stay under 108 bytes
     (d / "config.toml").write_text(_config(d))
-    log = open(d / "containerd.log", "wb")
-    proc = subprocess.Popen([CONTAINERD, "--config", str(d / "config.toml")],  # type: ignore[list-item]
-                            stdout=log, stderr=log, start_new_session=True)
+    with open(d / "containerd.log", "wb") as log:
+        proc = subprocess.Popen([CONTAINERD, "--config", str(d / "config.toml")],  # type: ignore[list-item]
+                                stdout=log, stderr=log, start_new_session=True)
     c = Containerd(d, proc, f"unisched-test-{os.getpid()}")
     try:
         wait_until(lambda: proc.poll() is not None or c.ctr("version").returncode == 0, START_TIMEOUT_S,
@@ -147,7 +147,6 @@ def containerd() -> Iterator[Containerd]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
         _unmount_under(d)
         shutil.rmtree(d, ignore_errors=True)
 
@@ -227,7 +226,8 @@ def test_engine_format_profile_loses_the_capability_rules_under_containerd(
 def test_the_containerd_profile_is_the_engine_profile_resolved_for_containerd_s_default_capabilities() -> None:
     from test_oci_agent import GENERATOR
 
-    assert RESOLVED == GENERATOR.to_oci(ENGINE_FORMAT, set(GENERATOR.CONTAINERD_DEFAULT_CAPS), ARCH or "amd64")
+    resolved = GENERATOR.to_oci(ENGINE_FORMAT, set(GENERATOR.CONTAINERD_DEFAULT_CAPS), ARCH or "amd64")
+    assert resolved == RESOLVED
     assert "archMap" not in RESOLVED and not any(r.get("includes") or r.get("excludes") for r in RESOLVED["syscalls"])
     assert RESOLVED["listenerPath"] == ENGINE_FORMAT["listenerPath"]
 
