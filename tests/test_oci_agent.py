@@ -47,14 +47,18 @@ GENERATOR = _generator()
 SHIPPED = json.loads((ROOT / "deploy/seccomp/unisched-gpu.json").read_text())
 
 
-def bundle(tmp: Path, agent: str, metadata: str, args: list[str], profile: dict[str, Any] = SHIPPED) -> Path:
-    b = tmp / "bundle"
-    rootfs = b / "rootfs"
+def make_rootfs(rootfs: Path) -> None:
+    """A root with mount points only: the host's /usr (python3) is bound read-only at /usr and tests/ at /t."""
     for d in ("usr", "t", "proc", "dev", "sys", "tmp"):
         (rootfs / d).mkdir(parents=True, exist_ok=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         if Path(f"/{link}").is_symlink():
             (rootfs / link).symlink_to(os.readlink(f"/{link}"))
+
+
+def bundle(tmp: Path, agent: str, metadata: str, args: list[str], profile: dict[str, Any] = SHIPPED) -> Path:
+    b = tmp / "bundle"
+    make_rootfs(b / "rootfs")
     subprocess.run([RUNC, "spec"], cwd=b, check=True)  # type: ignore[list-item]
     config = json.loads((b / "config.json").read_text())
     config["process"]["terminal"] = False

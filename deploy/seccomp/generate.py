@@ -2,7 +2,15 @@
 rules for the NVIDIA allocation ioctls, so a governed pod keeps the runtime's default hardening.
 
     python3 deploy/seccomp/generate.py          # rewrite unisched-gpu.json and its copy in kubernetes/configmap.yaml
-    python3 deploy/seccomp/generate.py --check  # exit 1 if either differs (tests/test_deploy.py)
+    python3 deploy/seccomp/generate.py --check  # exit 1 if any differs (tests/test_deploy.py)
+
+It also writes unisched-gpu.containerd-amd64.json and unisched-gpu.containerd-arm64.json: the same profile
+resolved into the OCI runtime-spec form, for containerd. containerd (ctr --seccomp-profile and the CRI plugin's
+Localhost profiles alike, contrib/seccomp.WithProfile) unmarshals the file straight into the runtime spec's
+LinuxSeccomp: the engine format's archMap, includes and excludes are dropped unread, so every rule the default
+gates on a capability would apply to every container and the default's refusals of those calls (kcmp, bpf,
+perf_event_open, setns, ...) would be lost (tests/test_containerd.py shows it). The resolved form is what a
+container with containerd's default capabilities gets under CRI-O from unisched-gpu.json.
 
 runtime-default.json is vendored unchanged: /usr/share/containers/seccomp.json of Debian 12's package
 golang-github-containers-common 0.50.1+ds1-4 (containers/common v0.50.1, Apache-2.0), the default profile of
@@ -30,6 +38,20 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 DEFAULT = HERE / "runtime-default.json"
 OUTPUT = HERE / "unisched-gpu.json"
+CONTAINERD_ARCHES = ("amd64", "arm64")
+"""GPU nodes' architectures (x86 servers; Grace): one resolved file each, since the OCI form has no archMap."""
+CONTAINERD_DEFAULT_CAPS = frozenset({
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+})
+"""containerd's default capabilities (oci/spec.go defaultUnixCaps, v1.6 to 2.x), which its CRI plugin gives every
+container that adds none: the set the containerd files are resolved for. A container that adds capabilities
+keeps these rules (stricter than its engine-format resolution, never looser)."""
+
+
+def containerd_output(arch: str) -> Path:
+    return HERE / f"unisched-gpu.containerd-{arch}.json"
 LISTENER_PATH = "/run/unisched/seccomp-agent.sock"
 
 NOTIFIED_IOCTLS = (
@@ -135,16 +157,19 @@ def to_oci(profile: Profile, caps: set[str], arch: str = "amd64") -> dict[str, A
 
 
 def main(argv: list[str]) -> int:
-    text = render(generate(json.loads(DEFAULT.read_text())))
-    configmap = configmap_with(text, CONFIGMAP.read_text())
+    profile = generate(json.loads(DEFAULT.read_text()))
+    text = render(profile)
+    outputs = {OUTPUT: text, CONFIGMAP: configmap_with(text, CONFIGMAP.read_text())}
+    for arch in CONTAINERD_ARCHES:
+        outputs[containerd_output(arch)] = render(to_oci(profile, set(CONTAINERD_DEFAULT_CAPS), arch))
     if argv[1:] == ["--check"]:
-        stale = [p.name for p, want in ((OUTPUT, text), (CONFIGMAP, configmap)) if p.read_text() != want]
+        stale = [p.name for p, want in outputs.items() if not p.exists() or p.read_text() != want]
         if stale:
             print(f"{', '.join(stale)}: not what {Path(__file__).name} generates: run it", file=sys.stderr)
             return 1
         return 0
-    OUTPUT.write_text(text)
-    CONFIGMAP.write_text(configmap)
+    for path, want in outputs.items():
+        path.write_text(want)
     return 0
 
 

@@ -318,6 +318,9 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
                    help=f"the kubelet's PodResources socket (default {DEFAULT_POD_RESOURCES_SOCKET})")
     d.add_argument("--units-per-gpu", type=_int_in("units per GPU", 1, 1000), default=100,
                    help="unisched.io/gpu-weight device IDs per GPU (default 100: a pod's count is its weight)")
+    d.add_argument("--beside-nvidia-plugin", action="store_true",
+                   help="start even where NVIDIA's device plugin (nvidia-*.sock in --kubelet-dir) advertises some of "
+                        "these GPUs; without it the plugin refuses to start there (exit 3) and says what to do")
     _add_node_agent_args(d, ("advertise", "advertised"), ("unisched.io/render-sessions", "unisched.io/decode-sessions"),
                          "kubelet, health and adoption checks")
 
@@ -658,6 +661,7 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
     config = PluginConfig(
         gpus=tuple(args.gpus), units_per_gpu=args.units_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, kubelet_dir=Path(args.kubelet_dir), daemon_socket=args.socket,
+        beside_nvidia_plugin=args.beside_nvidia_plugin,
     )
     return serve_device_plugin(config, args.pod_resources_socket, interval=args.interval,
                                cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)

@@ -71,6 +71,8 @@ class PluginConfig:
     daemon_socket: str = DEFAULT_SOCKET
     dev_root: Path = Path("/dev")
     """Where the NVIDIA device nodes are looked for (paths handed to the kubelet are always /dev/...)."""
+    beside_nvidia_plugin: bool = False
+    """Start even where NVIDIA's device plugin advertises some of these GPUs (a warning instead of a refusal)."""
 
     @property
     def resources(self) -> tuple[Resource, ...]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import structlog
 
 from unisched.integrations.kubernetes.adopt import ApiServerPods, PodAdopter, PodDirectory
+from unisched.integrations.kubernetes.coexist import coexistence_problem
 from unisched.integrations.kubernetes.devices import DECODE, RENDER
 from unisched.integrations.kubernetes.dra import ApiServerClaims, ClaimDirectory, DraConfig, DraDriver, SlicePublisher
 from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
@@ -54,6 +55,19 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
+def _may_advertise(config: PluginConfig, telemetry: GpuTelemetry) -> bool:
+    """False (logged, with what to do) where NVIDIA's device plugin hands out GPUs we would share."""
+    known = {g.index: g.uuid for g in telemetry.gpus()}
+    problem = coexistence_problem(config.kubelet_dir, {i: known.get(i, "") for i in config.gpus})
+    if problem is None:
+        return True
+    if config.beside_nvidia_plugin:
+        log.warning("starting beside NVIDIA's device plugin (--beside-nvidia-plugin)", reason=problem)
+        return True
+    log.error("refusing to start: " + problem)
+    return False
+
+
 def serve_device_plugin(
     config: PluginConfig,
     pod_resources_socket: str,
@@ -69,6 +83,9 @@ def serve_device_plugin(
             return 2
         if telemetry is None:
             telemetry = open_nvml() or NoGpuTelemetry()
+        if not _may_advertise(config, telemetry):
+            telemetry.close()
+            return 3
         if pods is None:
             pods = ApiServerPods.in_cluster()
             if pods is None:
