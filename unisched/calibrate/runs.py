@@ -123,7 +123,7 @@ def run_together(label: str, workloads: Sequence[Workload], seconds: float, warm
     measured, errors, reports = [], [], []
     for w, proc, report_path, log in procs:
         report, missing = read_report(report_path)
-        why = missing or ("" if proc.returncode == 0 else f"exit status {proc.returncode}")
+        why = "; ".join(filter(None, (missing, "" if proc.returncode == 0 else f"exit status {proc.returncode}")))
         if report is not None and not why:
             try:
                 measured.append(_measured(w.kind, report))

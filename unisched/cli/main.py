@@ -515,7 +515,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         return 2
     timing = QUICK if args.quick else STANDARD
     timing = replace(timing, **{k: v for k, v in (("seconds", args.seconds), ("warmup", args.warmup)) if v is not None})
-    words = (lambda cmd: tuple(shlex.split(cmd)) if cmd else None)
+
+    def words(cmd: str | None) -> tuple[str, ...] | None:
+        return tuple(shlex.split(cmd)) if cmd else None
+
     return main(Request(
         out=Path(args.out) if args.out else contention_path(config.state_dir), timing=timing, gpu_name=args.gpu_name,
         cuda_cmd=words(args.workload_cmd_cuda), render_cmd=words(args.workload_cmd_render),
