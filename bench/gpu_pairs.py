@@ -17,8 +17,8 @@ table). Worker logs, reports and daemon state go to --work-dir (a temp folder by
 output folder holds two files; the tail of every log is copied into results.json.
 
 With --calibrate-out DIR the no-scheduler cuda+render run doubles as the daemon's contention
-calibration (DIR/contention.json, as bench/calibrate_contention.py writes it), and the unisched runs
-use it. The functions here are reused by bench/calibrate_contention.py.
+calibration (DIR/contention.json, as `unisched calibrate` writes it, with its fit and writer), and the
+unisched runs use it.
 """
 
 from __future__ import annotations
@@ -967,7 +967,7 @@ under unisched. Defaults: 2 + 3 runs of ~28 s and 5 of ~41 s plus render calibra
 printed first (--dry-run prints only that).
 
 calibration (--calibrate-out DIR): the no-scheduler cuda+render run (needs a mixed pair) also writes
-DIR/contention.json for GPU 0, exactly as bench/calibrate_contention.py does, and every unisched daemon
+DIR/contention.json for GPU 0, exactly as `unisched calibrate` does, and every unisched daemon
 then starts with a copy of that file in its state dir. No extra runs.
 
 on the GPU machine (carry .devcache):
@@ -1059,7 +1059,7 @@ def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path 
                workload_cmd_cuda: str | None, workload_cmd_render: str | None,
                unisched_warmup: float | None = None, slice_ms: float = 50.0,
                unisched_module: str = "unisched", prefix: str = "gpu_pairs-") -> Config:
-    """A Config from option values (gpu_pairs' own, or another script's such as calibrate_contention.py)."""
+    """A Config from option values (gpu_pairs' own, or another script's)."""
     if work_dir is None:
         work_dir = (Path(tempfile.gettempdir()) / f"{prefix}XXXXXXXX" if dry_run
                     else Path(tempfile.mkdtemp(prefix=prefix)))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unisched.calibrate.fit import COMMON_WINDOW_LATE_S, common_window, items_at, rates_over  # the same window as calibration
+from unisched.policy.tuning import TUNING
 
 __all__ = [
     "COMMON_WINDOW_LATE_S",
@@ -57,8 +58,8 @@ CONTENTION_THRESHOLD = 1.1
 MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
 OVERLAP_EFFICIENCY_TOLERANCE = 0.05
-OVERLAP_KEPT = 0.75
-MIX_SUM = 0.97
+OVERLAP_KEPT = TUNING.overlap_kept  # the daemon's thresholds (unisched.policy.tuning), never a copy
+MIX_SUM = TUNING.mix_sum
 """A tenant of a shared run whose first completion came this much after its partner's first: the pair is scored
 over the part of the window where both ran (common_window). On the H200 the trainer of every no-scheduler
 trainer + render run of 12-01 started 4-7 s into a 12 s window, and the render, alone meanwhile, was credited

@@ -21,7 +21,7 @@ from typing import TextIO
 from unisched.calibrate.fit import CalibrationError, kept_fractions, verdict_line
 from unisched.calibrate.runs import RunResult, Workload, calibrate_render, run_together
 from unisched.engine.contention_file import MAX_KEPT, ContentionFileError, make_entry, read_file, write_entry
-from unisched.policy.contention import MIX_SUM, OVERLAP_KEPT
+from unisched.policy.tuning import TUNING
 
 __all__ = ["EXIT_FAILED", "EXIT_REFUSED", "NO_GPU", "QUICK", "STANDARD", "Request", "Timing", "estimate_s", "main", "plan_steps",
            "workload_dir"]
@@ -208,8 +208,7 @@ def summary(gpu: str, kept: tuple[float, float], out: Path, warnings: list[str])
     compute, graphics = kept
     lines = [f"contention on GPU 0 ({gpu}): compute kept {compute:.2f}, graphics kept {graphics:.2f} "
              f"(sum {compute + graphics:.2f})", "verdict: " + verdict_line(compute, graphics)]
-    near = [x for x in (OVERLAP_KEPT,) if abs(min(kept) - x) < NEAR_THRESHOLD]
-    near += [x for x in (MIX_SUM,) if abs(sum(kept) - x) < NEAR_THRESHOLD]
+    near = [x for x, v in ((TUNING.overlap_kept, min(kept)), (TUNING.mix_sum, sum(kept))) if abs(v - x) < NEAR_THRESHOLD]
     if near:
         lines.append(f"  note: within {NEAR_THRESHOLD:g} of the threshold {near[0]:g}: measure again with the "
                      "standard windows (no --quick) before trusting the verdict")

@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from unisched.policy.contention import MIX_SUM, OVERLAP_KEPT, PARTIAL_OVERLAP, SEPARATE_GRAPHICS, ContentionMap
+from unisched.policy.contention import PARTIAL_OVERLAP, SEPARATE_GRAPHICS, ContentionMap
+from unisched.policy.tuning import TUNING
 
 __all__ = ["COMMON_WINDOW_LATE_S", "CalibrationError", "Measured", "common_window", "items_at", "kept_fractions",
            "rates_over", "verdict_line"]
@@ -95,10 +96,10 @@ def verdict_line(compute_kept: float, graphics_kept: float) -> str:
     """What the daemon will do with these fractions, in words (the map is policy.contention's)."""
     chosen = ContentionMap.from_kept(compute_kept, graphics_kept)
     if chosen.name == SEPARATE_GRAPHICS.name:
-        return (f"{chosen.name}: compute and graphics overlap (both kept >= {OVERLAP_KEPT:g}); the daemon will not "
+        return (f"{chosen.name}: compute and graphics overlap (both kept >= {TUNING.overlap_kept:g}); the daemon will not "
                 "slice them against each other")
     if chosen.name == PARTIAL_OVERLAP:
-        return (f"{chosen.name}: compute and graphics overlap partly (kept sum >= {MIX_SUM:g}); the daemon will mix "
+        return (f"{chosen.name}: compute and graphics overlap partly (kept sum >= {TUNING.mix_sum:g}); the daemon will mix "
                 "slices: together part of the time, each alone as its weight share needs")
-    return (f"{chosen.name}: compute and graphics contend (kept sum < {MIX_SUM:g}); the daemon will slice them "
+    return (f"{chosen.name}: compute and graphics contend (kept sum < {TUNING.mix_sum:g}); the daemon will slice them "
             "against each other as one domain")

@@ -103,14 +103,14 @@ def run_together(label: str, workloads: Sequence[Workload], seconds: float, warm
     procs: list[tuple[Workload, subprocess.Popen[bytes], Path, Path]] = []
     try:
         for n, w in enumerate(workloads):
-            report, log = run_dir / f"{n}-{w.kind}.json", run_dir / f"{n}-{w.kind}.log"
-            report.unlink(missing_ok=True)
+            report_path, log = run_dir / f"{n}-{w.kind}.json", run_dir / f"{n}-{w.kind}.log"
+            report_path.unlink(missing_ok=True)
             argv = [*w.argv, "--seconds", f"{seconds:g}", "--warmup", f"{warmup:g}", "--start-at", f"{start_at:.3f}",
-                    "--report", str(report)]
+                    "--report", str(report_path)]
             with log.open("wb") as out:
                 proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env),
                                         start_new_session=True)
-            procs.append((w, proc, report, log))
+            procs.append((w, proc, report_path, log))
         deadline = time.monotonic() + warmup + seconds + grace_s
         for _, proc, _, _ in procs:
             try:
@@ -120,7 +120,9 @@ def run_together(label: str, workloads: Sequence[Workload], seconds: float, warm
     finally:
         for _, proc, _, _ in procs:
             kill_group(proc)
-    measured, errors, reports = [], [], []
+    measured: list[Measured] = []
+    errors: list[str] = []
+    reports: list[dict[str, Any]] = []
     for w, proc, report_path, log in procs:
         report, missing = read_report(report_path)
         why = "; ".join(filter(None, (missing, "" if proc.returncode == 0 else f"exit status {proc.returncode}")))
@@ -137,7 +139,7 @@ def run_together(label: str, workloads: Sequence[Workload], seconds: float, warm
 
 def calibrate_render(render: Workload, target_fps: float, work_dir: Path, env: Mapping[str, str]) -> tuple[int, float]:
     """The render load's --iterations that give about `target_fps` frames/s alone (frames ~1/target_fps long, as in
-    the sharing benchmark), and the rate it measured; CalibrationError's kin RuntimeError when it fails."""
+    the sharing benchmark), and the rate it measured; RuntimeError when it fails."""
     report, log = work_dir / "render-calibration.json", work_dir / "render-calibration.log"
     report.unlink(missing_ok=True)
     argv = [*render.argv, "--calibrate-fps", f"{target_fps:g}", "--report", str(report)]
