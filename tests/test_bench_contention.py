@@ -37,8 +37,11 @@ gp = _load("gpu_pairs")
 scoring = sys.modules["scoring"]  # the module gpu_pairs scores with
 
 
-def standin_args() -> list[str]:
-    return ["--workload-cmd-cuda", f"{STANDIN} --kind cuda", "--workload-cmd-render", f"{STANDIN} --kind render"]
+def standin_args(paced: bool = False) -> list[str]:
+    """CPU stand-ins; paced ones keep a rate the host's load hardly moves (their kept fractions stay near 1, inside
+    the range the calibration accepts, on a busy machine)."""
+    pace = " --item-ms 5" if paced else ""
+    return ["--workload-cmd-cuda", f"{STANDIN} --kind cuda{pace}", "--workload-cmd-render", f"{STANDIN} --kind render{pace}"]
 
 
 def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
@@ -224,7 +227,7 @@ def _run_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *extr
     out = tmp_path / name
     rc = gp.main(["--pairs", "mixed1:1", "--seconds", "0.5", "--warmup", "0.3", "--unisched-warmup", "0.3",
                   "--grace", "10", "--out", str(out), "--work-dir", str(tmp_path / f"work-{name}"),
-                  "--unisched-module", "fakesched", *standin_args(), *extra])
+                  "--unisched-module", "fakesched", *standin_args(paced=True), *extra])
     return rc, json.loads((out / "results.json").read_text())
 
 

@@ -155,7 +155,8 @@ def calibrate(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess
                           timeout=timeout, cwd=ROOT, env=child_env())
 
 
-def standins(cuda: str = f"{STANDIN} --kind cuda", render: str = f"{STANDIN} --kind render") -> list[str]:
+def standins(cuda: str = f"{STANDIN} --kind cuda --item-ms 5", render: str = f"{STANDIN} --kind render --item-ms 5") -> list[str]:
+    """Paced CPU stand-ins: rates a busy host hardly moves, so the fractions stay inside the accepted range."""
     return ["--gpu-name", GPU, "--seconds", "1", "--warmup", "0.5", "--workload-cmd-cuda", cuda,
             "--workload-cmd-render", render]
 
