@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-up-s", type=float, default=0.0, metavar="S",
                         help="idle this long before the first item, as a slow start-up (torch import, CUDA init) "
                              "would: a start-up longer than the warm-up makes the window start late")
+    parser.add_argument("--item-ms", type=float, default=None, metavar="MS",
+                        help="idle this long per item instead of burning CPU: a rate the host's load hardly moves, "
+                             "for tests of the orchestration's arithmetic on a busy machine")
     parser.add_argument("--pausable", action="store_true",
                         help="idle between items from SIGUSR1 to SIGUSR2, as examples/02 --pausable")
     # Accepted and ignored so the orchestrator can pass the real workloads' options unchanged.
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     def item() -> int:
         if pauser is not None:
             pauser.between_steps()
+        if args.item_ms is not None:
+            time.sleep(args.item_ms / 1000.0)  # the item's duration, not a wait for a condition
+            return 1
         return burn(args.chunk)
 
     window = measure(item, start_at, end_at)

@@ -17,8 +17,8 @@ table). Worker logs, reports and daemon state go to --work-dir (a temp folder by
 output folder holds two files; the tail of every log is copied into results.json.
 
 With --calibrate-out DIR the no-scheduler cuda+render run doubles as the daemon's contention
-calibration (DIR/contention.json, as bench/calibrate_contention.py writes it), and the unisched runs
-use it. The functions here are reused by bench/calibrate_contention.py.
+calibration (DIR/contention.json, as `unisched calibrate` writes it, with its fit and writer), and the
+unisched runs use it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
 from interleave import Alternation, Alternator
 
+from unisched.calibrate.fit import CalibrationError, Measured
+from unisched.calibrate.fit import kept_fractions as fit_kept_fractions
+from unisched.engine.contention_file import (
+    CONTENTION_FILE,
+    ContentionFileError,
+    contention_path,
+    make_entry,
+    read_file,
+    write_entry,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "cuda": ROOT / "examples" / "workloads" / "cuda_matmul.py",
@@ -64,8 +75,6 @@ RUN_OVERHEAD_S = 3.0  # per run, beyond warmup + seconds: process exit, reading 
 DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
 CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
-CONTENTION_FILE = "contention.json"  # in the daemon's --state-dir; read once at start
-CONTENTION_VERSION = 1
 SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 LOG_TAIL_CHARS = 3000
@@ -562,19 +571,12 @@ def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[
 
 # ---------------------------------------------------------------------------- the contention file
 #
-# The daemon reads STATE_DIR/contention.json at start (unisched/engine/state.py, measured_contention):
-#   {"version": 1, "gpus": {"<nvidia-smi name>": {"compute_kept": .., "graphics_kept": .., "measured_at": ..,
-#                                                 "command": .., "render_iterations": ..}}}
-# and derives its contention map from the two kept fractions (unisched/policy/contention.py, from_kept;
-# bench/scoring.py, contention_verdict, is the same rule).
-
-
-class ContentionFileError(RuntimeError):
-    pass
+# --calibrate-out DIR writes DIR/contention.json as `unisched calibrate` does (unisched.engine.contention_file owns
+# the format; the daemon reads it at start and derives its map with unisched.policy.contention.ContentionMap.from_kept).
 
 
 def gpu0_name() -> str | None:
-    """GPU 0's name exactly as `nvidia-smi --query-gpu=name` prints it (the daemon's key), or None."""
+    """GPU 0's name exactly as `nvidia-smi --query-gpu=name` prints it (NVML's name: the daemon's key), or None."""
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
                               capture_output=True, text=True, timeout=20)
@@ -584,30 +586,24 @@ def gpu0_name() -> str | None:
     return lines[0] if done.returncode == 0 and lines else None
 
 
+def _measured(group: GroupResult, kind: str) -> Measured:
+    """The run's first tenant of this kind, as the calibration's fit takes it."""
+    for t in group.tenants:
+        if t.kind == kind and t.throughput is not None:
+            timeline = ((t.report or {}).get("window") or {}).get("timeline") or []
+            return Measured(kind, t.throughput, tuple((float(a), float(b)) for a, b in timeline))
+    raise ContentionFileError(f"{group.setup} {group.label}: no {kind} throughput")
+
+
 def kept_fractions(solo_cuda: GroupResult, solo_render: GroupResult,
                    together: GroupResult) -> tuple[float, float]:
-    """(compute_kept, graphics_kept) = throughput together / alone, from the runs' first tenants of each kind."""
-    def tp(group: GroupResult, kind: str) -> float:
-        for t in group.tenants:
-            if t.kind == kind and t.throughput is not None:
-                return t.throughput
-        raise ContentionFileError(f"{group.setup} {group.label}: no {kind} throughput")
-
-    def shared(kind: str) -> float:  # over the part of the window where both ran (GroupResult.throughputs)
-        for t, rate in zip(together.tenants, together.throughputs(), strict=True):
-            if t.kind == kind and rate is not None:
-                return rate
-        raise ContentionFileError(f"{together.setup} {together.label}: no {kind} throughput")
-
-    kept = []
-    for kind, alone in (("cuda", solo_cuda), ("render", solo_render)):
-        base = tp(alone, kind)
-        if not base > 0:
-            raise ContentionFileError(f"alone {kind}: throughput {base} is not positive")
-        kept.append(shared(kind) / base)
-    if not all(math.isfinite(k) and k >= 0 for k in kept):
-        raise ContentionFileError(f"kept fractions {kept} are not finite and non-negative")
-    return kept[0], kept[1]
+    """(compute_kept, graphics_kept) = throughput together (over the seconds both ran) / alone: `unisched
+    calibrate`'s fit (unisched.calibrate.fit) of these runs."""
+    shared = [_measured(together, "cuda"), _measured(together, "render")]
+    try:
+        return fit_kept_fractions(_measured(solo_cuda, "cuda"), _measured(solo_render, "render"), shared)
+    except CalibrationError as exc:
+        raise ContentionFileError(str(exc)) from exc
 
 
 def device_warnings(gpu: str, groups: list[GroupResult]) -> list[str]:
@@ -624,30 +620,6 @@ def device_warnings(gpu: str, groups: list[GroupResult]) -> list[str]:
     return out
 
 
-def contention_entry(compute_kept: float, graphics_kept: float, command: str,
-                     render_iterations: int | None) -> dict[str, Any]:
-    """One GPU's entry, rounded as written (the verdict is derived from these written numbers)."""
-    return {"compute_kept": round(compute_kept, 4), "graphics_kept": round(graphics_kept, 4),
-            "measured_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "command": command, "render_iterations": render_iterations}
-
-
-def read_contention_file(state_dir: Path) -> dict[str, Any]:
-    """The current file (an empty one when absent); ContentionFileError when it is not one we can merge into."""
-    path = state_dir / CONTENTION_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {"version": CONTENTION_VERSION, "gpus": {}}
-    except (OSError, ValueError) as exc:
-        raise ContentionFileError(f"{path} is unreadable ({exc}): fix or move it away") from exc
-    if (not isinstance(data, dict) or data.get("version") != CONTENTION_VERSION
-            or not isinstance(data.get("gpus"), dict)):
-        raise ContentionFileError(f"{path} is not a version-{CONTENTION_VERSION} contention file: "
-                                  "fix or move it away")
-    return data
-
-
 def check_contention_dir(state_dir: Path) -> None:
     """Fail before any measuring if the file could not be written or merged later."""
     try:
@@ -656,26 +628,13 @@ def check_contention_dir(state_dir: Path) -> None:
         raise ContentionFileError(f"cannot create {state_dir}: {exc}") from exc
     if not os.access(state_dir, os.W_OK | os.X_OK):
         raise ContentionFileError(f"{state_dir} is not writable (the daemon's default needs root)")
-    read_contention_file(state_dir)
+    read_file(contention_path(state_dir))
 
 
 def write_contention_file(state_dir: Path, gpu: str, entry: dict[str, Any]) -> Path:
     """Merge `entry` for `gpu` into STATE_DIR/contention.json (other GPUs kept), atomically."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    data = read_contention_file(state_dir)
-    data["gpus"][gpu] = entry
-    path = state_dir / CONTENTION_FILE
-    fd, tmp = tempfile.mkstemp(prefix=f".{CONTENTION_FILE}.", suffix=".tmp", dir=state_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    path = contention_path(state_dir)
+    write_entry(path, gpu, entry)
     return path
 
 
@@ -1008,7 +967,7 @@ under unisched. Defaults: 2 + 3 runs of ~28 s and 5 of ~41 s plus render calibra
 printed first (--dry-run prints only that).
 
 calibration (--calibrate-out DIR): the no-scheduler cuda+render run (needs a mixed pair) also writes
-DIR/contention.json for GPU 0, exactly as bench/calibrate_contention.py does, and every unisched daemon
+DIR/contention.json for GPU 0, exactly as `unisched calibrate` does, and every unisched daemon
 then starts with a copy of that file in its state dir. No extra runs.
 
 on the GPU machine (carry .devcache):
@@ -1100,7 +1059,7 @@ def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path 
                workload_cmd_cuda: str | None, workload_cmd_render: str | None,
                unisched_warmup: float | None = None, slice_ms: float = 50.0,
                unisched_module: str = "unisched", prefix: str = "gpu_pairs-") -> Config:
-    """A Config from option values (gpu_pairs' own, or another script's such as calibrate_contention.py)."""
+    """A Config from option values (gpu_pairs' own, or another script's)."""
     if work_dir is None:
         work_dir = (Path(tempfile.gettempdir()) / f"{prefix}XXXXXXXX" if dry_run
                     else Path(tempfile.mkdtemp(prefix=prefix)))
@@ -1280,7 +1239,7 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
                 if not all(k in solo and solo[k].ok for k in kinds) or not nosched[key].ok:
                     raise ContentionFileError("a run it needs failed")
                 compute_kept, graphics_kept = kept_fractions(solo["cuda"], solo["render"], nosched[key])
-                entry = contention_entry(compute_kept, graphics_kept, command, render_iterations_used(cfg))
+                entry = make_entry(compute_kept, graphics_kept, command, render_iterations_used(cfg))
                 contention_path = write_contention_file(args.calibrate_out, calibrate_gpu, entry)
             except (ContentionFileError, OSError) as exc:
                 results["errors"].append(f"contention calibration not written: {exc}")

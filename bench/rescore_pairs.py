@@ -25,6 +25,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pairs as gp
 
+from unisched.engine.contention_file import ContentionFileError
+
 SECTIONS = ("solo", "solo_after", "no_scheduler", "unisched")
 
 
@@ -41,7 +43,7 @@ def rescore(results: dict[str, Any]) -> dict[str, Any]:
     if together is not None and "cuda" in solo and "render" in solo:
         try:
             out["kept"] = [round(k, 4) for k in gp.kept_fractions(solo["cuda"], solo["render"], together)]
-        except gp.ContentionFileError as e:
+        except ContentionFileError as e:
             out["kept_error"] = str(e)
     return out
 

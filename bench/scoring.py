@@ -14,17 +14,19 @@ Targets: contending pairs need the guarantee, error <= 3 points and efficiency >
 overlapping pairs need the guarantee and an efficiency no more than 0.05 below the no-scheduler run's
 (keeping the overlap is the point; beating the no-scheduler run is not a failure).
 
-Contention calibration (bench/calibrate_contention.py): CUDA and rendering run together with no
+Contention calibration (`unisched calibrate`, and gpu_pairs.py --calibrate-out): CUDA and rendering run together with no
 scheduler; each keeps a fraction of its solo rate; `contention_verdict` says which contention map the
 daemon derives from the two fractions.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from unisched.calibrate.fit import COMMON_WINDOW_LATE_S, common_window, items_at, rates_over  # the same window as calibration
+from unisched.policy.tuning import TUNING
 
 __all__ = [
     "COMMON_WINDOW_LATE_S",
@@ -56,9 +58,8 @@ CONTENTION_THRESHOLD = 1.1
 MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
 OVERLAP_EFFICIENCY_TOLERANCE = 0.05
-OVERLAP_KEPT = 0.75
-MIX_SUM = 0.97
-COMMON_WINDOW_LATE_S = 0.5
+OVERLAP_KEPT = TUNING.overlap_kept  # the daemon's thresholds (unisched.policy.tuning), never a copy
+MIX_SUM = TUNING.mix_sum
 """A tenant of a shared run whose first completion came this much after its partner's first: the pair is scored
 over the part of the window where both ran (common_window). On the H200 the trainer of every no-scheduler
 trainer + render run of 12-01 started 4-7 s into a 12 s window, and the render, alone meanwhile, was credited
@@ -203,36 +204,3 @@ def verdict(norm: Sequence[float], weights: Sequence[float], contending: bool,
     return Verdict(contending=contending, guarantee=guarantee, error_pts=err, efficiency=eff,
                    passed=not reasons, reasons=tuple(reasons))
 
-
-# --------------------------------------------------------------------------------- the common window
-
-
-def items_at(timeline: Sequence[Sequence[float]], t: float) -> float:
-    """Items a tenant had completed `t` seconds into the window, linear between its timeline's points
-    ((seconds since the window's start, items so far), examples/workloads/_window.py); held at the ends."""
-    if t <= timeline[0][0]:
-        return float(timeline[0][1])
-    for (t0, n0), (t1, n1) in itertools.pairwise(timeline):
-        if t <= t1:
-            return float(n0) if t1 <= t0 else n0 + (n1 - n0) * (t - t0) / (t1 - t0)
-    return float(timeline[-1][1])
-
-
-def common_window(timelines: Sequence[Sequence[Sequence[float]]],
-                  late_s: float = COMMON_WINDOW_LATE_S) -> tuple[float, float] | None:
-    """(from, to), seconds into the window, where every tenant was running: from the latest first completion to
-    the earliest last one. None when they all started within `late_s` of each other (the shared nominal window
-    stands) or share no time."""
-    if len(timelines) < 2 or any(len(tl) < 2 for tl in timelines):
-        return None
-    starts = [tl[0][0] for tl in timelines]
-    if max(starts) - min(starts) < late_s:
-        return None
-    lo, hi = max(starts), min(tl[-1][0] for tl in timelines)
-    return (lo, hi) if hi > lo else None
-
-
-def rates_over(timelines: Sequence[Sequence[Sequence[float]]], window: tuple[float, float]) -> list[float]:
-    """Each tenant's items per second over `window`."""
-    lo, hi = window
-    return [(items_at(tl, hi) - items_at(tl, lo)) / (hi - lo) for tl in timelines]

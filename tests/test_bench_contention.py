@@ -1,4 +1,4 @@
-"""The contention calibration of bench/calibrate_contention.py and bench/gpu_pairs.py --calibrate-out.
+"""The contention calibration of bench/gpu_pairs.py --calibrate-out (the file `unisched calibrate` writes too).
 
 Runs the real orchestration with CPU stand-ins (bench/cpu_standin.py) and short windows, and checks that
 the file the daemon reads (STATE_DIR/contention.json) has the agreed shape, merges, and reaches the daemon.
@@ -33,12 +33,15 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-calibrate = _load("calibrate_contention")
-gp = calibrate.gp  # the gpu_pairs module calibrate_contention uses
+gp = _load("gpu_pairs")
+scoring = sys.modules["scoring"]  # the module gpu_pairs scores with
 
 
-def standin_args() -> list[str]:
-    return ["--workload-cmd-cuda", f"{STANDIN} --kind cuda", "--workload-cmd-render", f"{STANDIN} --kind render"]
+def standin_args(paced: bool = False) -> list[str]:
+    """CPU stand-ins; paced ones keep a rate the host's load hardly moves (their kept fractions stay near 1, inside
+    the range the calibration accepts, on a busy machine)."""
+    pace = " --item-ms 5" if paced else ""
+    return ["--workload-cmd-cuda", f"{STANDIN} --kind cuda{pace}", "--workload-cmd-render", f"{STANDIN} --kind render{pace}"]
 
 
 def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
@@ -50,7 +53,7 @@ def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
     for key in ("compute_kept", "graphics_kept"):
         assert isinstance(entry[key], float) and entry[key] > 0
     dt.datetime.strptime(entry["measured_at"], "%Y-%m-%dT%H:%M:%SZ")
-    assert entry["command"].startswith("python3 bench/")
+    assert entry["command"]
     assert entry["render_iterations"] is None  # a replaced render workload gets no --iterations
     # and the daemon's own reader takes it
     from unisched.engine.state import StateStore
@@ -59,35 +62,7 @@ def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
     return entry
 
 
-# ------------------------------------------------------------------------------------- the file
-
-
-def test_write_merges_and_keeps_other_gpus(tmp_path: Path) -> None:
-    other = {"compute_kept": 0.9, "graphics_kept": 0.95, "measured_at": "2026-01-01T00:00:00Z",
-             "command": "x", "render_iterations": 7}
-    (tmp_path / "contention.json").write_text(json.dumps({"version": 1, "gpus": {"Other": other, GPU: {}}}))
-    entry = gp.contention_entry(0.123456, 0.87, "python3 bench/calibrate_contention.py", 447)
-    assert (entry["compute_kept"], entry["graphics_kept"]) == (0.1235, 0.87)
-    path = gp.write_contention_file(tmp_path, GPU, entry)
-    data = json.loads(path.read_text())
-    assert data == {"version": 1, "gpus": {"Other": other, GPU: entry}}
-    assert path.stat().st_mode & 0o777 == 0o644
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["contention.json"]  # no temp file left
-
-
-def test_write_creates_the_dir(tmp_path: Path) -> None:
-    path = gp.write_contention_file(tmp_path / "a" / "b", GPU, gp.contention_entry(0.5, 0.5, "c", None))
-    assert json.loads(path.read_text())["gpus"][GPU]["render_iterations"] is None
-
-
-@pytest.mark.parametrize("text", ["{not json", '{"version": 2, "gpus": {}}', '{"version": 1}', "[]"])
-def test_an_unmergeable_file_is_refused_not_overwritten(tmp_path: Path, text: str) -> None:
-    (tmp_path / "contention.json").write_text(text)
-    with pytest.raises(gp.ContentionFileError):
-        gp.check_contention_dir(tmp_path)
-    with pytest.raises(gp.ContentionFileError):
-        gp.write_contention_file(tmp_path, GPU, gp.contention_entry(0.5, 0.5, "c", None))
-    assert (tmp_path / "contention.json").read_text() == text
+# ----------------------------------------------------------------------------------- kept fractions
 
 
 def _group(setup: str, *tenants: tuple[str, float | None]) -> Any:
@@ -208,33 +183,6 @@ def test_calibrate_out_needs_a_mixed_pair(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- end to end, CPU
 
 
-def test_calibrate_contention_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "contention.json").write_text(json.dumps(
-        {"version": 1, "gpus": {"Other": {"compute_kept": 0.9, "graphics_kept": 0.9}}}))
-    rc = calibrate.main(["--seconds", "0.5", "--warmup", "0.3", "--state-dir", str(state), "--gpu-name", GPU,
-                         "--work-dir", str(tmp_path / "work"), "--json", str(tmp_path / "raw.json"), *standin_args()])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    entry = check_shape(state)
-    assert "Other" in json.loads((state / "contention.json").read_text())["gpus"]
-    verdict = calibrate.scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
-    assert f"verdict: {verdict}" in out
-    raw = json.loads((tmp_path / "raw.json").read_text())
-    assert raw["entry"] == entry and raw["verdict"] == verdict and set(raw["runs"]) == {
-        "alone cuda", "alone render", "together"}
-
-
-def test_calibrate_contention_checks_before_measuring(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "contention.json").write_text("{broken")
-    rc = calibrate.main(["--state-dir", str(tmp_path), "--gpu-name", GPU, "--work-dir", str(tmp_path / "w"),
-                         *standin_args()])
-    assert rc == 2
-    assert "fix or move it away" in capsys.readouterr().err
-    assert not (tmp_path / "w" / "alone-cuda").exists()
-
-
 FAKE_UNISCHED = '''
 """A stand-in daemon with unisched's CLI contract: picks its contention map from STATE_DIR/contention.json."""
 import json, os, signal, socket, sys, time
@@ -279,7 +227,7 @@ def _run_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *extr
     out = tmp_path / name
     rc = gp.main(["--pairs", "mixed1:1", "--seconds", "0.5", "--warmup", "0.3", "--unisched-warmup", "0.3",
                   "--grace", "10", "--out", str(out), "--work-dir", str(tmp_path / f"work-{name}"),
-                  "--unisched-module", "fakesched", *standin_args(), *extra])
+                  "--unisched-module", "fakesched", *standin_args(paced=True), *extra])
     return rc, json.loads((out / "results.json").read_text())
 
 
@@ -290,7 +238,7 @@ def test_gpu_pairs_calibrate_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     entry = check_shape(cal)
     assert results["contention"]["entry"] == entry and results["contention"]["gpu"] == GPU
     verdict = results["contention"]["verdict"]
-    assert verdict == calibrate.scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
+    assert verdict == scoring.contention_verdict(entry["compute_kept"], entry["graphics_kept"])
     # the daemon started on a copy of that file, only that file, and took the map it implies
     daemon = results["unisched"]["cuda+render 1:1"]["daemon"]
     state = Path(daemon["state_dir"])
@@ -382,9 +330,3 @@ def test_solo_reference_is_the_mean_of_before_and_after() -> None:
 def test_repeat_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         gp.parse_args(["--out", str(tmp_path), "--repeat", "0"])
-
-
-@pytest.mark.parametrize(("kept", "says"), [((0.9, 0.95), "will not slice"), ((0.22, 0.92), "will mix slices"),
-                                           ((0.06, 0.9), "as one domain")])
-def test_the_calibration_says_what_the_daemon_will_do(kept: tuple[float, float], says: str) -> None:
-    assert says in calibrate.verdict_line(calibrate.scoring.contention_verdict(*kept))

@@ -166,9 +166,10 @@ def test_contention_verdict_nan_is_never_overlap() -> None:
 
 def test_contention_verdict_agrees_with_the_daemon() -> None:
     # The daemon derives its map with its own copy of the rule; the two must never disagree.
-    from unisched.policy.contention import MIX_SUM, OVERLAP_KEPT, ContentionMap
+    from unisched.policy.contention import ContentionMap
+    from unisched.policy.tuning import TUNING
 
-    assert scoring.OVERLAP_KEPT == OVERLAP_KEPT and scoring.MIX_SUM == MIX_SUM
+    assert TUNING.overlap_kept == scoring.OVERLAP_KEPT and TUNING.mix_sum == scoring.MIX_SUM
     grid = [0.0, 0.14, 0.22, 0.5, 0.55, 0.7, 0.7499, 0.75, 0.7501, 0.8, 0.87, 0.92, 0.95, 1.0, 1.3, math.nan]
     for compute in grid:
         for graphics in grid:

@@ -15,8 +15,8 @@ from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
-from unisched.policy.contention import MIX_SUM
 from unisched.policy.overlap import SliceKind
+from unisched.policy.tuning import TUNING
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
 SLICE = 0.05
@@ -214,7 +214,7 @@ def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
     rig.add("render", weights[1], engines=("graphics",))
     rig.step(40)
     mixed = rig.engine.mixed_slices(0)
-    partial = contention == "partial-overlap" or (contention == "auto" and sum(kept) >= MIX_SUM)
+    partial = contention == "partial-overlap" or (contention == "auto" and sum(kept) >= TUNING.mix_sum)
     if util >= 0.98 and partial:  # what `unisched status` shows for the GPU
         assert mixed is not None and (mixed[0].both > 0 or sum(kept) < 1) and mixed[1] in SliceKind
     else:
@@ -246,7 +246,7 @@ def test_a_partial_overlap_is_sliced_when_contention_is_named(tmp_path: Path) ->
 
 
 def test_partial_overlap_named_mixes_a_calibration_auto_would_slice(tmp_path: Path) -> None:
-    """Kept 0.06 + 0.88 = 0.94, under MIX_SUM: auto slices the pair as one domain (no mixed plan, checked by the
+    """Kept 0.06 + 0.88 = 0.94, under Tuning.mix_sum: auto slices the pair as one domain (no mixed plan, checked by the
     helper); named, the operator's word stands and the pair gets the mixed plan. A sum under 1 gains nothing
     together, so the plan is each side alone for its share, in runs of a period."""
     ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="partial-overlap", kept=(0.06, 0.88))

@@ -86,7 +86,7 @@ def test_gate_reading(sample: Sample | None, engines: set[Engine], busy: bool, u
 
 @pytest.mark.parametrize(("use", "busy"), [
     (KernelUse(frozenset({SM}), frozenset({C}), False, 0.9), True),
-    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # TURN_CPU_CORES is inclusive
+    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # Tuning.turn_cpu_cores is inclusive
     (KernelUse(frozenset({SM}), frozenset({C}), False, 0.69), False),
     (KernelUse(frozenset({SM}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
     (KernelUse(frozenset({SM}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn

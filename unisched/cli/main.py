@@ -285,7 +285,58 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     _add_device_plugin(sub)
     _add_dra_driver(sub)
+    _add_calibrate(sub)
     return ap
+
+
+def _add_calibrate(sub: Any) -> None:
+    from unisched.calibrate import QUICK, STANDARD, estimate_s
+
+    c = sub.add_parser(
+        "calibrate", help="measure how much CUDA and rendering slow each other on this GPU, for the daemon",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Measure on GPU 0 how much a CUDA load and a render load slow each other, and write it where the daemon reads it
+(STATE_DIR/contention.json, merged under the GPU's name: one file serves several GPU models). The daemon reads the
+file at start and picks how to schedule compute against graphics on that GPU model (docs/calibration.md):
+  separate-graphics  both keep most of their solo rate together: not sliced against each other
+  partial-overlap    together they do about as much as either alone: mixed slices
+  shared-sm          they contend: sliced against each other as one domain (also without a calibration)
+
+Run it once per GPU model, and again after a driver update, on an otherwise idle GPU, then restart the daemon.
+Needs an NVIDIA GPU, PyTorch with CUDA and PyOpenGL.""",
+        epilog=f"time: about {estimate_s(STANDARD):.0f} s ({STANDARD.seconds:g} s windows); --quick about "
+               f"{estimate_s(QUICK):.0f} s. Progress goes to stderr.\n"
+               "exit status: 0 written; 1 a measurement failed (nothing written); 2 refused before measuring "
+               "(no GPU, missing workloads, a target it cannot write)",
+    )
+    c.add_argument("--config", help="the TOML config `unisched serve` reads, for its state_dir")
+    state_dir = next(k for k in KNOBS if k.name == "state_dir")
+    _add_knob_flag(c, state_dir)
+    c.add_argument("--out", metavar="FILE", help="write (merge into) FILE instead of STATE_DIR/contention.json")
+    c.add_argument("--quick", action="store_true",
+                   help=f"{QUICK.seconds:g} s windows instead of {STANDARD.seconds:g} s: checks the set-up; the "
+                        "fractions are noisier")
+    c.add_argument("--seconds", type=_positive, help="measured window per run (overrides --quick's)")
+    c.add_argument("--warmup", type=_positive, help="seconds from a workload's launch to its window")
+    c.add_argument("--gpu-name", metavar="NAME", help="file the result under NAME instead of GPU 0's NVML name")
+    c.add_argument("--render-iterations", type=_int_in("render iterations", 1, 1_000_000), metavar="N",
+                   help="fixed shader iterations per frame; skips finding those that give ~36 frames/s")
+    c.add_argument("--workload-cmd-cuda", metavar="CMD",
+                   help="command replacing the CUDA load (shell words; the window arguments are appended)")
+    c.add_argument("--workload-cmd-render", metavar="CMD", help="command replacing the render load (as above)")
+    c.add_argument("--work-dir", metavar="DIR", help="workload logs and reports (default: a new folder in /tmp)")
+    c.add_argument("--dry-run", action="store_true", help="print the plan and the time it takes; run nothing")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value < 3600.0:
+        raise argparse.ArgumentTypeError(f"must be above 0 and under 3600 s, got {text}")
+    return value
 
 
 def _add_device_plugin(sub: Any) -> None:
@@ -450,6 +501,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"unisched serve: {e}", file=sys.stderr)
         return e.exit_code
     return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    import shlex
+    from dataclasses import replace
+    from pathlib import Path
+
+    from unisched.calibrate import QUICK, STANDARD, Request, main
+    from unisched.engine.contention_file import contention_path
+
+    try:
+        config = load_config(args.config).with_overrides(state_dir=args.state_dir)
+    except ConfigError as e:
+        print(f"unisched calibrate: {e}", file=sys.stderr)
+        return 2
+    timing = QUICK if args.quick else STANDARD
+    timing = replace(timing, **{k: v for k, v in (("seconds", args.seconds), ("warmup", args.warmup)) if v is not None})
+
+    def words(cmd: str | None) -> tuple[str, ...] | None:
+        return tuple(shlex.split(cmd)) if cmd else None
+
+    return main(Request(
+        out=Path(args.out) if args.out else contention_path(config.state_dir), timing=timing, gpu_name=args.gpu_name,
+        cuda_cmd=words(args.workload_cmd_cuda), render_cmd=words(args.workload_cmd_render),
+        render_iterations=args.render_iterations, work_dir=Path(args.work_dir) if args.work_dir else None,
+        dry_run=args.dry_run, command=shlex.join(["unisched", *sys.argv[1:]])))
 
 
 def _cmd_install_service(args: argparse.Namespace) -> int:
@@ -709,6 +786,7 @@ _COMMANDS = {
     "top": _cmd_top,
     "device-plugin": _cmd_device_plugin,
     "dra-driver": _cmd_dra_driver,
+    "calibrate": _cmd_calibrate,
 }
 
 

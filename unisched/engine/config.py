@@ -175,14 +175,14 @@ class DaemonConfig:
                                    "when not renewed within this long", bounds=(10.0, 600_000.0), unit="ms")
     lease_max_run_ms: float = knob(
         500.0, "policy", "a cooperative compute tenant whose steps are long keeps its lease for 8 of them a turn "
-        "(engine.leases.RUN_UNITS), at most this long: fewer hand-overs, at which its queued work runs beside the "
+        "(policy.tuning: run_units), at most this long: fewer hand-overs, at which its queued work runs beside the "
         "next holder's; 0 = one slice a turn", bounds=(0.0, 10_000.0), unit="ms")
     saturated_util: float = knob(
         0.98, "policy", "kernel engine: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
-        "is at least this (0 = always); near 1 because saturated means never idle (engine.core: SATURATION_*)",
+        "is at least this (0 = always); near 1 because saturated means never idle (policy.tuning: saturation_*)",
         bounds=(0.0, 1.0), unit="fraction")
     contention: str = knob(
-        "auto", "policy", "which engines contend. auto: measured per GPU model by bench/calibrate_contention.py "
+        "auto", "policy", "which engines contend. auto: measured per GPU model by `unisched calibrate` "
         "(compute and graphics that overlap partly get mixed slices, policy.overlap), without a calibration "
         "shared-sm (sliced as one); partial-overlap: mixed slices from the calibration's rates whatever their sum "
         "(it must exist)", choices=("auto", "shared-sm", "separate-graphics", "partial-overlap"))

@@ -15,18 +15,18 @@ from pathlib import Path
 from unisched.engine.config import KNOBS, TENANT_KEYS, TIDAL_KEYS
 from unisched.engine.knobs import Knob, TableKey
 
-__all__ = ["REGENERATE", "TUNING", "TuningConstant", "markdown", "tuning_constants"]
+__all__ = ["REGENERATE", "TUNING", "TUNING_CLASS", "TuningConstant", "markdown", "tuning_constants", "tuning_fields"]
 
 REGENERATE = "python3 -m unisched.engine.configdoc > docs/configuration.md"
 
 TUNING: Sequence[tuple[str, Sequence[str]]] = (
-    ("unisched.engine.core", ("SATURATION_ENTER_S", "SATURATION_LEAVE_S", "SATURATION_HOLD_S", "SAVE_DELAY_S",
-                              "MEMORY_CHECK_S", "MAX_TENANTS", "MAX_USER_TENANTS")),
-    ("unisched.engine.leases", ("RUN_UNITS", "UNIT_EWMA", "OVERRUN_WINDOW_SLICES", "STRIKES_TO_ENFORCE", "MAX_REPORT_S")),
-    ("unisched.policy.plan", ("TURN_CPU_CORES",)),
-    ("unisched.policy.contention", ("OVERLAP_KEPT", "MIX_SUM")),
+    ("unisched.engine.core", ("SAVE_DELAY_S", "MEMORY_CHECK_S", "MAX_TENANTS", "MAX_USER_TENANTS")),
+    ("unisched.engine.leases", ("MAX_REPORT_S",)),
 )
-"""The engine's fixed tuning constants the page lists: not settable, but they shape scheduling as the keys do."""
+"""The engine's fixed limits and timings the page lists beside the tuning value's fields (TUNING_CLASS): not
+settable, but they shape the daemon as the keys do."""
+TUNING_CLASS = ("unisched.policy.tuning", "Tuning")
+"""The one frozen tuning value: each field is listed with its default and its docstring."""
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,31 @@ def _source(module: str) -> str:
     return Path(spec.origin).read_text()
 
 
+def _docstring(after: ast.stmt | None) -> str:
+    if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+        return " ".join(after.value.value.split())
+    return ""
+
+
+def tuning_fields() -> list[TuningConstant]:
+    """Each field of the tuning value (TUNING_CLASS) with its default and docstring, read from the source."""
+    module, name = TUNING_CLASS
+    text = _source(module)
+    cls = next((n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if cls is None:
+        raise LookupError(f"{module}.{name} is not a class")
+    body = cls.body
+    return [TuningConstant(module, f"{name}.{stmt.target.id}", ast.get_source_segment(text, stmt.value) or "",
+                           _docstring(after))
+            for stmt, after in zip(body, [*body[1:], None], strict=True)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None]
+
+
 def tuning_constants() -> list[TuningConstant]:
-    """Each constant of TUNING with its value and docstring, read from its module's source (a docstring is not
-    kept at run time); a name no longer there raises LookupError, so the list cannot name a constant that is gone."""
-    out = []
+    """The tuning value's fields, then each constant of TUNING with its value and docstring, read from its module's
+    source (a docstring is not kept at run time); a name no longer there raises LookupError, so the list cannot
+    name a constant that is gone."""
+    out = tuning_fields()
     for module, names in TUNING:
         text = _source(module)
         body = ast.parse(text).body
@@ -58,10 +79,7 @@ def tuning_constants() -> list[TuningConstant]:
             if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
                 continue
             name = stmt.targets[0].id
-            doc = ""
-            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-                doc = " ".join(after.value.value.split())
-            found[name] = TuningConstant(module, name, ast.get_source_segment(text, stmt.value) or "", doc)
+            found[name] = TuningConstant(module, name, ast.get_source_segment(text, stmt.value) or "", _docstring(after))
         for name in names:
             if name not in found:
                 raise LookupError(f"{module}.{name} is not a module constant")
@@ -114,8 +132,9 @@ def markdown() -> str:
     lines += ["", "## [[tidal]]", "", 'Tidal windows, with `mode = "tidal"` only: the tenant\'s weight from start '
               "to end, local time. All four keys are required.", "", *_table_rows(TIDAL_KEYS)]
     lines += ["", "## Fixed tuning constants", "",
-              "Not settable: constants of the engine and policy that shape scheduling beside the keys above, each",
-              "with the reason its docstring gives.", "",
+              "Not settable: the tuning value (unisched.policy.tuning.Tuning: one set of defaults, the daemon's",
+              "saturation gate derived from them and the keys saturated_util and slice_ms) and the engine's limits,",
+              "each with the reason its docstring gives.", "",
               _row(("constant", "value", "why")), _row(("---",) * 3)]
     for c in tuning_constants():
         lines.append(_row((f"`{c.module}.{c.name}`", f"`{c.value}`", c.reason or "(no reason written in the code)")))

@@ -10,7 +10,6 @@ Time comes from an injected Clock, so tests drive it step by step with a FakeClo
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import posixpath
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -66,7 +65,8 @@ from unisched.policy.plan import (
     pair_weights,
     plan,
 )
-from unisched.policy.saturation import GateState, SaturationConfig, gate_states
+from unisched.policy.saturation import GateState, gate_states
+from unisched.policy.tuning import TUNING
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
@@ -76,15 +76,6 @@ MEMORY_CHECK_S = 1.0
 SAVE_DELAY_S = 0.5
 """Registrations are written to the state file by the tick at most this long after them: one write per burst
 instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
-SATURATION_ENTER_S = 0.4
-"""The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
-two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
-SATURATION_LEAVE_S = 0.4
-"""How long the holders must leave their turns unused before slicing stops. Not one or two slices: NVML's 200 ms
-sample mixes four 50 ms turns, so a render's turn can read half busy, and a trainer's first slice after a thaw is
-not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
-SATURATION_HOLD_S = (2.0, 30.0)
-"""How long an engine stays open after slicing left its turns unused (paced tenants), doubling up to the second."""
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
 MAX_USER_TENANTS = 32
@@ -143,7 +134,7 @@ class TenantSnapshot:
     unit_s: float | None = None
     """Cooperative: the mean GPU time of its units, once it reported counted ones."""
     turn_s: float = 0.0
-    """Cooperative: its minimum run (engine.leases.RUN_UNITS units, capped), 0 when its units are short."""
+    """Cooperative: its minimum run (Tuning.run_units units, capped), 0 when its units are short."""
     env: Mapping[str, str] = field(default_factory=dict)
     """What its processes start with (`unisched run` sets it): the MPS client settings while the daemon runs MPS."""
 
@@ -268,15 +259,7 @@ class KernelEngine:
                 share_window_s=config.share_window_s,
             )
         )
-        high = config.saturated_util
-
-        def slices(seconds: float) -> int:
-            return max(2, math.ceil(seconds * 1000.0 / config.slice_ms - 1e-9))
-        gate = SaturationConfig(
-            high=high, low=min(high, max(0.0, high - 0.3)), enter_slices=slices(SATURATION_ENTER_S),
-            leave_slices=slices(SATURATION_LEAVE_S),
-            hold_slices=slices(SATURATION_HOLD_S[0]), max_hold_slices=slices(SATURATION_HOLD_S[1]),
-            reset_slices=slices(SATURATION_HOLD_S[0]))
+        gate = TUNING.gate(config.saturated_util, config.slice_ms)
         gpus = list(telemetry.gpus())
         self.gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
         self.video: VideoEngines | None = video_engines_for(gpus[0].name) if gpus else None
@@ -313,11 +296,11 @@ class KernelEngine:
             if wanted == PARTIAL_OVERLAP:  # mixed slices whatever the calibration's sum: it must exist
                 raise ConfigError(f"contention 'partial-overlap' plans mixed slices from a calibration of the GPU "
                                   f"model, and there is none for {gpu_name or 'this machine (no GPU seen)'} in "
-                                  f"{self.config.state_dir}: run bench/calibrate_contention.py, or use 'auto'")
+                                  f"{self.config.state_dir}: run `unisched calibrate`, or use 'auto'")
             if gpu_name is not None:
                 log.info(
                     "contention of compute and graphics not measured on this GPU: slicing them as one domain",
-                    gpu=gpu_name, hint="bench/calibrate_contention.py measures it",
+                    gpu=gpu_name, hint="`unisched calibrate` measures it",
                 )
             return SHARED_SM
         chosen = ContentionMap.partial(*kept) if wanted == PARTIAL_OVERLAP else ContentionMap.from_kept(*kept)

@@ -21,31 +21,20 @@ from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
+from unisched.policy.tuning import TUNING
 
-__all__ = ["MAX_REPORT_S", "RUN_UNITS", "LeaseBook", "LeaseError", "min_run_for"]
+__all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError", "min_run_for"]
 
 log = structlog.get_logger("unisched.engine")
 
 MAX_REPORT_S = 60.0
 """GPU seconds one report may carry (a report covers well under a second of work)."""
-OVERRUN_WINDOW_SLICES = 4
-STRIKES_TO_ENFORCE = 3
-RUN_UNITS = 8
-"""A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
-(up to `max_run_s`). Every hand-over costs a pair of CUDA tenants: an app that pipelines its steps leaves them
-queued to run beside the next holder's first, which two time-sliced contexts pay for (two ResNet-50 b128 trainers:
-8% on the H200), and one that waits for each step leaves the GPU idle until the next holder's first launch. With
-30 ms steps and 50 ms slices the b128 pair at 3:1 changed hands ~10 times a second and kept 0.89-0.94. Eight units
-a turn leave about one hand-over per eight units of work. Not for frames: two renders time-slice at no loss (sum
-0.99-1.00 on the H200), so longer turns would only stall each render's frames for longer."""
-UNIT_EWMA = 0.25
-"""Weight of a new report's mean unit length in the running estimate."""
 
 
 def min_run_for(unit_s: float, slice_s: float, max_run_s: float) -> float:
-    """The minimum run a tenant with units of `unit_s` earns: RUN_UNITS of them, at most `max_run_s`; 0 below two
-    slices (a turn of two slices is what the holder's tie rule gives anyway)."""
-    run = min(max_run_s, RUN_UNITS * unit_s)
+    """The minimum run a tenant with units of `unit_s` earns: Tuning.run_units of them, at most `max_run_s`; 0 below
+    two slices (a turn of two slices is what the holder's tie rule gives anyway)."""
+    run = min(max_run_s, TUNING.run_units * unit_s)
     return run if run >= 2 * slice_s else 0.0
 
 
@@ -107,7 +96,7 @@ class LeaseBook:
         self.slice_s = slice_s
         self.valid_s = valid_s
         self.max_run_s = max_run_s
-        """Cap on the minimum run that long units earn (RUN_UNITS); 0 = turns of one slice whatever the units."""
+        """Cap on the minimum run that long units earn (Tuning.run_units); 0 = turns of one slice whatever the units."""
         self._unit_s: dict[str, float] = {}
         """Each cooperative tenant's mean unit length (GPU seconds per step or frame it reported)."""
         self._min_run: dict[str, float] = {}
@@ -300,7 +289,7 @@ class LeaseBook:
 
     def _note_units(self, tenant: str, unit_s: float) -> None:
         old = self._unit_s.get(tenant)
-        unit = unit_s if old is None else old + UNIT_EWMA * (unit_s - old)
+        unit = unit_s if old is None else old + TUNING.unit_ewma * (unit_s - old)
         self._unit_s[tenant] = unit
         run = min_run_for(unit, self.slice_s, self.max_run_s)
         last = self._min_run.get(tenant, 0.0)
@@ -340,7 +329,8 @@ class LeaseBook:
     def _meter(self, c: _Coop, r: Resource) -> OverrunMeter:
         m = c.meters.get(r)
         if m is None:
-            m = c.meters[r] = OverrunMeter(OVERRUN_WINDOW_SLICES * self.slice_s, self.slice_s, STRIKES_TO_ENFORCE)
+            m = c.meters[r] = OverrunMeter(TUNING.overrun_window_slices * self.slice_s, self.slice_s,
+                                              TUNING.strikes_to_enforce)
         return m
 
     def expire(self, now: float, frozen: Callable[[str], bool]) -> None:

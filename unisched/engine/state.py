@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE
+from unisched.engine.contention_file import ContentionFileError, contention_path, kept_of, read_file
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
 
@@ -197,16 +198,15 @@ class StateStore:
         return str(keep)
 
     def measured_contention(self, gpu_name: str) -> tuple[float, float] | None:
-        """(compute_kept, graphics_kept) from a calibration run on this GPU model (bench/calibrate_contention.py)."""
-        path = self.dir / "contention.json"
+        """(compute_kept, graphics_kept) from a calibration on this GPU model (`unisched calibrate`); None when there
+        is none, or when the file or the entry is unusable (logged: compute and graphics are then sliced together)."""
+        path = contention_path(self.dir)
         try:
-            entry = json.loads(path.read_text())["gpus"][gpu_name]
-            return float(entry["compute_kept"]), float(entry["graphics_kept"])
-        except FileNotFoundError:
-            return None
-        except (KeyError, TypeError, ValueError) as e:
-            if not isinstance(e, KeyError):
-                log.error("contention file unreadable; slicing compute and graphics together", path=str(path), error=str(e))
+            entry = read_file(path)["gpus"].get(gpu_name)
+            return None if entry is None else kept_of(entry)
+        except ContentionFileError as e:
+            log.error("contention file unusable; slicing compute and graphics together", path=str(path), gpu=gpu_name,
+                      error=str(e))
             return None
 
     def save(self, tenants: list[SavedTenant]) -> None:

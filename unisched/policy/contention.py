@@ -17,21 +17,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from unisched.policy.model import Engine, PolicyError, Resource
+from unisched.policy.tuning import TUNING
 
-__all__ = ["MIX_SUM", "OVERLAP_KEPT", "PARTIAL_OVERLAP", "SEPARATE_GRAPHICS", "SHARED_SM", "ContentionMap"]
-
-OVERLAP_KEPT = 0.75
-MIX_SUM = 0.97
-"""Kept rates summing to at least this get mixed slices (policy.overlap); below it they are sliced as one domain.
-Where the sum is 1 or more, running together some of the time gains (or, at 1, costs nothing) and the mix pauses
-each side once a period instead of at every slice. On the H200 the contended pair (a matmul trainer + render,
-kept 0.125 + 0.875 = 1.00, 1.01 on 11-30) missed its targets sliced (1:3: 0.21 / 0.79, 4.3 points; 1:1 guarantee
-short) and met them mixed (0.50 / 0.50 and 0.24 / 0.76, 0.2-0.9 points, 2 of 2 rounds each:
-bench/results/2026-12-01-h200-g/ call-d). The margin under 1 covers one calibration's noise for such a pair; a sum
-between it and 1 plans no time together (exclusive runs, as sliced). A ResNet-50 trainer + render kept 1.03-1.13
-in runs of one day (its solo rate drifting), all mixed now. Well under 1 (every SM renders, as on graphics-class
-GPUs) the closed-loop slicing of one domain stays."""
-
+__all__ = ["PARTIAL_OVERLAP", "SEPARATE_GRAPHICS", "SHARED_SM", "ContentionMap"]
 
 @dataclass(frozen=True)
 class ContentionMap:
@@ -59,21 +47,21 @@ class ContentionMap:
     def from_kept(compute_kept: float, graphics_kept: float) -> ContentionMap:
         """The map a calibration implies: CUDA and rendering run together, each kept this fraction of its solo rate.
 
-        Overlap (separate domains, never sliced against each other) where both keep >= OVERLAP_KEPT, so that
-        leaving them unsliced still gives each at least its weight share for weights up to 3:1; partial overlap
-        (separate domains, mixed slices: policy.overlap) where together they keep >= MIX_SUM; otherwise they are
-        sliced as one domain. Must agree with bench/scoring.py:contention_verdict.
+        Overlap (separate domains, never sliced against each other) where both keep >= Tuning.overlap_kept;
+        partial overlap (separate domains, mixed slices: policy.overlap) where together they keep >= Tuning.mix_sum;
+        otherwise they are sliced as one domain (the reasons are the fields'). Must agree with
+        bench/scoring.py:contention_verdict.
         """
-        if compute_kept >= OVERLAP_KEPT and graphics_kept >= OVERLAP_KEPT:  # NaN compares False: sliced
+        if compute_kept >= TUNING.overlap_kept and graphics_kept >= TUNING.overlap_kept:  # NaN compares False: sliced
             return SEPARATE_GRAPHICS
-        if compute_kept + graphics_kept >= MIX_SUM and min(compute_kept, graphics_kept) >= 0.0:
+        if compute_kept + graphics_kept >= TUNING.mix_sum and min(compute_kept, graphics_kept) >= 0.0:
             return ContentionMap.partial(compute_kept, graphics_kept)
         return SHARED_SM
 
     @staticmethod
     def partial(compute_kept: float, graphics_kept: float) -> ContentionMap:
         """Mixed slices planned with these kept rates, whatever their sum (`--contention partial-overlap`: an operator
-        who knows the pair overlaps, where one calibration's noise fell under MIX_SUM)."""
+        who knows the pair overlaps, where one calibration's noise fell under Tuning.mix_sum)."""
         if not (compute_kept >= 0.0 and graphics_kept >= 0.0):  # NaN too
             raise PolicyError(f"kept rates must be >= 0, got {compute_kept!r}, {graphics_kept!r}")
         kept = (min(1.0, compute_kept), min(1.0, graphics_kept))  # above solo is noise

@@ -9,7 +9,7 @@ kept_c*b + c and graphics kept_g*b + g of their solo rates; the most overlap tha
 is the largest b for which c = max(0, share_c - kept_c*b) and g = max(0, share_g - kept_g*b) fit in 1 - b.
 
 For the H200 pair: 1:1 -> b 0.64, sum 1.09; 3:1 -> b 0.32, sum 1.05; 1:3 -> b 0.96, sum 1.13 (against 1.0 sliced).
-Open loop: the kept rates come from a calibration of the workloads on that GPU (bench/calibrate_contention.py);
+Open loop: the kept rates come from a calibration of the workloads on that GPU (`unisched calibrate`);
 other workloads keep other rates. Pure: no clock, no I/O.
 """
 

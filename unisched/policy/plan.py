@@ -22,10 +22,10 @@ from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, SliceKind, overlap_mix
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step
+from unisched.policy.tuning import TUNING
 
 __all__ = [
     "MIX_DOMAIN",
-    "TURN_CPU_CORES",
     "GateOutcome",
     "GateReading",
     "KernelUse",
@@ -60,11 +60,6 @@ __all__ = [
 
 MIX_DOMAIN = "sm+gfx"
 """The gate's key for a GPU's partly overlapping compute + graphics pair: mixed slices only while it is saturated."""
-TURN_CPU_CORES = 0.7
-"""A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
-kernels are invisible to NVML utilization on the H200 while its launching thread stays busy. Only compute: a
-graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
-with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
 
 
 class Rule(StrEnum):
@@ -122,7 +117,7 @@ class PlanConfig:
     """A busy fraction (or CPU cores) above this is activity; at or below it the GPU reads idle."""
     idle_slices: int
     mix_period_s: float = 1.0
-    turn_cpu_cores: float = TURN_CPU_CORES
+    turn_cpu_cores: float = TUNING.turn_cpu_cores
 
     @property
     def mixing(self) -> bool:
@@ -255,7 +250,7 @@ class Plan:
 
 # --- the rules: what the gate reads ---------------------------------------------------------------------------
 def cpu_busy(u: KernelUse, config: PlanConfig) -> bool:
-    """A thawed compute tenant whose CPUs kept busy used its turn, whatever the GPU reads (TURN_CPU_CORES)."""
+    """A thawed compute tenant whose CPUs kept busy used its turn, whatever the GPU reads (Tuning.turn_cpu_cores)."""
     return not u.frozen and Engine.COMPUTE in u.engines and u.cpu_cores >= config.turn_cpu_cores
 
 

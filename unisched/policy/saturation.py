@@ -37,13 +37,19 @@ __all__ = ["GateMemory", "GateState", "SaturationConfig", "SaturationGate", "fre
 
 @dataclass(frozen=True)
 class SaturationConfig:
-    high: float = 0.90  # mean busy fraction that counts as saturated; 0 disables the gate (always slice)
-    low: float = 0.60  # a slice busier than this used its turn
-    enter_slices: int = 2
-    leave_slices: int = 2
-    hold_slices: int = 40  # held open this long after slicing was found to leave turns unused (doubling)
-    max_hold_slices: int = 600
-    reset_slices: int = 40  # a sliced stretch this long with used turns resets the hold
+    """The gate's numbers. No defaults here: the daemon's come from its knobs and policy.tuning (Tuning.gate)."""
+
+    high: float
+    """Mean busy fraction that counts as saturated; 0 disables the gate (always slice)."""
+    low: float
+    """A slice busier than this used its turn."""
+    enter_slices: int
+    leave_slices: int
+    hold_slices: int
+    """Held open this long after slicing was found to leave turns unused (doubling)."""
+    max_hold_slices: int
+    reset_slices: int
+    """A sliced stretch this long with used turns resets the hold."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low <= self.high <= 1.0:
@@ -131,7 +137,7 @@ class SaturationGate:
     """Per-resource open/sliced state; `open(r)` says whether every tenant of r may run regardless of the slice.
     A mutable holder of `GateMemory` values around `gate_step`."""
 
-    config: SaturationConfig = field(default_factory=SaturationConfig)
+    config: SaturationConfig
     _states: dict[Resource, GateMemory] = field(default_factory=dict)
 
     def observe(self, resource: Resource, util: float | None, contenders: int, used: bool | None = None) -> bool:

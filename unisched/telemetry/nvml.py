@@ -17,7 +17,7 @@ import structlog
 from unisched.policy import Engine
 from unisched.telemetry.model import GpuInfo, GpuSample
 
-__all__ = ["NvmlTelemetry", "open_nvml"]
+__all__ = ["NvmlTelemetry", "open_nvml", "open_nvml_or_reason"]
 
 log = structlog.get_logger("unisched.telemetry")
 
@@ -26,23 +26,28 @@ PROCESS_POLL_EVERY = 20  # per-process queries are slow; refresh them every N sa
 
 def open_nvml() -> NvmlTelemetry | None:
     """NVML when a driver is there; None (and one log line) otherwise."""
+    opened, reason = open_nvml_or_reason()
+    if opened is None:
+        log.warning("nvml unavailable, running on CPU signals", reason=reason)
+    return opened
+
+
+def open_nvml_or_reason() -> tuple[NvmlTelemetry | None, str]:
+    """(NVML, "") when a driver is there; (None, why not) otherwise, unlogged (`unisched calibrate` says it)."""
     try:
         import pynvml
     except ImportError:
-        log.warning("nvml unavailable", reason="pynvml (nvidia-ml-py) is not installed")
-        return None
+        return None, "pynvml (nvidia-ml-py) is not installed"
     try:
         pynvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        log.warning("nvml unavailable, running on CPU signals", reason=str(e))
-        return None
+        return None, str(e)
     try:
-        return NvmlTelemetry(pynvml)
+        return NvmlTelemetry(pynvml), ""
     except Exception as e:  # nvmlDeviceGetCount failed (driver in a bad state): never stop the daemon for it
-        log.warning("nvml unavailable, running on CPU signals", reason=str(e))
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        return None
+        return None, str(e)
 
 
 class NvmlTelemetry:

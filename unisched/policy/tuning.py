@@ -1,0 +1,89 @@
+"""The derived constants that shape scheduling: one frozen value, one set of defaults, each with its reason.
+
+Not settable (the knob table, engine.config, holds what an operator sets); each number here was derived from a
+measurement or an argument, given beside it. The engine uses `TUNING`; tests may build another value. The
+saturation gate's configuration is derived here from two knobs (saturated_util, slice_ms) and these numbers, so
+the gate has no defaults of its own (policy.saturation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from unisched.policy.saturation import SaturationConfig
+
+__all__ = ["TUNING", "Tuning"]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    saturation_enter_s: float = 0.4
+    """The window over which an engine's mean busy fraction must reach `saturated_util` before its tenants are sliced:
+    two of NVML's 200 ms samples on the H200 (one is noise: paced loads that fit can fill a sample)."""
+    saturation_leave_s: float = 0.4
+    """How long the holders must leave their turns unused before slicing stops. Not one or two slices: NVML's 200 ms
+    sample mixes four 50 ms turns, so a render's turn can read half busy, and a trainer's first slice after a thaw
+    is not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
+    saturation_hold_s: float = 2.0
+    """How long an engine stays open after slicing left its turns unused (paced tenants), doubling each time it
+    happens again; also how long slicing with used turns must last to reset the hold to this."""
+    saturation_max_hold_s: float = 30.0
+    """The most the doubling hold reaches: a paced set that turns greedy waits at most this long to be sliced."""
+    used_turn_margin: float = 0.3
+    """A slice busier than `saturated_util` less this used its turn. NVML's 200 ms sample mixes four 50 ms turns, so
+    a turn that was used beside a hand-over reads well under saturated; an unused one reads near idle."""
+    gate_min_slices: int = 2
+    """The gate's windows span at least this many slices, whatever the slice length: one slice's busy fraction is
+    one sample, which a paced load can fill."""
+    turn_cpu_cores: float = 0.7
+    """A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
+    kernels are invisible to NVML utilization on the H200 while its launching thread stays busy. Only compute: a
+    graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
+    with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
+    run_units: int = 8
+    """A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
+    (up to `lease_max_run_ms`). Every hand-over costs a pair of CUDA tenants: an app that pipelines its steps leaves
+    them queued to run beside the next holder's first, which two time-sliced contexts pay for (two ResNet-50 b128
+    trainers: 8% on the H200), and one that waits for each step leaves the GPU idle until the next holder's first
+    launch. With 30 ms steps and 50 ms slices the b128 pair at 3:1 changed hands ~10 times a second and kept
+    0.89-0.94. Eight units a turn leave about one hand-over per eight units of work. Not for frames: two renders
+    time-slice at no loss (sum 0.99-1.00 on the H200), so longer turns would only stall each render's frames."""
+    unit_ewma: float = 0.25
+    """Weight of a new report's mean unit length in the running estimate: a step-length change (a new phase of
+    training) is followed within a few reports, one odd report moves it by a quarter."""
+    overrun_window_slices: int = 4
+    """A cooperative tenant's reported GPU time is compared with the time it held its lease over windows of this many
+    slices, with a slice of slack per window (the work in flight at a hand-over): over several slices that slack is a
+    small part of the window, and a report that arrives a little late still falls in it (policy.leases)."""
+    strikes_to_enforce: int = 3
+    """Overrun windows in a row before the freezer backs a cooperative tenant's leases: one window over (a long step,
+    a report delayed on a loaded host) is not an app that ignores its lease."""
+    overlap_kept: float = 0.75
+    """Compute and graphics that each keep at least this much of their solo rate together are not sliced against
+    each other: left unsliced, each still gets at least its weight share for weights up to 3:1 (3:1 asks 0.75)."""
+    mix_sum: float = 0.97
+    """Kept rates summing to at least this get mixed slices (policy.overlap); below it they are sliced as one domain.
+    Where the sum is 1 or more, running together some of the time gains (or, at 1, costs nothing) and the mix pauses
+    each side once a period instead of at every slice. On the H200 a matmul trainer + render (kept 0.125 + 0.875)
+    missed their targets sliced and met them mixed. The margin under 1 covers one calibration's noise for such a
+    pair; a sum between it and 1 plans no time together (exclusive runs, as sliced). Well under 1 (every SM
+    renders, as on graphics-class GPUs) the closed-loop slicing of one domain stays."""
+
+    def gate_slices(self, seconds: float, slice_ms: float) -> int:
+        """A gate window of `seconds` in slices of `slice_ms` (at least gate_min_slices)."""
+        return max(self.gate_min_slices, math.ceil(seconds * 1000.0 / slice_ms - 1e-9))
+
+    def gate(self, saturated_util: float, slice_ms: float) -> SaturationConfig:
+        """The saturation gate of a daemon with these knobs (saturated_util, slice_ms)."""
+        hold = self.gate_slices(self.saturation_hold_s, slice_ms)
+        return SaturationConfig(
+            high=saturated_util, low=min(saturated_util, max(0.0, saturated_util - self.used_turn_margin)),
+            enter_slices=self.gate_slices(self.saturation_enter_s, slice_ms),
+            leave_slices=self.gate_slices(self.saturation_leave_s, slice_ms),
+            hold_slices=hold, max_hold_slices=self.gate_slices(self.saturation_max_hold_s, slice_ms),
+            reset_slices=hold)
+
+
+TUNING = Tuning()
+"""The daemon's tuning."""
