@@ -39,7 +39,7 @@ class Family:
 
 
 FAMILIES = (
-    Family("unisched_build_info", "gauge", "unisched version and scheduling mode (always 1)", ("version", "mode")),
+    Family("unisched_build_info", "gauge", "The unisched version and scheduling mode (always 1)", ("version", "mode")),
     Family("unisched_view_age_seconds", "gauge", "Age of the engine state this scrape reports (it grows when "
            "the daemon's loop is stuck)", ()),
     Family("unisched_tenants", "gauge", "Tenants known to the daemon", ()),
