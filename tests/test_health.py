@@ -107,8 +107,8 @@ def test_a_stalled_loop_fails_healthz_and_recovers(tmp_path: Path) -> None:
         release = threading.Event()
         srv.loop.call_soon_threadsafe(release.wait, 60.0)
         try:
-            status, body = wait_until(lambda: r if (r := _get(port, "/healthz"))[0] == 503 else None, 30,
-                                      "/healthz 503 while the loop is blocked")
+            _, body = wait_until(lambda: r if (r := _get(port, "/healthz"))[0] == 503 else None, 30,
+                                 "/healthz 503 while the loop is blocked")
             assert body.startswith("loop: stalled: last slice ") and "(limit 1.0 s)" in body
         finally:
             release.set()
