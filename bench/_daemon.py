@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench_env() -> dict[str, str]:
-    """This checkout first on PYTHONPATH, whatever was set after it."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """This checkout (and its wire package, clients/) first on PYTHONPATH, whatever was set after it."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "clients"),
+                                                                      os.environ.get("PYTHONPATH")]))}
 
 
 def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = ROOT,
@@ -27,7 +28,8 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
     daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                str(work / "state"), *extra], stdout=log, stderr=log,
-                              env={**bench_env(), "PYTHONPATH": str(root)}, cwd=root)
+                              env={**bench_env(), "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients")])},
+                              cwd=root)
     deadline = time.monotonic() + timeout_s
     while not Path(sock).exists():
         if daemon.poll() is not None or time.monotonic() > deadline:

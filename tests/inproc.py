@@ -33,6 +33,8 @@ class InProcessServer:
     driver: FakeCgroupDriver
     engine: KernelEngine
     relay: PeerCredRelay
+    loop: asyncio.AbstractEventLoop
+    """The loop the server and the engine run on (a test may block it to stall the engine)."""
 
     @property
     def backend_port(self) -> int:
@@ -83,7 +85,7 @@ def in_process_server(
         assert started.wait(20), "server did not start"
         if failed:
             raise failed[0]
-        yield InProcessServer(config.socket, config, driver, engine, relays[0])
+        yield InProcessServer(config.socket, config, driver, engine, relays[0], loop)
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(20)

@@ -20,6 +20,7 @@ from unisched.engine.config import (
     DEFAULT_AGENT_SOCKET,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
+    METRICS_PORT,
     ConfigError,
     DaemonConfig,
     load_config,
@@ -202,6 +203,11 @@ def _schema_errors(doc: dict, versions: tuple[str, ...] = KUBE_VERSIONS) -> list
     return errors
 
 
+def _is_crd_object(doc: dict) -> bool:  # type: ignore[type-arg]
+    """An object of a CRD (the Prometheus Operator's ServiceMonitor): no bundled schema; its own test checks it."""
+    return str(doc.get("apiVersion", "")).startswith("monitoring.coreos.com/")
+
+
 def _by_kind(kind: str) -> dict[str, dict]:  # type: ignore[type-arg]
     return {d["metadata"]["name"]: d for p in _manifests() for d in _docs(p) if d["kind"] == kind}
 
@@ -224,7 +230,8 @@ def _pod_specs() -> list[tuple[dict, dict]]:  # type: ignore[type-arg]
 def test_kubernetes_manifests_match_the_schemas() -> None:
     files = _manifests()
     assert {p.name for p in files} >= {"namespace.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml"}
-    errors = [e for p in files for d in _docs(p) for e in _schema_errors(d, DRA_VERSIONS if p.parent == DRA else KUBE_VERSIONS)]
+    errors = [e for p in files for d in _docs(p) if not _is_crd_object(d)
+              for e in _schema_errors(d, DRA_VERSIONS if p.parent == DRA else KUBE_VERSIONS)]
     assert errors == []
     assert {p.name for p in files if p.parent == DRA} == {"daemonset.yaml", "deviceclass.yaml", "rbac.yaml",
                                                           "claim-templates.yaml", "side-by-side.yaml"}
@@ -341,6 +348,7 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     cfg = load_config(toml)
     assert (cfg.socket, cfg.agent_socket, cfg.state_dir) == (DEFAULT_SOCKET, DEFAULT_AGENT_SOCKET, DEFAULT_STATE_DIR)
     assert cfg.user_tenants is False  # a pod process may not make itself a tenant outside its pod's
+    assert (cfg.metrics_port, cfg.metrics_listen) == (METRICS_PORT, "0.0.0.0")  # on, on the pod's address
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
     assert profile["listenerPath"] == cfg.agent_socket
@@ -499,3 +507,47 @@ def test_dra_manifests_agree_with_the_driver() -> None:
         assert c["securityContext"]["seccompProfile"] == {"type": "Localhost", "localhostProfile": "profiles/unisched-gpu.json"}
         script = next(a for a in c["command"] if a.startswith("/opt/unisched/"))
         assert (ROOT / script.removeprefix("/opt/unisched/")).is_file(), script
+
+
+def test_both_node_agents_serve_metrics_and_are_probed_over_http() -> None:
+    """The daemon container of each DaemonSet names the metrics port and probes /healthz (live) and /readyz
+    (ready) on it: no exec of a Python CLI every 10 s."""
+    for name in ("unisched", "unisched-dra"):
+        template = _by_kind("DaemonSet")[name]["spec"]["template"]
+        daemon = next(c for c in template["spec"]["containers"] if c["name"] == "daemon")
+        assert daemon["ports"] == [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}], name
+        assert daemon["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}, name
+        assert daemon["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}, name
+        # a restart for a stall must leave the daemon its 5 s of slices and more: 3 probes 10 s apart
+        live = daemon["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 30, name
+        assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "node-agent", name
+
+
+def test_service_and_servicemonitor_reach_every_node_agent() -> None:
+    (svc,) = _docs(KUBE / "service.yaml")
+    assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None"  # each pod scraped, no load balancing
+    for name in ("unisched", "unisched-dra"):
+        labels = _by_kind("DaemonSet")[name]["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items(), name
+    (port,) = svc["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("metrics", METRICS_PORT, "metrics")
+    (mon,) = _docs(KUBE / "monitoring" / "servicemonitor.yaml")
+    assert (mon["apiVersion"], mon["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert mon["spec"]["namespaceSelector"]["matchNames"] == [svc["metadata"]["namespace"]]
+    (endpoint,) = mon["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True  # our pod/namespace labels name the tenant's pod, not the agent's
+
+
+def test_our_metrics_port_is_not_dcgm_exporters() -> None:
+    """9400 is dcgm-exporter's port; unisched's docs and manifests say METRICS_PORT, and mention 9400 only as
+    dcgm-exporter's."""
+    assert METRICS_PORT != 9400 and not 9100 <= METRICS_PORT <= 9999  # Prometheus' allocated exporter range
+    deploy = [p for p in sorted((ROOT / "deploy").rglob("*")) if p.is_file()]
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *deploy]
+    for path in files:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if "9400" in line.replace(str(METRICS_PORT), ""):
+                assert "dcgm-exporter" in line, f"{path.relative_to(ROOT)}:{n}: {line.strip()}"

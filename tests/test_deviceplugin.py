@@ -275,6 +275,8 @@ def test_adopter_makes_pods_tenants_and_removes_them_when_gone(
         assert sorted(t.engines) == ["compute", "graphics"] and t.priority == 1  # PRIORITY_ONLINE
         assert {s.gpu for s in t.shares} == {1}
         assert (t.caps.render, t.caps.decode) == (1, 0)  # asked 1 render session, no decode session
+        # the pod's coordinates travel with the adoption and stay with the tenant (metrics labels them)
+        assert daemon.engine.snapshot(tenant).labels == {"namespace": "render", "pod": "farm-0", "container": "main"}
         again = adopter.reconcile()  # idempotent
         assert again.kept == (tenant,) and not again.adopted and not again.removed
         assert adopter.ensure(units[:1]) is None

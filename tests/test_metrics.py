@@ -25,19 +25,25 @@ from unisched_wire import unisched_pb2 as pb
 GiB = 1 << 30
 
 
-def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+def _scrape(port: int) -> Samples:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         assert r.status == 200
         text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def _key(name: str, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    return name, tuple(sorted(labels.items()))
+def _get(samples: Samples, name: str, /, **labels: str) -> float | None:
+    """The value of the one sample of `name` whose labels include `labels` (None: no such sample)."""
+    found = [v for n, ls, v in samples if n == name and labels.items() <= ls.items()]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} samples"
+    return found[0] if found else None
+
+
+def _registry_samples(registry: CollectorRegistry) -> Samples:
+    return [(s.name, dict(s.labels), s.value) for family in registry.collect() for s in family.samples]
 
 
 def test_metrics_endpoint_reports_a_registered_tenant(tmp_path: Path) -> None:
@@ -45,29 +51,31 @@ def test_metrics_endpoint_reports_a_registered_tenant(tmp_path: Path) -> None:
     with in_process_server(tmp_path / "state", metrics_port=port) as srv:
         with DaemonClient(srv.socket) as c:
             c.register(pb.RegisterRequest(tenant="web", weight=250, engines=["compute", "decode"]))
-        m = wait_until(lambda: (s := _scrape(port)).get(_key("unisched_tenant_weight", tenant="web")) and s,
+        m = wait_until(lambda: s if _get(s := _scrape(port), "unisched_tenant_weight", tenant="web") else None,
                        10, "the tenant in /metrics")
-        assert m[_key("unisched_tenant_weight", tenant="web")] == 250
-        assert m[_key("unisched_tenant_base_weight", tenant="web")] == 250
-        assert m[_key("unisched_tenants")] == 1
-        # one series per contention domain the tenant uses (no GPU here: GPU 0 stands in)
+        assert _get(m, "unisched_tenant_weight", tenant="web", namespace="", pod="", container="") == 250
+        assert _get(m, "unisched_tenant_base_weight", tenant="web") == 250
+        assert _get(m, "unisched_tenants") == 1
+        # one series per contention domain the tenant uses (no GPU here: GPU 0 stands in, with no UUID)
         for domain in ("sm", "nvdec"):
-            assert _key("unisched_tenant_target_share", tenant="web", gpu="0", domain=domain) in m
-            assert _key("unisched_tenant_measured_share", tenant="web", gpu="0", domain=domain) in m
-        assert m[_key("unisched_tenant_frozen", tenant="web")] == 0  # a tenant alone is never frozen
-        assert sum(m[_key("unisched_tenant_state", tenant="web", state=st)] for st in ("running", "idle", "frozen")) == 1
-        assert m[_key("unisched_tenant_gpu_seconds_total", tenant="web")] >= 0
-        assert _key("unisched_tenant_slices_total", tenant="web") in m
-        assert m[_key("unisched_tenant_processes", tenant="web")] == 1  # this test process
-        assert m[_key("unisched_tenant_over_memory", tenant="web")] == 0
-        assert m[_key("unisched_tenant_memory_bytes", tenant="web")] == 0
-        assert m[_key("unisched_view_age_seconds")] < 5
-        assert any(k[0] == "unisched_build_info" for k in m)
+            where = {"tenant": "web", "gpu": "0", "UUID": "", "domain": domain}
+            assert _get(m, "unisched_tenant_target_share_ratio", **where) is not None
+            assert _get(m, "unisched_tenant_measured_share_ratio", **where) is not None
+            assert _get(m, "unisched_tenant_gpu_seconds_total", **where) is not None
+        assert sum(_get(m, "unisched_tenant_state", tenant="web", state=st) or 0 for st in ("running", "idle", "frozen")) == 1
+        assert _get(m, "unisched_tenant_state", tenant="web", state="frozen") == 0  # a tenant alone is never frozen
+        assert _get(m, "unisched_tenant_slices_total", tenant="web") is not None
+        assert _get(m, "unisched_tenant_processes", tenant="web") == 1  # this test process
+        assert _get(m, "unisched_tenant_over_memory", tenant="web") == 0
+        assert _get(m, "unisched_tenant_memory_used_bytes", tenant="web") == 0
+        assert (_get(m, "unisched_view_age_seconds") or 0) < 5
+        assert any(n == "unisched_build_info" for n, _, _ in m)
+        assert not any(n in ("unisched_tenant_frozen", "unisched_gpu_utilization") for n, _, _ in m)  # old names
 
         # a change shows within a refresh (the collector reads a copy the loop refreshes every second)
         with DaemonClient(srv.socket) as c:
             c.set_weight("web", 400)
-        wait_until(lambda: _scrape(port).get(_key("unisched_tenant_weight", tenant="web")) == 400, 10, "weight 400")
+        wait_until(lambda: _get(_scrape(port), "unisched_tenant_weight", tenant="web") == 400, 10, "weight 400")
 
 
 def test_metrics_are_off_by_default(tmp_path: Path) -> None:
@@ -127,20 +135,23 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     assert not engine.admit_session("a", "graphics", 0xC197)  # refused: render cap 0
     assert engine.admit_session("b", "compute", 0xC6C0)
     _run_busy(engine, driver, clock, ("a", "b"), 600)
-    registry = _registry(engine)
+    samples = _registry_samples(_registry(engine))
 
     def value(metric: str, /, **labels: str) -> float | None:
-        return registry.get_sample_value(metric, labels)
+        return _get(samples, metric, **labels)
 
     assert value("unisched_tenant_weight", tenant="a") == 300
-    assert value("unisched_tenant_target_share", tenant="a", gpu="0", domain="sm") == pytest.approx(0.75)
-    assert value("unisched_tenant_target_share", tenant="b", gpu="0", domain="sm") == pytest.approx(0.25)
-    assert value("unisched_tenant_measured_share", tenant="a", gpu="0", domain="sm") == pytest.approx(0.75, abs=0.05)
+    assert value("unisched_tenant_target_share_ratio", tenant="a", gpu="0", UUID="GPU-0000", domain="sm") == \
+        pytest.approx(0.75)
+    assert value("unisched_tenant_target_share_ratio", tenant="b", gpu="0", domain="sm") == pytest.approx(0.25)
+    assert value("unisched_tenant_measured_share_ratio", tenant="a", gpu="0", domain="sm") == pytest.approx(0.75, abs=0.05)
     snaps = {s.name: s for s in engine.snapshots()}
     for name in ("a", "b"):
-        assert value("unisched_tenant_gpu_seconds_total", tenant=name) == pytest.approx(snaps[name].gpu_seconds)
+        # GPU time by GPU and domain: here all of it on GPU 0's SMs
+        assert snaps[name].gpu_seconds > 0
+        assert value("unisched_tenant_gpu_seconds_total", tenant=name, gpu="0", UUID="GPU-0000", domain="sm") == \
+            pytest.approx(snaps[name].gpu_seconds)
         assert value("unisched_tenant_slices_total", tenant=name) == snaps[name].slices > 0
-        assert value("unisched_tenant_frozen", tenant=name) == (1.0 if snaps[name].state == "frozen" else 0.0)
         assert value("unisched_tenant_state", tenant=name, state=snaps[name].state) == 1
     assert value("unisched_tenant_session_refusals_total", tenant="a", kind="graphics") == 1
     assert value("unisched_tenant_sessions", tenant="b", kind="compute") == 1
@@ -148,12 +159,12 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     assert value("unisched_tenant_memory_cap_bytes", tenant="a") == 8 * GiB
     assert value("unisched_tenant_memory_cap_bytes", tenant="b") is None  # no cap: no series
     # per GPU, per engine
-    assert value("unisched_gpu_info", gpu="0", name="NVIDIA H200", uuid="GPU-0000") == 1
-    assert value("unisched_gpu_utilization", gpu="0", engine="sm") == pytest.approx(0.99)
+    assert value("unisched_gpu_info", gpu="0", UUID="GPU-0000", modelName="NVIDIA H200") == 1
+    assert value("unisched_gpu_utilization_ratio", gpu="0", UUID="GPU-0000", engine="sm") == pytest.approx(0.99)
     assert value("unisched_gpu_sliced", gpu="0", domain="sm") == 1  # saturated: the two take turns
     assert value("unisched_gpu_open_hold_seconds", gpu="0", domain="sm") == 0
-    assert value("unisched_gpu_utilization", gpu="0", engine="dec") == pytest.approx(0.25)
-    assert value("unisched_gpu_utilization", gpu="0", engine="enc") == 0
+    assert value("unisched_gpu_utilization_ratio", gpu="0", engine="dec") == pytest.approx(0.25)
+    assert value("unisched_gpu_utilization_ratio", gpu="0", engine="enc") == 0
     assert value("unisched_gpu_memory_used_bytes", gpu="0") == 10 * GiB
     assert value("unisched_gpu_memory_total_bytes", gpu="0") == 141 * GiB
     assert value("unisched_gpu_sample_ok", gpu="0") == 1
@@ -169,11 +180,11 @@ def test_a_scrape_reads_the_copy_not_the_live_engine(tmp_path: Path) -> None:
     registry.register(UnischedCollector(view))
     engine.register("late", 100, None, (), (), 1002, 0, True)
     engine.set_weight("a", 500)
-    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "a"}) == 300
-    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "late"}) is None
+    assert _get(_registry_samples(registry), "unisched_tenant_weight", tenant="a") == 300
+    assert _get(_registry_samples(registry), "unisched_tenant_weight", tenant="late") is None
     view.refresh()
-    assert registry.get_sample_value("unisched_tenant_weight", {"tenant": "a"}) == 500
-    assert registry.get_sample_value("unisched_tenants", {}) == 2
+    assert _get(_registry_samples(registry), "unisched_tenant_weight", tenant="a") == 500
+    assert _get(_registry_samples(registry), "unisched_tenants") == 2
 
 
 def test_serve_metrics_port_flag(daemon_factory) -> None:  # type: ignore[no-untyped-def]
@@ -181,10 +192,10 @@ def test_serve_metrics_port_flag(daemon_factory) -> None:  # type: ignore[no-unt
     port = free_port()
     d = daemon_factory("--metrics-port", str(port))
     assert d.cli("run", "--tenant", f"{d.prefix}m", "--weight", "250", "--keep", "--", "true").returncode == 0
-    m = wait_until(lambda: (s := _scrape(port)).get(_key("unisched_tenant_weight", tenant=f"{d.prefix}m")) and s,
+    m = wait_until(lambda: s if _get(s := _scrape(port), "unisched_tenant_weight", tenant=f"{d.prefix}m") else None,
                    10, "the tenant in /metrics")
-    assert m[_key("unisched_tenant_weight", tenant=f"{d.prefix}m")] == 250
-    assert m[_key("unisched_tenant_frozen", tenant=f"{d.prefix}m")] == 0
+    assert _get(m, "unisched_tenant_weight", tenant=f"{d.prefix}m") == 250
+    assert _get(m, "unisched_tenant_state", tenant=f"{d.prefix}m", state="frozen") == 0
 
 
 def test_metrics_port_out_of_range_is_a_config_error(tmp_path: Path) -> None:
@@ -222,10 +233,10 @@ def test_mixed_slices_are_exported(tmp_path: Path) -> None:
     engine.register("cuda", 100, None, ("compute",), (), 1001, 0, True)
     engine.register("render", 100, None, ("graphics",), (), 1002, 0, True)
     _run_busy(engine, driver, clock, ("cuda", "render"), 60)
-    registry = _registry(engine)
+    samples = _registry_samples(_registry(engine))
     mix, kind = engine.mixed_slices(0) or (None, None)
     assert mix is not None and kind is not None
-    assert registry.get_sample_value("unisched_gpu_mixed_fraction", {"gpu": "0", "kind": "both"}) == \
+    assert _get(samples, "unisched_gpu_mixed_time_ratio", gpu="0", UUID="GPU-0000", kind="both") == \
         pytest.approx(mix.both) == pytest.approx(0.641, abs=1e-3)
-    assert registry.get_sample_value("unisched_gpu_mixed_fraction", {"gpu": "0", "kind": "graphics"}) == 0.0
-    assert registry.get_sample_value("unisched_gpu_mixed_now", {"gpu": "0", "kind": kind.value}) == 1.0
+    assert _get(samples, "unisched_gpu_mixed_time_ratio", gpu="0", kind="graphics") == 0.0
+    assert _get(samples, "unisched_gpu_mixed_now", gpu="0", kind=kind.value) == 1.0

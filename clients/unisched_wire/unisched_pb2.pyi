@@ -152,20 +152,29 @@ class RegisterRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., keep: _Optional[bool] = ..., session_hooks: _Optional[bool] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
-    __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus")
+    __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CGROUP_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: int
     priority: Priority
     cgroup: str
     engines: _containers.RepeatedScalarFieldContainer[str]
     gpus: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SetWeightRequest(_message.Message):
     __slots__ = ("tenant", "weight")

@@ -460,3 +460,14 @@ class FakeCgroupDriver:
     def managed(self) -> list[str]:
         base = f"/{self.subtree}/"
         return sorted(c for c in self.groups if c.startswith(base) and "/" not in c[len(base):])
+
+
+def cgroup_mount_problem(mount: Path) -> str | None:
+    """Why `mount` is not a mounted cgroup (v1 or v2) filesystem now, or None (the daemon's readiness probe)."""
+    try:
+        mounts = _mounts()
+    except OSError as e:
+        return f"cannot read /proc/self/mounts: {e.strerror or e}"
+    if any(fstype in ("cgroup", "cgroup2") and path == mount for fstype, path, _ in mounts):
+        return None
+    return f"{mount} is not a mounted cgroup filesystem"

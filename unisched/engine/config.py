@@ -36,6 +36,7 @@ __all__ = [
     "DaemonConfig",
     "DeclaredTenant",
     "KNOBS",
+    "METRICS_PORT",
     "TENANT_KEYS",
     "TIDAL_KEYS",
     "check_declared_cgroups",
@@ -50,6 +51,9 @@ DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
 DEFAULT_METRICS_LISTEN = "127.0.0.1"
+METRICS_PORT = 19400
+"""Our metrics port, where deploy/ turns metrics on: outside 9100-9999, which Prometheus' list of exporter ports
+has given out (9400 is dcgm-exporter's, which runs on the same GPU nodes)."""
 TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
 DEFAULT_NICE = -10
 """The daemon's nice value (`nice`): every registration, freeze and thaw goes through the daemon, so a burst of
@@ -144,8 +148,9 @@ class DaemonConfig:
     cpu_stand_in: bool = knob(False, "daemon", "no GPU needed: one CPU core stands in for GPU 0, its busy fraction "
                               "being the CPU time all tenants used (pin them to one core so they contend as GPU work "
                               "does); for trying unisched and for tests, never for real GPU work")
-    metrics_port: int = knob(0, "daemon", "serve Prometheus metrics on http://metrics_listen:metrics_port/metrics; "
-                             "0 = off", bounds=(0, 65535), unit="port")
+    metrics_port: int = knob(0, "daemon", "serve Prometheus metrics on http://metrics_listen:metrics_port/metrics, "
+                             f"and the /healthz and /readyz probes; 0 = off ({METRICS_PORT} is unisched's port)",
+                             bounds=(0, 65535), unit="port")
     metrics_listen: str = knob(DEFAULT_METRICS_LISTEN, "daemon", "address for metrics_port; the metrics name every "
                                "tenant, so open it wider only behind a firewall")
     listen: str | None = knob(None, "daemon", "also serve read-only calls (tenants, status, top) on TCP HOST:PORT; "

@@ -24,6 +24,7 @@ from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.engine.clock import Clock
 from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
+from unisched.engine.labels import LabelError, validate_labels
 from unisched.engine.leases import LeaseBook, LeaseError
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import (
@@ -100,6 +101,8 @@ class ResourceShare:
     resource: Resource
     target: float
     measured: float
+    gpu_seconds: float = 0.0
+    """GPU time charged on this resource since the tenant was added."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class TenantSnapshot:
     """Cooperative: its minimum run (Tuning.run_units units, capped), 0 when its units are short."""
     env: Mapping[str, str] = field(default_factory=dict)
     """What its processes start with (`unisched run` sets it): the MPS client settings while the daemon runs MPS."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Where an orchestrator runs it (engine.labels: pod, namespace, container), for metrics."""
 
 
 @dataclass(frozen=True)
@@ -184,11 +189,12 @@ class _Tenant:
     """NVML lists one of its processes on a GPU (refreshed once a second; True while unknown)."""
     ephemeral: bool = False
     """Made by `unisched run` without --keep: removed once its last process has exited (`_reap_emptied`)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def saved(self) -> SavedTenant:
         return SavedTenant(
             self.name, self.base_weight, self.priority, self.engines, self.gpus,
-            self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral,
+            self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral, self.labels,
         )
 
     def all_engines(self) -> frozenset[Engine]:
@@ -346,7 +352,7 @@ class KernelEngine:
         self._add(
             _Tenant(saved.name, saved.weight, saved.priority, saved.engines, saved.gpus, saved.cgroup, saved.adopted,
                     saved.owner_uid, missing=missing, limits=saved.limits,
-                    ephemeral=saved.ephemeral and saved.name not in self._declared),
+                    ephemeral=saved.ephemeral and saved.name not in self._declared, labels=saved.labels),
             reason="restored",
         )
 
@@ -680,12 +686,15 @@ class KernelEngine:
         cgroup: str,
         engines: Iterable[str],
         gpus: Iterable[int],
+        labels: Mapping[str, str] | None = None,
     ) -> TenantSnapshot:
+        """`labels`: where an orchestrator runs it (engine.labels), kept for metrics."""
         try:
             validate_tenant_name(name)
             if weight is not None:
                 validate_weight(weight)
-        except PolicyError as e:
+            kept = validate_labels(labels or {})
+        except (PolicyError, LabelError) as e:
             raise EngineError("invalid", str(e)) from None
         if name in self._tenants:
             raise EngineError("invalid", f"tenant {name!r} already exists; remove it first")
@@ -706,6 +715,7 @@ class KernelEngine:
             path,
             True,
             0,
+            labels=kept,
         )
         self._add(t, reason="adopted")
         self._save()
@@ -1321,7 +1331,8 @@ class KernelEngine:
             t = self._tenants[name]
             st = stats[name]
             shares = tuple(
-                ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0)) for r in sorted(t.resources)
+                ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0), st.seconds_by.get(r, 0.0))
+                for r in sorted(t.resources)
             )
             main = max(shares, key=lambda s: (s.target, s.measured), default=None)
             coop = self.leases.cooperative(name)
@@ -1357,6 +1368,7 @@ class KernelEngine:
                     unit_s=self.leases.unit_s(name),
                     turn_s=self.leases.min_run_s(name),
                     env=self._client_env(t),
+                    labels=t.labels,
                 )
             )
         return out

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import structlog
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE
 from unisched.engine.contention_file import ContentionFileError, contention_path, kept_of, read_file
+from unisched.engine.labels import validate_labels
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
 
@@ -46,6 +48,8 @@ class SavedTenant:
     limits: SessionLimits = field(default_factory=SessionLimits)
     ephemeral: bool = False
     """Removed once its last process exits (`unisched run` without --keep). Absent in older files: kept."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Where an orchestrator runs it (engine.labels); absent in older files: none."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +66,7 @@ class SavedTenant:
                 "memory_bytes": self.limits.memory_bytes,
             },
             "ephemeral": self.ephemeral,
+            "labels": dict(self.labels),
         }
 
     @staticmethod
@@ -79,6 +84,7 @@ class SavedTenant:
             owner_uid=int(d["owner_uid"]),
             limits=SessionLimits(**d.get("limits", {})),
             ephemeral=d.get("ephemeral", False) is True,
+            labels=validate_labels(d.get("labels", {})),
         )
 
 

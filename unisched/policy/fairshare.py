@@ -102,6 +102,8 @@ class TenantStats:
     measured_share: Mapping[Resource, float]
     gpu_seconds: float
     slices: int
+    seconds_by: Mapping[Resource, float] = field(default_factory=dict)
+    """`gpu_seconds` by resource (GPU and domain): what metrics export per GPU."""
 
 
 # A heap entry is a list, so that entries compare in C: [key, name, seq, owner, value].
@@ -131,6 +133,7 @@ class _Tenant:
     vtime: dict[Resource, float] = field(default_factory=dict)
     demand: frozenset[Resource] = frozenset()
     gpu_seconds: float = 0.0
+    seconds_by: dict[Resource, float] = field(default_factory=dict)
     slices: int = 0
     last_run_end: float = float("-inf")
     turn_started: float | None = None
@@ -426,6 +429,7 @@ class WeightedFairShare:
             if entry is not None:
                 entry[_VALUE] = v  # its heap place is fixed when it reaches the top
         t.gpu_seconds += gpu_seconds
+        t.seconds_by[resource] = t.seconds_by.get(resource, 0.0) + gpu_seconds
         t.window[resource] = t.window.get(resource, 0.0) + gpu_seconds
         self._window_total[resource] = self._window_total.get(resource, 0.0) + gpu_seconds
         self._charges.append((now, t, resource, gpu_seconds))
@@ -862,6 +866,7 @@ class WeightedFairShare:
                     },
                     gpu_seconds=t.gpu_seconds,
                     slices=t.slices,
+                    seconds_by=dict(t.seconds_by),
                 )
             )
         return out

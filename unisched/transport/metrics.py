@@ -1,31 +1,42 @@
-"""Prometheus exposition: a collector over the engine's one snapshot type, served by prometheus-client.
+"""Prometheus exposition: a collector over the engine's one snapshot type, served with the health probes.
 
-The HTTP server runs in prometheus-client's own thread, so a scrape never waits on the asyncio loop; the
-engine is only touched on the loop. `EngineView.run()` (an asyncio task beside the engine) copies the
-tenant snapshots and the GPU samples into one immutable `View` every second, and the collector reads
-whichever `View` is current when the scrape comes (one attribute read: a consistent copy, no lock).
+The names, types, help texts and labels come from one list (transport.metric_names). The HTTP server runs in
+its own thread, so a scrape or a probe never waits on the asyncio loop; the engine is only touched on the
+loop. `EngineView.run()` (an asyncio task beside the engine) copies the tenant snapshots and the GPU samples
+into one immutable `View` every second, and the collector reads whichever `View` is current when the scrape
+comes (one attribute read: a consistent copy, no lock).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
 from unisched.engine.core import KernelEngine, TenantSnapshot
+from unisched.engine.labels import LABEL_KEYS
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
 from unisched.telemetry import GpuInfo, GpuSample
+from unisched.transport.health import Health
+from unisched.transport.metric_names import FAMILIES, family
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse
+    from wsgiref.types import WSGIApplication as WSGIApp
 
 __all__ = ["REFRESH_S", "EngineView", "MetricsServer", "UnischedCollector", "View", "start_metrics_server"]
 
@@ -89,127 +100,109 @@ class UnischedCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         view = self.view.current
-        info = GaugeMetricFamily("unisched_build_info", "unisched version (always 1)", labels=["version", "mode"])
-        info.add_metric([__version__, view.mode if view else ""], 1.0)
-        yield info
-        if view is None:
-            return
-        age = GaugeMetricFamily("unisched_view_age_seconds", "Age of the engine state this scrape reports "
-                                                             "(it grows when the daemon's loop is stuck)")
-        age.add_metric([], max(0.0, time.monotonic() - view.taken))
-        yield age
-        count = GaugeMetricFamily("unisched_tenants", "Tenants known to the daemon")
-        count.add_metric([], float(len(view.tenants)))
-        yield count
-        yield from _tenant_metrics(view.tenants)
-        yield from _gpu_metrics(view.gpus, view.samples)
-        yield from _gate_metrics(view.gates, self.view.engine.config.slice_ms / 1000.0)
-        yield from _mix_metrics(view.mixes)
+        out = _Families()
+        out.add("unisched_build_info", [__version__, view.mode if view else ""], 1.0)
+        if view is not None:
+            out.add("unisched_view_age_seconds", [], max(0.0, time.monotonic() - view.taken))
+            out.add("unisched_tenants", [], float(len(view.tenants)))
+            uuids = {g.index: g.uuid for g in view.gpus}
+            _tenant_metrics(out, view.tenants, uuids)
+            _gpu_metrics(out, view.gpus, view.samples)
+            _gate_metrics(out, view.gates, uuids, self.view.engine.config.slice_ms / 1000.0)
+            _mix_metrics(out, view.mixes, uuids)
+        yield from out.families()
 
 
-def _tenant_metrics(tenants: Sequence[TenantSnapshot]) -> Iterator[Metric]:
-    t_ = ["tenant"]
-    weight = GaugeMetricFamily("unisched_tenant_weight", "Weight in effect (after tidal schedules)", labels=t_)
-    base = GaugeMetricFamily("unisched_tenant_base_weight", "Configured weight", labels=t_)
-    target = GaugeMetricFamily("unisched_tenant_target_share", "Share the tenant is entitled to now (0..1) "
-                               "per contention domain", labels=["tenant", "gpu", "domain"])
-    measured = GaugeMetricFamily("unisched_tenant_measured_share", "Share the tenant got over the share window "
-                                 "(0..1) per contention domain", labels=["tenant", "gpu", "domain"])
-    seconds = CounterMetricFamily("unisched_tenant_gpu_seconds", "GPU seconds charged to the tenant", labels=t_)
-    slices = CounterMetricFamily("unisched_tenant_slices", "Slices the tenant was given", labels=t_)
-    refusals = CounterMetricFamily("unisched_tenant_session_refusals", "Sessions (and memory-cap crossings, "
-                                   "kind=memory) refused", labels=["tenant", "kind"])
-    sessions = GaugeMetricFamily("unisched_tenant_sessions", "Live GPU sessions by kind", labels=["tenant", "kind"])
-    caps = GaugeMetricFamily("unisched_tenant_session_cap", "Session cap in effect (absent: unlimited)",
-                             labels=["tenant", "kind"])
-    frozen = GaugeMetricFamily("unisched_tenant_frozen", "1 while the tenant's cgroup is frozen", labels=t_)
-    state = GaugeMetricFamily("unisched_tenant_state", "1 for the tenant's state (running, idle, frozen)",
-                              labels=["tenant", "state"])
-    memory = GaugeMetricFamily("unisched_tenant_memory_bytes", "GPU memory NVML reports for the tenant's "
-                               "processes", labels=t_)
-    memory_cap = GaugeMetricFamily("unisched_tenant_memory_cap_bytes", "GPU memory cap (absent: none)", labels=t_)
-    over = GaugeMetricFamily("unisched_tenant_over_memory", "1 while the tenant is over its memory cap", labels=t_)
-    pids = GaugeMetricFamily("unisched_tenant_processes", "Processes in the tenant's cgroup", labels=t_)
+class _Families:
+    """One metric family per entry of metric_names.FAMILIES, each built from that entry alone: the list is the
+    only place a name, type, help text or label set is written."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+
+    def add(self, name: str, labels: Sequence[str], value: float) -> None:
+        fam = self._by_name.get(name)
+        if fam is None:
+            spec = family(name)
+            cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            fam = self._by_name[name] = cls(spec.name, spec.help, labels=list(spec.labels))
+        fam.add_metric(list(labels), value)
+
+    def families(self) -> Iterator[Metric]:
+        """Every family of the list, in its order (empty ones too: HELP and TYPE say what may appear)."""
+        for spec in FAMILIES:
+            fam = self._by_name.get(spec.name)
+            if fam is None:
+                cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+                fam = cls(spec.name, spec.help, labels=list(spec.labels))
+            yield fam
+
+
+def _gpu(index: int, uuids: Mapping[int, str]) -> list[str]:
+    """The per-GPU labels (gpu, UUID); UUID is empty where no GPU is seen (GPU 0 stands in without NVML)."""
+    return [str(index), uuids.get(index, "")]
+
+
+def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Mapping[int, str]) -> None:
     for s in tenants:
-        n = [s.name]
-        weight.add_metric(n, float(s.weight))
-        base.add_metric(n, float(s.base_weight))
+        n = [s.name, *(s.labels.get(k, "") for k in LABEL_KEYS)]
+        out.add("unisched_tenant_weight", n, float(s.weight))
+        out.add("unisched_tenant_base_weight", n, float(s.base_weight))
         for share in s.shares:
-            labels = [s.name, str(share.resource.gpu), share.resource.domain]
-            target.add_metric(labels, share.target)
-            measured.add_metric(labels, share.measured)
-        seconds.add_metric(n, s.gpu_seconds)
-        slices.add_metric(n, float(s.slices))
+            where = [*n, *_gpu(share.resource.gpu, uuids), share.resource.domain]
+            out.add("unisched_tenant_target_share_ratio", where, share.target)
+            out.add("unisched_tenant_measured_share_ratio", where, share.measured)
+            out.add("unisched_tenant_gpu_seconds", where, share.gpu_seconds)
+        out.add("unisched_tenant_slices", n, float(s.slices))
         for kind, k in sorted(s.refusals.items()):
-            refusals.add_metric([s.name, kind], float(k))
+            out.add("unisched_tenant_session_refusals", [*n, kind], float(k))
         for kind, k in sorted(s.sessions.items()):
-            sessions.add_metric([s.name, kind], float(k))
+            out.add("unisched_tenant_sessions", [*n, kind], float(k))
         for kind, cap in sorted(s.caps.items()):
             if cap is not None:
-                caps.add_metric([s.name, kind], float(cap))
-        frozen.add_metric(n, 1.0 if s.state == "frozen" else 0.0)
+                out.add("unisched_tenant_session_cap", [*n, kind], float(cap))
         for st in _STATES:
-            state.add_metric([s.name, st], 1.0 if s.state == st else 0.0)
-        memory.add_metric(n, float(s.memory_bytes))
+            out.add("unisched_tenant_state", [*n, st], 1.0 if s.state == st else 0.0)
+        out.add("unisched_tenant_memory_used_bytes", n, float(s.memory_bytes))
         if s.memory_cap is not None:
-            memory_cap.add_metric(n, float(s.memory_cap))
-        over.add_metric(n, 1.0 if s.over_memory else 0.0)
-        pids.add_metric(n, float(len(s.pids)))
-    yield from (weight, base, target, measured, seconds, slices, refusals, sessions, caps, frozen, state, memory,
-                memory_cap, over, pids)
+            out.add("unisched_tenant_memory_cap_bytes", n, float(s.memory_cap))
+        out.add("unisched_tenant_over_memory", n, 1.0 if s.over_memory else 0.0)
+        out.add("unisched_tenant_processes", n, float(len(s.pids)))
 
 
-def _gpu_metrics(gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> Iterator[Metric]:
+def _gpu_metrics(out: _Families, gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> None:
     by_index = {s.index: s for s in samples}
-    info = GaugeMetricFamily("unisched_gpu_info", "GPUs the daemon sees (always 1)", labels=["gpu", "name", "uuid"])
-    util = GaugeMetricFamily("unisched_gpu_utilization", "Busy fraction (0..1) over the last slice per engine "
-                             "(sm: SMs, dec: NVDEC, enc: NVENC)", labels=["gpu", "engine"])
-    used = GaugeMetricFamily("unisched_gpu_memory_used_bytes", "GPU memory in use", labels=["gpu"])
-    total = GaugeMetricFamily("unisched_gpu_memory_total_bytes", "GPU memory", labels=["gpu"])
-    ok = GaugeMetricFamily("unisched_gpu_sample_ok", "1 when the last NVML sample of the GPU succeeded "
-                           "(0: GPU lost, Xid)", labels=["gpu"])
     for g in gpus:
-        i = str(g.index)
-        info.add_metric([i, g.name, g.uuid], 1.0)
-        total.add_metric([i], float(g.memory_total))
+        key = [str(g.index), g.uuid]
+        out.add("unisched_gpu_info", [*key, g.name], 1.0)
+        out.add("unisched_gpu_memory_total_bytes", key, float(g.memory_total))
         s = by_index.get(g.index)
         if s is None:
             continue
         for engine, value in (("sm", s.sm_util), ("dec", s.dec_util), ("enc", s.enc_util)):
-            util.add_metric([i, engine], value)
-        used.add_metric([i], float(s.memory_used))
-        ok.add_metric([i], 1.0 if s.ok else 0.0)
-    yield from (info, util, used, total, ok)
+            out.add("unisched_gpu_utilization_ratio", [*key, engine], value)
+        out.add("unisched_gpu_memory_used_bytes", key, float(s.memory_used))
+        out.add("unisched_gpu_sample_ok", key, 1.0 if s.ok else 0.0)
 
 
-def _gate_metrics(gates: Sequence[GateState], slice_s: float) -> Iterator[Metric]:
-    labels = ["gpu", "domain"]
-    sliced = GaugeMetricFamily("unisched_gpu_sliced", "1 while the tenants of a GPU domain take turns (it is "
-                               "saturated), 0 while every tenant runs", labels=labels)
-    held = GaugeMetricFamily("unisched_gpu_open_hold_seconds", "How long a GPU domain stays open whatever its "
-                             "busy fraction, because slicing left its turns unused (paced tenants)", labels=labels)
+def _gate_metrics(out: _Families, gates: Sequence[GateState], uuids: Mapping[int, str], slice_s: float) -> None:
     for g in gates:
-        key = [str(g.resource.gpu), g.resource.domain]
-        sliced.add_metric(key, 1.0 if g.sliced else 0.0)
-        held.add_metric(key, g.held_slices * slice_s)
-    yield from (sliced, held)
+        key = [*_gpu(g.resource.gpu, uuids), g.resource.domain]
+        out.add("unisched_gpu_sliced", key, 1.0 if g.sliced else 0.0)
+        out.add("unisched_gpu_open_hold_seconds", key, g.held_slices * slice_s)
 
 
-def _mix_metrics(mixes: Sequence[tuple[int, OverlapMix, SliceKind]]) -> Iterator[Metric]:
-    labels = ["gpu", "kind"]
-    fraction = GaugeMetricFamily("unisched_gpu_mixed_fraction", "Where compute and graphics overlap partly: the "
-                                 "part of the time each kind of slice gets (both, compute, graphics)", labels=labels)
-    now = GaugeMetricFamily("unisched_gpu_mixed_now", "1 for the kind of mixed slice running now", labels=labels)
+def _mix_metrics(out: _Families, mixes: Sequence[tuple[int, OverlapMix, SliceKind]], uuids: Mapping[int, str]) -> None:
     for gpu, mix, kind in mixes:
         for k in SliceKind:
-            fraction.add_metric([str(gpu), k.value], mix.fraction(k))
-            now.add_metric([str(gpu), k.value], 1.0 if k is kind else 0.0)
-    yield from (fraction, now)
+            key = [*_gpu(gpu, uuids), k.value]
+            out.add("unisched_gpu_mixed_time_ratio", key, mix.fraction(k))
+            out.add("unisched_gpu_mixed_now", key, 1.0 if k is kind else 0.0)
 
 
 @dataclass
 class MetricsServer:
-    """The running exposition: prometheus-client's HTTP server and its thread."""
+    """The running HTTP listener (/metrics, /healthz, /readyz) and its thread."""
 
     httpd: WSGIServer
     thread: threading.Thread
@@ -223,12 +216,46 @@ class MetricsServer:
         self.thread.join(5.0)
 
 
-def start_metrics_server(host: str, port: int, view: EngineView) -> MetricsServer:
-    """Serve /metrics for `view` on HOST:PORT in a thread (a registry of our own: no process globals)."""
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes and probes every few seconds: not worth a log line each."""
+
+
+def _app(registry: CollectorRegistry, health: Health | None) -> WSGIApp:
+    """/metrics (also /, as prometheus-client serves it), and /healthz and /readyz when `health` is given."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        probe = {"/healthz": health.live, "/readyz": health.ready}.get(path) if health is not None else None
+        if probe is not None:
+            result = probe()
+            start_response(f"{result.status} {'OK' if result.ok else 'Service Unavailable'}",
+                           [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
+            return [result.body.encode()]
+        if path in ("/", "/metrics"):
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: try /metrics, /healthz or /readyz\n"]
+
+    return app
+
+
+def start_metrics_server(host: str, port: int, view: EngineView, health: Health | None = None) -> MetricsServer:
+    """Serve /metrics for `view` (and the probes of `health`) on HOST:PORT in a thread (a registry of our own:
+    no process globals)."""
     registry = CollectorRegistry()
     registry.register(UnischedCollector(view))
+
+    class Server(ThreadingWSGIServer):
+        """ThreadingWSGIServer with the address family of HOST (an IPv6 address needs AF_INET6)."""
+
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        family_, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        Server.address_family = family_
+        httpd = make_server(str(sockaddr[0]), port, _app(registry, health), Server, handler_class=_QuietHandler)
     except OSError as e:
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+    thread = threading.Thread(target=httpd.serve_forever, name="unisched-metrics", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread, host, int(httpd.server_address[1]))

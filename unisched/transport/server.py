@@ -27,6 +27,7 @@ from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.claim import replace_stale_socket
 from unisched.transport.client import AGENT_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
+from unisched.transport.health import beats, probes
 from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
@@ -139,6 +140,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 request.cgroup,
                 list(request.engines),
                 list(request.gpus),
+                dict(request.labels),
             )
         except EngineError as e:
             await self._fail(context, e)
@@ -314,7 +316,9 @@ async def serve_async(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     notifier = Notifier.from_env()
-    engine_task = asyncio.create_task(run_engine(engine, stop, _watchdog(notifier, engine)))
+    served = asyncio.Event()
+    health = probes(config, engine, nvml, served.is_set)
+    engine_task = asyncio.create_task(run_engine(engine, stop, beats(health.heartbeat, _watchdog(notifier, engine))))
     metrics: MetricsServer | None = None
     metrics_task: asyncio.Task[None] | None = None
     try:
@@ -322,10 +326,11 @@ async def serve_async(
         await agent.start()
         await relay.start()
         _secure_socket(config.socket, config.socket_group)
+        served.set()
         if config.metrics_port:
             view = EngineView(engine)
             view.refresh()
-            metrics = start_metrics_server(config.metrics_listen, config.metrics_port, view)
+            metrics = start_metrics_server(config.metrics_listen, config.metrics_port, view, health)
             metrics_task = asyncio.create_task(view.run(stop))
         log.info(
             "serving",

@@ -63,10 +63,20 @@ class PodClaim:
     render: int
     decode: int
     device_ids: frozenset[str]
+    container: str = ""
+    """The container whose gpu-weight IDs name the tenant ("" when the claim is the pod's, as DRA's)."""
 
     @property
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """What the daemon exports with the tenant's metrics (dcgm-exporter's label names)."""
+        out = {"namespace": self.namespace, "pod": self.name}
+        if self.container:
+            out["container"] = self.container
+        return out
 
 
 def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
@@ -75,17 +85,19 @@ def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
     for pod in pods:
         held: dict[str, list[str]] = {WEIGHT: [], RENDER: [], DECODE: []}
         first: list[str] = []
+        container = ""
         for c in pod.containers:
             for d in c.devices:
                 if d.resource_name in held:
                     held[d.resource_name] += list(d.device_ids)
                     if d.resource_name == WEIGHT and not first:
-                        first = list(d.device_ids)
+                        first, container = list(d.device_ids), c.name
         if not first:
             continue
         gpus = sorted({u.gpu for i in held[WEIGHT] if (u := parse_id(i)) is not None})
         out.append(PodClaim(pod.namespace, pod.name, tenant_name(first), len(held[WEIGHT]), tuple(gpus),
-                            len(held[RENDER]), len(held[DECODE]), frozenset(held[WEIGHT] + held[RENDER] + held[DECODE])))
+                            len(held[RENDER]), len(held[DECODE]), frozenset(held[WEIGHT] + held[RENDER] + held[DECODE]),
+                            container))
     return out
 
 
@@ -273,7 +285,7 @@ class PodAdopter:
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)
         self.daemon.adopt(pb.AdoptRequest(tenant=claim.tenant, weight=claim.weight, priority=priority, cgroup=cgroup,
-                                          engines=engines, gpus=list(claim.gpus)))
+                                          engines=engines, gpus=list(claim.gpus), labels=claim.labels))
         limits = {}
         if RENDER in self.caps:
             limits["render"] = claim.render
