@@ -67,8 +67,9 @@ def test_two_cooperative_clients_at_3_to_1_share_3_to_1(daemon: Daemon, tenant_p
 @pytest.mark.parametrize(("unit_ms", "long_turns"), [(2.0, False), (30.0, True)])
 def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tenant_prefix: str, unit_ms: float,
                                                             long_turns: bool) -> None:
-    """30 ms units: turns of 8 (240 ms, 12 of the test daemon's 20 ms slices) instead of a slice or two; 2 ms units keep
-    short turns."""
+    """30 ms units: turns of 8 (240 ms, 12 of the test daemon's 20 ms slices) instead of a slice or two. 2 ms units:
+    turns as long as the measured hand-over gap asks (it costs at most 1% of a turn), whatever this machine's load
+    makes that gap."""
     names = [f"{tenant_prefix}{n}" for n in "ab"]
     procs = [worker(daemon, n, "--unit-ms", str(unit_ms), seconds=4) for n in names]
     if long_turns:  # shown while they run: `unisched tenants --json`
@@ -77,15 +78,15 @@ def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tena
         assert all(t["unit_ms"] == pytest.approx(30.0, rel=0.25) and t["turn_ms"] > 200 for t in shown), shown
     results = [result(p) for p in procs]
     events = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
-    turns = {e["tenant"]: e["min_run_ms"] for e in events if e["event"] == "lease turns"}
+    turns = [e for e in events if e["event"] == "lease turns"]
+    last = {e["tenant"]: e["min_run_ms"] for e in turns}
     revokes = sum(r["revokes"] for r in results)
+    for e in turns:  # each turn follows from the units and the hand-over gap measured then
+        want = min(500.0, max(8 * e["unit_ms"], e["handover_ms"] / 0.01))
+        assert e["min_run_ms"] == pytest.approx(want if want >= 40 else 0.0, abs=1.0), e
     if long_turns:
-        assert turns == {n: pytest.approx(240, rel=0.2) for n in names}, turns
+        assert set(last) == set(names) and all(v >= 0.8 * 240 for v in last.values()), turns
         assert revokes < 40, results  # 4 s of 250 ms turns: ~16 hand-overs (measured 15)
-    else:
-        # a slice or two a turn (measured 103); a first unit stretched by this 2-core machine's load can earn a
-        # turn for a moment, which the log then takes back: what counts is that none is left
-        assert all(v == 0 for v in turns.values()) and revokes > 60, (turns, results)
     assert 0.8 < results[0]["used_s"] / results[1]["used_s"] < 1.25, results
     assert not any(tenant(daemon, n)["enforced"] for n in names)  # a unit run past a revoke is no overrun
 

@@ -15,7 +15,7 @@ from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig
 from unisched.engine.core import EngineError, KernelEngine
 from unisched.engine.state import StateStore
-from unisched.policy import Mode, Priority
+from unisched.policy import Engine, Mode, Priority
 from unisched.policy.leases import OverrunMeter
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
@@ -302,6 +302,29 @@ def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
         a.report(delay if a.held else 0.0)
     assert 0.9 < a.used / kern_cpu < 1.1
     assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
+
+
+@pytest.mark.parametrize(("gap_s", "turn_s"), [(0.0, 0.0), (0.0015, 0.15), (0.02, 0.5)])
+def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, gap_s: float,
+                                                                    turn_s: float) -> None:
+    """Short units, and each holder's first work starts `gap_s` after the yield before it: turns long enough for
+    the gap to cost Tuning.handover_share (1%) of them, at most lease_max_run_ms (500), none under two slices."""
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    b.want()
+    for _ in range(200):
+        delay = rig.tick()
+        rig.clock.advance(delay)
+        for c in (a, b):
+            if c.held:  # started gap_s after its grant (the hand-over's), short units
+                c.report(delay - (gap_s if len(c.grants) > 1 and c.grants[-1] is not None else 0.0), units=20)
+            else:
+                c.report(0.0)
+    assert rig.engine.leases.min_run_s("a") == pytest.approx(turn_s, rel=0.05)
+    if gap_s:
+        assert rig.engine.leases.handover_gap_s(rig.engine.leases.resource(0, Engine.COMPUTE)) == \
+            pytest.approx(gap_s, rel=0.05)
 
 
 FREEZE_TAIL_S = 0.002

@@ -31,10 +31,11 @@ MAX_REPORT_S = 60.0
 """GPU seconds one report may carry (a report covers well under a second of work)."""
 
 
-def min_run_for(unit_s: float, slice_s: float, max_run_s: float) -> float:
-    """The minimum run a tenant with units of `unit_s` earns: Tuning.run_units of them, at most `max_run_s`; 0 below
-    two slices (a turn of two slices is what the holder's tie rule gives anyway)."""
-    run = min(max_run_s, TUNING.run_units * unit_s)
+def min_run_for(unit_s: float, slice_s: float, max_run_s: float, handover_s: float = 0.0) -> float:
+    """The minimum run a tenant with units of `unit_s` earns: Tuning.run_units of them, and long enough that a
+    hand-over gap of `handover_s` costs at most Tuning.handover_share of it; at most `max_run_s`, and 0 below two
+    slices (a turn of two slices is what the holder's tie rule gives anyway)."""
+    run = min(max_run_s, max(TUNING.run_units * unit_s, handover_s / TUNING.handover_share))
     return run if run >= 2 * slice_s else 0.0
 
 
@@ -66,6 +67,8 @@ class _Lease:
     contended: bool
     slice_left_s: float = 0.0
     jump: bool = False
+    handed_at: float | None = None
+    """When the holder before it yielded, for a lease granted at that hand-over: its first report measures the gap."""
 
 
 @dataclass
@@ -119,6 +122,10 @@ class LeaseBook:
         self._credit: dict[tuple[str, Resource], float] = {}
         """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
         off its next charges, so the overlap's wall time is charged once in all, half to each."""
+        self._yielded: dict[Resource, float] = {}
+        """When a revoked holder last yielded each resource (the hand-over gap counts from then)."""
+        self._gap_s: dict[Resource, float] = {}
+        """Per resource, the mean time the GPU waited at a hand-over between two cooperative holders."""
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
         """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
 
@@ -254,8 +261,14 @@ class LeaseBook:
         handed = False
         h = self._handover.get(r)
         if (release or yielded) and h is not None and h.tenant == s.tenant:
+            if h.overlap is None:
+                self._yielded[r] = now
             self._end_handover(r, now)  # first: an overlap it ends is credited against this very report
             handed = True
+        held = c.leases.get(r)
+        if held is not None and held.handed_at is not None and gpu_s > 0:
+            self._note_gap(r, now - gpu_s - held.handed_at)
+            held.handed_at = None
         verdict = None
         if gpu_s > 0:
             self._reported.setdefault(r, []).append((now, gpu_s))
@@ -287,11 +300,30 @@ class LeaseBook:
             s.released.discard(engine)
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
+    def _note_gap(self, r: Resource, gap_s: float) -> None:
+        """A hand-over's measured gap (from the yield to the next holder's first work, at most a slice: longer is the
+        app's own pause, not the hand-over's), and the minimum runs of the cooperative tenants on `r` that follow."""
+        gap_s = min(self.slice_s, max(0.0, gap_s))
+        old = self._gap_s.get(r)
+        self._gap_s[r] = gap = gap_s if old is None else old + TUNING.unit_ewma * (gap_s - old)
+        for tenant, c in self._coop.items():
+            if r in c.demand or r in c.leases:
+                self._set_min_run(tenant, self._unit_s.get(tenant, 0.0), gap)
+
+    def handover_gap_s(self, r: Resource) -> float | None:
+        """The mean measured hand-over gap between cooperative holders of `r`, once one was measured."""
+        return self._gap_s.get(r)
+
     def _note_units(self, tenant: str, unit_s: float) -> None:
         old = self._unit_s.get(tenant)
         unit = unit_s if old is None else old + TUNING.unit_ewma * (unit_s - old)
         self._unit_s[tenant] = unit
-        run = min_run_for(unit, self.slice_s, self.max_run_s)
+        c = self._coop.get(tenant)
+        gaps = [self._gap_s.get(r, 0.0) for r in (c.demand | set(c.leases))] if c is not None else []
+        self._set_min_run(tenant, unit, max(gaps, default=0.0))
+
+    def _set_min_run(self, tenant: str, unit: float, gap_s: float) -> None:
+        run = min_run_for(unit, self.slice_s, self.max_run_s, gap_s)
         last = self._min_run.get(tenant, 0.0)
         if abs(run - last) <= 0.1 * max(run, last):
             return
@@ -300,8 +332,10 @@ class LeaseBook:
         logged = self._logged_run.get(tenant, 0.0)
         if (run == 0.0) != (logged == 0.0) or abs(run - logged) > 0.25 * max(run, logged):
             self._logged_run[tenant] = run
+            reason = ("units long against the slice" if run and run <= TUNING.run_units * unit + 1e-9 else
+                      "hand-overs long against the slice" if run else "units and hand-overs short against the slice")
             log.info("lease turns", tenant=tenant, unit_ms=round(unit * 1000, 2), min_run_ms=round(run * 1000, 1),
-                     reason="units long against the slice" if run else "units short against the slice")
+                     handover_ms=round(gap_s * 1000, 3), reason=reason)
 
     def _drop_units(self, tenant: str) -> None:
         """No lease session left: a kernel tenant again, turned one slice at a time."""
@@ -435,7 +469,10 @@ class LeaseBook:
                         continue  # the previous holder is finishing its unit: grant once it yields
                 if lease is None:
                     engine = self._engine_of(c, r)
-                    lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended)
+                    yielded = self._yielded.pop(r, None)
+                    direct = yielded is not None and now - yielded <= TUNING.handover_grant_slices * self.slice_s
+                    lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended,
+                                                 handed_at=yielded if direct else None)
                     log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))
                     self._meter(c, r).hold(now)
