@@ -28,8 +28,8 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
+    monotonic = staticmethod(time.monotonic)
+    """time.monotonic itself, not a method calling it: acquire() and done() ask it on every unit."""
 
     def wait(self, cond: threading.Condition, timeout: float | None) -> None:
         cond.wait(timeout)

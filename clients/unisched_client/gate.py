@@ -106,7 +106,12 @@ class Gate:
                         c._send_locked(pb.LeaseRequest(want=pb.LeaseWant(engine=self.engine)))
                     start_as = may_start(self, c.governed, now, fresh_want)
                     if start_as is not Start.WAIT:
-                        self._started_locked(start_as, now - start)
+                        if start_as is Start.JUMP:
+                            self.jump = False  # once per release: the grant (or its absence) says the rest
+                            self.jumps += 1
+                        elif start_as is Start.HELD:
+                            self.waited_s += now - start
+                        self.open_units += 1
                         return True
                     if self.owes_yield:
                         self.yield_locked()
@@ -120,14 +125,6 @@ class Gate:
             finally:
                 self.blocked = False
                 self.last_use = clock.monotonic()
-
-    def _started_locked(self, start_as: Start, waited_s: float) -> None:
-        if start_as is Start.JUMP:
-            self.jump = False  # once per release: the grant (or its absence) says the rest
-            self.jumps += 1
-        elif start_as is Start.HELD:
-            self.waited_s += waited_s
-        self.open_units += 1
 
     def done(self, gpu_seconds: float, units: int = 1) -> None:
         """Report the measured GPU time of the unit just finished (sent with the next renewal). `units=0` for a
