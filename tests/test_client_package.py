@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -60,5 +63,42 @@ def test_the_client_imports_only_the_standard_library_protobuf_the_wire_and_its_
                 for imp in graph.find_modules_directly_imported_by(mod)}
     allowed = {"unisched_client", "unisched_wire", "google", *BLOCKED_BY_EXTRA.values(), *sys.stdlib_module_names}
     assert imported - allowed == set()
-    wire = {imp for imp in graph.find_modules_directly_imported_by("unisched_client.client") if imp.startswith("unisched_wire")}
+    wire = {imp for mod in graph.find_descendants("unisched_client")
+            for imp in graph.find_modules_directly_imported_by(mod) if imp.startswith("unisched_wire")}
     assert wire == {"unisched_wire.unisched_pb2", "unisched_wire.leasewire", "unisched_wire.tenantenv"}
+
+
+CLIENT_CONTRACT = "The client library imports only the wire module (and the standard library and protobuf) "
+
+
+def _lint_a_copy(tmp_path: Path, added_import: str | None) -> subprocess.CompletedProcess[str]:
+    """lint-imports with this checkout's contracts on a copy of the client package, `added_import` added to one of
+    its modules (the daemon's package comes from this checkout)."""
+    lint = shutil.which("lint-imports")
+    if lint is None:
+        pytest.skip("lint-imports is not installed (pip install -e '.[test]')")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    for package in ("unisched_client", "unisched_wire"):
+        shutil.copytree(CLIENTS / package, tmp_path / "clients" / package, ignore=shutil.ignore_patterns("__pycache__"))
+    if added_import is not None:
+        with (tmp_path / "clients" / "unisched_client" / "renewals.py").open("a") as f:
+            f.write(f"\nimport {added_import}  # noqa: E402\n")
+    env = {**child_env(), "PYTHONPATH": f"{tmp_path / 'clients'}:{ROOT}"}
+    return subprocess.run([lint, "--config", str(tmp_path / "pyproject.toml"), "--no-cache"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("forbidden", ["grpc", "unisched.engine.clock", "unisched_wire.unisched_pb2_grpc"])
+def test_the_import_contract_breaks_when_the_client_imports_grpc_or_the_daemon(tmp_path: Path, forbidden: str) -> None:
+    out = _lint_a_copy(tmp_path, forbidden)
+    assert out.returncode == 1, out.stdout[-3000:]
+    report = " ".join(out.stdout.split())
+    assert f"{CLIENT_CONTRACT}BROKEN" in report and re.search(r"Contracts: \d+ kept, 1 broken\.", report), report[-3000:]
+    assert f"unisched_client.renewals -> {forbidden}" in report, report[-3000:]
+
+
+def test_the_import_contract_holds_on_an_unchanged_copy(tmp_path: Path) -> None:
+    """The control for the test above: the copy alone keeps every contract, so what broke it was the import."""
+    out = _lint_a_copy(tmp_path, None)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert f"{CLIENT_CONTRACT}KEPT" in " ".join(out.stdout.split())

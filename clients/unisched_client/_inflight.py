@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from unisched_client.client import Gate
+from unisched_client.gate import Gate
 
 __all__ = ["InFlight"]
 

@@ -26,7 +26,8 @@ try:
 except ModuleNotFoundError as e:
     raise missing_extra(e, "av") from None
 
-from unisched_client.client import Client, CodecRefused
+from unisched_client.client import Client
+from unisched_client.errors import CodecRefused
 
 __all__ = ["CodecRefused", "HardwareDecoder", "HardwareEncoder"]
 

@@ -24,7 +24,7 @@ except ModuleNotFoundError as e:
     raise missing_extra(e, "torch") from None
 
 from unisched_client._inflight import InFlight
-from unisched_client.client import Gate
+from unisched_client.gate import Gate
 
 __all__ = ["TorchStep"]
 
