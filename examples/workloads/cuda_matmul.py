@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="torch.cuda.synchronize() after this many matmuls; bounds the queued "
                              "work a frozen tenant leaves behind (default: 4)")
     parser.add_argument("--device", default="cuda:0", help="torch device (default: cuda:0)")
+    parser.add_argument("--client", metavar="TENANT", default=None,
+                        help="run as a cooperative client of unisched under this tenant name: each step of "
+                             "--sync-every matmuls is gated by `client.step()` (leases) instead of being "
+                             "synchronised, as an app using the client library would")
+    parser.add_argument("--weight", type=int, default=100, help="with --client: the tenant's weight (default: 100)")
+    parser.add_argument("--socket", default=None, help="with --client: the daemon's socket (default: the client's)")
     args = parser.parse_args(argv)
     if args.size <= 0 or args.sync_every <= 0 or args.seconds <= 0:
         parser.error("--size, --sync-every and --seconds must be positive")
@@ -73,12 +79,44 @@ def make_step(size: int, sync_every: int, device: str) -> tuple[Callable[[], int
     return step, info
 
 
+def make_client_step(size: int, matmuls: int, device: str, tenant: str, weight: int,
+                     socket: str | None) -> tuple[Callable[[], int], dict[str, Any]]:
+    """A step of `matmuls` matmuls inside `client.step()`: the lease gates it and CUDA events time it, with one or
+    two steps in flight (unisched_client.torch), never synchronised one by one."""
+    import torch  # type: ignore[import-not-found, unused-ignore]
+
+    from unisched_client import Client  # type: ignore[import-not-found, unused-ignore]
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch.cuda.is_available() is False (no GPU or no CUDA driver)")
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(size, size, device=dev, dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(size, size, device=dev, dtype=torch.bfloat16)
+    client = Client(tenant, weight, **({"socket": socket} if socket else {}))
+    gated = client.step()
+
+    def step() -> int:
+        with gated:
+            for _ in range(matmuls):
+                torch.mm(a, b, out=out)
+        return matmuls
+
+    return step, {"device_name": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "client": tenant, "weight": weight}
+
+
 def main(argv: list[str] | None = None) -> int:
     process_start = time.time()
     args = parse_args(argv)
     start_at, end_at = plan_window(args, process_start)
     try:
-        step, info = make_step(args.size, args.sync_every, args.device)
+        if args.client:
+            step, info = make_client_step(args.size, args.sync_every, args.device, args.client, args.weight,
+                                          args.socket)
+        else:
+            step, info = make_step(args.size, args.sync_every, args.device)
     except ImportError as exc:
         return fail(f"PyTorch is not importable: {exc}")
     except RuntimeError as exc:

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Mixed-engine pairs on the GPU: a cooperative client (leases) beside an unmodified app (`unisched run`, the
+freezer), and two clients, each pair at several weights, in rounds.
+
+Why: one weight must hold whichever way a tenant is governed. The client is examples/workloads/cuda_matmul.py
+--client: each step of K bf16 4096x4096 matmuls inside `client.step()` (K=8 is about 1.7 ms on the H200, K=240
+about 50 ms). The app is the same workload unmodified: bf16 8192x8192 matmuls, synchronised every 4.
+
+Each round runs every member alone under the daemon first (its solo rate), then every pair at every weight with
+a fresh daemon. A pair's score: each side's rate over its solo rate (normalized), error = the largest distance of
+a side's part of the sum from its weight share, in points, and the sum. The verdict per (pair, weights) is
+computed here from every round against the bar below; nothing is dropped or rerun.
+
+  python3 bench/mixed_engines.py --out bench/results/DATE-mixed-engines --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _daemon import ROOT, bench_env, start_daemon
+from scoring import efficiency, error_points, guarantee_ok
+
+WORKLOAD = ROOT / "examples" / "workloads" / "cuda_matmul.py"
+MAX_MEDIAN_ERROR_POINTS = 1.0
+"""The bar of the kernel-only pairs, held for mixed pairs too: error at most 1 point in the median round..."""
+MAX_WORST_ERROR_POINTS = 2.0
+"""... and at most 2 in the worst round ..."""
+MIN_SUM = 0.98
+"""... the two sides' normalized rates summing to at least this in every round (hand-overs cost at most 2%) ..."""
+# ... and every side's guarantee (its weight share, less scoring.GUARANTEE_SLACK) met in every round.
+DEFAULT_PAIRS = "client8+app,client240+app,client8+client8"
+DEFAULT_WEIGHTS = "1:1,3:1,1:3"
+
+
+@dataclass(frozen=True)
+class Member:
+    """`app` (unmodified, under `unisched run`) or `clientK` (a client with steps of K matmuls)."""
+
+    spec: str
+
+    @property
+    def client_steps(self) -> int | None:
+        return int(self.spec[len("client"):]) if self.spec.startswith("client") else None
+
+    def command(self, tenant: str, weight: int, sock: str, start_at: float, seconds: float, report: Path,
+                workload: list[str]) -> list[str]:
+        window = ["--start-at", f"{start_at:.3f}", "--seconds", f"{seconds:g}", "--report", str(report)]
+        k = self.client_steps
+        if k is not None:
+            return [*workload, "--size", "4096", "--sync-every", str(k), "--client", tenant, "--weight", str(weight),
+                    "--socket", sock, *window]
+        return [sys.executable, "-m", "unisched", "run", "--socket", sock, "--tenant", tenant, "--weight", str(weight),
+                "--engines", "compute", "--", *workload, *window]
+
+
+def parse_pairs(text: str) -> list[tuple[Member, Member]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition("+")
+        for m in (a, b):
+            if not (m == "app" or (m.startswith("client") and m[len("client"):].isdigit())):
+                raise SystemExit(f"--pairs: {m!r} is neither 'app' nor 'clientK' (K matmuls a step)")
+        out.append((Member(a), Member(b)))
+    return out
+
+
+def parse_weights(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition(":")
+        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+            raise SystemExit(f"--weights: {item!r} is not A:B with positive integers")
+        out.append((int(a), int(b)))
+    return out
+
+
+def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str) -> list[float]:
+    """Start `members` (with their weights) under a fresh daemon on one shared window; their rates (matmul/s)."""
+    work.mkdir(parents=True, exist_ok=True)
+    daemon, sock = start_daemon(work, *args.serve_arg)
+    procs, reports = [], []
+    start_at = time.time() + args.warmup
+    try:
+        for i, (m, w) in enumerate(members):
+            report = work / f"{label}-{i}.json"
+            cmd = m.command(f"{label}-{i}", w * 100, sock, start_at, args.seconds, report, shlex.split(args.workload))
+            log = (work / f"{label}-{i}.log").open("wb")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=bench_env(), cwd=ROOT))
+            reports.append(report)
+        deadline = start_at + args.seconds + args.grace
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        daemon.terminate()
+        daemon.wait(timeout=20)
+    rates = []
+    for r in reports:
+        if not r.exists():
+            raise SystemExit(f"{label}: no report {r} (logs in {work})")
+        rates.append(float(json.loads(r.read_text())["throughput"]))
+    return rates
+
+
+def score(rates: list[float], solo: list[float], weights: tuple[int, int]) -> dict[str, object]:
+    norm = [r / s for r, s in zip(rates, solo, strict=True)]
+    return {"rates": rates, "normalized": [round(n, 4) for n in norm],
+            "error_pts": round(error_points(norm, weights), 2), "sum": round(efficiency(norm), 4),
+            "guarantee": guarantee_ok(norm, weights)}
+
+
+def verdict(runs: list[dict[str, object]]) -> dict[str, object]:
+    """Every round of one (pair, weights) against the bar: the median and worst error, the lowest sum, the
+    guarantee in every round; each missed target says by how much."""
+    errors = [float(r["error_pts"]) for r in runs]  # type: ignore[arg-type]
+    sums = [float(r["sum"]) for r in runs]  # type: ignore[arg-type]
+    med, worst, low = statistics.median(errors), max(errors), min(sums)
+    missed = []
+    if med > MAX_MEDIAN_ERROR_POINTS:
+        missed.append(f"median error {med:.2f} pts > {MAX_MEDIAN_ERROR_POINTS:g} (by {med - MAX_MEDIAN_ERROR_POINTS:.2f})")
+    if worst > MAX_WORST_ERROR_POINTS:
+        missed.append(f"worst error {worst:.2f} pts > {MAX_WORST_ERROR_POINTS:g} (by {worst - MAX_WORST_ERROR_POINTS:.2f})")
+    if low < MIN_SUM:
+        missed.append(f"lowest sum {low:.3f} < {MIN_SUM:g} (by {MIN_SUM - low:.3f})")
+    bad = sum(1 for r in runs if not r["guarantee"])
+    if bad:
+        missed.append(f"guarantee missed in {bad} of {len(runs)} rounds")
+    return {"rounds": len(runs), "median_error_pts": round(med, 2), "worst_error_pts": round(worst, 2),
+            "lowest_sum": round(low, 4), "median_sum": round(statistics.median(sums), 4),
+            "passed": not missed, "missed": missed}
+
+
+def report_md(result: dict[str, object]) -> str:
+    meta = result["meta"]
+    assert isinstance(meta, dict)
+    lines = ["# Mixed-engine pairs", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+             f"Machine: {meta['machine']}  ", f"Commit: {meta['commit']}", "",
+             f"Bar: error <= {MAX_MEDIAN_ERROR_POINTS:g} pt median and <= {MAX_WORST_ERROR_POINTS:g} worst, "
+             f"sum >= {MIN_SUM:g}, guarantee in every round.", "",
+             "| pair | weights | round | normalized | error (pts) | sum | guarantee |", "|---|---|---|---|---|---|---|"]
+    runs: dict[str, list[dict[str, Any]]] = result["runs"]  # type: ignore[assignment]
+    verdicts: dict[str, dict[str, Any]] = result["verdicts"]  # type: ignore[assignment]
+    for key, rounds in runs.items():
+        pair, weights = key.split(" ")
+        for i, r in enumerate(rounds, 1):
+            lines.append(f"| {pair} | {weights} | {i} | {' / '.join(f'{n:.3f}' for n in r['normalized'])} | "
+                         f"{r['error_pts']:.2f} | {r['sum']:.3f} | {'yes' if r['guarantee'] else 'NO'} |")
+    lines += ["", "| pair | weights | median error | worst error | lowest sum | verdict |", "|---|---|---|---|---|---|"]
+    for key, v in verdicts.items():
+        pair, weights = key.split(" ")
+        lines.append(f"| {pair} | {weights} | {v['median_error_pts']:.2f} | {v['worst_error_pts']:.2f} | "
+                     f"{v['lowest_sum']:.3f} | {'PASS' if v['passed'] else 'FAIL: ' + '; '.join(v['missed'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> str:
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False).stdout.strip() if _has("nvidia-smi") else "no GPU"
+    return f"{platform.node()}; {gpu}; {platform.processor() or platform.machine()}"
+
+
+def _has(cmd: str) -> bool:
+    return subprocess.run(["sh", "-c", f"command -v {cmd}"], capture_output=True, check=False).returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for results.json and report.md")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each with its own solo runs (default: 3)")
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"pairs A+B of app / clientK (default: {DEFAULT_PAIRS})")
+    ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"weights A:B (default: {DEFAULT_WEIGHTS})")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured window per run (default: 8)")
+    ap.add_argument("--warmup", type=float, default=6.0, help="seconds from launch to the window (default: 6)")
+    ap.add_argument("--grace", type=float, default=20.0, help="seconds a run may overrun its window (default: 20)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="one more `unisched serve` argument (repeatable)")
+    ap.add_argument("--workload", default=f"{sys.executable} {WORKLOAD}", help="the workload command (shell words)")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args = ap.parse_args(argv)
+    pairs, weights = parse_pairs(args.pairs), parse_weights(args.weights)
+    members = sorted({m.spec for p in pairs for m in p})
+    plan = [(a, b, w) for a, b in pairs for w in weights if not (a == b and w[0] < w[1])]  # A+A at 1:3 is 3:1
+    per_run = args.warmup + args.seconds + 3
+    print(f"{args.rounds} rounds x ({len(members)} solo + {len(plan)} pairs), about "
+          f"{args.rounds * (len(members) + len(plan)) * per_run / 60:.1f} min", flush=True)
+    if args.dry_run:
+        for a, b, w in plan:
+            print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}")
+        return 0
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT, check=False).stdout.strip()
+    meta = {"command": " ".join(map(shlex.quote, sys.argv)), "machine": machine(), "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "seconds": args.seconds,
+            "serve_args": args.serve_arg}
+    solos: list[dict[str, float]] = []
+    runs: dict[str, list[dict[str, object]]] = {}
+    verdicts: dict[str, dict[str, object]] = {}
+    result: dict[str, object] = {"meta": meta, "solo": solos, "runs": runs, "verdicts": verdicts}
+    work_root = Path(tempfile.mkdtemp(prefix="mixed-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for rnd in range(1, args.rounds + 1):
+        solo = {}
+        for m in members:
+            (rate,) = run_together([(Member(m), 1)], args, work_root / f"r{rnd}-solo-{m}", "solo")
+            solo[m] = rate
+            print(f"round {rnd}: {m} alone {rate:.1f} matmul/s", flush=True)
+        solos.append(solo)
+        for k, (a, b, w) in enumerate(plan, 1):
+            label = f"r{rnd}-p{k}"
+            rates = run_together([(a, w[0]), (b, w[1])], args, work_root / label, "t")
+            s = score(rates, [solo[a.spec], solo[b.spec]], w)
+            runs.setdefault(f"{a.spec}+{b.spec} {w[0]}:{w[1]}", []).append(s)
+            print(f"round {rnd}: {a.spec}+{b.spec} {w[0]}:{w[1]} normalized {s['normalized']} error "
+                  f"{s['error_pts']} pts sum {s['sum']}", flush=True)
+            verdicts.update({key: verdict(rs) for key, rs in runs.items()})
+            (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # every run, as it comes
+            (args.out / "report.md").write_text(report_md(result))
+    print(report_md(result))
+    return 0 if all(v["passed"] for v in verdicts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
