@@ -47,10 +47,10 @@ def test_a_client_beside_an_unmodified_app_gets_its_weight(daemon_factory, tenan
     pin_daemon_away(d)
     client, app = f"{tenant_prefix}c", f"{tenant_prefix}k"
     procs = [
-        pinned(tmp_path / "app.log", sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", app, "--weight", str(app_w),
-               "--", sys.executable, HOG, "--seconds", "60"),
-        pinned(tmp_path / "client.log", sys.executable, WORKER, "--socket", d.socket, "--tenant", client, "--weight", str(client_w),
-               "--seconds", "60", "--unit-ms", "2", "--cpu-time"),
+        pinned(tmp_path / "app.log", sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", app,
+               "--weight", str(app_w), "--", sys.executable, HOG, "--seconds", "60"),
+        pinned(tmp_path / "client.log", sys.executable, WORKER, "--socket", d.socket, "--tenant", client,
+               "--weight", str(client_w), "--seconds", "60", "--unit-ms", "2", "--cpu-time"),
     ]
     try:
         wait_until(lambda: {t["name"] for t in d.tenants() if t["pids"]} >= {client, app}, 30,
