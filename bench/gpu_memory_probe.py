@@ -156,7 +156,8 @@ class Probe:
                     nbytes = None
                     if h_cls in (0x40, 0x3E, 0x70) and params and psize >= 72:
                         nbytes = struct.unpack("=Q", rd(params + 64, 8))[0]
-                        rec.update(attr=hex(struct.unpack("=I", rd(params + 24, 4))[0]), type=struct.unpack("=I", rd(params + 4, 4))[0])
+                        attr, surface = struct.unpack("=I", rd(params + 24, 4))[0], struct.unpack("=I", rd(params + 4, 4))[0]
+                        rec.update(attr=hex(attr), type=surface)
                     elif h_cls == 0xF8 and params:
                         nbytes = struct.unpack("=Q", rd(params + 8, 8))[0]
                     elif h_cls == 0x80 and params:
