@@ -10,17 +10,25 @@ video memory is out.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import pytest
+from test_engine import Rig
 from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_for
 
 from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
 from unisched.enforce.seccomp.accounting import decode_call
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.core import EngineError
+from unisched.engine.memory import GpuMemory
+from unisched.policy import Engine, Priority
+from unisched.policy.caps import SessionLimits
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation, check_reserve
 from unisched.policy.model import PolicyError
+from unisched.telemetry import FakeTelemetry, GpuInfo
 
 GIB = 1 << 30
 ROOT = 0xC1D00001
@@ -193,7 +201,7 @@ class Served:
 
 
 @pytest.fixture
-def capped() -> object:
+def capped() -> Iterator[Served]:
     served = Served({"t": MemoryTerms(cap=4 * GIB)})
     yield served
     served.close()
@@ -268,3 +276,64 @@ def test_reserves_of_others_are_kept() -> None:
         assert ledger.charge("gamer", 0, 6 * GIB) is Verdict.ADMIT
     finally:
         served.close()
+
+
+# --- the engine: reserves at set-limit and at start, what tenants/metrics show ----------------------------------------
+def _rig(tmp_path: Path, tenants: tuple[DeclaredTenant, ...] = ()) -> Rig:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 10 * GIB)])
+    return Rig(tmp_path, DaemonConfig(slice_ms=50, tenants=tenants), telemetry=tel)
+
+
+def test_a_reserve_that_does_not_fit_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    rig = _rig(tmp_path)
+    rig.add("game", 100)
+    rig.add("train", 100)
+    rig.engine.set_limits("game", None, None, None, None, 6 * GIB)
+    with pytest.raises(EngineError, match=r"memory reserve 5.00 GiB of tenant 'train' does not fit on GPU 0: it has "
+                                          r"10.00 GiB and other tenants reserve 6.00 GiB there \(game 6.00 GiB\)"):
+        rig.engine.set_limits("train", None, None, None, None, 5 * GIB)
+    assert rig.engine.snapshot("train").memory_reserve is None
+    rig.engine.set_limits("train", None, None, None, None, 4 * GIB)  # fits exactly
+    rig.engine.set_limits("game", None, None, None, None, 6 * GIB)  # a tenant's own old reserve is not counted twice
+    assert rig.engine.memory_terms()["game"] == MemoryTerms(reserve=6 * GIB)
+    with pytest.raises(EngineError, match="exceeds the tenant's memory cap"):
+        rig.engine.set_limits("game", None, None, None, 4 * GIB)
+
+
+def test_a_declared_tenant_whose_reserve_does_not_fit_is_not_created(tmp_path: Path) -> None:
+    limits = (SessionLimits(memory_reserve=6 * GIB), SessionLimits(memory_reserve=5 * GIB))
+    declared = tuple(DeclaredTenant(n, 100, Priority.OFFLINE, frozenset({Engine.COMPUTE}), limits=lim)
+                     for n, lim in zip(("a", "b"), limits, strict=True))
+    rig = _rig(tmp_path, declared)
+    assert [s.name for s in rig.engine.snapshots()] == ["a"]
+
+
+def test_tenants_and_metrics_show_exact_use_cap_and_reserve_per_gpu(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from unisched.transport.convert import snapshot_to_pb
+    from unisched.transport.metrics import _tenant_metrics
+
+    rig = _rig(tmp_path)
+    rig.add("game", 100)
+    rig.engine.memory_ledger = MemoryLedger(rig.engine.memory_terms, rig.engine.gpu_memory_totals)
+    rig.engine.set_limits("game", None, None, None, 4 * GIB, 2 * GIB)
+    assert rig.engine.memory_ledger.charge("game", 0, 3 * GIB) is Verdict.ADMIT
+    assert rig.engine.memory_ledger.charge("game", 0, 2 * GIB) is Verdict.CAP
+    snap = rig.engine.snapshot("game")
+    assert snap.gpu_memory == (GpuMemory(gpu=0, used=3 * GIB, cap=4 * GIB, reserve=2 * GIB, refused=1),)
+    pb_t = snapshot_to_pb(snap)
+    assert (pb_t.gpu_memory[0].used_bytes, pb_t.gpu_memory[0].cap_bytes, pb_t.caps.memory_reserve) == (3 * GIB, 4 * GIB, 2 * GIB)
+
+    class One:
+        def collect(self) -> object:
+            return _tenant_metrics([snap])
+
+    registry = CollectorRegistry()
+    registry.register(One())  # type: ignore[arg-type]
+    series = dict(line.rsplit(" ", 1) for line in generate_latest(registry).decode().splitlines() if line[0] != "#")
+    labels = '{gpu="0",tenant="game"}'
+    assert float(series["unisched_tenant_memory_used_bytes" + labels]) == 3 * GIB
+    assert float(series["unisched_tenant_memory_reserve_bytes" + labels]) == 2 * GIB
+    assert float(series["unisched_tenant_memory_refusals_total" + labels]) == 1

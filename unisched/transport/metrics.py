@@ -130,6 +130,13 @@ def _tenant_metrics(tenants: Sequence[TenantSnapshot]) -> Iterator[Metric]:
     memory_cap = GaugeMetricFamily("unisched_tenant_memory_cap_bytes", "GPU memory cap (absent: none)", labels=t_)
     over = GaugeMetricFamily("unisched_tenant_over_memory", "1 while the tenant is over its memory cap", labels=t_)
     pids = GaugeMetricFamily("unisched_tenant_processes", "Processes in the tenant's cgroup", labels=t_)
+    tg = ["tenant", "gpu"]
+    mem_used = GaugeMetricFamily("unisched_tenant_memory_used_bytes", "Video memory the tenant holds on the GPU, "
+                                 "counted exactly from the allocations and frees the session hooks see", labels=tg)
+    mem_reserve = GaugeMetricFamily("unisched_tenant_memory_reserve_bytes", "Video memory kept for the tenant on "
+                                    "the GPU (absent: none)", labels=tg)
+    mem_refused = CounterMetricFamily("unisched_tenant_memory_refusals", "Video memory allocations refused at the "
+                                      "hooks (the tenant's cap or other tenants' reserves)", labels=tg)
     for s in tenants:
         n = [s.name]
         weight.add_metric(n, float(s.weight))
@@ -155,8 +162,14 @@ def _tenant_metrics(tenants: Sequence[TenantSnapshot]) -> Iterator[Metric]:
             memory_cap.add_metric(n, float(s.memory_cap))
         over.add_metric(n, 1.0 if s.over_memory else 0.0)
         pids.add_metric(n, float(len(s.pids)))
+        for m in s.gpu_memory:
+            g = [s.name, str(m.gpu)]
+            mem_used.add_metric(g, float(m.used))
+            mem_refused.add_metric(g, float(m.refused))
+            if m.reserve:
+                mem_reserve.add_metric(g, float(m.reserve))
     yield from (weight, base, target, measured, seconds, slices, refusals, sessions, caps, frozen, state, memory,
-                memory_cap, over, pids)
+                memory_cap, over, pids, mem_used, mem_reserve, mem_refused)
 
 
 def _gpu_metrics(gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> Iterator[Metric]:
