@@ -6,9 +6,10 @@ call's status field and the ioctl answered 0 without running, or (b) with errno 
 Each workload runs in a child that installs the session filter (plus RM_VID_HEAP_CONTROL 0x4A and
 RM_ALLOC_MEMORY 0x27, to see whether they are used) and hands its listener over a socketpair; a thread here
 logs every notified call (escape, class, parent, handle, the memory size read from the parameters) to
-OUT/<name>.calls.jsonl and, with a cap, refuses the NV01_MEMORY_LOCAL_USER allocation that would cross it.
+OUT/calls.jsonl (one line per call, with the workload's name) and, with a cap, refuses the
+NV01_MEMORY_LOCAL_USER allocation that would cross it.
 
-    python3 bench/gpu_memory_probe.py OUT
+    python3 bench/gpu_memory_probe.py OUT      (about a minute on an H200; bench/gpu_memory.sh runs it)
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import json
 import os
 import select
 import socket
-import statistics
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -108,9 +107,9 @@ print("RESULT " + json.dumps(out), flush=True)
 class Probe:
     """Serves one listener: logs calls, books NV01_MEMORY_LOCAL_USER sizes, refuses over `cap` by `mode`."""
 
-    def __init__(self, fd: int, log: Path, cap: int | None, mode: str) -> None:
-        self.fd, self.cap, self.mode = fd, cap, mode
-        self.log = log.open("w")
+    def __init__(self, fd: int, log: Path, name: str, cap: int | None, mode: str) -> None:
+        self.fd, self.cap, self.mode, self.name = fd, cap, mode, name
+        self.log = log.open("a")
         self.live: dict[tuple[int, int], int] = {}
         self.used = 0
         self.lat_ns: list[int] = []
@@ -139,7 +138,7 @@ class Probe:
         nid, pid, _f, _nr, _arch, _ip, *args = struct.unpack(NOTIF_FORMAT, buf)
         req, addr = args[1] & 0xFFFFFFFF, args[2]
         enr, size = req & 0xFF, (req >> 16) & 0x3FFF
-        rec: dict[str, object] = {"t": time.monotonic(), "tid": pid, "esc": hex(enr), "size": size}
+        rec: dict[str, object] = {"w": self.name, "t": time.monotonic(), "tid": pid, "esc": hex(enr), "size": size}
         error, answer_val, write = 0, None, None
         try:
             with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
@@ -225,7 +224,7 @@ def run_workload(out: Path, name: str, code: str, cap: int | None, mode: str, ho
     thread = None
     if hooked:
         _msg, fds, _f, _a = socket.recv_fds(parent, 16, 1)
-        probe = Probe(fds[0], out / f"{name}.calls.jsonl", cap, mode)
+        probe = Probe(fds[0], out / "calls.jsonl", name, cap, mode)
         thread = threading.Thread(target=probe.serve, daemon=True)
         thread.start()
     parent.close()
@@ -264,9 +263,10 @@ def main() -> None:
         ("egl_log", EGL_TEX, None, "status", True),
         ("egl_cap_status", EGL_TEX, 1 * GIB, "status", True),
     ]
+    log = out / "workload.out"
     for name, code, cap, mode, hooked in plan:
-        # the child's stdout/stderr go to files so the RESULT line can be read back
-        with open(out / f"{name}.out", "w") as so:
+        # the child's stdout/stderr go to a file so the RESULT line can be read back (appended to outputs.txt)
+        with open(log, "w") as so:
             saved = os.dup(1), os.dup(2)
             os.dup2(so.fileno(), 1)
             os.dup2(so.fileno(), 2)
@@ -275,12 +275,14 @@ def main() -> None:
             finally:
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
-        text = (out / f"{name}.out").read_text()
+        text = log.read_text()
+        with open(out / "outputs.txt", "a") as all_out:
+            all_out.write(f"=== {name}\n{text}\n")
         res["result"] = next((json.loads(x[7:]) for x in text.splitlines() if x.startswith("RESULT ")), text[-600:])
         print(json.dumps(res), flush=True)
         results.append(res)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    _ = statistics, subprocess
+    log.unlink()
 
 
 if __name__ == "__main__":
