@@ -13,6 +13,10 @@ Tenant commands (numbers accept 0x...): alloc CLASS HANDLE [SIZE [ROOT]] | alloc
 xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
 fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
+Memory: dev HANDLE DEVICEID [ROOT] (NV01_DEVICE_0) | mem PARENT HANDLE BYTES [ROOT [SIZE]] (NV01_MEMORY_LOCAL_USER;
+"ok ERRNO STATUS", STATUS the status field after the call) | xmem PARENT HANDLE BYTES (through XFER) |
+threads_mem N PARENT BYTES FIRST (N threads at once, handles FIRST..; extra = how many were let through) |
+fork_mem DEVICEID BYTES ROOT (a child makes client ROOT with a device and BYTES of memory and exits; extra = its pid).
 The RM calls go to /dev/null, standing in for /dev/nvidiactl: when let through they fail there with ENOTTY.
 """
 
@@ -67,6 +71,45 @@ def xfer(inner_nr: int, inner: ctypes.Array[ctypes.c_char]) -> ctypes.Array[ctyp
     return buf
 
 
+def mem_call(dev: int, parent: int, handle: int, nbytes: int, root: int = ROOT_HANDLE, size: int = 32,
+             h_class: int = 0x40, at: int = 64, through_xfer: bool = False) -> tuple[int, int]:
+    """RM_ALLOC of `h_class` with `nbytes` at `at` of its parameters: (errno, the status field afterwards)."""
+    params = ctypes.create_string_buffer(160)
+    struct.pack_into("=Q", params, at, nbytes)
+    buf = nvos21(h_class, handle, root, size)
+    struct.pack_into("=IIIQ", buf, 4, parent, handle, h_class, ctypes.addressof(params))
+    struct.pack_into("=I", buf, 24 if size == 32 else 32, len(params))
+    err = ioctl(dev, iowr(XFER, 16), xfer(RM_ALLOC, buf)) if through_xfer else ioctl(dev, iowr(RM_ALLOC, size), buf)
+    return err, struct.unpack_from("=I", buf, 28 if size == 32 else 40)[0]
+
+
+def threads_mem(dev: int, n: int, parent: int, nbytes: int, first: int) -> int:
+    """N threads allocate at once (a barrier lines them up); how many were let through (ENOTTY)."""
+    import threading
+
+    barrier = threading.Barrier(n)
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results.append(mem_call(dev, parent, first + i, nbytes)[0])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(1 for r in results if r == 25)
+
+
+def device_call(dev: int, handle: int, device_id: int, root: int = ROOT_HANDLE) -> int:
+    params = ctypes.create_string_buffer(struct.pack("=III", device_id, 0, 0), 64)
+    buf = nvos21(0x80, handle, root)
+    struct.pack_into("=Q", buf, 16, ctypes.addressof(params))
+    struct.pack_into("=I", buf, 24, len(params))
+    return ioctl(dev, iowr(RM_ALLOC, 32), buf)
+
+
 def tenant(where: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from unisched.enforce.seccomp.abi import SeccompError
@@ -116,6 +159,23 @@ def tenant(where: str) -> None:
         elif op == "xfree":
             inner = nvos00(nums[0])
             err = ioctl(dev, iowr(XFER, 16), xfer(RM_FREE, inner))
+        elif op == "dev":
+            err = device_call(dev, nums[0], nums[1], *nums[2:3])
+        elif op in ("mem", "xmem"):
+            root = nums[3] if len(nums) > 3 else ROOT_HANDLE
+            size = nums[4] if len(nums) > 4 else 32
+            err, status = mem_call(dev, nums[0], nums[1], nums[2], root, size, through_xfer=op == "xmem")
+            extra = str(status)
+        elif op == "threads_mem":
+            err, extra = 0, str(threads_mem(dev, *nums[:4]))
+        elif op == "fork_mem":
+            child = os.fork()
+            if child == 0:
+                device_call(dev, 0xD0, nums[0], nums[2])
+                os._exit(mem_call(dev, 0xD0, 0xD1, nums[1], nums[2])[0])
+            _, status = os.waitpid(child, 0)
+            err = os.waitstatus_to_exitcode(status)
+            extra = str(child)
         elif op == "fionread":
             n = ctypes.create_string_buffer(4)
             err = ioctl(pipe_r, termios.FIONREAD, n)

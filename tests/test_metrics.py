@@ -67,7 +67,7 @@ def test_metrics_endpoint_reports_a_registered_tenant(tmp_path: Path) -> None:
         assert _get(m, "unisched_tenant_slices_total", tenant="web") is not None
         assert _get(m, "unisched_tenant_processes", tenant="web") == 1  # this test process
         assert _get(m, "unisched_tenant_over_memory", tenant="web") == 0
-        assert _get(m, "unisched_tenant_memory_used_bytes", tenant="web") == 0
+        assert _get(m, "unisched_tenant_memory_seen_bytes", tenant="web") == 0
         assert (_get(m, "unisched_view_age_seconds") or 0) < 5
         assert any(n == "unisched_build_info" for n, _, _ in m)
         assert not any(n in ("unisched_tenant_frozen", "unisched_gpu_utilization") for n, _, _ in m)  # old names

@@ -29,7 +29,7 @@ class ResourceShare(_message.Message):
     def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
 
 class Tenant(_message.Message):
-    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced", "unit_ms", "turn_ms", "env")
+    __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced", "unit_ms", "turn_ms", "env", "gpu_memory")
     class SessionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class Tenant(_message.Message):
     UNIT_MS_FIELD_NUMBER: _ClassVar[int]
     TURN_MS_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: int
     base_weight: int
@@ -105,33 +106,52 @@ class Tenant(_message.Message):
     unit_ms: float
     turn_ms: float
     env: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ..., cooperative: _Optional[bool] = ..., overrun_s: _Optional[float] = ..., enforced: _Optional[bool] = ..., unit_ms: _Optional[float] = ..., turn_ms: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    gpu_memory: _containers.RepeatedCompositeFieldContainer[GpuMemory]
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[int] = ..., base_weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., pids: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., gpu_seconds: _Optional[float] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[_Union[ResourceShare, _Mapping]]] = ..., slices: _Optional[int] = ..., owner_uid: _Optional[int] = ..., adopted: _Optional[bool] = ..., sessions: _Optional[_Mapping[str, int]] = ..., refusals: _Optional[_Mapping[str, int]] = ..., caps: _Optional[_Union[Limits, _Mapping]] = ..., memory_bytes: _Optional[int] = ..., over_memory: _Optional[bool] = ..., devices: _Optional[str] = ..., cooperative: _Optional[bool] = ..., overrun_s: _Optional[float] = ..., enforced: _Optional[bool] = ..., unit_ms: _Optional[float] = ..., turn_ms: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ..., gpu_memory: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ...) -> None: ...
+
+class GpuMemory(_message.Message):
+    __slots__ = ("gpu", "used_bytes", "cap_bytes", "reserve_bytes", "refused")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    gpu: int
+    used_bytes: int
+    cap_bytes: int
+    reserve_bytes: int
+    refused: int
+    def __init__(self, gpu: _Optional[int] = ..., used_bytes: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("render", "decode", "encode", "memory_bytes")
+    __slots__ = ("render", "decode", "encode", "memory_bytes", "memory_reserve")
     RENDER_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ENCODE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVE_FIELD_NUMBER: _ClassVar[int]
     render: int
     decode: int
     encode: int
     memory_bytes: int
-    def __init__(self, render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    memory_reserve: int
+    def __init__(self, render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_reserve: _Optional[int] = ...) -> None: ...
 
 class SetLimitRequest(_message.Message):
-    __slots__ = ("tenant", "render", "decode", "encode", "memory_bytes")
+    __slots__ = ("tenant", "render", "decode", "encode", "memory_bytes", "memory_reserve")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RENDER_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     ENCODE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     render: int
     decode: int
     encode: int
     memory_bytes: int
-    def __init__(self, tenant: _Optional[str] = ..., render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    memory_reserve: int
+    def __init__(self, tenant: _Optional[str] = ..., render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_reserve: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("tenant", "weight", "priority", "engines", "gpus", "keep", "session_hooks")

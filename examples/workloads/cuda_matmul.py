@@ -94,7 +94,7 @@ def make_client_step(size: int, matmuls: int, device: str, tenant: str, weight: 
     a = torch.randn(size, size, device=dev, dtype=torch.bfloat16, generator=gen)
     b = torch.randn(size, size, device=dev, dtype=torch.bfloat16, generator=gen)
     out = torch.empty(size, size, device=dev, dtype=torch.bfloat16)
-    client = Client(tenant, weight, **({"socket": socket} if socket else {}))
+    client = Client(tenant, weight, socket=socket)
     gated = client.step()
 
     def step() -> int:

@@ -266,7 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--render", type=_count, help="live render (3D/graphics) contexts")
     lim.add_argument("--decode", type=_count, help="live NVDEC sessions")
     lim.add_argument("--encode", type=_count, help="live NVENC sessions")
-    lim.add_argument("--memory", type=_size, help="GPU memory, e.g. 8GiB (-1 clears)")
+    lim.add_argument("--memory", type=_size, help="GPU memory per GPU, e.g. 8GiB (-1 clears); the allocation that "
+                     "would cross it fails as out of memory (hooked tenants: `unisched run`, OCI agent)")
+    lim.add_argument("--memory-reserve", type=_size, help="GPU memory kept for the tenant on each GPU it may use, "
+                     "e.g. 4GiB (-1 clears); refused when the reserves on a GPU would exceed its memory")
 
     rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin, or the tenant's owner)")
     _add_socket(rm)
@@ -455,7 +458,9 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
         "sessions": dict(t.sessions),
         "refusals": dict(t.refusals),
         "caps": {"render": t.caps.render, "decode": t.caps.decode, "encode": t.caps.encode,
-                 "memory_bytes": t.caps.memory_bytes},
+                 "memory_bytes": t.caps.memory_bytes, "memory_reserve": t.caps.memory_reserve},
+        "gpu_memory": [{"gpu": m.gpu, "used_bytes": m.used_bytes, "cap_bytes": m.cap_bytes,
+                        "reserve_bytes": m.reserve_bytes, "refused": m.refused} for m in t.gpu_memory],
         "memory_bytes": t.memory_bytes,
         "over_memory": t.over_memory,
         "devices": t.devices or None,
@@ -655,11 +660,14 @@ def _cmd_set_limit(args: argparse.Namespace) -> int:
             setattr(req, field, getattr(args, field))
     if args.memory is not None:
         req.memory_bytes = args.memory
+    if args.memory_reserve is not None:
+        req.memory_reserve = args.memory_reserve
     with DaemonClient(args.socket) as client:
         t = client.set_limit(req)
     caps = t.caps
     print(f"{t.name}: render {_fmt_cap(caps.render)}, decode {_fmt_cap(caps.decode)}, "
-          f"encode {_fmt_cap(caps.encode)}, memory {_fmt_cap(caps.memory_bytes)}")
+          f"encode {_fmt_cap(caps.encode)}, memory {_fmt_cap(caps.memory_bytes)}, "
+          f"memory reserve {_fmt_cap(caps.memory_reserve)}")
     return 0
 
 

@@ -81,6 +81,20 @@ def gpu_line(g: pb.Gpu) -> str:
     return line
 
 
+def memory_text(t: pb.Tenant) -> str:
+    """Video memory per GPU as the hooks count it: used/cap GiB, the reserve, and refused allocations."""
+    parts = []
+    for m in t.gpu_memory:
+        cap = "-" if m.cap_bytes < 0 else f"{m.cap_bytes / 2**30:.1f}"
+        text = f"gpu{m.gpu} {m.used_bytes / 2**30:.1f}/{cap} GiB"
+        if m.reserve_bytes:
+            text += f" r{m.reserve_bytes / 2**30:.1f}"
+        if m.refused:
+            text += f" !{m.refused}"
+        parts.append(text)
+    return ", ".join(parts) or "-"
+
+
 def render_frame(
     tenants: Sequence[pb.Tenant],
     status: pb.StatusReply | None = None,
@@ -121,6 +135,7 @@ def render_frame(
                 table.add_row("", "", "", *row, "", "", "")
     if tenants:
         parts.append(table)
+        parts.extend(Text(f"memory {t.name}: {memory_text(t)}") for t in tenants if t.gpu_memory)
         parts.append(Text.assemble(("█", "green"), " measured share  ", ("┃", "bold yellow"), " target share", style="dim"))
     else:
         parts.append(Text("no tenants", style="dim"))

@@ -15,7 +15,14 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
+    "DEVICE_CLASSES",
     "IOCTL_TYPE",
+    "MEMORY_SIZE_AT",
+    "NV01_DEVICE_0",
+    "NV20_SUBDEVICE_0",
+    "NV_ERR_NO_MEMORY",
+    "NVOS21_STATUS_AT",
+    "NVOS64_STATUS_AT",
     "NVOS00_FORMAT",
     "NVOS00_SIZE",
     "NVOS21_SIZE",
@@ -25,6 +32,7 @@ __all__ = [
     "RM_CONTROL",
     "RM_FREE",
     "RM_MAP_MEMORY",
+    "RM_VID_HEAP_CONTROL",
     "SESSION_CLASSES",
     "XFER",
     "XFER_FORMAT",
@@ -44,12 +52,43 @@ RM_CONTROL: Final = 0x2A
 RM_ALLOC: Final = 0x2B
 RM_MAP_MEMORY: Final = 0x4E
 XFER: Final = 0xD3  # NV_ESC_IOCTL_XFER_CMD: {u32 cmd; u32 size; u64 ptr} wrapping another escape
+RM_VID_HEAP_CONTROL: Final = 0x4A  # NVOS32: the deprecated heap path (rmapi_deprecated_vidheapctrl.c); not followed
 
 # RM_ALLOC arguments: NVOS21 or NVOS64; both start hRoot@0 hObjectParent@4 hObjectNew@8 hClass@12 pAllocParms@16.
 NVOS21_SIZE: Final = 32
 NVOS64_SIZE: Final = 48
 RM_ALLOC_SIZES: Final = frozenset({NVOS21_SIZE, NVOS64_SIZE})
 RM_ALLOC_HEAD_FORMAT: Final = "=IIII"  # hRoot, hObjectParent, hObjectNew, hClass
+# Where the driver writes an RM_ALLOC's result (NvV32 status): NVOS21 {..., pAllocParms@16, paramsSize@24,
+# status@28}, NVOS64 {..., pAllocParms@16, pRightsRequested@24, paramsSize@32, flags@36, status@40}
+# (src/common/sdk/nvidia/inc/nvos.h). The ioctl itself returns 0 whenever the escape was carried out.
+NVOS21_STATUS_AT: Final = 28
+NVOS64_STATUS_AT: Final = 40
+NV_ERR_NO_MEMORY: Final = 0x51  # "Out of memory" (src/common/sdk/nvidia/inc/nvstatuscodes.h)
+
+# Objects whose allocation parameters say which GPU their children live on: NV01_DEVICE_0 0x80 with
+# NV0080_ALLOC_PARAMETERS {deviceId@0, ...} (class/cl0080.h), and NV20_SUBDEVICE_0 0x2080 (class/cl2080.h),
+# a child of a device.
+NV01_DEVICE_0: Final = 0x80
+NV20_SUBDEVICE_0: Final = 0x2080
+DEVICE_CLASSES: Final = frozenset({NV01_DEVICE_0, NV20_SUBDEVICE_0})
+
+MEMORY_SIZE_AT: Final = MappingProxyType(
+    {
+        # NV01_MEMORY_LOCAL_USER (class/cl0040.h): video memory; NV_MEMORY_ALLOCATION_PARAMS (nvos.h) {owner@0
+        # type@4 flags@8 width@12 height@16 pitch@20 attr@24 attr2@28 format@32 comprCovg@36 zcullCovg@40,
+        # rangeLo@48 rangeHi@56 (8-aligned), size@64 (NvU64, [IN/OUT]) ...}
+        0x40: 64,
+        # NV_MEMORY_FABRIC (class/cl00f8.h): video memory exported over NVLink fabric;
+        # NV00F8_ALLOCATION_PARAMETERS {alignment@0, allocSize@8, pageSize@16, ...}
+        0xF8: 8,
+    }
+)
+"""hClass -> offset of the NvU64 byte count in its allocation parameters, for the classes that take video memory.
+Not counted: NV01_MEMORY_SYSTEM 0x3E and NV01_MEMORY_SYSTEM_OS_DESCRIPTOR 0x71 (host memory),
+NV01_MEMORY_VIRTUAL 0x70 and NV50_MEMORY_VIRTUAL 0x50A0 (address space, no backing), NV01_MEMORY_LOCAL_PHYSICAL
+0xC2 (privileged; its size is an output)."""
+
 # RM_FREE argument NVOS00: hRoot@0, hObjectParent@4, hObjectOld@8, status@12.
 NVOS00_FORMAT: Final = "=IIII"
 NVOS00_SIZE: Final = struct.calcsize(NVOS00_FORMAT)

@@ -94,7 +94,11 @@ TENANT_KEYS = (
              "share of the GPU's video engines)"),
     TableKey("encode", "integer", f"0..{MAX_SESSIONS}", "weight share", "cap on live NVENC sessions (default: the weight "
              "share of the GPU's video engines)"),
-    TableKey("memory", "size", "bytes or 8GiB, 512MiB, ...", "unlimited", "cap on GPU memory"),
+    TableKey("memory", "size", "bytes or 8GiB, 512MiB, ...", "unlimited", "cap on GPU memory per GPU, enforced at "
+             "each allocation by the session hooks"),
+    TableKey("memory_reserve", "size", "bytes or 8GiB, 512MiB, ...; at most memory", "none", "GPU memory kept for "
+             "the tenant on each GPU it may use: other tenants' allocations that would eat into it fail; the "
+             "tenant is refused when the reserves on a GPU would exceed its memory"),
 )
 """Keys of [[tenants]]: tenants declared ahead, created at start if not already known."""
 TIDAL_KEYS = (
@@ -308,17 +312,23 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         parts = cgroup.split("/") if isinstance(cgroup, str) else []
         if not isinstance(cgroup, str) or not cgroup.strip("/") or "\0" in cgroup or {".", ".."} & set(parts):
             raise ConfigError(f"{where} 'cgroup': must be a cgroup path without '.' or '..'; got {cgroup!r}")
-    try:
-        memory = parse_size(raw["memory"]) if "memory" in raw else None
-    except ValueError as e:
-        raise ConfigError(f"{where} 'memory': {e}") from None
+    sizes: dict[str, int | None] = {}
+    for key in ("memory", "memory_reserve"):
+        try:
+            sizes[key] = parse_size(raw[key]) if key in raw else None
+        except ValueError as e:
+            raise ConfigError(f"{where} {key!r}: {e}") from None
+    memory = sizes["memory"]
     for key in ("render", "decode", "encode"):
         try:
             SessionLimits(**{key: raw.get(key)})
         except PolicyError as e:
             raise ConfigError(f"{where} {key!r}: {e}") from None
-    limits = SessionLimits(render=raw.get("render"), decode=raw.get("decode"), encode=raw.get("encode"),
-                           memory_bytes=memory)
+    try:
+        limits = SessionLimits(render=raw.get("render"), decode=raw.get("decode"), encode=raw.get("encode"),
+                               memory_bytes=memory, memory_reserve=sizes["memory_reserve"])
+    except PolicyError as e:
+        raise ConfigError(f"{where} 'memory_reserve': {e}") from None
     return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup, limits)
 
 

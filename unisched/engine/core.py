@@ -22,10 +22,12 @@ from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal, w
 from unisched.enforce.devices import DeviceAdmission, DeviceAdmissionError
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
+from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.engine.clock import Clock
 from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.engine.labels import LabelError, validate_labels
 from unisched.engine.leases import LeaseBook, LeaseError
+from unisched.engine.memory import GpuMemory, gpu_memory, gpu_totals, reserve_refusal, terms_of
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import (
     DEFAULT_WEIGHT,
@@ -45,6 +47,7 @@ from unisched.policy import (
 )
 from unisched.policy.caps import CapKind, SessionLimits, VideoEngines, default_cap, video_engines_for
 from unisched.policy.contention import PARTIAL_OVERLAP
+from unisched.policy.memory import MemoryTerms
 from unisched.policy.mps import mps_client_settings
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.plan import (
@@ -128,6 +131,7 @@ class TenantSnapshot:
     refusals: Mapping[str, int] = field(default_factory=dict)
     caps: Mapping[str, int | None] = field(default_factory=dict)
     memory_cap: int | None = None
+    memory_reserve: int | None = None
     memory_bytes: int = 0
     over_memory: bool = False
     devices: str | None = None
@@ -142,6 +146,8 @@ class TenantSnapshot:
     """What its processes start with (`unisched run` sets it): the MPS client settings while the daemon runs MPS."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """Where an orchestrator runs it (engine.labels: pod, namespace, container), for metrics."""
+    gpu_memory: tuple[GpuMemory, ...] = ()
+    """Video memory per GPU as the session hooks count it (exact), with its cap, reserve and refusals."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,8 @@ class KernelEngine:
         self.mps = mps if config.mps else None
         self.driver = driver
         self.telemetry = telemetry
+        self.memory_ledger: MemoryLedger | None = None
+        """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
         self.store = store
         self.clock = clock
         self.policy = WeightedFairShare(
@@ -392,6 +400,11 @@ class KernelEngine:
         return None
 
     def _add_declared(self, d: DeclaredTenant) -> None:
+        try:
+            self._check_reserve(d.name, d.limits, d.gpus)
+        except PolicyError as e:
+            log.error("declared tenant refused", tenant=d.name, error=str(e))
+            return
         if d.cgroup is not None:
             try:
                 cgroup = self.driver.normalize(d.cgroup)
@@ -792,7 +805,7 @@ class KernelEngine:
 
     # --- sessions, caps and device admission ---------------------------------------------------------
     def set_limits(self, name: str, render: int | None, decode: int | None, encode: int | None,
-                   memory_bytes: int | None) -> TenantSnapshot:
+                   memory_bytes: int | None, memory_reserve: int | None = None) -> TenantSnapshot:
         """Change caps; None keeps a value, -1 clears it back to the default."""
         t = self._get(name)
 
@@ -802,16 +815,33 @@ class KernelEngine:
             return None if new == -1 else new
 
         try:
-            t.limits = SessionLimits(
+            limits = SessionLimits(
                 render=pick(render, t.limits.render), decode=pick(decode, t.limits.decode),
                 encode=pick(encode, t.limits.encode), memory_bytes=pick(memory_bytes, t.limits.memory_bytes),
+                memory_reserve=pick(memory_reserve, t.limits.memory_reserve),
             )
+            self._check_reserve(name, limits, t.gpus)
+            t.limits = limits
         except PolicyError as e:
             raise EngineError("invalid", str(e)) from None
         log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
-                 memory_bytes=t.limits.memory_bytes)
+                 memory_bytes=t.limits.memory_bytes, memory_reserve=t.limits.memory_reserve)
         self._save()
         return self.snapshot(name)
+
+    def memory_terms(self) -> dict[str, MemoryTerms]:
+        """Every tenant's GPU memory cap and reserve per GPU; the session hooks read it from their own thread."""
+        return {n: terms_of(t.limits, t.gpus) for n, t in list(self._tenants.items())}
+
+    def gpu_memory_totals(self) -> dict[int, int]:
+        """Each GPU's memory in bytes (what reserves are checked against)."""
+        return gpu_totals(self.telemetry.gpus())
+
+    def _check_reserve(self, name: str, limits: SessionLimits, gpus: tuple[int, ...] | None) -> None:
+        """PolicyError when the tenant's memory reserve does not fit beside the other tenants' on some GPU."""
+        why = reserve_refusal(name, limits, gpus, self.memory_terms(), self.gpu_memory_totals())
+        if why is not None:
+            raise PolicyError(why)
 
     def cap(self, t: _Tenant, kind: CapKind, by_gpu: Mapping[int, int] | None = None) -> int | None:
         configured = t.limits.get(kind)
@@ -939,7 +969,7 @@ class KernelEngine:
                 continue
             t.memory_bytes = sum(by_pid.get(pid, 0) for pid in pids)
             cap = t.limits.memory_bytes
-            over = cap is not None and t.memory_bytes > cap
+            over = cap is not None and not t.hooked and t.memory_bytes > cap  # hooked: capped at each allocation
             if over != t.over_memory:
                 t.over_memory = over
                 if over:
@@ -1359,6 +1389,7 @@ class KernelEngine:
                     refusals=dict(t.refusals),
                     caps={k.value: self.cap(t, k, by_gpu) for k in CapKind},
                     memory_cap=t.limits.memory_bytes,
+                    memory_reserve=t.limits.memory_reserve,
                     memory_bytes=t.memory_bytes,
                     over_memory=t.over_memory,
                     devices=self.devices.describe(self._v2_dir(t)) if t.devices_admitted and self.devices else None,
@@ -1369,6 +1400,7 @@ class KernelEngine:
                     turn_s=self.leases.min_run_s(name),
                     env=self._client_env(t),
                     labels=t.labels,
+                    gpu_memory=gpu_memory(self.memory_ledger, name, t.limits, t.gpus, self.gpu_memory_totals()),
                 )
             )
         return out

@@ -63,7 +63,7 @@ class SavedTenant:
             "owner_uid": self.owner_uid,
             "limits": {
                 "render": self.limits.render, "decode": self.limits.decode, "encode": self.limits.encode,
-                "memory_bytes": self.limits.memory_bytes,
+                "memory_bytes": self.limits.memory_bytes, "memory_reserve": self.limits.memory_reserve,
             },
             "ephemeral": self.ephemeral,
             "labels": dict(self.labels),

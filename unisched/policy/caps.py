@@ -31,6 +31,8 @@ class SessionLimits:
     decode: int | None = None
     encode: int | None = None
     memory_bytes: int | None = None
+    memory_reserve: int | None = None
+    """GPU memory kept for the tenant on each GPU it may use (policy.memory); None: none."""
 
     def __post_init__(self) -> None:
         for name in ("render", "decode", "encode"):
@@ -40,6 +42,11 @@ class SessionLimits:
         m = self.memory_bytes
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise PolicyError(f"memory cap must be a non-negative number of bytes, got {m!r}")
+        r = self.memory_reserve
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise PolicyError(f"memory reserve must be a non-negative number of bytes, got {r!r}")
+        if r is not None and m is not None and r > m:
+            raise PolicyError(f"memory reserve {r} B exceeds the tenant's memory cap {m} B")
 
     def get(self, kind: CapKind) -> int | None:
         value: int | None = getattr(self, kind.value)

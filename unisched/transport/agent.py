@@ -19,6 +19,7 @@ from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
 from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
+from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.engine.core import KernelEngine
 from unisched.logs import Throttle
 from unisched.transport.claim import replace_stale_socket
@@ -116,7 +117,10 @@ class SeccompAgentServer:
         self.path = path
         self.engine = engine
         self.limits = limits or HandOverLimits()
-        self.hooks: SessionHooks = hooks or SupervisedHooks(self._decide, self._on_event)
+        if hooks is None:  # the real hooks also follow video memory: caps and reserves at each allocation
+            engine.memory_ledger = MemoryLedger(engine.memory_terms, engine.gpu_memory_totals)
+            hooks = SupervisedHooks(self._decide, self._on_event, engine.memory_ledger)
+        self.hooks: SessionHooks = hooks
         self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()

@@ -39,6 +39,7 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         caps=pb.Limits(
             render=_cap(s.caps.get("render")), decode=_cap(s.caps.get("decode")),
             encode=_cap(s.caps.get("encode")), memory_bytes=_cap(s.memory_cap),
+            memory_reserve=_cap(s.memory_reserve),
         ),
         memory_bytes=s.memory_bytes,
         over_memory=s.over_memory,
@@ -49,6 +50,10 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         unit_ms=1000.0 * (s.unit_s or 0.0),
         turn_ms=1000.0 * s.turn_s,
         env=dict(s.env),
+        gpu_memory=[
+            pb.GpuMemory(gpu=m.gpu, used_bytes=m.used, cap_bytes=_cap(m.cap), reserve_bytes=m.reserve, refused=m.refused)
+            for m in s.gpu_memory
+        ],
     )
 
 
@@ -67,6 +72,9 @@ def public_summary(t: pb.Tenant) -> None:
     t.sessions.clear()
     t.refusals.clear()
     t.memory_bytes = 0
+    for m in t.gpu_memory:
+        m.used_bytes = 0
+        m.refused = 0
     t.devices = ""
     t.env.clear()
 

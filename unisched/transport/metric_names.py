@@ -58,9 +58,15 @@ FAMILIES = (
     Family("unisched_tenant_session_cap", "gauge", "Session cap in effect (absent: unlimited)", (*TENANT, "kind")),
     Family("unisched_tenant_state", "gauge", "1 for the tenant's state (running, idle, frozen), 0 for the others",
            (*TENANT, "state")),
-    Family("unisched_tenant_memory_used_bytes", "gauge", "GPU memory NVML reports for the tenant's processes",
-           TENANT),
-    Family("unisched_tenant_memory_cap_bytes", "gauge", "GPU memory cap (absent: none)", TENANT),
+    Family("unisched_tenant_memory_used_bytes", "gauge", "Video memory the tenant holds on the GPU, counted "
+           "exactly from the allocations and frees the session hooks see", (*TENANT, *GPU)),
+    Family("unisched_tenant_memory_cap_bytes", "gauge", "Video memory cap per GPU (absent: none)", TENANT),
+    Family("unisched_tenant_memory_reserve_bytes", "gauge", "Video memory kept for the tenant on the GPU (absent: "
+           "none)", (*TENANT, *GPU)),
+    Family("unisched_tenant_memory_refusals", "counter", "Video memory allocations refused at the hooks (the "
+           "tenant's cap or other tenants' reserves)", (*TENANT, *GPU)),
+    Family("unisched_tenant_memory_seen_bytes", "gauge", "GPU memory NVML lists for the tenant's processes "
+           "(graphics ones; NVML does not list every CUDA process)", TENANT),
     Family("unisched_tenant_over_memory", "gauge", "1 while the daemon holds the tenant over its memory cap "
            "(new sessions refused)", TENANT),
     Family("unisched_tenant_processes", "gauge", "Processes in the tenant's cgroup", TENANT),

@@ -163,11 +163,17 @@ def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Ma
                 out.add("unisched_tenant_session_cap", [*n, kind], float(cap))
         for st in _STATES:
             out.add("unisched_tenant_state", [*n, st], 1.0 if s.state == st else 0.0)
-        out.add("unisched_tenant_memory_used_bytes", n, float(s.memory_bytes))
+        out.add("unisched_tenant_memory_seen_bytes", n, float(s.memory_bytes))
         if s.memory_cap is not None:
             out.add("unisched_tenant_memory_cap_bytes", n, float(s.memory_cap))
         out.add("unisched_tenant_over_memory", n, 1.0 if s.over_memory else 0.0)
         out.add("unisched_tenant_processes", n, float(len(s.pids)))
+        for m in s.gpu_memory:
+            g = [*n, *_gpu(m.gpu, uuids)]
+            out.add("unisched_tenant_memory_used_bytes", g, float(m.used))
+            out.add("unisched_tenant_memory_refusals", g, float(m.refused))
+            if m.reserve:
+                out.add("unisched_tenant_memory_reserve_bytes", g, float(m.reserve))
 
 
 def _gpu_metrics(out: _Families, gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> None:

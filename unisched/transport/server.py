@@ -162,6 +162,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         try:
             return snapshot_to_pb(self.engine.set_limits(
                 request.tenant, opt("render"), opt("decode"), opt("encode"), opt("memory_bytes"),
+                opt("memory_reserve"),
             ))
         except EngineError as e:
             await self._fail(context, e)

@@ -27,7 +27,13 @@ from types import MappingProxyType
 from typing import Final
 
 from unisched.enforce.nvclasses import (
+    DEVICE_CLASSES,
+    MEMORY_SIZE_AT,
+    NV01_DEVICE_0,
     NVOS00_SIZE,
+    NVOS21_SIZE,
+    NVOS21_STATUS_AT,
+    NVOS64_STATUS_AT,
     RM_ALLOC,
     RM_ALLOC_SIZES,
     RM_FREE,
@@ -170,6 +176,9 @@ class Call:
     instance: int | None = None  # engineInstance from the allocation parameters (video engines)
     join: Session | None = None  # the open session this object joins (no decision needed)
     node: int = 0  # where an admitted object was recorded
+    status_at: int = 0  # the caller's address of the call's status field (RM_ALLOC)
+    mem_bytes: int | None = None  # video memory the allocation asks for (nvclasses.MEMORY_SIZE_AT)
+    device_id: int | None = None  # deviceId of an NV01_DEVICE_0 allocation
 
 
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
@@ -192,8 +201,11 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
         if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
             h_root, h_parent, h_new, h_class, params = struct.unpack("=IIIIQ", read(addr, 24))
             call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
+            call.status_at = addr + (NVOS21_STATUS_AT if size == NVOS21_SIZE else NVOS64_STATUS_AT)
             if call.kind in ENGINE_KINDS and params:
                 call.instance = _engine_instance(params, read)
+            elif params and (h_class in MEMORY_SIZE_AT or h_class in DEVICE_CLASSES):
+                _memory_params(call, size, addr, params, read)
             return call
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
@@ -201,6 +213,17 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
     except (OSError, ValueError):
         pass
     return Call(0)
+
+
+def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> None:
+    """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it
+    (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h)."""
+    (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
+    at = MEMORY_SIZE_AT.get(call.h_class)
+    if at is not None and psize >= at + 8:
+        (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
+    elif call.h_class == NV01_DEVICE_0 and psize >= 4:
+        (call.device_id,) = struct.unpack("=I", read(params, 4))
 
 
 def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | None:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.accounting import SessionEvent
+from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor, SupervisorStats
 
 
@@ -33,15 +34,18 @@ class SupervisedHooks:
     """The real hooks: a SessionSupervisor per listener, its thread answering, `decide` and `on_event` on the loop."""
 
     def __init__(
-        self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None]
+        self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None],
+        memory: MemoryLedger | None = None,
     ) -> None:
         self._decide = decide
         self._on_event = on_event
+        self.memory = memory
+        """Video memory held per tenant and GPU, and the caps and reserves decided on it (None: not followed)."""
         self._supervisors: list[SessionSupervisor] = []
 
     def attach(self, listener_fd: int, tenant: str) -> None:
         try:
-            sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event)
+            sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory)
         except BaseException:
             os.close(listener_fd)
             raise

@@ -29,7 +29,7 @@ from typing import Final
 
 import structlog
 
-from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
+from unisched.enforce.nvclasses import DEVICE_CLASSES, NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, SessionKind
 from unisched.enforce.seccomp.abi import (
     FD_SYNC_WAKE_UP,
     FLAG_CONTINUE,
@@ -52,7 +52,9 @@ from unisched.enforce.seccomp.accounting import (
     decode_call,
     escape_of,
 )
+from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
+from unisched.policy.memory import Verdict
 
 log = structlog.get_logger("unisched.seccomp")
 
@@ -126,8 +128,11 @@ class SessionSupervisor:
         latency_window: int = 4096,
         join_window_s: float = 1.0,
         sync_wake_up: bool = True,
+        memory: MemoryLedger | None = None,
     ) -> None:
         self._fd = listener_fd
+        self._memory = memory
+        self._mbook = MemoryBook()
         self.tenant = tenant
         self._decide = decide
         self._on_event = on_event
@@ -269,6 +274,7 @@ class SessionSupervisor:
                 call, tid = entry[0], entry[1]
                 events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
         self._pending.clear()
+        self._credit(self._mbook.release_all())
         self._emit_all(events + self._book.release_all(action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
@@ -279,8 +285,10 @@ class SessionSupervisor:
 
         Runs on the serving thread every `reconcile_interval_s`; do not call it from another thread while serving.
         """
-        gone = [h for h, (tgid, start) in self._book.owners().items() if tgid and start_time(tgid) != start]
+        owners = self._book.owners() | self._mbook.owners()
+        gone = [h for h, (tgid, start) in owners.items() if tgid and start_time(tgid) != start]
         self._emit_all(self._book.release(gone, EventAction.EXITED))
+        self._credit(self._mbook.release(gone))
 
     # ---- one notification ----
     def _handle_one(self) -> None:
@@ -298,6 +306,9 @@ class SessionSupervisor:
         failure: tuple[str, BaseException] | None = None
         try:
             call = self._examine(nid, pid, nr, arch, args)
+            if call.mem_bytes is not None and self._memory is not None:
+                self._conclude_memory(nid, pid, t0, call)
+                return
             if call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns()):
                 if self._loop is not None:
                     self._ask_loop(self._loop, nid, pid, t0, call)
@@ -393,9 +404,10 @@ class SessionSupervisor:
         if refused and call is not None and answered:
             log.info("gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
 
-    def _answer(self, nid: int, error: int) -> bool:
-        """SEND: "continue" (error 0) or fail the call with `error` (-errno). False when the call is gone."""
-        resp = struct.pack(RESP_FORMAT, nid, 0, error, 0 if error else FLAG_CONTINUE)
+    def _answer(self, nid: int, error: int, *, run: bool = True) -> bool:
+        """SEND: "continue" (error 0), fail the call with `error` (-errno), or (`run` False, error 0) return 0
+        from it without running it. False when the call is gone."""
+        resp = struct.pack(RESP_FORMAT, nid, 0, error, FLAG_CONTINUE if run and not error else 0)
         try:
             fcntl.ioctl(self._fd, NOTIF_SEND, resp)
         except OSError as e:
@@ -437,25 +449,90 @@ class SessionSupervisor:
             call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
         finally:
             os.close(mem)
-        if call.op == RM_ALLOC and not self._book.knows(call.h_root):
+        known = self._book.knows(call.h_root) and (self._memory is None or self._mbook.holds(call.h_root))
+        if call.op == RM_ALLOC and not known:
             try:
                 call.owner = owner(pid)
             except (OSError, ValueError):
                 call.owner = (0, "")
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
-        if call.kind is not None and not self._id_valid(nid):
+        if (call.kind is not None or call.mem_bytes is not None) and not self._id_valid(nid):
             raise _Gone
         return call
 
     def _commit(self, call: Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
         """Book the answered call; the events to report after the answer."""
-        if call.op == RM_FREE and self._book.holds_sessions(call.h_root) and not self._id_valid(nid):
+        holds = self._book.holds_sessions(call.h_root) or (self._memory is not None and self._mbook.holds(call.h_root))
+        if call.op == RM_FREE and holds and not self._id_valid(nid):
             return []  # read from a process that is gone: uncount nothing
+        if self._memory is not None:
+            self._book_memory(call)
         events = self._book.commit(call, pid, refused, time.monotonic_ns())
         if self._book.untracked:
             self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
         return events
+
+    # ---- memory ----
+    def _book_memory(self, call: Call) -> None:
+        """Devices and frees in the memory book (allocations are booked by `_conclude_memory`)."""
+        if call.op == RM_FREE:
+            self._credit(self._mbook.free(call.h_root, call.handle))
+        elif call.op == RM_ALLOC and call.h_class in DEVICE_CLASSES:
+            self._mbook.add_device(call.h_root, call.handle, call.h_class, call.h_parent, call.device_id,
+                                   call.owner or (0, ""))
+
+    def _credit(self, given_back: list[Held]) -> None:
+        if self._memory is not None and given_back:
+            self._memory.credit(self.tenant, given_back)
+
+    def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
+        """A video memory allocation: charge it to the tenant, or fail it as the driver does when memory is out.
+
+        Admitted: booked before the caller resumes, then "continue". Refused: NV_ERR_NO_MEMORY is written into
+        the call's status field and the ioctl answered 0 without running, which is what the driver returns for
+        an allocation it cannot place, so CUDA reports cudaErrorMemoryAllocation (PyTorch OutOfMemoryError) and
+        GL GL_OUT_OF_MEMORY; where the status cannot be written, the call fails with ENOMEM instead.
+        """
+        assert self._memory is not None and call.mem_bytes is not None
+        gpu = self._mbook.gpu_of(call.h_root, call.h_parent)
+        verdict = self._memory.charge(self.tenant, gpu, call.mem_bytes)
+        with self._lock:
+            self._notifications += 1
+        if verdict is Verdict.ADMIT:
+            gpu, key, stale = self._mbook.add(call.h_root, call.handle, call.h_parent, call.mem_bytes,
+                                              call.owner or (0, ""))
+            self._credit(stale)
+            answered = self._answer(nid, 0)
+            if not answered:
+                self._credit(self._mbook.undo(call.h_root, key))
+        else:
+            written = self._write_status(nid, pid, call.status_at)
+            answered = self._answer(nid, 0 if written else -errno.ENOMEM, run=False)
+        with self._lock:
+            self._latency_ns.append(time.perf_counter_ns() - t0)
+            if not answered:
+                self._skipped += 1
+        if verdict is not Verdict.ADMIT and answered:
+            log.info("gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes,
+                     why=verdict.value, pid=pid)
+
+    def _write_status(self, nid: int, pid: int, status_at: int) -> bool:
+        """Write NV_ERR_NO_MEMORY into the caller's status field. The fd is opened, then the notification checked
+        still valid, so the fd is the caller's memory and not a reused pid's."""
+        try:
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if not self._id_valid(nid):
+                return False
+            return os.pwrite(fd, struct.pack("=I", NV_ERR_NO_MEMORY), status_at) == 4
+        except (OSError, ValueError, OverflowError):
+            self._warn_once("mem_write", "cannot write tenants' memory; refused allocations fail with ENOMEM")
+            return False
+        finally:
+            os.close(fd)
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
         """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""

@@ -1,0 +1,341 @@
+"""GPU memory caps and reserves enforced at the allocation, without a GPU.
+
+Pure parts are table-tested (policy.memory, the memory book, decoding). End to end, a real child process installs
+the real filter and makes NVIDIA RM calls against /dev/null standing in for /dev/nvidiactl, served by the real
+SessionSupervisor with a MemoryLedger: a call let through fails there with ENOTTY (the "driver's" own answer);
+a refused allocation returns 0 with NV_ERR_NO_MEMORY (0x51) in its status field, as the driver answers when
+video memory is out.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from test_engine import Rig
+from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_for
+
+from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
+from unisched.enforce.seccomp.accounting import decode_call
+from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.engine.config import DaemonConfig, DeclaredTenant
+from unisched.engine.core import EngineError
+from unisched.engine.memory import GpuMemory
+from unisched.policy import Engine, Priority
+from unisched.policy.caps import SessionLimits
+from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation, check_reserve
+from unisched.policy.model import PolicyError
+from unisched.telemetry import FakeTelemetry, GpuInfo
+
+GIB = 1 << 30
+ROOT = 0xC1D00001
+DEV = 0xD0  # the device handle the tests allocate
+OWNER = (4242, "123")
+
+
+# --- policy ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("nbytes", "held", "terms", "total", "verdict"),
+    [
+        (GIB, {}, {}, None, Verdict.ADMIT),  # no terms: anything
+        (GIB, {"a": 3 * GIB}, {"a": MemoryTerms(cap=4 * GIB)}, None, Verdict.ADMIT),  # exactly at the cap
+        (GIB + 1, {"a": 3 * GIB}, {"a": MemoryTerms(cap=4 * GIB)}, None, Verdict.CAP),
+        # b reserves 6 of 10 GiB and holds 1: a (no cap) may take 4 GiB, not 5
+        (4 * GIB, {"b": GIB}, {"b": MemoryTerms(reserve=6 * GIB)}, 10 * GIB, Verdict.ADMIT),
+        (5 * GIB, {"b": GIB}, {"b": MemoryTerms(reserve=6 * GIB)}, 10 * GIB, Verdict.RESERVES),
+        # b holds more than its reserve: what it holds counts
+        (3 * GIB, {"b": 8 * GIB}, {"b": MemoryTerms(reserve=6 * GIB)}, 10 * GIB, Verdict.RESERVES),
+        # unknown GPU size: reserves cannot be protected, caps still apply
+        (9 * GIB, {"b": GIB}, {"b": MemoryTerms(reserve=6 * GIB)}, None, Verdict.ADMIT),
+        # within its own reserve a tenant is never refused by these rules, even when others hold much
+        (2 * GIB, {"b": 9 * GIB}, {"a": MemoryTerms(reserve=2 * GIB)}, 10 * GIB, Verdict.ADMIT),
+        # b's reserve is on GPU 1 only: on GPU 0 it does not count
+        (9 * GIB, {}, {"b": MemoryTerms(reserve=6 * GIB, gpus=frozenset({1}))}, 10 * GIB, Verdict.ADMIT),
+    ],
+)
+def test_admit_allocation(nbytes: int, held: dict[str, int], terms: dict[str, MemoryTerms], total: int | None,
+                          verdict: Verdict) -> None:
+    assert admit_allocation("a", 0, nbytes, held, terms, total) is verdict
+
+
+@pytest.mark.parametrize(
+    ("own", "others", "totals", "fits"),
+    [
+        (MemoryTerms(reserve=4 * GIB), {"b": MemoryTerms(reserve=6 * GIB)}, {0: 10 * GIB}, True),
+        (MemoryTerms(reserve=5 * GIB), {"b": MemoryTerms(reserve=6 * GIB)}, {0: 10 * GIB}, False),
+        (MemoryTerms(reserve=5 * GIB), {"b": MemoryTerms(reserve=6 * GIB)}, {}, True),  # no GPU size known
+        # pinned to different GPUs: they do not compete
+        (MemoryTerms(reserve=8 * GIB, gpus=frozenset({0})), {"b": MemoryTerms(reserve=8 * GIB, gpus=frozenset({1}))},
+         {0: 10 * GIB, 1: 10 * GIB}, True),
+        (MemoryTerms(reserve=8 * GIB), {"b": MemoryTerms(reserve=8 * GIB, gpus=frozenset({1}))},
+         {0: 10 * GIB, 1: 10 * GIB}, False),
+        (MemoryTerms(reserve=5 * GIB), {"a": MemoryTerms(reserve=9 * GIB)}, {0: 10 * GIB}, True),  # its old terms
+    ],
+)
+def test_check_reserve(own: MemoryTerms, others: dict[str, MemoryTerms], totals: dict[int, int], fits: bool) -> None:
+    why = check_reserve("a", own, others, totals)
+    assert (why is None) is fits
+    if why is not None:
+        assert "'a'" in why and "does not fit on GPU" in why and "b " in why
+
+
+def test_terms_are_validated() -> None:
+    with pytest.raises(PolicyError, match="exceeds the tenant's own cap"):
+        MemoryTerms(cap=GIB, reserve=2 * GIB)
+    with pytest.raises(PolicyError):
+        MemoryTerms(reserve=-1)
+
+
+# --- the book --------------------------------------------------------------------------------------------------------
+def test_book_follows_devices_frees_and_clients() -> None:
+    book = MemoryBook()
+    book.add_device(ROOT, DEV, 0x80, ROOT, 1, OWNER)
+    book.add_device(ROOT, 0xD1, 0x2080, DEV, None, OWNER)  # a subdevice: its device's GPU
+    assert book.add(ROOT, 0x10, DEV, GIB, OWNER)[:2] == (1, 0x10)
+    assert book.add(ROOT, 0x11, 0xD1, 2 * GIB, OWNER)[0] == 1
+    assert book.add(ROOT, 0x12, 0x99, 3, OWNER)[0] == UNKNOWN_GPU  # parent never seen as a device
+    assert book.held() == {1: 3 * GIB, UNKNOWN_GPU: 3}
+    assert book.free(ROOT, 0x10) == [Held(1, GIB)]
+    assert book.free(ROOT, 0x10) == []  # freed twice: nothing more
+    _, _, stale = book.add(ROOT, 0x11, DEV, 5, OWNER)  # same handle again: the old one's free was missed
+    assert stale == [Held(1, 2 * GIB)]
+    book.add(ROOT, 0x13, 0xD1, 7, OWNER)
+    assert sorted(h.nbytes for h in book.free(ROOT, DEV)) == [5, 7]  # a device takes its memory and subdevices'
+    assert book.held() == {UNKNOWN_GPU: 3}
+    assert book.free(ROOT, ROOT) == [Held(UNKNOWN_GPU, 3)]  # the client takes everything
+    assert book.held() == {} and book.owners() == {}
+
+
+def test_book_keeps_clients_apart_and_releases_exited_ones() -> None:
+    book = MemoryBook()
+    other = ROOT + 1
+    for root in (ROOT, other):
+        book.add_device(root, DEV, 0x80, root, 0, (root, "1"))
+        book.add(root, 0x10, DEV, GIB, (root, "1"))
+    assert book.free(other, 0x11) == [] and book.held() == {0: 2 * GIB}
+    assert book.release([other]) == [Held(0, GIB)]
+    assert book.owners() == {ROOT: (ROOT, "1")}
+    _, key, _ = book.add(ROOT, 0, DEV, 5, OWNER)  # handle 0: the driver picks it; held until the client goes
+    assert key < 0 and book.undo(ROOT, key) == [Held(0, 5)]
+    assert book.release_all() == [Held(0, GIB)]
+
+
+def test_ledger_charges_and_credits_per_tenant_and_gpu() -> None:
+    terms = {"a": MemoryTerms(cap=2 * GIB), "b": MemoryTerms(reserve=4 * GIB)}
+    ledger = MemoryLedger(lambda: terms, lambda: {0: 8 * GIB})
+    assert ledger.charge("a", 0, 2 * GIB) is Verdict.ADMIT
+    assert ledger.charge("a", 0, 1) is Verdict.CAP
+    assert ledger.charge("a", 1, 2 * GIB) is Verdict.ADMIT  # the cap is per GPU
+    assert ledger.charge("c", 0, 2 * GIB) is Verdict.ADMIT
+    assert ledger.charge("c", 0, 1) is Verdict.RESERVES  # 2 (a) + 4 (b's reserve) + 2 (c) = 8
+    ledger.credit("a", [Held(0, GIB)])
+    assert ledger.charge("c", 0, GIB) is Verdict.ADMIT
+    assert ledger.of("a").held == {0: GIB, 1: 2 * GIB} and ledger.of("a").refused == {0: 1}
+    assert ledger.held_on(0) == {"a": GIB, "c": 3 * GIB}
+
+
+# --- decoding --------------------------------------------------------------------------------------------------------
+def _memory(addr_of: dict[int, bytes]) -> Callable[[int, int], bytes]:
+    def read(addr: int, size: int) -> bytes:
+        for base, data in addr_of.items():
+            if base <= addr and addr + size <= base + len(data):
+                return data[addr - base:addr - base + size]
+        raise OSError("unmapped")
+    return read
+
+
+def test_memory_allocations_are_decoded() -> None:
+    params = bytearray(120)
+    struct.pack_into("=Q", params, 64, 3 * GIB)
+    nvos21 = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x40, 0x5000, len(params), 0)
+    nvos64 = struct.pack("=IIIIQQIII4x", ROOT, DEV, 0x10, 0x40, 0x5000, 0, len(params), 0, 0)
+    xfer = struct.pack("=IIQ", RM_ALLOC, 48, 0x1000)
+    read = _memory({0x1000: nvos64, 0x2000: nvos21, 0x3000: xfer, 0x5000: bytes(params)})
+    for enr, size, addr, status_at in ((RM_ALLOC, 32, 0x2000, 0x2000 + 28), (RM_ALLOC, 48, 0x1000, 0x1000 + 40),
+                                       (XFER, 16, 0x3000, 0x1000 + 40)):
+        call = decode_call(enr, size, addr, read)
+        assert (call.op, call.h_parent, call.handle, call.mem_bytes, call.status_at) == (RM_ALLOC, DEV, 0x10, 3 * GIB, status_at)
+    short = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x40, 0x5000, 64, 0)  # paramsSize does not reach size@64
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: short, 0x5000: bytes(params)})).mem_bytes is None
+    system = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x3E, 0x5000, len(params), 0)  # host memory: not counted
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: system, 0x5000: bytes(params)})).mem_bytes is None
+    device = struct.pack("=IIIIQII", ROOT, ROOT, DEV, 0x80, 0x5000, 16, 0)
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
+    free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
+    assert (free.op, free.handle, free.mem_bytes) == (RM_FREE, 0x10, None)
+
+
+# --- end to end ------------------------------------------------------------------------------------------------------
+def mem(proc: Proc, handle: int, nbytes: int, *, parent: int = DEV, op: str = "mem", size: int = 32) -> tuple[int, int]:
+    """(errno, status) of one allocation from the child."""
+    tail = f" {ROOT:#x} {size}" if op == "mem" else ""
+    proc.send(f"{op} {parent:#x} {handle:#x} {nbytes}{tail}")
+    _, err, status = proc.line().split()
+    return int(err), int(status)
+
+
+LET_THROUGH = (ENOTTY, 0)
+REFUSED = (0, NV_ERR_NO_MEMORY)
+
+
+class Served:
+    """A tenant child, its supervisor with a ledger of `terms`, and the supervisor's thread."""
+
+    def __init__(self, terms: Mapping[str, MemoryTerms], totals: Mapping[int, int] | None = None,
+                 ledger: MemoryLedger | None = None) -> None:
+        self.ledger = ledger or MemoryLedger(lambda: terms, lambda: totals or {})
+        self.proc, fd = start_tenant()
+        self.sup = SessionSupervisor(fd, "t", lambda *_: True, None, reconcile_interval_s=0.05, memory=self.ledger)
+        self.thread = serve(self.sup)
+        assert self.proc.call(f"dev {DEV:#x} 0") == ENOTTY
+
+    def held(self) -> dict[int, int]:
+        return dict(self.ledger.of("t").held)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.sup.close()
+
+
+@pytest.fixture
+def capped() -> Iterator[Served]:
+    served = Served({"t": MemoryTerms(cap=4 * GIB)})
+    yield served
+    served.close()
+
+
+@needs_notify
+def test_the_allocation_crossing_the_cap_fails_as_out_of_memory_and_a_free_gives_it_back(capped: Served) -> None:
+    proc = capped.proc
+    assert [mem(proc, 0x10 + i, GIB) for i in range(4)] == [LET_THROUGH] * 4
+    assert mem(proc, 0x14, GIB) == REFUSED  # the 5th GiB: the ioctl returns 0 with NV_ERR_NO_MEMORY
+    assert mem(proc, 0x15, 1) == REFUSED
+    assert capped.held() == {0: 4 * GIB}
+    assert proc.call(f"free {0x11:#x}") == ENOTTY
+    assert capped.held() == {0: 3 * GIB}  # exact by the time the free returns
+    assert mem(proc, 0x14, GIB) == LET_THROUGH  # the app goes on: allocate again after a free
+    assert mem(proc, 0x16, GIB, op="xmem") == REFUSED  # through XFER too
+    assert mem(proc, 0x16, GIB, size=48) == REFUSED  # NVOS64: status at 40
+    assert capped.ledger.of("t").refused == {0: 4}
+    assert proc.call(f"free {DEV:#x}") == ENOTTY  # the device takes its memory with it
+    assert capped.held() == {}
+
+
+@needs_notify
+def test_counts_are_exact_across_threads() -> None:
+    served = Served({"t": MemoryTerms(cap=5 * GIB)})
+    try:
+        served.proc.send(f"threads_mem 8 {DEV:#x} {GIB} 0x100")
+        assert served.proc.line().split()[2] == "5"  # exactly 5 of 8 concurrent 1 GiB allocations fit
+        assert served.held() == {0: 5 * GIB}
+    finally:
+        served.close()
+
+
+@needs_notify
+def test_a_forked_child_s_memory_goes_with_it_and_the_tenant_s_with_the_last_process() -> None:
+    served = Served({"t": MemoryTerms(cap=8 * GIB)})
+    try:
+        assert mem(served.proc, 0x10, GIB) == LET_THROUGH
+        served.proc.send(f"fork_mem 0 {2 * GIB} {ROOT + 1:#x}")
+        _, err, _child = served.proc.line().split()
+        assert int(err) == ENOTTY  # let through to the "driver" in the child, counted, then the child exited
+        wait_for(lambda: served.held() == {0: GIB}, "the exited child's 2 GiB to be given back")
+        served.proc.send("exit")
+        assert served.proc.popen.wait(10) == 0
+        served.thread.join(10)
+        assert served.held() == {}
+    finally:
+        served.close()
+
+
+@needs_notify
+def test_two_listeners_of_one_tenant_share_its_cap() -> None:
+    ledger = MemoryLedger(lambda: {"t": MemoryTerms(cap=3 * GIB)})
+    first, second = Served({}, ledger=ledger), Served({}, ledger=ledger)
+    try:
+        assert mem(first.proc, 0x10, 2 * GIB) == LET_THROUGH
+        assert mem(second.proc, 0x10, 2 * GIB) == REFUSED  # same handle, other process: a separate object
+        assert mem(second.proc, 0x11, GIB) == LET_THROUGH
+        assert ledger.of("t").held == {0: 3 * GIB}
+    finally:
+        first.close()
+        second.close()
+
+
+@needs_notify
+def test_reserves_of_others_are_kept() -> None:
+    ledger = MemoryLedger(lambda: {"t": MemoryTerms(), "gamer": MemoryTerms(reserve=6 * GIB)}, lambda: {0: 10 * GIB})
+    served = Served({}, ledger=ledger)
+    try:
+        assert mem(served.proc, 0x10, 4 * GIB) == LET_THROUGH
+        assert mem(served.proc, 0x11, 1) == REFUSED  # the other 6 GiB are the gamer's, used or not
+        assert ledger.charge("gamer", 0, 6 * GIB) is Verdict.ADMIT
+    finally:
+        served.close()
+
+
+# --- the engine: reserves at set-limit and at start, what tenants/metrics show ----------------------------------------
+def _rig(tmp_path: Path, tenants: tuple[DeclaredTenant, ...] = ()) -> Rig:
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 10 * GIB)])
+    return Rig(tmp_path, DaemonConfig(slice_ms=50, tenants=tenants), telemetry=tel)
+
+
+def test_a_reserve_that_does_not_fit_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    rig = _rig(tmp_path)
+    rig.add("game", 100)
+    rig.add("train", 100)
+    rig.engine.set_limits("game", None, None, None, None, 6 * GIB)
+    with pytest.raises(EngineError, match=r"memory reserve 5.00 GiB of tenant 'train' does not fit on GPU 0: it has "
+                                          r"10.00 GiB and other tenants reserve 6.00 GiB there \(game 6.00 GiB\)"):
+        rig.engine.set_limits("train", None, None, None, None, 5 * GIB)
+    assert rig.engine.snapshot("train").memory_reserve is None
+    rig.engine.set_limits("train", None, None, None, None, 4 * GIB)  # fits exactly
+    rig.engine.set_limits("game", None, None, None, None, 6 * GIB)  # a tenant's own old reserve is not counted twice
+    assert rig.engine.memory_terms()["game"] == MemoryTerms(reserve=6 * GIB)
+    with pytest.raises(EngineError, match="exceeds the tenant's memory cap"):
+        rig.engine.set_limits("game", None, None, None, 4 * GIB)
+
+
+def test_a_declared_tenant_whose_reserve_does_not_fit_is_not_created(tmp_path: Path) -> None:
+    limits = (SessionLimits(memory_reserve=6 * GIB), SessionLimits(memory_reserve=5 * GIB))
+    declared = tuple(DeclaredTenant(n, 100, Priority.OFFLINE, frozenset({Engine.COMPUTE}), limits=lim)
+                     for n, lim in zip(("a", "b"), limits, strict=True))
+    rig = _rig(tmp_path, declared)
+    assert [s.name for s in rig.engine.snapshots()] == ["a"]
+
+
+def test_tenants_and_metrics_show_exact_use_cap_and_reserve_per_gpu(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from unisched.transport.convert import snapshot_to_pb
+    from unisched.transport.metrics import _Families, _tenant_metrics
+
+    rig = _rig(tmp_path)
+    rig.add("game", 100)
+    rig.engine.memory_ledger = MemoryLedger(rig.engine.memory_terms, rig.engine.gpu_memory_totals)
+    rig.engine.set_limits("game", None, None, None, 4 * GIB, 2 * GIB)
+    assert rig.engine.memory_ledger.charge("game", 0, 3 * GIB) is Verdict.ADMIT
+    assert rig.engine.memory_ledger.charge("game", 0, 2 * GIB) is Verdict.CAP
+    snap = rig.engine.snapshot("game")
+    assert snap.gpu_memory == (GpuMemory(gpu=0, used=3 * GIB, cap=4 * GIB, reserve=2 * GIB, refused=1),)
+    pb_t = snapshot_to_pb(snap)
+    assert (pb_t.gpu_memory[0].used_bytes, pb_t.gpu_memory[0].cap_bytes, pb_t.caps.memory_reserve) == (3 * GIB, 4 * GIB, 2 * GIB)
+
+    class One:
+        def collect(self) -> object:
+            out = _Families()
+            _tenant_metrics(out, [snap], {0: "GPU-x"})
+            return out.families()
+
+    registry = CollectorRegistry()
+    registry.register(One())  # type: ignore[arg-type]
+    series = dict(line.rsplit(" ", 1) for line in generate_latest(registry).decode().splitlines() if line[0] != "#")
+    labels = '{UUID="GPU-x",container="",gpu="0",namespace="",pod="",tenant="game"}'
+    assert float(series["unisched_tenant_memory_used_bytes" + labels]) == 3 * GIB
+    assert float(series["unisched_tenant_memory_reserve_bytes" + labels]) == 2 * GIB
+    assert float(series["unisched_tenant_memory_refusals_total" + labels]) == 1
