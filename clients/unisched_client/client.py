@@ -4,7 +4,8 @@ The app's own thread only touches local state on the fast path (is my lease held
 work fit in the slice); a background thread reads the lease stream (grants, revokes, acks) and a second one
 renews leases and reports measured GPU time ahead of need. No RPC per kernel launch or per frame.
 
-The stream is a plain connection to the daemon's Unix socket (unisched_wire.leasewire): whichever thread
+The stream is a plain connection to the daemon's lease socket (unisched_wire.leasewire: $UNISCHED_LEASE_SOCKET,
+else lease.sock beside the daemon's socket): whichever thread
 has something to say writes it to the socket itself, under the client's lock, and the reader thread is the
 only other one a renewal's answer wakes.
 """
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 
 from unisched_wire import unisched_pb2 as pb
-from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameError, FrameReader, frame, lease_socket_for
 from unisched_wire.tenantenv import process_env
 
 if TYPE_CHECKING:
@@ -260,7 +261,8 @@ class Client:
         if bad:
             raise ValueError(f"engines must be among {', '.join(ENGINES)}; got {bad}")
         self.tenant = tenant
-        self.socket = socket or DEFAULT_SOCKET
+        self.socket = lease_socket_for(socket or DEFAULT_SOCKET, os.environ)
+        """The lease socket this client connects to (found from the daemon's socket, `socket`)."""
         self._hello = pb.LeaseHello(tenant=tenant, weight=weight or 0, priority=_PRIORITIES[priority],
                                     engines=list(engines), gpu=gpu)
         self._cond = threading.Condition()
