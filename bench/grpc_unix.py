@@ -104,9 +104,9 @@ def main() -> int:
                for label in ("before", "after")}
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    res = {"command": "python3 bench/grpc_unix.py " + " ".join(sys.argv[1:]), "date": dt.datetime.now().isoformat(timespec="seconds"),
-           "nproc": os.cpu_count(), "cpu": cpu, "commits": {"before": commit_of(args.before), "after": commit_of(args.after)},
-           "runs": runs, "medians": medians}
+    res = {"command": "python3 bench/grpc_unix.py " + " ".join(sys.argv[1:]),
+           "date": dt.datetime.now().isoformat(timespec="seconds"), "nproc": os.cpu_count(), "cpu": cpu,
+           "commits": {"before": commit_of(args.before), "after": commit_of(args.after)}, "runs": runs, "medians": medians}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(medians, indent=1))

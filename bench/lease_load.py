@@ -303,7 +303,8 @@ def main() -> int:
     start_at = time.time() + 1.0
     workers = [mp.get_context("fork").Process(
         target=worker if args.client == "protocol" else library_worker,
-        args=(names[i::procs], sock if args.client == "library" else lease_socket_of(sock), args.renew_ms / 1000.0, start_at, args.seconds, args.warmup, q))
+        args=(names[i::procs], sock if args.client == "library" else lease_socket_of(sock), args.renew_ms / 1000.0,
+              start_at, args.seconds, args.warmup, q))
         for i in range(procs)]
     for w in workers:
         w.start()

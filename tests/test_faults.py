@@ -413,7 +413,7 @@ def need_descriptors(n: int) -> None:
 def test_a_thousand_clients_at_once(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]
     need_descriptors(4096)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with open_files_limit(max(soft, min(hard, 16384)), hard):  # 1000 relayed connections: 3 descriptors each in the daemon
+    with open_files_limit(max(soft, min(hard, 16384)), hard):  # 1000 connections: 2 descriptors each in the daemon
         d = daemon_factory("--slice-ms", "20")
         t0 = time.monotonic()
         socks = connect_many(d.socket, 1000, h2_hello() + grpc_request(1, "Status"))
@@ -440,7 +440,7 @@ def test_a_thousand_clients_at_once(daemon_factory, tenant_prefix: str) -> None:
 
 @pytest.mark.root
 def test_connections_past_the_limit_are_refused_cleanly(daemon_factory, tenant_prefix: str) -> None:  # type: ignore[no-untyped-def]
-    """With 1024 descriptors the daemon can relay ~256 connections; the rest must be hung up on at once. Before,
+    """With 1024 descriptors the daemon can hold ~384 connections; the rest must be hung up on at once. Before,
     asyncio accepted the whole backlog, hit EMFILE, logged it hundreds of thousands of times and stalled ~60 s."""
     need_descriptors(2048)  # for this process's 1000 sockets
     d = daemon_factory("--slice-ms", "20")

@@ -31,7 +31,8 @@ PARTIAL = 256
 """Connections that send a partial 64 KiB lease frame (more than one uid may hold)."""
 
 # Raises its open-file limit, drops to nobody, opens FLOOD connections (the first PARTIAL to the lease socket,
-# each sending MAGIC and most of a 64 KiB frame; the rest to the gRPC socket, silent), says "ready", then reports on stdin's command how many the daemon still holds open and waits
+# each sending MAGIC and most of a 64 KiB frame; the rest to the gRPC socket, silent), says "ready", then reports
+# on stdin's command how many the daemon still holds open and waits
 # for the next line to close everything.
 ATTACKER = r"""
 import os, resource, select, socket, struct, sys
@@ -44,7 +45,7 @@ conns = []
 for i in range(n):
     c = socket.socket(socket.AF_UNIX)
     try:
-        c.connect(lease_path if i < partial else path)  # blocking: waits while the daemon's backlog is full, as a patient attacker would
+        c.connect(lease_path if i < partial else path)  # blocking: waits while the backlog is full, as a patient attacker
     except OSError:
         c.close()
         continue

@@ -184,8 +184,7 @@ def test_config_keys_and_the_in_process_refusal(tmp_path: Path, pki: Pki) -> Non
 
 def test_a_tls_call_never_has_a_unix_callers_identity(tls_server: InProcessServer, pki: Pki) -> None:
     """Identity is bound to the connection it was read on: a TLS call made while a Unix connection of root's is
-    open (the relay this replaced looked identities up by peer address, which a TCP client could repeat) has
-    none, and may not act."""
+    open has none, and may not act (a lookup by peer address could be repeated by a TCP client)."""
     assert tls_server.config.listen is not None
     with DaemonClient(tls_server.socket) as unix, \
             DaemonClient(target=tls_server.config.listen, tls=(pki.ca, pki.client_cert, pki.client_key)) as remote:

@@ -5,8 +5,8 @@ default `LEASE_SOCKET_NAME` beside the main one; `lease_socket_for` is how a cli
 client opens it and sends `MAGIC` first (a connection that opens otherwise is closed); after it, each way, every
 message is a 4-byte big-endian length and a serialized protobuf: LeaseRequest from the client, LeaseReply from
 the daemon. Why not the gRPC stream it replaced: a renewal's round trip through gRPC aio woke four idle threads
-and loops (client, relay, gRPC's poller, the daemon's loop) and its p99 was ~2 ms at 25 ms spacing on the 2-core
-VM; these frames are read and answered in one turn of the daemon's loop and read by one client thread
+and loops (client, a relay in front of gRPC, gRPC's poller, the daemon's loop) and its p99 was ~2 ms at 25 ms
+spacing on the 2-core VM; these frames are read and answered in one turn of the daemon's loop and read by one client thread
 (bench/results/2026-12-01-cpu/lease-stream/README.md).
 """
 

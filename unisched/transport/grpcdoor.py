@@ -1,7 +1,7 @@
 """gRPC on the daemon's Unix socket: grpclib's HTTP/2 server in the daemon's own loop, one connection at a time.
 
 grpcio's server cannot be handed an accepted connection and never tells a call its peer's SO_PEERCRED, so it
-used to sit behind a relay on a loopback TCP port that any local user could reach. Here the front door accepts
+would need a relay in front of it on a loopback TCP port, which any local user can reach. Here the front door accepts
 the connection, reads its credentials, and this module runs grpclib's HTTP/2 protocol on that very socket with a
 method table whose handlers carry those credentials: a call's identity is the connection's, fixed at accept.
 
