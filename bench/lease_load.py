@@ -59,6 +59,15 @@ class _Stalled(Exception):
     pass
 
 
+def lease_socket_of(sock: str) -> str:
+    """Where the daemon on `sock` serves the lease stream: its lease socket beside it (a daemon of a checkout
+    from before the lease stream had a socket of its own serves it on `sock` itself)."""
+    from unisched_wire.leasewire import lease_socket_beside
+
+    lease = lease_socket_beside(sock)
+    return lease if os.path.exists(lease) else sock
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -294,7 +303,8 @@ def main() -> int:
     start_at = time.time() + 1.0
     workers = [mp.get_context("fork").Process(
         target=worker if args.client == "protocol" else library_worker,
-        args=(names[i::procs], sock, args.renew_ms / 1000.0, start_at, args.seconds, args.warmup, q))
+        args=(names[i::procs], sock if args.client == "library" else lease_socket_of(sock), args.renew_ms / 1000.0,
+              start_at, args.seconds, args.warmup, q))
         for i in range(procs)]
     for w in workers:
         w.start()

@@ -2,8 +2,6 @@
 """The floor under a lease renewal's round trip, per candidate transport: the same messages (LeaseRequest ->
 LeaseReply) echoed with no engine behind them, by a server in its own (spawned) process as the daemon is.
 
-  relay       grpc.aio stream through the daemon's PeerCredRelay (Unix socket -> relay -> loopback TCP -> gRPC);
-              client grpc.aio (as bench/lease_load.py)
   direct      grpc.aio stream served directly on the Unix socket; client grpc.aio
   grpc-sync   the sync gRPC server (thread pool) directly on the Unix socket; client grpc.aio
   frame       length-framed protobuf on a Unix stream socket, served in an asyncio loop by a Protocol
@@ -40,11 +38,9 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from unisched.transport.options import SERVER_OPTIONS
-from unisched.transport.peercred import PeerCredRelay
 from unisched_wire import unisched_pb2 as pb
 
-TRANSPORTS = ("relay", "direct", "grpc-sync", "frame", "frame-2t", "frame-spin")
+TRANSPORTS = ("direct", "grpc-sync", "frame", "frame-2t", "frame-spin")
 _LEN = struct.Struct("<I")
 _CRED = struct.Struct("3i")
 
@@ -94,7 +90,7 @@ class _FrameEcho(asyncio.Protocol):
 
 def _serve(transport: str, path: str, ready: Any) -> None:
     if transport == "grpc-sync":
-        server = grpc.server(futures.ThreadPoolExecutor(4), options=SERVER_OPTIONS)
+        server = grpc.server(futures.ThreadPoolExecutor(4))
         server.add_generic_rpc_handlers((_echo_handler(_sync_echo),))
         server.add_insecure_port(f"unix:{path}")
         server.start()
@@ -113,15 +109,10 @@ def _serve(transport: str, path: str, ready: Any) -> None:
                 conn, _ = await loop.sock_accept(listener)
                 _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
                 await loop.connect_accepted_socket(_FrameEcho, sock=conn)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server()
         server.add_generic_rpc_handlers((_echo_handler(_aio_echo),))
-        if transport == "relay":
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            await PeerCredRelay(path, port).start()
-        else:
-            server.add_insecure_port(f"unix:{path}")
-            await server.start()
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
         ready.put(os.getpid())
         await asyncio.Event().wait()
 

@@ -20,6 +20,7 @@ import pytest
 
 from unisched.enforce.cgroups import CgroupDriver
 from unisched.telemetry import FakeTelemetry, GpuInfo
+from unisched_wire.leasewire import lease_socket_beside
 
 ROOT = Path(__file__).resolve().parent.parent
 GOVERNED_DIR = Path(tempfile.gettempdir()) / f"us-governed-{os.getpid()}"
@@ -104,6 +105,11 @@ class Daemon:
 
     def __post_init__(self) -> None:
         self.subtree = self.subtree or subtree_for(self.prefix)
+
+    @property
+    def lease_socket(self) -> str:
+        """The lease stream's socket: beside the main one (the daemon's default for a --socket of its own)."""
+        return lease_socket_beside(self.socket)
 
     def cgroup(self, tenant: str) -> str:
         """Where this daemon creates `tenant`'s cgroup."""

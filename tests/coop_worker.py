@@ -17,7 +17,7 @@ import time
 from unisched_client import Client, UnischedError
 from unisched_client._inflight import InFlight
 from unisched_wire import unisched_pb2 as pb
-from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame, lease_socket_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--socket", required=True)
@@ -50,7 +50,7 @@ def lease_stream(reqs: list[pb.LeaseRequest]) -> dict[str, object]:
     """Send the requests on a raw lease stream, read until the daemon closes it: its error, or OK."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
-        s.connect(args.socket)
+        s.connect(lease_socket_for(args.socket, os.environ))
         s.sendall(MAGIC + b"".join(frame(r) for r in reqs))
         s.shutdown(socket.SHUT_WR)
         reader, replies = FrameReader(MAX_REPLY_BYTES), []

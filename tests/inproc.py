@@ -22,8 +22,7 @@ from unisched.engine.config import DaemonConfig
 from unisched.engine.core import KernelEngine
 from unisched.engine.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
-from unisched.transport.peercred import PeerCredRelay
-from unisched.transport.server import serve_async
+from unisched.transport.server import Doors, serve_async
 
 
 @dataclass
@@ -32,14 +31,13 @@ class InProcessServer:
     config: DaemonConfig
     driver: FakeCgroupDriver
     engine: KernelEngine
-    relay: PeerCredRelay
+    doors: Doors
     loop: asyncio.AbstractEventLoop
-    """The loop the server and the engine run on (a test may block it to stall the engine)."""
+    """The loop the daemon runs in (its own thread)."""
 
     @property
-    def backend_port(self) -> int:
-        """The private gRPC port behind the Unix socket (a side door with no caller identity)."""
-        return self.relay.backend_port
+    def lease_socket(self) -> str:
+        return self.config.lease_socket
 
 
 def free_port() -> int:
@@ -55,7 +53,8 @@ def in_process_server(
     sock_dir = Path(tempfile.mkdtemp(prefix="us-inproc-"))
     sock_dir.chmod(0o755)
     config = replace(
-        DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"), state_dir=str(state_dir)),
+        DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"),
+                     lease_socket=str(sock_dir / "lease.sock"), state_dir=str(state_dir)),
         **overrides,
     )
     driver = driver or FakeCgroupDriver()
@@ -65,10 +64,10 @@ def in_process_server(
     stop = asyncio.Event()
     started = threading.Event()
     failed: list[BaseException] = []
-    relays: list[PeerCredRelay] = []
+    doors: list[Doors] = []
 
-    def ready(relay: PeerCredRelay) -> None:
-        relays.append(relay)
+    def ready(serving: Doors) -> None:
+        doors.append(serving)
         started.set()
 
     def run() -> None:
@@ -85,7 +84,7 @@ def in_process_server(
         assert started.wait(20), "server did not start"
         if failed:
             raise failed[0]
-        yield InProcessServer(config.socket, config, driver, engine, relays[0], loop)
+        yield InProcessServer(config.socket, config, driver, engine, doors[0], loop)
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(20)

@@ -27,7 +27,7 @@ import grpc
 from unisched_client import Client, UnischedUnavailable
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
-from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame
+from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame, lease_socket_beside
 
 WORKER = str(ROOT / "tests" / "coop_worker.py")
 
@@ -458,10 +458,11 @@ def _slow_lease_stream(conn: socket.socket, answer: threading.Event) -> None:
 
 @contextlib.contextmanager
 def slow_daemon(tmp_path: Path, answer: threading.Event) -> Iterator[str]:
-    """Accepts lease connections at once and answers their hello late."""
+    """Accepts lease connections at once and answers their hello late; yields the daemon's (gRPC) socket path,
+    beside which the client finds this lease socket."""
     path = str(tmp_path / "slow.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(lease_socket_beside(path))
     listener.listen(8)
 
     def accept() -> None:

@@ -1,4 +1,4 @@
-"""One user's flood of the daemon's main socket costs only that user (a real daemon with its default limits).
+"""One user's flood of the daemon's sockets costs only that user (a real daemon with its default limits).
 
 The attack as reported: 4,200 idle connections from one non-root uid (more than the daemon's global cap of
 4,096, so on 74030c6 root's `status` got "cannot reach the daemon"), some of them sending a partial 64 KiB lease
@@ -30,12 +30,13 @@ FLOOD = MAX_CONNECTIONS + 104
 PARTIAL = 256
 """Connections that send a partial 64 KiB lease frame (more than one uid may hold)."""
 
-# Raises its open-file limit, drops to nobody, opens FLOOD connections (the first PARTIAL send MAGIC and most of
-# a 64 KiB frame), says "ready", then reports on stdin's command how many the daemon still holds open and waits
+# Raises its open-file limit, drops to nobody, opens FLOOD connections (the first PARTIAL to the lease socket,
+# each sending MAGIC and most of a 64 KiB frame; the rest to the gRPC socket, silent), says "ready", then reports
+# on stdin's command how many the daemon still holds open and waits
 # for the next line to close everything.
 ATTACKER = r"""
 import os, resource, select, socket, struct, sys
-path, n, partial = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, lease_path, n, partial = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 resource.setrlimit(resource.RLIMIT_NOFILE, (n + 100, max(n + 100, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 MAGIC = b"unisched-lease/1\n"
@@ -44,7 +45,7 @@ conns = []
 for i in range(n):
     c = socket.socket(socket.AF_UNIX)
     try:
-        c.connect(path)  # blocking: waits while the daemon's backlog is full, as a patient attacker would
+        c.connect(lease_path if i < partial else path)  # blocking: waits while the backlog is full, as a patient attacker
     except OSError:
         c.close()
         continue
@@ -102,7 +103,8 @@ def test_a_connection_flood_costs_only_the_attacker(daemon: Daemon) -> None:
     pid = daemon.proc.pid
     _status_s(daemon.socket)
     idle = _rss_mib(pid)
-    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, daemon.socket, str(FLOOD), str(PARTIAL)],
+    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, daemon.socket, daemon.lease_socket, str(FLOOD),
+                                 str(PARTIAL)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(), cwd="/tmp")
     assert attacker.stdin is not None and attacker.stdout is not None
     try:

@@ -1,5 +1,5 @@
 """The gRPC API under hypothesis-generated requests: a real server in this process (fake cgroups), called through
-its Unix socket (SO_PEERCRED identity) as root, as two non-admin uids, and through the identity-less side door.
+its Unix socket (SO_PEERCRED identity) as root, as two non-admin uids, and with no identity (as over TLS).
 
 After every example the server still answers, every refusal carries one of the codes the API documents, the
 tenants it lists are well formed, callers only changed what they may change, and the state file reloads to what
@@ -57,10 +57,9 @@ USERS = (1000, 1001)
 @dataclass
 class FuzzServer:
     socket: str
-    backend_port: int
     state_dir: Path
     config: DaemonConfig = field(repr=False)
-    as_uid: Callable[[int | None], None] = field(repr=False)
+    as_uid: Callable[[int | str | None], None] = field(repr=False)
     driver: FakeCgroupDriver = field(repr=False)
 
 
@@ -72,20 +71,23 @@ def fuzz_server(tmp_path: Path) -> Iterator[FuzzServer]:
     with in_process_server(tmp_path / "state", driver=driver) as s:
         # The server sees the caller as SO_PEERCRED reports it (root: this process); `as_uid` makes it see a
         # non-admin uid instead, so one process can fuzz as several users (test_security.py drops privileges for real).
-        uid_box: list[int | None] = [None]
-        real_lookup = s.relay.lookup
+        # "side-door": no identity at all, as a call over the TLS listener has.
+        uid_box: list[int | str | None] = [None]
 
-        def lookup(peer: str) -> PeerCred | None:
-            cred = real_lookup(peer)
-            if cred is None or uid_box[0] is None:
+        def caller(cred: PeerCred | None) -> PeerCred | None:
+            uid = uid_box[0]
+            if uid == "side-door":
+                return None
+            if cred is None or uid is None:
                 return cred
-            return dataclasses.replace(cred, uid=uid_box[0], gid=uid_box[0])
+            assert isinstance(uid, int)
+            return dataclasses.replace(cred, uid=uid, gid=uid)
 
-        def as_uid(uid: int | None) -> None:
+        def as_uid(uid: int | str | None) -> None:
             uid_box[0] = uid
 
-        s.relay.lookup = lookup  # type: ignore[method-assign]
-        yield FuzzServer(s.socket, s.backend_port, Path(s.config.state_dir), s.config, as_uid, driver)
+        s.doors.grpc.caller = caller
+        yield FuzzServer(s.socket, Path(s.config.state_dir), s.config, as_uid, driver)
 
 
 # --- strategies --------------------------------------------------------------------------------------
@@ -183,22 +185,18 @@ def _check_consistent(s: FuzzServer, stub: Any) -> None:
 @given(calls=st.lists(st.tuples(CALLERS, REQUESTS), min_size=1, max_size=6))
 def test_fuzzed_requests_never_crash_or_corrupt(fuzz_server: FuzzServer, calls: list[tuple[Any, Any]]) -> None:
     s = fuzz_server
-    with grpc.insecure_channel(f"unix:{s.socket}") as unix, grpc.insecure_channel(f"127.0.0.1:{s.backend_port}") as side:
+    with grpc.insecure_channel(f"unix:{s.socket}") as unix:
         unix_stub = pb_grpc.UnischedStub(unix)  # type: ignore[no-untyped-call]
-        side_stub = pb_grpc.UnischedStub(side)  # type: ignore[no-untyped-call]
         for caller, req in calls:
             method = METHODS[type(req)]
             s.as_uid(None)
             before = _view(unix_stub.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants)
             was_in = s.driver.cgroup_of(os.getpid())  # every caller is this process, seen as another uid
-            if caller == "side-door":
-                code, reply = _call(side_stub, method, req)
-            else:
-                s.as_uid(None if caller == "root" else caller)
-                try:
-                    code, reply = _call(unix_stub, method, req)
-                finally:
-                    s.as_uid(None)
+            s.as_uid(None if caller == "root" else caller)
+            try:
+                code, reply = _call(unix_stub, method, req)
+            finally:
+                s.as_uid(None)
             assert code in ALLOWED, f"{method} as {caller} got {code}: {reply} (request {req!r})"
             after = _view(unix_stub.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants)
             if caller == "root":

@@ -33,14 +33,15 @@ from unisched_wire.leasewire import MAGIC, frame
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")]
 NOBODY = 65534
 
-# Connects twice as UID and hands both connected sockets to the test over fd 3 (SCM_RIGHTS), then exits: the
-# daemon's SO_PEERCRED for both names this process's pid, which is then free for another process to take.
+# Connects as UID to the lease socket and to the gRPC socket and hands both connected sockets to the test over
+# fd 3 (SCM_RIGHTS), then exits: the daemon's SO_PEERCRED for both names this process's pid, which is then free
+# for another process to take.
 HOLDER = r"""
 import os, socket, sys
-path, uid, back = sys.argv[1], int(sys.argv[2]), socket.socket(fileno=int(sys.argv[3]))
+paths, uid, back = sys.argv[1].split(","), int(sys.argv[2]), socket.socket(fileno=int(sys.argv[3]))
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
-conns = [socket.socket(socket.AF_UNIX) for _ in range(2)]
-for c in conns:
+conns = [socket.socket(socket.AF_UNIX) for _ in paths]
+for c, path in zip(conns, paths):
     c.connect(path)
 socket.send_fds(back, [b"x"], [c.fileno() for c in conns])
 """
@@ -159,7 +160,8 @@ def test_a_reused_pid_does_not_hand_over_root_rights(root_tenant: tuple[Daemon, 
     daemon, tenant = root_tenant
     adm = grp.getgrnam("adm").gr_gid
     mine, theirs = socket.socketpair()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.socket, str(NOBODY), str(theirs.fileno())],
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, f"{daemon.lease_socket},{daemon.socket}", str(NOBODY),
+                               str(theirs.fileno())],
                               pass_fds=[theirs.fileno()], env=child_env(), cwd="/tmp")
     theirs.close()
     _, fds, _, _ = socket.recv_fds(mine, 1, 2)

@@ -36,7 +36,7 @@ def lease_socket(server: InProcessServer, rcvbuf: int | None = None) -> Iterator
     if rcvbuf is not None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.settimeout(10)
-    s.connect(server.socket)
+    s.connect(server.lease_socket)
     with s:
         yield s
 
@@ -69,7 +69,7 @@ def test_a_lease_stream_acts_for_the_connecting_process_only(server: InProcessSe
 def test_grpc_has_no_lease_call(server: InProcessServer) -> None:
     """One lease transport: the gRPC API lost its Lease stream when the lease stream moved to its own framing."""
     with DaemonClient(server.socket) as c:
-        assert c.status().caller_pid == os.getpid()  # gRPC on the same socket still works
+        assert c.status().caller_pid == os.getpid()  # gRPC on its socket works
     with grpc.insecure_channel(f"unix:{server.socket}") as ch:
         call = ch.stream_stream("/unisched.v1.Unisched/Lease", request_serializer=pb.LeaseRequest.SerializeToString,
                                 response_deserializer=pb.LeaseReply.FromString)

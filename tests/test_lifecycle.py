@@ -135,9 +135,9 @@ def test_two_daemons_with_their_own_subtrees_never_touch_each_others_tenants(dae
 @pytest.mark.root
 def test_a_daemon_on_another_socket_but_the_same_subtree_is_refused(daemon_factory: Callable[..., Daemon],
                                                                    tenant_prefix: str, tmp_path: Path) -> None:
-    a = daemon_factory("--slice-ms", "20")
+    a = daemon_factory("--slice-ms", "20")  # (the other daemon's directory is its own: its lease socket sits beside)
     out = subprocess.run(
-        [sys.executable, "-m", "unisched", "serve", "--socket", f"/tmp/us-{tenant_prefix}/other.sock", "--state-dir",
+        [sys.executable, "-m", "unisched", "serve", "--socket", f"/tmp/us-{tenant_prefix}/other/other.sock", "--state-dir",
          str(tmp_path / "other"), "--no-nvml", "--cgroup-subtree", f"{a.subtree}/nested"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=child_env(),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,35 +182,19 @@ def test_config_keys_and_the_in_process_refusal(tmp_path: Path, pki: Pki) -> Non
         pass
 
 
-class _Context:
-    """What the servicer reads of a call: its peer string and the transport's auth context."""
-
-    def __init__(self, security: bytes) -> None:
-        self.security = security
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:40000"
-
-    def auth_context(self) -> dict[str, list[bytes]]:
-        return {"transport_security_type": [self.security]}
-
-
-def test_a_tls_peer_never_borrows_a_relayed_identity(tmp_path: Path) -> None:
-    """The kernel may give a TCP client the same source port as a live relay connection (another destination):
-    the peer strings are then equal, so identity must not be looked up for TLS calls at all."""
-    from unisched.enforce.cgroups import FakeCgroupDriver
-    from unisched.engine.clock import SystemClock
-    from unisched.engine.core import KernelEngine
-    from unisched.engine.state import StateStore
-    from unisched.telemetry import NoGpuTelemetry
-    from unisched.transport.identity import PeerCred
-    from unisched.transport.server import UnischedServicer
-
-    engine = KernelEngine(DaemonConfig(), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path), SystemClock())
-    root = PeerCred(pid=1, uid=0, gid=0)
-    servicer = UnischedServicer(engine, lambda peer: root, None, 0.0, "fake", "/fake", False)
-    assert servicer._caller(_Context(b"insecure")) == root  # type: ignore[arg-type]  # relayed from the Unix socket
-    assert servicer._caller(_Context(b"ssl")) is None  # type: ignore[arg-type]
+def test_a_tls_call_never_has_a_unix_callers_identity(tls_server: InProcessServer, pki: Pki) -> None:
+    """Identity is bound to the connection it was read on: a TLS call made while a Unix connection of root's is
+    open has none, and may not act (a lookup by peer address could be repeated by a TCP client)."""
+    assert tls_server.config.listen is not None
+    with DaemonClient(tls_server.socket) as unix, \
+            DaemonClient(target=tls_server.config.listen, tls=(pki.ca, pki.client_cert, pki.client_key)) as remote:
+        assert unix.status().caller_pid == os.getpid()
+        seen = remote.status()
+        assert (seen.caller_pid, seen.caller_uid, seen.caller_is_admin) == (0, 0, False)
+        with pytest.raises(DaemonError) as e:
+            remote.set_weight("web", 9000)
+        assert e.value.code is grpc.StatusCode.PERMISSION_DENIED
+        assert unix.status().caller_pid == os.getpid()
 
 
 def test_serve_cli_with_certificates_serves_tls(daemon_factory, pki: Pki) -> None:  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ they start in:
 
 1. what a dead daemon left frozen was thawed before this runs (the cli's first step, `thaw_orphans`);
 2. host checks against the config (freezer, GPUs, declared cgroups), touching nothing;
-3. the socket lock, so a second daemon stops here while the first serves;
+3. the sockets' locks (gRPC and lease stream), so a second daemon stops here while the first serves;
 4. logging, then the daemon's nice value (before any thread starts: threads inherit it);
 5. `--delegated`: move into systemd's delegated leaf, tenants below `<unit>/tenants`;
 6. the record of what this daemon may freeze, written before it freezes anything;
@@ -125,11 +125,17 @@ def check_host(config: DaemonConfig) -> list[int]:
         telemetry.close()
 
 
-def _claim(config: DaemonConfig) -> SocketClaim:
+def _claim(config: DaemonConfig) -> list[SocketClaim]:
+    """Each socket the daemon serves on (gRPC, lease stream), locked for its life."""
+    claims: list[SocketClaim] = []
     try:
-        return claim_socket(config.socket)
+        for path in (config.socket, config.lease_socket):
+            claims.append(claim_socket(path))
     except (SocketInUse, OSError) as e:
+        for claim in claims:
+            claim.release()
         raise StartError(str(e)) from e
+    return claims
 
 
 def set_own_nice(nice: int) -> str | None:
@@ -223,7 +229,7 @@ def run(config: DaemonConfig, *, delegated: bool = False, orphans: Orphans | Non
         raise
     try:
         try:
-            claim = _claim(config)
+            claims = _claim(config)
         except StartError:
             say_orphans(orphans)
             raise
@@ -234,6 +240,7 @@ def run(config: DaemonConfig, *, delegated: bool = False, orphans: Orphans | Non
                 _log().warning("cannot set the daemon's nice value", nice=config.nice, reason=why)
             _serve(config, telemetry, nvml, delegated)
         finally:
-            claim.release()
+            for claim in claims:
+                claim.release()
     finally:
         telemetry.close()

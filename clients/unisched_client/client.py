@@ -7,6 +7,8 @@ renews leases and reports measured GPU time ahead of need. No RPC per kernel lau
 The parts: `connection` (the socket and its frames), `gate` (one engine's lease and the rule for starting a
 unit), `renewals` (when the renew thread speaks), `clock` (all timing, injected). This module is the facade:
 registration, the reader thread, requests that wait for their ack.
+The stream is a plain connection to the daemon's lease socket (unisched_wire.leasewire: $UNISCHED_LEASE_SOCKET,
+else lease.sock beside the daemon's socket).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterator
 
 from unisched_wire import unisched_pb2 as pb
-from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
+from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame, lease_socket_for
 
 __all__ = ["DEFAULT_SOCKET", "SEND_TIMEOUT_S", "Connection", "dial", "lease_socket_path"]
 
@@ -28,8 +28,9 @@ READ_BYTES = 1 << 16
 
 
 def lease_socket_path(socket_path: str | None) -> str:
-    """The socket the lease stream connects to: the one asked for, else $UNISCHED_SOCKET, else the daemon's default."""
-    return socket_path or DEFAULT_SOCKET
+    """The socket the lease stream connects to, for the daemon on `socket_path` (else $UNISCHED_SOCKET, else the
+    default): $UNISCHED_LEASE_SOCKET, else lease.sock beside the daemon's socket (unisched_wire.leasewire)."""
+    return lease_socket_for(socket_path or DEFAULT_SOCKET, os.environ)
 
 
 def dial(path: str, connect_timeout: float) -> Connection:

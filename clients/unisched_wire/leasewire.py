@@ -1,28 +1,47 @@
-"""The lease stream's wire format on the daemon's Unix socket, shared by the daemon and the client library.
+"""The lease stream's wire format on the daemon's lease socket, shared by the daemon and the client library.
 
-A cooperative client opens the daemon's public socket and sends `MAGIC` first (an HTTP/2 client sends
-"PRI * HTTP/2.0" first, so the daemon tells the two apart by the opening bytes); after it, each way, every
+The daemon serves the lease stream on a Unix socket of its own (`lease_socket`; gRPC has the main socket), by
+default `LEASE_SOCKET_NAME` beside the main one; `lease_socket_for` is how a client finds it. A cooperative
+client opens it and sends `MAGIC` first (a connection that opens otherwise is closed); after it, each way, every
 message is a 4-byte big-endian length and a serialized protobuf: LeaseRequest from the client, LeaseReply from
 the daemon. Why not the gRPC stream it replaced: a renewal's round trip through gRPC aio woke four idle threads
-and loops (client, relay, gRPC's poller, the daemon's loop) and its p99 was ~2 ms at 25 ms spacing on the 2-core
-VM; these frames are read and answered in one turn of the daemon's loop and read by one client thread
+and loops (client, a relay in front of gRPC, gRPC's poller, the daemon's loop) and its p99 was ~2 ms at 25 ms
+spacing on the 2-core VM; these frames are read and answered in one turn of the daemon's loop and read by one client thread
 (bench/results/2026-12-01-cpu/lease-stream/README.md).
 """
 
 from __future__ import annotations
 
+import posixpath
 import struct
+from collections.abc import Mapping
 
 from google.protobuf.message import Message
 
-__all__ = ["MAGIC", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "FrameError", "FrameReader", "frame", "is_lease_opening"]
+__all__ = ["LEASE_SOCKET_ENV", "LEASE_SOCKET_NAME", "MAGIC", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "FrameError",
+           "FrameReader", "frame", "is_lease_opening", "lease_socket_beside", "lease_socket_for"]
 
 MAGIC = b"unisched-lease/1\n"
 MAX_REQUEST_BYTES = 64 * 1024
 """A LeaseRequest longer than this ends the connection (the gRPC server's receive limit, as before)."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """What the client accepts from the daemon (a welcome carries the tenant's snapshot)."""
+LEASE_SOCKET_NAME = "lease.sock"
+"""The lease socket's name, in the main socket's directory unless the daemon's `lease_socket` says otherwise."""
+LEASE_SOCKET_ENV = "UNISCHED_LEASE_SOCKET"
+"""Names the lease socket for a client (`unisched run` sets it for its command from the daemon's reply)."""
 _LEN = struct.Struct(">I")
+
+
+def lease_socket_beside(socket_path: str) -> str:
+    """The lease socket by default: LEASE_SOCKET_NAME in the directory of the daemon's main socket."""
+    return posixpath.join(posixpath.dirname(socket_path), LEASE_SOCKET_NAME)
+
+
+def lease_socket_for(socket_path: str, env: Mapping[str, str]) -> str:
+    """Where a client of the daemon on `socket_path` finds its lease stream: $UNISCHED_LEASE_SOCKET, else the
+    default beside the main socket."""
+    return env.get(LEASE_SOCKET_ENV) or lease_socket_beside(socket_path)
 
 
 class FrameError(Exception):

@@ -38,6 +38,7 @@ from unisched.integrations.kubernetes.defaults import (
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched_wire import unisched_pb2 as pb
+from unisched_wire.leasewire import LEASE_SOCKET_ENV
 from unisched_wire.tenantenv import process_env
 
 __all__ = ["main"]
@@ -572,12 +573,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("unisched run: missing command; usage: unisched run --tenant NAME [--weight W] -- CMD ARGS...", file=sys.stderr)
         return 2
     with DaemonClient(args.socket) as client:
-        tenant, agent = client.register_for_run(_register_request(args))
-    if agent and not args.no_session_hooks:
+        tenant, sockets = client.register_for_run(_register_request(args))
+    if sockets.agent and not args.no_session_hooks:
         # a fresh single-threaded process installs the session filter, hands it to the daemon, then execs CMD
-        cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", agent, "--", *cmd]
+        cmd = [sys.executable, "-m", "unisched.enforce.hooked_exec", "--agent", sockets.agent, "--", *cmd]
+    # the command's own client library finds this daemon (its lease socket) whatever the caller's environment said
+    env = {**os.environ, "UNISCHED_SOCKET": args.socket, **({LEASE_SOCKET_ENV: sockets.lease} if sockets.lease else {})}
     try:
-        child = subprocess.Popen(cmd, env=process_env(os.environ, tenant.env) if tenant.env else None)
+        child = subprocess.Popen(cmd, env=process_env(env, tenant.env))
     except FileNotFoundError:
         print(f"unisched run: command not found: {cmd[0]}", file=sys.stderr)
         return 127

@@ -30,6 +30,7 @@ from unisched.policy import (
     validate_tenant_name,
 )
 from unisched.policy.caps import MAX_SESSIONS, SessionLimits
+from unisched_wire.leasewire import LEASE_SOCKET_NAME, lease_socket_beside
 
 __all__ = [
     "ConfigError",
@@ -50,6 +51,7 @@ __all__ = [
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
+DEFAULT_LEASE_SOCKET = str(Path(DEFAULT_SOCKET).with_name(LEASE_SOCKET_NAME))
 DEFAULT_METRICS_LISTEN = "127.0.0.1"
 METRICS_PORT = 19400
 """Our metrics port, where deploy/ turns metrics on: outside 9100-9999, which Prometheus' list of exporter ports
@@ -122,8 +124,12 @@ class DaemonConfig:
     """Each knob is declared once here (engine.knobs): its TOML key, `serve` flag and docs/configuration.md row."""
 
     # [daemon]
-    socket: str = knob(DEFAULT_SOCKET, "daemon", "Unix socket for clients (`unisched run`, `tenants`, ...); callers "
-                       "are identified by the kernel (SO_PEERCRED), never by what they send")
+    socket: str = knob(DEFAULT_SOCKET, "daemon", "Unix socket of the gRPC API (`unisched run`, `tenants`, ...); "
+                       "callers are identified by the kernel (SO_PEERCRED), never by what they send")
+    lease_socket: str = knob(
+        DEFAULT_LEASE_SOCKET, "daemon", "Unix socket of the lease stream (cooperative apps using the client library, "
+        "which looks for it beside socket unless UNISCHED_LEASE_SOCKET names it); same access as socket",
+        default_text=f"{LEASE_SOCKET_NAME} beside socket")
     agent_socket: str = knob(
         DEFAULT_AGENT_SOCKET, "daemon", "seccomp agent socket: `unisched run` children and OCI runtimes (seccomp "
         "listenerPath) hand over their GPU session filter here", default_text="seccomp-agent.sock beside socket")
@@ -223,6 +229,8 @@ class DaemonConfig:
         if "socket" in given and "agent_socket" not in given and self.agent_socket == DEFAULT_AGENT_SOCKET:
             # a daemon on its own socket (tests, a second instance) gets its agent socket beside it
             out = replace(out, agent_socket=str(Path(out.socket).with_name("seccomp-agent.sock")))
+        if "socket" in given and "lease_socket" not in given and self.lease_socket == DEFAULT_LEASE_SOCKET:
+            out = replace(out, lease_socket=lease_socket_beside(out.socket))  # and its lease socket, likewise
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,14 +11,24 @@ import grpc
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
 
-__all__ = ["AGENT_SOCKET_METADATA", "DaemonClient", "DaemonError", "TlsFiles"]
+__all__ = ["AGENT_SOCKET_METADATA", "LEASE_SOCKET_METADATA", "DaemonClient", "DaemonError", "RunSockets", "TlsFiles"]
 
 AGENT_SOCKET_METADATA = "unisched-agent-socket"
 """Register's trailing metadata: the daemon's seccomp agent socket ("" when it has none), so `unisched run`
 learns it in the same round trip as its registration."""
+LEASE_SOCKET_METADATA = "unisched-lease-socket"
+"""Register's trailing metadata: the daemon's lease socket, which `unisched run` names to its command."""
 
 TlsFiles = tuple[str | Path, str | Path, str | Path]
 """(CA that signed the daemon's certificate, client certificate, client key): PEM files."""
+
+
+@dataclass(frozen=True)
+class RunSockets:
+    """The daemon's sockets besides the one a client called, as `unisched run` needs them ("" for none)."""
+
+    agent: str
+    lease: str
 
 
 class DaemonError(Exception):
@@ -84,15 +95,15 @@ class DaemonClient:
     def register(self, request: pb.RegisterRequest) -> pb.Tenant:
         return self._call("Register", request)  # type: ignore[return-value]
 
-    def register_for_run(self, request: pb.RegisterRequest) -> tuple[pb.Tenant, str]:
-        """Register, and the daemon's agent socket ("" for none): one round trip, or a Status call after it
-        for a daemon that does not send the socket with its reply."""
+    def register_for_run(self, request: pb.RegisterRequest) -> tuple[pb.Tenant, RunSockets]:
+        """Register, and the daemon's other sockets: one round trip, or a Status call after it for a daemon
+        that does not send the agent socket with its reply."""
         tenant, call = self._call_with("Register", request)
         sent = dict(call.trailing_metadata() or ())
         agent = sent.get(AGENT_SOCKET_METADATA)
         if agent is None:
             agent = self.status().agent_socket
-        return tenant, str(agent)
+        return tenant, RunSockets(str(agent), str(sent.get(LEASE_SOCKET_METADATA, "")))
 
     def adopt(self, request: pb.AdoptRequest) -> pb.Tenant:
         return self._call("Adopt", request)  # type: ignore[return-value]

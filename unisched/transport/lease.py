@@ -1,16 +1,18 @@
-"""The user engine's lease stream, served in the daemon's event loop on connections the front door hands over.
+"""The user engine's lease stream, served in the daemon's event loop on its own socket (`lease_socket`).
 
 One `LeaseConnection` (an asyncio Protocol) per client connection that opened with `leasewire.MAGIC`: hello,
 then wants, reports and codec sessions, each with a seq answered by an ack; the engine's grants and revokes
 are written to it directly (it is the session's LeaseChannel). A renewal is answered within the loop turn that
 read it, with no task, queue or thread between. Identity is the accepted socket's SO_PEERCRED, read by the front
-door: no request field names a process. Closing the connection ends the session (its demand, its codec
+door: no request field names a process. A connection that opens with anything but MAGIC (a gRPC client sent to
+the wrong socket) is closed at once. Closing the connection ends the session (its demand, its codec
 sessions). An error is sent as a LeaseError (a gRPC status name and why) and ends the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 import structlog
@@ -19,10 +21,10 @@ from google.protobuf.message import DecodeError
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
 from unisched.engine.core import EngineError, KernelEngine, LeaseAck
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
+from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred
-from unisched.transport.peercred import StreamLimits
 from unisched_wire import unisched_pb2 as pb
-from unisched_wire.leasewire import MAX_REQUEST_BYTES, FrameError, FrameReader, frame
+from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
 
 __all__ = ["ERROR_CODES", "LEASE_UNSENT_MAX", "LeaseConnection", "LeaseService"]
 
@@ -42,17 +44,27 @@ is not reading, is dropped so that it cannot grow the daemon's memory."""
 
 
 class LeaseService:
-    """Makes the lease connection of each client the front door recognises (one service per daemon)."""
+    """Serves the lease socket's connections (one service per daemon)."""
 
     def __init__(self, engine: KernelEngine, is_admin: Callable[[PeerCred], bool]) -> None:
         self.engine = engine
         self.is_admin = is_admin
 
-    def connection(self, cred: PeerCred, first: bytes, closed: asyncio.Future[None],
-                   limits: StreamLimits | None = None) -> LeaseConnection:
-        """`first`: the bytes that came after MAGIC with it, read before anything else; `closed` is completed
-        when the connection is lost (the front door's LeaseHandler)."""
-        return LeaseConnection(self, cred, first, closed, limits)
+    async def serve(self, conn: socket.socket, cred: PeerCred, limits: StreamLimits) -> None:
+        """One admitted connection (the front door's Serve): its MAGIC within the opening deadline, then the
+        stream until it ends."""
+        first = await read_opening(conn, is_lease_opening, limits.hello_s)
+        if not is_lease_opening(first):
+            conn.close()  # silent, gone, or another protocol: nothing to answer in
+            return
+        loop = asyncio.get_running_loop()
+        closed: asyncio.Future[None] = loop.create_future()
+        proto = LeaseConnection(self, cred, first[len(MAGIC):], closed, limits)
+        transport, _ = await loop.connect_accepted_socket(lambda: proto, sock=conn)
+        try:
+            await closed
+        finally:
+            transport.close()
 
 
 class LeaseConnection(asyncio.Protocol):

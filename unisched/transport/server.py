@@ -1,6 +1,6 @@
-"""The gRPC face of the daemon: a servicer that maps requests onto the engine, and `serve()` which runs
-engine, front door (relay and lease stream) and server in one asyncio loop until SIGTERM/SIGINT, thawing
-everything on the way out. The lease stream is not gRPC: see unisched.transport.lease."""
+"""The gRPC face of the daemon: a servicer that maps requests onto the engine, and `serve()` which runs the
+engine, the front door with its two Unix sockets (gRPC: grpcdoor; the lease stream: lease) and the optional TLS
+listener in one asyncio loop until SIGTERM/SIGINT, thawing everything on the way out."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import contextlib
 import grp
 import os
 import signal
+import ssl
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import NoReturn
 
-import grpc
 import structlog
 
 from unisched import __version__
@@ -25,32 +25,27 @@ from unisched.engine.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.claim import replace_stale_socket
-from unisched.transport.client import AGENT_SOCKET_METADATA
+from unisched.transport.client import AGENT_SOCKET_METADATA, LEASE_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
+from unisched.transport.frontdoor import FrontDoor
+from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
 from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
-from unisched.transport.options import SERVER_OPTIONS
-from unisched.transport.peercred import PeerCredRelay
 from unisched_wire import unisched_pb2 as pb
-from unisched_wire import unisched_pb2_grpc as pb_grpc
-from unisched_wire.leasewire import MAX_REQUEST_BYTES
 
-__all__ = ["UnischedServicer", "serve", "server_credentials", "snapshot_to_pb"]
+__all__ = ["MAX_MESSAGE_BYTES", "Doors", "UnischedServicer", "serve", "server_tls", "snapshot_to_pb"]
 
 log = structlog.get_logger("unisched.transport")
 
-MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
-"""One bound for every request, gRPC or lease stream."""
-_CODES = {kind: grpc.StatusCode[name] for kind, name in ERROR_CODES.items()}
 
+class UnischedServicer:
+    """The API's calls (named as in the proto's service), each given its request and its Call."""
 
-class UnischedServicer(pb_grpc.UnischedServicer):
     def __init__(
         self,
         engine: KernelEngine,
-        creds: Callable[[str], PeerCred | None],
         admin_group: str | None,
         started: float,
         cgroup_driver: str,
@@ -58,7 +53,6 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         nvml: bool,
     ) -> None:
         self.engine = engine
-        self._creds = creds
         self._admin_gid: int | None = None
         if admin_group is not None:
             try:
@@ -70,45 +64,34 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         self._root = cgroup_root
         self._nvml = nvml
         self.agent_socket = ""
+        self.lease_socket = ""
         self._hooks = seccomp_probe() or "on"
         self._devices = "on" if engine.devices is not None else "unavailable"
 
     # identity ------------------------------------------------------------------------------------
-    def _caller(self, context: grpc.aio.ServicerContext) -> PeerCred | None:
-        if _is_tls(context):
-            # the TCP listener: no SO_PEERCRED there. Its peer string may even repeat a relay connection's
-            # (the kernel can reuse a source port towards another destination), so never look it up.
-            return None
-        return self._creds(context.peer())
-
     def is_admin(self, cred: PeerCred) -> bool:
         """Root or the admin group by the uid's group list, in the host's namespaces (identity.is_admin)."""
         return is_admin(cred, self._admin_gid)
 
-    async def _need_caller(self, context: grpc.aio.ServicerContext) -> PeerCred:
-        cred = self._caller(context)
-        if cred is None:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "this call needs the daemon's Unix socket (identity comes from SO_PEERCRED)",
-            )
-        assert cred is not None
-        return cred
+    @staticmethod
+    def _need_caller(call: Call) -> PeerCred:
+        if call.caller is None:
+            fail("PERMISSION_DENIED", "this call needs the daemon's Unix socket (identity comes from SO_PEERCRED)")
+        return call.caller
 
-    async def _need_admin(self, context: grpc.aio.ServicerContext) -> PeerCred:
-        cred = await self._need_caller(context)
+    def _need_admin(self, call: Call) -> PeerCred:
+        cred = self._need_caller(call)
         if not self.is_admin(cred):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"uid {cred.uid} is not an admin (root or the admin group)")
+            fail("PERMISSION_DENIED", f"uid {cred.uid} is not an admin (root or the admin group)")
         return cred
 
     @staticmethod
-    async def _fail(context: grpc.aio.ServicerContext, e: EngineError) -> NoReturn:
-        await context.abort(_CODES[e.kind], str(e))
-        raise AssertionError("abort returned")
+    def _fail(e: EngineError) -> NoReturn:
+        fail(ERROR_CODES[e.kind], str(e))
 
     # calls ---------------------------------------------------------------------------------------
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
-        cred = await self._need_caller(context)
+    async def Register(self, request: pb.RegisterRequest, call: Call) -> pb.Tenant:
+        cred = self._need_caller(call)
         try:
             snap = self.engine.register(
                 request.tenant,
@@ -124,14 +107,14 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             )
         except EngineError as e:
-            await self._fail(context, e)
+            self._fail(e)
         log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
         # what `unisched run` needs next, with this reply: no Status round trip per run
-        context.set_trailing_metadata(((AGENT_SOCKET_METADATA, self.agent_socket),))
+        call.trailers.update({AGENT_SOCKET_METADATA: self.agent_socket, LEASE_SOCKET_METADATA: self.lease_socket})
         return snapshot_to_pb(snap)
 
-    async def Adopt(self, request: pb.AdoptRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
-        await self._need_admin(context)
+    async def Adopt(self, request: pb.AdoptRequest, call: Call) -> pb.Tenant:
+        self._need_admin(call)
         try:
             snap = self.engine.adopt(
                 request.tenant,
@@ -143,18 +126,18 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 dict(request.labels),
             )
         except EngineError as e:
-            await self._fail(context, e)
+            self._fail(e)
         return snapshot_to_pb(snap)
 
-    async def SetWeight(self, request: pb.SetWeightRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
-        await self._need_admin(context)
+    async def SetWeight(self, request: pb.SetWeightRequest, call: Call) -> pb.Tenant:
+        self._need_admin(call)
         try:
             return snapshot_to_pb(self.engine.set_weight(request.tenant, request.weight))
         except EngineError as e:
-            await self._fail(context, e)
+            self._fail(e)
 
-    async def SetLimit(self, request: pb.SetLimitRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
-        await self._need_admin(context)
+    async def SetLimit(self, request: pb.SetLimitRequest, call: Call) -> pb.Tenant:
+        self._need_admin(call)
 
         def opt(field: str) -> int | None:
             return int(getattr(request, field)) if request.HasField(field) else None
@@ -165,20 +148,20 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 opt("memory_reserve"),
             ))
         except EngineError as e:
-            await self._fail(context, e)
+            self._fail(e)
 
-    async def RemoveTenant(self, request: pb.RemoveTenantRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def RemoveTenant(self, request: pb.RemoveTenantRequest, call: Call) -> pb.Empty:
         """An admin removes any tenant; anyone else only tenants they own (run --keep ones, or those not yet gone)."""
-        cred = await self._need_caller(context)
+        cred = self._need_caller(call)
         try:
             self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
         except EngineError as e:
-            await self._fail(context, e)
+            self._fail(e)
         return pb.Empty()
 
-    async def ListTenants(self, request: pb.ListTenantsRequest, context: grpc.aio.ServicerContext) -> pb.ListTenantsReply:
+    async def ListTenants(self, request: pb.ListTenantsRequest, call: Call) -> pb.ListTenantsReply:
         """Admins see everything; others see their own tenants whole and a public summary of the rest."""
-        cred = self._caller(context)
+        cred = call.caller
         admin = cred is not None and self.is_admin(cred)
         out = []
         for snap in self.engine.snapshots():
@@ -188,8 +171,8 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             out.append(t)
         return pb.ListTenantsReply(tenants=out)
 
-    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        cred = self._caller(context)
+    async def Status(self, request: pb.StatusRequest, call: Call) -> pb.StatusReply:
+        cred = call.caller
         gpus = {g.index: g for g in self.engine.telemetry.gpus()}
         samples = {s.index: s for s in self.engine.gpu_samples()}
         reply = pb.StatusReply(
@@ -236,20 +219,15 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         return reply
 
 
-def _is_tls(context: grpc.aio.ServicerContext) -> bool:
-    auth = context.auth_context() or {}
-    return any(v != b"insecure" for v in auth.get("transport_security_type", ()))
-
-
-def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+def server_tls(config: DaemonConfig) -> ssl.SSLContext:
     """TLS for the TCP listener; clients must present a certificate signed by tls_client_ca."""
     check_listener(config)
     assert config.tls_cert is not None and config.tls_key is not None and config.tls_client_ca is not None
-    return grpc.ssl_server_credentials(
-        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-        root_certificates=Path(config.tls_client_ca).read_bytes(),
-        require_client_auth=True,
-    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=config.tls_client_ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    context.set_alpn_protocols(["h2"])  # gRPC clients insist on it
+    return context
 
 
 def _secure_socket(path: str, group: str | None) -> None:
@@ -264,53 +242,44 @@ def _secure_socket(path: str, group: str | None) -> None:
     os.chmod(path, 0o660)
 
 
+@dataclass(frozen=True)
+class Doors:
+    """What serves clients, for a caller (tests) that wants to look at it: both sockets' front door, and the
+    gRPC server (its `caller` hook stands in other uids)."""
+
+    front: FrontDoor
+    grpc: GrpcDoor
+
+
+async def _listen_tls(door: GrpcDoor, config: DaemonConfig, tls: ssl.SSLContext) -> None:
+    assert config.listen is not None
+    host, _, port = config.listen.rpartition(":")
+    try:
+        await door.start_tls(host.strip("[]"), int(port), tls)
+    except OSError as e:
+        raise OSError(f"cannot listen on {config.listen}: {e.strerror or e}") from None
+
+
 async def serve_async(
     config: DaemonConfig,
     engine: KernelEngine,
     nvml: bool,
     stop: asyncio.Event | None = None,
-    ready: Callable[[PeerCredRelay], None] | None = None,
+    ready: Callable[[Doors], None] | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do).
 
     Raises ConfigError before touching anything when `listen` is set without its TLS files."""
     started = time.monotonic()
-    tls = server_credentials(config) if config.listen else None
+    tls = server_tls(config) if config.listen else None
     engine.start()
-    relay_box: list[PeerCredRelay] = []
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", 16 * 1024 * 1024),
-            ("grpc.max_concurrent_streams", 64),
-            *SERVER_OPTIONS,
-        ]
-    )
-    servicer = UnischedServicer(
-        engine,
-        lambda peer: relay_box[0].lookup(peer) if relay_box else None,
-        config.admin_group,
-        started,
-        engine.driver.kind,
-        str(engine.driver.mount),
-        nvml,
-    )
-    pb_grpc.add_UnischedServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    if config.listen:
-        assert tls is not None
-        try:
-            bound = server.add_secure_port(config.listen, tls)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {config.listen}: {e}") from None
-        if not bound:
-            raise OSError(f"cannot listen on {config.listen}")
-    replace_stale_socket(config.socket)  # (`serve` holds the socket's lock already: transport.claim)
-    relay = PeerCredRelay(config.socket, port, lease=LeaseService(engine, servicer.is_admin).connection,
-                          is_admin=servicer.is_admin)
-    relay_box.append(relay)
-    agent = SeccompAgentServer(config.agent_socket, engine)
+    servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml)
     servicer.agent_socket = config.agent_socket
+    servicer.lease_socket = config.lease_socket
+    front = FrontDoor(is_admin=servicer.is_admin)
+    door = GrpcDoor(servicer, config.lease_socket)
+    lease = LeaseService(engine, servicer.is_admin)
+    agent = SeccompAgentServer(config.agent_socket, engine)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -322,11 +291,16 @@ async def serve_async(
     engine_task = asyncio.create_task(run_engine(engine, stop, beats(health.heartbeat, _watchdog(notifier, engine))))
     metrics: MetricsServer | None = None
     metrics_task: asyncio.Task[None] | None = None
+    bound: list[str] = []
     try:
-        await server.start()
+        if tls is not None:
+            await _listen_tls(door, config, tls)
         await agent.start()
-        await relay.start()
-        _secure_socket(config.socket, config.socket_group)
+        for path, serve_one in ((config.socket, door.serve), (config.lease_socket, lease.serve)):
+            replace_stale_socket(path)  # (`serve` holds each socket's lock already: transport.claim)
+            await front.open(path, serve_one)
+            bound.append(path)
+            _secure_socket(path, config.socket_group)
         served.set()
         if config.metrics_port:
             view = EngineView(engine)
@@ -336,6 +310,7 @@ async def serve_async(
         log.info(
             "serving",
             socket=config.socket,
+            lease_socket=config.lease_socket,
             listen=config.listen,
             metrics=f"{metrics.host}:{metrics.port}" if metrics else None,
             mode=config.mode.value,
@@ -346,8 +321,8 @@ async def serve_async(
             contention=engine.contention.name,
         )
         if ready is not None:
-            ready(relay)
-        # Type=notify: systemd starts units ordered after this one only now, when both sockets answer
+            ready(Doors(front, door))
+        # Type=notify: systemd starts units ordered after this one only now, when every socket answers
         notifier.ready(f"serving on {config.socket}, {engine.tenant_count} tenants")
         await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -360,11 +335,12 @@ async def serve_async(
                 await metrics_task
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
-        await relay.close()
+        await front.close()
+        await door.close()
         await agent.close()
-        await server.stop(grace=1.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(config.socket)
+        for path in bound:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         log.info("stopped")
         notifier.close()
 

@@ -1,0 +1,302 @@
+"""Caller identity from the kernel: SO_PEERCRED on the daemon's Unix sockets, which the daemon accepts itself.
+
+The daemon binds one socket per protocol: gRPC (`socket`, served by grpcdoor.py) and the lease stream
+(`lease_socket`, lease.py). Each accepted connection's SO_PEERCRED (pid, uid, gid) is read and the connecting
+process pinned by a pidfd (identity.py) before the socket's server sees a byte, and the server keeps those
+credentials for the connection's life: no TCP port, no lookup by address, so identity cannot be forged by a
+request field or reached through a side door.
+
+What one user's connections may cost is bounded (options.py gives each number's reason), over both sockets
+together: connections per uid, with a reserve the global cap keeps for admins; a deadline for a connection's
+opening bytes (the lease stream's MAGIC and hello, HTTP/2's preface) and for each unfinished request; the bytes
+of unfinished requests per uid; and an idle timeout for gRPC connections. Refusals happen at accept, before any
+read. A connection that opens with the other protocol's bytes is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import resource
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from unisched.logs import Throttle
+from unisched.transport.identity import PeerCred, peer_of
+from unisched.transport.options import (
+    ADMIN_RESERVE,
+    GRPC_IDLE_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_UID,
+    MAX_PARTIAL_BYTES_PER_UID,
+    OPENING_DEADLINE_S,
+    PARTIAL_FRAME_S,
+    TRIM_AFTER_CLOSED,
+)
+
+__all__ = ["FrontDoor", "FrontDoorLimits", "Serve", "StreamLimits", "read_opening"]
+
+log = structlog.get_logger("unisched.transport")
+_CHUNK = 1 << 16
+FDS_PER_CONNECTION = 2  # the accepted Unix socket and its caller's pidfd
+FD_RESERVE = 256  # for everything else: cgroup files, state file, logs, seccomp listeners handed over by tenants
+BACKLOG = 1024  # a burst of clients queues in the kernel instead of getting EAGAIN (asyncio's default is 100)
+REFUSAL_LOG_INTERVAL_S = 1.0
+"""At most one 'too many connections' line a second, saying how many were refused since the last."""
+ACCEPT_BATCH = 256
+"""Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
+task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
+_ADMIN = -1
+"""The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
+
+
+@dataclass(frozen=True)
+class FrontDoorLimits:
+    """The front door's limits (options.py says why each default is what it is); tests may pass smaller ones."""
+
+    per_uid: int = MAX_CONNECTIONS_PER_UID
+    admin_reserve: int = ADMIN_RESERVE
+    opening_s: float = OPENING_DEADLINE_S
+    partial_frame_s: float = PARTIAL_FRAME_S
+    partial_bytes_per_uid: int = MAX_PARTIAL_BYTES_PER_UID
+    grpc_idle_s: float = GRPC_IDLE_S
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What one connection is held to: its opening (hello) and each unfinished request in time, its unfinished
+    requests' bytes against its uid's budget (`hold(delta)` is False once that budget is exceeded), and (gRPC)
+    how long it may stay idle."""
+
+    hello_s: float
+    partial_frame_s: float
+    hold: Callable[[int], bool]
+    idle_s: float = GRPC_IDLE_S
+
+
+Serve = Callable[[socket.socket, PeerCred, StreamLimits], Awaitable[None]]
+"""Serves one admitted connection of a socket until it ends. It owns the socket (closes it, or hands it to a
+transport that does); the front door closes the caller's pidfd once it returns."""
+
+
+def connection_budget(wanted: int) -> int:
+    """How many connections the open-file limit allows, raising the soft limit towards the hard one first. Past
+    it, accept() would fail with EMFILE (asyncio then spins logging it), so the front door refuses connections
+    cleanly before that point."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted * FDS_PER_CONNECTION + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError) as e:
+                log.warning("could not raise the open-file limit", soft=soft, hard=hard, error=str(e))
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, (soft - FD_RESERVE) // FDS_PER_CONNECTION))
+
+
+class FrontDoor:
+    """Every Unix socket the daemon serves, with one set of counts: a uid's connections to any of them count
+    against the same cap."""
+
+    def __init__(self, max_connections: int = MAX_CONNECTIONS, is_admin: Callable[[PeerCred], bool] | None = None,
+                 limits: FrontDoorLimits | None = None) -> None:
+        self.is_admin = is_admin or (lambda cred: False)
+        self.limits = limits or FrontDoorLimits()
+        self.max_connections = max_connections
+        self.refused = 0
+        self._listeners: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._per_uid: Counter[int] = Counter()
+        """Connections held per bucket: a non-admin uid, or _ADMIN for those in the admins' reserve."""
+        self._partial: Counter[int] = Counter()
+        """Bytes of unfinished requests held per bucket."""
+        self._refusals = Throttle(REFUSAL_LOG_INTERVAL_S)
+        self._closed_since_trim = 0
+        self._trim_pending = False
+        budget = connection_budget(max_connections)
+        if budget < max_connections:
+            log.warning("open-file limit bounds client connections", max_connections=budget, wanted=max_connections,
+                        nofile=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            self.max_connections = budget
+
+    @property
+    def connections(self) -> int:
+        return len(self._tasks)
+
+    async def open(self, path: str, serve: Serve) -> None:
+        """Bind `path` (the caller has claimed it: transport.claim) and serve its connections with `serve`."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen(BACKLOG)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listeners.append(listener)
+        self._acceptors.append(asyncio.create_task(self._accept_loop(listener, serve)))
+
+    async def _accept_loop(self, listener: socket.socket, serve: Serve) -> None:
+        """Wait for a connection, then take what the backlog holds (up to ACCEPT_BATCH), deciding on each as it
+        is accepted: admitted ones get a task, the rest are closed at once, so limits apply before any read and
+        a burst never runs the daemon out of file descriptors (EMFILE)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:
+                if listener.fileno() == -1:
+                    return  # closed
+                await _accept_failed(e)
+                continue
+            self._admit(conn, serve)
+            for _ in range(ACCEPT_BATCH):
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as e:
+                    await _accept_failed(e)
+                    break
+                self._admit(conn, serve)
+
+    def _admit(self, conn: socket.socket, serve: Serve) -> None:
+        conn.setblocking(False)
+        try:
+            cred = peer_of(conn)
+        except OSError:
+            conn.close()
+            return
+        bucket = self._bucket(cred)
+        if bucket is None:
+            self._refuse(cred.uid)
+            if cred.process is not None:
+                cred.process.close()
+            conn.close()
+            return
+        self._per_uid[bucket] += 1
+        task = asyncio.create_task(self._handle(conn, cred, bucket, serve))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._closed(t, bucket))
+
+    def _bucket(self, cred: PeerCred) -> int | None:
+        """Which count the connection goes to, or None to refuse it: a uid's own (at most `per_uid`, and
+        only while the global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
+        total = len(self._tasks)
+        if total >= self.max_connections:
+            return None
+        reserve = min(self.limits.admin_reserve, self.max_connections // 4)
+        if self._per_uid[cred.uid] < self.limits.per_uid and total < self.max_connections - reserve:
+            return cred.uid
+        return _ADMIN if self.is_admin(cred) else None
+
+    def _closed(self, task: asyncio.Task[None], bucket: int) -> None:
+        self._tasks.discard(task)
+        self._per_uid[bucket] -= 1
+        if self._per_uid[bucket] <= 0:
+            del self._per_uid[bucket]
+        self._closed_since_trim += 1
+        if self._closed_since_trim >= TRIM_AFTER_CLOSED and not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        """Give the heap a burst of connections left behind back to the system (glibc only)."""
+        self._trim_pending = False
+        self._closed_since_trim = 0
+        _malloc_trim()
+
+    def _hold(self, bucket: int, delta: int) -> bool:
+        """Account bytes of a connection's unfinished requests; False when its uid is over its budget."""
+        held = self._partial[bucket] + delta
+        if held <= 0:
+            self._partial.pop(bucket, None)
+        else:
+            self._partial[bucket] = held
+        return bucket == _ADMIN or held <= self.limits.partial_bytes_per_uid
+
+    def _refuse(self, uid: int) -> None:
+        """Count a refused connection; log the first of a burst and then at most once a second (a flood of
+        clients must not become a flood of log lines)."""
+        self.refused += 1
+        held_back = self._refusals.allow("refused")
+        if held_back is not None:
+            log.warning("too many connections; refusing", limit=self.max_connections, per_uid=self.limits.per_uid,
+                        uid=uid, refused=held_back + 1)
+
+    async def close(self) -> None:
+        for task in self._acceptors:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for listener in self._listeners:
+            listener.close()
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def _stream_limits(self, bucket: int) -> StreamLimits:
+        lim = self.limits
+        return StreamLimits(lim.opening_s, lim.partial_frame_s, lambda d: self._hold(bucket, d), lim.grpc_idle_s)
+
+    async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: int, serve: Serve) -> None:
+        try:
+            await serve(conn, cred, self._stream_limits(bucket))
+        except (ConnectionError, OSError):
+            conn.close()
+        finally:
+            if cred.process is not None:
+                cred.process.close()
+
+
+async def read_opening(conn: socket.socket, verdict: Callable[[bytes], bool | None], timeout_s: float) -> bytes:
+    """A connection's first bytes, once `verdict` can tell whether they open this socket's protocol (b"" if the
+    connection closed or stayed silent past `timeout_s`). Clients of both protocols speak first, so nothing waits
+    on the daemon; a silent one holds only its own socket until the deadline."""
+    loop = asyncio.get_running_loop()
+
+    async def read() -> bytes:
+        first = b""
+        while True:
+            chunk = await loop.sock_recv(conn, _CHUNK)
+            if not chunk:
+                return b""
+            first += chunk
+            if verdict(first) is not None:
+                return first
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        return b""  # silent: it held one socket for a few seconds
+
+
+async def _accept_failed(e: OSError) -> None:
+    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+        log.error("out of file descriptors accepting a client; pausing accepts", error=e.strerror)
+        await asyncio.sleep(0.1)  # back off; the clients wait in the kernel's backlog meanwhile
+    elif e.errno not in (errno.ECONNABORTED, errno.EAGAIN, errno.EINTR, errno.EPROTO):
+        log.error("accepting a client failed", error=e.strerror)
+        await asyncio.sleep(0.1)
+
+
+def _malloc_trim() -> None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).malloc_trim(0)
