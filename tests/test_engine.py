@@ -12,7 +12,8 @@ import pytest
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
-from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
+from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.memory import MEMORY_CHECK_S
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
 from unisched.policy.contention import MIX_SUM

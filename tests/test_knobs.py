@@ -95,10 +95,10 @@ def test_docs_configuration_is_what_the_table_generates() -> None:
 
 
 def test_the_tuning_constants_listed_exist_with_their_values() -> None:
-    from unisched.engine import core, leases
+    from unisched.engine import context, leases, memory, registration
     from unisched.policy import contention, plan
 
-    modules = {m.__name__: m for m in (core, leases, contention, plan)}
+    modules = {m.__name__: m for m in (context, leases, memory, registration, contention, plan)}
     listed = tuning_constants()
     assert {c.name for c in listed} >= {"SATURATION_ENTER_S", "SAVE_DELAY_S", "TURN_CPU_CORES", "RUN_UNITS", "MIX_SUM"}
     for c in listed:

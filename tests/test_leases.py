@@ -591,7 +591,7 @@ def test_preemptive_online_requests_beside_a_trainer_never_wait_and_the_trainer_
         rig.engine.lease_report(train.sid, "compute", 0.010, False, yielded=True)  # its tail ends
         rig.clock.advance(0.040)
         train.report(0.040)
-        if rig.clock.monotonic() >= rig.engine._next_tick:
+        if rig.clock.monotonic() >= rig.engine.next_tick:
             rig.tick()
     assert train.held
     assert not rig.engine.snapshot("train").enforced

@@ -19,7 +19,9 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import MAX_USER_TENANTS, MEMORY_CHECK_S, KernelEngine
+from unisched.engine.core import KernelEngine
+from unisched.engine.memory import MEMORY_CHECK_S
+from unisched.engine.registration import MAX_USER_TENANTS
 from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import Engine, Priority
 from unisched.telemetry import NoGpuTelemetry

@@ -176,7 +176,7 @@ class DaemonConfig:
         "next holder's; 0 = one slice a turn", bounds=(0.0, 10_000.0), unit="ms")
     saturated_util: float = knob(
         0.98, "policy", "kernel engine: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
-        "is at least this (0 = always); near 1 because saturated means never idle (engine.core: SATURATION_*)",
+        "is at least this (0 = always); near 1 because saturated means never idle (engine.context: SATURATION_*)",
         bounds=(0.0, 1.0), unit="fraction")
     contention: str = knob(
         "auto", "policy", "which engines contend. auto: measured per GPU model by bench/calibrate_contention.py "

@@ -20,8 +20,9 @@ __all__ = ["REGENERATE", "TUNING", "TuningConstant", "markdown", "tuning_constan
 REGENERATE = "python3 -m unisched.engine.configdoc > docs/configuration.md"
 
 TUNING: Sequence[tuple[str, Sequence[str]]] = (
-    ("unisched.engine.core", ("SATURATION_ENTER_S", "SATURATION_LEAVE_S", "SATURATION_HOLD_S", "SAVE_DELAY_S",
-                              "MEMORY_CHECK_S", "MAX_TENANTS", "MAX_USER_TENANTS")),
+    ("unisched.engine.context", ("SATURATION_ENTER_S", "SATURATION_LEAVE_S", "SATURATION_HOLD_S", "SAVE_DELAY_S")),
+    ("unisched.engine.memory", ("MEMORY_CHECK_S",)),
+    ("unisched.engine.registration", ("MAX_TENANTS", "MAX_USER_TENANTS")),
     ("unisched.engine.leases", ("RUN_UNITS", "UNIT_EWMA", "OVERRUN_WINDOW_SLICES", "STRIKES_TO_ENFORCE", "MAX_REPORT_S")),
     ("unisched.policy.plan", ("TURN_CPU_CORES",)),
     ("unisched.policy.contention", ("OVERLAP_KEPT", "MIX_SUM")),
