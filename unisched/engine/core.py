@@ -51,19 +51,17 @@ class KernelEngine:
         mps: MpsControl | None = None,
     ) -> None:
         self._c: Context = build(config, driver, telemetry, store, clock, devices, mps)
-
-    # --- collaborators ------------------------------------------------------------------------------
-    @property
-    def config(self) -> DaemonConfig:
-        return self._c.config
-
-    @property
-    def driver(self) -> CgroupDriver:
-        return self._c.driver
-
-    @property
-    def telemetry(self) -> GpuTelemetry:
-        return self._c.telemetry
+        c = self._c
+        # collaborators callers read (never replaced: each names the context's own object)
+        self.config: DaemonConfig = c.config
+        self.driver: CgroupDriver = c.driver
+        self.telemetry: GpuTelemetry = c.telemetry
+        self.policy: WeightedFairShare = c.policy
+        self.leases: LeaseBook = c.leases
+        self.contention: ContentionMap = c.contention
+        self.gpu_indices: tuple[int, ...] = c.gpu_indices
+        self.video: VideoEngines | None = c.video
+        self.plan_config: PlanConfig = c.plan_config
 
     @property
     def devices(self) -> DeviceAdmission | None:
@@ -72,30 +70,6 @@ class KernelEngine:
     @devices.setter
     def devices(self, devices: DeviceAdmission | None) -> None:
         self._c.devices = devices
-
-    @property
-    def policy(self) -> WeightedFairShare:
-        return self._c.policy
-
-    @property
-    def leases(self) -> LeaseBook:
-        return self._c.leases
-
-    @property
-    def contention(self) -> ContentionMap:
-        return self._c.contention
-
-    @property
-    def gpu_indices(self) -> tuple[int, ...]:
-        return self._c.gpu_indices
-
-    @property
-    def video(self) -> VideoEngines | None:
-        return self._c.video
-
-    @property
-    def plan_config(self) -> PlanConfig:
-        return self._c.plan_config
 
     @property
     def next_tick(self) -> float:

@@ -37,7 +37,8 @@ __all__ = ["lease_close", "lease_codec", "lease_open", "lease_report", "lease_wa
 log = structlog.get_logger("unisched.engine")
 
 
-def lease_open(c: Context, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
+def lease_open(
+    c: Context, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
     pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
 ) -> tuple[int, TenantSnapshot]:
     """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""

@@ -11,9 +11,7 @@ from collections.abc import Callable, Iterable
 import structlog
 
 from unisched.enforce.cgroups import CgroupError, adopt_refusal, within
-from unisched.engine.admission import (
-    apply_devices,
-)
+from unisched.engine.admission import apply_devices
 from unisched.engine.context import Context, check_gpus, save, save_soon
 from unisched.engine.reporting import snapshot
 from unisched.engine.roster import add, apply_weight
@@ -27,6 +25,7 @@ from unisched.engine.tenant import (
 )
 from unisched.policy import (
     DEFAULT_WEIGHT,
+    Engine,
     PolicyError,
     Priority,
     TenantSpec,
@@ -43,7 +42,8 @@ MAX_USER_TENANTS = 32
 """Tenants one non-admin uid may create: creating tenants must not be a way to exhaust the daemon."""
 
 
-def register(c: Context,
+def register(
+    c: Context,
     name: str,
     weight: int | None,
     priority: Priority | None,
@@ -76,80 +76,104 @@ def register(c: Context,
     Without it the CPU of its start-up (a torch import: ~3 s on the H200 machine) was charged as GPU time,
     through the CPU stand-in, until the hand-over and NVML's next process list caught up."""
     need_alive(alive)
+    _check_name_and_weight(name, weight)
+    engine_set = parse_engines(engines)
+    gpu_tuple = check_gpus(c, gpus)
+    t = c.tenants.get(name)
+    # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
+    # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
+    member = t is not None and _is_member(c, t, pid)
+    need_alive(alive)  # what was read from /proc/<pid> was the caller's
+    if t is None:
+        t = _create(c, name, weight, priority, engine_set, gpu_tuple, uid, is_admin, keep, session_hooks)
+        changed = True
+    else:
+        changed = _rejoin(c, t, weight, priority, engine_set if list(engines) else None, gpu_tuple, uid, is_admin,
+                          member, keep)
+    if not member:
+        _attach_caller(c, t.cgroup, pid, alive)
+    if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
+        save_soon(c)
+    return snapshot(c, name)
+
+
+def _check_name_and_weight(name: str, weight: int | None) -> None:
     try:
         validate_tenant_name(name)
         if weight is not None:
             validate_weight(weight)
     except PolicyError as e:
         raise EngineError("invalid", str(e)) from None
-    engine_set = parse_engines(engines)
-    gpu_tuple = check_gpus(c, gpus)
-    t = c.tenants.get(name)
-    changed = t is None
-    # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
-    # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
-    member = t is not None and _is_member(c, t, pid)
-    need_alive(alive)  # what was read from /proc/<pid> was the caller's
-    if t is None:
-        if not is_admin and not c.config.user_tenants:
-            raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
-        w = weight if weight is not None else DEFAULT_WEIGHT
-        if not is_admin and w > c.config.max_user_weight:
-            raise EngineError(
-                "permission",
-                f"weight {w} is above max_user_weight {c.config.max_user_weight} for non-admin callers",
-            )
-        _check_room(c, uid, is_admin)
-        cgroup = c.driver.tenant_cgroup(name)
-        _check_not_governed(c, name, cgroup)
-        _create_cgroup(c, name, cgroup)
-        t = Tenant(name, w, priority or Priority.OFFLINE, engine_set, gpu_tuple, cgroup, False, uid,
-                    ephemeral=keep is False and name not in c.declared)
-        if session_hooks:
-            # its only process now is the CLI, which holds no context; where NVML lists the GPUs' processes
-            # that list says when one appears (without it, CPU time is the GPU's stand-in: on the GPU as before)
-            t.hooked = True
-            t.nvml_on_gpu = not _nvml_lists_processes(c)
-        add(c, t, reason="registered")
-    else:
-        owner = is_admin or uid == t.owner_uid
-        if not owner and not member:
-            raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
-        before = t.saved()
-        if weight is not None and weight != t.base_weight:
-            if not owner:
-                raise EngineError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
-                                                f"tenant {name!r} ({t.base_weight}); you are uid {uid}")
-            if not is_admin and weight > c.config.max_user_weight:
-                raise EngineError(
-                    "permission",
-                    f"weight {weight} is above max_user_weight {c.config.max_user_weight} for non-admin callers",
-                )
-            apply_weight(c, t, weight, reason="registered")
-        # a member that is not the owner joins as it is: engines, GPUs and priority stay as the owner set them
-        if owner and priority is not None and priority != t.priority:
-            t.priority = priority
-            c.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
-        if owner and list(engines):
-            t.engines = engine_set
-        if owner and list(gpus):
-            t.gpus = gpu_tuple
-        if owner and keep is True:
-            t.ephemeral = False
-        t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
-        apply_devices(c, t)
-        if t.missing or not c.driver.exists(t.cgroup):
-            _create_cgroup(c, name, t.cgroup)
-            if t.missing:
-                log.info("tenant cgroup recreated", tenant=name, cgroup=t.cgroup)
-            t.missing = False
-            t.last_cpu = None
-        changed = t.saved() != before
-    if not member:
-        _attach_caller(c, t.cgroup, pid, alive)
-    if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
-        save_soon(c)
-    return snapshot(c, name)
+
+
+def _check_user_weight(c: Context, weight: int, is_admin: bool) -> None:
+    if not is_admin and weight > c.config.max_user_weight:
+        raise EngineError(
+            "permission",
+            f"weight {weight} is above max_user_weight {c.config.max_user_weight} for non-admin callers",
+        )
+
+
+def _create(
+    c: Context, name: str, weight: int | None, priority: Priority | None, engines: frozenset[Engine],
+    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, keep: bool | None, session_hooks: bool,
+) -> Tenant:
+    """A new tenant for a registering caller, in a cgroup made for it."""
+    if not is_admin and not c.config.user_tenants:
+        raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
+    w = weight if weight is not None else DEFAULT_WEIGHT
+    _check_user_weight(c, w, is_admin)
+    _check_room(c, uid, is_admin)
+    cgroup = c.driver.tenant_cgroup(name)
+    _check_not_governed(c, name, cgroup)
+    _create_cgroup(c, name, cgroup)
+    t = Tenant(name, w, priority or Priority.OFFLINE, engines, gpus, cgroup, False, uid,
+               ephemeral=keep is False and name not in c.declared)
+    if session_hooks:
+        # its only process now is the CLI, which holds no context; where NVML lists the GPUs' processes
+        # that list says when one appears (without it, CPU time is the GPU's stand-in: on the GPU as before)
+        t.hooked = True
+        t.nvml_on_gpu = not _nvml_lists_processes(c)
+    add(c, t, reason="registered")
+    return t
+
+
+def _rejoin(
+    c: Context, t: Tenant, weight: int | None, priority: Priority | None, engines: frozenset[Engine] | None,
+    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, member: bool, keep: bool | None,
+) -> bool:
+    """A caller registering with a known tenant: its owner (or an admin) may change it, a member joins it as it
+    is; a lost cgroup is made again. Returns whether what the state file keeps changed."""
+    name = t.name
+    owner = is_admin or uid == t.owner_uid
+    if not owner and not member:
+        raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
+    before = t.saved()
+    if weight is not None and weight != t.base_weight:
+        if not owner:
+            raise EngineError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
+                                            f"tenant {name!r} ({t.base_weight}); you are uid {uid}")
+        _check_user_weight(c, weight, is_admin)
+        apply_weight(c, t, weight, reason="registered")
+    # a member that is not the owner joins as it is: engines, GPUs and priority stay as the owner set them
+    if owner and priority is not None and priority != t.priority:
+        t.priority = priority
+        c.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
+    if owner and engines is not None:
+        t.engines = engines
+    if owner and gpus is not None:
+        t.gpus = gpus
+    if owner and keep is True:
+        t.ephemeral = False
+    t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
+    apply_devices(c, t)
+    if t.missing or not c.driver.exists(t.cgroup):
+        _create_cgroup(c, name, t.cgroup)
+        if t.missing:
+            log.info("tenant cgroup recreated", tenant=name, cgroup=t.cgroup)
+        t.missing = False
+        t.last_cpu = None
+    return t.saved() != before
 
 
 def _attach_caller(c: Context, cgroup: str, pid: int, alive: Callable[[], bool] | None) -> None:
@@ -219,7 +243,8 @@ def _check_room(c: Context, uid: int, is_admin: bool) -> None:
             )
 
 
-def adopt(c: Context,
+def adopt(
+    c: Context,
     name: str,
     weight: int | None,
     priority: Priority | None,
@@ -227,12 +252,7 @@ def adopt(c: Context,
     engines: Iterable[str],
     gpus: Iterable[int],
 ) -> TenantSnapshot:
-    try:
-        validate_tenant_name(name)
-        if weight is not None:
-            validate_weight(weight)
-    except PolicyError as e:
-        raise EngineError("invalid", str(e)) from None
+    _check_name_and_weight(name, weight)
     if name in c.tenants:
         raise EngineError("invalid", f"tenant {name!r} already exists; remove it first")
     _check_room(c, 0, True)

@@ -200,7 +200,8 @@ def _cpu_deltas(c: Context) -> dict[str, float]:
     return out
 
 
-def _charge_resource(c: Context,
+def _charge_resource(
+    c: Context,
     r: Resource,
     ts: list[Tenant],
     sample: GpuSample | None,

@@ -226,7 +226,8 @@ def _decide_vtime(b: Book, now: float, preemptive: bool) -> tuple[dict[int, str]
     return holder_ids, holders, running
 
 
-def _run_singles(b: Book, best: Mapping[int, Tenant], now: float,
+def _run_singles(
+    b: Book, best: Mapping[int, Tenant], now: float,
     holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
 ) -> None:
     """Hand each resource to its single-resource winner."""
@@ -235,33 +236,38 @@ def _run_singles(b: Book, best: Mapping[int, Tenant], now: float,
         _win(b, t, rid, t.spec.name, prev.get(rid), now, holder_ids, holders, running)
 
 
-def _win(b: Book, t: Tenant, rid: int, name: str, held_by: str | None, now: float,
+def _win(
+    b: Book, t: Tenant, rid: int, name: str, held_by: str | None, now: float,
     holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
 ) -> None:
-    """Hand resource `rid` to its single-resource winner `t`; count the slice; start a turn when it was not in
-    one, or a new one when the resource was someone else's (`held_by`)."""
+    """Hand resource `rid` to its single-resource winner `t`; a new turn when it was someone else's (`held_by`)."""
     holder_ids[rid] = name
     pair = t.held.get(rid)
     if pair is None:
         pair = t.held[rid] = {b.resources[rid]: name}
     holders.update(pair)
-    running.append(name)
-    t.slices += 1
-    if t.turn_started is None:
-        t.turn_started, t.turn_mark = now, b.activations
-        b.in_turn.add(name)
-    elif held_by != name:
-        t.turn_started, t.turn_mark = now, b.activations
+    _count_run(b, t, name, now, running, kept=held_by == name)
 
 
-def _run(b: Book, t: Tenant, now: float,
+def _run(
+    b: Book, t: Tenant, now: float,
     holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
 ) -> None:
-    """Hand the tenant all its resources; count the slice; start a turn when it did not hold them."""
+    """Hand the tenant all its resources; a new turn when it did not hold them (in timeshare: also when its window
+    is over and nobody else wanted its resources)."""
     name = t.spec.name
     for rid in t.demand_ids:
         holder_ids[rid] = name
         holders[b.resources[rid]] = name
+    started = t.turn_started
+    kept = started is None or (_holds(b.holders, name, t) and not (
+        b.turn_index and now - started >= turn_window(b, t) - TURN_EPS_S))
+    _count_run(b, t, name, now, running, kept)
+
+
+def _count_run(b: Book, t: Tenant, name: str, now: float, running: list[str], kept: bool) -> None:
+    """The one bookkeeping of a winner: count its slice; start its turn when it was not in one, or a new turn when
+    it did not keep what it held (`kept`)."""
     running.append(name)
     t.slices += 1
     if t.turn_started is None:
@@ -269,10 +275,8 @@ def _run(b: Book, t: Tenant, now: float,
         b.in_turn.add(name)
         if b.turn_index:
             leave_turn_queue(b, t)
-    elif not _holds(b.holders, name, t) or (
-        b.turn_index and now - t.turn_started >= turn_window(b, t) - TURN_EPS_S
-    ):
-        t.turn_started, t.turn_mark = now, b.activations  # a new turn (in timeshare: nobody else wanted its resources)
+    elif not kept:
+        t.turn_started, t.turn_mark = now, b.activations
 
 
 def _decide_turns(b: Book, now: float) -> tuple[dict[int, str], dict[Resource, str], list[str]]:
