@@ -199,13 +199,13 @@ def test_a_tls_peer_never_borrows_a_relayed_identity(tmp_path: Path) -> None:
     the peer strings are then equal, so identity must not be looked up for TLS calls at all."""
     from unisched.enforce.cgroups import FakeCgroupDriver
     from unisched.engine.clock import SystemClock
-    from unisched.engine.core import KernelEngine
+    from unisched.engine.core import Scheduler
     from unisched.engine.state import StateStore
     from unisched.telemetry import NoGpuTelemetry
     from unisched.transport.identity import PeerCred
     from unisched.transport.server import UnischedServicer
 
-    engine = KernelEngine(DaemonConfig(), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path), SystemClock())
+    engine = Scheduler(DaemonConfig(), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path), SystemClock())
     root = PeerCred(pid=1, uid=0, gid=0)
     servicer = UnischedServicer(engine, lambda peer: root, None, 0.0, "fake", "/fake", False)
     assert servicer._caller(_Context(b"insecure")) == root  # type: ignore[arg-type]  # relayed from the Unix socket

@@ -16,7 +16,7 @@ from unisched.engine.clock import Clock
 from unisched.engine.config import ConfigError, DaemonConfig
 from unisched.engine.leases import LeaseBook
 from unisched.engine.state import StateStore
-from unisched.engine.tenant import EngineError, Tenant
+from unisched.engine.tenant import SchedulerError, Tenant
 from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, WeightedFairShare
 from unisched.policy.caps import VideoEngines, video_engines_for
 from unisched.policy.contention import PARTIAL_OVERLAP
@@ -161,7 +161,7 @@ def save_soon(c: Context) -> None:
 def get(c: Context, name: str) -> Tenant:
     t = c.tenants.get(name)
     if t is None:
-        raise EngineError("not_found", f"unknown tenant {name!r}")
+        raise SchedulerError("not_found", f"unknown tenant {name!r}")
     return t
 
 
@@ -169,5 +169,5 @@ def check_gpus(c: Context, gpus: Iterable[int]) -> tuple[int, ...] | None:
     g = tuple(gpus)
     bad = [i for i in g if i not in c.gpu_indices]
     if bad:
-        raise EngineError("invalid", f"no GPU {bad}; this host has GPUs {list(c.gpu_indices)}")
+        raise SchedulerError("invalid", f"no GPU {bad}; this host has GPUs {list(c.gpu_indices)}")
     return g or None

@@ -1,9 +1,9 @@
-"""The kernel engine: tenants are cgroups, and each slice the engine measures, charges, decides and
-freezes or thaws.
+"""The scheduler: tenants are cgroups (frozen and thawed by the freezer) or lease clients, and each slice the
+scheduler measures, charges, decides, and freezes or thaws and grants or revokes leases.
 
-`KernelEngine.tick()` is one synchronous step (measure the interval that just ended -> charge the policy ->
+`Scheduler.tick()` is one synchronous step (measure the interval that just ended -> charge the policy ->
 update demand -> observe the gates -> decide -> plan -> freeze/thaw, grant/revoke); the asyncio runner calls it
-every slice. The rules of each step are policy.plan's (docs/design/scheduling.md): the engine measures and applies.
+every slice. The rules of each step are policy.plan's (docs/design/scheduling.md): the scheduler measures and applies.
 Time comes from an injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
 
 This class is the facade the transport and the daemon hold; each part is a module of plain functions over one
@@ -26,7 +26,7 @@ from unisched.engine.config import DaemonConfig
 from unisched.engine.context import Context, build
 from unisched.engine.leases import LeaseBook
 from unisched.engine.state import StateStore
-from unisched.engine.tenant import EngineError, LeaseAck, TenantSnapshot
+from unisched.engine.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.policy import ContentionMap, Priority, WeightedFairShare
 from unisched.policy.caps import VideoEngines
 from unisched.policy.overlap import OverlapMix, SliceKind
@@ -34,10 +34,10 @@ from unisched.policy.plan import PlanConfig
 from unisched.policy.saturation import GateState
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["EngineError", "KernelEngine", "LeaseAck", "TenantSnapshot"]
+__all__ = ["SchedulerError", "Scheduler", "LeaseAck", "TenantSnapshot"]
 
 
-class KernelEngine:
+class Scheduler:
     """The scheduler as its callers see it: each method is one request, answered by the part that owns it."""
 
     def __init__(

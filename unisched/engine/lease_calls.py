@@ -20,8 +20,8 @@ from unisched.engine.roster import (
     lost,
 )
 from unisched.engine.tenant import (
-    EngineError,
     LeaseAck,
+    SchedulerError,
     Tenant,
     TenantSnapshot,
     parse_engine,
@@ -43,12 +43,12 @@ def lease_open(
 ) -> tuple[int, TenantSnapshot]:
     """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""
     if gpu not in c.gpu_indices:
-        raise EngineError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
+        raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
     t = c.tenants.get(name)
     gpus = [gpu] if t is None or t.gpus is not None else []
     register(c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
     t = c.tenants[name]
-    if t.frozen:  # was a kernel tenant: leases gate it from now on
+    if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
         _thaw(c, t)
     sid = c.leases.open(name, gpu, channel)
     t.active = bool(c.leases.demand(name))
@@ -68,10 +68,10 @@ def _lease_call(c: Context, sid: int) -> Tenant:
     try:
         name = c.leases.session_tenant(sid)
     except LeaseError as e:
-        raise EngineError("invalid", str(e)) from None
+        raise SchedulerError("invalid", str(e)) from None
     t = c.tenants.get(name)
     if t is None:
-        raise EngineError("not_found", f"tenant {name!r} was removed")
+        raise SchedulerError("not_found", f"tenant {name!r} was removed")
     return t
 
 
@@ -96,7 +96,7 @@ def lease_report(c: Context, sid: int, engine: str, gpu_seconds: float, release:
     try:
         changed, _ = c.leases.report(sid, e, gpu_seconds, release, c.clock.monotonic(), yielded, units)
     except LeaseError as err:
-        raise EngineError("invalid", str(err)) from None
+        raise SchedulerError("invalid", str(err)) from None
     if changed:
         t.active = bool(c.leases.demand(t.name))
     # (or just enforced: freeze it now if it must wait)
@@ -109,7 +109,7 @@ def lease_codec(c: Context, sid: int, kind: str, open_: bool) -> tuple[bool, str
     """A client asks to open (or closes) a hardware codec session: the same caps as the kernel hooks."""
     t = _lease_call(c, sid)
     if kind not in ("nvdec", "nvenc"):
-        raise EngineError("invalid", f"codec session kind must be nvdec or nvenc, got {kind!r}")
+        raise SchedulerError("invalid", f"codec session kind must be nvdec or nvenc, got {kind!r}")
     if not open_:
         if c.leases.codec_open(sid, kind) > 0:
             c.leases.note_codec(sid, kind, -1)

@@ -1,9 +1,9 @@
-"""The user engine's bookkeeping: lease sessions of cooperative clients, their demand, their leases.
+"""Lease enforcement's bookkeeping: lease sessions of cooperative clients, their demand, their leases.
 
 A cooperative tenant is an ordinary tenant (a cgroup with a weight) with at least one lease session open. Its
 demand is what its sessions want (renewed within `valid_s`), its charges are the GPU time they report, and
 instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
-kernel tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `KernelEngine` (which owns the
+freezer-governed tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `Scheduler` (which owns the
 policy and the clock); it sends through each session's `LeaseChannel`.
 """
 
@@ -305,7 +305,7 @@ class LeaseBook:
                      reason="units long against the slice" if run else "units short against the slice")
 
     def _drop_units(self, tenant: str) -> None:
-        """No lease session left: a kernel tenant again, turned one slice at a time."""
+        """No lease session left: a freezer-governed tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
         self._logged_run.pop(tenant, None)
         self._unit_acc_s.pop(tenant, None)

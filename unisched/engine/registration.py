@@ -17,7 +17,7 @@ from unisched.engine.reporting import snapshot
 from unisched.engine.roster import add, apply_weight
 from unisched.engine.tenant import (
     CALLER_GONE,
-    EngineError,
+    SchedulerError,
     Tenant,
     TenantSnapshot,
     need_alive,
@@ -103,12 +103,12 @@ def _check_name_and_weight(name: str, weight: int | None) -> None:
         if weight is not None:
             validate_weight(weight)
     except PolicyError as e:
-        raise EngineError("invalid", str(e)) from None
+        raise SchedulerError("invalid", str(e)) from None
 
 
 def _check_user_weight(c: Context, weight: int, is_admin: bool) -> None:
     if not is_admin and weight > c.config.max_user_weight:
-        raise EngineError(
+        raise SchedulerError(
             "permission",
             f"weight {weight} is above max_user_weight {c.config.max_user_weight} for non-admin callers",
         )
@@ -120,7 +120,7 @@ def _create(
 ) -> Tenant:
     """A new tenant for a registering caller, in a cgroup made for it."""
     if not is_admin and not c.config.user_tenants:
-        raise EngineError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
+        raise SchedulerError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
     w = weight if weight is not None else DEFAULT_WEIGHT
     _check_user_weight(c, w, is_admin)
     _check_room(c, uid, is_admin)
@@ -147,11 +147,11 @@ def _rejoin(
     name = t.name
     owner = is_admin or uid == t.owner_uid
     if not owner and not member:
-        raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
+        raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
     before = t.saved()
     if weight is not None and weight != t.base_weight:
         if not owner:
-            raise EngineError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
+            raise SchedulerError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
                                             f"tenant {name!r} ({t.base_weight}); you are uid {uid}")
         _check_user_weight(c, weight, is_admin)
         apply_weight(c, t, weight, reason="registered")
@@ -187,21 +187,21 @@ def _attach_caller(c: Context, cgroup: str, pid: int, alive: Callable[[], bool] 
     try:
         c.driver.attach(cgroup, pid)
     except CgroupError as e:
-        raise EngineError("failed", f"cannot move pid {pid} into {cgroup}: {e}") from None
+        raise SchedulerError("failed", f"cannot move pid {pid} into {cgroup}: {e}") from None
     if alive is None or alive():
         return
     with contextlib.suppress(OSError, CgroupError):
         if origin is not None and c.driver.cgroup_of(pid) == cgroup:
             c.driver.attach(origin, pid)
             log.warning("moved a reused pid back", pid=pid, cgroup=origin)
-    raise EngineError("failed", CALLER_GONE)
+    raise SchedulerError("failed", CALLER_GONE)
 
 
 def _check_not_governed(c: Context, name: str, cgroup: str) -> None:
     """A new tenant's cgroup must not be (or nest with) an adopted one: two tenants would freeze one cgroup."""
     for o in c.tenants.values():
         if o.adopted and (within(cgroup, o.cgroup) or within(o.cgroup, cgroup)):
-            raise EngineError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
+            raise SchedulerError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
                                          f"tenant {o.name!r}'s cgroup {o.cgroup}; choose another name")
 
 
@@ -225,20 +225,20 @@ def _create_cgroup(c: Context, name: str, cgroup: str) -> None:
     try:
         c.driver.create(cgroup)
     except FileExistsError:
-        raise EngineError("invalid", f"tenant name {name!r} is taken by a cgroup interface file; choose another") from None
+        raise SchedulerError("invalid", f"tenant name {name!r} is taken by a cgroup interface file; choose another") from None
     except CgroupError as e:
-        raise EngineError("failed", str(e)) from None
+        raise SchedulerError("failed", str(e)) from None
     except OSError as e:
-        raise EngineError("failed", f"cannot create cgroup {cgroup}: {e.strerror}") from None
+        raise SchedulerError("failed", f"cannot create cgroup {cgroup}: {e.strerror}") from None
 
 
 def _check_room(c: Context, uid: int, is_admin: bool) -> None:
     if len(c.tenants) >= MAX_TENANTS:
-        raise EngineError("failed", f"this daemon already has {len(c.tenants)} tenants, the most it keeps")
+        raise SchedulerError("failed", f"this daemon already has {len(c.tenants)} tenants, the most it keeps")
     if not is_admin:
         owned = sum(1 for t in c.tenants.values() if t.owner_uid == uid and not t.adopted)
         if owned >= MAX_USER_TENANTS:
-            raise EngineError(
+            raise SchedulerError(
                 "permission", f"uid {uid} already created {owned} tenants, the most a non-admin may (remove some first)"
             )
 
@@ -254,15 +254,15 @@ def adopt(
 ) -> TenantSnapshot:
     _check_name_and_weight(name, weight)
     if name in c.tenants:
-        raise EngineError("invalid", f"tenant {name!r} already exists; remove it first")
+        raise SchedulerError("invalid", f"tenant {name!r} already exists; remove it first")
     _check_room(c, 0, True)
     try:
         path = c.driver.normalize(cgroup)
     except CgroupError as e:
-        raise EngineError("invalid", str(e)) from None
+        raise SchedulerError("invalid", str(e)) from None
     why = refusal_to_adopt(c, path)
     if why is not None:
-        raise EngineError("invalid", why)
+        raise SchedulerError("invalid", why)
     t = Tenant(
         name,
         weight if weight is not None else DEFAULT_WEIGHT,

@@ -14,8 +14,8 @@ from unisched.engine.admission import (
 )
 from unisched.engine.context import Context
 from unisched.engine.tenant import (
-    EngineError,
     ResourceShare,
+    SchedulerError,
     TenantSnapshot,
     tenant_state,
 )
@@ -100,7 +100,7 @@ def snapshots(c: Context, names: Iterable[str] | None = None) -> list[TenantSnap
 
 def snapshot(c: Context, name: str) -> TenantSnapshot:
     if name not in c.tenants:
-        raise EngineError("not_found", f"unknown tenant {name!r}")
+        raise SchedulerError("not_found", f"unknown tenant {name!r}")
     return snapshots(c, [name])[0]
 
 

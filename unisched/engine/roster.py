@@ -13,7 +13,7 @@ from unisched.engine.admission import (
 from unisched.engine.context import Context, get, save
 from unisched.engine.reporting import log_shares, snapshot
 from unisched.engine.tenant import (
-    EngineError,
+    SchedulerError,
     Tenant,
     TenantSnapshot,
 )
@@ -82,7 +82,7 @@ def set_weight(c: Context, name: str, weight: int) -> TenantSnapshot:
     try:
         validate_weight(weight)
     except PolicyError as e:
-        raise EngineError("invalid", str(e)) from None
+        raise SchedulerError("invalid", str(e)) from None
     apply_weight(c, t, weight, reason="set-weight")
     save(c)
     return snapshot(c, name)
@@ -99,7 +99,7 @@ def remove_as(c: Context, name: str, uid: int, is_admin: bool) -> None:
     """Remove a tenant for a caller: an admin any, others only tenants they own."""
     t = get(c, name)
     if not is_admin and uid != t.owner_uid:
-        raise EngineError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; only its owner or an "
+        raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; only its owner or an "
                                         f"admin may remove it (you are uid {uid})")
     remove(c, name)
 
@@ -148,7 +148,7 @@ def set_limits(c: Context, name: str, render: int | None, decode: int | None, en
             encode=pick(encode, t.limits.encode), memory_bytes=pick(memory_bytes, t.limits.memory_bytes),
         )
     except PolicyError as e:
-        raise EngineError("invalid", str(e)) from None
+        raise SchedulerError("invalid", str(e)) from None
     log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
              memory_bytes=t.limits.memory_bytes)
     save(c)

@@ -15,7 +15,7 @@ from unisched.policy import (
 from unisched.policy.caps import SessionLimits
 
 __all__ = [
-    "CALLER_GONE", "EngineError", "LeaseAck", "ResourceShare", "Tenant", "TenantSnapshot", "need_alive", "off_gpu",
+    "CALLER_GONE", "SchedulerError", "LeaseAck", "ResourceShare", "Tenant", "TenantSnapshot", "need_alive", "off_gpu",
     "parse_engine", "parse_engines", "tenant_state",
 ]
 
@@ -24,8 +24,8 @@ MAX_MESSAGE_CHARS = 400
 limit (the client then saw RESOURCE_EXHAUSTED 'metadata size exceeds hard limit' instead of the reason)."""
 
 
-class EngineError(Exception):
-    """A request the engine refuses. `kind` is not_found, invalid, permission or failed."""
+class SchedulerError(Exception):
+    """A request the scheduler refuses. `kind` is not_found, invalid, permission or failed."""
 
     def __init__(self, kind: str, message: str) -> None:
         if len(message) > MAX_MESSAGE_CHARS:
@@ -135,7 +135,7 @@ class Tenant:
 
 
 def tenant_state(t: Tenant, holds_lease: bool | None = None) -> str:
-    """holds_lease: None for a kernel tenant; for a cooperative one, whether it holds a lease now."""
+    """holds_lease: None for a freezer-governed tenant; for a cooperative one, whether it holds a lease now."""
     if t.frozen:
         return "frozen"
     if holds_lease is not None and t.active and not holds_lease:
@@ -157,7 +157,8 @@ def parse_engine(name: str) -> Engine:
     try:
         return Engine(name)
     except ValueError:
-        raise EngineError("invalid", f"engine must be one of {', '.join(e.value for e in Engine)}; got {name[:40]!r}") from None
+        kinds = ", ".join(e.value for e in Engine)
+        raise SchedulerError("invalid", f"engine must be one of {kinds}; got {name[:40]!r}") from None
 
 
 CALLER_GONE = "the connecting process has exited"
@@ -166,13 +167,14 @@ CALLER_GONE = "the connecting process has exited"
 
 def need_alive(alive: Callable[[], bool] | None) -> None:
     if alive is not None and not alive():
-        raise EngineError("failed", CALLER_GONE)
+        raise SchedulerError("failed", CALLER_GONE)
 
 
 def parse_engines(names: Iterable[str]) -> frozenset[Engine]:
     try:
         engines = frozenset(Engine(n) for n in names)
     except ValueError:
-        raise EngineError("invalid", f"engines must be among {', '.join(e.value for e in Engine)}; got {list(names)}") from None
+        kinds = ", ".join(e.value for e in Engine)
+        raise SchedulerError("invalid", f"engines must be among {kinds}; got {list(names)}") from None
     return engines or frozenset({Engine.COMPUTE})
 

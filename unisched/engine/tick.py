@@ -26,8 +26,8 @@ from unisched.policy import (
     Resource,
 )
 from unisched.policy.plan import (
+    FreezerUse,
     GateOutcome,
-    KernelUse,
     PairMember,
     PairWeights,
     Plan,
@@ -95,7 +95,7 @@ def _observe_saturation(c: Context, samples: Mapping[int, GpuSample], cpu: Mappi
     """Measure what the saturation gates read (policy.plan.observe), level the fair share of resources that
     slicing starts on, and log the gates' changes."""
     cooperative = c.leases.cooperative
-    use = [KernelUse(t.resources, t.all_engines(), t.frozen, cpu.get(t.name, 0.0) / dt)
+    use = [FreezerUse(t.resources, t.all_engines(), t.frozen, cpu.get(t.name, 0.0) / dt)
            for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
     contenders = {r: c.policy.contenders(r) for u in use for r in u.resources}
     outcome, c.plan = observe(c.plan_config, use, samples, contenders, pairs, c.plan)
@@ -129,7 +129,7 @@ def _mix_weights(c: Context) -> dict[int, PairWeights]:
 def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping[int, PairWeights] | None = None,
            dt: float = 0.0) -> None:
     """Ask the scheduling model (policy.plan) what the decision means for each tenant and lease, then freeze or
-    thaw kernel tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
+    thaw freezer-governed tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
     leases = c.leases
     tenants = tuple(c.tenants.values())
     coop, enforced = leases.cooperative_names(), leases.enforced_names()

@@ -20,7 +20,7 @@ import structlog
 from unisched import __version__
 from unisched.enforce.seccomp.abi import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
-from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.core import Scheduler, SchedulerError
 from unisched.engine.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
@@ -48,7 +48,7 @@ _CODES = {kind: grpc.StatusCode[name] for kind, name in ERROR_CODES.items()}
 class UnischedServicer(pb_grpc.UnischedServicer):
     def __init__(
         self,
-        engine: KernelEngine,
+        engine: Scheduler,
         creds: Callable[[str], PeerCred | None],
         admin_group: str | None,
         started: float,
@@ -101,7 +101,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         return cred
 
     @staticmethod
-    async def _fail(context: grpc.aio.ServicerContext, e: EngineError) -> NoReturn:
+    async def _fail(context: grpc.aio.ServicerContext, e: SchedulerError) -> NoReturn:
         await context.abort(_CODES[e.kind], str(e))
         raise AssertionError("abort returned")
 
@@ -122,7 +122,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 keep=request.keep,
                 session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             )
-        except EngineError as e:
+        except SchedulerError as e:
             await self._fail(context, e)
         log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
         # what `unisched run` needs next, with this reply: no Status round trip per run
@@ -140,7 +140,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
                 list(request.engines),
                 list(request.gpus),
             )
-        except EngineError as e:
+        except SchedulerError as e:
             await self._fail(context, e)
         return snapshot_to_pb(snap)
 
@@ -148,7 +148,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         await self._need_admin(context)
         try:
             return snapshot_to_pb(self.engine.set_weight(request.tenant, request.weight))
-        except EngineError as e:
+        except SchedulerError as e:
             await self._fail(context, e)
 
     async def SetLimit(self, request: pb.SetLimitRequest, context: grpc.aio.ServicerContext) -> pb.Tenant:
@@ -161,7 +161,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
             return snapshot_to_pb(self.engine.set_limits(
                 request.tenant, opt("render"), opt("decode"), opt("encode"), opt("memory_bytes"),
             ))
-        except EngineError as e:
+        except SchedulerError as e:
             await self._fail(context, e)
 
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -169,7 +169,7 @@ class UnischedServicer(pb_grpc.UnischedServicer):
         cred = await self._need_caller(context)
         try:
             self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
-        except EngineError as e:
+        except SchedulerError as e:
             await self._fail(context, e)
         return pb.Empty()
 
@@ -263,7 +263,7 @@ def _secure_socket(path: str, group: str | None) -> None:
 
 async def serve_async(
     config: DaemonConfig,
-    engine: KernelEngine,
+    engine: Scheduler,
     nvml: bool,
     stop: asyncio.Event | None = None,
     ready: Callable[[PeerCredRelay], None] | None = None,
@@ -363,7 +363,7 @@ async def serve_async(
         notifier.close()
 
 
-def _watchdog(notifier: Notifier, engine: KernelEngine) -> Callable[[], None] | None:
+def _watchdog(notifier: Notifier, engine: Scheduler) -> Callable[[], None] | None:
     """The engine loop's liveness ping when systemd set WatchdogSec (WATCHDOG_USEC); None otherwise."""
     interval = watchdog_interval_s()
     if not notifier.enabled or interval is None:
@@ -371,5 +371,5 @@ def _watchdog(notifier: Notifier, engine: KernelEngine) -> Callable[[], None] | 
     return Watchdog(notifier, interval, lambda: f"serving on {engine.config.socket}, {engine.tenant_count} tenants").alive
 
 
-def serve(config: DaemonConfig, engine: KernelEngine, nvml: bool) -> None:
+def serve(config: DaemonConfig, engine: Scheduler, nvml: bool) -> None:
     asyncio.run(serve_async(config, engine, nvml))
