@@ -90,7 +90,7 @@ def build(
     mps: MpsControl | None = None,
 ) -> Context:
     if config.mps and mps is None:
-        raise ConfigError("config 'mps': this engine was built without an MPS control")
+        raise ConfigError("config 'mps': this scheduler was built without an MPS control")
     policy = WeightedFairShare(
         FairShareConfig(
             mode=config.mode,

@@ -191,9 +191,14 @@ def _decide_vtime(b: Book, now: float, preemptive: bool) -> tuple[dict[int, str]
         # no multi-resource tenant anywhere: the best single one runs
         t = top[OWNER]
         _win(b, t, rid, t.spec.name, holder, now, holder_ids, holders, running)
-    if not multi:
-        return holder_ids, holders, running
+    if multi:
+        _award_with_multis(b, best, bounds, with_multis, now, preemptive, holder_ids, holders, running)
+    return holder_ids, holders, running
 
+
+def _multi_candidates(b: Book, with_multis: list[int], bounds: Mapping[int, tuple[float, float]]) -> dict[str, Tenant]:
+    """The multi-resource tenants no single-resource one beats on any of their resources: the only ones that can
+    win (each found once, from the first of its resources)."""
     cands: dict[str, Tenant] = {}
     for rid in with_multis:
         vt = b.index[rid].vt
@@ -206,7 +211,16 @@ def _decide_vtime(b: Book, now: float, preemptive: bool) -> tuple[dict[int, str]
                         e[VALUE] <= bounds[other][cls] for other, e in m.entries.items()
                     ):
                         cands[entry[NAME]] = m
+    return cands
 
+
+def _award_with_multis(
+    b: Book, best: dict[int, Tenant], bounds: Mapping[int, tuple[float, float]], with_multis: list[int], now: float,
+    preemptive: bool, holder_ids: dict[int, str], holders: dict[Resource, str], running: list[str],
+) -> None:
+    """The greedy (best rank first, skipping a tenant one of whose resources is taken) over the multi-resource
+    candidates and the best single tenants of their resources; every other resource to its best single tenant."""
+    cands = _multi_candidates(b, with_multis, bounds)
     if cands:
         contested: set[int] = set()
         for m in cands.values():
@@ -223,7 +237,6 @@ def _decide_vtime(b: Book, now: float, preemptive: bool) -> tuple[dict[int, str]
                 taken.update(t.demand_ids)
                 _run(b, t, now, holder_ids, holders, running)
     _run_singles(b, best, now, holder_ids, holders, running)
-    return holder_ids, holders, running
 
 
 def _run_singles(
