@@ -25,7 +25,7 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 
@@ -39,7 +39,7 @@ def main() -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     clock = FakeClock()
     state = Path(tempfile.mkdtemp(prefix="engine-scale-"))
-    engine = KernelEngine(DaemonConfig(state_dir=str(state)), FakeCgroupDriver(), NoGpuTelemetry(),
+    engine = Scheduler(DaemonConfig(state_dir=str(state)), FakeCgroupDriver(), NoGpuTelemetry(),
                           StateStore(state), clock)
     engine.start()
     t0 = time.perf_counter()

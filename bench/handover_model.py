@@ -2,7 +2,7 @@
 """Hand-overs of cooperative tenants with long units, in the simulator: what turns of several units win back.
 
 Why: on the H200 two cooperative ResNet-50 b128 trainers at 3:1 (steps of ~30 ms of GPU time) kept a sum of
-0.89-0.94 under the user engine (the guarantee missed: 0.66-0.71 for the 0.75 tenant), while the driver's own
+0.89-0.94 under lease enforcement (the guarantee missed: 0.66-0.71 for the 0.75 tenant), while the driver's own
 time-slicing of the pair keeps 0.92 (0.46 / 0.46); they changed hands ~10 times a second. Every hand-over costs
 such a pair: an app that pipelines its steps leaves them queued to run beside the next holder's first, where the
 driver time-slices the two contexts at the pair's 0.92 (this model), and one that waits for each step, as

@@ -9,7 +9,7 @@ slow drift falls on both sides alike.
 
 The trainer idles cooperatively (examples/02 --pausable): SIGUSR1 stops it at its next step boundary, its lease
 released, until SIGUSR2. Why not SIGSTOP: stopped mid-step, a trainer would time the stop into its step (CUDA
-events around it) and report a second of GPU use to the user engine. A request counts for the phase it arrived in,
+events around it) and report a second of GPU use to lease enforcement. A request counts for the phase it arrived in,
 unless it arrived within `guard_s` of a switch (the step in flight at a pause finishes, ~25 ms; a resumed trainer
 takes a step to be back at its pace). The trainer's throughput is its items over the seconds of its running
 periods, against its solo run (it completes nothing while idle; its first steps after each resume count against it).

@@ -4,7 +4,7 @@
 Each tenant is one lease stream (hello, want compute, then a renewal report every --renew-ms with a little GPU
 time) on its own connection to the daemon's socket, spread over --procs worker processes running asyncio. A
 renewal's round trip is from sending the report to receiving its ack (same seq). With --tenants 1 it is the idle
-round trip the user engine's target is about (p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml
+round trip lease enforcement's target is about (p99 <= 1 ms on the Unix socket). The daemon runs with --no-nvml
 (CPU only) unless --nvml. With --client library the tenants are the client library's `Client` instead.
 
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt

@@ -4,7 +4,7 @@
 Why: until 2026-12-01 (fourth session) a pair whose tenant started late was scored over the nominal window, so
 the partner that ran alone meanwhile was credited with its solo rate for that part. On the H200 the trainer of
 every no-scheduler trainer + render run started 4-7 s into a 12 s window: the render 'kept' 0.93 where it keeps
-0.88, and the user engine's mixed 1:1 run (trainer 4.6 s late) read 0.43 / 0.67. gpu_pairs now scores such a pair
+0.88, and lease enforcement's mixed 1:1 run (trainer 4.6 s late) read 0.43 / 0.67. gpu_pairs now scores such a pair
 over the seconds both ran (scoring.common_window); this applies it to results already committed, without a GPU.
 
 For each folder (a gpu_pairs --out, or one with round-K/ folders) it reads results.json, rebuilds the runs,

@@ -2,7 +2,7 @@
 """Which GPU signal tells a saturated GPU from a busy-looking one: NVML utilization and GPM metrics, sampled
 while workloads run with no scheduler.
 
-Why: the kernel engine slices only while a GPU is saturated (unisched/policy/saturation.py). NVML's utilization
+Why: freezer enforcement slices only while a GPU is saturated (unisched/policy/saturation.py). NVML's utilization
 (time with any kernel running) read 0.9+ for sixteen paced cloud-gaming instances that left the GPU idle most
 of the time; GPM's SM busy fraction fixed that case but stayed under the threshold for a training + heavy-render
 pair that contends hard (training fell to 0.20 of its solo rate). This tool records every candidate signal for
@@ -77,7 +77,7 @@ def sample_loop(nvml: Any, handle: Any, every: float, stop: threading.Event, out
 
 
 def saturated_windows(values: list[float], n: int, threshold: float) -> float:
-    """Fraction of the windows of n consecutive samples whose mean is >= threshold (what the kernel engine's
+    """Fraction of the windows of n consecutive samples whose mean is >= threshold (what freezer enforcement's
     saturation gate asks of its per-slice busy fraction)."""
     if n < 1 or len(values) < n:
         return 0.0

@@ -8,11 +8,11 @@ plots/*.png (each tenant's share over time; normalized throughput against the we
 
 Scenarios (--scenarios, comma separated; default all):
   mixed     ResNet-50 training (batch 32) + a heavy 1920x1080 EGL fragment-shader render at 1:1, 3:1, 1:3:
-            alone, no scheduler, unisched kernel engine and user engine (bench/gpu_pairs.py does the runs);
+            alone, no scheduler, unisched freezer enforcement and lease enforcement (bench/gpu_pairs.py does the runs);
             also each alone under unisched (scenario 5, overhead).
   online    ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online) next to ResNet-50
             training (offline): alone, no scheduler, MPS (trainer at 30% active threads), unisched kernel
-            and user engine in preemptive mode (and, by name, MPS with the trainer's client priority below
+            and lease enforcement in preemptive mode (and, by name, MPS with the trainer's client priority below
             normal); batch 1, and batch 8 where contention bites harder.
   ad_sim    render -> encode -> decode (NVDEC) -> perception (examples/ad_sim.py): the two stages one
             after another, co-located with no scheduler, and co-located under unisched at 1:1.
@@ -85,10 +85,10 @@ DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
 (CUDA_MPS_CLIENT_PRIORITY=1) with no thread cap. Why: a request that meets a trainer step shares the GPU with it
 under time slicing or leases alike (a b32 step is ~25 ms of queued work; a request ~6 ms); only the SM dispatcher
 can put a request first. Drivers without client priorities ignore the variable, which the run then shows as MPS
-uncapped; the MPS server's log is kept with the run. user-points, also by name: the user engine with the trainer
+uncapped; the MPS server's log is kept with the run. user-points, also by name: lease enforcement with the trainer
 pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked step leaves a part of it, not its
-rest, beside the request. user-mps, by name: the user engine with both tenants MPS clients and the trainer below
-normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 the user engine
+rest, beside the request. user-mps, by name: lease enforcement with both tenants MPS clients and the trainer below
+normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 lease enforcement
 kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in two
 single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of the SMs,
 so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the trainer
@@ -1135,8 +1135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--online-setups", default=",".join(DEFAULT_ONLINE_SETUPS),
                     help=f"online scenario: which of {', '.join(ONLINE_SETUPS)} run beside the two solo runs (default "
                          f"{','.join(DEFAULT_ONLINE_SETUPS)}; mps-priority: the trainer an MPS client of priority below "
-                         "normal, no thread cap; user-points: the user engine, the trainer pausing inside steps; "
-                         "user-mps: the user engine with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
+                         "normal, no thread cap; user-points: lease enforcement, the trainer pausing inside steps; "
+                         "user-mps: lease enforcement with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
                          f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, "
                          "offline tenants on 30%% of the SMs (its default until 12-02); "
                          "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; "

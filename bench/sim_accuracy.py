@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Accuracy, efficiency, wake-up latency and decision cost of the real policy, in the simulator.
 
-Runs unisched.sim (simulated GPUs and tenants around the real WeightedFairShare, driven the way the kernel
-engine drives it) over the scenarios of issue 2 and prints one table:
+Runs unisched.sim (simulated GPUs and tenants around the real WeightedFairShare, driven the way the
+scheduler drives it) over the scenarios of issue 2 and prints one table:
 
 - share error: max over tenants and contended resources of |measured share - fair share| of the resource's
   GPU time over the measured window (after a warm-up), in points. The fair share is the weight share among

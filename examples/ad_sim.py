@@ -304,7 +304,7 @@ def parse_weights(text: str) -> tuple[int, int]:
 
 
 def tenant_argv(socket_path: str, tenant: str, weight: int, engines: str, cmd: Sequence[str]) -> list[str]:
-    """`unisched run` wrapping CMD as a tenant (the kernel engine: cgroup, freezer slices, session hooks)."""
+    """`unisched run` wrapping CMD as a tenant (freezer enforcement: cgroup, freezer slices, session hooks)."""
     return [sys.executable, "-m", "unisched", "run", "--socket", socket_path, "--tenant", tenant,
             "--weight", str(weight), "--engines", engines, "--", *cmd]
 
@@ -963,7 +963,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: h264_nvenc, else libx264 on the CPU (default: auto)")
     g.add_argument("--queue-kib", type=int, default=0, metavar="KIB",
                    help="socket send buffer between the stages, i.e. how far the sim may run ahead (default: 0, "
-                        "the kernel's, ~208 KiB: a few 720p frames). Under the kernel engine a deeper queue lets "
+                        "the kernel's, ~208 KiB: a few 720p frames). Under freezer enforcement a deeper queue lets "
                         "each stage keep working while the other is frozen, at the cost of queueing latency")
     g.add_argument("--egl-device", type=int, default=None, metavar="INDEX",
                    help="EGL device index (default: first hardware device)")

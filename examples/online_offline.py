@@ -9,10 +9,10 @@ it beside this one so the pair can be run by hand:
 
   python3 examples/online_offline.py --seconds 20                                # online alone
   python3 examples/online_offline.py --seconds 20 --trainer                      # + training, no scheduler
-  unisched serve --mode preemptive &                                             # then, kernel engine:
+  unisched serve --mode preemptive &                                             # then, freezer enforcement:
   unisched run --tenant train --priority offline -- python3 examples/02_pytorch_training.py --seconds 30 &
   unisched run --tenant infer --priority online -- python3 examples/online_offline.py --seconds 20
-  python3 examples/online_offline.py --tenant infer --priority online --seconds 20   # user engine (leases)
+  python3 examples/online_offline.py --tenant infer --priority online --seconds 20   # lease enforcement (leases)
   unisched serve --mode preemptive --mps &      # either engine, the trainer an MPS client below normal on 70% of SMs
 
 bench/scenarios.py runs every setup (alone, no scheduler, MPS, both engines) and scores them.

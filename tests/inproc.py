@@ -19,7 +19,7 @@ from typing import Any
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import SystemClock
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.transport.server import Doors, serve_async
@@ -30,7 +30,7 @@ class InProcessServer:
     socket: str
     config: DaemonConfig
     driver: FakeCgroupDriver
-    engine: KernelEngine
+    engine: Scheduler
     doors: Doors
     loop: asyncio.AbstractEventLoop
     """The loop the daemon runs in (its own thread)."""
@@ -59,7 +59,7 @@ def in_process_server(
     )
     driver = driver or FakeCgroupDriver()
     store = StateStore(config.state_dir, driver.subtree)
-    engine = KernelEngine(config, driver, telemetry or NoGpuTelemetry(), store, SystemClock())
+    engine = Scheduler(config, driver, telemetry or NoGpuTelemetry(), store, SystemClock())
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     started = threading.Event()

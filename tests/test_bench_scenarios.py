@@ -196,7 +196,7 @@ def test_pooled_rounds_rest_the_p99_on_every_round_s_requests() -> None:
 
 
 def test_a_late_trainer_counts_only_the_requests_that_met_it() -> None:
-    """The H200's kernel-engine round 2 of 12-01: the trainer's first step 5.3 s into the 12 s window. Requests
+    """The H200's freezer enforcement round 2 of 12-01: the trainer's first step 5.3 s into the 12 s window. Requests
     before it met no trainer (fast), and the trainer is scored over the seconds the online tenant also ran."""
     runs = online_runs(9.4, 1250.0)
     arrivals = [0.05 * i for i in range(240)]  # 0 .. 11.95 s

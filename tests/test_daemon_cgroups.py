@@ -1,4 +1,4 @@
-"""The kernel engine end to end: a real daemon, real cgroups, real CPU-bound processes standing in for GPU
+"""Freezer enforcement end to end: a real daemon, real cgroups, real CPU-bound processes standing in for GPU
 work (the engine uses cgroup CPU time when there is no GPU signal). Needs root and a freezer."""
 
 from __future__ import annotations

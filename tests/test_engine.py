@@ -12,8 +12,9 @@ import pytest
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
-from unisched.engine.core import MEMORY_CHECK_S, EngineError, KernelEngine
+from unisched.engine.core import Scheduler, SchedulerError
 from unisched.engine.state import StateStore
+from unisched.engine.upkeep import MEMORY_CHECK_S
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
 from unisched.policy.overlap import SliceKind
 from unisched.policy.tuning import TUNING
@@ -31,7 +32,7 @@ class Rig:
         self.clock = FakeClock()
         self.store = StateStore(tmp / "state")
         self.config = config or DaemonConfig(slice_ms=SLICE * 1000)
-        self.engine = KernelEngine(self.config, self.driver, telemetry or NoGpuTelemetry(), self.store, self.clock)  # type: ignore[arg-type]
+        self.engine = Scheduler(self.config, self.driver, telemetry or NoGpuTelemetry(), self.store, self.clock)  # type: ignore[arg-type]
         self.engine.start()
         self.busy: set[str] = set()
         self.rate: dict[str, float] = {}
@@ -126,7 +127,7 @@ def test_restart_thaws_what_a_crash_left_frozen_and_restores_weights(tmp_path: P
     rig.step(5)
     assert rig.frozen("a") or rig.frozen("b")
     # a crash: no shutdown(); a new engine over the same cgroups and state
-    engine2 = KernelEngine(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
+    engine2 = Scheduler(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
     engine2.start()
     assert not rig.frozen("a") and not rig.frozen("b")
     assert {s.name: s.base_weight for s in engine2.snapshots()} == {"a": 300, "b": 100}
@@ -270,15 +271,15 @@ def test_a_partly_overlapping_pair_on_an_unsaturated_gpu_is_not_mixed(tmp_path: 
 def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.engine.register("mine", None, None, (), (), 11, 1000, False)
-    with pytest.raises(EngineError, match="belongs to uid 1000"):
+    with pytest.raises(SchedulerError, match="belongs to uid 1000"):
         rig.engine.register("mine", None, None, (), (), 12, 2000, False)
-    with pytest.raises(EngineError, match="max_user_weight"):
+    with pytest.raises(SchedulerError, match="max_user_weight"):
         rig.engine.register("big", 5000, None, (), (), 13, 1000, False)
-    with pytest.raises(EngineError, match="weight must be in"):
+    with pytest.raises(SchedulerError, match="weight must be in"):
         rig.engine.register("bad", 0, None, (), (), 14, 0, True)
-    with pytest.raises(EngineError, match="unknown tenant"):
+    with pytest.raises(SchedulerError, match="unknown tenant"):
         rig.engine.set_weight("nobody", 5)
-    with pytest.raises(EngineError, match="no GPU"):
+    with pytest.raises(SchedulerError, match="no GPU"):
         rig.engine.register("gpu9", None, None, (), (9,), 15, 0, True)
 
 
@@ -294,15 +295,15 @@ def test_a_process_inside_an_adopted_tenant_joins_it_without_being_moved(tmp_pat
     # it joins as the owner set the tenant up: engines, GPUs and priority are not the member's to change
     assert snap.engines == frozenset({Engine.COMPUTE}) and snap.priority is Priority.OFFLINE
     assert rig.driver.pid_cgroup[41] == "/kubepods.slice/pod-u1/ctr-a"  # not moved
-    with pytest.raises(EngineError, match="may change the weight of tenant 'pod-u1'"):
+    with pytest.raises(SchedulerError, match="may change the weight of tenant 'pod-u1'"):
         rig.engine.register("pod-u1", 5000, None, (), (), 41, 1000, False)
     # a process outside the tenant is still refused, and a member's registration moves nothing
     rig.driver.pid_cgroup[42] = "/kubepods.slice/pod-u2"
-    with pytest.raises(EngineError, match="belongs to uid"):
+    with pytest.raises(SchedulerError, match="belongs to uid"):
         rig.engine.register("pod-u1", None, None, (), (), 42, 1000, False)
     # a look-alike prefix is not membership
     rig.driver.pid_cgroup[43] = "/kubepods.slice/pod-u10/ctr"
-    with pytest.raises(EngineError, match="belongs to uid"):
+    with pytest.raises(SchedulerError, match="belongs to uid"):
         rig.engine.register("pod-u1", None, None, (), (), 43, 1000, False)
 
 
@@ -351,7 +352,7 @@ def test_configured_render_cap_and_memory_cap(tmp_path: Path) -> None:
     assert not rig.engine.snapshot("g").over_memory
     assert rig.engine.admit_session("g", "graphics", 0xCB97)
     # limits survive a restart
-    engine2 = KernelEngine(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
+    engine2 = Scheduler(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
     engine2.start()
     assert engine2.snapshot("g").memory_cap == 1 << 20
 

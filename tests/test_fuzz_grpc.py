@@ -24,7 +24,7 @@ from inproc import in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import MAX_USER_TENANTS
+from unisched.engine.registration import MAX_USER_TENANTS
 from unisched.engine.state import StateStore
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, PolicyError, validate_tenant_name
 from unisched.transport.identity import PeerCred

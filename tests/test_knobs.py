@@ -95,10 +95,10 @@ def test_docs_configuration_is_what_the_table_generates() -> None:
 
 
 def test_the_tuning_constants_listed_exist_with_their_values() -> None:
-    from unisched.engine import core, leases
+    from unisched.engine import context, leases, registration, upkeep
     from unisched.policy import tuning
 
-    modules = {m.__name__: m for m in (core, leases, tuning)}
+    modules = {m.__name__: m for m in (context, leases, registration, upkeep, tuning)}
     listed = tuning_constants()
     assert {c.name for c in listed} >= {"Tuning.saturation_enter_s", "SAVE_DELAY_S", "Tuning.turn_cpu_cores",
                                          "Tuning.run_units", "Tuning.mix_sum"}

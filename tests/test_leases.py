@@ -1,4 +1,4 @@
-"""The user engine's lease logic in the engine: fake cgroups, fake lease channels, an injected clock."""
+"""Lease enforcement's lease logic in the scheduler: fake cgroups, fake lease channels, an injected clock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.core import Scheduler, SchedulerError
 from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority
 from unisched.policy.leases import OverrunMeter
@@ -65,7 +65,7 @@ class LeaseRig:
         self.driver = FakeCgroupDriver()
         self.clock = FakeClock()
         config = DaemonConfig(slice_ms=SLICE * 1000, **cfg)  # type: ignore[arg-type]
-        self.engine = KernelEngine(config, self.driver, telemetry or NoGpuTelemetry(), StateStore(tmp / "s"), self.clock)  # type: ignore[arg-type]
+        self.engine = Scheduler(config, self.driver, telemetry or NoGpuTelemetry(), StateStore(tmp / "s"), self.clock)  # type: ignore[arg-type]
         self.engine.start()
         self.pid = 5000
         self.clients: list[Coop] = []
@@ -215,7 +215,7 @@ def test_negative_units_are_refused(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     a = rig.coop("a", 100)
     a.want()
-    with pytest.raises(EngineError, match="units"):
+    with pytest.raises(SchedulerError, match="units"):
         rig.engine.lease_report(a.sid, "compute", 0.01, False, units=-1)
 
 
@@ -328,14 +328,14 @@ def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Pa
 
 
 FREEZE_TAIL_S = 0.002
-"""CPU time a kernel tenant still uses after the freeze is asked for: the freezer lands a few ms late."""
+"""CPU time a freezer-governed tenant still uses after the freeze is asked for: the freezer lands a few ms late."""
 
 
 @pytest.mark.parametrize("late", [False, True])
 @pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
 def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_path: Path, coop_w: int,
                                                                            kern_w: int, late: bool) -> None:
-    """The GPU reads busy whoever runs. The kernel tenant is charged the busy time of the intervals it ran in,
+    """The GPU reads busy whoever runs. The freezer-governed tenant is charged the busy time of the intervals it ran in,
     and it also ran (a few ms) in each interval its freeze came late in, while the client held the GPU: charged
     that interval's whole busy time, it paid about twice its use and got a third of the GPU at 1:1. `late`: the
     client's reports arrive half a slice after its work (with its next renewal), in the next interval."""
@@ -398,23 +398,23 @@ def test_decode_cap_refuses_a_codec_session_beyond_it(tmp_path: Path) -> None:
 def test_bad_reports_are_refused(tmp_path: Path, seconds: float) -> None:
     rig = LeaseRig(tmp_path)
     a = rig.coop("a", 100)
-    with pytest.raises(EngineError, match="gpu_seconds"):
+    with pytest.raises(SchedulerError, match="gpu_seconds"):
         rig.engine.lease_report(a.sid, "compute", seconds, False)
 
 
 def test_bad_engine_unknown_session_and_removed_tenant(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     a = rig.coop("a", 100)
-    with pytest.raises(EngineError, match="engine must be one of"):
+    with pytest.raises(SchedulerError, match="engine must be one of"):
         rig.engine.lease_want(a.sid, "warp-drive")
-    with pytest.raises(EngineError, match="no lease session"):
+    with pytest.raises(SchedulerError, match="no lease session"):
         rig.engine.lease_want(999, "compute")
-    with pytest.raises(EngineError, match="codec session kind"):
+    with pytest.raises(SchedulerError, match="codec session kind"):
         rig.engine.lease_codec(a.sid, "nvjpg", True)
     a.want()
     rig.engine.remove("a")
     assert any(r.reason == "tenant removed" for r in a.channel.take() if isinstance(r, LeaseRevoke))
-    with pytest.raises(EngineError):
+    with pytest.raises(SchedulerError):
         rig.engine.lease_want(a.sid, "compute")
 
 
@@ -655,7 +655,7 @@ def test_preemptive_online_requests_beside_a_trainer_never_wait_and_the_trainer_
         rig.engine.lease_report(train.sid, "compute", 0.010, False, yielded=True)  # its tail ends
         rig.clock.advance(0.040)
         train.report(0.040)
-        if rig.clock.monotonic() >= rig.engine._next_tick:
+        if rig.clock.monotonic() >= rig.engine.next_tick:
             rig.tick()
     assert train.held
     assert not rig.engine.snapshot("train").enforced
@@ -701,7 +701,7 @@ def test_other_hand_overs_still_wait_for_the_yield(tmp_path: Path, mode: Mode, f
 @pytest.mark.parametrize(("weights", "both"), [((100, 100), 0.64), ((300, 100), 0.32)])
 def test_cooperative_compute_and_graphics_that_overlap_partly_get_mixed_leases(
         tmp_path: Path, weights: tuple[int, int], both: float) -> None:
-    """As kernel tenants do (policy.overlap): both leases held together part of the time, the trainer's alone for
+    """As freezer-governed tenants do (policy.overlap): both leases held together part of the time, the trainer's alone for
     the rest, so the trainer gets its weight share and the pair keeps most of the overlap. Side by side, the
     trainer would keep 22% whatever its weight; leases sliced against each other would keep no overlap."""
     (tmp_path / "s").mkdir()

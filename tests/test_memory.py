@@ -22,7 +22,7 @@ from unisched.enforce.seccomp.accounting import decode_call
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import EngineError
+from unisched.engine.core import SchedulerError
 from unisched.engine.memory import GpuMemory
 from unisched.policy import Engine, Priority
 from unisched.policy.caps import SessionLimits
@@ -289,14 +289,14 @@ def test_a_reserve_that_does_not_fit_is_refused_with_a_clear_error(tmp_path: Pat
     rig.add("game", 100)
     rig.add("train", 100)
     rig.engine.set_limits("game", None, None, None, None, 6 * GIB)
-    with pytest.raises(EngineError, match=r"memory reserve 5.00 GiB of tenant 'train' does not fit on GPU 0: it has "
+    with pytest.raises(SchedulerError, match=r"memory reserve 5.00 GiB of tenant 'train' does not fit on GPU 0: it has "
                                           r"10.00 GiB and other tenants reserve 6.00 GiB there \(game 6.00 GiB\)"):
         rig.engine.set_limits("train", None, None, None, None, 5 * GIB)
     assert rig.engine.snapshot("train").memory_reserve is None
     rig.engine.set_limits("train", None, None, None, None, 4 * GIB)  # fits exactly
     rig.engine.set_limits("game", None, None, None, None, 6 * GIB)  # a tenant's own old reserve is not counted twice
     assert rig.engine.memory_terms()["game"] == MemoryTerms(reserve=6 * GIB)
-    with pytest.raises(EngineError, match="exceeds the tenant's memory cap"):
+    with pytest.raises(SchedulerError, match="exceeds the tenant's memory cap"):
         rig.engine.set_limits("game", None, None, None, 4 * GIB)
 
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 from unisched.transport.client import DaemonClient
@@ -97,16 +97,16 @@ def test_metrics_port_in_use_fails_with_the_address(tmp_path: Path) -> None:
             pass
 
 
-def _engine_with_gpu(tmp_path: Path) -> tuple[KernelEngine, FakeCgroupDriver, FakeClock, FakeTelemetry]:
+def _engine_with_gpu(tmp_path: Path) -> tuple[Scheduler, FakeCgroupDriver, FakeClock, FakeTelemetry]:
     telemetry = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0000", 141 * GiB)])
     telemetry.next_samples = [GpuSample(0, sm_util=0.99, dec_util=0.25, enc_util=0.0, memory_used=10 * GiB)]
     driver, clock = FakeCgroupDriver(), FakeClock()
-    engine = KernelEngine(DaemonConfig(slice_ms=50), driver, telemetry, StateStore(tmp_path / "state"), clock)
+    engine = Scheduler(DaemonConfig(slice_ms=50), driver, telemetry, StateStore(tmp_path / "state"), clock)
     engine.start()
     return engine, driver, clock, telemetry
 
 
-def _run_busy(engine: KernelEngine, driver: FakeCgroupDriver, clock: FakeClock, names: tuple[str, ...],
+def _run_busy(engine: Scheduler, driver: FakeCgroupDriver, clock: FakeClock, names: tuple[str, ...],
               ticks: int) -> None:
     """Tick the engine with every named tenant busy: each burns CPU while thawed."""
     for _ in range(ticks):
@@ -118,7 +118,7 @@ def _run_busy(engine: KernelEngine, driver: FakeCgroupDriver, clock: FakeClock, 
         clock.advance(delay)
 
 
-def _registry(engine: KernelEngine) -> CollectorRegistry:
+def _registry(engine: Scheduler) -> CollectorRegistry:
     """A registry whose collector reads a View of the engine taken now."""
     view = EngineView(engine)
     view.refresh()

@@ -20,7 +20,7 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.mps import FakeMpsControl, MpsError, NvidiaMpsControl
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import ConfigError, DaemonConfig
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.policy import Mode, Priority
 from unisched.telemetry import NoGpuTelemetry
@@ -92,8 +92,8 @@ def test_a_failed_start_carries_the_programs_words(tmp_path: Path, standin: Path
 
 
 def engine_with(tmp_path: Path, control: FakeMpsControl | None, driver: FakeCgroupDriver | None = None,
-                **config: object) -> KernelEngine:
-    return KernelEngine(DaemonConfig(**config), driver or FakeCgroupDriver(), NoGpuTelemetry(),  # type: ignore[arg-type]
+                **config: object) -> Scheduler:
+    return Scheduler(DaemonConfig(**config), driver or FakeCgroupDriver(), NoGpuTelemetry(),  # type: ignore[arg-type]
                         StateStore(tmp_path / "state"), FakeClock(), None, control)
 
 

@@ -20,7 +20,7 @@ from unisched.enforce.seccomp.accounting import Call, EventAction, SessionBook, 
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.agent import SeccompAgentServer
@@ -208,7 +208,7 @@ async def _hand_overs(server: SeccompAgentServer, metadata: list[str]) -> list[s
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
 def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp_path: Path) -> None:
     config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
-    engine = KernelEngine(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
     engine.start()
     hooks = FakeSessionHooks()
     server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks)

@@ -131,7 +131,7 @@ def test_notifier_without_notify_socket_does_nothing() -> None:
 
 
 class _Engine:
-    """Stands in for KernelEngine in the loop: ticks that fail or succeed."""
+    """Stands in for Scheduler in the loop: ticks that fail or succeed."""
 
     def __init__(self, fail: bool, stop: asyncio.Event) -> None:
         self.fail, self.stop, self.ticks = fail, stop, 0

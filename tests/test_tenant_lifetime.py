@@ -19,8 +19,10 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
 from unisched.engine.clock import FakeClock
 from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import MAX_USER_TENANTS, MEMORY_CHECK_S, KernelEngine
+from unisched.engine.core import Scheduler
+from unisched.engine.registration import MAX_USER_TENANTS
 from unisched.engine.state import SavedTenant, StateStore
+from unisched.engine.upkeep import MEMORY_CHECK_S
 from unisched.policy import Engine, Priority
 from unisched.telemetry import NoGpuTelemetry
 
@@ -166,9 +168,9 @@ def test_an_owner_removes_its_own_tenant_and_not_another(daemon: Daemon, tenant_
 
 
 # --- the rules, against fake cgroups ----------------------------------------------------------------------
-def _engine(tmp: Path, config: DaemonConfig | None = None) -> tuple[KernelEngine, FakeCgroupDriver, FakeClock]:
+def _engine(tmp: Path, config: DaemonConfig | None = None) -> tuple[Scheduler, FakeCgroupDriver, FakeClock]:
     driver, clock = FakeCgroupDriver(), FakeClock()
-    engine = KernelEngine(config or DaemonConfig(), driver, NoGpuTelemetry(), StateStore(tmp / "state"), clock)
+    engine = Scheduler(config or DaemonConfig(), driver, NoGpuTelemetry(), StateStore(tmp / "state"), clock)
     engine.start()
     return engine, driver, clock
 
@@ -177,7 +179,7 @@ def _exit_all(driver: FakeCgroupDriver, cgroup: str) -> None:
     driver.groups[cgroup].pids.clear()
 
 
-def _tick_past_check(engine: KernelEngine, clock: FakeClock) -> None:
+def _tick_past_check(engine: Scheduler, clock: FakeClock) -> None:
     clock.advance(MEMORY_CHECK_S + 0.01)
     engine.tick()
 

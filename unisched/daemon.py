@@ -31,7 +31,7 @@ from unisched.enforce.governed import GovernedRecord, Orphans, RecordError, gove
 from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
 from unisched.engine.clock import SystemClock
 from unisched.engine.config import ConfigError, DaemonConfig, check_declared_cgroups, check_gpus
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.engine.state import StateStore
 from unisched.logs import configure_logging
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
@@ -208,7 +208,7 @@ def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated:
     mps = _mps_control(config)
     try:
         store = StateStore(config.state_dir, config.cgroup_subtree)
-        engine = KernelEngine(config, driver, telemetry, store, SystemClock(), devices, mps)
+        engine = Scheduler(config, driver, telemetry, store, SystemClock(), devices, mps)
         serve(config, engine, nvml)
     except ConfigError as e:
         raise StartError(str(e), EXIT_BAD_CONFIG) from e

@@ -10,7 +10,7 @@ from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decisio
 from unisched.policy.overlap import SliceKind
 from unisched.policy.plan import (
     MIX_DOMAIN,
-    KernelUse,
+    FreezerUse,
     PairMember,
     PairWeights,
     PlanConfig,
@@ -85,14 +85,14 @@ def test_gate_reading(sample: Sample | None, engines: set[Engine], busy: bool, u
 
 
 @pytest.mark.parametrize(("use", "busy"), [
-    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.9), True),
-    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # Tuning.turn_cpu_cores is inclusive
-    (KernelUse(frozenset({SM}), frozenset({C}), False, 0.69), False),
-    (KernelUse(frozenset({SM}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
-    (KernelUse(frozenset({SM}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn
-    (KernelUse(frozenset({SM}), frozenset({C, G}), False, 1.0), True),
+    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.9), True),
+    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # Tuning.turn_cpu_cores is inclusive
+    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.69), False),
+    (FreezerUse(frozenset({SM}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
+    (FreezerUse(frozenset({SM}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn
+    (FreezerUse(frozenset({SM}), frozenset({C, G}), False, 1.0), True),
 ])
-def test_cpu_busy(use: KernelUse, busy: bool) -> None:
+def test_cpu_busy(use: FreezerUse, busy: bool) -> None:
     assert cpu_busy(use, config()) is busy
 
 
@@ -146,11 +146,11 @@ def test_charge_rule_takes_off_what_cooperative_tenants_did() -> None:
 @pytest.mark.parametrize(("busy", "reports", "state", "charged", "part", "after"), [
     # a report of work inside the interval: that much is the client's
     (0.05, [(1.05, 0.04)], ReportMatch(), True, 0.04, ReportMatch(Unmatched(1.0, 1.05, 0.01))),
-    # no report yet: all busy time is the kernel tenants', kept as unmatched for a late report
+    # no report yet: all busy time is the freezer-governed tenants', kept as unmatched for a late report
     (0.05, [], ReportMatch(), True, 0.0, ReportMatch(Unmatched(1.0, 1.05, 0.05))),
     # never more than the busy time
     (0.02, [(1.05, 0.05)], ReportMatch(), True, 0.02, ReportMatch()),
-    # a late report of the previous interval's work, with no kernel tenant now: credited for later
+    # a late report of the previous interval's work, with no freezer-governed tenant now: credited for later
     # (work over 0.98 .. 1.01: 0.02 s of it in the earlier interval)
     (0.0, [(1.01, 0.03)], ReportMatch(Unmatched(0.95, 1.0, 0.05)), False, 0.0,
      ReportMatch(Unmatched(0.95, 1.0, 0.03), 0.02)),
@@ -170,7 +170,7 @@ def test_cooperative_part(busy: float, reports: list[tuple[float, float]], state
     assert new.credit_s == pytest.approx(after.credit_s)
 
 
-# --- a kernel tenant's demand -------------------------------------------------------------------------------
+# --- a freezer-governed tenant's demand -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("case", "expected"), [
     (dict(lost=True, was_active=True), (False, 1, Rule.LOST)),
     (dict(off_gpu=True, was_active=True, cpu_cores=1.0), (False, 1, Rule.OFF_GPU)),  # CPU start-up: no GPU demand
@@ -251,7 +251,7 @@ def test_lease_jump(preemptive: bool, prio: Priority, online: frozenset[str], ju
 def _observe(state: PlanState, util: float | None, cpu: float = 0.0, contenders: int = 2,
              cfg: PlanConfig | None = None) -> tuple[list[bool], tuple[Resource, ...], PlanState]:
     cfg = cfg or config()
-    use = [KernelUse(frozenset({SM}), frozenset({C}), False, cpu), KernelUse(frozenset({SM}), frozenset({C}), True, 0.0)]
+    use = [FreezerUse(frozenset({SM}), frozenset({C}), False, cpu), FreezerUse(frozenset({SM}), frozenset({C}), True, 0.0)]
     samples = {} if util is None else {0: Sample(util)}
     outcome, state = observe(cfg, use, samples, {SM: contenders}, {}, state)
     return [g.now_open for g in outcome.readings], outcome.level, state
@@ -282,7 +282,7 @@ def test_observe_leaves_the_input_state_alone() -> None:
 
 def test_observe_keys_a_partly_overlapping_pair_by_its_joint_resource() -> None:
     cfg = config(PARTIAL)
-    use = [KernelUse(frozenset({SM}), frozenset({C}), False, 1.0), KernelUse(frozenset({GFX}), frozenset({G}), False, 0.2)]
+    use = [FreezerUse(frozenset({SM}), frozenset({C}), False, 1.0), FreezerUse(frozenset({GFX}), frozenset({G}), False, 0.2)]
     pairs = {0: PairWeights(100, 100, False)}
     state = PlanState()
     for _ in range(2):

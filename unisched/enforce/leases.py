@@ -1,4 +1,4 @@
-"""Leases, the user engine's mechanism: the engine tells a cooperative client it may (or may no longer) use
+"""Leases, lease enforcement's mechanism: the engine tells a cooperative client it may (or may no longer) use
 an engine of the GPU. One small Protocol, `LeaseChannel` (the gRPC stream implements it in the transport),
 and `FakeLeaseChannel` beside it for engine logic tests."""
 
@@ -26,7 +26,7 @@ class LeaseGrant:
     jump: bool = False
     """Preemptive mode, an online tenant with no other online tenant: its wants are granted at once, so after a
     release it may start its next unit as it asks (the want's round trip, ~1 ms at p50 and 5-7 ms at p99 on the
-    H200 machine, was most of an online request's added latency under the user engine)."""
+    H200 machine, was most of an online request's added latency under lease enforcement)."""
 
 
 @dataclass(frozen=True)

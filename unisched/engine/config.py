@@ -193,7 +193,7 @@ class DaemonConfig:
         "(policy.tuning: run_units), at most this long: fewer hand-overs, at which its queued work runs beside the "
         "next holder's; 0 = one slice a turn", bounds=(0.0, 10_000.0), unit="ms")
     saturated_util: float = knob(
-        0.98, "policy", "kernel engine: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
+        0.98, "policy", "freezer enforcement: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
         "is at least this (0 = always); near 1 because saturated means never idle (policy.tuning: saturation_*)",
         bounds=(0.0, 1.0), unit="fraction")
     contention: str = knob(

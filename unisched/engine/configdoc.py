@@ -20,7 +20,9 @@ __all__ = ["REGENERATE", "TUNING", "TUNING_CLASS", "TuningConstant", "markdown",
 REGENERATE = "python3 -m unisched.engine.configdoc > docs/configuration.md"
 
 TUNING: Sequence[tuple[str, Sequence[str]]] = (
-    ("unisched.engine.core", ("SAVE_DELAY_S", "MEMORY_CHECK_S", "MAX_TENANTS", "MAX_USER_TENANTS")),
+    ("unisched.engine.context", ("SAVE_DELAY_S",)),
+    ("unisched.engine.upkeep", ("MEMORY_CHECK_S",)),
+    ("unisched.engine.registration", ("MAX_TENANTS", "MAX_USER_TENANTS")),
     ("unisched.engine.leases", ("MAX_REPORT_S",)),
 )
 """The engine's fixed limits and timings the page lists beside the tuning value's fields (TUNING_CLASS): not

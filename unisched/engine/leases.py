@@ -1,9 +1,9 @@
-"""The user engine's bookkeeping: lease sessions of cooperative clients, their demand, their leases.
+"""Lease enforcement's bookkeeping: lease sessions of cooperative clients, their demand, their leases.
 
 A cooperative tenant is an ordinary tenant (a cgroup with a weight) with at least one lease session open. Its
 demand is what its sessions want (renewed within `valid_s`), its charges are the GPU time they report, and
 instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
-kernel tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `KernelEngine` (which owns the
+freezer-governed tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `Scheduler` (which owns the
 policy and the clock); it sends through each session's `LeaseChannel`.
 """
 
@@ -130,7 +130,7 @@ class LeaseBook:
         """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
 
     def take_reported(self) -> dict[Resource, list[tuple[float, float]]]:
-        """The reports per resource since the last call, as (arrival, GPU seconds): the kernel tenants that ran
+        """The reports per resource since the last call, as (arrival, GPU seconds): the freezer-governed tenants that ran
         beside cooperative ones are charged the busy time less the work these cover (policy.plan.cooperative_part)."""
         out, self._reported = self._reported, {}
         return out
@@ -338,7 +338,7 @@ class LeaseBook:
                      handover_ms=round(gap_s * 1000, 3), reason=reason)
 
     def _drop_units(self, tenant: str) -> None:
-        """No lease session left: a kernel tenant again, turned one slice at a time."""
+        """No lease session left: a freezer-governed tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
         self._logged_run.pop(tenant, None)
         self._unit_acc_s.pop(tenant, None)

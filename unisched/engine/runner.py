@@ -9,14 +9,14 @@ from collections.abc import Callable
 
 import structlog
 
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 
 __all__ = ["run_engine"]
 
 log = structlog.get_logger("unisched.engine")
 
 
-async def run_engine(engine: KernelEngine, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:
+async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:
     """Tick until `stop` is set. The loop is what keeps time in production; tests call tick() directly.
 
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices

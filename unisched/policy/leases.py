@@ -1,10 +1,10 @@
-"""Lease accounting for the user engine: what a cooperative tenant reports against the time it held a lease.
+"""Lease accounting for lease enforcement: what a cooperative tenant reports against the time it held a lease.
 
 Pure (time passed in). A cooperative client measures its own GPU time and reports it; the daemon charges all
 of it (overrun included) and compares it, window by window, with the wall time the tenant held the lease.
 GPU time cannot exceed held time by more than the work in flight at a hand-over, so `slack_s` (a slice) is
 allowed per window; a tenant over that in `strikes_to_enforce` windows in a row keeps running past its
-revocations, and the kernel engine (the freezer) then backs its leases.
+revocations, and freezer enforcement (the freezer) then backs its leases.
 Held time a window's reports did not use is carried into the next window (up to one window): a report of work
 done late in one window can arrive in the next, and on a loaded 2-core machine that delay jitter alone made an
 honest client look over by more than the slack (issue 6's flaky overrun test). An overrunner gains at most that

@@ -28,7 +28,7 @@ __all__ = [
     "MIX_DOMAIN",
     "GateOutcome",
     "GateReading",
-    "KernelUse",
+    "FreezerUse",
     "MixSlice",
     "PairMember",
     "PairWeights",
@@ -72,10 +72,10 @@ class Rule(StrEnum):
     """No GPU sample (no GPU, NVML failed): nothing is known about saturation, so the resource is sliced."""
     CPU_STAND_IN = "cpu-stand-in"
     """The GPU reads idle under a compute tenant busy launching work: read as no signal (sliced)."""
-    # how a kernel tenant is charged (also SIGNAL: the GPU's busy time, split by CPU activity)
+    # how a freezer-governed tenant is charged (also SIGNAL: the GPU's busy time, split by CPU activity)
     CPU_TIME = "cpu-time"
     """No GPU signal: each tenant's CPU time stands in for its GPU time."""
-    # a kernel tenant's demand
+    # a freezer-governed tenant's demand
     LOST = "lost"
     """Its cgroup is gone: no demand."""
     OFF_GPU = "off-gpu"
@@ -127,8 +127,8 @@ class PlanConfig:
 
 # --- values in ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class KernelUse:
-    """A kernel tenant's last interval as measured (cooperative and lost tenants are left out)."""
+class FreezerUse:
+    """A freezer-governed tenant's last interval as measured (cooperative and lost tenants are left out)."""
 
     resources: frozenset[Resource]
     engines: frozenset[Engine]
@@ -249,7 +249,7 @@ class Plan:
 
 
 # --- the rules: what the gate reads ---------------------------------------------------------------------------
-def cpu_busy(u: KernelUse, config: PlanConfig) -> bool:
+def cpu_busy(u: FreezerUse, config: PlanConfig) -> bool:
     """A thawed compute tenant whose CPUs kept busy used its turn, whatever the GPU reads (Tuning.turn_cpu_cores)."""
     return not u.frozen and Engine.COMPUTE in u.engines and u.cpu_cores >= config.turn_cpu_cores
 
@@ -302,12 +302,12 @@ def _mix_pair(config: PlanConfig, gpu: int) -> tuple[Resource, Resource]:
     return Resource(gpu, c.domain(Engine.COMPUTE)), Resource(gpu, c.domain(Engine.GRAPHICS))
 
 
-def observe(config: PlanConfig, use: Iterable[KernelUse], samples: Mapping[int, UtilSample],
+def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int, UtilSample],
             contenders: Mapping[Resource, int], pairs: Mapping[int, PairWeights],
             state: PlanState) -> tuple[GateOutcome, PlanState]:
-    """Feed each kernel-engine resource's reading, and whether the tenants that ran on it used the slice, to its
+    """Feed each freezer enforcement resource's reading, and whether the tenants that ran on it used the slice, to its
     saturation gate (policy.saturation). `contenders`: the fair share's count of tenants with demand, per resource
-    the kernel tenants use; `pairs`: the mix weights (where compute and graphics overlap partly)."""
+    the freezer-governed tenants use; `pairs`: the mix weights (where compute and graphics overlap partly)."""
     engines_on: dict[Resource, set[Engine]] = {}
     busy: set[Resource] = set()
     domain = config.contention.domain
@@ -341,10 +341,10 @@ def observe(config: PlanConfig, use: Iterable[KernelUse], samples: Mapping[int, 
     return GateOutcome(tuple(readings), tuple(level)), replace(state, gates=gates)
 
 
-# --- the rules: charging the kernel tenants that ran on a resource -----------------------------------------------
+# --- the rules: charging the freezer-governed tenants that ran on a resource -----------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Unmatched:
-    """An interval's busy time charged to the kernel tenants that ran in it, that no report had yet shown to be a
+    """An interval's busy time charged to the freezer-governed tenants that ran in it, that no report had yet shown to be a
     cooperative tenant's (a report that arrives later may)."""
 
     start: float
@@ -354,11 +354,11 @@ class Unmatched:
 
 @dataclass(frozen=True)
 class ReportMatch:
-    """One resource's matching of cooperative reports against the busy time the kernel tenants are charged."""
+    """One resource's matching of cooperative reports against the busy time the freezer-governed tenants are charged."""
 
     unmatched: Unmatched | None = None
     credit_s: float = 0.0
-    """Busy time already charged to kernel tenants that a late report showed was cooperative work: taken off
+    """Busy time already charged to freezer-governed tenants that a late report showed was cooperative work: taken off
     their next charge on the resource."""
 
 
@@ -369,11 +369,11 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 def cooperative_part(busy_s: float, start: float, end: float, reports: Sequence[tuple[float, float]],
                      state: ReportMatch, keep_s: float, charged: bool) -> tuple[float, ReportMatch]:
     """Of a resource's busy time over the interval [start, end], the part cooperative tenants did: their reports
-    charge them for it, so the kernel tenants that ran beside them are not charged it too (`charge_rule`'s
+    charge them for it, so the freezer-governed tenants that ran beside them are not charged it too (`charge_rule`'s
     `cooperative_s`). `reports`: (arrival, GPU seconds) of each report in the interval; a report covers the work
     just before its arrival, and arrives with the client's next renewal, so part of it can be work of an interval
-    already charged: that part, up to what that interval charged the kernel tenants beyond its own reports, is
-    credited back to them (`ReportMatch.credit_s`). `charged`: kernel tenants ran on the resource in the interval;
+    already charged: that part, up to what that interval charged the freezer-governed tenants beyond its own reports, is
+    credited back to them (`ReportMatch.credit_s`). `charged`: freezer-governed tenants ran on the resource in the interval;
     `keep_s`: how late a report may be."""
     u = state.unmatched
     if u is not None and end - u.end > keep_s:
@@ -398,11 +398,11 @@ def cooperative_part(busy_s: float, start: float, end: float, reports: Sequence[
 
 def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float,
                 cooperative_s: float = 0.0) -> tuple[list[float], Rule]:
-    """GPU seconds to charge each kernel tenant that ran on a resource over the interval (`cpu_s`: their CPU
+    """GPU seconds to charge each freezer-governed tenant that ran on a resource over the interval (`cpu_s`: their CPU
     seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
     included), less `cooperative_s` that cooperative tenants did in it (`cooperative_part`), is split by CPU
     activity (evenly when none showed any); without one each tenant's CPU time stands in for GPU time, so the same
-    engine runs (and is tested) on machines with no GPU. Less the reported part, because a kernel tenant frozen
+    engine runs (and is tested) on machines with no GPU. Less the reported part, because a freezer-governed tenant frozen
     while a client held the GPU still ran the few ms its freeze took, and would otherwise pay for the client's
     whole interval: beside a client it paid about twice its use, and got a third of the GPU at 1:1."""
     if util > activity_threshold:
@@ -412,10 +412,10 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
     return list(cpu_s), Rule.CPU_TIME
 
 
-# --- the rules: a kernel tenant's demand ------------------------------------------------------------------------
+# --- the rules: a freezer-governed tenant's demand ------------------------------------------------------------------------
 def demand_rule(*, was_active: bool, lost: bool, frozen: bool, off_gpu: bool, gpu_alone: bool, cpu_cores: float,
                 idle_run: int, activity_threshold: float, idle_slices: int) -> tuple[bool, int, Rule]:
-    """Whether a kernel tenant has demand after this interval, its run of idle slices, and why. `gpu_alone`: it
+    """Whether a freezer-governed tenant has demand after this interval, its run of idle slices, and why. `gpu_alone`: it
     was the only tenant on a resource whose GPU read busy (that busy time is its own)."""
     if lost:
         return False, idle_run, Rule.LOST
@@ -438,7 +438,7 @@ _PAUSED = Verdict(True, Rule.MIX_PAUSED)
 
 def freeze_rule(t: TenantView, waits: bool, state: PlanState) -> Verdict:
     """Frozen or not for the next slice, in order: the fair share's turn; a cooperative tenant is not frozen
-    unless the freezer backs its leases; a kernel tenant waiting only for open resources runs; a kernel tenant
+    unless the freezer backs its leases; a freezer-governed tenant waiting only for open resources runs; a freezer-governed tenant
     with demand on a side that sits out is frozen."""
     if t.cooperative:
         if not t.enforced:
@@ -523,7 +523,7 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
     paused = state.paused
     holders: Mapping[Resource, str] = decision.holders
     revoked: dict[Resource, Rule] = {}
-    if paused:  # cooperative holders of the side that sits out are revoked like kernel tenants are frozen
+    if paused:  # cooperative holders of the side that sits out are revoked like freezer-governed tenants are frozen
         revoked = {r: Rule.MIX_PAUSED for r in holders if r in paused}
         holders = {r: n for r, n in holders.items() if r not in paused}
     return Plan(freeze, holders, revoked, state.mixed, mixes), state

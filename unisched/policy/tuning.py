@@ -57,7 +57,7 @@ class Tuning:
     turns follow the host, not this GPU."""
     handover_grant_slices: float = 0.1
     """A grant this soon after a yield (in slices) is that yield's hand-over, whose gap the grant's first report
-    measures. A later one followed someone else's turn (a kernel tenant's), and its gap would hold that turn."""
+    measures. A later one followed someone else's turn (a freezer-governed tenant's), and its gap would hold that turn."""
     unit_ewma: float = 0.25
     """Weight of a new report's mean unit length in the running estimate: a step-length change (a new phase of
     training) is followed within a few reports, one odd report moves it by a quarter."""

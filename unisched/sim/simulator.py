@@ -1,4 +1,4 @@
-"""A discrete-event simulator that drives the real WeightedFairShare the way the kernel engine does.
+"""A discrete-event simulator that drives the real WeightedFairShare the way freezer enforcement does.
 
 Each slice: `decide(now)`; freeze the waiting tenants and thaw the others (running and idle ones, so that an
 idle tenant can start work and be seen); run the simulated GPUs for `slice_s`, activity changes included;

@@ -80,7 +80,7 @@ class SimTenant:
     activity: Activity = ALWAYS
     priority: Priority = Priority.OFFLINE
     min_run_s: float = 0.0
-    """The policy's minimum run for it (what the user engine gives a tenant with long units)."""
+    """The policy's minimum run for it (what lease enforcement gives a tenant with long units)."""
 
     def __post_init__(self) -> None:
         validate_tenant_name(self.name)

@@ -1,7 +1,7 @@
 """A CPU core standing in for a GPU: unisched's scheduling, charging and saturation gate on a machine with none.
 
-Without a GPU the engine charges kernel tenants their CPU time and slices blind; a cooperative client's reported
-time and a kernel tenant's CPU time then meet on no common signal. Here one CPU core plays GPU 0: its busy
+Without a GPU the engine charges freezer-governed tenants their CPU time and slices blind; a cooperative client's reported
+time and a freezer-governed tenant's CPU time then meet on no common signal. Here one CPU core plays GPU 0: its busy
 fraction over an interval is the CPU time all the daemon's tenants used in it (their cgroups sit under the
 daemon's subtree, whose usage counts them all), so the engine meets the same signal NVML's utilization gives on a
 GPU. Pin the tenants to one core and they contend the way two CUDA processes do. For trying unisched without a GPU

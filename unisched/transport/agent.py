@@ -20,7 +20,7 @@ from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
 from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 from unisched.logs import Throttle
 from unisched.transport.claim import replace_stale_socket
 
@@ -112,7 +112,7 @@ class SeccompAgentServer:
     number in progress."""
 
     def __init__(
-        self, path: str, engine: KernelEngine, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None
+        self, path: str, engine: Scheduler, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None
     ) -> None:
         self.path = path
         self.engine = engine

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unisched.enforce.cgroups import cgroup_mount_problem
 from unisched.engine.config import DaemonConfig
-from unisched.engine.core import KernelEngine
+from unisched.engine.core import Scheduler
 
 __all__ = ["LIVE_SLICES", "Check", "Health", "Heartbeat", "Result", "beats", "cgroups_check", "nvml_check", "probes",
            "socket_check"]
@@ -124,7 +124,7 @@ def nvml_check(wanted: bool, opened: bool, gpus: Callable[[], int]) -> Check:
     return check
 
 
-def probes(config: DaemonConfig, engine: KernelEngine, nvml: bool, serving: Callable[[], bool]) -> Health:
+def probes(config: DaemonConfig, engine: Scheduler, nvml: bool, serving: Callable[[], bool]) -> Health:
     """The daemon's probes: its loop on the engine's clock, its socket, cgroup hierarchy and GPU signal."""
     driver = engine.driver
     return Health(

@@ -1,4 +1,4 @@
-"""The user engine's lease stream, served in the daemon's event loop on its own socket (`lease_socket`).
+"""Lease enforcement's lease stream, served in the daemon's event loop on its own socket (`lease_socket`).
 
 One `LeaseConnection` (an asyncio Protocol) per client connection that opened with `leasewire.MAGIC`: hello,
 then wants, reports and codec sessions, each with a seq answered by an ack; the engine's grants and revokes
@@ -19,7 +19,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
-from unisched.engine.core import EngineError, KernelEngine, LeaseAck
+from unisched.engine.core import LeaseAck, Scheduler, SchedulerError
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred
@@ -36,7 +36,7 @@ ERROR_CODES = {
     "permission": "PERMISSION_DENIED",
     "failed": "FAILED_PRECONDITION",
 }
-"""EngineError kinds as the status names clients see (gRPC's, for the lease stream as for the other calls)."""
+"""SchedulerError kinds as the status names clients see (gRPC's, for the lease stream as for the other calls)."""
 
 LEASE_UNSENT_MAX = 256 * 1024
 """Reply bytes a lease connection may leave unread (thousands of grants and acks); past it the client, which
@@ -46,7 +46,7 @@ is not reading, is dropped so that it cannot grow the daemon's memory."""
 class LeaseService:
     """Serves the lease socket's connections (one service per daemon)."""
 
-    def __init__(self, engine: KernelEngine, is_admin: Callable[[PeerCred], bool]) -> None:
+    def __init__(self, engine: Scheduler, is_admin: Callable[[PeerCred], bool]) -> None:
         self.engine = engine
         self.is_admin = is_admin
 
@@ -144,7 +144,7 @@ class LeaseConnection(asyncio.Protocol):
                     break
                 try:
                     reply = self._answer(req)
-                except EngineError as e:
+                except SchedulerError as e:
                     self._end(out, ERROR_CODES[e.kind], str(e))
                     break
                 if reply is not None:
@@ -219,7 +219,7 @@ class LeaseConnection(asyncio.Protocol):
         kind = req.WhichOneof("kind")
         if kind == "hello":
             if self._sid is not None:
-                raise EngineError("invalid", "hello was already sent on this stream")
+                raise SchedulerError("invalid", "hello was already sent on this stream")
             h, cred = req.hello, self.cred
             sid, snap = engine.lease_open(
                 h.tenant, h.weight or None, PRIORITY.get(h.priority), list(h.engines), h.gpu,
@@ -237,7 +237,7 @@ class LeaseConnection(asyncio.Protocol):
                 valid_s=cfg.lease_timeout_ms / 1000.0,
             ), seq=req.seq)
         if self._sid is None:
-            raise EngineError("invalid", "the first message on a lease stream must be hello")
+            raise SchedulerError("invalid", "the first message on a lease stream must be hello")
         sid = self._sid
         if kind == "want":
             ack = engine.lease_want(sid, req.want.engine)
@@ -249,7 +249,7 @@ class LeaseConnection(asyncio.Protocol):
         if kind == "session":
             ok, why = engine.lease_codec(sid, req.session.kind, req.session.open)
             return pb.LeaseReply(ack=pb.LeaseAck(admitted=ok, reason=why), seq=req.seq)
-        raise EngineError("invalid", "empty lease request (set hello, want, report or session)")
+        raise SchedulerError("invalid", "empty lease request (set hello, want, report or session)")
 
 
 def _ack_pb(ack: LeaseAck, seq: int) -> pb.LeaseReply:

@@ -26,7 +26,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
-from unisched.engine.core import KernelEngine, TenantSnapshot
+from unisched.engine.core import Scheduler, TenantSnapshot
 from unisched.engine.labels import LABEL_KEYS
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
@@ -63,7 +63,7 @@ class View:
 class EngineView:
     """The latest View of an engine. refresh() runs on the engine's loop; `current` is read from any thread."""
 
-    def __init__(self, engine: KernelEngine) -> None:
+    def __init__(self, engine: Scheduler) -> None:
         self.engine = engine
         self.current: View | None = None
 

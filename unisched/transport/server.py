@@ -20,7 +20,7 @@ import structlog
 from unisched import __version__
 from unisched.enforce.seccomp.abi import probe as seccomp_probe
 from unisched.engine.config import DaemonConfig, check_listener
-from unisched.engine.core import EngineError, KernelEngine
+from unisched.engine.core import Scheduler, SchedulerError
 from unisched.engine.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
@@ -45,7 +45,7 @@ class UnischedServicer:
 
     def __init__(
         self,
-        engine: KernelEngine,
+        engine: Scheduler,
         admin_group: str | None,
         started: float,
         cgroup_driver: str,
@@ -86,7 +86,7 @@ class UnischedServicer:
         return cred
 
     @staticmethod
-    def _fail(e: EngineError) -> NoReturn:
+    def _fail(e: SchedulerError) -> NoReturn:
         fail(ERROR_CODES[e.kind], str(e))
 
     # calls ---------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class UnischedServicer:
                 keep=request.keep,
                 session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             )
-        except EngineError as e:
+        except SchedulerError as e:
             self._fail(e)
         log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
         # what `unisched run` needs next, with this reply: no Status round trip per run
@@ -125,7 +125,7 @@ class UnischedServicer:
                 list(request.gpus),
                 dict(request.labels),
             )
-        except EngineError as e:
+        except SchedulerError as e:
             self._fail(e)
         return snapshot_to_pb(snap)
 
@@ -133,7 +133,7 @@ class UnischedServicer:
         self._need_admin(call)
         try:
             return snapshot_to_pb(self.engine.set_weight(request.tenant, request.weight))
-        except EngineError as e:
+        except SchedulerError as e:
             self._fail(e)
 
     async def SetLimit(self, request: pb.SetLimitRequest, call: Call) -> pb.Tenant:
@@ -147,7 +147,7 @@ class UnischedServicer:
                 request.tenant, opt("render"), opt("decode"), opt("encode"), opt("memory_bytes"),
                 opt("memory_reserve"),
             ))
-        except EngineError as e:
+        except SchedulerError as e:
             self._fail(e)
 
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, call: Call) -> pb.Empty:
@@ -155,7 +155,7 @@ class UnischedServicer:
         cred = self._need_caller(call)
         try:
             self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
-        except EngineError as e:
+        except SchedulerError as e:
             self._fail(e)
         return pb.Empty()
 
@@ -262,7 +262,7 @@ async def _listen_tls(door: GrpcDoor, config: DaemonConfig, tls: ssl.SSLContext)
 
 async def serve_async(
     config: DaemonConfig,
-    engine: KernelEngine,
+    engine: Scheduler,
     nvml: bool,
     stop: asyncio.Event | None = None,
     ready: Callable[[Doors], None] | None = None,
@@ -345,7 +345,7 @@ async def serve_async(
         notifier.close()
 
 
-def _watchdog(notifier: Notifier, engine: KernelEngine) -> Callable[[], None] | None:
+def _watchdog(notifier: Notifier, engine: Scheduler) -> Callable[[], None] | None:
     """The engine loop's liveness ping when systemd set WatchdogSec (WATCHDOG_USEC); None otherwise."""
     interval = watchdog_interval_s()
     if not notifier.enabled or interval is None:
@@ -353,5 +353,5 @@ def _watchdog(notifier: Notifier, engine: KernelEngine) -> Callable[[], None] | 
     return Watchdog(notifier, interval, lambda: f"serving on {engine.config.socket}, {engine.tenant_count} tenants").alive
 
 
-def serve(config: DaemonConfig, engine: KernelEngine, nvml: bool) -> None:
+def serve(config: DaemonConfig, engine: Scheduler, nvml: bool) -> None:
     asyncio.run(serve_async(config, engine, nvml))

@@ -1,0 +1,156 @@
+"""Session caps and device admission: which GPU sessions a tenant may open (render, decode, encode caps;
+none while over its memory cap), which GPUs its cgroup may open, and whether a memory reserve fits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from unisched.enforce.devices import DeviceAdmissionError
+from unisched.engine.context import Context
+from unisched.engine.memory import gpu_totals, reserve_refusal, terms_of
+from unisched.engine.tenant import (
+    Tenant,
+)
+from unisched.policy import PolicyError
+from unisched.policy.caps import CapKind, SessionLimits, default_cap
+from unisched.policy.memory import MemoryTerms
+from unisched.policy.mps import mps_client_settings
+
+__all__ = [
+    "active_weight_by_gpu", "admit", "admit_session", "apply_devices", "cap_of", "check_reserve", "client_env",
+    "engines_changed", "gpu_memory_totals", "memory_terms", "session_freed", "v2_dir",
+]
+
+log = structlog.get_logger("unisched.engine")
+# Which session kinds (unisched.enforce.nvclasses.SessionKind values) a cap applies to.
+_CAP_OF_KIND = {"graphics": CapKind.RENDER, "nvdec": CapKind.DECODE, "nvenc": CapKind.ENCODE}
+
+
+def client_env(c: Context, t: Tenant) -> dict[str, str]:
+    if c.mps is None:
+        return {}
+    settings = mps_client_settings(t.all_engines(), t.priority, c.config.mode, c.config.mps_offline_sm_percent)
+    return {} if settings is None else settings.env(c.mps.pipe_dir)
+
+
+def memory_terms(c: Context) -> dict[str, MemoryTerms]:
+    """Every tenant's GPU memory cap and reserve per GPU; the session hooks read it from their own thread."""
+    return {n: terms_of(t.limits, t.gpus) for n, t in list(c.tenants.items())}
+
+
+def gpu_memory_totals(c: Context) -> dict[int, int]:
+    """Each GPU's memory in bytes (what reserves are checked against)."""
+    return gpu_totals(c.telemetry.gpus())
+
+
+def check_reserve(c: Context, name: str, limits: SessionLimits, gpus: tuple[int, ...] | None) -> None:
+    """PolicyError when the tenant's memory reserve does not fit beside the other tenants' on some GPU."""
+    why = reserve_refusal(name, limits, gpus, memory_terms(c), gpu_memory_totals(c))
+    if why is not None:
+        raise PolicyError(why)
+
+
+def cap_of(c: Context, t: Tenant, kind: CapKind, by_gpu: Mapping[int, int] | None = None) -> int | None:
+    configured = t.limits.get(kind)
+    if configured is not None:
+        return configured
+    if c.video is None:
+        return None  # no GPU seen: nothing to derive a cap from
+    return default_cap(kind, _gpu_share(c, t, by_gpu), c.video)
+
+
+def _gpu_share(c: Context, t: Tenant, by_gpu: Mapping[int, int] | None = None) -> float:
+    """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there.
+
+    `by_gpu` (from _active_weight_by_gpu) lets a caller that asks for every tenant sum the weights once.
+    """
+    mine = c.policy.weight(t.name)
+    gpus = set(t.gpus or c.gpu_indices)
+    if by_gpu is not None and len(gpus) == 1:
+        (g,) = gpus
+        own = mine if t.active and any(r.gpu == g for r in t.resources) else 0
+        return mine / (mine + by_gpu.get(g, 0) - own)
+    total = sum(
+        c.policy.weight(o.name)
+        for o in c.tenants.values()
+        if o is not t and o.active and gpus & {r.gpu for r in o.resources}
+    )
+    return mine / (mine + total)
+
+
+def active_weight_by_gpu(c: Context) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for o in c.tenants.values():
+        if o.active:
+            w = c.policy.weight(o.name)
+            for g in {r.gpu for r in o.resources}:
+                out[g] = out.get(g, 0) + w
+    return out
+
+
+def admit_session(c: Context, tenant: str, kind: str, h_class: int) -> bool:
+    """A new GPU session (seen by the seccomp supervisor on RM_ALLOC): admit it or refuse it (EPERM)."""
+    t = c.tenants.get(tenant)
+    if t is None:
+        return True  # not ours (any more): never wedge a process
+    return admit(c, t, kind, h_class) is None
+
+
+def admit(c: Context, t: Tenant, kind: str, h_class: int) -> str | None:
+    """Count a new session of `kind`, or refuse it: returns why (logged and counted), None when admitted.
+    The one check for sessions seen by the hooks and sessions cooperative clients ask for."""
+    cap_kind = _CAP_OF_KIND.get(kind)
+    refuse_reason = None
+    if cap_kind is not None and t.over_memory:
+        refuse_reason = "over memory cap"
+    elif cap_kind is not None:
+        cap = cap_of(c, t, cap_kind)
+        if cap is not None and t.sessions.get(kind, 0) >= cap:
+            refuse_reason = f"{kind} cap {cap} reached"
+    if refuse_reason is not None:
+        t.refusals[kind] = t.refusals.get(kind, 0) + 1
+        log.warning("session refused", tenant=t.name, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason)
+        return refuse_reason
+    before = t.all_engines()
+    t.sessions[kind] = t.sessions.get(kind, 0) + 1
+    if t.all_engines() != before:
+        engines_changed(c, t)
+    return None
+
+
+def session_freed(c: Context, tenant: str, kind: str, count: int = 1) -> None:
+    t = c.tenants.get(tenant)
+    if t is None:
+        return
+    before = t.all_engines()
+    t.sessions[kind] = max(0, t.sessions.get(kind, 0) - count)
+    if t.all_engines() != before:
+        engines_changed(c, t)
+
+
+def engines_changed(c: Context, t: Tenant) -> None:
+    t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
+    if t.active:
+        c.policy.set_demand(t.name, t.resources)
+    log.info("engines", tenant=t.name, engines=sorted(e.value for e in t.all_engines()), reason="sessions")
+
+
+def v2_dir(c: Context, t: Tenant) -> Path:
+    return c.driver.mount / t.cgroup.lstrip("/")
+
+
+def apply_devices(c: Context, t: Tenant) -> None:
+    """Device admission: only the tenant's GPUs may be opened; none while it is over its memory cap."""
+    if c.devices is None or c.driver.kind != "v2":
+        return
+    gpus: frozenset[int] | None = frozenset() if t.over_memory else (frozenset(t.gpus) if t.gpus else None)
+    if gpus is None and not t.devices_admitted:
+        return  # nothing to restrict
+    try:
+        c.devices.admit(v2_dir(c, t), gpus)
+        t.devices_admitted = True
+    except DeviceAdmissionError as e:
+        log.error("device admission failed", tenant=t.name, error=str(e))

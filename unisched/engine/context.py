@@ -1,0 +1,159 @@
+"""What the scheduler's parts share (`Context`: its collaborators, its tenants and the state between slices),
+and how it is built from the config. Each part is a module of plain functions taking the context."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from unisched.enforce.cgroups import CgroupDriver
+from unisched.enforce.devices import DeviceAdmission
+from unisched.enforce.mps import MpsControl
+from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.engine.clock import Clock
+from unisched.engine.config import ConfigError, DaemonConfig
+from unisched.engine.leases import LeaseBook
+from unisched.engine.state import StateStore
+from unisched.engine.tenant import SchedulerError, Tenant
+from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource, WeightedFairShare
+from unisched.policy.caps import VideoEngines, video_engines_for
+from unisched.policy.contention import PARTIAL_OVERLAP
+from unisched.policy.overlap import OverlapMix
+from unisched.policy.plan import PlanConfig, PlanState, ReportMatch
+from unisched.policy.tuning import TUNING
+from unisched.telemetry import GpuSample, GpuTelemetry
+
+__all__ = [
+    "SAVE_DELAY_S", "Context", "build", "check_gpus", "get", "save", "save_soon",
+]
+
+log = structlog.get_logger("unisched.engine")
+SAVE_DELAY_S = 0.5
+"""Registrations are written to the state file by the tick at most this long after them: one write per burst
+instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
+
+
+@dataclass
+class Context:
+    """The scheduler's collaborators and mutable state, passed explicitly to the functions of its parts."""
+
+    config: DaemonConfig
+    driver: CgroupDriver
+    telemetry: GpuTelemetry
+    store: StateStore
+    clock: Clock
+    devices: DeviceAdmission | None
+    mps: MpsControl | None
+    policy: WeightedFairShare
+    gpu_indices: tuple[int, ...]
+    video: VideoEngines | None
+    contention: ContentionMap
+    plan_config: PlanConfig
+    leases: LeaseBook
+    last_tick: float
+    next_tick: float
+    plan: PlanState = field(default_factory=PlanState)
+    """The scheduling model's state between slices (policy.plan): gates, mixed-slice clocks."""
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    declared: frozenset[str] = frozenset()
+    """Tenants the config declares stay when their processes exit, however they were first made."""
+    memory_ledger: MemoryLedger | None = None
+    """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
+    last_samples: tuple[GpuSample, ...] = ()
+    matches: dict[Resource, ReportMatch] = field(default_factory=dict)
+    """Per resource, cooperative reports matched against the busy time charged to freezer-governed tenants."""
+    last_active: frozenset[str] = frozenset()
+    memory_at: float = float("-inf")
+    telemetry_failing: bool = False
+    mix_shown: dict[int, OverlapMix] = field(default_factory=dict)
+    """Per GPU, the last mix logged (and shown by `mixed_slices`)."""
+    logged_shares: dict[str, tuple[float, str]] = field(default_factory=dict)
+    unsaved: bool = False
+    saved_at: float = float("-inf")
+
+
+def build(
+    config: DaemonConfig,
+    driver: CgroupDriver,
+    telemetry: GpuTelemetry,
+    store: StateStore,
+    clock: Clock,
+    devices: DeviceAdmission | None = None,
+    mps: MpsControl | None = None,
+) -> Context:
+    if config.mps and mps is None:
+        raise ConfigError("config 'mps': this scheduler was built without an MPS control")
+    policy = WeightedFairShare(
+        FairShareConfig(
+            mode=config.mode,
+            slice_s=config.slice_ms / 1000.0,
+            lag_limit_slices=config.lag_limit_slices,
+            timeshare_window_s=config.timeshare_window_ms / 1000.0,
+            share_window_s=config.share_window_s,
+        )
+    )
+    gate = TUNING.gate(config.saturated_util, config.slice_ms)
+    gpus = list(telemetry.gpus())
+    gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
+    contention = _contention(config, store, gpus[0].name if gpus else None)
+    plan_config = PlanConfig(contention, gpu_indices, gate, config.activity_threshold,
+                             config.idle_slices, config.mix_period_ms / 1000.0)
+    leases = LeaseBook(policy, contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0,
+                       config.lease_max_run_ms / 1000.0)
+    now = clock.monotonic()
+    return Context(
+        config=config, driver=driver, telemetry=telemetry, store=store, clock=clock, devices=devices,
+        mps=mps if config.mps else None, policy=policy, gpu_indices=gpu_indices,
+        video=video_engines_for(gpus[0].name) if gpus else None, contention=contention, plan_config=plan_config,
+        leases=leases, last_tick=now, next_tick=now, declared=frozenset(d.name for d in config.tenants),
+    )
+
+
+def _contention(config: DaemonConfig, store: StateStore, gpu_name: str | None) -> ContentionMap:
+    wanted = config.contention
+    if wanted not in ("auto", PARTIAL_OVERLAP):
+        return ContentionMap.named(wanted)
+    kept = store.measured_contention(gpu_name) if gpu_name is not None else None
+    if kept is None:
+        if wanted == PARTIAL_OVERLAP:  # mixed slices whatever the calibration's sum: it must exist
+            raise ConfigError(f"contention 'partial-overlap' plans mixed slices from a calibration of the GPU "
+                              f"model, and there is none for {gpu_name or 'this machine (no GPU seen)'} in "
+                              f"{config.state_dir}: run `unisched calibrate`, or use 'auto'")
+        if gpu_name is not None:
+            log.info(
+                "contention of compute and graphics not measured on this GPU: slicing them as one domain",
+                gpu=gpu_name, hint="`unisched calibrate` measures it",
+            )
+        return SHARED_SM
+    chosen = ContentionMap.partial(*kept) if wanted == PARTIAL_OVERLAP else ContentionMap.from_kept(*kept)
+    log.info("measured contention", gpu=gpu_name, compute_kept=kept[0], graphics_kept=kept[1], map=chosen.name,
+             contention=wanted)
+    return chosen
+
+
+def save(c: Context) -> None:
+    c.store.save([t.saved() for t in sorted(c.tenants.values(), key=lambda t: t.name)])
+    c.unsaved = False
+
+
+def save_soon(c: Context) -> None:
+    """For registrations (`run` and lease sessions): saved by the tick within SAVE_DELAY_S, so a thousand
+    clients registering at once do not rewrite the file a thousand times."""
+    c.unsaved = True
+
+
+def get(c: Context, name: str) -> Tenant:
+    t = c.tenants.get(name)
+    if t is None:
+        raise SchedulerError("not_found", f"unknown tenant {name!r}")
+    return t
+
+
+def check_gpus(c: Context, gpus: Iterable[int]) -> tuple[int, ...] | None:
+    g = tuple(gpus)
+    bad = [i for i in g if i not in c.gpu_indices]
+    if bad:
+        raise SchedulerError("invalid", f"no GPU {bad}; this host has GPUs {list(c.gpu_indices)}")
+    return g or None

@@ -1,0 +1,144 @@
+"""Lease sessions of cooperative clients: open, want, report, codec sessions and close, as the transport calls them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from unisched.enforce.cgroups import CgroupError
+from unisched.enforce.leases import LeaseChannel
+from unisched.engine.admission import (
+    admit,
+    session_freed,
+)
+from unisched.engine.context import Context
+from unisched.engine.leases import LeaseError
+from unisched.engine.registration import register
+from unisched.engine.reporting import snapshot
+from unisched.engine.roster import (
+    lost,
+)
+from unisched.engine.tenant import (
+    LeaseAck,
+    SchedulerError,
+    Tenant,
+    TenantSnapshot,
+    parse_engine,
+)
+from unisched.engine.tick import reschedule
+from unisched.policy import (
+    Engine,
+    Priority,
+)
+
+__all__ = ["lease_close", "lease_codec", "lease_open", "lease_report", "lease_want"]
+
+log = structlog.get_logger("unisched.engine")
+
+
+def lease_open(
+    c: Context, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
+    pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
+) -> tuple[int, TenantSnapshot]:
+    """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""
+    if gpu not in c.gpu_indices:
+        raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
+    t = c.tenants.get(name)
+    gpus = [gpu] if t is None or t.gpus is not None else []
+    register(c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
+    t = c.tenants[name]
+    if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
+        _thaw(c, t)
+    sid = c.leases.open(name, gpu, channel)
+    t.active = bool(c.leases.demand(name))
+    c.policy.set_demand(name, c.leases.demand(name))
+    return sid, snapshot(c, name)
+
+
+def _thaw(c: Context, t: Tenant) -> None:
+    try:
+        c.driver.set_frozen(t.cgroup, False)
+        t.frozen = False
+    except CgroupError as e:
+        lost(c, t, str(e))
+
+
+def _lease_call(c: Context, sid: int) -> Tenant:
+    try:
+        name = c.leases.session_tenant(sid)
+    except LeaseError as e:
+        raise SchedulerError("invalid", str(e)) from None
+    t = c.tenants.get(name)
+    if t is None:
+        raise SchedulerError("not_found", f"tenant {name!r} was removed")
+    return t
+
+
+def _ack(c: Context, sid: int, t: Tenant, engine: Engine) -> LeaseAck:
+    lease = c.leases.lease_of(t.name, sid, engine)
+    return LeaseAck(engine, lease is not None, lease or 0)
+
+
+def lease_want(c: Context, sid: int, engine: str) -> LeaseAck:
+    t = _lease_call(c, sid)
+    e = parse_engine(engine)
+    if c.leases.want(sid, e, c.clock.monotonic()):
+        t.active = bool(c.leases.demand(t.name))
+        reschedule(c)
+    return _ack(c, sid, t, e)
+
+
+def lease_report(c: Context, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False,
+                 units: int = 0) -> LeaseAck:
+    t = _lease_call(c, sid)
+    e = parse_engine(engine)
+    try:
+        changed, _ = c.leases.report(sid, e, gpu_seconds, release, c.clock.monotonic(), yielded, units)
+    except LeaseError as err:
+        raise SchedulerError("invalid", str(err)) from None
+    if changed:
+        t.active = bool(c.leases.demand(t.name))
+    # (or just enforced: freeze it now if it must wait)
+    if changed or (c.leases.enforced(t.name) and not t.frozen and not c.leases.holds(t.name) and t.active):
+        reschedule(c)
+    return _ack(c, sid, t, e)
+
+
+def lease_codec(c: Context, sid: int, kind: str, open_: bool) -> tuple[bool, str]:
+    """A client asks to open (or closes) a hardware codec session: the same caps as the kernel hooks."""
+    t = _lease_call(c, sid)
+    if kind not in ("nvdec", "nvenc"):
+        raise SchedulerError("invalid", f"codec session kind must be nvdec or nvenc, got {kind!r}")
+    if not open_:
+        if c.leases.codec_open(sid, kind) > 0:
+            c.leases.note_codec(sid, kind, -1)
+            session_freed(c, t.name, kind)
+        return True, ""
+    if kind == "nvenc" and c.video is not None and c.video.nvenc == 0:
+        gpu = c.telemetry.gpus()[0].name if c.telemetry.gpus() else "this GPU"
+        return False, f"{gpu} has no NVENC encoder; encode on the CPU (e.g. libx264) or on another GPU"
+    why = admit(c, t, kind, 0)
+    if why is not None:
+        return False, f"tenant {t.name!r}: {why}"
+    c.leases.note_codec(sid, kind, +1)
+    return True, ""
+
+
+def lease_close(c: Context, sid: int) -> None:
+    closed = c.leases.close(sid, c.clock.monotonic())
+    if closed is None:
+        return
+    name, codec, affected = closed
+    t = c.tenants.get(name)
+    if t is None:
+        return
+    for kind, n in codec.items():
+        if n:
+            session_freed(c, name, kind, n)
+    t.active = bool(c.leases.demand(name)) if c.leases.cooperative(name) else False
+    if not c.leases.cooperative(name):
+        t.idle_run = 0
+        t.last_cpu = None
+    if affected:
+        reschedule(c)

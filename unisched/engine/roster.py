@@ -1,0 +1,179 @@
+"""The tenant table: adding and dropping tenants, their weights and limits, and a lost cgroup."""
+
+from __future__ import annotations
+
+import structlog
+
+from unisched.enforce.cgroups import CgroupError
+from unisched.enforce.devices import DeviceAdmissionError
+from unisched.engine.admission import (
+    apply_devices,
+    check_reserve,
+    v2_dir,
+)
+from unisched.engine.context import Context, get, save
+from unisched.engine.reporting import log_shares, snapshot
+from unisched.engine.tenant import (
+    SchedulerError,
+    Tenant,
+    TenantSnapshot,
+)
+from unisched.policy import (
+    Mode,
+    PolicyError,
+    TenantSpec,
+    validate_weight,
+)
+from unisched.policy.caps import SessionLimits
+
+__all__ = [
+    "add", "apply_tidal", "apply_weight", "drop", "has_tenant", "lost", "note_session_hooks", "remove", "remove_as",
+    "set_limits", "set_weight", "tenant_of_pid",
+]
+
+log = structlog.get_logger("unisched.engine")
+
+
+def add(c: Context, t: Tenant, reason: str) -> None:
+    if t.adopted and c.driver.before_freeze is not None:
+        # recorded now, where a damaged state file cannot lose it (enforce.governed); a freeze retries it
+        try:
+            c.driver.before_freeze(t.cgroup)
+        except OSError as e:
+            log.error("could not record the adopted cgroup; it is not frozen until it can be", tenant=t.name,
+                      cgroup=t.cgroup, error=str(e))
+    t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
+    c.tenants[t.name] = t
+    apply_devices(c, t)
+    c.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
+    log.info(
+        "tenant added",
+        tenant=t.name,
+        weight=t.base_weight,
+        priority=t.priority.value,
+        engines=sorted(e.value for e in t.engines),
+        cgroup=t.cgroup,
+        reason=reason,
+    )
+
+
+def has_tenant(c: Context, name: str) -> bool:
+    return name in c.tenants
+
+
+def note_session_hooks(c: Context, tenant: str) -> None:
+    """The seccomp hooks now see the tenant's GPU session allocations (see `_off_gpu`)."""
+    t = c.tenants.get(tenant)
+    if t is not None:
+        t.hooked = True
+
+
+def tenant_of_pid(c: Context, pid: int) -> str | None:
+    cg = c.driver.cgroup_of(pid)
+    if cg is None:
+        return None
+    for t in c.tenants.values():
+        if cg == t.cgroup or cg.startswith(t.cgroup.rstrip("/") + "/"):
+            return t.name
+    return None
+
+
+def set_weight(c: Context, name: str, weight: int) -> TenantSnapshot:
+    t = get(c, name)
+    try:
+        validate_weight(weight)
+    except PolicyError as e:
+        raise SchedulerError("invalid", str(e)) from None
+    apply_weight(c, t, weight, reason="set-weight")
+    save(c)
+    return snapshot(c, name)
+
+
+def apply_weight(c: Context, t: Tenant, weight: int, reason: str) -> None:
+    t.base_weight = weight
+    c.policy.upsert(TenantSpec(t.name, weight, t.priority))
+    apply_tidal(c, t)
+    log_shares(c, reason=reason)
+
+
+def remove_as(c: Context, name: str, uid: int, is_admin: bool) -> None:
+    """Remove a tenant for a caller: an admin any, others only tenants they own."""
+    t = get(c, name)
+    if not is_admin and uid != t.owner_uid:
+        raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; only its owner or an "
+                                        f"admin may remove it (you are uid {uid})")
+    remove(c, name)
+
+
+def remove(c: Context, name: str) -> None:
+    drop(c, get(c, name))
+    save(c)
+    log.info("tenant removed", tenant=name)
+    log_shares(c, reason="removed")
+
+
+def drop(c: Context, t: Tenant) -> None:
+    """Forget a tenant and thaw (and, when it made it and it is empty, delete) its cgroup; the caller saves."""
+    name = t.name
+    if t.devices_admitted and c.devices is not None:
+        try:
+            c.devices.revoke(v2_dir(c, t))
+        except DeviceAdmissionError as e:
+            log.error("could not revoke device admission", tenant=name, error=str(e))
+    try:
+        if c.driver.exists(t.cgroup):
+            c.driver.set_frozen(t.cgroup, False)
+            if not t.adopted and not c.driver.pids(t.cgroup):
+                c.driver.remove(t.cgroup)
+    except CgroupError as e:
+        log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
+    del c.tenants[name]
+    c.logged_shares.pop(name, None)
+    c.leases.forget_tenant(name)
+    c.policy.remove(name)
+
+
+def set_limits(c: Context, name: str, render: int | None, decode: int | None, encode: int | None,
+               memory_bytes: int | None, memory_reserve: int | None = None) -> TenantSnapshot:
+    """Change caps; None keeps a value, -1 clears it back to the default."""
+    t = get(c, name)
+
+    def pick(new: int | None, old: int | None) -> int | None:
+        if new is None:
+            return old
+        return None if new == -1 else new
+
+    try:
+        limits = SessionLimits(
+            render=pick(render, t.limits.render), decode=pick(decode, t.limits.decode),
+            encode=pick(encode, t.limits.encode), memory_bytes=pick(memory_bytes, t.limits.memory_bytes),
+            memory_reserve=pick(memory_reserve, t.limits.memory_reserve),
+        )
+        check_reserve(c, name, limits, t.gpus)
+        t.limits = limits
+    except PolicyError as e:
+        raise SchedulerError("invalid", str(e)) from None
+    log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
+             memory_bytes=t.limits.memory_bytes, memory_reserve=t.limits.memory_reserve)
+    save(c)
+    return snapshot(c, name)
+
+
+def apply_tidal(c: Context, t: Tenant) -> None:
+    w = t.base_weight
+    if c.config.mode is Mode.TIDAL:
+        w = c.config.tidal.weight_at(t.name, t.base_weight, c.clock.seconds_of_day())
+    if w != c.policy.weight(t.name):
+        c.policy.set_weight(t.name, w)
+        log.info("tidal weight", tenant=t.name, weight=w, base_weight=t.base_weight)
+        log_shares(c, reason="tidal")
+
+
+def lost(c: Context, t: Tenant, why: str) -> None:
+    if not t.missing:
+        log.error("tenant cgroup lost; tenant kept idle until it registers again", tenant=t.name, cgroup=t.cgroup, error=why)
+    t.missing = True
+    t.frozen = False
+    t.active = False
+    t.last_cpu = None
+    c.policy.set_demand(t.name, ())

@@ -1,0 +1,255 @@
+"""The slice: sample -> charge -> update demand -> observe the gates -> decide -> plan -> freeze/thaw,
+grant/revoke. The rules are policy.plan's (docs/design/scheduling.md): this module measures and applies."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import structlog
+
+from unisched.enforce.cgroups import CgroupError
+from unisched.engine.context import SAVE_DELAY_S, Context, save
+from unisched.engine.reporting import log_shares
+from unisched.engine.roster import (
+    apply_tidal,
+    lost,
+)
+from unisched.engine.tenant import (
+    Tenant,
+    off_gpu,
+)
+from unisched.engine.upkeep import update_memory
+from unisched.policy import (
+    Decision,
+    Mode,
+    Resource,
+)
+from unisched.policy.plan import (
+    FreezerUse,
+    GateOutcome,
+    PairMember,
+    PairWeights,
+    Plan,
+    PlanInputs,
+    ReportMatch,
+    Rule,
+    TenantView,
+    charge_rule,
+    cooperative_part,
+    demand_rule,
+    observe,
+    pair_weights,
+    plan,
+)
+from unisched.telemetry import GpuSample
+
+__all__ = ["apply", "reschedule", "tick"]
+
+log = structlog.get_logger("unisched.engine")
+
+
+def tick(c: Context) -> float:
+    """One slice boundary. Returns the seconds until the next one."""
+    now = c.clock.monotonic()
+    dt = max(now - c.last_tick, 1e-6)
+    c.last_tick = now
+    samples = {s.index: s for s in _sample(c)}
+    c.last_samples = tuple(samples.values())
+    update_memory(c, samples, now)
+    cpu = _cpu_deltas(c)
+    thawed_on: dict[Resource, list[Tenant]] = {}
+    leases = c.leases
+    for t in c.tenants.values():
+        # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
+        # uncharged tail favours the tenant frozen most often per unit of its share (the low weight)
+        ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0
+        if ran and not t.missing and not leases.cooperative(t.name) and not off_gpu(t):
+            # (cooperative ones report their GPU time; one with no GPU context used none)
+            for r in t.resources:
+                thawed_on.setdefault(r, []).append(t)
+    gpu_active: set[str] = set()
+    reports = leases.take_reported()
+    for r, ts in thawed_on.items():
+        _charge_resource(c, r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()))
+    for r in set(reports) | (set(c.matches) - set(thawed_on)):  # late reports of intervals already charged
+        _, c.matches[r] = cooperative_part(0.0, now - dt, now, reports.get(r, ()),
+                                           c.matches.get(r, ReportMatch()), leases.valid_s, False)
+    _update_demand(c, cpu, dt, gpu_active)
+    pairs = _mix_weights(c) if c.plan_config.mixing else {}
+    _observe_saturation(c, samples, cpu, dt, pairs)
+    tenants = c.tenants
+    leases.expire(now, lambda name: tenants[name].frozen)
+    if c.config.mode is Mode.TIDAL:
+        for t in c.tenants.values():
+            apply_tidal(c, t)
+    decision = c.policy.decide(now)
+    c.next_tick = now + decision.slice_s
+    apply(c, decision, now, tick=True, pairs=pairs, dt=dt)
+    if c.unsaved and now - c.saved_at >= SAVE_DELAY_S:
+        c.saved_at = now
+        save(c)
+    active = frozenset(n for n, t in c.tenants.items() if t.active)
+    if active != c.last_active:
+        c.last_active = active
+        log_shares(c, reason="demand")
+    return decision.slice_s
+
+
+def _observe_saturation(c: Context, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float,
+                        pairs: Mapping[int, PairWeights]) -> None:
+    """Measure what the saturation gates read (policy.plan.observe), level the fair share of resources that
+    slicing starts on, and log the gates' changes."""
+    cooperative = c.leases.cooperative
+    use = [FreezerUse(t.resources, t.all_engines(), t.frozen, cpu.get(t.name, 0.0) / dt)
+           for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
+    contenders = {r: c.policy.contenders(r) for u in use for r in u.resources}
+    outcome, c.plan = observe(c.plan_config, use, samples, contenders, pairs, c.plan)
+    for r in outcome.level:
+        c.policy.level(r)
+    _log_gates(c, outcome)
+
+
+def _log_gates(c: Context, outcome: GateOutcome) -> None:
+    """Why a sliced GPU stays sliced or opens (--log-level debug), and each change of a contended gate."""
+    for g in outcome.readings:
+        r = g.resource
+        if not g.was_open and g.contenders >= 2:
+            log.debug("turn", gpu=r.gpu, domain=r.domain, util=g.util, cpu_busy=g.cpu_busy, used=g.used)
+        if g.now_open != g.was_open and g.contenders >= 2:
+            held_s = g.held * c.config.slice_ms / 1000.0
+            reason = ("saturated" if not g.now_open else
+                      f"turns left unused (paced tenants): every tenant runs for {held_s:.1f} s"
+                      if g.held else "unsaturated: every tenant runs")
+            log.info("slicing" if not g.now_open else "lending", gpu=r.gpu, domain=r.domain,
+                     util=None if g.util is None else round(g.util, 3), reason=reason)
+
+
+def _mix_weights(c: Context) -> dict[int, PairWeights]:
+    """Per GPU, the weights of the tenants with demand on its compute and on its graphics side."""
+    cooperative, weight = c.leases.cooperative, c.policy.weight
+    return pair_weights((PairMember(weight(t.name), t.resources, cooperative(t.name))
+                         for t in c.tenants.values() if t.active and not t.missing), c.contention)
+
+
+def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping[int, PairWeights] | None = None,
+           dt: float = 0.0) -> None:
+    """Ask the scheduling model (policy.plan) what the decision means for each tenant and lease, then freeze or
+    thaw freezer-governed tenants (and cooperative ones the freezer backs) and grant or revoke leases as it says."""
+    leases = c.leases
+    tenants = tuple(c.tenants.values())
+    coop, enforced = leases.cooperative_names(), leases.enforced_names()
+    views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced) for t in tenants])
+    p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt), c.plan)
+    _log_mixes(c, p)
+    for t, verdict in zip(tenants, p.freeze, strict=True):
+        if verdict.frozen != t.frozen and not t.missing:
+            try:
+                c.driver.set_frozen(t.cgroup, verdict.frozen)
+                t.frozen = verdict.frozen
+                if not verdict.frozen:
+                    leases.touch(t.name, now)
+            except CgroupError as e:
+                lost(c, t, str(e))
+    if p.revoked:
+        decision = replace(decision, holders=p.holders)
+    leases.apply(decision, now, max(0.0, c.next_tick - now), tick, p.mixed)
+
+
+def _log_mixes(c: Context, p: Plan) -> None:
+    for g, m in p.mixes.items():
+        if c.mix_shown.get(g) != m.mix:
+            c.mix_shown[g] = m.mix
+            log.info("mixed slices", gpu=g, together=round(m.mix.both, 3),
+                     compute_alone=round(m.mix.compute_only, 3), graphics_alone=round(m.mix.graphics_only, 3),
+                     period_ms=c.config.mix_period_ms, compute_weight=m.weights.compute,
+                     graphics_weight=m.weights.graphics)
+        if m.kind is not m.previous:
+            log.debug("mixed slice", gpu=g, kind=m.kind.value)
+
+
+def reschedule(c: Context) -> None:
+    """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine
+    handed on) at once, not at the next slice boundary."""
+    now = c.clock.monotonic()
+    apply(c, c.policy.decide(now), now, tick=False)
+
+
+def _sample(c: Context) -> Sequence[GpuSample]:
+    """The telemetry's samples; a telemetry that raises (it must not) counts as no GPU signal this slice,
+    so the slice goes on with CPU signals instead of failing (and thawing everything) every slice."""
+    try:
+        samples = tuple(c.telemetry.sample())
+    except Exception as e:
+        if not c.telemetry_failing:
+            log.error("telemetry failed; slicing on CPU signals until it recovers", error=repr(e))
+        c.telemetry_failing = True
+        return ()
+    if c.telemetry_failing:
+        log.info("telemetry recovered")
+        c.telemetry_failing = False
+    return samples
+
+
+def _cpu_deltas(c: Context) -> dict[str, float]:
+    out = {}
+    cooperative = c.leases.cooperative
+    for t in c.tenants.values():
+        if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
+            continue
+        usage = c.driver.cpu_usage_s(t.cgroup)
+        if usage is None:
+            lost(c, t, "cgroup removed")
+            continue
+        out[t.name] = 0.0 if t.last_cpu is None else max(0.0, usage - t.last_cpu)
+        t.last_cpu = usage
+    return out
+
+
+def _charge_resource(
+    c: Context,
+    r: Resource,
+    ts: list[Tenant],
+    sample: GpuSample | None,
+    cpu: dict[str, float],
+    dt: float,
+    now: float,
+    gpu_active: set[str],
+    reports: Sequence[tuple[float, float]] = (),
+) -> None:
+    """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
+
+    `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
+    policy.plan.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
+    util = 0.0
+    if sample is not None and sample.ok:
+        util = max(
+            (sample.util(e) for t in ts for e in t.all_engines() if c.contention.domain(e) == r.domain),
+            default=0.0,
+        )
+    threshold = c.config.activity_threshold
+    busy = util * dt if util > threshold else 0.0
+    matched, c.matches[r] = cooperative_part(busy, now - dt, now, reports, c.matches.get(r, ReportMatch()),
+                                             c.leases.valid_s, True)
+    amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched)
+    for t, seconds in zip(ts, amounts, strict=True):
+        if seconds > 0:
+            c.policy.charge(t.name, r, seconds, now)
+    if rule is Rule.SIGNAL and len(ts) == 1:
+        gpu_active.add(ts[0].name)
+
+
+def _update_demand(c: Context, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
+    threshold = c.config.activity_threshold
+    leases = c.leases
+    for t in c.tenants.values():
+        if leases.cooperative(t.name):
+            t.active = bool(leases.demand(t.name))  # from its lease session (LeaseBook sets the demand)
+            continue
+        active, t.idle_run, _ = demand_rule(
+            was_active=t.active, lost=t.missing, frozen=t.frozen, off_gpu=off_gpu(t),
+            gpu_alone=t.name in gpu_active, cpu_cores=cpu.get(t.name, 0.0) / dt, idle_run=t.idle_run,
+            activity_threshold=threshold, idle_slices=c.config.idle_slices)
+        if active != t.active or not active:
+            c.policy.set_demand(t.name, t.resources if active else ())
+        t.active = active
