@@ -23,10 +23,10 @@ import structlog
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 
 

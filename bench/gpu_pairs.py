@@ -50,7 +50,7 @@ from interleave import Alternation, Alternator
 
 from unisched.calibrate.fit import CalibrationError, Measured
 from unisched.calibrate.fit import kept_fractions as fit_kept_fractions
-from unisched.engine.contention_file import (
+from unisched.scheduler.contention_file import (
     CONTENTION_FILE,
     ContentionFileError,
     contention_path,
@@ -571,7 +571,7 @@ def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[
 
 # ---------------------------------------------------------------------------- the contention file
 #
-# --calibrate-out DIR writes DIR/contention.json as `unisched calibrate` does (unisched.engine.contention_file owns
+# --calibrate-out DIR writes DIR/contention.json as `unisched calibrate` does (unisched.scheduler.contention_file owns
 # the format; the daemon reads it at start and derives its map with unisched.policy.contention.ContentionMap.from_kept).
 
 

@@ -13,7 +13,7 @@ timeout 200 python3 -m unisched calibrate --out "$OUT/contention.json" --work-di
 python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/calibrate.log"
 import json, sys
 from pathlib import Path
-from unisched.engine.state import StateStore
+from unisched.scheduler.state import StateStore
 out = Path(sys.argv[1])
 for gpu in json.loads((out / "contention.json").read_text())["gpus"]:
     print("daemon reads", gpu, StateStore(out).measured_contention(gpu))

@@ -4,7 +4,7 @@
 # about -14% / +70% (bench/results/2026-12-01-h200-e/call-online/): no setup could be told from 1.05x. Here the two
 # unisched engines only, two rounds of 40 s windows (each round with its own solo runs); scenarios.py pools each
 # setup's requests over the rounds (1600 requests: the p99 between about the 10th and 23rd highest). The user
-# engine's offline trainer now keeps one step in flight while the online client is connected (engine.leases
+# engine's offline trainer now keeps one step in flight while the online client is connected (scheduler.leases
 # LeaseBook._online_gpus), so a request waits on less of it. One call, ~8 min (8 runs of ~55 s):
 #   source .devcache/setup.sh && bash bench/h200_online_long.sh          (carry: [".devcache"])
 set -uo pipefail

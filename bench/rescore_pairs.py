@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pairs as gp
 
-from unisched.engine.contention_file import ContentionFileError
+from unisched.scheduler.contention_file import ContentionFileError
 
 SECTIONS = ("solo", "solo_after", "no_scheduler", "unisched")
 

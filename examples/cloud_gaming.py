@@ -24,7 +24,7 @@ Roles:
             opens its own (what a container launching another game does). The report says whether each opened.
   --role probe: that new process (opens an EGL context, clears it, exits 0; non-zero with the error).
 
-What the memory cap does (unisched/engine/upkeep.py): the daemon sums the GPU memory NVML reports for a tenant's
+What the memory cap does (unisched/scheduler/upkeep.py): the daemon sums the GPU memory NVML reports for a tenant's
 processes once a second. Over its cap the tenant is marked over_memory and counted as a "memory" refusal; its new
 GPU sessions are refused by the seccomp session hooks (EPERM on the driver's allocation ioctl) and opening GPU
 device nodes is denied by the cgroup-device eBPF program. Nothing already running is killed or shrunk: the hog
@@ -782,7 +782,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
 def cap_bytes(memory_cap: str | None) -> int | None:
     if memory_cap is None:
         return None
-    from unisched.engine.config import parse_size
+    from unisched.scheduler.config import parse_size
 
     return parse_size(memory_cap)
 

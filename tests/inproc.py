@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import SystemClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
+from unisched.scheduler.clock import SystemClock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.transport.server import Doors, serve_async
 

@@ -56,7 +56,7 @@ def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
     assert entry["command"]
     assert entry["render_iterations"] is None  # a replaced render workload gets no --iterations
     # and the daemon's own reader takes it
-    from unisched.engine.state import StateStore
+    from unisched.scheduler.state import StateStore
 
     assert StateStore(state_dir).measured_contention(gpu) == (entry["compute_kept"], entry["graphics_kept"])
     return entry

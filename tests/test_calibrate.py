@@ -1,4 +1,4 @@
-"""`unisched calibrate`: the fit, the checks and the file it writes (unisched.calibrate, engine.contention_file), and
+"""`unisched calibrate`: the fit, the checks and the file it writes (unisched.calibrate, scheduler.contention_file), and
 the command end to end with CPU stand-ins for the GPU workloads (bench/cpu_standin.py: same arguments and report).
 The real GPU run is tests/test_gpu_calibrate.py."""
 
@@ -19,7 +19,7 @@ from conftest import ROOT, child_env
 
 from unisched.calibrate.command import NO_GPU, QUICK, STANDARD, Progress, estimate_s
 from unisched.calibrate.fit import CalibrationError, Measured, kept_fractions, verdict_line
-from unisched.engine.contention_file import (
+from unisched.scheduler.contention_file import (
     MAX_KEPT,
     ContentionFileError,
     contention_path,
@@ -27,7 +27,7 @@ from unisched.engine.contention_file import (
     make_entry,
     write_entry,
 )
-from unisched.engine.state import StateStore
+from unisched.scheduler.state import StateStore
 
 GPU = "Test GPU"
 STANDIN = f"{sys.executable} bench/cpu_standin.py"

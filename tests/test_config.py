@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from unisched.engine.config import (
+from unisched.policy import Engine, Mode, Priority
+from unisched.scheduler.config import (
     MAX_SIZE_BYTES,
     ConfigError,
     DaemonConfig,
@@ -14,7 +15,6 @@ from unisched.engine.config import (
     load_config,
     parse_size,
 )
-from unisched.policy import Engine, Mode, Priority
 
 
 def write(tmp_path: Path, text: str) -> Path:

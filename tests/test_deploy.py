@@ -16,7 +16,8 @@ import pytest
 from conftest import ROOT
 
 from unisched.cli.main import build_parser
-from unisched.engine.config import (
+from unisched.policy import Engine, Mode, Priority
+from unisched.scheduler.config import (
     DEFAULT_AGENT_SOCKET,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
@@ -25,7 +26,6 @@ from unisched.engine.config import (
     DaemonConfig,
     load_config,
 )
-from unisched.policy import Engine, Mode, Priority
 
 CONFIG = ROOT / "deploy" / "unisched.toml"
 UNIT = ROOT / "deploy" / "systemd" / "unisched.service"

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import ConfigError, DaemonConfig, DeclaredTenant
-from unisched.engine.core import Scheduler, SchedulerError
-from unisched.engine.state import StateStore
-from unisched.engine.upkeep import MEMORY_CHECK_S
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
 from unisched.policy.overlap import SliceKind
 from unisched.policy.tuning import TUNING
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import ConfigError, DaemonConfig, DeclaredTenant
+from unisched.scheduler.core import Scheduler, SchedulerError
+from unisched.scheduler.state import StateStore
+from unisched.scheduler.upkeep import MEMORY_CHECK_S
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
 SLICE = 0.05

@@ -19,8 +19,8 @@ from conftest import wait_until
 from inproc import free_port, in_process_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from unisched.engine.labels import MAX_LABEL_CHARS
-from unisched.engine.state import StateStore
+from unisched.scheduler.labels import MAX_LABEL_CHARS
+from unisched.scheduler.state import StateStore
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.metric_names import FAMILIES, sample_names
 from unisched_wire import unisched_pb2 as pb

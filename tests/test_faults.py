@@ -33,8 +33,8 @@ from structlog.testing import capture_logs
 from test_daemon_cgroups import cpu_seconds, measure, start_tenant, wait_registered
 from test_engine import SLICE, Rig
 
-from unisched.engine.state import SavedTenant, StateStore
 from unisched.policy import Engine, Priority
+from unisched.scheduler.state import SavedTenant, StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 from unisched.telemetry.nvml import NvmlTelemetry, open_nvml
 from unisched.transport.client import DaemonClient, DaemonError

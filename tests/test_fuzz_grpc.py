@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from inproc import in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.config import DaemonConfig
-from unisched.engine.registration import MAX_USER_TENANTS
-from unisched.engine.state import StateStore
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, PolicyError, validate_tenant_name
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.registration import MAX_USER_TENANTS
+from unisched.scheduler.state import StateStore
 from unisched.transport.identity import PeerCred
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc

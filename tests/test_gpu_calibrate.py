@@ -13,9 +13,9 @@ import pytest
 from conftest import ROOT, child_env
 from test_gpu import _gpu_reason, _torch_reason
 
-from unisched.engine.contention_file import MAX_KEPT
-from unisched.engine.state import StateStore
 from unisched.policy.contention import ContentionMap
+from unisched.scheduler.contention_file import MAX_KEPT
+from unisched.scheduler.state import StateStore
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import wait_until
 from inproc import free_port, in_process_server
 
-from unisched.engine.clock import FakeClock
+from unisched.scheduler.clock import FakeClock
 from unisched.transport.health import (
     LIVE_SLICES,
     Health,

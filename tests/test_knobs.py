@@ -1,4 +1,4 @@
-"""The knob table (engine.config.KNOBS) is the one place a config key is declared: the TOML validation, `serve`'s
+"""The knob table (scheduler.config.KNOBS) is the one place a config key is declared: the TOML validation, `serve`'s
 flags and docs/configuration.md are made from it, and each of them is checked here against it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from unisched.cli.main import build_parser, knob_flags
-from unisched.engine.config import KNOBS, ConfigError, DaemonConfig, load_config
-from unisched.engine.configdoc import REGENERATE, markdown, tuning_constants
-from unisched.engine.knobs import Knob, shown
+from unisched.scheduler.config import KNOBS, ConfigError, DaemonConfig, load_config
+from unisched.scheduler.configdoc import REGENERATE, markdown, tuning_constants
+from unisched.scheduler.knobs import Knob, shown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,8 +95,8 @@ def test_docs_configuration_is_what_the_table_generates() -> None:
 
 
 def test_the_tuning_constants_listed_exist_with_their_values() -> None:
-    from unisched.engine import context, leases, registration, upkeep
     from unisched.policy import tuning
+    from unisched.scheduler import context, leases, registration, upkeep
 
     modules = {m.__name__: m for m in (context, leases, registration, upkeep, tuning)}
     listed = tuning_constants()

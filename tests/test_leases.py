@@ -11,12 +11,12 @@ from structlog.testing import capture_logs
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import Scheduler, SchedulerError
-from unisched.engine.state import StateStore
 from unisched.policy import Engine, Mode, Priority
 from unisched.policy.leases import OverrunMeter
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler, SchedulerError
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
 
 SLICE = 0.05

@@ -21,7 +21,7 @@ from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
 
 from unisched.enforce.cgroups import CgroupDriver, check_subtree, detect_driver
 from unisched.enforce.governed import GovernedRecord, RecordError, live_subtrees, parse_record, thaw_orphans
-from unisched.engine.config import ConfigError, DaemonConfig, load_config
+from unisched.scheduler.config import ConfigError, DaemonConfig, load_config
 
 HOG = str(ROOT / "tests" / "hog.py")
 NESTED = 100_000

@@ -21,13 +21,13 @@ from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
 from unisched.enforce.seccomp.accounting import decode_call
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
-from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import SchedulerError
-from unisched.engine.memory import GpuMemory
 from unisched.policy import Engine, Priority
 from unisched.policy.caps import SessionLimits
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation, check_reserve
 from unisched.policy.model import PolicyError
+from unisched.scheduler.config import DaemonConfig, DeclaredTenant
+from unisched.scheduler.core import SchedulerError
+from unisched.scheduler.memory import GpuMemory
 from unisched.telemetry import FakeTelemetry, GpuInfo
 
 GIB = 1 << 30

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 from unisched.transport.client import DaemonClient
 from unisched.transport.metrics import EngineView, UnischedCollector

@@ -18,11 +18,11 @@ from conftest import child_env, cli
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.mps import FakeMpsControl, MpsError, NvidiaMpsControl
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import ConfigError, DaemonConfig
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
 from unisched.policy import Mode, Priority
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import ConfigError, DaemonConfig
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 
 STANDIN = f"""#!{sys.executable}

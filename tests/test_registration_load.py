@@ -27,7 +27,7 @@ BURST_DEADLINE_S = 300.0
 """How long the whole burst may take before a run still going counts as a failure: generous, since 200 Python
 start-ups share a loaded 2-core machine (about 60-90 s); a hang must still end the test."""
 DAEMON_NICE = -10
-"""The config's default `nice` (engine.config.DEFAULT_NICE), which `serve` sets on itself."""
+"""The config's default `nice` (scheduler.config.DEFAULT_NICE), which `serve` sets on itself."""
 
 
 def _start_burst(daemon: Daemon, tmp: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
@@ -95,7 +95,7 @@ def test_a_hand_over_late_under_load_is_told_to_try_again(daemon: Daemon) -> Non
 
 
 def test_nice_is_a_daemon_key_in_its_range(tmp_path: Path) -> None:
-    from unisched.engine.config import ConfigError, load_config
+    from unisched.scheduler.config import ConfigError, load_config
 
     assert load_config(None).nice == DAEMON_NICE
     cfg = tmp_path / "c.toml"

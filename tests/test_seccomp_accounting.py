@@ -18,10 +18,10 @@ from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FRE
 from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
 from unisched.enforce.seccomp.accounting import Call, EventAction, SessionBook, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig, DeclaredTenant
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.agent import SeccompAgentServer
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import Daemon, child_env, needs_freezer
 from inproc import InProcessServer, in_process_server
 
-from unisched.engine.registration import MAX_USER_TENANTS
+from unisched.scheduler.registration import MAX_USER_TENANTS
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched.transport.server import MAX_MESSAGE_BYTES
 from unisched_wire import unisched_pb2 as pb

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, Daemon, child_env, cli, freezer_unavailable_reason, wait_until
 
-from unisched.engine.runner import run_engine
+from unisched.scheduler.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 
 

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unisched.engine.state import SavedTenant, StateStore, parse_state
 from unisched.policy import Engine, Priority
+from unisched.scheduler.state import SavedTenant, StateStore, parse_state
 
 T = SavedTenant("a", 250, Priority.ONLINE, frozenset({Engine.GRAPHICS}), (0,), "/unisched/a", False, 1000)
 

@@ -17,13 +17,13 @@ from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
-from unisched.engine.clock import FakeClock
-from unisched.engine.config import DaemonConfig, DeclaredTenant
-from unisched.engine.core import Scheduler
-from unisched.engine.registration import MAX_USER_TENANTS
-from unisched.engine.state import SavedTenant, StateStore
-from unisched.engine.upkeep import MEMORY_CHECK_S
 from unisched.policy import Engine, Priority
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig, DeclaredTenant
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.registration import MAX_USER_TENANTS
+from unisched.scheduler.state import SavedTenant, StateStore
+from unisched.scheduler.upkeep import MEMORY_CHECK_S
 from unisched.telemetry import NoGpuTelemetry
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")

@@ -15,7 +15,7 @@ import pytest
 from conftest import cli
 from inproc import InProcessServer, free_port, in_process_server
 
-from unisched.engine.config import ConfigError, DaemonConfig, check_listener
+from unisched.scheduler.config import ConfigError, DaemonConfig, check_listener
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc

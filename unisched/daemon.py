@@ -29,11 +29,11 @@ from unisched.enforce.delegate import DelegationError, enter_delegated_leaf
 from unisched.enforce.devices import BpfDeviceAdmission, DeviceAdmission, device_admission_unavailable_reason
 from unisched.enforce.governed import GovernedRecord, Orphans, RecordError, governed_dir
 from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
-from unisched.engine.clock import SystemClock
-from unisched.engine.config import ConfigError, DaemonConfig, check_declared_cgroups, check_gpus
-from unisched.engine.core import Scheduler
-from unisched.engine.state import StateStore
 from unisched.logs import configure_logging
+from unisched.scheduler.clock import SystemClock
+from unisched.scheduler.config import ConfigError, DaemonConfig, check_declared_cgroups, check_gpus
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.standin import CpuStandIn
 from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket

@@ -4,7 +4,7 @@ Every timed wait in the client (an acquire's timeout, the slice's end, the renew
 back-off, the registration and ack timeouts) is a wait on the client's condition variable with a timeout, so one
 primitive covers them all: `wait(cond, timeout)`, called with `cond` held, returns when `cond` is notified or
 `timeout` seconds of this clock have passed (or spuriously: every caller loops on its own condition). The daemon's
-engine has the same shape (unisched.engine.clock), which this package may not import.
+engine has the same shape (unisched.scheduler.clock), which this package may not import.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class Gate:
     revoked, the gate says so (yield) once its units are done, or at once when the app already waits in
     `acquire()` for the next one: then its queued unit (one while contended, see `InFlight`) still runs beside
     the next holder's first (measured and charged to their owner). Each report counts the units it covers, and
-    the daemon gives a compute tenant with long steps turns of several of them (engine.leases.RUN_UNITS), so that
+    the daemon gives a compute tenant with long steps turns of several of them (scheduler.leases.RUN_UNITS), so that
     hand-overs, which two time-sliced CUDA contexts pay for, come once per several steps. Draining them before the
     yield was tried on the H200 and lost more (a ResNet-50 pair at 3:1: sum 0.89 against 0.94): the next holder
     then started late into a slice that ends at the daemon's tick.

@@ -7,11 +7,11 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from unisched.engine.config import KNOBS, DaemonConfig
-from unisched.engine.configdoc import tuning_fields
 from unisched.policy.plan import PlanConfig
 from unisched.policy.saturation import SaturationConfig
 from unisched.policy.tuning import TUNING, Tuning
+from unisched.scheduler.config import KNOBS, DaemonConfig
+from unisched.scheduler.configdoc import tuning_fields
 
 PACKAGE = Path(__file__).resolve().parents[2] / "unisched"
 FIELDS = [f.name for f in dataclasses.fields(Tuning)]

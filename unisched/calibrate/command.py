@@ -20,8 +20,8 @@ from typing import TextIO
 
 from unisched.calibrate.fit import CalibrationError, kept_fractions, verdict_line
 from unisched.calibrate.runs import RunResult, Workload, calibrate_render, run_together
-from unisched.engine.contention_file import MAX_KEPT, ContentionFileError, make_entry, read_file, write_entry
 from unisched.policy.tuning import TUNING
+from unisched.scheduler.contention_file import MAX_KEPT, ContentionFileError, make_entry, read_file, write_entry
 
 __all__ = ["EXIT_FAILED", "EXIT_REFUSED", "NO_GPU", "QUICK", "STANDARD", "Request", "Timing", "estimate_s", "main", "plan_steps",
            "workload_dir"]

@@ -14,17 +14,6 @@ from typing import Any
 from unisched import __version__
 from unisched.cli.service import DEFAULT_CONFIG_PATH, DEFAULT_UNIT_PATH
 from unisched.enforce.governed import Orphans, thaw_orphans
-from unisched.engine.config import (
-    DEFAULT_SOCKET,
-    KNOBS,
-    ConfigError,
-    DaemonConfig,
-    check_groups,
-    check_listener,
-    load_config,
-    parse_size,
-)
-from unisched.engine.knobs import Knob
 from unisched.integrations.kubernetes.defaults import (
     CDI_KIND,
     CONFIG_KIND,
@@ -36,6 +25,17 @@ from unisched.integrations.kubernetes.defaults import (
     DRIVER_NAME,
 )
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.scheduler.config import (
+    DEFAULT_SOCKET,
+    KNOBS,
+    ConfigError,
+    DaemonConfig,
+    check_groups,
+    check_listener,
+    load_config,
+    parse_size,
+)
+from unisched.scheduler.knobs import Knob
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import LEASE_SOCKET_ENV
@@ -163,7 +163,7 @@ def _add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) 
 
 
 def _knob_help(spec: Knob) -> str:
-    """The knob's help with its range, unit and default, from the one table (engine.config.KNOBS); argparse
+    """The knob's help with its range, unit and default, from the one table (scheduler.config.KNOBS); argparse
     expands %, so it is doubled."""
     if spec.kind == "bool":
         text = f"turn {'off' if spec.default else 'on'} {spec.name} ({'on' if spec.default else 'off'} by default): {spec.help}"
@@ -515,7 +515,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from unisched.calibrate import QUICK, STANDARD, Request, main
-    from unisched.engine.contention_file import contention_path
+    from unisched.scheduler.contention_file import contention_path
 
     try:
         config = load_config(args.config).with_overrides(state_dir=args.state_dir)

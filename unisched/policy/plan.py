@@ -453,7 +453,7 @@ def freeze_rule(t: TenantView, waits: bool, state: PlanState) -> Verdict:
     return verdict
 
 
-# --- the rules: a lease grant (engine.leases.LeaseBook keeps the hand-overs in flight) ---------------------
+# --- the rules: a lease grant (scheduler.leases.LeaseBook keeps the hand-overs in flight) ---------------------
 def lease_contended(contenders: int, mixed: bool, online_beside: bool) -> bool:
     """A lease is granted as contended (the client keeps one unit in flight and stops soon after a revoke) where
     others want the resource, where it takes mixed slices, or where `online_beside`: an offline holder on a GPU

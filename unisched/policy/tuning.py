@@ -1,6 +1,6 @@
 """The derived constants that shape scheduling: one frozen value, one set of defaults, each with its reason.
 
-Not settable (the knob table, engine.config, holds what an operator sets); each number here was derived from a
+Not settable (the knob table, scheduler.config, holds what an operator sets); each number here was derived from a
 measurement or an argument, given beside it. The engine uses `TUNING`; tests may build another value. The
 saturation gate's configuration is derived here from two knobs (saturated_util, slice_ms) and these numbers, so
 the gate has no defaults of its own (policy.saturation).
@@ -53,7 +53,7 @@ class Tuning:
     """A cooperative holder keeps the engine long enough that the hand-over before its turn costs at most this
     share of the turn. A hand-over between two clients leaves the GPU idle from the revoked holder's last unit to the
     next holder's first launch (the yield, the grant, the next app's wake-up): two PyTorch clients with 1.7 ms steps
-    lost 3-5% of the H200 to it at one 50 ms slice a turn. The gap is measured per resource (engine.leases), so the
+    lost 3-5% of the H200 to it at one 50 ms slice a turn. The gap is measured per resource (scheduler.leases), so the
     turns follow the host, not this GPU."""
     handover_grant_slices: float = 0.1
     """A grant this soon after a yield (in slices) is that yield's hand-over, whose gap the grant's first report

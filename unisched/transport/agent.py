@@ -20,8 +20,8 @@ from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
 from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.engine.core import Scheduler
 from unisched.logs import Throttle
+from unisched.scheduler.core import Scheduler
 from unisched.transport.claim import replace_stale_socket
 
 __all__ = [

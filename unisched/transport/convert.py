@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from unisched.engine.core import TenantSnapshot
 from unisched.policy import Priority
+from unisched.scheduler.core import TenantSnapshot
 from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["PRIORITY", "public_summary", "snapshot_to_pb"]

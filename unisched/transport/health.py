@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unisched.enforce.cgroups import cgroup_mount_problem
-from unisched.engine.config import DaemonConfig
-from unisched.engine.core import Scheduler
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler
 
 __all__ = ["LIVE_SLICES", "Check", "Health", "Heartbeat", "Result", "beats", "cgroups_check", "nvml_check", "probes",
            "socket_check"]

@@ -19,7 +19,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
-from unisched.engine.core import LeaseAck, Scheduler, SchedulerError
+from unisched.scheduler.core import LeaseAck, Scheduler, SchedulerError
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred

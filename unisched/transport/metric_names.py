@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unisched.engine.labels import LABEL_KEYS
+from unisched.scheduler.labels import LABEL_KEYS
 
 __all__ = ["FAMILIES", "GPU", "TENANT", "Family", "family", "sample_names"]
 
 TENANT = ("tenant", *LABEL_KEYS)
-"""Labels of every per-tenant series: our tenant name, and where an orchestrator runs it (engine.labels)."""
+"""Labels of every per-tenant series: our tenant name, and where an orchestrator runs it (scheduler.labels)."""
 GPU = ("gpu", "UUID")
 """Labels of every per-GPU series: dcgm-exporter's index and UUID."""
 

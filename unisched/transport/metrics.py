@@ -26,10 +26,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
-from unisched.engine.core import Scheduler, TenantSnapshot
-from unisched.engine.labels import LABEL_KEYS
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
+from unisched.scheduler.core import Scheduler, TenantSnapshot
+from unisched.scheduler.labels import LABEL_KEYS
 from unisched.telemetry import GpuInfo, GpuSample
 from unisched.transport.health import Health
 from unisched.transport.metric_names import FAMILIES, family

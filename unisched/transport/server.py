@@ -19,9 +19,9 @@ import structlog
 
 from unisched import __version__
 from unisched.enforce.seccomp.abi import probe as seccomp_probe
-from unisched.engine.config import DaemonConfig, check_listener
-from unisched.engine.core import Scheduler, SchedulerError
-from unisched.engine.runner import run_engine
+from unisched.scheduler.config import DaemonConfig, check_listener
+from unisched.scheduler.core import Scheduler, SchedulerError
+from unisched.scheduler.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.claim import replace_stale_socket

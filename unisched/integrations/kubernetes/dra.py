@@ -35,7 +35,6 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
-from unisched.engine.config import DEFAULT_SOCKET
 from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import dra_v1beta1_pb2_grpc as dra_grpc
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
@@ -53,6 +52,7 @@ from unisched.integrations.kubernetes.defaults import (
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.plugin import gpu_health, tenant_edits
 from unisched.policy import PolicyError, validate_weight
+from unisched.scheduler.config import DEFAULT_SOCKET
 from unisched.telemetry import GpuInfo, GpuTelemetry
 
 __all__ = [

@@ -21,7 +21,6 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
-from unisched.engine.config import DEFAULT_SOCKET
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from unisched.integrations.kubernetes.defaults import DEFAULT_KUBELET_DIR
@@ -35,6 +34,7 @@ from unisched.integrations.kubernetes.devices import (
     preferred_allocation,
     tenant_name,
 )
+from unisched.scheduler.config import DEFAULT_SOCKET
 from unisched.telemetry import GpuTelemetry
 
 __all__ = [

@@ -8,18 +8,6 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupError
 from unisched.enforce.mps import MpsStatus
-from unisched.engine.admission import check_reserve
-from unisched.engine.config import DeclaredTenant
-from unisched.engine.context import Context, save
-from unisched.engine.registration import MAX_TENANTS, refusal_to_adopt
-from unisched.engine.roster import (
-    add,
-)
-from unisched.engine.state import SavedTenant
-from unisched.engine.tenant import (
-    Tenant,
-    parse_engines,
-)
 from unisched.policy import (
     DEFAULT_WEIGHT,
     Mode,
@@ -27,10 +15,22 @@ from unisched.policy import (
     Priority,
     validate_tenant_name,
 )
+from unisched.scheduler.admission import check_reserve
+from unisched.scheduler.config import DeclaredTenant
+from unisched.scheduler.context import Context, save
+from unisched.scheduler.registration import MAX_TENANTS, refusal_to_adopt
+from unisched.scheduler.roster import (
+    add,
+)
+from unisched.scheduler.state import SavedTenant
+from unisched.scheduler.tenant import (
+    Tenant,
+    parse_engines,
+)
 
 __all__ = ["mps_status", "shutdown", "start", "thaw_all"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 def start(c: Context) -> None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from unisched.engine.memory import GpuMemory
-from unisched.engine.state import SavedTenant
 from unisched.policy import (
     Engine,
     Priority,
     Resource,
 )
 from unisched.policy.caps import SessionLimits
+from unisched.scheduler.memory import GpuMemory
+from unisched.scheduler.state import SavedTenant
 
 __all__ = [
     "CALLER_GONE", "SchedulerError", "LeaseAck", "ResourceShare", "Tenant", "TenantSnapshot", "need_alive", "off_gpu",
@@ -81,7 +81,7 @@ class TenantSnapshot:
     env: Mapping[str, str] = field(default_factory=dict)
     """What its processes start with (`unisched run` sets it): the MPS client settings while the daemon runs MPS."""
     labels: Mapping[str, str] = field(default_factory=dict)
-    """Where an orchestrator runs it (engine.labels: pod, namespace, container), for metrics."""
+    """Where an orchestrator runs it (scheduler.labels: pod, namespace, container), for metrics."""
     gpu_memory: tuple[GpuMemory, ...] = ()
     """Video memory per GPU as the session hooks count it (exact), with its cap, reserve and refusals."""
 

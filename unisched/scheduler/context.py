@@ -12,24 +12,24 @@ from unisched.enforce.cgroups import CgroupDriver
 from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.mps import MpsControl
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.engine.clock import Clock
-from unisched.engine.config import ConfigError, DaemonConfig
-from unisched.engine.leases import LeaseBook
-from unisched.engine.state import StateStore
-from unisched.engine.tenant import SchedulerError, Tenant
 from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource, WeightedFairShare
 from unisched.policy.caps import VideoEngines, video_engines_for
 from unisched.policy.contention import PARTIAL_OVERLAP
 from unisched.policy.overlap import OverlapMix
 from unisched.policy.plan import PlanConfig, PlanState, ReportMatch
 from unisched.policy.tuning import TUNING
+from unisched.scheduler.clock import Clock
+from unisched.scheduler.config import ConfigError, DaemonConfig
+from unisched.scheduler.leases import LeaseBook
+from unisched.scheduler.state import StateStore
+from unisched.scheduler.tenant import SchedulerError, Tenant
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = [
     "SAVE_DELAY_S", "Context", "build", "check_gpus", "get", "save", "save_soon",
 ]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 SAVE_DELAY_S = 0.5
 """Registrations are written to the state file by the tick at most this long after them: one write per burst
 instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""

@@ -6,30 +6,30 @@ from collections.abc import Iterable
 
 import structlog
 
-from unisched.engine.admission import (
+from unisched.policy import saturation
+from unisched.policy.caps import CapKind
+from unisched.policy.overlap import OverlapMix, SliceKind
+from unisched.policy.saturation import GateState
+from unisched.scheduler.admission import (
     active_weight_by_gpu,
     cap_of,
     client_env,
     gpu_memory_totals,
     v2_dir,
 )
-from unisched.engine.context import Context
-from unisched.engine.memory import gpu_memory
-from unisched.engine.tenant import (
+from unisched.scheduler.context import Context
+from unisched.scheduler.memory import gpu_memory
+from unisched.scheduler.tenant import (
     ResourceShare,
     SchedulerError,
     TenantSnapshot,
     tenant_state,
 )
-from unisched.policy import saturation
-from unisched.policy.caps import CapKind
-from unisched.policy.overlap import OverlapMix, SliceKind
-from unisched.policy.saturation import GateState
 from unisched.telemetry import GpuSample
 
 __all__ = ["gate_states", "gpu_samples", "log_shares", "mixed_slices", "snapshot", "snapshots"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 def log_shares(c: Context, reason: str) -> None:

@@ -25,7 +25,7 @@ from unisched.policy.tuning import TUNING
 
 __all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError", "min_run_for"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 MAX_REPORT_S = 60.0
 """GPU seconds one report may carry (a report covers well under a second of work)."""

@@ -7,23 +7,23 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from unisched.engine.admission import (
+from unisched.scheduler.admission import (
     apply_devices,
     engines_changed,
 )
-from unisched.engine.context import Context, save
-from unisched.engine.reporting import log_shares
-from unisched.engine.roster import (
+from unisched.scheduler.context import Context, save
+from unisched.scheduler.reporting import log_shares
+from unisched.scheduler.roster import (
     drop,
 )
-from unisched.engine.tenant import (
+from unisched.scheduler.tenant import (
     Tenant,
 )
 from unisched.telemetry import GpuSample
 
 __all__ = ["MEMORY_CHECK_S", "update_memory"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 MEMORY_CHECK_S = 1.0
 
 

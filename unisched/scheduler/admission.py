@@ -9,22 +9,22 @@ from pathlib import Path
 import structlog
 
 from unisched.enforce.devices import DeviceAdmissionError
-from unisched.engine.context import Context
-from unisched.engine.memory import gpu_totals, reserve_refusal, terms_of
-from unisched.engine.tenant import (
-    Tenant,
-)
 from unisched.policy import PolicyError
 from unisched.policy.caps import CapKind, SessionLimits, default_cap
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.mps import mps_client_settings
+from unisched.scheduler.context import Context
+from unisched.scheduler.memory import gpu_totals, reserve_refusal, terms_of
+from unisched.scheduler.tenant import (
+    Tenant,
+)
 
 __all__ = [
     "active_weight_by_gpu", "admit", "admit_session", "apply_devices", "cap_of", "check_reserve", "client_env",
     "engines_changed", "gpu_memory_totals", "memory_terms", "session_freed", "v2_dir",
 ]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 # Which session kinds (unisched.enforce.nvclasses.SessionKind values) a cap applies to.
 _CAP_OF_KIND = {"graphics": CapKind.RENDER, "nvdec": CapKind.DECODE, "nvenc": CapKind.ENCODE}
 

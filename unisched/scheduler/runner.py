@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import structlog
 
-from unisched.engine.core import Scheduler
+from unisched.scheduler.core import Scheduler
 
 __all__ = ["run_engine"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:

@@ -21,19 +21,19 @@ from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.engine import admission, lease_calls, lifecycle, registration, reporting, roster, tick
-from unisched.engine.clock import Clock
-from unisched.engine.config import DaemonConfig
-from unisched.engine.context import Context, build
-from unisched.engine.leases import LeaseBook
-from unisched.engine.state import StateStore
-from unisched.engine.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.policy import ContentionMap, Priority, WeightedFairShare
 from unisched.policy.caps import VideoEngines
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.plan import PlanConfig
 from unisched.policy.saturation import GateState
+from unisched.scheduler import admission, lease_calls, lifecycle, registration, reporting, roster, tick
+from unisched.scheduler.clock import Clock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.context import Context, build
+from unisched.scheduler.leases import LeaseBook
+from unisched.scheduler.state import StateStore
+from unisched.scheduler.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = ["SchedulerError", "Scheduler", "LeaseAck", "TenantSnapshot"]

@@ -6,18 +6,6 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupError
 from unisched.enforce.devices import DeviceAdmissionError
-from unisched.engine.admission import (
-    apply_devices,
-    check_reserve,
-    v2_dir,
-)
-from unisched.engine.context import Context, get, save
-from unisched.engine.reporting import log_shares, snapshot
-from unisched.engine.tenant import (
-    SchedulerError,
-    Tenant,
-    TenantSnapshot,
-)
 from unisched.policy import (
     Mode,
     PolicyError,
@@ -25,13 +13,25 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import SessionLimits
+from unisched.scheduler.admission import (
+    apply_devices,
+    check_reserve,
+    v2_dir,
+)
+from unisched.scheduler.context import Context, get, save
+from unisched.scheduler.reporting import log_shares, snapshot
+from unisched.scheduler.tenant import (
+    SchedulerError,
+    Tenant,
+    TenantSnapshot,
+)
 
 __all__ = [
     "add", "apply_tidal", "apply_weight", "drop", "has_tenant", "lost", "note_session_hooks", "remove", "remove_as",
     "set_limits", "set_weight", "tenant_of_pid",
 ]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 def add(c: Context, t: Tenant, reason: str) -> None:

@@ -20,10 +20,10 @@ from typing import Any
 import structlog
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE
-from unisched.engine.contention_file import ContentionFileError, contention_path, kept_of, read_file
-from unisched.engine.labels import validate_labels
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
+from unisched.scheduler.contention_file import ContentionFileError, contention_path, kept_of, read_file
+from unisched.scheduler.labels import validate_labels
 
 __all__ = ["SavedTenant", "StateStore", "parse_state"]
 
@@ -49,7 +49,7 @@ class SavedTenant:
     ephemeral: bool = False
     """Removed once its last process exits (`unisched run` without --keep). Absent in older files: kept."""
     labels: Mapping[str, str] = field(default_factory=dict)
-    """Where an orchestrator runs it (engine.labels); absent in older files: none."""
+    """Where an orchestrator runs it (scheduler.labels); absent in older files: none."""
 
     def to_json(self) -> dict[str, Any]:
         return {

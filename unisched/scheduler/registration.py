@@ -11,19 +11,6 @@ from collections.abc import Callable, Iterable, Mapping
 import structlog
 
 from unisched.enforce.cgroups import CgroupError, adopt_refusal, within
-from unisched.engine.admission import apply_devices
-from unisched.engine.context import Context, check_gpus, save, save_soon
-from unisched.engine.labels import LabelError, validate_labels
-from unisched.engine.reporting import snapshot
-from unisched.engine.roster import add, apply_weight
-from unisched.engine.tenant import (
-    CALLER_GONE,
-    SchedulerError,
-    Tenant,
-    TenantSnapshot,
-    need_alive,
-    parse_engines,
-)
 from unisched.policy import (
     DEFAULT_WEIGHT,
     Engine,
@@ -33,10 +20,23 @@ from unisched.policy import (
     validate_tenant_name,
     validate_weight,
 )
+from unisched.scheduler.admission import apply_devices
+from unisched.scheduler.context import Context, check_gpus, save, save_soon
+from unisched.scheduler.labels import LabelError, validate_labels
+from unisched.scheduler.reporting import snapshot
+from unisched.scheduler.roster import add, apply_weight
+from unisched.scheduler.tenant import (
+    CALLER_GONE,
+    SchedulerError,
+    Tenant,
+    TenantSnapshot,
+    need_alive,
+    parse_engines,
+)
 
 __all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "adopt", "refusal_to_adopt", "register"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
 MAX_USER_TENANTS = 32
@@ -254,7 +254,7 @@ def adopt(
     gpus: Iterable[int],
     labels: Mapping[str, str] | None = None,
 ) -> TenantSnapshot:
-    """`labels`: where an orchestrator runs it (engine.labels), kept for metrics."""
+    """`labels`: where an orchestrator runs it (scheduler.labels), kept for metrics."""
     _check_name_and_weight(name, weight)
     try:
         kept = validate_labels(labels or {})

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE, CgroupDriver, CgroupError, adopt_refusal, check_subtree
-from unisched.engine.knobs import Knob, KnobError, TableKey, knob, knobs_of
 from unisched.policy import (
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
@@ -30,6 +29,7 @@ from unisched.policy import (
     validate_tenant_name,
 )
 from unisched.policy.caps import MAX_SESSIONS, SessionLimits
+from unisched.scheduler.knobs import Knob, KnobError, TableKey, knob, knobs_of
 from unisched_wire.leasewire import LEASE_SOCKET_NAME, lease_socket_beside
 
 __all__ = [
@@ -121,7 +121,7 @@ def _check_listen(value: str) -> str:
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    """Each knob is declared once here (engine.knobs): its TOML key, `serve` flag and docs/configuration.md row."""
+    """Each knob is declared once here (scheduler.knobs): its TOML key, `serve` flag and docs/configuration.md row."""
 
     # [daemon]
     socket: str = knob(DEFAULT_SOCKET, "daemon", "Unix socket of the gRPC API (`unisched run`, `tenants`, ...); "

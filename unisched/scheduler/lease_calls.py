@@ -8,33 +8,33 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupError
 from unisched.enforce.leases import LeaseChannel
-from unisched.engine.admission import (
+from unisched.policy import (
+    Engine,
+    Priority,
+)
+from unisched.scheduler.admission import (
     admit,
     session_freed,
 )
-from unisched.engine.context import Context
-from unisched.engine.leases import LeaseError
-from unisched.engine.registration import register
-from unisched.engine.reporting import snapshot
-from unisched.engine.roster import (
+from unisched.scheduler.context import Context
+from unisched.scheduler.leases import LeaseError
+from unisched.scheduler.registration import register
+from unisched.scheduler.reporting import snapshot
+from unisched.scheduler.roster import (
     lost,
 )
-from unisched.engine.tenant import (
+from unisched.scheduler.tenant import (
     LeaseAck,
     SchedulerError,
     Tenant,
     TenantSnapshot,
     parse_engine,
 )
-from unisched.engine.tick import reschedule
-from unisched.policy import (
-    Engine,
-    Priority,
-)
+from unisched.scheduler.tick import reschedule
 
 __all__ = ["lease_close", "lease_codec", "lease_open", "lease_report", "lease_want"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 def lease_open(

@@ -9,17 +9,6 @@ from dataclasses import replace
 import structlog
 
 from unisched.enforce.cgroups import CgroupError
-from unisched.engine.context import SAVE_DELAY_S, Context, save
-from unisched.engine.reporting import log_shares
-from unisched.engine.roster import (
-    apply_tidal,
-    lost,
-)
-from unisched.engine.tenant import (
-    Tenant,
-    off_gpu,
-)
-from unisched.engine.upkeep import update_memory
 from unisched.policy import (
     Decision,
     Mode,
@@ -42,11 +31,22 @@ from unisched.policy.plan import (
     pair_weights,
     plan,
 )
+from unisched.scheduler.context import SAVE_DELAY_S, Context, save
+from unisched.scheduler.reporting import log_shares
+from unisched.scheduler.roster import (
+    apply_tidal,
+    lost,
+)
+from unisched.scheduler.tenant import (
+    Tenant,
+    off_gpu,
+)
+from unisched.scheduler.upkeep import update_memory
 from unisched.telemetry import GpuSample
 
 __all__ = ["apply", "reschedule", "tick"]
 
-log = structlog.get_logger("unisched.engine")
+log = structlog.get_logger("unisched.scheduler")
 
 
 def tick(c: Context) -> float:
