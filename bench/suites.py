@@ -62,6 +62,12 @@ def words(text: str) -> tuple[str, ...]:
     return tuple(text.split())
 
 
+def step_folder(folder: Path) -> Path:
+    """The raw folder of a one-command round (its only sub-folder), for the readers of such suites."""
+    subs = [p for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+    return subs[0] if len(subs) == 1 else folder
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -76,7 +82,7 @@ def _json(path: Path) -> dict[str, Any]:
 def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
     """bench/gpu_pairs.py's results.json: per pair under unisched, its normalized rates, error, sum, guarantee and
     the no-scheduler sum beside it; per kind alone under unisched (--overhead), the throughput lost."""
-    data = _json(folder / "results.json")
+    data = _json(step_folder(folder) / "results.json")
     cases: Cases = {}
     for d in data.get("pairs", []):
         us, ns = d.get("unisched") or {}, d.get("no_scheduler") or {}
@@ -97,7 +103,7 @@ def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
 
 
 def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
-    data = _json(folder / "results.json")
+    data = _json(step_folder(folder) / "results.json")
     cases: Cases = {}
     for key, runs in (data.get("runs") or {}).items():
         r = runs[-1]
@@ -111,7 +117,7 @@ def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
 def read_online(folder: Path) -> tuple[Cases, list[str]]:
     """scenarios.py's online results: per batch and setup, p99 / alone, the top of that ratio's 90% interval and the
     trainer's rate kept against its own alone run."""
-    online = ((_json(folder / "results.json").get("scenarios") or {}).get("online") or {})
+    online = ((_json(step_folder(folder) / "results.json").get("scenarios") or {}).get("online") or {})
     cases: Cases = {}
     for batch, runs in (online.get("batches") or {}).items():
         for rnd in ((runs.get("derived") or {}).get("per_round") or [])[:1]:

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -171,7 +172,7 @@ def report_md(s: dict[str, Any]) -> str:
             lines.append(f"| {case} | {name} | {_num(d['median'])} | {_num(d['min'])} | {_num(d['max'])} | "
                          f"{'n/a' if iv is None else f'{_num(iv[0])} to {_num(iv[1])}'} |")
     lines += ["", "The commands of a round:", ""]
-    lines += [f"- `{' '.join(st['argv'])}`" for st in (s["rounds"][0]["steps"] if s["rounds"] else [])]
+    lines += [f"- `{shlex.join(st['argv'])}`" for st in (s["rounds"][0]["steps"] if s["rounds"] else [])]
     if s.get("raw"):
         lines += ["", f"Raw outputs: {s['raw']}"]
     return "\n".join(lines) + "\n"
