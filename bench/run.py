@@ -115,6 +115,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--out", type=Path, default=None, help="the run folder (default bench/results/<date>-<gpu>-<commit>)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands of a round and the time, run nothing")
     ap.add_argument("--cpu-standin", action="store_true", help="run the suite's CPU stand-ins (no GPU; not a result)")
+    ap.add_argument("--commit", default=None, metavar="SHA",
+                    help="the commit measured, where the tree has no git metadata (a copy on the GPU machine)")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="start no round that would end after S seconds (by the suite's estimate)")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
@@ -166,6 +168,11 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
         print(f"run.py: suite {suite.name} needs an NVIDIA GPU (nvidia-smi lists none){hint}", file=sys.stderr)
         return 2
     mach, head = sm.machine(), sm.commit()
+    if args.commit:
+        head = {"commit": args.commit, "dirty": None}
+    elif head["commit"] == "unknown":
+        print("run.py: no git metadata here: name the commit measured with --commit SHA", file=sys.stderr)
+        return 2
     folder = (args.out or sm.run_folder(mach, head, args.cpu_standin)) / suite.name
     before = sm.load(folder)
     if before is not None and before.get("commit") != head["commit"]:

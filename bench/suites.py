@@ -267,7 +267,7 @@ SUITES: tuple[Suite, ...] = (
           (Step("pairs", words(f"{{py}} bench/gpu_pairs.py --out {{out}} --pairs {PAIRS} --seconds 15 "
                                "--unisched-warmup 12")),),
           read_gpu_pairs, PAIR_TARGETS,
-          standin=(Step("pairs", (*words(f"{{py}} bench/gpu_pairs.py --out {{out}} --pairs cuda1:1,cuda3:1,cuda1:3 "
+          standin=(Step("pairs", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,cuda3:1,cuda1:3 "
                                          "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
                                          "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),)),
     Suite("mixed", "a cooperative client beside an unmodified app and two clients, at 1:1, 3:1 and 1:3 "
