@@ -63,12 +63,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "cuda": ROOT / "examples" / "workloads" / "cuda_matmul.py",
     "render": ROOT / "examples" / "workloads" / "egl_render.py",
+    "nvdec": ROOT / "examples" / "04_nvdec_decode.py",  # H.264 decode on NVDEC (PyAV), the same window contract
 }
-ENGINES = {"cuda": "compute", "render": "graphics"}
+ENGINES = {"cuda": "compute", "render": "graphics", "nvdec": "decode"}
 PAIR_KINDS = {
     "cuda": ("cuda", "cuda"), "cuda+cuda": ("cuda", "cuda"),
     "render": ("render", "render"), "render+render": ("render", "render"),
     "mixed": ("cuda", "render"), "cuda+render": ("cuda", "render"),
+    "nvdec": ("nvdec", "nvdec"), "nvdec+nvdec": ("nvdec", "nvdec"),
 }
 DEFAULT_PAIRS = "cuda3:1,render1:1,render3:1,mixed1:1,mixed1:3"
 RUN_OVERHEAD_S = 3.0  # per run, beyond warmup + seconds: process exit, reading reports
@@ -958,6 +960,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   cuda3:1      CUDA matmuls + CUDA matmuls, weights 3:1         (contend)
   render1:1    EGL render + EGL render, 1:1 (also render3:1)     (contend)
   mixed1:3     CUDA (weight 1) + EGL render (weight 3)           (overlap on the H200)
+  nvdec1:1     NVDEC decode + NVDEC decode (examples/04_nvdec_decode.py)  (contend)
   default: {DEFAULT_PAIRS}
 
 time: every run takes about warmup + seconds (+ ~3 s), runs under unisched --unisched-warmup + seconds
@@ -1008,6 +1011,8 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                              "window arguments are appended), e.g. a CPU stand-in for testing")
     parser.add_argument("--workload-cmd-render", default=None, metavar="CMD",
                         help="command replacing examples/workloads/egl_render.py (as above)")
+    parser.add_argument("--workload-cmd-nvdec", default=None, metavar="CMD",
+                        help="command replacing examples/04_nvdec_decode.py (as above)")
     parser.add_argument("--unisched-module", default="unisched",
                         help="module run as `python -m MODULE serve|status|run|tenants` (default: "
                              "unisched; another module lets the orchestration be tested against a fake)")
@@ -1031,6 +1036,8 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                              "--workload-cmd-cuda 'python3 examples/02_pytorch_training.py') (default: kernel)")
     parser.add_argument("--overhead", action="store_true",
                         help="also run each kind alone under unisched (weight 100) and report the throughput lost")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="with --overhead: only the alone runs and the alone runs under unisched (no pairs)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run everything N times, each round against its own solo runs (and its own "
                              "calibration with --calibrate-out), into OUT/round-K/; OUT/results.md gives each "
@@ -1047,6 +1054,8 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
         parser.error(str(exc))
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.overhead_only and (not args.overhead or args.no_unisched):
+        parser.error("--overhead-only needs --overhead (and the daemon: not --no-unisched)")
     if args.seconds <= 0 or args.warmup < 0 or args.unisched_warmup < 0 or args.slice_ms <= 0:
         parser.error("--seconds and --slice-ms must be positive, --warmup and --unisched-warmup not negative")
     if args.calibrate_out is not None and ("cuda", "render") not in kind_pairs(args.pair_list):
@@ -1057,7 +1066,7 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
 
 def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path | None, dry_run: bool,
                workload_cmd_cuda: str | None, workload_cmd_render: str | None,
-               unisched_warmup: float | None = None, slice_ms: float = 50.0,
+               workload_cmd_nvdec: str | None = None, unisched_warmup: float | None = None, slice_ms: float = 50.0,
                unisched_module: str = "unisched", prefix: str = "gpu_pairs-") -> Config:
     """A Config from option values (gpu_pairs' own, or another script's)."""
     if work_dir is None:
@@ -1065,7 +1074,7 @@ def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path 
                     else Path(tempfile.mkdtemp(prefix=prefix)))
     if not dry_run:
         work_dir.mkdir(parents=True, exist_ok=True)
-    custom = {"cuda": workload_cmd_cuda, "render": workload_cmd_render}
+    custom = {"cuda": workload_cmd_cuda, "render": workload_cmd_render, "nvdec": workload_cmd_nvdec}
     cmds = {k: shlex.split(c) if c else [sys.executable, str(WORKLOADS[k])] for k, c in custom.items()}
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -1081,7 +1090,7 @@ def make_config(args: argparse.Namespace) -> Config:
     cfg = new_config(seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
                      grace_s=args.grace, work_dir=args.work_dir, dry_run=args.dry_run,
                      workload_cmd_cuda=args.workload_cmd_cuda, workload_cmd_render=args.workload_cmd_render,
-                     slice_ms=args.slice_ms, unisched_module=args.unisched_module)
+                     workload_cmd_nvdec=args.workload_cmd_nvdec, slice_ms=args.slice_ms, unisched_module=args.unisched_module)
     return dataclasses.replace(cfg, engine=args.engine, serve_args=tuple(args.serve_arg))
 
 
@@ -1226,7 +1235,7 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
         if not group.ok:
             failed_kinds.add(kind)
 
-    for kinds in kind_pairs(pairs):
+    for kinds in [] if args.overhead_only else kind_pairs(pairs):
         key = "+".join(kinds)
         if skip(f"no scheduler: {key}", kinds):
             continue
@@ -1256,7 +1265,7 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
         results["errors"].append("contention calibration not written: the no-scheduler cuda+render run did not run")
         save(out, results)
 
-    if unisched_on:
+    if unisched_on and not args.overhead_only:
         for n, pair in enumerate(pairs):
             if skip(f"unisched: {pair.key}", pair.kinds, daemon=True):
                 continue

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Plot committed gpu_pairs runs: normalized throughput against the weights, and each unisched run's shares over time.
 
-Why: bench/scenarios.py plots the pairs it runs, but the rounds of bench/h200_rounds.sh (gpu_pairs --repeat) wrote
-tables only; the README links plots of the latest runs. Reads each folder's results.json (a gpu_pairs --out folder,
-or a rounds folder, whose round-K/ subfolders are plotted) and writes PNGs under its plots/. Needs matplotlib.
+Why: bench/scenarios.py plots the pairs it runs, but gpu_pairs itself (--repeat rounds too) writes tables only.
+Reads each folder's results.json (a gpu_pairs --out folder, or a rounds folder, whose round-K/ subfolders are
+plotted) and writes PNGs under its plots/. Needs matplotlib.
 
     python3 bench/plot_pairs.py bench/results/2026-12-01-h200-g/call-d-kernel-matmul/rounds-kernel-matmul
 """

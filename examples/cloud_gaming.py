@@ -491,6 +491,14 @@ def unisched_argv(python: str, socket: str, *args: str) -> list[str]:
     return [python, "-m", "unisched", args[0], "--socket", socket, *args[1:]]
 
 
+def weight_of(args: argparse.Namespace, index: int) -> int:
+    """Instance `index`'s weight: its group's with --weights (round robin, times 100), else --weight."""
+    if not args.weights:
+        return int(args.weight)
+    groups = [int(w) for w in str(args.weights).split(",")]
+    return 100 * groups[index % len(groups)]
+
+
 def run_argv(python: str, socket: str, tenant: str, weight: int, engines: str, cmd: Sequence[str]) -> list[str]:
     """`unisched run`: the command starts in the tenant's own cgroup, behind the session hooks."""
     return unisched_argv(python, socket, "run", "--tenant", tenant, "--weight", str(weight), "--engines", engines,
@@ -666,7 +674,7 @@ def orchestrate(args: argparse.Namespace,
             report.unlink(missing_ok=True)
             argv = make_argv(args, i, start_at, report)
             if socket:
-                argv = run_argv(sys.executable, socket, str(names[i]), args.weight, args.engines, argv)
+                argv = run_argv(sys.executable, socket, str(names[i]), weight_of(args, i), args.engines, argv)
             with open(log, "wb") as f:
                 proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                         start_new_session=True)  # Ctrl-C reaches only us; we stop them
@@ -736,7 +744,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         got = r or {"fps_mean": 0.0, "fps_min": 0.0, "frames": 0}  # a player that reported nothing showed nothing
         row = daemon_row(final, c.tenant)
         entry: dict[str, Any] = {
-            "index": c.index, "tenant": c.tenant, "rc": rc,
+            "index": c.index, "tenant": c.tenant, "rc": rc, "weight": weight_of(args, c.index),
             **{k: got.get(k) for k in ("pid", "fps_mean", "fps_min", "fps_1pct_low", "frame_time_p99_ms", "frames",
                                        "encoder", "skipped_slots", "stage_ms", "timeline")},
             "late_s": (got.get("window") or {}).get("late_s"),
@@ -925,6 +933,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run each player as a tenant of the daemon on PATH (default: no scheduler)")
     u.add_argument("--memory-cap", default=None, metavar="SIZE", help="GPU memory cap per tenant, e.g. 4GiB")
     u.add_argument("--weight", type=int, default=100, help="every tenant's weight (default 100)")
+    u.add_argument("--weights", default=None, metavar="A,B,...",
+                   help="weight groups instead: instance i gets weight 100 * the (i mod count)-th of these, e.g. 1,2,4 "
+                        "(the benchmark's groups); the report gives each instance's weight")
     u.add_argument("--engines", default="graphics,encode", help="engines declared per tenant (default graphics,encode)")
     u.add_argument("--tenant-prefix", default="cg-", help="tenant names are PREFIX<i> (default cg-)")
     u.add_argument("--daemon-poll", type=float, default=2.0,
@@ -933,6 +944,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.width <= 0 or args.height <= 0 or args.width % 2 or args.height % 2:
         ap.error("--width and --height must be positive and even (H.264 4:2:0)")
+    if args.weights and not all(w.isdigit() and int(w) > 0 for w in args.weights.split(",")):
+        ap.error(f"--weights {args.weights!r}: positive integers separated by commas, e.g. 1,2,4")
     if args.fps < 0 or args.iterations < 1 or args.seconds <= 0 or args.instances < 1 or args.hog_mib < 0:
         ap.error("--fps >= 0, --iterations >= 1, --seconds > 0, --instances >= 1 and --hog-mib >= 0 please")
     if args.role == "orchestrator":

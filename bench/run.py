@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""One runner for every benchmark suite: rounds, every round kept, verdicts computed by code.
+
+  python3 bench/run.py --list                          what each suite measures, its targets, about how long
+  python3 bench/run.py SUITE [--rounds N] [--out DIR]  run it; results in DIR/SUITE/ (summary.json, report.md)
+  python3 bench/run.py SUITE --dry-run                 the commands of a round, nothing run
+  python3 bench/run.py SUITE --cpu-standin             where the suite has them: CPU stand-ins, no GPU
+  python3 bench/run.py SUITE -- --seconds 20           words after `--` go to every command of a round
+  python3 bench/run.py --table                         the README's results table, from the latest summaries
+  python3 bench/run.py --update-readme README.md       write that table between the README's markers
+
+DIR defaults to bench/results/<date>-<gpu>-<commit>/. A round runs the suite's command(s) once, each with its own
+alone / no-scheduler references where the suite has them; rounds already in DIR/SUITE/summary.json (an earlier call
+with the same --out, on the same commit) are kept and count towards --rounds, so a suite longer than one device call
+runs as several calls. --budget S stops before a round that would end after S seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import summary as sm
+from _daemon import ROOT, bench_env, start_daemon
+from suites import BY_NAME, SUITES, Step, Suite
+from verdicts import Verdict
+
+
+def list_suites() -> str:
+    out = []
+    for s in SUITES:
+        need = "needs an NVIDIA GPU" + ("; --cpu-standin runs CPU stand-ins" if s.standin else "") if s.needs_gpu \
+            else "CPU only"
+        out += [f"{s.name}: {s.measures}", f"  about {s.round_minutes:g} min a round on the H200, at least "
+                f"{s.rounds} rounds; {need}"]
+        out += [f"  target: {t.text}" for t in s.targets] or ["  target: none in the issue (reported as measured)"]
+        out.append("")
+    return "\n".join(out)
+
+
+def has_gpu() -> bool:
+    return bool(sm.gpus())
+
+
+def expand(step: Step, out: Path, sock: str | None, extra: list[str]) -> list[str]:
+    """A step's words with {py}, {out} and {socket} filled in, and the words after `--` appended."""
+    fill = {"{py}": sys.executable, "{out}": str(out), "{socket}": sock or "{socket}"}
+    argv = []
+    for word in step.argv:
+        for key, value in fill.items():
+            word = word.replace(key, value)
+        argv.append(word)
+    return [*argv, *extra]
+
+
+def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[str, Any]:
+    """One command, with a fresh daemon when it asks for one; its output to folder/step.log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    daemon, sock, work = None, None, None
+    if step.serve is not None:
+        work = Path(tempfile.mkdtemp(prefix=f"run-{step.name}-"))
+        daemon, sock = start_daemon(work, *step.serve)
+    argv = expand(step, folder, sock, extra)
+    try:
+        with (log_to / f"{step.name}.log").open("wb") as log:
+            proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=bench_env(),
+                                  timeout=step.timeout_s, check=False)
+        rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+            shutil.copy(work / "daemon.log", log_to / f"{step.name}-daemon.log")  # type: ignore[operator]
+            shutil.rmtree(work, ignore_errors=True)  # type: ignore[arg-type]
+    return {"name": step.name, "argv": argv, "rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra: list[str]) -> dict[str, Any]:
+    raw = folder / sm.RAW / f"round-{k}"
+    if raw.exists():
+        shutil.rmtree(raw)  # a round cut short earlier: it is run again whole
+    raw.mkdir(parents=True)
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    ran = []
+    for step in steps:
+        print(f"run {suite.name}: round {k}: {step.name}", file=sys.stderr, flush=True)
+        ran.append(run_step(step, raw / step.name, extra, raw))
+    cases, notes = suite.read(raw)
+    return {"round": k, "date_utc": date, "steps": ran, "cases": cases, "notes": notes}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("suite", nargs="?", choices=[s.name for s in SUITES], help="the suite to run (see --list)")
+    ap.add_argument("--list", action="store_true", help="what each suite measures, its targets, how long it takes")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds in the folder at the end (default: the suite's least)")
+    ap.add_argument("--out", type=Path, default=None, help="the run folder (default bench/results/<date>-<gpu>-<commit>)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands of a round and the time, run nothing")
+    ap.add_argument("--cpu-standin", action="store_true", help="run the suite's CPU stand-ins (no GPU; not a result)")
+    ap.add_argument("--commit", default=None, metavar="SHA",
+                    help="the commit measured, where the tree has no git metadata (a copy on the GPU machine)")
+    ap.add_argument("--budget", type=float, default=None, metavar="S",
+                    help="start no round that would end after S seconds (by the suite's estimate)")
+    ap.add_argument("--table", action="store_true", help="print the README's results table")
+    ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
+                    help="write the results table between FILE's markers")
+    args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if not (args.list or args.table or args.update_readme or args.suite):
+        ap.error("name a suite, or --list, --table or --update-readme")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(argv)
+    args.argv = argv
+    if args.list:
+        print(list_suites(), end="")
+        return 0
+    if args.table:
+        print(sm.results_table(), end="")
+        return 0
+    if args.update_readme is not None:
+        text = args.update_readme.read_text()
+        if sm.readme_table(text) is None:
+            print(f"run.py: {args.update_readme} has no {sm.README_BEGIN} ... {sm.README_END} markers", file=sys.stderr)
+            return 2
+        args.update_readme.write_text(sm.with_table(text, sm.results_table(link_from=args.update_readme.resolve().parent)))
+        return 0
+    return run_suite(BY_NAME[args.suite], args, extra)
+
+
+def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
+    if args.cpu_standin and suite.standin is None:
+        print(f"run.py: suite {suite.name} has no CPU stand-ins", file=sys.stderr)
+        return 2
+    steps = suite.standin if args.cpu_standin and suite.standin else suite.steps
+    rounds = args.rounds or suite.rounds
+    if args.dry_run:
+        print(f"{suite.name}: {rounds} rounds, about {rounds * suite.round_minutes:g} min on the H200"
+              + (" (CPU stand-ins)" if args.cpu_standin else "") + "; each round runs:")
+        for step in steps:
+            daemon = " (under a fresh `unisched serve`)" if step.serve is not None else ""
+            print(f"  {shlex.join(expand(step, Path('RAW') / step.name, 'SOCKET', extra))}{daemon}")
+        return 0
+    if suite.needs_gpu and not args.cpu_standin and not has_gpu():
+        hint = "; `--cpu-standin` runs its CPU stand-ins" if suite.standin else ""
+        print(f"run.py: suite {suite.name} needs an NVIDIA GPU (nvidia-smi lists none){hint}", file=sys.stderr)
+        return 2
+    mach, head = sm.machine(), sm.commit()
+    if args.commit:
+        head = {"commit": args.commit, "dirty": None}
+    elif head["commit"] == "unknown":
+        print("run.py: no git metadata here: name the commit measured with --commit SHA", file=sys.stderr)
+        return 2
+    folder = (args.out or sm.run_folder(mach, head, args.cpu_standin)) / suite.name
+    before = sm.load(folder)
+    if before is not None and before.get("commit") != head["commit"]:
+        print(f"run.py: {folder} holds rounds of commit {before.get('commit')}, not {head['commit']}: "
+              "give another --out", file=sys.stderr)
+        return 2
+    done: list[dict[str, Any]] = list(before["rounds"]) if before else []
+    sm.unpack_raw(folder)
+    meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
+            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
+    t0 = time.monotonic()
+    while len(done) < rounds:
+        if args.budget is not None and time.monotonic() - t0 + 60 * suite.round_minutes > args.budget:
+            print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
+                  f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
+            break
+        done.append(run_round(suite, steps, len(done) + 1, folder, extra))
+        sm.write(folder, sm.build(suite, done, meta))
+    result = sm.build(suite, done, meta)
+    result["raw"] = sm.archive_raw(folder)
+    result["plots"] = sm.plot(folder, result)
+    sm.write(folder, result)
+    print(f"run {suite.name}: {folder / sm.REPORT}", file=sys.stderr)
+    for v in result["verdicts"]:
+        print(f"{v['case']}: {v['target']}: {Verdict(**v).label()}")
+    return 0 if result["passed"] is not False else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The benchmark suites of bench/run.py: per suite, the command(s) of one round, how their output becomes that round's
+cases and metrics, and the targets (issue 28's table). Declarations only: each script keeps its own logic.
+
+A command's words may hold {py} (this Python), {out} (the step's raw folder, fresh per round) and {socket} (the
+socket of a fresh `unisched serve` started for that step alone, when the step names serve arguments). A reader
+gets the round's raw folder (one sub-folder per step, by its name) and returns {case: {metric: value}} and notes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verdicts import Target
+
+Cases = dict[str, dict[str, Any]]
+Reader = Callable[[Path], tuple[Cases, list[str]]]
+STANDIN = "{py} bench/cpu_standin.py --pin-cpu 0 --kind"
+"""The CPU stand-in workload: pinned to CPU 0, which the daemon's --cpu-stand-in reads as GPU 0's busy time."""
+STANDIN_SERVE = ("--serve-arg=--cpu-stand-in", "--serve-arg=--saturated-util", "--serve-arg=0")
+"""A stand-in daemon slices always: the host's own processes keep CPU 0 from ever reading saturated."""
+TRAIN = "{py} examples/02_pytorch_training.py --model resnet50"
+RENDER = "{py} examples/03_egl_render.py"
+RENDER_ITERATIONS = "447"  # about 36 FPS alone on the H200, as gpu_pairs' calibration found: the overlap pairs' render
+CLOUD_SIZES = (12, 24, 36, 48)
+"""Instances per cloud-gaming run, in weight groups 1:2:4 (multiples of 3): 16 at 60 FPS did not saturate the H200
+with no scheduler, so the sweep starts below and goes well past it."""
+CLOUD_WEIGHTS = "1,2,4"
+CLOUD_SATURATED = 0.95
+"""A cloud run with no scheduler saturates the GPU when its players' mean FPS is below this fraction of their pace."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a round; `serve` (arguments of `unisched serve`) starts a fresh daemon for it."""
+
+    name: str
+    argv: tuple[str, ...]
+    serve: tuple[str, ...] | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    measures: str
+    round_minutes: float  # one round on the H200, about
+    needs_gpu: bool
+    steps: tuple[Step, ...]
+    read: Reader
+    targets: tuple[Target, ...] = ()
+    standin: tuple[Step, ...] | None = None  # the same round with CPU stand-ins, where the scripts have them
+    rounds: int = 3  # the issue's least: 3 rounds, 5 for overhead and online
+
+
+def words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+def step_folder(folder: Path) -> Path:
+    """The raw folder of a one-command round (its only sub-folder), for the readers of such suites."""
+    subs = [p for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+    return subs[0] if len(subs) == 1 else folder
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ------------------------------------------------------------------------------------------------ readers
+
+
+def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
+    """bench/gpu_pairs.py's results.json: per pair under unisched, its normalized rates, error, sum, guarantee and
+    the no-scheduler sum beside it; per kind alone under unisched (--overhead), the throughput lost."""
+    data = _json(step_folder(folder) / "results.json")
+    cases: Cases = {}
+    for d in data.get("pairs", []):
+        us, ns = d.get("unisched") or {}, d.get("no_scheduler") or {}
+        if not us and not ns:
+            continue
+        m: dict[str, Any] = {"contending": d.get("contending"), "alone_a": d["solo"][0], "alone_b": d["solo"][1],
+                             "no_scheduler_sum": ns.get("efficiency")}
+        if us:
+            m.update(normalized_a=us["normalized"][0], normalized_b=us["normalized"][1], error_pts=us["error_pts"],
+                     sum=us["efficiency"], guarantee=us["guarantee"])
+            if ns:
+                m["sum_vs_no_scheduler"] = us["efficiency"] - ns["efficiency"]
+        cases[d["pair"]] = m
+    for kind, o in (data.get("overhead") or {}).items():
+        cases[f"{kind} alone"] = {"alone": o.get("alone"), "under_daemon": o.get("alone_under_unisched"),
+                                  "loss": o.get("loss")}
+    return cases, [*data.get("errors", []), *data.get("warnings", [])]
+
+
+def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
+    data = _json(step_folder(folder) / "results.json")
+    cases: Cases = {}
+    for key, runs in (data.get("runs") or {}).items():
+        r = runs[-1]
+        cases[key] = {"normalized_a": r["normalized"][0], "normalized_b": r["normalized"][1],
+                      "error_pts": r["error_pts"], "sum": r["sum"], "guarantee": r["guarantee"]}
+    for k, solo in enumerate(data.get("solo") or []):
+        cases.setdefault("alone", {}).update({f"{m} (round {k + 1})": v for m, v in solo.items()})
+    return cases, []
+
+
+def read_online(folder: Path) -> tuple[Cases, list[str]]:
+    """scenarios.py's online results: per batch and setup, p99 / alone, the top of that ratio's 90% interval and the
+    trainer's rate kept against its own alone run."""
+    online = ((_json(step_folder(folder) / "results.json").get("scenarios") or {}).get("online") or {})
+    cases: Cases = {}
+    for batch, runs in (online.get("batches") or {}).items():
+        for rnd in ((runs.get("derived") or {}).get("per_round") or [])[:1]:
+            for setup, s in (rnd.get("setups") or {}).items():
+                bounds = s.get("p99_x_bounds") or [None, None]
+                cases[f"b{batch} {setup}"] = {"p99_ms": s.get("p99_ms"), "alone_p99_ms": rnd.get("alone_p99_ms"),
+                                              "p99_x_alone": s.get("p99_x_alone"), "p99_x_top": bounds[1],
+                                              "trainer_kept": s.get("offline_kept")}
+    errors = [f"{b} {k}: {v['error']}" for b, runs in (online.get("batches") or {}).items()
+              for k, v in runs.items() if isinstance(v, dict) and v.get("error")]
+    return cases, errors
+
+
+def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
+    """One size of the cloud sweep: whether the no-scheduler run saturated, how far the players under the daemon are
+    from FPS proportional to weight (largest |fps_i / (w_i * sum fps / sum w) - 1|), and the players' 1% low over
+    their mean FPS (median) under the daemon less the same with no scheduler."""
+    per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
+    pace = float(alone.get("fps_target") or shared.get("fps_target") or 60.0)
+    out: dict[str, Any] = {"fps_no_scheduler": alone.get("fps_mean_all"), "fps_unisched": shared.get("fps_mean_all"),
+                           "saturated": bool(alone) and float(alone.get("fps_mean_all") or 0.0) < CLOUD_SATURATED * pace}
+    fps = [float(e.get("fps_mean") or 0.0) for e in per]
+    weights = [float(e.get("weight") or 1.0) for e in per]
+    if fps and sum(fps) > 0:
+        k = sum(fps) / sum(weights)
+        out["weight_error"] = max(abs(f / (w * k) - 1.0) for f, w in zip(fps, weights, strict=True))
+
+    def lows(entries: list[dict[str, Any]]) -> float | None:
+        got = [e["fps_1pct_low"] / e["fps_mean"] for e in entries if e.get("fps_1pct_low") and e.get("fps_mean")]
+        return statistics.median(got) if got else None
+
+    a, b = lows(per), lows(base)
+    out["lows_vs_no_scheduler"] = None if a is None or b is None else a - b
+    return out
+
+
+def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
+    cases: Cases = {}
+    notes: list[str] = []
+    for n in CLOUD_SIZES:
+        shared, alone = _json(folder / f"unisched-{n}" / "report.json"), _json(folder / f"no-scheduler-{n}" / "report.json")
+        if shared or alone:
+            cases[f"N={n}"] = cloud_metrics(shared, alone)
+            notes += [str(e.get("error", e)) if isinstance(e, dict) else str(e)
+                      for e in [*shared.get("errors", []), *alone.get("errors", [])]]
+    return cases, notes
+
+
+def read_ad_sim(folder: Path) -> tuple[Cases, list[str]]:
+    cases: Cases = {}
+    for step in ("sequential", "colocated", "unisched-1-1"):
+        r = _json(folder / step / "report.json")
+        if r:
+            e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
+            cases[step] = {"fps_end_to_end": r.get("fps_end_to_end"), "e2e_p50_ms": e2e.get("p50"),
+                           "e2e_p99_ms": e2e.get("p99")}
+    return cases, []
+
+
+def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
+    cases: Cases = {}
+    for kind, ms in (_json(folder / "startup" / "results.json").get("added_ms_median") or {}).items():
+        cases[f"{kind} start-up"] = {"added_ms": ms}
+    after = ((_json(folder / "answer" / "results.json").get("results") or {}).get("after") or {}).get("idle") or {}
+    for kind, c in (after.get("contexts") or {}).items():
+        cases[f"{kind} context, answer cost"] = {"added_ms_p50": c.get("added_ms_p50"),
+                                                  "added_ms_p90": c.get("added_ms_p90")}
+    return cases, []
+
+
+def read_leases(folder: Path) -> tuple[Cases, list[str]]:
+    cases: Cases = {}
+    for step, case in (("rtt", "round trip, 1 tenant"), ("load", "1000 tenants")):
+        r = _json(folder / step / "results.json")
+        if r:
+            rtt = r.get("rtt_ms") or {}
+            cases[case] = {"tenants": r.get("tenants"), "p50_ms": rtt.get("p50"), "p99_ms": rtt.get("p99"),
+                           "daemon_cpu_cores": r.get("daemon_cpu_cores"), "streams_lost": r.get("streams_lost")}
+    return cases, []
+
+
+def read_memory(folder: Path) -> tuple[Cases, list[str]]:
+    log = folder / "memory" / "test_gpu_memory.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", text.splitlines()[-1] if text else "")}
+    cost = _json(folder / "memory" / "memory_hook_cost.json")
+    m: dict[str, Any] = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+                         "tests_pass": bool(text) and counts.get("passed", 0) > 0 and not counts.get("failed")
+                         and not counts.get("error") and not counts.get("errors")}
+    m.update({k: v for k, v in cost.items() if isinstance(v, int | float)})
+    return {"tests/test_gpu_memory.py": m}, []
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+PAIR_TARGETS = (
+    Target("error, median round", "error_pts", "median", "<=", 1.0, "error <= 1 point in the median round", " pts"),
+    Target("error, worst round", "error_pts", "worst", "<=", 2.0, "error <= 2 points in the worst round", " pts"),
+    Target("sum", "sum", "worst", ">=", 0.98, "sum of normalized rates >= 0.98 in every round"),
+    Target("guarantee", "guarantee", "every", ">=", 1.0, "each side >= its weight share - 0.02 in every round"),
+)
+OVERLAP_TARGETS = (
+    Target("guarantee", "guarantee", "every", ">=", 1.0, "each side >= its weight share - 0.02 in every round"),
+    Target("sum vs no scheduler", "sum_vs_no_scheduler", "worst", ">=", -0.02,
+           "sum >= the same round's no-scheduler sum - 0.02"),
+)
+OVERHEAD_TARGETS = (
+    Target("loss", "loss", "median", "<=", 0.01, "throughput lost under the daemon <= 1% (median round)", "%", 100.0),
+    Target("loss interval", "loss", "inside", "<=", 0.02, "the loss's 90% interval inside +-2%", "%", 100.0),
+)
+ONLINE_TARGETS = (
+    Target("p99", "p99_x_alone", "worst", "<=", 1.05, "online p99 <= 1.05x alone", "x"),
+    Target("p99 interval", "p99_x_top", "worst", "<=", 1.10, "top of the p99 ratio's 90% interval <= 1.10", "x"),
+    Target("trainer kept", "trainer_kept", "worst", ">=", 0.85, "the trainer keeps >= 0.85 of its rate alone"),
+)
+CLOUD_TARGETS = (
+    Target("FPS by weight", "weight_error", "worst", "<=", 0.05, "per-instance FPS proportional to weight within 5%",
+           "%", 100.0, applies=lambda m: m.get("saturated") is True),
+    Target("1% lows", "lows_vs_no_scheduler", "worst", ">=", 0.0, "1% lows (over mean FPS) no worse than no scheduler",
+           applies=lambda m: m.get("saturated") is True),
+)
+HOOK_TARGETS = (Target("start-up", "added_ms", "interval", "<", 10.0, "the hooks add < 10 ms to a context's start-up, "
+                       "by the top of its 90% interval", " ms"),)
+LEASE_TARGETS = (Target("round trip p99", "p99_ms", "worst", "<=", 0.5, "lease renewal round trip p99 <= 0.5 ms", " ms",
+                        applies=lambda m: m.get("tenants") == 1),)
+MEMORY_TARGETS = (Target("tests", "tests_pass", "every", ">=", 1.0, "tests/test_gpu_memory.py passes on the GPU"),)
+
+
+# ------------------------------------------------------------------------------------------------ suites
+
+PAIRS = "cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1,nvdec1:3"
+
+
+def cloud_steps() -> tuple[Step, ...]:
+    steps: list[Step] = []
+    for n in CLOUD_SIZES:
+        common = f"{{py}} examples/cloud_gaming.py --instances {n} --weights {CLOUD_WEIGHTS} --out {{out}}/players " \
+                 "--report {out}/report.json"
+        steps.append(Step(f"no-scheduler-{n}", words(common)))
+        steps.append(Step(f"unisched-{n}", (*words(common), "--unisched-socket", "{socket}"), serve=()))
+    return tuple(steps)
+
+
+SUITES: tuple[Suite, ...] = (
+    Suite("pairs", "contending pairs CUDA+CUDA, render+render and NVDEC+NVDEC at 1:1, 3:1 and 1:3 under the kernel "
+          "engine, each round with its own alone and no-scheduler runs (bench/gpu_pairs.py)", 7.5, True,
+          (Step("pairs", words(f"{{py}} bench/gpu_pairs.py --out {{out}} --pairs {PAIRS} --seconds 15 "
+                               "--unisched-warmup 12")),),
+          read_gpu_pairs, PAIR_TARGETS,
+          standin=(Step("pairs", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,cuda3:1,cuda1:3 "
+                                         "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
+                                         "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),)),
+    Suite("mixed", "a cooperative client beside an unmodified app and two clients, at 1:1, 3:1 and 1:3 "
+          "(bench/mixed_engines.py, its own alone runs per round)", 8.0, True,
+          (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --rounds 1")),), read_mixed_engines, PAIR_TARGETS),
+    Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which the H200 overlaps in hardware: "
+          "the guarantee, and the overlap kept against no scheduler (bench/gpu_pairs.py)", 5.0, True,
+          (Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1,mixed1:3 "
+                                   f"--render-iterations {RENDER_ITERATIONS} --workload-cmd-cuda"), TRAIN,
+                            "--workload-cmd-render", RENDER)),),
+          read_gpu_pairs, OVERLAP_TARGETS,
+          standin=(Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1 "
+                                           "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
+                                           "--workload-cmd-cuda"), f"{STANDIN} cuda", "--workload-cmd-render",
+                                    "{py} bench/cpu_standin.py --pin-cpu 1 --kind render", *STANDIN_SERVE)),)),
+    Suite("overhead", "CUDA and render each alone, without and with the daemon, back to back in every round "
+          "(bench/gpu_pairs.py --overhead --overhead-only)", 2.5, True,
+          (Step("overhead", words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,render1:1 --overhead "
+                                  "--overhead-only")),),
+          read_gpu_pairs, OVERHEAD_TARGETS,
+          standin=(Step("overhead", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1 --overhead "
+                                            "--overhead-only --render-fps 0 --seconds 5 --warmup 1 "
+                                            "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),),
+          rounds=5),
+    Suite("online", "ResNet-50 requests (b1, b8) at 20/s beside ResNet-50 training, under `unisched run` (kernel) and "
+          "as clients (user), in preemptive mode, against alone runs without the daemon (bench/scenarios.py online)",
+          5.5, True,
+          (Step("online", words("{py} bench/scenarios.py --out {out} --scenarios online --online-batches 1,8 "
+                                "--online-setups kernel,user")),),
+          read_online, ONLINE_TARGETS, rounds=5),
+    Suite("cloud-gaming", f"game-streaming players (render + read-back + encode, 60 FPS pace) in weight groups 1:2:4, "
+          f"N = {', '.join(map(str, CLOUD_SIZES))}, with no scheduler and under the daemon "
+          "(examples/cloud_gaming.py); targets where no scheduler saturates", 8.0, True, cloud_steps(),
+          read_cloud, CLOUD_TARGETS),
+    Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
+          "one after another, co-located with no scheduler and under the daemon at 1:1; no target in the issue",
+          2.0, True,
+          (Step("sequential", words("{py} examples/ad_sim.py --mode sequential --report {out}/report.json")),
+           Step("colocated", words("{py} examples/ad_sim.py --mode colocated --report {out}/report.json")),
+           Step("unisched-1-1", words("{py} examples/ad_sim.py --mode colocated --weights 1:1 --report "
+                                      "{out}/report.json --unisched-socket {socket}"), serve=())),
+          read_ad_sim),
+    Suite("hooks", "the session hooks: what they add to a CUDA and an EGL context's start-up (bench/hook_startup.py), "
+          "and the per-call answer cost with an idle loop (bench/hook_answer.py)", 2.0, True,
+          (Step("startup", words("{py} bench/hook_startup.py --out {out}")),
+           Step("answer", words("{py} bench/hook_answer.py --loads idle --out {out}"))),
+          read_hooks, HOOK_TARGETS),
+    Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, and 1000 tenants renewing every 100 ms "
+          "(bench/lease_load.py; CPU only, no GPU needed)", 1.5, False,
+          (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
+           Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --out {out}"))),
+          read_leases, LEASE_TARGETS),
+    Suite("memory", "GPU memory accounting and refusal at the allocation: bench/gpu_memory.sh (the RM-call probe, then "
+          "tests/test_gpu_memory.py on the GPU)", 5.0, True,
+          (Step("memory", ("env", "OUT={out}", "bash", "bench/gpu_memory.sh")),), read_memory, MEMORY_TARGETS),
+)
+BY_NAME = {s.name: s for s in SUITES}

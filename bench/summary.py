@@ -1,0 +1,300 @@
+"""What a bench/run.py run writes, and the README's results table built from it.
+
+Per suite, bench/results/<date>-<gpu>-<commit>/<suite>/ holds summary.json (the command, machine, driver, commit,
+date; every round's cases and metrics; median, worst and interval per metric; the verdict per target, computed by
+bench/verdicts.py), report.md (the same for reading), plots/ (when matplotlib is there) and raw.tar.xz (the scripts'
+own outputs, at most RAW_ARCHIVE_MAX bytes). The README's at-a-glance table is `results_table()` of the latest summary
+of each suite, between the markers README_BEGIN and README_END.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from suites import SUITES, Suite
+from verdicts import Verdict, judge_all, overall, stats_of
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+SUMMARY, REPORT, RAW, ARCHIVE = "summary.json", "report.md", "raw", "raw.tar.xz"
+RAW_ARCHIVE_MAX = 1_000_000
+"""Raw logs are not committed: at most one compressed archive of 1 MB per suite run, its largest files left out first."""
+README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
+NOT_MEASURED = "not measured on this code yet"
+
+
+# ------------------------------------------------------------------------------------------------ provenance
+
+
+def _cmd(*argv: str) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def gpus() -> list[dict[str, str]]:
+    """Every GPU nvidia-smi lists (name, driver); empty without one."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    out = _cmd("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader")
+    return [{"name": n.strip(), "driver": d.strip()} for n, _, d in (line.rpartition(",") for line in out.splitlines())
+            if n.strip()]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    found = gpus()
+    return {"host": platform.node(), "cpu": cpu_model(), "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "gpus": found,
+            "gpu": found[0]["name"] if found else None, "driver": found[0]["driver"] if found else None}
+
+
+def commit() -> dict[str, Any]:
+    head = _cmd("git", "rev-parse", "HEAD")
+    dirty = bool(_cmd("git", "status", "--porcelain", "--untracked-files=no"))
+    return {"commit": head or "unknown", "dirty": dirty}
+
+
+def gpu_slug(name: str | None, standin: bool) -> str:
+    """'NVIDIA H200' -> 'h200'; CPU stand-in runs are 'cpu'."""
+    if standin or not name:
+        return "cpu"
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w != "nvidia"]
+    return "-".join(words) or "gpu"
+
+
+def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: dt.datetime | None = None) -> Path:
+    """bench/results/<date>-<gpu>-<commit>: one folder per machine and commit a day; suites go under it."""
+    day = (when or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%d")
+    return RESULTS / f"{day}-{gpu_slug(mach.get('gpu'), standin)}-{head['commit'][:7]}"
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def build(suite: Suite, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's content from the rounds (each: round, steps, cases, notes), verdicts recomputed from all."""
+    cases = [r["cases"] for r in rounds]
+    verdicts = judge_all(suite.targets, cases)
+    return {**meta, "suite": suite.name, "measures": suite.measures,
+            "targets": [{"name": t.name, "text": t.text, "metric": t.metric, "stat": t.stat, "op": t.op,
+                         "limit": t.limit} for t in suite.targets],
+            "rounds": rounds, "stats": stats_of(cases), "verdicts": [v.to_json() for v in verdicts],
+            "passed": overall(verdicts) if suite.targets else None}
+
+
+def finite(obj: Any) -> Any:
+    """NaN and infinities as null: summary.json stays strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write(folder: Path, summary: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in ((SUMMARY, json.dumps(finite(summary), indent=1) + "\n"), (REPORT, report_md(summary))):
+        tmp = folder / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(folder / name)
+
+
+def load(folder: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((folder / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _num(x: Any) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return "n/a" if x is None else str(x)
+
+
+def report_md(s: dict[str, Any]) -> str:
+    m = s["machine"]
+    gpu = ", ".join(f"{g['name']} (driver {g['driver']})" for g in m.get("gpus") or []) or "none"
+    lines = [f"# {s['suite']}", "", s["measures"], "",
+             f"Command: `{s['command']}`  ", f"Date (UTC): {s['date_utc']}  ",
+             f"Commit: {s['commit']}{' (with uncommitted changes)' if s.get('dirty') else ''}  ",
+             f"Machine: {m['host']}; {m['cpu']}, {m['cores']} cores; GPU: {gpu}; kernel {m['kernel']}  ",
+             f"Rounds: {len(s['rounds'])}" + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
+    if s["targets"]:
+        verdict = {True: "**all targets met**", False: "**targets missed**", None: "**not settled**"}[s["passed"]]
+        lines += [f"Verdict: {verdict}", "", "| case | target | value | verdict |", "|---|---|---|---|"]
+        lines += [f"| {v['case']} | {v['text']} | {_num(v['value'])} | "
+                  f"{Verdict(**v).label()} |" for v in s["verdicts"]]
+    else:
+        lines += ["No target in the issue for this suite: the numbers are reported as measured."]
+    lines += ["", "## Every round", ""]
+    for r in s["rounds"]:
+        lines += [f"Round {r['round']} ({r['date_utc']}, {sum(st['wall_s'] for st in r['steps']):.0f} s):", "",
+                  "| case | " + "metrics |", "|---|---|"]
+        lines += [f"| {case} | " + ", ".join(f"{k} {_num(v)}" for k, v in metrics.items()) + " |"
+                  for case, metrics in r["cases"].items()]
+        bad = [f"`{st['name']}` exit status {st['rc']}" for st in r["steps"] if st["rc"] != 0]
+        lines += [""] + [f"- {n}" for n in [*bad, *r.get("notes", [])]] + ([""] if bad or r.get("notes") else [])
+    lines += ["## Over the rounds", "", "| case | metric | median | lowest | highest | 90% interval of the mean |",
+              "|---|---|---|---|---|---|"]
+    for case, metrics in s["stats"].items():
+        for name, d in metrics.items():
+            iv = d.get("interval90")
+            lines.append(f"| {case} | {name} | {_num(d['median'])} | {_num(d['min'])} | {_num(d['max'])} | "
+                         f"{'n/a' if iv is None else f'{_num(iv[0])} to {_num(iv[1])}'} |")
+    lines += ["", "The commands of a round:", ""]
+    lines += [f"- `{shlex.join(st['argv'])}`" for st in (s["rounds"][0]["steps"] if s["rounds"] else [])]
+    if s.get("raw"):
+        lines += ["", f"Raw outputs: {s['raw']}"]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ raw and plots
+
+
+def archive_raw(folder: Path) -> str:
+    """Pack folder/raw into folder/raw.tar.xz (at most RAW_ARCHIVE_MAX bytes: the largest files are left out until it
+    fits, and named) and remove folder/raw; returns what the archive holds, for the summary."""
+    raw = folder / RAW
+    if not raw.is_dir():
+        return ""
+    files = sorted((p for p in raw.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    left: list[str] = []
+    while True:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+            for p in files:
+                tar.add(p, arcname=str(p.relative_to(folder)))
+        if buf.tell() <= RAW_ARCHIVE_MAX or not files:
+            break
+        left.append(str(files.pop().relative_to(folder)))
+    (folder / ARCHIVE).write_bytes(buf.getvalue())
+    shutil.rmtree(raw)
+    return f"{ARCHIVE} ({buf.tell()} bytes, {len(files)} files" + (f"; left out for size: {', '.join(left)})" if left else ")")
+
+
+def unpack_raw(folder: Path) -> None:
+    """An earlier call's raw outputs back into folder/raw, so the archive of a resumed run holds every round."""
+    if (folder / ARCHIVE).exists() and not (folder / RAW).exists():
+        with tarfile.open(folder / ARCHIVE) as tar:
+            tar.extractall(folder, filter="data")
+
+
+def plot(folder: Path, s: dict[str, Any]) -> list[str]:
+    """One PNG per target: each case's value in every round, and the limit. Skipped without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out: list[str] = []
+    (folder / "plots").mkdir(exist_ok=True)
+    for t in s["targets"]:
+        series = {c: [r["cases"].get(c, {}).get(t["metric"]) for r in s["rounds"]]
+                  for c in {v["case"] for v in s["verdicts"] if v["target"] == t["name"]}}
+        series = {c: v for c, v in series.items() if any(isinstance(x, int | float) for x in v)}
+        if not series or t["stat"] == "every":
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for case, vals in sorted(series.items()):
+            ax.plot(range(1, len(vals) + 1), [math.nan if x is None else float(x) for x in vals], "o-", label=case)
+        ax.axhline(t["limit"], color="red", linestyle="--", label=f"target {t['op']} {t['limit']:g}")
+        ax.set(xlabel="round", ylabel=t["metric"], title=f"{s['suite']}: {t['text']}")
+        ax.legend(fontsize=7)
+        name = f"plots/{re.sub(r'[^a-z0-9]+', '-', t['name'].lower())}.png"
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=90)
+        plt.close(fig)
+        out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the README table
+
+
+def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Per suite, its newest summary (by date, then folder name) under `results`; stand-in runs never count."""
+    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for path in sorted(results.glob(f"*/*/{SUMMARY}")):
+        s = load(path.parent)
+        if s is None or s.get("standin") or s.get("suite") not in {x.name for x in SUITES}:
+            continue
+        prev = found.get(s["suite"])
+        if prev is None or (s.get("date_utc", ""), str(path)) >= (prev[1].get("date_utc", ""), str(prev[0])):
+            found[s["suite"]] = (path.parent, s)
+    return found
+
+
+def _worst(vs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    bad = [v for v in vs if v["passed"] is False] or [v for v in vs if v["passed"] is None] or list(vs)
+    return bad[0]
+
+
+def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
+    """The README's at-a-glance table: per suite and target, how many cases met it in the latest summary, the worst
+    case, and a link to its report. Suites never measured say so."""
+    have = latest(results)
+    lines = ["| suite | target | met | worst case | run |", "|---|---|---|---|---|"]
+    for suite in SUITES:
+        if suite.name not in have:
+            targets = "; ".join(t.text for t in suite.targets) or "no target"
+            lines.append(f"| {suite.name} | {targets} | {NOT_MEASURED} | | |")
+            continue
+        folder, s = have[suite.name]
+        link = f"[{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)})"
+        rounds = f"{len(s['rounds'])} rounds"
+        if not s["targets"]:
+            lines.append(f"| {suite.name} | no target | measured | | {link}, {rounds} |")
+        for t in s["targets"]:
+            vs = [v for v in s["verdicts"] if v["target"] == t["name"]]
+            if not vs:
+                lines.append(f"| {suite.name} | {t['text']} | no case | | {link}, {rounds} |")
+                continue
+            met = sum(1 for v in vs if v["passed"] is True)
+            w = _worst(vs)
+            lines.append(f"| {suite.name} | {t['text']} | {met} of {len(vs)} | {w['case']}: "
+                         f"{Verdict(**w).label()} | {link}, {rounds} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(text: str) -> str | None:
+    """What the README holds between its markers; None without them."""
+    if README_BEGIN not in text or README_END not in text:
+        return None
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip("\n") + "\n"
+
+
+def with_table(text: str, table: str) -> str:
+    """The README with `table` between its markers (which must be there)."""
+    head, rest = text.split(README_BEGIN, 1)
+    return f"{head}{README_BEGIN}\n{table}{README_END}{rest.split(README_END, 1)[1]}"

@@ -1,0 +1,200 @@
+"""bench/run.py, the one benchmark runner: --list and --dry-run, a suite end to end with CPU stand-ins and a real
+daemon, verdicts computed over every round (a miss says by how much), the raw archive's size cap, and the README's
+results table, which must be the one generated from the latest summaries."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from conftest import ROOT, child_env, needs_freezer
+
+BENCH = ROOT / "bench"
+
+
+def _bench(name: str) -> ModuleType:
+    """A module of bench/ (a script folder, not a package), imported as bench/run.py imports it."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+verdicts, suites, summary = _bench("verdicts"), _bench("suites"), _bench("summary")
+
+
+def run_py(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH / "run.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=child_env(), timeout=timeout, check=False)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+def test_list_says_what_each_suite_measures_its_targets_and_how_long() -> None:
+    got = run_py("--list")
+    assert got.returncode == 0, got.stderr
+    for name in ("pairs", "mixed", "overlap", "overhead", "online", "cloud-gaming", "ad-sim", "hooks", "leases",
+                 "memory"):
+        assert f"\n{name}: " in "\n" + got.stdout
+    assert "target: error <= 1 point in the median round" in got.stdout
+    assert "target: lease renewal round trip p99 <= 0.5 ms" in got.stdout
+    assert "about 7.5 min a round" in got.stdout and "CPU only" in got.stdout
+
+
+def test_dry_run_prints_a_rounds_commands_and_runs_nothing(tmp_path: Path) -> None:
+    got = run_py("pairs", "--dry-run", "--rounds", "4", "--out", str(tmp_path / "out"), "--", "--seconds", "20")
+    assert got.returncode == 0, got.stderr
+    assert "pairs: 4 rounds, about 30 min" in got.stdout
+    line = next(x for x in got.stdout.splitlines() if "bench/gpu_pairs.py" in x)
+    assert "--pairs cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1,nvdec1:3" in line
+    assert line.endswith("--seconds 20")  # the words after `--` go to every command
+    cloud = run_py("cloud-gaming", "--dry-run")
+    assert "(under a fresh `unisched serve`)" in cloud.stdout and "--weights 1,2,4" in cloud.stdout
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(bool(summary.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
+def test_a_gpu_suite_refuses_clearly_without_a_gpu(tmp_path: Path) -> None:
+    got = run_py("hooks", "--out", str(tmp_path))
+    assert got.returncode == 2
+    assert "suite hooks needs an NVIDIA GPU" in got.stderr
+    assert "needs an NVIDIA GPU (nvidia-smi lists none); `--cpu-standin`" in run_py("pairs", "--out", str(tmp_path)).stderr
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+@needs_freezer
+@pytest.mark.root
+def test_pairs_with_cpu_standins_writes_every_round_and_computed_verdicts(tmp_path: Path) -> None:
+    """One round of cuda+cuda 3:1 (stand-ins pinned to CPU 0, a real daemon with --cpu-stand-in): summary.json holds
+    the command, machine, commit, the round's references and scores, and a verdict per target that agrees with the
+    numbers; report.md shows them; the raw outputs are one small archive."""
+    got = run_py("pairs", "--cpu-standin", "--rounds", "1", "--out", str(tmp_path), "--",
+                 "--pairs", "cuda3:1", "--seconds", "2", "--warmup", "1", "--unisched-warmup", "2", timeout=240)
+    assert got.returncode in (0, 1), got.stdout + got.stderr  # 1: a target missed on this loaded machine
+    folder = tmp_path / "pairs"
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["suite"] == "pairs" and s["standin"] is True and len(s["commit"]) == 40
+    assert s["command"].startswith("python3 bench/run.py pairs --cpu-standin")
+    assert s["machine"]["cores"] == os.cpu_count() and s["machine"]["cpu"]
+    (rnd,) = s["rounds"]
+    assert rnd["steps"][0]["rc"] == 0 and "bench/gpu_pairs.py" in " ".join(rnd["steps"][0]["argv"])
+    m = rnd["cases"]["cuda+cuda 3:1"]
+    assert m["alone_a"] > 0 and m["no_scheduler_sum"] > 0 and isinstance(m["guarantee"], bool)
+    by = {v["target"]: v for v in s["verdicts"]}
+    assert set(by) == {"error, median round", "error, worst round", "sum", "guarantee"}
+    assert by["sum"]["passed"] is (m["sum"] >= 0.98) and by["sum"]["value"] == pytest.approx(m["sum"])
+    assert by["error, worst round"]["passed"] is (m["error_pts"] <= 2.0)
+    assert by["guarantee"]["passed"] is m["guarantee"]
+    assert s["passed"] is all(v["passed"] for v in by.values())
+    assert s["stats"]["cuda+cuda 3:1"]["sum"]["median"] == pytest.approx(m["sum"])
+    report = (folder / "report.md").read_text()
+    assert "## Every round" in report and "cuda+cuda 3:1" in report and "CPU stand-ins" in report
+    assert not (folder / "raw").exists()
+    assert 0 < (folder / "raw.tar.xz").stat().st_size <= summary.RAW_ARCHIVE_MAX
+    with tarfile.open(folder / "raw.tar.xz") as tar:
+        assert "raw/round-1/pairs/results.json" in tar.getnames()
+    assert summary.latest(tmp_path) == {}  # stand-in runs never reach the README's table
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+
+
+def target(**kw: Any) -> Any:
+    base = {"name": "t", "metric": "x", "stat": "worst", "op": "<=", "limit": 2.0, "text": "x <= 2", "unit": " pts"}
+    return verdicts.Target(**{**base, **kw})
+
+
+def test_a_missed_target_says_by_how_much() -> None:
+    v = verdicts.judge(target(), "cuda 3:1", [0.5, 2.5, 1.0])
+    assert v.passed is False and v.value == 2.5
+    assert v.label() == "FAIL: 2.5 pts > 2 pts, by 0.5 pts"
+    low = verdicts.judge(target(op=">=", limit=0.98, unit=""), "c", [0.99, 0.951])
+    assert low.passed is False and low.detail == "0.951 < 0.98, by 0.029"
+    assert verdicts.judge(target(), "c", [0.5, 2.0]).passed is True
+
+
+def test_median_every_and_intervals_over_the_rounds() -> None:
+    assert verdicts.judge(target(stat="median", limit=1.0), "c", [0.2, 3.0, 0.9]).passed is True
+    every = verdicts.judge(target(stat="every", op=">=", limit=1.0), "c", [True, False, True])
+    assert every.passed is False and every.detail == "missed in 1 of 3 rounds"
+    # mean 0.005, sd 0.01: half width 2.132 * 0.01 / sqrt(5) = 0.00953 (t, 4 degrees of freedom)
+    losses = [0.005 - 0.01 * k for k in (-1.2649, -0.6325, 0.0, 0.6325, 1.2649)]
+    lo, hi = verdicts.mean_interval(losses)
+    assert (lo, hi) == (pytest.approx(0.005 - 0.00953, abs=2e-5), pytest.approx(0.005 + 0.00953, abs=2e-5))
+    inside = verdicts.judge(target(stat="inside", limit=0.01, unit="%", scale=100.0), "cuda", losses)
+    assert inside.passed is False and inside.detail.endswith("outside +-1% by 0.453%")
+    assert verdicts.judge(target(stat="interval", op="<", limit=10.0), "c", [4.0]).passed is None  # one round
+    assert verdicts.judge(target(), "c", [None, None]).detail == "not measured"
+    assert verdicts.judge(target(), "c", [1.0, None]).label() == "FAIL: 1 of 2 rounds did not measure it"
+
+
+def test_targets_apply_to_their_cases_only() -> None:
+    rounds = [{"N=12": {"saturated": False, "weight_error": 0.2}, "N=36": {"saturated": True, "weight_error": 0.03}}]
+    got = verdicts.judge_all(suites.CLOUD_TARGETS[:1], rounds)
+    assert [(v.case, v.passed) for v in got] == [("N=36", True)]
+    assert verdicts.overall(got) is True and verdicts.overall([]) is None
+
+
+def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
+    def player(w: int, fps: float, low: float) -> dict[str, Any]:
+        return {"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": low}
+
+    shared = {"fps_target": 60, "fps_mean_all": 20.0,
+              "per_instance": [player(1, 10, 8), player(2, 21, 16), player(4, 40, 30)]}
+    alone = {"fps_target": 60, "fps_mean_all": 40.0, "per_instance": [player(1, 40, 36)] * 3}
+    m = suites.cloud_metrics(shared, alone)
+    assert m["saturated"] is True  # 40 < 0.95 * 60
+    # k = 71 / 700 per unit of weight; worst |fps / (w k) - 1| is the weight-2 player: 21 / 20.29 - 1
+    assert m["weight_error"] == pytest.approx(21 / (200 * 71 / 700) - 1)
+    assert m["lows_vs_no_scheduler"] == pytest.approx(0.7619 - 0.9, abs=1e-4)  # median of 0.8, 0.762, 0.75 vs 0.9
+
+
+# ------------------------------------------------------------------------------------------------ raw and table
+
+
+def test_the_raw_archive_leaves_out_its_largest_files_to_stay_under_a_megabyte(tmp_path: Path) -> None:
+    raw = tmp_path / "raw" / "round-1"
+    raw.mkdir(parents=True)
+    (raw / "results.json").write_text('{"ok": 1}')
+    (raw / "huge.log").write_bytes(os.urandom(1_200_000))  # random: does not compress
+    said = summary.archive_raw(tmp_path)
+    assert "left out for size: raw/round-1/huge.log" in said and not (tmp_path / "raw").exists()
+    assert (tmp_path / "raw.tar.xz").stat().st_size <= summary.RAW_ARCHIVE_MAX
+    summary.unpack_raw(tmp_path)
+    assert (raw / "results.json").read_text() == '{"ok": 1}'
+
+
+def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path) -> None:
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False}
+    for day, p99 in (("2026-01-01", 0.3), ("2026-02-01", 0.62)):
+        rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
+               "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
+        summary.write(tmp_path / f"{day}-h200-aaaaaaa" / "leases",
+                      summary.build(suite, [rnd], {**meta, "date_utc": f"{day} 10:00:00"}))
+    table = summary.results_table(tmp_path, link_from=tmp_path)
+    row = next(x for x in table.splitlines() if x.startswith("| leases |"))
+    assert "0 of 1" in row and "FAIL: 0.62 ms > 0.5 ms, by 0.12 ms" in row
+    assert "[2026-02-01-h200-aaaaaaa](2026-02-01-h200-aaaaaaa/leases/report.md), 1 rounds" in row
+    assert f"| pairs | {suites.PAIR_TARGETS[0].text}" in table and summary.NOT_MEASURED in table
+    readme = f"intro\n{summary.README_BEGIN}\nold\n{summary.README_END}\nrest\n"
+    assert summary.readme_table(summary.with_table(readme, table)) == table
+
+
+def test_the_readme_table_is_the_generated_one() -> None:
+    text = (ROOT / "README.md").read_text()
+    found = summary.readme_table(text)
+    if found is None:
+        pytest.skip(f"README.md has no {summary.README_BEGIN} / {summary.README_END} markers yet")
+    assert found == summary.results_table(), "stale: run `python3 bench/run.py --update-readme README.md`"
