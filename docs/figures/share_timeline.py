@@ -34,17 +34,21 @@ TARGET_S = 0.5
 """How often the daemon's target shares are read (they change only on joins, exits and weight changes)."""
 WINDOW_S = 1.0
 """Window of the share-of-core curve: 20 slices, short enough to show a join within a second."""
-def hog(core: int) -> list[str]:
-    """An unmodified busy loop pinned to `core`: the stand-in for a CUDA app that keeps its GPU busy. At nice -15 it
-takes the core from the host's other work (a shared build machine's), as a CUDA app has its GPU to itself; at nice 0
-the core is not saturated by the tenants, the daemon's saturation gate rightly opens it and nobody is frozen."""
-    return ["nice", "-n", "-15", "taskset", "-c", str(core), "sh", "-c", "while :; do :; done"]
+HOG_NICE = "-15"
+"""The busy loops' nice value: they take their core from the host's other work (a shared build machine's), as a
+CUDA app has its GPU to itself; at nice 0 the tenants do not saturate the core, the daemon's saturation gate rightly
+leaves it open, and nobody is frozen."""
 SATURATED_UTIL = "0.9"
 """The daemon's saturation gate for this run (default 0.98): on a shared host the tenants alone rarely keep a core
 98% busy (the daemon, the sampler and the host's own threads take a few percent), and below the gate the daemon
 rightly lets both run instead of slicing. A GPU's busy fraction has no such neighbours."""
 EVENTS = ((0.0, "start b 100"), (0.2, "start a 300"), (0.5, "set a 100"), (0.8, "stop a"))
 """(part of the run, what happens); the run ends at 1.0."""
+
+
+def hog(core: int) -> list[str]:
+    """An unmodified busy loop pinned to `core`: the stand-in for a CUDA app that keeps its GPU busy."""
+    return ["nice", "-n", HOG_NICE, "taskset", "-c", str(core), "sh", "-c", "while :; do :; done"]
 
 
 @dataclass
