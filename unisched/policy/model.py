@@ -49,7 +49,7 @@ class Priority(StrEnum):
 
 
 class Mode(StrEnum):
-    """How slices are handed out; see docs in README (Scheduling modes)."""
+    """How slices are handed out; see docs/concepts.md (Modes)."""
 
     SHARED = "shared"
     PREEMPTIVE = "preemptive"
