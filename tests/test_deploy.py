@@ -293,9 +293,10 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     assert ("unisched.io/render-sessions" in asked) <= (args.render_sessions is not None)
     # the init container installs the profile where the kubelet resolves Localhost profiles
     (init,) = spec["initContainers"]
-    target = init["args"][0].split()[-1]
+    words = init["args"][0].split()
     kube_seccomp = next(m["mountPath"] for m in init["volumeMounts"] if host.get(m["name"]) == "/var/lib/kubelet/seccomp")
-    assert target == f"{kube_seccomp}/profiles/unisched-gpu.json"
+    assert {f"{kube_seccomp}/profiles/unisched-gpu.json", f"{kube_seccomp}/profiles/unisched-gpu-containerd.json"} \
+        <= set(words)
 
 
 def _all_pod_specs() -> list[tuple[str, dict]]:  # type: ignore[type-arg]
@@ -352,6 +353,21 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
     assert profile["listenerPath"] == cfg.agent_socket
+    # containerd nodes: the resolved form, which containerd reads without dropping the capability-dependent rules
+    resolved = json.loads(data["unisched-gpu-containerd.json"])
+    assert resolved == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.containerd-amd64.json").read_text())
+    assert resolved["listenerPath"] == cfg.agent_socket and "archMap" not in resolved
+
+
+def test_both_daemonsets_install_both_seccomp_profiles() -> None:
+    import yaml
+
+    for path in ("daemonset.yaml", "dra/daemonset.yaml"):
+        ds = next(d for d in yaml.safe_load_all((KUBE / path).read_text()) if d and d["kind"] == "DaemonSet")
+        init = ds["spec"]["template"]["spec"]["initContainers"][0]
+        script = " ".join(init["args"])
+        for name in ("unisched-gpu.json", "unisched-gpu-containerd.json"):
+            assert f"/etc/unisched/{name}" in script and f"/host/seccomp/profiles/{name}" in script, (path, script)
 
 
 def test_seccomp_profile_is_the_runtime_default_plus_our_notify_rules() -> None:

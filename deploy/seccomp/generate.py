@@ -1,7 +1,7 @@
 """Generate deploy/seccomp/unisched-gpu.json: the container runtime's default seccomp profile plus our notify
 rules for the NVIDIA allocation ioctls, so a governed pod keeps the runtime's default hardening.
 
-    python3 deploy/seccomp/generate.py          # rewrite unisched-gpu.json and its copy in kubernetes/configmap.yaml
+    python3 deploy/seccomp/generate.py          # rewrite the profiles and their copies in kubernetes/configmap.yaml
     python3 deploy/seccomp/generate.py --check  # exit 1 if any differs (tests/test_deploy.py)
 
 It also writes unisched-gpu.containerd-amd64.json and unisched-gpu.containerd-arm64.json: the same profile
@@ -105,12 +105,17 @@ def render(profile: Profile) -> str:
 
 CONFIGMAP = HERE.parent / "kubernetes" / "configmap.yaml"
 _CONFIGMAP_KEY = "  unisched-gpu.json: |\n"
+CONTAINERD_KEY = "unisched-gpu-containerd.json"
+"""The ConfigMap's copy of the containerd-amd64 file: nodes whose runtime is containerd name this profile."""
 
 
-def configmap_with(profile_text: str, configmap: str) -> str:
-    """The ConfigMap with its embedded profile (its last key) replaced by `profile_text`."""
+def configmap_with(profile_text: str, containerd_text: str, configmap: str) -> str:
+    """The ConfigMap with its embedded profiles (its last two keys: the engine-format one for CRI-O, the resolved
+    one for containerd) replaced."""
     head = configmap[: configmap.index(_CONFIGMAP_KEY) + len(_CONFIGMAP_KEY)]
-    return head + "".join("    " + line + "\n" for line in profile_text.splitlines())
+    body = "".join("    " + line + "\n" for line in profile_text.splitlines())
+    tail = "".join("    " + line + "\n" for line in containerd_text.splitlines())
+    return f"{head}{body}  {CONTAINERD_KEY}: |\n{tail}"
 
 
 _ARCH_NAMES = {"amd64": "SCMP_ARCH_X86_64", "x86": "SCMP_ARCH_X86", "x32": "SCMP_ARCH_X32",
@@ -159,9 +164,10 @@ def to_oci(profile: Profile, caps: set[str], arch: str = "amd64") -> dict[str, A
 def main(argv: list[str]) -> int:
     profile = generate(json.loads(DEFAULT.read_text()))
     text = render(profile)
-    outputs = {OUTPUT: text, CONFIGMAP: configmap_with(text, CONFIGMAP.read_text())}
+    outputs = {OUTPUT: text}
     for arch in CONTAINERD_ARCHES:
         outputs[containerd_output(arch)] = render(to_oci(profile, set(CONTAINERD_DEFAULT_CAPS), arch))
+    outputs[CONFIGMAP] = configmap_with(text, outputs[containerd_output("amd64")], CONFIGMAP.read_text())
     if argv[1:] == ["--check"]:
         stale = [p.name for p, want in outputs.items() if not p.exists() or p.read_text() != want]
         if stale:
