@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from unisched.cli.main import build_parser
+from unisched.cli.parser import build_parser
 from unisched.policy import Engine, Mode, Priority
 from unisched.scheduler.config import (
     DEFAULT_AGENT_SOCKET,
