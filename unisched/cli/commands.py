@@ -362,7 +362,7 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
 def _cmd_dra_driver(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from unisched.integrations.kubernetes.dra import DraConfig
+    from unisched.integrations.kubernetes.dra_claims import DraConfig
     from unisched.integrations.kubernetes.run import serve_dra_driver
     from unisched.logs import configure_logging
 
