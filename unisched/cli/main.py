@@ -1,4 +1,5 @@
-"""`unisched`: the daemon (`serve`) and the commands that talk to it."""
+"""`unisched`: the daemon (`serve`) and the commands that talk to it. This parses (cli.parser, cli.args) and
+dispatches to the command (cli.commands); `serve` thaws what a dead daemon left frozen first."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Device admission: which NVIDIA device nodes a tenant cgroup may open, enforced by cgroup v2 eBPF.
 
 One Protocol, `DeviceAdmission`, with the real `BpfDeviceAdmission` and `FakeDeviceAdmission` for engine
-logic tests. The real one loads a BPF_PROG_TYPE_CGROUP_DEVICE program through raw bpf(2) (ctypes; the eBPF
-instructions are assembled here, so neither LLVM nor libbpf is needed) and attaches it to the tenant's
-cgroup v2 directory.
+logic tests. The real one loads a BPF_PROG_TYPE_CGROUP_DEVICE program through raw bpf(2) (enforce.bpf, ctypes;
+the eBPF instructions are assembled in enforce.device_program, so neither LLVM nor libbpf is needed) and attaches
+it to the tenant's cgroup v2 directory.
 
 The rule (`device_allowed` is the same rule in plain Python):
 - char major 195, minor N <= 247 (/dev/nvidiaN): allowed iff the tenant is admitted to GPU N;

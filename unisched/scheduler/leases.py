@@ -4,7 +4,8 @@ A cooperative tenant is an ordinary tenant (a cgroup with a weight) with at leas
 demand is what its sessions want (renewed within `valid_s`), its charges are the GPU time they report, and
 instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
 freezer-governed tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `Scheduler` (which owns the
-policy and the clock); it sends through each session's `LeaseChannel`.
+policy and the clock); it sends through each session's `LeaseChannel`. Hand-overs between holders and their
+measured gap are scheduler.handovers; the minimum runs that long units earn are scheduler.turns.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""SessionSupervisor: one thread that serves one tenant's seccomp listener. I/O only; the books are accounting.py.
+"""SessionSupervisor: one thread that serves one tenant's seccomp listener. The books are accounting.py, the
+listener's ioctls listener.py, video memory calls memory_calls.py.
 
 It reads each notified call's argument from the tenant's memory (/proc/PID/mem), decodes the class (NVOS21/NVOS64
 hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts

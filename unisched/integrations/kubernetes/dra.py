@@ -1,7 +1,7 @@
 """The unisched DRA driver `gpu.unisched.io`: the kubelet's Dynamic Resource Allocation plugin API (v1beta1).
 
 Where the device plugin advertises 100 unit devices per GPU, the driver describes each GPU once, in a
-ResourceSlice (`resource_slice`, pure): attributes index, uuid, product and the configured render/decode session
+ResourceSlice (`dra_claims.resource_slice`, pure): attributes index, uuid, product and the configured render/decode session
 caps; capacity `weight` = 100 per GPU, which claims consume where the cluster has consumable capacity (KEP-5075),
 so several claims share a GPU by weight. The scheduler allocates; the driver never picks devices itself.
 
