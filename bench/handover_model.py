@@ -8,7 +8,7 @@ such a pair: an app that pipelines its steps leaves them queued to run beside th
 driver time-slices the two contexts at the pair's 0.92 (this model), and one that waits for each step, as
 examples/02_pytorch_training.py does, leaves the GPU idle until the next holder's first launch (not in this
 model). Since then the client keeps one step in flight while contended, and the daemon gives a tenant with long
-units turns of RUN_UNITS of them (at most --max-run-ms; unisched.scheduler.leases): fewer hand-overs for either cost.
+units turns of RUN_UNITS of them (at most --max-run-ms; unisched.scheduler.turns): fewer hand-overs for either cost.
 
 This model runs the daemon's policy (unisched.policy.WeightedFairShare, with its minimum runs) in the simulator
 (unisched.sim): each tenant keeps --depth steps of --unit-ms queued while it holds the engine and its queued steps
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from unisched.policy import Engine, FairShareConfig
-from unisched.scheduler.leases import min_run_for
+from unisched.scheduler.turns import min_run_for
 from unisched.sim import SimConfig, Simulation
 from unisched.sim.workload import SimTenant, StreamSpec
 

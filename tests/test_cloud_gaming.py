@@ -170,7 +170,7 @@ def test_on_frame_sees_every_completion() -> None:
 
 
 def test_run_and_set_limit_command_lines_parse_with_the_unisched_cli() -> None:
-    from unisched.cli.main import build_parser
+    from unisched.cli.parser import build_parser
 
     run = cg.run_argv("py", "/tmp/u.sock", "cg-3", 100, "graphics,encode", ["py", "game.py", "--fps", "60"])
     assert run[:3] == ["py", "-m", "unisched"]

@@ -95,7 +95,7 @@ def test_serve_help_names_the_defaults_the_daemon_runs_with() -> None:
     import dataclasses
     import re
 
-    from unisched.cli.main import build_parser
+    from unisched.cli.parser import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     fields = {f.name for f in dataclasses.fields(DaemonConfig)}

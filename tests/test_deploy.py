@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from unisched.cli.main import build_parser
+from unisched.cli.parser import build_parser
 from unisched.policy import Engine, Mode, Priority
 from unisched.scheduler.config import (
     DEFAULT_AGENT_SOCKET,
@@ -447,16 +447,14 @@ def test_second_scheduler_owns_the_render_pool_and_pods_pick_pools() -> None:
 
 def test_dra_manifests_agree_with_the_driver() -> None:
     from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra_pb
-    from unisched.integrations.kubernetes.dra import (
-        CONFIG_API_VERSION,
+    from unisched.integrations.kubernetes.defaults import (
         CONFIG_KIND,
         DEFAULT_CDI_DIR,
         DEFAULT_PLUGINS_DIR,
         DEFAULT_REGISTRY_DIR,
         DRIVER_NAME,
-        DraConfig,
-        prepared_claim,
     )
+    from unisched.integrations.kubernetes.dra_claims import CONFIG_API_VERSION, DraConfig, prepared_claim
 
     (cls,) = _docs(DRA / "deviceclass.yaml")
     assert cls["metadata"]["name"] == DRIVER_NAME

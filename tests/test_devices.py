@@ -19,25 +19,26 @@ from pathlib import Path
 import pytest
 from conftest import child_env, wait_until
 
-from unisched.enforce import devices
-from unisched.enforce.devices import (
+from unisched.enforce import bpf, devices
+from unisched.enforce.bpf import (
     BPF_CGROUP_DEVICE,
     BPF_DEVCG_DEV_BLOCK,
     BPF_DEVCG_DEV_CHAR,
     PROG_NAME,
-    BpfDeviceAdmission,
     DeviceAdmissionError,
-    FakeDeviceAdmission,
-    assemble_device_program,
     bpf_prog_attach,
     bpf_prog_detach,
     bpf_prog_get_fd_by_id,
     bpf_prog_info,
     bpf_prog_load,
     bpf_prog_query,
+)
+from unisched.enforce.device_program import assemble_device_program, device_allowed
+from unisched.enforce.devices import (
+    BpfDeviceAdmission,
+    FakeDeviceAdmission,
     cgroup2_mount,
     device_admission_unavailable_reason,
-    device_allowed,
     nvidia_uvm_majors,
 )
 
@@ -435,9 +436,9 @@ def test_missing_cgroup_and_non_cgroup_directory(tmp_path: Path, proc_devices: P
 def test_readmit_replaces_in_place_or_falls_back(kernel_has_replace: bool, cgroup: Path, nodes: dict[str, str],
                                                  proc_devices: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int | None]] = []
-    real_attach = devices.bpf_prog_attach
+    real_attach = bpf.bpf_prog_attach
 
-    def attach(cg_fd: int, prog_fd: int, flags: int = devices.BPF_F_ALLOW_MULTI, replace_fd: int | None = None,
+    def attach(cg_fd: int, prog_fd: int, flags: int = bpf.BPF_F_ALLOW_MULTI, replace_fd: int | None = None,
                attach_type: int = BPF_CGROUP_DEVICE, what: str = "") -> None:
         calls.append((flags, replace_fd))
         if replace_fd is not None and not kernel_has_replace:
@@ -449,9 +450,9 @@ def test_readmit_replaces_in_place_or_falls_back(kernel_has_replace: bool, cgrou
     try:
         adm.admit(cgroup, frozenset({0}))
         adm.admit(cgroup, frozenset({1}))
-        assert calls[0] == (devices.BPF_F_ALLOW_MULTI, None)
+        assert calls[0] == (bpf.BPF_F_ALLOW_MULTI, None)
         assert calls[1][1] is not None, "re-admitting asks for an atomic swap first"
-        assert calls[2:] == ([] if kernel_has_replace else [(devices.BPF_F_ALLOW_MULTI, None)])
+        assert calls[2:] == ([] if kernel_has_replace else [(bpf.BPF_F_ALLOW_MULTI, None)])
         assert len(ours(cgroup)) == 1, "the old program is gone either way"
         assert_access(probe(cgroup, nodes), denied={"nvidia0"})
     finally:

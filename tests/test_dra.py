@@ -26,10 +26,10 @@ from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
 from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
 from unisched.integrations.kubernetes.devices import tenant_name
-from unisched.integrations.kubernetes.dra import (
+from unisched.integrations.kubernetes.dra import DraDriver
+from unisched.integrations.kubernetes.dra_claims import (
     ApiServerClaims,
     DraConfig,
-    DraDriver,
     FakeClaims,
     resource_slice,
 )

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from unisched.cli.main import build_parser, knob_flags
+from unisched.cli.args import knob_flags
+from unisched.cli.parser import build_parser
 from unisched.scheduler.config import KNOBS, ConfigError, DaemonConfig, load_config
 from unisched.scheduler.configdoc import REGENERATE, markdown, tuning_constants
 from unisched.scheduler.knobs import Knob, shown

@@ -53,7 +53,7 @@ class Tuning:
     """A cooperative holder keeps the engine long enough that the hand-over before its turn costs at most this
     share of the turn. A hand-over between two clients leaves the GPU idle from the revoked holder's last unit to the
     next holder's first launch (the yield, the grant, the next app's wake-up): two PyTorch clients with 1.7 ms steps
-    lost 3-5% of the H200 to it at one 50 ms slice a turn. The gap is measured per resource (scheduler.leases), so the
+    lost 3-5% of the H200 to it at one 50 ms slice a turn. The gap is measured per resource (scheduler.handovers), so the
     turns follow the host, not this GPU."""
     handover_grant_slices: float = 0.1
     """A grant this soon after a yield (in slices) is that yield's hand-over, whose gap the grant's first report

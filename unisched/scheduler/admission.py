@@ -8,7 +8,7 @@ from pathlib import Path
 
 import structlog
 
-from unisched.enforce.devices import DeviceAdmissionError
+from unisched.enforce.bpf import DeviceAdmissionError
 from unisched.policy import PolicyError
 from unisched.policy.caps import CapKind, SessionLimits, default_cap
 from unisched.policy.memory import MemoryTerms

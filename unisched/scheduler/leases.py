@@ -4,7 +4,8 @@ A cooperative tenant is an ordinary tenant (a cgroup with a weight) with at leas
 demand is what its sessions want (renewed within `valid_s`), its charges are the GPU time they report, and
 instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
 freezer-governed tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `Scheduler` (which owns the
-policy and the clock); it sends through each session's `LeaseChannel`.
+policy and the clock); it sends through each session's `LeaseChannel`. Hand-overs between holders and their
+measured gap are scheduler.handovers; the minimum runs that long units earn are scheduler.turns.
 """
 
 from __future__ import annotations
@@ -22,21 +23,15 @@ from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Res
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
 from unisched.policy.tuning import TUNING
+from unisched.scheduler.handovers import Handovers
+from unisched.scheduler.turns import Turns
 
-__all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError", "min_run_for"]
+__all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError"]
 
 log = structlog.get_logger("unisched.scheduler")
 
 MAX_REPORT_S = 60.0
 """GPU seconds one report may carry (a report covers well under a second of work)."""
-
-
-def min_run_for(unit_s: float, slice_s: float, max_run_s: float, handover_s: float = 0.0) -> float:
-    """The minimum run a tenant with units of `unit_s` earns: Tuning.run_units of them, and long enough that a
-    hand-over gap of `handover_s` costs at most Tuning.handover_share of it; at most `max_run_s`, and 0 below two
-    slices (a turn of two slices is what the holder's tie rule gives anyway)."""
-    run = min(max_run_s, max(TUNING.run_units * unit_s, handover_s / TUNING.handover_share))
-    return run if run >= 2 * slice_s else 0.0
 
 
 class LeaseError(Exception):
@@ -72,18 +67,6 @@ class _Lease:
 
 
 @dataclass
-class _Handover:
-    """A revoked holder finishing its unit in flight on a resource: the next holder waits for its yield (or
-    the deadline), except an online tenant in preemptive mode after an offline holder: it is granted at once
-    and runs beside the offline tail (`overlap`, since `since`), which the GPU time-slices."""
-
-    tenant: str
-    deadline: float
-    overlap: str | None = None
-    since: float = 0.0
-
-
-@dataclass
 class _Coop:
     sessions: set[int] = field(default_factory=set)
     demand: frozenset[Resource] = frozenset()
@@ -98,17 +81,6 @@ class LeaseBook:
         self.contention = contention
         self.slice_s = slice_s
         self.valid_s = valid_s
-        self.max_run_s = max_run_s
-        """Cap on the minimum run that long units earn (Tuning.run_units); 0 = turns of one slice whatever the units."""
-        self._unit_s: dict[str, float] = {}
-        """Each cooperative tenant's mean unit length (GPU seconds per step or frame it reported)."""
-        self._min_run: dict[str, float] = {}
-        """The minimum run last given to the policy per tenant."""
-        self._unit_acc_s: dict[str, float] = {}
-        """GPU seconds reported since the tenant's last whole unit (parts of one, see clients' pause points)."""
-        self._logged_run: dict[str, float] = {}
-        """The minimum run last logged per tenant: the mean drifts in small steps (from a first step's autotuning
-        down to its steady unit), and each must not hide behind the one before."""
         self._sessions: dict[int, _Session] = {}
         self._coop: dict[str, _Coop] = {}
         self._ids = count(1)
@@ -117,15 +89,8 @@ class LeaseBook:
         """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
-        self._handover: dict[Resource, _Handover] = {}
-        """Resources whose revoked holder is finishing its unit (who, and when to stop waiting for it)."""
-        self._credit: dict[tuple[str, Resource], float] = {}
-        """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
-        off its next charges, so the overlap's wall time is charged once in all, half to each."""
-        self._yielded: dict[Resource, float] = {}
-        """When a revoked holder last yielded each resource (the hand-over gap counts from then)."""
-        self._gap_s: dict[Resource, float] = {}
-        """Per resource, the mean time the GPU waited at a hand-over between two cooperative holders."""
+        self._handovers = Handovers(slice_s, self.cooperative)
+        self._turns = Turns(policy, slice_s, max_run_s)
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
         """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
 
@@ -206,11 +171,9 @@ class LeaseBook:
             for r, lease in list(c.leases.items()):
                 self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
             del self._coop[s.tenant]
-            for r in [r for r, h in self._handover.items() if h.tenant == s.tenant]:
-                self._end_handover(r, now)
-                affected = True
-            self._drop_credit(s.tenant)
-            self._drop_units(s.tenant)
+            affected = self._handovers.end_all(s.tenant, now) or affected
+            self._handovers.drop_credit(s.tenant)
+            self._turns.drop(s.tenant)
         self._refresh_demand(s.tenant, now)
         return s.tenant, dict(s.codec), affected
 
@@ -218,8 +181,8 @@ class LeaseBook:
         """The tenant is removed: revoke what it holds and drop its sessions."""
         self._enforced.discard(tenant)
         self._overrun.pop(tenant, None)
-        self._drop_credit(tenant)
-        self._drop_units(tenant)  # (the engine removes it from the policy right after)
+        self._handovers.drop_credit(tenant)
+        self._turns.drop(tenant)  # (the engine removes it from the policy right after)
         c = self._coop.pop(tenant, None)
         if c is None:
             return
@@ -258,13 +221,7 @@ class LeaseBook:
         r = self.resource(s.gpu, engine)
         s.log.debug("lease report", gpu_s=round(gpu_s, 5), release=release, yielded=yielded,
                   held=r in c.leases, now=round(now, 4))
-        handed = False
-        h = self._handover.get(r)
-        if (release or yielded) and h is not None and h.tenant == s.tenant:
-            if h.overlap is None:
-                self._yielded[r] = now
-            self._end_handover(r, now)  # first: an overlap it ends is credited against this very report
-            handed = True
+        handed = (release or yielded) and self._handovers.yielded(r, s.tenant, now)
         held = c.leases.get(r)
         if held is not None and held.handed_at is not None and gpu_s > 0:
             self._note_gap(r, now - gpu_s - held.handed_at)
@@ -272,7 +229,7 @@ class LeaseBook:
         verdict = None
         if gpu_s > 0:
             self._reported.setdefault(r, []).append((now, gpu_s))
-        charged = self._less_credit(s.tenant, r, gpu_s)
+        charged = self._handovers.less_credit(s.tenant, r, gpu_s)
         if charged > 0:
             self.policy.charge(s.tenant, r, charged, now)
             verdict = self._meter(c, r).report(charged, now)
@@ -284,12 +241,7 @@ class LeaseBook:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
         if gpu_s > 0 and engine is Engine.COMPUTE:
-            # parts of a unit that pause points ended come in reports of 0 units: their time counts toward the unit
-            # that a later report completes, so a step split across reports is still one step long
-            acc = self._unit_acc_s.get(s.tenant, 0.0) + gpu_s
-            self._unit_acc_s[s.tenant] = 0.0 if units else acc
-            if units:
-                self._note_units(s.tenant, acc / units)
+            self._turns.report(s.tenant, gpu_s, units, lambda: self._longest_gap(s.tenant))
         if release:
             s.wants.pop(engine, None)
             s.released.add(engine)
@@ -301,57 +253,34 @@ class LeaseBook:
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
     def _note_gap(self, r: Resource, gap_s: float) -> None:
-        """A hand-over's measured gap (from the yield to the next holder's first work, at most a slice: longer is the
-        app's own pause, not the hand-over's), and the minimum runs of the cooperative tenants on `r` that follow."""
-        gap_s = min(self.slice_s, max(0.0, gap_s))
-        old = self._gap_s.get(r)
-        self._gap_s[r] = gap = gap_s if old is None else old + TUNING.unit_ewma * (gap_s - old)
+        """A hand-over's measured gap (Handovers.note_gap), and the minimum runs of the cooperative tenants on `r`
+        that follow."""
+        gap = self._handovers.note_gap(r, gap_s)
         for tenant, c in self._coop.items():
             if r in c.demand or r in c.leases:
-                self._set_min_run(tenant, self._unit_s.get(tenant, 0.0), gap)
+                self._turns.regap(tenant, gap)
 
     def handover_gap_s(self, r: Resource) -> float | None:
         """The mean measured hand-over gap between cooperative holders of `r`, once one was measured."""
-        return self._gap_s.get(r)
+        return self._handovers.gap_s(r)
 
-    def _note_units(self, tenant: str, unit_s: float) -> None:
-        old = self._unit_s.get(tenant)
-        unit = unit_s if old is None else old + TUNING.unit_ewma * (unit_s - old)
-        self._unit_s[tenant] = unit
+    def _longest_gap(self, tenant: str) -> float:
         c = self._coop.get(tenant)
-        gaps = [self._gap_s.get(r, 0.0) for r in (c.demand | set(c.leases))] if c is not None else []
-        self._set_min_run(tenant, unit, max(gaps, default=0.0))
+        gaps = [self._handovers.gap_s(r) or 0.0 for r in (c.demand | set(c.leases))] if c is not None else []
+        return max(gaps, default=0.0)
 
-    def _set_min_run(self, tenant: str, unit: float, gap_s: float) -> None:
-        run = min_run_for(unit, self.slice_s, self.max_run_s, gap_s)
-        last = self._min_run.get(tenant, 0.0)
-        if abs(run - last) <= 0.1 * max(run, last):
-            return
-        self._min_run[tenant] = run
-        self.policy.set_min_run(tenant, run)
-        logged = self._logged_run.get(tenant, 0.0)
-        if (run == 0.0) != (logged == 0.0) or abs(run - logged) > 0.25 * max(run, logged):
-            self._logged_run[tenant] = run
-            reason = ("units long against the slice" if run and run <= TUNING.run_units * unit + 1e-9 else
-                      "hand-overs long against the slice" if run else "units and hand-overs short against the slice")
-            log.info("lease turns", tenant=tenant, unit_ms=round(unit * 1000, 2), min_run_ms=round(run * 1000, 1),
-                     handover_ms=round(gap_s * 1000, 3), reason=reason)
-
-    def _drop_units(self, tenant: str) -> None:
-        """No lease session left: a freezer-governed tenant again, turned one slice at a time."""
-        self._unit_s.pop(tenant, None)
-        self._logged_run.pop(tenant, None)
-        self._unit_acc_s.pop(tenant, None)
-        if self._min_run.pop(tenant, 0.0):
-            self.policy.set_min_run(tenant, 0.0)
+    @property
+    def max_run_s(self) -> float:
+        """Cap on the minimum run that long units earn (Tuning.run_units); 0 = turns of one slice whatever the units."""
+        return self._turns.max_run_s
 
     def unit_s(self, tenant: str) -> float | None:
         """The tenant's mean unit length, once it reported counted units."""
-        return self._unit_s.get(tenant)
+        return self._turns.unit_s(tenant)
 
     def min_run_s(self, tenant: str) -> float:
         """The minimum run its units earned (0: turns of a slice)."""
-        return self._min_run.get(tenant, 0.0)
+        return self._turns.min_run_s(tenant)
 
     def _turn_left(self, tenant: str, now: float, slice_left_s: float) -> float:
         """Until the decision that may end the holder's turn: past its minimum run, on the tick grid."""
@@ -458,18 +387,18 @@ class LeaseBook:
                 if preemptive and prio is Priority.ONLINE and online is None:  # found once, when needed
                     online = frozenset(n for n in self.policy.names() if self.policy.priority(n) is Priority.ONLINE)
                 jump = lease_jump(preemptive, prio, online or frozenset(), tenant)
-                h = self._handover.get(r) if lease is None else None
+                h = self._handovers.get(r) if lease is None else None
                 if h is not None:
                     if h.tenant == tenant or now >= h.deadline:
-                        self._end_handover(r, now)
+                        self._handovers.end(r, now)
                     elif self._jumps(tenant, h.tenant, now):
-                        h.overlap, h.since = tenant, now  # granted beside the offline tail, which still drains
+                        self._handovers.overlap(r, tenant, now)  # granted beside the offline tail, which still drains
                         log.debug("lease overlap", tenant=tenant, draining=h.tenant, resource=str(r))
                     else:
                         continue  # the previous holder is finishing its unit: grant once it yields
                 if lease is None:
                     engine = self._engine_of(c, r)
-                    yielded = self._yielded.pop(r, None)
+                    yielded = self._handovers.take_yield(r)
                     direct = yielded is not None and now - yielded <= TUNING.handover_grant_slices * self.slice_s
                     lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended,
                                                  handed_at=yielded if direct else None)
@@ -516,18 +445,15 @@ class LeaseBook:
     def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
                 notify: bool = True) -> None:
         del c.leases[r]
-        h = self._handover.get(r)
-        if h is not None and h.overlap == tenant:
-            self._end_overlap(r, h, now)
+        self._handovers.stop_overlap(r, tenant, now)
         if reason == "slice over" and notify:  # it may be mid-unit: the next holder waits for its yield
-            self._end_handover(r, now)
-            self._handover[r] = _Handover(tenant, now + self.slice_s)
+            self._handovers.start(r, tenant, now)
         log.debug("lease revoked", tenant=tenant, lease=lease.id, resource=str(r), reason=reason, now=round(now, 4))
         self._meter(c, r).drop(now)
         if notify:
             self._send(c, r, lease, reason)
 
-    # --- hand-overs in preemptive mode: online tenants do not wait for offline tails --------------------
+    # --- hand-overs in preemptive mode: online tenants do not wait for offline tails (scheduler.handovers) ---
     def _jumps(self, tenant: str, draining: str, now: float) -> bool:
         """Whether `tenant` is granted at once while `draining` (revoked) finishes its units in flight: only
         an online tenant after an offline one, in preemptive mode. Elsewhere (shared, timeshare, tidal; online
@@ -538,35 +464,3 @@ class LeaseBook:
         a, b = self.policy.stats(now, (tenant, draining))  # sorted by name; two tenants: cheap
         prio = {a.name: a.priority, b.name: b.priority}
         return online_jumps(True, prio[tenant], prio[draining])
-
-    def _end_handover(self, r: Resource, now: float) -> None:
-        h = self._handover.pop(r, None)
-        if h is not None and h.overlap is not None:
-            self._end_overlap(r, h, now)
-
-    def _end_overlap(self, r: Resource, h: _Handover, now: float) -> None:
-        """The online tenant stopped holding, or the offline tail yielded (or ran out its slice): both measured
-        the overlap's wall time (each one's GPU timer runs while the GPU time-slices the other's work), so each
-        is credited half of it and the overlap is charged once in all. Within a class shares stay by weight."""
-        assert h.overlap is not None
-        half = max(0.0, min(now, h.deadline) - h.since) / 2
-        for who in (h.tenant, h.overlap):
-            if who in self._coop and half > 0:
-                key = (who, r)
-                self._credit[key] = min(self.slice_s, self._credit.get(key, 0.0) + half)
-        h.overlap = None
-
-    def _less_credit(self, tenant: str, r: Resource, gpu_s: float) -> float:
-        credit = self._credit.get((tenant, r))
-        if not credit:
-            return gpu_s
-        taken = min(credit, gpu_s)
-        if credit > taken:
-            self._credit[(tenant, r)] = credit - taken
-        else:
-            del self._credit[(tenant, r)]
-        return gpu_s - taken
-
-    def _drop_credit(self, tenant: str) -> None:
-        for key in [k for k in self._credit if k[0] == tenant]:
-            del self._credit[key]

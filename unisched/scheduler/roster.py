@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import structlog
 
+from unisched.enforce.bpf import DeviceAdmissionError
 from unisched.enforce.cgroups import CgroupError
-from unisched.enforce.devices import DeviceAdmissionError
 from unisched.policy import (
     Mode,
     PolicyError,

@@ -13,6 +13,9 @@ sessions per tenant and admits or refuses new ones.
 - agent.py: reading the hand-over message and replying (daemon side).
 - accounting.py: which calls open and close which sessions (pure).
 - supervisor.py: the thread that answers one listener's notifications.
+- listener.py: the listener fd's ioctls (receive, check, answer, write a refused call's status).
+- memory_calls.py: charging video memory allocations, booking devices and frees (the supervisor's memory side).
+- stats.py: what a supervisor reports (`SupervisorStats`).
 - hooks.py: what the daemon needs from all of that (`SessionHooks`), the real one and a fake.
 
 abi, filter and handover import the standard library only, and this file imports nothing: `unisched run`'s

@@ -15,7 +15,8 @@ from typing import Protocol
 from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.accounting import SessionEvent
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.enforce.seccomp.supervisor import SessionSupervisor, SupervisorStats
+from unisched.enforce.seccomp.stats import SupervisorStats
+from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 
 class SessionHooks(Protocol):

@@ -1,4 +1,5 @@
-"""SessionSupervisor: one thread that serves one tenant's seccomp listener. I/O only; the books are accounting.py.
+"""SessionSupervisor: one thread that serves one tenant's seccomp listener. The books are accounting.py, the
+listener's ioctls listener.py, video memory calls memory_calls.py.
 
 It reads each notified call's argument from the tenant's memory (/proc/PID/mem), decodes the class (NVOS21/NVOS64
 hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts
@@ -16,72 +17,35 @@ import asyncio
 import collections
 import contextlib
 import errno
-import fcntl
 import math
 import os
 import select
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
 
 import structlog
 
-from unisched.enforce.nvclasses import DEVICE_CLASSES, NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, SessionKind
+from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
 from unisched.enforce.seccomp.abi import (
-    FD_SYNC_WAKE_UP,
-    FLAG_CONTINUE,
-    NOTIF_FORMAT,
-    NOTIF_ID_VALID,
-    NOTIF_ID_VALID_OLD,
-    NOTIF_RECV,
-    NOTIF_SEND,
-    NOTIF_SET_FLAGS,
-    NOTIF_SIZE,
-    RESP_FORMAT,
     SeccompError,
 )
 from unisched.enforce.seccomp.accounting import (
     Call,
-    Counts,
     EventAction,
     SessionBook,
     SessionEvent,
     decode_call,
     escape_of,
 )
-from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.listener import Listener
+from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.memory_calls import MemoryCalls
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
-from unisched.policy.memory import Verdict
+from unisched.enforce.seccomp.stats import SupervisorStats, percentile_us
 
 log = structlog.get_logger("unisched.seccomp")
-
-
-@dataclass(frozen=True)
-class SupervisorStats(Counts):
-    """The books' counts, and how the supervisor has been answering."""
-
-    tenant: str
-    notifications: int
-    """Notifications answered or skipped."""
-    skipped: int
-    """Notifications that were gone before the answer (killed or interrupted callers)."""
-    errors: int
-    """Notifications answered "continue" because handling them failed."""
-    latency_p50_us: float | None
-    latency_p99_us: float | None
-    """Answer latency (notification received -> answer sent), over the most recent samples."""
-    latency_samples: int
-    closed: bool
-    asked_loop: int = 0
-    """Session calls whose decision was asked on the event loop (`attach`); every other call was answered by
-    the supervisor's thread alone."""
-    pending: int = 0
-    """Session calls waiting for the loop's decision now."""
-    sync_wake_up: bool = False
-    """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
 
 
 class _Gone(Exception):
@@ -130,21 +94,19 @@ class SessionSupervisor:
         sync_wake_up: bool = True,
         memory: MemoryLedger | None = None,
     ) -> None:
-        self._fd = listener_fd
-        self._memory = memory
-        self._mbook = MemoryBook()
         self.tenant = tenant
+        self._listener = Listener(listener_fd, self._warn_once)
+        self._mem = MemoryCalls(tenant, memory, self._listener)
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
-        self._id_valid_cmd = NOTIF_ID_VALID_OLD
         self._lock = threading.Lock()
         self._book = SessionBook(tenant, int(join_window_s * 1e9))
         self._notifications = 0
         self._skipped = 0
         self._errors = 0
         self._asked = 0
-        self._sync_wake_up = sync_wake_up and self._set_sync_wake_up()
+        self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._warned: set[str] = set()
         self._closed = False
@@ -204,16 +166,6 @@ class SessionSupervisor:
             if thread.is_alive():
                 log.error("seccomp supervisor thread did not stop", tenant=self.tenant)
 
-    def _set_sync_wake_up(self) -> bool:
-        """SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (Linux >= 6.6): the kernel wakes the supervisor on the caller's CPU
-        and the caller on the supervisor's, as the caller only waits meanwhile (no idle CPU to wake, no IPI).
-        False where the kernel does not offer it."""
-        try:
-            fcntl.ioctl(self._fd, NOTIF_SET_FLAGS, FD_SYNC_WAKE_UP)
-        except OSError:
-            return False
-        return True
-
     @property
     def closed(self) -> bool:
         return self._done.is_set()
@@ -223,7 +175,7 @@ class SessionSupervisor:
 
     def _serve(self) -> None:
         poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
+        poller.register(self._listener.fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         next_reconcile = time.monotonic() + self._reconcile_interval
         why = EventAction.DETACHED
@@ -236,7 +188,7 @@ class SessionSupervisor:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
                         self._answer_decided()
-                    ev = events.get(self._fd, 0)
+                    ev = events.get(self._listener.fd, 0)
                     if ev & select.POLLIN:
                         self._handle_one()
                     elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
@@ -259,7 +211,7 @@ class SessionSupervisor:
             self._finished = True
             self._closed = True
             self._serving = False
-            os.close(self._fd)
+            os.close(self._listener.fd)
             os.close(self._wake_r)
             os.close(self._wake_w)
             decided = list(self._decided)
@@ -274,7 +226,7 @@ class SessionSupervisor:
                 call, tid = entry[0], entry[1]
                 events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
         self._pending.clear()
-        self._credit(self._mbook.release_all())
+        self._mem.release_all()
         self._emit_all(events + self._book.release_all(action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
@@ -285,28 +237,24 @@ class SessionSupervisor:
 
         Runs on the serving thread every `reconcile_interval_s`; do not call it from another thread while serving.
         """
-        owners = self._book.owners() | self._mbook.owners()
+        owners = self._book.owners() | self._mem.book.owners()
         gone = [h for h, (tgid, start) in owners.items() if tgid and start_time(tgid) != start]
         self._emit_all(self._book.release(gone, EventAction.EXITED))
-        self._credit(self._mbook.release(gone))
+        self._mem.release(gone)
 
     # ---- one notification ----
     def _handle_one(self) -> None:
-        buf = bytearray(NOTIF_SIZE)  # zeroed, as the kernel requires
-        try:
-            fcntl.ioctl(self._fd, NOTIF_RECV, buf, True)
-        except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: the caller went away meanwhile
-                self._warn_once("recv", f"seccomp receive failed: {e.strerror}")
+        notif = self._listener.receive()
+        if notif is None:
             return
         t0 = time.perf_counter_ns()
-        nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(NOTIF_FORMAT, buf)
+        nid, pid = notif.nid, notif.pid
         call: Call | None = None
         admitted = True  # every call that needs no decision goes on
         failure: tuple[str, BaseException] | None = None
         try:
-            call = self._examine(nid, pid, nr, arch, args)
-            if call.mem_bytes is not None and self._memory is not None:
+            call = self._examine(nid, pid, notif.nr, notif.arch, notif.args)
+            if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
             if call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns()):
@@ -389,7 +337,7 @@ class SessionSupervisor:
                 call = None
         with self._lock:
             self._notifications += 1
-        answered = self._answer(nid, -errno.EPERM if refused else 0)
+        answered = self._listener.answer(nid, -errno.EPERM if refused else 0)
         with self._lock:
             self._latency_ns.append(time.perf_counter_ns() - t0)
             if not answered:
@@ -403,32 +351,6 @@ class SessionSupervisor:
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:
             log.info("gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
-
-    def _answer(self, nid: int, error: int, *, run: bool = True) -> bool:
-        """SEND: "continue" (error 0), fail the call with `error` (-errno), or (`run` False, error 0) return 0
-        from it without running it. False when the call is gone."""
-        resp = struct.pack(RESP_FORMAT, nid, 0, error, FLAG_CONTINUE if run and not error else 0)
-        try:
-            fcntl.ioctl(self._fd, NOTIF_SEND, resp)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                self._warn_once("send", f"seccomp answer failed: {e.strerror}")
-            return False
-        return True
-
-    def _id_valid(self, nid: int) -> bool:
-        arg = struct.pack("=Q", nid)
-        while True:
-            try:
-                fcntl.ioctl(self._fd, self._id_valid_cmd, arg)
-                return True
-            except OSError as e:
-                if e.errno == errno.ENOENT:
-                    return False
-                if e.errno in (errno.EINVAL, errno.ENOTTY) and self._id_valid_cmd == NOTIF_ID_VALID_OLD:
-                    self._id_valid_cmd = NOTIF_ID_VALID
-                    continue
-                raise
 
     def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
         """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue."""
@@ -449,7 +371,7 @@ class SessionSupervisor:
             call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
         finally:
             os.close(mem)
-        known = self._book.knows(call.h_root) and (self._memory is None or self._mbook.holds(call.h_root))
+        known = self._book.knows(call.h_root) and (self._mem.ledger is None or self._mem.book.holds(call.h_root))
         if call.op == RM_ALLOC and not known:
             try:
                 call.owner = owner(pid)
@@ -457,82 +379,30 @@ class SessionSupervisor:
                 call.owner = (0, "")
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
-        if (call.kind is not None or call.mem_bytes is not None) and not self._id_valid(nid):
+        if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(nid):
             raise _Gone
         return call
 
     def _commit(self, call: Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
         """Book the answered call; the events to report after the answer."""
-        holds = self._book.holds_sessions(call.h_root) or (self._memory is not None and self._mbook.holds(call.h_root))
-        if call.op == RM_FREE and holds and not self._id_valid(nid):
+        holds = self._book.holds_sessions(call.h_root) or self._mem.holds(call.h_root)
+        if call.op == RM_FREE and holds and not self._listener.id_valid(nid):
             return []  # read from a process that is gone: uncount nothing
-        if self._memory is not None:
-            self._book_memory(call)
+        self._mem.book_call(call)
         events = self._book.commit(call, pid, refused, time.monotonic_ns())
         if self._book.untracked:
             self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
         return events
 
-    # ---- memory ----
-    def _book_memory(self, call: Call) -> None:
-        """Devices and frees in the memory book (allocations are booked by `_conclude_memory`)."""
-        if call.op == RM_FREE:
-            self._credit(self._mbook.free(call.h_root, call.handle))
-        elif call.op == RM_ALLOC and call.h_class in DEVICE_CLASSES:
-            self._mbook.add_device(call.h_root, call.handle, call.h_class, call.h_parent, call.device_id,
-                                   call.owner or (0, ""))
-
-    def _credit(self, given_back: list[Held]) -> None:
-        if self._memory is not None and given_back:
-            self._memory.credit(self.tenant, given_back)
-
     def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
-        """A video memory allocation: charge it to the tenant, or fail it as the driver does when memory is out.
-
-        Admitted: booked before the caller resumes, then "continue". Refused: NV_ERR_NO_MEMORY is written into
-        the call's status field and the ioctl answered 0 without running, which is what the driver returns for
-        an allocation it cannot place, so CUDA reports cudaErrorMemoryAllocation (PyTorch OutOfMemoryError) and
-        GL GL_OUT_OF_MEMORY; where the status cannot be written, the call fails with ENOMEM instead.
-        """
-        assert self._memory is not None and call.mem_bytes is not None
-        gpu = self._mbook.gpu_of(call.h_root, call.h_parent)
-        verdict = self._memory.charge(self.tenant, gpu, call.mem_bytes)
+        """A video memory allocation, charged or refused by MemoryCalls; counted here like every answer."""
         with self._lock:
             self._notifications += 1
-        if verdict is Verdict.ADMIT:
-            gpu, key, stale = self._mbook.add(call.h_root, call.handle, call.h_parent, call.mem_bytes,
-                                              call.owner or (0, ""))
-            self._credit(stale)
-            answered = self._answer(nid, 0)
-            if not answered:
-                self._credit(self._mbook.undo(call.h_root, key))
-        else:
-            written = self._write_status(nid, pid, call.status_at)
-            answered = self._answer(nid, 0 if written else -errno.ENOMEM, run=False)
+        answered = self._mem.conclude(nid, pid, call)
         with self._lock:
             self._latency_ns.append(time.perf_counter_ns() - t0)
             if not answered:
                 self._skipped += 1
-        if verdict is not Verdict.ADMIT and answered:
-            log.info("gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes,
-                     why=verdict.value, pid=pid)
-
-    def _write_status(self, nid: int, pid: int, status_at: int) -> bool:
-        """Write NV_ERR_NO_MEMORY into the caller's status field. The fd is opened, then the notification checked
-        still valid, so the fd is the caller's memory and not a reused pid's."""
-        try:
-            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            if not self._id_valid(nid):
-                return False
-            return os.pwrite(fd, struct.pack("=I", NV_ERR_NO_MEMORY), status_at) == 4
-        except (OSError, ValueError, OverflowError):
-            self._warn_once("mem_write", "cannot write tenants' memory; refused allocations fail with ENOMEM")
-            return False
-        finally:
-            os.close(fd)
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
         """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
@@ -567,11 +437,6 @@ class SessionSupervisor:
             notifications, skipped, errors = self._notifications, self._skipped, self._errors
             asked, pending = self._asked, len(self._pending)
 
-        def pct(p: float) -> float | None:
-            if not samples:
-                return None
-            return samples[min(len(samples) - 1, int(p * len(samples)))] / 1000.0
-
         counts = self._book.counts()
         return SupervisorStats(
             tenant=self.tenant,
@@ -582,8 +447,8 @@ class SessionSupervisor:
             notifications=notifications,
             skipped=skipped,
             errors=errors,
-            latency_p50_us=pct(0.50),
-            latency_p99_us=pct(0.99),
+            latency_p50_us=percentile_us(samples, 0.50),
+            latency_p99_us=percentile_us(samples, 0.99),
             latency_samples=len(samples),
             closed=self._done.is_set(),
             asked_loop=asked,

@@ -14,7 +14,8 @@ import structlog
 from unisched.integrations.kubernetes.adopt import ApiServerPods, PodAdopter, PodDirectory
 from unisched.integrations.kubernetes.coexist import coexistence_problem
 from unisched.integrations.kubernetes.devices import DECODE, RENDER
-from unisched.integrations.kubernetes.dra import ApiServerClaims, ClaimDirectory, DraConfig, DraDriver, SlicePublisher
+from unisched.integrations.kubernetes.dra import DraDriver
+from unisched.integrations.kubernetes.dra_claims import ApiServerClaims, ClaimDirectory, DraConfig, SlicePublisher
 from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.nvml import open_nvml

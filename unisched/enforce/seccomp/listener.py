@@ -1,0 +1,113 @@
+"""The seccomp listener fd's ioctls: receive a notification, check it is still valid, answer it, and write a
+refused call's status into the caller's memory. No decisions here; the supervisor makes them."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY
+from unisched.enforce.seccomp.abi import (
+    FD_SYNC_WAKE_UP,
+    FLAG_CONTINUE,
+    NOTIF_FORMAT,
+    NOTIF_ID_VALID,
+    NOTIF_ID_VALID_OLD,
+    NOTIF_RECV,
+    NOTIF_SEND,
+    NOTIF_SET_FLAGS,
+    NOTIF_SIZE,
+    RESP_FORMAT,
+)
+
+__all__ = ["Listener", "Notification"]
+
+
+@dataclass(frozen=True)
+class Notification:
+    """One notified call: its id, the caller's tid, the syscall number, the audit arch and the six arguments."""
+
+    nid: int
+    pid: int
+    nr: int
+    arch: int
+    args: list[int]
+
+
+class Listener:
+    """ONE seccomp listener fd (owned by the supervisor, which closes it). `warn(key, message)` is told once per
+    kind of unexpected failure; the calls themselves never raise for a caller that went away."""
+
+    def __init__(self, fd: int, warn: Callable[[str, str], None]) -> None:
+        self.fd = fd
+        self._warn = warn
+        self._id_valid_cmd = NOTIF_ID_VALID_OLD
+
+    def set_sync_wake_up(self) -> bool:
+        """SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (Linux >= 6.6): the kernel wakes the supervisor on the caller's CPU
+        and the caller on the supervisor's, as the caller only waits meanwhile (no idle CPU to wake, no IPI).
+        False where the kernel does not offer it."""
+        try:
+            fcntl.ioctl(self.fd, NOTIF_SET_FLAGS, FD_SYNC_WAKE_UP)
+        except OSError:
+            return False
+        return True
+
+    def receive(self) -> Notification | None:
+        """The next notification; None when there is none after all (the caller went away meanwhile)."""
+        buf = bytearray(NOTIF_SIZE)  # zeroed, as the kernel requires
+        try:
+            fcntl.ioctl(self.fd, NOTIF_RECV, buf, True)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: the caller went away meanwhile
+                self._warn("recv", f"seccomp receive failed: {e.strerror}")
+            return None
+        nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(NOTIF_FORMAT, buf)
+        return Notification(nid, pid, nr, arch, args)
+
+    def answer(self, nid: int, error: int, *, run: bool = True) -> bool:
+        """SEND: "continue" (error 0), fail the call with `error` (-errno), or (`run` False, error 0) return 0
+        from it without running it. False when the call is gone."""
+        resp = struct.pack(RESP_FORMAT, nid, 0, error, FLAG_CONTINUE if run and not error else 0)
+        try:
+            fcntl.ioctl(self.fd, NOTIF_SEND, resp)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                self._warn("send", f"seccomp answer failed: {e.strerror}")
+            return False
+        return True
+
+    def id_valid(self, nid: int) -> bool:
+        arg = struct.pack("=Q", nid)
+        while True:
+            try:
+                fcntl.ioctl(self.fd, self._id_valid_cmd, arg)
+                return True
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    return False
+                if e.errno in (errno.EINVAL, errno.ENOTTY) and self._id_valid_cmd == NOTIF_ID_VALID_OLD:
+                    self._id_valid_cmd = NOTIF_ID_VALID
+                    continue
+                raise
+
+    def write_status(self, nid: int, pid: int, status_at: int) -> bool:
+        """Write NV_ERR_NO_MEMORY into the caller's status field. The fd is opened, then the notification checked
+        still valid, so the fd is the caller's memory and not a reused pid's."""
+        try:
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if not self.id_valid(nid):
+                return False
+            return os.pwrite(fd, struct.pack("=I", NV_ERR_NO_MEMORY), status_at) == 4
+        except (OSError, ValueError, OverflowError):
+            self._warn("mem_write", "cannot write tenants' memory; refused allocations fail with ENOMEM")
+            return False
+        finally:
+            os.close(fd)

@@ -1,0 +1,81 @@
+"""A tenant's video memory calls as the supervisor sees them: charge each allocation to the daemon's ledger or
+fail it as the driver does when memory is out, and book devices and frees so memory given back is credited."""
+
+from __future__ import annotations
+
+import errno
+
+import structlog
+
+from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE
+from unisched.enforce.seccomp.accounting import Call
+from unisched.enforce.seccomp.listener import Listener
+from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
+from unisched.policy.memory import Verdict
+
+__all__ = ["MemoryCalls"]
+
+log = structlog.get_logger("unisched.seccomp")
+
+
+class MemoryCalls:
+    """The memory side of ONE tenant's supervisor (serving thread only). Without a ledger, memory is not
+    enforced: nothing is charged, booked or credited."""
+
+    def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener) -> None:
+        self.tenant = tenant
+        self.ledger = ledger
+        self.book = MemoryBook()
+        self._listener = listener
+
+    def holds(self, h_root: int) -> bool:
+        """Whether memory is enforced and the RM client `h_root` holds booked memory or devices."""
+        return self.ledger is not None and self.book.holds(h_root)
+
+    def book_call(self, call: Call) -> None:
+        """Devices and frees in the memory book (allocations are booked by `conclude`)."""
+        if self.ledger is None:
+            return
+        if call.op == RM_FREE:
+            self.credit(self.book.free(call.h_root, call.handle))
+        elif call.op == RM_ALLOC and call.h_class in DEVICE_CLASSES:
+            self.book.add_device(call.h_root, call.handle, call.h_class, call.h_parent, call.device_id,
+                                 call.owner or (0, ""))
+
+    def credit(self, given_back: list[Held]) -> None:
+        if self.ledger is not None and given_back:
+            self.ledger.credit(self.tenant, given_back)
+
+    def release(self, roots: list[int]) -> None:
+        """Credit what the RM clients `roots` held (their processes exited)."""
+        self.credit(self.book.release(roots))
+
+    def release_all(self) -> None:
+        self.credit(self.book.release_all())
+
+    def conclude(self, nid: int, pid: int, call: Call) -> bool:
+        """A video memory allocation: charge it to the tenant, or fail it as the driver does when memory is out.
+        Whether the call was answered (False: it was gone).
+
+        Admitted: booked before the caller resumes, then "continue". Refused: NV_ERR_NO_MEMORY is written into
+        the call's status field and the ioctl answered 0 without running, which is what the driver returns for
+        an allocation it cannot place, so CUDA reports cudaErrorMemoryAllocation (PyTorch OutOfMemoryError) and
+        GL GL_OUT_OF_MEMORY; where the status cannot be written, the call fails with ENOMEM instead.
+        """
+        assert self.ledger is not None and call.mem_bytes is not None
+        gpu = self.book.gpu_of(call.h_root, call.h_parent)
+        verdict = self.ledger.charge(self.tenant, gpu, call.mem_bytes)
+        if verdict is Verdict.ADMIT:
+            gpu, key, stale = self.book.add(call.h_root, call.handle, call.h_parent, call.mem_bytes,
+                                            call.owner or (0, ""))
+            self.credit(stale)
+            answered = self._listener.answer(nid, 0)
+            if not answered:
+                self.credit(self.book.undo(call.h_root, key))
+        else:
+            written = self._listener.write_status(nid, pid, call.status_at)
+            answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
+        if verdict is not Verdict.ADMIT and answered:
+            log.info("gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes,
+                     why=verdict.value, pid=pid)
+        return answered

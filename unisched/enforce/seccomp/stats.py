@@ -1,0 +1,41 @@
+"""What a seccomp supervisor reports: the books' counts, and how it has been answering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unisched.enforce.seccomp.accounting import Counts
+
+__all__ = ["SupervisorStats", "percentile_us"]
+
+
+@dataclass(frozen=True)
+class SupervisorStats(Counts):
+    """The books' counts, and how the supervisor has been answering."""
+
+    tenant: str
+    notifications: int
+    """Notifications answered or skipped."""
+    skipped: int
+    """Notifications that were gone before the answer (killed or interrupted callers)."""
+    errors: int
+    """Notifications answered "continue" because handling them failed."""
+    latency_p50_us: float | None
+    latency_p99_us: float | None
+    """Answer latency (notification received -> answer sent), over the most recent samples."""
+    latency_samples: int
+    closed: bool
+    asked_loop: int = 0
+    """Session calls whose decision was asked on the event loop (`attach`); every other call was answered by
+    the supervisor's thread alone."""
+    pending: int = 0
+    """Session calls waiting for the loop's decision now."""
+    sync_wake_up: bool = False
+    """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
+
+
+def percentile_us(samples_ns: list[int], p: float) -> float | None:
+    """The p-th fraction of sorted nanosecond samples, in microseconds; None without samples."""
+    if not samples_ns:
+        return None
+    return samples_ns[min(len(samples_ns) - 1, int(p * len(samples_ns)))] / 1000.0
