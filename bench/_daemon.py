@@ -28,7 +28,8 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
     daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                str(work / "state"), *extra], stdout=log, stderr=log,
-                              env={**bench_env(), "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients")])},
+                              env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [
+                                  str(root), str(root / "clients"), os.environ.get("PYTHONPATH")]))},
                               cwd=root)
     deadline = time.monotonic() + timeout_s
     while not Path(sock).exists():
