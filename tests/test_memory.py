@@ -160,6 +160,9 @@ def test_memory_allocations_are_decoded() -> None:
         assert (call.op, call.h_parent, call.handle, call.mem_bytes, call.status_at) == (RM_ALLOC, DEV, 0x10, 3 * GIB, status_at)
     short = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x40, 0x5000, 64, 0)  # paramsSize does not reach size@64
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: short, 0x5000: bytes(params)})).mem_bytes is None
+    # paramsSize 0: the class's own struct, copied whole by the driver (what libcuda passes on the H200)
+    unsized = struct.pack("=IIIIQQIII4x", ROOT, DEV, 0x10, 0x40, 0x5000, 0, 0, 0, 0)
+    assert decode_call(RM_ALLOC, 48, 0x7000, _memory({0x7000: unsized, 0x5000: bytes(params)})).mem_bytes == 3 * GIB
     system = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x3E, 0x5000, len(params), 0)  # host memory: not counted
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: system, 0x5000: bytes(params)})).mem_bytes is None
     device = struct.pack("=IIIIQII", ROOT, ROOT, DEV, 0x80, 0x5000, 16, 0)

@@ -217,12 +217,13 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
 
 def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> None:
     """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it
-    (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h)."""
+    (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h). paramsSize 0 means the class's own parameter struct: the
+    driver then copies that struct whole, and libcuda on the H200 (driver 580) passes 0 for every allocation."""
     (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
     at = MEMORY_SIZE_AT.get(call.h_class)
-    if at is not None and psize >= at + 8:
+    if at is not None and (psize == 0 or psize >= at + 8):
         (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
-    elif call.h_class == NV01_DEVICE_0 and psize >= 4:
+    elif call.h_class == NV01_DEVICE_0 and (psize == 0 or psize >= 4):
         (call.device_id,) = struct.unpack("=I", read(params, 4))
 
 
