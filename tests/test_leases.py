@@ -368,6 +368,82 @@ def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_p
     assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (c.used, kern_s)
 
 
+@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
+def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_to_each(
+        tmp_path: Path, coop_w: int, kern_w: int) -> None:
+    """A client revoked mid-step finishes its step (here 20 ms) after the freezer-governed tenant is thawed for its
+    turn; the GPU time-slices the two, so each does about half of that overlap, while the client's CUDA events time
+    all of it. Charged whole to the client and taken whole off the other's busy time, the freezer-governed tenant
+    got ~5 points more than its share at 1:1 with 50 ms steps on the H200."""
+    tail = 0.02
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
+    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    c = rig.coop("coop", coop_w)
+    c.yields = False  # it yields itself, once its step in flight is done
+    c.want()
+    rig.pid += 1
+    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    g = rig.driver.groups["/unisched/kern"]
+    coop_work = kern_work = 0.0
+    for _ in range(1200):
+        was_held = c.held
+        delay = rig.tick()
+        c.pump()
+        if was_held and not c.held:  # revoked: its step runs on beside the thawed tenant, then it yields
+            g.cpu_s += delay
+            coop_work += tail / 2
+            kern_work += delay - tail / 2
+            rig.clock.advance(tail)
+            rig.engine.lease_report(c.sid, "compute", tail, False, yielded=True)
+            c.pump()
+            rig.clock.advance(delay - tail)
+            continue
+        if not g.frozen:
+            g.cpu_s += delay
+            kern_work += delay
+        rig.clock.advance(delay)
+        if c.held:
+            coop_work += delay
+        c.report(delay if c.held else 0.0)
+    share = coop_work / (coop_work + kern_work)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
+
+
+@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
+def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
+        tmp_path: Path, coop_w: int, kern_w: int) -> None:
+    """Frozen for the client's turn, the freezer-governed tenant still has 7 ms of GPU work queued; the client's
+    first units wait behind it, and its CUDA events time that wait. The time beyond its usual units is the frozen
+    tenant's, not the client's."""
+    drain, unit = 0.007, 0.005
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
+    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    c = rig.coop("coop", coop_w)
+    c.want()
+    rig.pid += 1
+    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    g = rig.driver.groups["/unisched/kern"]
+    coop_work = kern_work = 0.0
+    for _ in range(1200):
+        was_frozen, was_held = g.frozen, c.held
+        delay = rig.tick()
+        rig.clock.advance(delay)
+        if not g.frozen:
+            g.cpu_s += delay
+            kern_work += delay
+        elif not was_frozen:
+            g.cpu_s += FREEZE_TAIL_S
+        if not c.held:
+            c.report(0.0)
+            continue
+        queued = drain if not was_held and was_frozen is False else 0.0  # its first slice after the other's turn
+        kern_work += queued
+        coop_work += delay - queued
+        c.report(delay, units=round((delay - queued) / unit))
+    share = coop_work / (coop_work + kern_work)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
+
+
 def test_closing_the_session_drops_demand_and_frees_codec_sessions(tmp_path: Path) -> None:
     gpu = GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)
     rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([gpu]))

@@ -80,7 +80,11 @@ class Handovers:
 
     # --- overlaps in preemptive mode: online tenants do not wait for offline tails ---------------------
     def overlap(self, r: Resource, tenant: str, now: float) -> None:
-        """`tenant` is granted `r` at once, beside the offline tail that still drains it."""
+        """`tenant` runs on `r` at once, beside the revoked tail that still drains it: an online tenant granted at
+        once, or a freezer-governed tenant thawed for its turn (the freezer does not wait for a client's yield).
+        Both measure the overlap's wall time (a CUDA event times the other's work the GPU time-slices in), so each
+        cooperative side is credited half of it; a freezer-governed side is charged the busy time less the
+        cooperative reports (policy.plan.cooperative_part), so it pays the other half."""
         h = self._pending[r]
         h.overlap, h.since = tenant, now
 
