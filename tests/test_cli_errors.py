@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, cli, freezer_unavailable_reason
+from conftest import ROOT, Daemon, child_env, cli, freezer_unavailable_reason
 
 
 def test_bad_flags_fail_before_contacting_anything() -> None:
@@ -153,3 +156,15 @@ def test_version() -> None:
 
     out = cli("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"unisched {__version__}"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(daemon: Daemon, tenant_prefix: str) -> None:
+    """`unisched tenants --json | head -1`: the pipe closes early; no traceback, the shell's code for SIGPIPE."""
+    for n in range(40):  # enough output to outgrow the pipe's buffer
+        assert daemon.cli("run", "--tenant", f"{tenant_prefix}{n}", "--keep", "--", "true").returncode == 0
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the command writes
+    with open(w, "wb", closefd=True) as out:
+        p = subprocess.run([sys.executable, "-m", "unisched", "tenants", "--json", "--socket", daemon.socket],
+                           stdout=out, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, timeout=60)
+    assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
