@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from unisched.enforce.cgroups import CgroupDriver
+from unisched.enforce.cgroups import CgroupDriver, CgroupError
 from unisched.telemetry import FakeTelemetry, GpuInfo
 from unisched_wire.leasewire import lease_socket_beside
 
@@ -155,7 +155,19 @@ def _empty_and_remove(driver: CgroupDriver, cg: str) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not driver.pids(cg), 10, f"{cg} to empty")
-    driver.remove(cg)
+    wait_until(lambda: _removed(driver, cg), 10, f"{cg} to be removed")
+
+
+def _removed(driver: CgroupDriver, cg: str) -> bool:
+    """Remove `cg`; False while the kernel still counts it populated (EBUSY): on cgroup v2 a group whose last
+    process was just killed can refuse rmdir for a moment after it lists no process (seen on the GPU machine)."""
+    try:
+        driver.remove(cg)
+    except CgroupError as e:
+        if "busy" not in str(e).lower():
+            raise
+        return False
+    return True
 
 
 def _cleanup_cgroups(prefix: str) -> None:
