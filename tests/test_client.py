@@ -24,6 +24,7 @@ from conftest import ROOT, Daemon, child_env, wait_until
 sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
 import grpc
 
+from unisched.policy.tuning import TUNING
 from unisched_client import Client, UnischedUnavailable
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
@@ -82,7 +83,7 @@ def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tena
     last = {e["tenant"]: e["min_run_ms"] for e in turns}
     revokes = sum(r["revokes"] for r in results)
     for e in turns:  # each turn follows from the units and the hand-over gap measured then
-        want = min(500.0, max(8 * e["unit_ms"], e["handover_ms"] / 0.01))
+        want = min(500.0, max(8 * e["unit_ms"], e["handover_ms"] / TUNING.handover_share if TUNING.handover_share else 0))
         assert e["min_run_ms"] == pytest.approx(want if want >= 40 else 0.0, abs=1.0), e
     if long_turns:
         assert set(last) == set(names) and all(v >= 0.8 * 240 for v in last.values()), turns

@@ -304,11 +304,19 @@ def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
     assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
 
 
-@pytest.mark.parametrize(("gap_s", "turn_s"), [(0.0, 0.0), (0.0015, 0.15), (0.02, 0.5)])
-def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, gap_s: float,
-                                                                    turn_s: float) -> None:
+@pytest.mark.parametrize(("share", "gap_s", "turn_s"), [(0.01, 0.0, 0.0), (0.01, 0.0015, 0.15), (0.01, 0.02, 0.5),
+                                                      (0.0, 0.02, 0.0)])
+def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    share: float, gap_s: float, turn_s: float) -> None:
     """Short units, and each holder's first work starts `gap_s` after the yield before it: turns long enough for
-    the gap to cost Tuning.handover_share (1%) of them, at most lease_max_run_ms (500), none under two slices."""
+    the gap to cost Tuning.handover_share (here 1%) of them, at most lease_max_run_ms (500), none under two slices;
+    with the share at 0 (the default) the gap is measured but sizes no turn."""
+    import dataclasses
+
+    from unisched.policy.tuning import TUNING
+    from unisched.scheduler import turns
+
+    monkeypatch.setattr(turns, "TUNING", dataclasses.replace(TUNING, handover_share=share))
     rig = LeaseRig(tmp_path)
     a, b = rig.coop("a", 100), rig.coop("b", 100)
     a.want()

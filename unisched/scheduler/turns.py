@@ -19,7 +19,8 @@ def min_run_for(unit_s: float, slice_s: float, max_run_s: float, handover_s: flo
     """The minimum run a tenant with units of `unit_s` earns: Tuning.run_units of them, and long enough that a
     hand-over gap of `handover_s` costs at most Tuning.handover_share of it; at most `max_run_s`, and 0 below two
     slices (a turn of two slices is what the holder's tie rule gives anyway)."""
-    run = min(max_run_s, max(TUNING.run_units * unit_s, handover_s / TUNING.handover_share))
+    share = TUNING.handover_share
+    run = min(max_run_s, max(TUNING.run_units * unit_s, handover_s / share if share > 0 else 0.0))
     return run if run >= 2 * slice_s else 0.0
 
 
