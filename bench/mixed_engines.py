@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, bench_env, start_daemon
 from scoring import efficiency, error_points, guarantee_ok
+from summary import commit as tree_commit
+from summary import machine
 
 WORKLOAD = ROOT / "examples" / "workloads" / "cuda_matmul.py"
 MAX_MEDIAN_ERROR_POINTS = 1.0
@@ -170,16 +171,6 @@ def report_md(result: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine() -> str:
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=False).stdout.strip() if _has("nvidia-smi") else "no GPU"
-    return f"{platform.node()}; {gpu}; {platform.processor() or platform.machine()}"
-
-
-def _has(cmd: str) -> bool:
-    return subprocess.run(["sh", "-c", f"command -v {cmd}"], capture_output=True, check=False).returncode == 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         for a, b, w in plan:
             print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}")
         return 0
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                           cwd=ROOT, check=False).stdout.strip()
-    meta = {"command": " ".join(map(shlex.quote, sys.argv)), "machine": machine(), "commit": commit,
+    host = machine()
+    meta = {"command": " ".join(map(shlex.quote, sys.argv)), "commit": args.commit or tree_commit()["commit"],
+            "machine": f"{host['host']}; {host['gpu'] or 'no GPU'}, {host['driver'] or '-'}; {host['cpu']}",
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "seconds": args.seconds,
             "serve_args": args.serve_arg}
     solos: list[dict[str, float]] = []
