@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pairs of saturating GPU tenants: alone, together with no scheduler, and together under unisched.
 
-Why one script: DESIGN.md asks that sharing always be measured alone, with no scheduler, and with
+Why one script: sharing is always measured alone, with no scheduler, and with
 unisched in one run on one machine, and scored by normalized throughput (shared / alone). This runs
 the pairs the daemon is judged on, in one invocation that fits one device call:
 
@@ -779,7 +779,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         "normalized = shared / alone; error = max |n_i/sum(n) - w_i/sum(w)| in points; sum = sum of "
-        "normalized. Targets (DESIGN.md): contending pairs (no-scheduler sum < "
+        "normalized. Targets (bench/README.md): contending pairs (no-scheduler sum < "
         f"{scoring.CONTENTION_THRESHOLD:g}) need every n_i >= w_i/sum(w) - {scoring.GUARANTEE_SLACK:g}, "
         f"error <= {scoring.MAX_ERROR_POINTS:g} pts and sum >= {scoring.MIN_CONTENDING_EFFICIENCY:g}; "
         "overlapping pairs need the same guarantee and a sum no more than "
@@ -954,7 +954,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Benchmark GPU sharing on pairs of saturating tenants: each workload alone, each "
                     "pair together with no scheduler, and each weighted pair under `unisched serve` "
                     "(tenants started with `unisched run --weight W --engines compute|graphics`). "
-                    "Scores normalized throughput, error, sum and the guarantee per DESIGN.md and "
+                    "Scores normalized throughput, error, sum and the guarantee (bench/README.md) and "
                     "writes results.json and results.md to --out.",
         epilog=f"""pairs (--pairs, comma separated, KINDSa:b):
   cuda3:1      CUDA matmuls + CUDA matmuls, weights 3:1         (contend)
@@ -1003,7 +1003,7 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                         help="skip the unisched phase (alone and no-scheduler runs only)")
     parser.add_argument("--render-fps", type=float, default=36.0,
                         help="calibrate the render load alone to about this many frames/s before the "
-                             "runs (DESIGN.md saw 36.9 on the H200); 0 = no calibration (default: 36)")
+                             "runs (36.9 on the H200); 0 = no calibration (default: 36)")
     parser.add_argument("--render-iterations", type=int, default=None,
                         help="fixed egl_render.py --iterations; skips calibration")
     parser.add_argument("--workload-cmd-cuda", default=None, metavar="CMD",

@@ -5,7 +5,7 @@ on the daemon's asyncio loop) against the new one (a supervisor thread answers a
 A child process installs the real filter, hands its listener over a socketpair (as runc does) and makes fake
 NVIDIA RM calls on /dev/null (standing in for /dev/nvidiactl; a call let through fails there with ENOTTY, as in
 tests/seccomp_child.py), timing every ioctl. It replays, --contexts times per run, what the driver allocated for
-a context on the H200 (DESIGN.md, "Kernel hooks: facts"), alternately:
+a context on the H200 (docs/design/memory.md and tests/test_gpu_hooks.py check them), alternately:
 
   cuda  a new RM client, device, subdevice, 8 x (channel 0xC86F, copy 0xC8B5, compute 0xCBC0), 12 more channels
         and copies, 8 TSGs 0xA06C, 71 memory objects 0x0040: 130 RM_ALLOCs, of which one asks `decide` (the

@@ -70,7 +70,7 @@ SCENARIOS = ("mixed", "online", "ad_sim", "cloud")
 MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
 TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50"  # batch 32: the example's default
 RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
-RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration, DESIGN.md)
+RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration)
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
                  "kernel": "unisched kernel", "user": "unisched user",
                  "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal",

@@ -1,4 +1,4 @@
-"""How sharing is scored (DESIGN.md, "How we score sharing"), as pure functions.
+"""How sharing is scored (bench/README.md says what each target means), as pure functions.
 
 Kept apart from the orchestrator so the arithmetic that decides PASS/FAIL is unit-tested on hand
 computed numbers (tests/test_bench_scoring.py) and cannot drift between benchmarks.
@@ -158,7 +158,7 @@ def overlap_bound(kept: Sequence[float], weights: Sequence[float], steps: int = 
 
     Why: where running together gives one tenant much less than its share (a ResNet-50 trainer keeps ~0.3 beside
     the render on the H200, which keeps 0.88), its guarantee at 3:1 needs it alone most of the time, and the
-    no-scheduler efficiency is out of reach for any scheduler. Reported beside the verdict, which stays DESIGN.md's.
+    no-scheduler efficiency is out of reach for any scheduler. Reported beside the verdict, which stays the targets'.
     A scan over the time together (its fraction b; each alone for what its guarantee still lacks, and any time
     left alone too) rather than the policy's exact solver (unisched.policy.overlap), which the tests compare it
     with."""

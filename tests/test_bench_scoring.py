@@ -1,4 +1,4 @@
-"""bench/scoring.py on hand-computed numbers, mostly DESIGN.md's anchor rows from the H200."""
+"""bench/scoring.py on hand-computed numbers, mostly anchor rows measured on the H200."""
 
 from __future__ import annotations
 

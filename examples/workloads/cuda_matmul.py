@@ -4,7 +4,7 @@
 Why it looks like this: it is the "CUDA" side of the sharing benchmark (bench/gpu_pairs.py). Large
 bf16 matmuls keep every SM busy, and synchronising every `--sync-every` matmuls keeps the work
 queued on the GPU short (a few ms), so a tenant frozen by the scheduler stops using the GPU almost
-at once (DESIGN.md: a process that queues 200 matmuls keeps the GPU busy ~0.9 s after a freeze).
+at once (on the H200 a process that queues 200 matmuls keeps the GPU busy ~0.9 s after a freeze).
 
 Output: one human line on stdout, and with --report a JSON file
   {"kind": "cuda", "throughput": matmuls/s, "unit": "matmul/s", "items": n, "seconds": window, "pid": ...}

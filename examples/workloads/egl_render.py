@@ -5,8 +5,8 @@ Why it looks like this: it is the "render" side of the sharing benchmark (bench/
 needs no display: EGL's device platform opens the GPU directly, an OpenGL 4.x core context renders
 into a 1920x1080 framebuffer object, and every frame is one full-screen quad whose fragment shader
 runs `--iterations` rounds of arithmetic per pixel. glFinish after each frame keeps at most one
-frame in flight, so a frozen tenant stops using the GPU within one frame time. DESIGN.md measured
-such a load at 36.9 FPS alone on the H200 (graphics runs on few SMs there); `--calibrate-fps`
+frame in flight, so a frozen tenant stops using the GPU within one frame time. Such a load
+ran at 36.9 FPS alone on the H200 (graphics runs on few SMs there); `--calibrate-fps`
 finds the iteration count that gives a chosen frame rate on the machine at hand.
 
 Output: one human line on stdout, and with --report a JSON file
