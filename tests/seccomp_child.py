@@ -33,7 +33,7 @@ import termios
 import time
 
 ROOT_HANDLE = 0xC1D00001
-RM_ALLOC, RM_FREE, XFER = 0x2B, 0x29, 0xD3
+RM_ALLOC, RM_FREE, XFER, VID_HEAP = 0x2B, 0x29, 0xD3, 0x4A
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _IOCTL_NR = {"x86_64": 16, "aarch64": 29}[platform.machine()]
@@ -81,6 +81,21 @@ def mem_call(dev: int, parent: int, handle: int, nbytes: int, root: int = ROOT_H
     struct.pack_into("=I", buf, 24 if size == 32 else 32, len(params))
     err = ioctl(dev, iowr(XFER, 16), xfer(RM_ALLOC, buf)) if through_xfer else ioctl(dev, iowr(RM_ALLOC, size), buf)
     return err, struct.unpack_from("=I", buf, 28 if size == 32 else 40)[0]
+
+
+def heap_call(dev: int, function: int, parent: int, handle: int, nbytes: int, flags: int, attr: int) -> tuple[int, int]:
+    """RM_VID_HEAP_CONTROL (NVOS32, 184 bytes): an ALLOC_SIZE (function 2) of `nbytes` with `flags` and `attr`, or
+    a FREE (3) of `handle`; (errno, the status field afterwards)."""
+    buf = ctypes.create_string_buffer(184)
+    struct.pack_into("=III", buf, 0, ROOT_HANDLE, parent, function)
+    if function == 3:
+        struct.pack_into("=II", buf, 44, handle, flags)
+    else:
+        struct.pack_into("=II", buf, 44, handle, 0)
+        struct.pack_into("=II", buf, 52, flags, attr)
+        struct.pack_into("=Q", buf, 88, nbytes)
+    err = ioctl(dev, iowr(VID_HEAP, 184), buf)
+    return err, struct.unpack_from("=I", buf, 20)[0]
 
 
 def threads_mem(dev: int, n: int, parent: int, nbytes: int, first: int) -> int:
@@ -165,6 +180,9 @@ def tenant(where: str) -> None:
             root = nums[3] if len(nums) > 3 else ROOT_HANDLE
             size = nums[4] if len(nums) > 4 else 32
             err, status = mem_call(dev, nums[0], nums[1], nums[2], root, size, through_xfer=op == "xmem")
+            extra = str(status)
+        elif op == "heap":  # function parent handle nbytes flags attr
+            err, status = heap_call(dev, *nums[:6])
             extra = str(status)
         elif op == "threads_mem":
             err, extra = 0, str(threads_mem(dev, *nums[:4]))

@@ -19,6 +19,7 @@ from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_f
 
 from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
 from unisched.enforce.seccomp.accounting import decode_call
+from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.policy import Engine, Priority
@@ -118,9 +119,10 @@ def test_book_keeps_clients_apart_and_releases_exited_ones() -> None:
     assert book.free(other, 0x11) == [] and book.held() == {0: 2 * GIB}
     assert book.release([other]) == [Held(0, GIB)]
     assert book.owners() == {ROOT: (ROOT, "1")}
-    _, key, _ = book.add(ROOT, 0, DEV, 5, OWNER)  # handle 0: the driver picks it; held until the client goes
-    assert key < 0 and book.undo(ROOT, key) == [Held(0, 5)]
-    assert book.release_all() == [Held(0, GIB)]
+    _, key, _ = book.add(ROOT, 0, DEV, 5, OWNER)  # handle 0: the driver picks it, replayed
+    assert key == RS_UNIQUE_HANDLE_BASE and book.undo(ROOT, key, driver_chosen=True) == [Held(0, 5)]
+    assert book.add(ROOT, 0, DEV, 5, OWNER)[1] == RS_UNIQUE_HANDLE_BASE  # the undone call never took it
+    assert sorted(h.nbytes for h in book.release_all()) == [5, GIB]
 
 
 def test_ledger_charges_and_credits_per_tenant_and_gpu() -> None:
@@ -169,6 +171,46 @@ def test_memory_allocations_are_decoded() -> None:
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
     free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
     assert (free.op, free.handle, free.mem_bytes) == (RM_FREE, 0x10, None)
+
+
+def _nvos32(function: int, handle: int = 0, flags: int = 0, attr: int = 0, nbytes: int = 0,
+            at: tuple[int, int, int, int] = (44, 52, 56, 88)) -> bytes:
+    buf = bytearray(184)
+    struct.pack_into("=III", buf, 0, ROOT, DEV, function)
+    h_at, flags_at, attr_at, size_at = at
+    struct.pack_into("=I", buf, h_at, handle)
+    struct.pack_into("=I", buf, flags_at, flags)
+    struct.pack_into("=I", buf, attr_at, attr)
+    struct.pack_into("=Q", buf, size_at, nbytes)
+    return bytes(buf)
+
+
+PROVIDED, VIRTUAL, PCI = 0x4000, 0x80000, 1 << 25
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        # ALLOC_SIZE in video memory (attr LOCATION 0), the driver picking the handle: counted, status at 20
+        (_nvos32(2, handle=0x77, nbytes=GIB), (RM_ALLOC, 0, 0x40, GIB, 0x1000 + 20)),
+        (_nvos32(2, handle=0x77, flags=PROVIDED, nbytes=GIB), (RM_ALLOC, 0x77, 0x40, GIB, 0x1000 + 20)),
+        (_nvos32(2, attr=PCI, nbytes=GIB), (RM_ALLOC, 0, 0x3E, None, 0x1000 + 20)),  # host memory
+        (_nvos32(2, flags=VIRTUAL, nbytes=GIB), (RM_ALLOC, 0, 0x50A0, None, 0x1000 + 20)),  # address space only
+        # ALLOC_TILED_PITCH_HEIGHT: attr@64; ALLOC_SIZE_RANGE: size@80
+        (_nvos32(6, nbytes=5, at=(44, 52, 64, 88)), (RM_ALLOC, 0, 0x40, 5, 0x1000 + 20)),
+        (_nvos32(14, nbytes=7, at=(44, 52, 56, 80)), (RM_ALLOC, 0, 0x40, 7, 0x1000 + 20)),
+        (_nvos32(27, at=(40, 48, 52, 64)), (RM_ALLOC, 0, 0x3E, None, 0x1000 + 20)),  # OS descriptor: a handle only
+        (_nvos32(3, handle=0x77, flags=0, at=(44, 48, 52, 64)), (0, 0, 0, None, 0)),  # FREE without the flag: fails
+        (_nvos32(3, handle=0x77, flags=1, at=(44, 48, 52, 64)), (RM_FREE, 0x77, 0, None, 0)),
+        (_nvos32(20, handle=0x78, at=(40, 48, 52, 64)), (RM_FREE, 0x78, 0, None, 0)),  # HW_FREE
+        (_nvos32(5), (0, 0, 0, None, 0)),  # INFO: nothing to track
+    ],
+)
+def test_heap_calls_are_decoded_as_the_allocations_the_driver_makes_of_them(
+        args: bytes, expect: tuple[int, int, int, int | None, int]) -> None:
+    call = decode_call(0x4A, 184, 0x1000, _memory({0x1000: args}))
+    assert (call.op, call.handle, call.h_class, call.mem_bytes, call.status_at) == expect
+    assert decode_call(0x4A, 180, 0x1000, _memory({0x1000: args})).op == 0  # not NVOS32's size: the driver refuses it
 
 
 # --- end to end ------------------------------------------------------------------------------------------------------
@@ -225,6 +267,35 @@ def test_the_allocation_crossing_the_cap_fails_as_out_of_memory_and_a_free_gives
     assert capped.ledger.of("t").refused == {0: 4}
     assert proc.call(f"free {DEV:#x}") == ENOTTY  # the device takes its memory with it
     assert capped.held() == {}
+
+
+def heap(proc: Proc, nbytes: int, *, function: int = 2, handle: int = 0, flags: int = 0, attr: int = 0) -> tuple[int, int]:
+    """(errno, status) of one NVOS32 heap call from the child."""
+    proc.send(f"heap {function} {DEV:#x} {handle:#x} {nbytes} {flags:#x} {attr:#x}")
+    _, err, status = proc.line().split()
+    return int(err), int(status)
+
+
+@needs_notify
+def test_heap_allocations_with_driver_chosen_handles_are_capped_and_given_back_by_their_free(capped: Served) -> None:
+    """EGL/OpenGL's path: NVOS32 ALLOC_SIZE leaving the handle to the driver, freed by RM_FREE of that handle."""
+    proc = capped.proc
+    assert [heap(proc, GIB) for _ in range(3)] == [LET_THROUGH] * 3  # replayed as 0xcaf00000, 0xcaf00001, ...2
+    assert heap(proc, GIB, attr=PCI) == LET_THROUGH  # host memory: not counted, but it takes 0xcaf00003
+    assert heap(proc, GIB, flags=PROVIDED, handle=0x99) == LET_THROUGH
+    assert heap(proc, GIB) == REFUSED  # the 5th GiB fails as out of memory (status at 20), taking no handle
+    assert capped.held() == {0: 4 * GIB}
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 1:#x}") == ENOTTY
+    assert capped.held() == {0: 3 * GIB}
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00004
+    assert heap(proc, 0, function=3, handle=RS_UNIQUE_HANDLE_BASE + 4, flags=1) == LET_THROUGH  # NVOS32 FREE
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 3:#x}") == ENOTTY  # the host memory: nothing to give back
+    assert proc.call("free 0x99") == ENOTTY
+    assert capped.held() == {0: 2 * GIB}
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE:#x}") == ENOTTY
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 2:#x}") == ENOTTY
+    assert capped.held() == {}
+    assert capped.ledger.of("t").refused == {0: 1}
 
 
 @needs_notify

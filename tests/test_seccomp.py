@@ -170,7 +170,7 @@ def test_oci_profile_notifies_exactly_the_filter_s_calls() -> None:
         (arg,) = rule["args"]
         assert arg["index"] == 1 and arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == 0xFFFF
         notified.add(arg["valueTwo"])
-    assert notified == {0x462B, 0x46D3, 0x4629}
+    assert notified == {0x462B, 0x464A, 0x46D3, 0x4629}
 
 
 def test_ledger_reserves_and_releases() -> None:

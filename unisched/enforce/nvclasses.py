@@ -10,11 +10,25 @@ session and is never refused.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
 __all__ = [
+    "ROOT_CLASSES",
+    "NV50_MEMORY_VIRTUAL",
+    "NV01_MEMORY_SYSTEM",
+    "NV01_MEMORY_LOCAL_USER",
+    "NVOS32_STATUS_AT",
+    "NVOS32_SIZE",
+    "NVOS32_FUNCTION_HW_FREE",
+    "NVOS32_FUNCTION_FREE",
+    "NVOS32_ATTR_LOCATION_SHIFT",
+    "NVOS32_ALLOC_FLAGS_VIRTUAL",
+    "NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED",
+    "NVOS32_ALLOCS",
+    "HeapAlloc",
     "DEVICE_CLASSES",
     "IOCTL_TYPE",
     "MEMORY_SIZE_AT",
@@ -52,7 +66,7 @@ RM_CONTROL: Final = 0x2A
 RM_ALLOC: Final = 0x2B
 RM_MAP_MEMORY: Final = 0x4E
 XFER: Final = 0xD3  # NV_ESC_IOCTL_XFER_CMD: {u32 cmd; u32 size; u64 ptr} wrapping another escape
-RM_VID_HEAP_CONTROL: Final = 0x4A  # NVOS32: the deprecated heap path (rmapi_deprecated_vidheapctrl.c); not followed
+RM_VID_HEAP_CONTROL: Final = 0x4A  # NVOS32: the heap path EGL/OpenGL allocates through (rmapi_deprecated_vidheapctrl.c)
 
 # RM_ALLOC arguments: NVOS21 or NVOS64; both start hRoot@0 hObjectParent@4 hObjectNew@8 hClass@12 pAllocParms@16.
 NVOS21_SIZE: Final = 32
@@ -88,6 +102,47 @@ MEMORY_SIZE_AT: Final = MappingProxyType(
 Not counted: NV01_MEMORY_SYSTEM 0x3E and NV01_MEMORY_SYSTEM_OS_DESCRIPTOR 0x71 (host memory),
 NV01_MEMORY_VIRTUAL 0x70 and NV50_MEMORY_VIRTUAL 0x50A0 (address space, no backing), NV01_MEMORY_LOCAL_PHYSICAL
 0xC2 (privileged; its size is an output)."""
+
+# RM_VID_HEAP_CONTROL argument NVOS32_PARAMETERS (nvos.h), 184 bytes on 64-bit: hRoot@0 hObjectParent@4 (the
+# device) function@8 hVASpace@12 ivcHeapNumber@16 status@20 total@24 free@32, then the function's union at 40.
+# rmapi_deprecated_vidheapctrl.c turns an allocation into RM_ALLOC of NV50_MEMORY_VIRTUAL when
+# NVOS32_ALLOC_FLAGS_VIRTUAL is set, else NV01_MEMORY_LOCAL_USER when attr's LOCATION (bits 26:25) is VIDMEM (0),
+# else NV01_MEMORY_SYSTEM; the handle is hMemory when NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED is set, else the
+# driver picks one.
+NVOS32_SIZE: Final = 184
+NVOS32_STATUS_AT: Final = 20
+
+
+@dataclass(frozen=True)
+class HeapAlloc:
+    """Where one NVOS32 allocation function keeps its fields (offsets in NVOS32_PARAMETERS; None: not there)."""
+
+    h_memory: int
+    flags: int
+    attr: int | None
+    size: int | None
+
+
+NVOS32_ALLOCS: Final = MappingProxyType(
+    {
+        2: HeapAlloc(h_memory=44, flags=52, attr=56, size=88),  # NVOS32_FUNCTION_ALLOC_SIZE
+        6: HeapAlloc(h_memory=44, flags=52, attr=64, size=88),  # NVOS32_FUNCTION_ALLOC_TILED_PITCH_HEIGHT
+        14: HeapAlloc(h_memory=44, flags=52, attr=56, size=80),  # NVOS32_FUNCTION_ALLOC_SIZE_RANGE
+        19: HeapAlloc(h_memory=44, flags=48, attr=None, size=None),  # NVOS32_FUNCTION_HW_ALLOC (no memory)
+        27: HeapAlloc(h_memory=40, flags=48, attr=None, size=None),  # NVOS32_FUNCTION_ALLOC_OS_DESCRIPTOR (host)
+    }
+)
+"""NVOS32 function -> its allocation fields. Every one of them takes a handle (the driver's when not provided)."""
+NVOS32_FUNCTION_FREE: Final = 3  # Free {owner@40, hMemory@44, flags@48}; needs NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED 1
+NVOS32_FUNCTION_HW_FREE: Final = 20  # HwFree {hResourceHandle@40, flags@44}
+NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED: Final = 0x00004000
+NVOS32_ALLOC_FLAGS_VIRTUAL: Final = 0x00080000
+NVOS32_ATTR_LOCATION_SHIFT: Final = 25  # NVOS32_ATTR_LOCATION 26:25; _VIDMEM 0, _PCI 1, _ANY 3
+NV01_MEMORY_LOCAL_USER: Final = 0x40
+NV01_MEMORY_SYSTEM: Final = 0x3E
+NV50_MEMORY_VIRTUAL: Final = 0x50A0
+ROOT_CLASSES: Final = frozenset({0x0, 0x1, 0x41})
+"""NV01_ROOT, NV01_ROOT_NON_PRIV, NV01_ROOT_CLIENT: an RM client, whose handle comes from a global generator."""
 
 # RM_FREE argument NVOS00: hRoot@0, hObjectParent@4, hObjectOld@8, status@12.
 NVOS00_FORMAT: Final = "=IIII"

@@ -30,13 +30,25 @@ from unisched.enforce.nvclasses import (
     DEVICE_CLASSES,
     MEMORY_SIZE_AT,
     NV01_DEVICE_0,
+    NV01_MEMORY_LOCAL_USER,
+    NV01_MEMORY_SYSTEM,
+    NV50_MEMORY_VIRTUAL,
     NVOS00_SIZE,
     NVOS21_SIZE,
     NVOS21_STATUS_AT,
+    NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED,
+    NVOS32_ALLOC_FLAGS_VIRTUAL,
+    NVOS32_ALLOCS,
+    NVOS32_ATTR_LOCATION_SHIFT,
+    NVOS32_FUNCTION_FREE,
+    NVOS32_FUNCTION_HW_FREE,
+    NVOS32_SIZE,
+    NVOS32_STATUS_AT,
     NVOS64_STATUS_AT,
     RM_ALLOC,
     RM_ALLOC_SIZES,
     RM_FREE,
+    RM_VID_HEAP_CONTROL,
     XFER,
     XFER_FORMAT,
     XFER_SIZE,
@@ -179,6 +191,7 @@ class Call:
     status_at: int = 0  # the caller's address of the call's status field (RM_ALLOC)
     mem_bytes: int | None = None  # video memory the allocation asks for (nvclasses.MEMORY_SIZE_AT)
     device_id: int | None = None  # deviceId of an NV01_DEVICE_0 allocation
+    replayed: int = 0  # the handle the driver will pick for it (handle 0), as the memory book replays it
 
 
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
@@ -186,7 +199,7 @@ def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     if IOCTL_SYSCALL.get(arch) != nr:
         return None
     _type, enr, size = decode_ioctl(request)
-    return (enr, size) if enr in (RM_ALLOC, RM_FREE, XFER) else None
+    return (enr, size) if enr in (RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, XFER) else None
 
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
@@ -210,8 +223,40 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
             return Call(RM_FREE, h_root, h_parent, h_old)
-    except (OSError, ValueError):
+        if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:
+            return _heap_call(addr, read(addr, NVOS32_SIZE))
+    except (OSError, ValueError, struct.error):
         pass
+    return Call(0)
+
+
+def _heap_call(addr: int, args: bytes) -> Call:
+    """An NVOS32 heap call as the RM_ALLOC or RM_FREE the driver turns it into (rmapi_deprecated_vidheapctrl.c):
+    an allocation of NV50_MEMORY_VIRTUAL, NV01_MEMORY_LOCAL_USER (video memory: its size counted) or
+    NV01_MEMORY_SYSTEM under the device hObjectParent, with hMemory as its handle when the caller provided one
+    (else 0: the driver picks); a free of hMemory. Other functions (info, compression) are Call(0)."""
+    h_root, h_parent, function = struct.unpack_from("=III", args, 0)
+    at = NVOS32_ALLOCS.get(function)
+    if at is not None:
+        (h_memory,) = struct.unpack_from("=I", args, at.h_memory)
+        (flags,) = struct.unpack_from("=I", args, at.flags)
+        handle = h_memory if flags & NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED else 0
+        call = Call(RM_ALLOC, h_root, h_parent, handle, NV01_MEMORY_SYSTEM, status_at=addr + NVOS32_STATUS_AT)
+        if at.attr is None or at.size is None:
+            return call
+        (attr,) = struct.unpack_from("=I", args, at.attr)
+        if flags & NVOS32_ALLOC_FLAGS_VIRTUAL:
+            call.h_class = NV50_MEMORY_VIRTUAL
+        elif (attr >> NVOS32_ATTR_LOCATION_SHIFT) & 0x3 == 0:
+            call.h_class = NV01_MEMORY_LOCAL_USER
+            (call.mem_bytes,) = struct.unpack_from("=Q", args, at.size)
+        return call
+    if function == NVOS32_FUNCTION_FREE:
+        h_memory, flags = struct.unpack_from("=II", args, 44)
+        return Call(RM_FREE, h_root, h_parent, h_memory) if flags & 1 else Call(0)
+    if function == NVOS32_FUNCTION_HW_FREE:
+        (h_resource,) = struct.unpack_from("=I", args, 40)
+        return Call(RM_FREE, h_root, h_parent, h_resource)
     return Call(0)
 
 

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable
 from typing import Final, NamedTuple
 
-from unisched.enforce.nvclasses import IOCTL_TYPE, RM_ALLOC, RM_FREE, XFER
+from unisched.enforce.nvclasses import IOCTL_TYPE, RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, XFER
 from unisched.enforce.seccomp.abi import (
     DATA_OFF_ARCH,
     DATA_OFF_ARG1_LO,
@@ -72,16 +72,18 @@ def _assemble(items: Iterable[_Insn | str]) -> bytes:
 def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tuple[int, ...] = ()) -> bytes:
     """The seccomp program (an array of struct sock_filter) that notifies NVIDIA's allocation escapes.
 
-    Notified: ioctl(fd, req, arg) whose request's low 32 bits carry nr RM_ALLOC (0x2B) or XFER (0xD3), and
+    Notified: ioctl(fd, req, arg) whose request's low 32 bits carry nr RM_ALLOC (0x2B), RM_VID_HEAP_CONTROL
+    (0x4A, the heap allocations EGL/OpenGL make, followed for memory caps) or XFER (0xD3), and
     RM_FREE (0x29) when `notify_free` (so counts follow frees). With `match_type` the type byte must be 'F'
     too (what NVIDIA's libraries always send; other drivers' 'F' ioctls stay fast); without it any type
-    matches, like the driver's own dispatch. `extra` adds escape numbers (e.g. RM_VID_HEAP_CONTROL 0x4A for a
-    probe of which calls carry memory). Known arches: x86_64, i386 (compat), aarch64; anything else and
+    matches, like the driver's own dispatch. `extra` adds escape numbers (for a probe of which calls carry
+    memory). Known arches: x86_64, i386 (compat), aarch64; anything else and
     every other syscall: ALLOW.
     """
     mask = 0xFFFF if match_type else 0xFF
     base = (IOCTL_TYPE << 8) if match_type else 0
-    wanted = [base | RM_ALLOC, base | XFER] + ([base | RM_FREE] if notify_free else []) + [base | e for e in extra]
+    wanted = [base | RM_ALLOC, base | RM_VID_HEAP_CONTROL, base | XFER]
+    wanted += ([base | RM_FREE] if notify_free else []) + [base | e for e in extra]
     prog: list[_Insn | str] = [_Insn(_LD_W_ABS, DATA_OFF_ARCH)]
     arches = list(IOCTL_SYSCALL.items())
     for arch, _ in arches:

@@ -8,7 +8,8 @@ which GPU, and the tenant-wide ledger the caps and reserves are decided on. Pure
   (hRoot, handle): RM client handles are unique while the client lives, and a client belongs to the process
   whose (tgid, start time) made it, so a reused pid never inherits another's counts. Threads share their
   process's clients; a forked child that makes its own client has its own (CUDA needs a new context after
-  fork), and its exit releases only that.
+  fork), and its exit releases only that. A handle the driver picks (handle 0, and EGL's NVOS32 heap
+  allocations) is replayed per client by handles.HandleReplay, so its free is matched too.
 - `MemoryLedger`, shared by every listener: bytes held per tenant and GPU, charged and credited by the books,
   and each allocation admitted or refused by policy.memory.admit_allocation under one lock, so two tenants'
   allocations never both take the last free bytes.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from unisched.enforce.nvclasses import NV01_DEVICE_0
+from unisched.enforce.seccomp.handles import HandleReplay
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
@@ -52,6 +54,7 @@ class MemoryBook:
         self._owners: dict[int, tuple[int, str]] = {}
         self._devices: dict[tuple[int, int], tuple[int, int]] = {}  # (hRoot, handle) -> (gpu, parent)
         self._objects: dict[tuple[int, int], _Object] = {}
+        self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles
         self._synthetic = itertools.count(-1, -1)
 
     def owners(self) -> dict[int, tuple[int, str]]:
@@ -67,9 +70,31 @@ class MemoryBook:
         found = self._devices.get((h_root, h_parent))
         return UNKNOWN_GPU if found is None else found[0]
 
+    def lost(self, h_root: int) -> bool:
+        """Whether the driver-chosen handles of client `h_root` can no longer be replayed (handles.py)."""
+        replay = self._replays.get(h_root)
+        return replay is not None and replay.lost
+
+    def handle_for(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> int:
+        """An allocation about to run with `handle` (0: the driver picks): the handle it will have, replayed
+        (a negative key of its own when that cannot be known). Call `untake` if the call never runs."""
+        self._owners.setdefault(h_root, owner)
+        replay = self._replays.setdefault(h_root, HandleReplay())
+        if handle:
+            replay.note(handle, h_parent)
+            return handle
+        taken = replay.take(h_parent)
+        return next(self._synthetic) if taken is None else taken
+
+    def untake(self, h_root: int, handle: int) -> None:
+        """The allocation `handle_for` gave a driver-chosen `handle` never reached the driver."""
+        replay = self._replays.get(h_root)
+        if replay is not None and handle > 0:
+            replay.untake(handle)
+
     def add_device(self, h_root: int, handle: int, h_class: int, h_parent: int, device_id: int | None,
                    owner: tuple[int, str]) -> list[Held]:
-        """Record a device (its deviceId) or subdevice (its device's GPU) handle."""
+        """Record a device (its deviceId) or subdevice (its device's GPU) handle (from `handle_for`)."""
         gpu = device_id if h_class == NV01_DEVICE_0 and device_id is not None else self.gpu_of(h_root, h_parent)
         self._owners.setdefault(h_root, owner)
         self._devices[(h_root, handle)] = (gpu, h_parent)
@@ -78,18 +103,19 @@ class MemoryBook:
     def add(self, h_root: int, handle: int, h_parent: int, nbytes: int,
             owner: tuple[int, str]) -> tuple[int, int, list[Held]]:
         """Record an admitted allocation; (its GPU, its key handle for `undo`, what a stale object of the same
-        handle held). A handle seen
-        again means its earlier allocation failed in the driver or its free was not seen: the new one replaces it.
-        Handle 0 (the driver picks one) gets a key of its own, held until the client or its process ends."""
+        handle held). A handle seen again means its earlier allocation failed in the driver or its free was not
+        seen: the new one replaces it. Handle 0 (the driver picks one) is replayed (`handle_for`)."""
         gpu = self.gpu_of(h_root, h_parent)
-        self._owners.setdefault(h_root, owner)
-        key = (h_root, handle or next(self._synthetic))
+        key = (h_root, self.handle_for(h_root, handle, h_parent, owner))
         stale = self._objects.pop(key, None)
         self._objects[key] = _Object(gpu, nbytes, h_parent)
         return gpu, key[1], [] if stale is None else [Held(stale.gpu, stale.nbytes)]
 
-    def undo(self, h_root: int, key: int) -> list[Held]:
-        """The allocation's caller was gone before the answer: forget it (`key` from `add`)."""
+    def undo(self, h_root: int, key: int, driver_chosen: bool) -> list[Held]:
+        """The allocation's caller was gone before the answer: forget it (`key` from `add`; `driver_chosen`:
+        its call named handle 0)."""
+        if driver_chosen:
+            self.untake(h_root, key)
         obj = self._objects.pop((h_root, key), None)
         return [] if obj is None else [Held(obj.gpu, obj.nbytes)]
 
@@ -97,6 +123,8 @@ class MemoryBook:
         """RM_FREE of `handle` in client `h_root`: the client, a device or subdevice, or a memory object."""
         if handle == h_root:
             return self.release([h_root])
+        if h_root in self._owners:
+            self._replays.setdefault(h_root, HandleReplay()).free(handle)
         out = []
         obj = self._objects.pop((h_root, handle), None)
         if obj is not None:
@@ -105,6 +133,8 @@ class MemoryBook:
             gone = {handle} | {h for (r, h), (_, p) in self._devices.items() if r == h_root and p == handle}
             for h in gone:
                 self._devices.pop((h_root, h), None)
+            if h_root in self._replays:
+                self._replays[h_root].drop_under(gone)
             for key in [k for k, o in self._objects.items() if k[0] == h_root and o.parent in gone]:
                 o = self._objects.pop(key)
                 out.append(Held(o.gpu, o.nbytes))
@@ -115,6 +145,7 @@ class MemoryBook:
         drop = set(roots)
         for r in drop:
             self._owners.pop(r, None)
+            self._replays.pop(r, None)
         self._devices = {k: v for k, v in self._devices.items() if k[0] not in drop}
         out = [Held(o.gpu, o.nbytes) for k, o in self._objects.items() if k[0] in drop]
         self._objects = {k: o for k, o in self._objects.items() if k[0] not in drop}

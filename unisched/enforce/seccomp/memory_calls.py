@@ -7,7 +7,7 @@ import errno
 
 import structlog
 
-from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE
+from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.accounting import Call
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
@@ -32,15 +32,30 @@ class MemoryCalls:
         """Whether memory is enforced and the RM client `h_root` holds booked memory or devices."""
         return self.ledger is not None and self.book.holds(h_root)
 
-    def book_call(self, call: Call) -> None:
-        """Devices and frees in the memory book (allocations are booked by `conclude`)."""
-        if self.ledger is None:
+    def book_call(self, call: Call, refused: bool) -> None:
+        """Devices, frees and the handles other allocations take, in the memory book (video memory allocations
+        are booked by `conclude`). A `refused` call never reaches the driver: nothing to book."""
+        if self.ledger is None or refused:
             return
         if call.op == RM_FREE:
+            was_lost = self.book.lost(call.h_root)
             self.credit(self.book.free(call.h_root, call.handle))
-        elif call.op == RM_ALLOC and call.h_class in DEVICE_CLASSES:
-            self.book.add_device(call.h_root, call.handle, call.h_class, call.h_parent, call.device_id,
-                                 call.owner or (0, ""))
+            if not was_lost and self.book.lost(call.h_root):
+                log.warning("gpu memory: cannot follow the handles the driver picks for an RM client any more; "
+                            "what it allocates under them stays counted until it ends", tenant=self.tenant,
+                            h_root=f"{call.h_root:#x}", handle=f"{call.handle:#x}")
+        elif call.op == RM_ALLOC and call.h_class not in ROOT_CLASSES:
+            handle = self.book.handle_for(call.h_root, call.handle, call.h_parent, call.owner or (0, ""))
+            if not call.handle:
+                call.replayed = handle
+            if call.h_class in DEVICE_CLASSES:
+                self.book.add_device(call.h_root, handle, call.h_class, call.h_parent, call.device_id,
+                                     call.owner or (0, ""))
+
+    def unbook_call(self, call: Call) -> None:
+        """`book_call`'s call never reached the driver (its caller was gone before the answer)."""
+        if call.replayed:
+            self.book.untake(call.h_root, call.replayed)
 
     def credit(self, given_back: list[Held]) -> None:
         if self.ledger is not None and given_back:
@@ -71,7 +86,7 @@ class MemoryCalls:
             self.credit(stale)
             answered = self._listener.answer(nid, 0)
             if not answered:
-                self.credit(self.book.undo(call.h_root, key))
+                self.credit(self.book.undo(call.h_root, key, driver_chosen=not call.handle))
         else:
             written = self._listener.write_status(nid, pid, call.status_at)
             answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)

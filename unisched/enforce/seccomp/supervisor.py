@@ -344,6 +344,8 @@ class SessionSupervisor:
                 self._skipped += 1
         if not answered:
             events = self._book.undo(call, events)
+            if call is not None:
+                self._mem.unbook_call(call)
         self._emit_all(events)
         if failure is not None:
             with self._lock:
@@ -388,7 +390,7 @@ class SessionSupervisor:
         holds = self._book.holds_sessions(call.h_root) or self._mem.holds(call.h_root)
         if call.op == RM_FREE and holds and not self._listener.id_valid(nid):
             return []  # read from a process that is gone: uncount nothing
-        self._mem.book_call(call)
+        self._mem.book_call(call, refused)
         events = self._book.commit(call, pid, refused, time.monotonic_ns())
         if self._book.untracked:
             self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")

@@ -1,0 +1,89 @@
+"""The driver's handle choice, replayed per RM client (enforce/seccomp/handles.py): table tests, and the replay
+of every RM call an EGL app made on the H200 (driver 580), whose frees must each meet the allocation they free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from unisched.enforce.seccomp.handles import MAX_LIVE, RS_UNIQUE_HANDLE_BASE, HandleReplay, in_driver_range
+from unisched.enforce.seccomp.memory import MemoryBook
+
+BASE = RS_UNIQUE_HANDLE_BASE
+TRACE = Path(__file__).parent / "data" / "h200_egl_rm_calls.jsonl"
+"""The egl workload of bench/gpu_memory_probe.py on the H200: every RM_ALLOC (0x2b), NVOS32 heap call (0x4a) and
+RM_FREE (0x29) it made, in order (root, parent, new handle, class; heap function and bytes; freed handle)."""
+
+
+def test_the_driver_counts_up_from_its_base_per_client() -> None:
+    replay = HandleReplay()
+    assert [replay.take(parent=1) for _ in range(3)] == [BASE, BASE + 1, BASE + 2]
+    assert HandleReplay().take(parent=1) == BASE  # another client starts again
+
+
+def test_handles_in_use_are_skipped_as_the_driver_skips_them() -> None:
+    replay = HandleReplay()
+    replay.note(BASE + 1, parent=1)  # the caller chose a handle in the driver's range
+    replay.note(0x1234, parent=1)  # outside it: no effect
+    assert [replay.take(1), replay.take(1)] == [BASE, BASE + 2]
+
+
+def test_a_call_that_never_ran_gives_its_handle_back() -> None:
+    replay = HandleReplay()
+    first = replay.take(1)
+    assert first is not None
+    replay.untake(first)
+    assert replay.take(1) == BASE
+
+
+def test_a_free_of_a_handle_never_given_out_means_the_replay_is_lost() -> None:
+    replay = HandleReplay()
+    assert replay.take(1) == BASE
+    replay.free(BASE)
+    replay.free(0x1234)  # a caller's own handle: no say
+    assert not replay.lost
+    replay.free(BASE)  # freed twice, or made by a call the hooks did not see
+    assert replay.lost and replay.take(1) is None
+
+
+def test_children_go_with_their_parent_at_any_depth() -> None:
+    replay = HandleReplay()
+    a = replay.take(parent=0xD0)
+    b = replay.take(parent=BASE)  # under a
+    c = replay.take(parent=0xD1)
+    replay.drop_under({0xD0})
+    assert (a, b, c) == (BASE, BASE + 1, BASE + 2)
+    replay.free(BASE + 2)
+    assert not replay.lost
+    replay.free(BASE + 1)  # went with its grandparent's device: freeing it again is a replay gone wrong
+    assert replay.lost
+
+
+def test_tracking_is_bounded() -> None:
+    replay = HandleReplay()
+    for _ in range(MAX_LIVE):
+        replay.take(1)
+    assert replay.take(1) is None and replay.lost
+
+
+def test_every_driver_range_free_of_the_h200_egl_trace_meets_its_allocation() -> None:
+    book, owner = MemoryBook(), (1, "1")
+    matched, heap_allocs, frees_in_range, given_back = 0, 0, 0, 0
+    for line in TRACE.read_text().splitlines():
+        call = json.loads(line)
+        root = int(call["root"], 16)
+        if call["esc"] == "0x2b" and int(call["cls"], 16) not in (0x0, 0x1, 0x41):
+            book.handle_for(root, int(call["new"], 16), int(call["parent"], 16), owner)
+        elif call["esc"] == "0x4a" and call["function"] == 2:
+            heap_allocs += 1
+            book.add(root, 0, 0xD0, call["bytes"], owner)
+        elif call["esc"] == "0x29":
+            handle = int(call["free"], 16)
+            freed = book.free(root, handle)
+            given_back += len(freed)
+            if in_driver_range(handle):
+                frees_in_range += 1
+                matched += freed != []
+            assert not book.lost(root), f"replay lost at the free of {handle:#x} in client {root:#x}"
+    assert heap_allocs == 85 and frees_in_range == matched == 38
+    assert given_back == heap_allocs  # the rest went with their RM clients' frees at the end
