@@ -471,10 +471,12 @@ def gl_context(device_index: int | None) -> Iterator[GLContext]:
 
 
 @contextmanager
-def frame_gated(renderer: Renderer, tenant: str, weight: int, socket: str | None) -> Iterator[Callable[[], int]]:
+def frame_gated(renderer: Renderer, tenant: str, weight: int,
+                socket: str | None) -> Iterator[tuple[Callable[[], int], dict[str, Any]]]:
     """A step that draws one frame inside `FrameGate`: the graphics lease gates it and a GL query times it (the
     frame's glFinish has it done, so its time is reported at once). The client ends with the step: the daemon
-    hands the GPU on at once rather than when the process exits."""
+    hands the GPU on at once rather than when the process exits; the dict it yields is filled then with what the
+    client saw (for the report)."""
     from unisched_client import Client  # type: ignore[import-not-found, unused-ignore]  # lazy: needs clients/
     from unisched_client.gl import FrameGate  # type: ignore[import-not-found, unused-ignore]
 
@@ -487,9 +489,12 @@ def frame_gated(renderer: Renderer, tenant: str, weight: int, socket: str | None
         frames.drain()
         return 1
 
+    seen: dict[str, Any] = {"client": tenant, "weight": weight}
     try:
-        yield step
+        yield step, seen
     finally:
+        seen.update(governed=client.governed, gpu_seconds_reported=round(frames.gate.used_s, 3),
+                    lease_wait_s=round(frames.gate.waited_s, 3))
         client.close()
 
 
@@ -506,9 +511,9 @@ def run(args: argparse.Namespace, process_start: float) -> int:
         if args.client is None:
             window = measure(renderer.step, start_at, end_at)
         else:
-            with frame_gated(renderer, args.client, args.weight, args.socket) as step:
+            with frame_gated(renderer, args.client, args.weight, args.socket) as (step, seen):
                 window = measure(step, start_at, end_at)
-            base.update(client=args.client, weight=args.weight)
+            base.update(seen)
         extra = {**base, "iterations": renderer.iterations, **renderer.info()}
     report = write_report(args.report, KIND, UNIT, window, extra)
     late = f", started {window.late_s:.1f} s late" if window.late_s > 0.5 else ""
