@@ -8,6 +8,10 @@ like CUDA + CUDA; pinning them to different CPUs makes them overlap like CUDA + 
 
 Example: gpu_pairs.py --workload-cmd-cuda "python3 bench/cpu_standin.py --kind cuda --pin-cpu 0" \
                       --workload-cmd-render "python3 bench/cpu_standin.py --kind render --pin-cpu 0" ...
+
+With --client TENANT it stands in for a cooperative client (cuda_matmul.py / egl_render.py --client): each item
+waits for the lease of its kind's engine and is charged the CPU time it took, as a GPU client is charged its
+steps' GPU time (with `unisched serve --cpu-stand-in` CPU 0 is GPU 0).
 """
 
 from __future__ import annotations
@@ -16,12 +20,33 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "workloads"))
 from _window import StepPauser, add_window_args, measure, plan_window, write_report
 
 UNITS = {"cuda": "matmul/s", "render": "frames/s"}
+ENGINES = {"cuda": "compute", "render": "graphics"}
+
+
+def gated(item: Callable[[], int], tenant: str, weight: int, socket: str | None, engine: str,
+          clock: Callable[[], float]) -> tuple[Callable[[], int], Any]:
+    """Each item inside the engine's lease (the client library's Gate), reported as its `clock` time used."""
+    from unisched_client import Client  # lazy: only a stand-in client needs clients/ on the path
+
+    client = Client(tenant, weight, socket=socket, engines=(engine,))
+    gate = client.gate(engine)
+
+    def step() -> int:
+        gate.acquire()
+        t0 = clock()
+        n = item()
+        gate.done(clock() - t0)
+        return n
+
+    return step, client
 
 
 def burn(chunk: int) -> int:
@@ -50,8 +75,15 @@ def main(argv: list[str] | None = None) -> int:
                              "for tests of the orchestration's arithmetic on a busy machine")
     parser.add_argument("--pausable", action="store_true",
                         help="idle between items from SIGUSR1 to SIGUSR2, as examples/02 --pausable")
+    parser.add_argument("--client", metavar="TENANT", default=None,
+                        help="stand in for a cooperative client under this tenant name: each item inside the lease "
+                             "of the kind's engine, charged its CPU time")
+    parser.add_argument("--weight", type=int, default=100, help="with --client: the tenant's weight (default: 100)")
+    parser.add_argument("--socket", default=None, help="with --client: the daemon's socket (default: the client's)")
     # Accepted and ignored so the orchestrator can pass the real workloads' options unchanged.
     parser.add_argument("--iterations", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sync-every", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})
@@ -67,10 +99,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return burn(args.chunk)
 
-    window = measure(item, start_at, end_at)
+    client = None
+    step: Callable[[], int] = item
+    if args.client is not None:  # CPU time a burnt item used; wall time an idled one (--item-ms) took
+        clock = time.perf_counter if args.item_ms is not None else time.thread_time
+        step, client = gated(item, args.client, args.weight, args.socket, ENGINES[args.kind], clock)
+    window = measure(step, start_at, end_at)
+    if client is not None:
+        client.close()
     report = write_report(args.report, args.kind, UNITS[args.kind], window,
                           {"standin": True, "pin_cpu": args.pin_cpu, "chunk": args.chunk,
-                           **({"pauses": pauser.pauses} if pauser else {})})
+                           **({"pauses": pauser.pauses} if pauser else {}),
+                           **({"client": args.client, "weight": args.weight} if client is not None else {})})
     print(f"cpu_standin[{args.kind}] pid={report['pid']}: {window.throughput:.1f} {UNITS[args.kind]} "
           f"({window.items} items in {window.seconds:.2f} s)", flush=True)
     return 0

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """Mixed-engine pairs on the GPU: a cooperative client (leases) beside an unmodified app (`unisched run`, the
-freezer), and two clients, each pair at several weights, in rounds.
+freezer), and two clients, each pair at several weights, in rounds; for CUDA and for render.
 
-Why: one weight must hold whichever way a tenant is governed. The client is examples/workloads/cuda_matmul.py
---client: each step of K bf16 4096x4096 matmuls inside `client.step()` (K=8 is about 1.7 ms on the H200, K=240
-about 50 ms). The app is the same workload unmodified: bf16 8192x8192 matmuls, synchronised every 4.
+Why: one weight must hold whichever way a tenant is governed. CUDA: the client is examples/workloads/cuda_matmul.py
+--client, each step of K bf16 4096x4096 matmuls inside `client.step()` (K=8 is about 1.7 ms on the H200, K=240
+about 50 ms); the app is the same workload unmodified, bf16 8192x8192 matmuls synchronised every 4. Render: the
+client is examples/workloads/egl_render.py --client, every frame inside `FrameGate`; the app is the same render
+unmodified (--render-iterations sets a frame's cost). bench/mixed_pairs.py defines the members and their commands.
 
-Each round runs every member alone under the daemon first (its solo rate), then every pair at every weight with
-a fresh daemon. A pair's score: each side's rate over its solo rate (normalized), error = the largest distance of
-a side's part of the sum from its weight share, in points, and the sum. The verdict per (pair, weights) is
-computed here from every round against the bar below; nothing is dropped or rerun.
+Each round runs every member alone under the daemon first (its alone rate), then every pair at every weight with
+a fresh daemon. A pair's score: each side's rate (matmul/s or frames/s) over its alone rate (normalized), error =
+the largest distance of a side's part of the sum from its weight share, in points, and the sum. The verdict per
+(pair, weights) is computed here from every round against the bar below; nothing is dropped or rerun.
 
   python3 bench/mixed_engines.py --out bench/results/DATE-mixed-engines --rounds 3
+  python3 bench/mixed_engines.py --out DIR --pairs frame+render,frame+frame --dry-run    the plan and its length
 """
 
 from __future__ import annotations
@@ -24,17 +27,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, bench_env, start_daemon
+from mixed_pairs import (
+    DEFAULT_PAIRS,
+    DEFAULT_SECONDS,
+    DEFAULT_WARMUP_S,
+    DEFAULT_WEIGHTS,
+    RENDER_ITERATIONS,
+    Member,
+    Workloads,
+    members_of,
+    parse_pairs,
+    parse_weights,
+    plan,
+    round_seconds,
+)
 from scoring import efficiency, error_points, guarantee_ok
 from summary import commit as tree_commit
 from summary import machine
 
-WORKLOAD = ROOT / "examples" / "workloads" / "cuda_matmul.py"
 MAX_MEDIAN_ERROR_POINTS = 1.0
 """The bar of the kernel-only pairs, held for mixed pairs too: error at most 1 point in the median round..."""
 MAX_WORST_ERROR_POINTS = 2.0
@@ -42,62 +57,21 @@ MAX_WORST_ERROR_POINTS = 2.0
 MIN_SUM = 0.98
 """... the two sides' normalized rates summing to at least this in every round (hand-overs cost at most 2%) ..."""
 # ... and every side's guarantee (its weight share, less scoring.GUARANTEE_SLACK) met in every round.
-DEFAULT_PAIRS = "client8+app,client240+app,client8+client8"
-DEFAULT_WEIGHTS = "1:1,3:1,1:3"
-
-
-@dataclass(frozen=True)
-class Member:
-    """`app` (unmodified, under `unisched run`) or `clientK` (a client with steps of K matmuls)."""
-
-    spec: str
-
-    @property
-    def client_steps(self) -> int | None:
-        return int(self.spec[len("client"):]) if self.spec.startswith("client") else None
-
-    def command(self, tenant: str, weight: int, sock: str, start_at: float, seconds: float, report: Path,
-                workload: list[str]) -> list[str]:
-        window = ["--start-at", f"{start_at:.3f}", "--seconds", f"{seconds:g}", "--report", str(report)]
-        k = self.client_steps
-        if k is not None:
-            return [*workload, "--size", "4096", "--sync-every", str(k), "--client", tenant, "--weight", str(weight),
-                    "--socket", sock, *window]
-        return [sys.executable, "-m", "unisched", "run", "--socket", sock, "--tenant", tenant, "--weight", str(weight),
-                "--engines", "compute", "--", *workload, *window]
-
-
-def parse_pairs(text: str) -> list[tuple[Member, Member]]:
-    out = []
-    for item in filter(None, text.split(",")):
-        a, _, b = item.partition("+")
-        for m in (a, b):
-            if not (m == "app" or (m.startswith("client") and m[len("client"):].isdigit())):
-                raise SystemExit(f"--pairs: {m!r} is neither 'app' nor 'clientK' (K matmuls a step)")
-        out.append((Member(a), Member(b)))
-    return out
-
-
-def parse_weights(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in filter(None, text.split(",")):
-        a, _, b = item.partition(":")
-        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
-            raise SystemExit(f"--weights: {item!r} is not A:B with positive integers")
-        out.append((int(a), int(b)))
-    return out
 
 
 def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str) -> list[float]:
-    """Start `members` (with their weights) under a fresh daemon on one shared window; their rates (matmul/s)."""
+    """Start `members` (with their weights) under a fresh daemon on one shared window; their rates (each in its
+    member's unit)."""
     work.mkdir(parents=True, exist_ok=True)
     daemon, sock = start_daemon(work, *args.serve_arg)
     procs, reports = [], []
     start_at = time.time() + args.warmup
+    workloads = Workloads(tuple(shlex.split(args.workload)), tuple(shlex.split(args.render_workload)),
+                          args.render_iterations)
     try:
         for i, (m, w) in enumerate(members):
             report = work / f"{label}-{i}.json"
-            cmd = m.command(f"{label}-{i}", w * 100, sock, start_at, args.seconds, report, shlex.split(args.workload))
+            cmd = m.command(f"{label}-{i}", w * 100, sock, start_at, args.seconds, report, workloads)
             log = (work / f"{label}-{i}.log").open("wb")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=bench_env(), cwd=ROOT))
             reports.append(report)
@@ -171,30 +145,57 @@ def report_md(result: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for results.json and report.md")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each with its own solo runs (default: 3)")
-    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"pairs A+B of app / clientK (default: {DEFAULT_PAIRS})")
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS,
+                    help="pairs A+B, each of app, clientK (CUDA, K matmuls a step), render, frame (EGL), both of one "
+                         f"engine (default: {DEFAULT_PAIRS})")
     ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"weights A:B (default: {DEFAULT_WEIGHTS})")
-    ap.add_argument("--seconds", type=float, default=8.0, help="measured window per run (default: 8)")
-    ap.add_argument("--warmup", type=float, default=6.0, help="seconds from launch to the window (default: 6)")
+    ap.add_argument("--seconds", type=float, default=DEFAULT_SECONDS,
+                    help=f"measured window per run (default: {DEFAULT_SECONDS:g})")
+    ap.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_S,
+                    help=f"seconds from launch to the window (default: {DEFAULT_WARMUP_S:g})")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds a run may overrun its window (default: 20)")
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `unisched serve` argument (repeatable)")
-    ap.add_argument("--workload", default=f"{sys.executable} {WORKLOAD}", help="the workload command (shell words)")
+    ap.add_argument("--workload", default=shlex.join(Workloads().cuda),
+                    help="the CUDA workload command (shell words; default: examples/workloads/cuda_matmul.py)")
+    ap.add_argument("--render-workload", default=shlex.join(Workloads().render),
+                    help="the render workload command (shell words; default: examples/workloads/egl_render.py)")
+    ap.add_argument("--render-iterations", type=int, default=RENDER_ITERATIONS,
+                    help=f"the render's --iterations, a frame's cost (default: {RENDER_ITERATIONS}, about 36 FPS "
+                         "alone on the H200)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, each member's command and exit")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.render_iterations < 1:
+        ap.error("--rounds and --render-iterations must be at least 1")
+    return args
+
+
+def print_plan(args: argparse.Namespace, pairs: list[tuple[Member, Member]], weights: list[tuple[int, int]]) -> None:
+    members, runs = members_of(pairs), plan(pairs, weights)
+    minutes = args.rounds * round_seconds(pairs, weights, args.warmup, args.seconds) / 60
+    print(f"{args.rounds} rounds x ({len(members)} alone + {len(runs)} pairs), about {minutes:.1f} min (an estimate "
+          "from the warm-up, window and start/stop of each run)", flush=True)
+    if not args.dry_run:
+        return
+    for a, b, w in runs:
+        print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}")
+    workloads = Workloads(tuple(shlex.split(args.workload)), tuple(shlex.split(args.render_workload)),
+                          args.render_iterations)
+    for m in members:
+        argv = m.command("TENANT", 100, "SOCKET", 0.0, args.seconds, Path("REPORT"), workloads)
+        print(f"  {m.spec} ({m.unit}), at weight 1: {shlex.join(argv)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     pairs, weights = parse_pairs(args.pairs), parse_weights(args.weights)
-    members = sorted({m.spec for p in pairs for m in p})
-    plan = [(a, b, w) for a, b in pairs for w in weights if not (a == b and w[0] < w[1])]  # A+A at 1:3 is 3:1
-    per_run = args.warmup + args.seconds + 3
-    print(f"{args.rounds} rounds x ({len(members)} solo + {len(plan)} pairs), about "
-          f"{args.rounds * (len(members) + len(plan)) * per_run / 60:.1f} min", flush=True)
+    print_plan(args, pairs, weights)
     if args.dry_run:
-        for a, b, w in plan:
-            print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}")
         return 0
     host = machine()
     meta = {"command": " ".join(map(shlex.quote, sys.argv)), "commit": args.commit or tree_commit()["commit"],
@@ -209,12 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for rnd in range(1, args.rounds + 1):
         solo = {}
-        for m in members:
-            (rate,) = run_together([(Member(m), 1)], args, work_root / f"r{rnd}-solo-{m}", "solo")
-            solo[m] = rate
-            print(f"round {rnd}: {m} alone {rate:.1f} matmul/s", flush=True)
+        for m in members_of(pairs):
+            (rate,) = run_together([(m, 1)], args, work_root / f"r{rnd}-solo-{m.spec}", "solo")
+            solo[m.spec] = rate
+            print(f"round {rnd}: {m.spec} alone {rate:.1f} {m.unit}", flush=True)
         solos.append(solo)
-        for k, (a, b, w) in enumerate(plan, 1):
+        for k, (a, b, w) in enumerate(plan(pairs, weights), 1):
             label = f"r{rnd}-p{k}"
             rates = run_together([(a, w[0]), (b, w[1])], args, work_root / label, "t")
             s = score(rates, [solo[a.spec], solo[b.spec]], w)

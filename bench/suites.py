@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mixed_pairs
 from verdicts import Target
 
 Cases = dict[str, dict[str, Any]]
@@ -49,7 +50,7 @@ class Step:
 class Suite:
     name: str
     measures: str
-    round_minutes: float  # one round on the H200, about
+    round_minutes: float  # one round on the H200, about (mixed: estimated from its runs' warm-up and window)
     needs_gpu: bool
     steps: tuple[Step, ...]
     read: Reader
@@ -270,9 +271,14 @@ SUITES: tuple[Suite, ...] = (
           standin=(Step("pairs", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,cuda3:1,cuda1:3 "
                                          "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
                                          "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),)),
-    Suite("mixed", "a cooperative client beside an unmodified app and two clients, at 1:1, 3:1 and 1:3 "
-          "(bench/mixed_engines.py, its own alone runs per round)", 8.0, True,
-          (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --rounds 1")),), read_mixed_engines, PAIR_TARGETS),
+    Suite("mixed", "a cooperative client beside an unmodified app and two clients, at 1:1, 3:1 and 1:3, for CUDA "
+          "(client.step() against `unisched run`) and render (frames under FrameGate against an unmodified render) "
+          "(bench/mixed_engines.py, its own alone runs per round; `-- --pairs frame+render,frame+frame` runs a "
+          "subset)", mixed_pairs.default_round_minutes(), True,
+          (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --rounds 1")),), read_mixed_engines, PAIR_TARGETS,
+          standin=(Step("mixed", (*words("{py} bench/mixed_engines.py --out {out} --rounds 1 --seconds 3 --warmup 2 "
+                                         "--workload"), f"{STANDIN} cuda", "--render-workload", f"{STANDIN} render",
+                                  *STANDIN_SERVE)),)),
     Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which the H200 overlaps in hardware: "
           "the guarantee, and the overlap kept against no scheduler (bench/gpu_pairs.py)", 5.0, True,
           (Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1,mixed1:3 "

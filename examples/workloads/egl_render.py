@@ -7,7 +7,9 @@ into a 1920x1080 framebuffer object, and every frame is one full-screen quad who
 runs `--iterations` rounds of arithmetic per pixel. glFinish after each frame keeps at most one
 frame in flight, so a frozen tenant stops using the GPU within one frame time. Such a load
 ran at 36.9 FPS alone on the H200 (graphics runs on few SMs there); `--calibrate-fps`
-finds the iteration count that gives a chosen frame rate on the machine at hand.
+finds the iteration count that gives a chosen frame rate on the machine at hand. With `--client
+TENANT` every frame runs inside `FrameGate` (unisched_client.gl), as a render app using the client
+library would: the cooperative side of bench/mixed_engines.py's render pairs.
 
 Output: one human line on stdout, and with --report a JSON file
   {"kind": "render", "throughput": frames/s, "unit": "frames/s", "items": n, "seconds": window, "pid": ...}
@@ -442,11 +444,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "iterations, fps}. Run it on an otherwise idle GPU.")
     parser.add_argument("--egl-device", type=int, default=None, metavar="INDEX",
                         help="use this EGL device index (default: first hardware device that works)")
+    parser.add_argument("--client", metavar="TENANT", default=None,
+                        help="run as a cooperative client of unisched under this tenant name: every frame runs "
+                             "inside `FrameGate` (waits for the graphics lease; a GL_TIME_ELAPSED query times it) "
+                             "instead of ungoverned, as an app using the client library would")
+    parser.add_argument("--weight", type=int, default=100, help="with --client: the tenant's weight (default: 100)")
+    parser.add_argument("--socket", default=None, help="with --client: the daemon's socket (default: the client's)")
     args = parser.parse_args(argv)
     if args.width <= 0 or args.height <= 0 or args.iterations <= 0 or args.seconds <= 0:
         parser.error("--width, --height, --iterations and --seconds must be positive")
     if args.calibrate_fps is not None and args.calibrate_fps <= 0:
         parser.error("--calibrate-fps must be positive")
+    if args.client is not None and args.calibrate_fps is not None:
+        parser.error("--calibrate-fps measures the render alone: leave out --client")
     return args
 
 
@@ -460,6 +470,34 @@ def gl_context(device_index: int | None) -> Iterator[GLContext]:
         ctx.close()
 
 
+@contextmanager
+def frame_gated(renderer: Renderer, tenant: str, weight: int,
+                socket: str | None) -> Iterator[tuple[Callable[[], int], dict[str, Any]]]:
+    """A step that draws one frame inside `FrameGate`: the graphics lease gates it and a GL query times it (the
+    frame's glFinish has it done, so its time is reported at once). The client ends with the step: the daemon
+    hands the GPU on at once rather than when the process exits; the dict it yields is filled then with what the
+    client saw (for the report)."""
+    from unisched_client import Client  # type: ignore[import-not-found, unused-ignore]  # lazy: needs clients/
+    from unisched_client.gl import FrameGate  # type: ignore[import-not-found, unused-ignore]
+
+    client = Client(tenant, weight, socket=socket, engines=("graphics",))
+    frames = FrameGate(client)
+
+    def step() -> int:
+        with frames:
+            renderer.step()
+        frames.drain()
+        return 1
+
+    seen: dict[str, Any] = {"client": tenant, "weight": weight}
+    try:
+        yield step, seen
+    finally:
+        seen.update(governed=client.governed, gpu_seconds_reported=round(frames.gate.used_s, 3),
+                    lease_wait_s=round(frames.gate.waited_s, 3))
+        client.close()
+
+
 def run(args: argparse.Namespace, process_start: float) -> int:
     start_at, end_at = plan_window(args, process_start)
     with gl_context(args.egl_device) as ctx:
@@ -470,7 +508,12 @@ def run(args: argparse.Namespace, process_start: float) -> int:
         if args.calibrate_fps is not None:
             return report_calibration(args, renderer, base)
         renderer.set_iterations(args.iterations)
-        window = measure(renderer.step, start_at, end_at)
+        if args.client is None:
+            window = measure(renderer.step, start_at, end_at)
+        else:
+            with frame_gated(renderer, args.client, args.weight, args.socket) as (step, seen):
+                window = measure(step, start_at, end_at)
+            base.update(seen)
         extra = {**base, "iterations": renderer.iterations, **renderer.info()}
     report = write_report(args.report, KIND, UNIT, window, extra)
     late = f", started {window.late_s:.1f} s late" if window.late_s > 0.5 else ""
@@ -503,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     except EGLUnavailable as exc:
         return fail(f"EGL unavailable: {exc}")
     except ImportError as exc:
+        if args.client is not None and "unisched_client" in str(exc):
+            return fail(f"--client needs the client library ({exc}); put the checkout's clients/ on PYTHONPATH")
         return fail(f"PyOpenGL is not importable ({exc}); on the GPU machine source .devcache/setup.sh")
     except Exception as exc:  # GL errors: say what failed instead of a bare traceback
         return fail(f"OpenGL rendering failed: {type(exc).__name__}: {exc}", code=3)

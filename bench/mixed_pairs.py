@@ -1,0 +1,153 @@
+"""The members and pairs of bench/mixed_engines.py: what each member runs, which pairs it accepts, a round's plan
+and about how long it takes.
+
+Why apart from the runner: the command lines and the plan are checked without a GPU
+(tests/test_bench_mixed_engines.py), and bench/suites.py takes the suite's minutes a round from the same sum the
+runner prints. Standard library only: bench/run.py imports it through suites.py before the daemon's package is on
+the path.
+
+Members (a pair is two members of one engine, so that they contend):
+  app       examples/workloads/cuda_matmul.py unmodified (bf16 8192x8192, synchronised every 4) under
+            `unisched run --engines compute` (the freezer)
+  clientK   cuda_matmul.py --client: each step of K bf16 4096x4096 matmuls inside `client.step()` (leases)
+  render    examples/workloads/egl_render.py unmodified (1920x1080, glFinish every frame) under
+            `unisched run --engines graphics`
+  frame     egl_render.py --client: every frame inside `FrameGate` (the graphics lease, timed by GL queries)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_WORKLOAD = ROOT / "examples" / "workloads" / "cuda_matmul.py"
+RENDER_WORKLOAD = ROOT / "examples" / "workloads" / "egl_render.py"
+RENDER_ITERATIONS = 447
+"""egl_render.py --iterations: about 36 FPS alone on the H200 (27 ms frames), as gpu_pairs' calibration found; the
+render of the pairs and overlap suites, so a frame is about half of a 50 ms slice."""
+CLIENT_MATMUL_SIZE = 4096
+"""A client step's matmuls are 4096x4096 (about 0.2 ms each on the H200), so K sets the step from ~1 ms up."""
+DEFAULT_PAIRS = "client8+app,client240+app,client8+client8,frame+render,frame+frame"
+DEFAULT_WEIGHTS = "1:1,3:1,1:3"
+DEFAULT_SECONDS = 8.0
+DEFAULT_WARMUP_S = 6.0
+RUN_OVERHEAD_S = 6.0
+"""Per run beyond warm-up and window, for the estimate only (not measured): a fresh daemon's start-up and SIGTERM,
+the workloads' exit (CUDA / EGL context teardown) and reports; bench/gpu_pairs.py budgets 3 s + 3 s for the same."""
+ENGINE = {"app": "compute", "client": "compute", "render": "graphics", "frame": "graphics"}
+"""Each member's engine; a pair's two members must share one (compute beside graphics overlaps on the H200: no
+contention to split)."""
+UNIT = {"compute": "matmul/s", "graphics": "frames/s"}
+
+
+@dataclass(frozen=True)
+class Workloads:
+    """The workload commands (shell words) members run: the CUDA one and the render one."""
+
+    cuda: tuple[str, ...] = (sys.executable, str(CUDA_WORKLOAD))
+    render: tuple[str, ...] = (sys.executable, str(RENDER_WORKLOAD))
+    render_iterations: int = RENDER_ITERATIONS
+
+
+@dataclass(frozen=True)
+class Member:
+    """`app`, `clientK`, `render` or `frame` (see the module's docstring)."""
+
+    spec: str
+
+    @property
+    def family(self) -> str:
+        return "client" if self.spec.startswith("client") else self.spec
+
+    @property
+    def client_steps(self) -> int | None:
+        return int(self.spec[len("client"):]) if self.family == "client" else None
+
+    @property
+    def engine(self) -> str:
+        return ENGINE[self.family]
+
+    @property
+    def unit(self) -> str:
+        return UNIT[self.engine]
+
+    @property
+    def cooperative(self) -> bool:
+        """A client of the library (leases), not an unmodified app under `unisched run`."""
+        return self.family in ("client", "frame")
+
+    def command(self, tenant: str, weight: int, sock: str, start_at: float, seconds: float, report: Path,
+                workloads: Workloads) -> list[str]:
+        """The argv of this member as tenant `tenant` with daemon weight `weight`, measuring over the shared window."""
+        window = ["--start-at", f"{start_at:.3f}", "--seconds", f"{seconds:g}", "--report", str(report)]
+        if self.engine == "graphics":
+            app = [*workloads.render, "--iterations", str(workloads.render_iterations), *window]
+        else:
+            k = self.client_steps
+            app = [*workloads.cuda, *(["--size", str(CLIENT_MATMUL_SIZE), "--sync-every", str(k)] if k else []),
+                   *window]
+        if self.cooperative:
+            return [*app, "--client", tenant, "--weight", str(weight), "--socket", sock]
+        return [sys.executable, "-m", "unisched", "run", "--socket", sock, "--tenant", tenant, "--weight", str(weight),
+                "--engines", self.engine, "--", *app]
+
+
+def parse_member(text: str) -> Member:
+    m = Member(text)
+    steps = text[len("client"):] if m.family == "client" else ""
+    known = text in ("app", "render", "frame") or (steps.isdigit() and int(steps) > 0)
+    if not known:
+        raise SystemExit(f"--pairs: {text!r} is none of app, clientK (K matmuls a step), render, frame")
+    return m
+
+
+def parse_pairs(text: str) -> list[tuple[Member, Member]]:
+    """'client8+app,frame+render' -> pairs; both members of a pair on one engine."""
+    out = []
+    for item in filter(None, text.split(",")):
+        a, plus, b = item.partition("+")
+        if not plus:
+            raise SystemExit(f"--pairs: {item!r} is not A+B")
+        ma, mb = parse_member(a), parse_member(b)
+        if ma.engine != mb.engine:
+            raise SystemExit(f"--pairs: {item!r} pairs {ma.engine} with {mb.engine}, which do not contend "
+                             "(pair app/clientK together, render/frame together)")
+        out.append((ma, mb))
+    if not out:
+        raise SystemExit("--pairs: no pair given")
+    return out
+
+
+def parse_weights(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition(":")
+        if not (a.isdigit() and b.isdigit() and int(a) > 0 and int(b) > 0):
+            raise SystemExit(f"--weights: {item!r} is not A:B with positive integers")
+        out.append((int(a), int(b)))
+    return out
+
+
+def plan(pairs: list[tuple[Member, Member]], weights: list[tuple[int, int]]) -> list[tuple[Member, Member, tuple[int, int]]]:
+    """Every pair at every weight, less A+A at A:B with A < B (the same run as B:A)."""
+    return [(a, b, w) for a, b in pairs for w in weights if not (a == b and w[0] < w[1])]
+
+
+def members_of(pairs: list[tuple[Member, Member]]) -> list[Member]:
+    """The members of the pairs, each once (each runs alone once a round, for its alone rate)."""
+    return [Member(s) for s in sorted({m.spec for p in pairs for m in p})]
+
+
+def round_seconds(pairs: list[tuple[Member, Member]], weights: list[tuple[int, int]], warmup: float,
+                  seconds: float) -> float:
+    """About how long a round runs: every member alone and every planned pair, each on a fresh daemon (an estimate
+    from the workloads' warm-up and window, RUN_OVERHEAD_S for the rest)."""
+    return (len(members_of(pairs)) + len(plan(pairs, weights))) * (warmup + seconds + RUN_OVERHEAD_S)
+
+
+def default_round_minutes() -> float:
+    """The suite's estimate: a round of the default pairs and weights."""
+    return round(round_seconds(parse_pairs(DEFAULT_PAIRS), parse_weights(DEFAULT_WEIGHTS), DEFAULT_WARMUP_S,
+                               DEFAULT_SECONDS) / 60.0, 1)
