@@ -74,8 +74,9 @@ class MemoryCalls:
 
         Admitted: booked before the caller resumes, then "continue". Refused: NV_ERR_NO_MEMORY is written into
         the call's status field and the ioctl answered 0 without running, which is what the driver returns for
-        an allocation it cannot place, so CUDA reports cudaErrorMemoryAllocation (PyTorch OutOfMemoryError) and
-        GL GL_OUT_OF_MEMORY; where the status cannot be written, the call fails with ENOMEM instead.
+        an allocation it cannot place, so CUDA reports cudaErrorMemoryAllocation (PyTorch OutOfMemoryError), the GL
+        driver places the texture in system memory, and a decoder fails to open (docs/design/memory.md); where the
+        status cannot be written, the call fails with ENOMEM instead.
         """
         assert self.ledger is not None and call.mem_bytes is not None
         gpu = self.book.gpu_of(call.h_root, call.h_parent)
