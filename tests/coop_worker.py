@@ -33,6 +33,9 @@ ap.add_argument("--ready-file", help="touched once registered")
 ap.add_argument("--cpu-time", action="store_true",
                 help="units of CPU time, timed by this thread's CPU clock: where a CPU core stands in for the GPU "
                      "(serve --cpu-stand-in) the time a unit used it, however loaded the machine")
+ap.add_argument("--wall-report", action="store_true",
+                help="with --cpu-time: report each unit's wall time from its start to its end, as a CUDA event pair "
+                     "times a GPU step (it counts the time of others' work the device ran in between)")
 ap.add_argument("--stop-file", help="also stop once this file exists (a test that waits for a state stops it when seen)")
 args = ap.parse_args()
 
@@ -118,9 +121,9 @@ while time.monotonic() < end and not (args.stop_file and os.path.exists(args.sto
         gate.acquire()
     elif not gate.wanting:
         gate.acquire()  # wants once, then runs whatever it holds
-    t0 = CLOCK()
+    t0, w0 = CLOCK(), time.perf_counter()
     burn(unit)
-    gate.done(CLOCK() - t0)
+    gate.done(time.perf_counter() - w0 if args.wall_report else CLOCK() - t0)
     units += 1
 client.close()
 print(json.dumps({
