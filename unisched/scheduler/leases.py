@@ -268,9 +268,10 @@ class LeaseBook:
     def _frozen_drain(self, tenant: str, held: _Lease | None, gpu_s: float, units: int) -> float:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
-        timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the frozen tenant is charged it,
-        through the busy time the reports leave (policy.plan.cooperative_part). On the H200 a trainer's 4 queued
-        matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3 points over its share."""
+        timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
+        frozen tenant is charged it, through the busy time the reports leave (policy.plan.cooperative_part). On the
+        H200 a trainer's 4 queued matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3
+        points over its share."""
         if held is None or not held.after_freeze or units < 1 or gpu_s <= 0:
             return 0.0
         held.after_freeze = False
