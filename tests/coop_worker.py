@@ -33,11 +33,27 @@ ap.add_argument("--ready-file", help="touched once registered")
 ap.add_argument("--cpu-time", action="store_true",
                 help="units of CPU time, timed by this thread's CPU clock: where a CPU core stands in for the GPU "
                      "(serve --cpu-stand-in) the time a unit used it, however loaded the machine")
+ap.add_argument("--beside-cgroup",
+                help="with --cpu-time: report each unit as a CUDA event pair times a GPU step, its own time plus the "
+                     "work of the tenant in this cgroup directory (pinned to the same CPU) that ran between its start "
+                     "and its end; other load on the machine is left out, as a GPU runs no one else's work")
 ap.add_argument("--stop-file", help="also stop once this file exists (a test that waits for a state stops it when seen)")
 args = ap.parse_args()
 
 
 CLOCK = time.thread_time if args.cpu_time else time.perf_counter
+
+
+def beside_s() -> float:
+    """CPU seconds the --beside-cgroup tenant has used (0 without one)."""
+    if not args.beside_cgroup:
+        return 0.0
+    stat = os.path.join(args.beside_cgroup, "cpu.stat")
+    if os.path.exists(stat):
+        with open(stat) as f:
+            return next(int(line.split()[1]) / 1e6 for line in f if line.startswith("usage_usec"))
+    with open(os.path.join(args.beside_cgroup.replace("/freezer/", "/cpuacct/"), "cpuacct.usage")) as f:
+        return int(f.read()) / 1e9
 
 
 def burn(seconds: float) -> None:
@@ -118,9 +134,9 @@ while time.monotonic() < end and not (args.stop_file and os.path.exists(args.sto
         gate.acquire()
     elif not gate.wanting:
         gate.acquire()  # wants once, then runs whatever it holds
-    t0 = CLOCK()
+    t0, o0 = CLOCK(), beside_s()
     burn(unit)
-    gate.done(CLOCK() - t0)
+    gate.done(CLOCK() - t0 + beside_s() - o0)
     units += 1
 client.close()
 print(json.dumps({

@@ -82,11 +82,20 @@ class Handovers:
     def overlap(self, r: Resource, tenant: str, now: float) -> None:
         """`tenant` runs on `r` at once, beside the revoked tail that still drains it: an online tenant granted at
         once, or a freezer-governed tenant thawed for its turn (the freezer does not wait for a client's yield).
-        Both measure the overlap's wall time (a CUDA event times the other's work the GPU time-slices in), so each
-        cooperative side is credited half of it; a freezer-governed side is charged the busy time less the
-        cooperative reports (policy.plan.cooperative_part), so it pays the other half."""
+        Two cooperative sides both measure the overlap's wall time (a CUDA event times the other's work the GPU
+        time-slices in), so each is credited half of it. Beside a freezer-governed side, the tail's own reports
+        say how much of their time was the other's (`beside_freezer`, policy.reports): that side is charged the
+        busy time less the client's own work (policy.plan.cooperative_part)."""
         h = self._pending[r]
         h.overlap, h.since = tenant, now
+
+    def beside_freezer(self, r: Resource, tenant: str) -> float | None:
+        """When a freezer-governed tenant was thawed on `r` beside `tenant`'s revoked tail, while that tail still
+        drains (None: it does not)."""
+        h = self._pending.get(r)
+        if h is None or h.tenant != tenant or h.overlap is None or self._cooperative(h.overlap):
+            return None
+        return h.since
 
     def stop_overlap(self, r: Resource, tenant: str, now: float) -> None:
         """`tenant` stopped holding `r`: the overlap it ran there, if any, ends."""
@@ -97,9 +106,13 @@ class Handovers:
     def _end_overlap(self, r: Resource, h: Handover, now: float) -> None:
         """The online tenant stopped holding, or the offline tail yielded (or ran out its slice): both measured
         the overlap's wall time (each one's GPU timer runs while the GPU time-slices the other's work), so each
-        is credited half of it and the overlap is charged once in all. Within a class shares stay by weight."""
+        is credited half of it and the overlap is charged once in all. Within a class shares stay by weight.
+        Beside a freezer-governed tenant nothing is credited: the tail's reports were split as they came."""
         assert h.overlap is not None
         half = max(0.0, min(now, h.deadline) - h.since) / 2
+        if not self._cooperative(h.overlap):
+            h.overlap = None
+            return
         for who in (h.tenant, h.overlap):
             if self._cooperative(who) and half > 0:
                 key = (who, r)

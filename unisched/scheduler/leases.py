@@ -22,6 +22,7 @@ from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
+from unisched.policy.reports import EVEN_SLICING, beside_excess, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
 from unisched.scheduler.turns import Turns
@@ -225,6 +226,7 @@ class LeaseBook:
         r = self.resource(s.gpu, engine)
         s.log.debug("lease report", gpu_s=round(gpu_s, 5), release=release, yielded=yielded,
                   held=r in c.leases, now=round(now, 4))
+        thawed_at = self._handovers.beside_freezer(r, s.tenant)  # (before its yield ends the hand-over)
         handed = (release or yielded) and self._handovers.yielded(r, s.tenant, now)
         held = c.leases.get(r)
         if held is not None and held.handed_at is not None and gpu_s > 0:
@@ -234,9 +236,14 @@ class LeaseBook:
         drain = self._frozen_drain(s.tenant, held, gpu_s, units)
         gpu_s -= drain
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
-        if charged > 0:  # what it is charged, overlap credits taken off: the busy time that was its work
-            self._reported.setdefault(r, []).append((now, charged))
-        if charged > 0:
+        pieces: tuple[tuple[float, float], ...] = ((now, charged),)
+        if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn
+            excess = beside_excess(charged, units, self._turns.unit_s(s.tenant), now - thawed_at, EVEN_SLICING)
+            pieces = report_pieces(now, charged, excess, thawed_at)
+            charged -= excess
+            gpu_s -= excess
+        if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
+            self._reported.setdefault(r, []).extend(pieces)
             self.policy.charge(s.tenant, r, charged, now)
             verdict = self._meter(c, r).report(charged, now)
             if verdict is not None and verdict.overrun_s > 0:
@@ -261,14 +268,14 @@ class LeaseBook:
     def _frozen_drain(self, tenant: str, held: _Lease | None, gpu_s: float, units: int) -> float:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
-        timed while waiting behind it (at most a slice). Not the holder's work: the frozen tenant is charged it,
-        through the busy time the reports leave (policy.plan.cooperative_part). On the H200 a trainer's 4 queued
-        matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3 points over its share."""
+        timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
+        frozen tenant is charged it, through the busy time the reports leave (policy.plan.cooperative_part). On the
+        H200 a trainer's 4 queued matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3
+        points over its share."""
         if held is None or not held.after_freeze or units < 1 or gpu_s <= 0:
             return 0.0
         held.after_freeze = False
-        unit = self._turns.unit_s(tenant)
-        return 0.0 if unit is None else min(self.slice_s, max(0.0, gpu_s - unit * units))
+        return beside_excess(gpu_s, units, self._turns.unit_s(tenant), self.slice_s, 0.0)
 
     def _note_gap(self, r: Resource, gap_s: float) -> None:
         """A hand-over's measured gap (Handovers.note_gap), and the minimum runs of the cooperative tenants on `r`
