@@ -101,35 +101,39 @@ def test_run_refuses_bad_terms_before_its_command(served: InProcessServer, tmp_p
     assert tenants(served) == {}
 
 
-@pytest.mark.root
-def test_adopt_takes_the_terms_and_refuses_a_reserve_that_does_not_fit(
-        served: InProcessServer, driver: CgroupDriver, tenant_prefix: str) -> None:
-    made = [f"/{subtree_for(tenant_prefix)}-ctr/{n}" for n in ("game", "train")]  # beside the daemon's subtree
+@pytest.fixture
+def outside(driver: CgroupDriver, tenant_prefix: str) -> Iterator[list[str]]:
+    """Two empty cgroups beside the daemon's subtree (as containers' are), removed after the daemon stopped."""
+    top = f"/{subtree_for(tenant_prefix)}-ctr"
+    made = [f"{top}/game", f"{top}/train"]
     for cg in made:
         driver.create(cg)
-    try:
-        def adopt(tenant: str, cgroup: str, *flags: str) -> tuple[int, str]:
-            out = cli("adopt", "--socket", served.socket, "--tenant", tenant, "--cgroup", cgroup, *flags)
-            return out.returncode, out.stderr.strip()
+    yield made
+    for cg in [*made, top]:
+        driver.remove(cg)
 
-        assert adopt("game", made[0], "--memory", "8GiB", "--memory-reserve", "6GiB")[0] == 0
-        game = tenants(served)["game"]
-        assert (game["adopted"], game["caps"]["memory_bytes"], game["caps"]["memory_reserve"]) == (True, 8 * GIB, 6 * GIB)
-        assert adopt("train", made[1], "--memory-reserve", "5GiB") == (1, f"unisched adopt: {NO_FIT}")
-        assert adopt("train", made[1], "--memory", "1GiB", "--memory-reserve", "2GiB")[0] == 1
-        with DaemonClient(served.socket) as client:  # what the CLI would not send: the daemon checks it too
-            for bad in ({"memory_reserve": -5}, {"memory_bytes": 1 << 62}):
-                with pytest.raises(DaemonError, match="must be a number of bytes in 0..") as e:
-                    client.adopt(pb.AdoptRequest(tenant="train", cgroup=made[1], **bad))
-                assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
-        assert "train" not in tenants(served)
-        assert adopt("train", made[1], "--memory-reserve", "4GiB")[0] == 0
-        assert tenants(served)["train"]["caps"]["memory_reserve"] == 4 * GIB
-    finally:
-        cli("remove", "--socket", served.socket, "--tenant", "game")
-        cli("remove", "--socket", served.socket, "--tenant", "train")
-        for cg in [*made, f"/{subtree_for(tenant_prefix)}-ctr"]:
-            driver.remove(cg)
+
+@pytest.mark.root
+def test_adopt_takes_the_terms_and_refuses_a_reserve_that_does_not_fit(outside: list[str],
+                                                                       served: InProcessServer) -> None:
+    def adopt(tenant: str, cgroup: str, *flags: str) -> tuple[int, str]:
+        out = cli("adopt", "--socket", served.socket, "--tenant", tenant, "--cgroup", cgroup, *flags)
+        return out.returncode, out.stderr.strip()
+
+    assert adopt("game", outside[0], "--memory", "8GiB", "--memory-reserve", "6GiB")[0] == 0
+    game = tenants(served)["game"]
+    assert (game["adopted"], game["caps"]["memory_bytes"], game["caps"]["memory_reserve"]) == (True, 8 * GIB, 6 * GIB)
+    assert adopt("train", outside[1], "--memory-reserve", "5GiB") == (1, f"unisched adopt: {NO_FIT}")
+    assert adopt("train", outside[1], "--memory", "1GiB", "--memory-reserve", "2GiB")[0] == 1
+    with DaemonClient(served.socket) as client:  # what the CLI would not send: the daemon checks it too
+        for bad in (pb.AdoptRequest(tenant="train", cgroup=outside[1], memory_reserve=-5),
+                    pb.AdoptRequest(tenant="train", cgroup=outside[1], memory_bytes=1 << 62)):
+            with pytest.raises(DaemonError, match=r"must be a number of bytes in 0\.\.") as e:
+                client.adopt(bad)
+            assert e.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "train" not in tenants(served)
+    assert adopt("train", outside[1], "--memory-reserve", "4GiB")[0] == 0
+    assert tenants(served)["train"]["caps"]["memory_reserve"] == 4 * GIB
 
 
 # --- who may ask for what (engine, fake cgroups) ---------------------------------------------------------------------

@@ -7,8 +7,9 @@ kubepods-...-pod<uid_with_underscores>.slice under systemd), so a `PodDirectory`
 server in a cluster) and the cgroup is found under the daemon's cgroup root. Each pod is one tenant, named from
 its first gpu-weight container's IDs (what that container's UNISCHED_TENANT says), weight = its units, pinned
 to their GPU; session resources become caps, and the annotations unisched.io/memory and unisched.io/memory-reserve
-its GPU memory cap and reserve (a reserve that does not fit is not adopted: PreStartContainer says why). A pass is idempotent: it adopts what is missing, re-adopts a
-tenant whose pod was replaced, removes k8s- tenants whose pods are gone, and logs what it cannot do yet.
+its GPU memory cap and reserve (a reserve that does not fit is not adopted: PreStartContainer says why). A pass
+is idempotent: it removes k8s- tenants whose pods are gone (first, so what they reserved is free), adopts what is
+missing, re-adopts a tenant whose pod was replaced, and logs what it cannot do yet.
 """
 
 from __future__ import annotations
