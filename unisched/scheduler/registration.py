@@ -157,9 +157,11 @@ def _rejoin(
     if not owner and not member:
         raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
     before = t.saved()
-    # checked before anything changes (a refused reserve leaves the tenant as it was), against the GPUs it will have
-    t.limits = memory_limits(c, name, t.limits, gpus if owner and gpus is not None else t.gpus, memory, is_admin,
-                             creating=False)
+    # checked before anything changes (a refused reserve leaves the tenant as it was), against the GPUs it will have;
+    # a plain rejoin is not checked again (a reserve kept while the GPU's size was unknown must not lock it out)
+    new_gpus = gpus if owner and gpus is not None else t.gpus
+    if memory != NO_MEMORY_ASK or new_gpus != t.gpus:
+        t.limits = memory_limits(c, name, t.limits, new_gpus, memory, is_admin, creating=False)
     if weight is not None and weight != t.base_weight:
         if not owner:
             raise SchedulerError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
