@@ -321,6 +321,38 @@ def test_adopter_waits_for_the_pod_cgroup_and_follows_a_replaced_pod(
         assert result.kept == (tenant_name(units),)
 
 
+def test_adopter_gives_pods_their_memory_annotations_and_holds_back_one_whose_reserve_does_not_fit(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """unisched.io/memory and unisched.io/memory-reserve become the tenant's GPU memory terms; a reserve that does
+    not fit beside another pod's on its GPU (141 GiB) is not adopted, and the container start says why."""
+    root = tmp_path / "cgroup"
+    uids = {n: str(uuid.uuid4()) for n in ("game", "train", "typo")}
+    for uid in uids.values():
+        daemon.driver.create(_pod_dir(root, uid))
+    units = {"game": ids(0, 0, 10), "train": ids(0, 10, 10), "typo": ids(0, 20, 10)}
+    podres.pods = [pod("ns", n, c={WEIGHT: u}) for n, u in units.items()]
+    notes = {"game": {"unisched.io/memory": "120GiB", "unisched.io/memory-reserve": "100GiB"},
+             "train": {"unisched.io/memory-reserve": "50GiB"}, "typo": {"unisched.io/memory": "lots"}}
+    pods = FakePods({f"ns/{n}": PodInfo(uids[n], notes[n]) for n in uids})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)
+        result = adopter.reconcile()
+        game, train, typo = (tenant_name(units[n]) for n in ("game", "train", "typo"))
+        assert result.adopted == (game,)
+        (t,) = client.tenants()
+        assert (t.name, t.caps.memory_bytes, t.caps.memory_reserve) == (game, 120 << 30, 100 << 30)
+        assert result.failed[train] == (f"memory reserve 50.00 GiB of tenant '{train}' does not fit on GPU 0: it has "
+                                        f"141.00 GiB and other tenants reserve 100.00 GiB there ({game} 100.00 GiB)")
+        assert result.failed[typo].startswith("pod ns/typo annotation unisched.io/memory: size must be a number")
+        why = adopter.ensure(units["train"])
+        assert why is not None and why.startswith("pod ns/train is not a unisched tenant yet: memory reserve 50.00 GiB")
+        assert {t.name for t in client.tenants()} == {game}  # retried with its annotations, refused again
+        podres.pods = [p for p in podres.pods if p.name != "game"]  # the game's pod goes: now it fits
+        assert adopter.ensure(units["train"]) is None
+        assert daemon.engine.snapshot(train).memory_reserve == 50 << 30
+
+
 def test_adopter_reports_an_unreachable_kubelet(daemon: InProcessServer, short_dir: Path) -> None:
     with DaemonClient(daemon.socket) as client:
         adopter = PodAdopter(client, str(short_dir / "none.sock"), FakePods(), cgroup_root=short_dir, timeout=2)

@@ -154,7 +154,7 @@ class SetLimitRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., render: _Optional[int] = ..., decode: _Optional[int] = ..., encode: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_reserve: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("tenant", "weight", "priority", "engines", "gpus", "keep", "session_hooks")
+    __slots__ = ("tenant", "weight", "priority", "engines", "gpus", "keep", "session_hooks", "memory_bytes", "memory_reserve")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,8 @@ class RegisterRequest(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     SESSION_HOOKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: int
     priority: Priority
@@ -169,10 +171,12 @@ class RegisterRequest(_message.Message):
     gpus: _containers.RepeatedScalarFieldContainer[int]
     keep: bool
     session_hooks: bool
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., keep: _Optional[bool] = ..., session_hooks: _Optional[bool] = ...) -> None: ...
+    memory_bytes: int
+    memory_reserve: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., keep: _Optional[bool] = ..., session_hooks: _Optional[bool] = ..., memory_bytes: _Optional[int] = ..., memory_reserve: _Optional[int] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
-    __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus", "labels")
+    __slots__ = ("tenant", "weight", "priority", "cgroup", "engines", "gpus", "labels", "memory_bytes", "memory_reserve")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,8 @@ class AdoptRequest(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_RESERVE_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     weight: int
     priority: Priority
@@ -194,7 +200,9 @@ class AdoptRequest(_message.Message):
     engines: _containers.RepeatedScalarFieldContainer[str]
     gpus: _containers.RepeatedScalarFieldContainer[int]
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    memory_bytes: int
+    memory_reserve: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., priority: _Optional[_Union[Priority, str]] = ..., cgroup: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[int]] = ..., labels: _Optional[_Mapping[str, str]] = ..., memory_bytes: _Optional[int] = ..., memory_reserve: _Optional[int] = ...) -> None: ...
 
 class SetWeightRequest(_message.Message):
     __slots__ = ("tenant", "weight")

@@ -125,6 +125,17 @@ def add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) -
     p.add_argument("--gpus", type=gpus_arg, default=[], help="GPU indices it may use (default all)")
 
 
+def add_memory_opts(p: argparse.ArgumentParser, refused: str) -> None:
+    """GPU memory terms of a tenant a command makes, as `set-limit` sets them; `refused`: what a reserve that does
+    not fit does to the command."""
+    p.add_argument("--memory", type=size_arg, metavar="SIZE",
+                   help="GPU memory the tenant may hold per GPU, e.g. 8GiB; the allocation that would cross it fails "
+                        "as out of memory (as set-limit --memory; on a tenant that exists, admin)")
+    p.add_argument("--memory-reserve", type=size_arg, metavar="SIZE",
+                   help="GPU memory kept for the tenant on each GPU it may use, e.g. 4GiB, at most --memory (admin); "
+                        f"{refused} when the reserves on a GPU would exceed its memory")
+
+
 def _knob_help(spec: Knob) -> str:
     """The knob's help with its range, unit and default, from the one table (scheduler.config.KNOBS); argparse
     expands %, so it is doubled."""

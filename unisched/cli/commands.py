@@ -166,6 +166,8 @@ def _register_request(args: argparse.Namespace) -> pb.RegisterRequest:
         gpus=args.gpus,
         keep=args.keep,
         session_hooks=not args.no_session_hooks,
+        memory_bytes=args.memory,
+        memory_reserve=args.memory_reserve,
     )
 
 
@@ -211,6 +213,8 @@ def _cmd_adopt(args: argparse.Namespace) -> int:
                 cgroup=args.cgroup,
                 engines=args.engines,
                 gpus=args.gpus,
+                memory_bytes=args.memory,
+                memory_reserve=args.memory_reserve,
             )
         )
     print(f"adopted {t.cgroup} as tenant {t.name} (weight {t.weight})")

@@ -9,6 +9,7 @@ from typing import Any
 from unisched import __version__
 from unisched.cli.args import (
     add_knob_flag,
+    add_memory_opts,
     add_remote,
     add_socket,
     add_tenant_opts,
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_socket(r)
     add_tenant_opts(r)
+    add_memory_opts(r, "the run fails before CMD starts")
     r.add_argument("--no-session-hooks", action="store_true",
                    help="do not install the seccomp hook that lets the daemon admit and count GPU sessions")
     r.add_argument("--keep", action="store_true",
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
     add_socket(a)
     add_tenant_opts(a)
+    add_memory_opts(a, "the adoption is refused")
     a.add_argument("--cgroup", required=True, help="cgroup path, absolute or relative to the cgroup root")
 
     t = sub.add_parser("tenants", help="list tenants and their shares")

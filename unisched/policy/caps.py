@@ -12,9 +12,11 @@ from enum import StrEnum
 
 from unisched.policy.model import PolicyError
 
-__all__ = ["CapKind", "SessionLimits", "VideoEngines", "default_cap", "video_engines_for"]
+__all__ = ["MAX_MEMORY_BYTES", "CapKind", "SessionLimits", "VideoEngines", "default_cap", "video_engines_for"]
 
 MAX_SESSIONS = 100_000
+MAX_MEMORY_BYTES = 1 << 50
+"""1 PiB: a memory cap or reserve per GPU above it is a mistake (GPUs hold about 1/7000 of it), refused."""
 
 
 class CapKind(StrEnum):
@@ -40,11 +42,11 @@ class SessionLimits:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SESSIONS):
                 raise PolicyError(f"{name} cap must be an integer in 0..{MAX_SESSIONS}, got {v!r}")
         m = self.memory_bytes
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise PolicyError(f"memory cap must be a non-negative number of bytes, got {m!r}")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= MAX_MEMORY_BYTES):
+            raise PolicyError(f"memory cap must be a number of bytes in 0..{MAX_MEMORY_BYTES} (1 PiB), got {m!r}")
         r = self.memory_reserve
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            raise PolicyError(f"memory reserve must be a non-negative number of bytes, got {r!r}")
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= MAX_MEMORY_BYTES):
+            raise PolicyError(f"memory reserve must be a number of bytes in 0..{MAX_MEMORY_BYTES} (1 PiB), got {r!r}")
         if r is not None and m is not None and r > m:
             raise PolicyError(f"memory reserve {r} B exceeds the tenant's memory cap {m} B")
 

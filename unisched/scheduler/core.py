@@ -32,6 +32,7 @@ from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.context import Context, build
 from unisched.scheduler.leases import LeaseBook
+from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.telemetry import GpuSample, GpuTelemetry
@@ -124,13 +125,15 @@ class Scheduler:
         alive: Callable[[], bool] | None = None,
         keep: bool | None = None,
         session_hooks: bool = False,
+        memory: MemoryAsk = NO_MEMORY_ASK,
     ) -> TenantSnapshot:
         return registration.register(self._c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive,
-                                     keep=keep, session_hooks=session_hooks)
+                                     keep=keep, session_hooks=session_hooks, memory=memory)
 
     def adopt(self, name: str, weight: int | None, priority: Priority | None, cgroup: str, engines: Iterable[str],
-              gpus: Iterable[int], labels: Mapping[str, str] | None = None) -> TenantSnapshot:
-        return registration.adopt(self._c, name, weight, priority, cgroup, engines, gpus, labels)
+              gpus: Iterable[int], labels: Mapping[str, str] | None = None,
+              memory: MemoryAsk = NO_MEMORY_ASK) -> TenantSnapshot:
+        return registration.adopt(self._c, name, weight, priority, cgroup, engines, gpus, labels, memory)
 
     def set_weight(self, name: str, weight: int) -> TenantSnapshot:
         return roster.set_weight(self._c, name, weight)

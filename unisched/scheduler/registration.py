@@ -20,9 +20,11 @@ from unisched.policy import (
     validate_tenant_name,
     validate_weight,
 )
+from unisched.policy.caps import SessionLimits
 from unisched.scheduler.admission import apply_devices
 from unisched.scheduler.context import Context, check_gpus, save, save_soon
 from unisched.scheduler.labels import LabelError, validate_labels
+from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk, memory_limits
 from unisched.scheduler.reporting import snapshot
 from unisched.scheduler.roster import add, apply_weight
 from unisched.scheduler.tenant import (
@@ -56,6 +58,7 @@ def register(
     alive: Callable[[], bool] | None = None,
     keep: bool | None = None,
     session_hooks: bool = False,
+    memory: MemoryAsk = NO_MEMORY_ASK,
 ) -> TenantSnapshot:
     """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
 
@@ -75,7 +78,10 @@ def register(
     session_hooks (`unisched run`): the caller's children get the session hooks before they exec, so a tenant
     this call creates is hooked from its first process on and holds no GPU context until the hooks count one.
     Without it the CPU of its start-up (a torch import: ~3 s on the H200 machine) was charged as GPU time,
-    through the CPU stand-in, until the hand-over and NVML's next process list caught up."""
+    through the CPU stand-in, until the hand-over and NVML's next process list caught up.
+
+    memory: GPU memory terms (limits.memory_limits); a reserve that does not fit is refused before anything is
+    made or moved, so `unisched run` fails before it starts its command."""
     need_alive(alive)
     _check_name_and_weight(name, weight)
     engine_set = parse_engines(engines)
@@ -86,11 +92,11 @@ def register(
     member = t is not None and _is_member(c, t, pid)
     need_alive(alive)  # what was read from /proc/<pid> was the caller's
     if t is None:
-        t = _create(c, name, weight, priority, engine_set, gpu_tuple, uid, is_admin, keep, session_hooks)
+        t = _create(c, name, weight, priority, engine_set, gpu_tuple, uid, is_admin, keep, session_hooks, memory)
         changed = True
     else:
         changed = _rejoin(c, t, weight, priority, engine_set if list(engines) else None, gpu_tuple, uid, is_admin,
-                          member, keep)
+                          member, keep, memory)
     if not member:
         _attach_caller(c, t.cgroup, pid, alive)
     if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
@@ -117,7 +123,7 @@ def _check_user_weight(c: Context, weight: int, is_admin: bool) -> None:
 
 def _create(
     c: Context, name: str, weight: int | None, priority: Priority | None, engines: frozenset[Engine],
-    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, keep: bool | None, session_hooks: bool,
+    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, keep: bool | None, session_hooks: bool, memory: MemoryAsk,
 ) -> Tenant:
     """A new tenant for a registering caller, in a cgroup made for it."""
     if not is_admin and not c.config.user_tenants:
@@ -125,11 +131,12 @@ def _create(
     w = weight if weight is not None else DEFAULT_WEIGHT
     _check_user_weight(c, w, is_admin)
     _check_room(c, uid, is_admin)
+    limits = memory_limits(c, name, SessionLimits(), gpus, memory, is_admin, creating=True)
     cgroup = c.driver.tenant_cgroup(name)
     _check_not_governed(c, name, cgroup)
     _create_cgroup(c, name, cgroup)
     t = Tenant(name, w, priority or Priority.OFFLINE, engines, gpus, cgroup, False, uid,
-               ephemeral=keep is False and name not in c.declared)
+               ephemeral=keep is False and name not in c.declared, limits=limits)
     if session_hooks:
         # its only process now is the CLI, which holds no context; where NVML lists the GPUs' processes
         # that list says when one appears (without it, CPU time is the GPU's stand-in: on the GPU as before)
@@ -141,7 +148,7 @@ def _create(
 
 def _rejoin(
     c: Context, t: Tenant, weight: int | None, priority: Priority | None, engines: frozenset[Engine] | None,
-    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, member: bool, keep: bool | None,
+    gpus: tuple[int, ...] | None, uid: int, is_admin: bool, member: bool, keep: bool | None, memory: MemoryAsk,
 ) -> bool:
     """A caller registering with a known tenant: its owner (or an admin) may change it, a member joins it as it
     is; a lost cgroup is made again. Returns whether what the state file keeps changed."""
@@ -150,6 +157,11 @@ def _rejoin(
     if not owner and not member:
         raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
     before = t.saved()
+    # checked before anything changes (a refused reserve leaves the tenant as it was), against the GPUs it will have;
+    # a plain rejoin is not checked again (a reserve kept while the GPU's size was unknown must not lock it out)
+    new_gpus = gpus if owner and gpus is not None else t.gpus
+    if memory != NO_MEMORY_ASK or new_gpus != t.gpus:
+        t.limits = memory_limits(c, name, t.limits, new_gpus, memory, is_admin, creating=False)
     if weight is not None and weight != t.base_weight:
         if not owner:
             raise SchedulerError("permission", f"only uid {t.owner_uid} or an admin may change the weight of "
@@ -253,8 +265,10 @@ def adopt(
     engines: Iterable[str],
     gpus: Iterable[int],
     labels: Mapping[str, str] | None = None,
+    memory: MemoryAsk = NO_MEMORY_ASK,
 ) -> TenantSnapshot:
-    """`labels`: where an orchestrator runs it (scheduler.labels), kept for metrics."""
+    """`labels`: where an orchestrator runs it (scheduler.labels), kept for metrics. `memory`: its GPU memory terms
+    (limits.memory_limits; adopt is for admins); a reserve that does not fit refuses the adoption."""
     _check_name_and_weight(name, weight)
     try:
         kept = validate_labels(labels or {})
@@ -270,16 +284,19 @@ def adopt(
     why = refusal_to_adopt(c, path)
     if why is not None:
         raise SchedulerError("invalid", why)
+    gpu_tuple = check_gpus(c, gpus)
+    limits = memory_limits(c, name, SessionLimits(), gpu_tuple, memory, is_admin=True, creating=True)
     t = Tenant(
         name,
         weight if weight is not None else DEFAULT_WEIGHT,
         priority or Priority.OFFLINE,
         parse_engines(engines),
-        check_gpus(c, gpus),
+        gpu_tuple,
         path,
         True,
         0,
         labels=kept,
+        limits=limits,
     )
     add(c, t, reason="adopted")
     save(c)

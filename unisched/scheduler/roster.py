@@ -12,13 +12,12 @@ from unisched.policy import (
     TenantSpec,
     validate_weight,
 )
-from unisched.policy.caps import SessionLimits
 from unisched.scheduler.admission import (
     apply_devices,
-    check_reserve,
     v2_dir,
 )
 from unisched.scheduler.context import Context, get, save
+from unisched.scheduler.limits import changed_limits
 from unisched.scheduler.reporting import log_shares, snapshot
 from unisched.scheduler.tenant import (
     SchedulerError,
@@ -137,22 +136,8 @@ def set_limits(c: Context, name: str, render: int | None, decode: int | None, en
                memory_bytes: int | None, memory_reserve: int | None = None) -> TenantSnapshot:
     """Change caps; None keeps a value, -1 clears it back to the default."""
     t = get(c, name)
-
-    def pick(new: int | None, old: int | None) -> int | None:
-        if new is None:
-            return old
-        return None if new == -1 else new
-
-    try:
-        limits = SessionLimits(
-            render=pick(render, t.limits.render), decode=pick(decode, t.limits.decode),
-            encode=pick(encode, t.limits.encode), memory_bytes=pick(memory_bytes, t.limits.memory_bytes),
-            memory_reserve=pick(memory_reserve, t.limits.memory_reserve),
-        )
-        check_reserve(c, name, limits, t.gpus)
-        t.limits = limits
-    except PolicyError as e:
-        raise SchedulerError("invalid", str(e)) from None
+    t.limits = changed_limits(c, name, t.limits, t.gpus, render=render, decode=decode, encode=encode,
+                              memory_bytes=memory_bytes, memory_reserve=memory_reserve)
     log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
              memory_bytes=t.limits.memory_bytes, memory_reserve=t.limits.memory_reserve)
     save(c)

@@ -1,15 +1,22 @@
-"""Engine records to their protobuf form, for the gRPC calls and the lease stream alike."""
+"""Engine records to their protobuf form, for the gRPC calls and the lease stream alike, and back."""
 
 from __future__ import annotations
 
 from unisched.policy import Priority
 from unisched.scheduler.core import TenantSnapshot
+from unisched.scheduler.limits import MemoryAsk
 from unisched_wire import unisched_pb2 as pb
 
-__all__ = ["PRIORITY", "public_summary", "snapshot_to_pb"]
+__all__ = ["PRIORITY", "memory_ask", "public_summary", "snapshot_to_pb"]
 
 PRIORITY = {pb.PRIORITY_ONLINE: Priority.ONLINE, pb.PRIORITY_OFFLINE: Priority.OFFLINE}
 _PRIORITY_PB = {v: k for k, v in PRIORITY.items()}
+
+
+def memory_ask(request: pb.RegisterRequest | pb.AdoptRequest) -> MemoryAsk:
+    """The GPU memory terms a register or adopt request asks for (a field left unset: not asked)."""
+    return MemoryAsk(cap=request.memory_bytes if request.HasField("memory_bytes") else None,
+                     reserve=request.memory_reserve if request.HasField("memory_reserve") else None)
 
 
 def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:

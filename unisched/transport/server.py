@@ -26,7 +26,7 @@ from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
 from unisched.transport.claim import replace_stale_socket
 from unisched.transport.client import AGENT_SOCKET_METADATA, LEASE_SOCKET_METADATA
-from unisched.transport.convert import PRIORITY, public_summary, snapshot_to_pb
+from unisched.transport.convert import PRIORITY, memory_ask, public_summary, snapshot_to_pb
 from unisched.transport.frontdoor import FrontDoor
 from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
@@ -105,6 +105,7 @@ class UnischedServicer:
                 alive=cred.alive,
                 keep=request.keep,
                 session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
+                memory=memory_ask(request),
             )
         except SchedulerError as e:
             self._fail(e)
@@ -124,6 +125,7 @@ class UnischedServicer:
                 list(request.engines),
                 list(request.gpus),
                 dict(request.labels),
+                memory_ask(request),
             )
         except SchedulerError as e:
             self._fail(e)

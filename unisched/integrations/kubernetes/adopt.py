@@ -6,8 +6,10 @@ namespace. PodResources carries no pod UID, and the pod's cgroup is named by UID
 kubepods-...-pod<uid_with_underscores>.slice under systemd), so a `PodDirectory` looks the UID up (the API
 server in a cluster) and the cgroup is found under the daemon's cgroup root. Each pod is one tenant, named from
 its first gpu-weight container's IDs (what that container's UNISCHED_TENANT says), weight = its units, pinned
-to their GPU; session resources become caps. A pass is idempotent: it adopts what is missing, re-adopts a
-tenant whose pod was replaced, removes k8s- tenants whose pods are gone, and logs what it cannot do yet.
+to their GPU; session resources become caps, and the annotations unisched.io/memory and unisched.io/memory-reserve
+its GPU memory cap and reserve (a reserve that does not fit is not adopted: PreStartContainer says why). A pass
+is idempotent: it removes k8s- tenants whose pods are gone (first, so what they reserved is free), adopts what is
+missing, re-adopts a tenant whose pod was replaced, and logs what it cannot do yet.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from unisched.integrations.kubernetes import podresources_v1_pb2_grpc as pr_grpc
 from unisched.integrations.kubernetes.apiserver import ApiServer
 from unisched.integrations.kubernetes.defaults import DEFAULT_POD_RESOURCES_SOCKET
 from unisched.integrations.kubernetes.devices import DECODE, RENDER, TENANT_PREFIX, WEIGHT, parse_id, tenant_name
+from unisched.scheduler.config import parse_size
 from unisched.transport.client import DaemonClient, DaemonError
 from unisched_wire import unisched_pb2 as pb
 
@@ -41,12 +44,16 @@ __all__ = [
     "PodInfo",
     "claims_of",
     "find_pod_cgroup",
+    "memory_terms",
 ]
 
 log = structlog.get_logger("unisched.kubelet")
 
 ENGINES_ANNOTATION = "unisched.io/engines"
 PRIORITY_ANNOTATION = "unisched.io/priority"
+MEMORY_ANNOTATION = "unisched.io/memory"
+MEMORY_RESERVE_ANNOTATION = "unisched.io/memory-reserve"
+_MEMORY_FIELDS = {MEMORY_ANNOTATION: "memory_bytes", MEMORY_RESERVE_ANNOTATION: "memory_reserve"}
 _PRIORITY = {"online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
 _SEARCH_DEPTH = 6
 
@@ -77,6 +84,20 @@ class PodClaim:
         if self.container:
             out["container"] = self.container
         return out
+
+
+def memory_terms(notes: Mapping[str, str], pod: str) -> dict[str, int]:
+    """AdoptRequest's memory fields from the pod's unisched.io/memory and unisched.io/memory-reserve (8GiB, ...);
+    ValueError naming the pod and annotation when one is not a size. The daemon checks the rest (reserve at most
+    the cap, and that it fits beside the other tenants' reserves)."""
+    out = {}
+    for note, name in _MEMORY_FIELDS.items():
+        if note in notes:
+            try:
+                out[name] = parse_size(notes[note])
+            except ValueError as e:
+                raise ValueError(f"pod {pod} annotation {note}: {e}") from None
+    return out
 
 
 def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
@@ -192,7 +213,9 @@ class PodAdopter:
         """Session resources the plugin advertises: a pod's count of each becomes its cap (0 when it asked none)."""
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._cgroups: dict[tuple[str, str], str] = {}
+        self._cgroups: dict[tuple[str, str], tuple[str, PodInfo]] = {}
+        """Each pod's cgroup and what the API server said of it (its annotations, read once: a pod whose adoption
+        is refused is retried with them, not adopted without them)."""
 
     def list_pods(self) -> list[pr.PodResources]:
         with grpc.insecure_channel(f"unix:{self.pod_resources_socket}") as channel:
@@ -206,11 +229,11 @@ class PodAdopter:
         return self.cgroup_root
 
     def _cgroup_of(self, claim: PodClaim) -> tuple[str | None, PodInfo | None, str]:
-        """The pod's cgroup (cached while it exists), its info when looked up, or why not."""
+        """The pod's cgroup and info (cached while the cgroup exists), or why not."""
         key = (claim.namespace, claim.name)
         cached = self._cgroups.get(key)
-        if cached is not None and (self._root() / cached.lstrip("/")).is_dir():
-            return cached, None, ""
+        if cached is not None and (self._root() / cached[0].lstrip("/")).is_dir():
+            return cached[0], cached[1], ""
         if self.pods is None:
             return None, None, "no pod directory to look the pod's UID up in (not in a cluster?)"
         try:
@@ -222,7 +245,7 @@ class PodAdopter:
         cg = find_pod_cgroup(self._root(), info.uid)
         if cg is None:
             return None, info, f"no cgroup for pod {claim.key} (uid {info.uid}) under {self._root()} yet"
-        self._cgroups[key] = cg
+        self._cgroups[key] = (cg, info)
         return cg, info, ""
 
     def reconcile(self) -> PassResult:
@@ -249,6 +272,12 @@ class PodAdopter:
         kept: list[str] = []
         removed: list[str] = []
         failed: dict[str, str] = {}
+        wanted = {c.tenant for c in claims}
+        for name, t in ours.items():  # first: what a gone pod reserved (GPU memory) is free for the new ones
+            if name not in wanted and t.adopted:
+                self.daemon.remove(name)
+                removed.append(name)
+                log.info("pod gone; tenant removed", tenant=name, cgroup=t.cgroup)
         for claim in claims:
             cg, info, why = self._cgroup_of(claim)
             if cg is None:
@@ -263,6 +292,10 @@ class PodAdopter:
                 removed.append(claim.tenant)
             try:
                 self._adopt(claim, cg, info)
+            except ValueError as e:  # a bad annotation: the pod's to fix, reported as the daemon's refusals are
+                failed[claim.tenant] = str(e)
+                log.error("adoption failed", tenant=claim.tenant, pod=claim.key, cgroup=cg, error=str(e))
+                continue
             except DaemonError as e:
                 if e.code is grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -270,12 +303,6 @@ class PodAdopter:
                 log.error("adoption failed", tenant=claim.tenant, pod=claim.key, cgroup=cg, error=str(e))
                 continue
             adopted.append(claim.tenant)
-        wanted = {c.tenant for c in claims}
-        for name, t in ours.items():
-            if name not in wanted and t.adopted:
-                self.daemon.remove(name)
-                removed.append(name)
-                log.info("pod gone; tenant removed", tenant=name, cgroup=t.cgroup)
         live = {(c.namespace, c.name) for c in claims}
         self._cgroups = {k: v for k, v in self._cgroups.items() if k in live}
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
@@ -284,8 +311,9 @@ class PodAdopter:
         notes = info.annotations if info is not None else {}
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)
+        memory = memory_terms(notes, claim.key)
         self.daemon.adopt(pb.AdoptRequest(tenant=claim.tenant, weight=claim.weight, priority=priority, cgroup=cgroup,
-                                          engines=engines, gpus=list(claim.gpus), labels=claim.labels))
+                                          engines=engines, gpus=list(claim.gpus), labels=claim.labels, **memory))
         limits = {}
         if RENDER in self.caps:
             limits["render"] = claim.render
@@ -294,7 +322,7 @@ class PodAdopter:
         if limits:
             self.daemon.set_limit(pb.SetLimitRequest(tenant=claim.tenant, **limits))
         log.info("pod adopted", tenant=claim.tenant, pod=claim.key, weight=claim.weight, gpus=list(claim.gpus),
-                 cgroup=cgroup, **limits)
+                 cgroup=cgroup, **limits, **memory)
 
     def ensure(self, device_ids: Sequence[str]) -> str | None:
         """Before a container starts (PreStartContainer): its pod is a tenant, or why not."""
