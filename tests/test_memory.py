@@ -18,7 +18,7 @@ from test_engine import Rig
 from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_for
 
 from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
-from unisched.enforce.seccomp.accounting import decode_call
+from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor

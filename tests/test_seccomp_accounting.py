@@ -16,7 +16,8 @@ from conftest import child_env
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
 from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
-from unisched.enforce.seccomp.accounting import Call, EventAction, SessionBook, decode_call, escape_of
+from unisched.enforce.seccomp.accounting import EventAction, SessionBook
+from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig, DeclaredTenant

@@ -11,7 +11,9 @@ sessions per tenant and admits or refuses new ones.
 - filter.py: the BPF program and installing it (tenant side).
 - handover.py: giving the listener to the daemon (tenant side).
 - agent.py: reading the hand-over message and replying (daemon side).
+- calls.py: decoding one notified call from the caller's memory (pure, the reader passed in).
 - accounting.py: which calls open and close which sessions (pure).
+- memory.py, handles.py: video memory per allocation and the driver-picked handles replayed (pure).
 - supervisor.py: the thread that answers one listener's notifications.
 - listener.py: the listener fd's ioctls (receive, check, answer, write a refused call's status).
 - memory_calls.py: charging video memory allocations, booking devices and frees (the supervisor's memory side).

@@ -1,7 +1,7 @@
 """Object and session accounting: which RM_ALLOC / RM_FREE calls open and close which engine sessions.
 
 Pure: no I/O and no clock of its own (times come in as arguments), so every rule is table-tested. The
-supervisor reads the calls from the tenant's memory (`decode_call` takes the reader), asks for decisions and
+supervisor reads the calls from the tenant's memory (`calls.decode_call` takes the reader), asks for decisions and
 answers the kernel; this module only keeps the books.
 
 Sessions: the driver allocates several objects for one session of some kinds (on the H200 a CUDA context made 8
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import struct
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,43 +25,12 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Final
 
-from unisched.enforce.nvclasses import (
-    DEVICE_CLASSES,
-    MEMORY_SIZE_AT,
-    NV01_DEVICE_0,
-    NV01_MEMORY_LOCAL_USER,
-    NV01_MEMORY_SYSTEM,
-    NV50_MEMORY_VIRTUAL,
-    NVOS00_SIZE,
-    NVOS21_SIZE,
-    NVOS21_STATUS_AT,
-    NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED,
-    NVOS32_ALLOC_FLAGS_VIRTUAL,
-    NVOS32_ALLOCS,
-    NVOS32_ATTR_LOCATION_SHIFT,
-    NVOS32_FUNCTION_FREE,
-    NVOS32_FUNCTION_HW_FREE,
-    NVOS32_SIZE,
-    NVOS32_STATUS_AT,
-    NVOS64_STATUS_AT,
-    RM_ALLOC,
-    RM_ALLOC_SIZES,
-    RM_FREE,
-    RM_VID_HEAP_CONTROL,
-    XFER,
-    XFER_FORMAT,
-    XFER_SIZE,
-    SessionKind,
-    classify,
-    decode_ioctl,
-)
-from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
+from unisched.enforce.nvclasses import RM_FREE, SessionKind
+from unisched.enforce.seccomp.calls import ENGINE_KINDS, Call, Session
 
 MAX_NODES: Final = 200_000
 """RM objects tracked per supervisor beyond sessions' own: bounds a tenant's memory in the daemon (a CUDA
 context allocates a hundred-odd); past it, frees of untracked ancestors are missed until the process exits."""
-ENGINE_KINDS: Final = frozenset({SessionKind.NVDEC, SessionKind.NVENC, SessionKind.NVJPG, SessionKind.OFA})
-"""Video engine kinds: one object per engine instance, joined into one session."""
 GROUPED_KINDS: Final = ENGINE_KINDS | {SessionKind.COMPUTE}
 """Kinds whose later objects may join an open session."""
 
@@ -148,20 +116,7 @@ class SessionLedger:
             return {k: n for (t, k), n in self._refused.items() if t == tenant and n}
 
 
-# --- decoding a call -------------------------------------------------------------------------------------------------
-@dataclass(eq=False)
-class Session:
-    """One engine session: one or more RM objects of one kind."""
-
-    kind: SessionKind
-    h_class: int
-    pid: int  # the thread that opened it
-    handle: int  # its first object's handle
-    objects: set[int] = field(default_factory=set)
-    instances: set[int] = field(default_factory=set)
-    last_ns: int = 0
-
-
+# --- the books ---------------------------------------------------------------------------------------------------------
 @dataclass
 class Client:
     """One RM client (hRoot) and the part of its object tree seen through RM_ALLOC."""
@@ -174,114 +129,6 @@ class Client:
     latest: dict[SessionKind, Session] = field(default_factory=dict)  # the session new objects may join
 
 
-@dataclass
-class Call:
-    """What one notification asks for, decoded from the tenant's memory."""
-
-    op: int  # RM_ALLOC or RM_FREE; 0 = nothing to track
-    h_root: int = 0
-    h_parent: int = 0
-    handle: int = 0  # hObjectNew (alloc) or hObjectOld (free)
-    h_class: int = 0
-    kind: SessionKind | None = None
-    owner: tuple[int, str] | None = None  # (tgid, start time) when this client is new
-    instance: int | None = None  # engineInstance from the allocation parameters (video engines)
-    join: Session | None = None  # the open session this object joins (no decision needed)
-    node: int = 0  # where an admitted object was recorded
-    status_at: int = 0  # the caller's address of the call's status field (RM_ALLOC)
-    mem_bytes: int | None = None  # video memory the allocation asks for (nvclasses.MEMORY_SIZE_AT)
-    device_id: int | None = None  # deviceId of an NV01_DEVICE_0 allocation
-    replayed: int = 0  # the handle the driver will pick for it (handle 0), as the memory book replays it
-
-
-def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
-    """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
-    if IOCTL_SYSCALL.get(arch) != nr:
-        return None
-    _type, enr, size = decode_ioctl(request)
-    return (enr, size) if enr in (RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, XFER) else None
-
-
-def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
-    """The call behind escape `enr` with its argument at `addr`; `read(addr, size)` reads the caller's memory and
-    raises OSError or ValueError when it cannot. Unreadable or malformed calls are Call(0) (nothing to track): the driver fails
-    them itself (EFAULT, EINVAL)."""
-    try:
-        if enr == XFER:
-            if size != XFER_SIZE:
-                return Call(0)
-            enr, size, addr = struct.unpack(XFER_FORMAT, read(addr, XFER_SIZE))
-        if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
-            h_root, h_parent, h_new, h_class, params = struct.unpack("=IIIIQ", read(addr, 24))
-            call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
-            call.status_at = addr + (NVOS21_STATUS_AT if size == NVOS21_SIZE else NVOS64_STATUS_AT)
-            if call.kind in ENGINE_KINDS and params:
-                call.instance = _engine_instance(params, read)
-            elif params and (h_class in MEMORY_SIZE_AT or h_class in DEVICE_CLASSES):
-                _memory_params(call, size, addr, params, read)
-            return call
-        if enr == RM_FREE and size == NVOS00_SIZE:
-            h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
-            return Call(RM_FREE, h_root, h_parent, h_old)
-        if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:
-            return _heap_call(addr, read(addr, NVOS32_SIZE))
-    except (OSError, ValueError, struct.error):
-        pass
-    return Call(0)
-
-
-def _heap_call(addr: int, args: bytes) -> Call:
-    """An NVOS32 heap call as the RM_ALLOC or RM_FREE the driver turns it into (rmapi_deprecated_vidheapctrl.c):
-    an allocation of NV50_MEMORY_VIRTUAL, NV01_MEMORY_LOCAL_USER (video memory: its size counted) or
-    NV01_MEMORY_SYSTEM under the device hObjectParent, with hMemory as its handle when the caller provided one
-    (else 0: the driver picks); a free of hMemory. Other functions (info, compression) are Call(0)."""
-    h_root, h_parent, function = struct.unpack_from("=III", args, 0)
-    at = NVOS32_ALLOCS.get(function)
-    if at is not None:
-        (h_memory,) = struct.unpack_from("=I", args, at.h_memory)
-        (flags,) = struct.unpack_from("=I", args, at.flags)
-        handle = h_memory if flags & NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED else 0
-        call = Call(RM_ALLOC, h_root, h_parent, handle, NV01_MEMORY_SYSTEM, status_at=addr + NVOS32_STATUS_AT)
-        if at.attr is None or at.size is None:
-            return call
-        (attr,) = struct.unpack_from("=I", args, at.attr)
-        if flags & NVOS32_ALLOC_FLAGS_VIRTUAL:
-            call.h_class = NV50_MEMORY_VIRTUAL
-        elif (attr >> NVOS32_ATTR_LOCATION_SHIFT) & 0x3 == 0:
-            call.h_class = NV01_MEMORY_LOCAL_USER
-            (call.mem_bytes,) = struct.unpack_from("=Q", args, at.size)
-        return call
-    if function == NVOS32_FUNCTION_FREE:
-        h_memory, flags = struct.unpack_from("=II", args, 44)
-        return Call(RM_FREE, h_root, h_parent, h_memory) if flags & 1 else Call(0)
-    if function == NVOS32_FUNCTION_HW_FREE:
-        (h_resource,) = struct.unpack_from("=I", args, 40)
-        return Call(RM_FREE, h_root, h_parent, h_resource)
-    return Call(0)
-
-
-def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> None:
-    """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it
-    (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h). paramsSize 0 means the class's own parameter struct: the
-    driver then copies that struct whole, and libcuda on the H200 (driver 580) passes 0 for every allocation."""
-    (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
-    at = MEMORY_SIZE_AT.get(call.h_class)
-    if at is not None and (psize == 0 or psize >= at + 8):
-        (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
-    elif call.h_class == NV01_DEVICE_0 and (psize == 0 or psize >= 4):
-        (call.device_id,) = struct.unpack("=I", read(params, 4))
-
-
-def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | None:
-    """engineInstance of NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS {size, prohibitMultipleInstances, instance}."""
-    try:
-        p_size, _prohibit, instance = struct.unpack("=III", read(params, 12))
-    except (OSError, ValueError):
-        return None
-    return instance if p_size >= 12 else None
-
-
-# --- the books -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Counts:
     live: Mapping[SessionKind, int]

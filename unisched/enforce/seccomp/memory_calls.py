@@ -8,7 +8,7 @@ import errno
 import structlog
 
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
-from unisched.enforce.seccomp.accounting import Call
+from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
 from unisched.policy.memory import Verdict

@@ -31,14 +31,8 @@ from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
 from unisched.enforce.seccomp.abi import (
     SeccompError,
 )
-from unisched.enforce.seccomp.accounting import (
-    Call,
-    EventAction,
-    SessionBook,
-    SessionEvent,
-    decode_call,
-    escape_of,
-)
+from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent
+from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import MemoryCalls
