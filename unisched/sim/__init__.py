@@ -5,15 +5,8 @@ so that accuracy, work conservation and decision cost can be checked on a CPU, a
 """
 
 from unisched.sim.gpu import SimResource, SimStream
-from unisched.sim.simulator import (
-    ResourceResult,
-    SimConfig,
-    SimResult,
-    Simulation,
-    TenantResult,
-    WakeEvent,
-    weight_shares,
-)
+from unisched.sim.results import ResourceResult, SimResult, TenantResult, WakeEvent, weight_shares
+from unisched.sim.simulator import SimConfig, Simulation
 from unisched.sim.workload import (
     Activity,
     SimTenant,
