@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -131,11 +132,11 @@ class Daemon:
         if self.proc.poll() is not None:
             raise AssertionError(f"daemon exited at start: {self.log_path.read_text()[-2000:]}")
 
-    def _spawn(self, log: object) -> subprocess.Popen[bytes]:
+    def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
              *(() if self.nvml else ("--no-nvml",)), "--log-format", "json", *self.extra],
-            stdout=log, stderr=log, cwd=ROOT, env=child_env(),  # type: ignore[arg-type]
+            stdout=log, stderr=log, cwd=ROOT, env=child_env(),
         )
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
@@ -146,7 +147,7 @@ class Daemon:
     def cgroup_dir(self, tenant: str) -> Path:
         st = self.status()
         t = next(t for t in self.tenants() if t["name"] == tenant)
-        return Path(st["cgroup_root"]) / t["cgroup"].lstrip("/")
+        return Path(str(st["cgroup_root"])) / str(t["cgroup"]).lstrip("/")
 
 
 def _empty_and_remove(driver: CgroupDriver, cg: str) -> None:

@@ -136,7 +136,7 @@ def test_cgroup2_mount_from_mounts(tmp_path: Path) -> None:
 
 
 def test_unavailable_reason_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("unisched.enforce.devices.os.geteuid", lambda: 1000)
     assert "needs root" in (device_admission_unavailable_reason() or "")
 
 

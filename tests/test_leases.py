@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from structlog.testing import capture_logs
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
-from unisched.policy import Engine, Mode, Priority
+from unisched.policy import Decision, Engine, Mode, Priority
 from unisched.policy.leases import OverrunMeter
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig
@@ -97,6 +98,14 @@ class LeaseRig:
                     c.report(0.0)  # renews: still wants the engine
         return holders
 
+
+
+def _recording(decide: Callable[[float], Decision], into: list[float]) -> Callable[[float], Decision]:
+    """`decide`, noting each time it is asked."""
+    def wrapped(now: float) -> Decision:
+        into.append(now)
+        return decide(now)
+    return wrapped
 
 def test_a_lone_cooperative_tenant_is_granted_at_once_and_uncontended(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
@@ -582,9 +591,8 @@ def test_closing_a_waiters_session_decides_nothing_closing_the_holders_hands_ove
         x.want()
     holder = next(x for x in (a, b, c) if x.held)
     waiters = [x for x in (a, b, c) if x is not holder]
-    decisions = []
-    decide = rig.engine.policy.decide
-    rig.engine.policy.decide = lambda now: decisions.append(now) or decide(now)  # type: ignore[method-assign]
+    decisions: list[float] = []
+    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decisions)  # type: ignore[method-assign, assignment]
     rig.engine.lease_close(waiters[0].sid)
     assert decisions == []  # a waiter leaving changes no holder
     rig.engine.lease_close(holder.sid)
@@ -669,9 +677,8 @@ def test_preemptive_online_release_regrants_the_offline_tenant_in_the_same_resch
     infer.want()
     train.pump()
     assert infer.held and not train.held  # the trainer's tail still runs: it has not yielded
-    decisions = []
-    decide = rig.engine.policy.decide
-    rig.engine.policy.decide = lambda now: decisions.append(now) or decide(now)  # type: ignore[method-assign]
+    decisions: list[float] = []
+    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decisions)  # type: ignore[method-assign, assignment]
     rig.clock.advance(0.005)
     infer.report(0.005, release=True)
     train.pump()
