@@ -26,6 +26,7 @@ from unisched.policy.reports import EVEN_SLICING, beside_excess, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
 from unisched.scheduler.turns import Turns
+from unisched.scheduler.workends import WorkEnds
 
 __all__ = ["MAX_REPORT_S", "LeaseBook", "LeaseError"]
 
@@ -96,6 +97,7 @@ class LeaseBook:
         self._turns = Turns(policy, slice_s, max_run_s)
         self._last_holder: dict[Resource, str] = {}
         """The previous decision's holder of each resource (a grant after a freezer-governed one follows a freeze)."""
+        self._work_ends = WorkEnds(slice_s)
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
         """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
 
@@ -178,6 +180,7 @@ class LeaseBook:
             del self._coop[s.tenant]
             affected = self._handovers.end_all(s.tenant, now) or affected
             self._handovers.drop_credit(s.tenant)
+            self._work_ends.drop(s.tenant)
             self._turns.drop(s.tenant)
         self._refresh_demand(s.tenant, now)
         return s.tenant, dict(s.codec), affected
@@ -187,6 +190,7 @@ class LeaseBook:
         self._enforced.discard(tenant)
         self._overrun.pop(tenant, None)
         self._handovers.drop_credit(tenant)
+        self._work_ends.drop(tenant)
         self._turns.drop(tenant)  # (the engine removes it from the policy right after)
         c = self._coop.pop(tenant, None)
         if c is None:
@@ -233,15 +237,23 @@ class LeaseBook:
             self._note_gap(r, now - gpu_s - held.handed_at)
             held.handed_at = None
         verdict = None
+        wall_s = gpu_s
+        after_freeze = held is not None and held.after_freeze and units >= 1 and gpu_s > 0
         drain = self._frozen_drain(s.tenant, held, gpu_s, units)
         gpu_s -= drain
+        # its own work as the units' usual length may learn it: not from what the `beside` rule cut to that length
+        # (a circle that keeps any estimate): a report after a freeze is left out, a tail counts half its time beside
+        own_s = 0.0 if after_freeze else gpu_s
+        at = self._work_ends.end(s.tenant, r, wall_s, now)  # when its work ended (reports come with renewals)
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
-        pieces: tuple[tuple[float, float], ...] = ((now, charged),)
+        pieces: tuple[tuple[float, float], ...] = ((at, charged),)
         if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn
-            excess = beside_excess(charged, units, self._turns.unit_s(s.tenant), now - thawed_at, EVEN_SLICING)
-            pieces = report_pieces(now, charged, excess, thawed_at)
+            excess = beside_excess(charged, units, self._turns.unit_s(s.tenant), at - thawed_at, EVEN_SLICING)
+            pieces = report_pieces(at, charged, excess, thawed_at)
             charged -= excess
             gpu_s -= excess
+            if own_s:
+                own_s -= beside_excess(own_s, 0, None, at - thawed_at, EVEN_SLICING)
         if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
             self._reported.setdefault(r, []).extend(pieces)
             self.policy.charge(s.tenant, r, charged, now)
@@ -253,8 +265,9 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        if gpu_s > 0 and engine is Engine.COMPUTE:
-            self._turns.report(s.tenant, gpu_s, units, lambda: self._longest_gap(s.tenant))
+        if own_s > 0:
+            self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
+                               earns_run=engine is Engine.COMPUTE)
         if release:
             s.wants.pop(engine, None)
             s.released.add(engine)
@@ -434,6 +447,7 @@ class LeaseBook:
                     lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended,
                                                  handed_at=yielded if direct else None,
                                                  after_freeze=last is not None and last not in self._coop)
+                    self._work_ends.granted(tenant, r, now)
                     log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))
                     self._meter(c, r).hold(now)

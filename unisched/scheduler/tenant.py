@@ -110,6 +110,9 @@ class Tenant:
     adopted: bool
     owner_uid: int
     frozen: bool = False
+    froze: bool = False
+    """Frozen since the last charge: its GPU work queued at the freeze (a render's frame in flight) drains in the
+    interval, whatever CPU it shows, so it is charged for the interval (tick.py)."""
     last_cpu: float | None = None
     idle_run: int = 0
     active: bool = False

@@ -62,8 +62,10 @@ def tick(c: Context) -> float:
     leases = c.leases
     for t in c.tenants.values():
         # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
-        # uncharged tail favours the tenant frozen most often per unit of its share (the low weight)
-        ran = not t.frozen or cpu.get(t.name, 0.0) > 0.0
+        # uncharged tail favours the tenant frozen most often per unit of its share (the low weight); and one
+        # frozen at the interval's start: its queued GPU work drains in it (a render's frame in flight)
+        ran = not t.frozen or t.froze or cpu.get(t.name, 0.0) > 0.0
+        t.froze = False
         if ran and not t.missing and not leases.cooperative(t.name) and not off_gpu(t):
             # (cooperative ones report their GPU time; one with no GPU context used none)
             for r in t.resources:
@@ -146,7 +148,7 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
         if verdict.frozen != t.frozen and not t.missing:
             try:
                 c.driver.set_frozen(t.cgroup, verdict.frozen)
-                t.frozen = verdict.frozen
+                t.frozen = t.froze = verdict.frozen
                 if not verdict.frozen:
                     leases.touch(t.name, now)
             except CgroupError as e:

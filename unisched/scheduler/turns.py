@@ -38,13 +38,17 @@ class Turns:
         """The minimum run last given to the policy per tenant."""
         self._unit_acc_s: dict[str, float] = {}
         """GPU seconds reported since the tenant's last whole unit (parts of one, see clients' pause points)."""
+        self._runs: set[str] = set()
+        """Tenants whose units earn minimum runs (they reported compute steps)."""
         self._logged_run: dict[str, float] = {}
         """The minimum run last logged per tenant: the mean drifts in small steps (from a first step's autotuning
         down to its steady unit), and each must not hide behind the one before."""
 
-    def report(self, tenant: str, gpu_s: float, units: int, gap_s: Callable[[], float]) -> None:
-        """Compute time the tenant reported, covering `units` whole units; `gap_s()`: the longest mean hand-over
-        gap on its resources."""
+    def report(self, tenant: str, gpu_s: float, units: int, gap_s: Callable[[], float], earns_run: bool = True) -> None:
+        """GPU time the tenant reported, covering `units` whole units; `gap_s()`: the longest mean hand-over
+        gap on its resources. `earns_run`: long units earn a minimum run (compute steps); frames do not (two
+        renders time-slice at no loss, so longer turns would only stall each one's frames), but their mean length
+        is still what the `beside` rule reads (policy.reports)."""
         # parts of a unit that pause points ended come in reports of 0 units: their time counts toward the unit
         # that a later report completes, so a step split across reports is still one step long
         acc = self._unit_acc_s.get(tenant, 0.0) + gpu_s
@@ -54,11 +58,14 @@ class Turns:
         old = self._unit_s.get(tenant)
         unit = acc / units if old is None else old + TUNING.unit_ewma * (acc / units - old)
         self._unit_s[tenant] = unit
-        self._set_min_run(tenant, unit, gap_s())
+        if earns_run:
+            self._runs.add(tenant)
+            self._set_min_run(tenant, unit, gap_s())
 
     def regap(self, tenant: str, gap_s: float) -> None:
-        """A new mean hand-over gap on a resource the tenant uses: its minimum run follows."""
-        self._set_min_run(tenant, self._unit_s.get(tenant, 0.0), gap_s)
+        """A new mean hand-over gap on a resource the tenant uses: its minimum run follows (its units count only if
+        they earn runs)."""
+        self._set_min_run(tenant, self._unit_s.get(tenant, 0.0) if tenant in self._runs else 0.0, gap_s)
 
     def _set_min_run(self, tenant: str, unit: float, gap_s: float) -> None:
         run = min_run_for(unit, self.slice_s, self.max_run_s, gap_s)
@@ -78,6 +85,7 @@ class Turns:
     def drop(self, tenant: str) -> None:
         """No lease session left: a freezer-governed tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
+        self._runs.discard(tenant)
         self._logged_run.pop(tenant, None)
         self._unit_acc_s.pop(tenant, None)
         if self._min_run.pop(tenant, 0.0):
