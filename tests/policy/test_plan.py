@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
+from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part
 from unisched.policy.overlap import SliceKind
 from unisched.policy.plan import (
     MIX_DOMAIN,
@@ -16,12 +17,8 @@ from unisched.policy.plan import (
     PlanConfig,
     PlanInputs,
     PlanState,
-    ReportMatch,
     Rule,
     TenantView,
-    Unmatched,
-    charge_rule,
-    cooperative_part,
     cpu_busy,
     demand_rule,
     freeze_rule,

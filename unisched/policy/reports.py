@@ -33,7 +33,7 @@ def beside_excess(gpu_s: float, units: int, unit_s: float | None, most_s: float,
 
 def report_pieces(at: float, gpu_s: float, excess_s: float, since: float) -> tuple[tuple[float, float], ...]:
     """Where the client's own work of a report lies in time, as (end, seconds) pieces for
-    `policy.plan.cooperative_part`. The report arrives at `at` and its timer's `gpu_s` spans [at - gpu_s, at]; the
+    `policy.charging.cooperative_part`. The report arrives at `at` and its timer's `gpu_s` spans [at - gpu_s, at]; the
     part of that span after `since` (when a freezer-governed tenant was thawed beside it) held `excess_s` of that
     tenant's work, and the client's own work there is the rest; before `since` the client ran alone. Placed whole
     at the report's end, the client's work before the thaw would be taken off the busy time the thawed tenant is

@@ -14,9 +14,10 @@ from unisched.enforce.mps import MpsControl
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource, WeightedFairShare
 from unisched.policy.caps import VideoEngines, video_engines_for
+from unisched.policy.charging import ReportMatch
 from unisched.policy.contention import PARTIAL_OVERLAP
 from unisched.policy.overlap import OverlapMix
-from unisched.policy.plan import PlanConfig, PlanState, ReportMatch
+from unisched.policy.plan import PlanConfig, PlanState
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import ConfigError, DaemonConfig

@@ -85,7 +85,7 @@ class Handovers:
         Two cooperative sides both measure the overlap's wall time (a CUDA event times the other's work the GPU
         time-slices in), so each is credited half of it. Beside a freezer-governed side, the tail's own reports
         say how much of their time was the other's (`beside_freezer`, policy.reports): that side is charged the
-        busy time less the client's own work (policy.plan.cooperative_part)."""
+        busy time less the client's own work (policy.charging.cooperative_part)."""
         h = self._pending[r]
         h.overlap, h.since = tenant, now
 

@@ -103,7 +103,7 @@ class LeaseBook:
 
     def take_reported(self) -> dict[Resource, list[tuple[float, float]]]:
         """The reports per resource since the last call, as (arrival, GPU seconds): the freezer-governed tenants that ran
-        beside cooperative ones are charged the busy time less the work these cover (policy.plan.cooperative_part)."""
+        beside cooperative ones are charged the busy time less the work these cover (policy.charging.cooperative_part)."""
         out, self._reported = self._reported, {}
         return out
 
@@ -282,7 +282,7 @@ class LeaseBook:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
         timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
-        frozen tenant is charged it, through the busy time the reports leave (policy.plan.cooperative_part). On the
+        frozen tenant is charged it, through the busy time the reports leave (policy.charging.cooperative_part). On the
         H200 a trainer's 4 queued matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3
         points over its share."""
         if held is None or not held.after_freeze or units < 1 or gpu_s <= 0:

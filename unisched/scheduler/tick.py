@@ -14,6 +14,7 @@ from unisched.policy import (
     Mode,
     Resource,
 )
+from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part
 from unisched.policy.plan import (
     FreezerUse,
     GateOutcome,
@@ -21,11 +22,8 @@ from unisched.policy.plan import (
     PairWeights,
     Plan,
     PlanInputs,
-    ReportMatch,
     Rule,
     TenantView,
-    charge_rule,
-    cooperative_part,
     demand_rule,
     observe,
     pair_weights,
@@ -222,7 +220,7 @@ def _charge_resource(
     """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
     `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
-    policy.plan.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
+    policy.charging.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
     util = 0.0
     if sample is not None and sample.ok:
         util = max(

@@ -18,7 +18,7 @@ class WorkEnds:
     A report covers the units done since the last one, but the client sends it with its next renewal, so a 28 ms
     frame can have ended 25 ms before its report. Placed at the arrival, that work falls in the next interval: the
     freezer-governed tenant frozen for the holder's turn was charged the interval before in full, and the credit for
-    late reports (policy.plan.cooperative_part) found little of it there. A holder's units run back to back from its
+    late reports (policy.charging.cooperative_part) found little of it there. A holder's units run back to back from its
     grant (its last one past its revoke), so they end at the grant plus their wall time."""
 
     def __init__(self, slice_s: float) -> None:

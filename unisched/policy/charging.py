@@ -1,0 +1,82 @@
+"""The rules that charge the freezer-governed tenants that ran on a resource in one interval: who pays the
+busy time (`charge_rule`), less the work cooperative tenants reported for the same time (`cooperative_part`).
+Pure: times passed in. Part of the scheduling model (docs/design/scheduling.md, "charging")."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from unisched.policy.plan import Rule
+
+__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unmatched:
+    """An interval's busy time charged to the freezer-governed tenants that ran in it, that no report had yet shown to be a
+    cooperative tenant's (a report that arrives later may)."""
+
+    start: float
+    end: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReportMatch:
+    """One resource's matching of cooperative reports against the busy time the freezer-governed tenants are charged."""
+
+    unmatched: Unmatched | None = None
+    credit_s: float = 0.0
+    """Busy time already charged to freezer-governed tenants that a late report showed was cooperative work: taken off
+    their next charge on the resource."""
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def cooperative_part(busy_s: float, start: float, end: float, reports: Sequence[tuple[float, float]],
+                     state: ReportMatch, keep_s: float, charged: bool) -> tuple[float, ReportMatch]:
+    """Of a resource's busy time over the interval [start, end], the part cooperative tenants did: their reports
+    charge them for it, so the freezer-governed tenants that ran beside them are not charged it too (`charge_rule`'s
+    `cooperative_s`). `reports`: (arrival, GPU seconds) of each report in the interval; a report covers the work
+    just before its arrival, and arrives with the client's next renewal, so part of it can be work of an interval
+    already charged: that part, up to what that interval charged the freezer-governed tenants beyond its own reports, is
+    credited back to them (`ReportMatch.credit_s`). `charged`: freezer-governed tenants ran on the resource in the interval;
+    `keep_s`: how late a report may be."""
+    u = state.unmatched
+    if u is not None and end - u.end > keep_s:
+        u = None
+    credit = state.credit_s
+    in_now = 0.0
+    for at, seconds in reports:
+        if seconds <= 0:
+            continue
+        in_now += _overlap(at - seconds, at, start, end)
+        if u is not None and u.seconds > 0:
+            late = min(u.seconds, _overlap(at - seconds, at, u.start, u.end))
+            u = replace(u, seconds=u.seconds - late)
+            credit += late
+    if not charged:
+        return 0.0, ReportMatch(u, min(credit, keep_s))
+    matched = min(busy_s, in_now)
+    taken = min(busy_s - matched, credit)
+    left = busy_s - matched
+    return matched + taken, ReportMatch(Unmatched(start, end, left) if left > 0 else None, min(keep_s, credit - taken))
+
+
+def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float,
+                cooperative_s: float = 0.0) -> tuple[list[float], Rule]:
+    """GPU seconds to charge each freezer-governed tenant that ran on a resource over the interval (`cpu_s`: their CPU
+    seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
+    included), less `cooperative_s` that cooperative tenants did in it (`cooperative_part`), is split by CPU
+    activity (evenly when none showed any); without one each tenant's CPU time stands in for GPU time, so the same
+    engine runs (and is tested) on machines with no GPU. Less the reported part, because a freezer-governed tenant frozen
+    while a client held the GPU still ran the few ms its freeze took, and would otherwise pay for the client's
+    whole interval: beside a client it paid about twice its use, and got a third of the GPU at 1:1."""
+    if util > activity_threshold:
+        busy = max(0.0, util * dt - cooperative_s)
+        total = sum(cpu_s)
+        return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
+    return list(cpu_s), Rule.CPU_TIME
