@@ -130,6 +130,10 @@ class LeaseBook:
         c = self._coop.get(tenant)
         return bool(c and c.leases)
 
+    def client_held(self, r: Resource) -> bool:
+        """Whether the last decision gave `r` to a cooperative tenant: the GPU's busy time there is its work."""
+        return self._last_holder.get(r) in self._coop
+
     def overrun_s(self, tenant: str) -> float:
         return self._overrun.get(tenant, 0.0)
 

@@ -220,7 +220,8 @@ def _charge_resource(
     """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
     `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
-    policy.charging.charge_rule. A tenant alone on a busy resource showed GPU activity (`gpu_active`)."""
+    policy.charging.charge_rule. A tenant alone on a busy resource that no client held showed GPU activity
+    (`gpu_active`)."""
     util = 0.0
     if sample is not None and sample.ok:
         util = max(
@@ -235,8 +236,8 @@ def _charge_resource(
     for t, seconds in zip(ts, amounts, strict=True):
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)
-    if rule is Rule.SIGNAL and len(ts) == 1:
-        gpu_active.add(ts[0].name)
+    if rule is Rule.SIGNAL and len(ts) == 1 and not c.leases.client_held(r):
+        gpu_active.add(ts[0].name)  # alone on a busy GPU: unless a client held it, that busy time is its own
 
 
 def _update_demand(c: Context, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
