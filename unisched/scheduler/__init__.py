@@ -1,1 +1,1 @@
-"""The engine: the asyncio loop that measures, charges the policy, decides and enforces each slice."""
+"""The scheduler: the asyncio loop that measures, charges the policy, decides and enforces each slice."""

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from itertools import count
 
 import structlog
-from structlog.typing import FilteringBoundLogger
 
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
@@ -25,6 +23,7 @@ from unisched.policy.plan import lease_contended, lease_jump, online_jumps
 from unisched.policy.reports import EVEN_SLICING, beside_excess, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
+from unisched.scheduler.lease_records import CoopRecord, LeaseRecord, SessionRecord
 from unisched.scheduler.turns import Turns
 from unisched.scheduler.workends import WorkEnds
 
@@ -40,44 +39,6 @@ class LeaseError(Exception):
     """A lease request the engine refuses (invalid input, unknown session)."""
 
 
-@dataclass
-class _Session:
-    id: int
-    tenant: str
-    gpu: int
-    channel: LeaseChannel
-    log: FilteringBoundLogger
-    """Bound to the tenant and session once: the module's lazy logger re-binds on every call (~6-15 us per
-    renewal, even for a debug line that is filtered out)."""
-    wants: dict[Engine, float] = field(default_factory=dict)
-    """engine -> when the client last wanted or reported on it (demand while fresh)."""
-    codec: dict[str, int] = field(default_factory=dict)
-    """codec sessions admitted through this lease session, by kind (released when it closes)."""
-    released: set[Engine] = field(default_factory=set)
-    """Engines the client released and has not wanted since: a yield on one is not a renewal."""
-
-
-@dataclass
-class _Lease:
-    id: int
-    engine: Engine
-    contended: bool
-    slice_left_s: float = 0.0
-    jump: bool = False
-    handed_at: float | None = None
-    """When the holder before it yielded, for a lease granted at that hand-over: its first report measures the gap."""
-    after_freeze: bool = False
-    """Granted as a freezer-governed holder was frozen: its first units queue behind that tenant's work in flight."""
-
-
-@dataclass
-class _Coop:
-    sessions: set[int] = field(default_factory=set)
-    demand: frozenset[Resource] = frozenset()
-    leases: dict[Resource, _Lease] = field(default_factory=dict)
-    meters: dict[Resource, OverrunMeter] = field(default_factory=dict)
-
-
 class LeaseBook:
     def __init__(self, policy: WeightedFairShare, contention: ContentionMap, slice_s: float, valid_s: float,
                  max_run_s: float = 0.5) -> None:
@@ -85,8 +46,8 @@ class LeaseBook:
         self.contention = contention
         self.slice_s = slice_s
         self.valid_s = valid_s
-        self._sessions: dict[int, _Session] = {}
-        self._coop: dict[str, _Coop] = {}
+        self._sessions: dict[int, SessionRecord] = {}
+        self._coop: dict[str, CoopRecord] = {}
         self._ids = count(1)
         self._lease_ids = count(1)
         self._enforced: set[str] = set()
@@ -152,7 +113,7 @@ class LeaseBook:
         (r,) = self.contention.resources((gpu,), {engine})
         return r
 
-    def _session(self, sid: int) -> _Session:
+    def _session(self, sid: int) -> SessionRecord:
         s = self._sessions.get(sid)
         if s is None:
             raise LeaseError(f"no lease session {sid} (send hello first)")
@@ -161,8 +122,8 @@ class LeaseBook:
     # --- sessions ------------------------------------------------------------------------------------
     def open(self, tenant: str, gpu: int, channel: LeaseChannel) -> int:
         sid = next(self._ids)
-        self._sessions[sid] = _Session(sid, tenant, gpu, channel, log.bind(tenant=tenant, session=sid))
-        self._coop.setdefault(tenant, _Coop()).sessions.add(sid)
+        self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, log.bind(tenant=tenant, session=sid))
+        self._coop.setdefault(tenant, CoopRecord()).sessions.add(sid)
         log.info("lease session opened", tenant=tenant, session=sid, gpu=gpu)
         return sid
 
@@ -282,7 +243,7 @@ class LeaseBook:
             s.released.discard(engine)
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
-    def _frozen_drain(self, tenant: str, held: _Lease | None, gpu_s: float, units: int) -> float:
+    def _frozen_drain(self, tenant: str, held: LeaseRecord | None, gpu_s: float, units: int) -> float:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
         timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
@@ -331,7 +292,7 @@ class LeaseBook:
             slice_left_s += math.ceil((run_left - slice_left_s) / self.slice_s - 1e-9) * self.slice_s
         return slice_left_s
 
-    def _meter(self, c: _Coop, r: Resource) -> OverrunMeter:
+    def _meter(self, c: CoopRecord, r: Resource) -> OverrunMeter:
         m = c.meters.get(r)
         if m is None:
             m = c.meters[r] = OverrunMeter(TUNING.overrun_window_slices * self.slice_s, self.slice_s,
@@ -369,14 +330,14 @@ class LeaseBook:
                 for e in s.wants:
                     s.wants[e] = now
 
-    def _engines_on(self, s: _Session, r: Resource) -> list[Engine]:
+    def _engines_on(self, s: SessionRecord, r: Resource) -> list[Engine]:
         """The engines the session wants that the resource covers (compute and graphics are one resource where
         they contend)."""
         if s.gpu != r.gpu:
             return []
         return [e for e in s.wants if self.contention.domain(e) == r.domain]
 
-    def _touch_resource(self, c: _Coop, r: Resource, now: float) -> None:
+    def _touch_resource(self, c: CoopRecord, r: Resource, now: float) -> None:
         for sid in c.sessions:
             s = self._sessions[sid]
             for e in self._engines_on(s, r):
@@ -448,7 +409,7 @@ class LeaseBook:
                     yielded = self._handovers.take_yield(r)
                     direct = yielded is not None and now - yielded <= TUNING.handover_grant_slices * self.slice_s
                     last = before.get(r)
-                    lease = c.leases[r] = _Lease(next(self._lease_ids), engine, contended,
+                    lease = c.leases[r] = LeaseRecord(next(self._lease_ids), engine, contended,
                                                  handed_at=yielded if direct else None,
                                                  after_freeze=last is not None and last not in self._coop)
                     self._work_ends.granted(tenant, r, now)
@@ -470,13 +431,13 @@ class LeaseBook:
         return {self._sessions[sid].gpu for tenant, c in self._coop.items() if priority(tenant) is Priority.ONLINE
                 for sid in c.sessions}
 
-    def _engine_of(self, c: _Coop, r: Resource) -> Engine:
+    def _engine_of(self, c: CoopRecord, r: Resource) -> Engine:
         for sid in c.sessions:
             for e in self._engines_on(self._sessions[sid], r):
                 return e
         raise AssertionError("a demanded resource has a wanting session")
 
-    def _send(self, c: _Coop, r: Resource, lease: _Lease, reason: str | None = None) -> None:
+    def _send(self, c: CoopRecord, r: Resource, lease: LeaseRecord, reason: str | None = None) -> None:
         """A grant (reason None) or a revoke to every session of the tenant on that GPU, once per engine
         of theirs the resource covers (compute and graphics are one resource where they contend)."""
         for sid in c.sessions:
@@ -492,7 +453,7 @@ class LeaseBook:
                 for e in engines or [lease.engine]:
                     s.channel.send(LeaseRevoke(lease.id, e, reason))
 
-    def _revoke(self, tenant: str, c: _Coop, r: Resource, lease: _Lease, now: float, reason: str,
+    def _revoke(self, tenant: str, c: CoopRecord, r: Resource, lease: LeaseRecord, now: float, reason: str,
                 notify: bool = True) -> None:
         del c.leases[r]
         self._handovers.stop_overlap(r, tenant, now)
