@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_leases import LeaseRig
+from test_leases import LeaseRig, busy_rig
 
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant
-from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 
 TICK_S = 0.0005
 """The device model's time step."""
@@ -124,11 +123,9 @@ class FrameClient:
 def run_pair(tmp: Path, client_w: int, app_w: int, seconds: float, freeze_lag_s: float, renew_s: float) -> float:
     """The client's share of the GPU work done (the app's is the rest). `freeze_lag_s`: how long the app's CPU
     (spinning in glFinish) runs on after its freeze; `renew_s`: how often the client renews with its report."""
-    rig = LeaseRig(tmp, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    rig = busy_rig(tmp)
     c = FrameClient(rig, client_w, renew_s)
-    rig.pid += 1
-    rig.engine.register("app", app_w, None, ["graphics"], (0,), rig.pid, 0, True)
+    rig.unmodified("app", app_w, "graphics")
     app = rig.driver.groups["/unisched/app"]
     gpu = Gpu()
     start = next_tick = rig.clock.now

@@ -76,6 +76,12 @@ class LeaseRig:
         self.clients.append(c)
         return c
 
+    def unmodified(self, name: str, weight: int, engine: str = "compute") -> None:
+        """A freezer-governed tenant on GPU 0 (as `unisched run` makes one), with a process of its own; its cgroup is
+        `self.driver.groups[f"/unisched/{name}"]`."""
+        self.pid += 1
+        self.engine.register(name, weight, None, [engine], (0,), self.pid, 0, True)
+
     def tick(self) -> float:
         delay = self.engine.tick()
         while any(c.channel.messages for c in self.clients):  # a yield can grant the next holder at once
@@ -98,6 +104,13 @@ class LeaseRig:
                     c.report(0.0)  # renews: still wants the engine
         return holders
 
+
+
+def busy_rig(tmp: Path) -> LeaseRig:
+    """A rig whose GPU 0 reads fully busy at every sample, whoever runs on it (a saturated GPU as NVML shows it)."""
+    rig = LeaseRig(tmp, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
+    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    return rig
 
 
 def _recording(decide: Callable[[float], Decision], into: list[float]) -> Callable[[float], Decision]:
@@ -359,12 +372,10 @@ def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_p
     and it also ran (a few ms) in each interval its freeze came late in, while the client held the GPU: charged
     that interval's whole busy time, it paid about twice its use and got a third of the GPU at 1:1. `late`: the
     client's reports arrive half a slice after its work (with its next renewal), in the next interval."""
-    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    rig = busy_rig(tmp_path)
     c = rig.coop("coop", coop_w)
     c.want()
-    rig.pid += 1
-    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    rig.unmodified("kern", kern_w)
     g = rig.driver.groups["/unisched/kern"]
     kern_s = owed = 0.0
     for _ in range(1200):
@@ -396,13 +407,11 @@ def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_
     all of it. Charged whole to the client and taken whole off the other's busy time, the freezer-governed tenant
     got ~5 points more than its share at 1:1 with 50 ms steps on the H200."""
     tail = 0.02
-    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    rig = busy_rig(tmp_path)
     c = rig.coop("coop", coop_w)
     c.yields = False  # it yields itself, once its step in flight is done
     c.want()
-    rig.pid += 1
-    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    rig.unmodified("kern", kern_w)
     g = rig.driver.groups["/unisched/kern"]
     coop_work = kern_work = 0.0
     for _ in range(1200):
@@ -436,12 +445,10 @@ def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
     first units wait behind it, and its CUDA events time that wait. The time beyond its usual units is the frozen
     tenant's, not the client's."""
     drain, unit = 0.010, 0.005  # a whole number of units after the drain: the model reports only whole units
-    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    rig = busy_rig(tmp_path)
     c = rig.coop("coop", coop_w)
     c.want()
-    rig.pid += 1
-    rig.engine.register("kern", kern_w, None, ["compute"], (0,), rig.pid, 0, True)
+    rig.unmodified("kern", kern_w)
     g = rig.driver.groups["/unisched/kern"]
     coop_work = kern_work = 0.0
     for _ in range(1200):
@@ -826,9 +833,8 @@ def test_an_idle_unmodified_tenant_takes_no_turns_from_a_lone_client(tmp_path: P
     """The GPU reads busy with the client's work alone: a thawed freezer-governed tenant that does nothing (no CPU, a
     client gone, a `--keep` tenant between runs) is not 'alone on a busy GPU' while a client holds the lease there,
     so it shows no demand and the client keeps the GPU (it got 0.30 of it on a CPU stand-in before)."""
-    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
-    rig.engine.register("idle", 100, None, ["compute"], (0,), rig.pid, 0, True)
+    rig = busy_rig(tmp_path)
+    rig.unmodified("idle", 100)
     a = rig.coop("a", 100)
     a.want()
     holders = rig.run(100, [a])

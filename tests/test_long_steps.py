@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_leases import LeaseRig
-
-from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+from test_leases import busy_rig
 
 TICK_S = 0.001
 """The device model's time step: a step's length is a whole number of them."""
@@ -60,13 +58,11 @@ class Device:
 
 def run_pair(tmp: Path, coop_w: int, app_w: int, step_s: float, seconds: float) -> float:
     """The client's share of the work done (the app's is the rest)."""
-    rig = LeaseRig(tmp, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
+    rig = busy_rig(tmp)
     c = rig.coop("coop", coop_w)
     c.yields = False  # it yields itself, once its steps in flight are done
     c.want()
-    rig.pid += 1
-    rig.engine.register("app", app_w, None, ["compute"], (0,), rig.pid, 0, True)
+    rig.unmodified("app", app_w)
     app = rig.driver.groups["/unisched/app"]
     dev = Device(step_s)
     start = rig.clock.now
