@@ -79,12 +79,19 @@ class MemoryBook:
         """An allocation about to run with `handle` (0: the driver picks): the handle it will have, replayed
         (a negative key of its own when that cannot be known). Call `untake` if the call never runs."""
         self._owners.setdefault(h_root, owner)
-        replay = self._replays.setdefault(h_root, HandleReplay())
+        replay = self._replay(h_root)
         if handle:
             replay.note(handle, h_parent)
             return handle
         taken = replay.take(h_parent)
         return next(self._synthetic) if taken is None else taken
+
+    def _replay(self, h_root: int) -> HandleReplay:
+        """Client `h_root`'s replay, made on its first call (not one per call: this runs on every RM_ALLOC and free)."""
+        replay = self._replays.get(h_root)
+        if replay is None:
+            replay = self._replays[h_root] = HandleReplay()
+        return replay
 
     def untake(self, h_root: int, handle: int) -> None:
         """The allocation `handle_for` gave a driver-chosen `handle` never reached the driver."""
@@ -124,7 +131,7 @@ class MemoryBook:
         if handle == h_root:
             return self.release([h_root])
         if h_root in self._owners:
-            self._replays.setdefault(h_root, HandleReplay()).free(handle)
+            self._replay(h_root).free(handle)
         out = []
         obj = self._objects.pop((h_root, handle), None)
         if obj is not None:
