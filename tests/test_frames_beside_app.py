@@ -159,10 +159,10 @@ def run_pair(tmp: Path, client_w: int, app_w: int, seconds: float, freeze_lag_s:
 @pytest.mark.parametrize(("freeze_lag_s", "renew_s"), [(0.0, RENEW_S), (0.002, RENEW_S), (0.002, TICK_S)])
 def test_a_frame_gated_render_beside_an_unmodified_render_gets_its_weight(tmp_path: Path, client_w: int, app_w: int,
                                                                           freeze_lag_s: float, renew_s: float) -> None:
-    """Before the fix (frames' usual length unknown, reports placed at their arrival, a frozen app with no CPU
-    uncharged) the client got 0.474 / 0.729 / 0.216 at 1:1 / 3:1 / 1:3 with a 2 ms freeze lag, 0.435 / 0.664 /
-    0.209 with none. A client that reports each frame as it ends (`renew_s` of a model step) at 1:3 got 0.229 with
-    frames' usual length learnt from the reports the `beside` rule had cut to it (a circle that keeps any
-    estimate, here one learnt beside the app before slicing began)."""
+    """Each case needs the charging rules for frames: their usual length learnt (without it the client pays the
+    app's frame in flight at every hand-over), reports placed where their work ran (at their arrival, the work
+    falls in the next interval), and a just-frozen app charged its drain. The 1:3 case with a report per frame
+    (`renew_s` of a model step) needs the usual length learnt from untrimmed reports: fed the reports the `beside`
+    rule had cut to it, the estimate keeps whatever value it started from."""
     share = run_pair(tmp_path, client_w, app_w, 30.0, freeze_lag_s, renew_s)
     assert share == pytest.approx(client_w / (client_w + app_w), abs=0.012)

@@ -832,7 +832,7 @@ def test_cooperative_compute_and_graphics_that_overlap_partly_get_mixed_leases(
 def test_an_idle_unmodified_tenant_takes_no_turns_from_a_lone_client(tmp_path: Path) -> None:
     """The GPU reads busy with the client's work alone: a thawed freezer-governed tenant that does nothing (no CPU, a
     client gone, a `--keep` tenant between runs) is not 'alone on a busy GPU' while a client holds the lease there,
-    so it shows no demand and the client keeps the GPU (it got 0.30 of it on a CPU stand-in before)."""
+    so it shows no demand and the client keeps the GPU (counted as the idle tenant's, it would take every other slice)."""
     rig = busy_rig(tmp_path)
     rig.unmodified("idle", 100)
     a = rig.coop("a", 100)

@@ -86,7 +86,7 @@ def run_pair(tmp: Path, coop_w: int, app_w: int, step_s: float, seconds: float) 
 @pytest.mark.parametrize("step_s", [0.002, 0.047])
 def test_a_client_with_long_steps_beside_an_unmodified_app_gets_its_weight(tmp_path: Path, coop_w: int, app_w: int,
                                                                           step_s: float) -> None:
-    """Steps of 47 ms (off the 50 ms tick grid, so revokes land anywhere in a step) at 3:1 got 0.684 before the
-    `beside` rule (policy.reports), 1:1 0.461; 2 ms steps are the control."""
+    """Steps of 47 ms (off the 50 ms tick grid, so revokes land anywhere in a step) need the `beside` rule
+    (policy.reports): without it the client gets 0.684 at 3:1 and 0.461 at 1:1. 2 ms steps are the control."""
     share = run_pair(tmp_path, coop_w, app_w, step_s, 40.0)
     assert share == pytest.approx(coop_w / (coop_w + app_w), abs=0.015)
