@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Final
 
 __all__ = [
+    "NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED",
     "ROOT_CLASSES",
     "NV50_MEMORY_VIRTUAL",
     "NV01_MEMORY_SYSTEM",
@@ -133,7 +134,8 @@ NVOS32_ALLOCS: Final = MappingProxyType(
     }
 )
 """NVOS32 function -> its allocation fields. Every one of them takes a handle (the driver's when not provided)."""
-NVOS32_FUNCTION_FREE: Final = 3  # Free {owner@40, hMemory@44, flags@48}; needs NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED 1
+NVOS32_FUNCTION_FREE: Final = 3  # Free {owner@40, hMemory@44, flags@48}; the driver needs the flag below
+NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED: Final = 0x00000001
 NVOS32_FUNCTION_HW_FREE: Final = 20  # HwFree {hResourceHandle@40, flags@44}
 NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED: Final = 0x00004000
 NVOS32_ALLOC_FLAGS_VIRTUAL: Final = 0x00080000

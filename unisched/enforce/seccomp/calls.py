@@ -26,6 +26,7 @@ from unisched.enforce.nvclasses import (
     NVOS32_ALLOC_FLAGS_VIRTUAL,
     NVOS32_ALLOCS,
     NVOS32_ATTR_LOCATION_SHIFT,
+    NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED,
     NVOS32_FUNCTION_FREE,
     NVOS32_FUNCTION_HW_FREE,
     NVOS32_SIZE,
@@ -142,7 +143,7 @@ def _heap_call(addr: int, args: bytes) -> Call:
         return call
     if function == NVOS32_FUNCTION_FREE:
         h_memory, flags = struct.unpack_from("=II", args, 44)
-        return Call(RM_FREE, h_root, h_parent, h_memory) if flags & 1 else Call(0)
+        return Call(RM_FREE, h_root, h_parent, h_memory) if flags & NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED else Call(0)
     if function == NVOS32_FUNCTION_HW_FREE:
         (h_resource,) = struct.unpack_from("=I", args, 40)
         return Call(RM_FREE, h_root, h_parent, h_resource)
