@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unisched.enforce.seccomp.handles import MAX_LIVE, RS_UNIQUE_HANDLE_BASE, HandleReplay, in_driver_range
+from unisched.enforce.seccomp.handles import (
+    MAX_CLIENTS,
+    MAX_LIVE,
+    RS_UNIQUE_HANDLE_BASE,
+    HandleReplay,
+    in_driver_range,
+)
 from unisched.enforce.seccomp.memory import MemoryBook
 
 BASE = RS_UNIQUE_HANDLE_BASE
@@ -64,6 +70,15 @@ def test_tracking_is_bounded() -> None:
     for _ in range(MAX_LIVE):
         replay.take(1)
     assert replay.take(1) is None and replay.lost
+
+
+def test_the_clients_replayed_are_bounded() -> None:
+    """Any call names an hRoot: past MAX_CLIENTS a new client's driver-picked allocations get keys of their own."""
+    book, owner = MemoryBook(), (1, "1")
+    for root in range(MAX_CLIENTS):
+        assert book.add(root + 1, 0, 0xD0, 1, owner)[1] == BASE
+    assert book.add(MAX_CLIENTS + 1, 0, 0xD0, 1, owner)[1] < 0
+    assert book.add(1, 0, 0xD0, 1, owner)[1] == BASE + 1  # the clients already replayed go on
 
 
 def test_every_driver_range_free_of_the_h200_egl_trace_meets_its_allocation() -> None:

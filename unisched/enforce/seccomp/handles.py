@@ -24,6 +24,9 @@ RS_UNIQUE_HANDLE_BASE: Final = 0xCAF00000
 RS_UNIQUE_HANDLE_RANGE: Final = 0x80000
 MAX_LIVE: Final = 200_000
 """Driver-range handles tracked per client; past it the client is marked lost (bounds the daemon's memory)."""
+MAX_CLIENTS: Final = 64
+"""RM clients replayed per listener (an EGL process made three). Any call names an hRoot, real or not, so past it a
+new client is not replayed: its driver-picked allocations get keys of their own (bounds the daemon's memory)."""
 
 
 def in_driver_range(handle: int) -> bool:
@@ -33,10 +36,10 @@ def in_driver_range(handle: int) -> bool:
 class HandleReplay:
     """One RM client's handle generator, replayed (module docstring). `lost` once the replay cannot be trusted."""
 
-    def __init__(self) -> None:
+    def __init__(self, lost: bool = False) -> None:
         self._next = 0
         self._live: dict[int, int] = {}  # handle in the driver's range -> its parent handle
-        self.lost = False
+        self.lost = lost
 
     def take(self, parent: int) -> int | None:
         """The handle the driver will give the next allocation it names (None when lost)."""

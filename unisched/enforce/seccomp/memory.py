@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from unisched.enforce.nvclasses import NV01_DEVICE_0
-from unisched.enforce.seccomp.handles import HandleReplay
+from unisched.enforce.seccomp.handles import MAX_CLIENTS, HandleReplay
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
@@ -87,9 +87,12 @@ class MemoryBook:
         return next(self._synthetic) if taken is None else taken
 
     def _replay(self, h_root: int) -> HandleReplay:
-        """Client `h_root`'s replay, made on its first call (not one per call: this runs on every RM_ALLOC and free)."""
+        """Client `h_root`'s replay, made on its first call (not one per call: this runs on every RM_ALLOC and free);
+        a lost one, not kept, past MAX_CLIENTS."""
         replay = self._replays.get(h_root)
         if replay is None:
+            if len(self._replays) >= MAX_CLIENTS:
+                return HandleReplay(lost=True)
             replay = self._replays[h_root] = HandleReplay()
         return replay
 
