@@ -23,7 +23,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "clients"))  # this checkout's client library, not an installed one
 from unisched_client import Client, UnischedError, UnischedUnavailable
 from unisched_client.clock import FakeClock, SystemClock
-from unisched_client.gate import Gate, Start, may_start
+from unisched_client.gate import START_GRACE_S, Gate, Start, may_start
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame
 
@@ -238,7 +238,8 @@ def test_a_grant_ends_the_wait_in_acquire(peer: Peer, clock: FakeClock) -> None:
         assert out == [True] and gate.open_units == 1
 
 
-def test_no_unit_starts_after_a_contended_slice_ends_and_the_slice_is_charged(peer: Peer, clock: FakeClock) -> None:
+def test_no_unit_starts_after_a_contended_slice_and_its_grace_end_and_the_slice_is_charged(peer: Peer,
+                                                                                           clock: FakeClock) -> None:
     with client_of(peer, clock, **QUIET) as client:
         gate = granted(peer, clock, client, contended=True)
         assert gate.acquire(timeout=0)
@@ -246,11 +247,27 @@ def test_no_unit_starts_after_a_contended_slice_ends_and_the_slice_is_charged(pe
         clock.advance(SLICE_S - EPS)
         assert gate.acquire(timeout=0)  # inside the slice
         gate.done(0.01)
+        clock.advance(START_GRACE_S - EPS)
+        assert gate.acquire(timeout=0)  # the slice is over, but the daemon's renewal is on its way
+        gate.done(0.01)
         assert peer.nothing_sent()
+        clock.advance(2 * EPS)
+        assert not gate.acquire(timeout=0)  # the grace is over too: wait for the daemon's renewal
+        report = peer.next().report  # and it learns the slice's charge first, and when that work ended
+        assert (round(report.gpu_seconds, 6), report.units) == (0.03, 3)
+        assert report.ended_ago_s == pytest.approx(2 * EPS)
+
+
+def test_a_report_without_gpu_time_says_no_end(peer: Peer, clock: FakeClock) -> None:
+    """`ended_ago_s` 0 means "not known" on the wire: a report with no work places none."""
+    with client_of(peer, clock, **QUIET) as client:
+        gate = granted(peer, clock, client, contended=True)
+        assert gate.acquire(timeout=0)
+        gate.done(0.0)
         clock.advance(EPS)
-        assert not gate.acquire(timeout=0)  # the slice is over: wait for the daemon's renewal
-        report = peer.next().report  # and it learns the slice's charge first
-        assert (round(report.gpu_seconds, 6), report.units) == (0.02, 2)
+        gate.release()
+        report = peer.next().report
+        assert (report.gpu_seconds, report.release, report.ended_ago_s) == (0.0, True, 0.0)
 
 
 def test_reconnect_backs_off_doubling_to_its_cap_and_wants_again(peer: Peer, clock: FakeClock) -> None:
@@ -325,7 +342,8 @@ def gate_with(lease: int = 0, contended: bool = False, slice_end: float = 0.0, j
     (gate_with(), True, 0.0, False, Start.WAIT),
     (gate_with(lease=1), True, 5.0, False, Start.HELD),  # alone: the slice's end does not matter
     (gate_with(lease=1, contended=True, slice_end=5.0), True, 4.9, False, Start.HELD),
-    (gate_with(lease=1, contended=True, slice_end=5.0), True, 5.0, False, Start.WAIT),
+    (gate_with(lease=1, contended=True, slice_end=5.0), True, 5.0, False, Start.HELD),  # in the grace
+    (gate_with(lease=1, contended=True, slice_end=5.0), True, 5.0 + START_GRACE_S, False, Start.WAIT),
     (gate_with(jump=True), True, 0.0, True, Start.JUMP),
     (gate_with(jump=True), True, 0.0, False, Start.WAIT),  # jumps only with the want it just sent
     (gate_with(jump=True), False, 0.0, True, Start.UNGOVERNED),

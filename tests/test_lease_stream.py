@@ -135,9 +135,9 @@ _REQUESTS = st.one_of(
         _NAMES, st.integers(-(2**31), 2**31 - 1), st.integers(-3, 5), st.lists(_ENGINES, max_size=4),
         st.integers(-(2**31), 2**31 - 1), st.integers(0, 2**64 - 1)),
     st.builds(lambda e, s: pb.LeaseRequest(seq=s, want=pb.LeaseWant(engine=e)), _ENGINES, st.integers(0, 2**64 - 1)),
-    st.builds(lambda e, g, r, y, s: pb.LeaseRequest(seq=s, report=pb.LeaseReport(
-        engine=e, gpu_seconds=g, release=r, yielded=y)), _ENGINES, _FLOATS, st.booleans(), st.booleans(),
-        st.integers(0, 2**64 - 1)),
+    st.builds(lambda e, g, r, y, s, a: pb.LeaseRequest(seq=s, report=pb.LeaseReport(
+        engine=e, gpu_seconds=g, release=r, yielded=y, ended_ago_s=a)), _ENGINES, _FLOATS, st.booleans(),
+        st.booleans(), st.integers(0, 2**64 - 1), _FLOATS),
     st.builds(lambda k, o, s: pb.LeaseRequest(seq=s, session=pb.CodecSession(kind=k, open=o)),
               st.one_of(st.sampled_from(["nvdec", "nvenc", "graphics", ""]), st.text(max_size=8)), st.booleans(),
               st.integers(0, 2**64 - 1)),

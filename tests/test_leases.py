@@ -244,6 +244,15 @@ def test_negative_units_are_refused(tmp_path: Path) -> None:
         rig.engine.lease_report(a.sid, "compute", 0.01, False, units=-1)
 
 
+@pytest.mark.parametrize("ago", [-0.001, float("nan"), float("inf"), 61.0])
+def test_a_report_whose_work_ended_at_no_real_time_is_refused(tmp_path: Path, ago: float) -> None:
+    rig = LeaseRig(tmp_path)
+    a = rig.coop("a", 100)
+    a.want()
+    with pytest.raises(SchedulerError, match="ended_ago_s"):
+        rig.engine.lease_report(a.sid, "compute", 0.01, False, units=1, ended_ago_s=ago)
+
+
 def test_the_holder_hears_it_is_contended_when_another_wants(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     a, b = rig.coop("a", 100), rig.coop("b", 100)

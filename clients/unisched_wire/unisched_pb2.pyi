@@ -331,18 +331,20 @@ class LeaseWant(_message.Message):
     def __init__(self, engine: _Optional[str] = ...) -> None: ...
 
 class LeaseReport(_message.Message):
-    __slots__ = ("engine", "gpu_seconds", "release", "yielded", "units")
+    __slots__ = ("engine", "gpu_seconds", "release", "yielded", "units", "ended_ago_s")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     YIELDED_FIELD_NUMBER: _ClassVar[int]
     UNITS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AGO_S_FIELD_NUMBER: _ClassVar[int]
     engine: str
     gpu_seconds: float
     release: bool
     yielded: bool
     units: int
-    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ..., yielded: _Optional[bool] = ..., units: _Optional[int] = ...) -> None: ...
+    ended_ago_s: float
+    def __init__(self, engine: _Optional[str] = ..., gpu_seconds: _Optional[float] = ..., release: _Optional[bool] = ..., yielded: _Optional[bool] = ..., units: _Optional[int] = ..., ended_ago_s: _Optional[float] = ...) -> None: ...
 
 class CodecSession(_message.Message):
     __slots__ = ("kind", "open")

@@ -179,8 +179,8 @@ class Scheduler:
         return lease_calls.lease_want(self._c, sid, engine)
 
     def lease_report(self, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False,
-                     units: int = 0) -> LeaseAck:
-        return lease_calls.lease_report(self._c, sid, engine, gpu_seconds, release, yielded, units)
+                     units: int = 0, ended_ago_s: float = 0.0) -> LeaseAck:
+        return lease_calls.lease_report(self._c, sid, engine, gpu_seconds, release, yielded, units, ended_ago_s)
 
     def lease_codec(self, sid: int, kind: str, open_: bool) -> tuple[bool, str]:
         return lease_calls.lease_codec(self._c, sid, kind, open_)

@@ -90,11 +90,11 @@ def lease_want(c: Context, sid: int, engine: str) -> LeaseAck:
 
 
 def lease_report(c: Context, sid: int, engine: str, gpu_seconds: float, release: bool, yielded: bool = False,
-                 units: int = 0) -> LeaseAck:
+                 units: int = 0, ended_ago_s: float = 0.0) -> LeaseAck:
     t = _lease_call(c, sid)
     e = parse_engine(engine)
     try:
-        changed, _ = c.leases.report(sid, e, gpu_seconds, release, c.clock.monotonic(), yielded, units)
+        changed, _ = c.leases.report(sid, e, gpu_seconds, release, c.clock.monotonic(), yielded, units, ended_ago_s)
     except LeaseError as err:
         raise SchedulerError("invalid", str(err)) from None
     if changed:

@@ -182,18 +182,22 @@ class LeaseBook:
         return self._refresh_demand(s.tenant, now)
 
     def report(self, sid: int, engine: Engine, gpu_s: float, release: bool, now: float, yielded: bool = False,
-               units: int = 0) -> tuple[bool, OverrunVerdict | None]:
+               units: int = 0, ended_ago_s: float = 0.0) -> tuple[bool, OverrunVerdict | None]:
         """Charge measured GPU time (all of it, overrun included); renew, or release the engine. Returns
         whether the schedule may change (demand changed, or a hand-over completed) and the overrun verdict.
-        `units`: how many steps or frames the time covers (their length sets the tenant's minimum run)."""
+        `units`: how many steps or frames the time covers (their length sets the tenant's minimum run);
+        `ended_ago_s`: how long before the report its last unit ended, by the client's clock (0: not known)."""
         if not 0.0 <= gpu_s <= MAX_REPORT_S:  # also refuses NaN
             raise LeaseError(f"gpu_seconds must be within 0 .. {MAX_REPORT_S:g}, got {gpu_s!r}")
+        if not 0.0 <= ended_ago_s <= MAX_REPORT_S:
+            raise LeaseError(f"ended_ago_s must be within 0 .. {MAX_REPORT_S:g}, got {ended_ago_s!r}")
         if units < 0:
             raise LeaseError(f"units must be >= 0, got {units}")
         s = self._session(sid)
         c = self._coop[s.tenant]
         r = self.resource(s.gpu, engine)
-        s.log.debug("lease report", gpu_s=round(gpu_s, 5), release=release, yielded=yielded,
+        s.log.debug("lease report", gpu_s=round(gpu_s, 5), units=units, ago_ms=round(ended_ago_s * 1000, 2),
+                    release=release, yielded=yielded,
                   held=r in c.leases, now=round(now, 4))
         thawed_at = self._handovers.beside_freezer(r, s.tenant)  # (before its yield ends the hand-over)
         handed = (release or yielded) and self._handovers.yielded(r, s.tenant, now)
@@ -209,7 +213,7 @@ class LeaseBook:
         # its own work as the units' usual length may learn it: not from what the `beside` rule cut to that length
         # (a circle that keeps any estimate): a report after a freeze is left out, a tail counts half its time beside
         own_s = 0.0 if after_freeze else gpu_s
-        at = self._work_ends.end(s.tenant, r, wall_s, now)  # when its work ended (reports come with renewals)
+        at = self._work_ends.end(s.tenant, r, wall_s, now, ended_ago_s)  # when its work ended (reports come later)
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
         pieces: tuple[tuple[float, float], ...] = ((at, charged),)
         if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn

@@ -233,6 +233,9 @@ def _charge_resource(
     matched, c.matches[r] = cooperative_part(busy, now - dt, now, reports, c.matches.get(r, ReportMatch()),
                                              c.leases.valid_s, True)
     amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched)
+    log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
+              cooperative_s=round(matched, 5), rule=rule.value,
+              charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
     for t, seconds in zip(ts, amounts, strict=True):
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)

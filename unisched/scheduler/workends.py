@@ -18,8 +18,12 @@ class WorkEnds:
     A report covers the units done since the last one, but the client sends it with its next renewal, so a 28 ms
     frame can have ended 25 ms before its report. Placed at the arrival, that work falls in the next interval: the
     freezer-governed tenant frozen for the holder's turn was charged the interval before in full, and the credit for
-    late reports (policy.charging.cooperative_part) found little of it there. A holder's units run back to back from its
-    grant (its last one past its revoke), so they end at the grant plus their wall time."""
+    late reports (policy.charging.cooperative_part) found little of it there. The client says how long before the
+    report its last unit ended (`ended_ago_s`, by its own clock): the work ended then. Clients that do not say are
+    placed back to back from their grant (their last unit past their revoke), which errs early when their first
+    unit waited: on the H200 a render client's first frame of a turn ran after the frozen app's frame in flight, and
+    placed from the grant its frames took that drain off the app's charge at every turn (the client got 0.726 of the
+    GPU at 3:1)."""
 
     def __init__(self, slice_s: float) -> None:
         self.slice_s = slice_s
@@ -29,14 +33,20 @@ class WorkEnds:
         """`tenant` was granted `r`: its units start from now."""
         self._ran_to[(tenant, r)] = now
 
-    def end(self, tenant: str, r: Resource, wall_s: float, now: float) -> float:
-        """When the work of a report of `wall_s` (its units' timed length) that arrives `now` ended: the end of the
-        work reported before it plus `wall_s`; at most `MAX_REPORT_LAG_SLICES` before the arrival (a holder that
-        idled in its turn), never after it. The arrival for a tenant never granted `r`."""
+    def end(self, tenant: str, r: Resource, wall_s: float, now: float, ended_ago_s: float = 0.0) -> float:
+        """When the work of a report of `wall_s` (its units' timed length) that arrives `now` ended: `ended_ago_s`
+        before it where the client said (0: it did not), else the end of the work reported before it plus `wall_s`;
+        at most `MAX_REPORT_LAG_SLICES` before the arrival (a holder that idled in its turn), never after it. The
+        arrival for a tenant never granted `r` that does not say."""
+        lag = MAX_REPORT_LAG_SLICES * self.slice_s
         ran_to = self._ran_to.get((tenant, r))
-        if ran_to is None or wall_s <= 0:
+        if wall_s <= 0 or (ran_to is None and ended_ago_s <= 0):
             return now
-        end = min(now, max(ran_to + wall_s, now - MAX_REPORT_LAG_SLICES * self.slice_s))
+        if ended_ago_s > 0:
+            end = now - min(ended_ago_s, lag)
+        else:
+            assert ran_to is not None
+            end = min(now, max(ran_to + wall_s, now - lag))
         self._ran_to[(tenant, r)] = end
         return end
 

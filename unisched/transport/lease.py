@@ -244,7 +244,7 @@ class LeaseConnection(asyncio.Protocol):
             return _ack_pb(ack, req.seq) if req.seq else None
         if kind == "report":
             r = req.report
-            ack = engine.lease_report(sid, r.engine, r.gpu_seconds, r.release, r.yielded, r.units)
+            ack = engine.lease_report(sid, r.engine, r.gpu_seconds, r.release, r.yielded, r.units, r.ended_ago_s)
             return _ack_pb(ack, req.seq) if req.seq else None
         if kind == "session":
             ok, why = engine.lease_codec(sid, req.session.kind, req.session.open)
