@@ -10,7 +10,7 @@ import structlog
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
-from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
 from unisched.policy.memory import Verdict
 
 __all__ = ["MemoryCalls"]
@@ -92,13 +92,13 @@ class MemoryCalls:
         else:
             written = self._listener.write_status(nid, pid, call.status_at)
             answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
-        if why is not None and answered:
-            log.info("gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes,
-                     why=why, pid=pid)
+        if why is not None and answered:  # past the book's bounds, a flood may be on: the warning said it once
+            (log.debug if isinstance(why, Unbooked) else log.info)(
+                "gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes, why=why.value, pid=pid)
         return answered
 
     def _refusal(self, gpu: int, h_root: int, handle: int, h_parent: int, nbytes: int,
-                 owner: tuple[int, str]) -> str | None:
+                 owner: tuple[int, str]) -> Verdict | Unbooked | None:
         """Charge the allocation, or say why it is refused: the book cannot record it (memory.MAX_OBJECTS and the
         other bounds; refused uncharged, since admitted uncounted it would escape the caps), or the ledger's verdict."""
         assert self.ledger is not None
@@ -107,9 +107,9 @@ class MemoryCalls:
             self.ledger.refuse(self.tenant, gpu)
             if not self._warned_full:
                 self._warned_full = True
-                log.warning("gpu memory: the book of this tenant's allocations is at its bound; allocations it cannot "
-                            "record are refused as out of memory", tenant=self.tenant, why=unbooked.value,
-                            size=str(self.book.size()))
-            return unbooked.value
+                log.warning("gpu memory: an allocation the book cannot record (its bounds, or a process not known) "
+                            "was refused as out of memory; later ones are logged at debug", tenant=self.tenant,
+                            why=unbooked.value, size=str(self.book.size()))
+            return unbooked
         verdict = self.ledger.charge(self.tenant, gpu, nbytes)
-        return None if verdict is Verdict.ADMIT else verdict.value
+        return None if verdict is Verdict.ADMIT else verdict
