@@ -6,14 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unisched.enforce.seccomp.handles import (
-    MAX_CLIENTS,
-    MAX_LIVE,
-    RS_UNIQUE_HANDLE_BASE,
-    HandleReplay,
-    in_driver_range,
-)
-from unisched.enforce.seccomp.memory import MemoryBook
+from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, in_driver_range
+from unisched.enforce.seccomp.memory import MAX_CLIENTS, MemoryBook, Unbooked
 
 BASE = RS_UNIQUE_HANDLE_BASE
 TRACE = Path(__file__).parent / "data" / "h200_egl_rm_calls.jsonl"
@@ -65,20 +59,29 @@ def test_children_go_with_their_parent_at_any_depth() -> None:
     assert replay.lost
 
 
-def test_tracking_is_bounded() -> None:
-    replay = HandleReplay()
-    for _ in range(MAX_LIVE):
-        replay.take(1)
-    assert replay.take(1) is None and replay.lost
+def test_tracking_is_bounded_by_a_budget_the_replays_share() -> None:
+    """A caller names any handle: past the budget its replays share, the one that finds it spent is lost, and gives its
+    handles back (so do a closed replay's)."""
+    budget = Budget(3)
+    a, b = HandleReplay(budget), HandleReplay(budget)
+    a.take(1)
+    a.note(BASE + 100, 1)
+    assert b.take(1) == BASE and budget.left == 0
+    assert a.take(1) is None and a.lost and budget.left == 2
+    assert b.take(1) == BASE + 1 and not b.lost
+    b.close()
+    assert budget.left == 3
 
 
-def test_the_clients_replayed_are_bounded() -> None:
-    """Any call names an hRoot: past MAX_CLIENTS a new client's driver-picked allocations get keys of their own."""
+def test_the_clients_booked_are_bounded() -> None:
+    """Any call names an hRoot: past MAX_CLIENTS a new client is not booked (neither replayed nor given memory), and
+    the clients already booked go on."""
     book, owner = MemoryBook(), (1, "1")
     for root in range(MAX_CLIENTS):
         assert book.add(root + 1, 0, 0xD0, 1, owner)[1] == BASE
-    assert book.add(MAX_CLIENTS + 1, 0, 0xD0, 1, owner)[1] < 0
-    assert book.add(1, 0, 0xD0, 1, owner)[1] == BASE + 1  # the clients already replayed go on
+    assert book.unbooked(MAX_CLIENTS + 1, 0, 0xD0, owner) is Unbooked.CLIENT
+    assert book.handle_for(MAX_CLIENTS + 1, 0, 0xD0, owner) < 0
+    assert book.add(1, 0, 0xD0, 1, owner)[1] == BASE + 1
 
 
 def test_every_driver_range_free_of_the_h200_egl_trace_meets_its_allocation() -> None:

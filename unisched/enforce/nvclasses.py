@@ -34,6 +34,7 @@ __all__ = [
     "IOCTL_TYPE",
     "MEMORY_SIZE_AT",
     "NV01_DEVICE_0",
+    "NV0080_MAX_DEVICES",
     "NV20_SUBDEVICE_0",
     "NV_ERR_NO_MEMORY",
     "NVOS21_STATUS_AT",
@@ -87,6 +88,8 @@ NV_ERR_NO_MEMORY: Final = 0x51  # "Out of memory" (src/common/sdk/nvidia/inc/nvs
 NV01_DEVICE_0: Final = 0x80
 NV20_SUBDEVICE_0: Final = 0x2080
 DEVICE_CLASSES: Final = frozenset({NV01_DEVICE_0, NV20_SUBDEVICE_0})
+NV0080_MAX_DEVICES: Final = 32
+"""deviceId is below it (cl0080.h: NV_MAX_DEVICES, nvlimits.h); the driver refuses a device allocation naming another."""
 
 MEMORY_SIZE_AT: Final = MappingProxyType(
     {

@@ -14,6 +14,7 @@ RM_DUP_OBJECT with a zero destination handle), or two threads of one client whos
 in the other order than the hooks saw them. The first shows as a free of a driver-range handle the replay never
 gave out: the client is then marked lost, and its later driver-chosen handles get keys of their own, counted
 until the client or its process ends (never less than it holds). The second swaps two sizes until both are freed.
+A client is also marked lost when the budget of live handles it shares with the other clients of its book is spent.
 """
 
 from __future__ import annotations
@@ -22,60 +23,88 @@ from typing import Final
 
 RS_UNIQUE_HANDLE_BASE: Final = 0xCAF00000
 RS_UNIQUE_HANDLE_RANGE: Final = 0x80000
-MAX_LIVE: Final = 200_000
-"""Driver-range handles tracked per client; past it the client is marked lost (bounds the daemon's memory)."""
-MAX_CLIENTS: Final = 64
-"""RM clients replayed per listener (an EGL process made three). Any call names an hRoot, real or not, so past it a
-new client is not replayed: its driver-picked allocations get keys of their own (bounds the daemon's memory)."""
 
 
 def in_driver_range(handle: int) -> bool:
     return RS_UNIQUE_HANDLE_BASE <= handle < RS_UNIQUE_HANDLE_BASE + RS_UNIQUE_HANDLE_RANGE
 
 
-class HandleReplay:
-    """One RM client's handle generator, replayed (module docstring). `lost` once the replay cannot be trusted."""
+class Budget:
+    """Driver-range handles the replays sharing it may still track, together (the memory book gives its clients one,
+    memory.MAX_LIVE): a caller names any handle, so without it a flood of them would grow the daemon without end."""
 
-    def __init__(self, lost: bool = False) -> None:
+    def __init__(self, left: int = RS_UNIQUE_HANDLE_RANGE) -> None:
+        self.left = left
+
+
+class HandleReplay:
+    """One RM client's handle generator, replayed (module docstring). `lost` once the replay cannot be trusted, or
+    once its budget is spent; a lost replay tracks nothing (its handles go back to the budget)."""
+
+    def __init__(self, budget: Budget | None = None, lost: bool = False) -> None:
         self._next = 0
         self._live: dict[int, int] = {}  # handle in the driver's range -> its parent handle
+        self._budget = Budget() if budget is None else budget
         self.lost = lost
 
     def take(self, parent: int) -> int | None:
         """The handle the driver will give the next allocation it names (None when lost)."""
         if self.lost:
             return None
-        if len(self._live) >= min(MAX_LIVE, RS_UNIQUE_HANDLE_RANGE):
-            self.lost = True
+        if len(self._live) >= RS_UNIQUE_HANDLE_RANGE:
+            self.close()
             return None
         while True:
             handle = RS_UNIQUE_HANDLE_BASE + self._next % RS_UNIQUE_HANDLE_RANGE
             self._next += 1
             if handle not in self._live:
-                self._live[handle] = parent
-                return handle
+                return handle if self._track(handle, parent) else None
 
     def untake(self, handle: int) -> None:
         """The call that `take` answered never reached the driver (its caller was gone)."""
         if self._live.pop(handle, None) is not None:
+            self._budget.left += 1
             self._next -= 1
 
     def note(self, handle: int, parent: int) -> None:
         """A handle the caller chose: one the driver will skip if it falls in its range."""
         if in_driver_range(handle) and not self.lost:
-            self._live[handle] = parent
+            self._track(handle, parent)
 
     def free(self, handle: int) -> None:
         """RM_FREE of `handle`: a driver-range handle never given out means the replay is off (lost)."""
         if not in_driver_range(handle) or self.lost:
             return
         if self._live.pop(handle, None) is None:
-            self.lost = True
+            self.close()
+        else:
+            self._budget.left += 1
 
     def drop_under(self, parents: set[int]) -> None:
-        """Forget the handles under the freed `parents`, at any depth (the driver frees children with them)."""
-        gone = set(parents)
-        while found := [h for h, p in self._live.items() if p in gone]:
-            for h in found:
+        """Forget the handles under the freed `parents`, at any depth (the driver frees children with them). One
+        pass over the live handles, however deep the tree (a caller may chain its handles)."""
+        children: dict[int, list[int]] = {}
+        for h, p in self._live.items():
+            children.setdefault(p, []).append(h)
+        stack = list(parents)
+        while stack:
+            for h in children.pop(stack.pop(), ()):
                 del self._live[h]
-            gone = set(found)
+                self._budget.left += 1
+                stack.append(h)
+
+    def close(self) -> None:
+        """Mark it lost and give its handles back to the budget (its client is gone, or cannot be followed)."""
+        self.lost = True
+        self._budget.left += len(self._live)
+        self._live.clear()
+
+    def _track(self, handle: int, parent: int) -> bool:
+        """Record a live driver-range handle; past the budget the replay is lost instead (False)."""
+        if handle not in self._live:
+            if self._budget.left <= 0:
+                self.close()
+                return False
+            self._budget.left -= 1
+        self._live[handle] = parent
+        return True

@@ -9,7 +9,8 @@ which GPU, and the tenant-wide ledger the caps and reserves are decided on. Pure
   whose (tgid, start time) made it, so a reused pid never inherits another's counts. Threads share their
   process's clients; a forked child that makes its own client has its own (CUDA needs a new context after
   fork), and its exit releases only that. A handle the driver picks (handle 0, and EGL's NVOS32 heap
-  allocations) is replayed per client by handles.HandleReplay, so its free is matched too.
+  allocations) is replayed per client by handles.HandleReplay, so its free is matched too. The book is bounded
+  (MAX_CLIENTS and the others below): the calls are the tenant's to make up.
 - `MemoryLedger`, shared by every listener: bytes held per tenant and GPU, charged and credited by the books,
   and each allocation admitted or refused by policy.memory.admit_allocation under one lock, so two tenants'
   allocations never both take the last free bytes.
@@ -22,14 +23,41 @@ import itertools
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Final
 
-from unisched.enforce.nvclasses import NV01_DEVICE_0
-from unisched.enforce.seccomp.handles import MAX_CLIENTS, HandleReplay
+from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0
+from unisched.enforce.seccomp.handles import Budget, HandleReplay
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
 """The GPU of memory whose parent object was not seen as a device or subdevice (counted there, capped too)."""
+
+# The book's bounds, per listener. Every RM call is the tenant's to write: it may name any hRoot, handle, class,
+# parent and deviceId, and the driver's refusal of a made-up one is never seen, so without them one process could
+# grow the root daemon without end. Past each, what cannot be booked is refused or followed less closely, never
+# admitted uncounted, so caps and reserves hold. Each booked entry belongs to a booked client, and so to the
+# process that made it: the process's exit (SessionSupervisor.reconcile) drops them all. At all four bounds the
+# book takes about 70 MB of the daemon's memory (measured with tracemalloc: ~450 B a client, ~210 a device, ~230 an
+# allocation, ~90 a replayed handle).
+MAX_CLIENTS: Final = 1024
+"""RM clients booked. A process using the GPU makes a few (EGL made three on the H200), and those of exited processes
+are dropped within seconds. Past it a new client is not booked: its video memory allocations are refused
+(NV_ERR_NO_MEMORY, as when the GPU is full), because what is not booked under its process could never be given back
+at its exit; its other calls go on unfollowed. A client whose process is not known is not booked either."""
+MAX_DEVICES: Final = 16 * MAX_CLIENTS
+"""Device and subdevice handles booked: a client makes one of each per GPU it uses (16 on an 8-GPU host). Past it,
+a client that could not book one has its memory under parents the book does not know refused: counted on
+UNKNOWN_GPU it would escape the caps and reserves of the GPU it is really on."""
+MAX_OBJECTS: Final = 200_000
+"""Live video memory allocations booked. The H200 EGL trace held tens; PyTorch's caching allocator asks the driver
+for 2 MiB or more at a time, and 141 GB of an H200 is 67,000 of those. Past it a new allocation is refused as out of
+memory, until frees bring the book below it. Not counted under a key freed only at exit instead: every allocation and
+free past the bound would then add to the tenant's count until its own cap refused it, which is worse for an honest
+tenant, and each still a book entry."""
+MAX_LIVE: Final = 200_000
+"""Driver-picked handles replayed (handles.py), for all the book's clients together. Past it the client whose call
+found it spent is lost: its driver-picked allocations get keys of their own, counted until it ends."""
 
 
 @dataclass(frozen=True)
@@ -40,21 +68,53 @@ class Held:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Object:
     gpu: int
     nbytes: int
     parent: int
 
 
-class MemoryBook:
-    """One listener's devices and memory objects (module docstring). One thread changes it (the supervisor's)."""
+@dataclass(frozen=True)
+class BookBounds:
+    """A book's bounds (the constants above; smaller ones for tests)."""
 
-    def __init__(self) -> None:
+    clients: int = MAX_CLIENTS
+    devices: int = MAX_DEVICES
+    objects: int = MAX_OBJECTS
+    live: int = MAX_LIVE
+
+
+@dataclass(frozen=True)
+class BookSize:
+    """Entries a book holds, against its bounds."""
+
+    clients: int
+    devices: int
+    objects: int
+    live: int
+
+
+class Unbooked(StrEnum):
+    """Why a video memory allocation cannot be booked, and so is refused (MAX_CLIENTS, MAX_DEVICES, MAX_OBJECTS)."""
+
+    CLIENT = "client not booked"
+    DEVICE = "device not booked"
+    OBJECTS = "too many allocations"
+
+
+class MemoryBook:
+    """One listener's devices and memory objects (module docstring), within its bounds. One thread changes it (the
+    supervisor's)."""
+
+    def __init__(self, bounds: BookBounds = BookBounds()) -> None:
+        self._bounds = bounds
         self._owners: dict[int, tuple[int, str]] = {}
         self._devices: dict[tuple[int, int], tuple[int, int]] = {}  # (hRoot, handle) -> (gpu, parent)
         self._objects: dict[tuple[int, int], _Object] = {}
-        self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles
+        self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles; one per owner
+        self._unplaced: set[int] = set()  # booked clients with a device the book had no room for
+        self._budget = Budget(bounds.live)
         self._synthetic = itertools.count(-1, -1)
 
     def owners(self) -> dict[int, tuple[int, str]]:
@@ -64,6 +124,9 @@ class MemoryBook:
     def holds(self, h_root: int) -> bool:
         """Whether a free in client `h_root` may give bytes back."""
         return h_root in self._owners
+
+    def size(self) -> BookSize:
+        return BookSize(len(self._owners), len(self._devices), len(self._objects), self._bounds.live - self._budget.left)
 
     def gpu_of(self, h_root: int, h_parent: int) -> int:
         """The GPU an object made under `h_parent` lives on."""
@@ -75,26 +138,27 @@ class MemoryBook:
         replay = self._replays.get(h_root)
         return replay is not None and replay.lost
 
+    def _client(self, h_root: int, owner: tuple[int, str]) -> HandleReplay | None:
+        """Client `h_root`'s replay, booking the client on its first call (not a replay per call: this runs on every
+        RM_ALLOC); None when it cannot be booked (MAX_CLIENTS, or its process is not known)."""
+        replay = self._replays.get(h_root)
+        if replay is None:
+            if not owner[0] or len(self._owners) >= self._bounds.clients:
+                return None
+            self._owners[h_root] = owner
+            replay = self._replays[h_root] = HandleReplay(self._budget)
+        return replay
+
     def handle_for(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> int:
         """An allocation about to run with `handle` (0: the driver picks): the handle it will have, replayed
         (a negative key of its own when that cannot be known). Call `untake` if the call never runs."""
-        self._owners.setdefault(h_root, owner)
-        replay = self._replay(h_root)
+        replay = self._client(h_root, owner)
         if handle:
-            replay.note(handle, h_parent)
+            if replay is not None:
+                replay.note(handle, h_parent)
             return handle
-        taken = replay.take(h_parent)
+        taken = None if replay is None else replay.take(h_parent)
         return next(self._synthetic) if taken is None else taken
-
-    def _replay(self, h_root: int) -> HandleReplay:
-        """Client `h_root`'s replay, made on its first call (not one per call: this runs on every RM_ALLOC and free);
-        a lost one, not kept, past MAX_CLIENTS."""
-        replay = self._replays.get(h_root)
-        if replay is None:
-            if len(self._replays) >= MAX_CLIENTS:
-                return HandleReplay(lost=True)
-            replay = self._replays[h_root] = HandleReplay()
-        return replay
 
     def untake(self, h_root: int, handle: int) -> None:
         """The allocation `handle_for` gave a driver-chosen `handle` never reached the driver."""
@@ -104,23 +168,45 @@ class MemoryBook:
 
     def add_device(self, h_root: int, handle: int, h_class: int, h_parent: int, device_id: int | None,
                    owner: tuple[int, str]) -> list[Held]:
-        """Record a device (its deviceId) or subdevice (its device's GPU) handle (from `handle_for`)."""
-        gpu = device_id if h_class == NV01_DEVICE_0 and device_id is not None else self.gpu_of(h_root, h_parent)
-        self._owners.setdefault(h_root, owner)
-        self._devices[(h_root, handle)] = (gpu, h_parent)
+        """Record a device (its deviceId) or subdevice (its device's GPU) handle (from `handle_for`). A deviceId the
+        driver refuses (NV0080_MAX_DEVICES) stands for no GPU, so the GPUs the ledger keys on stay few."""
+        if h_class == NV01_DEVICE_0 and device_id is not None:
+            gpu = device_id if device_id < NV0080_MAX_DEVICES else UNKNOWN_GPU
+        else:
+            gpu = self.gpu_of(h_root, h_parent)
+        key = (h_root, handle)
+        if self._client(h_root, owner) is None:
+            return []
+        if key not in self._devices and len(self._devices) >= self._bounds.devices:
+            self._unplaced.add(h_root)
+            return []
+        self._devices[key] = (gpu, h_parent)
         return []
+
+    def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> Unbooked | None:
+        """Why a video memory allocation could not be booked (None: `add` may book it). Ask before charging it."""
+        if h_root not in self._owners and (not owner[0] or len(self._owners) >= self._bounds.clients):
+            return Unbooked.CLIENT
+        if h_root in self._unplaced and (h_root, h_parent) not in self._devices:
+            return Unbooked.DEVICE
+        if (not handle or (h_root, handle) not in self._objects) and len(self._objects) >= self._bounds.objects:
+            return Unbooked.OBJECTS
+        return None
 
     def add(self, h_root: int, handle: int, h_parent: int, nbytes: int,
             owner: tuple[int, str]) -> tuple[int, int, list[Held]]:
-        """Record an admitted allocation; (its GPU, its key handle for `undo`, what a stale object of the same
-        handle held). A handle seen again means its earlier allocation failed in the driver or its free was not
-        seen: the new one replaces it. Handle 0 (the driver picks one) is replayed (`handle_for`)."""
+        """Record an admitted allocation that `unbooked` let through; (its GPU, its key handle for `undo`, what a
+        stale object of the same handle held). A handle seen again means its earlier allocation failed in the driver
+        or its free was not seen: the new one replaces it. Handle 0 (the driver picks one) is replayed
+        (`handle_for`)."""
+        why = self.unbooked(h_root, handle, h_parent, owner)
+        if why is not None:
+            raise ValueError(f"memory allocation cannot be booked ({why}): refuse it before charging it")
         gpu = self.gpu_of(h_root, h_parent)
         key = (h_root, self.handle_for(h_root, handle, h_parent, owner))
         stale = self._objects.pop(key, None)
         self._objects[key] = _Object(gpu, nbytes, h_parent)
         return gpu, key[1], [] if stale is None else [Held(stale.gpu, stale.nbytes)]
-
     def undo(self, h_root: int, key: int, driver_chosen: bool) -> list[Held]:
         """The allocation's caller was gone before the answer: forget it (`key` from `add`; `driver_chosen`:
         its call named handle 0)."""
@@ -133,8 +219,8 @@ class MemoryBook:
         """RM_FREE of `handle` in client `h_root`: the client, a device or subdevice, or a memory object."""
         if handle == h_root:
             return self.release([h_root])
-        if h_root in self._owners:
-            self._replay(h_root).free(handle)
+        if h_root in self._replays:
+            self._replays[h_root].free(handle)
         out = []
         obj = self._objects.pop((h_root, handle), None)
         if obj is not None:
@@ -155,7 +241,10 @@ class MemoryBook:
         drop = set(roots)
         for r in drop:
             self._owners.pop(r, None)
-            self._replays.pop(r, None)
+            self._unplaced.discard(r)
+            replay = self._replays.pop(r, None)
+            if replay is not None:
+                replay.close()
         self._devices = {k: v for k, v in self._devices.items() if k[0] not in drop}
         out = [Held(o.gpu, o.nbytes) for k, o in self._objects.items() if k[0] in drop]
         self._objects = {k: o for k, o in self._objects.items() if k[0] not in drop}
@@ -178,7 +267,7 @@ class TenantMemory:
 
     held: Mapping[int, int]
     refused: Mapping[int, int]
-    """Allocations refused per GPU (cap or reserves)."""
+    """Allocations refused per GPU (cap, reserves, or the book's bounds)."""
 
 
 class MemoryLedger:
@@ -208,6 +297,11 @@ class MemoryLedger:
             else:
                 self._refused[(tenant, gpu)] += 1
             return verdict
+
+    def refuse(self, tenant: str, gpu: int) -> None:
+        """Count an allocation refused without a charge (its book could not record it)."""
+        with self._lock:
+            self._refused[(tenant, gpu)] += 1
 
     def credit(self, tenant: str, given_back: list[Held]) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import structlog
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
-from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
 from unisched.policy.memory import Verdict
 
 __all__ = ["MemoryCalls"]
@@ -27,6 +27,7 @@ class MemoryCalls:
         self.ledger = ledger
         self.book = MemoryBook()
         self._listener = listener
+        self._warned_full = False
 
     def holds(self, h_root: int) -> bool:
         """Whether memory is enforced and the RM client `h_root` holds booked memory or devices."""
@@ -79,11 +80,11 @@ class MemoryCalls:
         status cannot be written, the call fails with ENOMEM instead.
         """
         assert self.ledger is not None and call.mem_bytes is not None
+        owner = call.owner or (0, "")
         gpu = self.book.gpu_of(call.h_root, call.h_parent)
-        verdict = self.ledger.charge(self.tenant, gpu, call.mem_bytes)
-        if verdict is Verdict.ADMIT:
-            gpu, key, stale = self.book.add(call.h_root, call.handle, call.h_parent, call.mem_bytes,
-                                            call.owner or (0, ""))
+        why = self._refusal(gpu, call.h_root, call.handle, call.h_parent, call.mem_bytes, owner)
+        if why is None:
+            gpu, key, stale = self.book.add(call.h_root, call.handle, call.h_parent, call.mem_bytes, owner)
             self.credit(stale)
             answered = self._listener.answer(nid, 0)
             if not answered:
@@ -91,7 +92,24 @@ class MemoryCalls:
         else:
             written = self._listener.write_status(nid, pid, call.status_at)
             answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
-        if verdict is not Verdict.ADMIT and answered:
-            log.info("gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes,
-                     why=verdict.value, pid=pid)
+        if why is not None and answered:  # past the book's bounds, a flood may be on: the warning said it once
+            (log.debug if isinstance(why, Unbooked) else log.info)(
+                "gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes, why=why.value, pid=pid)
         return answered
+
+    def _refusal(self, gpu: int, h_root: int, handle: int, h_parent: int, nbytes: int,
+                 owner: tuple[int, str]) -> Verdict | Unbooked | None:
+        """Charge the allocation, or say why it is refused: the book cannot record it (memory.MAX_OBJECTS and the
+        other bounds; refused uncharged, since admitted uncounted it would escape the caps), or the ledger's verdict."""
+        assert self.ledger is not None
+        unbooked = self.book.unbooked(h_root, handle, h_parent, owner)
+        if unbooked is not None:
+            self.ledger.refuse(self.tenant, gpu)
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("gpu memory: an allocation the book cannot record (its bounds, or a process not known) "
+                            "was refused as out of memory; later ones are logged at debug", tenant=self.tenant,
+                            why=unbooked.value, size=str(self.book.size()))
+            return unbooked
+        verdict = self.ledger.charge(self.tenant, gpu, nbytes)
+        return None if verdict is Verdict.ADMIT else verdict
