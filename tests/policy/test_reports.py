@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unisched.policy.reports import EVEN_SLICING, beside_excess, report_pieces
+from unisched.policy.reports import EVEN_SLICING, beside_excess, learnable_tail, report_pieces
 
 
 @pytest.mark.parametrize(("gpu_s", "units", "unit_s", "most_s", "unknown", "want"), [
@@ -41,3 +41,14 @@ def test_report_pieces(at: float, gpu_s: float, excess: float, since: float,
     got = report_pieces(at, gpu_s, excess, since)
     assert [(a, round(s, 9)) for a, s in got] == [(a, round(s, 9)) for a, s in want]
     assert sum(s for _, s in got) == pytest.approx(gpu_s - min(excess, max(0.0, min(gpu_s, at - since))))
+
+
+@pytest.mark.parametrize(("gpu_s", "beside_s", "unit_s", "sliced", "want"), [
+    (0.056, 0.045, 0.028, True, 0.0335),  # a frame beside a thawed render (time-sliced): half its time beside
+    (0.056, 0.045, None, True, 0.0335),  # the same with no usual length yet
+    (0.0034, 0.003, 0.0017, False, 0.0),  # CUDA steps, which may have run first: left out once a length is known
+    (0.0034, 0.003, None, False, 0.0019),  # with none yet: half the time beside, as a start
+    (0.02, 0.0, 0.0017, True, 0.02),  # nothing beside: all of it
+])
+def test_learnable_tail(gpu_s: float, beside_s: float, unit_s: float | None, sliced: bool, want: float) -> None:
+    assert learnable_tail(gpu_s, beside_s, unit_s, sliced) == pytest.approx(want)

@@ -20,7 +20,7 @@ from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
-from unisched.policy.reports import EVEN_SLICING, beside_excess, report_pieces
+from unisched.policy.reports import EVEN_SLICING, beside_excess, learnable_tail, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
 from unisched.scheduler.lease_records import CoopRecord, LeaseRecord, SessionRecord
@@ -211,7 +211,7 @@ class LeaseBook:
         drain = self._frozen_drain(s.tenant, held, gpu_s, units)
         gpu_s -= drain
         # its own work as the units' usual length may learn it: not from what the `beside` rule cut to that length
-        # (a circle that keeps any estimate): a report after a freeze is left out, a tail counts half its time beside
+        # (a circle that keeps any estimate): a report after a freeze is left out, a tail by the `learn` rule
         own_s = 0.0 if after_freeze else gpu_s
         at = self._work_ends.end(s.tenant, r, wall_s, now, ended_ago_s)  # when its work ended (reports come later)
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
@@ -222,7 +222,7 @@ class LeaseBook:
             charged -= excess
             gpu_s -= excess
             if own_s:
-                own_s -= beside_excess(own_s, 0, None, at - thawed_at, EVEN_SLICING)
+                own_s = learnable_tail(own_s, at - thawed_at, self._turns.unit_s(s.tenant), engine is not Engine.COMPUTE)
         if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
             self._reported.setdefault(r, []).extend(pieces)
             self.policy.charge(s.tenant, r, charged, now)
