@@ -33,9 +33,10 @@ DEFAULT_PAIRS = "client8+app,client240+app,client8+client8,frame+render,frame+fr
 DEFAULT_WEIGHTS = "1:1,3:1,1:3"
 DEFAULT_SECONDS = 8.0
 DEFAULT_WARMUP_S = 6.0
-RUN_OVERHEAD_S = 6.0
-"""Per run beyond warm-up and window, for the estimate only (not measured): a fresh daemon's start-up and SIGTERM,
-the workloads' exit (CUDA / EGL context teardown) and reports; bench/gpu_pairs.py budgets 3 s + 3 s for the same."""
+RUN_OVERHEAD_S = 2.0
+"""Per run beyond warm-up and window, for the estimate: a fresh daemon's start-up and SIGTERM, the workloads' exit
+and reports. Measured on the H200: a default round (18 runs) took 285 s, 15.8 s a run (bench/results/
+2026-12-03-h200-4fb9e1f/mixed)."""
 ENGINE = {"app": "compute", "client": "compute", "render": "graphics", "frame": "graphics"}
 """Each member's engine; a pair's two members must share one (compute beside graphics overlaps on the H200: no
 contention to split)."""

