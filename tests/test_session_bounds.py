@@ -63,11 +63,11 @@ class FakeListener:
 class Served:
     """A supervisor of one tenant fed decoded calls (the decoding from /proc/PID/mem is left out)."""
 
-    def __init__(self, tenant: str, ledger: SessionLedger, bounds: SessionBounds = SessionBounds()) -> None:
+    def __init__(self, tenant: str, ledger: SessionLedger, bounds: SessionBounds | None = None) -> None:
         r, w = os.pipe()
         os.close(w)
         self.sup = SessionSupervisor(r, tenant, ledger.decide, ledger.on_event, sync_wake_up=False)
-        self.sup._book = SessionBook(tenant, 1_000_000_000, bounds)
+        self.sup._book = SessionBook(tenant, 1_000_000_000, bounds or SessionBounds())
         self.listener = FakeListener(r)
         self.sup._listener = self.listener  # type: ignore[assignment]
         self._calls: list[Call] = []
@@ -127,7 +127,7 @@ def test_objects_joining_a_session_stop_at_the_bound_and_are_refused_past_it() -
     refuses them: the book's bound must, or one session could grow the daemon without end."""
     book = SessionBook("t", 1_000_000_000)
     refused = 0
-    for i in range(MAX_SESSION_OBJECTS + 100):
+    for _ in range(MAX_SESSION_OBJECTS + 100):
         call = Call(RM_ALLOC, ROOT, ROOT, 0, COMPUTE, SessionKind.COMPUTE, owner=(1, "s"))  # driver-picked handles
         book.needs_decision(call, TID, 0)
         why = book.unbooked(call)
