@@ -16,7 +16,7 @@ from conftest import child_env
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
 from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
-from unisched.enforce.seccomp.accounting import EventAction, SessionBook
+from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionBounds
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.scheduler.clock import FakeClock
@@ -132,7 +132,7 @@ def test_exited_and_detached_clients_release_their_sessions() -> None:
 
 
 def test_objects_past_the_node_limit_are_not_tracked_but_sessions_are() -> None:
-    book = SessionBook("t", join_window_ns=0, max_nodes=1)
+    book = SessionBook("t", join_window_ns=0, bounds=SessionBounds(nodes=1))
     for handle, h_class in ((1, CHANNEL), (2, CHANNEL), (3, GRAPHICS)):
         book.commit(Call(RM_ALLOC, ROOT, ROOT, handle, h_class, classify(h_class), owner=(1, "s")), 1, False, 0)
     assert book.untracked == 1 and dict(book.counts().live) == {SessionKind.GRAPHICS: 1}

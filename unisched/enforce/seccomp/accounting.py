@@ -12,6 +12,10 @@ one and on an engine instance that session does not use yet (engineInstance from
 second decoder, which needs engine 0 again, opens a new session. Compute objects join on the same thread and
 window; graphics and NVENC_SW_SESSION objects are one session each. A session ends when its last object is
 freed (directly or with an ancestor) or its process exits.
+
+The book is bounded (SessionBounds): the calls are the tenant's to make up, and the driver's refusal of a made-up one
+is never seen. Past a bound a session call the book cannot record is refused like one over its cap (`unbooked`),
+never admitted uncounted; other calls go on unfollowed.
 """
 
 from __future__ import annotations
@@ -27,10 +31,26 @@ from typing import Final
 
 from unisched.enforce.nvclasses import RM_FREE, SessionKind
 from unisched.enforce.seccomp.calls import ENGINE_KINDS, Call, Session
+from unisched.enforce.seccomp.memory import MAX_CLIENTS
 
+# The book's bounds, per supervisor (one listener: one hooked process group of one tenant). Each recorded entry
+# belongs to a recorded client, and so to the process that made it: its exit (SessionSupervisor.reconcile) drops
+# them all. RM clients are bounded by memory.MAX_CLIENTS, the memory book's bound of the same meaning: past it a new
+# client is not recorded, nor one whose process is not known (reconcile could never drop it); its session calls are
+# refused (an uncounted session would escape the caps), its other calls go on unfollowed. At MAX_CLIENTS and
+# MAX_SESSION_OBJECTS the book takes about 50 MB of the daemon's memory (measured with tracemalloc: ~1 KB a client,
+# ~700 B a session object that opens a session of its own).
 MAX_NODES: Final = 200_000
 """RM objects tracked per supervisor beyond sessions' own: bounds a tenant's memory in the daemon (a CUDA
 context allocates a hundred-odd); past it, frees of untracked ancestors are missed until the process exits."""
+MAX_SESSION_OBJECTS: Final = 65_536
+"""Live session objects recorded (graphics, compute and video engine objects, each one node of the tree and one entry
+of its session). Without it they would grow without end even under caps: objects joining an open session (a compute
+object of the same thread within the join window, a video object on an engine instance the session does not use
+yet, and engineInstance is the caller's to write) open no new session, and a tenant without a cap is never refused.
+A CUDA context makes 8 on the H200 and a decoder 7, so this is thousands of contexts, more than an 8-GPU host's
+memory holds. Past it a session call, opening or joining, is refused until frees or exits bring the book below it:
+an object not recorded could end its session early (its last recorded object freed), uncounting a live session."""
 GROUPED_KINDS: Final = ENGINE_KINDS | {SessionKind.COMPUTE}
 """Kinds whose later objects may join an open session."""
 
@@ -117,6 +137,33 @@ class SessionLedger:
 
 
 # --- the books ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionBounds:
+    """A book's bounds (the constants above; smaller ones for tests)."""
+
+    clients: int = MAX_CLIENTS
+    nodes: int = MAX_NODES
+    objects: int = MAX_SESSION_OBJECTS
+
+
+@dataclass(frozen=True)
+class SessionBookSize:
+    """Entries a book holds, against its bounds."""
+
+    clients: int
+    nodes: int
+    """Objects in the trees, session objects included."""
+    objects: int
+    """Live session objects."""
+
+
+class SessionUnbooked(StrEnum):
+    """Why a session call cannot be recorded, and so is refused (MAX_CLIENTS, MAX_SESSION_OBJECTS)."""
+
+    CLIENT = "client not recorded"
+    OBJECTS = "too many session objects"
+
+
 @dataclass
 class Client:
     """One RM client (hRoot) and the part of its object tree seen through RM_ALLOC."""
@@ -146,15 +193,15 @@ class SessionBook:
     under a lock).
     """
 
-    def __init__(self, tenant: str, join_window_ns: int, max_nodes: int = MAX_NODES) -> None:
+    def __init__(self, tenant: str, join_window_ns: int, bounds: SessionBounds = SessionBounds()) -> None:
         self.tenant = tenant
         self._join_window_ns = join_window_ns
-        self._max_nodes = max_nodes
+        self._bounds = bounds
         self._clients: dict[int, Client] = {}
         self._nodes = 0
         self._synthetic = itertools.count(-1, -1)
         self.untracked = 0
-        """Non-session objects not recorded because MAX_NODES was reached."""
+        """Non-session objects not recorded because MAX_NODES was reached, or their client was not."""
         self._lock = threading.Lock()
         self._live: collections.Counter[SessionKind] = collections.Counter()
         self._objects: collections.Counter[SessionKind] = collections.Counter()
@@ -173,6 +220,27 @@ class SessionBook:
     def owners(self) -> dict[int, tuple[int, str]]:
         """hRoot -> (tgid, start time) of each client's process, for finding the exited."""
         return {h: (c.tgid, c.start_time) for h, c in self._clients.items()}
+
+    def size(self) -> SessionBookSize:
+        with self._lock:
+            objects = sum(self._objects.values())
+        return SessionBookSize(len(self._clients), self._nodes, objects)
+
+    def unbooked(self, call: Call) -> SessionUnbooked | None:
+        """Why session call `call` (after `needs_decision`) could not be recorded, so must be refused before any
+        decision (None: `commit` may record it, or it is no session call). A call already waiting for its decision
+        is recorded past the bounds, so they are overshot by at most one call per thread waiting."""
+        if call.kind is None:
+            return None
+        if call.h_root not in self._clients and not self._room_for_client(call):
+            return SessionUnbooked.CLIENT
+        with self._lock:
+            objects = sum(self._objects.values())
+        return SessionUnbooked.OBJECTS if objects >= self._bounds.objects else None
+
+    def _room_for_client(self, call: Call) -> bool:
+        """Whether a new client of `call` may be recorded: its process is known, and MAX_CLIENTS not reached."""
+        return bool((call.owner or (0, ""))[0]) and len(self._clients) < self._bounds.clients
 
     def needs_decision(self, call: Call, tid: int, now_ns: int) -> bool:
         """For a session call: whether it opens a new session. Otherwise it is marked: a handle seen again
@@ -216,7 +284,10 @@ class SessionBook:
             return self._free(call)
         client = self._clients.get(call.h_root)
         if client is None:
-            tgid, start = call.owner or (0, "")
+            if kind is None and not self._room_for_client(call):
+                self.untracked += bool(call.owner and call.owner[0])  # MAX_CLIENTS, not an unknown process
+                return []
+            tgid, start = call.owner or (0, "")  # a session call here was let through by `unbooked` or a decision
             client = self._clients[call.h_root] = Client(tgid, start)
         node = self._record(client, call)
         if kind is None:
@@ -229,7 +300,7 @@ class SessionBook:
         node = call.handle or next(self._synthetic)
         if node == call.h_parent:
             return node
-        if call.kind is not None or self._nodes < self._max_nodes:
+        if call.kind is not None or self._nodes < self._bounds.nodes:
             if node not in client.parent:
                 self._nodes += 1
             client.parent[node] = call.h_parent
@@ -267,6 +338,7 @@ class SessionBook:
         if call is not None and call.kind is not None and call.node and client is not None:
             session = client.sessions.pop(call.node, None)
             if session is not None:  # the object was recorded: take it back (its session stays if it has others)
+                self._unlink(client, call.node)
                 session.objects.discard(call.node)
                 with self._lock:
                     self._objects[session.kind] -= 1
@@ -313,6 +385,8 @@ class SessionBook:
             siblings = client.children.get(parent)
             if siblings is not None:
                 siblings.discard(h)
+                if not siblings:  # else parents named once each, their children freed, would pile up
+                    del client.children[parent]
 
     def _drop_object(self, session: Session, h: int) -> bool:
         """Take object `h` out of its session; True when that was the session's last."""

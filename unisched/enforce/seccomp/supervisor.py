@@ -251,7 +251,12 @@ class SessionSupervisor:
             if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
-            if call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns()):
+            opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
+            if self._book.unbooked(call) is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
+                admitted = False
+                self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds, or a "
+                                f"process not known) was refused; later ones are logged at debug ({self._book.size()})")
+            elif opens and call.kind is not None:
                 if self._loop is not None:
                     self._ask_loop(self._loop, nid, pid, t0, call)
                     return
@@ -346,7 +351,8 @@ class SessionSupervisor:
                 self._errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:
-            log.info("gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
+            (log.debug if self._book.unbooked(call) is not None else log.info)(  # past the bounds a flood may be on
+                "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
 
     def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
         """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue."""
@@ -387,7 +393,7 @@ class SessionSupervisor:
         self._mem.book_call(call, refused)
         events = self._book.commit(call, pid, refused, time.monotonic_ns())
         if self._book.untracked:
-            self._warn_once("nodes", "too many RM objects tracked; frees of ancestors may be missed until exit")
+            self._warn_once("nodes", "too many RM objects or clients tracked; frees of ancestors may be missed until exit")
         return events
 
     def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
