@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import cast
 
+import structlog
+import structlog.testing
+
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0, NV20_SUBDEVICE_0, RM_ALLOC, RM_FREE
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay
@@ -29,7 +32,8 @@ from unisched.enforce.seccomp.memory import (
     MemoryLedger,
     Unbooked,
 )
-from unisched.enforce.seccomp.memory_calls import MemoryCalls
+from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
+from unisched.logs import Throttle
 from unisched.policy.memory import MemoryTerms
 
 MIB = 1 << 20
@@ -189,3 +193,19 @@ def test_a_deep_chain_of_driver_range_handles_is_dropped_in_one_pass() -> None:
     assert time.monotonic() - t0 < 5.0
     replay.free(RS_UNIQUE_HANDLE_BASE + 49_999)  # went with the chain: never given out now
     assert replay.lost
+
+
+def test_allocations_refused_over_a_cap_log_one_info_line_a_second() -> None:
+    """An app retrying past its cap in a loop must not fill the host's log; the ledger counts every refusal."""
+    calls, _ = served("t", MemoryLedger(lambda: {"t": MemoryTerms(cap=MIB)}))
+    now = [0.0]
+    calls.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S, clock=lambda: now[0])
+    device(calls, ROOT, DEV, HONEST)
+    assert alloc(calls, ROOT, 0x10, MIB, HONEST)
+    with structlog.testing.capture_logs() as logs:
+        assert not any(alloc(calls, ROOT, 0x11 + i, MIB, HONEST) for i in range(20))
+        now[0] += REFUSAL_LOG_INTERVAL_S
+        assert not alloc(calls, ROOT, 0x40, MIB, HONEST)
+    lines = [(e["log_level"], e["held_back"]) for e in logs if e["event"] == "gpu memory allocation refused"]
+    assert [e for e in lines if e[0] == "info"] == [("info", 0), ("info", 19)] and len(lines) == 21
+    assert calls.ledger is not None and calls.ledger.of("t").refused == {0: 21}

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+import structlog
+import structlog.testing
 
 from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind, classify
 from unisched.enforce.seccomp.accounting import (
@@ -32,8 +34,10 @@ from unisched.enforce.seccomp.accounting import (
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Notification
 from unisched.enforce.seccomp.memory import MAX_CLIENTS
+from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S
 from unisched.enforce.seccomp.proc import owner
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.logs import Throttle
 
 GRAPHICS, COMPUTE, CHANNEL = 0xCB97, 0xCBC0, 0xC86F
 ROOT = 0xC1D00001  # the honest process's RM client
@@ -207,3 +211,24 @@ def test_a_session_object_taken_back_leaves_no_node() -> None:
         call = Call(RM_ALLOC, ROOT, ROOT, 0x100 + i, GRAPHICS, SessionKind.GRAPHICS, owner=(1, "s"))
         book.undo(call, book.commit(call, TID, False, 0))
     assert book.size() == SessionBookSize(1, 0, 0)
+
+
+def test_refusals_over_a_cap_log_one_info_line_a_second_and_say_how_many_they_held_back(
+        processes: tuple[tuple[int, str], tuple[int, str]]) -> None:
+    """An app retrying past its cap in a loop must not fill the host's log with a line per call; the counts stay
+    exact (the ledger, the metrics)."""
+    honest_proc, _ = processes
+    ledger = SessionLedger(lambda tenant, kind: 1)
+    served = Served("t", ledger)
+    now = [0.0]
+    served.sup.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S, clock=lambda: now[0])
+    assert served.alloc(ROOT, 1, GRAPHICS, honest_proc) == 0
+    with structlog.testing.capture_logs() as logs:
+        for handle in range(2, 102):
+            assert served.alloc(ROOT, handle, GRAPHICS, honest_proc) == -errno.EPERM
+        now[0] += REFUSAL_LOG_INTERVAL_S
+        assert served.alloc(ROOT, 200, GRAPHICS, honest_proc) == -errno.EPERM
+    lines = [(e["log_level"], e.get("held_back")) for e in logs if e["event"] == "gpu session refused"]
+    assert [e for e in lines if e[0] == "info"] == [("info", 0), ("info", 99)]
+    assert len(lines) == 101 and ledger.refused("t") == {SessionKind.GRAPHICS: 101}
+    served.sup.close()

@@ -4,6 +4,7 @@ fail it as the driver does when memory is out, and book devices and frees so mem
 from __future__ import annotations
 
 import errno
+from typing import Final
 
 import structlog
 
@@ -11,11 +12,18 @@ from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_C
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
+from unisched.logs import Throttle
 from unisched.policy.memory import Verdict
 
 __all__ = ["MemoryCalls"]
 
 log = structlog.get_logger("unisched.seccomp")
+
+
+REFUSAL_LOG_INTERVAL_S: Final = 1.0
+"""At most one info line a second per kind of refusal (a session's kind; memory's reason), saying how many it held
+back: a tenant refused in a loop (an app retrying past its cap) would fill the host's log with one line per call.
+The counts stay exact in the ledger and the metrics."""
 
 
 class MemoryCalls:
@@ -28,6 +36,8 @@ class MemoryCalls:
         self.book = MemoryBook()
         self._listener = listener
         self._warned_full = False
+        self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
+        """Refusal lines by reason (REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
 
     def holds(self, h_root: int) -> bool:
         """Whether memory is enforced and the RM client `h_root` holds booked memory or devices."""
@@ -93,8 +103,10 @@ class MemoryCalls:
             written = self._listener.write_status(nid, pid, call.status_at)
             answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
         if why is not None and answered:  # past the book's bounds, a flood may be on: the warning said it once
-            (log.debug if isinstance(why, Unbooked) else log.info)(
-                "gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes, why=why.value, pid=pid)
+            held = None if isinstance(why, Unbooked) else self.refusal_log.allow(why.value)
+            (log.debug if held is None else log.info)(
+                "gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes, why=why.value, pid=pid,
+                held_back=held or 0)
         return answered
 
     def _refusal(self, gpu: int, h_root: int, handle: int, h_parent: int, nbytes: int,

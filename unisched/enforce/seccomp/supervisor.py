@@ -35,9 +35,10 @@ from unisched.enforce.seccomp.accounting import EventAction, SessionBook, Sessio
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.enforce.seccomp.memory_calls import MemoryCalls
+from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
 from unisched.enforce.seccomp.stats import SupervisorStats, percentile_us
+from unisched.logs import Throttle
 
 log = structlog.get_logger("unisched.seccomp")
 
@@ -103,6 +104,8 @@ class SessionSupervisor:
         self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._warned: set[str] = set()
+        self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
+        """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
         self._closed = False
         self._finished = False
         self._done = threading.Event()
@@ -350,9 +353,11 @@ class SessionSupervisor:
             with self._lock:
                 self._errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
-        if refused and call is not None and answered:
-            (log.debug if self._book.unbooked(call) is not None else log.info)(  # past the bounds a flood may be on
-                "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid)
+        if refused and call is not None and answered:  # past the bounds a flood may be on: the warning said it once
+            held = None if self._book.unbooked(call) is not None else self.refusal_log.allow(str(call.kind))
+            (log.debug if held is None else log.info)(
+                "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid,
+                held_back=held or 0)
 
     def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
         """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue."""
