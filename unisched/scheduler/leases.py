@@ -237,6 +237,8 @@ class LeaseBook:
         if own_s > 0:
             self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
                                earns_run=engine is Engine.COMPUTE)
+        elif wall_s > 0:  # left out of the usual length (after a freeze, or the `learn` rule)
+            self._turns.skip(s.tenant, units)
         if release:
             s.wants.pop(engine, None)
             s.released.add(engine)

@@ -38,6 +38,8 @@ class Turns:
         """The minimum run last given to the policy per tenant."""
         self._unit_acc_s: dict[str, float] = {}
         """GPU seconds reported since the tenant's last whole unit (parts of one, see clients' pause points)."""
+        self._tainted: set[str] = set()
+        """Tenants whose unit in progress had a part that ran beside other work (`skip`): its length is not learnt."""
         self._runs: set[str] = set()
         """Tenants whose units earn minimum runs (they reported compute steps)."""
         self._logged_run: dict[str, float] = {}
@@ -54,6 +56,9 @@ class Turns:
         acc = self._unit_acc_s.get(tenant, 0.0) + gpu_s
         self._unit_acc_s[tenant] = 0.0 if units else acc
         if not units:
+            return
+        if tenant in self._tainted:  # the first of these units had a part beside other work: their mean is off
+            self._tainted.discard(tenant)
             return
         old = self._unit_s.get(tenant)
         unit = acc / units if old is None else old + TUNING.unit_ewma * (acc / units - old)
@@ -82,12 +87,25 @@ class Turns:
             log.info("lease turns", tenant=tenant, unit_ms=round(unit * 1000, 2), min_run_ms=round(run * 1000, 1),
                      handover_ms=round(gap_s * 1000, 3), reason=reason)
 
+    def skip(self, tenant: str, units: int) -> None:
+        """A report whose time says nothing of its units' length (it ran beside another tenant's work: after a freeze,
+        or policy.reports' `learn` rule). A part of a unit (`units` 0, pause points split a step across reports) taints
+        the unit in progress, which would read short without it: that unit is not learnt either. Whole units end the
+        unit in progress, so the next starts clean (tainting it would leave a client with short turns, whose first and
+        last reports are beside the app, no report to learn from)."""
+        self._unit_acc_s[tenant] = 0.0
+        if units:
+            self._tainted.discard(tenant)
+        else:
+            self._tainted.add(tenant)
+
     def drop(self, tenant: str) -> None:
         """No lease session left: a freezer-governed tenant again, turned one slice at a time."""
         self._unit_s.pop(tenant, None)
         self._runs.discard(tenant)
         self._logged_run.pop(tenant, None)
         self._unit_acc_s.pop(tenant, None)
+        self._tainted.discard(tenant)
         if self._min_run.pop(tenant, 0.0):
             self.policy.set_min_run(tenant, 0.0)
 
