@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -167,6 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--render-iterations", type=int, default=RENDER_ITERATIONS,
                     help=f"the render's --iterations, a frame's cost (default: {RENDER_ITERATIONS}, about 36 FPS "
                          "alone on the H200)")
+    ap.add_argument("--logs", type=Path, default=None,
+                    help="keep each run's daemon and workload logs under this folder (default: not kept); "
+                         "bench/run.py keeps them in the run's archive")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, each member's command and exit")
     args = ap.parse_args(argv)
@@ -206,18 +210,41 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, object]]] = {}
     verdicts: dict[str, dict[str, object]] = {}
     result: dict[str, object] = {"meta": meta, "solo": solos, "runs": runs, "verdicts": verdicts}
-    work_root = Path(tempfile.mkdtemp(prefix="mixed-"))
+    work_root = Path(tempfile.mkdtemp(prefix="mixed-"))  # short: the daemon's socket path must fit (108 bytes)
     args.out.mkdir(parents=True, exist_ok=True)
+    rc = run_rounds(args, pairs, weights, work_root, result)  # (a run that fails leaves it, for its logs)
+    shutil.rmtree(work_root, ignore_errors=True)
+    return rc
+
+
+def run_logged(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str) -> list[float]:
+    """`run_together`, and its daemon's and workloads' logs copied under --logs (its own folder there), whether it
+    succeeded or not: the work folder is temporary."""
+    try:
+        return run_together(members, args, work, label)
+    finally:
+        if args.logs is not None:
+            (args.logs / work.name).mkdir(parents=True, exist_ok=True)
+            for log in work.glob("*.log"):
+                shutil.copy2(log, args.logs / work.name / log.name)
+
+
+def run_rounds(args: argparse.Namespace, pairs: list[tuple[Member, Member]], weights: list[tuple[int, int]],
+               work_root: Path, result: dict[str, Any]) -> int:
+    """Every round: the members alone, then every pair at every weight; results.json and report.md after each run."""
+    solos: list[dict[str, float]] = result["solo"]
+    runs: dict[str, list[dict[str, object]]] = result["runs"]
+    verdicts: dict[str, dict[str, object]] = result["verdicts"]
     for rnd in range(1, args.rounds + 1):
         solo = {}
         for m in members_of(pairs):
-            (rate,) = run_together([(m, 1)], args, work_root / f"r{rnd}-solo-{m.spec}", "solo")
+            (rate,) = run_logged([(m, 1)], args, work_root / f"r{rnd}-solo-{m.spec}", "solo")
             solo[m.spec] = rate
             print(f"round {rnd}: {m.spec} alone {rate:.1f} {m.unit}", flush=True)
         solos.append(solo)
         for k, (a, b, w) in enumerate(plan(pairs, weights), 1):
             label = f"r{rnd}-p{k}"
-            rates = run_together([(a, w[0]), (b, w[1])], args, work_root / label, "t")
+            rates = run_logged([(a, w[0]), (b, w[1])], args, work_root / f"{label}-{a.spec}+{b.spec}-{w[0]}_{w[1]}", "t")
             s = score(rates, [solo[a.spec], solo[b.spec]], w)
             runs.setdefault(f"{a.spec}+{b.spec} {w[0]}:{w[1]}", []).append(s)
             print(f"round {rnd}: {a.spec}+{b.spec} {w[0]}:{w[1]} normalized {s['normalized']} error "

@@ -275,8 +275,10 @@ SUITES: tuple[Suite, ...] = (
           "(client.step() against `unisched run`) and render (frames under FrameGate against an unmodified render) "
           "(bench/mixed_engines.py, its own alone runs per round; `-- --pairs frame+render,frame+frame` runs a "
           "subset)", mixed_pairs.default_round_minutes(), True,
-          (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --rounds 1")),), read_mixed_engines, PAIR_TARGETS,
-          standin=(Step("mixed", (*words("{py} bench/mixed_engines.py --out {out} --rounds 1 --seconds 3 --warmup 2 "
+          (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --logs {out}/logs --rounds 1")),),
+          read_mixed_engines, PAIR_TARGETS,
+          standin=(Step("mixed", (*words("{py} bench/mixed_engines.py --out {out} --logs {out}/logs --rounds 1 "
+                                         "--seconds 3 --warmup 2 "
                                          "--workload"), f"{STANDIN} cuda", "--render-workload", f"{STANDIN} render",
                                   *STANDIN_SERVE)),)),
     Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which the H200 overlaps in hardware: "

@@ -12,6 +12,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,9 @@ def test_the_render_pairs_with_cpu_standins_run_end_to_end(tmp_path: Path) -> No
     assert rnd["cases"]["alone"]["frame (round 1)"] > 0 and rnd["cases"]["alone"]["render (round 1)"] > 0
     by = {v["target"]: v for v in s["verdicts"] if v["case"] == "frame+render 3:1"}
     assert by["sum"]["value"] == pytest.approx(m["sum"]) and by["guarantee"]["passed"] is m["guarantee"]
+    with tarfile.open(tmp_path / "mixed" / "raw.tar.xz") as tar:  # each run's daemon log kept, for diagnosis
+        logs = [n for n in tar.getnames() if n.endswith("daemon.log")]
+    assert any("frame+render-3_1" in n for n in logs) and len(logs) == 3  # frame and render alone, then the pair
 
 
 @pytest.mark.gpu
