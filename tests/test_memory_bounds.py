@@ -145,6 +145,7 @@ def test_a_process_s_exit_drops_all_it_booked_and_its_tenant_allocates_again() -
     gone = [root for root, owner in calls.book.owners().items() if owner == HOSTILE]
     calls.release(gone)
     assert calls.book.size() == BookSize(0, 0, 0, 0) and ledger.of("t").held == {}
+    assert not calls.book._under and not calls.book._of_root  # its index went too
     device(calls, ROOT, DEV, HONEST)
     for _ in range(4):
         assert alloc(calls, ROOT, 0, MIB, HONEST)  # driver-picked handles, replayed again
@@ -209,3 +210,25 @@ def test_allocations_refused_over_a_cap_log_one_info_line_a_second() -> None:
     lines = [(e["log_level"], e["held_back"]) for e in logs if e["event"] == "gpu memory allocation refused"]
     assert [e for e in lines if e[0] == "info"] == [("info", 0), ("info", 19)] and len(lines) == 21
     assert calls.ledger is not None and calls.ledger.of("t").refused == {0: 21}
+
+
+def test_freeing_devices_and_clients_in_a_loop_costs_what_they_held_not_the_book() -> None:
+    """A device free or a client's exit touches only what it drops: found by scanning the book, each of these 400
+    frees beside a full book (200,000 allocations) cost a pass over it, seconds in all, holding the interpreter and
+    so the daemon's event loop."""
+    book = MemoryBook(BookBounds())
+    book.add_device(ROOT, DEV, NV01_DEVICE_0, ROOT, 0, HONEST)
+    for i in range(MAX_OBJECTS - 1):  # room for one more
+        book.add(ROOT, 0x10_0000 + i, DEV, 1, HONEST)
+    t0 = time.monotonic()
+    for i in range(200):
+        root = 0x9000_0000 + i
+        book.add_device(root, DEV, NV01_DEVICE_0, root, 0, HOSTILE)
+        book.add(root, 0x42, DEV, 1, HOSTILE)
+        assert [h.nbytes for h in book.free(root, DEV)] == [1]  # the device, and the memory under it
+        book.add_device(root, DEV, NV01_DEVICE_0, root, 0, HOSTILE)
+        assert book.free(root, root) == []  # the client itself
+    assert time.monotonic() - t0 < 1.0
+    size = book.size()
+    assert (size.clients, size.devices, size.objects) == (1, 1, MAX_OBJECTS - 1)
+    assert sum(h.nbytes for h in book.free(ROOT, DEV)) == MAX_OBJECTS - 1  # the honest device's memory, all of it

@@ -103,6 +103,10 @@ class Unbooked(StrEnum):
     OBJECTS = "too many allocations"
 
 
+_DEVICE, _MEMORY = 0, 1
+"""The kinds of entry in MemoryBook's index: a device or subdevice handle, a memory object."""
+
+
 class MemoryBook:
     """One listener's devices and memory objects (module docstring), within its bounds. One thread changes it (the
     supervisor's)."""
@@ -112,6 +116,11 @@ class MemoryBook:
         self._owners: dict[int, tuple[int, str]] = {}
         self._devices: dict[tuple[int, int], tuple[int, int]] = {}  # (hRoot, handle) -> (gpu, parent)
         self._objects: dict[tuple[int, int], _Object] = {}
+        self._under: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        """(hRoot, parent) -> the (_DEVICE or _MEMORY, handle) recorded under it; and hRoot -> all of them (`_of_root`):
+        a free or an exit touches only what it drops. Found by scanning the book, a device freed in a loop cost
+        each time a pass over up to MAX_OBJECTS entries, holding the interpreter (and so the daemon) that long."""
+        self._of_root: dict[int, set[tuple[int, int]]] = {}
         self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles; one per owner
         self._unplaced: set[int] = set()  # booked clients with a device the book had no room for
         self._budget = Budget(bounds.live)
@@ -180,7 +189,11 @@ class MemoryBook:
         if key not in self._devices and len(self._devices) >= self._bounds.devices:
             self._unplaced.add(h_root)
             return []
+        old = self._devices.get(key)
+        if old is not None:
+            self._unlink(h_root, (_DEVICE, handle), old[1])
         self._devices[key] = (gpu, h_parent)
+        self._link(h_root, (_DEVICE, handle), h_parent)
         return []
 
     def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> Unbooked | None:
@@ -204,15 +217,16 @@ class MemoryBook:
             raise ValueError(f"memory allocation cannot be booked ({why}): refuse it before charging it")
         gpu = self.gpu_of(h_root, h_parent)
         key = (h_root, self.handle_for(h_root, handle, h_parent, owner))
-        stale = self._objects.pop(key, None)
+        stale = self._drop_object(h_root, key[1])
         self._objects[key] = _Object(gpu, nbytes, h_parent)
+        self._link(h_root, (_MEMORY, key[1]), h_parent)
         return gpu, key[1], [] if stale is None else [Held(stale.gpu, stale.nbytes)]
     def undo(self, h_root: int, key: int, driver_chosen: bool) -> list[Held]:
         """The allocation's caller was gone before the answer: forget it (`key` from `add`; `driver_chosen`:
         its call named handle 0)."""
         if driver_chosen:
             self.untake(h_root, key)
-        obj = self._objects.pop((h_root, key), None)
+        obj = self._drop_object(h_root, key)
         return [] if obj is None else [Held(obj.gpu, obj.nbytes)]
 
     def free(self, h_root: int, handle: int) -> list[Held]:
@@ -222,18 +236,20 @@ class MemoryBook:
         if h_root in self._replays:
             self._replays[h_root].free(handle)
         out = []
-        obj = self._objects.pop((h_root, handle), None)
+        obj = self._drop_object(h_root, handle)
         if obj is not None:
             out.append(Held(obj.gpu, obj.nbytes))
         if (h_root, handle) in self._devices:
-            gone = {handle} | {h for (r, h), (_, p) in self._devices.items() if r == h_root and p == handle}
+            gone = {handle} | {h for kind, h in self._under.get((h_root, handle), ()) if kind == _DEVICE}
             for h in gone:
-                self._devices.pop((h_root, h), None)
+                self._drop_device(h_root, h)
             if h_root in self._replays:
                 self._replays[h_root].drop_under(gone)
-            for key in [k for k, o in self._objects.items() if k[0] == h_root and o.parent in gone]:
-                o = self._objects.pop(key)
-                out.append(Held(o.gpu, o.nbytes))
+            for parent in gone:
+                for kind, h in list(self._under.get((h_root, parent), ())):
+                    o = self._drop_object(h_root, h) if kind == _MEMORY else None
+                    if o is not None:
+                        out.append(Held(o.gpu, o.nbytes))
         return out
 
     def release(self, roots: list[int]) -> list[Held]:
@@ -245,13 +261,47 @@ class MemoryBook:
             replay = self._replays.pop(r, None)
             if replay is not None:
                 replay.close()
-        self._devices = {k: v for k, v in self._devices.items() if k[0] not in drop}
-        out = [Held(o.gpu, o.nbytes) for k, o in self._objects.items() if k[0] in drop]
-        self._objects = {k: o for k, o in self._objects.items() if k[0] not in drop}
+        out = []
+        for r in drop:
+            for kind, h in list(self._of_root.get(r, ())):
+                if kind == _DEVICE:
+                    self._drop_device(r, h)
+                else:
+                    o = self._drop_object(r, h)
+                    if o is not None:
+                        out.append(Held(o.gpu, o.nbytes))
         return out
 
     def release_all(self) -> list[Held]:
-        return self.release(list(self._owners) + [k[0] for k in self._objects])
+        return self.release(list(self._owners) + list(self._of_root))
+
+    # --- the index of what each client recorded under each parent ------------------------------------------------
+    def _link(self, h_root: int, entry: tuple[int, int], parent: int) -> None:
+        self._under.setdefault((h_root, parent), set()).add(entry)
+        self._of_root.setdefault(h_root, set()).add(entry)
+
+    def _unlink(self, h_root: int, entry: tuple[int, int], parent: int) -> None:
+        under = self._under.get((h_root, parent))
+        if under is not None:
+            under.discard(entry)
+            if not under:
+                del self._under[(h_root, parent)]
+        mine = self._of_root.get(h_root)
+        if mine is not None:
+            mine.discard(entry)
+            if not mine:
+                del self._of_root[h_root]
+
+    def _drop_device(self, h_root: int, handle: int) -> None:
+        found = self._devices.pop((h_root, handle), None)
+        if found is not None:
+            self._unlink(h_root, (_DEVICE, handle), found[1])
+
+    def _drop_object(self, h_root: int, handle: int) -> _Object | None:
+        obj = self._objects.pop((h_root, handle), None)
+        if obj is not None:
+            self._unlink(h_root, (_MEMORY, handle), obj.parent)
+        return obj
 
     def held(self) -> dict[int, int]:
         """Bytes held per GPU."""
