@@ -5,6 +5,7 @@ The agent's logic with the fake session hooks is at the end (a real socket and a
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import subprocess
 import sys
@@ -219,3 +220,51 @@ def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp
     assert hooks.attached == ["render"], "only the accepted hand-over reaches the hooks"
     assert hooks.closed, "closing the agent closes the hooks"
     assert [s.tenant for s in hooks.stats()] == ["render"]
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+def test_a_tenant_s_listeners_past_the_most_served_are_refused_with_the_reason(tmp_path: Path) -> None:
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"), DeclaredTenant(name="other")))
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine.start()
+    hooks = FakeSessionHooks(max_per_tenant=2)
+    server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks)
+    answers = asyncio.run(_hand_overs(server, ["tenant=render"] * 3 + ["tenant=other"]))
+    assert answers[:2] == ["ok", "ok"] and answers[3] == "ok"
+    assert "tenant 'render' already has 2 hooked process groups" in answers[2]
+    assert hooks.attached == ["render", "render", "other"]
+
+
+def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_tenant_and_forget_the_ended() -> None:
+    """Each listener is a supervisor thread and its own bounded books: a user's hooked runs must not multiply them
+    without end. A pipe stands in for each listener (its writer kept open: nothing to read, never hung up)."""
+    from unisched.enforce.seccomp.abi import SeccompError
+    from unisched.enforce.seccomp.hooks import SupervisedHooks
+
+    async def run() -> None:
+        hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2)
+        writers = []
+
+        def listener() -> int:
+            r, w = os.pipe()
+            writers.append(w)
+            return r
+
+        try:
+            hooks.attach(listener(), "a")
+            hooks.attach(listener(), "a")
+            extra = listener()
+            with pytest.raises(SeccompError, match="already has 2 hooked process groups"):
+                hooks.attach(extra, "a")
+            with pytest.raises(OSError):
+                os.fstat(extra)  # the refused listener is closed, not leaked
+            hooks.attach(listener(), "b")  # another tenant's are its own
+            hooks._supervisors[0].close()  # one of a's process groups ended
+            hooks.attach(listener(), "a")
+            assert sorted(s.tenant for s in hooks.stats()) == ["a", "a", "b"]
+        finally:
+            hooks.close()
+            for w in writers:
+                os.close(w)
+
+    asyncio.run(run())

@@ -211,7 +211,12 @@ class SeccompAgentServer:
                 ack_agent(conn, reason)
                 return
             fd, listener = -1, fd  # the hooks own it now
-            self.hooks.attach(listener, tenant)
+            try:
+                self.hooks.attach(listener, tenant)
+            except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT)
+                self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=str(e))
+                ack_agent(conn, str(e))
+                return
             self.engine.note_session_hooks(tenant)
             log.info("session hooks attached", tenant=tenant, pid=hello.pid, container=hello.container_id or None)
             ack_agent(conn, None)

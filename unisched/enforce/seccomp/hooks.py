@@ -10,13 +10,29 @@ import asyncio
 import os
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import Protocol
+from typing import Final, Protocol
 
 from unisched.enforce.nvclasses import SessionKind
+from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import SessionEvent
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.stats import SupervisorStats
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
+
+MAX_LISTENERS_PER_TENANT: Final = 256
+"""Listeners (hooked process groups: a container, a `unisched run`) served at once per tenant. Each is a supervisor
+thread and books bounded on their own (memory.py, accounting.py), so a user starting hooked runs without end would
+otherwise multiply both; 256 is more containers or runs than one tenant shares a host's GPUs between. Past it the
+hand-over is refused with the reason, and the run or container does not start."""
+
+
+def listener_refusal(tenant: str, served: list[str], most: int) -> str | None:
+    """Why one more listener of `tenant` is not served (None: it is), `served` the tenants of those served now."""
+    n = served.count(tenant)
+    if n < most:
+        return None
+    return (f"tenant {tenant!r} already has {n} hooked process groups (containers or runs), the most served at once; "
+            "end some, or run this one as another tenant")
 
 
 class SessionHooks(Protocol):
@@ -36,8 +52,9 @@ class SupervisedHooks:
 
     def __init__(
         self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None],
-        memory: MemoryLedger | None = None,
+        memory: MemoryLedger | None = None, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
     ) -> None:
+        self._max_per_tenant = max_per_tenant
         self._decide = decide
         self._on_event = on_event
         self.memory = memory
@@ -45,12 +62,16 @@ class SupervisedHooks:
         self._supervisors: list[SessionSupervisor] = []
 
     def attach(self, listener_fd: int, tenant: str) -> None:
+        self._supervisors = [s for s in self._supervisors if not s.closed]  # forget those whose tenant has gone
+        why = listener_refusal(tenant, [s.tenant for s in self._supervisors], self._max_per_tenant)
+        if why is not None:
+            os.close(listener_fd)
+            raise SeccompError(why)
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory)
         except BaseException:
             os.close(listener_fd)
             raise
-        self._supervisors = [s for s in self._supervisors if not s.closed]  # forget those whose tenant has gone
         self._supervisors.append(sup)
         sup.attach(asyncio.get_running_loop())
 
@@ -67,13 +88,17 @@ class FakeSessionHooks:
     """Records what it is asked to serve and closes each listener at once (its tenant's session calls then fail
     with ENOSYS): for tests of the agent's logic, which need no supervisor thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_per_tenant: int = MAX_LISTENERS_PER_TENANT) -> None:
         self.attached: list[str] = []
-        """The tenants given a listener, in order."""
+        """The tenants given a listener, in order (all counted as still served)."""
         self.closed = False
+        self._max_per_tenant = max_per_tenant
 
     def attach(self, listener_fd: int, tenant: str) -> None:
         os.close(listener_fd)
+        why = listener_refusal(tenant, self.attached, self._max_per_tenant)
+        if why is not None:
+            raise SeccompError(why)
         self.attached.append(tenant)
 
     def close(self) -> None:
