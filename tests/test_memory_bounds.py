@@ -60,7 +60,7 @@ class FakeListener:
 
 def served(tenant: str, ledger: MemoryLedger, bounds: BookBounds = SMALL) -> tuple[MemoryCalls, FakeListener]:
     listener = FakeListener()
-    calls = MemoryCalls(tenant, ledger, cast(Listener, listener))
+    calls = MemoryCalls(tenant, ledger, cast(Listener, listener), lambda key, message: None)
     calls.book = MemoryBook(bounds)
     return calls, listener
 

@@ -40,12 +40,13 @@ class WorkEnds:
         arrival for a tenant never granted `r` that does not say."""
         lag = MAX_REPORT_LAG_SLICES * self.slice_s
         ran_to = self._ran_to.get((tenant, r))
-        if wall_s <= 0 or (ran_to is None and ended_ago_s <= 0):
+        if wall_s <= 0:
             return now
         if ended_ago_s > 0:
             end = now - min(ended_ago_s, lag)
+        elif ran_to is None:
+            return now
         else:
-            assert ran_to is not None
             end = min(now, max(ran_to + wall_s, now - lag))
         self._ran_to[(tenant, r)] = end
         return end

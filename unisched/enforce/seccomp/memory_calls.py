@@ -4,6 +4,7 @@ fail it as the driver does when memory is out, and book devices and frees so mem
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from typing import Final
 
 import structlog
@@ -30,12 +31,14 @@ class MemoryCalls:
     """The memory side of ONE tenant's supervisor (serving thread only). Without a ledger, memory is not
     enforced: nothing is charged, booked or credited."""
 
-    def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener) -> None:
+    def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener,
+                 warn: Callable[[str, str], None]) -> None:
         self.tenant = tenant
         self.ledger = ledger
         self.book = MemoryBook()
         self._listener = listener
-        self._warned_full = False
+        self._warn = warn
+        """The supervisor's warn-once (key, message), as its listener's."""
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Refusal lines by reason (REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
 
@@ -117,11 +120,9 @@ class MemoryCalls:
         unbooked = self.book.unbooked(h_root, handle, h_parent, owner)
         if unbooked is not None:
             self.ledger.refuse(self.tenant, gpu)
-            if not self._warned_full:
-                self._warned_full = True
-                log.warning("gpu memory: an allocation the book cannot record (its bounds, or a process not known) "
-                            "was refused as out of memory; later ones are logged at debug", tenant=self.tenant,
-                            why=unbooked.value, size=str(self.book.size()))
+            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, or a process not known) "
+                       f"was refused as out of memory; later ones are logged at debug ({unbooked.value}; "
+                       f"{self.book.size()})")
             return unbooked
         verdict = self.ledger.charge(self.tenant, gpu, nbytes)
         return None if verdict is Verdict.ADMIT else verdict

@@ -91,7 +91,7 @@ class SessionSupervisor:
     ) -> None:
         self.tenant = tenant
         self._listener = Listener(listener_fd, self._warn_once)
-        self._mem = MemoryCalls(tenant, memory, self._listener)
+        self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once)
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
