@@ -7,7 +7,7 @@ ended, starts steps until 5 ms past its slice, and yields once its steps in flig
 up to 3 ms late and its messages 1.5 ms after. At a hand-over the GPU runs the client's queued steps before the
 thawed app's (short steps fit in the GPU's own time slice), so a tail reads its steps' usual length.
 
-On the H200 such a client got 0.503-0.524 at 1:1, 0.759-0.765 at 3:1 and 0.269-0.272 at 1:3 (1.3-2.7 points over).
+On the H200 such a client got 0.503-0.524 at 1:1, 0.759-0.765 at 3:1 and 0.269-0.272 at 1:3 (0.6-2.7 points over).
 """
 
 from __future__ import annotations

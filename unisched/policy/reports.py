@@ -25,7 +25,7 @@ def learnable_tail(gpu_s: float, beside_s: float, unit_s: float | None, time_sli
     queued work first (`time_sliced` False: short CUDA steps at a hand-over), a tail's length tells nothing once a usual
     length is known, and is left out: counted half, such steps pulled the usual length down by a tenth in the engine
     model, the `beside` rule then took that much of the client's real work off its charge at every turn, and on the
-    H200 a client of 1.7 ms steps got 1.3-2.2 points over its share beside an unmodified app. With no usual length
+    H200 a client of 1.7 ms steps got 0.6-2.7 points over its share beside an unmodified app. With no usual length
     yet, half."""
     if not time_sliced and unit_s is not None:
         return 0.0
