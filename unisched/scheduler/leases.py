@@ -234,6 +234,9 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
+        unit_s = self._turns.unit_s(s.tenant)
+        s.log.debug("lease charge", charged_s=round(charged, 5), drain_s=round(drain, 5), own_s=round(own_s, 5),
+                    beside=thawed_at is not None, unit_ms=None if unit_s is None else round(unit_s * 1000, 3))
         if own_s > 0:
             self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
                                earns_run=engine is Engine.COMPUTE)
