@@ -17,7 +17,7 @@ import random
 from collections.abc import Mapping
 
 from test_memory_bounds import DEV, HONEST, HOSTILE, ROOT, SMALL, alloc, device, flood, served
-from test_session_bounds import CHANNEL, COMPUTE, FLOOD, GRAPHICS, TID, Served, no_caps, processes  # noqa: F401
+from test_session_bounds import CHANNEL, COMPUTE, FLOOD, GRAPHICS, TID, Served, no_caps
 
 from unisched.enforce.nvclasses import NV01_DEVICE_0, NV20_SUBDEVICE_0, RM_ALLOC, RM_FREE, SessionKind
 from unisched.enforce.seccomp.accounting import (
@@ -32,8 +32,7 @@ from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.hooks import TENANT_BOUNDS, SupervisedHooks
 from unisched.enforce.seccomp.memory import BookBounds, MemoryBook, MemoryLedger, Unbooked
-
-Owners = tuple[tuple[int, str], tuple[int, str]]
+from unisched.enforce.seccomp.proc import owner
 
 
 def tenant(name: str, **bounds: int) -> TenantAllowance:
@@ -62,8 +61,8 @@ def test_two_listeners_of_a_tenant_stop_at_its_bound_of_allocations_and_another_
     t, other = tenant("t", allocations=40), tenant("other", allocations=40)
     (a, _), (b, refused) = served("t", ledger, allowance=t), served("t", ledger, allowance=t)
     c, _ = served("other", ledger, allowance=other)
-    for calls, root, owner in ((a, ROOT, HONEST), (b, ROOT + 1, HOSTILE), (c, ROOT, HONEST)):
-        device(calls, root, DEV, owner)
+    for calls, root, who in ((a, ROOT, HONEST), (b, ROOT + 1, HOSTILE), (c, ROOT, HONEST)):
+        device(calls, root, DEV, who)
     assert all(alloc(a, ROOT, 0x100 + i, 1, HONEST) for i in range(25))  # its own bound is 32
     assert all(alloc(b, ROOT + 1, 0x100 + i, 1, HOSTILE) for i in range(15))
     assert b.book.unbooked(ROOT + 1, 0x200, DEV, HOSTILE) is Unbooked.TENANT_OBJECTS
@@ -115,9 +114,8 @@ def test_memory_under_a_device_the_tenant_had_no_room_for_is_refused_with_the_te
 
 
 # --- sessions ----------------------------------------------------------------------------------------------------------
-def test_two_listeners_of_a_tenant_stop_at_its_bound_of_session_objects_and_another_tenant_goes_on(
-        processes: Owners) -> None:
-    honest, _ = processes
+def test_two_listeners_of_a_tenant_stop_at_its_bound_of_session_objects_and_another_tenant_goes_on() -> None:
+    honest = owner(os.getpid())  # a process that lives on: its clients are recorded
     ledger = SessionLedger(no_caps)
     small = SessionBounds(clients=4, nodes=64, objects=8)
     t, other = tenant("t", session_objects=12), tenant("other", session_objects=12)
@@ -138,8 +136,8 @@ def test_two_listeners_of_a_tenant_stop_at_its_bound_of_session_objects_and_anot
         s.sup.close()
 
 
-def test_two_listeners_of_a_tenant_stop_at_its_bound_of_clients_and_nodes(processes: Owners) -> None:
-    honest, _ = processes
+def test_two_listeners_of_a_tenant_stop_at_its_bound_of_clients_and_nodes() -> None:
+    honest = owner(os.getpid())  # a process that lives on: its clients are recorded
     ledger = SessionLedger(no_caps)
     t = tenant("t", session_clients=5, nodes=6)
     small = SessionBounds(clients=4, nodes=5, objects=8)
@@ -169,8 +167,8 @@ def fill_memory(book: MemoryBook, allocations: int, handles: int) -> None:
         book.handle_for(ROOT, 0, 0x77, HONEST)
 
 
-def test_a_listener_that_ends_gives_its_tenant_back_all_it_held_and_the_next_fills_again(processes: Owners) -> None:
-    honest, _ = processes
+def test_a_listener_that_ends_gives_its_tenant_back_all_it_held_and_the_next_fills_again() -> None:
+    honest = owner(os.getpid())  # a process that lives on: its clients are recorded
     ledger = SessionLedger(no_caps)
     bounds = {"allocations": 10, "handles": 10, "session_objects": 10, "session_clients": 3, "nodes": 20}
     t = tenant("t", **bounds)

@@ -117,9 +117,8 @@ class HandleReplay:
 
     def _track(self, handle: int, parent: int) -> bool:
         """Record a live driver-range handle; past the budget the replay is lost instead (False)."""
-        if handle not in self._live:
-            if not self._budget.take():
-                self.close()
-                return False
+        if handle not in self._live and not self._budget.take():
+            self.close()
+            return False
         self._live[handle] = parent
         return True

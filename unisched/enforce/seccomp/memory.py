@@ -34,13 +34,13 @@ from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 UNKNOWN_GPU: Final = -1
 """The GPU of memory whose parent object was not seen as a device or subdevice (counted there, capped too)."""
 
-# The book's bounds, per listener (each also drawn from its tenant's allowance, hooks.TENANT_BOUNDS). Every RM call is the tenant's to write: it may name any hRoot, handle, class,
-# parent and deviceId, and the driver's refusal of a made-up one is never seen, so without them one process could
-# grow the root daemon without end. Past each, what cannot be booked is refused or followed less closely, never
-# admitted uncounted, so caps and reserves hold. Each booked entry belongs to a booked client, and so to the
-# process that made it: the process's exit (SessionSupervisor.reconcile) drops them all. At all four bounds the
-# book takes about 70 MB of the daemon's memory (measured with tracemalloc: ~450 B a client, ~210 a device, ~230 an
-# allocation, ~90 a replayed handle).
+# The book's bounds, per listener (each also drawn from its tenant's allowance, hooks.TENANT_BOUNDS). Every RM call is
+# the tenant's to write: it may name any hRoot, handle, class, parent and deviceId, and the driver's refusal of a
+# made-up one is never seen, so without them one process could grow the root daemon without end. Past each, what
+# cannot be booked is refused or followed less closely, never admitted uncounted, so caps and reserves hold. Each
+# booked entry belongs to a booked client, and so to the process that made it: the process's exit
+# (SessionSupervisor.reconcile) drops them all. At all four bounds the book takes about 70 MB of the daemon's memory
+# (measured with tracemalloc: ~450 B a client, ~210 a device, ~230 an allocation, ~90 a replayed handle).
 MAX_CLIENTS: Final = 1024
 """RM clients booked. A process using the GPU makes a few (EGL made three on the H200), and those of exited processes
 are dropped within seconds. Past it a new client is not booked: its video memory allocations are refused

@@ -264,7 +264,8 @@ class SessionSupervisor:
             if self._book.unbooked(call) is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
                 self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds or its "
-                                f"tenant's, or a process not known) was refused; later ones are logged at debug ({self._book.size()})")
+                                "tenant's, or a process not known) was refused; later ones are logged at debug "
+                                f"({self._book.size()})")
             elif opens and call.kind is not None:
                 if self._loop is not None:
                     self._ask_loop(self._loop, nid, pid, t0, call)
