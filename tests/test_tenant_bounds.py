@@ -243,6 +243,21 @@ def test_hostile_frees_and_exits_never_make_the_tenant_s_count_drift_or_go_negat
     assert t.used() == {}
 
 
+def test_a_book_s_share_gives_back_no_more_than_it_took_and_all_it_still_held_when_closed() -> None:
+    """The books give back only what they drop; the share holds them to it whatever a bug or a caller does, so one
+    listener can never lower what the tenant's others are counted for, nor keep any after it ends."""
+    t = tenant("t", allocations=3)
+    a, b = Share(t), Share(t)
+    assert a.take(Entry.ALLOCATIONS) and b.take(Entry.ALLOCATIONS) and b.take(Entry.ALLOCATIONS)
+    assert not a.take(Entry.ALLOCATIONS) and not a.room(Entry.ALLOCATIONS)
+    a.give(Entry.ALLOCATIONS, 5)
+    a.give(Entry.DEVICES)
+    assert t.used() == {Entry.ALLOCATIONS: 2} and a.held() == {}
+    b.give_all()
+    assert t.used() == {} and b.held() == {}
+    assert a.take(Entry.ALLOCATIONS)
+
+
 def test_the_real_hooks_give_a_tenant_s_listeners_one_allowance_and_another_tenant_its_own() -> None:
     """A pipe stands in for each listener (its writer kept open: nothing to read, never hung up)."""
 
