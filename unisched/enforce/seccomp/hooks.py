@@ -36,13 +36,14 @@ TENANT_BOUNDS: Final[Mapping[Entry, int]] = MappingProxyType({
     Entry.NODES: accounting.MAX_NODES,
     Entry.SESSION_OBJECTS: accounting.MAX_SESSION_OBJECTS,
 })
-"""Book entries one tenant's listeners may hold together (allowance.py): each bound equals one listener's own, so a
-tenant's books together never hold more than one listener's may (about 120 MB of the daemon's memory at all of them,
-measured with tracemalloc), however many listeners it has; a user's worst case is its tenants times that, not times
-MAX_LISTENERS_PER_TENANT too. One listener alone may still fill each bound, as before; past one, the call is refused
-or followed less closely as past the listener's own bound (the reason says it is the tenant's). An honest tenant's
-listeners share what one GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocations than
-an H200 holds)."""
+"""Book entries one tenant's listeners may hold together (allowance.py). Each equals one listener's own bound, so a
+tenant's books together never hold more than one listener's may, however many listeners it has: about 155 MB of the
+daemon's memory at all seven (90 the memory books, 65 the session books; tests/measure_tenant_books.py, tracemalloc,
+every entry a distinct object as a hostile tenant makes them). A user's worst case is then its tenants times that,
+not times MAX_LISTENERS_PER_TENANT too. One listener alone may still fill each of its bounds, as before; past the
+tenant's, a call is refused or followed less closely exactly as past the listener's own (the reason says it is the
+tenant's). Smaller would cut a listener's own bounds for every tenant; an honest tenant's listeners share what one
+GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocations than an H200 holds)."""
 
 
 def listener_refusal(tenant: str, served: list[str], most: int) -> str | None:
