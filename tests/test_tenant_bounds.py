@@ -16,6 +16,7 @@ import os
 import random
 from collections.abc import Mapping
 
+import structlog.testing
 from test_memory_bounds import DEV, HONEST, HOSTILE, ROOT, SMALL, alloc, device, flood, served
 from test_session_bounds import CHANNEL, COMPUTE, FLOOD, GRAPHICS, TID, Served, no_caps
 
@@ -66,7 +67,9 @@ def test_two_listeners_of_a_tenant_stop_at_its_bound_of_allocations_and_another_
     assert all(alloc(a, ROOT, 0x100 + i, 1, HONEST) for i in range(25))  # its own bound is 32
     assert all(alloc(b, ROOT + 1, 0x100 + i, 1, HOSTILE) for i in range(15))
     assert b.book.unbooked(ROOT + 1, 0x200, DEV, HOSTILE) is Unbooked.TENANT_OBJECTS
-    assert not alloc(b, ROOT + 1, 0x200, 1, HOSTILE)  # 16 in b, 41 in the tenant: refused as past its own bound
+    with structlog.testing.capture_logs() as logs:
+        assert not alloc(b, ROOT + 1, 0x200, 1, HOSTILE)  # 16 in b, 41 in the tenant: refused as past its own bound
+    assert [e["why"] for e in logs if e["event"] == "gpu memory allocation refused"] == [Unbooked.TENANT_OBJECTS.value]
     assert refused and ledger.of("t").refused == {0: 1} and ledger.of("t").held == {0: 40}
     assert all(alloc(c, ROOT, 0x100 + i, 1, HONEST) for i in range(30))  # another tenant's are its own
     assert a.book.size().objects + b.book.size().objects == 40
@@ -125,7 +128,9 @@ def test_two_listeners_of_a_tenant_stop_at_its_bound_of_session_objects_and_anot
     assert [b.alloc(ROOT, 0x10 + i, GRAPHICS, honest) for i in range(5)] == [0] * 5
     assert b.book.unbooked(Call(RM_ALLOC, ROOT, ROOT, 0x20, GRAPHICS, SessionKind.GRAPHICS)) \
         is SessionUnbooked.TENANT_OBJECTS
-    assert b.alloc(ROOT, 0x20, GRAPHICS, honest) == -errno.EPERM  # as past its own bound: EPERM, counted refused
+    with structlog.testing.capture_logs() as logs:
+        assert b.alloc(ROOT, 0x20, GRAPHICS, honest) == -errno.EPERM  # as past its own bound: EPERM, counted refused
+    assert [e["why"] for e in logs if e["event"] == "gpu session refused"] == [SessionUnbooked.TENANT_OBJECTS.value]
     assert ledger.refused("t") == {SessionKind.GRAPHICS: 1} == b.sup.stats().refused
     assert ledger.live("t") == {SessionKind.GRAPHICS: 12}
     assert [c.alloc(ROOT, 0x10 + i, GRAPHICS, honest) for i in range(7)] == [0] * 7

@@ -14,7 +14,8 @@ RM_DUP_OBJECT with a zero destination handle), or two threads of one client whos
 in the other order than the hooks saw them. The first shows as a free of a driver-range handle the replay never
 gave out: the client is then marked lost, and its later driver-chosen handles get keys of their own, counted
 until the client or its process ends (never less than it holds). The second swaps two sizes until both are freed.
-A client is also marked lost when the budget of live handles it shares with the other clients of its book is spent.
+A client is also marked lost when the budget of live handles it shares with the other clients of its book is spent, or
+its tenant's (all its books together, allowance.py).
 """
 
 from __future__ import annotations

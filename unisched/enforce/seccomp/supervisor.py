@@ -261,11 +261,12 @@ class SessionSupervisor:
                 self._conclude_memory(nid, pid, t0, call)
                 return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
-            if self._book.unbooked(call) is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
+            unbooked = self._book.unbooked(call)
+            if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
                 self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds or its "
                                 "tenant's, or a process not known) was refused; later ones are logged at debug "
-                                f"({self._book.size()})")
+                                f"({unbooked.value}; {self._book.size()})")
             elif opens and call.kind is not None:
                 if self._loop is not None:
                     self._ask_loop(self._loop, nid, pid, t0, call)
@@ -361,9 +362,11 @@ class SessionSupervisor:
                 self._errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:  # past the bounds a flood may be on: the warning said it once
-            held = None if self._book.unbooked(call) is not None else self.refusal_log.allow(str(call.kind))
+            unbooked = self._book.unbooked(call)
+            held = None if unbooked is not None else self.refusal_log.allow(str(call.kind))
             (log.debug if held is None else log.info)(
                 "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid,
+                why="the daemon's decision" if unbooked is None else unbooked.value,
                 held_back=held or 0)
 
     def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
