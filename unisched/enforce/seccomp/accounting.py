@@ -30,10 +30,12 @@ from types import MappingProxyType
 from typing import Final
 
 from unisched.enforce.nvclasses import RM_FREE, SessionKind
+from unisched.enforce.seccomp.allowance import Entry, Share
 from unisched.enforce.seccomp.calls import ENGINE_KINDS, Call, Session
 from unisched.enforce.seccomp.memory import MAX_CLIENTS
 
-# The book's bounds, per supervisor (one listener: one hooked process group of one tenant). Each recorded entry
+# The book's bounds, per supervisor (one listener: one hooked process group of one tenant); clients, nodes and session
+# objects are each also drawn from the tenant's allowance (hooks.TENANT_BOUNDS), all its listeners together. Each recorded entry
 # belongs to a recorded client, and so to the process that made it: its exit (SessionSupervisor.reconcile) drops
 # them all. RM clients are bounded by memory.MAX_CLIENTS, the memory book's bound of the same meaning: past it a new
 # client is not recorded, nor one whose process is not known (reconcile could never drop it); its session calls are
@@ -158,10 +160,13 @@ class SessionBookSize:
 
 
 class SessionUnbooked(StrEnum):
-    """Why a session call cannot be recorded, and so is refused (MAX_CLIENTS, MAX_SESSION_OBJECTS)."""
+    """Why a session call cannot be recorded, and so is refused (MAX_CLIENTS, MAX_SESSION_OBJECTS; the TENANT_ ones:
+    the same bounds of the tenant's listeners together, hooks.TENANT_BOUNDS)."""
 
     CLIENT = "client not recorded"
     OBJECTS = "too many session objects"
+    TENANT_CLIENT = "client not recorded: the tenant's bound"
+    TENANT_OBJECTS = "too many session objects for the tenant"
 
 
 @dataclass
@@ -190,13 +195,16 @@ class SessionBook:
     """One tenant's RM clients, object trees and sessions, and the counts that follow from them.
 
     The tree is changed by one thread (the supervisor's); `counts()` may be read from any (the counters are
-    under a lock).
+    under a lock). Every client, node and session object it records is taken from `share`, its part of the tenant's
+    allowance, and given back when dropped.
     """
 
-    def __init__(self, tenant: str, join_window_ns: int, bounds: SessionBounds = SessionBounds()) -> None:
+    def __init__(self, tenant: str, join_window_ns: int, bounds: SessionBounds = SessionBounds(),
+                 share: Share | None = None) -> None:
         self.tenant = tenant
         self._join_window_ns = join_window_ns
         self._bounds = bounds
+        self.share = Share() if share is None else share
         self._clients: dict[int, Client] = {}
         self._nodes = 0
         self._synthetic = itertools.count(-1, -1)
@@ -232,15 +240,22 @@ class SessionBook:
         is recorded past the bounds, so they are overshot by at most one call per thread waiting."""
         if call.kind is None:
             return None
-        if call.h_root not in self._clients and not self._room_for_client(call):
-            return SessionUnbooked.CLIENT
+        if call.h_root not in self._clients:
+            why = self._client_refusal(call)
+            if why is not None:
+                return why
         with self._lock:
             objects = sum(self._objects.values())
-        return SessionUnbooked.OBJECTS if objects >= self._bounds.objects else None
+        if objects >= self._bounds.objects:
+            return SessionUnbooked.OBJECTS
+        return None if self.share.room(Entry.SESSION_OBJECTS) else SessionUnbooked.TENANT_OBJECTS
 
-    def _room_for_client(self, call: Call) -> bool:
-        """Whether a new client of `call` may be recorded: its process is known, and MAX_CLIENTS not reached."""
-        return bool((call.owner or (0, ""))[0]) and len(self._clients) < self._bounds.clients
+    def _client_refusal(self, call: Call) -> SessionUnbooked | None:
+        """Why a new client of `call` may not be recorded (None: it may): its process is not known, or MAX_CLIENTS
+        is reached, the book's or the tenant's."""
+        if not (call.owner or (0, ""))[0] or len(self._clients) >= self._bounds.clients:
+            return SessionUnbooked.CLIENT
+        return None if self.share.room(Entry.SESSION_CLIENTS) else SessionUnbooked.TENANT_CLIENT
 
     def needs_decision(self, call: Call, tid: int, now_ns: int) -> bool:
         """For a session call: whether it opens a new session. Otherwise it is marked: a handle seen again
@@ -284,10 +299,11 @@ class SessionBook:
             return self._free(call)
         client = self._clients.get(call.h_root)
         if client is None:
-            if kind is None and not self._room_for_client(call):
+            if kind is None and self._client_refusal(call) is not None:
                 self.untracked += bool(call.owner and call.owner[0])  # MAX_CLIENTS, not an unknown process
                 return []
             tgid, start = call.owner or (0, "")  # a session call here was let through by `unbooked` or a decision
+            self.share.take(Entry.SESSION_CLIENTS, force=True)  # its room was asked just now, or before the decision
             client = self._clients[call.h_root] = Client(tgid, start)
         node = self._record(client, call)
         if kind is None:
@@ -300,9 +316,10 @@ class SessionBook:
         node = call.handle or next(self._synthetic)
         if node == call.h_parent:
             return node
-        if call.kind is not None or self._nodes < self._bounds.nodes:
+        if call.kind is not None or (self._nodes < self._bounds.nodes and self.share.room(Entry.NODES)):
             if node not in client.parent:
                 self._nodes += 1
+                self.share.take(Entry.NODES, force=True)
             client.parent[node] = call.h_parent
             client.children.setdefault(call.h_parent, set()).add(node)
         else:
@@ -322,6 +339,7 @@ class SessionBook:
             session.instances.add(call.instance)
         session.last_ns = now_ns
         client.sessions[node] = session
+        self.share.take(Entry.SESSION_OBJECTS, force=True)  # `unbooked` asked for room, before any decision
         with self._lock:
             self._objects[kind] += 1
             if not opened:
@@ -340,6 +358,7 @@ class SessionBook:
             if session is not None:  # the object was recorded: take it back (its session stays if it has others)
                 self._unlink(client, call.node)
                 session.objects.discard(call.node)
+                self.share.give(Entry.SESSION_OBJECTS)
                 with self._lock:
                     self._objects[session.kind] -= 1
         for e in events:
@@ -382,6 +401,7 @@ class SessionBook:
         parent = client.parent.pop(h, None)
         if parent is not None:
             self._nodes -= 1
+            self.share.give(Entry.NODES)
             siblings = client.children.get(parent)
             if siblings is not None:
                 siblings.discard(h)
@@ -391,6 +411,7 @@ class SessionBook:
     def _drop_object(self, session: Session, h: int) -> bool:
         """Take object `h` out of its session; True when that was the session's last."""
         session.objects.discard(h)
+        self.share.give(Entry.SESSION_OBJECTS)
         with self._lock:
             self._objects[session.kind] -= 1
         return not session.objects
@@ -403,6 +424,9 @@ class SessionBook:
             if client is not None:
                 self._nodes -= len(client.parent)
                 sessions = list({id(x): x for x in client.sessions.values()}.values())
+                self.share.give(Entry.SESSION_CLIENTS)
+                self.share.give(Entry.NODES, len(client.parent))
+                self.share.give(Entry.SESSION_OBJECTS, sum(len(x.objects) for x in sessions))
                 with self._lock:
                     for x in sessions:
                         self._objects[x.kind] -= len(x.objects)
@@ -410,7 +434,10 @@ class SessionBook:
         return events
 
     def release_all(self, action: EventAction) -> list[SessionEvent]:
-        return self.release(list(self._clients), action)
+        """Forget every client (the listener ended), and give its tenant back all the book took."""
+        events = self.release(list(self._clients), action)
+        self.share.give_all()
+        return events
 
     def _uncount(self, sessions: list[Session], action: EventAction) -> list[SessionEvent]:
         events = []

@@ -14,12 +14,15 @@ RM_DUP_OBJECT with a zero destination handle), or two threads of one client whos
 in the other order than the hooks saw them. The first shows as a free of a driver-range handle the replay never
 gave out: the client is then marked lost, and its later driver-chosen handles get keys of their own, counted
 until the client or its process ends (never less than it holds). The second swaps two sizes until both are freed.
-A client is also marked lost when the budget of live handles it shares with the other clients of its book is spent.
+A client is also marked lost when the budget of live handles it shares with the other clients of its book is spent, or
+its tenant's (all its books together, allowance.py).
 """
 
 from __future__ import annotations
 
 from typing import Final
+
+from unisched.enforce.seccomp.allowance import Entry, Share
 
 RS_UNIQUE_HANDLE_BASE: Final = 0xCAF00000
 RS_UNIQUE_HANDLE_RANGE: Final = 0x80000
@@ -31,10 +34,24 @@ def in_driver_range(handle: int) -> bool:
 
 class Budget:
     """Driver-range handles the replays sharing it may still track, together (the memory book gives its clients one,
-    memory.MAX_LIVE): a caller names any handle, so without it a flood of them would grow the daemon without end."""
+    memory.MAX_LIVE, drawn also from its tenant's `share`): a caller names any handle, so without it a flood of them
+    would grow the daemon without end."""
 
-    def __init__(self, left: int = RS_UNIQUE_HANDLE_RANGE) -> None:
+    def __init__(self, left: int = RS_UNIQUE_HANDLE_RANGE, share: Share | None = None) -> None:
         self.left = left
+        self._share = Share() if share is None else share
+
+    def take(self) -> bool:
+        """Track one more handle; False when this budget or the tenant's is spent."""
+        if self.left <= 0 or not self._share.take(Entry.HANDLES):
+            return False
+        self.left -= 1
+        return True
+
+    def give(self, n: int = 1) -> None:
+        """`n` tracked handles were dropped."""
+        self.left += n
+        self._share.give(Entry.HANDLES, n)
 
 
 class HandleReplay:
@@ -63,7 +80,7 @@ class HandleReplay:
     def untake(self, handle: int) -> None:
         """The call that `take` answered never reached the driver (its caller was gone)."""
         if self._live.pop(handle, None) is not None:
-            self._budget.left += 1
+            self._budget.give()
             self._next -= 1
 
     def note(self, handle: int, parent: int) -> None:
@@ -78,7 +95,7 @@ class HandleReplay:
         if self._live.pop(handle, None) is None:
             self.close()
         else:
-            self._budget.left += 1
+            self._budget.give()
 
     def drop_under(self, parents: set[int]) -> None:
         """Forget the handles under the freed `parents`, at any depth (the driver frees children with them). One
@@ -90,21 +107,19 @@ class HandleReplay:
         while stack:
             for h in children.pop(stack.pop(), ()):
                 del self._live[h]
-                self._budget.left += 1
+                self._budget.give()
                 stack.append(h)
 
     def close(self) -> None:
         """Mark it lost and give its handles back to the budget (its client is gone, or cannot be followed)."""
         self.lost = True
-        self._budget.left += len(self._live)
+        self._budget.give(len(self._live))
         self._live.clear()
 
     def _track(self, handle: int, parent: int) -> bool:
         """Record a live driver-range handle; past the budget the replay is lost instead (False)."""
-        if handle not in self._live:
-            if self._budget.left <= 0:
-                self.close()
-                return False
-            self._budget.left -= 1
+        if handle not in self._live and not self._budget.take():
+            self.close()
+            return False
         self._live[handle] = parent
         return True

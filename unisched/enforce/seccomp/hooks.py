@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final, Protocol
 
 from unisched.enforce.nvclasses import SessionKind
+from unisched.enforce.seccomp import accounting, memory
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import SessionEvent
+from unisched.enforce.seccomp.allowance import Entry, TenantAllowance
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.stats import SupervisorStats
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
@@ -24,6 +26,24 @@ MAX_LISTENERS_PER_TENANT: Final = 256
 thread and books bounded on their own (memory.py, accounting.py), so a user starting hooked runs without end would
 otherwise multiply both; 256 is more containers or runs than one tenant shares a host's GPUs between. Past it the
 hand-over is refused with the reason, and the run or container does not start."""
+
+TENANT_BOUNDS: Final[Mapping[Entry, int]] = MappingProxyType({
+    Entry.MEMORY_CLIENTS: memory.MAX_CLIENTS,
+    Entry.DEVICES: memory.MAX_DEVICES,
+    Entry.ALLOCATIONS: memory.MAX_OBJECTS,
+    Entry.HANDLES: memory.MAX_LIVE,
+    Entry.SESSION_CLIENTS: memory.MAX_CLIENTS,  # the session book's bound of clients too (accounting.py)
+    Entry.NODES: accounting.MAX_NODES,
+    Entry.SESSION_OBJECTS: accounting.MAX_SESSION_OBJECTS,
+})
+"""Book entries one tenant's listeners may hold together (allowance.py). Each equals one listener's own bound, so a
+tenant's books together never hold more than one listener's may, however many listeners it has: about 155 MB of the
+daemon's memory at all seven (90 the memory books, 65 the session books; tests/measure_tenant_books.py, tracemalloc,
+every entry a distinct object as a hostile tenant makes them). A user's worst case is then its tenants times that,
+not times MAX_LISTENERS_PER_TENANT too. One listener alone may still fill each of its bounds, as before; past the
+tenant's, a call is refused or followed less closely exactly as past the listener's own (the reason says it is the
+tenant's). Smaller would cut a listener's own bounds for every tenant; an honest tenant's listeners share what one
+GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocations than an H200 holds)."""
 
 
 def listener_refusal(tenant: str, served: list[str], most: int) -> str | None:
@@ -53,22 +73,30 @@ class SupervisedHooks:
     def __init__(
         self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None],
         memory: MemoryLedger | None = None, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
+        tenant_bounds: Mapping[Entry, int] = TENANT_BOUNDS,
     ) -> None:
         self._max_per_tenant = max_per_tenant
+        self._tenant_bounds = tenant_bounds
         self._decide = decide
         self._on_event = on_event
         self.memory = memory
         """Video memory held per tenant and GPU, and the caps and reserves decided on it (None: not followed)."""
         self._supervisors: list[SessionSupervisor] = []
+        self._allowances: dict[str, TenantAllowance] = {}
+        """Per tenant with a listener served: what all its books hold together (TENANT_BOUNDS)."""
 
     def attach(self, listener_fd: int, tenant: str) -> None:
         self._supervisors = [s for s in self._supervisors if not s.closed]  # forget those whose tenant has gone
-        why = listener_refusal(tenant, [s.tenant for s in self._supervisors], self._max_per_tenant)
+        served = [s.tenant for s in self._supervisors]
+        self._allowances = {t: a for t, a in self._allowances.items() if t in served}  # the ended gave all back
+        why = listener_refusal(tenant, served, self._max_per_tenant)
         if why is not None:
             os.close(listener_fd)
             raise SeccompError(why)
+        allowance = self._allowances.setdefault(tenant, TenantAllowance(tenant, self._tenant_bounds))
         try:
-            sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory)
+            sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
+                                    allowance=allowance)
         except BaseException:
             os.close(listener_fd)
             raise

@@ -27,19 +27,20 @@ from enum import StrEnum
 from typing import Final
 
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0
+from unisched.enforce.seccomp.allowance import Entry, Share
 from unisched.enforce.seccomp.handles import Budget, HandleReplay
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
 """The GPU of memory whose parent object was not seen as a device or subdevice (counted there, capped too)."""
 
-# The book's bounds, per listener. Every RM call is the tenant's to write: it may name any hRoot, handle, class,
-# parent and deviceId, and the driver's refusal of a made-up one is never seen, so without them one process could
-# grow the root daemon without end. Past each, what cannot be booked is refused or followed less closely, never
-# admitted uncounted, so caps and reserves hold. Each booked entry belongs to a booked client, and so to the
-# process that made it: the process's exit (SessionSupervisor.reconcile) drops them all. At all four bounds the
-# book takes about 70 MB of the daemon's memory (measured with tracemalloc: ~450 B a client, ~210 a device, ~230 an
-# allocation, ~90 a replayed handle).
+# The book's bounds, per listener (each also drawn from its tenant's allowance, hooks.TENANT_BOUNDS). Every RM call is
+# the tenant's to write: it may name any hRoot, handle, class, parent and deviceId, and the driver's refusal of a
+# made-up one is never seen, so without them one process could grow the root daemon without end. Past each, what
+# cannot be booked is refused or followed less closely, never admitted uncounted, so caps and reserves hold. Each
+# booked entry belongs to a booked client, and so to the process that made it: the process's exit
+# (SessionSupervisor.reconcile) drops them all. At all four bounds the book takes about 70 MB of the daemon's memory
+# (measured with tracemalloc: ~450 B a client, ~210 a device, ~230 an allocation, ~90 a replayed handle).
 MAX_CLIENTS: Final = 1024
 """RM clients booked. A process using the GPU makes a few (EGL made three on the H200), and those of exited processes
 are dropped within seconds. Past it a new client is not booked: its video memory allocations are refused
@@ -96,11 +97,15 @@ class BookSize:
 
 
 class Unbooked(StrEnum):
-    """Why a video memory allocation cannot be booked, and so is refused (MAX_CLIENTS, MAX_DEVICES, MAX_OBJECTS)."""
+    """Why a video memory allocation cannot be booked, and so is refused (MAX_CLIENTS, MAX_DEVICES, MAX_OBJECTS; the
+    TENANT_ ones: the same bounds of the tenant's listeners together, hooks.TENANT_BOUNDS)."""
 
     CLIENT = "client not booked"
     DEVICE = "device not booked"
     OBJECTS = "too many allocations"
+    TENANT_CLIENT = "client not booked: the tenant's bound"
+    TENANT_DEVICE = "device not booked: the tenant's bound"
+    TENANT_OBJECTS = "too many allocations for the tenant"
 
 
 _DEVICE, _MEMORY = 0, 1
@@ -108,11 +113,13 @@ _DEVICE, _MEMORY = 0, 1
 
 
 class MemoryBook:
-    """One listener's devices and memory objects (module docstring), within its bounds. One thread changes it (the
-    supervisor's)."""
+    """One listener's devices and memory objects (module docstring), within its bounds and its tenant's (`share`:
+    every client, device, allocation and replayed handle it records is taken from it, and given back when dropped).
+    One thread changes it (the supervisor's)."""
 
-    def __init__(self, bounds: BookBounds = BookBounds()) -> None:
+    def __init__(self, bounds: BookBounds = BookBounds(), share: Share | None = None) -> None:
         self._bounds = bounds
+        self.share = Share() if share is None else share
         self._owners: dict[int, tuple[int, str]] = {}
         self._devices: dict[tuple[int, int], tuple[int, int]] = {}  # (hRoot, handle) -> (gpu, parent)
         self._objects: dict[tuple[int, int], _Object] = {}
@@ -122,8 +129,8 @@ class MemoryBook:
         each time a pass over up to MAX_OBJECTS entries, holding the interpreter (and so the daemon) that long."""
         self._of_root: dict[int, set[tuple[int, int]]] = {}
         self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles; one per owner
-        self._unplaced: set[int] = set()  # booked clients with a device the book had no room for
-        self._budget = Budget(bounds.live)
+        self._unplaced: dict[int, Unbooked] = {}  # booked clients with a device the book had no room for, and why
+        self._budget = Budget(bounds.live, self.share)
         self._synthetic = itertools.count(-1, -1)
 
     def owners(self) -> dict[int, tuple[int, str]]:
@@ -152,7 +159,7 @@ class MemoryBook:
         RM_ALLOC); None when it cannot be booked (MAX_CLIENTS, or its process is not known)."""
         replay = self._replays.get(h_root)
         if replay is None:
-            if not owner[0] or len(self._owners) >= self._bounds.clients:
+            if self._client_refusal(owner) is not None or not self.share.take(Entry.MEMORY_CLIENTS):
                 return None
             self._owners[h_root] = owner
             replay = self._replays[h_root] = HandleReplay(self._budget)
@@ -186,11 +193,15 @@ class MemoryBook:
         key = (h_root, handle)
         if self._client(h_root, owner) is None:
             return []
-        if key not in self._devices and len(self._devices) >= self._bounds.devices:
-            self._unplaced.add(h_root)
-            return []
         old = self._devices.get(key)
-        if old is not None:
+        if old is None:
+            if len(self._devices) >= self._bounds.devices:
+                self._unplaced[h_root] = Unbooked.DEVICE
+                return []
+            if not self.share.take(Entry.DEVICES):
+                self._unplaced[h_root] = Unbooked.TENANT_DEVICE
+                return []
+        else:
             self._unlink(h_root, (_DEVICE, handle), old[1])
         self._devices[key] = (gpu, h_parent)
         self._link(h_root, (_DEVICE, handle), h_parent)
@@ -198,13 +209,23 @@ class MemoryBook:
 
     def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> Unbooked | None:
         """Why a video memory allocation could not be booked (None: `add` may book it). Ask before charging it."""
-        if h_root not in self._owners and (not owner[0] or len(self._owners) >= self._bounds.clients):
-            return Unbooked.CLIENT
+        if h_root not in self._owners:
+            why = self._client_refusal(owner)
+            if why is not None or not self.share.room(Entry.MEMORY_CLIENTS):
+                return why or Unbooked.TENANT_CLIENT
         if h_root in self._unplaced and (h_root, h_parent) not in self._devices:
-            return Unbooked.DEVICE
-        if (not handle or (h_root, handle) not in self._objects) and len(self._objects) >= self._bounds.objects:
-            return Unbooked.OBJECTS
+            return self._unplaced[h_root]
+        if not handle or (h_root, handle) not in self._objects:
+            if len(self._objects) >= self._bounds.objects:
+                return Unbooked.OBJECTS
+            if not self.share.room(Entry.ALLOCATIONS):
+                return Unbooked.TENANT_OBJECTS
         return None
+
+    def _client_refusal(self, owner: tuple[int, str]) -> Unbooked | None:
+        """Why a new client of process `owner` cannot be booked by this book's own bound (or its process is not
+        known, so its exit could never drop it)."""
+        return Unbooked.CLIENT if not owner[0] or len(self._owners) >= self._bounds.clients else None
 
     def add(self, h_root: int, handle: int, h_parent: int, nbytes: int,
             owner: tuple[int, str]) -> tuple[int, int, list[Held]]:
@@ -218,6 +239,7 @@ class MemoryBook:
         gpu = self.gpu_of(h_root, h_parent)
         key = (h_root, self.handle_for(h_root, handle, h_parent, owner))
         stale = self._drop_object(h_root, key[1])
+        self.share.take(Entry.ALLOCATIONS, force=True)  # `unbooked` asked for room
         self._objects[key] = _Object(gpu, nbytes, h_parent)
         self._link(h_root, (_MEMORY, key[1]), h_parent)
         return gpu, key[1], [] if stale is None else [Held(stale.gpu, stale.nbytes)]
@@ -256,8 +278,9 @@ class MemoryBook:
         """Forget RM clients (freed, or their process exited) and everything they held."""
         drop = set(roots)
         for r in drop:
-            self._owners.pop(r, None)
-            self._unplaced.discard(r)
+            if self._owners.pop(r, None) is not None:
+                self.share.give(Entry.MEMORY_CLIENTS)
+            self._unplaced.pop(r, None)
             replay = self._replays.pop(r, None)
             if replay is not None:
                 replay.close()
@@ -273,7 +296,10 @@ class MemoryBook:
         return out
 
     def release_all(self) -> list[Held]:
-        return self.release(list(self._owners) + list(self._of_root))
+        """Forget everything (the listener ended), and give its tenant back all the book took."""
+        out = self.release(list(self._owners) + list(self._of_root))
+        self.share.give_all()
+        return out
 
     # --- the index of what each client recorded under each parent ------------------------------------------------
     def _link(self, h_root: int, entry: tuple[int, int], parent: int) -> None:
@@ -295,11 +321,13 @@ class MemoryBook:
     def _drop_device(self, h_root: int, handle: int) -> None:
         found = self._devices.pop((h_root, handle), None)
         if found is not None:
+            self.share.give(Entry.DEVICES)
             self._unlink(h_root, (_DEVICE, handle), found[1])
 
     def _drop_object(self, h_root: int, handle: int) -> _Object | None:
         obj = self._objects.pop((h_root, handle), None)
         if obj is not None:
+            self.share.give(Entry.ALLOCATIONS)
             self._unlink(h_root, (_MEMORY, handle), obj.parent)
         return obj
 

@@ -10,6 +10,7 @@ from typing import Final
 import structlog
 
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
+from unisched.enforce.seccomp.allowance import Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
@@ -29,13 +30,13 @@ The counts stay exact in the ledger and the metrics."""
 
 class MemoryCalls:
     """The memory side of ONE tenant's supervisor (serving thread only). Without a ledger, memory is not
-    enforced: nothing is charged, booked or credited."""
+    enforced: nothing is charged, booked or credited. `share`: the book's part of its tenant's allowance."""
 
     def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener,
-                 warn: Callable[[str, str], None]) -> None:
+                 warn: Callable[[str, str], None], share: Share | None = None) -> None:
         self.tenant = tenant
         self.ledger = ledger
-        self.book = MemoryBook()
+        self.book = MemoryBook(share=share)
         self._listener = listener
         self._warn = warn
         """The supervisor's warn-once (key, message), as its listener's."""
@@ -115,14 +116,15 @@ class MemoryCalls:
     def _refusal(self, gpu: int, h_root: int, handle: int, h_parent: int, nbytes: int,
                  owner: tuple[int, str]) -> Verdict | Unbooked | None:
         """Charge the allocation, or say why it is refused: the book cannot record it (memory.MAX_OBJECTS and the
-        other bounds; refused uncharged, since admitted uncounted it would escape the caps), or the ledger's verdict."""
+        other bounds, the listener's or its tenant's; refused uncharged, since admitted uncounted it would escape the
+        caps), or the ledger's verdict."""
         assert self.ledger is not None
         unbooked = self.book.unbooked(h_root, handle, h_parent, owner)
         if unbooked is not None:
             self.ledger.refuse(self.tenant, gpu)
-            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, or a process not known) "
-                       f"was refused as out of memory; later ones are logged at debug ({unbooked.value}; "
-                       f"{self.book.size()})")
+            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds or its tenant's, or a "
+                       "process not known) was refused as out of memory; later ones are logged at debug "
+                       f"({unbooked.value}; {self.book.size()})")
             return unbooked
         verdict = self.ledger.charge(self.tenant, gpu, nbytes)
         return None if verdict is Verdict.ADMIT else verdict

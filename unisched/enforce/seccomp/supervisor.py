@@ -32,6 +32,7 @@ from unisched.enforce.seccomp.abi import (
     SeccompError,
 )
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent
+from unisched.enforce.seccomp.allowance import Share, TenantAllowance
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
@@ -74,6 +75,9 @@ class SessionSupervisor:
     `decide` and `on_event` must be quick and non-blocking; `decide` is consulted only for the first object of
     an engine session (accounting.py says which objects join one), and an exception in it admits the call.
     `stats()` may be called from any thread; `close()` too (with `attach`, it joins the supervisor's thread).
+
+    `allowance`: the entries all the tenant's books may hold together (hooks.TENANT_BOUNDS); both books draw on it,
+    and give back all they held when the supervisor finishes. None: each book only has its own bounds.
     """
 
     def __init__(
@@ -88,15 +92,17 @@ class SessionSupervisor:
         join_window_s: float = 1.0,
         sync_wake_up: bool = True,
         memory: MemoryLedger | None = None,
+        allowance: TenantAllowance | None = None,
     ) -> None:
         self.tenant = tenant
+        self.allowance = allowance
         self._listener = Listener(listener_fd, self._warn_once)
-        self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once)
+        self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once, share=Share(allowance))
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
         self._lock = threading.Lock()
-        self._book = SessionBook(tenant, int(join_window_s * 1e9))
+        self._book = SessionBook(tenant, int(join_window_s * 1e9), share=Share(allowance))
         self._notifications = 0
         self._skipped = 0
         self._errors = 0
@@ -255,10 +261,12 @@ class SessionSupervisor:
                 self._conclude_memory(nid, pid, t0, call)
                 return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
-            if self._book.unbooked(call) is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
+            unbooked = self._book.unbooked(call)
+            if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
-                self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds, or a "
-                                f"process not known) was refused; later ones are logged at debug ({self._book.size()})")
+                self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds or its "
+                                "tenant's, or a process not known) was refused; later ones are logged at debug "
+                                f"({unbooked.value}; {self._book.size()})")
             elif opens and call.kind is not None:
                 if self._loop is not None:
                     self._ask_loop(self._loop, nid, pid, t0, call)
@@ -354,9 +362,11 @@ class SessionSupervisor:
                 self._errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:  # past the bounds a flood may be on: the warning said it once
-            held = None if self._book.unbooked(call) is not None else self.refusal_log.allow(str(call.kind))
+            unbooked = self._book.unbooked(call)
+            held = None if unbooked is not None else self.refusal_log.allow(str(call.kind))
             (log.debug if held is None else log.info)(
                 "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid,
+                why="the daemon's decision" if unbooked is None else unbooked.value,
                 held_back=held or 0)
 
     def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
