@@ -46,6 +46,7 @@ from mixed_pairs import (
     parse_weights,
     plan,
     round_seconds,
+    window_s,
 )
 from scoring import efficiency, error_points, guarantee_ok
 from summary import commit as tree_commit
@@ -60,9 +61,10 @@ MIN_SUM = 0.98
 # ... and every side's guarantee (its weight share, less scoring.GUARANTEE_SLACK) met in every round.
 
 
-def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str) -> list[float]:
-    """Start `members` (with their weights) under a fresh daemon on one shared window; their rates (each in its
-    member's unit)."""
+def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str,
+                 seconds: float) -> list[float]:
+    """Start `members` (with their weights) under a fresh daemon on one shared window of `seconds`; their rates
+    (each in its member's unit)."""
     work.mkdir(parents=True, exist_ok=True)
     daemon, sock = start_daemon(work, *args.serve_arg)
     procs, reports = [], []
@@ -72,11 +74,11 @@ def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, wo
     try:
         for i, (m, w) in enumerate(members):
             report = work / f"{label}-{i}.json"
-            cmd = m.command(f"{label}-{i}", w * 100, sock, start_at, args.seconds, report, workloads)
+            cmd = m.command(f"{label}-{i}", w * 100, sock, start_at, seconds, report, workloads)
             log = (work / f"{label}-{i}.log").open("wb")
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=bench_env(), cwd=ROOT))
             reports.append(report)
-        deadline = start_at + args.seconds + args.grace
+        deadline = start_at + seconds + args.grace
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
@@ -156,7 +158,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          f"engine (default: {DEFAULT_PAIRS})")
     ap.add_argument("--weights", default=DEFAULT_WEIGHTS, help=f"weights A:B (default: {DEFAULT_WEIGHTS})")
     ap.add_argument("--seconds", type=float, default=DEFAULT_SECONDS,
-                    help=f"measured window per run (default: {DEFAULT_SECONDS:g})")
+                    help=f"measured window per run (default: {DEFAULT_SECONDS:g}); a pair with a long-step client gets "
+                         "the window of mixed_pairs.WINDOW_CYCLES of its scheduling cycles when that is longer")
     ap.add_argument("--warmup", type=float, default=DEFAULT_WARMUP_S,
                     help=f"seconds from launch to the window (default: {DEFAULT_WARMUP_S:g})")
     ap.add_argument("--grace", type=float, default=20.0, help="seconds a run may overrun its window (default: 20)")
@@ -187,7 +190,7 @@ def print_plan(args: argparse.Namespace, pairs: list[tuple[Member, Member]], wei
     if not args.dry_run:
         return
     for a, b, w in runs:
-        print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}")
+        print(f"  {a.spec}+{b.spec} at {w[0]}:{w[1]}, a {window_s(a, b, w, args.seconds):.1f} s window")
     workloads = Workloads(tuple(shlex.split(args.workload)), tuple(shlex.split(args.render_workload)),
                           args.render_iterations)
     for m in members:
@@ -217,11 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def run_logged(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str) -> list[float]:
+def run_logged(members: list[tuple[Member, int]], args: argparse.Namespace, work: Path, label: str,
+               seconds: float) -> list[float]:
     """`run_together`, and its daemon's and workloads' logs copied under --logs (its own folder there), whether it
     succeeded or not: the work folder is temporary."""
     try:
-        return run_together(members, args, work, label)
+        return run_together(members, args, work, label, seconds)
     finally:
         if args.logs is not None:
             (args.logs / work.name).mkdir(parents=True, exist_ok=True)
@@ -238,13 +242,14 @@ def run_rounds(args: argparse.Namespace, pairs: list[tuple[Member, Member]], wei
     for rnd in range(1, args.rounds + 1):
         solo = {}
         for m in members_of(pairs):
-            (rate,) = run_logged([(m, 1)], args, work_root / f"r{rnd}-solo-{m.spec}", "solo")
+            (rate,) = run_logged([(m, 1)], args, work_root / f"r{rnd}-solo-{m.spec}", "solo", args.seconds)
             solo[m.spec] = rate
             print(f"round {rnd}: {m.spec} alone {rate:.1f} {m.unit}", flush=True)
         solos.append(solo)
         for k, (a, b, w) in enumerate(plan(pairs, weights), 1):
             label = f"r{rnd}-p{k}"
-            rates = run_logged([(a, w[0]), (b, w[1])], args, work_root / f"{label}-{a.spec}+{b.spec}-{w[0]}_{w[1]}", "t")
+            rates = run_logged([(a, w[0]), (b, w[1])], args, work_root / f"{label}-{a.spec}+{b.spec}-{w[0]}_{w[1]}", "t",
+                               window_s(a, b, w, args.seconds))
             s = score(rates, [solo[a.spec], solo[b.spec]], w)
             runs.setdefault(f"{a.spec}+{b.spec} {w[0]}:{w[1]}", []).append(s)
             print(f"round {rnd}: {a.spec}+{b.spec} {w[0]}:{w[1]} normalized {s['normalized']} error "

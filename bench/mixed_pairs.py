@@ -33,6 +33,17 @@ DEFAULT_PAIRS = "client8+app,client240+app,client8+client8,frame+render,frame+fr
 DEFAULT_WEIGHTS = "1:1,3:1,1:3"
 DEFAULT_SECONDS = 8.0
 DEFAULT_WARMUP_S = 6.0
+MATMUL_S = 1 / 4855
+"""A client's 4096x4096 bf16 matmul on the H200 (client8 alone: 4855 matmul/s), for the length of its steps."""
+SLICE_S, RUN_UNITS, MAX_RUN_S = 0.050, 8, 0.500
+"""The daemon's defaults (slice_ms, Tuning.run_units, lease_max_run_ms; tests/test_bench_mixed_engines.py checks
+they match): a client whose steps are long against the slice earns turns of RUN_UNITS steps, at most MAX_RUN_S."""
+WINDOW_CYCLES = 24
+"""A pair's window holds at least this many of its scheduling cycles (a client's turn and the other's). A window
+cuts a cycle where it falls, and a side with share s then reads up to s(1-s)/N of the GPU off (N cycles): with
+50 ms steps a client's turns are ~0.4 s and at 1:3 a cycle ~1.6 s, so an 8 s window (5 cycles) can read a share up
+to 3.75 points off by where it falls alone. With 24, at most 1.04 points at 1:1 and 0.78 at 1:3 (a quarter of that
+on average)."""
 RUN_OVERHEAD_S = 2.0
 """Per run beyond warm-up and window, for the estimate: a fresh daemon's start-up and SIGTERM, the workloads' exit
 and reports. Measured on the H200: a default round (18 runs) took 285 s, 15.8 s a run (bench/results/
@@ -141,11 +152,25 @@ def members_of(pairs: list[tuple[Member, Member]]) -> list[Member]:
     return [Member(s) for s in sorted({m.spec for p in pairs for m in p})]
 
 
+def turn_s(m: Member) -> float:
+    """About how long a member's turns are when it contends (0: a slice at a time, as for apps and frames)."""
+    k = m.client_steps
+    run = 0.0 if k is None else min(MAX_RUN_S, RUN_UNITS * k * MATMUL_S)
+    return run if run >= 2 * SLICE_S else 0.0
+
+
+def window_s(a: Member, b: Member, w: tuple[int, int], seconds: float) -> float:
+    """The measured window of pair a+b at weights w: `seconds`, or WINDOW_CYCLES of its cycles when longer."""
+    cycle = max((turn_s(m) * sum(w) / wm for m, wm in ((a, w[0]), (b, w[1]))), default=0.0)
+    return max(seconds, WINDOW_CYCLES * cycle)
+
+
 def round_seconds(pairs: list[tuple[Member, Member]], weights: list[tuple[int, int]], warmup: float,
                   seconds: float) -> float:
     """About how long a round runs: every member alone and every planned pair, each on a fresh daemon (an estimate
-    from the workloads' warm-up and window, RUN_OVERHEAD_S for the rest)."""
-    return (len(members_of(pairs)) + len(plan(pairs, weights))) * (warmup + seconds + RUN_OVERHEAD_S)
+    from the workloads' warm-up and windows, RUN_OVERHEAD_S for the rest)."""
+    runs = [seconds] * len(members_of(pairs)) + [window_s(a, b, w, seconds) for a, b, w in plan(pairs, weights)]
+    return sum(warmup + s + RUN_OVERHEAD_S for s in runs)
 
 
 def default_round_minutes() -> float:

@@ -82,9 +82,9 @@ def test_dry_run_prints_the_render_plan_each_members_command_and_the_estimate(tm
                           "--rounds", "3", "--pairs", RENDER_PAIRS, "--dry-run"], capture_output=True, text=True,
                          cwd=ROOT, env=child_env(), timeout=60, check=False)
     assert got.returncode == 0, got.stderr
-    # 3 rounds x 7 runs (2 alone + 5 pairs) x (6 s warm-up + 8 s window + 6 s start/stop) = 420 s
+    # 3 rounds x 7 runs (2 alone + 5 pairs) x (6 s warm-up + 8 s window + 2 s start/stop) = 336 s
     assert "3 rounds x (2 alone + 5 pairs), about 5.6 min" in got.stdout
-    assert "  frame+render at 1:3\n" in got.stdout and "frame+frame at 1:3" not in got.stdout
+    assert "  frame+render at 1:3, a 8.0 s window\n" in got.stdout and "frame+frame at 1:3" not in got.stdout
     lines = {line.split(" ", 3)[2]: line.split(": ", 1)[1] for line in got.stdout.splitlines()
              if line.startswith("  ") and ", at weight 1: " in line}
     frame, render = shlex.split(lines["frame"]), shlex.split(lines["render"])
@@ -95,8 +95,11 @@ def test_dry_run_prints_the_render_plan_each_members_command_and_the_estimate(tm
 
 def test_the_suite_estimate_counts_the_render_pairs() -> None:
     suite = suites.BY_NAME["mixed"]
-    # 5 members alone + 13 pairs (client8+app, client240+app, frame+render at 3 weights; two A+A pairs at 2)
-    assert suite.round_minutes == pytest.approx(18 * (6 + 8 + mixed_pairs.RUN_OVERHEAD_S) / 60, abs=0.05)
+    # 5 members alone + 13 pairs (client8+app, client240+app, frame+render at 3 weights; two A+A pairs at 2), each
+    # with 6 s of warm-up and the overhead; windows of 8 s, but client240+app's of 24 cycles of ~0.4 s turns:
+    # 19.0 s at 1:1, 12.7 at 3:1, 38.0 at 1:3
+    windows = 15 * 8 + 19.0 + 12.7 + 38.0
+    assert suite.round_minutes == pytest.approx((18 * (6 + mixed_pairs.RUN_OVERHEAD_S) + windows) / 60, abs=0.05)
     got = run_py("mixed", "--dry-run", "--rounds", "3")
     assert got.returncode == 0, got.stderr
     assert f"mixed: 3 rounds, about {3 * suite.round_minutes:g} min" in got.stdout
@@ -179,3 +182,45 @@ def test_the_render_workload_as_a_frame_client_on_the_gpu(daemon_factory, tmp_pa
     r = json.loads(report.read_text())
     assert r["throughput"] > 0 and r["client"] == tenant and r["weight"] == 300
     assert r["governed"] is True and r["gpu_seconds_reported"] > 0
+
+
+def test_the_bench_takes_the_turns_the_daemon_gives_by_default() -> None:
+    """The window of a long-step pair is sized from the turns its client earns: the daemon's defaults, copied (the
+    bench runs before the package is importable)."""
+    from unisched.policy.tuning import TUNING
+    from unisched.scheduler.config import DaemonConfig
+
+    assert DaemonConfig().slice_ms / 1000 == mixed_pairs.SLICE_S
+    assert DaemonConfig().lease_max_run_ms / 1000 == mixed_pairs.MAX_RUN_S
+    assert TUNING.run_units == mixed_pairs.RUN_UNITS
+
+
+def test_short_step_pairs_keep_the_window_and_long_step_pairs_hold_enough_cycles() -> None:
+    m = mixed_pairs.Member
+    assert mixed_pairs.window_s(m("client8"), m("app"), (1, 3), 8.0) == 8.0  # turns of a slice: no longer window
+    assert mixed_pairs.window_s(m("frame"), m("render"), (1, 3), 8.0) == 8.0
+    turn = mixed_pairs.turn_s(m("client240"))
+    assert 0.35 < turn < 0.45  # 8 steps of ~50 ms
+    for w, share in (((1, 1), 0.5), ((3, 1), 0.75), ((1, 3), 0.25)):
+        cycle = turn / share  # the client's turn, then the app's time to match its weight
+        assert mixed_pairs.window_s(m("client240"), m("app"), w, 8.0) == pytest.approx(24 * cycle)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_where_a_window_cuts_the_cycles_moves_a_share_by_at_most_the_stated_bound(share: float) -> None:
+    """WINDOW_CYCLES' docstring: a side of share s that runs in turns reads at most s(1-s)/N off over N cycles,
+    whatever the phase. An 8 s window holds 4-5 cycles of 50 ms steps at 1:3: enough for the cut alone to move a
+    share by several points."""
+    def read(window: float, cycle: float, phase: float) -> float:
+        turn, steps = share * cycle, 4000
+        work = 0.0
+        for k in range(steps):  # the side runs at full rate in [n*cycle, n*cycle + turn)
+            t = phase + window * (k + 0.5) / steps
+            work += (t % cycle) < turn
+        return work / steps
+    n = mixed_pairs.WINDOW_CYCLES
+    worst = max(abs(read(n * 1.0, 1.0, p / 50) - share) for p in range(50))
+    assert worst <= share * (1 - share) / n + 2e-3
+    assert share * (1 - share) / n <= 0.0105  # the bar's worst round is 2 points: a cut leaves most of it
+    short = max(abs(read(4.5, 1.0, p / 50) - share) for p in range(50))
+    assert short > 0.02  # with few cycles the cut alone can take a share out of the bar
