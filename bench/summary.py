@@ -242,12 +242,24 @@ def plot(folder: Path, s: dict[str, Any]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ the README table
 
 
+SUBSET_ARGS = ("--pairs", "--weights")
+"""Arguments passed on to a suite's scripts (after `--`) that run only part of its plan."""
+
+
+def is_subset(s: dict[str, Any]) -> bool:
+    """Whether a summary's run measured only part of its suite (SUBSET_ARGS after `--` in its command)."""
+    words = str(s.get("command", "")).split()
+    passed = words[words.index("--") + 1:] if "--" in words else []
+    return any(w == a or w.startswith(a + "=") for w in passed for a in SUBSET_ARGS)
+
+
 def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """Per suite, its newest summary (by date, then folder name) under `results`; stand-in runs never count."""
+    """Per suite, its newest summary (by date, then folder name) under `results`. Stand-in runs never count, nor do
+    runs of part of a suite (is_subset): the table would show a few cases as if they were all of it."""
     found: dict[str, tuple[Path, dict[str, Any]]] = {}
     for path in sorted(results.glob(f"*/*/{SUMMARY}")):
         s = load(path.parent)
-        if s is None or s.get("standin") or s.get("suite") not in {x.name for x in SUITES}:
+        if s is None or s.get("standin") or is_subset(s) or s.get("suite") not in {x.name for x in SUITES}:
             continue
         prev = found.get(s["suite"])
         if prev is None or (s.get("date_utc", ""), str(path)) >= (prev[1].get("date_utc", ""), str(prev[0])):

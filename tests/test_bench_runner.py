@@ -183,6 +183,11 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
         summary.write(tmp_path / f"{day}-h200-aaaaaaa" / "leases",
                       summary.build(suite, [rnd], {**meta, "date_utc": f"{day} 10:00:00"}))
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],  # newer, but of part of the suite: not shown
+           "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.1}}}
+    summary.write(tmp_path / "2026-03-01-h200-bbbbbbb" / "leases",
+                  summary.build(suite, [rnd], {**meta, "command": "python3 bench/run.py leases -- --weights 3:1",
+                                               "date_utc": "2026-03-01 10:00:00"}))
     table = summary.results_table(tmp_path, link_from=tmp_path)
     row = next(x for x in table.splitlines() if x.startswith("| leases |"))
     assert "0 of 1" in row and "FAIL: 0.62 ms > 0.5 ms, by 0.12 ms" in row
