@@ -8,6 +8,8 @@
   python3 bench/run.py SUITE -- --seconds 20           words after `--` go to every command of a round
   python3 bench/run.py --table                         the README's results table, from the latest summaries
   python3 bench/run.py --update-readme README.md       write that table between the README's markers
+  python3 bench/run.py --update-results docs/results.md  write the results page (the table and every verdict of
+                                                       each suite's latest run) between that page's markers
 
 DIR defaults to bench/results/<date>-<gpu>-<commit>/. A round runs the suite's command(s) once, each with its own
 alone / no-scheduler references where the suite has them; rounds already in DIR/SUITE/summary.json (an earlier call
@@ -122,11 +124,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--table", action="store_true", help="print the README's results table")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
+    ap.add_argument("--update-results", type=Path, default=None, metavar="FILE",
+                    help="write the results page (the table, then every verdict of each suite's latest run) between "
+                         "FILE's markers")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if not (args.list or args.table or args.update_readme or args.suite):
-        ap.error("name a suite, or --list, --table or --update-readme")
+    if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
+        ap.error("name a suite, or --list, --table, --update-readme or --update-results")
     return args, extra
 
 
@@ -140,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(sm.results_table(), end="")
         return 0
-    if args.update_readme is not None:
-        text = args.update_readme.read_text()
+    for path, make in ((args.update_readme, sm.results_table), (args.update_results, sm.results_page)):
+        if path is None:
+            continue
+        text = path.read_text()
         if sm.readme_table(text) is None:
-            print(f"run.py: {args.update_readme} has no {sm.README_BEGIN} ... {sm.README_END} markers", file=sys.stderr)
+            print(f"run.py: {path} has no {sm.README_BEGIN} ... {sm.README_END} markers", file=sys.stderr)
             return 2
-        args.update_readme.write_text(sm.with_table(text, sm.results_table(link_from=args.update_readme.resolve().parent)))
+        path.write_text(sm.with_table(text, make(link_from=path.resolve().parent)))
+    if args.update_readme is not None or args.update_results is not None:
         return 0
     return run_suite(BY_NAME[args.suite], args, extra)
 

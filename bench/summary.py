@@ -299,6 +299,27 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_page(results: Path = RESULTS, link_from: Path = ROOT) -> str:
+    """docs/results.md's generated part: the at-a-glance table, then per suite its latest run (command, date, commit,
+    machine, rounds) and every case's verdict against every target, linked to the run's report with every round."""
+    have = latest(results)
+    lines = [results_table(results, link_from).rstrip("\n")]
+    for suite in SUITES:
+        if suite.name not in have:
+            continue
+        folder, s = have[suite.name]
+        m = s["machine"]
+        gpu = ", ".join(f"{g['name']} (driver {g['driver']})" for g in m.get("gpus") or []) or "no GPU"
+        lines += ["", f"### {suite.name}", "", s["measures"], "",
+                  f"Run: [{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)}), {len(s['rounds'])} "
+                  f"rounds, {s['date_utc']} UTC, commit {s['commit']}, {gpu}  ", f"Command: `{s['command']}`", ""]
+        if s["verdicts"]:
+            lines += ["| case | target | value | verdict |", "|---|---|---|---|"]
+            lines += [f"| {v['case']} | {v['text']} | {_num(v['value'])} | {Verdict(**v).label()} |"
+                      for v in s["verdicts"]]
+    return "\n".join(lines) + "\n"
+
+
 def readme_table(text: str) -> str | None:
     """What the README holds between its markers; None without them."""
     if README_BEGIN not in text or README_END not in text:

@@ -203,3 +203,25 @@ def test_the_readme_table_is_the_generated_one() -> None:
     if found is None:
         pytest.skip(f"README.md has no {summary.README_BEGIN} / {summary.README_END} markers yet")
     assert found == summary.results_table(), "stale: run `python3 bench/run.py --update-readme README.md`"
+
+
+def test_the_results_page_is_the_generated_one() -> None:
+    text = (ROOT / "docs" / "results.md").read_text()
+    found = summary.readme_table(text)
+    assert found is not None, f"docs/results.md lost its {summary.README_BEGIN} / {summary.README_END} markers"
+    assert found == summary.results_page(link_from=ROOT / "docs"), \
+        "stale: run `python3 bench/run.py --update-results docs/results.md`"
+
+
+def test_the_results_page_lists_every_verdict_of_each_latest_run(tmp_path: Path) -> None:
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "python3 bench/run.py leases", "machine": summary.machine(), "commit": "c" * 40,
+            "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
+           "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.62}}}
+    summary.write(tmp_path / "2026-01-01-h200-ccccccc" / "leases", summary.build(suite, [rnd], meta))
+    page = summary.results_page(tmp_path, link_from=tmp_path)
+    assert page.startswith(summary.results_table(tmp_path, link_from=tmp_path).rstrip("\n"))
+    assert "### leases" in page and "### pairs" not in page  # only suites that ran
+    assert "Command: `python3 bench/run.py leases`" in page
+    assert "| round trip, 1 tenant | lease renewal round trip p99 <= 0.5 ms | 0.62 | FAIL: 0.62 ms > 0.5 ms" in page
