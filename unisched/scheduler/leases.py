@@ -216,13 +216,14 @@ class LeaseBook:
         at = self._work_ends.end(s.tenant, r, wall_s, now, ended_ago_s)  # when its work ended (reports come later)
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
         pieces: tuple[tuple[float, float], ...] = ((at, charged),)
+        unit_s = self._turns.unit_s(s.tenant)  # (this report teaches it only below)
         if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn
-            excess = beside_excess(charged, units, self._turns.unit_s(s.tenant), at - thawed_at, EVEN_SLICING)
+            excess = beside_excess(charged, units, unit_s, at - thawed_at, EVEN_SLICING)
             pieces = report_pieces(at, charged, excess, thawed_at)
             charged -= excess
             gpu_s -= excess
             if own_s:
-                own_s = learnable_tail(own_s, at - thawed_at, self._turns.unit_s(s.tenant), engine is not Engine.COMPUTE)
+                own_s = learnable_tail(own_s, at - thawed_at, unit_s, engine is not Engine.COMPUTE)
         if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
             self._reported.setdefault(r, []).extend(pieces)
             self.policy.charge(s.tenant, r, charged, now)
@@ -234,7 +235,6 @@ class LeaseBook:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        unit_s = self._turns.unit_s(s.tenant)
         s.log.debug("lease charge", charged_s=round(charged, 5), drain_s=round(drain, 5), own_s=round(own_s, 5),
                     beside=thawed_at is not None, unit_ms=None if unit_s is None else round(unit_s * 1000, 3))
         if own_s > 0:
