@@ -31,7 +31,7 @@ from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
 from unisched.enforce.seccomp.abi import (
     SeccompError,
 )
-from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent
+from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent, SessionUnbooked
 from unisched.enforce.seccomp.allowance import Share, TenantAllowance
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
@@ -254,6 +254,7 @@ class SessionSupervisor:
         nid, pid = notif.nid, notif.pid
         call: Call | None = None
         admitted = True  # every call that needs no decision goes on
+        unbooked: SessionUnbooked | None = None
         failure: tuple[str, BaseException] | None = None
         try:
             call = self._examine(nid, pid, notif.nr, notif.arch, notif.args)
@@ -282,7 +283,7 @@ class SessionSupervisor:
             return
         except Exception as e:
             failure, call = ("seccomp notification handling failed; letting the call continue", e), None
-        self._conclude(nid, pid, t0, call, admitted, failure)
+        self._conclude(nid, pid, t0, call, admitted, failure, unbooked)
 
     def _ask_loop(self, loop: asyncio.AbstractEventLoop, nid: int, tid: int, t0: int, call: Call) -> None:
         """A new session: ask `decide` on the loop; `_answer_decided` answers when it is back."""
@@ -329,9 +330,11 @@ class SessionSupervisor:
             self._conclude(nid, tid, t0, call, admitted, failure)
 
     def _conclude(
-        self, nid: int, pid: int, t0: int, call: Call | None, admitted: bool, failure: tuple[str, BaseException] | None
+        self, nid: int, pid: int, t0: int, call: Call | None, admitted: bool, failure: tuple[str, BaseException] | None,
+        unbooked: SessionUnbooked | None = None,
     ) -> None:
-        """Count, answer, then report: the tail of every notification, decided or not."""
+        """Count, answer, then report: the tail of every notification, decided or not. `unbooked`: why the call was
+        refused without a decision (the session book could not record it)."""
         refused = False
         events: list[SessionEvent] = []
         if call is not None:
@@ -362,7 +365,6 @@ class SessionSupervisor:
                 self._errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:  # past the bounds a flood may be on: the warning said it once
-            unbooked = self._book.unbooked(call)
             held = None if unbooked is not None else self.refusal_log.allow(str(call.kind))
             (log.debug if held is None else log.info)(
                 "gpu session refused", tenant=self.tenant, kind=str(call.kind), h_class=f"{call.h_class:#06x}", pid=pid,
