@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -230,3 +230,21 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
 @pytest.fixture
 def daemon(daemon_factory) -> Daemon:  # type: ignore[no-untyped-def]
     return daemon_factory("--slice-ms", "20")  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def pipe_listeners() -> Iterator[Callable[[], int]]:
+    """A maker of stand-in seccomp listeners for the real hooks: each a pipe's read end whose writer stays open until
+    the block ends (nothing to read, never hung up), so a supervisor serves it as it would a quiet listener."""
+    writers: list[int] = []
+
+    def listener() -> int:
+        r, w = os.pipe()
+        writers.append(w)
+        return r
+
+    try:
+        yield listener
+    finally:
+        for w in writers:
+            os.close(w)

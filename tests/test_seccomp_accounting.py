@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, pipe_listeners
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
@@ -237,34 +237,26 @@ def test_a_tenant_s_listeners_past_the_most_served_are_refused_with_the_reason(t
 
 def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_tenant_and_forget_the_ended() -> None:
     """Each listener is a supervisor thread and its own bounded books: a user's hooked runs must not multiply them
-    without end. A pipe stands in for each listener (its writer kept open: nothing to read, never hung up)."""
+    without end. Pipes stand in for the listeners (conftest.pipe_listeners)."""
     from unisched.enforce.seccomp.abi import SeccompError
     from unisched.enforce.seccomp.hooks import SupervisedHooks
 
     async def run() -> None:
         hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2)
-        writers = []
-
-        def listener() -> int:
-            r, w = os.pipe()
-            writers.append(w)
-            return r
-
-        try:
-            hooks.attach(listener(), "a")
-            hooks.attach(listener(), "a")
-            extra = listener()
-            with pytest.raises(SeccompError, match="already has 2 hooked process groups"):
-                hooks.attach(extra, "a")
-            with pytest.raises(OSError):
-                os.fstat(extra)  # the refused listener is closed, not leaked
-            hooks.attach(listener(), "b")  # another tenant's are its own
-            hooks._supervisors[0].close()  # one of a's process groups ended
-            hooks.attach(listener(), "a")
-            assert sorted(s.tenant for s in hooks.stats()) == ["a", "a", "b"]
-        finally:
-            hooks.close()
-            for w in writers:
-                os.close(w)
+        with pipe_listeners() as listener:
+            try:
+                hooks.attach(listener(), "a")
+                hooks.attach(listener(), "a")
+                extra = listener()
+                with pytest.raises(SeccompError, match="already has 2 hooked process groups"):
+                    hooks.attach(extra, "a")
+                with pytest.raises(OSError):
+                    os.fstat(extra)  # the refused listener is closed, not leaked
+                hooks.attach(listener(), "b")  # another tenant's are its own
+                hooks._supervisors[0].close()  # one of a's process groups ended
+                hooks.attach(listener(), "a")
+                assert sorted(s.tenant for s in hooks.stats()) == ["a", "a", "b"]
+            finally:
+                hooks.close()
 
     asyncio.run(run())

@@ -17,6 +17,7 @@ import random
 from collections.abc import Mapping
 
 import structlog.testing
+from conftest import pipe_listeners
 from test_memory_bounds import DEV, HONEST, HOSTILE, ROOT, SMALL, alloc, device, flood, served
 from test_session_bounds import CHANNEL, COMPUTE, FLOOD, GRAPHICS, TID, Served, no_caps
 
@@ -264,31 +265,23 @@ def test_a_book_s_share_gives_back_no_more_than_it_took_and_all_it_still_held_wh
 
 
 def test_the_real_hooks_give_a_tenant_s_listeners_one_allowance_and_another_tenant_its_own() -> None:
-    """A pipe stands in for each listener (its writer kept open: nothing to read, never hung up)."""
+    """Pipes stand in for the listeners (conftest.pipe_listeners)."""
 
     async def run() -> None:
         hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None)
-        writers = []
-
-        def listener() -> int:
-            r, w = os.pipe()
-            writers.append(w)
-            return r
-
-        try:
-            for name in ("a", "a", "b"):
-                hooks.attach(listener(), name)
-            a1, a2, b = hooks._supervisors
-            assert a1.allowance is not None and a1.allowance is a2.allowance and b.allowance is not a1.allowance
-            assert a1._mem.book.share._allowance is a1.allowance is a1._book.share._allowance
-            first = a1.allowance
-            a1.close()
-            a2.close()  # all of a's process groups ended
-            hooks.attach(listener(), "a")
-            assert hooks._supervisors[-1].allowance is not first and set(hooks._allowances) == {"a", "b"}
-        finally:
-            hooks.close()
-            for w in writers:
-                os.close(w)
+        with pipe_listeners() as listener:
+            try:
+                for name in ("a", "a", "b"):
+                    hooks.attach(listener(), name)
+                a1, a2, b = hooks._supervisors
+                assert a1.allowance is not None and a1.allowance is a2.allowance and b.allowance is not a1.allowance
+                assert a1._mem.book.share._allowance is a1.allowance is a1._book.share._allowance
+                first = a1.allowance
+                a1.close()
+                a2.close()  # all of a's process groups ended
+                hooks.attach(listener(), "a")
+                assert hooks._supervisors[-1].allowance is not first and set(hooks._allowances) == {"a", "b"}
+            finally:
+                hooks.close()
 
     asyncio.run(run())
