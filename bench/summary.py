@@ -141,9 +141,14 @@ def _num(x: Any) -> str:
     return "n/a" if x is None else str(x)
 
 
+def gpu_names(m: dict[str, Any]) -> str:
+    """A summary's machine's GPUs, each with its driver ("" without one)."""
+    return ", ".join(f"{g['name']} (driver {g['driver']})" for g in m.get("gpus") or [])
+
+
 def report_md(s: dict[str, Any]) -> str:
     m = s["machine"]
-    gpu = ", ".join(f"{g['name']} (driver {g['driver']})" for g in m.get("gpus") or []) or "none"
+    gpu = gpu_names(m) or "none"
     lines = [f"# {s['suite']}", "", s["measures"], "",
              f"Command: `{s['command']}`  ", f"Date (UTC): {s['date_utc']}  ",
              f"Commit: {s['commit']}{' (with uncommitted changes)' if s.get('dirty') else ''}  ",
@@ -308,8 +313,7 @@ def results_page(results: Path = RESULTS, link_from: Path = ROOT) -> str:
         if suite.name not in have:
             continue
         folder, s = have[suite.name]
-        m = s["machine"]
-        gpu = ", ".join(f"{g['name']} (driver {g['driver']})" for g in m.get("gpus") or []) or "no GPU"
+        gpu = gpu_names(s["machine"]) or "no GPU"
         lines += ["", f"### {suite.name}", "", s["measures"], "",
                   f"Run: [{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)}), {len(s['rounds'])} "
                   f"rounds, {s['date_utc']} UTC, commit {s['commit']}, {gpu}  ", f"Command: `{s['command']}`", ""]
