@@ -26,6 +26,7 @@ import grpc
 
 from unisched.policy.tuning import TUNING
 from unisched_client import Client, UnischedUnavailable
+from unisched_client.clock import Clock, FakeClock
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameReader, frame, lease_socket_beside
@@ -216,10 +217,11 @@ class _Recorder:
         self.send = out.put
 
 
-def offline_client(monkeypatch: pytest.MonkeyPatch) -> tuple[Client, queue.SimpleQueue[pb.LeaseRequest | None]]:
+def offline_client(monkeypatch: pytest.MonkeyPatch, clock: Clock | None = None,
+                   ) -> tuple[Client, queue.SimpleQueue[pb.LeaseRequest | None]]:
     monkeypatch.setattr(Client, "_stream_loop", lambda self: None)
     monkeypatch.setattr(Client, "_renew_loop", lambda self: None)
-    client = Client("t", socket="/nonexistent.sock", fail_open=True, connect_timeout=0)
+    client = Client("t", socket="/nonexistent.sock", fail_open=True, connect_timeout=0, clock=clock)
     out: queue.SimpleQueue[pb.LeaseRequest | None] = queue.SimpleQueue()
     client._conn, client.governed = _Recorder(out), True
     return client, out
@@ -387,6 +389,62 @@ def test_one_unit_in_flight_while_others_wait_for_the_engine(
         flight.add(unit)
         seen.append(list(waited))
     assert seen == waited_after
+
+
+def test_a_unit_that_would_start_past_the_slice_behind_a_running_one_waits_for_the_next_decision(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While contended, a unit queued behind a running one starts on the GPU only when that one ends (its measured
+    length on): if that is past the slice's end (and the grace), the app waits for the daemon's next decision, which
+    comes before the running one ends, so a revoke leaves one unit beside the next holder, not two."""
+    from unisched_client._inflight import InFlight
+    from unisched_client.gate import START_GRACE_S
+
+    clock = FakeClock(start=100.0)
+    client, _ = offline_client(monkeypatch, clock)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    contended_grant(client, 1, slice_left_s=0.09)  # the slice ends at 100.09
+    waited: list[int] = []
+    flight: InFlight[int] = InFlight(gate, done=lambda u: u in waited, wait=waited.append, elapsed_s=lambda u: 0.05)
+    assert gate.acquire(timeout=0)
+    flight.add(0)  # nothing measured yet: no estimate
+    assert gate.busy_until == 0.0
+    assert gate.acquire(timeout=0)
+    flight.add(1)  # waits for unit 0, so unit 1 starts now and runs 0.05 s (unit 0's length)
+    assert gate.busy_until == pytest.approx(100.05)
+    clock.advance(0.05)
+    assert gate.acquire(timeout=0)  # unit 2 starts at 100.05, as unit 1 ends: before the slice's end
+    flight.add(2)
+    assert gate.busy_until == pytest.approx(100.10)
+    assert clock.monotonic() < 100.09 + START_GRACE_S  # a rule that looked only at the time now would start unit 3
+    assert not gate.acquire(timeout=0)  # but it would start at 100.10, past the slice's end and its grace
+    clock.advance(0.04)
+    contended_grant(client, 1, slice_left_s=0.05)  # the daemon's decision at 100.09: renewed, to 100.14
+    assert gate.acquire(timeout=0)  # queued behind unit 2, before it ends
+
+
+def test_the_estimate_of_queued_work_ends_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every queued unit is seen done (collect, drain), nothing is queued: the next unit starts now."""
+    from unisched_client._inflight import InFlight
+
+    clock = FakeClock(start=100.0)
+    client, _ = offline_client(monkeypatch, clock)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    contended_grant(client, 1)
+    finished: set[int] = set()
+    flight: InFlight[int] = InFlight(gate, done=lambda u: u in finished, wait=finished.add, elapsed_s=lambda u: 0.5)
+    for unit in range(2):
+        assert gate.acquire(timeout=0)
+        flight.add(unit)
+    assert gate.busy_until == pytest.approx(100.5) and flight.mean_s == 0.5
+    finished.add(1)
+    flight.collect()
+    assert gate.busy_until == 0.0 and gate.acquire(timeout=0)
+    flight.add(2)
+    assert gate.busy_until == pytest.approx(100.5)  # unit 2 was let start at 100.0, with nothing ahead of it
+    flight.drain()
+    assert gate.busy_until == 0.0
 
 
 ONLINE_WORKER = """

@@ -331,9 +331,10 @@ def test_the_clock_defaults_to_the_system_clock(peer: Peer) -> None:
 
 # --- the turn rule alone ------------------------------------------------------------------------------------
 
-def gate_with(lease: int = 0, contended: bool = False, slice_end: float = 0.0, jump: bool = False) -> Gate:
+def gate_with(lease: int = 0, contended: bool = False, slice_end: float = 0.0, jump: bool = False,
+              busy_until: float = 0.0) -> Gate:
     g = Gate(cast(Client, None), "compute")
-    g.lease, g.contended, g.slice_end, g.jump = lease, contended, slice_end, jump
+    g.lease, g.contended, g.slice_end, g.jump, g.busy_until = lease, contended, slice_end, jump, busy_until
     return g
 
 
@@ -344,6 +345,10 @@ def gate_with(lease: int = 0, contended: bool = False, slice_end: float = 0.0, j
     (gate_with(lease=1, contended=True, slice_end=5.0), True, 4.9, False, Start.HELD),
     (gate_with(lease=1, contended=True, slice_end=5.0), True, 5.0, False, Start.HELD),  # in the grace
     (gate_with(lease=1, contended=True, slice_end=5.0), True, 5.0 + START_GRACE_S, False, Start.WAIT),
+    # queued behind a unit that ends at busy_until: it starts on the GPU then
+    (gate_with(lease=1, contended=True, slice_end=5.0, busy_until=5.0), True, 4.9, False, Start.HELD),
+    (gate_with(lease=1, contended=True, slice_end=5.0, busy_until=5.0 + START_GRACE_S), True, 4.9, False, Start.WAIT),
+    (gate_with(lease=1, slice_end=5.0, busy_until=9.0), True, 4.9, False, Start.HELD),  # alone: it does not matter
     (gate_with(jump=True), True, 0.0, True, Start.JUMP),
     (gate_with(jump=True), True, 0.0, False, Start.WAIT),  # jumps only with the want it just sent
     (gate_with(jump=True), False, 0.0, True, Start.UNGOVERNED),

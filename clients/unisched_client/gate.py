@@ -44,12 +44,14 @@ def may_start(g: Gate, governed: bool, now: float, fresh_want: bool) -> Start:
     """The gate's turn rule. A unit starts only while the lease is held and, when others wait for the engine
     (contended), before the slice ends (or within START_GRACE_S after, while the daemon's next decision is on its
     way): it may run past the slice, never start later, so the overrun is at most one unit however late a
-    revocation arrives. `fresh_want`: this acquire() just sent the want (after a release)."""
+    revocation arrives. A unit queued behind the app's running one starts on the GPU only when that one ends
+    (`Gate.busy_until`), so that is when it is taken to start. `fresh_want`: this acquire() just sent the want
+    (after a release)."""
     if fresh_want and g.jump and governed and not g.lease:
         return Start.JUMP
     if not governed:
         return Start.UNGOVERNED
-    if g.lease and (not g.contended or now < g.slice_end + START_GRACE_S):
+    if g.lease and (not g.contended or max(now, g.busy_until) < g.slice_end + START_GRACE_S):
         return Start.HELD
     return Start.WAIT
 
@@ -90,6 +92,13 @@ class Gate:
         """An app thread waits in acquire(): the engine is wanted even though no unit ran lately."""
         self.open_units = 0
         """Units acquired and not yet reported done (a first CUDA step can take seconds)."""
+        self.acquired_at = 0.0
+        """When acquire() last let a unit (or part) start: its GPU work starts no earlier (InFlight's estimate)."""
+        self.busy_until = 0.0
+        """When the GPU work the app already queued is expected to end (InFlight estimates it from the units'
+        measured lengths; 0: nothing queued). A unit launched now starts on the GPU only then: without this, a
+        50 ms step queued just before the slice's end ran a whole step past it, beside the next holder, where the
+        driver time-slices the two."""
         self.owes_yield = False
         self.jump = False
         """The last grant said our wants are granted at once (preemptive mode, online, no other online tenant):
@@ -125,6 +134,7 @@ class Gate:
                         elif start_as is Start.HELD:
                             self.waited_s += now - start
                         self.open_units += 1
+                        self.acquired_at = now
                         return True
                     if self.owes_yield:
                         self.yield_locked()
