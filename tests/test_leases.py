@@ -480,6 +480,36 @@ def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
     assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
 
 
+def test_a_frozen_tenants_queued_work_is_charged_to_it_once_when_the_holder_reports_it(tmp_path: Path) -> None:
+    """The holder's first units after a freeze waited behind the frozen tenant's queued work, and its timer counted
+    it: the holder is charged its units, the frozen tenant the rest, at the report (not only where its freeze fell in
+    the same tick as the report: on the GPU it often did not, and that work went uncharged). The tick that follows
+    does not charge it again."""
+    rig = busy_rig(tmp_path)
+    c = rig.coop("coop", 100)
+    c.want()
+    rig.unmodified("kern", 100)
+    g = rig.driver.groups["/unisched/kern"]
+    for _ in range(40):  # the client reports 10 units of 5 ms per slice held; the tenant runs when thawed
+        was_frozen = g.frozen
+        delay = rig.tick()
+        if c.held and g.frozen and not was_frozen and rig.engine.snapshot("coop").unit_s is not None:
+            break
+        rig.clock.advance(delay)
+        if not g.frozen:
+            g.cpu_s += delay
+        c.report(delay if c.held else 0.0, units=10 if c.held else 0)
+    else:
+        pytest.fail("the client was never granted as the other tenant was frozen")
+    kern, coop = rig.engine.snapshot("kern").gpu_seconds, rig.engine.snapshot("coop").gpu_seconds
+    rig.clock.advance(delay)
+    c.report(0.05, units=8)  # 8 units of 5 ms, after 10 ms of the frozen tenant's work
+    assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
+    assert rig.engine.snapshot("coop").gpu_seconds - coop == pytest.approx(0.040)
+    rig.tick()  # its interval was all reported work: nothing more for the frozen tenant
+    assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
+
+
 def test_closing_the_session_drops_demand_and_frees_codec_sessions(tmp_path: Path) -> None:
     gpu = GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)
     rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([gpu]))
