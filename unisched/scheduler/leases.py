@@ -259,9 +259,8 @@ class LeaseBook:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
         timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
-        frozen tenant is charged it, through the busy time the reports leave (policy.charging.cooperative_part). On the
-        H200 a trainer's 4 queued matmuls (~7 ms) went to the client at each hand-over, and the unmodified app got ~3
-        points over its share."""
+        frozen tenant is charged it (`_charge_drain`). On the H200 a trainer's 4 queued matmuls (~7 ms) went to the
+        client at each hand-over, and the unmodified app got ~3 points over its share."""
         if held is None or held.after_freeze is None or units < 1 or gpu_s <= 0:
             return 0.0
         held.after_freeze = None
