@@ -236,6 +236,36 @@ def test_a_long_turn_is_granted_as_one_slice_and_cleared_with_the_session(tmp_pa
     assert rig.engine.policy.min_run_left("a", rig.clock.monotonic()) == 0.0
 
 
+@pytest.mark.parametrize(("late_s", "unit_s"), [(0.0, 0.025), (0.0035, 0.0265), (0.0035, 0.025), (0.012, 0.0265)])
+def test_a_holder_is_never_revoked_before_the_end_it_was_told(tmp_path: Path, late_s: float, unit_s: float) -> None:
+    """A grant or renewal tells the holder until when it may start units (`slice_left_s`), and a contended client
+    queues its next unit by it. The daemon's ticks come late (its own work, the event loop: ~3.5 ms a tick on the
+    H200), so a tick due before the minimum run ends can land after it and end the turn: told one tick more, the client
+    queued a 50 ms step that then ran whole beside the next holder. (Units of 26.5 ms: minimum runs of 212 ms, which
+    end just after a tick due on the 50 ms grid.)"""
+    rig = LeaseRig(tmp_path)
+    a, b = rig.coop("a", 300), rig.coop("b", 100)
+    a.want()
+    b.want()
+    told: dict[str, float] = {}
+    checked = 0
+    for _ in range(300):
+        seen = {c.name: (len(c.grants), len(c.revokes)) for c in (a, b)}
+        delay = rig.tick()
+        now = rig.clock.monotonic()
+        for c in (a, b):
+            grants, revokes = seen[c.name]
+            if len(c.revokes) > revokes and c.name in told:
+                assert now >= told[c.name] - 1e-9, (c.name, now, told[c.name])
+                checked += 1
+            if len(c.grants) > grants:
+                told[c.name] = now + c.grants[-1].slice_left_s
+        rig.clock.advance(delay + late_s)
+        for c in (a, b):
+            c.report(2 * unit_s if c.held else 0.0, units=2 if c.held else 0)  # turns of 8 units
+    assert checked > 20 and rig.engine.policy.min_run_left("a", rig.clock.monotonic()) >= 0
+
+
 def test_negative_units_are_refused(tmp_path: Path) -> None:
     rig = LeaseRig(tmp_path)
     a = rig.coop("a", 100)

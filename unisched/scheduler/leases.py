@@ -306,10 +306,14 @@ class LeaseBook:
         return self._turns.min_run_s(tenant)
 
     def _turn_left(self, tenant: str, now: float, slice_left_s: float) -> float:
-        """Until the decision that may end the holder's turn: past its minimum run, on the tick grid."""
+        """Until the decision that may end the holder's turn: the last tick on the grid before its minimum run ends (or
+        the next one). Ticks come late (the daemon's own work, the event loop), so a tick due just before the run ends
+        can land after it and end the turn; told the tick after that, a contended client queued a step that then ran
+        whole beside the next holder. Told early costs little: a long unit in flight outlasts the renewal's way, and a short
+        one's next start waits within START_GRACE_S of the client's gate."""
         run_left = self.policy.min_run_left(tenant, now)
         if run_left > slice_left_s:
-            slice_left_s += math.ceil((run_left - slice_left_s) / self.slice_s - 1e-9) * self.slice_s
+            slice_left_s += math.floor((run_left - slice_left_s) / self.slice_s + 1e-9) * self.slice_s
         return slice_left_s
 
     def _meter(self, c: CoopRecord, r: Resource) -> OverrunMeter:
