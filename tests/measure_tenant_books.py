@@ -14,7 +14,7 @@ import tracemalloc
 
 from unisched.enforce.nvclasses import NV01_DEVICE_0, NV20_SUBDEVICE_0, RM_ALLOC, SessionKind
 from unisched.enforce.seccomp.accounting import SessionBook
-from unisched.enforce.seccomp.allowance import Entry, Share, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Entry, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.hooks import TENANT_BOUNDS
 from unisched.enforce.seccomp.memory import MemoryBook
@@ -45,7 +45,7 @@ def fill_sessions(book: SessionBook, roots: list[int], objects: int, nodes: int,
 
 def main(listeners: int) -> None:
     tracemalloc.start()
-    tenant = TenantAllowance("t", TENANT_BOUNDS)
+    tenant = Allowance("t", TENANT_BOUNDS)
     kept: list[MemoryBook | SessionBook] = []
     memory = 0
     for n in range(listeners):

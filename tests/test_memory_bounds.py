@@ -17,7 +17,7 @@ import structlog
 import structlog.testing
 
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0, NV20_SUBDEVICE_0, RM_ALLOC, RM_FREE
-from unisched.enforce.seccomp.allowance import Share, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay
 from unisched.enforce.seccomp.listener import Listener
@@ -60,7 +60,7 @@ class FakeListener:
 
 
 def served(tenant: str, ledger: MemoryLedger, bounds: BookBounds = SMALL,
-           allowance: TenantAllowance | None = None) -> tuple[MemoryCalls, FakeListener]:
+           allowance: Allowance | None = None) -> tuple[MemoryCalls, FakeListener]:
     """One listener's memory side; `allowance`: its tenant's, shared with the tenant's other listeners."""
     listener = FakeListener()
     calls = MemoryCalls(tenant, ledger, cast(Listener, listener), lambda key, message: None)

@@ -245,17 +245,44 @@ def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_tenant_and_forget_t
         hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2)
         with pipe_listeners() as listener:
             try:
-                hooks.attach(listener(), "a")
-                hooks.attach(listener(), "a")
+                hooks.attach(listener(), "a", 0)
+                hooks.attach(listener(), "a", 0)
                 extra = listener()
                 with pytest.raises(SeccompError, match="already has 2 hooked process groups"):
-                    hooks.attach(extra, "a")
+                    hooks.attach(extra, "a", 0)
                 with pytest.raises(OSError):
                     os.fstat(extra)  # the refused listener is closed, not leaked
-                hooks.attach(listener(), "b")  # another tenant's are its own
-                hooks._supervisors[0].close()  # one of a's process groups ended
-                hooks.attach(listener(), "a")
+                hooks.attach(listener(), "b", 0)  # another tenant's are its own
+                hooks._supervisors[0][0].close()  # one of a's process groups ended
+                hooks.attach(listener(), "a", 0)
                 assert sorted(s.tenant for s in hooks.stats()) == ["a", "a", "b"]
+            finally:
+                hooks.close()
+
+    asyncio.run(run())
+
+
+def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_non_root_user_whatever_its_tenants() -> None:
+    """Each listener is a supervisor thread: a user with many tenants must not start threads without end (past a
+    service's task limit the daemon could start none for anyone). Root's (the container runtime's) are bounded per
+    tenant only."""
+    from unisched.enforce.seccomp.abi import SeccompError
+    from unisched.enforce.seccomp.hooks import SupervisedHooks
+
+    async def run() -> None:
+        hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2, max_per_user=3)
+        with pipe_listeners() as listener:
+            try:
+                for tenant in ("a", "b", "c"):
+                    hooks.attach(listener(), tenant, 1000)
+                with pytest.raises(SeccompError, match="uid 1000 already has 3 hooked process groups"):
+                    hooks.attach(listener(), "d", 1000)
+                hooks.attach(listener(), "d", 1001)  # another user's are its own
+                for tenant in ("e", "f", "g", "h"):
+                    hooks.attach(listener(), tenant, 0)  # root's: per tenant only
+                hooks._supervisors[0][0].close()  # one of uid 1000's runs ended
+                hooks.attach(listener(), "d", 1000)
+                assert len(hooks.stats()) == 8
             finally:
                 hooks.close()
 

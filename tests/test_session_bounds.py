@@ -31,7 +31,7 @@ from unisched.enforce.seccomp.accounting import (
     SessionLedger,
     SessionUnbooked,
 )
-from unisched.enforce.seccomp.allowance import Share, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Notification
 from unisched.enforce.seccomp.memory import MAX_CLIENTS
@@ -69,7 +69,7 @@ class Served:
     """A supervisor of one tenant fed decoded calls (the decoding from /proc/PID/mem is left out)."""
 
     def __init__(self, tenant: str, ledger: SessionLedger, bounds: SessionBounds | None = None,
-                 allowance: TenantAllowance | None = None) -> None:
+                 allowance: Allowance | None = None) -> None:
         r, w = os.pipe()
         os.close(w)
         self.sup = SessionSupervisor(r, tenant, ledger.decide, ledger.on_event, sync_wake_up=False, allowance=allowance)

@@ -14,8 +14,10 @@ import asyncio
 import errno
 import os
 import random
+import threading
 from collections.abc import Mapping
 
+import pytest
 import structlog.testing
 from conftest import pipe_listeners
 from test_memory_bounds import DEV, HONEST, HOSTILE, ROOT, SMALL, alloc, device, flood, served
@@ -29,20 +31,20 @@ from unisched.enforce.seccomp.accounting import (
     SessionLedger,
     SessionUnbooked,
 )
-from unisched.enforce.seccomp.allowance import Entry, Share, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Entry, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
-from unisched.enforce.seccomp.hooks import TENANT_BOUNDS, SupervisedHooks
+from unisched.enforce.seccomp.hooks import TENANT_BOUNDS, USER_BOUNDS, SupervisedHooks, listener_refusal
 from unisched.enforce.seccomp.memory import BookBounds, MemoryBook, MemoryLedger, Unbooked
 from unisched.enforce.seccomp.proc import owner
 
 
-def tenant(name: str, **bounds: int) -> TenantAllowance:
+def tenant(name: str, **bounds: int) -> Allowance:
     """A tenant's allowance: TENANT_BOUNDS with some made small (keyword: the Entry's name, lower case)."""
-    return TenantAllowance(name, {kind: bounds.get(kind.name.lower(), n) for kind, n in TENANT_BOUNDS.items()})
+    return Allowance(name, {kind: bounds.get(kind.name.lower(), n) for kind, n in TENANT_BOUNDS.items()})
 
 
-def mirrors(allowance: TenantAllowance, memory: list[MemoryBook], sessions: list[SessionBook]) -> dict[Entry, int]:
+def mirrors(allowance: Allowance, memory: list[MemoryBook], sessions: list[SessionBook]) -> dict[Entry, int]:
     """What the tenant's books hold together, by Entry; asserted equal to what the allowance counts."""
     mem = [b.size() for b in memory]
     ses = [b.size() for b in sessions]
@@ -272,16 +274,71 @@ def test_the_real_hooks_give_a_tenant_s_listeners_one_allowance_and_another_tena
         with pipe_listeners() as listener:
             try:
                 for name in ("a", "a", "b"):
-                    hooks.attach(listener(), name)
-                a1, a2, b = hooks._supervisors
+                    hooks.attach(listener(), name, 0)
+                a1, a2, b = (sup for sup, _ in hooks._supervisors)
                 assert a1.allowance is not None and a1.allowance is a2.allowance and b.allowance is not a1.allowance
-                assert a1._mem.book.share._allowance is a1.allowance is a1._book.share._allowance
+                assert a1._mem.book.share._allowances == (a1.allowance,) == a1._book.share._allowances  # root's: no user
                 first = a1.allowance
                 a1.close()
                 a2.close()  # all of a's process groups ended
-                hooks.attach(listener(), "a")
-                assert hooks._supervisors[-1].allowance is not first and set(hooks._allowances) == {"a", "b"}
+                hooks.attach(listener(), "a", 0)
+                assert hooks._supervisors[-1][0].allowance is not first and set(hooks._allowances) == {"a", "b"}
             finally:
                 hooks.close()
 
     asyncio.run(run())
+
+
+# --- per user -----------------------------------------------------------------------------------------------------------
+def test_a_share_draws_on_its_tenant_and_its_user_and_stops_at_the_first_bound_reached() -> None:
+    """Two tenants of one user, each under its own bound, stop together at the user's; giving back returns to both."""
+    lock = threading.Lock()
+    user = Allowance("uid 1000", {kind: 3 for kind in Entry}, lock)
+    a, b = (Allowance(n, TENANT_BOUNDS, lock) for n in ("a", "b"))
+    in_a, in_b = Share(a, user), Share(b, user)
+    assert in_a.take(Entry.ALLOCATIONS) and in_a.take(Entry.ALLOCATIONS) and in_b.take(Entry.ALLOCATIONS)
+    assert not in_b.take(Entry.ALLOCATIONS) and not in_a.room(Entry.ALLOCATIONS)
+    assert a.used() == {Entry.ALLOCATIONS: 2} and b.used() == {Entry.ALLOCATIONS: 1}
+    assert user.used() == {Entry.ALLOCATIONS: 3}
+    in_a.give_all()
+    assert a.used() == {} and user.used() == {Entry.ALLOCATIONS: 1} and in_b.take(Entry.ALLOCATIONS)
+    with pytest.raises(ValueError, match="one lock"):
+        Share(Allowance("c", TENANT_BOUNDS), user)
+
+
+def test_the_real_hooks_give_a_non_root_user_s_listeners_one_allowance_across_its_tenants() -> None:
+    """Pipes stand in for the listeners (conftest.pipe_listeners)."""
+
+    async def run() -> None:
+        hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None)
+        with pipe_listeners() as listener:
+            try:
+                for name, uid in (("a", 1000), ("b", 1000), ("c", 1001), ("d", 0)):
+                    hooks.attach(listener(), name, uid)
+                a, b, c, d = (sup for sup, _ in hooks._supervisors)
+                assert a.user_allowance is not None and a.user_allowance is b.user_allowance
+                assert c.user_allowance is not None and c.user_allowance is not a.user_allowance
+                assert d.user_allowance is None  # root's (a container runtime's): bounded per tenant only
+                assert a._mem.book.share._allowances == (a.allowance, a.user_allowance) == a._book.share._allowances
+                assert a.user_allowance._bounds == dict(USER_BOUNDS)
+                first = a.user_allowance
+                a.close()
+                b.close()  # all of uid 1000's runs ended
+                hooks.attach(listener(), "a", 1000)
+                assert hooks._supervisors[-1][0].user_allowance is not first and set(hooks._users) == {1000, 1001}
+            finally:
+                hooks.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("served", "tenant", "uid", "refused"), [
+    ([("a", 0)] * 2, "a", 0, "tenant 'a' already has 2"),
+    ([("a", 1000)] * 2, "a", 1000, "tenant 'a' already has 2"),
+    ([("a", 1000), ("b", 1000), ("c", 1000)], "d", 1000, "uid 1000 already has 3"),
+    ([("a", 1000), ("b", 1000), ("c", 1000)], "d", 1001, None),
+    ([("a", 0), ("b", 0), ("c", 0)], "d", 0, None),  # root: per tenant only
+])
+def test_listener_refusal(served: list[tuple[str, int]], tenant: str, uid: int, refused: str | None) -> None:
+    why = listener_refusal(tenant, uid, served, most=2, most_per_user=3)
+    assert (why is None) if refused is None else (why is not None and refused in why)

@@ -212,8 +212,8 @@ class SeccompAgentServer:
                 return
             fd, listener = -1, fd  # the hooks own it now
             try:
-                self.hooks.attach(listener, tenant)
-            except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT)
+                self.hooks.attach(listener, tenant, uid)
+            except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT, MAX_LISTENERS_PER_USER)
                 self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=str(e))
                 ack_agent(conn, str(e))
                 return

@@ -161,12 +161,13 @@ class SessionBookSize:
 
 class SessionUnbooked(StrEnum):
     """Why a session call cannot be recorded, and so is refused (MAX_CLIENTS, MAX_SESSION_OBJECTS; the TENANT_ ones:
-    the same bounds of the tenant's listeners together, hooks.TENANT_BOUNDS)."""
+    the bounds its book shares with the tenant's other listeners, hooks.TENANT_BOUNDS, or with the other listeners its
+    non-root user handed over, hooks.USER_BOUNDS)."""
 
     CLIENT = "client not recorded"
     OBJECTS = "too many session objects"
-    TENANT_CLIENT = "client not recorded: the tenant's bound"
-    TENANT_OBJECTS = "too many session objects for the tenant"
+    TENANT_CLIENT = "client not recorded: the tenant's or its user's bound"
+    TENANT_OBJECTS = "too many session objects for the tenant or its user"
 
 
 @dataclass

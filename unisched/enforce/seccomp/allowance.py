@@ -1,13 +1,16 @@
-"""The entries the hooks' books may hold for one TENANT, all its listeners together. Pure: no I/O, no clock.
+"""The entries the hooks' books may hold for one TENANT, all its listeners together, and for one USER, all the
+listeners it handed over together. Pure: no I/O, no clock.
 
 Each listener (one hooked process group: a container, a `unisched run`) has its own books, each bounded on its own
 (memory.BookBounds, accounting.SessionBounds), and a tenant may have many listeners (hooks.MAX_LISTENERS_PER_TENANT),
-so the per-listener bounds alone let one user multiply what the root daemon holds by the listeners it starts. A
-`TenantAllowance` is shared by all of one tenant's books (hooks.SupervisedHooks keeps one per tenant; its bounds are
-hooks.TENANT_BOUNDS). Each book draws on it through a `Share` of its own: it takes an entry when it records one and
-gives it back when it drops it. The share counts what its book took, so it never gives back more than that (a free
-of an unknown handle, a double free, or the exit of a process never seen cannot make the tenant's count drift or go
-negative), and the book's close gives back whatever it still held, so a listener that ends leaks nothing.
+so the per-listener bounds alone let one user multiply what the root daemon holds by the listeners it starts; and a
+user may create many tenants (registration.MAX_USER_TENANTS). An `Allowance` is shared by a group of books: one per
+tenant (hooks.TENANT_BOUNDS) and one per non-root user that hands listeners over (hooks.USER_BOUNDS), both kept by
+hooks.SupervisedHooks. Each book draws on its allowances through a `Share` of its own: it takes an entry from all of
+them when it records one and gives it back to all when it drops it. The share counts what its book took, so it never
+gives back more than that (a free of an unknown handle, a double free, or the exit of a process never seen cannot make
+a count drift or go negative), and the book's close gives back whatever it still held, so a listener that ends leaks
+nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import threading
 from collections.abc import Mapping
 from enum import StrEnum
 
-__all__ = ["Entry", "Share", "TenantAllowance"]
+__all__ = ["Allowance", "Entry", "Share"]
 
 
 class Entry(StrEnum):
-    """The kinds of book entry bounded per tenant (what each is: memory.py and accounting.py)."""
+    """The kinds of book entry bounded per tenant and per user (what each is: memory.py and accounting.py)."""
 
     MEMORY_CLIENTS = "memory book RM clients"
     DEVICES = "device and subdevice handles"
@@ -32,13 +35,15 @@ class Entry(StrEnum):
     SESSION_OBJECTS = "session objects"
 
 
-class TenantAllowance:
-    """Entries one tenant's books hold, against `bounds` (thread-safe: each listener's supervisor is a thread)."""
+class Allowance:
+    """Entries a group of books holds (one tenant's, or one user's), against `bounds`. Thread-safe: each listener's
+    supervisor is a thread. Allowances one book draws on together must share one `lock` (a Share checks and counts
+    all of them at once)."""
 
-    def __init__(self, tenant: str, bounds: Mapping[Entry, int]) -> None:
-        self.tenant = tenant
+    def __init__(self, name: str, bounds: Mapping[Entry, int], lock: threading.Lock | None = None) -> None:
+        self.name = name
         self._bounds = dict(bounds)
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.Lock()
         self._used: collections.Counter[Entry] = collections.Counter()
 
     def used(self) -> dict[Entry, int]:
@@ -47,32 +52,32 @@ class TenantAllowance:
 
 
 class Share:
-    """One book's part of its tenant's allowance (module docstring). Without an allowance it only counts what its
-    book holds, and never refuses: a book of no tenant's hooks (tests, a lone supervisor)."""
+    """One book's part of its allowances (module docstring): its tenant's and, for a listener a non-root user handed
+    over, that user's. Without any it only counts what its book holds, and never refuses: a book of no tenant's hooks
+    (tests, a lone supervisor)."""
 
-    def __init__(self, allowance: TenantAllowance | None = None) -> None:
-        self._allowance = allowance
-        self._lock = threading.Lock() if allowance is None else allowance._lock
+    def __init__(self, *allowances: Allowance | None) -> None:
+        self._allowances = tuple(a for a in allowances if a is not None)
+        locks = {id(a._lock) for a in self._allowances}
+        if len(locks) > 1:
+            raise ValueError("the allowances of one share must share one lock")
+        self._lock = self._allowances[0]._lock if self._allowances else threading.Lock()
         self._held: collections.Counter[Entry] = collections.Counter()
 
     def room(self, kind: Entry) -> bool:
-        """Whether the tenant may record one more `kind` (ask before a `take(kind, force=True)`)."""
-        a = self._allowance
-        if a is None:
-            return True
+        """Whether the book may record one more `kind` (ask before a `take(kind, force=True)`)."""
         with self._lock:
-            return a._used[kind] < a._bounds[kind]
+            return all(a._used[kind] < a._bounds[kind] for a in self._allowances)
 
     def take(self, kind: Entry, *, force: bool = False) -> bool:
-        """Count one more `kind`, unless that takes the tenant past its bound (False, nothing counted). `force`: count
-        it anyway, for an entry whose room was asked before a wait (a decision, a book's own checks): another listener
-        of the tenant may have taken the last one meanwhile, so the bound is overshot by at most one entry per
-        listener then."""
-        a = self._allowance
+        """Count one more `kind`, unless that takes one of its allowances past its bound (False, nothing counted).
+        `force`: count it anyway, for an entry whose room was asked before a wait (a decision, a book's own checks):
+        another listener of the tenant (or the user) may have taken the last one meanwhile, so a bound is overshot by
+        at most one entry per listener then."""
         with self._lock:
-            if a is not None:
-                if not force and a._used[kind] >= a._bounds[kind]:
-                    return False
+            if not force and any(a._used[kind] >= a._bounds[kind] for a in self._allowances):
+                return False
+            for a in self._allowances:
                 a._used[kind] += 1
             self._held[kind] += 1
             return True
@@ -84,8 +89,8 @@ class Share:
             if n <= 0:
                 return
             self._held[kind] -= n
-            if self._allowance is not None:
-                self._allowance._used[kind] -= n
+            for a in self._allowances:
+                a._used[kind] -= n
 
     def give_all(self) -> None:
         """The book is closed (its listener ended): give back all it still held."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Final, Protocol
@@ -16,7 +17,7 @@ from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp import accounting, memory
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import SessionEvent
-from unisched.enforce.seccomp.allowance import Entry, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Entry
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.stats import SupervisorStats
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
@@ -46,19 +47,42 @@ tenant's). Smaller would cut a listener's own bounds for every tenant; an honest
 GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocations than an H200 holds)."""
 
 
-def listener_refusal(tenant: str, served: list[str], most: int) -> str | None:
-    """Why one more listener of `tenant` is not served (None: it is), `served` the tenants of those served now."""
-    n = served.count(tenant)
-    if n < most:
-        return None
-    return (f"tenant {tenant!r} already has {n} hooked process groups (containers or runs), the most served at once; "
-            "end some, or run this one as another tenant")
+MAX_LISTENERS_PER_USER: Final = 256
+"""Listeners one non-root user (the uid that hands them over: `unisched run`) has served at once, all its tenants
+together. Each listener is a supervisor thread: a user with MAX_USER_TENANTS tenants could otherwise start 8,192,
+past a systemd service's default task limit, and the daemon could then start no thread for anyone. Root's (the
+container runtime's) are bounded per tenant only."""
+
+USER_TENANT_BOOKS: Final = 4
+"""How many tenants' worth of books (TENANT_BOUNDS) the listeners one non-root user handed over may hold together."""
+
+USER_BOUNDS: Final[Mapping[Entry, int]] = MappingProxyType({k: n * USER_TENANT_BOOKS for k, n in TENANT_BOUNDS.items()})
+"""Book entries the listeners one non-root user handed over may hold together, all its tenants' (allowance.py): about
+620 MB of the daemon's memory at all seven, where TENANT_BOUNDS alone let one user's MAX_USER_TENANTS tenants hold
+~5 GB. A user's honest runs fill a few GPUs at most, each within one tenant's bounds; past the user's, a call is
+refused or followed less closely exactly as past the tenant's."""
+
+
+def listener_refusal(tenant: str, uid: int, served: list[tuple[str, int]], most: int,
+                     most_per_user: int = MAX_LISTENERS_PER_USER) -> str | None:
+    """Why one more listener of `tenant`, handed over by `uid`, is not served (None: it is), `served` the tenants
+    and uids of those served now."""
+    n = sum(1 for t, _ in served if t == tenant)
+    if n >= most:
+        return (f"tenant {tenant!r} already has {n} hooked process groups (containers or runs), the most served at "
+                "once; end some, or run this one as another tenant")
+    if uid != 0:
+        mine = sum(1 for _, u in served if u == uid)
+        if mine >= most_per_user:
+            return (f"uid {uid} already has {mine} hooked process groups (runs), the most served at once for a "
+                    "non-root user; end some")
+    return None
 
 
 class SessionHooks(Protocol):
-    def attach(self, listener_fd: int, tenant: str) -> None:
-        """Serve the seccomp listener `listener_fd` for `tenant` from now on. Called on the daemon's event loop.
-        The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
+    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
+        """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid`, from now on. Called on the
+        daemon's event loop. The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
 
     def close(self) -> None:
         """Stop serving every listener (their tenants' pending and later session calls fail with ENOSYS)."""
@@ -73,61 +97,78 @@ class SupervisedHooks:
     def __init__(
         self, decide: Callable[[str, SessionKind, int], bool], on_event: Callable[[SessionEvent], None],
         memory: MemoryLedger | None = None, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
-        tenant_bounds: Mapping[Entry, int] = TENANT_BOUNDS,
+        tenant_bounds: Mapping[Entry, int] = TENANT_BOUNDS, max_per_user: int = MAX_LISTENERS_PER_USER,
+        user_bounds: Mapping[Entry, int] = USER_BOUNDS,
     ) -> None:
         self._max_per_tenant = max_per_tenant
+        self._max_per_user = max_per_user
         self._tenant_bounds = tenant_bounds
+        self._user_bounds = user_bounds
         self._decide = decide
         self._on_event = on_event
         self.memory = memory
         """Video memory held per tenant and GPU, and the caps and reserves decided on it (None: not followed)."""
-        self._supervisors: list[SessionSupervisor] = []
-        self._allowances: dict[str, TenantAllowance] = {}
+        self._supervisors: list[tuple[SessionSupervisor, int]] = []
+        """Each listener served, with the uid that handed it over."""
+        self._lock = threading.Lock()
+        """The one lock of every allowance below: a book draws on its tenant's and its user's at once."""
+        self._allowances: dict[str, Allowance] = {}
         """Per tenant with a listener served: what all its books hold together (TENANT_BOUNDS)."""
+        self._users: dict[int, Allowance] = {}
+        """Per non-root uid with a listener served: what all the books of the listeners it handed over hold together
+        (USER_BOUNDS)."""
 
-    def attach(self, listener_fd: int, tenant: str) -> None:
-        self._supervisors = [s for s in self._supervisors if not s.closed]  # forget those whose tenant has gone
-        served = [s.tenant for s in self._supervisors]
-        self._allowances = {t: a for t, a in self._allowances.items() if t in served}  # the ended gave all back
-        why = listener_refusal(tenant, served, self._max_per_tenant)
+    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
+        self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]  # forget those that have ended
+        served = [(s.tenant, u) for s, u in self._supervisors]
+        self._allowances = {t: a for t, a in self._allowances.items() if any(t == st for st, _ in served)}
+        self._users = {u: a for u, a in self._users.items() if any(u == su for _, su in served)}  # all given back
+        why = listener_refusal(tenant, uid, served, self._max_per_tenant, self._max_per_user)
         if why is not None:
             os.close(listener_fd)
             raise SeccompError(why)
-        allowance = self._allowances.setdefault(tenant, TenantAllowance(tenant, self._tenant_bounds))
+        allowance = self._allowances.setdefault(tenant, Allowance(tenant, self._tenant_bounds, self._lock))
+        user = None if uid == 0 else self._users.setdefault(uid, Allowance(f"uid {uid}", self._user_bounds, self._lock))
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
-                                    allowance=allowance)
+                                    allowance=allowance, user_allowance=user)
         except BaseException:
             os.close(listener_fd)
             raise
-        self._supervisors.append(sup)
+        self._supervisors.append((sup, uid))
         sup.attach(asyncio.get_running_loop())
 
     def close(self) -> None:
-        for sup in self._supervisors:
+        for sup, _ in self._supervisors:
             sup.close()
         self._supervisors.clear()
 
     def stats(self) -> list[SupervisorStats]:
-        return [sup.stats() for sup in self._supervisors if not sup.closed]
+        return [sup.stats() for sup, _ in self._supervisors if not sup.closed]
 
 
 class FakeSessionHooks:
     """Records what it is asked to serve and closes each listener at once (its tenant's session calls then fail
     with ENOSYS): for tests of the agent's logic, which need no supervisor thread."""
 
-    def __init__(self, max_per_tenant: int = MAX_LISTENERS_PER_TENANT) -> None:
+    def __init__(self, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
+                 max_per_user: int = MAX_LISTENERS_PER_USER) -> None:
         self.attached: list[str] = []
         """The tenants given a listener, in order (all counted as still served)."""
+        self.uids: list[int] = []
+        """Who handed each of them over."""
         self.closed = False
         self._max_per_tenant = max_per_tenant
+        self._max_per_user = max_per_user
 
-    def attach(self, listener_fd: int, tenant: str) -> None:
+    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
         os.close(listener_fd)
-        why = listener_refusal(tenant, self.attached, self._max_per_tenant)
+        why = listener_refusal(tenant, uid, list(zip(self.attached, self.uids, strict=True)), self._max_per_tenant,
+                               self._max_per_user)
         if why is not None:
             raise SeccompError(why)
         self.attached.append(tenant)
+        self.uids.append(uid)
 
     def close(self) -> None:
         self.closed = True

@@ -98,14 +98,15 @@ class BookSize:
 
 class Unbooked(StrEnum):
     """Why a video memory allocation cannot be booked, and so is refused (MAX_CLIENTS, MAX_DEVICES, MAX_OBJECTS; the
-    TENANT_ ones: the same bounds of the tenant's listeners together, hooks.TENANT_BOUNDS)."""
+    TENANT_ ones: the bounds its book shares with the tenant's other listeners, hooks.TENANT_BOUNDS, or with the other
+    listeners its non-root user handed over, hooks.USER_BOUNDS)."""
 
     CLIENT = "client not booked"
     DEVICE = "device not booked"
     OBJECTS = "too many allocations"
-    TENANT_CLIENT = "client not booked: the tenant's bound"
-    TENANT_DEVICE = "device not booked: the tenant's bound"
-    TENANT_OBJECTS = "too many allocations for the tenant"
+    TENANT_CLIENT = "client not booked: the tenant's or its user's bound"
+    TENANT_DEVICE = "device not booked: the tenant's or its user's bound"
+    TENANT_OBJECTS = "too many allocations for the tenant or its user"
 
 
 _DEVICE, _MEMORY = 0, 1

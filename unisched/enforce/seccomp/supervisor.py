@@ -32,7 +32,7 @@ from unisched.enforce.seccomp.abi import (
     SeccompError,
 )
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent, SessionUnbooked
-from unisched.enforce.seccomp.allowance import Share, TenantAllowance
+from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
@@ -76,8 +76,9 @@ class SessionSupervisor:
     an engine session (accounting.py says which objects join one), and an exception in it admits the call.
     `stats()` may be called from any thread; `close()` too (with `attach`, it joins the supervisor's thread).
 
-    `allowance`: the entries all the tenant's books may hold together (hooks.TENANT_BOUNDS); both books draw on it,
-    and give back all they held when the supervisor finishes. None: each book only has its own bounds.
+    `allowance`: the entries all the tenant's books may hold together (hooks.TENANT_BOUNDS); `user_allowance`: all
+    the books of the listeners one non-root user handed over (hooks.USER_BOUNDS). Both books draw on both, and give
+    back all they held when the supervisor finishes. None: no such bound.
     """
 
     def __init__(
@@ -92,17 +93,20 @@ class SessionSupervisor:
         join_window_s: float = 1.0,
         sync_wake_up: bool = True,
         memory: MemoryLedger | None = None,
-        allowance: TenantAllowance | None = None,
+        allowance: Allowance | None = None,
+        user_allowance: Allowance | None = None,
     ) -> None:
         self.tenant = tenant
         self.allowance = allowance
+        self.user_allowance = user_allowance
         self._listener = Listener(listener_fd, self._warn_once)
-        self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once, share=Share(allowance))
+        self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once,
+                                share=Share(allowance, user_allowance))
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
         self._lock = threading.Lock()
-        self._book = SessionBook(tenant, int(join_window_s * 1e9), share=Share(allowance))
+        self._book = SessionBook(tenant, int(join_window_s * 1e9), share=Share(allowance, user_allowance))
         self._notifications = 0
         self._skipped = 0
         self._errors = 0
