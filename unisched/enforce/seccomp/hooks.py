@@ -57,8 +57,8 @@ USER_TENANT_BOOKS: Final = 4
 """How many tenants' worth of books (TENANT_BOUNDS) the listeners one non-root user handed over may hold together."""
 
 USER_BOUNDS: Final[Mapping[Entry, int]] = MappingProxyType({k: n * USER_TENANT_BOOKS for k, n in TENANT_BOUNDS.items()})
-"""Book entries the listeners one non-root user handed over may hold together, all its tenants' (allowance.py): about
-620 MB of the daemon's memory at all seven, where TENANT_BOUNDS alone let one user's MAX_USER_TENANTS tenants hold
+"""Book entries the listeners one non-root user handed over may hold together, all its tenants' (allowance.py): four
+times a tenant's ~155 MB at all seven, ~620 MB, where TENANT_BOUNDS alone let one user's MAX_USER_TENANTS tenants hold
 ~5 GB. A user's honest runs fill a few GPUs at most, each within one tenant's bounds; past the user's, a call is
 refused or followed less closely exactly as past the tenant's."""
 
