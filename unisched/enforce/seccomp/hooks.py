@@ -121,8 +121,9 @@ class SupervisedHooks:
     def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
         self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]  # forget those that have ended
         served = [(s.tenant, u) for s, u in self._supervisors]
-        self._allowances = {t: a for t, a in self._allowances.items() if any(t == st for st, _ in served)}
-        self._users = {u: a for u, a in self._users.items() if any(u == su for _, su in served)}  # all given back
+        tenants, uids = {t for t, _ in served}, {u for _, u in served}
+        self._allowances = {t: a for t, a in self._allowances.items() if t in tenants}  # the ended gave all back
+        self._users = {u: a for u, a in self._users.items() if u in uids}
         why = listener_refusal(tenant, uid, served, self._max_per_tenant, self._max_per_user)
         if why is not None:
             os.close(listener_fd)
