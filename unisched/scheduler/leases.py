@@ -207,17 +207,15 @@ class LeaseBook:
             held.handed_at = None
         verdict = None
         wall_s = gpu_s
-        frozen = held.after_freeze if held is not None else None
-        after_freeze = frozen is not None and units >= 1 and gpu_s > 0
-        drain = self._frozen_drain(s.tenant, held, gpu_s, units)
+        unit_s = self._turns.unit_s(s.tenant)  # (this report teaches it only below)
+        frozen, drain = self._frozen_drain(held, gpu_s, units, unit_s)
         gpu_s -= drain
         # its own work as the units' usual length may learn it: not from what the `beside` rule cut to that length
         # (a circle that keeps any estimate): a report after a freeze is left out, a tail by the `learn` rule
-        own_s = 0.0 if after_freeze else gpu_s
+        own_s = 0.0 if frozen is not None else gpu_s
         at = self._work_ends.end(s.tenant, r, wall_s, now, ended_ago_s)  # when its work ended (reports come later)
         charged = self._handovers.less_credit(s.tenant, r, gpu_s)
         pieces: tuple[tuple[float, float], ...] = ((at, charged),)
-        unit_s = self._turns.unit_s(s.tenant)  # (this report teaches it only below)
         if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn
             excess = beside_excess(charged, units, unit_s, at - thawed_at, EVEN_SLICING)
             pieces = report_pieces(at, charged, excess, thawed_at)
@@ -225,7 +223,7 @@ class LeaseBook:
             gpu_s -= excess
             if own_s:
                 own_s = learnable_tail(own_s, at - thawed_at, unit_s, engine is not Engine.COMPUTE)
-        if drain > 0 and frozen is not None:
+        if frozen is not None and drain > 0:
             self._charge_drain(frozen, r, drain, at - gpu_s, now)
         if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
             self._reported.setdefault(r, []).extend(pieces)
@@ -255,16 +253,18 @@ class LeaseBook:
             s.released.discard(engine)
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
-    def _frozen_drain(self, tenant: str, held: LeaseRecord | None, gpu_s: float, units: int) -> float:
+    def _frozen_drain(self, held: LeaseRecord | None, gpu_s: float, units: int,
+                      unit_s: float | None) -> tuple[str | None, float]:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
-        time beyond its usual units: that tenant's GPU work still queued at its freeze, which the holder's CUDA events
-        timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's work: the
-        frozen tenant is charged it (`_charge_drain`). On the H200 a trainer's 4 queued matmuls (~7 ms) went to the
-        client at each hand-over, and the unmodified app got ~3 points over its share."""
-        if held is None or held.after_freeze is None or units < 1 or gpu_s <= 0:
-            return 0.0
-        held.after_freeze = None
-        return beside_excess(gpu_s, units, self._turns.unit_s(tenant), self.slice_s, 0.0)
+        time beyond its usual units (`unit_s`): that tenant's GPU work still queued at its freeze, which the holder's
+        CUDA events timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's
+        work: the frozen tenant is charged it (`_charge_drain`). On the H200 a trainer's 4 queued matmuls (~7 ms) went
+        to the client at each hand-over, and the unmodified app got ~3 points over its share. Returns the frozen tenant
+        (None: this report is not the first after a freeze) and that time."""
+        if held is None or held.frozen_holder is None or units < 1 or gpu_s <= 0:
+            return None, 0.0
+        frozen, held.frozen_holder = held.frozen_holder, None
+        return frozen, beside_excess(gpu_s, units, unit_s, self.slice_s, 0.0)
 
     def _charge_drain(self, frozen: str, r: Resource, drain_s: float, ended: float, now: float) -> None:
         """Charge the frozen tenant its work that a holder's first units waited behind (`_frozen_drain`), and place it
@@ -272,7 +272,7 @@ class LeaseBook:
         again. Left to the tick's busy time, it was charged only where the tenant's freeze fell in the same interval:
         on the H200 an unmodified app beside a client with 50 ms steps got 2-3 points of GPU time uncharged."""
         self._reported.setdefault(r, []).append((ended, drain_s))
-        if frozen in self.policy.names():
+        if self.policy.has(frozen):  # (it may have been removed since)
             self.policy.charge(frozen, r, drain_s, now)
 
     def _note_gap(self, r: Resource, gap_s: float) -> None:
@@ -435,7 +435,7 @@ class LeaseBook:
                     last = before.get(r)
                     lease = c.leases[r] = LeaseRecord(next(self._lease_ids), engine, contended,
                                                  handed_at=yielded if direct else None,
-                                                 after_freeze=last if last is not None and last not in self._coop else None)
+                                                 frozen_holder=last if last is not None and last not in self._coop else None)
                     self._work_ends.granted(tenant, r, now)
                     log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))

@@ -102,6 +102,9 @@ class WeightedFairShare:
     def names(self) -> list[str]:
         return sorted(self._b.tenants)
 
+    def has(self, name: str) -> bool:
+        return name in self._b.tenants
+
 
     def contenders(self, resource: Resource) -> int:
         """How many tenants have demand on the resource now (a lease holder alone need not stop early)."""
