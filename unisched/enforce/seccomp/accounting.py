@@ -35,7 +35,8 @@ from unisched.enforce.seccomp.calls import ENGINE_KINDS, Call, Session
 from unisched.enforce.seccomp.memory import MAX_CLIENTS
 
 # The book's bounds, per supervisor (one listener: one hooked process group of one tenant); clients, nodes and session
-# objects are each also drawn from the tenant's allowance (hooks.TENANT_BOUNDS), all its listeners together. Each recorded entry
+# objects are each also drawn from the tenant's allowance (hooks.TENANT_BOUNDS), all its listeners together, and
+# from its user's (hooks.USER_BOUNDS), all the listeners a non-root user handed over together. Each recorded entry
 # belongs to a recorded client, and so to the process that made it: its exit (SessionSupervisor.reconcile) drops
 # them all. RM clients are bounded by memory.MAX_CLIENTS, the memory book's bound of the same meaning: past it a new
 # client is not recorded, nor one whose process is not known (reconcile could never drop it); its session calls are
@@ -197,7 +198,7 @@ class SessionBook:
 
     The tree is changed by one thread (the supervisor's); `counts()` may be read from any (the counters are
     under a lock). Every client, node and session object it records is taken from `share`, its part of the tenant's
-    allowance, and given back when dropped.
+    (and its user's) allowances, and given back when dropped.
     """
 
     def __init__(self, tenant: str, join_window_ns: int, bounds: SessionBounds = SessionBounds(),

@@ -34,7 +34,7 @@ def in_driver_range(handle: int) -> bool:
 
 class Budget:
     """Driver-range handles the replays sharing it may still track, together (the memory book gives its clients one,
-    memory.MAX_LIVE, drawn also from its tenant's `share`): a caller names any handle, so without it a flood of them
+    memory.MAX_LIVE, drawn also from its allowances' `share`): a caller names any handle, so without it a flood of them
     would grow the daemon without end."""
 
     def __init__(self, left: int = RS_UNIQUE_HANDLE_RANGE, share: Share | None = None) -> None:
@@ -42,7 +42,7 @@ class Budget:
         self._share = Share() if share is None else share
 
     def take(self) -> bool:
-        """Track one more handle; False when this budget or the tenant's is spent."""
+        """Track one more handle; False when this budget or one of its allowances is spent."""
         if self.left <= 0 or not self._share.take(Entry.HANDLES):
             return False
         self.left -= 1

@@ -34,7 +34,7 @@ from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 UNKNOWN_GPU: Final = -1
 """The GPU of memory whose parent object was not seen as a device or subdevice (counted there, capped too)."""
 
-# The book's bounds, per listener (each also drawn from its tenant's allowance, hooks.TENANT_BOUNDS). Every RM call is
+# The book's bounds, per listener (each also drawn from its tenant's and its user's allowances, hooks.py). Every RM call is
 # the tenant's to write: it may name any hRoot, handle, class, parent and deviceId, and the driver's refusal of a
 # made-up one is never seen, so without them one process could grow the root daemon without end. Past each, what
 # cannot be booked is refused or followed less closely, never admitted uncounted, so caps and reserves hold. Each
@@ -114,7 +114,7 @@ _DEVICE, _MEMORY = 0, 1
 
 
 class MemoryBook:
-    """One listener's devices and memory objects (module docstring), within its bounds and its tenant's (`share`:
+    """One listener's devices and memory objects (module docstring), within its bounds and its allowances' (`share`:
     every client, device, allocation and replayed handle it records is taken from it, and given back when dropped).
     One thread changes it (the supervisor's)."""
 

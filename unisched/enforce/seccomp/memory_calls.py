@@ -30,7 +30,7 @@ The counts stay exact in the ledger and the metrics."""
 
 class MemoryCalls:
     """The memory side of ONE tenant's supervisor (serving thread only). Without a ledger, memory is not
-    enforced: nothing is charged, booked or credited. `share`: the book's part of its tenant's allowance."""
+    enforced: nothing is charged, booked or credited. `share`: the book's part of its tenant's and its user's allowances."""
 
     def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener,
                  warn: Callable[[str, str], None], share: Share | None = None) -> None:
@@ -116,13 +116,13 @@ class MemoryCalls:
     def _refusal(self, gpu: int, h_root: int, handle: int, h_parent: int, nbytes: int,
                  owner: tuple[int, str]) -> Verdict | Unbooked | None:
         """Charge the allocation, or say why it is refused: the book cannot record it (memory.MAX_OBJECTS and the
-        other bounds, the listener's or its tenant's; refused uncharged, since admitted uncounted it would escape the
+        other bounds, the listener's, its tenant's or its user's; refused uncharged, since admitted uncounted it would escape the
         caps), or the ledger's verdict."""
         assert self.ledger is not None
         unbooked = self.book.unbooked(h_root, handle, h_parent, owner)
         if unbooked is not None:
             self.ledger.refuse(self.tenant, gpu)
-            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds or its tenant's, or a "
+            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, its tenant's or its user's, or a "
                        "process not known) was refused as out of memory; later ones are logged at debug "
                        f"({unbooked.value}; {self.book.size()})")
             return unbooked

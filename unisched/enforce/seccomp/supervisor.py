@@ -269,8 +269,8 @@ class SessionSupervisor:
             unbooked = self._book.unbooked(call)
             if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
-                self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds or its "
-                                "tenant's, or a process not known) was refused; later ones are logged at debug "
+                self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds, its "
+                                "tenant's or its user's, or a process not known) was refused; later ones are logged at debug "
                                 f"({unbooked.value}; {self._book.size()})")
             elif opens and call.kind is not None:
                 if self._loop is not None:
