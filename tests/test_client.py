@@ -423,6 +423,39 @@ def test_a_unit_that_would_start_past_the_slice_behind_a_running_one_waits_for_t
     assert gate.acquire(timeout=0)  # queued behind unit 2, before it ends
 
 
+def test_a_unit_still_running_when_the_app_waits_for_the_engine_is_reported_as_it_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Revoked while its app waits for the next unit, the gate yields at once; the unit it queued last runs on, and
+    is reported when it ends, by when it ended, while the app still waits: not at the next grant, where the daemon
+    took it for work of that turn (InFlight.acquire)."""
+    from unisched_client._inflight import POLL_S, InFlight
+
+    clock = FakeClock(start=100.0)
+    client, out = offline_client(monkeypatch, clock)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    contended_grant(client, 1, slice_left_s=0.09)
+    finished: set[int] = set()
+    flight: InFlight[int] = InFlight(gate, done=lambda u: u in finished, wait=finished.add, elapsed_s=lambda u: 0.05)
+    assert gate.acquire(timeout=0)
+    flight.add(0)
+    reports(out)
+    revoke(client, 1, "slice over")  # unit 0 still runs
+    app = threading.Thread(target=flight.acquire, name="app", daemon=True)
+    app.start()
+    assert clock.await_sleep("app") == pytest.approx(POLL_S)
+    assert [(r.yielded, r.gpu_seconds) for r in reports(out)] == [(True, 0.0)]  # the hand-over need not wait
+    finished.add(0)
+    clock.advance(0.02)  # it looks again, and sees unit 0 done
+    assert clock.await_sleep("app", after=1) is None  # then waits for a grant alone
+    sent_now = reports(out)
+    assert [(r.yielded, r.gpu_seconds, r.units) for r in sent_now] == [(False, 0.05, 1)]
+    assert sent_now[0].ended_ago_s < 0.002  # placed where it ended
+    contended_grant(client, 2)
+    app.join(timeout=30)
+    assert not app.is_alive()
+
+
 def test_the_estimate_of_queued_work_ends_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once every queued unit is seen done (collect, drain), nothing is queued: the next unit starts now."""
     from unisched_client._inflight import InFlight

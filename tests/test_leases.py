@@ -478,6 +478,48 @@ def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_
 
 
 @pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
+def test_a_revoked_clients_step_reported_after_its_yield_is_split_with_the_thawed_tenant(
+        tmp_path: Path, coop_w: int, kern_w: int) -> None:
+    """The client's app already waits for its next 10 ms step when the revoke comes, so it yields at once; the step it
+    queued last still runs, time-sliced beside the freezer-governed tenant thawed for its turn (20 ms on its timer,
+    half of that the other's work), and is reported when seen done, after the yield. It ran beside that tenant as a
+    tail reported with the yield does: charged whole to the client and taken whole off the other's busy time, the
+    other would get the difference twice."""
+    unit, tail = 0.010, 0.020
+    rig = busy_rig(tmp_path)
+    c = rig.coop("coop", coop_w)
+    c.yields = False
+    c.want()
+    rig.unmodified("kern", kern_w)
+    g = rig.driver.groups["/unisched/kern"]
+    coop_work = kern_work = 0.0
+    for _ in range(1200):
+        was_held = c.held
+        delay = rig.tick()
+        c.pump()
+        if was_held and not c.held:
+            g.cpu_s += delay
+            coop_work += tail / 2
+            kern_work += delay - tail / 2
+            rig.engine.lease_report(c.sid, "compute", 0.0, False, yielded=True)
+            c.pump()
+            rig.clock.advance(tail)
+            rig.engine.lease_report(c.sid, "compute", tail, False, units=1, ended_ago_s=0.001)
+            c.pump()
+            rig.clock.advance(delay - tail)
+            continue
+        if not g.frozen:
+            g.cpu_s += delay
+            kern_work += delay
+        rig.clock.advance(delay)
+        if c.held:
+            coop_work += delay
+        c.report(delay if c.held else 0.0, units=round(delay / unit) if c.held else 0)
+    share = coop_work / (coop_work + kern_work)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
+
+
+@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
 def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
         tmp_path: Path, coop_w: int, kern_w: int) -> None:
     """Frozen for the client's turn, the freezer-governed tenant still has 10 ms of GPU work queued; the client's

@@ -46,8 +46,7 @@ class CudaGate:
         self._start: Any = None
 
     def __enter__(self) -> CudaGate:
-        self.flight.collect()
-        self.gate.acquire()
+        self.flight.acquire()
         self._start = cuda.Event()
         self._start.record(self.stream)
         return self

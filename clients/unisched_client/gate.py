@@ -138,8 +138,8 @@ class Gate:
                         return True
                     if self.owes_yield:
                         self.yield_locked()
-                    elif self.lease and self.pending_s > 0:
-                        self.flush_locked()  # slice over: charge it before the daemon decides the next
+                    elif self.pending_s > 0:  # held: the slice is over, charge it before the daemon decides the next;
+                        self.flush_locked()  # revoked: a unit that ended after the yield (InFlight.acquire)
                     wait = None if deadline is None else deadline - now
                     if wait is not None and wait <= 0:
                         return False

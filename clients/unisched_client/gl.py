@@ -58,8 +58,7 @@ class FrameGate:
         return ns / 1e9
 
     def __enter__(self) -> FrameGate:
-        self.flight.collect()
-        self.gate.acquire()
+        self.flight.acquire()
         self._query = self._free.pop() if self._free else int(GL.glGenQueries(1)[0])
         GL.glBeginQuery(GL.GL_TIME_ELAPSED, self._query)
         return self

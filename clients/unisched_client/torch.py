@@ -62,8 +62,7 @@ class TorchStep:
         self._start: Any = None
 
     def __enter__(self) -> TorchStep:
-        self.flight.collect()
-        self.gate.acquire()
+        self.flight.acquire()
         self._start = _timing_event(self.stream)
         return self
 

@@ -37,6 +37,10 @@ class Handovers:
         self._credit: dict[tuple[str, Resource], float] = {}
         """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
         off its next charges, so the overlap's wall time is charged once in all, half to each."""
+        self._tails: dict[tuple[str, Resource], float] = {}
+        """A revoked holder that yielded beside a freezer-governed tenant thawed for its turn, while its app waited for
+        the next unit: when that tenant was thawed. Its unit in flight still runs, and is reported after the yield
+        (unisched_client's InFlight.acquire); kept until the holder's next grant."""
         self._yielded: dict[Resource, float] = {}
         """When a revoked holder last yielded each resource (the hand-over gap counts from then)."""
         self._gap_s: dict[Resource, float] = {}
@@ -59,6 +63,8 @@ class Handovers:
             return False
         if h.overlap is None:
             self._yielded[r] = now
+        elif not self._cooperative(h.overlap):
+            self._tails[(tenant, r)] = h.since
         self.end(r, now)  # first: an overlap it ends is credited against the very report that yielded
         return True
 
@@ -91,11 +97,15 @@ class Handovers:
 
     def beside_freezer(self, r: Resource, tenant: str) -> float | None:
         """When a freezer-governed tenant was thawed on `r` beside `tenant`'s revoked tail, while that tail still
-        drains (None: it does not)."""
+        drains, or after its yield until its next grant (None: neither)."""
         h = self._pending.get(r)
         if h is None or h.tenant != tenant or h.overlap is None or self._cooperative(h.overlap):
-            return None
+            return self._tails.get((tenant, r))
         return h.since
+
+    def granted(self, r: Resource, tenant: str) -> None:
+        """`tenant` holds `r` again: what it reports now ran in its turn, not in a tail beside a thawed tenant."""
+        self._tails.pop((tenant, r), None)
 
     def stop_overlap(self, r: Resource, tenant: str, now: float) -> None:
         """`tenant` stopped holding `r`: the overlap it ran there, if any, ends."""
@@ -131,9 +141,12 @@ class Handovers:
             del self._credit[(tenant, r)]
         return gpu_s - taken
 
-    def drop_credit(self, tenant: str) -> None:
+    def drop(self, tenant: str) -> None:
+        """Forget what is kept for `tenant` (its sessions ended, or it was removed)."""
         for key in [k for k in self._credit if k[0] == tenant]:
             del self._credit[key]
+        for key in [k for k in self._tails if k[0] == tenant]:
+            del self._tails[key]
 
     # --- the hand-over gap ---------------------------------------------------------------------------
     def note_gap(self, r: Resource, gap_s: float) -> float:

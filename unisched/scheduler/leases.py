@@ -144,7 +144,7 @@ class LeaseBook:
                 self._revoke(s.tenant, c, r, lease, now, "session closed", notify=False)
             del self._coop[s.tenant]
             affected = self._handovers.end_all(s.tenant, now) or affected
-            self._handovers.drop_credit(s.tenant)
+            self._handovers.drop(s.tenant)
             self._work_ends.drop(s.tenant)
             self._turns.drop(s.tenant)
         self._refresh_demand(s.tenant, now)
@@ -154,7 +154,7 @@ class LeaseBook:
         """The tenant is removed: revoke what it holds and drop its sessions."""
         self._enforced.discard(tenant)
         self._overrun.pop(tenant, None)
-        self._handovers.drop_credit(tenant)
+        self._handovers.drop(tenant)
         self._work_ends.drop(tenant)
         self._turns.drop(tenant)  # (the engine removes it from the policy right after)
         c = self._coop.pop(tenant, None)
@@ -437,6 +437,7 @@ class LeaseBook:
                                                  handed_at=yielded if direct else None,
                                                  frozen_holder=last if last is not None and last not in self._coop else None)
                     self._work_ends.granted(tenant, r, now)
+                    self._handovers.granted(r, tenant)
                     log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))
                     self._meter(c, r).hold(now)
