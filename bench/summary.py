@@ -272,9 +272,20 @@ def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
     return found
 
 
-def _worst(vs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _worst(vs: Sequence[dict[str, Any]], op: str) -> dict[str, Any]:
+    """The case that failed a target (else could not be judged, else met it) by the most, or came nearest its
+    limit: the highest value where the target is an upper bound (`op` "<="), the lowest where it is a lower one."""
     bad = [v for v in vs if v["passed"] is False] or [v for v in vs if v["passed"] is None] or list(vs)
-    return bad[0]
+    numeric = [v for v in bad if isinstance(v["value"], int | float) and not isinstance(v["value"], bool)]
+    if not numeric:
+        return bad[0]
+    return max(numeric, key=lambda v: float(v["value"]) if op.startswith("<") else -float(v["value"]))
+
+
+def _worst_label(v: dict[str, Any]) -> str:
+    """A case's verdict, with its value where it met the target (a failure's detail already says it)."""
+    label = Verdict(**v).label()
+    return f"{label} ({_num(v['value'])})" if v["passed"] is True else label
 
 
 def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
@@ -298,9 +309,9 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
                 lines.append(f"| {suite.name} | {t['text']} | no case | | {link}, {rounds} |")
                 continue
             met = sum(1 for v in vs if v["passed"] is True)
-            w = _worst(vs)
+            w = _worst(vs, t["op"])
             lines.append(f"| {suite.name} | {t['text']} | {met} of {len(vs)} | {w['case']}: "
-                         f"{Verdict(**w).label()} | {link}, {rounds} |")
+                         f"{_worst_label(w)} | {link}, {rounds} |")
     return "\n".join(lines) + "\n"
 
 

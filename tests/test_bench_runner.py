@@ -197,6 +197,20 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     assert summary.readme_table(summary.with_table(readme, table)) == table
 
 
+def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_path: Path) -> None:
+    """Where every case met a target, the table names the one with least margin and its value, not the first."""
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
+           "cases": {"socket a": {"tenants": 1, "p99_ms": 0.2}, "socket b": {"tenants": 1, "p99_ms": 0.45},
+                     "socket c": {"tenants": 1, "p99_ms": 0.3}}}
+    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "leases", summary.build(suite, [rnd], meta))
+    row = next(x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines()
+               if x.startswith("| leases |"))
+    assert "3 of 3" in row and "socket b: PASS (0.45)" in row
+
+
 def test_the_readme_table_is_the_generated_one() -> None:
     text = (ROOT / "README.md").read_text()
     found = summary.readme_table(text)
