@@ -70,9 +70,8 @@ class InFlight(Generic[M]):
     def acquire(self) -> None:
         """Wait until the next unit may start (`Gate.acquire`), reporting the units still running as they end. Why:
         a revoked holder's unit in flight runs on beside the next holder while the app waits here; seen done only when
-        the next grant let the app go on, it was reported a turn late, as if it ran then, and the daemon took it off
-        the busy time it charged the unmodified app in that turn (on the H200 the app got 3 points over its share
-        beside a client of 50 ms steps at 3:1)."""
+        the next grant lets the app go on, it would be reported a turn late, as if it ran then, and the daemon would
+        take it off the busy time it charges an unmodified app in that turn (a few points of the GPU at 50 ms steps)."""
         self.collect()
         clock = self.gate.client.clock
         while self.units:

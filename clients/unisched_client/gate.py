@@ -20,9 +20,8 @@ __all__ = ["START_GRACE_S", "Gate", "Start", "may_start"]
 START_GRACE_S = 0.005
 """While others wait for the engine, a unit may still start this long after the slice's end: the daemon's renewal (or
 revoke) comes a little after it (its tick, then the message), and a holder that stopped starting units at the end
-itself left the GPU idle until then at every slice. Two PyTorch clients with 1.7 ms steps lost 3% of the H200 to
-it (their rates summed 0.966-0.971 of alone); with this grace 0.994. The overrun past a slice stays bounded: at most
-one unit that started within the grace."""
+itself would leave the GPU idle until then at every slice: a few points of the GPU for two clients of short steps
+(1.7 ms). The overrun past a slice stays bounded: at most one unit that started within the grace."""
 MIN_AGO_S = 1e-6
 """The least `ended_ago_s` a report with GPU time carries: 0 on the wire means "not known"."""
 
@@ -63,11 +62,11 @@ class Gate:
     (the daemon's next decision renews the lease or revokes it): see `may_start`. When the lease is
     revoked, the gate says so (yield) once its units are done, or at once when the app already waits in
     `acquire()` for the next one: then its queued unit (one while contended, see `InFlight`) still runs beside
-    the next holder's first (measured and charged to their owner). Each report counts the units it covers, and
-    the daemon gives a compute tenant with long steps turns of several of them (scheduler.leases.RUN_UNITS), so that
-    hand-overs, which two time-sliced CUDA contexts pay for, come once per several steps. Draining them before the
-    yield was tried on the H200 and lost more (a ResNet-50 pair at 3:1: sum 0.89 against 0.94): the next holder
-    then started late into a slice that ends at the daemon's tick.
+    the next holder's first (measured and charged to their owner, `InFlight.acquire`). Each report counts the units
+    it covers, and the daemon gives a compute tenant with long steps turns of several of them (Tuning.run_units), so
+    that hand-overs, which two time-sliced CUDA contexts pay for, come once per several steps. Not drained before the
+    yield: the next holder would then start late into a slice that ends at the daemon's tick, which costs more than
+    the overlap.
     """
 
     def __init__(self, client: Client, engine: str) -> None:

@@ -25,8 +25,8 @@ class LeaseGrant:
     slice_left_s: float
     jump: bool = False
     """Preemptive mode, an online tenant with no other online tenant: its wants are granted at once, so after a
-    release it may start its next unit as it asks (the want's round trip, ~1 ms at p50 and 5-7 ms at p99 on the
-    H200 machine, was most of an online request's added latency under lease enforcement)."""
+    release it may start its next unit as it asks: the want's round trip (~1 ms at p50, several at p99 on a busy
+    host) would otherwise be most of an online request's added latency under lease enforcement)."""
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 
 Measured, not assumed. On graphics-class GPUs every SM renders, and compute and graphics contend fully.
 On the H100/H200 rendering runs on a few graphics-capable SMs, and whether it overlaps with CUDA depends on
-the load: one probe saw CUDA keep 55-95% of its solo rate next to rendering, the benchmark of
-2026-11-30 saw it keep 14% (bench/results). So compute and graphics are sliced against each other (one
-"sm" domain: the guarantee holds everywhere) unless a calibration run on that GPU measured that they
-overlap (`from_kept`): fully (each keeps most of its rate: not sliced at all) or partly (together they do more
+the load: CUDA keeps anywhere from 14% to 95% of its solo rate next to rendering. So compute and graphics are
+sliced against each other (one "sm" domain: the guarantee holds everywhere) unless a calibration run on that GPU
+measured that they overlap (`from_kept`): fully (each keeps most of its rate: not sliced at all) or partly (together they do more
 than either alone, but one falls below its share: mixed slices, unisched/policy/overlap.py). The video engines
 are always domains of their own.
 """

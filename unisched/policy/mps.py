@@ -4,7 +4,7 @@ Why: in preemptive mode an online request that meets a trainer's queued step sha
 step, whoever gates whom at step boundaries (a ResNet-50 b32 step is ~25 ms of queued work, a b1 request ~6 ms).
 Leases keep the weights; only the GPU's own block dispatcher can put the request's kernels first, and it does so
 only for MPS clients: an offline client of priority below normal, and capped to part of the SMs, leaves SMs free
-for the request (bench/results/2026-12-01-h200-i/). Both settings are fixed when the client's CUDA context is
+for the request. Both settings are fixed when the client's CUDA context is
 created, so they come from the tenant's class, not from the moment's demand.
 """
 

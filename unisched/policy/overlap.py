@@ -1,7 +1,7 @@
 """Compute beside graphics where they partly overlap: how much of the time to run them together.
 
-Why: on the H200 a ResNet-50 trainer keeps ~22% of its solo rate beside a heavy render, which keeps ~92% of its own
-(no scheduler, bench/results/2026-12-01-h200-d/). Together they do 1.14 solos of work, more than either alone, but
+Why: on an H200 a ResNet-50 trainer keeps ~22% of its solo rate beside a heavy render, which keeps ~92% of its own
+(no scheduler). Together they do 1.14 solos of work, more than either alone, but
 the trainer gets far less than its weight share. Slicing them against each other gives each its share and throws
 the overlap away (sum <= 1.0). Mixing three kinds of slice does both where it can: both thawed (rates kept_c,
 kept_g), compute alone (1, 0), graphics alone (0, 1). With time fractions b, c, g (b + c + g = 1), compute gets
@@ -81,9 +81,9 @@ class MixClock:
     kind furthest behind its fraction of the recent time goes next. A value: `choose` and `ran` return the next.
     Why runs and not single slices: a render paused mid-frame finishes that frame beside the compute that
     follows it (up to a frame, ~28 ms on the H200), so every switch turns the start of a compute-only slice into
-    time together. Alternating 50 ms slices (BBC BBC ...) switched ~7 times a second and the render took ~9
-    points of the trainer's 1:1 share that way (bench/results/2026-12-01-h200-e/); one switch a period costs
-    about one frame a period. A longer period pauses each side for longer at a time.
+    time together. Alternating 50 ms slices (BBC BBC ...) switch ~7 times a second, and the render then takes ~9
+    points of a trainer's 1:1 share that way; one switch a period costs about one frame a period. A longer period
+    pauses each side for longer at a time.
     The history decays (`horizon_s`, at least two periods), so a new mix (weights or demand changed) is followed
     within a few periods."""
 

@@ -21,12 +21,11 @@ that a pause point ended, or no whole unit reported yet): two contexts the GPU t
 def learnable_tail(gpu_s: float, beside_s: float, unit_s: float | None, time_sliced: bool) -> float:
     """`learn` rule: of a report that ran `beside_s` beside a freezer-governed tenant's work (a tail after a revoke),
     the part the units' usual length may learn from. Where the GPU time-slices the two (graphics: a 28 ms frame beside
-    a thawed render read 56 ms on the H200), half the time beside is the other's. Where it may instead run the client's
-    queued work first (`time_sliced` False: short CUDA steps at a hand-over), a tail's length tells nothing once a usual
-    length is known, and is left out: counted half, such steps pulled the usual length down by a tenth in the engine
-    model, the `beside` rule then took that much of the client's real work off its charge at every turn, and on the
-    H200 a client of 1.7 ms steps got 0.6-2.7 points over its share beside an unmodified app. With no usual length
-    yet, half."""
+    a thawed render reads 56 ms), half the time beside is the other's. Where it may instead run the client's queued
+    work first (`time_sliced` False: short CUDA steps at a hand-over), a tail's length tells nothing once a usual
+    length is known, and is left out: counted half, such steps pull the usual length down (by about a tenth for
+    1.7 ms steps), and the `beside` rule then takes that much of the client's real work off its charge at every turn,
+    a few points of the GPU in the client's favour. With no usual length yet, half."""
     if not time_sliced and unit_s is not None:
         return 0.0
     return gpu_s - beside_excess(gpu_s, 0, None, beside_s, EVEN_SLICING)

@@ -2,8 +2,8 @@
 
 Why: demand (CPU activity, an open session) says a tenant has work, not that tenants contend. Paced and pipelined
 loads (cloud-gaming instances at 60 FPS, a render -> decode -> inference pipeline, online inference at 20 req/s)
-each show demand in most slices while together they use a fraction of the GPU; slicing them in turn cost them
-3/4 and more of their throughput on the H200 (bench/results/2026-11-30-h200-scenarios/). So freezer enforcement
+each show demand in most slices while together they use a fraction of the GPU; sliced in turn, each runs only in
+its turn and loses most of its throughput (3/4 and more of it, for such loads on an H200). So freezer enforcement
 lets every tenant of a resource run (the resource is "open") until the resource is busy, and slices by weight
 while it is saturated.
 

@@ -24,7 +24,7 @@ class Tuning:
     saturation_leave_s: float = 0.4
     """How long the holders must leave their turns unused before slicing stops. Not one or two slices: NVML's 200 ms
     sample mixes four 50 ms turns, so a render's turn can read half busy, and a trainer's first slice after a thaw
-    is not a full core (on the H200 a render + training pair was opened three times in 12 s on two such slices)."""
+    is not a full core: two such slices in a row would open a saturated render + training pair every few seconds."""
     saturation_hold_s: float = 2.0
     """How long an engine stays open after slicing left its turns unused (paced tenants), doubling each time it
     happens again; also how long slicing with used turns must last to reset the hold to this."""
@@ -45,17 +45,16 @@ class Tuning:
     """A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
     (up to `lease_max_run_ms`). Every hand-over costs a pair of CUDA tenants: an app that pipelines its steps leaves
     them queued to run beside the next holder's first, which two time-sliced contexts pay for (two ResNet-50 b128
-    trainers: 8% on the H200), and one that waits for each step leaves the GPU idle until the next holder's first
-    launch. With 30 ms steps and 50 ms slices the b128 pair at 3:1 changed hands ~10 times a second and kept
-    0.89-0.94. Eight units a turn leave about one hand-over per eight units of work. Not for frames: two renders
-    time-slice at no loss (sum 0.99-1.00 on the H200), so longer turns would only stall each render's frames."""
+    trainers lose ~8% running together on an H200), and one that waits for each step leaves the GPU idle until the
+    next holder's first launch. With 30 ms steps and 50 ms slices a pair changes hands ~10 times a second and loses
+    up to a tenth of the GPU. Eight units a turn leave about one hand-over per eight units of work. Not for frames:
+    two renders time-slice at no loss, so longer turns would only stall each render's frames."""
     handover_share: float = 0.0
     """When above 0, a cooperative holder keeps the engine long enough that the measured hand-over gap before its
     turn (the yield, the grant, the next app's wake-up; scheduler.handovers) costs at most this share of the turn.
-    Off: two PyTorch clients with 1.7 ms steps lose 2-4% of the H200 between them, but with turns sized so (0.01) they
-    still summed 0.96-0.977 there, so the gap is not where that goes; and on a loaded 2-core CI machine a Python
-    client's wake-up made the turns 500 ms, too coarse for shares over seconds. The gap is still measured and
-    logged ("lease turns": handover_ms)."""
+    Off: sizing turns so (0.01) does not win back what two clients of 1.7 ms steps lose between them, so the gap is
+    not where that goes; and where a Python client's wake-up is slow (a loaded 2-core machine) it makes the turns
+    ~500 ms, too coarse for shares over seconds. The gap is still measured and logged ("lease turns": handover_ms)."""
     handover_grant_slices: float = 0.1
     """A grant this soon after a yield (in slices) is that yield's hand-over, whose gap the grant's first report
     measures. A later one followed someone else's turn (a freezer-governed tenant's), and its gap would hold that turn."""
@@ -75,8 +74,8 @@ class Tuning:
     mix_sum: float = 0.97
     """Kept rates summing to at least this get mixed slices (policy.overlap); below it they are sliced as one domain.
     Where the sum is 1 or more, running together some of the time gains (or, at 1, costs nothing) and the mix pauses
-    each side once a period instead of at every slice. On the H200 a matmul trainer + render (kept 0.125 + 0.875)
-    missed their targets sliced and met them mixed. The margin under 1 covers one calibration's noise for such a
+    each side once a period instead of at every slice: a matmul trainer + render that keep 0.125 + 0.875 together
+    lose a pause per slice sliced, one per period mixed. The margin under 1 covers one calibration's noise for such a
     pair; a sum between it and 1 plans no time together (exclusive runs, as sliced). Well under 1 (every SM
     renders, as on graphics-class GPUs) the closed-loop slicing of one domain stays."""
 

@@ -214,9 +214,9 @@ class DaemonConfig:
     mps_offline_sm_percent: int = knob(
         70, "policy", "with mps in preemptive mode: the SMs an offline compute tenant's processes may use "
         "(100 = all, priority only)", bounds=(1, 100), unit="%")
-    """70: on the H200 an SM-bound ResNet-50 b128 trainer kept 0.83-0.87 of its solo rate at 70 with the online
-    request's p99 1.047x pooled over five runs, against 0.47-0.50 at 30 (bench/results/2026-12-02-h200-b/, -c/,
-    -d/); a launch-bound b32 one kept 0.82-1.00 even at 30, 1.00 at 70."""
+    """70: an SM-bound trainer (ResNet-50 b128 on an H200) keeps most of its solo rate at 70 (~0.85) with an online
+    request's p99 still near its alone latency, and about half at 30; a launch-bound one (b32) keeps its rate at
+    either. The online suite (bench/run.py online) measures both sides."""
     tenants: tuple[DeclaredTenant, ...] = ()
     tidal: TidalSchedule = field(default_factory=TidalSchedule)
 

@@ -258,9 +258,9 @@ class LeaseBook:
         """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
         time beyond its usual units (`unit_s`): that tenant's GPU work still queued at its freeze, which the holder's
         CUDA events timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's
-        work: the frozen tenant is charged it (`_charge_drain`). On the H200 a trainer's 4 queued matmuls (~7 ms) went
-        to the client at each hand-over, and the unmodified app got ~3 points over its share. Returns the frozen tenant
-        (None: this report is not the first after a freeze) and that time."""
+        work: the frozen tenant is charged it (`_charge_drain`); a trainer's few queued matmuls (~7 ms) at every
+        hand-over are a few points of the GPU. Returns the frozen tenant (None: this report is not the first after a
+        freeze) and that time."""
         if held is None or held.frozen_holder is None or units < 1 or gpu_s <= 0:
             return None, 0.0
         frozen, held.frozen_holder = held.frozen_holder, None
@@ -269,8 +269,8 @@ class LeaseBook:
     def _charge_drain(self, frozen: str, r: Resource, drain_s: float, ended: float, now: float) -> None:
         """Charge the frozen tenant its work that a holder's first units waited behind (`_frozen_drain`), and place it
         in time as reported work, ending where the holder's own began, so the tick does not charge that busy time
-        again. Left to the tick's busy time, it was charged only where the tenant's freeze fell in the same interval:
-        on the H200 an unmodified app beside a client with 50 ms steps got 2-3 points of GPU time uncharged."""
+        again. Left to the tick's busy time, it would be charged only where the tenant's freeze fell in the same
+        interval as the report, which reports up to half a slice late mostly miss."""
         self._reported.setdefault(r, []).append((ended, drain_s))
         if self.policy.has(frozen):  # (it may have been removed since)
             self.policy.charge(frozen, r, drain_s, now)
@@ -308,8 +308,8 @@ class LeaseBook:
     def _turn_left(self, tenant: str, now: float, slice_left_s: float) -> float:
         """Until the decision that may end the holder's turn: the last tick on the grid before its minimum run ends (or
         the next one). Ticks come late (the daemon's own work, the event loop), so a tick due just before the run ends
-        can land after it and end the turn; told the tick after that, a contended client queued a step that then ran
-        whole beside the next holder. Told early costs little: a long unit in flight outlasts the renewal's way, and a short
+        can land after it and end the turn; told the tick after that, a contended client would queue a step that then
+        runs whole beside the next holder. Told early costs little: a long unit in flight outlasts the renewal's way, and a short
         one's next start waits within START_GRACE_S of the client's gate."""
         run_left = self.policy.min_run_left(tenant, now)
         if run_left > slice_left_s:

@@ -77,8 +77,8 @@ def register(
 
     session_hooks (`unisched run`): the caller's children get the session hooks before they exec, so a tenant
     this call creates is hooked from its first process on and holds no GPU context until the hooks count one.
-    Without it the CPU of its start-up (a torch import: ~3 s on the H200 machine) was charged as GPU time,
-    through the CPU stand-in, until the hand-over and NVML's next process list caught up.
+    Without it the CPU of its start-up (a torch import takes seconds) would be charged as GPU time, through the
+    CPU stand-in, until the hand-over and NVML's next process list caught up.
 
     memory: GPU memory terms (limits.memory_limits); a reserve that does not fit is refused before anything is
     made or moved, so `unisched run` fails before it starts its command."""

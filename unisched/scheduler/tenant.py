@@ -158,9 +158,9 @@ def tenant_state(t: Tenant, holds_lease: bool | None = None) -> str:
 def off_gpu(t: Tenant) -> bool:
     """No GPU context anywhere in the tenant: the hooks count none and NVML lists none of its processes.
 
-    Such a tenant cannot use the GPU, so it shows no demand there and is never frozen: freezing it only
-    slowed its CPU start-up (a ResNet-50 trainer at weight 1:3 next to a render took 4x its 4 s of torch
-    import and set-up on the H200) and charged it for the other tenant's GPU time. Both signals must agree,
+    Such a tenant cannot use the GPU, so it shows no demand there and is never frozen: freezing it would only
+    slow its CPU start-up (at weight 1:3 a trainer's seconds of torch import and set-up take about four times as
+    long) and charge it for the other tenant's GPU time. Both signals must agree,
     so an unclassified context class or a process outside the hooks still counts as on the GPU."""
     return t.hooked and not t.nvml_on_gpu and not any(n > 0 for n in t.sessions.values())
 

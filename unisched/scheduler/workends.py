@@ -21,9 +21,8 @@ class WorkEnds:
     late reports (policy.charging.cooperative_part) found little of it there. The client says how long before the
     report its last unit ended (`ended_ago_s`, by its own clock): the work ended then. Clients that do not say are
     placed back to back from their grant (their last unit past their revoke), which errs early when their first
-    unit waited: on the H200 a render client's first frame of a turn ran after the frozen app's frame in flight, and
-    placed from the grant its frames took that drain off the app's charge at every turn (the client got 0.726 of the
-    GPU at 3:1)."""
+    unit waited: a render client's first frame of a turn runs after the frozen app's frame in flight, and placed from
+    the grant its frames would take that drain off the app's charge at every turn."""
 
     def __init__(self, slice_s: float) -> None:
         self.slice_s = slice_s
