@@ -456,6 +456,30 @@ def test_a_unit_still_running_when_the_app_waits_for_the_engine_is_reported_as_i
     assert not app.is_alive()
 
 
+def test_a_unit_that_does_not_end_is_looked_at_less_often_the_later_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit the GPU never ends (a hang) while the app waits for the engine costs a few looks a second, not one a
+    millisecond: the wait between looks is a tenth of how late the unit is."""
+    from unisched_client._inflight import POLL_S, InFlight
+
+    clock = FakeClock(start=100.0)
+    client, _ = offline_client(monkeypatch, clock)
+    gate = client.gate("compute")
+    gate.acquire(timeout=0)
+    contended_grant(client, 1)
+    flight: InFlight[int] = InFlight(gate, done=lambda u: False, wait=lambda u: None, elapsed_s=lambda u: 0.05)
+    assert gate.acquire(timeout=0)
+    flight.add(0)  # never ends; let start at 100.0, nothing measured yet
+    revoke(client, 1, "slice over")
+    app = threading.Thread(target=flight.acquire, name="app", daemon=True)
+    app.start()
+    assert clock.await_sleep("app") == pytest.approx(POLL_S)
+    clock.advance(2.0)
+    assert clock.await_sleep("app", after=1) == pytest.approx(0.2)  # 2 s late: a look every 0.2 s
+    contended_grant(client, 2)
+    app.join(timeout=30)
+    assert not app.is_alive()
+
+
 def test_the_estimate_of_queued_work_ends_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once every queued unit is seen done (collect, drain), nothing is queued: the next unit starts now."""
     from unisched_client._inflight import InFlight

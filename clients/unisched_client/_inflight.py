@@ -31,7 +31,8 @@ M = TypeVar("M")
 
 POLL_S = 0.001
 """While the app waits for the engine with units still running (`InFlight.acquire`), how often it looks whether they
-ended, once their expected end has passed."""
+ended, once their expected end has passed: at least this, and a tenth of how late they are (a unit the GPU never ends
+costs a few looks a second, not a thousand)."""
 
 MEAN_WEIGHT = 0.5
 """How much each measured unit moves `InFlight.mean_s`: about two units' memory, so a step that ran time-sliced
@@ -75,7 +76,9 @@ class InFlight(Generic[M]):
         self.collect()
         clock = self.gate.client.clock
         while self.units:
-            if self.gate.acquire(timeout=max(POLL_S, self.gate.busy_until - clock.monotonic())):
+            now = clock.monotonic()
+            expected = self.gate.busy_until or self._first_acquired_at or now
+            if self.gate.acquire(timeout=max(POLL_S, expected - now, (now - expected) / 10)):
                 return
             self.collect()
         self.gate.acquire()
