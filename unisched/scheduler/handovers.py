@@ -38,9 +38,9 @@ class Handovers:
         """GPU seconds of overlap a tenant reported that the other tenant of the overlap also reported: taken
         off its next charges, so the overlap's wall time is charged once in all, half to each."""
         self._tails: dict[tuple[str, Resource], float] = {}
-        """A revoked holder that yielded beside a freezer-governed tenant thawed for its turn, while its app waited for
-        the next unit: when that tenant was thawed. Its unit in flight still runs, and is reported after the yield
-        (unisched_client's InFlight.acquire); kept until the holder's next grant."""
+        """A revoked holder that yielded beside a freezer-governed tenant thawed for its turn: when that tenant was
+        thawed. Where its app already waited for the next unit, it yielded at once and its unit in flight still runs,
+        reported after the yield (unisched_client's InFlight.acquire). Kept until the holder's next grant."""
         self._yielded: dict[Resource, float] = {}
         """When a revoked holder last yielded each resource (the hand-over gap counts from then)."""
         self._gap_s: dict[Resource, float] = {}
