@@ -438,17 +438,16 @@ def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_p
     assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (c.used, kern_s)
 
 
-@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
-def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_to_each(
-        tmp_path: Path, coop_w: int, kern_w: int) -> None:
-    """A client revoked mid-step finishes its step (here 20 ms) after the freezer-governed tenant is thawed for its
-    turn; the GPU time-slices the two, so each does about half of that overlap, while the client's CUDA events time
-    all of it. Charged whole to the client and taken whole off the other's busy time, the freezer-governed tenant
-    got ~5 points more than its share at 1:1 with 50 ms steps on the H200."""
-    tail = 0.02
-    rig = busy_rig(tmp_path)
+TAIL_S, TAIL_UNIT_S = 0.02, 0.010
+
+
+def _share_beside_a_revoked_tail(tmp: Path, coop_w: int, kern_w: int, after_yield: bool) -> float:
+    """The client's share of the work done when, at each revoke, its step in flight (TAIL_S on its timer) runs on
+    beside the freezer-governed tenant thawed for its turn, each doing half of that overlap. Reported with the yield
+    (`after_yield` False), or after a yield at once, as one unit (TAIL_UNIT_S steps: its held reports count them)."""
+    rig = busy_rig(tmp)
     c = rig.coop("coop", coop_w)
-    c.yields = False  # it yields itself, once its step in flight is done
+    c.yields = False  # it yields itself
     c.want()
     rig.unmodified("kern", kern_w)
     g = rig.driver.groups["/unisched/kern"]
@@ -457,14 +456,20 @@ def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_
         was_held = c.held
         delay = rig.tick()
         c.pump()
-        if was_held and not c.held:  # revoked: its step runs on beside the thawed tenant, then it yields
+        if was_held and not c.held:  # revoked: its step runs on beside the thawed tenant
             g.cpu_s += delay
-            coop_work += tail / 2
-            kern_work += delay - tail / 2
-            rig.clock.advance(tail)
-            rig.engine.lease_report(c.sid, "compute", tail, False, yielded=True)
+            coop_work += TAIL_S / 2
+            kern_work += delay - TAIL_S / 2
+            if after_yield:
+                rig.engine.lease_report(c.sid, "compute", 0.0, False, yielded=True)
+                c.pump()
+                rig.clock.advance(TAIL_S)
+                rig.engine.lease_report(c.sid, "compute", TAIL_S, False, units=1, ended_ago_s=0.001)
+            else:
+                rig.clock.advance(TAIL_S)
+                rig.engine.lease_report(c.sid, "compute", TAIL_S, False, yielded=True)
             c.pump()
-            rig.clock.advance(delay - tail)
+            rig.clock.advance(delay - TAIL_S)
             continue
         if not g.frozen:
             g.cpu_s += delay
@@ -472,9 +477,19 @@ def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_
         rig.clock.advance(delay)
         if c.held:
             coop_work += delay
-        c.report(delay if c.held else 0.0)
-    share = coop_work / (coop_work + kern_work)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
+        c.report(delay if c.held else 0.0, units=round(delay / TAIL_UNIT_S) if c.held and after_yield else 0)
+    return coop_work / (coop_work + kern_work)
+
+
+@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
+def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_to_each(
+        tmp_path: Path, coop_w: int, kern_w: int) -> None:
+    """A client revoked mid-step finishes its step (here 20 ms) after the freezer-governed tenant is thawed for its
+    turn, then yields; the GPU time-slices the two, so each does about half of that overlap, while the client's CUDA
+    events time all of it. Charged whole to the client and taken whole off the other's busy time, the
+    freezer-governed tenant would get about 5 points more than its share at 1:1 with 50 ms steps."""
+    share = _share_beside_a_revoked_tail(tmp_path, coop_w, kern_w, after_yield=False)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02)
 
 
 @pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
@@ -485,38 +500,8 @@ def test_a_revoked_clients_step_reported_after_its_yield_is_split_with_the_thawe
     half of that the other's work), and is reported when seen done, after the yield. It ran beside that tenant as a
     tail reported with the yield does: charged whole to the client and taken whole off the other's busy time, the
     other would get the difference twice."""
-    unit, tail = 0.010, 0.020
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", coop_w)
-    c.yields = False
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
-    coop_work = kern_work = 0.0
-    for _ in range(1200):
-        was_held = c.held
-        delay = rig.tick()
-        c.pump()
-        if was_held and not c.held:
-            g.cpu_s += delay
-            coop_work += tail / 2
-            kern_work += delay - tail / 2
-            rig.engine.lease_report(c.sid, "compute", 0.0, False, yielded=True)
-            c.pump()
-            rig.clock.advance(tail)
-            rig.engine.lease_report(c.sid, "compute", tail, False, units=1, ended_ago_s=0.001)
-            c.pump()
-            rig.clock.advance(delay - tail)
-            continue
-        if not g.frozen:
-            g.cpu_s += delay
-            kern_work += delay
-        rig.clock.advance(delay)
-        if c.held:
-            coop_work += delay
-        c.report(delay if c.held else 0.0, units=round(delay / unit) if c.held else 0)
-    share = coop_work / (coop_work + kern_work)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
+    share = _share_beside_a_revoked_tail(tmp_path, coop_w, kern_w, after_yield=True)
+    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02)
 
 
 @pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
