@@ -454,6 +454,7 @@ def test_a_unit_still_running_when_the_app_waits_for_the_engine_is_reported_as_i
     contended_grant(client, 2)
     app.join(timeout=30)
     assert not app.is_alive()
+    assert gate.waited_s == pytest.approx(0.02)  # the wait spans the calls it was looked at between
 
 
 def test_a_unit_that_does_not_end_is_looked_at_less_often_the_later_it_is(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,6 +86,7 @@ class Gate:
         """When the last unit (or part) with GPU time was reported done: the daemon places the pending work in time
         from it (LeaseReport.ended_ago_s), as reports go with renewals, up to half a slice after the work."""
         self.waited_s = 0.0
+        """Time app threads spent in acquire() waiting for the lease (a call that timed out included)."""
         self.revokes = 0
         self.blocked = False
         """An app thread waits in acquire(): the engine is wanted even though no unit ran lately."""
@@ -96,8 +97,8 @@ class Gate:
         self.busy_until = 0.0
         """When the GPU work the app already queued is expected to end (InFlight estimates it from the units'
         measured lengths; 0: nothing queued). A unit launched now starts on the GPU only then: without this, a
-        50 ms step queued just before the slice's end ran a whole step past it, beside the next holder, where the
-        driver time-slices the two."""
+        50 ms step queued just before the slice's end would run a whole step past it, beside the next holder, where
+        the driver time-slices the two."""
         self.owes_yield = False
         self.jump = False
         """The last grant said our wants are granted at once (preemptive mode, online, no other online tenant):
@@ -141,6 +142,7 @@ class Gate:
                         self.flush_locked()  # revoked: a unit that ended after the yield (InFlight.acquire)
                     wait = None if deadline is None else deadline - now
                     if wait is not None and wait <= 0:
+                        self.waited_s += now - start  # waited all the same (InFlight.acquire waits in such calls)
                         return False
                     clock.wait(c._cond, wait)
                     now = clock.monotonic()
