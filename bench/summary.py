@@ -99,11 +99,12 @@ def build(suite: Suite, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> d
     """summary.json's content from the rounds (each: round, steps, cases, notes), verdicts recomputed from all."""
     cases = [r["cases"] for r in rounds]
     verdicts = judge_all(suite.targets, cases)
-    return {**meta, "suite": suite.name, "measures": suite.measures,
+    settled = len(rounds) >= suite.rounds  # fewer rounds than the suite's least decide nothing yet
+    return {**meta, "suite": suite.name, "measures": suite.measures, "rounds_least": suite.rounds,
             "targets": [{"name": t.name, "text": t.text, "metric": t.metric, "stat": t.stat, "op": t.op,
                          "limit": t.limit} for t in suite.targets],
             "rounds": rounds, "stats": stats_of(cases), "verdicts": [v.to_json() for v in verdicts],
-            "passed": overall(verdicts) if suite.targets else None}
+            "passed": overall(verdicts) if suite.targets and settled else None}
 
 
 def finite(obj: Any) -> Any:
@@ -153,7 +154,8 @@ def report_md(s: dict[str, Any]) -> str:
              f"Command: `{s['command']}`  ", f"Date (UTC): {s['date_utc']}  ",
              f"Commit: {s['commit']}{' (with uncommitted changes)' if s.get('dirty') else ''}  ",
              f"Machine: {m['host']}; {m['cpu']}, {m['cores']} cores; GPU: {gpu}; kernel {m['kernel']}  ",
-             f"Rounds: {len(s['rounds'])}" + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
+             f"Rounds: {len(s['rounds'])}" + _unsettled(s)
+             + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
     if s["targets"]:
         verdict = {True: "**all targets met**", False: "**targets missed**", None: "**not settled**"}[s["passed"]]
         lines += [f"Verdict: {verdict}", "", "| case | target | value | verdict |", "|---|---|---|---|"]
@@ -272,6 +274,18 @@ def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
     return found
 
 
+def _least(s: dict[str, Any]) -> int:
+    """The least rounds the summary's suite asks for (summaries from before it was recorded: the suite's now)."""
+    suite = next((x for x in SUITES if x.name == s.get("suite")), None)
+    return int(s.get("rounds_least") or (suite.rounds if suite else 1))
+
+
+def _unsettled(s: dict[str, Any]) -> str:
+    """What the report says after its round count when there are fewer than the suite's least."""
+    n, least = len(s["rounds"]), _least(s)
+    return f" of the {least} the suite needs: not settled until then" if n < least else ""
+
+
 def _worst(vs: Sequence[dict[str, Any]], op: str) -> dict[str, Any]:
     """The case that failed a target (else could not be judged, else met it) by the most, or came nearest its
     limit: the highest value where the target is an upper bound (`op` "<="), the lowest where it is a lower one."""
@@ -300,7 +314,8 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
             continue
         folder, s = have[suite.name]
         link = f"[{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)})"
-        rounds = f"{len(s['rounds'])} rounds"
+        n, least = len(s["rounds"]), _least(s)
+        rounds = f"{n} rounds" if n >= least else f"{n} of {least} rounds"
         if not s["targets"]:
             lines.append(f"| {suite.name} | no target | measured | | {link}, {rounds} |")
         for t in s["targets"]:
@@ -309,8 +324,9 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
                 lines.append(f"| {suite.name} | {t['text']} | no case | | {link}, {rounds} |")
                 continue
             met = sum(1 for v in vs if v["passed"] is True)
+            count = f"{met} of {len(vs)}" if n >= least else f"not settled ({met} of {len(vs)} so far)"
             w = _worst(vs, t["op"])
-            lines.append(f"| {suite.name} | {t['text']} | {met} of {len(vs)} | {w['case']}: "
+            lines.append(f"| {suite.name} | {t['text']} | {count} | {w['case']}: "
                          f"{_worst_label(w)} | {link}, {rounds} |")
     return "\n".join(lines) + "\n"
 

@@ -96,7 +96,8 @@ def test_pairs_with_cpu_standins_writes_every_round_and_computed_verdicts(tmp_pa
     assert by["sum"]["passed"] is (m["sum"] >= 0.98) and by["sum"]["value"] == pytest.approx(m["sum"])
     assert by["error, worst round"]["passed"] is (m["error_pts"] <= 2.0)
     assert by["guarantee"]["passed"] is m["guarantee"]
-    assert s["passed"] is all(v["passed"] for v in by.values())
+    assert s["passed"] is None and s["rounds_least"] == 3  # 1 round of the 3 pairs needs: nothing settled yet
+    assert "Rounds: 1 of the 3 the suite needs: not settled until then" in (folder / "report.md").read_text()
     assert s["stats"]["cuda+cuda 3:1"]["sum"]["median"] == pytest.approx(m["sum"])
     report = (folder / "report.md").read_text()
     assert "## Every round" in report and "cuda+cuda 3:1" in report and "CPU stand-ins" in report
@@ -182,16 +183,16 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
         summary.write(tmp_path / f"{day}-h200-aaaaaaa" / "leases",
-                      summary.build(suite, [rnd], {**meta, "date_utc": f"{day} 10:00:00"}))
+                      summary.build(suite, [rnd] * 3, {**meta, "date_utc": f"{day} 10:00:00"}))
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],  # newer, but of part of the suite: not shown
            "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.1}}}
     summary.write(tmp_path / "2026-03-01-h200-bbbbbbb" / "leases",
-                  summary.build(suite, [rnd], {**meta, "command": "python3 bench/run.py leases -- --weights 3:1",
+                  summary.build(suite, [rnd] * 3, {**meta, "command": "python3 bench/run.py leases -- --weights 3:1",
                                                "date_utc": "2026-03-01 10:00:00"}))
     table = summary.results_table(tmp_path, link_from=tmp_path)
     row = next(x for x in table.splitlines() if x.startswith("| leases |"))
     assert "0 of 1" in row and "FAIL: 0.62 ms > 0.5 ms, by 0.12 ms" in row
-    assert "[2026-02-01-h200-aaaaaaa](2026-02-01-h200-aaaaaaa/leases/report.md), 1 rounds" in row
+    assert "[2026-02-01-h200-aaaaaaa](2026-02-01-h200-aaaaaaa/leases/report.md), 3 rounds" in row
     assert f"| pairs | {suites.PAIR_TARGETS[0].text}" in table and summary.NOT_MEASURED in table
     readme = f"intro\n{summary.README_BEGIN}\nold\n{summary.README_END}\nrest\n"
     assert summary.readme_table(summary.with_table(readme, table)) == table
@@ -205,10 +206,29 @@ def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_p
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
            "cases": {"socket a": {"tenants": 1, "p99_ms": 0.2}, "socket b": {"tenants": 1, "p99_ms": 0.45},
                      "socket c": {"tenants": 1, "p99_ms": 0.3}}}
-    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "leases", summary.build(suite, [rnd], meta))
+    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "leases", summary.build(suite, [rnd] * 3, meta))
     row = next(x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines()
                if x.startswith("| leases |"))
     assert "3 of 3" in row and "socket b: PASS (0.45)" in row
+
+
+def test_a_run_with_fewer_rounds_than_its_suite_needs_is_not_settled(tmp_path: Path) -> None:
+    """Overhead needs 5 rounds: after 1 that met every target, neither the report nor the table says it passed."""
+    suite = suites.BY_NAME["overhead"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"cuda alone": {"loss": 0.001}}}
+    folder = tmp_path / "2026-01-01-h200-aaaaaaa" / "overhead"
+    summary.write(folder, summary.build(suite, [rnd], meta))
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["passed"] is None and any(v["passed"] is True for v in s["verdicts"])
+    assert "Verdict: **not settled**" in (folder / "report.md").read_text()
+    rows = [x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines() if x.startswith("| overhead |")]
+    assert rows and all("not settled (" in x and ", 1 of 5 rounds |" in x for x in rows)
+    summary.write(folder, summary.build(suite, [rnd] * 5, meta))
+    assert json.loads((folder / "summary.json").read_text())["passed"] is True
+    rows = [x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines() if x.startswith("| overhead |")]
+    assert all("not settled" not in x and ", 5 rounds |" in x for x in rows)
 
 
 def test_the_readme_table_is_the_generated_one() -> None:
