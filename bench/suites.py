@@ -180,8 +180,9 @@ def read_ad_sim(folder: Path) -> tuple[Cases, list[str]]:
 
 def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
     cases: Cases = {}
-    for kind, ms in (_json(folder / "startup" / "results.json").get("added_ms_median") or {}).items():
-        cases[f"{kind} start-up"] = {"added_ms": ms}
+    for kind, a in (_json(folder / "startup" / "results.json").get("added_ms") or {}).items():
+        cases[f"{kind} start-up"] = {"added_ms": a.get("mean"), "added_ms_lo90": a.get("lo90"),
+                                     "added_ms_hi90": a.get("hi90"), "pairs": a.get("n")}
     after = ((_json(folder / "answer" / "results.json").get("results") or {}).get("after") or {}).get("idle") or {}
     for kind, c in (after.get("contexts") or {}).items():
         cases[f"{kind} context, answer cost"] = {"added_ms_p50": c.get("added_ms_p50"),
@@ -240,8 +241,8 @@ CLOUD_TARGETS = (
     Target("1% lows", "lows_vs_no_scheduler", "worst", ">=", 0.0, "1% lows (over mean FPS) no worse than no scheduler",
            applies=lambda m: m.get("saturated") is True),
 )
-HOOK_TARGETS = (Target("start-up", "added_ms", "interval", "<", 10.0, "the hooks add < 10 ms to a context's start-up, "
-                       "by the top of its 90% interval", " ms"),)
+HOOK_TARGETS = (Target("start-up", "added_ms_hi90", "worst", "<", 10.0, "the hooks add < 10 ms to a context's "
+                       "start-up, by the top of its 90% interval (over a round's pairs), in every round", " ms"),)
 LEASE_TARGETS = (Target("round trip p99", "p99_ms", "worst", "<=", 0.5, "lease renewal round trip p99 <= 0.5 ms", " ms",
                         applies=lambda m: m.get("tenants") == 1),)
 MEMORY_TARGETS = (Target("tests", "tests_pass", "every", ">=", 1.0, "tests/test_gpu_memory.py passes on the GPU"),)
@@ -292,7 +293,7 @@ SUITES: tuple[Suite, ...] = (
                                            "--workload-cmd-cuda"), f"{STANDIN} cuda", "--workload-cmd-render",
                                     "{py} bench/cpu_standin.py --pin-cpu 1 --kind render", *STANDIN_SERVE)),)),
     Suite("overhead", "CUDA and render each alone, without and with the daemon, back to back in every round "
-          "(bench/gpu_pairs.py --overhead --overhead-only)", 2.5, True,
+          "(bench/gpu_pairs.py --overhead --overhead-only)", 2.0, True,
           (Step("overhead", words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,render1:1 --overhead "
                                   "--overhead-only")),),
           read_gpu_pairs, OVERHEAD_TARGETS,
@@ -312,7 +313,7 @@ SUITES: tuple[Suite, ...] = (
           read_cloud, CLOUD_TARGETS),
     Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
           "one after another, co-located with no scheduler and under the daemon at 1:1; no target in the issue",
-          2.0, True,
+          2.3, True,
           (Step("sequential", words("{py} examples/ad_sim.py --mode sequential --report {out}/report.json")),
            Step("colocated", words("{py} examples/ad_sim.py --mode colocated --report {out}/report.json")),
            Step("unisched-1-1", words("{py} examples/ad_sim.py --mode colocated --weights 1:1 --report "
@@ -324,7 +325,7 @@ SUITES: tuple[Suite, ...] = (
            Step("answer", words("{py} bench/hook_answer.py --loads idle --out {out}"))),
           read_hooks, HOOK_TARGETS),
     Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, and 1000 tenants renewing every 100 ms "
-          "(bench/lease_load.py; CPU only, no GPU needed)", 1.5, False,
+          "(bench/lease_load.py; CPU only, no GPU needed)", 1.1, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
            Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --out {out}"))),
           read_leases, LEASE_TARGETS),

@@ -161,6 +161,41 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     assert m["lows_vs_no_scheduler"] == pytest.approx(0.7619 - 0.9, abs=1e-4)  # median of 0.8, 0.762, 0.75 vs 0.9
 
 
+def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_difference(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the daemon and the runs replaced (no GPU here): pairs alternate which run goes first, the warm-up pairs
+    are not counted, and the suite reads the mean difference and the top of its 90% interval from what it wrote."""
+    hs = _bench("hook_startup")
+    calls: list[tuple[str, bool]] = []
+    base = {"cuda": 0.300, "egl": 0.600}
+
+    def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> float:
+        calls.append((name, hooks))
+        k = sum(1 for c in calls if c == (name, hooks))  # this run's number for its program and side
+        slow = 0.5 if k == 1 else 0.0  # the first start of each: driver files from disk
+        return base[name] + slow + (0.004 + 0.001 * (k % 3) if hooks else 0.0)
+
+    class Daemon:
+        def terminate(self) -> None: ...
+        def wait(self, timeout: float) -> int: return 0
+
+    monkeypatch.setattr(hs, "one_run", one_run)
+    monkeypatch.setattr(hs, "start_daemon", lambda work: (Daemon(), "sock"))
+    monkeypatch.setattr(sys, "argv", ["hook_startup.py", "--out", str(tmp_path / "startup"), "--repeat", "6"])
+    assert hs.main() == 0
+    assert calls[:4] == [("cuda", True), ("cuda", False), ("cuda", False), ("cuda", True)]
+    assert len(calls) == 2 * 2 * 7
+    got = json.loads((tmp_path / "startup" / "results.json").read_text())
+    pairs = got["added_ms_pairs"]["cuda"]
+    assert pairs == pytest.approx([4 + (k % 3) for k in range(2, 8)])  # the warm-up pair (k = 1) left out
+    a = got["added_ms"]["cuda"]
+    assert a["mean"] == pytest.approx(5.0) and a["lo90"] < 5.0 < a["hi90"] < 6.0
+    cases, _ = suites.read_hooks(tmp_path)
+    assert cases["egl start-up"]["added_ms_hi90"] == pytest.approx(got["added_ms"]["egl"]["hi90"])
+    (v,) = [v for v in verdicts.judge_all(suites.HOOK_TARGETS, [cases]) if v.case == "cuda start-up"]
+    assert v.passed is True and v.value == pytest.approx(a["hi90"])
+
+
 # ------------------------------------------------------------------------------------------------ raw and table
 
 
