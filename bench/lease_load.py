@@ -52,6 +52,11 @@ sys.path.insert(0, str(ROOT))
 STALL_S = 20.0
 """A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
 CLOSE_S = 120.0
+SLOW_S = 0.1
+"""A round trip this long is listed with when it was sent (the first SLOW_KEPT of each process): stalls that
+every process sees at once are the daemon's, those one process sees alone are that client's."""
+SLOW_KEPT = 100
+PROBE_RENEW_S = 0.025
 """After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 
 
@@ -76,7 +81,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until: float,
-                  rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float) -> None:
+                  rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float,
+                  slow: list[list[float]]) -> None:
     """One cooperative tenant on its own connection: hello, want, then a renewal report every renew_s (0: back to
     back); after the window, release, half-close and read until the daemon ends the stream, then close. A stream
     that ends before the tenant ends it is recorded in `lost` (when, why, and whether in the window or in the
@@ -132,7 +138,10 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
                 if kind == "ack" and reply.seq in sent:
                     t = sent.pop(reply.seq)
                     if t >= warm_until:
-                        rtts.append(time.perf_counter() - t)
+                        rtt = time.perf_counter() - t
+                        rtts.append(rtt)
+                        if rtt >= SLOW_S and len(slow) < SLOW_KEPT:
+                            slow.append([round(t - t0, 3), round(rtt * 1000, 1)])
                     acked.set()
                 elif kind == "grant":
                     counts["grants"] += 1
@@ -190,19 +199,20 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
            out: Any) -> None:
     async def main() -> None:
         rtts: list[float] = []
+        slow: list[list[float]] = []
         lost: list[dict[str, Any]] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.perf_counter()
         until, warm_until = t0 + warmup + seconds, t0 + warmup
         results = await asyncio.gather(
-            *(_tenant(sock, n, renew_s, until, warm_until, rtts, counts, lost, t0) for n in names),
+            *(_tenant(sock, n, renew_s, until, warm_until, rtts, counts, lost, t0, slow) for n in names),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
         counts["errors"] = len(errors)
         counts["lost"] = len(lost)
-        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
+        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost, "slow": slow, "names": names})
 
     asyncio.run(main())
 
@@ -252,7 +262,7 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
         counts["revokes"] += c.gate("compute").revokes
         c.close()
     counts["errors"] = len(errors)
-    out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost})
+    out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost, "slow": [], "names": names})
 
 
 def busy_cpu_s() -> float:
@@ -284,6 +294,9 @@ def main() -> int:
                     help="protocol: asyncio speaking the lease stream (default); library: unisched_client.Client, "
                          "renewals by Client.renew() from a thread per tenant (for a few tenants)")
     ap.add_argument("--nvml", action="store_true", help="let the daemon use NVML (default: --no-nvml)")
+    ap.add_argument("--probe", action="store_true",
+                    help="one more tenant in a process of its own, renewing every 25 ms: its round trip is reported "
+                         "apart (a stall it shares with the load is the daemon's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.tenants < 1 or args.seconds <= 0 or args.renew_ms < 0:
@@ -306,6 +319,10 @@ def main() -> int:
         args=(names[i::procs], sock if args.client == "library" else lease_socket_of(sock), args.renew_ms / 1000.0,
               start_at, args.seconds, args.warmup, q))
         for i in range(procs)]
+    probe = f"{prefix}probe"
+    if args.probe:
+        workers.append(mp.get_context("fork").Process(target=worker, args=(
+            [probe], lease_socket_of(sock), PROBE_RENEW_S, start_at, args.seconds, args.warmup, q)))
     for w in workers:
         w.start()
     pids = [w.pid for w in workers if w.pid is not None]  # every started process has one
@@ -342,7 +359,11 @@ for cg in d.managed():
     if cg.rsplit('/', 1)[-1].startswith({prefix!r}) and not d.pids(cg):
         d.remove(cg)
 """], check=False)
+    probed = [p for p in parts if p["names"] == [probe]]
+    parts = [p for p in parts if p["names"] != [probe]]
+    probe_rtts = [x for p in probed for x in p["rtts"]]
     rtts = [x for p in parts for x in p["rtts"]]
+    slow = sorted([x[0], x[1], i] for i, p in enumerate(parts) for x in p["slow"])
     counts = {k: sum(p["counts"][k] for p in parts) for k in parts[0]["counts"]}
     lost = sorted((x for p in parts for x in p["lost"]), key=lambda x: x["at_s"])
     reasons: dict[str, int] = {}
@@ -369,6 +390,11 @@ for cg in d.managed():
         "streams_lost_after_window": len(lost) - lost_in_window, "lost_by_reason": reasons,
         "lost_at_s": [min(x["at_s"] for x in lost), max(x["at_s"] for x in lost)] if lost else [],
         "lost_first": lost[:5],
+        "slow": {"over_ms": SLOW_S * 1000, "count": sum(1 for x in rtts if x >= SLOW_S),
+                 "processes": len({x[2] for x in slow}), "first_kept": slow[:SLOW_KEPT]},
+        "probe_rtt_ms": None if not args.probe else {
+            "every_ms": PROBE_RENEW_S * 1000, "round_trips": len(probe_rtts), "p50": 1000 * percentile(probe_rtts, 0.5),
+            "p99": 1000 * percentile(probe_rtts, 0.99), "max": 1000 * max(probe_rtts, default=float("nan"))},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -385,6 +411,14 @@ for cg in d.managed():
            f"{len(lost) - lost_in_window} in the shutdown after it)")
     md += (" (" + "; ".join(f"{n} {r}" for r, n in reasons.items())
            + f"; at {res['lost_at_s'][0]:.1f}..{res['lost_at_s'][1]:.1f} s from the clients' start)\n" if lost else "\n")
+    sl = res["slow"]
+    if sl["count"]:
+        md += (f"\nRound trips over {sl['over_ms']:g} ms: {sl['count']}, in {sl['processes']} of {procs} client "
+               f"processes; the first at {slow[0][0]:.1f} s from the clients' start (results.json lists them).\n")
+    if res["probe_rtt_ms"] is not None:
+        pr = res["probe_rtt_ms"]
+        md += (f"\nThe probe (one more tenant in a process of its own, every {pr['every_ms']:g} ms): "
+               f"p50 {pr['p50']:.3f} ms, p99 {pr['p99']:.3f} ms, max {pr['max']:.1f} ms.\n")
     if res["errors"]:
         md += "\nErrors: " + "; ".join(res["errors"]) + "\n"
     (args.out / "results.md").write_text(md)

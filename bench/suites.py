@@ -198,6 +198,12 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
             rtt = r.get("rtt_ms") or {}
             cases[case] = {"tenants": r.get("tenants"), "p50_ms": rtt.get("p50"), "p99_ms": rtt.get("p99"),
                            "daemon_cpu_cores": r.get("daemon_cpu_cores"), "streams_lost": r.get("streams_lost")}
+            if r.get("probe_rtt_ms"):  # the one tenant renewing beside the load, in a process of its own
+                cases[case] |= {"probe_p50_ms": r["probe_rtt_ms"].get("p50"), "probe_p99_ms": r["probe_rtt_ms"].get("p99"),
+                                "over_100ms": (r.get("slow") or {}).get("count")}
+    floor = _json(folder / "floor" / "results.json").get("rtt_ms")
+    if floor:  # no tenant: the target does not apply to it
+        cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
     return cases, []
 
 
@@ -324,10 +330,12 @@ SUITES: tuple[Suite, ...] = (
           (Step("startup", words("{py} bench/hook_startup.py --out {out}")),
            Step("answer", words("{py} bench/hook_answer.py --loads idle --out {out}"))),
           read_hooks, HOOK_TARGETS),
-    Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, and 1000 tenants renewing every 100 ms "
-          "(bench/lease_load.py; CPU only, no GPU needed)", 1.1, False,
+    Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
+          "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
+          "beside them (bench/lease_load.py, bench/echo_floor.py; CPU only, no GPU needed)", 1.4, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
-           Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --out {out}"))),
+           Step("floor", words("{py} bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out {out}")),
+           Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}"))),
           read_leases, LEASE_TARGETS),
     Suite("memory", "GPU memory accounting and refusal at the allocation: bench/gpu_memory.sh (the RM-call probe, then "
           "tests/test_gpu_memory.py on the GPU)", 5.0, True,
