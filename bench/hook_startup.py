@@ -36,13 +36,14 @@ from _daemon import ROOT, bench_env, start_daemon
 from verdicts import mean_interval
 
 CUDA = """
-import ctypes, time
+import ctypes, json, time
 t = time.perf_counter()
 cu = ctypes.CDLL("libcuda.so.1")
 def ok(r, what):
     if r:
         raise SystemExit(f"{what} failed: CUresult {r}")
 ok(cu.cuInit(0), "cuInit")
+t_init = time.perf_counter()
 dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
 ok(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
 ok(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
@@ -51,32 +52,40 @@ size = ctypes.c_size_t(1 << 20)
 ok(cu.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc")
 ok(cu.cuMemsetD8_v2(ptr, ctypes.c_ubyte(1), size), "cuMemsetD8")
 ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-print(time.perf_counter() - t)
+t_end = time.perf_counter()
+print(json.dumps({"total": t_end - t, "init": t_init - t, "context": t_end - t_init}))
 """
 EGL = f"""
-import os, sys, time
+import json, os, sys, time
 os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 sys.path.insert(0, {str(ROOT / 'examples' / 'workloads')!r})
 from OpenGL import GL
-from egl_render import gl_context
+from egl_render import Egl, create_context, open_display
 t = time.perf_counter()
-with gl_context(None):
-    GL.glClearColor(0.2, 0.4, 0.6, 1.0)
-    GL.glClear(GL.GL_COLOR_BUFFER_BIT)
-    GL.glFinish()
-    print(time.perf_counter() - t)
+egl = Egl()
+display = open_display(egl, None)
+t_init = time.perf_counter()
+ctx = create_context(egl, display)
+GL.glClearColor(0.2, 0.4, 0.6, 1.0)
+GL.glClear(GL.GL_COLOR_BUFFER_BIT)
+GL.glFinish()
+t_end = time.perf_counter()
+ctx.close()
+print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_init}}))
 """
 PROGRAMS = {"cuda": CUDA, "egl": EGL}
 
 
-def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> float:
-    """One start under `unisched run`: the seconds the program timed. Exits with its error when it fails."""
+def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str, float]:
+    """One start under `unisched run`: the seconds the program timed, in all ("total") and by phase ("init": the
+    driver loaded and the device opened; "context": the context made and used once). Exits with its error when it
+    fails."""
     cmd = [sys.executable, "-m", "unisched", "run", "--socket", sock, "--tenant", f"hs-{name}",
            *(() if hooks else ("--no-session-hooks",)), "--", sys.executable, "-c", PROGRAMS[name]]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     if p.returncode != 0:
         raise SystemExit(f"hook_startup: {name} ({'hooks' if hooks else 'no hooks'}) failed: {p.stderr[-1500:]}")
-    return float(p.stdout.strip().splitlines()[-1])
+    return {k: float(v) for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
 
 
 def summarize(diffs_ms: list[float]) -> dict[str, Any]:
@@ -100,12 +109,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hook-startup-"))
     env = bench_env()
     daemon, sock = start_daemon(work)
-    seconds: dict[str, dict[str, list[float]]] = {}
-    diffs: dict[str, list[float]] = {}
+    seconds: dict[str, dict[str, list[dict[str, float]]]] = {}
+    diffs: dict[str, dict[str, list[float]]] = {}  # program -> phase ("total", "init", "context") -> ms per pair
     try:
         for name in names:
             seconds[name] = {"hooks": [], "no hooks": []}
-            diffs[name] = []
+            diffs[name] = {}
             for i in range(args.warmup + args.repeat):
                 order = (True, False) if i % 2 == 0 else (False, True)
                 got = {hooks: one_run(sock, name, hooks, env) for hooks in order}
@@ -113,24 +122,32 @@ def main() -> int:
                     continue
                 seconds[name]["hooks"].append(got[True])
                 seconds[name]["no hooks"].append(got[False])
-                diffs[name].append((got[True] - got[False]) * 1000)
-                print(f"hook_startup: {name} pair {i + 1 - args.warmup}/{args.repeat}: with {got[True] * 1000:.1f} "
-                      f"ms, without {got[False] * 1000:.1f} ms", file=sys.stderr)
+                for phase in got[True]:
+                    diffs[name].setdefault(phase, []).append((got[True][phase] - got[False][phase]) * 1000)
+                print(f"hook_startup: {name} pair {i + 1 - args.warmup}/{args.repeat}: with "
+                      f"{got[True]['total'] * 1000:.1f} ms, without {got[False]['total'] * 1000:.1f} ms", file=sys.stderr)
     finally:
         daemon.terminate()
         daemon.wait(30)
-    added = {name: summarize(d) for name, d in diffs.items()}
+    added = {name: summarize(d["total"]) for name, d in diffs.items()}
     out = {"command": "python3 bench/hook_startup.py " + shlex.join(sys.argv[1:]),
            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
-           "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds, "added_ms_pairs": diffs,
-           "added_ms": added}
+           "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds,
+           "added_ms_pairs": {name: d["total"] for name, d in diffs.items()}, "added_ms": added,
+           "added_ms_by_phase": {name: {ph: summarize(v) for ph, v in d.items() if ph != "total"}
+                                 for name, d in diffs.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
-    rows = [f"| {name} | {statistics.median(seconds[name]['no hooks']) * 1000:.1f} ms | "
-            f"{statistics.median(seconds[name]['hooks']) * 1000:.1f} ms | {a['mean']:+.1f} ms | {a['median']:+.1f} ms | "
-            f"{a['lo90']:+.1f} to {a['hi90']:+.1f} ms |" for name, a in added.items()]
+    def row(label: str, name: str, phase: str, a: dict[str, Any]) -> str:
+        med = {k: statistics.median(r[phase] for r in seconds[name][k]) * 1000 for k in ("no hooks", "hooks")}
+        return (f"| {label} | {med['no hooks']:.1f} ms | {med['hooks']:.1f} ms | {a['mean']:+.1f} ms | "
+                f"{a['median']:+.1f} ms | {a['lo90']:+.1f} to {a['hi90']:+.1f} ms |")
+
+    rows = [row(name, name, "total", a) for name, a in added.items()]
+    rows += [row(f"{name}: {ph}", name, ph, a) for name, d in out["added_ms_by_phase"].items() for ph, a in d.items()]
     md = (f"Command: `{out['command']}` | {out['date_utc']} UTC | host {out['host']}\n\n"
-          f"{args.repeat} pairs per program, order alternating, after {args.warmup} not counted.\n\n"
+          f"{args.repeat} pairs per program, order alternating, after {args.warmup} not counted. The phases: init "
+          "(the driver loaded, the device opened), context (the context made and used once).\n\n"
           "| program | start-up without hooks (median) | with hooks (median) | added, mean of pairs | median of pairs "
           "| 90% interval of the mean |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     (args.out / "results.md").write_text(md)

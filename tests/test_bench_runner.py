@@ -187,11 +187,12 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     calls: list[tuple[str, bool]] = []
     base = {"cuda": 0.300, "egl": 0.600}
 
-    def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> float:
+    def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str, float]:
         calls.append((name, hooks))
         k = sum(1 for c in calls if c == (name, hooks))  # this run's number for its program and side
-        slow = 0.5 if k == 1 else 0.0  # the first start of each: driver files from disk
-        return base[name] + slow + (0.004 + 0.001 * (k % 3) if hooks else 0.0)
+        init = base[name] + (0.5 if k == 1 else 0.0)  # the first start of each: driver files from disk
+        context = 0.1 + (0.004 + 0.001 * (k % 3) if hooks else 0.0)
+        return {"total": init + context, "init": init, "context": context}
 
     class Daemon:
         def terminate(self) -> None: ...
@@ -208,6 +209,8 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     assert pairs == pytest.approx([4 + (k % 3) for k in range(2, 8)])  # the warm-up pair (k = 1) left out
     a = got["added_ms"]["cuda"]
     assert a["mean"] == pytest.approx(5.0) and a["lo90"] < 5.0 < a["hi90"] < 6.0
+    phases = got["added_ms_by_phase"]["cuda"]
+    assert phases["init"]["mean"] == pytest.approx(0.0) and phases["context"]["mean"] == pytest.approx(5.0)
     cases, _ = suites.read_hooks(tmp_path)
     assert cases["egl start-up"]["added_ms_hi90"] == pytest.approx(got["added_ms"]["egl"]["hi90"])
     (v,) = [v for v in verdicts.judge_all(suites.HOOK_TARGETS, [cases]) if v.case == "cuda start-up"]
