@@ -6,6 +6,7 @@
   python3 bench/run.py SUITE --dry-run                 the commands of a round, nothing run
   python3 bench/run.py SUITE --cpu-standin             where the suite has them: CPU stand-ins, no GPU
   python3 bench/run.py SUITE -- --seconds 20           words after `--` go to every command of a round
+  python3 bench/run.py A B --budget 540                several suites one after another, one time budget for all
   python3 bench/run.py --table                         the README's results table, from the latest summaries
   python3 bench/run.py --update-readme README.md       write that table between the README's markers
   python3 bench/run.py --update-results docs/results.md  write the results page (the table and every verdict of
@@ -14,7 +15,9 @@
 DIR defaults to bench/results/<date>-<gpu>-<commit>/. A round runs the suite's command(s) once, each with its own
 alone / no-scheduler references where the suite has them; rounds already in DIR/SUITE/summary.json (an earlier call
 with the same --out, on the same commit) are kept and count towards --rounds, so a suite longer than one device call
-runs as several calls. --budget S stops before a round that would end after S seconds.
+runs as several calls. --budget S stops before a round that would end more than S seconds after the start; with
+several suites it is one budget: each suite runs its rounds in turn while they fit, so a fixed slot of GPU time is
+filled by one command.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("suite", nargs="?", choices=[s.name for s in SUITES], help="the suite to run (see --list)")
+    ap.add_argument("suite", nargs="*", help="the suites to run, one after another (see --list)")
     ap.add_argument("--list", action="store_true", help="what each suite measures, its targets, how long it takes")
     ap.add_argument("--rounds", type=int, default=None, help="rounds in the folder at the end (default: the suite's least)")
     ap.add_argument("--out", type=Path, default=None, help="the run folder (default bench/results/<date>-<gpu>-<commit>)")
@@ -120,7 +123,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--commit", default=None, metavar="SHA",
                     help="the commit measured, where the tree has no git metadata (a copy on the GPU machine)")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
-                    help="start no round that would end after S seconds (by the suite's estimate)")
+                    help="start no round that would end after S seconds from the start (by the suite's estimate; "
+                         "with several suites, one budget for all of them)")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
@@ -128,6 +132,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="write the results page (the table, then every verdict of each suite's latest run) between "
                          "FILE's markers")
     args = ap.parse_args(argv)
+    unknown = [x for x in args.suite if x not in BY_NAME]
+    if unknown:
+        ap.error(f"no suite {', '.join(unknown)} (the suites: {', '.join(s.name for s in SUITES)})")
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
     if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(sm.with_table(text, make(link_from=path.resolve().parent)))
     if args.update_readme is not None or args.update_results is not None:
         return 0
-    return run_suite(BY_NAME[args.suite], args, extra)
+    args.t0 = time.monotonic()
+    return max(run_suite(BY_NAME[name], args, extra) for name in args.suite)
 
 
 def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
@@ -191,14 +199,15 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     sm.unpack_raw(folder)
     meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
             "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
-    t0 = time.monotonic()
     while len(done) < rounds:
-        if args.budget is not None and time.monotonic() - t0 + 60 * suite.round_minutes > args.budget:
+        if args.budget is not None and time.monotonic() - args.t0 + 60 * suite.round_minutes > args.budget:
             print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
                   f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
             break
         done.append(run_round(suite, steps, len(done) + 1, folder, extra))
         sm.write(folder, sm.build(suite, done, meta))
+    if not done:  # nothing to report, and no folder to leave behind
+        return 0
     result = sm.build(suite, done, meta)
     result["raw"] = sm.archive_raw(folder)
     result["plots"] = sm.plot(folder, result)

@@ -61,6 +61,18 @@ def test_dry_run_prints_a_rounds_commands_and_runs_nothing(tmp_path: Path) -> No
     assert not (tmp_path / "out").exists()
 
 
+def test_several_suites_run_in_turn_within_one_budget_and_a_round_that_does_not_fit_leaves_nothing(
+        tmp_path: Path) -> None:
+    both = run_py("leases", "overhead", "--dry-run")
+    assert both.returncode == 0 and "leases: 3 rounds" in both.stdout and "overhead: 5 rounds" in both.stdout
+    got = run_py("leases", "--budget", "10", "--out", str(tmp_path))  # a round is about 1.4 min
+    assert got.returncode == 0, got.stderr
+    assert "round 1 would end after --budget 10 s: stopping (0 of 3 rounds" in got.stderr
+    assert not any(tmp_path.iterdir())
+    bad = run_py("leases", "nope")
+    assert bad.returncode == 2 and "no suite nope" in bad.stderr
+
+
 @pytest.mark.skipif(bool(summary.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
 def test_a_gpu_suite_refuses_clearly_without_a_gpu(tmp_path: Path) -> None:
     got = run_py("hooks", "--out", str(tmp_path))
