@@ -44,6 +44,8 @@ class LeaseBook:
                  max_run_s: float = 0.5) -> None:
         self.policy = policy
         self.contention = contention
+        self._resources: dict[tuple[int, Engine], Resource] = {}
+        """resource()'s answers: every renewal asks, and the contention map is fixed for the book's life."""
         self.slice_s = slice_s
         self.valid_s = valid_s
         self._sessions: dict[int, SessionRecord] = {}
@@ -110,7 +112,10 @@ class LeaseBook:
         return self._session(sid).tenant
 
     def resource(self, gpu: int, engine: Engine) -> Resource:
-        (r,) = self.contention.resources((gpu,), {engine})
+        r = self._resources.get((gpu, engine))
+        if r is None:
+            (r,) = self.contention.resources((gpu,), {engine})
+            self._resources[(gpu, engine)] = r
         return r
 
     def _session(self, sid: int) -> SessionRecord:
