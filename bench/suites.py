@@ -326,7 +326,7 @@ SUITES: tuple[Suite, ...] = (
                                       "{out}/report.json --unisched-socket {socket}"), serve=())),
           read_ad_sim),
     Suite("hooks", "the session hooks: what they add to a CUDA and an EGL context's start-up (bench/hook_startup.py), "
-          "and the per-call answer cost with an idle loop (bench/hook_answer.py)", 2.0, True,
+          "and the per-call answer cost with an idle loop (bench/hook_answer.py)", 2.3, True,
           (Step("startup", words("{py} bench/hook_startup.py --out {out}")),
            Step("answer", words("{py} bench/hook_answer.py --loads idle --out {out}"))),
           read_hooks, HOOK_TARGETS),
