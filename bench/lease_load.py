@@ -57,6 +57,8 @@ SLOW_S = 0.1
 every process sees at once are the daemon's, those one process sees alone are that client's."""
 SLOW_KEPT = 100
 PROBE_RENEW_S = 0.025
+DAEMON_LOG_KEPT = 256 * 1024
+"""The daemon log's last bytes kept beside the results (overruns, dropped streams: why a round trip was slow)."""
 """After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 
 
@@ -398,6 +400,8 @@ for cg in d.managed():
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    log = (work / "daemon.log").read_bytes()  # at --log-level warning: what went wrong there, if anything
+    (args.out / "daemon.log").write_bytes(log[-DAEMON_LOG_KEPT:])
     every = f"{args.renew_ms:g} ms" if args.renew_ms else "back to back"
     md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
           f"| tenants | renew every | renewals/s (offered) | RTT p50 | RTT p99 | RTT max | daemon CPU | daemon RSS |\n"
