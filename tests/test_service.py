@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, Daemon, child_env, cli, freezer_unavailable_reason, wait_until
+from structlog.testing import capture_logs
 
-from unisched.scheduler.runner import run_engine
+from unisched.scheduler.runner import LateSlices, run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 
 
@@ -164,6 +165,23 @@ def test_the_loop_reports_alive_only_after_a_slice_ran(fail: bool) -> None:
 
     ticks = asyncio.run(go())
     assert calls == ([] if fail else list(range(1, ticks + 1)))
+
+
+def test_a_slice_that_starts_late_is_logged_once_per_interval() -> None:
+    """Slices asked after 0 s that start 0.01, 0.5, 0.3, 11 and 0.2 s later: 0.5 s is logged; 0.3 s, within the
+    interval, is held back; 11 s is logged and says one was held back; 0.2 s is held back again."""
+    t = [100.0]
+    late = LateSlices(lambda: t[0])
+    assert late.check() is None  # no slice asked yet
+    seen = []
+    with capture_logs() as logs:
+        for wait_s in (0.01, 0.5, 0.3, 11.0, 0.2):
+            late.expect(0.0)
+            t[0] += wait_s
+            seen.append(late.check())
+    assert seen == [None, pytest.approx(0.5), None, pytest.approx(11.0), None]
+    assert [(e["late_ms"], e["earlier_late_slices_not_logged"]) for e in logs] == [(500.0, 0), (11000.0, 1)]
+    assert {e["log_level"] for e in logs} == {"warning"}
 
 
 # --- journald: syslog priority prefixes -----------------------------------------------------------------------

@@ -5,22 +5,55 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import structlog
 
+from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 
-__all__ = ["run_engine"]
+__all__ = ["LATE_WARN_S", "LateSlices", "run_engine"]
 
 log = structlog.get_logger("unisched.scheduler")
 
+LATE_WARN_S = 0.1
+"""A slice that starts this much later than its loop asked is logged (at most once every LATE_LOG_EVERY_S): the
+event loop was blocked or the daemon not scheduled, and every lease renewal and call waited as long."""
+LATE_LOG_EVERY_S = 10.0
 
-async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:
+
+class LateSlices:
+    """Logs a slice that started LATE_WARN_S or more after its loop asked, at most once every LATE_LOG_EVERY_S."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self._due: float | None = None
+        self._throttle = Throttle(LATE_LOG_EVERY_S, now)
+
+    def expect(self, delay_s: float) -> None:
+        """The loop is about to wait `delay_s` for the next slice."""
+        self._due = self._now() + delay_s
+
+    def check(self) -> float | None:
+        """After the wait: how late the slice is when that is logged now (None: on time, or held back)."""
+        if self._due is None:
+            return None
+        late = self._now() - self._due
+        if late < LATE_WARN_S or (held := self._throttle.allow("late")) is None:
+            return None
+        log.warning("slice loop ran late: the event loop was blocked or the daemon not scheduled",
+                    late_ms=round(late * 1000, 1), earlier_late_slices_not_logged=held)
+        return late
+
+
+async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None,
+                     now: Callable[[], float] = time.monotonic) -> None:
     """Tick until `stop` is set. The loop is what keeps time in production; tests call tick() directly.
 
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
-    keep failing stops calling it."""
+    keep failing stops calling it. `now`: the clock the lateness of a slice is read on."""
+    late = LateSlices(now)
     try:
         while not stop.is_set():
             try:
@@ -32,7 +65,9 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
             else:
                 if alive is not None:
                     alive()
+            late.expect(delay)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=delay)
+            late.check()
     finally:
         engine.shutdown()
