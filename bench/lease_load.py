@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 STALL_S = 20.0
 """A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
 CLOSE_S = 120.0
+"""After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 SLOW_S = 0.1
 """A round trip this long is listed with when it was sent (the first SLOW_KEPT of each process): stalls that
 every process sees at once are the daemon's, those one process sees alone are that client's."""
@@ -59,7 +60,6 @@ SLOW_KEPT = 100
 PROBE_RENEW_S = 0.025
 DAEMON_LOG_KEPT = 256 * 1024
 """The daemon log's last bytes kept beside the results (overruns, dropped streams: why a round trip was slow)."""
-"""After its half-close a tenant reads until the daemon ends the stream, this long at most (then STALLED)."""
 
 
 class _Stalled(Exception):
