@@ -4,8 +4,8 @@
 A child process echoes what it reads (a blocking socket, nothing else); this process sends a lease renewal's bytes
 (a framed report with a seq, ~20 bytes) every --every-ms and times until the echo is back, as bench/lease_load.py
 times a renewal's ack. No daemon, no asyncio, no protobuf: what is left is the kernel's socket path and waking two
-idle processes, which on a virtual machine costs most of a round trip. A renewal through the daemon cannot be faster
-than this, so the report shows how much of its round trip is the daemon's and how much the machine's.
+idle processes. A renewal through the daemon cannot be faster than this, so beside it the report shows how much of a
+round trip is the daemon's and how much the machine's.
 
   python3 bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out DIR
 """

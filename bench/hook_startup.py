@@ -12,7 +12,10 @@ Runs come in pairs, one with the hooks and one with `--no-session-hooks`, their 
 the machine over the round falls on both alike. The first --warmup pairs of each program are not counted (the
 first start of a program loads the driver's files from disk). A whole start-up varies by tens of milliseconds from
 run to run, far more than the hooks add, so the result is the mean of the --repeat paired differences with its 90%
-Student-t interval; a bound on the hooks is only as tight as that interval. Writes results.json and results.md.
+Student-t interval; a bound on the hooks is only as tight as that interval. Each start also times its two phases,
+init (the driver loaded, the device opened) and context (the context made and used once), and the report gives
+their paired differences too: which phase carries the noise and which the hooks' cost. Writes results.json and
+results.md.
 
   python3 bench/hook_startup.py --out bench/results/DATE-GPU/hook-startup
 """
