@@ -23,10 +23,12 @@ filled by one command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,14 @@ def list_suites() -> str:
     return "\n".join(out)
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT (a time limit ran out): the step running is ended, what is done is written, then exit."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def has_gpu() -> bool:
     return bool(sm.gpus())
 
@@ -77,13 +87,17 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[s
         work = Path(tempfile.mkdtemp(prefix=f"run-{step.name}-"))
         daemon, sock = start_daemon(work, *step.serve)
     argv = expand(step, folder, sock, extra)
+    rc: int | None = None
     try:
         with (log_to / f"{step.name}.log").open("wb") as log:
-            proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=bench_env(),
-                                  timeout=step.timeout_s, check=False)
-        rc: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = None
+            # a session of its own: the step and everything it starts end together (end_group), on its time limit
+            # or when the runner is stopped, and no workload is left running into the next step's measurement
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=bench_env(),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=step.timeout_s)
+            finally:
+                end_group(proc)
     finally:
         if daemon is not None:
             daemon.terminate()
@@ -91,6 +105,29 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[s
             shutil.copy(work / "daemon.log", log_to / f"{step.name}-daemon.log")  # type: ignore[operator]
             shutil.rmtree(work, ignore_errors=True)  # type: ignore[arg-type]
     return {"name": step.name, "argv": argv, "rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def end_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """End a step's process group: SIGTERM (a daemon thaws what it froze), then SIGKILL to what is left after
+    `grace_s`. Waits until the group is gone or the grace ran out, reaping the leader on the way."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone: nothing of the step runs
+        deadline = time.monotonic() + grace_s
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.05)
+    proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra: list[str]) -> dict[str, Any]:
@@ -163,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_readme is not None or args.update_results is not None:
         return 0
     args.t0 = time.monotonic()
-    return max(run_suite(BY_NAME[name], args, extra) for name in args.suite)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        return max(run_suite(BY_NAME[name], args, extra) for name in args.suite)
+    except Stopped:
+        return 128 + signal.SIGTERM
 
 
 def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
@@ -196,18 +238,35 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
               "give another --out", file=sys.stderr)
         return 2
     done: list[dict[str, Any]] = list(before["rounds"]) if before else []
+    existed = folder.exists()
     sm.unpack_raw(folder)
     meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
             "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
-    while len(done) < rounds:
-        if args.budget is not None and time.monotonic() - args.t0 + 60 * suite.round_minutes > args.budget:
-            print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
-                  f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
-            break
-        done.append(run_round(suite, steps, len(done) + 1, folder, extra))
-        sm.write(folder, sm.build(suite, done, meta))
+    try:
+        while len(done) < rounds:
+            if args.budget is not None and time.monotonic() - args.t0 + 60 * suite.round_minutes > args.budget:
+                print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
+                      f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
+                break
+            done.append(run_round(suite, steps, len(done) + 1, folder, extra))
+            sm.write(folder, sm.build(suite, done, meta))
+    except Stopped:  # the round cut short is dropped (run again, it runs whole); the rounds done are kept below
+        print(f"run {suite.name}: stopped by a signal in round {len(done) + 1}", file=sys.stderr)
+        if done:
+            finish(suite, folder, done, meta)
+        elif not existed:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     if not done:  # nothing to report, and no folder to leave behind
         return 0
+    return finish(suite, folder, done, meta)
+
+
+def finish(suite: Suite, folder: Path, done: list[dict[str, Any]], meta: dict[str, Any]) -> int:
+    """The summary of the rounds done, their raw outputs archived, the plots and the verdicts printed."""
+    raw_round = folder / sm.RAW / f"round-{len(done) + 1}"
+    if raw_round.exists():
+        shutil.rmtree(raw_round)  # a round cut short: not part of the record
     result = sm.build(suite, done, meta)
     result["raw"] = sm.archive_raw(folder)
     result["plots"] = sm.plot(folder, result)

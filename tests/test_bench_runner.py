@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -15,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import ROOT, child_env, needs_freezer
+from conftest import ROOT, child_env, needs_freezer, wait_until
 
 BENCH = ROOT / "bench"
 
@@ -139,6 +140,44 @@ def test_the_leases_suite_measures_the_round_trip_the_floor_and_the_load_with_it
     load = rnd["cases"]["1000 tenants"]
     assert load["tenants"] == 1000 and load["probe_p99_ms"] > 0 and load["over_100ms"] >= 0
     assert [v["case"] for v in s["verdicts"]] == ["round trip, 1 tenant"]
+
+
+def _running_with(text: str) -> list[int]:
+    """Processes whose command line names `text` (a test's own folder)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                continue  # gone meanwhile
+    return found
+
+
+@needs_freezer
+def test_a_stopped_run_keeps_the_rounds_done_drops_the_one_cut_short_and_leaves_nothing_running(
+        tmp_path: Path) -> None:
+    """SIGTERM in round 2 (a device's time limit): the step running and all it started end, round 1 is written
+    and archived, round 2's partial outputs are gone, and the exit status says it was stopped."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(BENCH / "run.py"), "leases", "--rounds", "2", "--out", str(out), "--",
+                             "--seconds", "1", "--warmup", "1"], cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (out / "leases" / "raw" / "round-2" / "rtt.log").exists(), 240, "round 2 to start")
+        wait_until(lambda: _running_with(str(out / "leases" / "raw" / "round-2")), 60, "round 2's step to run")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by a signal in round 2" in err
+    assert _running_with(str(out)) == []
+    s = json.loads((out / "leases" / "summary.json").read_text())
+    assert [r["round"] for r in s["rounds"]] == [1] and (out / "leases" / "raw.tar.xz").exists()
+    assert not (out / "leases" / "raw").exists()
 
 
 def target(**kw: Any) -> Any:
