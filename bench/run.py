@@ -96,6 +96,8 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[s
                                     start_new_session=True)
             try:
                 rc = proc.wait(timeout=step.timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None  # over its time limit: recorded as such, and ended below
             finally:
                 end_group(proc)
     finally:

@@ -155,6 +155,20 @@ def _running_with(text: str) -> list[int]:
     return found
 
 
+def test_a_step_over_its_time_limit_is_recorded_without_a_status_and_ended_with_what_it_started(
+        tmp_path: Path) -> None:
+    """The step starts a child of its own and outlives its limit: the runner goes on with rc None, and neither the
+    step nor its child is left running."""
+    run = _bench("run")
+    marker = str(tmp_path / "over-limit")
+    code = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
+            f"{marker!r}]); time.sleep(300)")
+    step = suites.Step("slow", (sys.executable, "-c", code, marker), timeout_s=0.5)
+    got = run.run_step(step, tmp_path / "slow", [], tmp_path)
+    assert got["rc"] is None and got["name"] == "slow"
+    assert _running_with(marker) == []
+
+
 @needs_freezer
 def test_a_stopped_run_keeps_the_rounds_done_drops_the_one_cut_short_and_leaves_nothing_running(
         tmp_path: Path) -> None:
