@@ -47,13 +47,12 @@ class LateSlices:
         return late
 
 
-async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None,
-                     now: Callable[[], float] = time.monotonic) -> None:
+async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:
     """Tick until `stop` is set. The loop is what keeps time in production; tests call tick() directly.
 
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
-    keep failing stops calling it. `now`: the clock the lateness of a slice is read on."""
-    late = LateSlices(now)
+    keep failing stops calling it."""
+    late = LateSlices(time.monotonic)
     try:
         while not stop.is_set():
             try:
