@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lease_load import percentile  # the same percentiles as the round trips it is set beside
+
 MESSAGE = b"\x00\x00\x00\x10" + bytes(range(16))
 """A lease renewal's size on the wire: a 4-byte length, then a report of that length."""
 
@@ -34,11 +37,6 @@ def echo(conn: socket.socket, other: socket.socket) -> None:
     other.close()
     while data := conn.recv(4096):
         conn.sendall(data)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def measure(every_s: float, seconds: float, warmup: float) -> list[float]:
