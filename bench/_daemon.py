@@ -19,13 +19,16 @@ def bench_env() -> dict[str, str]:
 
 
 def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = ROOT,
-                 profile: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                 profile: Path | None = None, sample: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start the daemon (of the checkout `root`) with its socket, state and log in `work`; returns it and its socket
     once the socket is there. Exits with the log's tail when it dies first or does not come up. `profile`: run it
-    under cProfile (its main thread: the event loop and every gRPC handler), written there when it exits."""
+    under cProfile (its main thread: the event loop and every gRPC handler), written there when it exits. `sample`:
+    run it under bench/stack_sampler.py (what blocked its event loop, and for how long), written there."""
     sock = str(work / "d.sock")
     log = (work / "daemon.log").open("wb")
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    if sample:
+        prof = [str(ROOT / "bench" / "stack_sampler.py"), str(sample)]
     daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                str(work / "state"), *extra], stdout=log, stderr=log,
                               env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [

@@ -10,7 +10,9 @@ round trip lease enforcement's target is about (p99 <= 1 ms on the Unix socket).
   python3 bench/lease_load.py --tenants 1 --seconds 10 --out bench/results/DATE-HOST/lease-rtt
   python3 bench/lease_load.py --tenants 1000 --seconds 60 --out bench/results/DATE-HOST/lease-load-1000
 
-Only renewals sent within the measured window count (none is sent into the other tenants' teardown). After the
+The measured window opens --warmup seconds after the last tenant was welcomed (a burst of a thousand
+registrations is not the steady state measured; how long it took is reported), and only renewals sent within it
+count (none is sent into the other tenants' teardown). After the
 window each tenant releases, half-closes and keeps reading until the daemon ends its stream (CLOSE_S at most), so
 every stream is shut down cleanly. A stream that ends before its tenant ends it is counted as lost, with why,
 when, and whether in the window or in the shutdown after it; one whose writes stop completing (STALL_S) or
@@ -20,7 +22,8 @@ The report also says how much CPU the clients and anything else on the machine u
 another user's work skews it).
 
 Writes results.json and results.md to --out and prints a summary; progress goes to stderr. For diagnosis:
-LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level.
+LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level;
+LL_SAMPLE=FILE.json runs the daemon under bench/stack_sampler.py (what blocked its event loop).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -58,6 +62,8 @@ SLOW_S = 0.1
 every process sees at once are the daemon's, those one process sees alone are that client's."""
 SLOW_KEPT = 100
 PROBE_RENEW_S = 0.025
+REGISTER_S = 120.0
+"""Every tenant must be welcomed within this long of the clients' start, or the run gives up."""
 DAEMON_LOG_KEPT = 256 * 1024
 """The daemon log's last bytes kept beside the results (overruns, dropped streams: why a round trip was slow)."""
 
@@ -82,11 +88,12 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until: float,
+async def _tenant(sock: str, name: str, renew_s: float, window: Window,
                   rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float,
                   slow: list[list[float]]) -> None:
     """One cooperative tenant on its own connection: hello, want, then a renewal report every renew_s (0: back to
-    back); after the window, release, half-close and read until the daemon ends the stream, then close. A stream
+    back), counted once the window opens; after the window, release, half-close and read until the daemon ends the
+    stream, then close. A stream
     that ends before the tenant ends it is recorded in `lost` (when, why, and whether in the window or in the
     shutdown after it)."""
     from unisched_wire import unisched_pb2 as pb
@@ -98,7 +105,7 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
     ending = [False]
 
     def record(code: str, details: str) -> None:
-        lost.append({"tenant": name, "at_s": round(time.perf_counter() - t0, 3), "code": code, "details": details,
+        lost.append({"tenant": name, "at_s": round(time.monotonic() - t0, 3), "code": code, "details": details,
                      "phase": "shutdown" if ending[0] else "window", "debug": ""})
 
     try:
@@ -137,10 +144,12 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
             for payload in frames.feed(data):
                 reply = pb.LeaseReply.FromString(payload)
                 kind = reply.WhichOneof("kind")
-                if kind == "ack" and reply.seq in sent:
+                if kind == "welcome":
+                    window.welcomed()
+                elif kind == "ack" and reply.seq in sent:
                     t = sent.pop(reply.seq)
-                    if t >= warm_until:
-                        rtt = time.perf_counter() - t
+                    if t >= window.start:
+                        rtt = time.monotonic() - t
                         rtts.append(rtt)
                         if rtt >= SLOW_S and len(slow) < SLOW_KEPT:
                             slow.append([round(t - t0, 3), round(rtt * 1000, 1)])
@@ -162,15 +171,15 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
         loop = asyncio.get_running_loop()
         next_at = loop.time() + renew_s * (hash(name) % 1000) / 1000.0  # spread the renewals
         seq = 0
-        while time.perf_counter() < until and not task.done():
+        while time.monotonic() < window.end and not task.done():
             if renew_s > 0:
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
                 next_at += renew_s
-                if time.perf_counter() >= until:  # the window is over: none sent into the others' teardown
+                if time.monotonic() >= window.end:  # the window is over: none sent into the others' teardown
                     break
             seq += 1
             acked.clear()
-            sent[seq] = time.perf_counter()
+            sent[seq] = time.monotonic()
             counts["sent"] += 1
             used = 0.001 if held[0] else 0.0
             await op(frame(pb.LeaseRequest(seq=seq, report=pb.LeaseReport(engine="compute", gpu_seconds=used))),
@@ -197,18 +206,46 @@ async def _tenant(sock: str, name: str, renew_s: float, until: float, warm_until
         writer.close()
 
 
-def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
-           out: Any) -> None:
+class Window:
+    """The measured window, shared by the main process and the workers: it opens --warmup seconds after the last
+    tenant was welcomed (registration, a burst of cgroup creations, is not what is measured) and closes --seconds
+    later. Times are time.monotonic(), one clock for every process of the machine."""
+
+    def __init__(self, ctx: Any, seconds: float) -> None:
+        self._start = ctx.Value("d", math.inf, lock=False)
+        self._welcomed = ctx.Value("i", 0)
+        self.seconds = seconds
+
+    @property
+    def start(self) -> float:
+        return float(self._start.value)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+    def open_at(self, t: float) -> None:
+        self._start.value = t
+
+    def welcomed(self, n: int = 1) -> None:
+        with self._welcomed.get_lock():
+            self._welcomed.value += n
+
+    @property
+    def registered(self) -> int:
+        return int(self._welcomed.value)
+
+
+def worker(names: list[str], sock: str, renew_s: float, start_at: float, window: Window, out: Any) -> None:
     async def main() -> None:
         rtts: list[float] = []
         slow: list[list[float]] = []
         lost: list[dict[str, Any]] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
         await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0 = time.perf_counter()
-        until, warm_until = t0 + warmup + seconds, t0 + warmup
+        t0 = time.monotonic()
         results = await asyncio.gather(
-            *(_tenant(sock, n, renew_s, until, warm_until, rtts, counts, lost, t0, slow) for n in names),
+            *(_tenant(sock, n, renew_s, window, rtts, counts, lost, t0, slow) for n in names),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
@@ -219,8 +256,7 @@ def worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds
     asyncio.run(main())
 
 
-def library_worker(names: list[str], sock: str, renew_s: float, start_at: float, seconds: float, warmup: float,
-                   out: Any) -> None:
+def library_worker(names: list[str], sock: str, renew_s: float, start_at: float, window: Window, out: Any) -> None:
     """--client library: each tenant is the client library's `Client` (its reader and renew threads), and a
     thread of this process calls `Client.renew()` every renew_s: the round trip an application sees."""
     import threading
@@ -232,19 +268,20 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
     lost: list[dict[str, Any]] = []
     counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
     errors: list[str] = []
-    clients = [Client(n, 100, socket=sock, register_timeout=120) for n in names]
     time.sleep(max(0.0, start_at - time.time()))
-    t0 = time.perf_counter()
-    until, warm_until = t0 + warmup + seconds, t0 + warmup
+    clients = []
+    for n in names:
+        clients.append(Client(n, 100, socket=sock, register_timeout=120))
+        window.welcomed()
 
     def run(client: Client) -> None:
-        next_at = time.perf_counter() + renew_s * (hash(client.tenant) % 1000) / 1000.0
+        next_at = time.monotonic() + renew_s * (hash(client.tenant) % 1000) / 1000.0
         while True:
             if renew_s > 0:
-                time.sleep(max(0.0, next_at - time.perf_counter()))  # pacing the renewals, not waiting on a condition
+                time.sleep(max(0.0, next_at - time.monotonic()))  # pacing the renewals, not waiting on a condition
                 next_at += renew_s
-            start = time.perf_counter()
-            if start >= until:
+            start = time.monotonic()
+            if start >= window.end:
                 break
             counts["sent"] += 1
             try:
@@ -252,7 +289,7 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
             except UnischedError as e:
                 errors.append(f"{client.tenant}: {e}")
                 return
-            if start >= warm_until:
+            if start >= window.start:
                 rtts.append(rtt)
 
     threads = [threading.Thread(target=run, args=(c,)) for c in clients]
@@ -265,6 +302,23 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
         c.close()
     counts["errors"] = len(errors)
     out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost, "slow": [], "names": names})
+
+
+def wait_registered(window: Window, total: int, start_at: float, workers: list[Any]) -> float:
+    """Seconds from the clients' start until every tenant was welcomed, with progress; exits when they are not
+    all welcomed within REGISTER_S or a worker dies first."""
+    last = -1
+    while window.registered < total:
+        if time.time() - start_at > REGISTER_S or any(w.exitcode is not None for w in workers):
+            for w in workers:
+                w.kill()
+            raise SystemExit(f"lease_load: {window.registered} of {total} tenants registered within "
+                             f"{time.time() - start_at:.0f} s; giving up")
+        if window.registered // 100 != last:
+            last = window.registered // 100
+            print(f"lease_load: {window.registered}/{total} tenants registered", file=sys.stderr)
+        time.sleep(0.05)  # polling a shared counter the workers raise
+    return max(0.0, time.time() - start_at)
 
 
 def busy_cpu_s() -> float:
@@ -285,7 +339,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tenants", type=int, default=1000)
     ap.add_argument("--seconds", type=float, default=60.0, help="measured window (default 60)")
-    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured start (registration) (default 5)")
+    ap.add_argument("--warmup", type=float, default=5.0,
+                    help="unmeasured seconds after the last tenant registered (default 5)")
     ap.add_argument("--renew-ms", type=float, default=100.0,
                     help="each tenant renews this often (default 100); 0 = back to back, each after the last ack")
     ap.add_argument("--lease-timeout-ms", type=float, default=3000.0,
@@ -305,30 +360,36 @@ def main() -> int:
         ap.error("--tenants and --seconds must be positive, --renew-ms not negative")
     procs = args.procs or max(1, (args.tenants + 249) // 250)
     work = Path(os.environ.get("LL_WORK") or tempfile.mkdtemp(prefix="lease-load-"))
+    work.mkdir(parents=True, exist_ok=True)
     prefix = f"ll{os.getpid() % 10000}-"
     daemon, sock = start_daemon(
         work, "--slice-ms", f"{args.slice_ms:g}", "--lease-timeout-ms", f"{args.lease_timeout_ms:g}",
         "--log-level", os.environ.get("LL_LOG_LEVEL", "warning"), "--log-format", "json",
         *(() if args.nvml else ("--no-nvml",)),
+        sample=Path(os.environ["LL_SAMPLE"]).resolve() if os.environ.get("LL_SAMPLE") else None,
     )
     print(f"lease_load: daemon pid {daemon.pid}; {args.tenants} tenants over {procs} processes, renew every "
           f"{args.renew_ms:g} ms, {args.warmup:g} s warm-up + {args.seconds:g} s", file=sys.stderr)
     names = [f"{prefix}{i}" for i in range(args.tenants)]
-    q: Any = mp.get_context("fork").Queue()
+    ctx = mp.get_context("fork")
+    q: Any = ctx.Queue()
+    window = Window(ctx, args.seconds)
     start_at = time.time() + 1.0
-    workers = [mp.get_context("fork").Process(
+    workers = [ctx.Process(
         target=worker if args.client == "protocol" else library_worker,
         args=(names[i::procs], sock if args.client == "library" else lease_socket_of(sock), args.renew_ms / 1000.0,
-              start_at, args.seconds, args.warmup, q))
+              start_at, window, q))
         for i in range(procs)]
     probe = f"{prefix}probe"
     if args.probe:
-        workers.append(mp.get_context("fork").Process(target=worker, args=(
-            [probe], lease_socket_of(sock), PROBE_RENEW_S, start_at, args.seconds, args.warmup, q)))
+        workers.append(ctx.Process(target=worker, args=(
+            [probe], lease_socket_of(sock), PROBE_RENEW_S, start_at, window, q)))
     for w in workers:
         w.start()
     pids = [w.pid for w in workers if w.pid is not None]  # every started process has one
-    time.sleep(max(0.0, start_at + args.warmup - time.time()))
+    registration_s = wait_registered(window, args.tenants + args.probe, start_at, workers)
+    window.open_at(time.monotonic() + args.warmup)
+    time.sleep(args.warmup)
     cpu0, _ = proc_stats(daemon.pid)
     clients0, busy0, self0 = sum(proc_stats(pid)[0] for pid in pids), busy_cpu_s(), sum(os.times()[:2])
     t0 = time.monotonic()
@@ -377,7 +438,8 @@ for cg in d.managed():
         "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
         "host": socket.gethostname(), "cpus": os.cpu_count(), "python": platform.python_version(),
-        "tenants": args.tenants, "client": args.client, "procs": procs, "renew_ms": args.renew_ms, "seconds": args.seconds,
+        "tenants": args.tenants, "client": args.client, "procs": procs, "registration_s": registration_s,
+        "renew_ms": args.renew_ms, "seconds": args.seconds,
         "renewals": len(rtts), "renewals_per_s": len(rtts) / elapsed,
         "offered_per_s": args.tenants * 1000.0 / args.renew_ms if args.renew_ms else float("nan"),
         "rtt_ms": {"p50": 1000 * percentile(rtts, 0.5), "p99": 1000 * percentile(rtts, 0.99),
@@ -409,6 +471,8 @@ for cg in d.managed():
           f"| {args.tenants} | {every} | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
           f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
+    md += (f"\nEvery tenant registered {registration_s:.1f} s after the first was started; the window opened "
+           f"{args.warmup:g} s later.\n")
     md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
            f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
     md += (f"\nStreams lost: {len(lost)} of {args.tenants} ({lost_in_window} in the window, "

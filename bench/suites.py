@@ -198,6 +198,8 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
             rtt = r.get("rtt_ms") or {}
             cases[case] = {"tenants": r.get("tenants"), "p50_ms": rtt.get("p50"), "p99_ms": rtt.get("p99"),
                            "daemon_cpu_cores": r.get("daemon_cpu_cores"), "streams_lost": r.get("streams_lost")}
+            if r.get("tenants", 0) > 1 and "registration_s" in r:  # how long the burst of registrations took
+                cases[case]["registration_s"] = r["registration_s"]
             if r.get("probe_rtt_ms"):  # the one tenant renewing beside the load, in a process of its own
                 cases[case] |= {"probe_p50_ms": r["probe_rtt_ms"].get("p50"), "probe_p99_ms": r["probe_rtt_ms"].get("p99"),
                                 "over_100ms": (r.get("slow") or {}).get("count")}
