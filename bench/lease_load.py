@@ -23,7 +23,8 @@ another user's work skews it).
 
 Writes results.json and results.md to --out and prints a summary; progress goes to stderr. For diagnosis:
 LL_WORK=DIR keeps the daemon's socket, state and log in DIR; LL_LOG_LEVEL=info|debug sets the daemon's log level;
-LL_SAMPLE=FILE.json runs the daemon under bench/stack_sampler.py (what blocked its event loop).
+LL_SAMPLE=FILE.json runs the daemon under bench/stack_sampler.py (what blocked its event loop); LL_PROFILE=FILE.prof
+under cProfile.
 """
 
 from __future__ import annotations
@@ -367,6 +368,7 @@ def main() -> int:
         "--log-level", os.environ.get("LL_LOG_LEVEL", "warning"), "--log-format", "json",
         *(() if args.nvml else ("--no-nvml",)),
         sample=Path(os.environ["LL_SAMPLE"]).resolve() if os.environ.get("LL_SAMPLE") else None,
+        profile=Path(os.environ["LL_PROFILE"]).resolve() if os.environ.get("LL_PROFILE") else None,
     )
     print(f"lease_load: daemon pid {daemon.pid}; {args.tenants} tenants over {procs} processes, renew every "
           f"{args.renew_ms:g} ms, {args.warmup:g} s warm-up + {args.seconds:g} s", file=sys.stderr)
