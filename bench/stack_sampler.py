@@ -31,7 +31,7 @@ KEPT_STALLS = 200
 
 
 def _stack(frame: FrameType | None) -> tuple[str, ...]:
-    out = []
+    out: list[str] = []
     while frame is not None and len(out) < DEPTH:
         code = frame.f_code
         out.append(f"{Path(code.co_filename).name}:{code.co_name}:{frame.f_lineno}")
