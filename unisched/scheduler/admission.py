@@ -47,7 +47,11 @@ def gpu_memory_totals(c: Context) -> dict[int, int]:
 
 
 def check_reserve(c: Context, name: str, limits: SessionLimits, gpus: tuple[int, ...] | None) -> None:
-    """PolicyError when the tenant's memory reserve does not fit beside the other tenants' on some GPU."""
+    """PolicyError when the tenant's memory reserve does not fit beside the other tenants' on some GPU. Without a
+    reserve nothing can be refused, so every tenant's terms are not gathered (a burst of registrations did that
+    once per registration)."""
+    if not limits.memory_reserve:
+        return
     why = reserve_refusal(name, limits, gpus, memory_terms(c), gpu_memory_totals(c))
     if why is not None:
         raise PolicyError(why)
