@@ -10,11 +10,12 @@ import structlog
 
 from unisched.enforce.bpf import DeviceAdmissionError
 from unisched.policy import PolicyError
+from unisched.policy import memory as policy_memory
 from unisched.policy.caps import CapKind, SessionLimits, default_cap
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.mps import mps_client_settings
 from unisched.scheduler.context import Context
-from unisched.scheduler.memory import gpu_totals, reserve_refusal, terms_of
+from unisched.scheduler.memory import gpu_totals, terms_of
 from unisched.scheduler.tenant import (
     Tenant,
 )
@@ -48,11 +49,11 @@ def gpu_memory_totals(c: Context) -> dict[int, int]:
 
 def check_reserve(c: Context, name: str, limits: SessionLimits, gpus: tuple[int, ...] | None) -> None:
     """PolicyError when the tenant's memory reserve does not fit beside the other tenants' on some GPU. Without a
-    reserve nothing can be refused, so every tenant's terms are not gathered (a burst of registrations did that
-    once per registration)."""
+    reserve nothing can be refused, and every tenant's terms (a walk over all of them, on every registration) are
+    not gathered."""
     if not limits.memory_reserve:
         return
-    why = reserve_refusal(name, limits, gpus, memory_terms(c), gpu_memory_totals(c))
+    why = policy_memory.check_reserve(name, terms_of(limits, gpus), memory_terms(c), gpu_memory_totals(c))
     if why is not None:
         raise PolicyError(why)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.policy.caps import SessionLimits
-from unisched.policy.memory import MemoryTerms, check_reserve, reserve_on
+from unisched.policy.memory import MemoryTerms, reserve_on
 from unisched.telemetry import GpuInfo
 
 
@@ -25,14 +25,6 @@ def terms_of(limits: SessionLimits, gpus: Sequence[int] | None) -> MemoryTerms:
 def gpu_totals(gpus: Iterable[GpuInfo]) -> dict[int, int]:
     """GPU index -> bytes, for the GPUs whose size is known."""
     return {g.index: g.memory_total for g in gpus if g.memory_total > 0}
-
-
-def reserve_refusal(name: str, limits: SessionLimits, gpus: Sequence[int] | None,
-                    others: Mapping[str, MemoryTerms], totals: Mapping[int, int]) -> str | None:
-    """Why `name` may not have this reserve (it does not fit beside the other tenants' on some GPU), or None."""
-    if not limits.memory_reserve:
-        return None
-    return check_reserve(name, terms_of(limits, gpus), others, totals)
 
 
 @dataclass(frozen=True)
