@@ -24,11 +24,12 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     once the socket is there. Exits with the log's tail when it dies first or does not come up. `profile`: run it
     under cProfile (its main thread: the event loop and every gRPC handler), written there when it exits. `sample`:
     run it under bench/stack_sampler.py (what blocked its event loop, and for how long), written there."""
+    if profile and sample:
+        raise SystemExit("start_daemon: profile or sample, not both (each runs the daemon under itself)")
     sock = str(work / "d.sock")
     log = (work / "daemon.log").open("wb")
-    prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    if sample:
-        prof = [str(ROOT / "bench" / "stack_sampler.py"), str(sample)]
+    prof = (["-m", "cProfile", "-o", str(profile)] if profile
+            else [str(ROOT / "bench" / "stack_sampler.py"), str(sample)] if sample else [])
     daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                str(work / "state"), *extra], stdout=log, stderr=log,
                               env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [

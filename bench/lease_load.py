@@ -12,12 +12,11 @@ round trip lease enforcement's target is about (p99 <= 1 ms on the Unix socket).
 
 The measured window opens --warmup seconds after the last tenant was welcomed (a burst of a thousand
 registrations is not the steady state measured; how long it took is reported), and only renewals sent within it
-count (none is sent into the other tenants' teardown). After the
-window each tenant releases, half-closes and keeps reading until the daemon ends its stream (CLOSE_S at most), so
-every stream is shut down cleanly. A stream that ends before its tenant ends it is counted as lost, with why,
-when, and whether in the window or in the shutdown after it; one whose writes stop completing (STALL_S) or
-that the daemon does not end in time is counted as STALLED and cancelled, so a stall is reported instead of
-hanging the run.
+count (none is sent into the other tenants' teardown). After the window each tenant releases, half-closes and
+keeps reading until the daemon ends its stream (CLOSE_S at most), so every stream is shut down cleanly. A
+stream that ends before its tenant ends it is counted as lost, with why, when, and whether in the window or in the
+shutdown after it; one whose writes stop completing (STALL_S) or that the daemon does not end in time is counted
+as STALLED and cancelled, so a stall is reported instead of hanging the run.
 The report also says how much CPU the clients and anything else on the machine used in the window (on 2 CPUs
 another user's work skews it).
 
@@ -94,9 +93,8 @@ async def _tenant(sock: str, name: str, renew_s: float, window: Window,
                   slow: list[list[float]]) -> None:
     """One cooperative tenant on its own connection: hello, want, then a renewal report every renew_s (0: back to
     back), counted once the window opens; after the window, release, half-close and read until the daemon ends the
-    stream, then close. A stream
-    that ends before the tenant ends it is recorded in `lost` (when, why, and whether in the window or in the
-    shutdown after it)."""
+    stream, then close. A stream that ends before the tenant ends it is recorded in `lost` (when, why, and whether
+    in the window or in the shutdown after it)."""
     from unisched_wire import unisched_pb2 as pb
     from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
@@ -228,9 +226,9 @@ class Window:
     def open_at(self, t: float) -> None:
         self._start.value = t
 
-    def welcomed(self, n: int = 1) -> None:
+    def welcomed(self) -> None:
         with self._welcomed.get_lock():
-            self._welcomed.value += n
+            self._welcomed.value += 1
 
     @property
     def registered(self) -> int:
