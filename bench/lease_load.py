@@ -90,9 +90,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 async def _tenant(sock: str, name: str, renew_s: float, window: Window,
                   rtts: list[float], counts: dict[str, int], lost: list[dict[str, Any]], t0: float,
-                  slow: list[list[float]]) -> None:
+                  slow: list[list[float]], before: list[float]) -> None:
     """One cooperative tenant on its own connection: hello, want, then a renewal report every renew_s (0: back to
-    back), counted once the window opens; after the window, release, half-close and read until the daemon ends the
+    back), counted once the window opens (those sent before it but after the tenant's own welcome, while the others
+    register, in `before`); after the window, release, half-close and read until the daemon ends the
     stream, then close. A stream that ends before the tenant ends it is recorded in `lost` (when, why, and whether
     in the window or in the shutdown after it)."""
     from unisched_wire import unisched_pb2 as pb
@@ -101,6 +102,7 @@ async def _tenant(sock: str, name: str, renew_s: float, window: Window,
     sent: dict[int, float] = {}
     acked = asyncio.Event()
     held = [False]  # usage is reported only while holding, as the client library does (else: overrun)
+    welcomed_at = [math.inf]  # renewals sent before the tenant's own welcome waited for its registration
     ending = [False]
 
     def record(code: str, details: str) -> None:
@@ -144,14 +146,17 @@ async def _tenant(sock: str, name: str, renew_s: float, window: Window,
                 reply = pb.LeaseReply.FromString(payload)
                 kind = reply.WhichOneof("kind")
                 if kind == "welcome":
+                    welcomed_at[0] = time.monotonic()
                     window.welcomed()
                 elif kind == "ack" and reply.seq in sent:
                     t = sent.pop(reply.seq)
+                    rtt = time.monotonic() - t
                     if t >= window.start:
-                        rtt = time.monotonic() - t
                         rtts.append(rtt)
                         if rtt >= SLOW_S and len(slow) < SLOW_KEPT:
                             slow.append([round(t - t0, 3), round(rtt * 1000, 1)])
+                    elif t >= welcomed_at[0]:
+                        before.append(rtt)
                     acked.set()
                 elif kind == "grant":
                     counts["grants"] += 1
@@ -238,19 +243,21 @@ class Window:
 def worker(names: list[str], sock: str, renew_s: float, start_at: float, window: Window, out: Any) -> None:
     async def main() -> None:
         rtts: list[float] = []
+        before: list[float] = []
         slow: list[list[float]] = []
         lost: list[dict[str, Any]] = []
         counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
         await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.monotonic()
         results = await asyncio.gather(
-            *(_tenant(sock, n, renew_s, window, rtts, counts, lost, t0, slow) for n in names),
+            *(_tenant(sock, n, renew_s, window, rtts, counts, lost, t0, slow, before) for n in names),
             return_exceptions=True,
         )
         errors = [repr(r) for r in results if isinstance(r, BaseException)]
         counts["errors"] = len(errors)
         counts["lost"] = len(lost)
-        out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost, "slow": slow, "names": names})
+        out.put({"rtts": rtts, "before": before, "counts": counts, "errors": errors[:5], "lost": lost, "slow": slow,
+                 "names": names})
 
     asyncio.run(main())
 
@@ -264,6 +271,7 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
     from unisched_client import Client, UnischedError
 
     rtts: list[float] = []
+    before: list[float] = []
     lost: list[dict[str, Any]] = []
     counts = {"sent": 0, "grants": 0, "revokes": 0, "errors": 0, "lost": 0}
     errors: list[str] = []
@@ -288,8 +296,7 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
             except UnischedError as e:
                 errors.append(f"{client.tenant}: {e}")
                 return
-            if start >= window.start:
-                rtts.append(rtt)
+            (rtts if start >= window.start else before).append(rtt)
 
     threads = [threading.Thread(target=run, args=(c,)) for c in clients]
     for t in threads:
@@ -300,7 +307,8 @@ def library_worker(names: list[str], sock: str, renew_s: float, start_at: float,
         counts["revokes"] += c.gate("compute").revokes
         c.close()
     counts["errors"] = len(errors)
-    out.put({"rtts": rtts, "counts": counts, "errors": errors[:5], "lost": lost, "slow": [], "names": names})
+    out.put({"rtts": rtts, "before": before, "counts": counts, "errors": errors[:5], "lost": lost, "slow": [],
+             "names": names})
 
 
 def wait_registered(window: Window, total: int, start_at: float, workers: list[Any]) -> float:
@@ -425,6 +433,7 @@ for cg in d.managed():
     probed = [p for p in parts if p["names"] == [probe]]
     parts = [p for p in parts if p["names"] != [probe]]
     probe_rtts = [x for p in probed for x in p["rtts"]]
+    before = [x for p in parts + probed for x in p["before"]]
     rtts = [x for p in parts for x in p["rtts"]]
     slow = sorted([x[0], x[1], i] for i, p in enumerate(parts) for x in p["slow"])
     counts = {k: sum(p["counts"][k] for p in parts) for k in parts[0]["counts"]}
@@ -456,6 +465,10 @@ for cg in d.managed():
         "lost_first": lost[:5],
         "slow": {"over_ms": SLOW_S * 1000, "count": sum(1 for x in rtts if x >= SLOW_S),
                  "processes": len({x[2] for x in slow}), "first_kept": slow[:SLOW_KEPT]},
+        # renewals sent after the tenant's welcome and before the window (while the others registered, and in the
+        # warm-up): what a burst of registrations costs the tenants already registered
+        "rtt_before_window_ms": {"round_trips": len(before), "p99": 1000 * percentile(before, 0.99),
+                                 "max": 1000 * max(before, default=float("nan"))},
         "probe_rtt_ms": None if not args.probe else {
             "every_ms": PROBE_RENEW_S * 1000, "round_trips": len(probe_rtts), "p50": 1000 * percentile(probe_rtts, 0.5),
             "p99": 1000 * percentile(probe_rtts, 0.99), "max": 1000 * max(probe_rtts, default=float("nan"))},
@@ -471,8 +484,11 @@ for cg in d.managed():
           f"| {args.tenants} | {every} | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
           f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
           f"{100 * res['daemon_cpu_cores']:.0f}% of a core | {res['daemon_rss_mib_max']:.0f} MiB |\n")
+    bw = res["rtt_before_window_ms"]
     md += (f"\nEvery tenant registered {registration_s:.1f} s after the first was started; the window opened "
-           f"{args.warmup:g} s later.\n")
+           f"{args.warmup:g} s later. Renewals of registered tenants before it, while the others registered: "
+           f"{bw['round_trips']}, "
+           f"p99 {bw['p99']:.1f} ms, max {bw['max']:.1f} ms.\n")
     md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
            f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
     md += (f"\nStreams lost: {len(lost)} of {args.tenants} ({lost_in_window} in the window, "

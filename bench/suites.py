@@ -200,6 +200,8 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
                            "daemon_cpu_cores": r.get("daemon_cpu_cores"), "streams_lost": r.get("streams_lost")}
             if r.get("tenants", 0) > 1 and "registration_s" in r:  # how long the burst of registrations took
                 cases[case]["registration_s"] = r["registration_s"]
+            if r.get("tenants", 0) > 1 and r.get("rtt_before_window_ms"):  # renewals answered during that burst
+                cases[case]["max_ms_while_registering"] = r["rtt_before_window_ms"].get("max")
             if r.get("probe_rtt_ms"):  # the one tenant renewing beside the load, in a process of its own
                 cases[case] |= {"probe_p50_ms": r["probe_rtt_ms"].get("p50"), "probe_p99_ms": r["probe_rtt_ms"].get("p99"),
                                 "over_100ms": (r.get("slow") or {}).get("count")}

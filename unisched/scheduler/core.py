@@ -127,8 +127,10 @@ class Scheduler:
         session_hooks: bool = False,
         memory: MemoryAsk = NO_MEMORY_ASK,
     ) -> TenantSnapshot:
-        return registration.register(self._c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive,
-                                     keep=keep, session_hooks=session_hooks, memory=memory)
+        """registration.enroll, answered with the tenant's snapshot."""
+        registration.enroll(self._c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive, keep=keep,
+                            session_hooks=session_hooks, memory=memory)
+        return reporting.snapshot(self._c, name)
 
     def adopt(self, name: str, weight: int | None, priority: Priority | None, cgroup: str, engines: Iterable[str],
               gpus: Iterable[int], labels: Mapping[str, str] | None = None,

@@ -18,7 +18,7 @@ from unisched.scheduler.admission import (
 )
 from unisched.scheduler.context import Context
 from unisched.scheduler.leases import LeaseError
-from unisched.scheduler.registration import register
+from unisched.scheduler.registration import enroll
 from unisched.scheduler.reporting import snapshot
 from unisched.scheduler.roster import (
     lost,
@@ -41,13 +41,12 @@ def lease_open(
     c: Context, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
     pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
 ) -> tuple[int, TenantSnapshot]:
-    """Register the caller (as `register`: its process joins the tenant's cgroup) and open a lease session."""
+    """Register the caller (as `registration.enroll`: its process joins the tenant's cgroup) and open a lease session."""
     if gpu not in c.gpu_indices:
         raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
     t = c.tenants.get(name)
     gpus = [gpu] if t is None or t.gpus is not None else []
-    register(c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
-    t = c.tenants[name]
+    t = enroll(c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
     if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
         _thaw(c, t)
     sid = c.leases.open(name, gpu, channel)

@@ -36,7 +36,7 @@ from unisched.scheduler.tenant import (
     parse_engines,
 )
 
-__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "adopt", "refusal_to_adopt", "register"]
+__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "adopt", "enroll", "refusal_to_adopt"]
 
 log = structlog.get_logger("unisched.scheduler")
 MAX_TENANTS = 10_000
@@ -45,7 +45,7 @@ MAX_USER_TENANTS = 32
 """Tenants one non-admin uid may create: creating tenants must not be a way to exhaust the daemon."""
 
 
-def register(
+def enroll(
     c: Context,
     name: str,
     weight: int | None,
@@ -59,7 +59,7 @@ def register(
     keep: bool | None = None,
     session_hooks: bool = False,
     memory: MemoryAsk = NO_MEMORY_ASK,
-) -> TenantSnapshot:
+) -> Tenant:
     """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
 
     `alive` says whether the process that connected still runs (the transport pins it; None: not checked).
@@ -101,7 +101,7 @@ def register(
         _attach_caller(c, t.cgroup, pid, alive)
     if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
         save_soon(c)
-    return snapshot(c, name)
+    return t
 
 
 def _check_name_and_weight(name: str, weight: int | None) -> None:

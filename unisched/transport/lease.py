@@ -23,6 +23,7 @@ from unisched.scheduler.core import LeaseAck, Scheduler, SchedulerError
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred
+from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
 
@@ -46,9 +47,10 @@ is not reading, is dropped so that it cannot grow the daemon's memory."""
 class LeaseService:
     """Serves the lease socket's connections (one service per daemon)."""
 
-    def __init__(self, engine: Scheduler, is_admin: Callable[[PeerCred], bool]) -> None:
+    def __init__(self, engine: Scheduler, is_admin: Callable[[PeerCred], bool], pacer: Pacer) -> None:
         self.engine = engine
         self.is_admin = is_admin
+        self.pacer = pacer
 
     async def serve(self, conn: socket.socket, cred: PeerCred, limits: StreamLimits) -> None:
         """One admitted connection (the front door's Serve): its MAGIC within the opening deadline, then the
@@ -87,6 +89,8 @@ class LeaseConnection(asyncio.Protocol):
         self._pushed: list[bytes] | None = None
         """While a request is being answered: the engine's grants and revokes, written after its reply."""
         self._ended = False
+        self._stash: list[bytes] | None = None
+        """Requests read, hello first, that wait for the pacer's turn to register (pacing.Pacer)."""
 
     # asyncio.Protocol ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -111,19 +115,22 @@ class LeaseConnection(asyncio.Protocol):
             self._transport.abort()
 
     def _account(self) -> None:
-        """After a read: the unfinished frame's bytes against the uid's budget, and its deadline (from the
-        frame's first byte: a drip of bytes does not extend it)."""
-        pending = self._reader.pending
-        if self.limits is None or pending == self._held:
+        """After a read: the unfinished frame's deadline (from its first byte: a drip of bytes does not extend
+        it), and its bytes, with those of requests waiting for their turn, against the uid's budget."""
+        if self.limits is None:
+            return
+        partial = self._reader.pending
+        if self._sid is not None:  # (before the hello, the hello's deadline runs)
+            if partial and self._timer is None:
+                self._deadline(self.limits.partial_frame_s, "a partial frame was not completed")
+            elif not partial and self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        pending = partial + sum(map(len, self._stash or ()))
+        if pending == self._held:
             return
         was, self._held = self._held, pending
-        within = self.limits.hold(pending - was)
-        if pending and not was and self._sid is not None:
-            self._deadline(self.limits.partial_frame_s, "a partial frame was not completed")
-        elif not pending and self._sid is not None and self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not within and not self._ended:
+        if not self.limits.hold(pending - was) and not self._ended:
             self._ended = True
             self._log.warning("lease stream dropped", reason="its uid holds too many bytes of unfinished frames")
             if self._transport is not None:
@@ -132,11 +139,49 @@ class LeaseConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._ended:
             return
+        try:
+            payloads = self._reader.feed(data)
+        except FrameError as e:
+            out: list[bytes] = []
+            self._end(out, "RESOURCE_EXHAUSTED", str(e))
+            self._account()
+            self._send_and_maybe_close(out)
+            return
+        if self._stash is not None:  # (reading is paused while it waits: only what was already read)
+            self._stash += payloads
+        elif payloads and self._sid is None and not self.service.pacer.take():
+            self._wait_turn(payloads)  # the hello registers: in a later loop turn, not in this one
+        else:
+            self._answer_all(payloads)
+            return
+        self._account()
+
+    def _wait_turn(self, payloads: list[bytes]) -> None:
+        """Hold this read's requests, hello first, until the pacer gives the connection its turn; read nothing
+        more meanwhile. Their bytes count against the uid's budget as unfinished frames do."""
+        self._stash = payloads
+        if self._timer is not None:  # a whole request came within the hello's deadline
+            self._timer.cancel()
+            self._timer = None
+        if self._transport is not None:
+            self._transport.pause_reading()
+        self.service.pacer.queue(self._take_turn)
+
+    def _take_turn(self) -> bool:
+        payloads, self._stash = self._stash or [], None
+        if self._ended or self._transport is None or self._transport.is_closing():
+            self._account()
+            return False
+        self._transport.resume_reading()
+        self._answer_all(payloads)
+        return True
+
+    def _answer_all(self, payloads: list[bytes]) -> None:
         out: list[bytes] = []  # everything this read answers, in one write
         pushed: list[bytes] = []
         self._pushed = pushed
         try:
-            for payload in self._reader.feed(data):
+            for payload in payloads:
                 try:
                     req = pb.LeaseRequest.FromString(payload)
                 except DecodeError:
@@ -151,17 +196,19 @@ class LeaseConnection(asyncio.Protocol):
                     out.append(frame(reply))
                 out += pushed
                 pushed.clear()
-        except FrameError as e:
-            self._end(out, "RESOURCE_EXHAUSTED", str(e))
         finally:
             self._pushed = None
             self._account()
+        self._send_and_maybe_close(out)
+
+    def _send_and_maybe_close(self, out: list[bytes]) -> None:
         self._write(out)
         if self._ended and self._transport is not None:
             self._transport.close()  # after what was written: the client reads the error, then EOF
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
+        self._stash = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -33,6 +33,7 @@ from unisched.transport.health import beats, probes
 from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
+from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["MAX_MESSAGE_BYTES", "Doors", "UnischedServicer", "serve", "server_tls", "snapshot_to_pb"]
@@ -51,8 +52,11 @@ class UnischedServicer:
         cgroup_driver: str,
         cgroup_root: str,
         nvml: bool,
+        pacer: Pacer,
     ) -> None:
         self.engine = engine
+        self.pacer = pacer
+        """Calls that add or remove tenants take turns with the lease stream's hellos (pacing)."""
         self._admin_gid: int | None = None
         if admin_group is not None:
             try:
@@ -92,6 +96,7 @@ class UnischedServicer:
     # calls ---------------------------------------------------------------------------------------
     async def Register(self, request: pb.RegisterRequest, call: Call) -> pb.Tenant:
         cred = self._need_caller(call)
+        await self.pacer.turn()
         try:
             snap = self.engine.register(
                 request.tenant,
@@ -116,6 +121,7 @@ class UnischedServicer:
 
     async def Adopt(self, request: pb.AdoptRequest, call: Call) -> pb.Tenant:
         self._need_admin(call)
+        await self.pacer.turn()
         try:
             snap = self.engine.adopt(
                 request.tenant,
@@ -155,6 +161,7 @@ class UnischedServicer:
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, call: Call) -> pb.Empty:
         """An admin removes any tenant; anyone else only tenants they own (run --keep ones, or those not yet gone)."""
         cred = self._need_caller(call)
+        await self.pacer.turn()
         try:
             self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
         except SchedulerError as e:
@@ -275,12 +282,14 @@ async def serve_async(
     started = time.monotonic()
     tls = server_tls(config) if config.listen else None
     engine.start()
-    servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml)
+    pacer = Pacer(asyncio.get_running_loop().call_soon)
+    servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml,
+                                pacer)
     servicer.agent_socket = config.agent_socket
     servicer.lease_socket = config.lease_socket
     front = FrontDoor(is_admin=servicer.is_admin)
     door = GrpcDoor(servicer, config.lease_socket)
-    lease = LeaseService(engine, servicer.is_admin)
+    lease = LeaseService(engine, servicer.is_admin, pacer)
     agent = SeccompAgentServer(config.agent_socket, engine)
     if stop is None:
         stop = asyncio.Event()

@@ -1,0 +1,83 @@
+"""Registrations are paced to about one per event-loop turn, in the order they came.
+
+Why: a registration costs milliseconds (a cgroup made, the caller moved, the device program, a snapshot and a
+decision that walk every tenant), and the daemon answers every lease renewal in the same event loop. A burst of
+a thousand sessions opened at once made the loop run a thousand registrations in one turn, seconds without
+reading a socket, so every other tenant's renewals went unanswered and leases expired. Paced, a renewal waits
+for one registration at most: the loop reads its sockets between each.
+
+One `Pacer` per daemon, shared by the lease stream's hellos (`take`, else `queue`) and the gRPC calls that
+register (`turn`). The loop's `call_soon` is passed in, so tests drive the turns themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["Pacer"]
+
+
+class Pacer:
+    """At most one registration per turn of the loop (two where an awaiting call's turn meets the next one):
+    the first of a turn runs at once, later ones wait in order for later turns."""
+
+    def __init__(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
+        self._call_soon = call_soon
+        self._used = False
+        """This turn's registration ran (or was handed out)."""
+        self._scheduled = False
+        """`_next` is due at the next turn."""
+        self._waiting: deque[Callable[[], bool]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def take(self) -> bool:
+        """This turn's registration, if nobody has it and nobody waits for one: True, and the caller registers
+        now; False, and the caller queues."""
+        if self._used or self._waiting:
+            return False
+        self._claim()
+        return True
+
+    def queue(self, run: Callable[[], bool]) -> None:
+        """Call `run` in a later turn, after those queued before it. It returns whether it registered: one
+        whose caller has gone (False) leaves the turn to the next in line."""
+        self._waiting.append(run)
+        self._schedule()
+
+    async def turn(self) -> None:
+        """Return when it is the caller's turn to register (at once when the turn is free)."""
+        if self.take():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def run() -> bool:
+            if fut.done():  # the caller was cancelled while it waited
+                return False
+            fut.set_result(None)
+            return True
+
+        self.queue(run)
+        await fut
+
+    def _claim(self) -> None:
+        self._used = True
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._call_soon(self._next)
+
+    def _next(self) -> None:
+        self._scheduled = False
+        self._used = False
+        while self._waiting and not self._used:
+            run = self._waiting.popleft()
+            self._claim()  # before run: a run that raises still leaves the next turn to the queue
+            if not run():
+                self._used = False
