@@ -1,12 +1,13 @@
 """transport.pacing: registrations take about one event-loop turn each, in order, so a burst of them cannot hold
-the loop (and every tenant's lease renewals) for seconds. The turns here are driven by hand; the lease stream's
-use of it against a real loop and real sockets is the last test."""
+the loop (and every tenant's lease renewals) for seconds. The turns are driven by hand, then the lease stream's
+use of it runs against a real loop and real sockets, then a lease connection that waits is checked closely."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +16,15 @@ from pathlib import Path
 import pytest
 from inproc import InProcessServer, in_process_server
 
+from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.scheduler.clock import SystemClock
+from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
+from unisched.telemetry import NoGpuTelemetry
+from unisched.transport.frontdoor import StreamLimits
+from unisched.transport.identity import PeerCred
+from unisched.transport.lease import LeaseConnection, LeaseService
 from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
@@ -176,7 +186,7 @@ def test_a_burst_of_lease_hellos_registers_one_per_loop_turn(server: InProcessSe
         opened_in.append(turn[0])
         return lease_open(*args, **kwargs)  # type: ignore[arg-type]
 
-    server.engine.lease_open = counted_open  # type: ignore[method-assign]
+    server.engine.lease_open = counted_open  # type: ignore[method-assign, assignment]
     socks = []
     try:
         for _ in range(HELLOS):
@@ -197,3 +207,124 @@ def test_a_burst_of_lease_hellos_registers_one_per_loop_turn(server: InProcessSe
             s.close()
     assert len(opened_in) == HELLOS
     assert len(set(opened_in)) == HELLOS, f"turns of the registrations: {opened_in}"
+
+
+# a lease connection that waits for its turn ---------------------------------------------------------------------
+
+
+class Transport(asyncio.Transport):
+    """What LeaseConnection uses of its transport, recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.reading = True
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def replies(self) -> list[str]:
+        return [pb.LeaseReply.FromString(p).WhichOneof("kind") or "" for p in FrameReader(MAX_REPLY_BYTES).feed(
+            bytes(self.written))]
+
+
+@contextlib.contextmanager
+def lease_connections(tmp_path: Path) -> Iterator[tuple[Loop, Callable[[], tuple[LeaseConnection, Transport]], list[int]]]:
+    """Connections of one real engine (fake cgroups) whose pacer's turns the test drives; `held` is the uid's
+    budget as the front door keeps it."""
+    config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
+    driver = FakeCgroupDriver()
+    engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
+    loop, held = Loop(), [0]
+    service = LeaseService(engine, lambda cred: True, Pacer(loop.call_soon))
+
+    def hold(delta: int) -> bool:
+        held[0] += delta
+        return held[0] <= 4096
+
+    def connect() -> tuple[LeaseConnection, Transport]:
+        aloop = asyncio.get_running_loop()
+        conn = LeaseConnection(service, PeerCred(os.getpid(), 0, 0), b"", aloop.create_future(),
+                               StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=hold))
+        t = Transport()
+        conn.connection_made(t)
+        return conn, t
+
+    yield loop, connect, held
+
+
+def payload_bytes(frames: bytes) -> int:
+    return sum(map(len, FrameReader(MAX_REPLY_BYTES).feed(frames)))
+
+
+def lease_hello(tenant: str) -> bytes:
+    return frame(pb.LeaseRequest(seq=1, hello=pb.LeaseHello(tenant=tenant)))
+
+
+def want(seq: int) -> bytes:
+    return frame(pb.LeaseRequest(seq=seq, want=pb.LeaseWant(engine="compute")))
+
+
+def test_a_hello_that_waits_is_answered_in_its_turn_with_what_came_after_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        with lease_connections(tmp_path) as (loop, connect, held):
+            (a, ta), (b, tb) = connect(), connect()
+            a.data_received(lease_hello("first"))
+            b.data_received(lease_hello("second") + want(2) + want(3)[:5])  # and the start of one more
+            assert ta.replies() == ["welcome"]
+            assert tb.replies() == [] and not tb.reading  # its turn is the next: nothing more is read meanwhile
+            assert held[0] == payload_bytes(lease_hello("second") + want(2)) + 5
+            loop.turn()
+            assert tb.replies()[:2] == ["welcome", "ack"] and tb.reading
+            assert held[0] == 5  # only the unfinished frame now
+            b.data_received(want(3)[5:])
+            assert held[0] == 0 and tb.replies().count("ack") == 2
+
+    asyncio.run(main())
+
+
+def test_a_connection_that_closes_while_it_waits_gives_its_bytes_and_its_turn_back(tmp_path: Path) -> None:
+    async def main() -> None:
+        with lease_connections(tmp_path) as (loop, connect, held):
+            (a, _), (b, tb), (c, tc) = connect(), connect(), connect()
+            a.data_received(lease_hello("first"))
+            b.data_received(lease_hello("gone"))
+            c.data_received(lease_hello("third"))
+            b.connection_lost(None)
+            assert held[0] == payload_bytes(lease_hello("third"))
+            loop.turn()
+            assert tb.replies() == [] and tc.replies() == ["welcome"]
+            assert held[0] == 0
+
+    asyncio.run(main())
+
+
+def test_an_unfinished_frame_after_a_wait_still_has_its_deadline(tmp_path: Path) -> None:
+    async def main() -> None:
+        with lease_connections(tmp_path) as (loop, connect, _):
+            (a, _), (b, _) = connect(), connect()
+            a.data_received(lease_hello("first"))
+            b.data_received(lease_hello("second") + want(2)[:3])
+            loop.turn()
+            assert b._timer is not None  # the partial frame's deadline (it ends the stream when it passes)
+
+    asyncio.run(main())
