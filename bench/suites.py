@@ -228,6 +228,8 @@ def read_memory(folder: Path) -> tuple[Cases, list[str]]:
                          "tests_pass": bool(text) and counts.get("passed", 0) > 0 and not counts.get("failed")
                          and not counts.get("error") and not counts.get("errors")}
     m.update({k: v for k, v in cost.items() if isinstance(v, int | float)})
+    for side in ("hooked", "plain"):  # what the hooks cost an allocation and a training step, and without them
+        m.update({f"{side}_{k}": v for k, v in (cost.get(side) or {}).items() if isinstance(v, int | float)})
     return {"tests/test_gpu_memory.py": m}, []
 
 
@@ -301,10 +303,11 @@ SUITES: tuple[Suite, ...] = (
                                          "--workload"), f"{STANDIN} cuda", "--render-workload", f"{STANDIN} render",
                                   *STANDIN_SERVE)),)),
     Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which the H200 overlaps in hardware: "
-          "the guarantee, and the overlap kept against no scheduler (bench/gpu_pairs.py)", 5.0, True,
+          "the guarantee, and the overlap kept against no scheduler, by a daemon calibrated as `unisched calibrate` "
+          "does from the round's no-scheduler run (bench/gpu_pairs.py --calibrate-out)", 5.0, True,
           (Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1,mixed1:3 "
                                    f"--warmup {TRAIN_WARMUP_S} --render-iterations {RENDER_ITERATIONS} "
-                                   "--workload-cmd-cuda"), TRAIN,
+                                   "--calibrate-out {out}/state --workload-cmd-cuda"), TRAIN,
                             "--workload-cmd-render", RENDER)),),
           read_gpu_pairs, OVERLAP_TARGETS,
           standin=(Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1 "
