@@ -1,6 +1,7 @@
-"""transport.pacing: registrations take about one event-loop turn each, in order, so a burst of them cannot hold
-the loop (and every tenant's lease renewals) for seconds. The turns are driven by hand, then the lease stream's
-use of it runs against a real loop and real sockets, then a lease connection that waits is checked closely."""
+"""What one turn of the daemon's event loop may do, so that no burst holds the loop (and every tenant's lease
+renewals) for seconds: registrations take about one turn each, in order (transport.pacing); one connection's
+requests are answered ANSWERED_PER_TURN a turn; decisions past the first of a turn fold into one at its end
+(scheduler.tick.reschedule). The pacer's turns are driven by hand, then against a real loop and real sockets."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from inproc import InProcessServer, in_process_server
 
 from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.enforce.leases import FakeLeaseChannel
+from unisched.policy import Decision
 from unisched.scheduler.clock import SystemClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler
@@ -24,7 +27,7 @@ from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.frontdoor import StreamLimits
 from unisched.transport.identity import PeerCred
-from unisched.transport.lease import LeaseConnection, LeaseService
+from unisched.transport.lease import ANSWERED_PER_TURN, LeaseConnection, LeaseService
 from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
@@ -328,3 +331,56 @@ def test_an_unfinished_frame_after_a_wait_still_has_its_deadline(tmp_path: Path)
             assert b._timer is not None  # the partial frame's deadline (it ends the stream when it passes)
 
     asyncio.run(main())
+
+
+def toggle(seq: int) -> bytes:
+    """A want and a release, each acked: what a client flooding the daemon with demand changes sends."""
+    return want(seq) + frame(pb.LeaseRequest(seq=seq + 1, report=pb.LeaseReport(engine="compute", release=True)))
+
+
+def test_one_read_full_of_requests_is_answered_over_several_loop_turns(tmp_path: Path) -> None:
+    async def main() -> None:
+        with lease_connections(tmp_path) as (_, connect, held):
+            a, ta = connect()
+            a.data_received(lease_hello("flood") + b"".join(toggle(2 + 2 * i) for i in range(50)))  # 101 requests
+            assert len(ta.replies()) - ta.replies().count("grant") - ta.replies().count("revoke") == ANSWERED_PER_TURN
+            assert not ta.reading and held[0] > 0
+            turns = 0
+            while not ta.reading:
+                await asyncio.sleep(0)
+                turns += 1
+            assert turns == 101 // ANSWERED_PER_TURN
+            answered = [k for k in ta.replies() if k in ("welcome", "ack")]
+            assert len(answered) == 101 and held[0] == 0
+
+    asyncio.run(main())
+
+
+def test_decisions_past_the_first_of_a_loop_turn_fold_into_one_at_its_end(tmp_path: Path) -> None:
+    config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
+    driver = FakeCgroupDriver()
+    engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
+    engine.start()
+    loop = Loop()
+    engine.decide_once_per_turn(loop.call_soon)
+    sessions = [engine.lease_open(f"t{i}", 100, None, ["compute"], 0, os.getpid(), 0, True, FakeLeaseChannel())[0]
+                for i in range(4)]
+    loop.turn()
+    decided = [0]
+    decide = engine.policy.decide
+
+    def counted(now: float) -> Decision:
+        decided[0] += 1
+        return decide(now)
+
+    engine.policy.decide = counted  # type: ignore[method-assign]
+    for sid in sessions:
+        engine.lease_want(sid, "compute")
+    assert decided[0] == 1  # the first at once
+    loop.turn()
+    assert decided[0] == 2  # the other three as one, when the turn ended
+    loop.turn()
+    assert decided[0] == 2 and not loop.ready  # nothing more was due
+    engine.lease_want(sessions[0], "compute")  # (already wanted: no change, no decision)
+    engine.lease_report(sessions[0], "compute", 0.0, True)
+    assert decided[0] == 3  # a new turn: at once again

@@ -3,7 +3,7 @@ and how it is built from the config. Each part is a module of plain functions ta
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -73,6 +73,10 @@ class Context:
     logged_shares: dict[str, tuple[float, str]] = field(default_factory=dict)
     unsaved: bool = False
     saved_at: float = float("-inf")
+    defer: Callable[[Callable[[], None]], object] | None = None
+    """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
+    decided_this_turn: bool = False
+    decision_due: bool = False
 
 
 def build(

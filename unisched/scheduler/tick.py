@@ -170,9 +170,31 @@ def _log_mixes(c: Context, p: Plan) -> None:
 
 def reschedule(c: Context) -> None:
     """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine
-    handed on) at once, not at the next slice boundary."""
+    handed on) at once, not at the next slice boundary.
+
+    In the daemon's event loop (`c.defer` set) only the first decision of a loop turn is made at once; later ones
+    of that turn fold into one when the turn ends. A decision walks every tenant, and wants and releases come in
+    bursts (one read can hold thousands): one per request held the loop, and every renewal, for seconds."""
+    if c.defer is None:
+        _decide(c)
+    elif c.decided_this_turn:
+        c.decision_due = True
+    else:
+        c.decided_this_turn = True
+        c.defer(lambda: _turn_ended(c))
+        _decide(c)
+
+
+def _decide(c: Context) -> None:
     now = c.clock.monotonic()
     apply(c, c.policy.decide(now), now, tick=False)
+
+
+def _turn_ended(c: Context) -> None:
+    c.decided_this_turn = False
+    if c.decision_due:
+        c.decision_due = False
+        reschedule(c)
 
 
 def _sample(c: Context) -> Sequence[GpuSample]:

@@ -27,7 +27,7 @@ from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
 
-__all__ = ["ERROR_CODES", "LEASE_UNSENT_MAX", "LeaseConnection", "LeaseService"]
+__all__ = ["ANSWERED_PER_TURN", "ERROR_CODES", "LEASE_UNSENT_MAX", "LeaseConnection", "LeaseService"]
 
 log = structlog.get_logger("unisched.transport")
 
@@ -39,6 +39,8 @@ ERROR_CODES = {
 }
 """SchedulerError kinds as the status names clients see (gRPC's, for the lease stream as for the other calls)."""
 
+ANSWERED_PER_TURN = 32
+"""Requests of one connection answered in one turn of the event loop; more read at once wait for the next turns."""
 LEASE_UNSENT_MAX = 256 * 1024
 """Reply bytes a lease connection may leave unread (thousands of grants and acks); past it the client, which
 is not reading, is dropped so that it cannot grow the daemon's memory."""
@@ -90,7 +92,10 @@ class LeaseConnection(asyncio.Protocol):
         """While a request is being answered: the engine's grants and revokes, written after its reply."""
         self._ended = False
         self._stash: list[bytes] | None = None
-        """Requests read, hello first, that wait for the pacer's turn to register (pacing.Pacer)."""
+        """Requests read and not answered yet: a hello waiting for the pacer's turn to register (pacing.Pacer), or
+        those past ANSWERED_PER_TURN of one read."""
+        self._paused = False
+        """Reading is paused while requests are kept (_hold)."""
 
     # asyncio.Protocol ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -147,34 +152,59 @@ class LeaseConnection(asyncio.Protocol):
             self._account()
             self._send_and_maybe_close(out)
             return
-        if self._stash is not None:  # (reading is paused while it waits: only what was already read)
+        if self._stash is not None:  # (reading is paused while requests wait: only what was already read)
             self._stash += payloads
+            self._account()
         elif payloads and self._sid is None and not self.service.pacer.take():
-            self._wait_turn(payloads)  # the hello registers: in a later loop turn, not in this one
+            self._hold(payloads)  # the hello registers: in a later loop turn, not in this one
+            self.service.pacer.queue(self._take_turn)
         else:
-            self._answer_all(payloads)
-            return
-        self._account()
+            self._answer_some(payloads)
 
-    def _wait_turn(self, payloads: list[bytes]) -> None:
-        """Hold this read's requests, hello first, until the pacer gives the connection its turn; read nothing
-        more meanwhile. Their bytes count against the uid's budget as unfinished frames do."""
+    def _hold(self, payloads: list[bytes]) -> None:
+        """Keep requests read for a later loop turn, and read nothing more meanwhile. Their bytes count against the
+        uid's budget as unfinished frames do."""
         self._stash = payloads
-        if self._timer is not None:  # a whole request came within the hello's deadline
+        if self._sid is None and self._timer is not None:  # a whole request came within the hello's deadline
             self._timer.cancel()
             self._timer = None
-        if self._transport is not None:
+        if self._transport is not None and not self._paused:
+            self._paused = True
             self._transport.pause_reading()
-        self.service.pacer.queue(self._take_turn)
+        self._account()
 
-    def _take_turn(self) -> bool:
+    def _unhold(self) -> list[bytes] | None:
+        """The requests kept, now to be answered; None when the connection has ended meanwhile."""
         payloads, self._stash = self._stash or [], None
         if self._ended or self._transport is None or self._transport.is_closing():
             self._account()
+            return None
+        return payloads
+
+    def _take_turn(self) -> bool:
+        """The pacer's turn to register: answer the hello and what came with it."""
+        payloads = self._unhold()
+        if payloads is None:
             return False
-        self._transport.resume_reading()
-        self._answer_all(payloads)
+        self._answer_some(payloads)
         return True
+
+    def _go_on(self) -> None:
+        payloads = self._unhold()
+        if payloads is not None:
+            self._answer_some(payloads)
+
+    def _answer_some(self, payloads: list[bytes]) -> None:
+        """Answer at most ANSWERED_PER_TURN requests now; the rest in the next loop turns, so that one read full of
+        requests (a read holds up to 256 KiB: thousands of them) cannot hold the loop from every other tenant."""
+        self._answer_all(payloads[:ANSWERED_PER_TURN])
+        rest = payloads[ANSWERED_PER_TURN:]
+        if rest and not self._ended:
+            self._hold(rest)
+            asyncio.get_running_loop().call_soon(self._go_on)
+        elif self._paused and self._transport is not None and not self._ended:
+            self._paused = False
+            self._transport.resume_reading()
 
     def _answer_all(self, payloads: list[bytes]) -> None:
         out: list[bytes] = []  # everything this read answers, in one write

@@ -283,6 +283,7 @@ async def serve_async(
     tls = server_tls(config) if config.listen else None
     engine.start()
     pacer = Pacer(asyncio.get_running_loop().call_soon)
+    engine.decide_once_per_turn(asyncio.get_running_loop().call_soon)
     servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml,
                                 pacer)
     servicer.agent_socket = config.agent_socket
