@@ -213,6 +213,10 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
             if r.get("probe_rtt_ms"):  # the one tenant renewing beside the load, in a process of its own
                 cases[case] |= {"probe_p50_ms": r["probe_rtt_ms"].get("p50"), "probe_p99_ms": r["probe_rtt_ms"].get("p99"),
                                 "over_100ms": (r.get("slow") or {}).get("count")}
+    flood = _json(folder / "flood" / "results.json")
+    if flood:  # no target: what one connection's burst of demand changes costs another tenant's renewals
+        cases["flood beside 200 tenants"] = {"quiet_p99_ms": flood["quiet_ms"]["p99"], "quiet_max_ms": flood["quiet_ms"]["max"],
+                                             "flood_p99_ms": flood["flood_ms"]["p99"], "flood_max_ms": flood["flood_ms"]["max"]}
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
@@ -349,10 +353,12 @@ SUITES: tuple[Suite, ...] = (
           read_hooks, HOOK_TARGETS),
     Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
           "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
-          "beside them (bench/lease_load.py, bench/echo_floor.py; CPU only, no GPU needed)", 1.4, False,
+          "beside them, and one connection flooding wants and releases beside 200 tenants (bench/lease_load.py, "
+          "bench/echo_floor.py, bench/lease_flood.py; CPU only, no GPU needed)", 1.6, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
            Step("floor", words("{py} bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out {out}")),
-           Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}"))),
+           Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}")),
+           Step("flood", words("{py} bench/lease_flood.py --out {out}"))),
           read_leases, LEASE_TARGETS),
     Suite("memory", "GPU memory accounting and refusal at the allocation: bench/gpu_memory.sh (the RM-call probe, then "
           "tests/test_gpu_memory.py on the GPU)", 5.0, True,
