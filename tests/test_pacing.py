@@ -1,7 +1,8 @@
 """What one turn of the daemon's event loop may do, so that no burst holds the loop (and every tenant's lease
-renewals) for seconds: registrations take about one turn each, in order (transport.pacing); one connection's
-requests are answered ANSWERED_PER_TURN a turn; decisions past the first of a turn fold into one at its end
-(scheduler.tick.reschedule). The pacer's turns are driven by hand, then against a real loop and real sockets."""
+renewals) for seconds: registrations and tenant listings take about one turn each, in order (transport.pacing);
+one connection's requests are answered ANSWERED_PER_TURN a turn; decisions past the first of a turn fold into one
+at its end (scheduler.tick.reschedule). The pacer's turns are driven by hand, then against a real loop and real
+sockets."""
 
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.frontdoor import StreamLimits
+from unisched.transport.grpcdoor import Call
 from unisched.transport.identity import PeerCred
 from unisched.transport.lease import ANSWERED_PER_TURN, LeaseConnection, LeaseService
 from unisched.transport.pacing import Pacer
+from unisched.transport.server import UnischedServicer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REPLY_BYTES, FrameReader, frame
 
@@ -384,3 +387,35 @@ def test_decisions_past_the_first_of_a_loop_turn_fold_into_one_at_its_end(tmp_pa
     engine.lease_want(sessions[0], "compute")  # (already wanted: no change, no decision)
     engine.lease_report(sessions[0], "compute", 0.0, True)
     assert decided[0] == 3  # a new turn: at once again
+
+
+def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:
+    """Listing every tenant costs as much as a registration: listings at once are paced as hellos are."""
+    config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
+    driver = FakeCgroupDriver()
+    engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
+    engine.start()
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        servicer = UnischedServicer(engine, None, 0.0, "fake", "/", False, Pacer(loop.call_soon))
+        turn = [0]
+
+        def count() -> None:
+            turn[0] += 1
+            loop.call_soon(count)
+
+        loop.call_soon(count)
+        listed_in: list[int] = []
+        snapshots = engine.snapshots
+
+        def counted(*args: object, **kwargs: object) -> object:
+            listed_in.append(turn[0])
+            return snapshots(*args, **kwargs)  # type: ignore[arg-type]
+
+        engine.snapshots = counted  # type: ignore[method-assign, assignment]
+        await asyncio.gather(*(servicer.ListTenants(pb.ListTenantsRequest(), Call(None)) for _ in range(5)))
+        return listed_in
+
+    listed_in = asyncio.run(main())
+    assert len(listed_in) == 5 and len(set(listed_in)) == 5, f"turns of the listings: {listed_in}"

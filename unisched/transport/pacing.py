@@ -7,7 +7,8 @@ reading a socket, so every other tenant's renewals went unanswered and leases ex
 for one registration at most: the loop reads its sockets between each.
 
 One `Pacer` per daemon, shared by the lease stream's hellos (`take`, else `queue`) and the gRPC calls that
-register (`turn`). The loop's `call_soon` is passed in, so tests drive the turns themselves.
+register or list every tenant (`turn`), which cost as much. The loop's `call_soon` is passed in, so tests drive
+the turns themselves.
 """
 
 from __future__ import annotations

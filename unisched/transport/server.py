@@ -56,7 +56,7 @@ class UnischedServicer:
     ) -> None:
         self.engine = engine
         self.pacer = pacer
-        """Calls that add or remove tenants take turns with the lease stream's hellos (pacing)."""
+        """Calls that add, remove or list every tenant take turns with the lease stream's hellos (pacing)."""
         self._admin_gid: int | None = None
         if admin_group is not None:
             try:
@@ -169,9 +169,11 @@ class UnischedServicer:
         return pb.Empty()
 
     async def ListTenants(self, request: pb.ListTenantsRequest, call: Call) -> pb.ListTenantsReply:
-        """Admins see everything; others see their own tenants whole and a public summary of the rest."""
+        """Admins see everything; others see their own tenants whole and a public summary of the rest. It walks
+        every tenant (tens of milliseconds at a thousand), so it takes its turn with the registrations."""
         cred = call.caller
         admin = cred is not None and self.is_admin(cred)
+        await self.pacer.turn()
         out = []
         for snap in self.engine.snapshots():
             t = snapshot_to_pb(snap)
