@@ -51,6 +51,18 @@ class Loop:
             cb()
 
 
+def count_turns(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """[n]: how many turns the loop has begun since (a callback that runs once a turn and queues itself again)."""
+    turns = [0]
+
+    def count() -> None:
+        turns[0] += 1
+        loop.call_soon(count)
+
+    loop.call_soon_threadsafe(count)
+    return turns
+
+
 def registrar(log: list[str], name: str, alive: bool = True) -> Callable[[], bool]:
     def run() -> bool:
         if alive:
@@ -123,13 +135,7 @@ def test_awaiting_callers_register_one_turn_apart() -> None:
     async def main() -> list[int]:
         loop = asyncio.get_running_loop()
         p = Pacer(loop.call_soon)
-        turns = [0]
-
-        def count() -> None:  # runs once per turn of the loop
-            turns[0] += 1
-            loop.call_soon(count)
-
-        loop.call_soon(count)
+        turns = count_turns(loop)
         at: list[int] = []
 
         async def register() -> None:
@@ -178,13 +184,7 @@ def loop_held(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
 
 def test_a_burst_of_lease_hellos_registers_one_per_loop_turn(server: InProcessServer) -> None:
     loop = server.loop
-    turn = [0]
-
-    def count() -> None:
-        turn[0] += 1
-        loop.call_soon(count)
-
-    loop.call_soon_threadsafe(count)
+    turn = count_turns(loop)
     opened_in: list[int] = []
     lease_open = server.engine.lease_open
 
@@ -399,13 +399,7 @@ def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:
     async def main() -> list[int]:
         loop = asyncio.get_running_loop()
         servicer = UnischedServicer(engine, None, 0.0, "fake", "/", False, Pacer(loop.call_soon))
-        turn = [0]
-
-        def count() -> None:
-            turn[0] += 1
-            loop.call_soon(count)
-
-        loop.call_soon(count)
+        turn = count_turns(loop)
         listed_in: list[int] = []
         snapshots = engine.snapshots
 
