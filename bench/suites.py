@@ -220,6 +220,9 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
+        one = cases.get("round trip, 1 tenant")
+        if one and one.get("p99_ms") is not None and floor.get("p99") is not None:  # the daemon's and client's part
+            one["p99_over_floor_ms"] = one["p99_ms"] - floor["p99"]
     return cases, []
 
 
