@@ -1,8 +1,8 @@
 """What one turn of the daemon's event loop may do, so that no burst holds the loop (and every tenant's lease
 renewals) for seconds: registrations and tenant listings take about one turn each, in order (transport.pacing);
-one connection's requests are answered ANSWERED_PER_TURN a turn; decisions past the first of a turn fold into one
-at its end (scheduler.tick.reschedule). The pacer's turns are driven by hand, then against a real loop and real
-sockets."""
+one connection's requests are answered ANSWERED_PER_TURN a turn; decisions past the first DECISIONS_PER_TURN of a
+turn fold into one at its end (scheduler.tick.reschedule). The pacer's turns are driven by hand, then against a
+real loop and real sockets."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from unisched.scheduler.clock import SystemClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
+from unisched.scheduler.tick import DECISIONS_PER_TURN
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.frontdoor import StreamLimits
 from unisched.transport.grpcdoor import Call
@@ -359,7 +360,7 @@ def test_one_read_full_of_requests_is_answered_over_several_loop_turns(tmp_path:
     asyncio.run(main())
 
 
-def test_decisions_past_the_first_of_a_loop_turn_fold_into_one_at_its_end(tmp_path: Path) -> None:
+def test_decisions_past_the_first_few_of_a_loop_turn_fold_into_one_at_its_end(tmp_path: Path) -> None:
     config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
     driver = FakeCgroupDriver()
     engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
@@ -367,7 +368,7 @@ def test_decisions_past_the_first_of_a_loop_turn_fold_into_one_at_its_end(tmp_pa
     loop = Loop()
     engine.decide_once_per_turn(loop.call_soon)
     sessions = [engine.lease_open(f"t{i}", 100, None, ["compute"], 0, os.getpid(), 0, True, FakeLeaseChannel())[0]
-                for i in range(4)]
+                for i in range(DECISIONS_PER_TURN + 3)]
     loop.turn()
     decided = [0]
     decide = engine.policy.decide
@@ -379,14 +380,14 @@ def test_decisions_past_the_first_of_a_loop_turn_fold_into_one_at_its_end(tmp_pa
     engine.policy.decide = counted  # type: ignore[method-assign]
     for sid in sessions:
         engine.lease_want(sid, "compute")
-    assert decided[0] == 1  # the first at once
+    assert decided[0] == DECISIONS_PER_TURN  # the first few at once
     loop.turn()
-    assert decided[0] == 2  # the other three as one, when the turn ended
+    assert decided[0] == DECISIONS_PER_TURN + 1  # the other three as one, when the turn ended
     loop.turn()
-    assert decided[0] == 2 and not loop.ready  # nothing more was due
+    assert decided[0] == DECISIONS_PER_TURN + 1 and not loop.ready  # nothing more was due
     engine.lease_want(sessions[0], "compute")  # (already wanted: no change, no decision)
     engine.lease_report(sessions[0], "compute", 0.0, True)
-    assert decided[0] == 3  # a new turn: at once again
+    assert decided[0] == DECISIONS_PER_TURN + 2  # a new turn: at once again
 
 
 def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:

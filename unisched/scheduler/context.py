@@ -75,7 +75,7 @@ class Context:
     saved_at: float = float("-inf")
     defer: Callable[[Callable[[], None]], object] | None = None
     """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
-    decided_this_turn: bool = False
+    decided_this_turn: int = 0
     decision_due: bool = False
 
 

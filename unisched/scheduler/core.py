@@ -94,7 +94,7 @@ class Scheduler:
         lifecycle.start(self._c)
 
     def decide_once_per_turn(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
-        """Run in an event loop: decisions between ticks past the first of a loop turn fold into one at its end
+        """Run in an event loop: decisions between ticks past the first few of a loop turn fold into one at its end
         (tick.reschedule)."""
         self._c.defer = call_soon
 

@@ -168,20 +168,27 @@ def _log_mixes(c: Context, p: Plan) -> None:
             log.debug("mixed slice", gpu=g, kind=m.kind.value)
 
 
+DECISIONS_PER_TURN = 4
+"""Decisions between ticks made at once in one turn of the daemon's event loop; later ones of the turn fold into one
+at its end. A few at once leave ordinary traffic (a hand-over is a release and a want) as it was."""
+
+
 def reschedule(c: Context) -> None:
     """Decide now, between ticks: a cooperative tenant's new demand is served (and a released engine
     handed on) at once, not at the next slice boundary.
 
-    In the daemon's event loop (`c.defer` set) only the first decision of a loop turn is made at once; later ones
-    of that turn fold into one when the turn ends. A decision walks every tenant, and wants and releases come in
-    bursts (one read can hold thousands): one per request held the loop, and every renewal, for seconds."""
+    In the daemon's event loop (`c.defer` set) only the first DECISIONS_PER_TURN decisions of a loop turn are made
+    at once; later ones of that turn fold into one when the turn ends. A decision walks every tenant, and wants and
+    releases can come in bursts (one read can hold thousands): one per request held the loop, and every renewal,
+    for seconds."""
     if c.defer is None:
         _decide(c)
-    elif c.decided_this_turn:
+    elif c.decided_this_turn >= DECISIONS_PER_TURN:
         c.decision_due = True
     else:
-        c.decided_this_turn = True
-        c.defer(lambda: _turn_ended(c))
+        if not c.decided_this_turn:
+            c.defer(lambda: _turn_ended(c))
+        c.decided_this_turn += 1
         _decide(c)
 
 
@@ -191,7 +198,7 @@ def _decide(c: Context) -> None:
 
 
 def _turn_ended(c: Context) -> None:
-    c.decided_this_turn = False
+    c.decided_this_turn = 0
     if c.decision_due:
         c.decision_due = False
         reschedule(c)
