@@ -936,3 +936,29 @@ def test_an_idle_unmodified_tenant_takes_no_turns_from_a_lone_client(tmp_path: P
     holders = rig.run(100, [a])
     assert holders.count("a") >= 98, holders
     assert rig.engine.snapshot("idle").state == "idle"
+
+
+def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
+    """The engine thaws everything when it shuts down, but lease requests still come until the sockets close, and a
+    decision folded into a loop turn's end may be pending: a decision then could freeze a tenant again and leave it
+    frozen, so none is made."""
+    rig = busy_rig(tmp_path)
+    pending: list[Callable[[], None]] = []
+    rig.engine.decide_once_per_turn(pending.append)
+    clients = [rig.coop(f"c{i}", 100) for i in range(6)]
+    rig.unmodified("kern", 100)
+    decided: list[float] = []
+    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decided)  # type: ignore[method-assign]
+    for c in clients:
+        c.want()
+    assert len(decided) == 4 and pending  # the rest folded into the turn's end
+    rig.engine.shutdown()
+    assert not any(g.frozen for g in rig.driver.groups.values())
+    decided.clear()
+    for run in pending:
+        run()  # the turn ends
+    for c in clients:
+        c.report(0.0, release=True)
+        c.want()
+    assert decided == []
+    assert not any(g.frozen for g in rig.driver.groups.values())

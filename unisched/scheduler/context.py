@@ -73,6 +73,8 @@ class Context:
     logged_shares: dict[str, tuple[float, str]] = field(default_factory=dict)
     unsaved: bool = False
     saved_at: float = float("-inf")
+    stopped: bool = False
+    """The engine has shut down (everything thawed): no decision may freeze anything again."""
     defer: Callable[[Callable[[], None]], object] | None = None
     """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
     decided_this_turn: int = 0

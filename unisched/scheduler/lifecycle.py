@@ -160,6 +160,9 @@ def thaw_all(c: Context, extra: Iterable[str] = ()) -> list[str]:
 
 
 def shutdown(c: Context) -> None:
+    """Thaw everything and save. Lease requests still come until the sockets close, and a decision folded into
+    the turn's end may be pending: `stopped` keeps them from freezing a tenant after this thaw."""
+    c.stopped = True
     thaw_all(c)
     save(c)  # also what _save_soon left for the tick
     log.info("all managed cgroups thawed")

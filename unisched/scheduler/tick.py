@@ -181,6 +181,8 @@ def reschedule(c: Context) -> None:
     at once; later ones of that turn fold into one when the turn ends. A decision walks every tenant, and wants and
     releases can come in bursts (one read can hold thousands): one per request held the loop, and every renewal,
     for seconds."""
+    if c.stopped:
+        return
     if c.defer is None:
         _decide(c)
     elif c.decided_this_turn >= DECISIONS_PER_TURN:
