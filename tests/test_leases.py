@@ -948,7 +948,7 @@ def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
     clients = [rig.coop(f"c{i}", 100) for i in range(6)]
     rig.unmodified("kern", 100)
     decided: list[float] = []
-    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decided)  # type: ignore[method-assign]
+    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decided)  # type: ignore[method-assign, assignment]
     for c in clients:
         c.want()
     assert len(decided) == 4 and pending  # the rest folded into the turn's end
