@@ -487,8 +487,7 @@ for cg in d.managed():
     bw = res["rtt_before_window_ms"]
     md += (f"\nEvery tenant registered {registration_s:.1f} s after the first was started; the window opened "
            f"{args.warmup:g} s later. Renewals of registered tenants before it, while the others registered: "
-           f"{bw['round_trips']}, "
-           f"p99 {bw['p99']:.1f} ms, max {bw['max']:.1f} ms.\n")
+           f"{bw['round_trips']}, p99 {bw['p99']:.1f} ms, max {bw['max']:.1f} ms.\n")
     md += (f"\nIn the window: clients {res['clients_cpu_cores']:.2f} cores, anything else on the machine "
            f"{res['other_cpu_cores']:.2f} cores (of {os.cpu_count()}).\n")
     md += (f"\nStreams lost: {len(lost)} of {args.tenants} ({lost_in_window} in the window, "

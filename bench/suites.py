@@ -215,8 +215,8 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
                                 "over_100ms": (r.get("slow") or {}).get("count")}
     flood = _json(folder / "flood" / "results.json")
     if flood:  # no target: what one connection's burst of demand changes costs another tenant's renewals
-        cases["flood beside 200 tenants"] = {"quiet_p99_ms": flood["quiet_ms"]["p99"], "quiet_max_ms": flood["quiet_ms"]["max"],
-                                             "flood_p99_ms": flood["flood_ms"]["p99"], "flood_max_ms": flood["flood_ms"]["max"]}
+        cases[f"flood beside {flood['tenants']} tenants"] = {
+            f"{phase}_{stat}_ms": flood[f"{phase}_ms"][stat] for phase in ("quiet", "flood") for stat in ("p99", "max")}
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}

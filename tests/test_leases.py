@@ -944,7 +944,7 @@ def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
     frozen, so none is made."""
     rig = busy_rig(tmp_path)
     pending: list[Callable[[], None]] = []
-    rig.engine.decide_once_per_turn(pending.append)
+    rig.engine.fold_decisions(pending.append)
     clients = [rig.coop(f"c{i}", 100) for i in range(6)]
     rig.unmodified("kern", 100)
     decided: list[float] = []

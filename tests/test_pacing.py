@@ -366,7 +366,7 @@ def test_decisions_past_the_first_few_of_a_loop_turn_fold_into_one_at_its_end(tm
     engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
     engine.start()
     loop = Loop()
-    engine.decide_once_per_turn(loop.call_soon)
+    engine.fold_decisions(loop.call_soon)
     sessions = [engine.lease_open(f"t{i}", 100, None, ["compute"], 0, os.getpid(), 0, True, FakeLeaseChannel())[0]
                 for i in range(DECISIONS_PER_TURN + 3)]
     loop.turn()

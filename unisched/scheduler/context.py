@@ -77,7 +77,7 @@ class Context:
     """The engine has shut down (everything thawed): no decision may freeze anything again."""
     defer: Callable[[Callable[[], None]], object] | None = None
     """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
-    decided_this_turn: int = 0
+    decisions_this_turn: int = 0
     decision_due: bool = False
 
 

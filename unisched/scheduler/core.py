@@ -93,9 +93,9 @@ class Scheduler:
     def start(self) -> None:
         lifecycle.start(self._c)
 
-    def decide_once_per_turn(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
-        """Run in an event loop: decisions between ticks past the first few of a loop turn fold into one at its end
-        (tick.reschedule)."""
+    def fold_decisions(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
+        """Run in an event loop (`call_soon` its loop's): decisions between ticks past the first few of a loop turn
+        fold into one at its end (tick.reschedule)."""
         self._c.defer = call_soon
 
     def thaw_all(self, extra: Iterable[str] = ()) -> list[str]:

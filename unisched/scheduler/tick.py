@@ -179,18 +179,18 @@ def reschedule(c: Context) -> None:
 
     In the daemon's event loop (`c.defer` set) only the first DECISIONS_PER_TURN decisions of a loop turn are made
     at once; later ones of that turn fold into one when the turn ends. A decision walks every tenant, and wants and
-    releases can come in bursts (one read can hold thousands): one per request held the loop, and every renewal,
-    for seconds."""
+    releases can come in bursts (one read can hold thousands): one decision per request would hold the loop, and
+    every renewal, for seconds. After shutdown (`c.stopped`) nothing is decided: it could freeze a tenant again."""
     if c.stopped:
         return
     if c.defer is None:
         _decide(c)
-    elif c.decided_this_turn >= DECISIONS_PER_TURN:
+    elif c.decisions_this_turn >= DECISIONS_PER_TURN:
         c.decision_due = True
     else:
-        if not c.decided_this_turn:
+        if not c.decisions_this_turn:
             c.defer(lambda: _turn_ended(c))
-        c.decided_this_turn += 1
+        c.decisions_this_turn += 1
         _decide(c)
 
 
@@ -200,7 +200,7 @@ def _decide(c: Context) -> None:
 
 
 def _turn_ended(c: Context) -> None:
-    c.decided_this_turn = 0
+    c.decisions_this_turn = 0
     if c.decision_due:
         c.decision_due = False
         reschedule(c)

@@ -1,10 +1,10 @@
 """Registrations are paced to about one per event-loop turn, in the order they came.
 
 Why: a registration costs milliseconds (a cgroup made, the caller moved, the device program, a snapshot and a
-decision that walk every tenant), and the daemon answers every lease renewal in the same event loop. A burst of
-a thousand sessions opened at once made the loop run a thousand registrations in one turn, seconds without
-reading a socket, so every other tenant's renewals went unanswered and leases expired. Paced, a renewal waits
-for one registration at most: the loop reads its sockets between each.
+decision that walk every tenant), and the daemon answers every lease renewal in the same event loop. Unpaced, a
+thousand sessions opened at once would run a thousand registrations in one turn, seconds without reading a
+socket, and every other tenant's leases would expire unrenewed. Paced, a renewal waits for one registration at
+most: the loop reads its sockets between each.
 
 One `Pacer` per daemon, shared by the lease stream's hellos (`take`, else `queue`) and the gRPC calls that
 register or list every tenant (`turn`), which cost as much. The loop's `call_soon` is passed in, so tests drive

@@ -284,8 +284,9 @@ async def serve_async(
     started = time.monotonic()
     tls = server_tls(config) if config.listen else None
     engine.start()
-    pacer = Pacer(asyncio.get_running_loop().call_soon)
-    engine.decide_once_per_turn(asyncio.get_running_loop().call_soon)
+    loop = asyncio.get_running_loop()
+    pacer = Pacer(loop.call_soon)
+    engine.fold_decisions(loop.call_soon)
     servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml,
                                 pacer)
     servicer.agent_socket = config.agent_socket
@@ -296,7 +297,6 @@ async def serve_async(
     agent = SeccompAgentServer(config.agent_socket, engine)
     if stop is None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     notifier = Notifier.from_env()
