@@ -82,12 +82,16 @@ def test_gate_reading(sample: Sample | None, engines: set[Engine], busy: bool, u
 
 
 @pytest.mark.parametrize(("use", "busy"), [
-    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.9), True),
-    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.7), True),  # Tuning.turn_cpu_cores is inclusive
-    (FreezerUse(frozenset({SM}), frozenset({C}), False, 0.69), False),
-    (FreezerUse(frozenset({SM}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
-    (FreezerUse(frozenset({SM}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn
-    (FreezerUse(frozenset({SM}), frozenset({C, G}), False, 1.0), True),
+    (FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), False, 0.9), True),
+    (FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), False, 0.7), True),  # Tuning.turn_cpu_cores is inclusive
+    (FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), False, 0.69), False),
+    (FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), True, 1.0), False),  # frozen: its CPU time is a freeze's tail
+    (FreezerUse(frozenset({SM}), frozenset({G}), frozenset({G}), False, 1.0), False),  # a render's CPU (libx264) is no GPU turn
+    (FreezerUse(frozenset({SM}), frozenset({C, G}), frozenset({C, G}), False, 1.0), True),
+    (FreezerUse(frozenset({SM}), frozenset({C}), frozenset({G}), False, 1.0), False),  # a GL app's CUDA context
+    # a decoder: PyAV's hardware decode opens a CUDA context beside its NVDEC session; its CPU feeds the decoder
+    (FreezerUse(frozenset({SM, DEC}), frozenset({C, D}), frozenset({D}), False, 1.0), False),
+    (FreezerUse(frozenset({SM, DEC}), frozenset({C, D}), frozenset({C, D}), False, 1.0), True),  # decode + infer
 ])
 def test_cpu_busy(use: FreezerUse, busy: bool) -> None:
     assert cpu_busy(use, config()) is busy
@@ -248,7 +252,8 @@ def test_lease_jump(preemptive: bool, prio: Priority, online: frozenset[str], ju
 def _observe(state: PlanState, util: float | None, cpu: float = 0.0, contenders: int = 2,
              cfg: PlanConfig | None = None) -> tuple[list[bool], tuple[Resource, ...], PlanState]:
     cfg = cfg or config()
-    use = [FreezerUse(frozenset({SM}), frozenset({C}), False, cpu), FreezerUse(frozenset({SM}), frozenset({C}), True, 0.0)]
+    use = [FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), False, cpu),
+           FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), True, 0.0)]
     samples = {} if util is None else {0: Sample(util)}
     outcome, state = observe(cfg, use, samples, {SM: contenders}, {}, state)
     return [g.now_open for g in outcome.readings], outcome.level, state
@@ -279,7 +284,8 @@ def test_observe_leaves_the_input_state_alone() -> None:
 
 def test_observe_keys_a_partly_overlapping_pair_by_its_joint_resource() -> None:
     cfg = config(PARTIAL)
-    use = [FreezerUse(frozenset({SM}), frozenset({C}), False, 1.0), FreezerUse(frozenset({GFX}), frozenset({G}), False, 0.2)]
+    use = [FreezerUse(frozenset({SM}), frozenset({C}), frozenset({C}), False, 1.0),
+           FreezerUse(frozenset({GFX}), frozenset({G}), frozenset({G}), False, 0.2)]
     pairs = {0: PairWeights(100, 100, False)}
     state = PlanState()
     for _ in range(2):

@@ -128,6 +128,10 @@ class FreezerUse:
 
     resources: frozenset[Resource]
     engines: frozenset[Engine]
+    """The engines it shows demand on: those it declared and those its open sessions show."""
+    declared: frozenset[Engine]
+    """The engines it declared. A CUDA context does not make a decoder a compute tenant: PyAV's hardware decode opens
+    one beside its NVDEC session, and its CPU then feeds the decoder (cpu_busy)."""
     frozen: bool
     cpu_cores: float
     """CPU time over the interval, per second of it."""
@@ -246,8 +250,10 @@ class Plan:
 
 # --- the rules: what the gate reads ---------------------------------------------------------------------------
 def cpu_busy(u: FreezerUse, config: PlanConfig) -> bool:
-    """A thawed compute tenant whose CPUs kept busy used its turn, whatever the GPU reads (Tuning.turn_cpu_cores)."""
-    return not u.frozen and Engine.COMPUTE in u.engines and u.cpu_cores >= config.turn_cpu_cores
+    """A thawed tenant that declared compute and kept its CPUs busy used its turn, whatever the GPU reads
+    (Tuning.turn_cpu_cores). Declared, not seen: a decoder's CUDA context is no compute work, and its busy CPU
+    (the decode loop) would hold two decoders that the GPU runs side by side in turns."""
+    return not u.frozen and Engine.COMPUTE in u.declared and u.cpu_cores >= config.turn_cpu_cores
 
 
 def gate_reading(sample: UtilSample | None, engines: Iterable[Engine], busy_cpu: bool,

@@ -38,9 +38,10 @@ class Tuning:
     one sample, which a paced load can fill."""
     turn_cpu_cores: float = 0.7
     """A compute holder this busy on its CPUs used its turn even when GPU utilization does not show it: PyTorch's
-    kernels are invisible to NVML utilization on the H200 while its launching thread stays busy. Only compute: a
-    graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn (cloud instances encode
-    with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the GPU idle."""
+    kernels are invisible to NVML utilization on the H200 while its launching thread stays busy. Only tenants that
+    declared compute: a graphics or codec tenant's GPU work is visible, and a paced one can be CPU-busy all turn
+    (cloud instances encode with libx264, 10 ms a frame, and catch up on their frames when thawed) while leaving the
+    GPU idle; a hardware decoder's CUDA context does not make its decode loop compute work."""
     run_units: int = 8
     """A cooperative compute holder whose units (steps) are long keeps the engine for at least this many of them
     (up to `lease_max_run_ms`). Every hand-over costs a pair of CUDA tenants: an app that pipelines its steps leaves

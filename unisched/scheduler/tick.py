@@ -101,7 +101,7 @@ def _observe_saturation(c: Context, samples: Mapping[int, GpuSample], cpu: Mappi
     """Measure what the saturation gates read (policy.plan.observe), level the fair share of resources that
     slicing starts on, and log the gates' changes."""
     cooperative = c.leases.cooperative
-    use = [FreezerUse(t.resources, t.all_engines(), t.frozen, cpu.get(t.name, 0.0) / dt)
+    use = [FreezerUse(t.resources, t.all_engines(), t.engines, t.frozen, cpu.get(t.name, 0.0) / dt)
            for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
     contenders = {r: c.policy.contenders(r) for u in use for r in u.resources}
     outcome, c.plan = observe(c.plan_config, use, samples, contenders, pairs, c.plan)
