@@ -233,6 +233,20 @@ def test_targets_apply_to_their_cases_only() -> None:
     assert verdicts.overall(got) is True and verdicts.overall([]) is None
 
 
+def test_a_pair_that_did_not_contend_is_judged_by_the_overlap_targets() -> None:
+    """Two decode loops run side by side on the H200's NVDEC engines: the error against a weight split means nothing
+    there, and the sum is kept against no scheduler's, as the issue's overlap targets say."""
+    both = {"guarantee": True, "error_pts": 6.0, "sum": 0.9}
+    rounds = [{"cuda 3:1": {**both, "contending": True, "sum_vs_no_scheduler": 0.05},
+               "nvdec 3:1": {**both, "contending": False, "sum_vs_no_scheduler": -0.8},
+               "nvdec 1:1": {**both, "contending": False, "sum_vs_no_scheduler": 0.01}}]
+    got = {(v.case, v.target): v.passed for v in verdicts.judge_all(suites.BY_NAME["pairs"].targets, rounds)}
+    assert got == {("cuda 3:1", "error, median round"): False, ("cuda 3:1", "error, worst round"): False,
+                   ("cuda 3:1", "sum"): False, ("cuda 3:1", "guarantee"): True,
+                   ("nvdec 3:1", "guarantee"): True, ("nvdec 3:1", "sum vs no scheduler"): False,
+                   ("nvdec 1:1", "guarantee"): True, ("nvdec 1:1", "sum vs no scheduler"): True}
+
+
 def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     def player(w: int, fps: float, low: float) -> dict[str, Any]:
         return {"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": low}
