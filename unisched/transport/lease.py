@@ -173,26 +173,15 @@ class LeaseConnection(asyncio.Protocol):
             self._transport.pause_reading()
         self._account()
 
-    def _unhold(self) -> list[bytes] | None:
-        """The requests kept, now to be answered; None when the connection has ended meanwhile."""
+    def _take_turn(self) -> bool:
+        """A later loop turn: answer the requests kept (the pacer's turn for a hello and what came with it, or the
+        rest of a read). False when the connection ended meanwhile: the turn was not used."""
         payloads, self._stash = self._stash or [], None
         if self._ended or self._transport is None or self._transport.is_closing():
             self._account()
-            return None
-        return payloads
-
-    def _take_turn(self) -> bool:
-        """The pacer's turn to register: answer the hello and what came with it."""
-        payloads = self._unhold()
-        if payloads is None:
             return False
         self._answer_some(payloads)
         return True
-
-    def _go_on(self) -> None:
-        payloads = self._unhold()
-        if payloads is not None:
-            self._answer_some(payloads)
 
     def _answer_some(self, payloads: list[bytes]) -> None:
         """Answer at most ANSWERED_PER_TURN requests now; the rest in the next loop turns, so that one read full of
@@ -201,7 +190,7 @@ class LeaseConnection(asyncio.Protocol):
         rest = payloads[ANSWERED_PER_TURN:]
         if rest and not self._ended:
             self._hold(rest)
-            asyncio.get_running_loop().call_soon(self._go_on)
+            asyncio.get_running_loop().call_soon(self._take_turn)
         elif self._paused and self._transport is not None and not self._ended:
             self._paused = False
             self._transport.resume_reading()
