@@ -13,11 +13,7 @@ round trip is the daemon's and how much the machine's.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import multiprocessing as mp
-import os
-import platform
 import socket
 import statistics
 import sys
@@ -25,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import header, run_info, write
 from lease_load import percentile  # the same percentiles as the round trips it is set beside
 
 MESSAGE = b"\x00\x00\x00\x10" + bytes(range(16))
@@ -77,21 +74,16 @@ def main() -> int:
     if args.seconds <= 0 or args.warmup < 0 or args.every_ms <= 0:
         ap.error("--seconds and --every-ms must be positive, --warmup not negative")
     rtts = measure(args.every_ms / 1000.0, args.seconds, args.warmup)
-    res = {"command": "python3 bench/echo_floor.py " + " ".join(sys.argv[1:]),
-           "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
-           "cpus": os.cpu_count(), "python": platform.python_version(), "every_ms": args.every_ms,
+    res = {**run_info(), "every_ms": args.every_ms,
            "round_trips": len(rtts),
            "rtt_ms": {"p50": 1000 * percentile(rtts, 0.5), "p99": 1000 * percentile(rtts, 0.99),
                       "max": 1000 * max(rtts, default=float("nan")),
                       "mean": 1000 * statistics.fmean(rtts) if rtts else float("nan")}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     r = res["rtt_ms"]
-    md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
-          "| what | every | round trips | p50 | p99 | max |\n|---|---|---|---|---|---|\n"
+    md = (header(res) + "| what | every | round trips | p50 | p99 | max |\n|---|---|---|---|---|---|\n"
           f"| bare echo on a Unix socket | {args.every_ms:g} ms | {len(rtts)} | {r['p50']:.3f} ms | {r['p99']:.3f} ms | "
           f"{r['max']:.3f} ms |\n")
-    (args.out / "results.md").write_text(md)
+    write(args.out, res, md)
     print(md)
     return 0
 

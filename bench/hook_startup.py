@@ -23,10 +23,7 @@ results.md.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, bench_env, start_daemon
+from _results import header, run_info, write
 from verdicts import mean_interval
 
 CUDA = """
@@ -133,14 +131,11 @@ def main() -> int:
         daemon.terminate()
         daemon.wait(30)
     added = {name: summarize(d["total"]) for name, d in diffs.items()}
-    out = {"command": "python3 bench/hook_startup.py " + shlex.join(sys.argv[1:]),
-           "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
-           "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds,
+    out = {**run_info(), "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds,
            "added_ms_pairs": {name: d["total"] for name, d in diffs.items()}, "added_ms": added,
            "added_ms_by_phase": {name: {ph: summarize(v) for ph, v in d.items() if ph != "total"}
                                  for name, d in diffs.items()}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+
     def row(label: str, name: str, phase: str, a: dict[str, Any]) -> str:
         med = {k: statistics.median(r[phase] for r in seconds[name][k]) * 1000 for k in ("no hooks", "hooks")}
         return (f"| {label} | {med['no hooks']:.1f} ms | {med['hooks']:.1f} ms | {a['mean']:+.1f} ms | "
@@ -148,12 +143,11 @@ def main() -> int:
 
     rows = [row(name, name, "total", a) for name, a in added.items()]
     rows += [row(f"{name}: {ph}", name, ph, a) for name, d in out["added_ms_by_phase"].items() for ph, a in d.items()]
-    md = (f"Command: `{out['command']}` | {out['date_utc']} UTC | host {out['host']}\n\n"
-          f"{args.repeat} pairs per program, order alternating, after {args.warmup} not counted. The phases: init "
+    md = (header(out) + f"{args.repeat} pairs per program, order alternating, after {args.warmup} not counted. The phases: init "
           "(the driver loaded, the device opened), context (the context made and used once).\n\n"
           "| program | start-up without hooks (median) | with hooks (median) | added, mean of pairs | median of pairs "
           "| 90% interval of the mean |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    (args.out / "results.md").write_text(md)
+    write(args.out, out, md)
     print(md)
     return 0
 

@@ -18,12 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import os
-import platform
-import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -32,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, start_daemon
+from _results import header, run_info, write
 from lease_load import lease_socket_of, percentile
 
 sys.path.insert(0, str(ROOT / "clients"))
@@ -129,20 +124,14 @@ def main() -> int:
     finally:
         daemon.terminate()
         daemon.wait(30)
-    res = {"command": "python3 bench/lease_flood.py " + shlex.join(sys.argv[1:]),
-           "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
-           "cpus": os.cpu_count(), "python": platform.python_version(), "tenants": args.tenants,
-           "pairs": args.pairs, **res}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    res = {**run_info(), "tenants": args.tenants, "pairs": args.pairs, **res}
     q, f = res["quiet_ms"], res["flood_ms"]
-    md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
-          f"{args.tenants} tenants; {res['bursts']} bursts of {args.pairs} want + release pairs "
+    md = (header(res) + f"{args.tenants} tenants; {res['bursts']} bursts of {args.pairs} want + release pairs "
           f"({res['burst_bytes']} bytes each) on one connection.\n\n"
           f"| the probe's renewals | round trips | p99 | max |\n|---|---|---|---|\n"
           f"| quiet | {q['round_trips']} | {q['p99']:.2f} ms | {q['max']:.2f} ms |\n"
           f"| during the flood | {f['round_trips']} | {f['p99']:.2f} ms | {f['max']:.2f} ms |\n")
-    (args.out / "results.md").write_text(md)
+    write(args.out, res, md)
     print(md)
     return 0
 

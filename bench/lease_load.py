@@ -30,15 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os
-import platform
-import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, start_daemon
+from _results import header, run_info, write
 
 sys.path.insert(0, str(ROOT))
 
@@ -444,10 +440,7 @@ for cg in d.managed():
         reasons[key] = reasons.get(key, 0) + 1
     lost_in_window = sum(1 for x in lost if x["phase"] == "window")
     res: dict[str, Any] = {
-        "command": "python3 bench/lease_load.py " + shlex.join(sys.argv[1:]),
-        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "python": platform.python_version(),
-        "tenants": args.tenants, "client": args.client, "procs": procs, "registration_s": registration_s,
+        **run_info(), "tenants": args.tenants, "client": args.client, "procs": procs, "registration_s": registration_s,
         "renew_ms": args.renew_ms, "seconds": args.seconds,
         "renewals": len(rtts), "renewals_per_s": len(rtts) / elapsed,
         "offered_per_s": args.tenants * 1000.0 / args.renew_ms if args.renew_ms else float("nan"),
@@ -474,12 +467,11 @@ for cg in d.managed():
             "p99": 1000 * percentile(probe_rtts, 0.99), "max": 1000 * max(probe_rtts, default=float("nan"))},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     log = (work / "daemon.log").read_bytes()  # at --log-level warning: what went wrong there, if anything
     (args.out / "daemon.log").write_bytes(log[-DAEMON_LOG_KEPT:])
     every = f"{args.renew_ms:g} ms" if args.renew_ms else "back to back"
-    md = (f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
-          f"| tenants | renew every | renewals/s (offered) | RTT p50 | RTT p99 | RTT max | daemon CPU | daemon RSS |\n"
+    md = (header(res)
+          + f"| tenants | renew every | renewals/s (offered) | RTT p50 | RTT p99 | RTT max | daemon CPU | daemon RSS |\n"
           f"|---|---|---|---|---|---|---|---|\n"
           f"| {args.tenants} | {every} | {res['renewals_per_s']:.0f} ({res['offered_per_s']:.0f}) | "
           f"{res['rtt_ms']['p50']:.3f} ms | {res['rtt_ms']['p99']:.3f} ms | {res['rtt_ms']['max']:.1f} ms | "
@@ -504,7 +496,7 @@ for cg in d.managed():
                f"p50 {pr['p50']:.3f} ms, p99 {pr['p99']:.3f} ms, max {pr['max']:.1f} ms.\n")
     if res["errors"]:
         md += "\nErrors: " + "; ".join(res["errors"]) + "\n"
-    (args.out / "results.md").write_text(md)
+    write(args.out, res, md)
     print(md)
     return 0 if not res["errors"] and not lost else 1
 
