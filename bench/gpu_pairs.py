@@ -78,6 +78,13 @@ DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
 CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
 SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
+MIN_WINDOW_PART = 0.5
+"""A tenant that measured less of its window than this (its start-up overran the warm-up) gives its run no rates:
+a rate over a fraction of a second is no measurement, and as a reference alone it would skew every pair of its kind."""
+CLIP_TIMEOUT_S = 300.0
+NVDEC_CLIP = "nvdec-clip.mp4"
+"""The test clip every NVDEC run decodes, made once in the work folder before the first run (the example makes its
+own on first use, on the CPU, and a run that did would spend its window on it)."""
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 LOG_TAIL_CHARS = 3000
 
@@ -218,6 +225,16 @@ class TenantResult:
     def throughput(self) -> float | None:
         return float(self.report["throughput"]) if self.report else None
 
+    def short_window(self) -> str | None:
+        """Why its report measured too little of its window to give a rate (MIN_WINDOW_PART); None: enough."""
+        w = (self.report or {}).get("window") or {}
+        planned = float(w.get("end_at", 0.0)) - float(w.get("start_at", 0.0))
+        measured = float(w.get("seconds", planned))
+        if planned <= 0 or measured >= MIN_WINDOW_PART * planned:
+            return None
+        return (f"measured {measured:.1f} s of its {planned:g} s window (started {float(w.get('late_s', 0.0)):.1f} s "
+                "late): no rate is taken from this run")
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "weight": self.weight, "argv": self.argv,
                 "rc": self.rc, "report": self.report, "error": self.error, "log_tail": self.log_tail}
@@ -246,6 +263,8 @@ class GroupResult:
         return scoring.common_window([((t.report or {}).get("window") or {}).get("timeline") or [] for t in self.tenants])
 
     def throughputs(self) -> list[float | None]:
+        if any(t.short_window() for t in self.tenants):
+            return [None] * len(self.tenants)
         window = self.common_window()
         if window is None:
             return [t.throughput for t in self.tenants]
@@ -553,6 +572,27 @@ def render_iterations_used(cfg: Config) -> int | None:
     """The --iterations every render run gets (None: the workload's default, or a replacement command)."""
     extra = cfg.kind_args.get("render", [])
     return int(extra[extra.index("--iterations") + 1]) if "--iterations" in extra else None
+
+
+def prepare_clip(cfg: Config, pairs: list[Pair], progress: Progress) -> str | None:
+    """Make the NVDEC test clip once, before the first run, and give it to every NVDEC run (NVDEC_CLIP). Returns why
+    it could not be made; None where it was, or where no run decodes with the example (a replacement command)."""
+    if "nvdec" not in solo_kinds(pairs) or cfg.custom_cmd["nvdec"]:
+        return None
+    clip = cfg.work_dir / NVDEC_CLIP
+    code = ("import pathlib, runpy, sys; sys.path.insert(0, str(pathlib.Path(sys.argv[1]).parent)); "
+            "print(runpy.run_path(sys.argv[1])['make_clip'](pathlib.Path(sys.argv[2])))")
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run([cfg.python, "-c", code, str(WORKLOADS["nvdec"]), str(clip)], capture_output=True,
+                              text=True, cwd=ROOT, env=cfg.env, timeout=CLIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"making the NVDEC test clip took over {CLIP_TIMEOUT_S:g} s"
+    if done.returncode != 0 or not clip.is_file():
+        return f"making the NVDEC test clip failed (rc {done.returncode}): {done.stderr.strip()[-LOG_TAIL_CHARS:]}"
+    cfg.kind_args["nvdec"] = ["--clip", str(clip)]
+    progress.note(f"NVDEC test clip {clip} made with {done.stdout.strip()} ({time.monotonic() - t0:.0f} s)")
+    return None
 
 
 def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[dict[str, Any], int | None]:
@@ -918,9 +958,12 @@ def check_group(group: GroupResult, warnings: list[str], errors: list[str]) -> N
         where = f"{group.setup} {group.label} / {t.name}"
         if t.error:
             errors.append(f"{where}: {t.error}")
+        short = t.short_window()
+        if short:
+            errors.append(f"{where}: {short}")
         rep = t.report or {}
         late = (rep.get("window") or {}).get("late_s", 0.0)
-        if late > 1.0:
+        if late > 1.0 and not short:
             option = "--unisched-warmup" if group.setup == "unisched" else "--warmup"
             common = group.common_window()
             scored = "" if common is None else f"; the pair is scored over the {common[1] - common[0]:.1f} s both ran"
@@ -1127,6 +1170,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{' (each round its own)' if args.repeat > 1 else ''}")
     if args.dry_run:
         return 0
+    clip_error = prepare_clip(cfg, pairs, progress)
+    if clip_error is not None:
+        print(f"gpu_pairs: error: {clip_error}", file=sys.stderr)
+        return 2
     calibrate_gpu: str | None = None
     if args.calibrate_out is not None:  # fail now rather than after minutes of measuring
         calibrate_gpu = args.gpu_name or gpu0_name()

@@ -2,7 +2,7 @@
 """04: an NVDEC decode loop under unisched (PyAV hwaccel cuda), printing frames/s and measured share.
 
 The daemon admits the decode session first (the tenant's decode cap) and releases it on close; each packet
-is decoded under the decode lease. A test clip (H.264, 1920x1080, 10 s) is encoded on the CPU first
+is decoded under the decode lease. A test clip (H.264, 1920x1080, 5 s) is encoded on the CPU first
 unless --clip is given.
 
   python3 examples/04_nvdec_decode.py --seconds 15

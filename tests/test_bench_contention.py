@@ -117,6 +117,64 @@ def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
     assert on_time.throughputs() == [t.throughput for t in on_time.tenants]
 
 
+def test_a_run_that_measured_a_sliver_of_its_window_gives_no_rate() -> None:
+    """The H200's first NVDEC run alone of a session: making its clip overran the warm-up, and its 15 s window held
+    0.32 s (462 frames/s against 270-284 in the rounds after). As the reference it read every pair of that round at
+    about 0.6; no reference is better than that one, and the round says why."""
+    def decoder(seconds: float, late_s: float) -> Any:
+        window = {"seconds": seconds, "start_at": 100.0, "end_at": 115.0, "late_s": late_s}
+        return gp.TenantResult("a-nvdec", "nvdec", None, [], 0, {"throughput": 462.1, "window": window}, "", None)
+
+    sliver = gp.GroupResult("nvdec", "alone", [decoder(0.32, 14.68)], 0.0, 20.6)
+    assert sliver.throughputs() == [None]
+    warnings: list[str] = []
+    errors: list[str] = []
+    gp.check_group(sliver, warnings, errors)
+    assert errors == ["alone nvdec / a-nvdec: measured 0.3 s of its 15 s window (started 14.7 s late): no rate is "
+                      "taken from this run"]
+    assert warnings == []
+    assert gp.solo_reference("nvdec", {"nvdec": sliver}, {}) is None
+    (pair,) = gp.parse_pairs("nvdec1:1")
+    shared = gp.GroupResult("nvdec+nvdec", "unisched", [decoder(15.0, 0.0), decoder(15.0, 0.0)], 0.0, 27.0)
+    assert gp.derive_pair(pair, {"nvdec": sliver}, {}, {pair.key: shared})["unisched"] is None
+    enough = gp.GroupResult("nvdec", "alone", [decoder(7.6, 7.4)], 0.0, 20.6)  # half of it and more: a rate
+    assert enough.throughputs() == [462.1]
+
+
+def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clip is made once (by the example's own make_clip) and every NVDEC run is given it, so no run spends its
+    window making one; a replacement command is left alone, and a clip that cannot be made stops the run at once."""
+    example = tmp_path / "decode.py"
+    example.write_text("from pathlib import Path\n\n"
+                       "def make_clip(path: Path) -> str:\n"
+                       "    if 'broken' in str(path):\n"
+                       "        raise RuntimeError('no CPU H.264 encoder')\n"
+                       "    path.write_bytes(b'clip')\n"
+                       "    return 'libx264'\n")
+    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example)
+    pairs = gp.parse_pairs("nvdec1:1")
+    progress = gp.Progress(1)
+
+    def config(work: Path, nvdec_cmd: str | None = None) -> Any:
+        return gp.new_config(seconds=15, warmup=5, grace_s=10, work_dir=work, dry_run=False, workload_cmd_cuda=None,
+                             workload_cmd_render=None, workload_cmd_nvdec=nvdec_cmd)
+
+    cfg = config(tmp_path / "work")
+    assert gp.prepare_clip(cfg, pairs, progress) is None
+    clip = tmp_path / "work" / gp.NVDEC_CLIP
+    assert clip.read_bytes() == b"clip"
+    argv = gp.workload_argv(cfg, "nvdec", tmp_path / "r.json", 0.0)
+    assert argv[argv.index("--clip") + 1] == str(clip)
+    assert "--clip" not in gp.workload_argv(cfg, "cuda", tmp_path / "r.json", 0.0)
+    custom = config(tmp_path / "custom", "my-decoder --fast")
+    assert gp.prepare_clip(custom, pairs, progress) is None and "nvdec" not in custom.kind_args
+    assert gp.prepare_clip(config(tmp_path / "none"), gp.parse_pairs("cuda1:1"), progress) is None
+    broken = config(tmp_path / "broken")
+    why = gp.prepare_clip(broken, pairs, progress)
+    assert why is not None and why.startswith("making the NVDEC test clip failed (rc 1)") and "no CPU H.264" in why
+    assert "nvdec" not in broken.kind_args
+
+
 def test_pair_keys_round_trip() -> None:
     for pair in gp.parse_pairs("cuda3:1,render1:1,mixed1:3"):
         assert gp.Pair.from_key(pair.key) == pair
