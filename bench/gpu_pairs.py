@@ -78,9 +78,6 @@ DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
 CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
 SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
-MIN_WINDOW_PART = 0.5
-"""A tenant that measured less of its window than this (its start-up overran the warm-up) gives its run no rates:
-a rate over a fraction of a second is no measurement, and as a reference alone it would skew every pair of its kind."""
 CLIP_TIMEOUT_S = 300.0
 NVDEC_CLIP = "nvdec-clip.mp4"
 """The test clip every NVDEC run decodes, made once in the work folder before the first run (the example makes its
@@ -226,14 +223,8 @@ class TenantResult:
         return float(self.report["throughput"]) if self.report else None
 
     def short_window(self) -> str | None:
-        """Why its report measured too little of its window to give a rate (MIN_WINDOW_PART); None: enough."""
-        w = (self.report or {}).get("window") or {}
-        planned = float(w.get("end_at", 0.0)) - float(w.get("start_at", 0.0))
-        measured = float(w.get("seconds", planned))
-        if planned <= 0 or measured >= MIN_WINDOW_PART * planned:
-            return None
-        return (f"measured {measured:.1f} s of its {planned:g} s window (started {float(w.get('late_s', 0.0)):.1f} s "
-                "late): no rate is taken from this run")
+        """Why its report measured too little of its window to give its run rates (scoring.short_window)."""
+        return scoring.short_window(self.report)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "weight": self.weight, "argv": self.argv,

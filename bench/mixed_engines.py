@@ -48,7 +48,7 @@ from mixed_pairs import (
     round_seconds,
     window_s,
 )
-from scoring import efficiency, error_points, guarantee_ok
+from scoring import common_window, efficiency, error_points, guarantee_ok, rates_over, short_window
 from summary import commit as tree_commit
 from summary import machine
 
@@ -89,12 +89,25 @@ def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, wo
                 p.kill()
         daemon.terminate()
         daemon.wait(timeout=20)
-    rates = []
     for r in reports:
         if not r.exists():
             raise SystemExit(f"{label}: no report {r} (logs in {work})")
-        rates.append(float(json.loads(r.read_text())["throughput"]))
-    return rates
+    return rates_of([json.loads(r.read_text()) for r in reports], f"{label} (logs in {work})")
+
+
+def rates_of(reports: list[dict[str, Any]], label: str) -> list[float]:
+    """The members' rates from their reports: over the seconds all of them ran where one started late
+    (scoring.common_window, as gpu_pairs scores a pair), else each over its window. A member that measured under
+    half its window stops the run (scoring.short_window): a rate over a sliver of it is no measurement."""
+    for i, rep in enumerate(reports):
+        short = short_window(rep)
+        if short:
+            raise SystemExit(f"{label}: member {i} {short}")
+    timelines = [(rep.get("window") or {}).get("timeline") or [] for rep in reports]
+    window = common_window(timelines)
+    if window is None:
+        return [float(rep["throughput"]) for rep in reports]
+    return list(rates_over(timelines, window))
 
 
 def score(rates: list[float], solo: list[float], weights: tuple[int, int]) -> dict[str, object]:

@@ -50,10 +50,14 @@ __all__ = [
     "overlap_bound",
     "rates_over",
     "shares",
+    "short_window",
     "verdict",
 ]
 
 GUARANTEE_SLACK = 0.02
+MIN_WINDOW_PART = 0.5
+"""A workload that measured less of its window than this (its start-up overran the warm-up) gives no rate: a rate
+over a fraction of a second is no measurement, and as a reference alone it would skew every pair it scores."""
 CONTENTION_THRESHOLD = 1.1
 MAX_ERROR_POINTS = 3.0
 MIN_CONTENDING_EFFICIENCY = 0.95
@@ -204,3 +208,16 @@ def verdict(norm: Sequence[float], weights: Sequence[float], contending: bool,
     return Verdict(contending=contending, guarantee=guarantee, error_pts=err, efficiency=eff,
                    passed=not reasons, reasons=tuple(reasons))
 
+
+def short_window(report: dict[str, object] | None) -> str | None:
+    """Why a workload's report measured too little of its window to give a rate (MIN_WINDOW_PART); None: enough, or
+    a report that does not say its window."""
+    w = (report or {}).get("window")
+    if not isinstance(w, dict):
+        return None
+    planned = float(w.get("end_at", 0.0)) - float(w.get("start_at", 0.0))
+    measured = float(w.get("seconds", planned))
+    if planned <= 0 or measured >= MIN_WINDOW_PART * planned:
+        return None
+    return (f"measured {measured:.1f} s of its {planned:g} s window (started {float(w.get('late_s', 0.0)):.1f} s "
+            "late): no rate is taken from this run")

@@ -224,3 +224,28 @@ def test_where_a_window_cuts_the_cycles_moves_a_share_by_at_most_the_stated_boun
     assert share * (1 - share) / n <= 0.0105  # the bar's worst round is 2 points: a cut leaves most of it
     short = max(abs(read(4.5, 1.0, p / 50) - share) for p in range(50))
     assert short > 0.02  # with few cycles the cut alone can take a share out of the bar
+
+
+def test_a_late_member_is_scored_over_the_seconds_both_ran_and_a_sliver_stops_the_run() -> None:
+    """As gpu_pairs scores a pair: the client's first frame 2 s into an 8 s window, the render alone (36 frames/s)
+    until then and at 27 beside it; over its whole window the render would read 29.25. A member that measured under
+    half its window gives no rate at all."""
+    engines = _bench("mixed_engines")
+
+    def report(late_s: float, before: float, after: float, changes_at: float) -> dict[str, Any]:
+        timeline, items, t = [], 0.0, late_s
+        while t <= 8.0:
+            timeline.append([t, items])
+            items += 0.5 * (before if t < changes_at else after)
+            t += 0.5
+        window = {"seconds": 8.0 - late_s, "start_at": 100.0, "end_at": 108.0, "late_s": late_s, "timeline": timeline}
+        return {"throughput": timeline[-1][1] / (8.0 - late_s), "window": window}
+
+    client, render = report(2.0, 9.0, 9.0, 0.0), report(0.0, 36.0, 27.0, 2.0)
+    assert render["throughput"] == pytest.approx(29.25, abs=0.3)
+    rates = engines.rates_of([client, render], "t")
+    assert rates == pytest.approx([9.0, 27.0], rel=0.01)
+    on_time = [report(0.2, 9.0, 9.0, 0.0), report(0.0, 27.0, 27.0, 0.0)]
+    assert engines.rates_of(on_time, "t") == [r["throughput"] for r in on_time]
+    with pytest.raises(SystemExit, match=r"t: member 0 measured 0\.5 s of its 8 s window \(started 7\.5 s late\)"):
+        engines.rates_of([report(7.5, 9.0, 9.0, 0.0), render], "t")
