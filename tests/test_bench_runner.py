@@ -397,3 +397,37 @@ def test_the_results_page_lists_every_verdict_of_each_latest_run(tmp_path: Path)
     assert "### leases" in page and "### pairs" not in page  # only suites that ran
     assert "Command: `python3 bench/run.py leases`" in page
     assert "| round trip, 1 tenant | lease renewal round trip p99 <= 0.5 ms | 0.62 | FAIL: 0.62 ms > 0.5 ms" in page
+
+
+def test_the_online_suite_reads_what_scenarios_writes(tmp_path: Path) -> None:
+    """From scenarios.py's own derivation of a round (derive_batch, as it writes results.json) to the runner's cases:
+    per batch and setup the p99 against alone, the top of that ratio's interval and the trainer's rate kept."""
+    scenarios = _bench("scenarios")
+
+    def run(online: dict[str, Any] | None, offline: float | None) -> dict[str, Any]:
+        tenants = ([{"name": "online", "report": {"latency_ms": online}}] if online else []) + (
+            [{"name": "offline", "report": {"throughput": offline}}] if offline else [])
+        return {"tenants": tenants}
+
+    def lat(p99: float) -> dict[str, float]:
+        return {"p50": 7.0, "p99": p99, "p99_lo": p99 * 0.98, "p99_hi": p99 * 1.02}
+
+    batches: dict[str, Any] = {}
+    for batch, p99 in (("1", 9.4), ("8", 12.0)):
+        runs = {"alone-online": run(lat(9.0), None), "alone-offline": run(None, 1500.0),
+                "unisched kernel": run(lat(p99), 1300.0), "unisched user": run(lat(p99 * 0.95), 1250.0)}
+        scenarios.derive_batch(runs)
+        batches[batch] = runs
+    step = tmp_path / "online"
+    step.mkdir()
+    (step / "results.json").write_text(json.dumps({"scenarios": {"online": {"rate": 20, "batches": batches}}}))
+    cases, notes = suites.read_online(tmp_path)
+    assert sorted(cases) == ["b1 unisched kernel", "b1 unisched user", "b8 unisched kernel", "b8 unisched user"]
+    assert notes == []
+    b1 = cases["b1 unisched kernel"]
+    assert b1["p99_x_alone"] == pytest.approx(9.4 / 9.0) and b1["trainer_kept"] == pytest.approx(1300 / 1500)
+    assert b1["alone_p99_ms"] == 9.0 and b1["p99_ms"] == 9.4
+    assert b1["p99_x_top"] == pytest.approx(9.4 * 1.02 / (9.0 * 0.98), rel=0.02)
+    judged = {(v.case, v.target): v.passed for v in verdicts.judge_all(suites.BY_NAME["online"].targets, [cases])}
+    assert judged[("b1 unisched kernel", "p99")] is True and judged[("b8 unisched kernel", "p99")] is False
+    assert judged[("b1 unisched user", "trainer kept")] is False  # 1250 / 1500 = 0.83 < 0.85
