@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -27,7 +28,29 @@ def header(res: Mapping[str, Any]) -> str:
     return f"Command: `{res['command']}` | {res['date_utc']} UTC | host {res['host']} ({res['cpus']} CPUs)\n\n"
 
 
+def finite(obj: Any) -> Any:
+    """NaN and infinities as null, so that what is written is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers (and a run cut short) see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def save_json(path: Path, data: Any, indent: int = 1) -> None:
+    write_atomic(path, json.dumps(finite(data), indent=indent) + "\n")
+
+
 def write(out: Path, res: Mapping[str, Any], md: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "results.md").write_text(md)
+    save_json(out / "results.json", res)
+    write_atomic(out / "results.md", md)

@@ -46,6 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
+from _results import save_json, write_atomic
 from interleave import Alternation, Alternator
 
 from unisched.calibrate.fit import CalibrationError, Measured
@@ -902,28 +903,6 @@ def render_rounds_markdown(summary: dict[str, Any]) -> str:
         if summary.get(key):
             lines += ["", f"{title}:", *["- " + " / ".join(str(x).split("\n")).strip(" /") for x in summary[key]]]
     return "\n".join(lines) + "\n"
-
-
-def finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: write null instead."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(v) for v in obj]
-    return obj
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers (and a run cut short) see the old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def save_json(path: Path, results: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(finite(results), indent=2) + "\n")
 
 
 def save(out: Path, results: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
+from _results import save_json, write_atomic
 from _window import latency_summary, percentile
 from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
 
@@ -233,7 +234,7 @@ class Harness:
         data["date_utc"] = self.results["meta"]["date_utc"]
         data["command"] = self.results["meta"]["command"]
         self.opts.out.mkdir(parents=True, exist_ok=True)
-        gp.save_json(self.opts.out / "results.json", self.results)
+        save_json(self.opts.out / "results.json", self.results)
 
     # --------------------------------------------------------------------------------- scenario 1 (+5)
 
@@ -1114,8 +1115,8 @@ def summary(results: dict[str, Any]) -> str:
 
 def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    gp.save_json(out / "results.json", results)
-    gp.write_atomic(out / "results.md", markdown(results))
+    save_json(out / "results.json", results)
+    write_atomic(out / "results.md", markdown(results))
     return plots(results, out / "plots")
 
 

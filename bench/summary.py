@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _results import save_json, write_atomic
 from suites import SUITES, Suite
 from verdicts import Verdict, judge_all, overall, stats_of
 
@@ -107,23 +108,10 @@ def build(suite: Suite, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> d
             "passed": overall(verdicts) if suite.targets and settled else None}
 
 
-def finite(obj: Any) -> Any:
-    """NaN and infinities as null: summary.json stays strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite(v) for v in obj]
-    return obj
-
-
 def write(folder: Path, summary: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, text in ((SUMMARY, json.dumps(finite(summary), indent=1) + "\n"), (REPORT, report_md(summary))):
-        tmp = folder / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(folder / name)
+    save_json(folder / SUMMARY, summary)
+    write_atomic(folder / REPORT, report_md(summary))
 
 
 def load(folder: Path) -> dict[str, Any] | None:
