@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import save_json
+
 from unisched.enforce.seccomp.abi import FLAG_CONTINUE, NOTIF_FORMAT, NOTIF_RECV, NOTIF_SEND, NOTIF_SIZE, RESP_FORMAT
 from unisched.enforce.seccomp.filter import build_filter
 
@@ -281,7 +284,7 @@ def main() -> None:
         res["result"] = next((json.loads(x[7:]) for x in text.splitlines() if x.startswith("RESULT ")), text[-600:])
         print(json.dumps(res), flush=True)
         results.append(res)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    save_json(out / "results.json", results)
     log.unlink()
 
 

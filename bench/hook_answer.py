@@ -60,6 +60,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from _results import write  # noqa: E402
 
 OLD_REV = "c2c3ca1ba5addea81a651ea1dfe3843a5c93c90d"  # the last seccomp.py that answered on the asyncio loop
 RM_ALLOC, RM_FREE, RM_CONTROL = 0x2B, 0x29, 0x2A
@@ -390,10 +392,8 @@ def main() -> int:
         "contexts": args.contexts, "plain": args.plain, "repeat": args.repeat, "gap_us": args.gap_us,
         "loadavg": sorted({round(r["loadavg_1m"], 2) for i in raw.values() for rs in i.values() for r in rs}),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     lines = table(meta, results, loads)
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    write(args.out, {"meta": meta, "results": results}, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

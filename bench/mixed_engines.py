@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import ROOT, bench_env, start_daemon
+from _results import save_json, write_atomic
 from mixed_pairs import (
     DEFAULT_PAIRS,
     DEFAULT_SECONDS,
@@ -268,8 +269,8 @@ def run_rounds(args: argparse.Namespace, pairs: list[tuple[Member, Member]], wei
             print(f"round {rnd}: {a.spec}+{b.spec} {w[0]}:{w[1]} normalized {s['normalized']} error "
                   f"{s['error_pts']} pts sum {s['sum']}", flush=True)
             verdicts.update({key: verdict(rs) for key, rs in runs.items()})
-            (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")  # every run, as it comes
-            (args.out / "report.md").write_text(report_md(result))
+            save_json(args.out / "results.json", result)  # every run, as it comes
+            write_atomic(args.out / "report.md", report_md(result))
     print(report_md(result))
     return 0 if all(v["passed"] for v in verdicts.values()) else 1
 

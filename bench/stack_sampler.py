@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import atexit
 import collections
-import json
 import runpy
 import sys
 import threading
 import time
 from pathlib import Path
 from types import FrameType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import save_json
 
 EVERY_S = 0.002
 STALL_S = 0.05
@@ -100,9 +102,7 @@ class Sampler:
                     "every_ms": 1000 * EVERY_S, "stall_ms": 1000 * STALL_S, "stalls_total": self.stall_count,
                     "stalls": self.stalls,
                     "busy_top": [{"n": n, "stack": list(s)} for s, n in self.busy.most_common(40)]}
-        tmp = self.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        tmp.replace(self.out)
+        save_json(self.out, body)
 
 
 def main() -> None:
