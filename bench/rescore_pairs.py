@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pairs as gp
+from pairs_report import fmt
 
 from unisched.scheduler.contention_file import ContentionFileError
 
@@ -53,7 +54,7 @@ def fmt_setup(d: dict[str, Any] | None) -> str:
         return "n/a"
     n = d["normalized"]
     label = (d.get("verdict") or {}).get("label", "")
-    return f"{gp.fmt(n[0])} / {gp.fmt(n[1])}, sum {gp.fmt(d['efficiency'])}" + (f", {label}" if label else "")
+    return f"{fmt(n[0])} / {fmt(n[1])}, sum {fmt(d['efficiency'])}" + (f", {label}" if label else "")
 
 
 def markdown(folder: Path, files: list[tuple[Path, dict[str, Any], dict[str, Any]]]) -> str:
@@ -68,9 +69,9 @@ def markdown(folder: Path, files: list[tuple[Path, dict[str, Any], dict[str, Any
             lines.append("")
         entry = (old.get("contention") or {}).get("entry") or {}
         if new["kept"] is not None:
-            was = f"{gp.fmt(entry.get('compute_kept'))} / {gp.fmt(entry.get('graphics_kept'))}" if entry else "n/a"
+            was = f"{fmt(entry.get('compute_kept'))} / {fmt(entry.get('graphics_kept'))}" if entry else "n/a"
             lines += [f"Calibration (compute / graphics kept): as measured {was}; rescored "
-                      f"{gp.fmt(new['kept'][0])} / {gp.fmt(new['kept'][1])}", ""]
+                      f"{fmt(new['kept'][0])} / {fmt(new['kept'][1])}", ""]
         lines += ["| pair | setup | as measured | rescored |", "|---|---|---|---|"]
         for before, after in zip(old.get("pairs", []), new["pairs"], strict=False):
             for setup in ("no_scheduler", "unisched"):

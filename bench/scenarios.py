@@ -60,6 +60,7 @@ import scoring
 from _results import save_json, write_atomic
 from _window import latency_summary, percentile
 from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
+from pairs_report import fmt
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
@@ -686,8 +687,8 @@ def fmt_pair(us: dict[str, Any]) -> str:
     if not us:
         return "n/a"
     n = us.get("normalized") or [None, None]
-    return (f"normalized {gp.fmt(n[0])} / {gp.fmt(n[1])}, error {gp.fmt(us.get('error_pts'), 1)} pts, "
-            f"sum {gp.fmt(us.get('efficiency'))}")
+    return (f"normalized {fmt(n[0])} / {fmt(n[1])}, error {fmt(us.get('error_pts'), 1)} pts, "
+            f"sum {fmt(us.get('efficiency'))}")
 
 
 def online_line(run: dict[str, Any]) -> str:
@@ -698,17 +699,17 @@ def online_line(run: dict[str, Any]) -> str:
         r = t.get("report") or {}
         if "latency_ms" in r:
             wait = r.get("lease_wait_ms") or {}
-            parts.append(f"online p50 {gp.fmt(r['latency_ms'].get('p50'))} ms p99 {gp.fmt(r['latency_ms'].get('p99'))} ms"
-                         + (f" (lease wait p50 {gp.fmt(wait.get('p50'))} p99 {gp.fmt(wait.get('p99'))} ms)" if wait else ""))
+            parts.append(f"online p50 {fmt(r['latency_ms'].get('p50'))} ms p99 {fmt(r['latency_ms'].get('p99'))} ms"
+                         + (f" (lease wait p50 {fmt(wait.get('p50'))} p99 {fmt(wait.get('p99'))} ms)" if wait else ""))
         elif r:
-            parts.append(f"offline {gp.fmt(r.get('throughput'), 1)} {r.get('unit', '')}")
+            parts.append(f"offline {fmt(r.get('throughput'), 1)} {r.get('unit', '')}")
         else:
             parts.append(f"{t.get('name')}: {t.get('error')}")
     inter = interleaved(run)
     if inter is not None:
         r, q = inter["running"], inter["paused"]
-        parts.append(f"interleaved: p99 {gp.fmt(r.get('p99'))} ms beside the trainer ({r.get('n', 0)}), {gp.fmt(q.get('p99'))} "
-                     f"ms while it idled ({q.get('n', 0)}); trainer {gp.fmt(inter['offline_running_tp'], 1)} running")
+        parts.append(f"interleaved: p99 {fmt(r.get('p99'))} ms beside the trainer ({r.get('n', 0)}), {fmt(q.get('p99'))} "
+                     f"ms while it idled ({q.get('n', 0)}); trainer {fmt(inter['offline_running_tp'], 1)} running")
     return "; ".join(parts)
 
 
@@ -717,8 +718,8 @@ def ad_sim_line(run: dict[str, Any]) -> str:
     if not r:
         return f"FAILED: {run.get('error')}"
     e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
-    return (f"{gp.fmt(r.get('fps_end_to_end'), 1)} frames/s end to end, p50 {gp.fmt(e2e.get('p50'), 1)} ms, "
-            f"GPU util {gp.fmt(r.get('gpu_util_mean'), 0)}%")
+    return (f"{fmt(r.get('fps_end_to_end'), 1)} frames/s end to end, p50 {fmt(e2e.get('p50'), 1)} ms, "
+            f"GPU util {fmt(r.get('gpu_util_mean'), 0)}%")
 
 
 def cloud_line(run: dict[str, Any]) -> str:
@@ -726,8 +727,8 @@ def cloud_line(run: dict[str, Any]) -> str:
     if not r:
         return f"FAILED: {run.get('error')}"
     fps = [i.get("fps_mean") or 0.0 for i in r.get("per_instance", [])]
-    return (f"{len(fps)} instances, FPS mean {gp.fmt(sum(fps) / len(fps) if fps else None, 1)}, min "
-            f"{gp.fmt(min(fps) if fps else None, 1)}, fairness {gp.fmt(r.get('fairness_min_over_max'))}")
+    return (f"{len(fps)} instances, FPS mean {fmt(sum(fps) / len(fps) if fps else None, 1)}, min "
+            f"{fmt(min(fps) if fps else None, 1)}, fairness {fmt(r.get('fairness_min_over_max'))}")
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -767,12 +768,12 @@ def mixed_md(data: dict[str, Any]) -> list[str]:
             lines.append(f"| {engine} | {w} | {fmt_pair(ns)} | {fmt_pair(us)} | {verdict} |")
         for kind, o in (res.get("overhead") or {}).items():
             loss = o.get("loss")
-            overhead.append(f"- {engine} engine, {kind} alone: {gp.fmt(o.get('alone'), 1)} -> "
-                            f"{gp.fmt(o.get('alone_under_unisched'), 1)} under unisched "
+            overhead.append(f"- {engine} engine, {kind} alone: {fmt(o.get('alone'), 1)} -> "
+                            f"{fmt(o.get('alone_under_unisched'), 1)} under unisched "
                             f"(loss {'n/a' if loss is None else f'{100 * loss:.1f}%'}; target <= 2%)")
         solo = (res.get("pairs") or [{}])[0].get("solo")
         if solo:
-            lines.append(f"| {engine} | alone | ResNet-50 {gp.fmt(solo[0], 1)} img/s, render {gp.fmt(solo[1], 1)} FPS | | |")
+            lines.append(f"| {engine} | alone | ResNet-50 {fmt(solo[0], 1)} img/s, render {fmt(solo[1], 1)} FPS | | |")
     if overhead:
         lines += ["", "5. Overhead (one tenant alone):", *overhead]
     return [*lines, ""]
@@ -789,17 +790,17 @@ def online_md(data: dict[str, Any]) -> list[str]:
     for batch, runs in data.get("batches", {}).items():
         d = runs.get("derived") or {}
         n = d.get("rounds")
-        lines.append(f"| {batch} | alone{f' (median of {n} rounds)' if n else ''} | {gp.fmt(d.get('alone_p50_ms'))} | "
-                     f"{gp.fmt(d.get('alone_p99_ms'))} | 1.00 | 1.00 | | 1.00 ({gp.fmt(d.get('offline_solo'), 1)} img/s) | |")
+        lines.append(f"| {batch} | alone{f' (median of {n} rounds)' if n else ''} | {fmt(d.get('alone_p50_ms'))} | "
+                     f"{fmt(d.get('alone_p99_ms'))} | 1.00 | 1.00 | | 1.00 ({fmt(d.get('offline_solo'), 1)} img/s) | |")
         for setup, s in (d.get("setups") or {}).items():
             met = {True: "**met**", False: "missed", None: s.get("error") or "n/a"}[s.get("target_met")]
             if n and s.get("target_met") is not None:
                 met += f" ({s.get('target_met_rounds', 0)} of {n} rounds)"
             b = s.get("p99_x_bounds")
-            bounds = f"{gp.fmt(b[0])}-{gp.fmt(b[1])}: {p99_resolution(b)}" if b else "n/a"
+            bounds = f"{fmt(b[0])}-{fmt(b[1])}: {p99_resolution(b)}" if b else "n/a"
             cells = [fmt_ranged(s, k) for k in ("p50_x_alone", "p99_x_alone")] + [bounds, fmt_ranged(s, "offline_kept")]
             name = f"{setup} (interleaved)" if s.get("interleaved") else setup
-            lines.append(f"| {batch} | {name} | {gp.fmt(s.get('p50_ms'))} | {gp.fmt(s.get('p99_ms'))} | "
+            lines.append(f"| {batch} | {name} | {fmt(s.get('p50_ms'))} | {fmt(s.get('p99_ms'))} | "
                          f"{' | '.join(cells)} | {met} |")
     lines += interleaved_md(data)
     if any((runs.get("derived") or {}).get("rounds") for runs in data.get("batches", {}).values()):
@@ -816,9 +817,9 @@ def online_md(data: dict[str, Any]) -> list[str]:
                 b = q.get("p99_x_bounds")
                 paired = q.get("p99_x_paired_ci")
                 lines.append(f"| {batch} | {setup}{' (vs its paused periods)' if q.get('paused') else ''} | {q['n']} | "
-                             f"{gp.fmt(q['p99_ms'])} ({gp.fmt(q['p99_lo'])}-{gp.fmt(q['p99_hi'])}) | "
-                             f"{gp.fmt(q.get('p99_x_alone', 1.0))} | {f'{gp.fmt(b[0])}-{gp.fmt(b[1])}' if b else ''}"
-                             f"{f'; paired {gp.fmt(paired[0])}-{gp.fmt(paired[1])}' if paired else ''} | "
+                             f"{fmt(q['p99_ms'])} ({fmt(q['p99_lo'])}-{fmt(q['p99_hi'])}) | "
+                             f"{fmt(q.get('p99_x_alone', 1.0))} | {f'{fmt(b[0])}-{fmt(b[1])}' if b else ''}"
+                             f"{f'; paired {fmt(paired[0])}-{fmt(paired[1])}' if paired else ''} | "
                              f"{q.get('resolution', '')} |")
     lines += ["", f"90% bounds: from each p99's distribution-free 90% interval (order statistics of its requests), "
                   f"shared low / alone high to shared high / alone low; 'cannot tell' where they straddle "
@@ -844,10 +845,10 @@ def interleaved_md(data: dict[str, Any]) -> list[str]:
             i = s["interleaved"]
             r, q = i.get("running") or {}, i.get("paused") or {}
             cis = " | ".join(fmt_ci(i.get(f"{n}_x"), i.get(f"{n}_x_ci")) for n in INTERLEAVED_STATS)
-            rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {gp.fmt(r.get('p50'))} / "
-                        f"{gp.fmt(r.get('p99'))} | {gp.fmt(q.get('p50'))} / {gp.fmt(q.get('p99'))} | {cis} | "
-                        f"{gp.fmt(i.get('paused_p99_x_alone_run'))} | "
-                        f"{gp.fmt(s.get('offline_kept'))} | {i.get('switches')}, {gp.fmt(i.get('max_lag_ms'), 1)} ms |")
+            rows.append(f"| {batch} | {k + 1} | {setup} | {r.get('n', 0)} / {q.get('n', 0)} | {fmt(r.get('p50'))} / "
+                        f"{fmt(r.get('p99'))} | {fmt(q.get('p50'))} / {fmt(q.get('p99'))} | {cis} | "
+                        f"{fmt(i.get('paused_p99_x_alone_run'))} | "
+                        f"{fmt(s.get('offline_kept'))} | {i.get('switches')}, {fmt(i.get('max_lag_ms'), 1)} ms |")
     if not rows:
         return []
     return ["", "Interleaved (`--interleave S`): in each shared run the trainer idled in every other period of S "
@@ -864,12 +865,12 @@ def interleaved_md(data: dict[str, Any]) -> list[str]:
 
 
 def fmt_ci(x: float | None, ci: list[float] | None) -> str:
-    return gp.fmt(x) + (f" [{gp.fmt(ci[0])}-{gp.fmt(ci[1])}]" if ci else "")
+    return fmt(x) + (f" [{fmt(ci[0])}-{fmt(ci[1])}]" if ci else "")
 
 
 def fmt_ranged(s: dict[str, Any], key: str) -> str:
     rng = s.get(f"{key}_range")
-    return gp.fmt(s.get(key)) + (f" [{gp.fmt(rng[0])}-{gp.fmt(rng[1])}]" if rng else "")
+    return fmt(s.get(key)) + (f" [{fmt(rng[0])}-{fmt(rng[1])}]" if rng else "")
 
 
 def ad_sim_md(data: dict[str, Any]) -> list[str]:
@@ -880,9 +881,9 @@ def ad_sim_md(data: dict[str, Any]) -> list[str]:
     for setup, run in data.get("runs", {}).items():
         r = run.get("report") or {}
         e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
-        lines.append(f"| {setup} | {gp.fmt(r.get('fps_end_to_end'), 1)} | {gp.fmt(e2e.get('p50'), 1)} | "
-                     f"{gp.fmt(e2e.get('p99'), 1)} | {gp.fmt(r.get('gpu_util_mean'), 0)} | "
-                     f"{gp.fmt(r.get('decoder_util_mean'), 0)} | {r.get('encoder', run.get('error', 'n/a'))} |")
+        lines.append(f"| {setup} | {fmt(r.get('fps_end_to_end'), 1)} | {fmt(e2e.get('p50'), 1)} | "
+                     f"{fmt(e2e.get('p99'), 1)} | {fmt(r.get('gpu_util_mean'), 0)} | "
+                     f"{fmt(r.get('decoder_util_mean'), 0)} | {r.get('encoder', run.get('error', 'n/a'))} |")
     return [*lines, ""]
 
 
@@ -904,7 +905,7 @@ def cloud_md(data: dict[str, Any]) -> list[str]:
         hog = r.get("hog") or {}
         note = ", ".join(filter(None, [f"over cap: {', '.join(over)}" if over else "",
                                        f"hog: {hog.get('refused_error') or hog.get('summary') or ''}" if hog else ""]))
-        lines.append(f"| {setup} | {mean:.1f} | {fmin:.1f} | {low:.1f} | {gp.fmt(r.get('fairness_min_over_max'))} | "
+        lines.append(f"| {setup} | {mean:.1f} | {fmin:.1f} | {low:.1f} | {fmt(r.get('fairness_min_over_max'))} | "
                      f"{note} |")
     return [*lines, ""]
 
@@ -1040,7 +1041,7 @@ def online_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
 
 def setup_tick(setup: str, kept: float | None) -> str:
     """A setup's tick label, wrapped (the long names ran into each other) above the trainer's kept."""
-    return f"{textwrap.fill(setup, 24)}\noffline {gp.fmt(kept)}"
+    return f"{textwrap.fill(setup, 24)}\noffline {fmt(kept)}"
 
 
 def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
@@ -1103,9 +1104,9 @@ def summary(results: dict[str, Any]) -> str:
         pooled = (derived.get("pooled") or {}).get("setups") or {}
         for setup, s in (derived.get("setups") or {}).items():
             q = pooled.get(setup) if derived.get("rounds") else None
-            more = f"; pooled p99 x{gp.fmt(q.get('p99_x_alone'))} of {q['n']} requests: {q['resolution']}" if q else ""
-            out.append(f"  online b{batch} {setup:16} p99 x{gp.fmt(s.get('p99_x_alone'))}, offline kept "
-                       f"{gp.fmt(s.get('offline_kept'))}{more}")
+            more = f"; pooled p99 x{fmt(q.get('p99_x_alone'))} of {q['n']} requests: {q['resolution']}" if q else ""
+            out.append(f"  online b{batch} {setup:16} p99 x{fmt(s.get('p99_x_alone'))}, offline kept "
+                       f"{fmt(s.get('offline_kept'))}{more}")
     for setup, run in (sc.get("ad_sim") or {}).get("runs", {}).items():
         out.append(f"  ad_sim {setup:26} {ad_sim_line(run)}")
     for setup, run in (sc.get("cloud") or {}).get("runs", {}).items():
