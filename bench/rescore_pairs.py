@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_pairs as gp
 from pairs_report import fmt
+from pairs_runs import GroupResult
 
 from unisched.scheduler.contention_file import ContentionFileError
 
@@ -32,7 +33,7 @@ SECTIONS = ("solo", "solo_after", "no_scheduler", "unisched")
 
 
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
-    runs = {s: {k: gp.GroupResult.from_json(v) for k, v in (results.get(s) or {}).items()} for s in SECTIONS}
+    runs = {s: {k: GroupResult.from_json(v) for k, v in (results.get(s) or {}).items()} for s in SECTIONS}
     pairs = [gp.Pair.from_key(p["pair"]) for p in results.get("pairs", [])]
     new = [gp.derive_pair(p, runs["solo"], runs["no_scheduler"], runs["unisched"], runs["solo_after"]) for p in pairs]
     out: dict[str, Any] = {"pairs": new, "common_windows": {}, "kept": None}

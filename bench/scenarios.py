@@ -61,7 +61,9 @@ from _results import save_json, write_atomic
 from _window import latency_summary, percentile
 from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
 from pairs_report import fmt
+from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_group, tail
 
+from unisched.calibrate.runs import kill_group
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
 
@@ -154,7 +156,7 @@ def run_logged(argv: list[str], log: Path, timeout_s: float, env: dict[str, str]
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            gp.kill_group(proc)
+            kill_group(proc)
             return None
 
 
@@ -202,7 +204,7 @@ class Harness:
     def __init__(self, opts: Options, scenarios: list[str]) -> None:
         self.opts = opts
         self.scenarios = scenarios
-        self.progress = gp.Progress(self.step_count(), name="scenarios")
+        self.progress = Progress(self.step_count(), name="scenarios")
         self.results = read_json(opts.out / "results.json") or {"scenarios": {}}
         self.results.setdefault("scenarios", {})
         self.results["meta"] = {
@@ -217,7 +219,7 @@ class Harness:
         per = {"mixed": 2, "online": online, "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
         return sum(per[s] for s in self.scenarios)
 
-    def config(self, engine: str = "kernel") -> gp.Config:
+    def config(self, engine: str = "kernel") -> Config:
         o = self.opts
         cfg = gp.new_config(seconds=o.seconds, warmup=o.warmup, unisched_warmup=o.unisched_warmup, grace_s=20.0,
                             work_dir=o.work_dir, dry_run=o.dry_run, workload_cmd_cuda=None, workload_cmd_render=None,
@@ -287,7 +289,7 @@ class Harness:
                         continue
                     try:
                         rounds[k][setup] = self.online_run(batch, setup)
-                    except (RuntimeError, gp.DaemonError, OSError) as e:
+                    except (RuntimeError, DaemonError, OSError) as e:
                         rounds[k][setup] = {"error": str(e)}
                     self.save("online", data)
                     self.progress.note(f"  -> {online_line(rounds[k][setup])}")
@@ -309,19 +311,19 @@ class Harness:
         })
         under = setup.startswith("unisched")
         weight = 100.0 if under else None
-        online = gp.TenantSpec("online", "online", weight, "online" if under else None)
-        offline = gp.TenantSpec("offline", "offline", weight, "offline" if under else None)
+        online = TenantSpec("online", "online", weight, "online" if under else None)
+        offline = TenantSpec("offline", "offline", weight, "offline" if under else None)
         label = f"b{batch}-{re.sub(r'[^A-Za-z0-9]+', '-', setup)}"
         alternate = ("offline", self.opts.interleave_s, INTERLEAVE_GUARD_S) if self.opts.interleave_s > 0 else None
         if setup == "alone-online":
-            group = gp.run_group(cfg, label, "alone", [online])
+            group = run_group(cfg, label, "alone", [online])
         elif setup == "alone-offline":
-            group = gp.run_group(cfg, label, "alone", [offline])
+            group = run_group(cfg, label, "alone", [offline])
         elif setup == "no scheduler":
-            group = gp.run_group(cfg, label, "no scheduler", [online, offline], alternate=alternate)
+            group = run_group(cfg, label, "no scheduler", [online, offline], alternate=alternate)
         elif setup == ONLINE_SETUPS["mps-alone"]:
             with mps_daemon(cfg.work_dir / label) as client_env:
-                group = gp.run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(client_env.items()))])
+                group = run_group(cfg, label, setup, [dataclasses.replace(online, env=tuple(client_env.items()))])
             group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         else:
             mps = "MPS" in setup  # the harness's own MPS control daemon and client settings
@@ -336,10 +338,10 @@ class Harness:
                     online = dataclasses.replace(online, env=pairs)
                     offline = dataclasses.replace(offline, env=trainer_env)
                 if under:
-                    daemon = gp.Daemon(cfg, label, serve_args=serve_args)
+                    daemon = Daemon(cfg, label, serve_args=serve_args)
                     try:
                         daemon.start()
-                        group = gp.run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup,
+                        group = run_group(cfg, label, setup, [online, offline], daemon, warmup=cfg.unisched_warmup,
                                              alternate=alternate)
                     finally:
                         daemon.stop()
@@ -347,7 +349,7 @@ class Harness:
                     if "--mps" in serve_args:
                         group.extra["mps_log"] = mps_log_tail(daemon.state_dir)
                 else:
-                    group = gp.run_group(cfg, label, setup, [online, offline], alternate=alternate)
+                    group = run_group(cfg, label, setup, [online, offline], alternate=alternate)
             if mps:
                 group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         return group.to_json()
@@ -398,21 +400,21 @@ class Harness:
         timeout = 4 * (self.opts.seconds + self.opts.unisched_warmup) + 60
         if self.time_left() < timeout / 2:
             return {"error": "skipped: would overrun --max-total", "argv": argv}
-        d: gp.Daemon | None = None
+        d: Daemon | None = None
         info: dict[str, Any] = {}
         try:
             if daemon:
-                d = gp.Daemon(cfg, label)
+                d = Daemon(cfg, label)
                 d.start()
                 argv += ["--unisched-socket", str(d.socket)]
             rc = run_logged(argv, cfg.work_dir / f"{label}.log", timeout)
-        except gp.DaemonError as e:
+        except DaemonError as e:
             return {"error": f"daemon: {e}", "argv": argv}
         finally:
             if d is not None:
                 d.stop()
                 info = d.info
-        out = {"argv": argv, "rc": rc, "report": read_json(report), "log_tail": gp.tail(cfg.work_dir / f"{label}.log")}
+        out = {"argv": argv, "rc": rc, "report": read_json(report), "log_tail": tail(cfg.work_dir / f"{label}.log")}
         if info:
             out["daemon"] = {k: v for k, v in info.items() if k != "log_tail"}
             out["daemon_log_tail"] = info.get("log_tail", "")

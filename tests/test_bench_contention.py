@@ -34,6 +34,7 @@ def _load(name: str) -> ModuleType:
 
 
 gp = _load("gpu_pairs")
+runs = sys.modules["pairs_runs"]  # the runs gpu_pairs makes
 scoring = sys.modules["scoring"]  # the module gpu_pairs scores with
 
 
@@ -66,9 +67,9 @@ def check_shape(state_dir: Path, gpu: str = GPU) -> dict[str, Any]:
 
 
 def _group(setup: str, *tenants: tuple[str, float | None]) -> Any:
-    results = [gp.TenantResult(f"t-{k}", k, None, [], 0, None if tp is None else {"throughput": tp}, "", None)
+    results = [runs.TenantResult(f"t-{k}", k, None, [], 0, None if tp is None else {"throughput": tp}, "", None)
                for k, tp in tenants]
-    return gp.GroupResult("x", setup, results, 0.0, 0.0)
+    return runs.GroupResult("x", setup, results, 0.0, 0.0)
 
 
 def test_kept_fractions() -> None:
@@ -90,14 +91,14 @@ def _timed(kind: str, late_s: float, rate_alone: float, rate_shared: float, part
         points.append([round(t, 3), round(items)])
         items += 0.5 * (rate_alone if t < partner_from else rate_shared)
         t += 0.5
-    return gp.TenantResult(f"t-{kind}", kind, None, [], 0, {"throughput": points[-1][1] / (12.0 - late_s),
+    return runs.TenantResult(f"t-{kind}", kind, None, [], 0, {"throughput": points[-1][1] / (12.0 - late_s),
                                                             "window": {"late_s": late_s, "timeline": points}}, "", None)
 
 
 def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
     """The H200's no-scheduler trainer + render runs: the trainer's first step 4.5 s into a 12 s window, the render
     alone (35 frame/s) until then and at 31.5 beside it. Over the whole window the render 'kept' 0.93; it keeps 0.88."""
-    together = gp.GroupResult("x", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
+    together = runs.GroupResult("x", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
                                                      _timed("render", 0.0, 35.0, 31.5, 4.5)], 0.0, 0.0)
     assert together.common_window() == (4.5, 12.0)
     cuda, render = together.throughputs()
@@ -106,12 +107,12 @@ def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
     kept = gp.kept_fractions(_group("alone", ("cuda", 1650.0)), _group("alone", ("render", 35.8)), together)
     assert kept == pytest.approx((0.2, 0.88), abs=0.005)
     assert together.to_json()["common_window"] == [4.5, 12.0]
-    assert gp.GroupResult.from_json(together.to_json()).throughputs() == together.throughputs()
+    assert runs.GroupResult.from_json(together.to_json()).throughputs() == together.throughputs()
     warnings: list[str] = []
     gp.check_group(together, warnings, [])
     assert warnings == ["no scheduler x / t-cuda: window started 4.5 s late (slow start-up; raise --warmup); the pair "
                         "is scored over the 7.5 s both ran"]
-    on_time = gp.GroupResult("x", "unisched", [_timed("cuda", 0.2, 330.0, 330.0, 0.0),
+    on_time = runs.GroupResult("x", "unisched", [_timed("cuda", 0.2, 330.0, 330.0, 0.0),
                                                 _timed("render", 0.0, 35.0, 31.5, 0.0)], 0.0, 0.0)
     assert on_time.common_window() is None  # within 0.5 s: the shared nominal window stands
     assert on_time.throughputs() == [t.throughput for t in on_time.tenants]
@@ -123,9 +124,9 @@ def test_a_run_that_measured_a_sliver_of_its_window_gives_no_rate() -> None:
     about 0.6; no reference is better than that one, and the round says why."""
     def decoder(seconds: float, late_s: float) -> Any:
         window = {"seconds": seconds, "start_at": 100.0, "end_at": 115.0, "late_s": late_s}
-        return gp.TenantResult("a-nvdec", "nvdec", None, [], 0, {"throughput": 462.1, "window": window}, "", None)
+        return runs.TenantResult("a-nvdec", "nvdec", None, [], 0, {"throughput": 462.1, "window": window}, "", None)
 
-    sliver = gp.GroupResult("nvdec", "alone", [decoder(0.32, 14.68)], 0.0, 20.6)
+    sliver = runs.GroupResult("nvdec", "alone", [decoder(0.32, 14.68)], 0.0, 20.6)
     assert sliver.throughputs() == [None]
     warnings: list[str] = []
     errors: list[str] = []
@@ -135,9 +136,9 @@ def test_a_run_that_measured_a_sliver_of_its_window_gives_no_rate() -> None:
     assert warnings == []
     assert gp.solo_reference("nvdec", {"nvdec": sliver}, {}) is None
     (pair,) = gp.parse_pairs("nvdec1:1")
-    shared = gp.GroupResult("nvdec+nvdec", "unisched", [decoder(15.0, 0.0), decoder(15.0, 0.0)], 0.0, 27.0)
+    shared = runs.GroupResult("nvdec+nvdec", "unisched", [decoder(15.0, 0.0), decoder(15.0, 0.0)], 0.0, 27.0)
     assert gp.derive_pair(pair, {"nvdec": sliver}, {}, {pair.key: shared})["unisched"] is None
-    enough = gp.GroupResult("nvdec", "alone", [decoder(7.6, 7.4)], 0.0, 20.6)  # half of it and more: a rate
+    enough = runs.GroupResult("nvdec", "alone", [decoder(7.6, 7.4)], 0.0, 20.6)  # half of it and more: a rate
     assert enough.throughputs() == [462.1]
 
 
@@ -153,7 +154,7 @@ def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkey
                        "    return 'libx264'\n")
     monkeypatch.setitem(gp.WORKLOADS, "nvdec", example)
     pairs = gp.parse_pairs("nvdec1:1")
-    progress = gp.Progress(1)
+    progress = runs.Progress(1)
 
     def config(work: Path, nvdec_cmd: str | None = None) -> Any:
         return gp.new_config(seconds=15, warmup=5, grace_s=10, work_dir=work, dry_run=False, workload_cmd_cuda=None,
@@ -163,9 +164,9 @@ def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkey
     assert gp.prepare_clip(cfg, pairs, progress) is None
     clip = tmp_path / "work" / gp.NVDEC_CLIP
     assert clip.read_bytes() == b"clip"
-    argv = gp.workload_argv(cfg, "nvdec", tmp_path / "r.json", 0.0)
+    argv = runs.workload_argv(cfg, "nvdec", tmp_path / "r.json", 0.0)
     assert argv[argv.index("--clip") + 1] == str(clip)
-    assert "--clip" not in gp.workload_argv(cfg, "cuda", tmp_path / "r.json", 0.0)
+    assert "--clip" not in runs.workload_argv(cfg, "cuda", tmp_path / "r.json", 0.0)
     custom = config(tmp_path / "custom", "my-decoder --fast")
     assert gp.prepare_clip(custom, pairs, progress) is None and "nvdec" not in custom.kind_args
     assert gp.prepare_clip(config(tmp_path / "none"), gp.parse_pairs("cuda1:1"), progress) is None
@@ -183,7 +184,7 @@ def test_pair_keys_round_trip() -> None:
 def test_rescore_pairs_scores_a_committed_run_over_the_seconds_both_ran(tmp_path: Path) -> None:
     rescore_pairs = _load("rescore_pairs")
 
-    together = gp.GroupResult("cuda+render", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
+    together = runs.GroupResult("cuda+render", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
                                                                _timed("render", 0.0, 35.0, 31.5, 4.5)], 0.0, 0.0)
     solo = {"cuda": _group("alone", ("cuda", 1650.0)), "render": _group("alone", ("render", 35.8))}
     pair = gp.parse_pairs("mixed1:1")[0]
@@ -375,9 +376,9 @@ def test_gpu_pairs_rounds_each_against_their_own_solo_runs(tmp_path: Path, monke
 
 
 def test_solo_reference_is_the_mean_of_before_and_after() -> None:
-    def group(tp: float | None) -> gp.GroupResult:
+    def group(tp: float | None) -> runs.GroupResult:
         report = None if tp is None else {"throughput": tp}
-        return gp.GroupResult("x", "alone", [gp.TenantResult("t", "cuda", None, [], 0, report, "", None)], 0.0, 1.0)
+        return runs.GroupResult("x", "alone", [runs.TenantResult("t", "cuda", None, [], 0, report, "", None)], 0.0, 1.0)
 
     assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == 1700.0
     assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {}) == 1300.0

@@ -173,7 +173,7 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
 def test_run_group_idles_the_named_tenant_in_every_other_period(tmp_path: Path) -> None:
     """End to end without a GPU: gpu_pairs.run_group pauses a --pausable CPU stand-in in alternate periods of
     its window; its report shows the pauses, and its timeline does not move inside a paused period."""
-    import gpu_pairs as gp
+    import pairs_runs as gp
 
     standin = [sys.executable, str(ROOT / "bench" / "cpu_standin.py"), "--kind", "cuda", "--chunk", "2000"]
     cfg = gp.Config(python=sys.executable, seconds=3.0, warmup=1.0, unisched_warmup=1.0, slice_ms=50.0, grace_s=20.0,

@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
+import pairs_runs
 import scenarios
 
 
@@ -272,10 +273,10 @@ def test_mps_setups_give_the_trainer_its_cap_or_its_low_priority(tmp_path: Path,
     def fake_run_group(cfg: Any, label: str, setup_name: str, tenants: list[Any], *a: Any, **k: Any) -> Any:
         seen.extend(tenants)
         assert re.fullmatch(r"b1-[A-Za-z0-9-]+", label), label  # a folder name: no spaces or commas
-        return scenarios.gp.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
+        return pairs_runs.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
 
     monkeypatch.setattr(scenarios, "mps_daemon", fake_mps)
-    monkeypatch.setattr(scenarios.gp, "run_group", fake_run_group)
+    monkeypatch.setattr(scenarios, "run_group", fake_run_group)
     opts = scenarios.Options(out=tmp_path, seconds=10, warmup=8, unisched_warmup=12, slice_ms=50, rate=20,
                              online_batches=(1,), memory_cap="4GiB", work_dir=tmp_path, max_total=60, dry_run=False)
     run = scenarios.Harness(opts, ["online"]).online_run(1, setup)
@@ -310,10 +311,10 @@ def test_the_pausing_setup_runs_the_user_engine_with_a_pausing_trainer(tmp_path:
 
     def fake_run_group(cfg: Any, label: str, setup_name: str, tenants: list[Any], *a: Any, **k: Any) -> Any:
         seen.update(engine=cfg.engine, cmd=cfg.workload_cmd, label=label)
-        return scenarios.gp.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
+        return pairs_runs.GroupResult(label=label, setup=setup_name, tenants=[], start_at=0.0, wall_s=0.0)
 
-    monkeypatch.setattr(scenarios.gp, "Daemon", FakeDaemon)
-    monkeypatch.setattr(scenarios.gp, "run_group", fake_run_group)
+    monkeypatch.setattr(scenarios, "Daemon", FakeDaemon)
+    monkeypatch.setattr(scenarios, "run_group", fake_run_group)
     opts = scenarios.Options(out=tmp_path, seconds=10, warmup=8, unisched_warmup=12, slice_ms=50, rate=20,
                              online_batches=(1,), memory_cap="4GiB", work_dir=tmp_path, max_total=60, dry_run=False)
     h = scenarios.Harness(opts, ["online"])
