@@ -171,16 +171,17 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
 
 
 def test_run_group_idles_the_named_tenant_in_every_other_period(tmp_path: Path) -> None:
-    """End to end without a GPU: gpu_pairs.run_group pauses a --pausable CPU stand-in in alternate periods of
-    its window; its report shows the pauses, and its timeline does not move inside a paused period."""
-    import pairs_runs as gp
+    """End to end without a GPU: pairs_runs.run_group (the runs of gpu_pairs and scenarios) pauses a --pausable CPU
+    stand-in in alternate periods of its window; its report shows the pauses, and its timeline does not move inside a
+    paused period."""
+    import pairs_runs as runs
 
     standin = [sys.executable, str(ROOT / "bench" / "cpu_standin.py"), "--kind", "cuda", "--chunk", "2000"]
-    cfg = gp.Config(python=sys.executable, seconds=3.0, warmup=1.0, unisched_warmup=1.0, slice_ms=50.0, grace_s=20.0,
+    cfg = runs.Config(python=sys.executable, seconds=3.0, warmup=1.0, unisched_warmup=1.0, slice_ms=50.0, grace_s=20.0,
                     work_dir=tmp_path, workload_cmd={"cuda": [*standin, "--pausable"]}, custom_cmd={"cuda": True},
                     unisched_module="unisched", env=dict(os.environ))
-    group = gp.run_group(cfg, "alt", "no scheduler", [gp.TenantSpec("offline", "cuda", None)],
-                         alternate=("offline", 0.6, 0.1))
+    group = runs.run_group(cfg, "alt", "no scheduler", [runs.TenantSpec("offline", "cuda", None)],
+                           alternate=("offline", 0.6, 0.1))
     alt = group.extra["alternation"]
     assert alt["tenant"] == "offline" and alt["switches"] == 4 and alt["error"] is None  # 0.6, 1.2, 1.8, 2.4 s
     (t,) = group.tenants
