@@ -85,9 +85,11 @@ CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
 SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
 CLIP_TIMEOUT_S = 300.0
-NVDEC_CLIP = "nvdec-clip.mp4"
-"""The test clip every NVDEC run decodes, made once in the work folder before the first run (the example makes its
-own on first use, on the CPU, and a run that did would spend its window on it)."""
+CLIP_CODE = ("import pathlib, runpy, sys; sys.path.insert(0, str(pathlib.Path(sys.argv[1]).parent)); "
+             "g = runpy.run_path(sys.argv[1]); clip = g['DEFAULT_CLIP']; "
+             "print(clip); print('kept' if clip.exists() else 'made with ' + g['make_clip'](clip))")
+"""Run with the NVDEC example's path: its test clip (DEFAULT_CLIP), made by its make_clip where it is not there yet
+(on the CPU: a run that made it would spend its window on it); prints the clip's path, then how it came to be."""
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 
 
@@ -203,23 +205,22 @@ def render_iterations_used(cfg: Config) -> int | None:
 
 
 def prepare_clip(cfg: Config, pairs: list[Pair], progress: Progress) -> str | None:
-    """Make the NVDEC test clip once, before the first run, and give it to every NVDEC run (NVDEC_CLIP). Returns why
-    it could not be made; None where it was, or where no run decodes with the example (a replacement command)."""
+    """Have the NVDEC test clip before the first run (CLIP_CODE: the example's own, made once and kept across runs and
+    rounds) and give it to every NVDEC run. Returns why it could not be had; None where it was, or where no run
+    decodes with the example (a replacement command)."""
     if "nvdec" not in solo_kinds(pairs) or cfg.custom_cmd["nvdec"]:
         return None
-    clip = cfg.work_dir / NVDEC_CLIP
-    code = ("import pathlib, runpy, sys; sys.path.insert(0, str(pathlib.Path(sys.argv[1]).parent)); "
-            "print(runpy.run_path(sys.argv[1])['make_clip'](pathlib.Path(sys.argv[2])))")
     t0 = time.monotonic()
     try:
-        done = subprocess.run([cfg.python, "-c", code, str(WORKLOADS["nvdec"]), str(clip)], capture_output=True,
+        done = subprocess.run([cfg.python, "-c", CLIP_CODE, str(WORKLOADS["nvdec"])], capture_output=True,
                               text=True, cwd=ROOT, env=cfg.env, timeout=CLIP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"making the NVDEC test clip took over {CLIP_TIMEOUT_S:g} s"
-    if done.returncode != 0 or not clip.is_file():
+    path, _, how = done.stdout.strip().partition("\n")
+    if done.returncode != 0 or not path or not Path(path).is_file():
         return f"making the NVDEC test clip failed (rc {done.returncode}): {done.stderr.strip()[-LOG_TAIL_CHARS:]}"
-    cfg.kind_args["nvdec"] = ["--clip", str(clip)]
-    progress.note(f"NVDEC test clip {clip} made with {done.stdout.strip()} ({time.monotonic() - t0:.0f} s)")
+    cfg.kind_args["nvdec"] = ["--clip", path]
+    progress.note(f"NVDEC test clip {path}: {how} ({time.monotonic() - t0:.0f} s)")
     return None
 
 

@@ -30,6 +30,10 @@ class NoFrames(RuntimeError):
     """The decoder took the clip and gave nothing back."""
 
 
+DEFAULT_CLIP = Path(tempfile.gettempdir()) / "unisched-04-clip.mp4"
+"""The test clip without --clip: made on first use, then kept for later runs."""
+
+
 def make_clip(path: Path, seconds: int = 5, size: tuple[int, int] = (1920, 1080), fps: int = 30) -> str:
     """Encode a moving gradient with a CPU H.264 encoder; returns the encoder used."""
     import av
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"PyAV is not importable ({e}); pip install 'unisched[codec]'")
     clip = args.clip
     if clip is None:
-        clip = Path(tempfile.gettempdir()) / "unisched-04-clip.mp4"
+        clip = DEFAULT_CLIP
         if not clip.exists():
             print(f"making a test clip {clip} ...", flush=True)
             print(f"made it with {make_clip(clip)}", flush=True)

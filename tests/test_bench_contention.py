@@ -143,16 +143,26 @@ def test_a_run_that_measured_a_sliver_of_its_window_gives_no_rate() -> None:
 
 
 def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The clip is made once (by the example's own make_clip) and every NVDEC run is given it, so no run spends its
-    window making one; a replacement command is left alone, and a clip that cannot be made stops the run at once."""
-    example = tmp_path / "decode.py"
-    example.write_text("from pathlib import Path\n\n"
-                       "def make_clip(path: Path) -> str:\n"
-                       "    if 'broken' in str(path):\n"
-                       "        raise RuntimeError('no CPU H.264 encoder')\n"
-                       "    path.write_bytes(b'clip')\n"
-                       "    return 'libx264'\n")
-    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example)
+    """The example's clip is made before the first run (by its own make_clip, where it is not there yet) and every
+    NVDEC run is given it, so no run spends its window making one; a later invocation (the runner's next round)
+    decodes the same clip without making it again; a replacement command is left alone, and a clip that cannot be
+    made stops the run at once."""
+    clip, made = tmp_path / "clip.mp4", tmp_path / "made"
+
+    def example(name: str, encoder: str) -> Path:
+        path = tmp_path / f"{name}.py"
+        path.write_text("from pathlib import Path\n\n"
+                        f"DEFAULT_CLIP = Path({str(clip)!r})\n\n"
+                        "def make_clip(path: Path) -> str:\n"
+                        f"    if {encoder!r} == 'none':\n"
+                        "        raise RuntimeError('no CPU H.264 encoder')\n"
+                        f"    with open({str(made)!r}, 'a') as f:\n"
+                        "        f.write('x')\n"
+                        "    path.write_bytes(b'clip')\n"
+                        f"    return {encoder!r}\n")
+        return path
+
+    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example("decode", "libx264"))
     pairs = gp.parse_pairs("nvdec1:1")
     progress = runs.Progress(1)
 
@@ -162,14 +172,18 @@ def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkey
 
     cfg = config(tmp_path / "work")
     assert gp.prepare_clip(cfg, pairs, progress) is None
-    clip = tmp_path / "work" / gp.NVDEC_CLIP
     assert clip.read_bytes() == b"clip"
     argv = runs.workload_argv(cfg, "nvdec", tmp_path / "r.json", 0.0)
     assert argv[argv.index("--clip") + 1] == str(clip)
     assert "--clip" not in runs.workload_argv(cfg, "cuda", tmp_path / "r.json", 0.0)
+    again = config(tmp_path / "round-2")
+    assert gp.prepare_clip(again, pairs, progress) is None
+    assert again.kind_args["nvdec"] == ["--clip", str(clip)] and made.read_text() == "x"  # made once
     custom = config(tmp_path / "custom", "my-decoder --fast")
     assert gp.prepare_clip(custom, pairs, progress) is None and "nvdec" not in custom.kind_args
     assert gp.prepare_clip(config(tmp_path / "none"), gp.parse_pairs("cuda1:1"), progress) is None
+    clip.unlink()
+    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example("broken", "none"))
     broken = config(tmp_path / "broken")
     why = gp.prepare_clip(broken, pairs, progress)
     assert why is not None and why.startswith("making the NVDEC test clip failed (rc 1)") and "no CPU H.264" in why
