@@ -15,9 +15,9 @@
 DIR defaults to bench/results/<date>-<gpu>-<commit>/. A round runs the suite's command(s) once, each with its own
 alone / no-scheduler references where the suite has them; rounds already in DIR/SUITE/summary.json (an earlier call
 with the same --out, on the same commit) are kept and count towards --rounds, so a suite longer than one device call
-runs as several calls. --budget S stops before a round that would end more than S seconds after the start; with
-several suites it is one budget: each suite runs its rounds in turn while they fit, so a fixed slot of GPU time is
-filled by one command.
+runs as several calls. --budget S stops before a round that would end more than S seconds after the start (a round
+as long as the longest one already in DIR/SUITE, else the suite's estimate); with several suites it is one budget:
+each suite runs its rounds in turn while they fit, so a fixed slot of GPU time is filled by one command.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--commit", default=None, metavar="SHA",
                     help="the commit measured, where the tree has no git metadata (a copy on the GPU machine)")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
-                    help="start no round that would end after S seconds from the start (by the suite's estimate; "
-                         "with several suites, one budget for all of them)")
+                    help="start no round that would end after S seconds from the start (a round as long as the longest "
+                         "one already in --out, else the suite's estimate; with several suites, one budget for all)")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
@@ -246,7 +246,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
             "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
     try:
         while len(done) < rounds:
-            if args.budget is not None and time.monotonic() - args.t0 + 60 * suite.round_minutes > args.budget:
+            if args.budget is not None and time.monotonic() - args.t0 + round_seconds(suite, done) > args.budget:
                 print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
                       f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
                 break
@@ -262,6 +262,15 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if not done:  # nothing to report, and no folder to leave behind
         return 0
     return finish(suite, folder, done, meta)
+
+
+def round_seconds(suite: Suite, done: list[dict[str, Any]]) -> float:
+    """How long the next round should take: the longest round this folder holds, else the suite's estimate.
+
+    The estimate is for planning; a round measured on the machine at hand says more, so a budget fits every round
+    it can."""
+    measured = [sum(float(step.get("wall_s") or 0) for step in r.get("steps") or []) for r in done]
+    return max(measured) if measured and max(measured) > 0 else 60 * suite.round_minutes
 
 
 def finish(suite: Suite, folder: Path, done: list[dict[str, Any]], meta: dict[str, Any]) -> int:

@@ -351,7 +351,7 @@ SUITES: tuple[Suite, ...] = (
           rounds=5),
     Suite("online", "ResNet-50 requests (b1, b8) at 20/s beside ResNet-50 training, under `unisched run` (kernel) and "
           "as clients (user), in preemptive mode, against alone runs without the daemon (bench/scenarios.py online)",
-          5.5, True,
+          4, True,
           (Step("online", words("{py} bench/scenarios.py --out {out} --scenarios online --online-batches 1,8 "
                                 "--online-setups kernel,user")),),
           read_online, ONLINE_TARGETS, rounds=5),

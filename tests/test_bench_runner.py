@@ -74,6 +74,16 @@ def test_several_suites_run_in_turn_within_one_budget_and_a_round_that_does_not_
     assert bad.returncode == 2 and "no suite nope" in bad.stderr
 
 
+def test_the_budget_takes_a_round_as_long_as_the_longest_one_measured_else_the_estimate() -> None:
+    """A budget of 540 s fits two online rounds of 233 s once one has run, where the 4-min estimate alone fits one."""
+    run = _bench("run")
+    online = suites.BY_NAME["online"]
+    assert run.round_seconds(online, []) == 60 * online.round_minutes
+    rounds = [{"steps": [{"wall_s": 200.0}, {"wall_s": 33.0}]}, {"steps": [{"wall_s": 190.5}]}]
+    assert run.round_seconds(online, rounds) == 233.0
+    assert run.round_seconds(online, [{"steps": []}]) == 60 * online.round_minutes  # nothing measured: the estimate
+
+
 @pytest.mark.skipif(bool(summary.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
 def test_a_gpu_suite_refuses_clearly_without_a_gpu(tmp_path: Path) -> None:
     got = run_py("hooks", "--out", str(tmp_path))
