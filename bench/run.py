@@ -7,6 +7,7 @@
   python3 bench/run.py SUITE --cpu-standin             where the suite has them: CPU stand-ins, no GPU
   python3 bench/run.py SUITE -- --seconds 20           words after `--` go to every command of a round
   python3 bench/run.py A B --budget 540                several suites one after another, one time budget for all
+  python3 bench/run.py SUITE --rescore --out DIR      judge DIR/SUITE's rounds again by the current targets
   python3 bench/run.py --table                         the README's results table, from the latest summaries
   python3 bench/run.py --update-readme README.md       write that table between the README's markers
   python3 bench/run.py --update-results docs/results.md  write the results page (the table and every verdict of
@@ -164,6 +165,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="start no round that would end after S seconds from the start (a round as long as the longest "
                          "one already in --out, else the suite's estimate; with several suites, one budget for all)")
+    ap.add_argument("--rescore", action="store_true",
+                    help="judge the rounds already in --out/SUITE again by the current targets, running nothing: the "
+                         "rounds stay as measured, and the summary says when and at which commit it was rescored")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
@@ -176,6 +180,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"no suite {', '.join(unknown)} (the suites: {', '.join(s.name for s in SUITES)})")
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.rescore and (args.out is None or not args.suite):
+        ap.error("--rescore needs the suites and the --out folder that holds their rounds")
     if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
         ap.error("name a suite, or --list, --table, --update-readme or --update-results")
     return args, extra
@@ -214,6 +220,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if args.cpu_standin and suite.standin is None:
         print(f"run.py: suite {suite.name} has no CPU stand-ins", file=sys.stderr)
         return 2
+    if args.rescore:
+        return rescore(suite, args.out / suite.name, args.argv)
     steps = suite.standin if args.cpu_standin and suite.standin else suite.steps
     rounds = args.rounds or suite.rounds
     if args.dry_run:
@@ -262,6 +270,25 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if not done:  # nothing to report, and no folder to leave behind
         return 0
     return finish(suite, folder, done, meta)
+
+
+def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
+    """The rounds in folder judged by the suite's current targets: a target's reading can change after a run (the
+    rounds keep every metric), and the record says so rather than passing the new verdicts off as the run's."""
+    before = sm.load(folder)
+    if before is None or not before.get("rounds"):
+        print(f"run.py: {folder} holds no rounds to rescore", file=sys.stderr)
+        return 2
+    meta = {k: v for k, v in before.items() if k in sm.RUN_META}
+    meta["rescored"] = {"command": shlex.join(["python3", "bench/run.py", *argv]), "commit": sm.commit()["commit"],
+                        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
+    result = sm.build(suite, before["rounds"], meta)
+    result["plots"] = sm.plot(folder, result)
+    sm.write(folder, result)
+    print(f"run {suite.name}: rescored {len(before['rounds'])} rounds: {folder / sm.REPORT}", file=sys.stderr)
+    for v in result["verdicts"]:
+        print(f"{v['case']}: {v['target']}: {Verdict(**v).label()}")
+    return 0 if result["passed"] is not False else 1
 
 
 def round_seconds(suite: Suite, done: list[dict[str, Any]]) -> float:

@@ -124,8 +124,9 @@ def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
 
 
 def read_online(folder: Path) -> tuple[Cases, list[str]]:
-    """scenarios.py's online results: per batch and setup, p99 / alone, the top of that ratio's 90% interval and the
-    trainer's rate kept against its own alone run."""
+    """scenarios.py's online results: per batch and setup, p99 / alone, the top of that run's distribution-free
+    90% interval of it (shown, not judged: see ONLINE_TARGETS) and the trainer's rate kept against its own alone
+    run."""
     online = ((_json(step_folder(folder) / "results.json").get("scenarios") or {}).get("online") or {})
     cases: Cases = {}
     for batch, runs in (online.get("batches") or {}).items():
@@ -277,9 +278,14 @@ OVERHEAD_TARGETS = (
 )
 ONLINE_TARGETS = (
     Target("p99", "p99_x_alone", "worst", "<=", 1.05, "online p99 <= 1.05x alone", "x"),
-    Target("p99 interval", "p99_x_top", "worst", "<=", 1.10, "top of the p99 ratio's 90% interval <= 1.10", "x"),
+    Target("p99 interval", "p99_x_alone", "interval", "<=", 1.10,
+           "top of the p99 ratio's 90% interval over the rounds <= 1.10", "x"),
     Target("trainer kept", "trainer_kept", "worst", ">=", 0.85, "the trainer keeps >= 0.85 of its rate alone"),
 )
+"""The interval is the p99 ratio's over the rounds, as the overhead's loss interval is: the spread between runs is
+what one run's point estimate hides. One run's own interval of a p99 (about 280 requests in a 15 s window) reaches
+its slowest request or the one before, so it cannot be held to 1.10 by any scheduler; reports still show it per
+round as p99_x_top."""
 CLOUD_TARGETS = (
     Target("FPS by weight", "weight_error", "worst", "<=", 0.05, "per-instance FPS proportional to weight within 5%",
            "%", 100.0, applies=lambda m: m.get("saturated") is True),

@@ -96,6 +96,10 @@ def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: 
 # ------------------------------------------------------------------------------------------------ summary
 
 
+RUN_META = ("command", "machine", "commit", "dirty", "standin", "date_utc", "raw", "rescored")
+"""A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
+
+
 def build(suite: Suite, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """summary.json's content from the rounds (each: round, steps, cases, notes), verdicts recomputed from all."""
     cases = [r["cases"] for r in rounds]
@@ -142,6 +146,9 @@ def report_md(s: dict[str, Any]) -> str:
              f"Command: `{s['command']}`  ", f"Date (UTC): {s['date_utc']}  ",
              f"Commit: {s['commit']}{' (with uncommitted changes)' if s.get('dirty') else ''}  ",
              f"Machine: {m['host']}; {m['cpu']}, {m['cores']} cores; GPU: {gpu}; kernel {m['kernel']}  ",
+             *([f"Rescored: `{s['rescored']['command']}` on {s['rescored']['date_utc']} UTC at commit "
+                f"{s['rescored']['commit']}: the rounds as measured, the verdicts by that commit's targets  "]
+               if s.get("rescored") else []),
              f"Rounds: {len(s['rounds'])}" + _unsettled(s)
              + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
     if s["targets"]:

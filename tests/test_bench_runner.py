@@ -441,3 +441,40 @@ def test_the_online_suite_reads_what_scenarios_writes(tmp_path: Path) -> None:
     judged = {(v.case, v.target): v.passed for v in verdicts.judge_all(suites.BY_NAME["online"].targets, [cases])}
     assert judged[("b1 unisched kernel", "p99")] is True and judged[("b8 unisched kernel", "p99")] is False
     assert judged[("b1 unisched user", "trainer kept")] is False  # 1250 / 1500 = 0.83 < 0.85
+
+
+def test_the_online_interval_is_the_p99_ratios_over_the_rounds_not_one_runs_order_statistics() -> None:
+    """Steady ratios pass though each run's own interval reaches its slowest request (p99_x_top 2); ratios that
+    spread between rounds fail though every one of them is below 1.10."""
+    targets = suites.BY_NAME["online"].targets
+
+    def judged(ratios: list[float]) -> bool | None:
+        rounds = [{"b1 unisched kernel": {"p99_x_alone": r, "p99_x_top": 2.0, "trainer_kept": 0.95}} for r in ratios]
+        return next(v.passed for v in verdicts.judge_all(targets, rounds) if v.target == "p99 interval")
+
+    assert judged([1.00, 1.02, 1.01, 0.99, 1.03]) is True
+    assert judged([0.70, 0.65, 1.00, 1.07, 1.09]) is False  # the mean's interval tops 1.10
+    assert judged([1.0]) is None  # one round has no interval
+
+
+def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_path: Path) -> None:
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "python3 bench/run.py leases --out X", "machine": summary.machine(), "commit": "c" * 40,
+            "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00", "raw": "raw.tar.xz (1 bytes)"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [{"name": "rtt", "argv": ["x"], "rc": 0, "wall_s": 1.0}],
+           "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.62}}}
+    stale = summary.build(suite, [rnd] * 3, meta)
+    stale["verdicts"], stale["passed"] = [], True  # as judged by targets that no longer stand
+    folder = tmp_path / "leases"
+    summary.write(folder, stale)
+    got = run_py("leases", "--rescore", "--out", str(tmp_path))
+    assert got.returncode == 1, got.stderr  # the current target is missed
+    assert "round trip, 1 tenant: round trip p99: FAIL: 0.62 ms > 0.5 ms" in got.stdout
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["passed"] is False and [r["cases"] for r in s["rounds"]] == [rnd["cases"]] * 3
+    assert {k: s[k] for k in meta} == json.loads(json.dumps(meta))  # the run's own record is kept
+    assert s["rescored"]["command"] == f"python3 bench/run.py leases --rescore --out {tmp_path}"
+    assert "Rescored: `python3 bench/run.py leases --rescore" in (folder / "report.md").read_text()
+    empty = run_py("leases", "--rescore", "--out", str(tmp_path / "none"))
+    assert empty.returncode == 2 and "holds no rounds to rescore" in empty.stderr
+    assert run_py("leases", "--rescore").returncode == 2  # --out is needed
