@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,31 @@ class Stopped(Exception):
     """SIGTERM or SIGINT (a time limit ran out): the step running is ended, what is done is written, then exit."""
 
 
+_held: list[str] | None = None
+"""While held_stops holds: the stop signals that came meanwhile."""
+
+
 def _stop(signum: int, frame: object) -> None:
-    raise Stopped(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    if _held is not None:
+        _held.append(name)
+        return
+    raise Stopped(name)
+
+
+@contextlib.contextmanager
+def held_stops() -> Iterator[None]:
+    """A stop that comes while a child is being started is raised once the runner holds the child: raised inside
+    Popen (after the fork, before it returns) or inside a daemon's start-up, it would leave the child, and all it
+    starts, running on after the runner has gone."""
+    global _held
+    _held = []
+    try:
+        yield
+    finally:
+        came, _held = _held, None
+    if came:
+        raise Stopped(came[0])
 
 
 def has_gpu() -> bool:
@@ -83,30 +107,35 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[s
     """One command, with a fresh daemon when it asks for one; its output to folder/step.log."""
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    daemon, sock, work = None, None, None
-    if step.serve is not None:
-        work = Path(tempfile.mkdtemp(prefix=f"run-{step.name}-"))
-        daemon, sock = start_daemon(work, *step.serve)
-    argv = expand(step, folder, sock, extra)
-    rc: int | None = None
+    daemon: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    work, sock, rc = None, None, None
     try:
+        if step.serve is not None:
+            work = Path(tempfile.mkdtemp(prefix=f"run-{step.name}-"))
+            with held_stops():
+                daemon, sock = start_daemon(work, *step.serve)
+        argv = expand(step, folder, sock, extra)
         with (log_to / f"{step.name}.log").open("wb") as log:
-            # a session of its own: the step and everything it starts end together (end_group), on its time limit
-            # or when the runner is stopped, and no workload is left running into the next step's measurement
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=bench_env(),
-                                    start_new_session=True)
             try:
+                # a session of its own: the step and everything it starts end together (end_group), on its time
+                # limit or when the runner is stopped, and no workload is left running into the next step
+                with held_stops():
+                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=bench_env(),
+                                            start_new_session=True)
                 rc = proc.wait(timeout=step.timeout_s)
             except subprocess.TimeoutExpired:
                 rc = None  # over its time limit: recorded as such, and ended below
             finally:
-                end_group(proc)
+                if proc is not None:
+                    end_group(proc)
     finally:
-        if daemon is not None:
+        if daemon is not None and work is not None:
             daemon.terminate()
             daemon.wait(timeout=30)
-            shutil.copy(work / "daemon.log", log_to / f"{step.name}-daemon.log")  # type: ignore[operator]
-            shutil.rmtree(work, ignore_errors=True)  # type: ignore[arg-type]
+            shutil.copy(work / "daemon.log", log_to / f"{step.name}-daemon.log")
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     return {"name": step.name, "argv": argv, "rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
 
 

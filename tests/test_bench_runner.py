@@ -207,6 +207,30 @@ def test_a_stopped_run_keeps_the_rounds_done_drops_the_one_cut_short_and_leaves_
     assert not (out / "leases" / "raw").exists()
 
 
+def test_a_stop_that_comes_while_a_step_starts_still_ends_the_step(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM delivered inside Popen, after the fork and before it returns (where a test that polls /proc for the
+    step's command line can land it): the runner is stopped, and the step it had just started is ended with it."""
+    run = _bench("run")
+    real = subprocess.Popen
+
+    def popen_then_stopped(*args: Any, **kw: Any) -> Any:
+        proc = real(*args, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before this returns, as inside the real Popen
+        return proc
+
+    monkeypatch.setattr(run.subprocess, "Popen", popen_then_stopped)
+    marker = str(tmp_path / "marker")
+    step = suites.Step("sleep", (sys.executable, "-c", "import sys, time; time.sleep(600)", marker))
+    before = signal.signal(signal.SIGTERM, run._stop)
+    try:
+        with pytest.raises(run.Stopped):
+            run.run_step(step, tmp_path / "out", [], tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert _running_with(marker) == []
+
+
 def target(**kw: Any) -> Any:
     base = {"name": "t", "metric": "x", "stat": "worst", "op": "<=", "limit": 2.0, "text": "x <= 2", "unit": " pts"}
     return verdicts.Target(**{**base, **kw})
@@ -465,16 +489,19 @@ def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_
            "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.62}}}
     stale = summary.build(suite, [rnd] * 3, meta)
     stale["verdicts"], stale["passed"] = [], True  # as judged by targets that no longer stand
-    folder = tmp_path / "leases"
+    out = tmp_path / "2026-01-01-h200-ccccccc"
+    folder = out / "leases"
     summary.write(folder, stale)
-    got = run_py("leases", "--rescore", "--out", str(tmp_path))
+    got = run_py("leases", "--rescore", "--out", str(out))
     assert got.returncode == 1, got.stderr  # the current target is missed
     assert "round trip, 1 tenant: round trip p99: FAIL: 0.62 ms > 0.5 ms" in got.stdout
     s = json.loads((folder / "summary.json").read_text())
     assert s["passed"] is False and [r["cases"] for r in s["rounds"]] == [rnd["cases"]] * 3
     assert {k: s[k] for k in meta} == json.loads(json.dumps(meta))  # the run's own record is kept
-    assert s["rescored"]["command"] == f"python3 bench/run.py leases --rescore --out {tmp_path}"
+    assert s["rescored"]["command"] == f"python3 bench/run.py leases --rescore --out {out}"
     assert "Rescored: `python3 bench/run.py leases --rescore" in (folder / "report.md").read_text()
+    head = summary.commit()["commit"][:7]
+    assert f"Verdicts rescored by the targets of commit {head}" in summary.results_page(tmp_path, link_from=tmp_path)
     empty = run_py("leases", "--rescore", "--out", str(tmp_path / "none"))
     assert empty.returncode == 2 and "holds no rounds to rescore" in empty.stderr
     assert run_py("leases", "--rescore").returncode == 2  # --out is needed
