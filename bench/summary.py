@@ -338,7 +338,9 @@ def results_page(results: Path = RESULTS, link_from: Path = ROOT) -> str:
         gpu = gpu_names(s["machine"]) or "no GPU"
         lines += ["", f"### {suite.name}", "", s["measures"], "",
                   f"Run: [{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)}), {len(s['rounds'])} "
-                  f"rounds, {s['date_utc']} UTC, commit {s['commit']}, {gpu}  ", f"Command: `{s['command']}`", ""]
+                  f"rounds, {s['date_utc']} UTC, commit {s['commit']}, {gpu}  ", f"Command: `{s['command']}`"
+                  + (f"  \nVerdicts rescored by the targets of commit {s['rescored']['commit'][:7]}, "
+                     f"{s['rescored']['date_utc']} UTC" if s.get("rescored") else ""), ""]
         if s["verdicts"]:
             lines += ["| case | target | value | verdict |", "|---|---|---|---|"]
             lines += [f"| {v['case']} | {v['text']} | {_num(v['value'])} | {Verdict(**v).label()} |"
