@@ -52,7 +52,7 @@ def list_suites() -> str:
             else "CPU only"
         out += [f"{s.name}: {s.measures}", f"  about {s.round_minutes:g} min a round on the H200, at least "
                 f"{s.rounds} rounds; {need}"]
-        out += [f"  target: {t.text}" for t in s.targets] or ["  target: none in the issue (reported as measured)"]
+        out += [f"  target: {t.text}" for t in s.targets] or ["  target: none (reported as measured)"]
         out.append("")
     return "\n".join(out)
 

@@ -366,7 +366,7 @@ SUITES: tuple[Suite, ...] = (
           "(examples/cloud_gaming.py); targets where no scheduler saturates", 8.0, True, cloud_steps(),
           read_cloud, CLOUD_TARGETS),
     Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
-          "one after another, co-located with no scheduler and under the daemon at 1:1; no target in the issue. "
+          "one after another, co-located with no scheduler and under the daemon at 1:1; no target set. "
           "One after another, a frame waits in the file for the whole clip, so that end-to-end latency is the clip's",
           2.3, True,
           (Step("sequential", words("{py} examples/ad_sim.py --mode sequential --report {out}/report.json")),

@@ -157,7 +157,7 @@ def report_md(s: dict[str, Any]) -> str:
         lines += [f"| {v['case']} | {v['text']} | {_num(v['value'])} | "
                   f"{Verdict(**v).label()} |" for v in s["verdicts"]]
     else:
-        lines += ["No target in the issue for this suite: the numbers are reported as measured."]
+        lines += ["No target is set for this suite: the numbers are reported as measured."]
     lines += ["", "## Every round", ""]
     for r in s["rounds"]:
         lines += [f"Round {r['round']} ({r['date_utc']}, {sum(st['wall_s'] for st in r['steps']):.0f} s):", "",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """02: a PyTorch training loop under unisched (`with client.step():`), printing images/s and measured share.
 
-Synthetic data, nothing downloaded. --model resnet50 (torchvision, random weights, batch 32, the issue-5
-workload) or --model mlp (plain PyTorch: a deep bf16 MLP, no torchvision needed).
+Synthetic data, nothing downloaded. --model resnet50 (torchvision, random weights, batch 32, the scenario
+programs' workload) or --model mlp (plain PyTorch: a deep bf16 MLP, no torchvision needed).
 
   python3 examples/02_pytorch_training.py --seconds 20                          # alone, no unisched
   python3 examples/02_pytorch_training.py --seconds 20 --tenant train --weight 300

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Driving-simulation pipeline (issue 5, scenario 2): a render tenant feeds a perception tenant through H.264.
+"""Driving-simulation pipeline: a render tenant feeds a perception tenant through H.264.
 
   sim tenant (--role sim)                          perception tenant (--role perception)
     EGL/OpenGL scene shader      GPU graphics        NVDEC H.264 decode (PyAV)   GPU video engine

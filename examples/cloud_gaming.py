@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cloud-gaming density (issue 5, scenario 3): N game-streaming instances on one GPU, each its own process.
+"""Cloud-gaming density: N game-streaming instances on one GPU, each its own process.
 
 Why it looks like this. A cloud-gaming host runs one container per player: each renders its game, reads the
 frame back and encodes it to H.264 for the network, paced to the player's frame rate. What the operator cares
@@ -10,8 +10,9 @@ that grabs more GPU memory than its share) is stopped at its own door instead of
 Roles:
   (default) orchestrator: starts --instances instance processes with one shared measured window (an absolute
             --start-at), waits for them with a deadline, and writes one report. With --unisched-socket each
-            instance is a tenant of the daemon (`unisched run --tenant cg-<i> --weight 100 --engines
-            graphics,encode`, so it has its own cgroup as a container would), and --memory-cap is applied to
+            instance is a tenant of the daemon (`unisched run --tenant cg-<i> --weight W --engines
+            graphics,encode`, so it has its own cgroup as a container would; W is --weight, or with --weights
+            A,B,... the groups' weights round robin, times 100), and --memory-cap is applied to
             every tenant (`unisched set-limit --memory`) as soon as it exists and before the window. Without the
             socket the same instances share the GPU by the driver's own time-slicing.
   --role instance: one player. EGL/OpenGL renders the shader scene of workloads/egl_render.py at WIDTHxHEIGHT

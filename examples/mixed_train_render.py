@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mixed training + FurMark-style render (issue 5, scenario 1): ResNet-50 training (batch 32, synthetic data) next to a
+"""Mixed training + FurMark-style render: ResNet-50 training (batch 32, synthetic data) next to a
 heavy 1920x1080 EGL fragment-shader render, each a cooperative tenant with its own weight, under one daemon.
 
 It is 05_side_by_side.py with 02 (training) and 03 (render) and the weights given as A:B, so the scenario can be

@@ -7,7 +7,7 @@ allowed per window; a tenant over that in `strikes_to_enforce` windows in a row 
 revocations, and freezer enforcement (the freezer) then backs its leases.
 Held time a window's reports did not use is carried into the next window (up to one window): a report of work
 done late in one window can arrive in the next, and on a loaded 2-core machine that delay jitter alone made an
-honest client look over by more than the slack (issue 6's flaky overrun test). An overrunner gains at most that
+honest client look over by more than the slack. An overrunner gains at most that
 one window of credit: a window it overruns leaves none.
 """
 
