@@ -144,7 +144,8 @@ def read_online(folder: Path) -> tuple[Cases, list[str]]:
 def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
     """One size of the cloud sweep: whether the no-scheduler run saturated, how far the players under the daemon are
     from FPS proportional to weight (largest |fps_i / (w_i * sum fps / sum w) - 1|), and the players' 1% low over
-    their mean FPS (median) under the daemon less the same with no scheduler."""
+    their mean FPS (median) under the daemon less the same with no scheduler. Also shown, not judged: the players'
+    CPU over the host's cores in each run, near 1 where the host ran out of CPU before the GPU."""
     per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
     pace = float(alone.get("fps_target") or shared.get("fps_target") or 60.0)
     out: dict[str, Any] = {"fps_no_scheduler": alone.get("fps_mean_all"), "fps_unisched": shared.get("fps_mean_all"),
@@ -161,6 +162,9 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
 
     a, b = lows(per), lows(base)
     out["lows_vs_no_scheduler"] = None if a is None or b is None else a - b
+    for key, run in (("cpu_of_host_no_scheduler", alone), ("cpu_of_host_unisched", shared)):
+        total, cores = run.get("cpu_cores_total"), run.get("host_cores")
+        out[key] = total / cores if isinstance(total, int | float) and cores else None
     return out
 
 

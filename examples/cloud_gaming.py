@@ -33,8 +33,10 @@ keeps rendering, the others should keep their frame rate.
 
 Metrics per instance over the window: fps_mean (frames / window), fps_min (lowest of the 1-second bins),
 fps_1pct_low (1 / the 99th-percentile frame time), frames, encoder, memory_bytes (NVML, this process), stage
-times, a timeline [[t, fps], ...] per 1-second bin. Overall: fairness_min_over_max, fps_mean_all, the daemon's
-view of the tenants after the window (`unisched tenants --json`: memory, over_memory, refusals) and a hog summary.
+times, cpu_cores (this player's CPU over the window, in cores), a timeline [[t, fps], ...] per 1-second bin.
+Overall: fairness_min_over_max, fps_mean_all, cpu_cores_total against host_cores (a CPU-bound host shows here), the
+daemon's view of the tenants after the window (`unisched tenants --json`: memory, over_memory, refusals) and a hog
+summary.
 The exit status is non-zero when an instance failed or had to be killed at the deadline (its log tail is in the
 report's errors).
 """
@@ -155,6 +157,29 @@ def next_slot(slot: int, now: float, t0: float, period: float) -> int:
 class Paced:
     completions: list[float] = field(default_factory=list)  # wall time of every completed frame up to the end
     skipped_slots: int = 0  # frame slots inside the window that no frame started in
+
+
+@dataclass
+class CpuMeter:
+    """This player's CPU time (every thread of it, the software encoder's too) over the frames in its window, in
+    cores. With the host's cores it tells a CPU-bound host from a GPU-bound one: where the players need more cores
+    than there are, no GPU scheduler can make their frame rates follow the weights."""
+
+    start_at: float
+    cpu: Callable[[], float] = time.process_time
+    first: tuple[float, float] | None = None  # (wall, CPU seconds) at the first frame done in the window
+    last: tuple[float, float] | None = None
+
+    def on_frame(self, now: float) -> None:
+        if now >= self.start_at:
+            mark = (now, self.cpu())
+            self.first = self.first or mark
+            self.last = mark
+
+    def cores(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
 
 def paced_loop(step: Callable[[], object], start_at: float, end_at: float, t0: float, period: float,
@@ -433,13 +458,20 @@ def run_instance(args: argparse.Namespace, process_start: float) -> int:
         pipeline = StreamPipeline(renderer, encoder)
         nvml = OwnGpuMemory()
         hog = Hog(args, ctx, renderer, start_at, nvml) if args.hog_mib else None
-        paced = paced_loop(pipeline.step, start_at, end_at, t0, period, hog.tick if hog else None)
+        meter = CpuMeter(start_at)
+
+        def on_frame(now: float) -> None:
+            meter.on_frame(now)
+            if hog is not None:
+                hog.tick(now)
+
+        paced = paced_loop(pipeline.step, start_at, end_at, t0, period, on_frame)
         encoder.close()
         memory = nvml.read()
         hog_report = hog.finish() if hog is not None else None
         nvml.close()
         info = renderer.info()
-    done = paced.completions
+    done, cores = paced.completions, meter.cores()
     window_start = start_at if done and done[0] < start_at else (done[0] if done else start_at)
     stats = frame_stats(done, window_start, end_at)
     in_window = [s for t, s in zip(done, pipeline.stages, strict=False) if window_start < t]
@@ -450,6 +482,7 @@ def run_instance(args: argparse.Namespace, process_start: float) -> int:
         "fps_target": args.fps, "width": args.width, "height": args.height, "iterations": renderer.iterations,
         "encoder": encoder.name, "encoders_not_opened": encoder.not_opened, "encoded_bytes": encoder.bytes_out,
         "memory_bytes": memory, "skipped_slots": paced.skipped_slots, "stage_ms": stage_ms,
+        "cpu_cores": None if cores is None else round(cores, 3),
         "window": {"start_at": start_at, "end_at": end_at, "window_start": window_start,
                    "late_s": round(window_start - start_at, 3)},
         "egl_display": ctx.display.source, "gl_context": f"{ctx.version[0]}.{ctx.version[1]} core",
@@ -747,7 +780,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         entry: dict[str, Any] = {
             "index": c.index, "tenant": c.tenant, "rc": rc, "weight": weight_of(args, c.index),
             **{k: got.get(k) for k in ("pid", "fps_mean", "fps_min", "fps_1pct_low", "frame_time_p99_ms", "frames",
-                                       "encoder", "skipped_slots", "stage_ms", "timeline")},
+                                       "encoder", "skipped_slots", "stage_ms", "cpu_cores", "timeline")},
             "late_s": (got.get("window") or {}).get("late_s"),
             "memory_bytes": got.get("memory_bytes") or (row or {}).get("memory_bytes"),
             "over_memory": (row or {}).get("over_memory"),
@@ -779,6 +812,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         "per_instance": per, "fairness_min_over_max": fairness(fps),
         "fairness_without_hog": fairness(others) if args.hog_mib else None,
         "fps_mean_all": sum(fps) / len(fps) if fps else None, "fps_total": sum(fps),
+        "cpu_cores_total": cpu_total(per), "host_cores": os.cpu_count(),
         "hog": hog_summary(args, per, reports, polls, others),
         "tenants": [t for t in final or [] if t.get("name") in {c.tenant for c in children}],
         "daemon_timeline": polls, "errors": errors, "command": [sys.executable, *sys.argv],
@@ -786,6 +820,12 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
     }
     write_json(args.report, summary)
     return summary
+
+
+def cpu_total(per: list[dict[str, Any]]) -> float | None:
+    """The players' CPU over the window, in cores (None where none measured it)."""
+    got = [float(e["cpu_cores"]) for e in per if isinstance(e.get("cpu_cores"), int | float)]
+    return round(sum(got), 3) if got else None
 
 
 def cap_bytes(memory_cap: str | None) -> int | None:

@@ -285,7 +285,7 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     def player(w: int, fps: float, low: float) -> dict[str, Any]:
         return {"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": low}
 
-    shared = {"fps_target": 60, "fps_mean_all": 20.0,
+    shared = {"fps_target": 60, "fps_mean_all": 20.0, "cpu_cores_total": 6.0, "host_cores": 16,
               "per_instance": [player(1, 10, 8), player(2, 21, 16), player(4, 40, 30)]}
     alone = {"fps_target": 60, "fps_mean_all": 40.0, "per_instance": [player(1, 40, 36)] * 3}
     m = suites.cloud_metrics(shared, alone)
@@ -293,6 +293,7 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     # k = 71 / 700 per unit of weight; worst |fps / (w k) - 1| is the weight-2 player: 21 / 20.29 - 1
     assert m["weight_error"] == pytest.approx(21 / (200 * 71 / 700) - 1)
     assert m["lows_vs_no_scheduler"] == pytest.approx(0.7619 - 0.9, abs=1e-4)  # median of 0.8, 0.762, 0.75 vs 0.9
+    assert m["cpu_of_host_unisched"] == 6.0 / 16 and m["cpu_of_host_no_scheduler"] is None  # that run measured none
 
 
 def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_difference(

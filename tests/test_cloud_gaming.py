@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -169,6 +170,21 @@ def test_on_frame_sees_every_completion() -> None:
 # ------------------------------------------------------------------------------------ orchestrator argv
 
 
+def test_the_cpu_meter_counts_only_frames_in_the_window() -> None:
+    """CPU seconds over wall seconds between the first and last frame done in the window; a warm-up frame before it
+    counts for nothing, and fewer than two frames in it measure nothing."""
+    cpu = iter([5.0, 5.5, 6.5])
+    meter = cg.CpuMeter(start_at=100.0, cpu=lambda: next(cpu))
+    meter.on_frame(99.0)  # warm-up: not read
+    assert meter.cores() is None
+    meter.on_frame(100.0)
+    assert meter.cores() is None  # one frame: no span yet
+    meter.on_frame(101.0)
+    meter.on_frame(102.0)
+    assert meter.cores() == pytest.approx((6.5 - 5.0) / 2.0)
+    assert cg.cpu_total([{"cpu_cores": 0.5}, {"cpu_cores": None}, {}]) == 0.5 and cg.cpu_total([{}]) is None
+
+
 def test_run_and_set_limit_command_lines_parse_with_the_unisched_cli() -> None:
     from unisched.cli.parser import build_parser
 
@@ -219,7 +235,8 @@ def test_bad_orchestrator_arguments_are_refused(bad: list[str]) -> None:
 FAKE = ("import json, sys\n"
         "fps = float(sys.argv[2])\n"
         "json.dump({'pid': 1, 'fps_mean': fps, 'fps_min': fps - 1, 'fps_1pct_low': fps - 2, 'frames': 3,\n"
-        "           'encoder': 'fake264', 'timeline': [[0.0, fps]], 'window': {'late_s': 0.0}}, open(sys.argv[1], 'w'))\n")
+        "           'encoder': 'fake264', 'timeline': [[0.0, fps]], 'window': {'late_s': 0.0}, 'cpu_cores': fps / 100},\n"
+        "          open(sys.argv[1], 'w'))\n")
 
 
 def run_orchestrator(tmp_path: Path, players: list[list[str]], *extra: str) -> tuple[int, dict, float]:  # type: ignore[type-arg]
@@ -240,6 +257,7 @@ def test_orchestrator_collects_reports_and_scores_fairness(tmp_path: Path) -> No
     assert r["fairness_min_over_max"] == pytest.approx(0.5)
     assert r["fps_mean_all"] == pytest.approx(45.0)
     assert r["encoder"] == "fake264" and r["unisched"] is False and r["hog"] is None and r["errors"] == []
+    assert r["cpu_cores_total"] == pytest.approx(0.9) and r["host_cores"] == os.cpu_count()  # 0.6 + 0.3 cores
 
 
 def test_a_failed_instance_fails_the_run_with_its_log_tail(tmp_path: Path) -> None:
@@ -284,7 +302,8 @@ def test_two_players_without_a_scheduler(tmp_path: Path) -> None:
     for e in r["per_instance"]:
         assert e.keys() >= INSTANCE_KEYS
         assert e["fps_mean"] > 0 and e["frames"] > 0 and e["encoder"] and e["fps_1pct_low"] > 0
-    assert 0 < r["fairness_min_over_max"] <= 1
+        assert 0 < e["cpu_cores"] < 2  # one player: its render loop and one encoder thread
+    assert 0 < r["fairness_min_over_max"] <= 1 and 0 < r["cpu_cores_total"] <= r["host_cores"]
 
 
 @pytest.mark.gpu
