@@ -37,6 +37,10 @@ CLOUD_SIZES = (12, 24, 36, 48)
 """Instances per cloud-gaming run, in weight groups 1:2:4 (multiples of 3): 16 at 60 FPS did not saturate the H200
 with no scheduler, so the sweep starts below and goes well past it."""
 CLOUD_WEIGHTS = "1,2,4"
+CLOUD_WARMUP_S = "20"
+"""The cloud runs' warm-up: every player of a run starts inside it (Python, PyAV, an EGL context and, under the
+daemon, `unisched run` and the session hooks), up to 48 of them on the host's cores at once; the example's own
+5 s is for a few players, and a player whose first frame comes over 0.5 s into the window counts as an error."""
 CLOUD_SATURATED = 0.95
 """A cloud run with no scheduler saturates the GPU when its players' mean FPS is below this fraction of their pace."""
 
@@ -311,8 +315,8 @@ PAIRS = "cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1
 def cloud_steps() -> tuple[Step, ...]:
     steps: list[Step] = []
     for n in CLOUD_SIZES:
-        common = f"{{py}} examples/cloud_gaming.py --instances {n} --weights {CLOUD_WEIGHTS} --out {{out}}/players " \
-                 "--report {out}/report.json"
+        common = f"{{py}} examples/cloud_gaming.py --instances {n} --weights {CLOUD_WEIGHTS} --warmup {CLOUD_WARMUP_S} " \
+                 "--out {out}/players --report {out}/report.json"
         steps.append(Step(f"no-scheduler-{n}", words(common)))
         steps.append(Step(f"unisched-{n}", (*words(common), "--unisched-socket", "{socket}"), serve=()))
     return tuple(steps)
