@@ -438,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 time: every run takes about warmup + seconds (+ ~3 s), runs under unisched --unisched-warmup + seconds
 (+ ~6 s with the daemon); runs = workload kinds alone + kind pairs with no scheduler + weighted pairs
 under unisched. Defaults: 2 + 3 runs of ~28 s and 5 of ~41 s plus render calibration: estimated 355 s
-(about 6 minutes; the H200 run of 2026-11-30 took 264 s of its 305 s estimate). The plan and estimate are
+(about 6 minutes). The plan and estimate are
 printed first (--dry-run prints only that).
 
 calibration (--calibrate-out DIR): the no-scheduler cuda+render run (needs a mixed pair) also writes

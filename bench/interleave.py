@@ -45,9 +45,8 @@ class Alternation:
     guard_s: float
     until_s: float | None = None
     """Where the pauses ended (the final resume, seconds into the window), when before the window's end: nothing
-    after it counts for either phase. Runs recorded without `resumed_at_s` (the first ones, 2026-12-02 calls b and c)
-    resumed the trainer right after the last switch, so a last pause of theirs ran it: from_json finds that from
-    the number of switches."""
+    after it counts for either phase. Runs recorded without `resumed_at_s` resumed the trainer right after the last
+    switch, so a last pause of theirs ran it: from_json finds that from the number of switches."""
 
     def __post_init__(self) -> None:
         if self.period_s <= 0 or self.seconds <= 0:

@@ -1,11 +1,9 @@
 #!/usr/bin/env python3
 """Score committed gpu_pairs runs again from their raw reports, with the scoring as it is now.
 
-Why: until 2026-12-01 (fourth session) a pair whose tenant started late was scored over the nominal window, so
-the partner that ran alone meanwhile was credited with its solo rate for that part. On the H200 the trainer of
-every no-scheduler trainer + render run started 4-7 s into a 12 s window: the render 'kept' 0.93 where it keeps
-0.88, and lease enforcement's mixed 1:1 run (trainer 4.6 s late) read 0.43 / 0.67. gpu_pairs now scores such a pair
-over the seconds both ran (scoring.common_window); this applies it to results already committed, without a GPU.
+Why: results committed before gpu_pairs scored a pair over the seconds both tenants ran (scoring.common_window)
+scored a pair whose tenant started late over the nominal window, crediting the partner that ran alone meanwhile
+with its solo rate for that part. This applies the scoring of the checkout to such results, without a GPU.
 
 For each folder (a gpu_pairs --out, or one with round-K/ folders) it reads results.json, rebuilds the runs,
 derives every pair again, recomputes the contention calibration where the runs allow, and writes rescored.md and

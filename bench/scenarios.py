@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The field scenarios of issue 5 on the real GPU, under no scheduler, MPS where it applies, and unisched.
+"""The field scenarios on the real GPU, under no scheduler, MPS where it applies, and unisched.
 
 Why one harness: users judge unisched against what they would use instead, on their own kind of load. Each
 scenario runs its real programs (examples/) under every setup that applies, in one invocation, and the
@@ -9,7 +9,7 @@ plots/*.png (each tenant's share over time; normalized throughput against the we
 Scenarios (--scenarios, comma separated; default all):
   mixed     ResNet-50 training (batch 32) + a heavy 1920x1080 EGL fragment-shader render at 1:1, 3:1, 1:3:
             alone, no scheduler, unisched freezer enforcement and lease enforcement (bench/gpu_pairs.py does the runs);
-            also each alone under unisched (scenario 5, overhead).
+            also each alone under unisched (overhead).
   online    ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online) next to ResNet-50
             training (offline): alone, no scheduler, MPS (trainer at 30% active threads), unisched kernel
             and lease enforcement in preemptive mode (and, by name, MPS with the trainer's client priority below
@@ -85,29 +85,19 @@ ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "
                  "mps-alone": "online alone, MPS client"}
 """--online-setups names -> the setups beside the two solo runs (alone-online, alone-offline), which always run."""
 DEFAULT_ONLINE_SETUPS = ("no-scheduler", "mps", "kernel", "user")
-"""mps-priority is a probe, asked for by name: the trainer as an MPS client of priority below normal
-(CUDA_MPS_CLIENT_PRIORITY=1) with no thread cap. Why: a request that meets a trainer step shares the GPU with it
-under time slicing or leases alike (a b32 step is ~25 ms of queued work; a request ~6 ms); only the SM dispatcher
-can put a request first. Drivers without client priorities ignore the variable, which the run then shows as MPS
-uncapped; the MPS server's log is kept with the run. user-points, also by name: lease enforcement with the trainer
-pausing inside its steps (examples/02 --pause-every PAUSE_EVERY), so a revoked step leaves a part of it, not its
-rest, beside the request. user-mps, by name: lease enforcement with both tenants MPS clients and the trainer below
-normal, as mps-priority (leases for the weights, the dispatcher for the request's place: on 12-01 lease enforcement
-kept the trainer but missed the p99 by the GPU's time slicing, 1.20-1.28x; mps-priority read 1.03x and 1.14x in two
-single rounds). user-mps-cap, by name: user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of the SMs,
-so a request always finds SMs free of the trainer's queued step (MPS capped at 30% read 0.94x with the trainer
-keeping 0.69-1.12 of its solo rate; user-mps 1.14x with 0.99). user-mps-daemon: the same settings made by the
-product, not the harness, with offline tenants on 30% of the SMs (the daemon's default until 12-02): `unisched serve
---mps` starts MPS and each tenant's processes join it as clients of their class (unisched.policy.mps; cooperative
-clients take the settings at registration). user-mps-points: `serve --mps --mps-offline-sm-percent 100` with the
-trainer pausing inside its steps (user-points): the leases, not an SM cap, keep the trainer off the GPU while a
-request runs, and MPS's dispatcher puts the request's kernels before the trainer's last part (under time slicing,
-user-points kept 0.64 and read 1.20x). user-mps-daemon-N (N = 50, 60, 70, 80, 90): serve --mps with offline tenants
-on N% of the SMs: beside a b128 trainer (12-02) 30% kept the request at 0.96x p50 but the trainer at 0.50 of its
-solo rate; 70% (the daemon's default since) kept the trainer at 0.83-0.87 with the request's p99 1.047x pooled over
-five runs. mps-alone, a reference, not a shared setup: the online tenant alone as the only client of an MPS server,
-so the part of a request's time that MPS itself adds is told apart from what the trainer beside it adds (MPS setups
-read p50 1.09-1.10x alone on 12-01, which caps how close any of them can come at p99)."""
+"""The setups beyond DEFAULT_ONLINE_SETUPS are probes, run only when named. They exist because a request that meets
+a trainer step shares the GPU with it under time slicing and leases alike (a b32 step is ~25 ms of queued work, a
+request ~6 ms): only MPS's SM dispatcher can put a request's kernels first.
+  mps-priority       the trainer an MPS client of priority below normal (CUDA_MPS_CLIENT_PRIORITY=1), no thread cap;
+                     drivers without client priorities ignore it (the MPS server's log is kept with the run)
+  user-points        lease enforcement with the trainer pausing inside its steps (examples/02 --pause-every
+                     PAUSE_EVERY), so a revoked step leaves a part of it, not its rest, beside the request
+  user-mps           lease enforcement with both tenants MPS clients and the trainer below normal
+  user-mps-cap       user-mps with the trainer also capped at USER_MPS_TRAINER_PERCENT of the SMs
+  user-mps-daemon    the same made by the product: `unisched serve --mps`, offline tenants on 30% of the SMs
+  user-mps-points    `serve --mps --mps-offline-sm-percent 100` with the trainer pausing inside its steps
+  user-mps-daemon-N  serve --mps with offline tenants on N% of the SMs (N = 50, 60, 70, 80, 90)
+  mps-alone          a reference: the online tenant alone as the only client of an MPS server, what MPS itself adds"""
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
@@ -135,7 +125,7 @@ class Options:
     """Online scenario: rounds of all its setups (each with its own solo runs); medians and ranges are reported."""
     online_setups: tuple[str, ...] = tuple(ONLINE_SETUPS[n] for n in DEFAULT_ONLINE_SETUPS)
     offline_batch: int = 32
-    """Online scenario: the trainer's batch (32, the issue's; 128 keeps the GPU busy: steps of GPU work, not launches)."""
+    """Online scenario: the trainer's batch (32, the examples'; 128 keeps the GPU busy: steps of GPU work, not launches)."""
     solo_seconds: float = 0.0
     """Online scenario: the two solo runs' window (0: --seconds). Interleaved runs are their own reference for the
     latency; the solo trainer run only gives the kept fraction, which needs far fewer seconds than a p99."""
@@ -430,7 +420,7 @@ DAEMON_SM_PERCENT = {ONLINE_SETUPS["user-mps-daemon"]: 30, ONLINE_SETUPS["user-m
                      **{label: int(name.rsplit("-", 1)[1]) for name, label in ONLINE_SETUPS.items()
                         if re.fullmatch(r"user-mps-daemon-\d+", name)}}
 """The setups that run `unisched serve --mps`, each with its --mps-offline-sm-percent, always given: user-mps-daemon
-keeps the 30% that was the daemon's default when its committed runs were made (the default is 70 since 12-02)."""
+keeps 30% of the SMs for offline tenants, so that its runs compare with those made so (the daemon's default is 70)."""
 
 
 def serve_args_for(setup: str) -> tuple[str, ...]:
@@ -1142,7 +1132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "normal, no thread cap; user-points: lease enforcement, the trainer pausing inside steps; "
                          "user-mps: lease enforcement with mps-priority's MPS; user-mps-cap: user-mps with the trainer capped at "
                          f"{USER_MPS_TRAINER_PERCENT}%% of the SMs; user-mps-daemon: unisched serve --mps, "
-                         "offline tenants on 30%% of the SMs (its default until 12-02); "
+                         "offline tenants on 30%% of the SMs; "
                          "user-mps-points: serve --mps with no cap and the trainer pausing inside steps; "
                          "user-mps-daemon-N: serve --mps with offline tenants on N%% of the SMs; mps-alone: "
                          "the online tenant alone as an MPS client, a reference); "

@@ -65,9 +65,9 @@ OVERLAP_EFFICIENCY_TOLERANCE = 0.05
 OVERLAP_KEPT = TUNING.overlap_kept  # the daemon's thresholds (unisched.policy.tuning), never a copy
 MIX_SUM = TUNING.mix_sum
 """A tenant of a shared run whose first completion came this much after its partner's first: the pair is scored
-over the part of the window where both ran (common_window). On the H200 the trainer of every no-scheduler
-trainer + render run of 12-01 started 4-7 s into a 12 s window, and the render, alone meanwhile, was credited
-with 35 frame/s for that part: its 'kept' read 0.93 where it kept 0.88 beside the running trainer."""
+over the part of the window where both ran (common_window). Otherwise the partner that ran alone meanwhile is
+credited with its solo rate for that part: a ResNet-50 trainer can start seconds into a short window on the H200,
+which lifts a render's 'kept' by several points."""
 SEPARATE_GRAPHICS = "separate-graphics"
 PARTIAL_OVERLAP = "partial-overlap"
 SHARED_SM = "shared-sm"
