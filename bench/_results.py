@@ -54,3 +54,11 @@ def write(out: Path, res: Mapping[str, Any], md: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_json(out / "results.json", res)
     write_atomic(out / "results.md", md)
+
+
+def save_plot(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,33 +1,16 @@
 #!/usr/bin/env python3
-"""The field scenarios on the real GPU, under no scheduler, MPS where it applies, and unisched.
+"""The online scenario on the real GPU: ResNet-50 requests beside ResNet-50 training, under every setup that applies.
 
-Why one harness: users judge unisched against what they would use instead, on their own kind of load. Each
-scenario runs its real programs (examples/) under every setup that applies, in one invocation, and the
-results go to one folder: results.json (raw reports and derived numbers), results.md (the tables) and
-plots/*.png (each tenant's share over time; normalized throughput against the weights; latencies).
+ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online, examples/online_offline.py) next to
+ResNet-50 training (offline, examples/02_pytorch_training.py): each alone, then side by side with no scheduler, MPS
+(the trainer at 30% of the SMs), and unisched in preemptive mode under `unisched run` (kernel) and as clients (user);
+batch 1, and batch 8 where contention bites harder. The online suite of bench/run.py runs it (kernel and user) once
+per round. Results go to one folder: results.json (raw reports and derived numbers), results.md (the tables) and
+plots/*.png (latencies). Batch sizes run in separate invocations into the same --out add up in results.json.
 
-Scenarios (--scenarios, comma separated; default all):
-  mixed     ResNet-50 training (batch 32) + a heavy 1920x1080 EGL fragment-shader render at 1:1, 3:1, 1:3:
-            alone, no scheduler, unisched freezer enforcement and lease enforcement (bench/gpu_pairs.py does the runs);
-            also each alone under unisched (overhead).
-  online    ResNet-50 fp16 inference at --rate req/s with Poisson arrivals (online) next to ResNet-50
-            training (offline): alone, no scheduler, MPS (trainer at 30% active threads), unisched kernel
-            and lease enforcement in preemptive mode (and, by name, MPS with the trainer's client priority below
-            normal); batch 1, and batch 8 where contention bites harder.
-  ad_sim    render -> encode -> decode (NVDEC) -> perception (examples/ad_sim.py): the two stages one
-            after another, co-located with no scheduler, and co-located under unisched at 1:1.
-  cloud     N render + encode instances, each its own tenant with a memory cap (examples/cloud_gaming.py):
-            N = 1, 4, 8, 16 under unisched, 16 with no scheduler, and 4 with one instance over its cap.
-
-A run of every scenario takes about 25 minutes on the H200; a device call allows 10, so the session script
-runs it as several invocations into the same --out: results.json is merged (a scenario run again replaces
-its earlier entry; for online, per batch size) and results.md and the plots are rebuilt from all of it each time.
-
-  python3 bench/scenarios.py --out bench/results/$(date -u +%F)-h200/scenarios
   python3 bench/scenarios.py --out /tmp/s --scenarios online --seconds 10 --dry-run
+  python3 bench/scenarios.py --out DIR --scenarios online --online-batches 1,8 --online-setups kernel,user
   python3 bench/scenarios.py --out DIR --replot          # rebuild results.md and plots from results.json
-  python3 bench/scenarios.py --out DIR --scenarios online --online-batches 1 --online-setups kernel,user \
-      --repeat 2 --seconds 45                            # the online target with requests enough to tell
 
 Online rounds (--repeat): medians of each round's ratios (each against its own solo runs), and each setup's
 requests pooled over the rounds into one p99 with its 90% interval (results.md: "Pooled").
@@ -39,13 +22,11 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
-import itertools
 import json
 import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -57,24 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
-from _results import save_json, write_atomic
+from _results import save_json, save_plot, write_atomic
 from _window import latency_summary, percentile
 from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
 from pairs_report import fmt
-from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_group, tail
+from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_group
 
-from unisched.calibrate.runs import kill_group
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
 
 ROOT = gp.ROOT
 EX = ROOT / "examples"
 
-SCENARIOS = ("mixed", "online", "ad_sim", "cloud")
-MIXED_PAIRS = "mixed1:1,mixed3:1,mixed1:3"
+SCENARIOS = ("online",)
 TRAIN_CMD = f"python3 {EX / '02_pytorch_training.py'} --model resnet50"  # batch 32: the example's default
-RENDER_CMD = f"python3 {EX / '03_egl_render.py'}"
-RENDER_ITERATIONS = 447  # ~36 FPS alone on the H200 (gpu_pairs calibration)
 ONLINE_SETUPS = {"no-scheduler": "no scheduler", "mps": "MPS", "mps-priority": "MPS, trainer below normal",
                  "kernel": "unisched kernel", "user": "unisched user",
                  "user-points": "unisched user, trainer pausing", "user-mps": "unisched user, MPS, trainer below normal",
@@ -101,7 +78,6 @@ request ~6 ms): only MPS's SM dispatcher can put a request's kernels first.
 PAUSE_EVERY = 8  # weight layers: ResNet-50 has 54, so ~7 points forward and ~7 backward, parts of ~2 ms at b32
 ONLINE_P99_TARGET = 1.05  # x alone
 OFFLINE_KEPT_TARGET = 0.80  # of solo
-CLOUD_SIZES = (1, 4, 8, 16)
 MPS_TRAINER_PERCENT = 30
 INTERLEAVE_GUARD_S = 0.1
 """With --interleave: requests this close to a switch count for neither phase (interleave.py)."""
@@ -117,7 +93,6 @@ class Options:
     slice_ms: float
     rate: float
     online_batches: tuple[int, ...]
-    memory_cap: str
     work_dir: Path
     max_total: float
     dry_run: bool
@@ -135,19 +110,6 @@ class Options:
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def run_logged(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int | None:
-    """Run a child to completion with its output in `log`; None when it had to be killed at the timeout."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env=env or pair_env())
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            return None
 
 
 def pair_env() -> dict[str, str]:
@@ -189,7 +151,7 @@ def mps_log_tail(work: Path, limit: int = 4000) -> dict[str, str]:
 
 
 class Harness:
-    """Runs the scenarios, keeps results.json current after every step, and shows progress."""
+    """Runs the scenario, keeps results.json current after every step, and shows progress."""
 
     def __init__(self, opts: Options, scenarios: list[str]) -> None:
         self.opts = opts
@@ -206,8 +168,7 @@ class Harness:
 
     def step_count(self) -> int:
         online = (2 + len(self.opts.online_setups)) * len(self.opts.online_batches) * self.opts.repeat
-        per = {"mixed": 2, "online": online, "ad_sim": 3, "cloud": len(CLOUD_SIZES) + 2}
-        return sum(per[s] for s in self.scenarios)
+        return online if "online" in self.scenarios else 0
 
     def config(self, engine: str = "kernel") -> Config:
         o = self.opts
@@ -229,34 +190,7 @@ class Harness:
         self.opts.out.mkdir(parents=True, exist_ok=True)
         save_json(self.opts.out / "results.json", self.results)
 
-    # --------------------------------------------------------------------------------- scenario 1 (+5)
-
-    def mixed(self) -> dict[str, Any]:
-        """Delegates the runs to gpu_pairs (its alone/no-scheduler/unisched protocol), once per engine."""
-        data: dict[str, Any] = {"engines": {}}
-        for engine in ("kernel", "user"):
-            out = self.opts.out / f"mixed-{engine}"
-            budget = min(540.0, self.time_left())
-            argv = [sys.executable, str(ROOT / "bench" / "gpu_pairs.py"), "--out", str(out), "--pairs", MIXED_PAIRS,
-                    "--workload-cmd-cuda", TRAIN_CMD, "--workload-cmd-render", RENDER_CMD,
-                    "--render-iterations", str(RENDER_ITERATIONS), "--overhead", "--engine", engine,
-                    "--seconds", f"{self.opts.seconds:g}", "--warmup", f"{self.opts.warmup:g}",
-                    "--unisched-warmup", f"{self.opts.unisched_warmup:g}", "--slice-ms", f"{self.opts.slice_ms:g}",
-                    "--max-total", f"{budget - 30:g}"]
-            self.progress.step(f"mixed: {engine} engine (bench/gpu_pairs.py, up to {budget:.0f} s)")
-            if self.opts.dry_run:
-                self.progress.note("  " + shlex.join(argv))
-                continue
-            rc = run_logged(argv, self.opts.work_dir / f"mixed-{engine}.log", budget)
-            found = read_json(out / "results.json")
-            data["engines"][engine] = {"rc": rc, "argv": argv, "results": found}
-            self.save("mixed", data)
-            for p in (found or {}).get("pairs", []):
-                us = p.get("unisched") or {}
-                self.progress.note(f"  -> {p['pair']}: unisched {fmt_pair(us)}")
-        return data
-
-    # ----------------------------------------------------------------------------------- scenario 4
+    # ----------------------------------------------------------------------------------- online
 
     def online(self) -> dict[str, Any]:
         data: dict[str, Any] = {"rate": self.opts.rate, "batches": {}}
@@ -344,75 +278,6 @@ class Harness:
                 group.extra["mps_log"] = mps_log_tail(cfg.work_dir / label)
         return group.to_json()
 
-    # ----------------------------------------------------------------------------------- scenario 2
-
-    def ad_sim(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"runs": {}}
-        plans = {"sequential": ["--mode", "sequential"], "co-located, no scheduler": ["--mode", "colocated"],
-                 "co-located, unisched 1:1": ["--mode", "colocated", "--weights", "1:1"]}
-        for setup, args in plans.items():
-            self.progress.step(f"ad_sim: {setup}")
-            if self.opts.dry_run:
-                continue
-            data["runs"][setup] = self.example_run("ad_sim", setup, args, daemon="unisched" in setup)
-            self.save("ad_sim", data)
-            self.progress.note(f"  -> {ad_sim_line(data['runs'][setup])}")
-        return data
-
-    # ----------------------------------------------------------------------------------- scenario 3
-
-    def cloud(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"memory_cap": self.opts.memory_cap, "runs": {}}
-        plans: dict[str, tuple[list[str], bool]] = {}
-        for n in CLOUD_SIZES:
-            plans[f"N={n}, unisched"] = (["--instances", str(n), "--memory-cap", self.opts.memory_cap], True)
-        plans[f"N={CLOUD_SIZES[-1]}, no scheduler"] = (["--instances", str(CLOUD_SIZES[-1])], False)
-        plans["N=4, unisched, instance 0 over its cap"] = (
-            ["--instances", "4", "--memory-cap", self.opts.memory_cap, "--hog-instance", "0", "--hog-mib",
-             str(2 * parse_mib(self.opts.memory_cap))], True)
-        for setup, (args, daemon) in plans.items():
-            self.progress.step(f"cloud: {setup}")
-            if self.opts.dry_run:
-                continue
-            data["runs"][setup] = self.example_run("cloud_gaming", setup, args, daemon=daemon)
-            self.save("cloud", data)
-            self.progress.note(f"  -> {cloud_line(data['runs'][setup])}")
-        return data
-
-    def example_run(self, name: str, setup: str, args: list[str], daemon: bool) -> dict[str, Any]:
-        """One run of an orchestrating example (it starts its own tenants), under a fresh daemon if asked."""
-        cfg = self.config()
-        label = f"{name}-{setup}".replace(" ", "_").replace(",", "").replace(":", "-").replace("=", "")
-        report = cfg.work_dir / f"{label}.json"
-        report.unlink(missing_ok=True)
-        argv = [sys.executable, str(EX / f"{name}.py"), *args, "--seconds", f"{self.opts.seconds:g}",
-                "--warmup", f"{self.opts.unisched_warmup if daemon else self.opts.warmup:g}", "--report", str(report)]
-        timeout = 4 * (self.opts.seconds + self.opts.unisched_warmup) + 60
-        if self.time_left() < timeout / 2:
-            return {"error": "skipped: would overrun --max-total", "argv": argv}
-        d: Daemon | None = None
-        info: dict[str, Any] = {}
-        try:
-            if daemon:
-                d = Daemon(cfg, label)
-                d.start()
-                argv += ["--unisched-socket", str(d.socket)]
-            rc = run_logged(argv, cfg.work_dir / f"{label}.log", timeout)
-        except DaemonError as e:
-            return {"error": f"daemon: {e}", "argv": argv}
-        finally:
-            if d is not None:
-                d.stop()
-                info = d.info
-        out = {"argv": argv, "rc": rc, "report": read_json(report), "log_tail": tail(cfg.work_dir / f"{label}.log")}
-        if info:
-            out["daemon"] = {k: v for k, v in info.items() if k != "log_tail"}
-            out["daemon_log_tail"] = info.get("log_tail", "")
-        if rc != 0:
-            out["error"] = "killed at its timeout" if rc is None else f"exit status {rc}"
-        return out
-
-
 # ------------------------------------------------------------------------------------ derived numbers
 
 
@@ -428,15 +293,6 @@ def serve_args_for(setup: str) -> tuple[str, ...]:
     if setup not in DAEMON_SM_PERCENT:
         return ("--mode", "preemptive")
     return ("--mode", "preemptive", "--mps", "--mps-offline-sm-percent", str(DAEMON_SM_PERCENT[setup]))
-
-
-def parse_mib(size: str) -> int:
-    """'2GiB' / '512MiB' -> MiB."""
-    units = {"GiB": 1024, "MiB": 1, "G": 1024, "M": 1}
-    for unit, mult in units.items():
-        if size.endswith(unit):
-            return int(float(size[: -len(unit)]) * mult)
-    raise ValueError(f"size {size!r}: use a number followed by GiB or MiB")
 
 
 def tenant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
@@ -675,14 +531,6 @@ def combine_online(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def fmt_pair(us: dict[str, Any]) -> str:
-    if not us:
-        return "n/a"
-    n = us.get("normalized") or [None, None]
-    return (f"normalized {fmt(n[0])} / {fmt(n[1])}, error {fmt(us.get('error_pts'), 1)} pts, "
-            f"sum {fmt(us.get('efficiency'))}")
-
-
 def online_line(run: dict[str, Any]) -> str:
     if run.get("error"):
         return f"FAILED: {run['error'][:200]}"
@@ -705,24 +553,6 @@ def online_line(run: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def ad_sim_line(run: dict[str, Any]) -> str:
-    r = run.get("report") or {}
-    if not r:
-        return f"FAILED: {run.get('error')}"
-    e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
-    return (f"{fmt(r.get('fps_end_to_end'), 1)} frames/s end to end, p50 {fmt(e2e.get('p50'), 1)} ms, "
-            f"GPU util {fmt(r.get('gpu_util_mean'), 0)}%")
-
-
-def cloud_line(run: dict[str, Any]) -> str:
-    r = run.get("report") or {}
-    if not r:
-        return f"FAILED: {run.get('error')}"
-    fps = [i.get("fps_mean") or 0.0 for i in r.get("per_instance", [])]
-    return (f"{len(fps)} instances, FPS mean {fmt(sum(fps) / len(fps) if fps else None, 1)}, min "
-            f"{fmt(min(fps) if fps else None, 1)}, fairness {fmt(r.get('fairness_min_over_max'))}")
-
-
 # ------------------------------------------------------------------------------------------- output
 
 
@@ -731,44 +561,13 @@ def markdown(results: dict[str, Any]) -> str:
     meta = results.get("meta", {})
     lines = [f"# Scenarios on {meta.get('gpu', '?')}", ""]
     sc = results.get("scenarios", {})
-    if "mixed" in sc:
-        lines += mixed_md(sc["mixed"])
     if "online" in sc:
         lines += online_md(sc["online"])
-    if "ad_sim" in sc:
-        lines += ad_sim_md(sc["ad_sim"])
-    if "cloud" in sc:
-        lines += cloud_md(sc["cloud"])
     return "\n".join(lines) + "\n"
 
 
 def provenance(data: dict[str, Any]) -> list[str]:
     return [f"`{data.get('command', '?')}` ({data.get('date_utc', '?')} UTC)", ""]
-
-
-def mixed_md(data: dict[str, Any]) -> list[str]:
-    lines = ["## 1. Mixed training + render (ResNet-50 b32 + EGL 1920x1080)", "", *provenance(data),
-             "| engine | weights | no scheduler (norm A / B, err, sum) | unisched (norm A / B, err, sum) | verdict |",
-             "|---|---|---|---|---|"]
-    overhead: list[str] = []
-    for engine, e in data.get("engines", {}).items():
-        res = e.get("results") or {}
-        for p in res.get("pairs", []):
-            ns, us = p.get("no_scheduler") or {}, p.get("unisched") or {}
-            verdict = (us.get("verdict") or {}).get("label", "n/a")
-            w = f"{p['weights'][0]:g}:{p['weights'][1]:g}"
-            lines.append(f"| {engine} | {w} | {fmt_pair(ns)} | {fmt_pair(us)} | {verdict} |")
-        for kind, o in (res.get("overhead") or {}).items():
-            loss = o.get("loss")
-            overhead.append(f"- {engine} engine, {kind} alone: {fmt(o.get('alone'), 1)} -> "
-                            f"{fmt(o.get('alone_under_unisched'), 1)} under unisched "
-                            f"(loss {'n/a' if loss is None else f'{100 * loss:.1f}%'}; target <= 2%)")
-        solo = (res.get("pairs") or [{}])[0].get("solo")
-        if solo:
-            lines.append(f"| {engine} | alone | ResNet-50 {fmt(solo[0], 1)} img/s, render {fmt(solo[1], 1)} FPS | | |")
-    if overhead:
-        lines += ["", "5. Overhead (one tenant alone):", *overhead]
-    return [*lines, ""]
 
 
 def online_md(data: dict[str, Any]) -> list[str]:
@@ -865,43 +664,6 @@ def fmt_ranged(s: dict[str, Any], key: str) -> str:
     return fmt(s.get(key)) + (f" [{fmt(rng[0])}-{fmt(rng[1])}]" if rng else "")
 
 
-def ad_sim_md(data: dict[str, Any]) -> list[str]:
-    lines = ["## 2. Driving-simulation pipeline (render -> encode -> NVDEC decode -> perception)", "",
-             *provenance(data),
-             "| setup | frames/s end to end | e2e p50 ms | e2e p99 ms | GPU util % | NVDEC util % | encoder |",
-             "|---|---|---|---|---|---|---|"]
-    for setup, run in data.get("runs", {}).items():
-        r = run.get("report") or {}
-        e2e = (r.get("latency_ms") or {}).get("end_to_end") or {}
-        lines.append(f"| {setup} | {fmt(r.get('fps_end_to_end'), 1)} | {fmt(e2e.get('p50'), 1)} | "
-                     f"{fmt(e2e.get('p99'), 1)} | {fmt(r.get('gpu_util_mean'), 0)} | "
-                     f"{fmt(r.get('decoder_util_mean'), 0)} | {r.get('encoder', run.get('error', 'n/a'))} |")
-    return [*lines, ""]
-
-
-def cloud_md(data: dict[str, Any]) -> list[str]:
-    lines = [f"## 3. Cloud-gaming density (render + encode per instance, memory cap {data.get('memory_cap')})", "",
-             *provenance(data),
-             "| setup | FPS mean | FPS min (1 s) | 1% low | fairness min/max | refusals / over cap |",
-             "|---|---|---|---|---|---|"]
-    for setup, run in data.get("runs", {}).items():
-        r = run.get("report") or {}
-        inst = r.get("per_instance") or []
-        if not inst:
-            lines.append(f"| {setup} | n/a | | | | {run.get('error', '')} |")
-            continue
-        mean = sum(i.get("fps_mean") or 0 for i in inst) / len(inst)
-        fmin = min(i.get("fps_min") or 0 for i in inst)
-        low = min(i.get("fps_1pct_low") or 0 for i in inst)
-        over = [t.get("name") for t in r.get("tenants") or [] if t.get("over_memory")]
-        hog = r.get("hog") or {}
-        note = ", ".join(filter(None, [f"over cap: {', '.join(over)}" if over else "",
-                                       f"hog: {hog.get('refused_error') or hog.get('summary') or ''}" if hog else ""]))
-        lines.append(f"| {setup} | {mean:.1f} | {fmin:.1f} | {low:.1f} | {fmt(r.get('fairness_min_over_max'))} | "
-                     f"{note} |")
-    return [*lines, ""]
-
-
 # -------------------------------------------------------------------------------------------- plots
 
 
@@ -917,94 +679,9 @@ def plots(results: dict[str, Any], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
     sc = results.get("scenarios", {})
-    for engine, e in (sc.get("mixed") or {}).get("engines", {}).items():
-        res = e.get("results") or {}
-        made += mixed_plots(plt, res, engine, folder)
     if "online" in sc:
         made += online_plot(plt, sc["online"], folder)
         made += online_interleaved_plot(plt, sc["online"], folder)
-    if "cloud" in sc:
-        made += cloud_plot(plt, sc["cloud"], folder)
-    return made
-
-
-def save_plot(plt: Any, fig: Any, path: Path) -> Path:
-    """Lay out, write (PNG, 110 dpi) and close a figure."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def share_series(reports: list[dict[str, Any] | None], solo: list[float | None], step: float = 1.0
-                 ) -> tuple[list[float], list[list[float]]]:
-    """Each tenant's share of the summed normalized throughput, per `step` seconds, from the report timelines."""
-    rates: list[dict[int, float]] = []
-    for rep, base in zip(reports, solo, strict=True):
-        tl = ((rep or {}).get("window") or {}).get("timeline") or []
-        bins: dict[int, float] = {}
-        for (t0, n0), (t1, n1) in itertools.pairwise(tl):
-            if t1 > t0 and base:
-                bins[int(t1 // step)] = bins.get(int(t1 // step), 0.0) + (n1 - n0) / base
-        rates.append(bins)
-    keys = sorted(set().union(*rates)) if rates else []
-    times = [k * step for k in keys]
-    shares_: list[list[float]] = [[] for _ in rates]
-    for k in keys:
-        total = sum(r.get(k, 0.0) for r in rates)
-        for i, r in enumerate(rates):
-            shares_[i].append(r.get(k, 0.0) / total if total else 0.0)
-    return times, shares_
-
-
-def mixed_plots(plt: Any, res: dict[str, Any], engine: str, folder: Path,
-                what: str = "ResNet-50 training + EGL render", names: tuple[str, str] = ("training", "render")
-                ) -> list[Path]:
-    """From a gpu_pairs results.json: normalized throughput against the weights, and each unisched run's shares
-    over time (`what` and `names` say which workloads the pair ran)."""
-    made: list[Path] = []
-    pairs = res.get("pairs") or []
-    if pairs:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        labels: list[tuple[float, str]] = []
-        xs = 0.0
-        for p in pairs:
-            w = p["weights"]
-            want = scoring.shares(w)
-            for setup in ("no_scheduler", "unisched"):
-                s = p.get(setup) or {}
-                n = s.get("normalized")
-                if not n:
-                    continue
-                ax.bar([xs, xs + 0.4], n, width=0.4, color=["tab:blue", "tab:orange"])
-                ax.plot([xs - 0.2, xs + 0.6], [want[0] * s.get("efficiency", 1)] * 2, "k--", lw=0.8)
-                labels.append((xs + 0.2, f"{w[0]:g}:{w[1]:g}\n{'none' if setup == 'no_scheduler' else 'unisched'}"))
-                xs += 1.2
-        ax.set_xticks([x for x, _ in labels], [lab for _, lab in labels], fontsize=8)
-        ax.set_ylabel(f"normalized throughput (blue: {names[0]}, orange: {names[1]})")
-        ax.set_title(f"{what}, {engine} engine (dashed: {names[0]}'s weighted share of the sum)")
-        made.append(save_plot(plt, fig, folder / f"mixed-{engine}-normalized.png"))
-    for key, run in (res.get("unisched") or {}).items():
-        tenants = run.get("tenants") or []
-        if len(tenants) != 2:
-            continue
-        pair = next((p for p in pairs if p["pair"] == key), None)
-        if pair is None:
-            continue
-        times, sh = share_series([t.get("report") for t in tenants], pair["solo"])
-        if not times:
-            continue
-        want = scoring.shares(pair["weights"])
-        fig, ax = plt.subplots(figsize=(7, 3))
-        for (name, series), target in zip(zip(names, sh, strict=True), want, strict=True):
-            line = ax.plot(times, series, label=f"{name} (target {target:.2f})")[0]
-            ax.axhline(target, color=line.get_color(), ls="--", lw=0.8)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("seconds into the window")
-        ax.set_ylabel("share of normalized throughput")
-        ax.set_title(f"{key}, {engine} engine: share over time")
-        ax.legend(fontsize=8)
-        made.append(save_plot(plt, fig, folder / f"mixed-{engine}-{re.sub(r'[^A-Za-z0-9]+', '-', key)}-share.png"))
     return made
 
 
@@ -1065,32 +742,10 @@ def online_interleaved_plot(plt: Any, data: dict[str, Any], folder: Path) -> lis
     return made
 
 
-def cloud_plot(plt: Any, data: dict[str, Any], folder: Path) -> list[Path]:
-    runs = [(k, (v.get("report") or {}).get("per_instance") or []) for k, v in data.get("runs", {}).items()]
-    runs = [(k, i) for k, i in runs if i]
-    if not runs:
-        return []
-    fig, ax = plt.subplots(figsize=(9, 3.5))
-    x = 0.0
-    ticks = []
-    for setup, inst in runs:
-        fps = [i.get("fps_mean") or 0 for i in inst]
-        ax.bar([x + j * 0.8 / len(fps) for j in range(len(fps))], fps, width=0.8 / len(fps))
-        ticks.append((x + 0.4, setup.replace(", ", "\n")))
-        x += 1.2
-    ax.set_xticks([t for t, _ in ticks], [lab for _, lab in ticks], fontsize=7)
-    ax.set_ylabel("FPS per instance")
-    ax.set_title("cloud gaming: per-instance FPS")
-    return [save_plot(plt, fig, folder / "cloud-fps.png")]
-
-
 def summary(results: dict[str, Any]) -> str:
     """One screen: the headline number of each scenario present."""
     sc = results.get("scenarios", {})
     out = [f"scenarios on {results.get('meta', {}).get('gpu', '?')}:"]
-    for engine, e in (sc.get("mixed") or {}).get("engines", {}).items():
-        for p in (e.get("results") or {}).get("pairs", []):
-            out.append(f"  mixed {engine:6} {p['pair']:10} {fmt_pair(p.get('unisched') or {})}")
     for batch, runs in (sc.get("online") or {}).get("batches", {}).items():
         derived = runs.get("derived") or {}
         pooled = (derived.get("pooled") or {}).get("setups") or {}
@@ -1099,10 +754,6 @@ def summary(results: dict[str, Any]) -> str:
             more = f"; pooled p99 x{fmt(q.get('p99_x_alone'))} of {q['n']} requests: {q['resolution']}" if q else ""
             out.append(f"  online b{batch} {setup:16} p99 x{fmt(s.get('p99_x_alone'))}, offline kept "
                        f"{fmt(s.get('offline_kept'))}{more}")
-    for setup, run in (sc.get("ad_sim") or {}).get("runs", {}).items():
-        out.append(f"  ad_sim {setup:26} {ad_sim_line(run)}")
-    for setup, run in (sc.get("cloud") or {}).get("runs", {}).items():
-        out.append(f"  cloud {setup:38} {cloud_line(run)}")
     return "\n".join(out)
 
 
@@ -1116,7 +767,8 @@ def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="results folder (results.json is merged into)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma separated of {', '.join(SCENARIOS)}")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS),
+                    help="online, the one scenario (the option stays so that recorded command lines run as they are)")
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window per run (default 15)")
     ap.add_argument("--warmup", type=float, default=8.0, help="warm-up before the window, no scheduler (default 8)")
     ap.add_argument("--unisched-warmup", type=float, default=15.0, help="warm-up under unisched (default 15)")
@@ -1149,7 +801,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--solo-seconds", type=float, default=0.0, metavar="S",
                     help="online scenario: the solo runs' window (default 0: --seconds); with --interleave the shared "
                          "runs carry their own latency reference, and the solo trainer needs less time for its rate")
-    ap.add_argument("--memory-cap", default="4GiB", help="cloud instances' GPU memory cap (default 4GiB)")
     ap.add_argument("--max-total", type=float, default=570.0,
                     help="skip steps that would end later than this many seconds after the start (default 570: one "
                          "device call)")
@@ -1180,10 +831,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_list = tuple(int(b) for b in args.online_batches.split(","))
     except ValueError:
         ap.error("--online-batches: comma-separated integers, e.g. 1,8")
-    try:
-        parse_mib(args.memory_cap)
-    except ValueError as e:
-        ap.error(f"--memory-cap: {e}")
     return args
 
 
@@ -1203,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="scenarios-"))
     opts = Options(out=args.out, seconds=args.seconds, warmup=args.warmup, unisched_warmup=args.unisched_warmup,
                    slice_ms=args.slice_ms, rate=args.rate, online_batches=args.batch_list,
-                   memory_cap=args.memory_cap, work_dir=work,
+                   work_dir=work,
                    max_total=args.max_total, dry_run=args.dry_run, repeat=args.repeat,
                    online_setups=args.online_setup_list, interleave_s=args.interleave, solo_seconds=args.solo_seconds,
                    offline_batch=args.offline_batch)

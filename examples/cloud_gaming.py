@@ -948,7 +948,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fps", type=float, default=60.0, help="target frame rate; 0 = uncapped (default 60)")
     g.add_argument("--iterations", type=int, default=30,
                    help="shader rounds per pixel, the GPU cost of a frame (default 30: about 0.8 ms at 1280x720 on "
-                        "the H200, scaled from the calibrated 447 rounds = 27 ms at 1920x1080 (bench/scenarios.py), "
+                        "the H200, scaled from the calibrated 447 rounds = 27 ms at 1920x1080 (bench/suites.py), "
                         "so 16 players at 60 fps would keep its few graphics SMs about 75%% busy)")
     g.add_argument("--encoder", default="auto",
                    help="auto (h264_nvenc where it opens, else libx264, else libopenh264) or a PyAV encoder name")

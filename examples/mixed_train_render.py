@@ -3,7 +3,7 @@
 heavy 1920x1080 EGL fragment-shader render, each a cooperative tenant with its own weight, under one daemon.
 
 It is 05_side_by_side.py with 02 (training) and 03 (render) and the weights given as A:B, so the scenario can be
-run by hand; bench/scenarios.py runs it (with freezer enforcement as well) and scores it. A daemon must be serving
+run by hand (bench/run.py's overlap suite measures the same pair under unisched run). A daemon must be serving
 on --socket. Without the daemon, run the two examples by hand to see the driver's own time-slicing.
 
   unisched serve &
