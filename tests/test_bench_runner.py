@@ -115,10 +115,14 @@ def test_pairs_with_cpu_standins_writes_every_round_and_computed_verdicts(tmp_pa
     m = rnd["cases"]["cuda+cuda 3:1"]
     assert m["alone_a"] > 0 and m["no_scheduler_sum"] > 0 and isinstance(m["guarantee"], bool)
     by = {v["target"]: v for v in s["verdicts"]}
-    assert set(by) == {"error, median round", "error, worst round", "sum", "guarantee"}
-    assert by["sum"]["passed"] is (m["sum"] >= 0.98) and by["sum"]["value"] == pytest.approx(m["sum"])
-    assert by["error, worst round"]["passed"] is (m["error_pts"] <= 2.0)
     assert by["guarantee"]["passed"] is m["guarantee"]
+    if m["contending"] is not False:  # as two saturating tenants on one CPU do
+        assert set(by) == {"error, median round", "error, worst round", "sum", "guarantee"}
+        assert by["sum"]["passed"] is (m["sum"] >= 0.98) and by["sum"]["value"] == pytest.approx(m["sum"])
+        assert by["error, worst round"]["passed"] is (m["error_pts"] <= 2.0)
+    else:  # on a machine loaded enough, the round's references can read the pair as not contending (sum >= 1.1)
+        assert set(by) == {"sum vs no scheduler", "guarantee"}
+        assert by["sum vs no scheduler"]["value"] == pytest.approx(m["sum"] - m["no_scheduler_sum"])
     assert s["passed"] is None and s["rounds_least"] == 3  # 1 round of the 3 pairs needs: nothing settled yet
     assert "Rounds: 1 of the 3 the suite needs: not settled until then" in (folder / "report.md").read_text()
     assert s["stats"]["cuda+cuda 3:1"]["sum"]["median"] == pytest.approx(m["sum"])
