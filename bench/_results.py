@@ -16,10 +16,15 @@ from pathlib import Path
 from typing import Any
 
 
+def utc_now() -> str:
+    """Now, in UTC, as every results file writes its dates."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def run_info() -> dict[str, Any]:
     """The command as run from the project root, the UTC date, the host, its CPUs and Python."""
     return {"command": f"python3 bench/{Path(sys.argv[0]).name} " + shlex.join(sys.argv[1:]),
-            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(),
+            "date_utc": utc_now(), "host": socket.gethostname(),
             "cpus": os.cpu_count(), "python": platform.python_version()}
 
 

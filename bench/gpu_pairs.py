@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import os
 import re
 import shlex
@@ -40,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
-from _results import save_json, write_atomic
+from _results import save_json, utc_now, write_atomic
 from pairs_report import combine_rounds, fmt, fmt_tp, render_markdown, render_rounds_markdown, save
 from pairs_runs import (
     LOG_TAIL_CHARS,
@@ -642,7 +641,7 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
     pairs: list[Pair] = args.pair_list
     unisched_on = not args.no_unisched
     results: dict[str, Any] = {
-        "meta": {"command": command, "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "meta": {"command": command, "date_utc": utc_now(),
                  "gpu": gpu_name(), "hostname": socket.gethostname(), "python": sys.version.split()[0],
                  "seconds": cfg.seconds, "warmup": cfg.warmup, "unisched_warmup": cfg.unisched_warmup,
                  "slice_ms": cfg.slice_ms, "engine": cfg.engine,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
 import shlex
 import shutil
@@ -41,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import summary as sm
 from _daemon import ROOT, bench_env, start_daemon
+from _results import utc_now
 from suites import BY_NAME, SUITES, Step, Suite
 from verdicts import Verdict
 
@@ -167,7 +167,7 @@ def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra
     if raw.exists():
         shutil.rmtree(raw)  # a round cut short earlier: it is run again whole
     raw.mkdir(parents=True)
-    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    date = utc_now()
     ran = []
     for step in steps:
         print(f"run {suite.name}: round {k}: {step.name}", file=sys.stderr, flush=True)
@@ -280,7 +280,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     existed = folder.exists()
     sm.unpack_raw(folder)
     meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
-            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
+            "date_utc": utc_now()}
     try:
         while len(done) < rounds:
             if args.budget is not None and time.monotonic() - args.t0 + round_seconds(suite, done) > args.budget:
@@ -310,14 +310,8 @@ def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
         return 2
     meta = {k: v for k, v in before.items() if k in sm.RUN_META}
     meta["rescored"] = {"command": shlex.join(["python3", "bench/run.py", *argv]), "commit": sm.commit()["commit"],
-                        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")}
-    result = sm.build(suite, before["rounds"], meta)
-    result["plots"] = sm.plot(folder, result)
-    sm.write(folder, result)
-    print(f"run {suite.name}: rescored {len(before['rounds'])} rounds: {folder / sm.REPORT}", file=sys.stderr)
-    for v in result["verdicts"]:
-        print(f"{v['case']}: {v['target']}: {Verdict(**v).label()}")
-    return 0 if result["passed"] is not False else 1
+                        "date_utc": utc_now()}
+    return publish(suite, folder, sm.build(suite, before["rounds"], meta), f"rescored {len(before['rounds'])} rounds: ")
 
 
 def round_seconds(suite: Suite, done: list[dict[str, Any]]) -> float:
@@ -336,9 +330,15 @@ def finish(suite: Suite, folder: Path, done: list[dict[str, Any]], meta: dict[st
         shutil.rmtree(raw_round)  # a round cut short: not part of the record
     result = sm.build(suite, done, meta)
     result["raw"] = sm.archive_raw(folder)
+    return publish(suite, folder, result, "")
+
+
+def publish(suite: Suite, folder: Path, result: dict[str, Any], what: str) -> int:
+    """A summary's plots and files written (`what` heads the line naming its report), its verdicts printed; the exit
+    status says whether a target was missed."""
     result["plots"] = sm.plot(folder, result)
     sm.write(folder, result)
-    print(f"run {suite.name}: {folder / sm.REPORT}", file=sys.stderr)
+    print(f"run {suite.name}: {what}{folder / sm.REPORT}", file=sys.stderr)
     for v in result["verdicts"]:
         print(f"{v['case']}: {v['target']}: {Verdict(**v).label()}")
     return 0 if result["passed"] is not False else 1

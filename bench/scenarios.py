@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime as dt
 import json
 import os
 import re
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
 import scoring
-from _results import save_json, save_plot, write_atomic
+from _results import save_json, save_plot, utc_now, write_atomic
 from _window import latency_summary, percentile
 from interleave import PAUSED, RUNNING, Alternation, Block, paired_bootstrap, period_pairs, running_rate, split_latencies
 from pairs_report import fmt
@@ -161,7 +160,7 @@ class Harness:
         self.results.setdefault("scenarios", {})
         self.results["meta"] = {
             "command": "python3 bench/scenarios.py " + shlex.join(sys.argv[1:]),
-            "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S"), "gpu": gp.gpu_name(),
+            "date_utc": utc_now(), "gpu": gp.gpu_name(),
             "seconds": opts.seconds, "warmup": opts.warmup, "unisched_warmup": opts.unisched_warmup,
             "slice_ms": opts.slice_ms,
         }
