@@ -39,490 +39,41 @@ daemon's view of the tenants after the window (`unisched tenants --json`: memory
 summary.
 The exit status is non-zero when an instance failed or had to be killed at the deadline (its log tail is in the
 report's errors).
+
+Where the parts live (examples/workloads/): the player and the probe in _cloud_player.py, its pacing and frame-rate
+figures in _pacing.py, the orchestrator's calls to the daemon in _cloud_daemon.py, starting and stopping the
+children in _children.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import itertools
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from fractions import Fraction
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the daemon's NVML telemetry, size parser
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the size parser of --memory-cap
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
-from _window import add_window_args, fail, percentile, plan_window, write_json
-from egl_render import EGLUnavailable, GLContext, Renderer, create_context, gl_context
+from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv, stop_group
+from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, refusal_delta
+from _cloud_player import open_encoder, run_instance, run_probe
+from _pacing import fairness
+from _window import add_window_args, fail, write_json
+from egl_render import EGLUnavailable
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 SCENARIO = "cloud_gaming"
-ENCODERS_AUTO = ("h264_nvenc", "libx264", "libopenh264")  # GPU encoder first; CPU ones where it does not open
-ENCODER_OPTIONS: dict[str, dict[str, str]] = {
-    "h264_nvenc": {"preset": "p1", "tune": "ull", "zerolatency": "1"},
-    "libx264": {"preset": "ultrafast", "tune": "zerolatency"},
-}
-BUFFER_CHUNK = 256 << 20  # the hog's GL buffers: several moderate ones rather than one huge allocation
-LOG_TAIL_CHARS = 3000
-PROBE_TIMEOUT_S = 30.0
-SOFTWARE_ONLY = "only a software EGL device opened"
 LATE_S = 0.5  # an instance whose first frame came later than this into the window did not share it
 
 
-# ----------------------------------------------------------------------------------------- metrics (pure)
-
-
-
-
-@dataclass(frozen=True)
-class FrameStats:
-    """What a player saw over one window."""
-
-    frames: int
-    seconds: float
-    fps_mean: float
-    fps_min: float
-    fps_1pct_low: float | None  # None with fewer than two frames
-    frame_time_p99_ms: float | None
-    timeline: list[list[float]]  # [[seconds since the window start, fps in that bin], ...]
-
-
-def frame_stats(completions: Sequence[float], start: float, end: float, bin_s: float = 1.0) -> FrameStats:
-    """Frame-rate figures from frame completion times (seconds), counting those in (start, end].
-
-    fps_min is the lowest full `bin_s` bin (a window shorter than one bin is one bin): a mean hides a frozen second.
-    The 1% low is the frame rate of the 99th-percentile frame time; each counted frame's time is the gap since
-    the previous completion, the one before the window included, so a stall across the start still counts; the
-    frame still in progress at the end counts with the time it has taken so far, so a stall at the end counts too.
-    """
-    seconds = max(0.0, end - start)
-    times = sorted(completions)
-    inside = [t for t in times if start < t <= end]
-    width = bin_s if seconds >= bin_s else max(seconds, 1e-9)
-    nbins = max(1, int(seconds / width + 1e-9))
-    counts = [0] * nbins
-    for t in inside:
-        k = int((t - start) / width)
-        if k < nbins:
-            counts[k] += 1
-    timeline = [[round(k * width, 3), round(c / width, 3)] for k, c in enumerate(counts)]
-    gaps = [b - a for a, b in itertools.pairwise(times) if start < b <= end]
-    done = [t for t in times if t <= end]
-    gaps.append(end - max(done[-1], start) if done else seconds)
-    p99 = percentile(gaps, 99) if gaps else None
-    return FrameStats(
-        frames=len(inside), seconds=seconds, fps_mean=len(inside) / seconds if seconds > 0 else 0.0,
-        fps_min=min(c / width for c in counts), fps_1pct_low=1.0 / p99 if p99 else None,
-        frame_time_p99_ms=round(1000.0 * p99, 3) if p99 is not None else None, timeline=timeline)
-
-
-def fairness(fps: Sequence[float]) -> float | None:
-    """Lowest / highest mean FPS: 1.0 when every player gets the same frame rate; 0 when one got nothing."""
-    if not fps:
-        return None
-    top = max(fps)
-    return min(fps) / top if top > 0 else 0.0
-
-
-# ------------------------------------------------------------------------------------------- pacing (pure)
-
-
-def first_slot(t0: float, period: float, now: float) -> int:
-    """The first frame slot (slot k starts at t0 + k * period) that has not begun yet."""
-    return math.ceil((now - t0) / period)
-
-
-def next_slot(slot: int, now: float, t0: float, period: float) -> int:
-    """The slot the next frame belongs to, given the current one's slot and its completion time `now`.
-
-    On time: the next slot (sleep until it begins). Late by less than a period: still the next slot, whose start
-    has passed, so the frame starts at once. Later than that: the slot under way now (missed ones are skipped, not
-    caught up in a burst). Deadlines are always t0 + k * period, so sleeping and overruns never make the pace drift.
-    """
-    return max(slot + 1, math.floor((now - t0) / period))
-
-
-@dataclass
-class Paced:
-    completions: list[float] = field(default_factory=list)  # wall time of every completed frame up to the end
-    skipped_slots: int = 0  # frame slots inside the window that no frame started in
-
-
-@dataclass
-class CpuMeter:
-    """This player's CPU time (every thread of it, the software encoder's too) over the frames in its window, in
-    cores. With the host's cores it tells a CPU-bound host from a GPU-bound one: where the players need more cores
-    than there are, no GPU scheduler can make their frame rates follow the weights."""
-
-    start_at: float
-    cpu: Callable[[], float] = time.process_time
-    first: tuple[float, float] | None = None  # (wall, CPU seconds) at the first frame done in the window
-    last: tuple[float, float] | None = None
-
-    def on_frame(self, now: float) -> None:
-        if now >= self.start_at:
-            mark = (now, self.cpu())
-            self.first = self.first or mark
-            self.last = mark
-
-    def cores(self) -> float | None:
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
-            return None
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
-
-
-def paced_loop(step: Callable[[], object], start_at: float, end_at: float, t0: float, period: float,
-               on_frame: Callable[[float], None] | None = None, clock: Callable[[], float] = time.time,
-               sleep: Callable[[float], None] = time.sleep) -> Paced:
-    """Run `step` (one whole frame) until end_at, one frame per slot when period > 0, as fast as it goes otherwise.
-
-    The clock and sleep are parameters so the pacing can be tested without a GPU and without waiting.
-    """
-    out = Paced()
-    slot = first_slot(t0, period, clock()) if period > 0 else 0
-    while True:
-        if period > 0:
-            due = t0 + slot * period
-            if due > end_at:
-                break
-            wait = due - clock()
-            if wait > 0:
-                sleep(wait)
-        step()
-        now = clock()
-        if now > end_at:
-            break
-        out.completions.append(now)
-        if on_frame is not None:
-            on_frame(now)
-        if period > 0:
-            following = next_slot(slot, now, t0, period)
-            if now >= start_at:
-                out.skipped_slots += following - slot - 1
-            slot = following
-    return out
-
-
-# ----------------------------------------------------------------------------------------- the instance
-
-
-@dataclass
-class Encoder:
-    """One H.264 encoder (PyAV) fed RGBA frames; it converts them to yuv420p itself."""
-
-    name: str
-    ctx: Any
-    not_opened: list[str]  # "encoder: why" for each one tried before this one
-    frames: int = 0
-    bytes_out: int = 0
-
-    def encode(self, rgba: Any) -> None:
-        import av
-
-        frame = av.VideoFrame.from_ndarray(rgba, format="rgba")
-        frame.pts = self.frames
-        self.frames += 1
-        self.bytes_out += sum(p.size for p in self.ctx.encode(frame))
-
-    def close(self) -> None:
-        self.bytes_out += sum(p.size for p in self.ctx.encode(None))
-
-
-def open_encoder(choice: str, width: int, height: int, fps: float) -> Encoder:
-    """The first encoder of the choice ('auto': h264_nvenc, then libx264, libopenh264) that opens."""
-    import av
-
-    names = ENCODERS_AUTO if choice == "auto" else (choice,)
-    rate = Fraction(fps if fps > 0 else 60).limit_denominator(1001)
-    errors: list[str] = []
-    for name in names:
-        try:
-            ctx: Any = av.CodecContext.create(name, "w")
-            ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"
-            ctx.framerate, ctx.time_base = rate, 1 / rate
-            ctx.thread_count = 1  # one encode thread per player: density is also a CPU budget
-            ctx.max_b_frames = 0  # streaming: every frame in gives its packet out at once, nothing held back
-            ctx.options = dict(ENCODER_OPTIONS.get(name, {}))
-            ctx.open()
-        except Exception as e:  # not in this build, or (h264_nvenc on the H200) no NVENC engine to open
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        return Encoder(name, ctx, errors)
-    raise RuntimeError("no H.264 encoder opened (" + "; ".join(errors) + ")")
-
-
-class StreamPipeline:
-    """Render -> read back -> encode, one whole frame per step(), with the time each stage took."""
-
-    def __init__(self, renderer: Renderer, encoder: Encoder) -> None:
-        import numpy as np
-
-        self.renderer, self.encoder = renderer, encoder
-        self.pixels = np.empty((renderer.height, renderer.width, 4), dtype=np.uint8)
-        self.stages: list[tuple[float, float, float]] = []
-
-    def step(self) -> int:
-        gl = self.renderer.gl
-        t0 = time.perf_counter()
-        self.renderer.step()  # draw + glFinish
-        t1 = time.perf_counter()
-        # Bottom-up rows, as GL stores them: the stream is upside down, which costs the encoder nothing.
-        gl.glReadPixels(0, 0, self.renderer.width, self.renderer.height, gl.GL_RGBA, gl.GL_UNSIGNED_BYTE, self.pixels)
-        t2 = time.perf_counter()
-        self.encoder.encode(self.pixels)
-        self.stages.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        return 1
-
-
-class OwnGpuMemory:
-    """GPU memory NVML lists for this process (graphics and compute lists, as the daemon's memory cap reads them).
-
-    Opened once at start: over its cap a tenant may no longer open GPU device nodes, so a later nvmlInit could fail.
-    """
-
-    def __init__(self) -> None:
-        self.nvml: Any = None
-        self.handles: list[Any] = []
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            self.nvml = pynvml
-        except Exception:  # no pynvml, no driver: the report says None
-            pass
-
-    def read(self) -> int | None:
-        if self.nvml is None:
-            return None
-        pid, total, seen = os.getpid(), 0, False
-        for h in self.handles:
-            used = 0
-            for query in (self.nvml.nvmlDeviceGetGraphicsRunningProcesses, self.nvml.nvmlDeviceGetComputeRunningProcesses):
-                try:
-                    for proc in query(h):
-                        if proc.pid == pid and isinstance(proc.usedGpuMemory, int):
-                            used, seen = max(used, proc.usedGpuMemory), True
-                except Exception:  # NVMLError: one list unavailable
-                    continue
-            total += used
-        return total if seen else None
-
-    def close(self) -> None:
-        if self.nvml is not None:
-            with contextlib.suppress(Exception):
-                self.nvml.nvmlShutdown()
-
-
-def probe_second_context(ctx: GLContext) -> dict[str, Any]:
-    """Try one more EGL context in this process (a new graphics session), then make ours current again."""
-    egl, dpy = ctx.egl, ctx.display.handle
-    t = time.perf_counter()
-    extra = None
-    try:
-        extra = create_context(egl, ctx.display)  # current on success
-        from OpenGL import GL as gl  # type: ignore[import-not-found, unused-ignore]
-
-        gl.glClear(gl.GL_COLOR_BUFFER_BIT)
-        gl.glFinish()
-        software = "software" in ctx.display.source  # Mesa llvmpipe: no GPU session, so not "opened"
-        result: dict[str, Any] = {"opened": not software, "error": SOFTWARE_ONLY if software else None}
-    except Exception as e:  # EGLUnavailable (eglCreateContext failed: EPERM from the hooks shows as EGL_BAD_ALLOC) or GL
-        result = {"opened": False, "error": f"{type(e).__name__}: {e}"}
-    finally:
-        egl.lib.eglMakeCurrent(dpy, ctx.surface, ctx.surface, ctx.context)
-        if extra is not None:
-            if extra.surface:
-                egl.lib.eglDestroySurface(dpy, extra.surface)
-            egl.lib.eglDestroyContext(dpy, extra.context)
-    result["ms"] = round(1000 * (time.perf_counter() - t), 1)
-    return result
-
-
-class Hog:
-    """The instance that goes over its memory cap: allocates at `alloc_at`, probes for a new session later."""
-
-    def __init__(self, args: argparse.Namespace, ctx: GLContext, renderer: Renderer, start_at: float,
-                 memory: OwnGpuMemory) -> None:
-        self.mib = args.hog_mib
-        self.memory = memory
-        self.ctx, self.gl = ctx, renderer.gl
-        self.start_at = start_at
-        self.alloc_at = start_at + args.hog_at
-        self.probe_at = self.alloc_at + args.probe_after
-        self.egl_device = args.egl_device
-        self.buffers: list[int] = []
-        self.child: subprocess.Popen[str] | None = None
-        self.child_started = 0.0
-        self.report: dict[str, Any] = {"mib": self.mib, "allocated": False, "alloc_error": None,
-                                       "probe_in_process": None, "probe_new_process": None}
-
-    def tick(self, now: float) -> None:
-        """Called after every frame: each step runs once, when its time has come."""
-        if not self.report["allocated"] and self.report["alloc_error"] is None and now >= self.alloc_at:
-            self.allocate(now)
-        elif self.report["probe_in_process"] is None and now >= self.probe_at:
-            self.report["probe_at_s"] = round(now - self.start_at, 3)
-            self.start_probe_process()  # first: should the in-process attempt take this process down, it still ran
-            self.report["probe_in_process"] = probe_second_context(self.ctx)
-        elif self.child is not None and self.child.poll() is not None:
-            self.collect_probe_process()
-
-    def allocate(self, now: float) -> None:
-        gl = self.gl
-        t = time.perf_counter()
-        self.report["alloc_at_s"] = round(now - self.start_at, 3)
-        try:
-            left = self.mib << 20
-            fill = bytes([0xA5])
-            while left > 0:
-                size = min(left, BUFFER_CHUNK)
-                buf = int(gl.glGenBuffers(1))
-                self.buffers.append(buf)
-                gl.glBindBuffer(gl.GL_COPY_WRITE_BUFFER, buf)
-                gl.glBufferData(gl.GL_COPY_WRITE_BUFFER, size, None, gl.GL_STATIC_DRAW)
-                # a GPU-side write of every byte, so the driver really backs the buffer and NVML counts it
-                gl.glClearBufferData(gl.GL_COPY_WRITE_BUFFER, gl.GL_R8UI, gl.GL_RED_INTEGER, gl.GL_UNSIGNED_BYTE, fill)
-                left -= size
-            gl.glBindBuffer(gl.GL_COPY_WRITE_BUFFER, 0)
-            gl.glFinish()
-            self.report["allocated"] = True
-        except Exception as e:  # GL_OUT_OF_MEMORY, or GL < 4.3 without glClearBufferData
-            self.report["alloc_error"] = f"{type(e).__name__}: {e}"
-        self.report["alloc_ms"] = round(1000 * (time.perf_counter() - t), 1)
-        self.report["buffers"] = len(self.buffers)
-        self.report["memory_bytes_after_alloc"] = self.memory.read()
-
-    def start_probe_process(self) -> None:
-        argv = [sys.executable, str(Path(__file__).resolve()), "--role", "probe"]
-        if self.egl_device is not None:
-            argv += ["--egl-device", str(self.egl_device)]
-        self.child_started = time.time()
-        self.child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def collect_probe_process(self, timeout: float = 0.0) -> None:
-        child = self.child
-        if child is None:
-            return
-        self.child = None
-        try:
-            out, _ = child.communicate(timeout=timeout or None)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            out, _ = child.communicate()
-            self.report["probe_new_process"] = {"opened": False, "error": f"probe hung; killed after {timeout:.0f} s"}
-            return
-        line = out.strip().splitlines()[-1] if out.strip() else ""
-        try:
-            found = json.loads(line) if child.returncode == 0 else None
-        except ValueError:
-            found = None
-        if not isinstance(found, dict):
-            found = {"opened": False, "error": line[-500:] or f"exit status {child.returncode}"}
-        found["ms"] = round(1000 * (time.time() - self.child_started), 1)
-        self.report["probe_new_process"] = found
-
-    def finish(self) -> dict[str, Any]:
-        """After the window: wait (bounded) for the probe process, then give the memory back."""
-        if self.child is not None:
-            self.collect_probe_process(timeout=max(1.0, PROBE_TIMEOUT_S - (time.time() - self.child_started)))
-        if self.buffers:
-            self.gl.glDeleteBuffers(len(self.buffers), self.buffers)
-        return self.report
-
-
-def run_instance(args: argparse.Namespace, process_start: float) -> int:
-    try:
-        import av  # noqa: F401
-        import numpy  # noqa: F401
-    except ImportError as e:
-        return fail(f"{e.name} is not importable; pip install 'unisched[codec]' numpy (GPU machine: .devcache/setup.sh)")
-    start_at, end_at = plan_window(args, process_start)
-    period = 1.0 / args.fps if args.fps > 0 else 0.0
-    t0 = start_at + args.phase * period
-    with gl_context(args.egl_device) as ctx:
-        renderer = Renderer(args.width, args.height)
-        renderer.set_iterations(args.iterations)
-        encoder = open_encoder(args.encoder, args.width, args.height, args.fps)
-        pipeline = StreamPipeline(renderer, encoder)
-        nvml = OwnGpuMemory()
-        hog = Hog(args, ctx, renderer, start_at, nvml) if args.hog_mib else None
-        meter = CpuMeter(start_at)
-
-        def on_frame(now: float) -> None:
-            meter.on_frame(now)
-            if hog is not None:
-                hog.tick(now)
-
-        paced = paced_loop(pipeline.step, start_at, end_at, t0, period, on_frame)
-        encoder.close()
-        memory = nvml.read()
-        hog_report = hog.finish() if hog is not None else None
-        nvml.close()
-        info = renderer.info()
-    done, cores = paced.completions, meter.cores()
-    window_start = start_at if done and done[0] < start_at else (done[0] if done else start_at)
-    stats = frame_stats(done, window_start, end_at)
-    in_window = [s for t, s in zip(done, pipeline.stages, strict=False) if window_start < t]
-    stage_ms = {name: round(1000 * sum(s[k] for s in in_window) / len(in_window), 3) if in_window else None
-                for k, name in enumerate(("render", "readback", "encode"))}
-    report = {
-        "role": "instance", "index": args.index, "pid": os.getpid(), **asdict(stats),
-        "fps_target": args.fps, "width": args.width, "height": args.height, "iterations": renderer.iterations,
-        "encoder": encoder.name, "encoders_not_opened": encoder.not_opened, "encoded_bytes": encoder.bytes_out,
-        "memory_bytes": memory, "skipped_slots": paced.skipped_slots, "stage_ms": stage_ms,
-        "cpu_cores": None if cores is None else round(cores, 3),
-        "window": {"start_at": start_at, "end_at": end_at, "window_start": window_start,
-                   "late_s": round(window_start - start_at, 3)},
-        "egl_display": ctx.display.source, "gl_context": f"{ctx.version[0]}.{ctx.version[1]} core",
-        "gl_renderer": info["gl_renderer"], "hog": hog_report,
-    }
-    write_json(args.report, report)
-    low = f"{stats.fps_1pct_low:.1f}" if stats.fps_1pct_low is not None else "n/a"
-    print(f"cloud_gaming instance {args.index} pid={os.getpid()}: {stats.fps_mean:.1f} fps mean, {stats.fps_min:.1f} min, "
-          f"{low} 1% low ({stats.frames} frames, {args.width}x{args.height}, {encoder.name}, {info['gl_renderer']})",
-          flush=True)
-    return 0
-
-
-def run_probe(args: argparse.Namespace) -> int:
-    """A new process asking for a GPU session, as a container launching one more game would."""
-    try:
-        with gl_context(args.egl_device) as ctx:
-            from OpenGL import GL as gl  # type: ignore[import-not-found, unused-ignore]
-
-            gl.glClear(gl.GL_COLOR_BUFFER_BIT)
-            gl.glFinish()
-            source = ctx.display.source
-    except EGLUnavailable as e:
-        return fail(f"EGL: {e}", code=3)
-    except Exception as e:
-        return fail(f"{type(e).__name__}: {e}", code=3)
-    software = "software" in source  # Mesa llvmpipe is no GPU session: say so rather than call it admitted
-    print(json.dumps({"opened": not software, "egl_display": source, "error": SOFTWARE_ONLY if software else None}),
-          flush=True)
-    return 0
-
-
-
-
 # ------------------------------------------------------------------------------------- the orchestrator
-
-
-def unisched_argv(python: str, socket: str, *args: str) -> list[str]:
-    """A `unisched` client command on the daemon's socket (run as a module: works without the console script)."""
-    return [python, "-m", "unisched", args[0], "--socket", socket, *args[1:]]
 
 
 def weight_of(args: argparse.Namespace, index: int) -> int:
@@ -532,16 +83,6 @@ def weight_of(args: argparse.Namespace, index: int) -> int:
     groups = [int(w) for w in str(args.weights).split(",")]
     return 100 * groups[index % len(groups)]
 
-
-def run_argv(python: str, socket: str, tenant: str, weight: int, engines: str, cmd: Sequence[str]) -> list[str]:
-    """`unisched run`: the command starts in the tenant's own cgroup, behind the session hooks."""
-    return unisched_argv(python, socket, "run", "--tenant", tenant, "--weight", str(weight), "--engines", engines,
-                         "--", *cmd)
-
-
-def set_limit_argv(python: str, socket: str, tenant: str, memory: str) -> list[str]:
-    """`unisched set-limit --memory` (admin); '-1' clears a cap an earlier run left on the tenant."""
-    return unisched_argv(python, socket, "set-limit", "--tenant", tenant, "--memory", memory)
 
 
 def tenant_name(prefix: str, index: int) -> str:
@@ -563,42 +104,6 @@ def instance_argv(args: argparse.Namespace, index: int, start_at: float, report:
     return argv
 
 
-def child_env() -> dict[str, str]:
-    """This checkout first on PYTHONPATH (so `python3 -m unisched` is this one) and headless EGL for PyOpenGL."""
-    paths = [str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "PYTHONUNBUFFERED": "1",
-            "PYOPENGL_PLATFORM": os.environ.get("PYOPENGL_PLATFORM", "egl")}
-
-
-def tail(path: Path, limit: int = LOG_TAIL_CHARS) -> str:
-    try:
-        return path.read_bytes()[-limit:].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM then SIGKILL to a child and everything it started (it leads its own session)."""
-    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM reached the orchestrator: stop the children, still write what is known."""
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    raise Interrupted
-
 
 @dataclass
 class Child:
@@ -610,73 +115,6 @@ class Child:
     proc: subprocess.Popen[bytes]
     stopped: str | None = None  # why we stopped it, if we did
 
-
-class Daemon:
-    """The orchestrator's calls to the daemon, all through the `unisched` command line."""
-
-    def __init__(self, socket: str, env: dict[str, str]) -> None:
-        self.socket, self.env = socket, env
-
-    def call(self, *args: str, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(unisched_argv(sys.executable, self.socket, *args), capture_output=True, text=True,
-                              timeout=timeout, env=self.env, cwd=ROOT)
-
-    def tenants(self) -> list[dict[str, Any]] | None:
-        try:
-            p = self.call("tenants", "--json")
-            found = json.loads(p.stdout) if p.returncode == 0 else None
-            return found if isinstance(found, list) else None
-        except (subprocess.TimeoutExpired, ValueError):
-            return None
-
-    def set_limits(self, names: Sequence[str], memory: str) -> dict[str, str | None]:
-        """`set-limit --memory` on each tenant at once (in parallel: N start-ups must fit in the warm-up)."""
-        procs = {n: subprocess.Popen(set_limit_argv(sys.executable, self.socket, n, memory), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=self.env, cwd=ROOT) for n in names}
-        out: dict[str, str | None] = {}
-        for n, p in procs.items():
-            try:
-                text, _ = p.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                text, _ = p.communicate()
-            out[n] = None if p.returncode == 0 else (text.strip()[-300:] or f"exit status {p.returncode}")
-        return out
-
-
-def apply_caps(daemon: Daemon, names: Sequence[str], memory: str, until: float,
-               alive: Callable[[], bool]) -> tuple[dict[str, float], list[str]]:
-    """Cap every tenant as soon as the daemon knows it, polling `tenants --json` until `until` at the latest.
-
-    Returns (the time each cap was applied, errors).
-    """
-    pending = set(names)
-    applied: dict[str, float] = {}
-    errors: list[str] = []
-    while pending:
-        known = {t["name"] for t in daemon.tenants() or []}
-        ready = sorted(pending & known)
-        for name, err in daemon.set_limits(ready, memory).items():
-            pending.discard(name)
-            if err is None:
-                applied[name] = time.time()
-            else:
-                errors.append(f"set-limit --memory {memory} on {name} failed: {err}")
-        if not pending or time.time() >= until or not alive():
-            break
-        time.sleep(0.5)  # each poll is a Python start-up: leave the CPUs to the starting players
-    errors += [f"tenant {n} did not appear before the window; its memory cap was not applied" for n in sorted(pending)]
-    return applied, errors
-
-
-def refusal_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int]:
-    """Refusals counted during this run (the daemon keeps counting across runs of a tenant name)."""
-    before, after = before or {}, after or {}
-    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
-
-
-def daemon_row(tenants: list[dict[str, Any]] | None, name: str | None) -> dict[str, Any] | None:
-    return next((t for t in tenants or [] if t.get("name") == name), None)
 
 
 def orchestrate(args: argparse.Namespace,
@@ -701,7 +139,7 @@ def orchestrate(args: argparse.Namespace,
     final: list[dict[str, Any]] | None = None
     caps_applied: dict[str, float] = {}
     interrupted = False
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_term = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         for i in range(args.instances):
             report, log = out / f"instance-{i}.json", out / f"instance-{i}.log"
@@ -751,12 +189,6 @@ def orchestrate(args: argparse.Namespace,
     return 130 if interrupted else 1 if summary["errors"] else 0
 
 
-def compact(tenants: list[dict[str, Any]] | None, names: Sequence[str | None]) -> dict[str, Any]:
-    """The daemon's view of our tenants, reduced to what the memory story needs."""
-    keep = ("memory_bytes", "over_memory", "state", "refusals")
-    return {t["name"]: {k: t.get(k) for k in keep} for t in tenants or [] if t.get("name") in names}
-
-
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -792,7 +224,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         if c.stopped or rc != 0 or r is None:
             why = c.stopped or (f"exit status {rc}" if rc else "no report written")
             entry["error"] = why
-            errors.append({"instance": c.index, "tenant": c.tenant, "error": why, "log_tail": tail(c.log)})
+            errors.append({"instance": c.index, "tenant": c.tenant, "error": why, "log_tail": log_tail(c.log)})
         elif (entry["late_s"] or 0) > LATE_S:
             entry["error"] = f"started {entry['late_s']:.1f} s into the window: give a longer --warmup"
             errors.append({"instance": c.index, "tenant": c.tenant, "error": entry["error"], "log_tail": ""})
@@ -1015,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "probe":
         return run_probe(args)
     try:
-        return run_instance(args, process_start)
+        return run_instance(args, process_start, [sys.executable, str(Path(__file__).resolve()), "--role", "probe"])
     except EGLUnavailable as e:
         return fail(f"EGL unavailable: {e}")
     except ImportError as e:

@@ -1,5 +1,6 @@
-"""examples/cloud_gaming.py: its metric math, frame pacing and unisched command lines on synthetic input (CPU),
-the orchestrator's deadline and failure handling with stand-in instances (CPU), and end to end on the GPU machine."""
+"""examples/cloud_gaming.py and its modules in examples/workloads: the metric math, frame pacing and unisched
+command lines on synthetic input (CPU), the orchestrator's deadline and failure handling with stand-in instances
+(CPU), and end to end on the GPU machine."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def _load() -> ModuleType:
 
 
 cg = _load()
+import _children as children  # noqa: E402  (examples/workloads, on the path once the example is loaded)
+import _cloud_daemon as cloud_daemon  # noqa: E402
+import _pacing as pacing  # noqa: E402
+
 REPORT_KEYS = {"scenario", "instances", "unisched", "memory_cap", "fps_target", "width", "height", "encoder",
                "per_instance", "fairness_min_over_max", "fps_mean_all", "hog", "tenants", "errors"}
 INSTANCE_KEYS = {"index", "tenant", "fps_mean", "fps_min", "fps_1pct_low", "frames", "encoder", "memory_bytes",
@@ -57,7 +62,7 @@ def steady(start: float, end: float, fps: float) -> list[float]:
 
 def test_fps_min_is_the_worst_second_and_a_single_hitch_does_not_move_the_1pct_low() -> None:
     times = [t for t in steady(100.0, 103.0, 50) if not 101.2 < t < 101.7]  # 0.5 s stall in the second second
-    s = cg.frame_stats(times, 100.0, 103.0)
+    s = pacing.frame_stats(times, 100.0, 103.0)
     assert s.frames == 125
     assert s.fps_mean == pytest.approx(125 / 3)
     assert [fps for _, fps in s.timeline] == [50.0, 25.0, 50.0]
@@ -72,7 +77,7 @@ def test_1pct_low_is_the_rate_of_the_99th_percentile_frame_time() -> None:
     for g in gaps:
         t += g
         times.append(t)
-    s = cg.frame_stats(times, 0.0, t)
+    s = pacing.frame_stats(times, 0.0, t)
     assert s.frames == 100
     assert s.frame_time_p99_ms == pytest.approx(50.0)
     assert s.fps_1pct_low == pytest.approx(20.0)
@@ -80,28 +85,28 @@ def test_1pct_low_is_the_rate_of_the_99th_percentile_frame_time() -> None:
 
 def test_a_stall_at_the_end_of_the_window_counts() -> None:
     times = steady(0.0, 1.0, 50)  # frames stop one second into a three-second window
-    s = cg.frame_stats(times, 0.0, 3.0)
+    s = pacing.frame_stats(times, 0.0, 3.0)
     assert s.fps_min == 0.0
     assert s.fps_1pct_low == pytest.approx(1 / (3.0 - times[-1]))
 
 
 def test_no_frames_at_all() -> None:
-    s = cg.frame_stats([], 0.0, 4.0)
+    s = pacing.frame_stats([], 0.0, 4.0)
     assert (s.frames, s.fps_mean, s.fps_min) == (0, 0.0, 0.0)
     assert s.fps_1pct_low == pytest.approx(0.25)
 
 
 def test_fairness_is_min_over_max() -> None:
-    assert cg.fairness([60.0, 30.0, 45.0]) == pytest.approx(0.5)
-    assert cg.fairness([60.0, 60.0]) == 1.0
-    assert cg.fairness([0.0, 0.0]) == 0.0
-    assert cg.fairness([]) is None
+    assert pacing.fairness([60.0, 30.0, 45.0]) == pytest.approx(0.5)
+    assert pacing.fairness([60.0, 60.0]) == 1.0
+    assert pacing.fairness([0.0, 0.0]) == 0.0
+    assert pacing.fairness([]) is None
 
 
 def test_refusals_are_counted_for_this_run_only() -> None:
-    assert cg.refusal_delta({"memory": 2, "graphics": 1}, {"memory": 3, "graphics": 1, "nvenc": 4}) == {
+    assert cloud_daemon.refusal_delta({"memory": 2, "graphics": 1}, {"memory": 3, "graphics": 1, "nvenc": 4}) == {
         "memory": 1, "nvenc": 4}
-    assert cg.refusal_delta(None, {"memory": 1}) == {"memory": 1}
+    assert cloud_daemon.refusal_delta(None, {"memory": 1}) == {"memory": 1}
 
 
 # ------------------------------------------------------------------------------------------------- pacing
@@ -115,13 +120,13 @@ def test_refusals_are_counted_for_this_run_only() -> None:
 ])
 def test_next_slot(slot: int, now_in_periods: float, expected: int) -> None:
     period = 1 / 60
-    assert cg.next_slot(slot, 10.0 + now_in_periods * period, 10.0, period) == expected
+    assert pacing.next_slot(slot, 10.0 + now_in_periods * period, 10.0, period) == expected
 
 
 def test_first_slot_is_the_next_one_to_begin() -> None:
-    assert cg.first_slot(10.0, 0.1, 9.75) == -2
-    assert cg.first_slot(10.0, 0.1, 10.0) == 0
-    assert cg.first_slot(10.0, 0.1, 10.01) == 1
+    assert pacing.first_slot(10.0, 0.1, 9.75) == -2
+    assert pacing.first_slot(10.0, 0.1, 10.0) == 0
+    assert pacing.first_slot(10.0, 0.1, 10.01) == 1
 
 
 class FakeClock:
@@ -144,7 +149,7 @@ class FakeClock:
 
 def test_paced_loop_holds_absolute_deadlines_and_skips_missed_slots() -> None:
     clock = FakeClock(9.95, [0.03, 0.03, 0.25])  # the third frame overruns two and a half periods
-    p = cg.paced_loop(clock.frame, 10.0, 11.0, 10.0, 0.1, clock=clock.time, sleep=clock.sleep)
+    p = pacing.paced_loop(clock.frame, 10.0, 11.0, 10.0, 0.1, clock=clock.time, sleep=clock.sleep)
     assert p.completions[:3] == pytest.approx([10.03, 10.13, 10.45])
     # the frame after the overrun starts at once (slot 4 began at 10.4), then the grid again: no drift
     assert p.completions[3] == pytest.approx(10.48)
@@ -155,7 +160,7 @@ def test_paced_loop_holds_absolute_deadlines_and_skips_missed_slots() -> None:
 
 def test_uncapped_runs_frames_back_to_back() -> None:
     clock = FakeClock(0.0, [])
-    p = cg.paced_loop(clock.frame, 0.0, 0.31, 0.0, 0.0, clock=clock.time, sleep=clock.sleep)
+    p = pacing.paced_loop(clock.frame, 0.0, 0.31, 0.0, 0.0, clock=clock.time, sleep=clock.sleep)
     assert clock.sleeps == 0
     assert p.completions == pytest.approx([0.03 * k for k in range(1, 11)])
 
@@ -163,7 +168,7 @@ def test_uncapped_runs_frames_back_to_back() -> None:
 def test_on_frame_sees_every_completion() -> None:
     seen: list[float] = []
     clock = FakeClock(0.0, [])
-    p = cg.paced_loop(clock.frame, 0.0, 0.2, 0.0, 0.05, seen.append, clock=clock.time, sleep=clock.sleep)
+    p = pacing.paced_loop(clock.frame, 0.0, 0.2, 0.0, 0.05, seen.append, clock=clock.time, sleep=clock.sleep)
     assert seen == p.completions and len(seen) == 4
 
 
@@ -174,7 +179,7 @@ def test_the_cpu_meter_counts_only_frames_in_the_window() -> None:
     """CPU seconds over wall seconds between the first and last frame done in the window; a warm-up frame before it
     counts for nothing, and fewer than two frames in it measure nothing."""
     cpu = iter([5.0, 5.5, 6.5])
-    meter = cg.CpuMeter(start_at=100.0, cpu=lambda: next(cpu))
+    meter = pacing.CpuMeter(start_at=100.0, cpu=lambda: next(cpu))
     meter.on_frame(99.0)  # warm-up: not read
     assert meter.cores() is None
     meter.on_frame(100.0)
@@ -188,17 +193,17 @@ def test_the_cpu_meter_counts_only_frames_in_the_window() -> None:
 def test_run_and_set_limit_command_lines_parse_with_the_unisched_cli() -> None:
     from unisched.cli.parser import build_parser
 
-    run = cg.run_argv("py", "/tmp/u.sock", "cg-3", 100, "graphics,encode", ["py", "game.py", "--fps", "60"])
+    run = children.run_argv("py", "/tmp/u.sock", "cg-3", 100, "graphics,encode", ["py", "game.py", "--fps", "60"])
     assert run[:3] == ["py", "-m", "unisched"]
     ns = build_parser().parse_args(run[3:])
     assert (ns.command, ns.socket, ns.tenant, ns.weight) == ("run", "/tmp/u.sock", "cg-3", 100)
     assert ns.engines == ["graphics", "encode"]
     assert ns.cmd == ["--", "py", "game.py", "--fps", "60"]
 
-    lim = cg.set_limit_argv("py", "/tmp/u.sock", "cg-3", "4GiB")
+    lim = cloud_daemon.set_limit_argv("py", "/tmp/u.sock", "cg-3", "4GiB")
     ns = build_parser().parse_args(lim[3:])
     assert (ns.command, ns.tenant, ns.memory) == ("set-limit", "cg-3", 4 << 30)
-    assert build_parser().parse_args(cg.set_limit_argv("py", "/s", "cg-3", "-1")[3:]).memory == -1
+    assert build_parser().parse_args(cloud_daemon.set_limit_argv("py", "/s", "cg-3", "-1")[3:]).memory == -1
 
 
 def orchestrator_args(*extra: str) -> argparse.Namespace:
