@@ -1,6 +1,7 @@
-"""examples/ad_sim.py, the driving-simulation pipeline of issue 5: its help, the packet framing between the stages,
-the window and summary arithmetic, the `unisched run` command lines, and that a failing stage fails the run
-without hanging. On the GPU machine: both modes end to end, and colocated under a real daemon."""
+"""examples/ad_sim.py and its modules in examples/workloads, the driving-simulation pipeline: its help, the
+packet framing between the stages, the window and summary arithmetic, the `unisched run` command lines, and that
+a failing stage fails the run without hanging. On the GPU machine: both modes end to end, and colocated under a
+real daemon."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def _load() -> ModuleType:
 
 
 ad = _load()
+import _ad_stream as ads  # noqa: E402  (examples/workloads, on the path once the example is loaded)
 
 
 def record(fid: int, t0: float, stages: tuple[float, ...], flags: int = 0) -> list[float]:
@@ -52,59 +54,59 @@ def test_help_exits_0_and_explains_the_modes_and_where_things_run() -> None:
 
 
 def test_packet_framing_round_trips() -> None:
-    msgs = [(0, (1.0, 1.25, 1.5), b"\x00\x00\x00\x01idr", ad.FLAG_MEASURED), (1, (2.0, 2.5, 2.75), b"p" * 70000, 0),
+    msgs = [(0, (1.0, 1.25, 1.5), b"\x00\x00\x00\x01idr", ads.FLAG_MEASURED), (1, (2.0, 2.5, 2.75), b"p" * 70000, 0),
             (2**40, (3.0, 3.0, 3.0), b"", 0)]
-    stream = io.BytesIO(b"".join(ad.pack_packet(f, t, p, fl) for f, t, p, fl in msgs) + ad.end_of_stream())
+    stream = io.BytesIO(b"".join(ads.pack_packet(f, t, p, fl) for f, t, p, fl in msgs) + ads.end_of_stream())
     for fid, times, payload, flags in msgs:
-        got = ad.read_message(stream)
+        got = ads.read_message(stream)
         assert got is not None
         header, data = got
         assert (header.frame_id, header.flags, header.length) == (fid, flags, len(payload))
         assert (header.t_render_start, header.t_render_end, header.t_encode_end) == times
         assert data == payload
-    eos = ad.read_message(stream)
-    assert eos is not None and eos[0].flags & ad.FLAG_EOS and eos[1] == b""
-    assert ad.read_message(stream) is None  # a clean end between messages
+    eos = ads.read_message(stream)
+    assert eos is not None and eos[0].flags & ads.FLAG_EOS and eos[1] == b""
+    assert ads.read_message(stream) is None  # a clean end between messages
 
 
 def test_framing_rejects_a_cut_or_foreign_stream() -> None:
-    whole = ad.pack_packet(7, (1.0, 2.0, 3.0), b"abcdef")
+    whole = ads.pack_packet(7, (1.0, 2.0, 3.0), b"abcdef")
     with pytest.raises(EOFError, match="payload"):
-        ad.read_message(io.BytesIO(whole[:-2]))
+        ads.read_message(io.BytesIO(whole[:-2]))
     with pytest.raises(EOFError, match="header"):
-        ad.read_message(io.BytesIO(whole[:10]))
+        ads.read_message(io.BytesIO(whole[:10]))
     with pytest.raises(ValueError, match="magic"):
-        ad.read_message(io.BytesIO(b"XXXX" + whole[4:]))
+        ads.read_message(io.BytesIO(b"XXXX" + whole[4:]))
 
 
 def test_window_starts_warmup_after_the_first_completion_or_at_start_at() -> None:
-    clock = ad.WindowClock(seconds=10, warmup=5)
+    clock = ads.WindowClock(seconds=10, warmup=5)
     assert not clock.counted(100.0) and not clock.finished(1e12)  # no completion seen yet: no window
     clock.observe(100.0)
     clock.observe(101.0)  # only the first completion fixes it
     assert (clock.start, clock.end) == (105.0, 115.0)
     assert not clock.counted(105.0) and clock.counted(105.001) and clock.counted(115.0) and not clock.counted(115.001)
     assert clock.finished(115.001) and not clock.finished(115.0)
-    on_time = ad.WindowClock(seconds=10, warmup=5, start_at=200.0)
+    on_time = ads.WindowClock(seconds=10, warmup=5, start_at=200.0)
     on_time.observe(150.0)
     assert (on_time.start, on_time.late_s) == (200.0, 0.0)
-    late = ad.WindowClock(seconds=10, warmup=5, start_at=200.0)
+    late = ads.WindowClock(seconds=10, warmup=5, start_at=200.0)
     late.observe(203.0)
     assert (late.start, late.end, late.late_s) == (203.0, 213.0, 3.0)
 
 
 def test_percentile_interpolates_between_ranks() -> None:
     values = [float(v) for v in range(100, 0, -1)]  # 1..100, unsorted
-    assert ad.percentile(values, 50) == pytest.approx(50.5)
-    assert ad.percentile(values, 99) == pytest.approx(99.01)
-    assert ad.percentile(values, 0) == 1.0 and ad.percentile(values, 100) == 100.0
-    assert ad.percentile([7.0], 99) == 7.0
+    assert ads.percentile(values, 50) == pytest.approx(50.5)
+    assert ads.percentile(values, 99) == pytest.approx(99.01)
+    assert ads.percentile(values, 0) == 1.0 and ads.percentile(values, 100) == 100.0
+    assert ads.percentile([7.0], 99) == 7.0
 
 
 def test_latency_per_stage_from_synthetic_timestamps() -> None:
     # frame i: render 10 ms, readback+encode 5 ms, transfer i ms, decode 2 ms, infer 3 ms
     records = [record(i, 100.0 + i, (0.010, 0.005, 0.001 * i, 0.002, 0.003)) for i in range(1, 101)]
-    lat = ad.latency_ms(records)
+    lat = ads.latency_ms(records)
     assert set(lat) == STAGES
     assert lat["render"] == {"p50": pytest.approx(10.0, abs=1e-3), "p99": pytest.approx(10.0, abs=1e-3),
                              "mean": pytest.approx(10.0, abs=1e-3)}
@@ -113,39 +115,39 @@ def test_latency_per_stage_from_synthetic_timestamps() -> None:
     assert lat["transfer"]["mean"] == pytest.approx(50.5, abs=1e-3)
     assert lat["end_to_end"]["p50"] == pytest.approx(20.0 + 50.5, abs=1e-3)
     assert lat["infer"]["mean"] == pytest.approx(3.0, abs=1e-3)
-    assert ad.latency_ms([])["decode"] == {"p50": None, "p99": None, "mean": None}
+    assert ads.latency_ms([])["decode"] == {"p50": None, "p99": None, "mean": None}
 
 
 def test_colocated_counts_frames_finished_in_the_window_with_a_half_second_timeline() -> None:
     # inference ends at 10.0, 10.1, ..., 13.0; the window is (10.0, 12.0]
     records = [record(i, 9.9 + 0.1 * i, (0.02, 0.02, 0.02, 0.02, 0.02)) for i in range(31)]
-    ends = [r[ad.T_INFER_END] for r in records]
+    ends = [r[ads.T_INFER_END] for r in records]
     assert ends[0] == pytest.approx(10.0) and ends[-1] == pytest.approx(13.0)
-    counted, segments = ad.colocated_view(records, 10.0, 12.0)
-    s = ad.summarize(counted, segments)
+    counted, segments = ads.colocated_view(records, 10.0, 12.0)
+    s = ads.summarize(counted, segments)
     assert s["frames"] == 20 and s["seconds"] == 2.0 and s["fps_end_to_end"] == 10.0
     assert [p[0] for p in s["timeline"]] == [0.0, 0.5, 1.0, 1.5, 2.0]
     assert [p[1] for p in s["timeline"]] == [0, 5, 10, 15, 20]
     assert s["latency_ms"]["end_to_end"]["p50"] == pytest.approx(100.0, abs=1e-3)
-    gpu = ad.gpu_view([[9.0, 99.0, 99.0], [10.5, 40.0, 10.0], [11.5, 60.0, 20.0], [12.5, 99.0, 99.0]], segments)
+    gpu = ads.gpu_view([[9.0, 99.0, 99.0], [10.5, 40.0, 10.0], [11.5, 60.0, 20.0], [12.5, 99.0, 99.0]], segments)
     assert gpu["gpu_util_mean"] == 50.0 and gpu["decoder_util_mean"] == 15.0
     assert gpu["gpu_util_samples"] == [[0.5, 40.0, 10.0], [1.5, 60.0, 20.0]]
 
 
 def test_sequential_throughput_is_frames_over_both_stage_times() -> None:
     # the sim's window is (100, 110]; it flagged 30 frames; perception reads the first at 200 and infers the last at 205
-    measured = [[i, ad.FLAG_MEASURED, 100.0 + i / 3, 100.01 + i / 3, 100.02 + i / 3, 200.0 + i / 6, 200.0 + i / 6,
+    measured = [[i, ads.FLAG_MEASURED, 100.0 + i / 3, 100.01 + i / 3, 100.02 + i / 3, 200.0 + i / 6, 200.0 + i / 6,
                  200.0 + (i + 1) / 6] for i in range(30)]
     warm = [[100 + i, 0, 95.0, 95.01, 95.02, 199.0, 199.01, 199.02] for i in range(5)]
-    counted, segments = ad.sequential_view(warm + measured, 100.0, 110.0)
-    s = ad.summarize(counted, segments)
+    counted, segments = ads.sequential_view(warm + measured, 100.0, 110.0)
+    s = ads.summarize(counted, segments)
     assert s["frames"] == 30 and s["seconds"] == pytest.approx(15.0)
     assert s["fps_end_to_end"] == pytest.approx(2.0)
     assert [s.end - s.start for s in segments] == pytest.approx([10.0, 5.0])
     timeline = dict((t, n) for t, n in s["timeline"])
     assert timeline[10.0] == 0 and timeline[12.5] == 15 and timeline[15.0] == 30  # nothing ends until stage 2 runs
     assert s["latency_ms"]["transfer"]["p50"] > 90_000  # waited in the file between the stages: said, not hidden
-    gpu = ad.gpu_view([[105.0, 30.0, 0.0], [150.0, 0.0, 0.0], [202.0, 70.0, 40.0]], segments)
+    gpu = ads.gpu_view([[105.0, 30.0, 0.0], [150.0, 0.0, 0.0], [202.0, 70.0, 40.0]], segments)
     assert gpu["gpu_util_samples"] == [[5.0, 30.0, 0.0], [12.0, 70.0, 40.0]]  # the gap between stages is left out
 
 
