@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import mixed_pairs
-from scoring import overlap_bound
+from scoring import (
+    GUARANTEE_SLACK,
+    MAX_ERROR_POINTS,
+    MAX_MEDIAN_ERROR_POINTS,
+    MIN_CONTENDING_EFFICIENCY,
+    OVERLAP_EFFICIENCY_TOLERANCE,
+    overlap_bound,
+)
 from verdicts import Metrics, Target
 
 Cases = dict[str, dict[str, Any]]
@@ -251,16 +258,21 @@ def read_memory(folder: Path) -> tuple[Cases, list[str]]:
 
 # ------------------------------------------------------------------------------------------------ targets
 
+GUARANTEE = Target("guarantee", "guarantee", "every", ">=", 1.0,
+                   f"each side >= its weight share - {GUARANTEE_SLACK:g} in every round")
 PAIR_TARGETS = (
-    Target("error, median round", "error_pts", "median", "<=", 1.0, "error <= 1 point in the median round", " pts"),
-    Target("error, worst round", "error_pts", "worst", "<=", 2.0, "error <= 2 points in the worst round", " pts"),
-    Target("sum", "sum", "worst", ">=", 0.98, "sum of normalized rates >= 0.98 in every round"),
-    Target("guarantee", "guarantee", "every", ">=", 1.0, "each side >= its weight share - 0.02 in every round"),
+    Target("error, median round", "error_pts", "median", "<=", MAX_MEDIAN_ERROR_POINTS,
+           f"error <= {MAX_MEDIAN_ERROR_POINTS:g} point in the median round", " pts"),
+    Target("error, worst round", "error_pts", "worst", "<=", MAX_ERROR_POINTS,
+           f"error <= {MAX_ERROR_POINTS:g} points in the worst round", " pts"),
+    Target("sum", "sum", "worst", ">=", MIN_CONTENDING_EFFICIENCY,
+           f"sum of normalized rates >= {MIN_CONTENDING_EFFICIENCY:g} in every round"),
+    GUARANTEE,
 )
 OVERLAP_TARGETS = (
-    Target("guarantee", "guarantee", "every", ">=", 1.0, "each side >= its weight share - 0.02 in every round"),
-    Target("sum vs no scheduler", "sum_vs_no_scheduler", "worst", ">=", -0.02,
-           "sum >= the same round's no-scheduler sum - 0.02"),
+    GUARANTEE,
+    Target("sum vs no scheduler", "sum_vs_no_scheduler", "worst", ">=", -OVERLAP_EFFICIENCY_TOLERANCE,
+           f"sum >= the same round's no-scheduler sum - {OVERLAP_EFFICIENCY_TOLERANCE:g}"),
 )
 
 
