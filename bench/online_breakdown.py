@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import scenarios
+import online_report
+import online_scoring
 from _window import percentile
 from interleave import Block
 
@@ -91,7 +92,7 @@ def pooled(paths: Sequence[Path], batch: int = 1) -> dict[str, list[Breakdown]]:
 def interleaved_kept(results: dict[str, Any], batch: int = 1) -> Iterator[tuple[str, float | None]]:
     """(setup, the trainer's kept over its running periods) for every interleaved run of every round, as the
     results' own derivation scored it (each round against its own solo run)."""
-    for _, setup, s in scenarios.interleaved_setups(batch_runs(results, batch)):
+    for _, setup, s in online_report.interleaved_setups(batch_runs(results, batch)):
         yield setup, s.get("offline_kept")
 
 
@@ -105,7 +106,7 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     for p in paths:
         results = json.loads(p.read_text())
         for setup, run, _ in online_runs(results, batch):
-            pairs = scenarios.run_pairs(run)  # [] for a run without pauses: that setup gets no row from it
+            pairs = online_scoring.run_pairs(run)  # [] for a run without pauses: that setup gets no row from it
             if pairs:
                 blocks.setdefault(setup, []).extend(pairs)
         for setup, k in interleaved_kept(results, batch):
@@ -118,20 +119,20 @@ def interleaved_table(paths: Sequence[Path], batch: int = 1) -> str:
     for setup, bs in sorted(blocks.items()):
         running = [v for b in bs for v in b[0]]
         idle = [v for b in bs for v in b[1]]
-        r = scenarios.interleaved_ratios(running, idle, bs)
+        r = online_scoring.interleaved_ratios(running, idle, bs)
         cells = []
-        for name in scenarios.INTERLEAVED_STATS:
+        for name in online_scoring.INTERLEAVED_STATS:
             x, ci = r[f"{name}_x"], r[f"{name}_x_ci"]
             cells.append(f"{x:.2f}" + (f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""))
         p99x, p99_ci = r["p99_x"], r["p99_x_ci"]
         ks = kept.get(setup, [])
         known = [k for k in ks if k is not None]
-        met = scenarios.online_target_met(p99x, min(known) if known else None)
+        met = online_scoring.online_target_met(p99x, min(known) if known else None)
         verdict = {True: "**met**", False: "missed", None: "n/a"}[met]
         # met at the point: by how much (the column's 1.05 can be either side of the target) and whether the
         # interval settles it
         if met and p99_ci:
-            verdict += f" (p99 {p99x:.3f}x, {scenarios.p99_resolution(p99_ci)})"
+            verdict += f" (p99 {p99x:.3f}x, {online_scoring.p99_resolution(p99_ci)})"
         lines.append(f"| {setup} | {len(bs)} | {len(running)} / {len(idle)} | {' | '.join(cells)} | "
                      f"{', '.join('n/a' if k is None else f'{k:.2f}' for k in ks) or 'n/a'} | {verdict} |")
     return "\n".join(lines)

@@ -19,7 +19,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
-import scenarios
+import online_report
+import online_scoring
 from interleave import PAUSED, RUNNING, Alternation, Alternator, paired_bootstrap, period_pairs, running_rate, split_latencies
 
 
@@ -157,16 +158,16 @@ def test_an_interleaved_run_is_scored_against_its_own_paused_periods() -> None:
     alone = {"tenants": [{"name": "online", "report": {"latency_ms": {"p50": 5.0, "p99": 5.5}}}]}
     solo = {"tenants": [{"name": "offline", "report": {"throughput": 200.0}}]}
     runs = {"alone-online": alone, "alone-offline": solo, "MPS": interleaved_run()}
-    s = scenarios.derive_online(runs)["setups"]["MPS"]
+    s = online_scoring.derive_online(runs)["setups"]["MPS"]
     assert s["p99_x_alone"] == pytest.approx(8.0 / 6.0) and s["p50_x_alone"] == pytest.approx(8.0 / 6.0)
     assert s["offline_kept"] == pytest.approx(150.0 / 200.0)  # 300 items over 2 s of running periods
     i = s["interleaved"]
     assert i["paused_p99_x_alone_run"] == pytest.approx(6.0 / 5.5) and i["switches"] == 3
     assert i["mean_x"] == pytest.approx(8.0 / 6.0) and i["mean_x_ci"] is None  # two pairs of periods: no interval
-    pooled = scenarios.pool_online([runs, runs])["setups"]["MPS"]
+    pooled = online_scoring.pool_online([runs, runs])["setups"]["MPS"]
     assert pooled["reference"] == "paused periods" and pooled["p99_x_alone"] == pytest.approx(8.0 / 6.0)
-    scenarios.derive_batch(runs)
-    md = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": runs}}))
+    online_scoring.derive_batch(runs)
+    md = "\n".join(online_report.online_md({"rate": 20, "batches": {"1": runs}}))
     assert "| 1 | MPS (interleaved) |" in md and "| 1 | 1 | MPS |" in md
 
 
@@ -227,8 +228,8 @@ def test_an_interleaved_online_scenario_gets_its_own_plot(tmp_path: Path) -> Non
     plain = {"alone-online": alone, "alone-offline": solo}
     results = {"scenarios": {"online": {"batches": {"1": {**plain, "MPS": interleaved_run()}, "8": dict(plain)}}}}
     for runs in results["scenarios"]["online"]["batches"].values():
-        scenarios.derive_batch(runs)
-    made = scenarios.plots(results, tmp_path)
+        online_scoring.derive_batch(runs)
+    made = online_report.plots(results, tmp_path)
     assert tmp_path / "online-b1-interleaved.png" in made and tmp_path / "online-b8-interleaved.png" not in made
     assert (tmp_path / "online-b1-interleaved.png").stat().st_size > 1000
 

@@ -439,9 +439,10 @@ def test_the_results_page_lists_every_verdict_of_each_latest_run(tmp_path: Path)
 
 
 def test_the_online_suite_reads_what_scenarios_writes(tmp_path: Path) -> None:
-    """From scenarios.py's own derivation of a round (derive_batch, as it writes results.json) to the runner's cases:
+    """From the online harness's own derivation of a round (derive_batch, as it writes results.json) to the runner's cases:
     per batch and setup the p99 against alone, the top of that ratio's interval and the trainer's rate kept."""
-    scenarios = _bench("scenarios")
+    _bench("scenarios")  # puts examples/workloads on the path, as the online suite's command does
+    online_scoring = _bench("online_scoring")
 
     def run(online: dict[str, Any] | None, offline: float | None) -> dict[str, Any]:
         tenants = ([{"name": "online", "report": {"latency_ms": online}}] if online else []) + (
@@ -455,7 +456,7 @@ def test_the_online_suite_reads_what_scenarios_writes(tmp_path: Path) -> None:
     for batch, p99 in (("1", 9.4), ("8", 12.0)):
         runs = {"alone-online": run(lat(9.0), None), "alone-offline": run(None, 1500.0),
                 "unisched kernel": run(lat(p99), 1300.0), "unisched user": run(lat(p99 * 0.95), 1250.0)}
-        scenarios.derive_batch(runs)
+        online_scoring.derive_batch(runs)
         batches[batch] = runs
     step = tmp_path / "online"
     step.mkdir()

@@ -15,6 +15,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
+import online_report
+import online_scoring
 import pairs_runs
 import scenarios
 
@@ -36,18 +38,18 @@ def online_runs(p99_shared: float, kept_tp: float, spread: float = 0.02) -> dict
 
 
 def test_online_target_needs_both_latency_and_offline_throughput() -> None:
-    ok = scenarios.derive_online(online_runs(9.4, 1250.0))["setups"]["unisched user"]
+    ok = online_scoring.derive_online(online_runs(9.4, 1250.0))["setups"]["unisched user"]
     assert ok["p99_x_alone"] == pytest.approx(9.4 / 9.0)
     assert ok["offline_kept"] == pytest.approx(1250 / 1500)
     assert ok["target_met"] is True
-    assert scenarios.derive_online(online_runs(9.6, 1250.0))["setups"]["unisched user"]["target_met"] is False
-    assert scenarios.derive_online(online_runs(9.4, 1100.0))["setups"]["unisched user"]["target_met"] is False
-    failed = scenarios.derive_online(online_runs(9.4, 1250.0))["setups"]["MPS"]
+    assert online_scoring.derive_online(online_runs(9.6, 1250.0))["setups"]["unisched user"]["target_met"] is False
+    assert online_scoring.derive_online(online_runs(9.4, 1100.0))["setups"]["unisched user"]["target_met"] is False
+    failed = online_scoring.derive_online(online_runs(9.4, 1250.0))["setups"]["MPS"]
     assert failed["target_met"] is None and failed["error"] == "mps failed"
     # the online tenant alone under MPS is a reference: its p99 against alone, no trainer and so no verdict
     floor_run = run_with({"online": {"latency_ms": {"p50": 7.7, "p99": 9.9}}})
     runs = {**online_runs(9.4, 1250.0), "online alone, MPS client": floor_run}
-    floor = scenarios.derive_online(runs)["setups"]["online alone, MPS client"]
+    floor = online_scoring.derive_online(runs)["setups"]["online alone, MPS client"]
     assert floor["p99_x_alone"] == pytest.approx(1.1) and floor["p50_x_alone"] == pytest.approx(1.1)
     assert floor["offline_kept"] is None and floor["target_met"] is None
 
@@ -66,12 +68,12 @@ def test_share_series_follows_the_timelines() -> None:
 def results_fixture() -> dict[str, Any]:
     return {"meta": {"gpu": "NVIDIA H200"}, "scenarios": {
         "online": {"rate": 20, "batches": {"1": {**online_runs(9.4, 1250.0),
-                                                 "derived": scenarios.derive_online(online_runs(9.4, 1250.0))}}},
+                                                 "derived": online_scoring.derive_online(online_runs(9.4, 1250.0))}}},
     }}
 
 
 def test_tables_and_plots_from_results(tmp_path: Path) -> None:
-    made = scenarios.write_outputs(results_fixture(), tmp_path)
+    made = online_report.write_outputs(results_fixture(), tmp_path)
     md = (tmp_path / "results.md").read_text()
     assert "| 1 | unisched user | 7.50 | 9.40 | 1.07 | 1.04 | 1.00-1.09: cannot tell | 0.83 | **met** |" in md
     names = sorted(p.name for p in made)
@@ -81,7 +83,7 @@ def test_tables_and_plots_from_results(tmp_path: Path) -> None:
 
 
 def test_replot_and_bad_arguments(tmp_path: Path) -> None:
-    scenarios.write_outputs(results_fixture(), tmp_path)
+    online_report.write_outputs(results_fixture(), tmp_path)
     (tmp_path / "results.md").unlink()
     cmd = [sys.executable, str(ROOT / "bench" / "scenarios.py"), "--out", str(tmp_path)]
     done = subprocess.run([*cmd, "--replot"], capture_output=True, text=True, timeout=120)
@@ -127,7 +129,7 @@ def test_replot_and_bad_arguments(tmp_path: Path) -> None:
 
 def test_each_mps_setup_starts_the_daemon_with_its_own_sm_cap() -> None:
     """The setups differ only in the daemon's arguments: a wrong cap would measure another setup under its name."""
-    s = scenarios.ONLINE_SETUPS
+    s = online_scoring.ONLINE_SETUPS
     assert scenarios.serve_args_for(s["user"]) == ("--mode", "preemptive")
     assert scenarios.serve_args_for(s["user-mps-daemon"])[-2:] == ("--mps-offline-sm-percent", "30")
     assert scenarios.serve_args_for(s["user-mps-points"])[-2:] == ("--mps-offline-sm-percent", "100")
@@ -141,17 +143,17 @@ def test_online_rounds_are_medians_each_against_its_own_solo_runs() -> None:
     lucky = online_runs(9.4, 1250.0)  # 1.04x, 83%: met
     slow = online_runs(12.0, 1100.0)  # 1.33x, 73%
     slower = online_runs(13.5, 1000.0)
-    d = scenarios.combine_online([scenarios.derive_online(r) for r in (lucky, slow, slower)])
+    d = online_scoring.combine_online([online_scoring.derive_online(r) for r in (lucky, slow, slower)])
     s = d["setups"]["unisched user"]
     assert d["rounds"] == 3 and s["p99_x_alone"] == pytest.approx(12.0 / 9.0)
     assert s["p99_x_alone_range"] == pytest.approx([9.4 / 9.0, 13.5 / 9.0])
     assert s["offline_kept"] == pytest.approx(1100 / 1500) and s["p50_x_alone"] == pytest.approx(7.5 / 7.0)
     assert s["target_met"] is False and s["target_met_rounds"] == 1
     assert d["setups"]["MPS"]["error"] == "mps failed" and d["setups"]["MPS"]["target_met"] is None
-    table = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {"derived": d}}}))
+    table = "\n".join(online_report.online_md({"rate": 20, "batches": {"1": {"derived": d}}}))
     assert ("| 1 | unisched user | 7.50 | 12.00 | 1.07 [1.07-1.07] | 1.33 [1.04-1.50] | 1.28-1.39: above the target | "
             "0.73 [0.67-0.83] | missed (1 of 3 rounds) |") in table
-    assert scenarios.combine_online([scenarios.derive_online(lucky)]) == scenarios.derive_online(lucky)
+    assert online_scoring.combine_online([online_scoring.derive_online(lucky)]) == online_scoring.derive_online(lucky)
 
 
 def test_pooled_rounds_rest_the_p99_on_every_round_s_requests() -> None:
@@ -165,16 +167,16 @@ def test_pooled_rounds_rest_the_p99_on_every_round_s_requests() -> None:
 
     alone = [5.0 + 0.01 * i for i in range(240)]  # 5.00 .. 7.39 ms
     rounds = [with_latencies(alone, [v * 1.2 for v in alone]) for _ in range(3)]
-    pooled = scenarios.pool_online(rounds)
+    pooled = online_scoring.pool_online(rounds)
     assert pooled["alone"]["n"] == 720 and pooled["setups"]["unisched user"]["n"] == 720
     s = pooled["setups"]["unisched user"]
     assert s["p99_x_alone"] == pytest.approx(1.2, rel=1e-3)
     assert s["p99_x_bounds"][0] > 1.05 and s["resolution"] == "above the target"
     assert "MPS" not in pooled["setups"]  # it failed: no requests to pool
-    table = "\n".join(scenarios.online_md({"rate": 20, "batches": {"1": {"derived": {
-        **scenarios.combine_online([scenarios.derive_online(r) for r in rounds]), "pooled": pooled}}}}))
+    table = "\n".join(online_report.online_md({"rate": 20, "batches": {"1": {"derived": {
+        **online_scoring.combine_online([online_scoring.derive_online(r) for r in rounds]), "pooled": pooled}}}}))
     assert "| 1 | unisched user | 720 | 8.84 (" in table and "| above the target |" in table
-    assert scenarios.pool_online([online_runs(9.4, 1250.0)]) == {"alone": None, "setups": {}}  # older reports
+    assert online_scoring.pool_online([online_runs(9.4, 1250.0)]) == {"alone": None, "setups": {}}  # older reports
 
 
 def test_a_late_trainer_counts_only_the_requests_that_met_it() -> None:
@@ -188,12 +190,12 @@ def test_a_late_trainer_counts_only_the_requests_that_met_it() -> None:
                    "window": {"timeline": [[0.05 + 0.5 * k, 10 * k] for k in range(24)]}})
     offline = runs["unisched user"]["tenants"][1]["report"]
     offline["window"] = {"late_s": 5.3, "timeline": [[5.3 + 0.5 * k, 600 * k] for k in range(14)]}  # 1200 img/s
-    s = scenarios.derive_online(runs)["setups"]["unisched user"]
+    s = online_scoring.derive_online(runs)["setups"]["unisched user"]
     assert s["common_window"] == [5.3, pytest.approx(11.55)]
     assert s["offline_kept"] == pytest.approx(1200 / 1500)
     assert s["p50_ms"] > 11.0 and s["p99_ms"] > 13.0  # no 5 ms request left (all 240: p50 ~5 ms)
     runs["alone-online"]["tenants"][0]["report"]["latencies_ms"] = [5.0] * 240
-    pooled = scenarios.pool_online([runs])
+    pooled = online_scoring.pool_online([runs])
     assert pooled["setups"]["unisched user"]["n"] == sum(1 for a in arrivals if 5.3 <= a <= 11.55)
 
 
@@ -223,11 +225,11 @@ def test_online_batches_run_in_separate_invocations_add_up(tmp_path: Path) -> No
 @pytest.mark.parametrize(("p99", "spread", "says"), [(9.0, 0.01, "below the target"), (9.4, 0.2, "cannot tell"),
                                                      (12.0, 0.05, "above the target")])
 def test_p99_bounds_say_whether_the_runs_can_tell(p99: float, spread: float, says: str) -> None:
-    s = scenarios.derive_online(online_runs(p99, 1250.0, spread))["setups"]["unisched user"]
+    s = online_scoring.derive_online(online_runs(p99, 1250.0, spread))["setups"]["unisched user"]
     lo, hi = s["p99_x_bounds"]
     assert lo == pytest.approx(p99 * (1 - spread) / (9.0 * (1 + spread)))
     assert hi == pytest.approx(p99 * (1 + spread) / (9.0 * (1 - spread)))
-    assert scenarios.p99_resolution(s["p99_x_bounds"]) == says
+    assert online_scoring.p99_resolution(s["p99_x_bounds"]) == says
 
 
 def test_reports_without_intervals_have_no_bounds() -> None:
@@ -235,7 +237,7 @@ def test_reports_without_intervals_have_no_bounds() -> None:
     for run in (runs["alone-online"], runs["unisched user"]):
         for t in run["tenants"]:
             (t["report"].get("latency_ms") or {}).pop("p99_lo", None)
-    assert scenarios.derive_online(runs)["setups"]["unisched user"]["p99_x_bounds"] is None
+    assert online_scoring.derive_online(runs)["setups"]["unisched user"]["p99_x_bounds"] is None
 
 
 @pytest.mark.parametrize(("setup", "trainer_var", "value"), [("MPS", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "30"),
@@ -272,9 +274,9 @@ def test_the_online_clients_lease_wait_is_shown_and_kept() -> None:
     runs = online_runs(9.4, 1250.0)
     online = next(t for t in runs["unisched user"]["tenants"] if t["name"] == "online")
     online["report"]["lease_wait_ms"] = {"p50": 0.41, "p99": 1.2}
-    assert "(lease wait p50 0.41 p99 1.20 ms)" in scenarios.online_line(runs["unisched user"])
-    assert scenarios.derive_online(runs)["setups"]["unisched user"]["lease_wait_ms"]["p99"] == 1.2
-    assert "lease wait" not in scenarios.online_line(runs["alone-online"])
+    assert "(lease wait p50 0.41 p99 1.20 ms)" in online_report.online_line(runs["unisched user"])
+    assert online_scoring.derive_online(runs)["setups"]["unisched user"]["lease_wait_ms"]["p99"] == 1.2
+    assert "lease wait" not in online_report.online_line(runs["alone-online"])
 
 
 def test_the_pausing_setup_runs_the_user_engine_with_a_pausing_trainer(tmp_path: Path,
