@@ -26,217 +26,67 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shlex
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
 from _results import save_json, utc_now, write_atomic
+from pairs_calibration import (
+    check_contention_dir,
+    device_warnings,
+    gpu0_name,
+    kept_fractions,
+    prepare_clip,
+    prepare_render,
+    render_calibration_wanted,
+    render_iterations_used,
+    write_contention_file,
+)
+from pairs_plan import (
+    ROOT,
+    WORKLOADS,
+    Pair,
+    derive_pair,
+    estimate_seconds,
+    kind_pairs,
+    parse_pairs,
+    run_seconds,
+    solo_drift,
+    solo_kinds,
+)
 from pairs_report import combine_rounds, fmt, fmt_tp, render_markdown, render_rounds_markdown, save
 from pairs_runs import (
-    LOG_TAIL_CHARS,
     Config,
     Daemon,
     DaemonError,
     GroupResult,
     Progress,
     TenantSpec,
-    read_report,
     run_group,
-    tail,
 )
 
-from unisched.calibrate.fit import CalibrationError, Measured
-from unisched.calibrate.fit import kept_fractions as fit_kept_fractions
 from unisched.scheduler.contention_file import (
     CONTENTION_FILE,
     ContentionFileError,
-    contention_path,
     make_entry,
-    read_file,
-    write_entry,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = {
-    "cuda": ROOT / "examples" / "workloads" / "cuda_matmul.py",
-    "render": ROOT / "examples" / "workloads" / "egl_render.py",
-    "nvdec": ROOT / "examples" / "04_nvdec_decode.py",  # H.264 decode on NVDEC (PyAV), the same window contract
-}
-PAIR_KINDS = {
-    "cuda": ("cuda", "cuda"), "cuda+cuda": ("cuda", "cuda"),
-    "render": ("render", "render"), "render+render": ("render", "render"),
-    "mixed": ("cuda", "render"), "cuda+render": ("cuda", "render"),
-    "nvdec": ("nvdec", "nvdec"), "nvdec+nvdec": ("nvdec", "nvdec"),
-}
 DEFAULT_PAIRS = "cuda3:1,render1:1,render3:1,mixed1:1,mixed1:3"
-RUN_OVERHEAD_S = 3.0  # per run, beyond warmup + seconds: process exit, reading reports
-DAEMON_OVERHEAD_S = 3.0  # per unisched run: daemon start-up and SIGTERM
-CALIBRATION_S = 10.0
 DEFAULT_UNISCHED_WARMUP_S = 15.0  # a low-weight tenant is frozen for most of its own start-up
 SOLO_DRIFT_WARN = 0.10  # a solo run after the shared ones this far from the one before is reported
-CLIP_TIMEOUT_S = 300.0
-CLIP_CODE = ("import pathlib, runpy, sys; sys.path.insert(0, str(pathlib.Path(sys.argv[1]).parent)); "
-             "g = runpy.run_path(sys.argv[1]); clip = g['DEFAULT_CLIP']; "
-             "print(clip); print('kept' if clip.exists() else 'made with ' + g['make_clip'](clip))")
-"""Run with the NVDEC example's path: its test clip (DEFAULT_CLIP), made by its make_clip where it is not there yet
-(on the CPU: a run that made it would spend its window on it); prints the clip's path, then how it came to be."""
 TIME_BUDGET_S = 540.0  # the whole invocation must fit a 10-minute device call with room to spare
 
 
 # -------------------------------------------------------------------------------------- the plan
 
 
-@dataclass(frozen=True)
-class Pair:
-    """Two tenants and the weights they should share the GPU by."""
-
-    kinds: tuple[str, str]
-    weights: tuple[float, float]
-
-    @property
-    def kinds_key(self) -> str:
-        return "+".join(self.kinds)
-
-    @property
-    def key(self) -> str:
-        return f"{self.kinds_key} {self.weights[0]:g}:{self.weights[1]:g}"
-
-    @classmethod
-    def from_key(cls, key: str) -> Pair:
-        """The inverse of `key` ('cuda+render 1:1'), as results.json names its pairs."""
-        kinds, weights = key.rsplit(" ", 1)
-        ka, kb = kinds.split("+")
-        a, b = (float(w) for w in weights.split(":"))
-        return cls((ka, kb), (a, b))
-
-
-def parse_pairs(text: str) -> list[Pair]:
-    """'cuda3:1,render1:1,mixed1:3' -> pairs; kinds cuda, render, mixed (= cuda+render)."""
-    pairs: list[Pair] = []
-    for token in filter(None, (t.strip() for t in text.split(","))):
-        m = re.fullmatch(r"([a-z+]+?)(\d+):(\d+)", token)
-        if not m or m.group(1) not in PAIR_KINDS:
-            raise ValueError(f"bad pair {token!r}: expected KINDSa:b (integer weights, as unisched "
-                             f"takes) with KINDS one of "
-                             f"{', '.join(PAIR_KINDS)} (e.g. cuda3:1, mixed1:3)")
-        a, b = int(m.group(2)), int(m.group(3))
-        if a <= 0 or b <= 0:
-            raise ValueError(f"bad pair {token!r}: weights must be positive")
-        pair = Pair(PAIR_KINDS[m.group(1)], (a, b))
-        if pair not in pairs:
-            pairs.append(pair)
-    if not pairs:
-        raise ValueError("no pairs selected")
-    return pairs
-
-
-def solo_kinds(pairs: list[Pair]) -> list[str]:
-    return sorted({k for p in pairs for k in p.kinds})
-
-
-def kind_pairs(pairs: list[Pair]) -> list[tuple[str, str]]:
-    """Distinct pairs of kinds, in first-seen order: each runs once with no scheduler."""
-    seen: list[tuple[str, str]] = []
-    for p in pairs:
-        if p.kinds not in seen:
-            seen.append(p.kinds)
-    return seen
-
-
-def run_seconds(cfg: Config, daemon: bool = False) -> float:
-    """What one run is budgeted: its warm-up and window, overheads, and a daemon's start and stop."""
-    if daemon:
-        return cfg.unisched_warmup + cfg.seconds + RUN_OVERHEAD_S + DAEMON_OVERHEAD_S
-    return cfg.warmup + cfg.seconds + RUN_OVERHEAD_S
-
-
-def estimate_seconds(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, repeat: int = 1,
-                     solo_after: bool = False) -> float:
-    per_round = (len(solo_kinds(pairs)) * (2 if solo_after else 1) + len(kind_pairs(pairs))) * run_seconds(cfg)
-    per_round += (len(pairs) * run_seconds(cfg, daemon=True)) if unisched else 0.0
-    return repeat * per_round + (CALIBRATION_S if calibrate else 0.0)
-
-
 # -------------------------------------------------------------------------------------- calibration
-
-
-def calibrate_render(cfg: Config, target_fps: float) -> dict[str, Any]:
-    """Find the render --iterations giving ~target_fps alone, so frames stay ~1/target_fps long."""
-    report_path = cfg.work_dir / "render-calibration.json"
-    log = cfg.work_dir / "render-calibration.log"
-    argv = [*cfg.workload_cmd["render"], "--calibrate-fps", f"{target_fps:g}",
-            "--report", str(report_path)]
-    with log.open("wb") as out:
-        try:
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=cfg.env, timeout=90)
-            rc: int | None = done.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    report, error = read_report(report_path)
-    return {"argv": argv, "rc": rc, "report": report, "error": error if rc == 0 else
-            f"calibration failed (rc {rc}): {tail(log, 1500)}"}
-
-
-def render_calibration_wanted(cfg: Config, render_fps: float, render_iterations: int | None) -> bool:
-    """Calibrate the real render workload unless it is replaced, given fixed iterations, or fps is 0.
-
-    Fixed iterations are applied to cfg here (the real workload only: a replacement gets none).
-    """
-    if render_iterations is not None and not cfg.custom_cmd["render"]:
-        cfg.kind_args["render"] = ["--iterations", str(render_iterations)]
-    return not cfg.custom_cmd["render"] and render_iterations is None and render_fps > 0
-
-
-def render_iterations_used(cfg: Config) -> int | None:
-    """The --iterations every render run gets (None: the workload's default, or a replacement command)."""
-    extra = cfg.kind_args.get("render", [])
-    return int(extra[extra.index("--iterations") + 1]) if "--iterations" in extra else None
-
-
-def prepare_clip(cfg: Config, pairs: list[Pair], progress: Progress) -> str | None:
-    """Have the NVDEC test clip before the first run (CLIP_CODE: the example's own, made once and kept across runs and
-    rounds) and give it to every NVDEC run. Returns why it could not be had; None where it was, or where no run
-    decodes with the example (a replacement command)."""
-    if "nvdec" not in solo_kinds(pairs) or cfg.custom_cmd["nvdec"]:
-        return None
-    t0 = time.monotonic()
-    try:
-        done = subprocess.run([cfg.python, "-c", CLIP_CODE, str(WORKLOADS["nvdec"])], capture_output=True,
-                              text=True, cwd=ROOT, env=cfg.env, timeout=CLIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return f"making the NVDEC test clip took over {CLIP_TIMEOUT_S:g} s"
-    path, _, how = done.stdout.strip().partition("\n")
-    if done.returncode != 0 or not path or not Path(path).is_file():
-        return f"making the NVDEC test clip failed (rc {done.returncode}): {done.stderr.strip()[-LOG_TAIL_CHARS:]}"
-    cfg.kind_args["nvdec"] = ["--clip", path]
-    progress.note(f"NVDEC test clip {path}: {how} ({time.monotonic() - t0:.0f} s)")
-    return None
-
-
-def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[dict[str, Any], int | None]:
-    """Run the render calibration; on success use its --iterations for every later render run.
-
-    Returns the calibration record and the iterations (None when it failed: render runs are then skipped).
-    """
-    progress.step(f"render calibration to ~{render_fps:g} frames/s alone")
-    cal = calibrate_render(cfg, render_fps)
-    if cal["report"] and cal["rc"] == 0:
-        iters = int(cal["report"]["iterations"])
-        cfg.kind_args["render"] = ["--iterations", str(iters)]
-        progress.note(f"  -> --iterations {iters} ({cal['report']['fps']:.1f} frames/s)")
-        return cal, iters
-    progress.note(f"  -> FAILED: {cal['error']}")
-    return cal, None
 
 
 # ---------------------------------------------------------------------------- the contention file
@@ -245,129 +95,7 @@ def prepare_render(cfg: Config, render_fps: float, progress: Progress) -> tuple[
 # the format; the daemon reads it at start and derives its map with unisched.policy.contention.ContentionMap.from_kept).
 
 
-def gpu0_name() -> str | None:
-    """GPU 0's name exactly as `nvidia-smi --query-gpu=name` prints it (NVML's name: the daemon's key), or None."""
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-                              capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = [line.strip() for line in done.stdout.splitlines() if line.strip()]
-    return lines[0] if done.returncode == 0 and lines else None
-
-
-def _measured(group: GroupResult, kind: str) -> Measured:
-    """The run's first tenant of this kind, as the calibration's fit takes it."""
-    for t in group.tenants:
-        if t.kind == kind and t.throughput is not None:
-            timeline = ((t.report or {}).get("window") or {}).get("timeline") or []
-            return Measured(kind, t.throughput, tuple((float(a), float(b)) for a, b in timeline))
-    raise ContentionFileError(f"{group.setup} {group.label}: no {kind} throughput")
-
-
-def kept_fractions(solo_cuda: GroupResult, solo_render: GroupResult,
-                   together: GroupResult) -> tuple[float, float]:
-    """(compute_kept, graphics_kept) = throughput together (over the seconds both ran) / alone: `unisched
-    calibrate`'s fit (unisched.calibrate.fit) of these runs."""
-    shared = [_measured(together, "cuda"), _measured(together, "render")]
-    try:
-        return fit_kept_fractions(_measured(solo_cuda, "cuda"), _measured(solo_render, "render"), shared)
-    except CalibrationError as exc:
-        raise ContentionFileError(str(exc)) from exc
-
-
-def device_warnings(gpu: str, groups: list[GroupResult]) -> list[str]:
-    """Reports that name a device other than the GPU the calibration is filed under (real workloads only)."""
-    out = []
-    for group in groups:
-        for t in group.tenants:
-            rep = t.report or {}
-            for key in ("device_name", "gl_renderer"):  # cuda_matmul.py: torch's name; egl_render.py: GL's
-                seen = rep.get(key)
-                if seen is not None and not str(seen).startswith(gpu):
-                    out.append(f"{group.setup} {group.label} / {t.name}: ran on {seen!r}, but the calibration "
-                               f"is filed under {gpu!r}")
-    return out
-
-
-def check_contention_dir(state_dir: Path) -> None:
-    """Fail before any measuring if the file could not be written or merged later."""
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ContentionFileError(f"cannot create {state_dir}: {exc}") from exc
-    if not os.access(state_dir, os.W_OK | os.X_OK):
-        raise ContentionFileError(f"{state_dir} is not writable (the daemon's default needs root)")
-    read_file(contention_path(state_dir))
-
-
-def write_contention_file(state_dir: Path, gpu: str, entry: dict[str, Any]) -> Path:
-    """Merge `entry` for `gpu` into STATE_DIR/contention.json (other GPUs kept), atomically."""
-    path = contention_path(state_dir)
-    write_entry(path, gpu, entry)
-    return path
-
-
 # ------------------------------------------------------------------------------------------ scoring
-
-
-def score_setup(throughput: list[float | None], solo: list[float | None], weights: tuple[float, float],
-                contending: bool | None = None, no_sched: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Normalized numbers, error, sum, guarantee (and the verdict when `contending` is given; `no_sched`, the
-    no-scheduler run's own scores, gives an overlapping pair its yardstick and the bound any mix could reach)."""
-    if any(t is None for t in throughput) or any(not s for s in solo):
-        return None
-    norm = [scoring.normalized(t, s) for t, s in zip(throughput, solo, strict=True)]  # type: ignore[arg-type]
-    out: dict[str, Any] = {
-        "throughput": throughput, "normalized": norm,
-        "error_pts": scoring.error_points(norm, weights), "efficiency": scoring.efficiency(norm),
-        "guarantee": scoring.guarantee_ok(norm, weights),
-    }
-    if contending is not None:
-        bound = None if contending or no_sched is None else scoring.overlap_bound(no_sched["normalized"], weights)
-        if bound is not None:
-            out["overlap_bound"] = bound
-        v = scoring.verdict(norm, weights, contending, no_sched["efficiency"] if no_sched else None, bound)
-        out["verdict"] = {"passed": v.passed, "label": v.label(), "reasons": list(v.reasons),
-                          "contending": v.contending}
-    return out
-
-
-def solo_reference(kind: str, solo: dict[str, GroupResult], solo_after: dict[str, GroupResult]) -> float | None:
-    """A kind's throughput alone: the mean of its solo runs before and after the shared ones (--solo-after), so
-    that a reference which drifts while they run (the H200 VM's CPU-bound trainer: 1322-2109 img/s in one
-    session) is met halfway; the run before alone without them."""
-    got = [g.throughputs()[0] for g in (solo.get(kind), solo_after.get(kind)) if g is not None]
-    ok = [t for t in got if t]
-    return sum(ok) / len(ok) if ok else None
-
-
-def solo_drift(kind: str, solo: dict[str, GroupResult], solo_after: dict[str, GroupResult]) -> float | None:
-    """How far the solo run after the shared ones moved from the one before (after / before - 1)."""
-    if kind not in solo or kind not in solo_after:
-        return None
-    before, after = solo[kind].throughputs()[0], solo_after[kind].throughputs()[0]
-    return after / before - 1.0 if before and after is not None else None
-
-
-def derive_pair(pair: Pair, solo: dict[str, GroupResult], nosched: dict[str, GroupResult],
-                unisched: dict[str, GroupResult], solo_after: dict[str, GroupResult] | None = None) -> dict[str, Any]:
-    """Everything the table shows for one pair, from the raw runs (None where a run is missing)."""
-    solo_tp = [solo_reference(k, solo, solo_after or {}) for k in pair.kinds]
-    units = [(solo[k].tenants[0].report or {}).get("unit", "") if k in solo else "" for k in pair.kinds]
-    ns_run = nosched.get(pair.kinds_key)
-    ns = score_setup(ns_run.throughputs(), solo_tp, pair.weights) if ns_run else None
-    if ns is not None:
-        contending, source = scoring.contends(ns["efficiency"]), "no-scheduler run"
-    else:  # no reference run: same-kind pairs contend, by construction of the workloads
-        contending, source = pair.kinds[0] == pair.kinds[1], "assumed from the kinds"
-    us_run = unisched.get(pair.key)
-    us = None
-    if us_run is not None:
-        us = score_setup(us_run.throughputs(), solo_tp, pair.weights, contending, ns)
-    return {"pair": pair.key, "kinds": list(pair.kinds), "weights": list(pair.weights),
-            "units": units, "solo": solo_tp, "contending": contending, "contending_from": source,
-            "no_scheduler": ns, "unisched": us}
 
 
 def gpu_name() -> str:
@@ -810,8 +538,6 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
                                            "the shared ones; normalized against their mean")
     save(out, results)
     return results
-
-
 
 
 if __name__ == "__main__":

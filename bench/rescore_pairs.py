@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_pairs as gp
+import pairs_calibration
+import pairs_plan
 from pairs_report import fmt
 from pairs_runs import GroupResult
 
@@ -32,8 +33,8 @@ SECTIONS = ("solo", "solo_after", "no_scheduler", "unisched")
 
 def rescore(results: dict[str, Any]) -> dict[str, Any]:
     runs = {s: {k: GroupResult.from_json(v) for k, v in (results.get(s) or {}).items()} for s in SECTIONS}
-    pairs = [gp.Pair.from_key(p["pair"]) for p in results.get("pairs", [])]
-    new = [gp.derive_pair(p, runs["solo"], runs["no_scheduler"], runs["unisched"], runs["solo_after"]) for p in pairs]
+    pairs = [pairs_plan.Pair.from_key(p["pair"]) for p in results.get("pairs", [])]
+    new = [pairs_plan.derive_pair(p, runs["solo"], runs["no_scheduler"], runs["unisched"], runs["solo_after"]) for p in pairs]
     out: dict[str, Any] = {"pairs": new, "common_windows": {}, "kept": None}
     for s in ("no_scheduler", "unisched"):
         for key, g in runs[s].items():
@@ -42,7 +43,7 @@ def rescore(results: dict[str, Any]) -> dict[str, Any]:
     solo, together = runs["solo"], runs["no_scheduler"].get("cuda+render")
     if together is not None and "cuda" in solo and "render" in solo:
         try:
-            out["kept"] = [round(k, 4) for k in gp.kept_fractions(solo["cuda"], solo["render"], together)]
+            out["kept"] = [round(k, 4) for k in pairs_calibration.kept_fractions(solo["cuda"], solo["render"], together)]
         except ContentionFileError as e:
             out["kept_error"] = str(e)
     return out

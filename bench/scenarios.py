@@ -37,12 +37,12 @@ import gpu_pairs as gp
 from _results import save_json, utc_now
 from online_report import online_line, summary, write_outputs
 from online_scoring import INTERLEAVE_GUARD_S, ONLINE_SETUPS, derive_batch
+from pairs_plan import ROOT
 from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_group
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
 
-ROOT = gp.ROOT
 EX = ROOT / "examples"
 
 SCENARIOS = ("online",)

@@ -36,6 +36,8 @@ def _load(name: str) -> ModuleType:
 gp = _load("gpu_pairs")
 runs = sys.modules["pairs_runs"]  # the runs gpu_pairs makes
 scoring = sys.modules["scoring"]  # the module gpu_pairs scores with
+pairs_plan = sys.modules["pairs_plan"]  # its pairs and what their runs derive
+pairs_calibration = sys.modules["pairs_calibration"]  # what it prepares, and the contention file
 
 
 def standin_args(paced: bool = False) -> list[str]:
@@ -73,14 +75,14 @@ def _group(setup: str, *tenants: tuple[str, float | None]) -> Any:
 
 
 def test_kept_fractions() -> None:
-    kept = gp.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
+    kept = pairs_calibration.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
                              _group("no scheduler", ("cuda", 82.9), ("render", 31.1)))
     assert kept == pytest.approx((0.13712, 0.86630), abs=1e-4)
-    with pytest.raises(gp.ContentionFileError):
-        gp.kept_fractions(_group("alone", ("cuda", 0.0)), _group("alone", ("render", 35.9)),
+    with pytest.raises(pairs_calibration.ContentionFileError):
+        pairs_calibration.kept_fractions(_group("alone", ("cuda", 0.0)), _group("alone", ("render", 35.9)),
                           _group("no scheduler", ("cuda", 82.9), ("render", 31.1)))
-    with pytest.raises(gp.ContentionFileError):
-        gp.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
+    with pytest.raises(pairs_calibration.ContentionFileError):
+        pairs_calibration.kept_fractions(_group("alone", ("cuda", 604.6)), _group("alone", ("render", 35.9)),
                           _group("no scheduler", ("cuda", 82.9), ("render", None)))
 
 
@@ -104,7 +106,7 @@ def test_a_late_partner_is_scored_over_the_seconds_both_ran() -> None:
     cuda, render = together.throughputs()
     assert cuda == pytest.approx(330.0, rel=0.01) and render == pytest.approx(31.5, rel=0.01)
     assert together.tenants[1].throughput == pytest.approx(32.8, abs=0.3)  # what the whole window said
-    kept = gp.kept_fractions(_group("alone", ("cuda", 1650.0)), _group("alone", ("render", 35.8)), together)
+    kept = pairs_calibration.kept_fractions(_group("alone", ("cuda", 1650.0)), _group("alone", ("render", 35.8)), together)
     assert kept == pytest.approx((0.2, 0.88), abs=0.005)
     assert together.to_json()["common_window"] == [4.5, 12.0]
     assert runs.GroupResult.from_json(together.to_json()).throughputs() == together.throughputs()
@@ -134,10 +136,10 @@ def test_a_run_that_measured_a_sliver_of_its_window_gives_no_rate() -> None:
     assert errors == ["alone nvdec / a-nvdec: measured 0.3 s of its 15 s window (started 14.7 s late): no rate is "
                       "taken from this run"]
     assert warnings == []
-    assert gp.solo_reference("nvdec", {"nvdec": sliver}, {}) is None
-    (pair,) = gp.parse_pairs("nvdec1:1")
+    assert pairs_plan.solo_reference("nvdec", {"nvdec": sliver}, {}) is None
+    (pair,) = pairs_plan.parse_pairs("nvdec1:1")
     shared = runs.GroupResult("nvdec+nvdec", "unisched", [decoder(15.0, 0.0), decoder(15.0, 0.0)], 0.0, 27.0)
-    assert gp.derive_pair(pair, {"nvdec": sliver}, {}, {pair.key: shared})["unisched"] is None
+    assert pairs_plan.derive_pair(pair, {"nvdec": sliver}, {}, {pair.key: shared})["unisched"] is None
     enough = runs.GroupResult("nvdec", "alone", [decoder(7.6, 7.4)], 0.0, 20.6)  # half of it and more: a rate
     assert enough.throughputs() == [462.1]
 
@@ -162,8 +164,8 @@ def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkey
                         f"    return {encoder!r}\n")
         return path
 
-    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example("decode", "libx264"))
-    pairs = gp.parse_pairs("nvdec1:1")
+    monkeypatch.setitem(pairs_plan.WORKLOADS, "nvdec", example("decode", "libx264"))
+    pairs = pairs_plan.parse_pairs("nvdec1:1")
     progress = runs.Progress(1)
 
     def config(work: Path, nvdec_cmd: str | None = None) -> Any:
@@ -171,28 +173,28 @@ def test_nvdec_runs_decode_one_clip_made_before_the_first(tmp_path: Path, monkey
                              workload_cmd_render=None, workload_cmd_nvdec=nvdec_cmd)
 
     cfg = config(tmp_path / "work")
-    assert gp.prepare_clip(cfg, pairs, progress) is None
+    assert pairs_calibration.prepare_clip(cfg, pairs, progress) is None
     assert clip.read_bytes() == b"clip"
     argv = runs.workload_argv(cfg, "nvdec", tmp_path / "r.json", 0.0)
     assert argv[argv.index("--clip") + 1] == str(clip)
     assert "--clip" not in runs.workload_argv(cfg, "cuda", tmp_path / "r.json", 0.0)
     again = config(tmp_path / "round-2")
-    assert gp.prepare_clip(again, pairs, progress) is None
+    assert pairs_calibration.prepare_clip(again, pairs, progress) is None
     assert again.kind_args["nvdec"] == ["--clip", str(clip)] and made.read_text() == "x"  # made once
     custom = config(tmp_path / "custom", "my-decoder --fast")
-    assert gp.prepare_clip(custom, pairs, progress) is None and "nvdec" not in custom.kind_args
-    assert gp.prepare_clip(config(tmp_path / "none"), gp.parse_pairs("cuda1:1"), progress) is None
+    assert pairs_calibration.prepare_clip(custom, pairs, progress) is None and "nvdec" not in custom.kind_args
+    assert pairs_calibration.prepare_clip(config(tmp_path / "none"), pairs_plan.parse_pairs("cuda1:1"), progress) is None
     clip.unlink()
-    monkeypatch.setitem(gp.WORKLOADS, "nvdec", example("broken", "none"))
+    monkeypatch.setitem(pairs_plan.WORKLOADS, "nvdec", example("broken", "none"))
     broken = config(tmp_path / "broken")
-    why = gp.prepare_clip(broken, pairs, progress)
+    why = pairs_calibration.prepare_clip(broken, pairs, progress)
     assert why is not None and why.startswith("making the NVDEC test clip failed (rc 1)") and "no CPU H.264" in why
     assert "nvdec" not in broken.kind_args
 
 
 def test_pair_keys_round_trip() -> None:
-    for pair in gp.parse_pairs("cuda3:1,render1:1,mixed1:3"):
-        assert gp.Pair.from_key(pair.key) == pair
+    for pair in pairs_plan.parse_pairs("cuda3:1,render1:1,mixed1:3"):
+        assert pairs_plan.Pair.from_key(pair.key) == pair
 
 
 def test_rescore_pairs_scores_a_committed_run_over_the_seconds_both_ran(tmp_path: Path) -> None:
@@ -201,7 +203,7 @@ def test_rescore_pairs_scores_a_committed_run_over_the_seconds_both_ran(tmp_path
     together = runs.GroupResult("cuda+render", "no scheduler", [_timed("cuda", 4.5, 330.0, 330.0, 0.0),
                                                                _timed("render", 0.0, 35.0, 31.5, 4.5)], 0.0, 0.0)
     solo = {"cuda": _group("alone", ("cuda", 1650.0)), "render": _group("alone", ("render", 35.8))}
-    pair = gp.parse_pairs("mixed1:1")[0]
+    pair = pairs_plan.parse_pairs("mixed1:1")[0]
     as_measured = {"solo": {k: g.to_json() for k, g in solo.items()}, "no_scheduler": {"cuda+render": together.to_json()},
                    "unisched": {}, "pairs": [{"pair": pair.key, "no_scheduler": {"normalized": [0.2, 0.93], "efficiency": 1.13}}]}
     new = rescore_pairs.rescore(json.loads(json.dumps(as_measured)))
@@ -236,7 +238,7 @@ def test_default_full_run_fits_one_device_call(tmp_path: Path) -> None:
     assert (args.seconds, args.warmup, args.unisched_warmup) == (20.0, 5.0, 15.0)
     cfg = gp.make_config(args)
     # 2 alone + 3 no scheduler at 5 + 20 + 3 s, 5 unisched at 15 + 20 + 3 + 3 s, 10 s render calibration.
-    est = gp.estimate_seconds(cfg, args.pair_list, unisched=True, calibrate=True)
+    est = pairs_plan.estimate_seconds(cfg, args.pair_list, unisched=True, calibrate=True)
     assert est == pytest.approx(355.0)
     assert est <= gp.TIME_BUDGET_S
 
@@ -394,10 +396,10 @@ def test_solo_reference_is_the_mean_of_before_and_after() -> None:
         report = None if tp is None else {"throughput": tp}
         return runs.GroupResult("x", "alone", [runs.TenantResult("t", "cuda", None, [], 0, report, "", None)], 0.0, 1.0)
 
-    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == 1700.0
-    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {}) == 1300.0
-    assert gp.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(None)}) == 1300.0  # a failed rerun
-    assert gp.solo_drift("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == pytest.approx(0.615, abs=1e-3)
+    assert pairs_plan.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == 1700.0
+    assert pairs_plan.solo_reference("cuda", {"cuda": group(1300.0)}, {}) == 1300.0
+    assert pairs_plan.solo_reference("cuda", {"cuda": group(1300.0)}, {"cuda": group(None)}) == 1300.0  # a failed rerun
+    assert pairs_plan.solo_drift("cuda", {"cuda": group(1300.0)}, {"cuda": group(2100.0)}) == pytest.approx(0.615, abs=1e-3)
 
 
 def test_repeat_must_be_positive(tmp_path: Path) -> None:
