@@ -1,5 +1,5 @@
 """The benchmark suites of bench/run.py: per suite, the command(s) of one round, how their output becomes that round's
-cases and metrics, and the targets (issue 28's table). Declarations only: each script keeps its own logic.
+cases and metrics, and the targets (bench/README.md's table). Declarations only: each script keeps its own logic.
 
 A command's words may hold {py} (this Python), {out} (the step's raw folder, fresh per round) and {socket} (the
 socket of a fresh `unisched serve` started for that step alone, when the step names serve arguments). A reader

@@ -1,4 +1,4 @@
-"""bench/mixed_engines.py's render pairs (issue 29): frames under `FrameGate` (egl_render.py --client) against the
+"""bench/mixed_engines.py's render pairs: frames under `FrameGate` (egl_render.py --client) against the
 same render unmodified under `unisched run`, and two frame clients, beside the CUDA pairs, at the same weights.
 
 No GPU here: the pair list, the command line each member runs, the estimate the suite takes from it, verdicts

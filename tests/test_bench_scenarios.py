@@ -204,7 +204,7 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_every_example_explains_itself_without_a_gpu(name: str) -> None:
-    """Issue 5: each example runs on its own with --help (no GPU, no daemon needed to read it)."""
+    """Each example runs on its own with --help (no GPU, no daemon needed to read it)."""
     done = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr[-800:]

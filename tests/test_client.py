@@ -537,9 +537,9 @@ print(json.dumps({"requests": len(lat), "p50_ms": 1000 * lat[len(lat) // 2], "p9
 
 def test_preemptive_an_online_client_releasing_between_requests_leaves_the_gpu_to_the_offline_one(
         daemon_factory, tenant_prefix: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Issue 4 on a CPU: an online client that releases after each request is granted at once and the offline
-    one gets the rest. Before the fix the release's revoke made the client yield, the daemon read that as a
-    want, and the online tenant held a lease nobody used: the offline one ran little and requests waited."""
+    """On a CPU: an online client that releases after each request is granted at once and the offline one gets
+    the rest. A release's revoke must not make the client yield and the daemon read that as a want: the online
+    tenant would hold a lease nobody used, the offline one would run little and requests would wait."""
     d = daemon_factory("--mode", "preemptive", "--slice-ms", "50")
     script = tmp_path / "online.py"
     script.write_text(ONLINE_WORKER)

@@ -1,4 +1,4 @@
-"""The user docs stay short, linked and self-contained: README.md and docs/ (issue 28, Docs).
+"""The user docs stay short, linked and self-contained: README.md and docs/.
 
 Why: a README that grows back into a chronicle, a link to a moved page, or a picture whose source is lost are the
 ways these docs rot; each is cheap to catch here.

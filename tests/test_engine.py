@@ -284,7 +284,7 @@ def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
 
 
 def test_a_process_inside_an_adopted_tenant_joins_it_without_being_moved(tmp_path: Path) -> None:
-    """A client in a container of an adopted pod registers as the pod's tenant (issue 7): it is not moved into the
+    """A client in a container of an adopted pod registers as the pod's tenant: it is not moved into the
     pod-level cgroup (cgroup v2 forbids processes there) and, though not the owner, may join but not re-weight it."""
     rig = Rig(tmp_path)
     rig.driver.create("/kubepods.slice/pod-u1")

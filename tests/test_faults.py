@@ -1,4 +1,4 @@
-"""The daemon under faults (issue 6): real daemon subprocesses, real cgroups, real processes, except where the
+"""The daemon under faults: real daemon subprocesses, real cgroups, real processes, except where the
 fault is NVML's (no GPU here: a stub NVML module and fake telemetry drive the real engine code).
 
 Waits poll real conditions with deadlines (wait_until); the fixed sleeps are measurement windows or, in the

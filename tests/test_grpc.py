@@ -107,7 +107,7 @@ except DaemonError as e:
 
 
 def test_calls_that_wait_for_a_busy_loop_are_served_not_cancelled(server: InProcessServer) -> None:
-    """Issue 6: behind grpcio, calls that waited in gRPC core for a busy daemon loop were cancelled after 30 s.
+    """Behind grpcio, calls that waited in gRPC core for a busy daemon loop would be cancelled after 30 s.
     Served in the loop itself, calls that arrive while the loop is held are answered once it is free."""
     held, release = threading.Event(), threading.Event()
 
