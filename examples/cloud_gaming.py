@@ -71,6 +71,9 @@ from egl_render import EGLUnavailable
 
 SCENARIO = "cloud_gaming"
 LATE_S = 0.5  # an instance whose first frame came later than this into the window did not share it
+FINAL_LEAD_S = 1.0
+"""The daemon's final view is asked for this long before the window ends: a `unisched tenants` call is a Python
+start-up, and a player that has ended its window and exited is no longer a tenant to report on."""
 
 
 # ------------------------------------------------------------------------------------- the orchestrator
@@ -162,8 +165,8 @@ def orchestrate(args: argparse.Namespace,
         next_poll = start_at
         while any(c.proc.poll() is None for c in children) and time.time() < deadline:
             now = time.time()
-            if daemon is not None and final is None and now >= end_at:
-                final = daemon.tenants()  # at the end of the window, while the instances still hold their memory
+            if daemon is not None and final is None and now >= end_at - min(FINAL_LEAD_S, args.seconds / 4):
+                final = daemon.tenants()  # before the players end their window and exit (the daemon drops them)
             elif daemon is not None and args.daemon_poll > 0 and start_at <= now < end_at and now >= next_poll:
                 polls.append({"t": round(now - start_at, 2), "tenants": compact(daemon.tenants(), names)})
                 next_poll = now + args.daemon_poll
@@ -197,6 +200,12 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def last_polled(polls: list[dict[str, Any]], name: str | None) -> dict[str, Any] | None:
+    """A tenant's row in the latest poll that has it: where the final view came too late for a player that had
+    already exited, its last view during the window."""
+    return next((p["tenants"][name] for p in reversed(polls) if name in p["tenants"]), None)
+
+
 def write_summary(args: argparse.Namespace, children: list[Child], before: list[dict[str, Any]] | None,
                   final: list[dict[str, Any]] | None, polls: list[dict[str, Any]], caps_applied: dict[str, float],
                   errors: list[str | dict[str, Any]], start_at: float) -> dict[str, Any]:
@@ -208,7 +217,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         reports.append(r)
         rc = c.proc.poll()
         got = r or {"fps_mean": 0.0, "fps_min": 0.0, "frames": 0}  # a player that reported nothing showed nothing
-        row = daemon_row(final, c.tenant)
+        row = daemon_row(final, c.tenant) or last_polled(polls, c.tenant)
         entry: dict[str, Any] = {
             "index": c.index, "tenant": c.tenant, "rc": rc, "weight": weight_of(args, c.index),
             **{k: got.get(k) for k in ("pid", "fps_mean", "fps_min", "fps_1pct_low", "frame_time_p99_ms", "frames",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -33,6 +35,19 @@ def child_env() -> dict[str, str]:
     """The environment for child processes: this checkout first, whatever PYTHONPATH was set after it."""
     paths = [str(ROOT), str(ROOT / "clients"), os.environ.get("PYTHONPATH")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "UNISCHED_GOVERNED_DIR": str(GOVERNED_DIR)}
+
+
+@functools.cache
+def egl_reason() -> str | None:
+    """Why the EGL examples (cloud_gaming's players, ad_sim's sim stage) cannot run here, None when they can:
+    PyOpenGL, PyAV and numpy, and an EGL display that opens, a GPU's or Mesa's software rasterizer (llvmpipe), asked
+    of cloud_gaming's own probe role."""
+    for module in ("OpenGL", "av", "numpy"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} not installed (the test extra has it: pip install -e '.[test]')"
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "cloud_gaming.py"), "--role", "probe"],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    return None if p.returncode == 0 else f"no EGL display opens here: {(p.stderr or p.stdout).strip()[-300:]}"
 
 
 def subtree_for(prefix: str) -> str:

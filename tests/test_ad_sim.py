@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import ROOT, Daemon, child_env
+from conftest import ROOT, Daemon, child_env, egl_reason
 from test_gpu import _gpu_reason
 
 SCRIPT = ROOT / "examples" / "ad_sim.py"
@@ -206,6 +206,31 @@ def test_a_failing_stage_fails_the_run_with_its_log_tail(tmp_path: Path) -> None
     assert failures and "error" in failures[0].lower(), r["errors"]
     assert "FAILED" in p.stdout
     assert (tmp_path / "work" / "perception.log").exists()
+
+
+# --------------------------------------------------------------- the sim stage on any EGL, Mesa's software one included
+
+
+@pytest.mark.skipif(egl_reason() is not None, reason=str(egl_reason()))
+def test_the_sim_stage_renders_and_encodes_a_whole_stream(tmp_path: Path) -> None:
+    """The sim's real pipeline (EGL render, read-back, H.264 encode, framing) into a file, as the sequential mode
+    writes it: one packet per frame, each with its times in order, the frames of its window flagged, then the end."""
+    out, report = tmp_path / "frames.h264", tmp_path / "sim.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--role", "sim", "--output", str(out), "--seconds", "1",
+                        "--warmup", "0.5", "--width", "320", "--height", "240", "--iterations", "2", "--report",
+                        str(report)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=child_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(report.read_text())
+    with out.open("rb") as f:
+        messages = list(iter(lambda: ads.read_message(f), None))
+    *frames, (eos, _) = messages
+    assert eos.flags & ads.FLAG_EOS and r["encoder"]
+    assert len(frames) == r["packets_sent"] == r["frames_rendered"] > 0  # no B-frames: a packet per frame
+    assert all(h.t_render_start <= h.t_render_end <= h.t_encode_end and data for h, data in frames)
+    measured = [h for h, _ in frames if h.flags & ads.FLAG_MEASURED]
+    window = r["window"]
+    assert len(measured) == r["measured_frames"] > 0
+    assert all(window["start"] < h.t_encode_end <= window["end"] for h in measured)
 
 
 # ------------------------------------------------------------------------------------------------ GPU machine

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import ROOT, Daemon, child_env
+from conftest import ROOT, Daemon, child_env, egl_reason
 from test_gpu import _gpu_reason
 
 
@@ -32,6 +32,7 @@ def _load() -> ModuleType:
 cg = _load()
 import _children as children  # noqa: E402  (examples/workloads, on the path once the example is loaded)
 import _cloud_daemon as cloud_daemon  # noqa: E402
+import _cloud_player as player  # noqa: E402
 import _pacing as pacing  # noqa: E402
 
 REPORT_KEYS = {"scenario", "instances", "unisched", "memory_cap", "fps_target", "width", "height", "encoder",
@@ -101,6 +102,14 @@ def test_fairness_is_min_over_max() -> None:
     assert pacing.fairness([60.0, 60.0]) == 1.0
     assert pacing.fairness([0.0, 0.0]) == 0.0
     assert pacing.fairness([]) is None
+
+
+def test_a_player_gone_from_the_final_view_keeps_its_last_polled_row() -> None:
+    polls = [{"t": 0.0, "tenants": {"cg-0": {"over_memory": False}, "cg-1": {"over_memory": False}}},
+             {"t": 2.0, "tenants": {"cg-0": {"over_memory": True, "refusals": {"memory": 1}}}}]
+    assert cg.last_polled(polls, "cg-0") == {"over_memory": True, "refusals": {"memory": 1}}
+    assert cg.last_polled(polls, "cg-1") == {"over_memory": False}
+    assert cg.last_polled(polls, "cg-2") is None and cg.last_polled([], "cg-0") is None
 
 
 def test_refusals_are_counted_for_this_run_only() -> None:
@@ -281,6 +290,54 @@ def test_a_hung_instance_is_killed_at_the_deadline(tmp_path: Path) -> None:
     assert took < 30  # 0.1 s warm-up + 0.2 s window + 1 s grace, then SIGTERM: nowhere near the 120 s it wanted
     assert r["per_instance"][0]["error"] == "killed at the deadline"
     assert r["errors"][0]["error"] == "killed at the deadline"
+
+
+# ------------------------------------------------------------------- on any EGL, Mesa's software one included
+
+
+egl_here = pytest.mark.skipif(egl_reason() is not None, reason=str(egl_reason()))
+SMALL = ("--width", "320", "--height", "240", "--iterations", "2", "--fps", "30", "--seconds", "2", "--warmup", "15")
+"""Players cheap enough for a loaded 2-core machine's CPU; the warm-up covers every player's start (Python, PyAV,
+EGL and, under the daemon, `unisched run`) with room to spare, as a late player is an error."""
+
+
+@egl_here
+def test_players_render_encode_and_report_on_any_egl(tmp_path: Path) -> None:
+    """The players' real pipeline (EGL render, read-back, H.264 encode, pacing, the report), and the hog's
+    allocation and both its probes, where the EGL display may be a software one."""
+    p, r = run_example(tmp_path, "--instances", "2", *SMALL, "--hog-instance", "1", "--hog-mib", "16",
+                       "--hog-at", "0.3", "--probe-after", "0.5")
+    assert p.returncode == 0, r["errors"]
+    assert r.keys() >= REPORT_KEYS and r["unisched"] is False and r["gpu"]
+    for e in r["per_instance"]:
+        assert e.keys() >= INSTANCE_KEYS and e["error"] is None
+        assert e["frames"] > 0 and e["fps_mean"] > 0 and e["encoder"] and e["cpu_cores"] > 0
+        assert sum(1 for _, fps in e["timeline"] if fps > 0) >= 1
+    hog = r["hog"]
+    assert hog["allocated"] and hog["buffers"] == 1, hog
+    for probe in (hog["probe_in_process"], hog["probe_new_process"]):
+        software = "llvmpipe" in str(r["gpu"])  # no GPU session to refuse: the probes say a software one opened
+        assert probe["opened"] is not software and (probe["error"] == player.SOFTWARE_ONLY) is software, probe
+
+
+@egl_here
+def test_players_as_tenants_of_a_real_daemon_get_their_weights_and_caps(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What the cloud-gaming suite runs under the daemon: each player a tenant (`unisched run`) in weight groups
+    1:2:4, its memory cap set before the window, the daemon's view in the report."""
+    d: Daemon = daemon_factory("--slice-ms", "50")
+    p, r = run_example(tmp_path, "--instances", "3", *SMALL, "--weights", "1,2,4", "--unisched-socket", d.socket,
+                       "--tenant-prefix", f"{d.prefix}cg-", "--memory-cap", "1GiB")
+    assert p.returncode == 0, r["errors"]
+    assert r["unisched"] is True and r["memory_cap_bytes"] == 1 << 30
+    names = [f"{d.prefix}cg-{i}" for i in range(3)]
+    assert [e["tenant"] for e in r["per_instance"]] == names
+    assert [e["weight"] for e in r["per_instance"]] == [100, 200, 400]
+    assert {t["name"] for t in r["tenants"]} <= set(names) and r["daemon_timeline"]
+    for e in r["per_instance"]:
+        assert e["error"] is None  # frames may be 0: weight 1 of 7 on a loaded CPU, in a 2 s window
+        assert e["memory_cap_applied_s"] is not None and e["memory_cap_applied_s"] < 0  # before the window
+        assert e["over_memory"] is False and e["refusals"] == {}  # the daemon's view of it, final or last polled
+    assert sum(e["frames"] for e in r["per_instance"]) > 0
 
 
 # --------------------------------------------------------------------------------------------- on the GPU
