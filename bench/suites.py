@@ -156,7 +156,8 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     """One size of the cloud sweep: whether the no-scheduler run saturated, how far the players under the daemon are
     from FPS proportional to weight (largest |fps_i / (w_i * sum fps / sum w) - 1|), and the players' 1% low over
     their mean FPS (median) under the daemon less the same with no scheduler. Also shown, not judged: the players'
-    CPU over the host's cores in each run, near 1 where the host ran out of CPU before the GPU."""
+    CPU over the cores they may run on (the host's, unless pinned) in each run, near 1 where the host ran out of
+    CPU before the GPU."""
     per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
     pace = float(alone.get("fps_target") or shared.get("fps_target") or 60.0)
     out: dict[str, Any] = {"fps_no_scheduler": alone.get("fps_mean_all"), "fps_unisched": shared.get("fps_mean_all"),
@@ -174,15 +175,18 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     a, b = lows(per), lows(base)
     out["lows_vs_no_scheduler"] = None if a is None or b is None else a - b
     for key, run in (("cpu_of_host_no_scheduler", alone), ("cpu_of_host_unisched", shared)):
-        total, cores = run.get("cpu_cores_total"), run.get("host_cores")
+        total, cores = run.get("cpu_cores_total"), run.get("player_cores") or run.get("host_cores")
         out[key] = total / cores if isinstance(total, int | float) and cores else None
     return out
 
 
 def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
+    """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics."""
     cases: Cases = {}
     notes: list[str] = []
-    for n in CLOUD_SIZES:
+    sizes = sorted({int(m.group(1)) for p in folder.glob("*-*") if (m := re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)",
+                                                                                         p.name))})
+    for n in sizes:
         shared, alone = _json(folder / f"unisched-{n}" / "report.json"), _json(folder / f"no-scheduler-{n}" / "report.json")
         if shared or alone:
             cases[f"N={n}"] = cloud_metrics(shared, alone)
@@ -324,14 +328,22 @@ MEMORY_TARGETS = (Target("tests", "tests_pass", "every", ">=", 1.0, "tests/test_
 PAIRS = "cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1,nvdec1:3"
 
 
-def cloud_steps() -> tuple[Step, ...]:
+def cloud_steps(sizes: tuple[int, ...] = CLOUD_SIZES, more: str = "", serve: tuple[str, ...] = ()) -> tuple[Step, ...]:
+    """Per size, the players with no scheduler, then under a fresh daemon (its `serve` arguments)."""
     steps: list[Step] = []
-    for n in CLOUD_SIZES:
+    for n in sizes:
         common = f"{{py}} examples/cloud_gaming.py --instances {n} --weights {CLOUD_WEIGHTS} --warmup {CLOUD_WARMUP_S} " \
-                 "--out {out}/players --report {out}/report.json"
+                 f"--out {{out}}/players --report {{out}}/report.json {more}"
         steps.append(Step(f"no-scheduler-{n}", words(common)))
-        steps.append(Step(f"unisched-{n}", (*words(common), "--unisched-socket", "{socket}"), serve=()))
+        steps.append(Step(f"unisched-{n}", (*words(common), "--unisched-socket", "{socket}"), serve=serve))
     return tuple(steps)
+
+
+CLOUD_STANDIN = cloud_steps((3, 6), "--player-cpus 1 --width 320 --height 240 --iterations 40 --seconds 8",
+                            ("--cpu-stand-in",))
+"""Players on Mesa's software EGL, all on CPU 1, which the daemon takes for the GPU (--cpu-stand-in; its saturation
+gate as on a GPU): at 320x240 a player renders about 100 frames/s alone on one core of a 2-core machine, so 3 at
+60 FPS already need more than the core."""
 
 
 SUITES: tuple[Suite, ...] = (
@@ -384,7 +396,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("cloud-gaming", f"game-streaming players (render + read-back + encode, 60 FPS pace) in weight groups 1:2:4, "
           f"N = {', '.join(map(str, CLOUD_SIZES))}, with no scheduler and under the daemon "
           "(examples/cloud_gaming.py); targets where no scheduler saturates", 8.0, True, cloud_steps(),
-          read_cloud, CLOUD_TARGETS),
+          read_cloud, CLOUD_TARGETS, standin=CLOUD_STANDIN),
     Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
           "one after another, co-located with no scheduler and under the daemon at 1:1; no target set. "
           "One after another, a frame waits in the file for the whole clip, so that end-to-end latency is the clip's",

@@ -38,6 +38,7 @@ def make_clip(path: Path, seconds: int = 5, size: tuple[int, int] = (1920, 1080)
     """Encode a moving gradient with a CPU H.264 encoder; returns the encoder used."""
     import av
     import numpy as np
+    from av.video.stream import VideoStream
 
     last: Exception | None = None
     tmp = path.with_name(path.name + ".part.mp4")
@@ -45,6 +46,7 @@ def make_clip(path: Path, seconds: int = 5, size: tuple[int, int] = (1920, 1080)
         try:
             with av.open(str(tmp), "w") as out:
                 s = out.add_stream(name, rate=fps)
+                assert isinstance(s, VideoStream)  # a video encoder's stream
                 s.width, s.height, s.pix_fmt = size[0], size[1], "yuv420p"
                 s.time_base = Fraction(1, fps)
                 w, h = size

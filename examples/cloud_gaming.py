@@ -34,9 +34,9 @@ keeps rendering, the others should keep their frame rate.
 Metrics per instance over the window: fps_mean (frames / window), fps_min (lowest of the 1-second bins),
 fps_1pct_low (1 / the 99th-percentile frame time), frames, encoder, memory_bytes (NVML, this process), stage
 times, cpu_cores (this player's CPU over the window, in cores), a timeline [[t, fps], ...] per 1-second bin.
-Overall: fairness_min_over_max, fps_mean_all, cpu_cores_total against host_cores (a CPU-bound host shows here), the
-daemon's view of the tenants after the window (`unisched tenants --json`: memory, over_memory, refusals) and a hog
-summary.
+Overall: fairness_min_over_max, fps_mean_all, cpu_cores_total against player_cores, the CPUs the players may run
+on (host_cores unless --player-cpus; a CPU-bound host shows here), the daemon's view of the tenants at the end of
+the window (`unisched tenants --json`: memory, over_memory, refusals) and a hog summary.
 The exit status is non-zero when an instance failed or had to be killed at the deadline (its log tail is in the
 report's errors).
 
@@ -102,6 +102,8 @@ def instance_argv(args: argparse.Namespace, index: int, start_at: float, report:
             "--phase", f"{index / args.instances:.4f}"]
     if args.egl_device is not None:
         argv += ["--egl-device", str(args.egl_device)]
+    if args.player_cpus:
+        argv += ["--player-cpus", ",".join(map(str, args.player_cpus))]
     if args.hog_mib and index == args.hog_instance:
         argv += ["--hog-mib", str(args.hog_mib), "--hog-at", f"{args.hog_at:g}", "--probe-after", f"{args.probe_after:g}"]
     return argv
@@ -254,6 +256,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         "fairness_without_hog": fairness(others) if args.hog_mib else None,
         "fps_mean_all": sum(fps) / len(fps) if fps else None, "fps_total": sum(fps),
         "cpu_cores_total": cpu_total(per), "host_cores": os.cpu_count(),
+        "player_cores": len(args.player_cpus) or os.cpu_count(),
         "hog": hog_summary(args, per, reports, polls, others),
         "tenants": [t for t in final or [] if t.get("name") in {c.tenant for c in children}],
         "daemon_timeline": polls, "errors": errors, "command": [sys.executable, *sys.argv],
@@ -377,6 +380,18 @@ def resolve_encoder(args: argparse.Namespace) -> None:
     args.encoder, args.encoders_not_opened = enc.name, enc.not_opened
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """'1' or '2,3' -> CPU numbers this host has."""
+    try:
+        cpus = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPU numbers separated by commas, e.g. 1 or 2,3") from None
+    have = os.sched_getaffinity(0)
+    if not cpus or any(c not in have for c in cpus):
+        raise argparse.ArgumentTypeError(f"{text!r}: this process may run on CPUs {sorted(have)} only")
+    return cpus
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--role", choices=("orchestrator", "instance", "probe"), default="orchestrator",
@@ -394,6 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--encoder", default="auto",
                    help="auto (h264_nvenc where it opens, else libx264, else libopenh264) or a PyAV encoder name")
     g.add_argument("--egl-device", type=int, default=None, metavar="INDEX", help="EGL device (default: first GPU)")
+    g.add_argument("--player-cpus", type=cpu_list, default=(), metavar="LIST",
+                   help="run every player on these CPUs only, e.g. 1 or 2,3 (as a container's cpuset would; with "
+                        "`unisched serve --cpu-stand-in` a CPU stands in for the GPU). Default: any CPU")
     g.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     g.add_argument("--phase", type=float, default=0.0,
                    help="instance: offset of its frame slots, in periods (the orchestrator spreads players over 0..1)")

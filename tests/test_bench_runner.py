@@ -300,6 +300,27 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     assert m["cpu_of_host_unisched"] == 6.0 / 16 and m["cpu_of_host_no_scheduler"] is None  # that run measured none
 
 
+def test_cloud_gaming_reads_every_size_its_round_ran_and_its_stand_ins_pin_players_to_the_stand_in_cpu(
+        tmp_path: Path) -> None:
+    """The reader takes the sizes from the round's folders (the stand-ins run other sizes than the GPU's), and the
+    stand-in round puts every player on CPU 1 under a daemon that takes that CPU for the GPU."""
+    for name, fps in (("no-scheduler-3", 30.0), ("unisched-3", 20.0), ("unisched-6", 10.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps({
+            "fps_target": 60, "fps_mean_all": fps, "cpu_cores_total": 0.9, "player_cores": 1, "host_cores": 2,
+            "per_instance": [{"weight": 100, "fps_mean": fps, "fps_1pct_low": fps / 2}]}))
+    cases, _ = suites.read_cloud(tmp_path)
+    assert list(cases) == ["N=3", "N=6"]
+    assert cases["N=3"]["saturated"] is True and cases["N=3"]["cpu_of_host_unisched"] == 0.9  # of the 1 CPU
+    assert cases["N=6"]["saturated"] is False  # no no-scheduler run to say so
+    cloud = next(s for s in suites.SUITES if s.name == "cloud-gaming")
+    assert cloud.standin and {s.name for s in cloud.standin} == {"no-scheduler-3", "unisched-3", "no-scheduler-6",
+                                                                  "unisched-6"}
+    for step in cloud.standin:
+        assert step.argv[step.argv.index("--player-cpus") + 1] == "1"
+        assert (step.serve == ("--cpu-stand-in",)) is step.name.startswith("unisched")
+
+
 def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_difference(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the daemon and the runs replaced (no GPU here): pairs alternate which run goes first, the warm-up pairs

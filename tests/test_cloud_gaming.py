@@ -228,6 +228,9 @@ def test_instance_command_lines_share_the_window_and_only_the_hog_hogs(tmp_path:
     assert [p.hog_mib for p in parsed] == [0, 0, 5000, 0]
     assert [p.phase for p in parsed] == [0.0, 0.25, 0.5, 0.75]
     assert [p.report for p in parsed] == [tmp_path / f"{i}.json" for i in range(4)]
+    assert all(p.player_cpus == () for p in parsed)
+    pinned = cg.instance_argv(orchestrator_args("--player-cpus", "0"), 0, 1234.5, tmp_path / "0.json")
+    assert cg.parse_args(pinned[2:]).player_cpus == (0,)
 
 
 @pytest.mark.parametrize("bad", [
@@ -237,6 +240,8 @@ def test_instance_command_lines_share_the_window_and_only_the_hog_hogs(tmp_path:
     ["--hog-instance", "4", "--hog-mib", "100"],  # out of range
     ["--unisched-socket", "/s", "--memory-cap", "lots"],
     ["--width", "1281"],  # odd: no 4:2:0 encode
+    ["--player-cpus", "0,x"],
+    ["--player-cpus", str(max(os.sched_getaffinity(0)) + 1)],  # a CPU this process may not run on
 ])
 def test_bad_orchestrator_arguments_are_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as e:

@@ -29,7 +29,7 @@ def open_encoder(choice: str, width: int, height: int, fps: int = 60) -> tuple[A
     import av
 
     def open_codec(name: str, options: dict[str, str]) -> Any:
-        ctx = av.CodecContext.create(name, "w")
+        ctx: Any = av.CodecContext.create(name, "w")  # a video encoder's context (PyAV types it as any codec's)
         ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"
         ctx.time_base, ctx.framerate = Fraction(1, fps), Fraction(fps, 1)
         ctx.gop_size, ctx.max_b_frames = fps, 0  # no B-frames: one packet out per frame in
@@ -196,7 +196,7 @@ def open_decoder(choice: str, gpu: int) -> tuple[Any, str]:
     tried: list[str] = []
     if choice == "nvdec":
         try:
-            ctx = av.CodecContext.create("h264", "r", hwaccel=HWAccel(device_type="cuda", device=str(gpu),
+            ctx: Any = av.CodecContext.create("h264", "r", hwaccel=HWAccel(device_type="cuda", device=str(gpu),
                                                                       allow_software_fallback=False))
             if ctx.is_hwaccel:
                 return opened(ctx, "h264 + hwaccel cuda (NVDEC)")

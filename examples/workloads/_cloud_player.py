@@ -260,6 +260,8 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
         import numpy  # noqa: F401
     except ImportError as e:
         return fail(f"{e.name} is not importable; pip install 'unisched[codec]' numpy (GPU machine: .devcache/setup.sh)")
+    if args.player_cpus:  # before the GL context: a software rasterizer's threads inherit it
+        os.sched_setaffinity(0, args.player_cpus)
     start_at, end_at = plan_window(args, process_start)
     period = 1.0 / args.fps if args.fps > 0 else 0.0
     t0 = start_at + args.phase * period
