@@ -395,7 +395,8 @@ SUITES: tuple[Suite, ...] = (
           read_online, ONLINE_TARGETS, rounds=5),
     Suite("cloud-gaming", f"game-streaming players (render + read-back + encode, 60 FPS pace) in weight groups 1:2:4, "
           f"N = {', '.join(map(str, CLOUD_SIZES))}, with no scheduler and under the daemon "
-          "(examples/cloud_gaming.py); targets where no scheduler saturates", 8.0, True, cloud_steps(),
+          "(examples/cloud_gaming.py); targets where no scheduler saturates; --cpu-standin: N = 3 and 6, on one "
+          "CPU", 8.0, True, cloud_steps(),
           read_cloud, CLOUD_TARGETS, standin=CLOUD_STANDIN),
     Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
           "one after another, co-located with no scheduler and under the daemon at 1:1; no target set. "
