@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_leases import LeaseRig, busy_rig
+from leaserig import LeaseRig, busy_rig
 
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant
 

@@ -1,4 +1,5 @@
-"""Lease enforcement's lease logic in the scheduler: fake cgroups, fake lease channels, an injected clock."""
+"""Lease enforcement's lease logic in the scheduler between cooperative clients: fake cgroups, fake lease channels,
+an injected clock."""
 
 from __future__ import annotations
 
@@ -8,117 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from leaserig import SLICE, LeaseRig, busy_rig, recording
 from structlog.testing import capture_logs
 
-from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
-from unisched.policy import Decision, Engine, Mode, Priority
+from unisched.enforce.leases import LeaseGrant, LeaseRevoke
+from unisched.policy import Engine
 from unisched.policy.leases import OverrunMeter
-from unisched.scheduler.clock import FakeClock
-from unisched.scheduler.config import DaemonConfig
-from unisched.scheduler.core import Scheduler, SchedulerError
-from unisched.scheduler.state import StateStore
-from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample, NoGpuTelemetry
-
-SLICE = 0.05
-
-
-class Coop:
-    """One cooperative client: its session, its channel, and the lease it believes it holds."""
-
-    def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute",
-                 priority: Priority | None = None) -> None:
-        self.rig = rig
-        self.name = name
-        self.engine = engine
-        self.channel = FakeLeaseChannel()
-        rig.pid += 1
-        self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, 0, True, self.channel)
-        self.held = False
-        self.revokes: list[LeaseRevoke] = []
-        self.grants: list[LeaseGrant] = []
-        self.used = 0.0
-        self.yields = True
-
-    def want(self) -> None:
-        self.rig.engine.lease_want(self.sid, self.engine)
-        self.pump()
-
-    def pump(self) -> None:
-        for m in self.channel.take():
-            if isinstance(m, LeaseGrant):
-                self.held = True
-                self.grants.append(m)
-            else:
-                self.held = False
-                self.revokes.append(m)
-                if self.yields and m.reason == "slice over":  # nothing in flight: hand over at once
-                    self.rig.engine.lease_report(self.sid, self.engine, 0.0, False, yielded=True)
-
-    def report(self, seconds: float, release: bool = False, units: int = 0) -> None:
-        self.used += seconds
-        self.rig.engine.lease_report(self.sid, self.engine, seconds, release, units=units)
-        self.pump()
-
-
-class LeaseRig:
-    def __init__(self, tmp: Path, telemetry: object = None, **cfg: object) -> None:
-        self.driver = FakeCgroupDriver()
-        self.clock = FakeClock()
-        config = DaemonConfig(slice_ms=SLICE * 1000, **cfg)  # type: ignore[arg-type]
-        self.engine = Scheduler(config, self.driver, telemetry or NoGpuTelemetry(), StateStore(tmp / "s"), self.clock)  # type: ignore[arg-type]
-        self.engine.start()
-        self.pid = 5000
-        self.clients: list[Coop] = []
-
-    def coop(self, name: str, weight: int, engine: str = "compute", priority: Priority | None = None) -> Coop:
-        c = Coop(self, name, weight, engine, priority)
-        self.clients.append(c)
-        return c
-
-    def unmodified(self, name: str, weight: int, engine: str = "compute") -> None:
-        """A freezer-governed tenant on GPU 0 (as `unisched run` makes one), with a process of its own; its cgroup is
-        `self.driver.groups[f"/unisched/{name}"]`."""
-        self.pid += 1
-        self.engine.register(name, weight, None, [engine], (0,), self.pid, 0, True)
-
-    def tick(self) -> float:
-        delay = self.engine.tick()
-        while any(c.channel.messages for c in self.clients):  # a yield can grant the next holder at once
-            for c in self.clients:
-                c.pump()
-        return delay
-
-    def run(self, slices: int, busy: list[Coop], obey: bool = True, unit_s: float = 0.0) -> list[str]:
-        """Each slice, every busy client that holds its lease (or every busy one, obey=False) uses all of it, in
-        units of `unit_s` (counted in its reports) when given. Returns who held the lease, slice by slice."""
-        holders = []
-        for _ in range(slices):
-            delay = self.tick()
-            holders.append("+".join(c.name for c in busy if c.held))
-            self.clock.advance(delay)
-            for c in busy:
-                if c.held or not obey:
-                    c.report(delay, units=max(1, round(delay / unit_s)) if unit_s else 0)
-                else:
-                    c.report(0.0)  # renews: still wants the engine
-        return holders
-
-
-
-def busy_rig(tmp: Path) -> LeaseRig:
-    """A rig whose GPU 0 reads fully busy at every sample, whoever runs on it (a saturated GPU as NVML shows it)."""
-    rig = LeaseRig(tmp, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 141 << 30)]))
-    rig.engine.telemetry.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # type: ignore[attr-defined]
-    return rig
-
-
-def _recording(decide: Callable[[float], Decision], into: list[float]) -> Callable[[float], Decision]:
-    """`decide`, noting each time it is asked."""
-    def wrapped(now: float) -> Decision:
-        into.append(now)
-        return decide(now)
-    return wrapped
+from unisched.scheduler.core import SchedulerError
+from unisched.telemetry import FakeTelemetry, GpuInfo
 
 
 def test_a_lone_cooperative_tenant_is_granted_at_once_and_uncontended(tmp_path: Path) -> None:
@@ -349,25 +247,6 @@ def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases
     assert not rig.engine.snapshot("good").enforced
 
 
-def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
-    rig = LeaseRig(tmp_path)
-    a = rig.coop("coop", 100)
-    a.want()
-    rig.pid += 1
-    rig.engine.register("kern", 100, None, (), (), rig.pid, 0, True)
-    kern_cpu = 0.0
-    for _ in range(400):
-        delay = rig.tick()
-        g = rig.driver.groups["/unisched/kern"]
-        if not g.frozen:
-            g.cpu_s += delay
-            kern_cpu += delay
-        rig.clock.advance(delay)
-        a.report(delay if a.held else 0.0)
-    assert 0.9 < a.used / kern_cpu < 1.1
-    assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
-
-
 @pytest.mark.parametrize(("share", "gap_s", "turn_s"), [(0.01, 0.0, 0.0), (0.01, 0.0015, 0.15), (0.01, 0.02, 0.5),
                                                       (0.0, 0.02, 0.0)])
 def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -397,174 +276,6 @@ def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Pa
     if gap_s:
         assert rig.engine.leases.handover_gap_s(rig.engine.leases.resource(0, Engine.COMPUTE)) == \
             pytest.approx(gap_s, rel=0.05)
-
-
-FREEZE_TAIL_S = 0.002
-"""CPU time a freezer-governed tenant still uses after the freeze is asked for: the freezer lands a few ms late."""
-
-
-@pytest.mark.parametrize("late", [False, True])
-@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
-def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_path: Path, coop_w: int,
-                                                                           kern_w: int, late: bool) -> None:
-    """The GPU reads busy whoever runs. The freezer-governed tenant is charged the busy time of the intervals it ran in,
-    and it also ran (a few ms) in each interval its freeze came late in, while the client held the GPU: charged
-    that interval's whole busy time, it paid about twice its use and got a third of the GPU at 1:1. `late`: the
-    client's reports arrive half a slice after its work (with its next renewal), in the next interval."""
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", coop_w)
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
-    kern_s = owed = 0.0
-    for _ in range(1200):
-        was_frozen = g.frozen
-        delay = rig.tick()
-        if not g.frozen:  # ran the interval
-            g.cpu_s += delay
-            kern_s += delay
-        elif not was_frozen:  # frozen now: its freeze lands a little late
-            g.cpu_s += FREEZE_TAIL_S
-        used = delay if c.held else 0.0
-        if late:
-            rig.clock.advance(delay / 2)
-            c.report(owed)
-            rig.clock.advance(delay / 2)
-            owed = used
-        else:
-            rig.clock.advance(delay)
-            c.report(used)
-    share = c.used / (c.used + kern_s)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (c.used, kern_s)
-
-
-TAIL_S, TAIL_UNIT_S = 0.02, 0.010
-
-
-def _share_beside_a_revoked_tail(tmp: Path, coop_w: int, kern_w: int, after_yield: bool) -> float:
-    """The client's share of the work done when, at each revoke, its step in flight (TAIL_S on its timer) runs on
-    beside the freezer-governed tenant thawed for its turn, each doing half of that overlap. Reported with the yield
-    (`after_yield` False), or after a yield at once, as one unit (TAIL_UNIT_S steps: its held reports count them)."""
-    rig = busy_rig(tmp)
-    c = rig.coop("coop", coop_w)
-    c.yields = False  # it yields itself
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
-    coop_work = kern_work = 0.0
-    for _ in range(1200):
-        was_held = c.held
-        delay = rig.tick()
-        c.pump()
-        if was_held and not c.held:  # revoked: its step runs on beside the thawed tenant
-            g.cpu_s += delay
-            coop_work += TAIL_S / 2
-            kern_work += delay - TAIL_S / 2
-            if after_yield:
-                rig.engine.lease_report(c.sid, "compute", 0.0, False, yielded=True)
-                c.pump()
-                rig.clock.advance(TAIL_S)
-                rig.engine.lease_report(c.sid, "compute", TAIL_S, False, units=1, ended_ago_s=0.001)
-            else:
-                rig.clock.advance(TAIL_S)
-                rig.engine.lease_report(c.sid, "compute", TAIL_S, False, yielded=True)
-            c.pump()
-            rig.clock.advance(delay - TAIL_S)
-            continue
-        if not g.frozen:
-            g.cpu_s += delay
-            kern_work += delay
-        rig.clock.advance(delay)
-        if c.held:
-            coop_work += delay
-        c.report(delay if c.held else 0.0, units=round(delay / TAIL_UNIT_S) if c.held and after_yield else 0)
-    return coop_work / (coop_work + kern_work)
-
-
-@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
-def test_a_revoked_clients_tail_beside_the_thawed_kernel_tenant_is_charged_half_to_each(
-        tmp_path: Path, coop_w: int, kern_w: int) -> None:
-    """A client revoked mid-step finishes its step (here 20 ms) after the freezer-governed tenant is thawed for its
-    turn, then yields; the GPU time-slices the two, so each does about half of that overlap, while the client's CUDA
-    events time all of it. Charged whole to the client and taken whole off the other's busy time, the
-    freezer-governed tenant would get about 5 points more than its share at 1:1 with 50 ms steps."""
-    share = _share_beside_a_revoked_tail(tmp_path, coop_w, kern_w, after_yield=False)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02)
-
-
-@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
-def test_a_revoked_clients_step_reported_after_its_yield_is_split_with_the_thawed_tenant(
-        tmp_path: Path, coop_w: int, kern_w: int) -> None:
-    """The client's app already waits for its next 10 ms step when the revoke comes, so it yields at once; the step it
-    queued last still runs, time-sliced beside the freezer-governed tenant thawed for its turn (20 ms on its timer,
-    half of that the other's work), and is reported when seen done, after the yield. It ran beside that tenant as a
-    tail reported with the yield does: charged whole to the client and taken whole off the other's busy time, the
-    other would get the difference twice."""
-    share = _share_beside_a_revoked_tail(tmp_path, coop_w, kern_w, after_yield=True)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02)
-
-
-@pytest.mark.parametrize(("coop_w", "kern_w"), [(100, 100), (300, 100), (100, 300)])
-def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
-        tmp_path: Path, coop_w: int, kern_w: int) -> None:
-    """Frozen for the client's turn, the freezer-governed tenant still has 10 ms of GPU work queued; the client's
-    first units wait behind it, and its CUDA events time that wait. The time beyond its usual units is the frozen
-    tenant's, not the client's."""
-    drain, unit = 0.010, 0.005  # a whole number of units after the drain: the model reports only whole units
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", coop_w)
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
-    coop_work = kern_work = 0.0
-    for _ in range(1200):
-        was_frozen, was_held = g.frozen, c.held
-        delay = rig.tick()
-        rig.clock.advance(delay)
-        if not g.frozen:
-            g.cpu_s += delay
-            kern_work += delay
-        elif not was_frozen:
-            g.cpu_s += FREEZE_TAIL_S
-        if not c.held:
-            c.report(0.0)
-            continue
-        queued = drain if not was_held and was_frozen is False else 0.0  # its first slice after the other's turn
-        kern_work += queued
-        coop_work += delay - queued
-        c.report(delay, units=round((delay - queued) / unit))
-    share = coop_work / (coop_work + kern_work)
-    assert share == pytest.approx(coop_w / (coop_w + kern_w), abs=0.02), (coop_work, kern_work)
-
-
-def test_a_frozen_tenants_queued_work_is_charged_to_it_once_when_the_holder_reports_it(tmp_path: Path) -> None:
-    """The holder's first units after a freeze waited behind the frozen tenant's queued work, and its timer counted
-    it: the holder is charged its units, the frozen tenant the rest, at the report (not only where its freeze fell in
-    the same tick as the report: on the GPU it often did not, and that work went uncharged). The tick that follows
-    does not charge it again."""
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", 100)
-    c.want()
-    rig.unmodified("kern", 100)
-    g = rig.driver.groups["/unisched/kern"]
-    for _ in range(40):  # the client reports 10 units of 5 ms per slice held; the tenant runs when thawed
-        was_frozen = g.frozen
-        delay = rig.tick()
-        if c.held and g.frozen and not was_frozen and rig.engine.snapshot("coop").unit_s is not None:
-            break
-        rig.clock.advance(delay)
-        if not g.frozen:
-            g.cpu_s += delay
-        c.report(delay if c.held else 0.0, units=10 if c.held else 0)
-    else:
-        pytest.fail("the client was never granted as the other tenant was frozen")
-    kern, coop = rig.engine.snapshot("kern").gpu_seconds, rig.engine.snapshot("coop").gpu_seconds
-    rig.clock.advance(delay)
-    c.report(0.05, units=8)  # 8 units of 5 ms, after 10 ms of the frozen tenant's work
-    assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
-    assert rig.engine.snapshot("coop").gpu_seconds - coop == pytest.approx(0.040)
-    rig.tick()  # its interval was all reported work: nothing more for the frozen tenant
-    assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
 
 
 def test_closing_the_session_drops_demand_and_frees_codec_sessions(tmp_path: Path) -> None:
@@ -698,201 +409,12 @@ def test_closing_a_waiters_session_decides_nothing_closing_the_holders_hands_ove
     holder = next(x for x in (a, b, c) if x.held)
     waiters = [x for x in (a, b, c) if x is not holder]
     decisions: list[float] = []
-    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decisions)  # type: ignore[method-assign, assignment]
+    rig.engine.policy.decide = recording(rig.engine.policy.decide, decisions)  # type: ignore[method-assign, assignment]
     rig.engine.lease_close(waiters[0].sid)
     assert decisions == []  # a waiter leaving changes no holder
     rig.engine.lease_close(holder.sid)
     waiters[1].pump()
     assert len(decisions) == 1 and waiters[1].held  # the holder leaving hands the GPU on at once
-
-
-# --- preemptive mode: an online want does not wait for an offline holder's tail ---------------------------
-
-ONLINE, OFFLINE = Priority.ONLINE, Priority.OFFLINE
-
-
-def charged(rig: LeaseRig, name: str) -> float:
-    (st,) = rig.engine.policy.stats(rig.clock.monotonic(), [name])
-    return st.gpu_seconds
-
-
-def online_offline(tmp: Path) -> tuple[LeaseRig, Coop, Coop]:
-    """A trainer holding the GPU with units in flight (it yields only when told to), and an online tenant."""
-    rig = LeaseRig(tmp, mode=Mode.PREEMPTIVE)
-    train, infer = rig.coop("train", 100, priority=OFFLINE), rig.coop("infer", 100, priority=ONLINE)
-    train.yields = False
-    train.want()
-    train.report(0.03)
-    assert train.held
-    return rig, train, infer
-
-
-@pytest.mark.parametrize(("mode", "online_session", "contended"), [
-    (Mode.PREEMPTIVE, True, True), (Mode.PREEMPTIVE, False, False), (Mode.SHARED, True, False)])
-def test_an_offline_holder_an_online_client_may_preempt_is_told_it_is_contended(
-        tmp_path: Path, mode: Mode, online_session: bool, contended: bool) -> None:
-    """So it keeps one unit in flight: at a preemption its queued units run beside the online request."""
-    rig = LeaseRig(tmp_path, mode=mode)
-    train = rig.coop("train", 100, priority=OFFLINE)
-    if online_session:
-        rig.coop("infer", 100, priority=ONLINE)  # registered, idle between requests
-    train.want()
-    rig.tick()
-    assert train.held and train.grants[-1].contended is contended
-
-
-def test_preemptive_an_online_want_is_granted_at_once_beside_the_revoked_offline_holder(tmp_path: Path) -> None:
-    rig, train, infer = online_offline(tmp_path)
-    infer.want()  # no tick, no yield from the trainer
-    train.pump()
-    assert infer.held
-    assert not train.held and [r.reason for r in train.revokes] == ["slice over"]  # it starts no new unit
-    assert rig.engine.snapshot("infer").state == "running"
-
-
-@pytest.mark.parametrize(("mode", "priority", "second_online", "jump"), [
-    (Mode.PREEMPTIVE, ONLINE, False, True),  # its wants are granted at once: it may start as it asks
-    (Mode.PREEMPTIVE, ONLINE, True, False),  # another online tenant may hold: it must wait for its grant
-    (Mode.PREEMPTIVE, OFFLINE, False, False),
-    (Mode.SHARED, ONLINE, False, False),
-])
-def test_grants_tell_an_online_tenant_alone_in_its_class_in_preemptive_mode_it_may_jump(
-        tmp_path: Path, mode: Mode, priority: Priority, second_online: bool, jump: bool) -> None:
-    rig = LeaseRig(tmp_path, mode=mode)
-    a = rig.coop("a", 100, priority=priority)
-    if second_online:
-        rig.coop("b", 100, priority=ONLINE)  # registered, idle
-    a.want()
-    assert a.held and [g.jump for g in a.grants] == [jump]
-
-
-def test_a_jumping_tenant_hears_at_the_next_tick_that_another_online_tenant_arrived(tmp_path: Path) -> None:
-    """The flag follows the tenants: the holder's next grant (the next tick's) says it may no longer jump."""
-    rig = LeaseRig(tmp_path, mode=Mode.PREEMPTIVE)
-    a = rig.coop("a", 100, priority=ONLINE)
-    a.want()
-    assert a.grants[-1].jump
-    rig.coop("b", 100, priority=ONLINE)
-    rig.tick()
-    a.pump()
-    assert a.held and not a.grants[-1].jump
-
-
-def test_preemptive_online_release_regrants_the_offline_tenant_in_the_same_reschedule(tmp_path: Path) -> None:
-    rig, train, infer = online_offline(tmp_path)
-    infer.want()
-    train.pump()
-    assert infer.held and not train.held  # the trainer's tail still runs: it has not yielded
-    decisions: list[float] = []
-    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decisions)  # type: ignore[method-assign, assignment]
-    rig.clock.advance(0.005)
-    infer.report(0.005, release=True)
-    train.pump()
-    assert train.held and len(decisions) == 1  # granted by the release's own decision: no tick, no slice wait
-    # the trainer's tail finishing later changes nothing: it keeps the lease
-    rig.engine.lease_report(train.sid, "compute", 0.02, False, yielded=True)
-    train.pump()
-    assert train.held and not infer.held
-
-
-def test_a_yield_after_a_release_is_no_want(tmp_path: Path) -> None:
-    """Older clients answered the revoke of their own release with a yield, which the daemon read as a
-    renewal: the online tenant wanted the GPU again, was granted it with nobody using it, and the trainer
-    was revoked until that lease expired. A yield on a released engine is not a want."""
-    rig, train, infer = online_offline(tmp_path)
-    infer.want()
-    infer.report(0.005, release=True)
-    assert [r.reason for r in infer.revokes] == ["released"]  # the release's own revoke
-    rig.engine.lease_report(infer.sid, "compute", 0.0, False, yielded=True)  # an older client's answer to it
-    train.pump()
-    assert train.held and not infer.held
-    assert rig.engine.snapshot("infer").state == "idle"
-    infer.want()  # a want afterwards is one again
-    assert infer.held
-
-
-def test_the_overlap_is_charged_once_half_to_each(tmp_path: Path) -> None:
-    rig, train, infer = online_offline(tmp_path)
-    before = charged(rig, "train")
-    infer.want()
-    rig.clock.advance(0.004)
-    # the trainer's last unit ends 4 ms into the online request: both timed those 4 ms
-    rig.engine.lease_report(train.sid, "compute", 0.020, False, yielded=True)
-    assert charged(rig, "train") - before == pytest.approx(0.020 - 0.002)
-    rig.clock.advance(0.003)
-    infer.report(0.007, release=True)
-    assert charged(rig, "infer") == pytest.approx(0.007 - 0.002)
-
-
-def test_an_overlap_ended_by_the_online_release_is_credited_on_later_reports(tmp_path: Path) -> None:
-    rig, train, infer = online_offline(tmp_path)
-    before = charged(rig, "train")
-    infer.want()
-    rig.clock.advance(0.006)
-    infer.report(0.006, release=True)  # charged in full: the overlap ends with this release
-    assert charged(rig, "infer") == pytest.approx(0.006)
-    rig.engine.lease_report(train.sid, "compute", 0.025, False, yielded=True)
-    assert charged(rig, "train") - before == pytest.approx(0.025 - 0.003)
-    infer.want()
-    infer.report(0.005, release=True)
-    assert charged(rig, "infer") == pytest.approx(0.006 + 0.005 - 0.003)
-
-
-def test_preemptive_online_requests_beside_a_trainer_never_wait_and_the_trainer_keeps_the_rest(tmp_path: Path) -> None:
-    rig, train, infer = online_offline(tmp_path)
-    for _ in range(50):  # 50 requests, each 5 ms of a 50 ms period, between the engine's ticks
-        infer.want()
-        train.pump()
-        assert infer.held and not train.held
-        rig.clock.advance(0.005)
-        infer.report(0.005, release=True)
-        train.pump()
-        assert train.held and not infer.held
-        rig.clock.advance(0.005)
-        rig.engine.lease_report(train.sid, "compute", 0.010, False, yielded=True)  # its tail ends
-        rig.clock.advance(0.040)
-        train.report(0.040)
-        if rig.clock.monotonic() >= rig.engine.next_tick:
-            rig.tick()
-    assert train.held
-    assert not rig.engine.snapshot("train").enforced
-
-
-def _holder_revoked_at_a_tick(rig: LeaseRig, holder: Coop) -> None:
-    for _ in range(80):
-        if not holder.held:
-            return
-        holder.report(SLICE)
-        rig.clock.advance(SLICE)
-        rig.tick()
-    raise AssertionError("the holder was never revoked")
-
-
-@pytest.mark.parametrize(("mode", "first", "second"), [
-    (Mode.SHARED, OFFLINE, ONLINE),
-    (Mode.TIMESHARE, OFFLINE, ONLINE),
-    (Mode.PREEMPTIVE, ONLINE, ONLINE),
-    (Mode.PREEMPTIVE, OFFLINE, OFFLINE),
-    (Mode.PREEMPTIVE, ONLINE, OFFLINE),
-])
-def test_other_hand_overs_still_wait_for_the_yield(tmp_path: Path, mode: Mode, first: Priority, second: Priority) -> None:
-    rig = LeaseRig(tmp_path, mode=mode)
-    a, b = rig.coop("a", 100, priority=first), rig.coop("b", 100, priority=second)
-    a.yields = b.yields = False
-    a.want()
-    a.report(0.01)
-    b.want()
-    if second is OFFLINE and first is ONLINE:  # b never outranks an online tenant: a stops wanting instead
-        assert a.held and not b.held
-        a.report(0.01, release=True)
-        b.pump()
-        assert b.held  # released (not revoked): nothing to wait for
-        return
-    _holder_revoked_at_a_tick(rig, a)
-    assert not a.held and not b.held  # b waits for a's last unit
-    rig.engine.lease_report(a.sid, "compute", 0.004, False, yielded=True)
-    b.pump()
-    assert b.held
 
 
 @pytest.mark.parametrize(("weights", "both"), [((100, 100), 0.64), ((300, 100), 0.32)])
@@ -925,19 +447,6 @@ def test_cooperative_compute_and_graphics_that_overlap_partly_get_mixed_leases(
     assert render.grants[-1].contended and cuda.grants[-1].contended
 
 
-def test_an_idle_unmodified_tenant_takes_no_turns_from_a_lone_client(tmp_path: Path) -> None:
-    """The GPU reads busy with the client's work alone: a thawed freezer-governed tenant that does nothing (no CPU, a
-    client gone, a `--keep` tenant between runs) is not 'alone on a busy GPU' while a client holds the lease there,
-    so it shows no demand and the client keeps the GPU (counted as the idle tenant's, it would take every other slice)."""
-    rig = busy_rig(tmp_path)
-    rig.unmodified("idle", 100)
-    a = rig.coop("a", 100)
-    a.want()
-    holders = rig.run(100, [a])
-    assert holders.count("a") >= 98, holders
-    assert rig.engine.snapshot("idle").state == "idle"
-
-
 def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
     """The engine thaws everything when it shuts down, but lease requests still come until the sockets close, and a
     decision folded into a loop turn's end may be pending: a decision then could freeze a tenant again and leave it
@@ -948,7 +457,7 @@ def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
     clients = [rig.coop(f"c{i}", 100) for i in range(6)]
     rig.unmodified("kern", 100)
     decided: list[float] = []
-    rig.engine.policy.decide = _recording(rig.engine.policy.decide, decided)  # type: ignore[method-assign, assignment]
+    rig.engine.policy.decide = recording(rig.engine.policy.decide, decided)  # type: ignore[method-assign, assignment]
     for c in clients:
         c.want()
     assert len(decided) == 4 and pending  # the rest folded into the turn's end

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_leases import busy_rig
+from leaserig import busy_rig
 
 TICK_S = 0.001
 """The device model's time step: a step's length is a whole number of them."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from test_leases import busy_rig
+from leaserig import busy_rig
 
 from unisched.enforce.leases import LeaseGrant
 
