@@ -1,5 +1,5 @@
-"""The daemon under faults: real daemon subprocesses, real cgroups, real processes, except where the
-fault is NVML's (no GPU here: a stub NVML module and fake telemetry drive the real engine code).
+"""The daemon under faults of its tenants and its host: real daemon subprocesses, real cgroups, real processes
+(hostile clients: test_faults_clients.py; NVML's faults: test_faults_nvml.py).
 
 Waits poll real conditions with deadlines (wait_until); the fixed sleeps are measurement windows or, in the
 SIGKILL loop, the random kill points themselves."""
