@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install torch==2.13.0: a CPU build)")
 
-from test_client import contended_grant, grant, offline_client, reports  # noqa: E402
+from test_client_gate import contended_grant, grant, offline_client, reports  # noqa: E402
 
 
 class StandInEvent:
