@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.policy import Engine, Mode, Priority, TidalSchedule, TidalWindow
-from unisched.policy.overlap import SliceKind
-from unisched.policy.tuning import TUNING
 from unisched.scheduler.clock import FakeClock
-from unisched.scheduler.config import ConfigError, DaemonConfig, DeclaredTenant
+from unisched.scheduler.config import DaemonConfig, DeclaredTenant
 from unisched.scheduler.core import Scheduler, SchedulerError
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.upkeep import MEMORY_CHECK_S
@@ -58,6 +53,16 @@ class Rig:
 
     def frozen(self, name: str) -> bool:
         return self.driver.groups[f"/unisched/{name}"].frozen
+
+
+def gpu_rig(tmp_path: Path, util: float, **config: object) -> tuple[Rig, FakeTelemetry]:
+    """Tenants a (300) and b (100) on GPU 0, whose telemetry reads `util` busy until told otherwise."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, **config), telemetry=tel)  # type: ignore[arg-type]
+    rig.add("a", 300)
+    rig.add("b", 100)
+    return rig, tel
 
 
 def test_weights_3_to_1_split_cpu_time_3_to_1(tmp_path: Path) -> None:
@@ -173,99 +178,6 @@ def test_gpu_busy_time_is_charged_split_by_cpu_activity(tmp_path: Path) -> None:
     rig.step(200)
     total = sum(s.gpu_seconds for s in rig.engine.snapshots())
     assert total == pytest.approx(0.5 * 199 * SLICE, rel=0.02)  # GPU seconds, not CPU seconds
-
-
-def _mixed_pair_freezes(tmp_path: Path, kept: tuple[float, float] | None) -> bool:
-    if kept is not None:
-        (tmp_path / "state").mkdir()
-        (tmp_path / "state" / "contention.json").write_text(json.dumps(
-            {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": kept[0], "graphics_kept": kept[1]}}}))
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]  # saturated: slicing is the question
-    rig = Rig(tmp_path, telemetry=tel)
-    rig.add("cuda", 100, engines=("compute",))
-    rig.add("render", 100, engines=("graphics",))
-    rig.step(100)
-    return any(frozen for _, frozen in rig.driver.freeze_log)
-
-
-def test_compute_and_graphics_overlap_where_calibration_measured_it(tmp_path: Path) -> None:
-    assert not _mixed_pair_freezes(tmp_path, (0.9, 0.97))
-
-
-def test_compute_and_graphics_are_sliced_where_they_were_measured_to_contend(tmp_path: Path) -> None:
-    assert _mixed_pair_freezes(tmp_path, (0.14, 0.87))
-
-
-def test_compute_and_graphics_are_sliced_when_never_measured(tmp_path: Path) -> None:
-    assert _mixed_pair_freezes(tmp_path, None)
-
-
-def _partial_overlap_pair(tmp_path: Path, weights: tuple[int, int], util: float,
-                          contention: str = "auto", kept: tuple[float, float] = (0.22, 0.92)) -> dict[str, float]:
-    """A trainer beside a render on a GPU whose calibration measured partial overlap (the H200's ResNet-50 +
-    render: 22% and 92% of their solo rates kept together). Returns the part of 400 slices each ran."""
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "contention.json").write_text(json.dumps(
-        {"version": 1, "gpus": {"NVIDIA H200": {"compute_kept": kept[0], "graphics_kept": kept[1]}}}))
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention=contention), telemetry=tel)
-    rig.add("cuda", weights[0], engines=("compute",))
-    rig.add("render", weights[1], engines=("graphics",))
-    rig.step(40)
-    mixed = rig.engine.mixed_slices(0)
-    partial = contention == "partial-overlap" or (contention == "auto" and sum(kept) >= TUNING.mix_sum)
-    if util >= 0.98 and partial:  # what `unisched status` shows for the GPU
-        assert mixed is not None and (mixed[0].both > 0 or sum(kept) < 1) and mixed[1] in SliceKind
-    else:
-        assert mixed is None
-    ran = {"cuda": 0.0, "render": 0.0, "both": 0.0}
-    for _ in range(400):
-        rig.step()
-        ran["cuda"] += not rig.frozen("cuda")
-        ran["render"] += not rig.frozen("render")
-        ran["both"] += not rig.frozen("cuda") and not rig.frozen("render")
-    return {k: v / 400 for k, v in ran.items()}
-
-
-@pytest.mark.parametrize(("weights", "both"), [((100, 100), 0.64), ((300, 100), 0.32), ((100, 300), 0.96)])
-def test_a_partly_overlapping_pair_runs_together_as_much_as_the_weights_allow(
-        tmp_path: Path, weights: tuple[int, int], both: float) -> None:
-    """Sliced against each other the pair does 1.0 solos of work; left alone, 1.14, with the trainer at 0.22
-    whatever its weight. Mixed: together for `both` of the time, the trainer alone for the rest."""
-    ran = _partial_overlap_pair(tmp_path, weights, util=1.0)
-    assert ran["both"] == pytest.approx(both, abs=0.03)
-    assert ran["render"] == pytest.approx(both, abs=0.03)  # the render never runs alone: its share needs no more
-    share = weights[0] / sum(weights)
-    assert 0.22 * ran["both"] + (ran["cuda"] - ran["both"]) >= share - 0.02  # the trainer's guarantee, by the rates
-
-
-def test_a_partial_overlap_is_sliced_when_contention_is_named(tmp_path: Path) -> None:
-    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="shared-sm")
-    assert ran["both"] < 0.05 and ran["cuda"] == pytest.approx(0.5, abs=0.05)
-
-
-def test_partial_overlap_named_mixes_a_calibration_auto_would_slice(tmp_path: Path) -> None:
-    """Kept 0.06 + 0.88 = 0.94, under Tuning.mix_sum: auto slices the pair as one domain (no mixed plan, checked by the
-    helper); named, the operator's word stands and the pair gets the mixed plan. A sum under 1 gains nothing
-    together, so the plan is each side alone for its share, in runs of a period."""
-    ran = _partial_overlap_pair(tmp_path, (100, 100), util=1.0, contention="partial-overlap", kept=(0.06, 0.88))
-    assert ran["both"] < 0.05 and ran["cuda"] == pytest.approx(0.5, abs=0.05)
-    (tmp_path / "auto").mkdir()
-    sliced = _partial_overlap_pair(tmp_path / "auto", (100, 100), util=1.0, kept=(0.06, 0.88))
-    assert sliced["both"] < 0.05
-
-
-def test_partial_overlap_without_a_calibration_stops_the_start(tmp_path: Path) -> None:
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    with pytest.raises(ConfigError, match="there is none for NVIDIA H200"):
-        Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, contention="partial-overlap"), telemetry=tel)
-
-
-def test_a_partly_overlapping_pair_on_an_unsaturated_gpu_is_not_mixed(tmp_path: Path) -> None:
-    ran = _partial_overlap_pair(tmp_path, (100, 100), util=0.4)
-    assert ran["both"] == 1.0
 
 
 def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
@@ -420,188 +332,11 @@ def test_encoder_counts_follow_nvml_after_two_disagreeing_checks(tmp_path: Path)
     assert rig.engine.snapshot("enc").sessions["nvenc"] == 1
 
 
-def _gpu_rig(tmp_path: Path, util: float, **config: object) -> tuple[Rig, FakeTelemetry]:
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, **config), telemetry=tel)  # type: ignore[arg-type]
-    rig.add("a", 300)
-    rig.add("b", 100)
-    return rig, tel
-
-
-def test_tenants_of_an_unsaturated_gpu_all_run(tmp_path: Path) -> None:
-    """Paced or pipelined tenants that show demand but leave the GPU 40% busy are not made to take turns."""
-    rig, _ = _gpu_rig(tmp_path, 0.4)
-    rig.step(200)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
-    assert rig.cpu("a") == pytest.approx(rig.cpu("b"))
-
-
-def test_a_saturated_gpu_is_sliced_by_weight_from_the_moment_it_saturates(tmp_path: Path) -> None:
-    rig, tel = _gpu_rig(tmp_path, 0.4)
-    rig.step(100)  # unsaturated: both ran all the time, b far beyond its weight's share
-    tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]
-    rig.step(2)
-    a0, b0 = rig.cpu("a"), rig.cpu("b")
-    rig.step(400)
-    # 3:1 from here on, with no catch-up for the unsaturated stretch, in which nobody was deprived
-    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
-
-
-def test_paced_tenants_that_leave_the_gpu_idle_a_few_percent_are_not_sliced(tmp_path: Path) -> None:
-    """Sixteen paced cloud-gaming instances read 0.94 busy on the H200 (GPM, median) while each kept its 60 FPS;
-    sliced, each got 1/16 of the time and 5 FPS. Saturated means never idle, sustained for 0.2 s: a busy slice
-    or two in a row (a burst that fills one NVML sample) is not saturation; 0.2 s busy >= 0.98 on average is."""
-    rig, tel = _gpu_rig(tmp_path, 0.94)
-    rig.step(200)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
-    enter = math.ceil(0.2 / SLICE - 1e-9)
-    for _ in range(5):
-        tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0)]
-        rig.step(enter // 2)
-        tel.next_samples = [GpuSample(0, 0.94, 0.0, 0.0, 0)]
-        rig.step(enter - enter // 2)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
-    for util in (1.0, 0.97, 1.0):  # never idle on average, though one slice dips below the line
-        tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
-        rig.step(1)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
-    tel.next_samples = [GpuSample(0, 0.995, 0.0, 0.0, 0)]
-    rig.step(enter - 3 + 1)
-    assert any(frozen for _, frozen in rig.driver.freeze_log)
-
-
-def _step_with_util(rig: Rig, tel: FakeTelemetry, util: Callable[[], float], n: int) -> int:
-    """Steps with the GPU's busy fraction given by the tenants' state; returns how many slices froze someone."""
-    sliced = 0
-    for _ in range(n):
-        tel.next_samples = [GpuSample(0, util(), 0.0, 0.0, 0)]
-        rig.step()
-        sliced += rig.frozen("a") or rig.frozen("b")
-    return sliced
-
-
-def test_paced_tenants_that_leave_their_turns_unused_are_not_kept_sliced(tmp_path: Path) -> None:
-    """Sixteen paced cloud instances read saturated together (94-100% busy on the H200) yet use a few ms of each
-    turn: sliced, they kept 5 of 60 FPS. Slicing that leaves turns unused is stopped and tried again ever later."""
-    rig, tel = _gpu_rig(tmp_path, 1.0)
-    rig.rate.update(a=0.1, b=0.1)  # paced: a tenth of a core each
-
-    def busy() -> float:
-        return 0.2 if rig.frozen("a") or rig.frozen("b") else 1.0  # alone, each leaves the GPU mostly idle
-    sliced = _step_with_util(rig, tel, busy, 1200)  # a minute of 50 ms slices
-    assert 0 < sliced < 0.05 * 1200, sliced  # tried a few times (0.5 s each), then held open for up to 30 s
-
-
-def test_a_paced_render_tenant_busy_on_its_cpu_did_not_use_its_turn(tmp_path: Path) -> None:
-    """Cloud instances encode on the CPU (libx264, 10 ms a frame) and catch up on frames when thawed: a whole core
-    busy through their turn while the GPU idles. Their GPU work is visible, so the GPU decides for them."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    rig.add("a", 100, engines=("graphics", "encode"))
-    rig.add("b", 100, engines=("graphics", "encode"))
-
-    def busy() -> float:
-        return 0.2 if rig.frozen("a") or rig.frozen("b") else 1.0
-    sliced = _step_with_util(rig, tel, busy, 1200)
-    assert 0 < sliced < 0.05 * 1200, sliced
-
-
-def test_a_holder_busy_on_its_cpu_used_its_turn_when_utilization_cannot_see_it(tmp_path: Path) -> None:
-    """PyTorch's kernels are invisible to NVML utilization on the H200 VM: a render + training pair reads busy
-    only while the render runs. The trainer's busy launching thread says it used its turn: the pair stays
-    sliced by weight instead of opening whenever the trainer holds the GPU."""
-    rig, tel = _gpu_rig(tmp_path, 1.0)  # a (weight 300) trains, b (100) renders
-
-    def busy() -> float:
-        return 1.0 if not rig.frozen("b") else 0.0
-    _step_with_util(rig, tel, busy, 40)
-    a0, b0 = rig.cpu("a"), rig.cpu("b")
-    sliced = _step_with_util(rig, tel, busy, 800)
-    assert sliced > 0.95 * 800
-    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
-
-
-def test_a_training_and_render_pair_stays_sliced_through_stale_samples_and_slow_thaws(tmp_path: Path) -> None:
-    """What the H200 showed: NVML's 200 ms sample averages four 50 ms turns (the render's turn reads half busy;
-    the trainer's reads nothing, its kernels are invisible), and a trainer's first slice after a thaw is not a
-    full core. Judged slice by slice, two such slices in a row opened the pair three times in 12 s."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    rig.add("a", 100)  # trains (compute)
-    rig.add("b", 100, engines=("graphics",))  # renders
-    render_ran: list[float] = []
-    was_frozen = False
-    sliced, a_frozen = 0, 0
-    for i in range(1240):
-        render_ran.append(0.0 if rig.frozen("b") else 1.0)
-        tel.next_samples = [GpuSample(0, sum(render_ran[-4:]) / len(render_ran[-4:]), 0.0, 0.0, 0)]
-        rig.rate["a"] = 0.5 if was_frozen else 1.0
-        was_frozen = rig.frozen("a")
-        rig.step()
-        if i >= 440:
-            sliced += rig.frozen("a") or rig.frozen("b")
-            a_frozen += rig.frozen("a")
-    assert sliced > 0.95 * 800, sliced
-    assert 0.3 < a_frozen / sliced < 0.7, a_frozen / sliced  # both get turns
-
-
-def test_trainers_invisible_to_utilization_are_still_sliced_by_weight(tmp_path: Path) -> None:
-    """Two ResNet-50 trainers read 0-5% in NVML on the H200 VM: to the gate alone the GPU looks idle and a 3:1
-    pair would run 1:1. Compute tenants keeping their CPUs busy under an idle-looking GPU mean no signal."""
-    rig, _ = _gpu_rig(tmp_path, 0.0)  # a (300) and b (100), compute, each a busy core
-    rig.step(40)
-    a0, b0 = rig.cpu("a"), rig.cpu("b")
-    rig.step(400)
-    assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
-
-
-@pytest.mark.parametrize(("declared", "dec_util", "sliced"), [
-    (("decode",), 0.3, False),  # its CPU feeds the decoder: no invisible compute work, and NVDEC has room
-    (("decode",), 1.0, True),  # NVDEC saturated: sliced there by weight
-    (("decode", "compute"), 0.3, True),  # decode + inference: its busy CPU stands in for kernels NVML cannot see
-])
-def test_hardware_decoders_are_sliced_only_where_the_gpu_shows_them_saturated(
-        tmp_path: Path, declared: tuple[str, ...], dec_util: float, sliced: bool) -> None:
-    """PyAV's hardware decode opens a CUDA context beside its NVDEC session and keeps a core busy feeding the
-    decoder while the SMs read idle. Two such decoders keep 0.85-0.88 of their rate each side by side on the H200:
-    taking turns, they would keep half."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    tel.next_samples = [GpuSample(0, 0.0, dec_util, 0.0, 0)]
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    rig.add("a", 300, engines=declared)
-    rig.add("b", 100, engines=declared)
-    for name in ("a", "b"):
-        assert rig.engine.admit_session(name, "compute", 0xCBC0) and rig.engine.admit_session(name, "nvdec", 0xB8B0)
-    rig.step(40)
-    a0, b0 = rig.cpu("a"), rig.cpu("b")
-    rig.step(400)
-    assert Engine.COMPUTE in rig.engine.snapshot("b").engines  # on the SMs too, by its context
-    if sliced:
-        assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(3.0, rel=0.1)
-    else:
-        assert not any(frozen for _, frozen in rig.driver.freeze_log)
-
-
-def test_paced_compute_tenants_on_an_idle_gpu_all_run(tmp_path: Path) -> None:
-    """Online inference at 20 requests/s next to another light compute tenant: neither keeps a core busy."""
-    rig, _ = _gpu_rig(tmp_path, 0.0)
-    rig.rate.update(a=0.2, b=0.2)
-    rig.step(200)
-    assert not any(frozen for _, frozen in rig.driver.freeze_log)
-
-
-def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
-    rig, _ = _gpu_rig(tmp_path, 0.4, saturated_util=0.0)
-    rig.step(400)
-    assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
-
-
 def test_a_hooked_tenant_without_a_gpu_context_is_neither_frozen_nor_charged(tmp_path: Path) -> None:
     """A trainer importing torch (hooks attached, no context yet, NVML lists none of its processes) next to a
     saturating render: it runs its CPU start-up unfrozen and uncharged; from its first context on it is sliced
     by weight; NVML still listing a process keeps it on the GPU after the hooks saw its context freed."""
-    rig, tel = _gpu_rig(tmp_path, 1.0)  # a: 300, b: 100, the GPU saturated
+    rig, tel = gpu_rig(tmp_path, 1.0)  # a: 300, b: 100, the GPU saturated
     b_pid = rig.pid
     tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset({1001}))]  # only a's process
     rig.engine.note_session_hooks("b")
@@ -660,7 +395,7 @@ def test_without_a_process_list_a_run_tenants_cpu_is_its_gpu_work(tmp_path: Path
 
 def test_without_hooks_no_gpu_context_is_assumed_missing(tmp_path: Path) -> None:
     """An adopted or unhooked tenant's sessions are unknown: an empty NVML list alone does not exempt it."""
-    rig, tel = _gpu_rig(tmp_path, 1.0)
+    rig, tel = gpu_rig(tmp_path, 1.0)
     tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset())]
     rig.step(400)
     assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
