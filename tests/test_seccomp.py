@@ -32,20 +32,11 @@ from unisched.enforce.seccomp.agent import recv_agent_message
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 CHILD = Path(__file__).with_name("seccomp_child.py")
-
-
 UNAVAILABLE = probe()
-
-
 needs_notify = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"seccomp user notification unavailable: {UNAVAILABLE}")
 
-
 GRAPHICS, NVDEC, COMPUTE, OTHER = 0xCB97, 0xB8B0, 0xCBC0, 0x1234
-
-
 KERNEL = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
-
-
 ENOTTY, EPERM, ENOSYS = errno.ENOTTY, errno.EPERM, errno.ENOSYS
 
 
