@@ -56,11 +56,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # unisched: stopping a stage
 sys.path.insert(0, str(HERE / "workloads"))
 from _ad_stages import run_perception, run_sim  # noqa: E402
 from _ad_stream import colocated_view, gpu_view, latency_ms, sequential_view, summarize  # noqa: E402
-from _children import Interrupted, child_env, log_tail, raise_interrupted, run_argv, stop_group  # noqa: E402
+from _children import Interrupted, child_env, log_tail, raise_interrupted, run_argv  # noqa: E402
 from _window import add_window_args, write_json  # noqa: E402
+
+from unisched.calibrate.runs import kill_group  # noqa: E402
 
 SCENARIO = "ad_sim"
 TENANTS = {"sim": ("ad-sim", "graphics,encode"), "perception": ("ad-perception", "decode,compute")}
@@ -197,7 +200,7 @@ class Child:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_group(self.proc)
+            kill_group(self.proc)
 
 
 def wait_all(children: list[Child], kill_at: float) -> list[str]:

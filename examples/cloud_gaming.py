@@ -60,14 +60,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the size parser of --memory-cap
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the size parser, stopping a player
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
-from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv, stop_group
+from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv
 from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, refusal_delta
 from _cloud_player import open_encoder, run_instance, run_probe
 from _pacing import fairness
 from _window import add_window_args, fail, write_json
 from egl_render import EGLUnavailable
+
+from unisched.calibrate.runs import kill_group
 
 SCENARIO = "cloud_gaming"
 LATE_S = 0.5  # an instance whose first frame came later than this into the window did not share it
@@ -177,14 +179,14 @@ def orchestrate(args: argparse.Namespace,
         for c in children:
             if c.proc.poll() is None:
                 c.stopped = "killed at the deadline"
-                stop_group(c.proc)
+                kill_group(c.proc)
     except (KeyboardInterrupt, Interrupted):
         interrupted = True
         errors.append("interrupted: instances stopped")
         for c in children:
             if c.proc.poll() is None:
                 c.stopped = "stopped: interrupted"
-                stop_group(c.proc)
+                kill_group(c.proc)
     finally:
         signal.signal(signal.SIGTERM, old_term)
     if daemon is not None and final is None and not interrupted:

@@ -2,21 +2,18 @@
 
 Why one place: both start their players or stages the same way (this checkout first on PYTHONPATH, headless EGL,
 each child leading its own session so that a stop reaches everything it started, optionally wrapped in `unisched
-run` as a tenant) and quote the same log tails when one fails.
+run` as a tenant) and quote the same log tails when one fails. They stop them with the daemon's own
+unisched.calibrate.runs.kill_group (SIGTERM, then SIGKILL, to the child's whole session).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LOG_TAIL_CHARS = 3000
-TERM_WAIT_S = 3.0  # after SIGTERM, before SIGKILL
-KILL_WAIT_S = 5.0
 
 
 class Interrupted(Exception):
@@ -52,18 +49,3 @@ def log_tail(path: Path, limit: int = LOG_TAIL_CHARS) -> str:
         return path.read_bytes()[-limit:].decode(errors="replace")
     except OSError:
         return ""
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM then SIGKILL to a child and everything it started (it leads its own session)."""
-    for sig, wait_s in ((signal.SIGTERM, TERM_WAIT_S), (signal.SIGKILL, KILL_WAIT_S)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
