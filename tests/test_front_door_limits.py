@@ -1,8 +1,8 @@
 """One user's flood of the daemon's sockets costs only that user (a real daemon with its default limits).
 
-The attack as reported: 4,200 idle connections from one non-root uid (more than the daemon's global cap of
-4,096, so on 74030c6 root's `status` got "cannot reach the daemon"), some of them sending a partial 64 KiB lease
-frame and then nothing (on 74030c6 the daemon held every such frame for good). With the defaults
+The attack: 4,200 idle connections from one non-root uid (more than the daemon's global cap of 4,096, which
+alone would leave root's `status` with "cannot reach the daemon"), some of them sending a partial 64 KiB lease
+frame and then nothing (which a daemon without deadlines would hold for good). With the defaults
 (options.MAX_CONNECTIONS_PER_UID = 128, an admin reserve, OPENING_DEADLINE_S = 5, PARTIAL_FRAME_S = 5,
 MAX_PARTIAL_BYTES_PER_UID = 1 MiB) the daemon holds at most 128 of them, closes the rest at accept and the held
 ones at their deadline, root's status answers within 1 s throughout, and its RSS stays near idle: the same
