@@ -72,7 +72,9 @@ from egl_render import EGLUnavailable
 from unisched.calibrate.runs import kill_group
 
 SCENARIO = "cloud_gaming"
-LATE_S = 0.5  # an instance whose first frame came later than this into the window did not share it
+LATE_S = 0.5
+"""An instance that finished starting up (Python, PyAV, EGL, the encoder) later than this into the window did not
+share it. One that was ready in time but got its first frame later did: the scheduler held it."""
 FINAL_LEAD_S = 1.0
 """The daemon's final view is asked for this long before the window ends: a `unisched tenants` call is a Python
 start-up, and a player that has ended its window and exited is no longer a tenant to report on."""
@@ -204,6 +206,13 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def ready_late(window: dict[str, Any]) -> float | None:
+    """How late into the window a player was ready to play (0 when in time); a report without its start-up time
+    says when its window began."""
+    ready = window.get("ready_s")
+    return max(0.0, float(ready)) if isinstance(ready, int | float) else window.get("late_s")
+
+
 def last_polled(polls: list[dict[str, Any]], name: str | None) -> dict[str, Any] | None:
     """A tenant's row in the latest poll that has it: where the final view came too late for a player that had
     already exited, its last view during the window."""
@@ -226,7 +235,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
             "index": c.index, "tenant": c.tenant, "rc": rc, "weight": weight_of(args, c.index),
             **{k: got.get(k) for k in ("pid", "fps_mean", "fps_min", "fps_1pct_low", "frame_time_p99_ms", "frames",
                                        "encoder", "skipped_slots", "stage_ms", "cpu_cores", "timeline")},
-            "late_s": (got.get("window") or {}).get("late_s"),
+            "late_s": ready_late(got.get("window") or {}),
             "memory_bytes": got.get("memory_bytes") or (row or {}).get("memory_bytes"),
             "over_memory": (row or {}).get("over_memory"),
             "refusals": refusal_delta((daemon_row(before, c.tenant) or {}).get("refusals"), row.get("refusals"))
@@ -239,7 +248,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
             entry["error"] = why
             errors.append({"instance": c.index, "tenant": c.tenant, "error": why, "log_tail": log_tail(c.log)})
         elif (entry["late_s"] or 0) > LATE_S:
-            entry["error"] = f"started {entry['late_s']:.1f} s into the window: give a longer --warmup"
+            entry["error"] = f"ready {entry['late_s']:.1f} s into the window: give a longer --warmup"
             errors.append({"instance": c.index, "tenant": c.tenant, "error": entry["error"], "log_tail": ""})
         per.append(entry)
     fps = [float(e["fps_mean"] or 0.0) for e in per]

@@ -112,6 +112,12 @@ def test_a_player_gone_from_the_final_view_keeps_its_last_polled_row() -> None:
     assert cg.last_polled(polls, "cg-2") is None and cg.last_polled([], "cg-0") is None
 
 
+def test_a_player_ready_in_time_is_not_late_however_long_the_scheduler_held_its_first_frame() -> None:
+    assert cg.ready_late({"ready_s": -3.2, "first_frame_s": 1.4, "late_s": 0.0}) == 0.0
+    assert cg.ready_late({"ready_s": 0.8, "first_frame_s": 1.1, "late_s": 1.1}) == 0.8
+    assert cg.ready_late({"late_s": 0.3}) == 0.3 and cg.ready_late({}) is None
+
+
 def test_refusals_are_counted_for_this_run_only() -> None:
     assert cloud_daemon.refusal_delta({"memory": 2, "graphics": 1}, {"memory": 3, "graphics": 1, "nvenc": 4}) == {
         "memory": 1, "nvenc": 4}
@@ -301,16 +307,19 @@ def test_a_hung_instance_is_killed_at_the_deadline(tmp_path: Path) -> None:
 
 
 egl_here = pytest.mark.skipif(egl_reason() is not None, reason=str(egl_reason()))
-SMALL = ("--width", "320", "--height", "240", "--iterations", "2", "--fps", "30", "--seconds", "2", "--warmup", "15")
-"""Players cheap enough for a loaded 2-core machine's CPU; the warm-up covers every player's start (Python, PyAV,
-EGL and, under the daemon, `unisched run`) with room to spare, as a late player is an error."""
+SMALL = ("--width", "320", "--height", "240", "--iterations", "2", "--fps", "30", "--seconds", "2")
+"""Players cheap enough for a loaded 2-core machine's CPU. The warm-ups cover every player's start (Python, PyAV,
+EGL and, under the daemon, `unisched run`) with room to spare, as a player ready late is an error: about 2 s alone
+under two CPU hogs; under a daemon without a GPU signal, which slices the CPU by weight from the start, the weight-1
+player of 1:2:4 was ready 11-14.5 s after it started, so that warm-up is twice that."""
+WARMUP_S, DAEMON_WARMUP_S = "15", "30"
 
 
 @egl_here
 def test_players_render_encode_and_report_on_any_egl(tmp_path: Path) -> None:
     """The players' real pipeline (EGL render, read-back, H.264 encode, pacing, the report), and the hog's
     allocation and both its probes, where the EGL display may be a software one."""
-    p, r = run_example(tmp_path, "--instances", "2", *SMALL, "--hog-instance", "1", "--hog-mib", "16",
+    p, r = run_example(tmp_path, "--instances", "2", *SMALL, "--warmup", WARMUP_S, "--hog-instance", "1", "--hog-mib", "16",
                        "--hog-at", "0.3", "--probe-after", "0.5")
     assert p.returncode == 0, r["errors"]
     assert r.keys() >= REPORT_KEYS and r["unisched"] is False and r["gpu"]
@@ -330,7 +339,8 @@ def test_players_as_tenants_of_a_real_daemon_get_their_weights_and_caps(daemon_f
     """What the cloud-gaming suite runs under the daemon: each player a tenant (`unisched run`) in weight groups
     1:2:4, its memory cap set before the window, the daemon's view in the report."""
     d: Daemon = daemon_factory("--slice-ms", "50")
-    p, r = run_example(tmp_path, "--instances", "3", *SMALL, "--weights", "1,2,4", "--unisched-socket", d.socket,
+    p, r = run_example(tmp_path, "--instances", "3", *SMALL, "--warmup", DAEMON_WARMUP_S, "--weights", "1,2,4",
+                       "--unisched-socket", d.socket,
                        "--tenant-prefix", f"{d.prefix}cg-", "--memory-cap", "1GiB")
     assert p.returncode == 0, r["errors"]
     assert r["unisched"] is True and r["memory_cap_bytes"] == 1 << 30

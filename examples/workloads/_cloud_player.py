@@ -279,6 +279,7 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
             if hog is not None:
                 hog.tick(now)
 
+        ready_at = time.time()  # started up: what follows is the window's, frozen time included
         paced = paced_loop(pipeline.step, start_at, end_at, t0, period, on_frame)
         encoder.close()
         memory = nvml.read()
@@ -286,7 +287,9 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
         nvml.close()
         info = renderer.info()
     done, cores = paced.completions, meter.cores()
-    window_start = start_at if done and done[0] < start_at else (done[0] if done else start_at)
+    # Ready in time, the player shared the whole window, however long the scheduler held it; ready late, its
+    # window starts at its first frame, and the orchestrator reports it as late.
+    window_start = start_at if ready_at <= start_at or not done else max(start_at, done[0])
     stats = frame_stats(done, window_start, end_at)
     in_window = [s for t, s in zip(done, pipeline.stages, strict=False) if window_start < t]
     stage_ms = {name: round(1000 * sum(s[k] for s in in_window) / len(in_window), 3) if in_window else None
@@ -298,7 +301,8 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
         "memory_bytes": memory, "skipped_slots": paced.skipped_slots, "stage_ms": stage_ms,
         "cpu_cores": None if cores is None else round(cores, 3),
         "window": {"start_at": start_at, "end_at": end_at, "window_start": window_start,
-                   "late_s": round(window_start - start_at, 3)},
+                   "late_s": round(window_start - start_at, 3), "ready_s": round(ready_at - start_at, 3),
+                   "first_frame_s": round(done[0] - start_at, 3) if done else None},
         "egl_display": ctx.display.source, "gl_context": f"{ctx.version[0]}.{ctx.version[1]} core",
         "gl_renderer": info["gl_renderer"], "hog": hog_report,
     }
