@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from leaserig import LeaseRig, busy_rig
+from leaserig import Coop, LeaseRig, busy_rig
+
+from unisched.enforce.cgroups import _FakeGroup
 
 
 def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
@@ -28,6 +30,17 @@ def test_cooperative_and_kernel_tenants_share_by_weight(tmp_path: Path) -> None:
     assert not rig.driver.groups["/unisched/coop"].frozen  # leases gate it, not the freezer
 
 
+def client_beside_kernel(tmp: Path, coop_w: int, kern_w: int, yields: bool = True) -> tuple[LeaseRig, Coop, _FakeGroup]:
+    """A GPU that reads busy whoever runs, a client "coop" (yielding at a revoke on its own when `yields`) that
+    wants it, and a freezer-governed tenant "kern" beside it, with kern's cgroup."""
+    rig = busy_rig(tmp)
+    c = rig.coop("coop", coop_w)
+    c.yields = yields
+    c.want()
+    rig.unmodified("kern", kern_w)
+    return rig, c, rig.driver.groups["/unisched/kern"]
+
+
 FREEZE_TAIL_S = 0.002
 
 
@@ -39,11 +52,7 @@ def test_a_client_beside_a_kernel_tenant_gets_its_weight_with_a_gpu_signal(tmp_p
     and it also ran (a few ms) in each interval its freeze came late in, while the client held the GPU: charged
     that interval's whole busy time, it paid about twice its use and got a third of the GPU at 1:1. `late`: the
     client's reports arrive half a slice after its work (with its next renewal), in the next interval."""
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", coop_w)
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
+    rig, c, g = client_beside_kernel(tmp_path, coop_w, kern_w)
     kern_s = owed = 0.0
     for _ in range(1200):
         was_frozen = g.frozen
@@ -73,12 +82,7 @@ def _share_beside_a_revoked_tail(tmp: Path, coop_w: int, kern_w: int, after_yiel
     """The client's share of the work done when, at each revoke, its step in flight (TAIL_S on its timer) runs on
     beside the freezer-governed tenant thawed for its turn, each doing half of that overlap. Reported with the yield
     (`after_yield` False), or after a yield at once, as one unit (TAIL_UNIT_S steps: its held reports count them)."""
-    rig = busy_rig(tmp)
-    c = rig.coop("coop", coop_w)
-    c.yields = False  # it yields itself
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
+    rig, c, g = client_beside_kernel(tmp, coop_w, kern_w, yields=False)  # it yields itself
     coop_work = kern_work = 0.0
     for _ in range(1200):
         was_held = c.held
@@ -139,11 +143,7 @@ def test_the_work_a_frozen_tenant_left_queued_is_its_own_not_the_next_clients(
     first units wait behind it, and its CUDA events time that wait. The time beyond its usual units is the frozen
     tenant's, not the client's."""
     drain, unit = 0.010, 0.005  # a whole number of units after the drain: the model reports only whole units
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", coop_w)
-    c.want()
-    rig.unmodified("kern", kern_w)
-    g = rig.driver.groups["/unisched/kern"]
+    rig, c, g = client_beside_kernel(tmp_path, coop_w, kern_w)
     coop_work = kern_work = 0.0
     for _ in range(1200):
         was_frozen, was_held = g.frozen, c.held
@@ -170,11 +170,7 @@ def test_a_frozen_tenants_queued_work_is_charged_to_it_once_when_the_holder_repo
     it: the holder is charged its units, the frozen tenant the rest, at the report (not only where its freeze fell in
     the same tick as the report: on the GPU it often did not, and that work went uncharged). The tick that follows
     does not charge it again."""
-    rig = busy_rig(tmp_path)
-    c = rig.coop("coop", 100)
-    c.want()
-    rig.unmodified("kern", 100)
-    g = rig.driver.groups["/unisched/kern"]
+    rig, c, g = client_beside_kernel(tmp_path, 100, 100)
     for _ in range(40):  # the client reports 10 units of 5 ms per slice held; the tenant runs when thawed
         was_frozen = g.frozen
         delay = rig.tick()
