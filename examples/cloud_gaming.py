@@ -93,7 +93,6 @@ def weight_of(args: argparse.Namespace, index: int) -> int:
     return 100 * groups[index % len(groups)]
 
 
-
 def tenant_name(prefix: str, index: int) -> str:
     return f"{prefix}{index}"
 
@@ -115,7 +114,6 @@ def instance_argv(args: argparse.Namespace, index: int, start_at: float, report:
     return argv
 
 
-
 @dataclass
 class Child:
     index: int
@@ -125,7 +123,6 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes]
     stopped: str | None = None  # why we stopped it, if we did
-
 
 
 def orchestrate(args: argparse.Namespace,

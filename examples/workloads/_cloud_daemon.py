@@ -18,7 +18,6 @@ def set_limit_argv(python: str, socket: str, tenant: str, memory: str) -> list[s
     return unisched_argv(python, socket, "set-limit", "--tenant", tenant, "--memory", memory)
 
 
-
 class Daemon:
     """The orchestrator's calls to the daemon, all through the `unisched` command line."""
 
@@ -85,7 +84,6 @@ def refusal_delta(before: dict[str, int] | None, after: dict[str, int] | None) -
 
 def daemon_row(tenants: list[dict[str, Any]] | None, name: str | None) -> dict[str, Any] | None:
     return next((t for t in tenants or [] if t.get("name") == name), None)
-
 
 
 def compact(tenants: list[dict[str, Any]] | None, names: Sequence[str | None]) -> dict[str, Any]:
