@@ -47,7 +47,7 @@ CLOUD_WEIGHTS = "1,2,4"
 CLOUD_WARMUP_S = "20"
 """The cloud runs' warm-up: every player of a run starts inside it (Python, PyAV, an EGL context and, under the
 daemon, `unisched run` and the session hooks), up to 48 of them on the host's cores at once; the example's own
-5 s is for a few players, and a player whose first frame comes over 0.5 s into the window counts as an error."""
+5 s is for a few players, and a player ready over 0.5 s into the window counts as an error."""
 CLOUD_SATURATED = 0.95
 """A cloud run with no scheduler saturates the GPU when its players' mean FPS is below this fraction of their pace."""
 
@@ -184,8 +184,8 @@ def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
     """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics."""
     cases: Cases = {}
     notes: list[str] = []
-    sizes = sorted({int(m.group(1)) for p in folder.glob("*-*") if (m := re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)",
-                                                                                         p.name))})
+    runs = [re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)", p.name) for p in folder.glob("*")]
+    sizes = sorted({int(m.group(1)) for m in runs if m})
     for n in sizes:
         shared, alone = _json(folder / f"unisched-{n}" / "report.json"), _json(folder / f"no-scheduler-{n}" / "report.json")
         if shared or alone:
