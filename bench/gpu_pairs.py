@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
+from _daemon import ROOT
 from _results import save_json, utc_now, write_atomic
 from pairs_calibration import (
     check_contention_dir,
@@ -49,7 +50,6 @@ from pairs_calibration import (
     write_contention_file,
 )
 from pairs_plan import (
-    ROOT,
     WORKLOADS,
     Pair,
     derive_pair,

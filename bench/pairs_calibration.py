@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pairs_plan import ROOT, WORKLOADS, Pair, solo_kinds
+from _daemon import ROOT
+from pairs_plan import WORKLOADS, Pair, solo_kinds
 from pairs_runs import LOG_TAIL_CHARS, Config, GroupResult, Progress, read_report, tail
 
 from unisched.calibrate.fit import CalibrationError, Measured

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import scoring
+from _daemon import ROOT
 from pairs_runs import Config, GroupResult
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 WORKLOADS = {
     "cuda": ROOT / "examples" / "workloads" / "cuda_matmul.py",

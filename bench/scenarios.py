@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import shlex
 import sys
@@ -34,10 +33,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "workloads"))
 import gpu_pairs as gp
+from _daemon import ROOT
 from _results import save_json, utc_now
 from online_report import online_line, summary, write_outputs
 from online_scoring import INTERLEAVE_GUARD_S, ONLINE_SETUPS, derive_batch
-from pairs_plan import ROOT
 from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_group
 
 from unisched.enforce.mps import NvidiaMpsControl
@@ -92,13 +91,6 @@ class Options:
 
 
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def pair_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("PYOPENGL_PLATFORM", "egl")
-    return env
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
