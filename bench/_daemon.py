@@ -27,14 +27,14 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     if profile and sample:
         raise SystemExit("start_daemon: profile or sample, not both (each runs the daemon under itself)")
     sock = str(work / "d.sock")
-    log = (work / "daemon.log").open("wb")
     prof = (["-m", "cProfile", "-o", str(profile)] if profile
             else [str(ROOT / "bench" / "stack_sampler.py"), str(sample)] if sample else [])
-    daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
-                               str(work / "state"), *extra], stdout=log, stderr=log,
-                              env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [
-                                  str(root), str(root / "clients"), os.environ.get("PYTHONPATH")]))},
-                              cwd=root)
+    with (work / "daemon.log").open("wb") as log:  # the daemon writes to its own copy of the file
+        daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
+                                   str(work / "state"), *extra], stdout=log, stderr=log,
+                                  env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [
+                                      str(root), str(root / "clients"), os.environ.get("PYTHONPATH")]))},
+                                  cwd=root)
     deadline = time.monotonic() + timeout_s
     while not Path(sock).exists():
         if daemon.poll() is not None or time.monotonic() > deadline:

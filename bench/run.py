@@ -6,6 +6,9 @@
   python3 bench/run.py SUITE --dry-run                 the commands of a round, nothing run
   python3 bench/run.py SUITE --cpu-standin             where the suite has them: CPU stand-ins, no GPU
   python3 bench/run.py SUITE -- --seconds 20           words after `--` go to every command of a round
+  python3 bench/run.py SUITE --serve-arg=--slice-ms=10  every daemon the runner starts gets that setting: a variant,
+                                                       kept out of the generated tables (where a suite's scripts
+                                                       start their daemons, their own flags go after `--`)
   python3 bench/run.py A B --budget 540                several suites one after another, one time budget for all
   python3 bench/run.py SUITE --rescore --out DIR      judge DIR/SUITE's rounds again by the current targets
   python3 bench/run.py --table                         the README's results table, from the latest summaries
@@ -103,8 +106,10 @@ def expand(step: Step, out: Path, sock: str | None, extra: list[str]) -> list[st
     return [*argv, *extra]
 
 
-def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[str, Any]:
-    """One command, with a fresh daemon when it asks for one; its output to folder/step.log."""
+def run_step(step: Step, folder: Path, extra: list[str], log_to: Path, serve_args: tuple[str, ...] = ()
+             ) -> dict[str, Any]:
+    """One command, with a fresh daemon when it asks for one (`serve_args` added to its own); its output to
+    folder/step.log."""
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     daemon: subprocess.Popen[bytes] | None = None
@@ -114,7 +119,7 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path) -> dict[s
         if step.serve is not None:
             work = Path(tempfile.mkdtemp(prefix=f"run-{step.name}-"))
             with held_stops():
-                daemon, sock = start_daemon(work, *step.serve)
+                daemon, sock = start_daemon(work, *step.serve, *serve_args)
         argv = expand(step, folder, sock, extra)
         with (log_to / f"{step.name}.log").open("wb") as log:
             try:
@@ -162,7 +167,8 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra: list[str]) -> dict[str, Any]:
+def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra: list[str],
+              serve_args: tuple[str, ...] = ()) -> dict[str, Any]:
     raw = folder / sm.RAW / f"round-{k}"
     if raw.exists():
         shutil.rmtree(raw)  # a round cut short earlier: it is run again whole
@@ -171,7 +177,7 @@ def run_round(suite: Suite, steps: tuple[Step, ...], k: int, folder: Path, extra
     ran = []
     for step in steps:
         print(f"run {suite.name}: round {k}: {step.name}", file=sys.stderr, flush=True)
-        ran.append(run_step(step, raw / step.name, extra, raw))
+        ran.append(run_step(step, raw / step.name, extra, raw, serve_args))
     cases, notes = suite.read(raw)
     return {"round": k, "date_utc": date, "steps": ran, "cases": cases, "notes": notes}
 
@@ -191,6 +197,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--cpu-standin", action="store_true", help="run the suite's CPU stand-ins (no GPU; not a result)")
     ap.add_argument("--commit", default=None, metavar="SHA",
                     help="the commit measured, where the tree has no git metadata (a copy on the GPU machine)")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="WORD",
+                    help="one more `unisched serve` argument for every daemon the runner starts (repeatable, e.g. "
+                         "--serve-arg=--slice-ms=10): a variant of the suite, recorded in its summary, kept out of the "
+                         "generated tables, and in a folder of its own by default. Suites whose scripts start their "
+                         "own daemons take their scripts' flags after `--` instead")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="start no round that would end after S seconds from the start (a round as long as the longest "
                          "one already in --out, else the suite's estimate; with several suites, one budget for all)")
@@ -252,12 +263,18 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if args.rescore:
         return rescore(suite, args.out / suite.name, args.argv)
     steps = suite.standin if args.cpu_standin and suite.standin else suite.steps
+    serve_args = tuple(args.serve_arg)
+    if serve_args and all(step.serve is None for step in steps):
+        print(f"run.py: suite {suite.name}'s scripts start their own daemons, so --serve-arg would change nothing: "
+              "give their flags after `--` (bench/README.md)", file=sys.stderr)
+        return 2
     rounds = args.rounds or suite.rounds
     if args.dry_run:
         print(f"{suite.name}: {rounds} rounds, about {rounds * suite.round_minutes:g} min on the H200"
               + (" (CPU stand-ins)" if args.cpu_standin else "") + "; each round runs:")
         for step in steps:
-            daemon = " (under a fresh `unisched serve`)" if step.serve is not None else ""
+            daemon = "" if step.serve is None else \
+                f" (under a fresh `{shlex.join(['unisched', 'serve', *step.serve, *serve_args])}`)"
             print(f"  {shlex.join(expand(step, Path('RAW') / step.name, 'SOCKET', extra))}{daemon}")
         return 0
     if suite.needs_gpu and not args.cpu_standin and not has_gpu():
@@ -270,24 +287,28 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     elif head["commit"] == "unknown":
         print("run.py: no git metadata here: name the commit measured with --commit SHA", file=sys.stderr)
         return 2
-    folder = (args.out or sm.run_folder(mach, head, args.cpu_standin)) / suite.name
+    folder = (args.out or sm.run_folder(mach, head, args.cpu_standin, serve_args=serve_args)) / suite.name
     before = sm.load(folder)
     if before is not None and before.get("commit") != head["commit"]:
         print(f"run.py: {folder} holds rounds of commit {before.get('commit')}, not {head['commit']}: "
               "give another --out", file=sys.stderr)
         return 2
+    if before is not None and tuple(before.get("serve_args") or ()) != serve_args:
+        print(f"run.py: {folder} holds rounds whose daemons had {shlex.join(before.get('serve_args') or []) or 'no'} "
+              f"--serve-arg, not {shlex.join(serve_args) or 'none'}: give another --out", file=sys.stderr)
+        return 2
     done: list[dict[str, Any]] = list(before["rounds"]) if before else []
     existed = folder.exists()
     sm.unpack_raw(folder)
     meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
-            "date_utc": utc_now()}
+            "serve_args": list(serve_args), "date_utc": utc_now()}
     try:
         while len(done) < rounds:
             if args.budget is not None and time.monotonic() - args.t0 + round_seconds(suite, done) > args.budget:
                 print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
                       f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
                 break
-            done.append(run_round(suite, steps, len(done) + 1, folder, extra))
+            done.append(run_round(suite, steps, len(done) + 1, folder, extra, serve_args))
             sm.write(folder, sm.build(suite, done, meta))
     except Stopped:  # the round cut short is dropped (run again, it runs whole); the rounds done are kept below
         print(f"run {suite.name}: stopped by a signal in round {len(done) + 1}", file=sys.stderr)

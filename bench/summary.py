@@ -87,16 +87,19 @@ def gpu_slug(name: str | None, standin: bool) -> str:
     return "-".join(words) or "gpu"
 
 
-def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: dt.datetime | None = None) -> Path:
-    """bench/results/<date>-<gpu>-<commit>: one folder per machine and commit a day; suites go under it."""
+def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: dt.datetime | None = None,
+               serve_args: tuple[str, ...] = ()) -> Path:
+    """bench/results/<date>-<gpu>-<commit>: one folder per machine and commit a day; suites go under it. A variant
+    (daemons with `serve_args`) gets a folder of its own, named after them: <date>-<gpu>-<commit>-slice-ms-10."""
     day = (when or dt.datetime.now(dt.UTC)).strftime("%Y-%m-%d")
-    return RESULTS / f"{day}-{gpu_slug(mach.get('gpu'), standin)}-{head['commit'][:7]}"
+    variant = "-".join(w for w in re.split(r"[^a-z0-9.]+", " ".join(serve_args).lower()) if w)
+    return RESULTS / "-".join(filter(None, (day, gpu_slug(mach.get("gpu"), standin), head["commit"][:7], variant)))
 
 
 # ------------------------------------------------------------------------------------------------ summary
 
 
-RUN_META = ("command", "machine", "commit", "dirty", "standin", "date_utc", "raw", "rescored")
+RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored")
 """A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
 
 
@@ -149,6 +152,8 @@ def report_md(s: dict[str, Any]) -> str:
              *([f"Rescored: `{s['rescored']['command']}` on {s['rescored']['date_utc']} UTC at commit "
                 f"{s['rescored']['commit']}: the rounds as measured, the verdicts by that commit's targets  "]
                if s.get("rescored") else []),
+             *([f"Daemon settings: `{shlex.join(s['serve_args'])}` on every daemon the runner started (a variant "
+                "of the suite, not its defaults)  "] if s.get("serve_args") else []),
              f"Rounds: {len(s['rounds'])}" + _unsettled(s)
              + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
     if s["targets"]:
@@ -246,22 +251,36 @@ def plot(folder: Path, s: dict[str, Any]) -> list[str]:
 
 SUBSET_ARGS = ("--pairs", "--weights")
 """Arguments passed on to a suite's scripts (after `--`) that run only part of its plan."""
+SETTING_ARGS = ("--serve-arg", "--slice-ms")
+"""Arguments passed on to a suite's scripts (after `--`) that give their daemons settings other than the defaults."""
+
+
+def _passes(s: dict[str, Any], names: tuple[str, ...]) -> bool:
+    """Whether a summary's command passed one of `names` on to the suite's scripts (after `--`)."""
+    words = str(s.get("command", "")).split()
+    passed = words[words.index("--") + 1:] if "--" in words else []
+    return any(w == a or w.startswith(a + "=") for w in passed for a in names)
 
 
 def is_subset(s: dict[str, Any]) -> bool:
     """Whether a summary's run measured only part of its suite (SUBSET_ARGS after `--` in its command)."""
-    words = str(s.get("command", "")).split()
-    passed = words[words.index("--") + 1:] if "--" in words else []
-    return any(w == a or w.startswith(a + "=") for w in passed for a in SUBSET_ARGS)
+    return _passes(s, SUBSET_ARGS)
+
+
+def is_variant(s: dict[str, Any]) -> bool:
+    """Whether a summary's daemons ran with settings other than the defaults (the runner's --serve-arg, or
+    SETTING_ARGS after `--`): a result of those settings, not of what a user gets."""
+    return bool(s.get("serve_args")) or _passes(s, SETTING_ARGS)
 
 
 def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
     """Per suite, its newest summary (by date, then folder name) under `results`. Stand-in runs never count, nor do
-    runs of part of a suite (is_subset): the table would show a few cases as if they were all of it."""
+    runs of part of a suite (is_subset): the table would show a few cases as if they were all of it; nor variants
+    (is_variant): it shows what the defaults do."""
     found: dict[str, tuple[Path, dict[str, Any]]] = {}
     for path in sorted(results.glob(f"*/*/{SUMMARY}")):
         s = load(path.parent)
-        if s is None or s.get("standin") or is_subset(s) or s.get("suite") not in {x.name for x in SUITES}:
+        if s is None or s.get("standin") or is_subset(s) or is_variant(s) or s.get("suite") not in {x.name for x in SUITES}:
             continue
         prev = found.get(s["suite"])
         if prev is None or (s.get("date_utc", ""), str(path)) >= (prev[1].get("date_utc", ""), str(prev[0])):

@@ -62,6 +62,47 @@ def test_dry_run_prints_a_rounds_commands_and_runs_nothing(tmp_path: Path) -> No
     assert not (tmp_path / "out").exists()
 
 
+def test_a_variants_daemon_settings_reach_the_runners_daemons_and_are_refused_where_scripts_start_their_own(
+        tmp_path: Path) -> None:
+    cloud = run_py("cloud-gaming", "--cpu-standin", "--dry-run", "--serve-arg=--slice-ms=10")
+    assert cloud.returncode == 0, cloud.stderr
+    assert "(under a fresh `unisched serve --cpu-stand-in --slice-ms=10`)" in cloud.stdout
+    pairs = run_py("pairs", "--cpu-standin", "--serve-arg=--slice-ms=10", "--out", str(tmp_path))
+    assert pairs.returncode == 2 and "give their flags after `--`" in pairs.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_variant_goes_to_a_folder_of_its_own_and_never_into_one_of_other_settings(tmp_path: Path) -> None:
+    head = summary.commit()
+    mach = {"gpu": "NVIDIA H200"}
+    assert summary.run_folder(mach, head, False, serve_args=("--slice-ms=10",)).name.endswith(
+        f"-h200-{head['commit'][:7]}-slice-ms-10")
+    assert summary.run_folder(mach, head, False).name.endswith(f"-h200-{head['commit'][:7]}")
+    suite = suites.BY_NAME["cloud-gaming"]
+    meta = {"command": "c", "machine": summary.machine(), **head, "standin": True, "serve_args": [],
+            "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {}}
+    summary.write(tmp_path / "cloud-gaming", summary.build(suite, [rnd], meta))
+    got = run_py("cloud-gaming", "--cpu-standin", "--serve-arg=--slice-ms=10", "--out", str(tmp_path))
+    assert got.returncode == 2, got.stderr
+    assert "no --serve-arg, not --slice-ms=10: give another --out" in got.stderr
+    assert len(json.loads((tmp_path / "cloud-gaming" / "summary.json").read_text())["rounds"]) == 1
+
+
+@needs_freezer
+@pytest.mark.root
+def test_a_step_under_the_runners_daemon_runs_with_the_variants_settings(tmp_path: Path) -> None:
+    """The daemon a step asks for gets the step's own `serve` arguments and then the variant's: its log says it
+    serves with the variant's slice."""
+    run = _bench("run")
+    step = suites.Step("probe", (sys.executable, "-c", "import sys; sys.exit(0 if sys.argv[1] else 1)", "{socket}"),
+                       serve=("--cpu-stand-in",))
+    got = run.run_step(step, tmp_path / "probe", [], tmp_path, ("--slice-ms=10",))
+    assert got["rc"] == 0 and got["argv"][-1].endswith(".sock")
+    serving = [json.loads(x) for x in (tmp_path / "probe-daemon.log").read_text().splitlines() if '"serving"' in x]
+    assert serving and serving[0]["slice_ms"] == 10.0
+
+
 def test_several_suites_run_in_turn_within_one_budget_and_a_round_that_does_not_fit_leaves_nothing(
         tmp_path: Path) -> None:
     both = run_py("leases", "overhead", "--dry-run")
@@ -387,6 +428,10 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     summary.write(tmp_path / "2026-03-01-h200-bbbbbbb" / "leases",
                   summary.build(suite, [rnd] * 3, {**meta, "command": "python3 bench/run.py leases -- --weights 3:1",
                                                "date_utc": "2026-03-01 10:00:00"}))
+    for day, variant in (("2026-03-02", {"serve_args": ["--slice-ms=10"]}),  # newer, but variants: not shown
+                         ("2026-03-03", {"command": "python3 bench/run.py leases -- --slice-ms 10"})):
+        summary.write(tmp_path / f"{day}-h200-bbbbbbb" / "leases",
+                      summary.build(suite, [rnd] * 3, {**meta, "date_utc": f"{day} 10:00:00", **variant}))
     table = summary.results_table(tmp_path, link_from=tmp_path)
     row = next(x for x in table.splitlines() if x.startswith("| leases |"))
     assert "0 of 1" in row and "FAIL: 0.62 ms > 0.5 ms, by 0.12 ms" in row
