@@ -71,6 +71,7 @@ from pairs_runs import (
     run_group,
 )
 
+from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.contention_file import (
     CONTENTION_FILE,
     ContentionFileError,
@@ -193,7 +194,8 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
                         help="--warmup for the runs under unisched only: there a low-weight tenant is frozen "
                              "for most of its own start-up, which then takes several times longer "
                              f"(default: {DEFAULT_UNISCHED_WARMUP_S:g})")
-    parser.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default: 50)")
+    parser.add_argument("--slice-ms", type=float, default=DaemonConfig().slice_ms,
+                        help="unisched serve --slice-ms (default: the daemon's, %(default)g)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for every `unisched serve` (repeatable), e.g. --serve-arg=--log-level "
                              "--serve-arg=debug to log why a sliced pair stays sliced")
@@ -265,7 +267,8 @@ table), 1 when a run failed or was skipped, 2 for bad arguments.""",
 
 def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path | None, dry_run: bool,
                workload_cmd_cuda: str | None, workload_cmd_render: str | None,
-               workload_cmd_nvdec: str | None = None, unisched_warmup: float | None = None, slice_ms: float = 50.0,
+               workload_cmd_nvdec: str | None = None, unisched_warmup: float | None = None,
+               slice_ms: float = DaemonConfig().slice_ms,
                unisched_module: str = "unisched", prefix: str = "gpu_pairs-") -> Config:
     """A Config from option values (gpu_pairs' own, or another script's)."""
     if work_dir is None:

@@ -47,7 +47,7 @@ from _daemon import ROOT, start_daemon
 from _results import header, run_info, write
 
 sys.path.insert(0, str(ROOT))
-
+from unisched.scheduler.config import DaemonConfig
 
 STALL_S = 20.0
 """A write on a tenant's stream (hello, renewal, release, half-close) that takes longer counts it as STALLED."""
@@ -348,7 +348,8 @@ def main() -> int:
                     help="each tenant renews this often (default 100); 0 = back to back, each after the last ack")
     ap.add_argument("--lease-timeout-ms", type=float, default=3000.0,
                     help="daemon --lease-timeout-ms; keep it well above --renew-ms (default 3000)")
-    ap.add_argument("--slice-ms", type=float, default=50.0)
+    ap.add_argument("--slice-ms", type=float, default=DaemonConfig().slice_ms,
+                    help="unisched serve --slice-ms (default: the daemon's, %(default)g)")
     ap.add_argument("--procs", type=int, default=0, help="client worker processes (default: 1 per 250 tenants, >= 1)")
     ap.add_argument("--client", choices=("protocol", "library"), default="protocol",
                     help="protocol: asyncio speaking the lease stream (default); library: unisched_client.Client, "

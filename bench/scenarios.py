@@ -41,6 +41,7 @@ from pairs_runs import Config, Daemon, DaemonError, Progress, TenantSpec, run_gr
 
 from unisched.enforce.mps import NvidiaMpsControl
 from unisched.policy.mps import MPS_BELOW_NORMAL
+from unisched.scheduler.config import DaemonConfig
 
 EX = ROOT / "examples"
 
@@ -279,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=15.0, help="measured window per run (default 15)")
     ap.add_argument("--warmup", type=float, default=8.0, help="warm-up before the window, no scheduler (default 8)")
     ap.add_argument("--unisched-warmup", type=float, default=15.0, help="warm-up under unisched (default 15)")
-    ap.add_argument("--slice-ms", type=float, default=50.0, help="unisched serve --slice-ms (default 50)")
+    ap.add_argument("--slice-ms", type=float, default=DaemonConfig().slice_ms,
+                    help="unisched serve --slice-ms (default: the daemon's, %(default)g)")
     ap.add_argument("--rate", type=float, default=20.0, help="online requests per second (default 20)")
     ap.add_argument("--online-batches", default="1,8", help="online request batch sizes (default 1,8)")
     ap.add_argument("--repeat", type=int, default=1,
