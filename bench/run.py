@@ -11,6 +11,9 @@
                                                        start their daemons, their own flags go after `--`)
   python3 bench/run.py A B --budget 540                several suites one after another, one time budget for all
   python3 bench/run.py SUITE --rescore --out DIR      judge DIR/SUITE's rounds again by the current targets
+  python3 bench/run.py SUITE --compare DIR DIR...      one suite's runs side by side (variants): every target's value
+                                                       and verdict, and every metric's median, per run (its
+                                                       links are relative to where it runs)
   python3 bench/run.py --table                         the README's results table, from the latest summaries
   python3 bench/run.py --update-readme README.md       write that table between the README's markers
   python3 bench/run.py --update-results docs/results.md  write the results page (the table and every verdict of
@@ -208,6 +211,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--rescore", action="store_true",
                     help="judge the rounds already in --out/SUITE again by the current targets, running nothing: the "
                          "rounds stay as measured, and the summary says when and at which commit it was rescored")
+    ap.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DIR",
+                    help="print the named suite's runs in these run folders side by side (each DIR/SUITE/summary.json): "
+                         "every target's value and verdict, and every metric's median, per run; runs nothing")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
@@ -220,6 +226,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error(f"no suite {', '.join(unknown)} (the suites: {', '.join(s.name for s in SUITES)})")
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.compare and len(args.suite) != 1:
+        ap.error("--compare needs one suite: the runs of which to set side by side")
     if args.rescore and (args.out is None or not args.suite):
         ap.error("--rescore needs the suites and the --out folder that holds their rounds")
     if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(sm.results_table(), end="")
         return 0
+    if args.compare:
+        return compare(args.suite[0], args.compare)
     for path, make in ((args.update_readme, sm.results_table), (args.update_results, sm.results_page)):
         if path is None:
             continue
@@ -320,6 +330,17 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if not done:  # nothing to report, and no folder to leave behind
         return 0
     return finish(suite, folder, done, meta)
+
+
+def compare(name: str, folders: list[Path]) -> int:
+    runs = [(folder / name, sm.load(folder / name)) for folder in folders]
+    missing = [str(folder) for folder, s in runs if s is None]
+    if missing:
+        print(f"run.py: no {name} summary in {', '.join(missing)}", file=sys.stderr)
+        return 2
+    # links relative to where it is run: run it from the folder the table is pasted into
+    print(sm.compare_table([(folder, s) for folder, s in runs if s is not None], link_from=Path.cwd()), end="")
+    return 0
 
 
 def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:

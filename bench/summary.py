@@ -367,6 +367,39 @@ def results_page(results: Path = RESULTS, link_from: Path = ROOT) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variant_label(s: dict[str, Any]) -> str:
+    """What a run's daemons were given beyond the defaults, in words for a column head."""
+    return f"`{shlex.join(s['serve_args'])}`" if s.get("serve_args") else "defaults"
+
+
+def compare_table(runs: Sequence[tuple[Path, dict[str, Any]]], link_from: Path = ROOT) -> str:
+    """One suite's runs side by side (variants of its settings, or the same settings on two commits): per target and
+    case the value each run is judged by and its verdict, then per case and metric its median over each run's
+    rounds. The runs must be of one suite."""
+    if len({s["suite"] for _, s in runs}) != 1:
+        raise ValueError("compare runs of one suite: " + ", ".join(sorted({s["suite"] for _, s in runs})))
+    heads = [f"{variant_label(s)}, [{folder.parent.name}]({os.path.relpath(folder / REPORT, link_from)}), "
+             f"{len(s['rounds'])} rounds" + ("" if len(s["rounds"]) >= _least(s) else " (not settled)")
+             for folder, s in runs]
+    bar = "|---" * (len(runs) + 2) + "|"
+    lines = ["| target | case | " + " | ".join(heads) + " |", bar]
+    keys = dict.fromkeys((v["target"], v["case"], v["text"]) for _, s in runs for v in s["verdicts"])
+    for name, case, text in keys:
+        cells = []
+        for _, s in runs:
+            v = next((v for v in s["verdicts"] if v["target"] == name and v["case"] == case), None)
+            cells.append("" if v is None else f"{_num(v['value'])}: "
+                         + {True: "met", False: "missed", None: "not judged"}[v["passed"]])
+        lines.append(f"| {text} | {case} | " + " | ".join(cells) + " |")
+    lines += ["", "| case | metric, median of the rounds | " + " | ".join(variant_label(s) for _, s in runs) + " |", bar]
+    stats = [s.get("stats") or {} for _, s in runs]
+    for case in dict.fromkeys(c for st in stats for c in st):
+        for metric in dict.fromkeys(m for st in stats for m in st.get(case) or {}):
+            cells = [_num(((st.get(case) or {}).get(metric) or {}).get("median")) for st in stats]
+            lines.append(f"| {case} | {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def readme_table(text: str) -> str | None:
     """What the README holds between its markers; None without them."""
     if README_BEGIN not in text or README_END not in text:

@@ -441,6 +441,30 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     assert summary.readme_table(summary.with_table(readme, table)) == table
 
 
+def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_path: Path) -> None:
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": True,
+            "date_utc": "2026-01-01 10:00:00"}
+    for name, p99, serve in (("base", 0.62, []), ("short", 0.3, ["--slice-ms=10"])):
+        rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
+               "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
+        summary.write(tmp_path / name / "leases", summary.build(suite, [rnd] * 3, {**meta, "serve_args": serve}))
+    got = subprocess.run([sys.executable, str(BENCH / "run.py"), "leases", "--compare", "base", "short"],
+                         capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=60, check=False)
+    assert got.returncode == 0, got.stderr
+    head, *rows = got.stdout.splitlines()
+    assert "defaults, [base](base/leases/report.md), 3 rounds" in head
+    assert "`--slice-ms=10`, [short](short/leases/report.md), 3 rounds" in head
+    assert "| lease renewal round trip p99 <= 0.5 ms | round trip, 1 tenant | 0.62: missed | 0.3: met |" in rows
+    assert "| round trip, 1 tenant | p99_ms | 0.62 | 0.3 |" in rows
+    summary.write(tmp_path / "other" / "hooks", summary.build(suites.BY_NAME["hooks"], [], meta))
+    with pytest.raises(ValueError, match="compare runs of one suite"):
+        summary.compare_table([(tmp_path / "base" / "leases", summary.load(tmp_path / "base" / "leases")),
+                               (tmp_path / "other" / "hooks", summary.load(tmp_path / "other" / "hooks"))])
+    absent = run_py("leases", "--compare", str(tmp_path / "other"))
+    assert absent.returncode == 2 and "no leases summary in" in absent.stderr
+
+
 def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_path: Path) -> None:
     """Where every case met a target, the table names the one with least margin and its value, not the first."""
     suite = suites.BY_NAME["leases"]
