@@ -333,7 +333,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def compare(name: str, folders: list[Path]) -> int:
-    runs = [(folder / name, sm.load(folder / name)) for folder in folders]
+    runs = [(folder.resolve() / name, sm.load(folder / name)) for folder in folders]
     missing = [str(folder) for folder, s in runs if s is None]
     if missing:
         print(f"run.py: no {name} summary in {', '.join(missing)}", file=sys.stderr)

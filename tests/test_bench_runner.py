@@ -449,12 +449,12 @@ def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_p
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
         summary.write(tmp_path / name / "leases", summary.build(suite, [rnd] * 3, {**meta, "serve_args": serve}))
-    got = subprocess.run([sys.executable, str(BENCH / "run.py"), "leases", "--compare", "base", "short"],
-                         capture_output=True, text=True, cwd=tmp_path, env=child_env(), timeout=60, check=False)
+    got = subprocess.run([sys.executable, str(BENCH / "run.py"), "leases", "--compare", ".", "../short"],
+                         capture_output=True, text=True, cwd=tmp_path / "base", env=child_env(), timeout=60, check=False)
     assert got.returncode == 0, got.stderr
     head, *rows = got.stdout.splitlines()
-    assert "defaults, [base](base/leases/report.md), 3 rounds" in head
-    assert "`--slice-ms=10`, [short](short/leases/report.md), 3 rounds" in head
+    assert "defaults, [base](leases/report.md), 3 rounds" in head
+    assert "`--slice-ms=10`, [short](../short/leases/report.md), 3 rounds" in head
     assert "| lease renewal round trip p99 <= 0.5 ms | round trip, 1 tenant | 0.62: missed | 0.3: met |" in rows
     assert "| round trip, 1 tenant | p99_ms | 0.62 | 0.3 |" in rows
     summary.write(tmp_path / "other" / "hooks", summary.build(suites.BY_NAME["hooks"], [], meta))
