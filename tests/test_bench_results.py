@@ -81,6 +81,25 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     assert m["weight_error"] == pytest.approx(21 / (200 * 71 / 700) - 1)
     assert m["lows_vs_no_scheduler"] == pytest.approx(0.7619 - 0.9, abs=1e-4)  # median of 0.8, 0.762, 0.75 vs 0.9
     assert m["cpu_of_host_unisched"] == 6.0 / 16 and m["cpu_of_host_no_scheduler"] is None  # that run measured none
+    assert m["host_bound"] is None  # unknown without the no-scheduler run's CPU
+
+
+def test_cloud_gaming_is_judged_only_where_the_gpu_not_the_hosts_cpu_saturated() -> None:
+    """Unpinned players that used 95% of the host's cores with no scheduler ran out of CPU, which the daemon does not
+    share: that size is reported, not judged. Players pinned to a stand-in core are judged as before."""
+    def run(fps: float, cpu: float, player_cores: int, host_cores: int = 16) -> dict[str, Any]:
+        return {"fps_target": 60, "fps_mean_all": fps, "cpu_cores_total": cpu, "host_cores": host_cores,
+                "player_cores": player_cores,
+                "per_instance": [{"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": fps * 0.9} for w in (1, 2, 4)]}
+
+    by_cpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16))
+    by_gpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 11.0, 16))
+    stand_in = suites.cloud_metrics(run(20, 1.0, 1, 2), run(20, 1.0, 1, 2))
+    assert by_cpu["saturated"] is by_gpu["saturated"] is stand_in["saturated"] is True
+    assert (by_cpu["host_bound"], by_gpu["host_bound"], stand_in["host_bound"]) == (True, False, False)
+    judged = {c: [v.target for v in verdicts.judge_all(suites.CLOUD_TARGETS, [{c: m}])]
+              for c, m in (("cpu", by_cpu), ("gpu", by_gpu), ("stand-in", stand_in))}
+    assert judged == {"cpu": [], "gpu": ["FPS by weight", "1% lows"], "stand-in": ["FPS by weight", "1% lows"]}
 
 
 def test_cloud_gaming_reads_every_size_its_round_ran_and_its_stand_ins_pin_players_to_the_stand_in_cpu(
