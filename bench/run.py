@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -344,8 +345,10 @@ def compare(name: str, folders: list[Path]) -> int:
 
 
 def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
-    """The rounds in folder judged by the suite's current targets: a target's reading can change after a run (the
-    rounds keep every metric), and the record says so rather than passing the new verdicts off as the run's."""
+    """The rounds in folder judged by the suite's current targets: a target's reading can change after a run, and the
+    record says so rather than passing the new verdicts off as the run's. Each round's cases are read again from its
+    raw outputs by the suite's current reader where the archive holds them (a reader may derive more from the same
+    outputs), else kept as they were."""
     before = sm.load(folder)
     if before is None or not before.get("rounds"):
         print(f"run.py: {folder} holds no rounds to rescore", file=sys.stderr)
@@ -353,7 +356,24 @@ def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
     meta = {k: v for k, v in before.items() if k in sm.RUN_META}
     meta["rescored"] = {"command": shlex.join(["python3", "bench/run.py", *argv]), "commit": sm.commit()["commit"],
                         "date_utc": utc_now()}
-    return publish(suite, folder, sm.build(suite, before["rounds"], meta), f"rescored {len(before['rounds'])} rounds: ")
+    rounds = reread(suite, folder, before["rounds"])
+    return publish(suite, folder, sm.build(suite, rounds, meta), f"rescored {len(rounds)} rounds: ")
+
+
+def reread(suite: Suite, folder: Path, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rounds with their cases and notes read again from the raw archive (left as it is), where it has them."""
+    archive = folder / sm.ARCHIVE
+    if not archive.exists():
+        return rounds
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")
+        out = []
+        for r in rounds:
+            raw = Path(tmp) / sm.RAW / f"round-{r['round']}"
+            cases, notes = suite.read(raw) if raw.is_dir() else ({}, [])
+            out.append({**r, "cases": cases, "notes": notes} if cases else r)
+        return out
 
 
 def round_seconds(suite: Suite, done: list[dict[str, Any]]) -> float:

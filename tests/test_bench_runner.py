@@ -284,3 +284,32 @@ def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_
     empty = run_py("leases", "--rescore", "--out", str(tmp_path / "none"))
     assert empty.returncode == 2 and "holds no rounds to rescore" in empty.stderr
     assert run_py("leases", "--rescore").returncode == 2  # --out is needed
+
+
+def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> None:
+    """A round judged by an older reader (no host_bound in its case): rescore reads its raw outputs with the current
+    one, so the host-bound size is no longer judged; the archive itself is left as it was."""
+    suite = suites.BY_NAME["cloud-gaming"]
+    raw = tmp_path / "build" / "raw" / "round-1"
+    for name, cpu in (("no-scheduler-24", 15.99), ("unisched-24", 15.2)):
+        (raw / name).mkdir(parents=True)
+        players = [{"weight": 100 * w, "fps_mean": 40.0, "fps_1pct_low": 36.0} for w in (1, 2, 4)]
+        (raw / name / "report.json").write_text(json.dumps({
+            "fps_target": 60, "fps_mean_all": 40.0, "cpu_cores_total": cpu, "host_cores": 16, "player_cores": 16,
+            "per_instance": players}))
+    folder = tmp_path / "run" / "cloud-gaming"
+    folder.mkdir(parents=True)
+    with tarfile.open(folder / "raw.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "build" / "raw", arcname="raw")
+    archived = (folder / "raw.tar.xz").read_bytes()
+    old_case = {k: v for k, v in suites.read_cloud(raw)[0]["N=24"].items() if k != "host_bound"}
+    meta = {"command": "c", "machine": summary.machine(), "commit": "c" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"N=24": old_case}}
+    summary.write(folder, summary.build(suite, [rnd], meta))
+    assert {v["target"] for v in summary.load(folder)["verdicts"]} == {"FPS by weight", "1% lows"}
+    got = run_py("cloud-gaming", "--rescore", "--out", str(tmp_path / "run"))
+    assert got.returncode == 0, got.stderr
+    s = summary.load(folder)
+    assert s["rounds"][0]["cases"]["N=24"]["host_bound"] is True and s["verdicts"] == []
+    assert (folder / "raw.tar.xz").read_bytes() == archived and not (folder / "raw").exists()
