@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchrig import bench_module, run_py, suites, verdicts
 from conftest import ROOT, child_env, needs_freezer
-from test_bench_runner import _bench, run_py
 
-mixed_pairs, suites, verdicts = _bench("mixed_pairs"), _bench("suites"), _bench("verdicts")
+mixed_pairs = bench_module("mixed_pairs")
 RENDER_PAIRS = "frame+render,frame+frame"
 WEIGHTS = "1:1,3:1,1:3"
 RENDER_KEYS = ["frame+render 1:1", "frame+render 3:1", "frame+render 1:3", "frame+frame 1:1", "frame+frame 3:1"]
@@ -109,7 +109,7 @@ def test_the_suite_estimate_counts_the_render_pairs() -> None:
 def synthetic_round(k: int) -> dict[str, Any]:
     """results.json of one round of the render pairs as mixed_engines.py writes it: alone rates, then each pair's
     rates; frame+render 3:1 over-serves the frame client by 3 points in round 2."""
-    me = _bench("mixed_engines")
+    me = bench_module("mixed_engines")
     alone = {"frame": 36.0, "render": 37.0}
     runs: dict[str, list[dict[str, Any]]] = {}
     for key in planned(RENDER_PAIRS):
@@ -230,7 +230,7 @@ def test_a_late_member_is_scored_over_the_seconds_both_ran_and_a_sliver_stops_th
     """As gpu_pairs scores a pair: the client's first frame 2 s into an 8 s window, the render alone (36 frames/s)
     until then and at 27 beside it; over its whole window the render would read 29.25. A member that measured under
     half its window gives no rate at all."""
-    engines = _bench("mixed_engines")
+    engines = bench_module("mixed_engines")
 
     def report(late_s: float, before: float, after: float, changes_at: float) -> dict[str, Any]:
         timeline, items, t = [], 0.0, late_s
