@@ -210,8 +210,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="start no round that would end after S seconds from the start (a round as long as the longest "
                          "one already in --out, else the suite's estimate; with several suites, one budget for all)")
     ap.add_argument("--rescore", action="store_true",
-                    help="judge the rounds already in --out/SUITE again by the current targets, running nothing: the "
-                         "rounds stay as measured, and the summary says when and at which commit it was rescored")
+                    help="judge the rounds already in --out/SUITE again by the current targets, running nothing: each "
+                         "round's outputs are read again by the suite's current reader where the raw archive holds "
+                         "them, and the summary says when and at which commit it was rescored")
     ap.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DIR",
                     help="print the named suite's runs in these run folders side by side (each DIR/SUITE/summary.json): "
                          "every target's value and verdict, and every metric's median, per run; runs nothing")

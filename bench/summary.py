@@ -150,7 +150,8 @@ def report_md(s: dict[str, Any]) -> str:
              f"Commit: {s['commit']}{' (with uncommitted changes)' if s.get('dirty') else ''}  ",
              f"Machine: {m['host']}; {m['cpu']}, {m['cores']} cores; GPU: {gpu}; kernel {m['kernel']}  ",
              *([f"Rescored: `{s['rescored']['command']}` on {s['rescored']['date_utc']} UTC at commit "
-                f"{s['rescored']['commit']}: the rounds as measured, the verdicts by that commit's targets  "]
+                f"{s['rescored']['commit']}: the rounds' outputs as measured, read and judged by that commit's reader "
+                "and targets  "]
                if s.get("rescored") else []),
              *([f"Daemon settings: `{shlex.join(s['serve_args'])}` on every daemon the runner started (a variant "
                 "of the suite, not its defaults)  "] if s.get("serve_args") else []),
