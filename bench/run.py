@@ -37,7 +37,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -363,12 +362,9 @@ def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
 
 def reread(suite: Suite, folder: Path, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rounds with their cases and notes read again from the raw archive (left as it is), where it has them."""
-    archive = folder / sm.ARCHIVE
-    if not archive.exists():
-        return rounds
     with tempfile.TemporaryDirectory() as tmp:
-        with tarfile.open(archive) as tar:
-            tar.extractall(tmp, filter="data")
+        if not sm.extract_raw(folder, Path(tmp)):
+            return rounds
         out = []
         for r in rounds:
             raw = Path(tmp) / sm.RAW / f"round-{r['round']}"

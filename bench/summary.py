@@ -210,11 +210,19 @@ def archive_raw(folder: Path) -> str:
     return f"{ARCHIVE} ({buf.tell()} bytes, {len(files)} files" + (f"; left out for size: {', '.join(left)})" if left else ")")
 
 
+def extract_raw(folder: Path, dest: Path) -> bool:
+    """folder's raw archive unpacked under dest (its files at dest/raw/...); False when folder has none."""
+    if not (folder / ARCHIVE).exists():
+        return False
+    with tarfile.open(folder / ARCHIVE) as tar:
+        tar.extractall(dest, filter="data")
+    return True
+
+
 def unpack_raw(folder: Path) -> None:
     """An earlier call's raw outputs back into folder/raw, so the archive of a resumed run holds every round."""
-    if (folder / ARCHIVE).exists() and not (folder / RAW).exists():
-        with tarfile.open(folder / ARCHIVE) as tar:
-            tar.extractall(folder, filter="data")
+    if not (folder / RAW).exists():
+        extract_raw(folder, folder)
 
 
 def plot(folder: Path, s: dict[str, Any]) -> list[str]:
