@@ -41,8 +41,8 @@ takes 11-21 s on an H200 VM; with gpu_pairs' default 5 s the alone and no-schedu
 few seconds of a trainer still warming up."""
 RENDER_ITERATIONS = "447"  # about 36 FPS alone on the H200, as gpu_pairs' calibration found: the overlap pairs' render
 CLOUD_SIZES = (12, 24, 36, 48)
-"""Instances per cloud-gaming run, in weight groups 1:2:4 (multiples of 3): 16 at 60 FPS did not saturate the H200
-with no scheduler, so the sweep starts below and goes well past it."""
+"""Instances per cloud-gaming run, in weight groups 1:2:4 (multiples of 3): at CLOUD_PLAYER's frame 12 players at 60
+FPS about fill the H200 with no scheduler, so the sweep starts there and goes to four times as many."""
 CLOUD_WEIGHTS = "1,2,4"
 CLOUD_WARMUP_S = "20"
 """The cloud runs' warm-up: every player of a run starts inside it (Python, PyAV, an EGL context and, under the
@@ -54,7 +54,15 @@ CLOUD_HOST_BOUND = 0.95
 """...and it is the host's CPU that saturated, not the GPU, when the players could use every core of the host and
 used at least this fraction of them (on the H200, which has no NVENC, each player encodes on the CPU). The daemon
 shares the GPU, not the CPU, so the targets do not apply there. Players pinned to some cores (--player-cpus: the CPU
-stand-ins, whose pinned core is the GPU) are never host-bound."""
+stand-ins, whose pinned core is the GPU) are never host-bound, and neither is a run whose GPU NVML read busy for
+CLOUD_GPU_BUSY of the window: a player waiting for a saturated GPU spins in the driver's wait, so there the cores
+fill because the GPU ran out."""
+CLOUD_GPU_BUSY = 0.95
+CLOUD_PLAYER = "--width 640 --height 360 --iterations 140"
+"""The players' frame: a 640x360 shader scene of 140 rounds a pixel, about 1.35 ms of the H200's GPU a frame
+(12 players at 60 FPS fill it, 24 share it at half the pace). The H200 has no NVENC, so each player encodes on the
+host's CPU (libx264); at 1280x720 that encode, not the GPU, set the pace once the sweep passed 24 players. At
+640x360 it costs a quarter as much, and the GPU saturates first."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +170,7 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     (host_bound), how far the players under the daemon are from FPS proportional to weight (largest
     |fps_i / (w_i * sum fps / sum w) - 1|), and the players' 1% low over their mean FPS (median) under the daemon
     less the same with no scheduler. Also shown: the players' CPU over the cores they may run on (the host's, unless
-    pinned) in each run."""
+    pinned) and the GPU's NVML busy fraction (where measured) in each run."""
     per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
     pace = float(alone.get("fps_target") or shared.get("fps_target") or 60.0)
     out: dict[str, Any] = {"fps_no_scheduler": alone.get("fps_mean_all"), "fps_unisched": shared.get("fps_mean_all"),
@@ -184,7 +192,10 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
         out[key] = total / cores if isinstance(total, int | float) and cores else None
     unpinned = alone.get("player_cores") is not None and alone.get("player_cores") == alone.get("host_cores")
     used = out["cpu_of_host_no_scheduler"]
-    out["host_bound"] = None if used is None else unpinned and used >= CLOUD_HOST_BOUND
+    out["gpu_busy_no_scheduler"], out["gpu_busy_unisched"] = alone.get("gpu_busy"), shared.get("gpu_busy")
+    busy = out["gpu_busy_no_scheduler"]
+    gpu_full = isinstance(busy, int | float) and busy >= CLOUD_GPU_BUSY
+    out["host_bound"] = None if used is None else unpinned and used >= CLOUD_HOST_BOUND and not gpu_full
     return out
 
 
@@ -343,7 +354,7 @@ MEMORY_TARGETS = (Target("tests", "tests_pass", "every", ">=", 1.0, "tests/test_
 PAIRS = "cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1,nvdec1:3"
 
 
-def cloud_steps(sizes: tuple[int, ...] = CLOUD_SIZES, more: str = "", serve: tuple[str, ...] = ()) -> tuple[Step, ...]:
+def cloud_steps(sizes: tuple[int, ...] = CLOUD_SIZES, more: str = CLOUD_PLAYER, serve: tuple[str, ...] = ()) -> tuple[Step, ...]:
     """Per size, the players with no scheduler, then under a fresh daemon (its `serve` arguments)."""
     steps: list[Step] = []
     for n in sizes:
@@ -408,7 +419,8 @@ SUITES: tuple[Suite, ...] = (
           (Step("online", words("{py} bench/scenarios.py --out {out} --scenarios online --online-batches 1,8 "
                                 "--online-setups kernel,user")),),
           read_online, ONLINE_TARGETS, rounds=5),
-    Suite("cloud-gaming", f"game-streaming players (render + read-back + encode, 60 FPS pace) in weight groups 1:2:4, "
+    Suite("cloud-gaming", f"game-streaming players (640x360 render + read-back + encode, 60 FPS pace) in weight groups "
+          "1:2:4, "
           f"N = {', '.join(map(str, CLOUD_SIZES))}, with no scheduler and under the daemon "
           "(examples/cloud_gaming.py); targets where no scheduler saturates the GPU (not where the players ran out of "
           "the host's CPU); --cpu-standin: N = 3 and 6, on one CPU", 8.0, True, cloud_steps(),

@@ -48,7 +48,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,13 +60,13 @@ sys.path.insert(0, str(HERE / "workloads"))
 from _ad_stages import run_perception, run_sim  # noqa: E402
 from _ad_stream import colocated_view, gpu_view, latency_ms, sequential_view, summarize  # noqa: E402
 from _children import Interrupted, child_env, log_tail, raise_interrupted, run_argv  # noqa: E402
+from _nvml_sampler import NvmlSampler  # noqa: E402
 from _window import add_window_args, write_json  # noqa: E402
 
 from unisched.calibrate.runs import kill_group  # noqa: E402
 
 SCENARIO = "ad_sim"
 TENANTS = {"sim": ("ad-sim", "graphics,encode"), "perception": ("ad-perception", "decode,compute")}
-SAMPLE_PERIOD_S = 0.1
 
 EXAMPLES = """\
 examples:
@@ -134,51 +133,6 @@ def stage_command(args: argparse.Namespace, role: str, workdir: Path, deadline: 
 
 
 # ---------------------------------------------------------------------------------------------- orchestrator
-
-
-class NvmlSampler:
-    """GPU and decoder utilization every 100 ms in a thread, straight from NVML (pynvml)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.samples: list[list[float]] = []
-        self.error: str | None = None
-        self.gpu_name: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            self.gpu_name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception as e:
-            self.error = f"NVML unavailable, no utilization samples: {type(e).__name__}: {e}"
-            return
-        self._thread = threading.Thread(target=self._run, args=(pynvml, handle), daemon=True)
-        self._thread.start()
-
-    def _run(self, pynvml: Any, handle: Any) -> None:
-        while not self._stop.wait(SAMPLE_PERIOD_S):
-            try:
-                t = time.time()
-                util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                dec = pynvml.nvmlDeviceGetDecoderUtilization(handle)[0]
-                self.samples.append([t, float(util), float(dec)])
-            except Exception as e:
-                self.error = self.error or f"NVML sample failed: {type(e).__name__}: {e}"
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            with contextlib.suppress(Exception):
-                import pynvml
-
-                pynvml.nvmlShutdown()
 
 
 @dataclass

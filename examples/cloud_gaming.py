@@ -37,7 +37,9 @@ times, cpu_cores (this player's CPU over the window, in cores), a timeline [[t, 
 its window (ready_s: when it had started up, first_frame_s; a player ready after the window began is late, one the
 scheduler held shared the window, held time included).
 Overall: fairness_min_over_max, fps_mean_all, cpu_cores_total against player_cores, the CPUs the players may run
-on (host_cores unless --player-cpus; a CPU-bound host shows here), the daemon's view of the tenants at the end of
+on (host_cores unless --player-cpus), gpu_busy (the first GPU's mean NVML utilization over the window, 0..1: with
+the CPU figures it says whether the GPU or the host's CPU ran out first; a player waiting on a busy GPU can spin in the
+driver's wait, so a saturated GPU can fill the CPUs too), the daemon's view of the tenants at the end of
 the window (`unisched tenants --json`: memory, over_memory, refusals) and a hog summary.
 The exit status is non-zero when an instance failed or had to be killed at the deadline (its log tail is in the
 report's errors).
@@ -67,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
 from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv
 from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, refusal_delta
 from _cloud_player import open_encoder, run_instance, run_probe
+from _nvml_sampler import NvmlSampler
 from _pacing import fairness
 from _window import add_window_args, fail, write_json
 from egl_render import EGLUnavailable
@@ -147,6 +150,8 @@ def orchestrate(args: argparse.Namespace,
     final: list[dict[str, Any]] | None = None
     caps_applied: dict[str, float] = {}
     interrupted = False
+    sampler = NvmlSampler(0)  # the first GPU, where the players render by default
+    sampler.start()
     old_term = signal.signal(signal.SIGTERM, raise_interrupted)
     try:
         for i in range(args.instances):
@@ -190,9 +195,11 @@ def orchestrate(args: argparse.Namespace,
                 kill_group(c.proc)
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        sampler.stop()
     if daemon is not None and final is None and not interrupted:
         final = daemon.tenants()
-    summary = write_summary(args, children, before, final, polls, caps_applied, errors, start_at)
+    gpu = {"gpu_busy": sampler.busy(start_at, end_at), "gpu_busy_error": sampler.error}
+    summary = write_summary(args, children, before, final, polls, caps_applied, errors, start_at, gpu)
     print_table(summary, out)
     return 130 if interrupted else 1 if summary["errors"] else 0
 
@@ -220,8 +227,10 @@ def last_polled(polls: list[dict[str, Any]], name: str | None) -> dict[str, Any]
 
 def write_summary(args: argparse.Namespace, children: list[Child], before: list[dict[str, Any]] | None,
                   final: list[dict[str, Any]] | None, polls: list[dict[str, Any]], caps_applied: dict[str, float],
-                  errors: list[str | dict[str, Any]], start_at: float) -> dict[str, Any]:
-    """Per-instance figures, fairness, the daemon's view and the hog's story, as one report (--report)."""
+                  errors: list[str | dict[str, Any]], start_at: float,
+                  gpu: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per-instance figures, fairness, the daemon's view and the hog's story, as one report (--report). `gpu`:
+    what NVML read of the GPU over the window (gpu_busy), where it could."""
     per: list[dict[str, Any]] = []
     reports: list[dict[str, Any] | None] = []
     for c in children:
@@ -266,7 +275,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         "fairness_without_hog": fairness(others) if args.hog_mib else None,
         "fps_mean_all": sum(fps) / len(fps) if fps else None, "fps_total": sum(fps),
         "cpu_cores_total": cpu_total(per), "host_cores": os.cpu_count(),
-        "player_cores": len(args.player_cpus) or os.cpu_count(),
+        "player_cores": len(args.player_cpus) or os.cpu_count(), **(gpu or {"gpu_busy": None}),
         "hog": hog_summary(args, per, reports, polls, others),
         "tenants": [t for t in final or [] if t.get("name") in {c.tenant for c in children}],
         "daemon_timeline": polls, "errors": errors, "command": [sys.executable, *sys.argv],

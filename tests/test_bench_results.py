@@ -85,21 +85,29 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
 
 
 def test_cloud_gaming_is_judged_only_where_the_gpu_not_the_hosts_cpu_saturated() -> None:
-    """Unpinned players that used 95% of the host's cores with no scheduler ran out of CPU, which the daemon does not
-    share: that size is reported, not judged. Players pinned to a stand-in core are judged as before."""
-    def run(fps: float, cpu: float, player_cores: int, host_cores: int = 16) -> dict[str, Any]:
+    """Unpinned players that used 95% of the host's cores with no scheduler, on a GPU NVML did not read 95% busy, ran
+    out of CPU, which the daemon does not share: that size is reported, not judged. Players pinned to a stand-in core
+    are judged as before, and so is a run whose GPU was busy (its players spun on it)."""
+    def run(fps: float, cpu: float, player_cores: int, host_cores: int = 16,
+            gpu_busy: float | None = None) -> dict[str, Any]:
         return {"fps_target": 60, "fps_mean_all": fps, "cpu_cores_total": cpu, "host_cores": host_cores,
-                "player_cores": player_cores,
+                "player_cores": player_cores, "gpu_busy": gpu_busy,
                 "per_instance": [{"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": fps * 0.9} for w in (1, 2, 4)]}
 
     by_cpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16))
     by_gpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 11.0, 16))
     stand_in = suites.cloud_metrics(run(20, 1.0, 1, 2), run(20, 1.0, 1, 2))
+    # every core used, but NVML read the GPU busy: players spinning in the driver's wait for a saturated GPU
+    spinning = suites.cloud_metrics(run(20, 15.5, 16, gpu_busy=0.5), run(20, 15.99, 16, gpu_busy=0.99))
+    cpu_and_idle_gpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16, gpu_busy=0.9))
     assert by_cpu["saturated"] is by_gpu["saturated"] is stand_in["saturated"] is True
     assert (by_cpu["host_bound"], by_gpu["host_bound"], stand_in["host_bound"]) == (True, False, False)
+    assert (spinning["host_bound"], cpu_and_idle_gpu["host_bound"]) == (False, True)
+    assert (spinning["gpu_busy_no_scheduler"], spinning["gpu_busy_unisched"]) == (0.99, 0.5)
     judged = {c: [v.target for v in verdicts.judge_all(suites.CLOUD_TARGETS, [{c: m}])]
-              for c, m in (("cpu", by_cpu), ("gpu", by_gpu), ("stand-in", stand_in))}
-    assert judged == {"cpu": [], "gpu": ["FPS by weight", "1% lows"], "stand-in": ["FPS by weight", "1% lows"]}
+              for c, m in (("cpu", by_cpu), ("gpu", by_gpu), ("stand-in", stand_in), ("spinning", spinning))}
+    assert judged == {"cpu": [], "gpu": ["FPS by weight", "1% lows"], "stand-in": ["FPS by weight", "1% lows"],
+                      "spinning": ["FPS by weight", "1% lows"]}
 
 
 def test_cloud_gaming_reads_every_size_its_round_ran_and_its_stand_ins_pin_players_to_the_stand_in_cpu(

@@ -34,6 +34,7 @@ import _children as children  # noqa: E402  (examples/workloads, on the path onc
 import _cloud_daemon as cloud_daemon  # noqa: E402
 import _cloud_player as player  # noqa: E402
 import _pacing as pacing  # noqa: E402
+from _nvml_sampler import NvmlSampler  # noqa: E402
 
 REPORT_KEYS = {"scenario", "instances", "unisched", "memory_cap", "fps_target", "width", "height", "encoder",
                "per_instance", "fairness_min_over_max", "fps_mean_all", "hog", "tenants", "errors"}
@@ -283,6 +284,15 @@ def test_orchestrator_collects_reports_and_scores_fairness(tmp_path: Path) -> No
     assert r["fps_mean_all"] == pytest.approx(45.0)
     assert r["encoder"] == "fake264" and r["unisched"] is False and r["hog"] is None and r["errors"] == []
     assert r["cpu_cores_total"] == pytest.approx(0.9) and r["host_cores"] == os.cpu_count()  # 0.6 + 0.3 cores
+    # NVML's view of the GPU over the window, or why there is none (no driver here)
+    assert (r["gpu_busy"] is None and "NVML" in r["gpu_busy_error"]) if r["gpu_busy_error"] else 0 <= r["gpu_busy"] <= 1
+
+
+def test_gpu_busy_is_the_mean_of_the_samples_inside_the_window() -> None:
+    s = NvmlSampler(0)
+    s.samples = [[9.9, 10.0, 0.0], [10.0, 90.0, 0.0], [15.0, 100.0, 0.0], [20.0, 80.0, 0.0], [20.1, 0.0, 0.0]]
+    assert s.busy(10.0, 20.0) == pytest.approx(0.9)
+    assert s.busy(30.0, 40.0) is None  # no sample in the window
 
 
 def test_a_failed_instance_fails_the_run_with_its_log_tail(tmp_path: Path) -> None:
