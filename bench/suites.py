@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mixed_pairs
+from daemon_log import gate_over
 from scoring import (
     GUARANTEE_SLACK,
     MAX_ERROR_POINTS,
@@ -200,7 +201,9 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
 
 
 def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
-    """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics."""
+    """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics, and from the daemon's
+    log how much of the window it sliced the GPU (sliced_of_window) and how often it opened it again because the
+    turns were left unused (unused_openings)."""
     cases: Cases = {}
     notes: list[str] = []
     runs = [re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)", p.name) for p in folder.glob("*")]
@@ -208,7 +211,13 @@ def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
     for n in sizes:
         shared, alone = _json(folder / f"unisched-{n}" / "report.json"), _json(folder / f"no-scheduler-{n}" / "report.json")
         if shared or alone:
-            cases[f"N={n}"] = cloud_metrics(shared, alone)
+            cases[f"N={n}"] = m = cloud_metrics(shared, alone)
+            start, seconds = shared.get("start_at"), shared.get("seconds")
+            gate = gate_over(folder / f"unisched-{n}-daemon.log", float(start), float(start) + float(seconds)) \
+                if isinstance(start, int | float) and isinstance(seconds, int | float) and seconds > 0 else None
+            if gate is not None:
+                m["sliced_of_window"] = round(gate.sliced_s / float(seconds or 1), 4)
+                m["unused_openings"] = gate.unused_openings
             notes += [str(e.get("error", e)) if isinstance(e, dict) else str(e)
                       for e in [*shared.get("errors", []), *alone.get("errors", [])]]
     return cases, notes

@@ -1,0 +1,77 @@
+"""What a daemon's log (JSON lines) says it did over a measured window: how long its saturation gate kept a GPU
+sliced, and how often it opened the GPU again because the turns were left unused.
+
+Why from the log: a run's figures (FPS, rates) say what the tenants got, not whether the daemon was rationing at
+all; a miss with the GPU sliced throughout and one with it open throughout are different findings. The gate logs
+each change ("slicing", "lending" with its reason), and the daemon thaws everything when it stops.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+UNUSED = "turns left unused"
+"""The start of a "lending" reason that says the turns were left unused (paced tenants), not that demand fell."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The gate over [start, end]: seconds with some GPU resource sliced, and the openings for unused turns."""
+
+    sliced_s: float
+    unused_openings: int
+
+
+def _stamp(entry: dict[str, object]) -> float | None:
+    text = entry.get("timestamp")
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def gate_over(log: Path, start: float, end: float) -> Gate | None:
+    """The gate's sliced time and unused-turn openings inside [start, end] (wall-clock seconds); None without the log.
+    A resource sliced when the log ends counts as sliced to `end` (the daemon was killed before it could say)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    since: dict[tuple[object, object], float] = {}  # resource -> when it was sliced
+    spans: list[tuple[float, float]] = []
+    openings = 0
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or (t := _stamp(entry)) is None:
+            continue
+        event, key = entry.get("event"), (entry.get("gpu"), entry.get("domain"))
+        if event == "slicing":
+            since.setdefault(key, t)
+        elif event == "lending":
+            if key in since:
+                spans.append((since.pop(key), t))
+            if str(entry.get("reason", "")).startswith(UNUSED) and start <= t <= end:
+                openings += 1
+        elif event in ("all managed cgroups thawed", "stopped"):
+            spans += [(s, t) for s in since.values()]
+            since.clear()
+    spans += [(s, end) for s in since.values()]
+    return Gate(round(_union(spans, start, end), 3), openings)
+
+
+def _union(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] covered by any of the spans."""
+    total, reach = 0.0, start
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
+        if b > max(a, reach):
+            total += b - max(a, reach)
+            reach = b
+    return total
