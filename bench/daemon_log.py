@@ -19,10 +19,12 @@ UNUSED = "turns left unused"
 
 @dataclass(frozen=True)
 class Gate:
-    """The gate over [start, end]: seconds with some GPU resource sliced, and the openings for unused turns."""
+    """The gate over [start, end]: seconds with some GPU resource sliced, the openings for unused turns, and the
+    highest busy fraction the gate read at one of them (how little the turn holders used)."""
 
     sliced_s: float
     unused_openings: int
+    opening_util: float | None = None
 
 
 def _stamp(entry: dict[str, object]) -> float | None:
@@ -44,7 +46,7 @@ def gate_over(log: Path, start: float, end: float) -> Gate | None:
         return None
     since: dict[tuple[object, object], float] = {}  # resource -> when it was sliced
     spans: list[tuple[float, float]] = []
-    openings = 0
+    openings: list[float | None] = []
     for line in lines:
         try:
             entry = json.loads(line)
@@ -59,12 +61,14 @@ def gate_over(log: Path, start: float, end: float) -> Gate | None:
             if key in since:
                 spans.append((since.pop(key), t))
             if str(entry.get("reason", "")).startswith(UNUSED) and start <= t <= end:
-                openings += 1
+                util = entry.get("util")
+                openings.append(float(util) if isinstance(util, int | float) else None)
         elif event in ("all managed cgroups thawed", "stopped"):
             spans += [(s, t) for s in since.values()]
             since.clear()
     spans += [(s, end) for s in since.values()]
-    return Gate(round(_union(spans, start, end), 3), openings)
+    utils = [u for u in openings if u is not None]
+    return Gate(round(_union(spans, start, end), 3), len(openings), max(utils) if utils else None)
 
 
 def _union(spans: list[tuple[float, float]], start: float, end: float) -> float:

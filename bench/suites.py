@@ -203,7 +203,7 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
 def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
     """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics, and from the daemon's
     log how much of the window it sliced the GPU (sliced_of_window) and how often it opened it again because the
-    turns were left unused (unused_openings)."""
+    turns were left unused (unused_openings, and the highest GPU busy fraction it read then)."""
     cases: Cases = {}
     notes: list[str] = []
     runs = [re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)", p.name) for p in folder.glob("*")]
@@ -218,6 +218,7 @@ def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
             if gate is not None:
                 m["sliced_of_window"] = round(gate.sliced_s / float(seconds or 1), 4)
                 m["unused_openings"] = gate.unused_openings
+                m["util_at_unused_openings"] = gate.opening_util
             notes += [str(e.get("error", e)) if isinstance(e, dict) else str(e)
                       for e in [*shared.get("errors", []), *alone.get("errors", [])]]
     return cases, notes

@@ -30,14 +30,14 @@ def test_sliced_time_is_clipped_to_the_window_and_unused_openings_counted(tmp_pa
     log = write_log(tmp_path / "d.log",
                     line(-5, "serving"),
                     line(-3, "slicing", gpu=0, domain="sm", reason="saturated"),
-                    line(1, "lending", gpu=0, domain="sm", reason=UNUSED),  # 1 s of it inside the window
+                    line(1, "lending", gpu=0, domain="sm", util=0.07, reason=UNUSED),  # 1 s of it in the window
                     "not json: a traceback line",
                     line(4, "slicing", gpu=0, domain="sm", reason="saturated"),
                     line(6.5, "lending", gpu=0, domain="sm", reason="unsaturated: every tenant runs"),
                     line(8, "slicing", gpu=0, domain="sm", reason="saturated"),
-                    line(12, "lending", gpu=0, domain="sm", reason=UNUSED))  # after the window: not counted
+                    line(12, "lending", gpu=0, domain="sm", util=0.5, reason=UNUSED))  # after the window: not counted
     gate = daemon_log.gate_over(log, T0, T0 + 10)
-    assert gate == daemon_log.Gate(sliced_s=1.0 + 2.5 + 2.0, unused_openings=1)
+    assert gate == daemon_log.Gate(sliced_s=1.0 + 2.5 + 2.0, unused_openings=1, opening_util=0.07)
 
 
 def test_a_daemon_that_stops_sliced_counts_to_its_stop_and_overlapping_resources_once(tmp_path: Path) -> None:
@@ -60,6 +60,6 @@ def test_the_cloud_reader_reports_the_share_of_the_window_the_daemon_sliced(tmp_
     write_log(tmp_path / "unisched-24-daemon.log", line(1, "slicing", gpu=0, domain="sm"),
               line(1.5, "lending", gpu=0, domain="sm", reason=UNUSED))
     case = suites.read_cloud(tmp_path)[0]["N=24"]
-    assert (case["sliced_of_window"], case["unused_openings"]) == (0.025, 1)
+    assert (case["sliced_of_window"], case["unused_openings"], case["util_at_unused_openings"]) == (0.025, 1, None)
     (tmp_path / "unisched-24-daemon.log").unlink()
     assert "sliced_of_window" not in suites.read_cloud(tmp_path)[0]["N=24"]  # no log: not measured, not zero
