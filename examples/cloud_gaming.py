@@ -45,8 +45,8 @@ The exit status is non-zero when an instance failed or had to be killed at the d
 report's errors).
 
 Where the parts live (examples/workloads/): the player and the probe in _cloud_player.py, its pacing and frame-rate
-figures in _pacing.py, the orchestrator's calls to the daemon in _cloud_daemon.py, starting and stopping the
-children in _children.py.
+figures in _pacing.py, the orchestrator's calls to the daemon and the hog's story in _cloud_daemon.py, the GPU's
+NVML busy fraction in _nvml_sampler.py, starting and stopping the children in _children.py.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # unisched: the size parser, stopping a player
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
 from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv
-from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, refusal_delta
+from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, hog_summary, refusal_delta
 from _cloud_player import open_encoder, run_instance, run_probe
 from _nvml_sampler import NvmlSampler
 from _pacing import fairness
@@ -297,38 +297,6 @@ def cap_bytes(memory_cap: str | None) -> int | None:
     from unisched.scheduler.config import parse_size
 
     return parse_size(memory_cap)
-
-
-def hog_summary(args: argparse.Namespace, per: list[dict[str, Any]], reports: list[dict[str, Any] | None],
-                polls: list[dict[str, Any]], others: list[float]) -> dict[str, Any] | None:
-    """What happened to the instance that went over its cap, and to everyone else meanwhile."""
-    if not args.hog_mib or args.hog_instance >= len(per):
-        return None
-    k = args.hog_instance
-    entry, own = per[k], (reports[k] or {}).get("hog") or {}
-    name = entry["tenant"]
-    seen_over = [p["t"] for p in polls if (p["tenants"].get(name) or {}).get("over_memory")]
-    if entry["over_memory"]:
-        seen_over.append(round(args.seconds, 2))
-    probes = {w: own.get(f"probe_{w}") or {} for w in ("in_process", "new_process")}
-    refused = {w: p.get("error") for w, p in probes.items() if p and not p.get("opened")}
-    out: dict[str, Any] = {
-        "instance": k, "tenant": name, **own, "memory_bytes": entry["memory_bytes"],
-        "daemon_over_memory": bool(seen_over) if args.unisched_socket else None,
-        "daemon_over_memory_first_seen_s": min(seen_over) if seen_over else None,
-        "daemon_refusals": entry["refusals"], "refused": bool(refused),
-        "refused_error": "; ".join(f"{w}: {e}" for w, e in refused.items()) or None,
-        "others_fps_mean": sum(others) / len(others) if others else None,
-    }
-    tried = [w for w, p in probes.items() if p]
-    state = ("not tried" if not tried else f"did not open ({out['refused_error']})" if refused else "opened")
-    cap = f"(cap {args.memory_cap})" if args.memory_cap else "(no cap)"
-    alloc = (f"allocated {args.hog_mib} MiB" if own.get("allocated") else
-             f"allocation failed ({own['alloc_error']})" if own.get("alloc_error") else "reported no allocation")
-    daemon = ("" if not args.unisched_socket else
-              f", daemon over_memory={out['daemon_over_memory']} refusals={entry['refusals'] or {}}")
-    out["summary"] = f"instance {k} {alloc} {cap}; new GPU session {state}{daemon}"
-    return out
 
 
 def fmt(x: Any, digits: int = 1) -> str:

@@ -1,8 +1,10 @@
 """The cloud-gaming orchestrator's calls to the daemon (examples/cloud_gaming.py), all through the `unisched`
-command line: the tenants' view, memory caps set as soon as each tenant exists, and this run's refusals."""
+command line: the tenants' view, memory caps set as soon as each tenant exists, and this run's refusals; and the
+story of the instance that went over its cap (hog_summary), told from those views."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -90,3 +92,35 @@ def compact(tenants: list[dict[str, Any]] | None, names: Sequence[str | None]) -
     """The daemon's view of our tenants, reduced to what the memory story needs."""
     keep = ("memory_bytes", "over_memory", "state", "refusals")
     return {t["name"]: {k: t.get(k) for k in keep} for t in tenants or [] if t.get("name") in names}
+
+
+def hog_summary(args: argparse.Namespace, per: list[dict[str, Any]], reports: list[dict[str, Any] | None],
+                polls: list[dict[str, Any]], others: list[float]) -> dict[str, Any] | None:
+    """What happened to the instance that went over its cap, and to everyone else meanwhile."""
+    if not args.hog_mib or args.hog_instance >= len(per):
+        return None
+    k = args.hog_instance
+    entry, own = per[k], (reports[k] or {}).get("hog") or {}
+    name = entry["tenant"]
+    seen_over = [p["t"] for p in polls if (p["tenants"].get(name) or {}).get("over_memory")]
+    if entry["over_memory"]:
+        seen_over.append(round(args.seconds, 2))
+    probes = {w: own.get(f"probe_{w}") or {} for w in ("in_process", "new_process")}
+    refused = {w: p.get("error") for w, p in probes.items() if p and not p.get("opened")}
+    out: dict[str, Any] = {
+        "instance": k, "tenant": name, **own, "memory_bytes": entry["memory_bytes"],
+        "daemon_over_memory": bool(seen_over) if args.unisched_socket else None,
+        "daemon_over_memory_first_seen_s": min(seen_over) if seen_over else None,
+        "daemon_refusals": entry["refusals"], "refused": bool(refused),
+        "refused_error": "; ".join(f"{w}: {e}" for w, e in refused.items()) or None,
+        "others_fps_mean": sum(others) / len(others) if others else None,
+    }
+    tried = [w for w, p in probes.items() if p]
+    state = ("not tried" if not tried else f"did not open ({out['refused_error']})" if refused else "opened")
+    cap = f"(cap {args.memory_cap})" if args.memory_cap else "(no cap)"
+    alloc = (f"allocated {args.hog_mib} MiB" if own.get("allocated") else
+             f"allocation failed ({own['alloc_error']})" if own.get("alloc_error") else "reported no allocation")
+    daemon = ("" if not args.unisched_socket else
+              f", daemon over_memory={out['daemon_over_memory']} refusals={entry['refusals'] or {}}")
+    out["summary"] = f"instance {k} {alloc} {cap}; new GPU session {state}{daemon}"
+    return out
