@@ -86,7 +86,7 @@ print("RESULT " + json.dumps(out), flush=True)
 EGL_TEX = r"""
 import json, sys
 sys.path.insert(0, "examples/workloads")
-from egl_render import gl_context
+from _egl import gl_context
 from OpenGL import GL
 out = {"errors": []}
 with gl_context(None):

@@ -61,7 +61,7 @@ import json, os, sys, time
 os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 sys.path.insert(0, {str(ROOT / 'examples' / 'workloads')!r})
 from OpenGL import GL
-from egl_render import Egl, create_context, open_display
+from _egl import Egl, create_context, open_display
 t = time.perf_counter()
 egl = Egl()
 display = open_display(egl, None)

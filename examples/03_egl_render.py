@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     start_at, end_at = plan_window(args, start)
     os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
     try:
-        from egl_render import EGLUnavailable, Renderer, gl_context
+        from _egl import EGLUnavailable, gl_context
+        from egl_render import Renderer
     except ImportError as e:
         return fail(f"PyOpenGL is not importable ({e}); pip install 'unisched[gl]'")
     client = connect(args, ("graphics",))

@@ -69,10 +69,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "workloads"))
 from _children import ROOT, Interrupted, child_env, log_tail, raise_interrupted, run_argv
 from _cloud_daemon import Daemon, apply_caps, compact, daemon_row, hog_summary, refusal_delta
 from _cloud_player import open_encoder, run_instance, run_probe
+from _egl import EGLUnavailable
 from _nvml_sampler import NvmlSampler
 from _pacing import fairness
 from _window import add_window_args, fail, write_json
-from egl_render import EGLUnavailable
 
 from unisched.calibrate.runs import kill_group
 

@@ -52,7 +52,7 @@ print("RESULT " + json.dumps(out))
 EGL_TEXTURES = """
 import json, sys
 sys.path.insert(0, "examples/workloads")
-from egl_render import gl_context
+from _egl import gl_context
 from OpenGL import GL
 out = {"big": 0, "small": 0}
 with gl_context(None):

@@ -105,7 +105,8 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         import av
         import numpy as np
-        from egl_render import EGL_VENDOR, EGLUnavailable, Renderer, gl_context
+        from _egl import EGL_VENDOR, EGLUnavailable, gl_context
+        from egl_render import Renderer
     except ImportError as e:
         return fail(f"the sim needs PyAV, numpy and PyOpenGL ({e}); on the GPU machine source .devcache/setup.sh")
     try:

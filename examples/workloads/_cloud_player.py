@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from typing import Any
 
+from _egl import EGLUnavailable, GLContext, create_context, gl_context
 from _pacing import CpuMeter, frame_stats, paced_loop
 from _window import fail, plan_window, write_json
-from egl_render import EGLUnavailable, GLContext, Renderer, create_context, gl_context
+from egl_render import Renderer
 
 ENCODERS_AUTO = ("h264_nvenc", "libx264", "libopenh264")  # GPU encoder first; CPU ones where it does not open
 ENCODER_OPTIONS: dict[str, dict[str, str]] = {
