@@ -5,21 +5,16 @@ No cluster and no real kubelet ran any of this (docs/kubernetes.md)."""
 from __future__ import annotations
 
 import copy
-import http.server
 import json
-import re
-import signal
-import subprocess
-import sys
-import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import drarig
 import pytest
-from conftest import ROOT, child_env, wait_until
-from inproc import InProcessServer, in_process_server
+from drarig import DRIVER, NODE, SOCK, Node, cdi_problems, claim, make_config, opaque, ref
+from inproc import InProcessServer
 from kubelet_stub import StubPluginWatcher
 
 from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
@@ -27,138 +22,12 @@ from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
 from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.dra import DraDriver
-from unisched.integrations.kubernetes.dra_claims import (
-    ApiServerClaims,
-    DraConfig,
-    FakeClaims,
-    resource_slice,
-)
+from unisched.integrations.kubernetes.dra_claims import resource_slice
 from unisched.integrations.kubernetes.plugin import tenant_edits
 from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
 
-SOCK = "/run/unisched/unisched.sock"
-DRIVER = "gpu.unisched.io"
-NODE = "node-a"
-
-
-def make_config(root: Path, **overrides: Any) -> DraConfig:
-    dev = root / "dev"
-    dev.mkdir(exist_ok=True)
-    for node in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):  # no nvidia-uvm-tools, no nvidia-modeset here
-        (dev / node).touch()
-    fields: dict[str, Any] = {"node_name": NODE, "gpus": (0, 1), "plugins_dir": root / "plugins",
-                              "registry_dir": root / "registry", "cdi_dir": root / "cdi", "daemon_socket": SOCK,
-                              "dev_root": dev, "decode_sessions": 2}
-    return DraConfig(**{**fields, **overrides})
-
-
-def claim(name: str, *devices: str, ns: str = "default", uid: str | None = None, pod: str = "p0",
-          consumed: Mapping[str, str] | None = None, config: list[dict[str, Any]] | None = None,
-          driver: str = DRIVER, pool: str = NODE) -> dict[str, Any]:
-    """A ResourceClaim (resource.k8s.io/v1) as the scheduler leaves it: allocated and reserved for a pod."""
-    results = []
-    for d in devices:
-        r: dict[str, Any] = {"request": "gpu", "driver": driver, "pool": pool, "device": d}
-        if consumed is not None:
-            r["consumedCapacity"] = dict(consumed)
-            r["shareID"] = str(uuid.uuid4())
-        results.append(r)
-    allocation: dict[str, Any] = {"devices": {"results": results}}
-    if config:
-        allocation["devices"]["config"] = config
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": ns, "uid": uid or str(uuid.uuid4())},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
-        "status": {"allocation": allocation,
-                   "reservedFor": [{"resource": "pods", "name": pod, "uid": str(uuid.uuid4())}] if pod else []},
-    }
-
-
-def opaque(weight: Any, source: str = "FromClaim", **extra: Any) -> dict[str, Any]:
-    params = {"apiVersion": "gpu.unisched.io/v1alpha1", "kind": "GpuConfig", "weight": weight, **extra}
-    return {"source": source, "requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": params}}
-
-
-def ref(obj: Mapping[str, Any]) -> dra.Claim:
-    m = obj["metadata"]
-    return dra.Claim(namespace=m["namespace"], name=m["name"], uid=m["uid"])
-
-
-class Node:
-    """A driver serving on short sockets, registered with a stub plugin watcher, reading claims from a fake API."""
-
-    def __init__(self, root: Path, telemetry: FakeTelemetry, **overrides: Any) -> None:
-        self.config = make_config(root, **overrides)
-        self.config.registry_dir.mkdir()
-        self.api = FakeClaims()
-        self.driver = DraDriver(self.config, self.api, telemetry, slices=self.api)
-        self.watcher = StubPluginWatcher(self.config.registry_dir)
-
-    def add(self, *objs: dict[str, Any]) -> None:
-        for o in objs:
-            self.api.claims[f"{o['metadata']['namespace']}/{o['metadata']['name']}"] = o
-
-    def prepare(self, *objs: Mapping[str, Any]) -> dict[str, dra.NodePrepareResourceResponse]:
-        reply = self.watcher.plugin(DRIVER).NodePrepareResources(
-            dra.NodePrepareResourcesRequest(claims=[ref(o) for o in objs]), timeout=10)
-        return dict(reply.claims)
-
-    def unprepare(self, *objs: Mapping[str, Any]) -> dict[str, dra.NodeUnprepareResourceResponse]:
-        reply = self.watcher.plugin(DRIVER).NodeUnprepareResources(
-            dra.NodeUnprepareResourcesRequest(claims=[ref(o) for o in objs]), timeout=10)
-        return dict(reply.claims)
-
-    def spec_path(self, obj: Mapping[str, Any]) -> Path:
-        return self.config.cdi_dir / f"unisched.io-gpu_{obj['metadata']['uid']}.json"
-
-    def close(self) -> None:
-        self.watcher.stop()
-        self.driver.close()
-
-
-@pytest.fixture
-def node(short_dir: Path, telemetry: FakeTelemetry) -> Iterator[Node]:
-    n = Node(short_dir, telemetry)
-    assert n.driver.check_sockets()
-    assert n.watcher.scan() == [DRIVER]
-    yield n
-    n.close()
-
-
-# --- CDI: what a valid spec is (github.com/cncf-tags/container-device-interface SPEC.md) ------------------
-
-_CDI_VENDOR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9]")
-_CDI_CLASS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*[A-Za-z0-9]")
-_CDI_DEVICE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*[A-Za-z0-9]")
-
-
-def cdi_problems(spec: Mapping[str, Any]) -> list[str]:
-    """What the CDI spec rules say about a spec: version, kind, device names, container edits."""
-    out = []
-    version = tuple(int(x) for x in str(spec.get("cdiVersion", "0")).split("."))
-    if version < (0, 6, 0):
-        out.append(f"cdiVersion {spec.get('cdiVersion')} is below 0.6.0 (spec annotations need 0.6.0)")
-    vendor, _, cls = str(spec.get("kind", "")).partition("/")
-    if not _CDI_VENDOR.fullmatch(vendor) or not _CDI_CLASS.fullmatch(cls):
-        out.append(f"kind {spec.get('kind')!r} is not vendor/class")
-    if not spec.get("devices"):
-        out.append("no devices")
-    for d in spec.get("devices", []):
-        if not _CDI_DEVICE.fullmatch(str(d.get("name", ""))):
-            out.append(f"device name {d.get('name')!r}")
-        edits = d.get("containerEdits") or {}
-        if not any(edits.get(k) for k in ("env", "deviceNodes", "mounts", "hooks")):
-            out.append(f"device {d.get('name')} has no container edits")
-    for edits in [spec.get("containerEdits") or {}] + [d.get("containerEdits") or {} for d in spec.get("devices", [])]:
-        out += [f"env {e!r} is not KEY=VALUE" for e in edits.get("env", []) if "=" not in e]
-        out += [f"device node {n}" for n in edits.get("deviceNodes", []) if not str(n.get("path", "")).startswith("/")]
-        out += [f"mount {m}" for m in edits.get("mounts", []) if not (m.get("hostPath") and m.get("containerPath"))]
-    out += [f"annotation {k!r}" for k, v in (spec.get("annotations") or {}).items() if not isinstance(v, str)]
-    return out
-
+node_fixture, daemon_fixture = drarig.node_fixture, drarig.daemon_fixture  # the fixtures `node` and `daemon`
 
 # --- registration ------------------------------------------------------------------------------------------
 
@@ -415,75 +284,8 @@ def test_the_slice_is_published_when_it_changes(node: Node, telemetry: FakeTelem
     assert [d["name"] for d in node.api.slices[-1]["spec"]["devices"]] == ["gpu0"]
 
 
-def test_api_server_claims_reads_claims_and_creates_then_updates_the_slice(tmp_path: Path, short_dir: Path) -> None:
-    c = claim("c", "gpu0", ns="ml")
-    seen: list[tuple[str, str, Any]] = []
-    slices: dict[str, dict[str, Any]] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def _reply(self, code: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _body(self) -> Any:
-            return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-
-        def do_GET(self) -> None:
-            seen.append(("GET", self.path, self.headers.get("Authorization")))
-            if self.path == "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c":
-                self._reply(200, c)
-            elif self.path.startswith("/apis/resource.k8s.io/v1/resourceslices/") and self.path.rsplit("/", 1)[1] in slices:
-                self._reply(200, slices[self.path.rsplit("/", 1)[1]])
-            else:
-                self._reply(404, {"kind": "Status", "code": 404})
-
-        def do_POST(self) -> None:
-            body = self._body()
-            seen.append(("POST", self.path, body))
-            slices[body["metadata"]["name"]] = {**body, "metadata": {**body["metadata"], "resourceVersion": "7"}}
-            self._reply(201, body)
-
-        def do_PUT(self) -> None:
-            body = self._body()
-            seen.append(("PUT", self.path, body))
-            self._reply(200, body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    token = tmp_path / "token"
-    token.write_text("t0ken\n")
-    try:
-        api = ApiServerClaims(f"http://127.0.0.1:{httpd.server_port}", token, None)
-        assert api.claim("ml", "c") == c
-        assert api.claim("ml", "gone") is None
-        body = resource_slice(make_config(short_dir), [], {})
-        api.publish_slice(body)  # none yet: created
-        api.publish_slice(body)  # there: replaced, with its resourceVersion and the next pool generation
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-    assert seen[0] == ("GET", "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c", "Bearer t0ken")
-    writes = [(m, p) for m, p, _ in seen if m != "GET"]
-    assert writes == [("POST", "/apis/resource.k8s.io/v1/resourceslices"),
-                      ("PUT", f"/apis/resource.k8s.io/v1/resourceslices/{NODE}-{DRIVER}")]
-    put = seen[-1][2]
-    assert put["metadata"]["resourceVersion"] == "7" and put["spec"]["pool"]["generation"] == 2
-
-
 # --- adoption -------------------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def daemon(tmp_path: Path, telemetry: FakeTelemetry) -> Iterator[InProcessServer]:
-    with in_process_server(tmp_path / "state", telemetry=telemetry) as s:
-        yield s
 
 
 def test_prepare_adopts_the_pod_and_unprepare_removes_the_tenant(node: Node, daemon: InProcessServer,
@@ -513,51 +315,3 @@ def test_prepare_adopts_the_pod_and_unprepare_removes_the_tenant(node: Node, dae
         assert [x.name for x in client.tenants()] == [t.name]
         assert node.unprepare(c)[c["metadata"]["uid"]].error == ""
         assert client.tenants() == []
-
-
-# --- the command ------------------------------------------------------------------------------------------------
-
-
-def test_dra_driver_help_explains_it() -> None:
-    out = subprocess.run([sys.executable, "-m", "unisched", "dra-driver", "--help"], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT, env=child_env())
-    assert out.returncode == 0
-    for words in (DRIVER, "--node-name", "--cdi-dir", "--plugins-dir", "--registry-dir", "NodePrepareResources",
-                  "ResourceSlice", "v1beta1.DRAPlugin", "unisched.io/gpu", "GpuConfig"):
-        assert words in out.stdout, words
-
-
-def test_dra_driver_needs_a_node_name() -> None:
-    out = subprocess.run([sys.executable, "-m", "unisched", "dra-driver"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT, env={**child_env(), "NODE_NAME": ""})
-    assert out.returncode == 2 and "pass --node-name or set NODE_NAME" in out.stderr
-
-
-def test_dra_driver_command_registers_serves_and_cleans_up(daemon: InProcessServer, short_dir: Path) -> None:
-    config = make_config(short_dir)
-    config.registry_dir.mkdir()
-    watcher = StubPluginWatcher(config.registry_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "unisched", "dra-driver", "--socket", daemon.socket, "--node-name", NODE,
-         "--plugins-dir", str(config.plugins_dir), "--registry-dir", str(config.registry_dir), "--cdi-dir",
-         str(config.cdi_dir), "--interval", "0.2", "--log-format", "json"],
-        cwd=ROOT, env={**child_env(), "KUBERNETES_SERVICE_HOST": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_until(lambda: config.registration_socket.exists() and config.endpoint.exists(), 30, "the driver's sockets")
-        assert watcher.scan() == [DRIVER]
-        c = claim("c", "gpu0")
-        reply = watcher.plugin(DRIVER).NodePrepareResources(dra.NodePrepareResourcesRequest(claims=[ref(c)]), timeout=10)
-        assert "no API server" in reply.claims[c["metadata"]["uid"]].error
-        proc.send_signal(signal.SIGTERM)
-        log = proc.communicate(timeout=20)[0].decode()
-        assert proc.returncode == 0, log[-2000:]
-    finally:
-        watcher.stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert not config.endpoint.exists() and not config.registration_socket.exists()
-    # GPUs from the daemon's Status (the in-process daemon's fake telemetry has GPUs 0 and 1)
-    assert '"gpus": [0, 1]' in log and "DRA driver started" in log, log[-2000:]
-    assert "no API server: the ResourceSlice is not published" in log and "registered with the kubelet" in log
