@@ -124,8 +124,8 @@ def test_cloud_gaming_reads_every_size_its_round_ran_and_its_stand_ins_pin_playe
     assert cases["N=3"]["saturated"] is True and cases["N=3"]["cpu_of_host_unisched"] == 0.9  # of the 1 CPU
     assert cases["N=6"]["saturated"] is False  # no no-scheduler run to say so
     cloud = next(s for s in suites.SUITES if s.name == "cloud-gaming")
-    assert cloud.standin and {s.name for s in cloud.standin} == {"no-scheduler-3", "unisched-3", "no-scheduler-6",
-                                                                  "unisched-6"}
+    assert cloud.standin and {s.name for s in cloud.standin} == {"no-scheduler-6", "unisched-6", "no-scheduler-12",
+                                                                  "unisched-12"}
     for step in cloud.standin:
         assert step.argv[step.argv.index("--player-cpus") + 1] == "1"
         assert (step.serve == ("--cpu-stand-in",)) is step.name.startswith("unisched")
