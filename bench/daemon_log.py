@@ -19,8 +19,9 @@ UNUSED = "turns left unused"
 
 @dataclass(frozen=True)
 class Gate:
-    """The gate over [start, end]: seconds with some GPU resource sliced, the openings for unused turns, and the
-    highest busy fraction the gate read at one of them (how little the turn holders used)."""
+    """The gate over [start, end]: seconds with some GPU resource sliced, the openings for unused turns (one per
+    contention domain that opened), and the highest busy fraction the gate read at one of them (how little the turn
+    holders used)."""
 
     sliced_s: float
     unused_openings: int
