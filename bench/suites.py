@@ -166,10 +166,30 @@ def read_online(folder: Path) -> tuple[Cases, list[str]]:
     return cases, errors
 
 
+def weighted_shares(total: float, weights: list[float], cap: float) -> list[float]:
+    """`total` divided in proportion to `weights`, none above `cap` (a player cannot run past its pace), what a
+    capped player cannot take going to the others by weight: where no cap binds, plain proportions."""
+    owed = [0.0] * len(weights)
+    left, free = total, set(range(len(weights)))
+    while free and left > 1e-12:
+        k = left / sum(weights[i] for i in free)
+        capped = {i for i in free if weights[i] * k >= cap}
+        if not capped:
+            for i in free:
+                owed[i] = weights[i] * k
+            break
+        for i in capped:
+            owed[i] = cap
+        left -= cap * len(capped)
+        free -= capped
+    return owed
+
+
 def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, Any]:
     """One size of the cloud sweep: whether the no-scheduler run saturated, and whether the host's CPU is what did
     (host_bound), how far the players under the daemon are from FPS proportional to weight (largest
-    |fps_i / (w_i * sum fps / sum w) - 1|), and the players' 1% low over their mean FPS (median) under the daemon
+    |fps_i / owed_i - 1|, owed_i the players' total FPS divided by weight, none owed more than the pace:
+    `weighted_shares`), and the players' 1% low over their mean FPS (median) under the daemon
     less the same with no scheduler. Also shown: the players' CPU over the cores they may run on (the host's, unless
     pinned) and the GPU's NVML busy fraction (where measured) in each run."""
     per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
@@ -179,8 +199,8 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     fps = [float(e.get("fps_mean") or 0.0) for e in per]
     weights = [float(e.get("weight") or 1.0) for e in per]
     if fps and sum(fps) > 0:
-        k = sum(fps) / sum(weights)
-        out["weight_error"] = max(abs(f / (w * k) - 1.0) for f, w in zip(fps, weights, strict=True))
+        owed = weighted_shares(sum(fps), weights, pace)
+        out["weight_error"] = max(abs(f / o - 1.0) for f, o in zip(fps, owed, strict=True))
 
     def lows(entries: list[dict[str, Any]]) -> float | None:
         got = [e["fps_1pct_low"] / e["fps_mean"] for e in entries if e.get("fps_1pct_low") and e.get("fps_mean")]

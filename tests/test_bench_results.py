@@ -84,6 +84,23 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     assert m["host_bound"] is None  # unknown without the no-scheduler run's CPU
 
 
+@pytest.mark.parametrize(("total", "weights", "cap", "owed"), [
+    (70.0, [1.0, 2.0, 4.0], 60.0, [10.0, 20.0, 40.0]),  # no cap binds: plain proportions
+    (270.0, [1.0, 2.0, 4.0, 1.0, 2.0, 4.0], 60.0, [25.0, 50.0, 60.0, 25.0, 50.0, 60.0]),  # the weight-4s at their pace
+    (300.0, [1.0, 1.0], 60.0, [60.0, 60.0]),  # more than both can take
+])
+def test_weighted_shares_never_owe_a_player_more_than_its_pace(total: float, weights: list[float], cap: float,
+                                                               owed: list[float]) -> None:
+    assert suites.weighted_shares(total, weights, cap) == pytest.approx(owed)
+
+
+def test_cloud_gaming_weight_error_counts_a_player_held_to_its_pace_as_served() -> None:
+    """Six players 1:2:4 sharing 270 FPS: the weight-4 ones cannot pass 60, so 25/50/60 is the weighted share."""
+    per = [{"weight": 100 * w, "fps_mean": f, "fps_1pct_low": f * 0.9} for w, f in ((1, 25.0), (2, 50.0), (4, 60.0))] * 2
+    m = suites.cloud_metrics({"fps_target": 60, "fps_mean_all": 45.0, "per_instance": per}, {})
+    assert m["weight_error"] == pytest.approx(0.0)
+
+
 def test_cloud_gaming_is_judged_only_where_the_gpu_not_the_hosts_cpu_saturated() -> None:
     """Unpinned players that used 95% of the host's cores with no scheduler, on a GPU NVML did not read 95% busy, ran
     out of CPU, which the daemon does not share: that size is reported, not judged. Players pinned to a stand-in core

@@ -32,6 +32,7 @@ from unisched.policy.plan import (
     plan,
     turn_used,
 )
+from unisched.policy.rationing import ahead_rule, sit_out_budget, sit_out_rule
 from unisched.policy.saturation import GateMemory, SaturationConfig
 
 SM = Resource(0, "sm")
@@ -55,7 +56,7 @@ class Sample:
 
 
 def config(contention: ContentionMap = SHARED_SM, gate: SaturationConfig = GATE) -> PlanConfig:
-    return PlanConfig(contention, (0,), gate, activity_threshold=0.05, idle_slices=3, mix_period_s=0.2)
+    return PlanConfig(contention, (0,), gate, activity_threshold=0.05, idle_slices=3, slice_s=0.05, mix_period_s=0.2)
 
 
 def opened(*rs: Resource) -> dict[Resource, GateMemory]:
@@ -208,10 +209,76 @@ def test_demand_rule(case: dict[str, object], expected: tuple[bool, int, Rule]) 
      True, Rule.MIX_PAUSED),  # open for the fair share, but its side sits out
     (TenantView("k", frozenset({SM}), False), False, PlanState(paused=frozenset({SM})), False, Rule.RUNS),  # idle
     (TenantView("k", frozenset({GFX}), True), False, PlanState(paused=frozenset({SM})), False, Rule.RUNS),
+    # rationing: held open while saturated, a tenant that sits out (sit_out_rule) is frozen
+    (TenantView("k", frozenset({SM}), True), True, PlanState(gates=opened(SM), rationed=frozenset({SM})),
+     False, Rule.UNSATURATED),  # does not sit out: runs
 ])
 def test_freeze_rule(tenant: TenantView, waits: bool, state: PlanState, frozen: bool, rule: Rule) -> None:
     verdict = freeze_rule(tenant, waits, state)
     assert (verdict.frozen, verdict.rule) == (frozen, rule)
+
+
+@pytest.mark.parametrize(("waits", "state", "frozen", "rule"), [
+    (True, PlanState(gates=opened(SM), rationed=frozenset({SM})), True, Rule.AHEAD),
+    (False, PlanState(gates=opened(SM), rationed=frozenset({SM})), False, Rule.RUNS),  # the fair share's holder
+    (True, PlanState(gates=sliced(SM)), True, Rule.WAITS),  # sliced: its turn decides
+])
+def test_freeze_rule_for_a_tenant_that_sits_out(waits: bool, state: PlanState, frozen: bool, rule: Rule) -> None:
+    verdict = freeze_rule(TenantView("k", frozenset({SM}), True), waits, state, sits_out=True)
+    assert (verdict.frozen, verdict.rule) == (frozen, rule)
+
+
+@pytest.mark.parametrize(("out", "cap", "util", "expected"), [
+    (0, None, 1.0, (1, None)), (3, None, 0.9, (4, None)),  # saturated (at high): one more
+    (0, None, 0.5, (0, None)), (0, 2, None, (0, 2)),  # room (or no reading) with nobody out: no cap
+    (3, None, 0.89, (2, None)),  # room with 3 out, the GPU still busy: one fewer
+    (3, None, 0.5, (2, 2)),  # their absence left it idle (under low): never 3 again while held open
+    (1, None, 0.2, (0, 0)),  # two that fill the GPU only together: never ration
+    (3, 1, 0.89, (1, 1)), (1, 1, 1.0, (1, 1)),  # at its cap
+])
+def test_sit_out_budget(out: int, cap: int | None, util: float | None, expected: tuple[int, int | None]) -> None:
+    assert sit_out_budget(out, cap, util, high=0.9, low=0.6) == expected
+
+
+@pytest.mark.parametrize(("leads", "budget", "out"), [
+    ([(0.05, "a"), (0.02, "b"), (0.0, "c")], 5, {"a", "b"}),  # only those ahead (lead > 0.0125 s here)
+    ([(0.05, "a"), (0.02, "b"), (0.0, "c")], 1, {"a"}),  # the furthest ahead first
+    ([(0.05, "a"), (0.02, "b")], 0, set()),
+    ([(0.01, "a")], 3, set()),  # within the allowed lead: nobody
+])
+def test_sit_out_rule(leads: list[tuple[float, str]], budget: int, out: set[str]) -> None:
+    assert sit_out_rule(leads, budget, slice_s=0.05) == out  # TUNING.ration_lead_slices = 0.25 of the slice
+
+
+@pytest.mark.parametrize(("lead_s", "slice_s", "lead_slices", "ahead"), [
+    (0.0, 0.05, 0.25, False),
+    (0.0125, 0.05, 0.25, False),  # exactly the allowed lead
+    (0.0126, 0.05, 0.25, True),
+    (0.04, 0.05, 1.0, False),
+    (0.06, 0.05, 1.0, True),
+])
+def test_ahead_rule(lead_s: float, slice_s: float, lead_slices: float, ahead: bool) -> None:
+    assert ahead_rule(lead_s, slice_s, lead_slices) is ahead
+
+
+def test_observe_rations_a_resource_held_open_while_saturated_and_stops_when_it_has_room() -> None:
+    """Paced tenants: saturated, sliced, turns unused (opened with a hold), still saturated open: rationed. A busy
+    fraction under `high` over the entry window ends it, though the hold goes on."""
+    gate = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=1, hold_slices=10, max_hold_slices=40,
+                            reset_slices=10)
+    cfg = config(gate=gate)
+    use = [FreezerUse(frozenset({SM}), frozenset({G}), frozenset({G}), False, 0.1)]
+    state = PlanState()
+    seen = []
+    for util in (1.0, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0):
+        _, state = observe(cfg, use, {0: Sample(util)}, {SM: 3}, {}, state)
+        seen.append((state.is_open(SM), SM in state.rationed, state.sit_out.get(SM)))
+    assert seen == [(True, False, None), (False, False, None),  # saturated over two slices: sliced
+                    (True, False, None),  # the turn went unused: open, held
+                    (True, False, None), (True, True, 1), (True, True, 2),  # saturated while held: rationed,
+                    # one more may sit out after each saturated slice
+                    (True, False, None), (True, False, None),  # the window's mean under high: room, not rationed
+                    (True, True, 1)]  # saturated again, still held: rationed again, the budget from 0
 
 
 # --- a lease grant ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, SliceKind, overlap_mix
-from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step
+from unisched.policy.rationing import sit_out_budget, sit_out_rule
+from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step, rationing
 from unisched.policy.tuning import TUNING
 
 __all__ = [
@@ -93,6 +94,9 @@ class Rule(StrEnum):
     """Every resource it waits for is open (unsaturated, or held open after slicing left turns unused)."""
     MIX_PAUSED = "mix-paused"
     """Its side of a partly overlapping compute + graphics pair sits this slice out."""
+    AHEAD = "ahead"
+    """A resource it uses is held open while saturated (rationing), and it is ahead of its weight share there: it
+    sits out until the others catch up."""
 
 
 class UtilSample(Protocol):
@@ -112,6 +116,8 @@ class PlanConfig:
     activity_threshold: float
     """A busy fraction (or CPU cores) above this is activity; at or below it the GPU reads idle."""
     idle_slices: int
+    slice_s: float
+    """The slice length: a lead of `ration_lead_slices` of it makes a tenant ahead of its share."""
     mix_period_s: float = 1.0
     turn_cpu_cores: float = TUNING.turn_cpu_cores
 
@@ -166,6 +172,8 @@ class TenantView(NamedTuple):
     cooperative: bool = False
     enforced: bool = False
     """Cooperative, and it kept overrunning its leases: the freezer backs them."""
+    leads: tuple[tuple[Resource, float], ...] = ()
+    """Per rationed resource it uses (PlanState.rationed), the GPU seconds it had there beyond its weight share."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,12 @@ class PlanState:
     """Resources whose tenants sit this slice out: the other side of a partly overlapping pair runs alone."""
     mixed: frozenset[Resource] = frozenset()
     """Both sides of every GPU whose compute and graphics take mixed slices now (their leases are contended)."""
+    rationed: frozenset[Resource] = frozenset()
+    """Resources held open while saturated (policy.saturation.rationing): tenants ahead of their share sit out."""
+    sit_out: Mapping[Resource, int] = field(default_factory=dict)
+    """Per rationed resource, how many of the tenants ahead of their share sit out (`sit_out_budget`)."""
+    sit_out_cap: Mapping[Resource, int] = field(default_factory=dict)
+    """Per resource held open, the most that may sit out: fewer than once left the GPU idle (`sit_out_budget`)."""
 
     def is_open(self, r: Resource) -> bool:
         s = self.gates.get(r)
@@ -340,7 +354,22 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
         if was_open and not after.open and r.domain != MIX_DOMAIN:
             level.append(r)
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
-    return GateOutcome(tuple(readings), tuple(level)), replace(state, gates=gates)
+    rationed = frozenset(x.resource for x in readings
+                         if x.resource.domain != MIX_DOMAIN and rationing(config.gate, gates[x.resource]))
+    sit_out: dict[Resource, int] = {}
+    caps: dict[Resource, int] = {}
+    for x in readings:
+        r = x.resource
+        if not gates[r].held:  # caps last while the resource is held open
+            continue
+        budget, cap = sit_out_budget(state.sit_out.get(r, 0), state.sit_out_cap.get(r), x.util, config.gate.high,
+                                     config.gate.low)
+        if cap is not None:
+            caps[r] = cap
+        if r in rationed:
+            sit_out[r] = budget
+    return GateOutcome(tuple(readings), tuple(level)), replace(state, gates=gates, rationed=rationed, sit_out=sit_out,
+                                                               sit_out_cap=caps)
 
 
 # --- the rules: a freezer-governed tenant's demand ------------------------------------------------------------------------
@@ -364,20 +393,22 @@ _RUNS = Verdict(False, Rule.RUNS)
 _WAITS = Verdict(True, Rule.WAITS)
 _COOPERATIVE = Verdict(False, Rule.COOPERATIVE)
 _UNSATURATED = Verdict(False, Rule.UNSATURATED)
+_AHEAD = Verdict(True, Rule.AHEAD)
 _PAUSED = Verdict(True, Rule.MIX_PAUSED)
 
 
-def freeze_rule(t: TenantView, waits: bool, state: PlanState) -> Verdict:
+def freeze_rule(t: TenantView, waits: bool, state: PlanState, sits_out: bool = False) -> Verdict:
     """Frozen or not for the next slice, in order: the fair share's turn; a cooperative tenant is not frozen
-    unless the freezer backs its leases; a freezer-governed tenant waiting only for open resources runs; a freezer-governed tenant
-    with demand on a side that sits out is frozen."""
+    unless the freezer backs its leases; a freezer-governed tenant waiting only for open resources runs, unless
+    it `sits_out` of a rationed one (`sit_out_rule`); a freezer-governed tenant with demand on a side that sits out
+    is frozen."""
     if t.cooperative:
         if not t.enforced:
             return _COOPERATIVE
         return _WAITS if waits else _RUNS
     verdict = _WAITS if waits else _RUNS
     if waits and t.resources and all(state.is_open(r) for r in t.resources):
-        verdict = _UNSATURATED
+        verdict = _AHEAD if sits_out else _UNSATURATED
     paused = state.paused
     if not verdict.frozen and paused and t.active and not paused.isdisjoint(t.resources):
         verdict = _PAUSED
@@ -442,6 +473,23 @@ def _mix_slices(config: PlanConfig, pairs: Mapping[int, PairWeights], dt: float,
     return out, replace(state, clocks=clocks, running=running, paused=frozenset(paused), mixed=frozenset(mixed))
 
 
+def _ration(config: PlanConfig, tenants: Iterable[TenantView],
+            state: PlanState) -> tuple[frozenset[str], PlanState]:
+    """Who sits out of each rationed resource (`sit_out_rule`), and each budget clamped to how many do."""
+    leads: dict[Resource, list[tuple[float, str]]] = {r: [] for r in state.rationed}
+    for t in tenants:
+        for r, lead in t.leads:
+            if r in leads:
+                leads[r].append((lead, t.name))
+    out: set[str] = set()
+    budgets: dict[Resource, int] = {}
+    for r, xs in leads.items():
+        names = sit_out_rule(xs, state.sit_out.get(r, 0), config.slice_s)
+        budgets[r] = len(names)
+        out |= names
+    return frozenset(out), replace(state, sit_out=budgets)
+
+
 def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan, PlanState]:
     """What the freezer and the leases do until the next decision. On a tick (`inputs.pairs` given) the mixed
     slices move on; between ticks the tick's mix stays."""
@@ -450,7 +498,10 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
         mixes, state = _mix_slices(config, inputs.pairs, inputs.dt, state)
     decision = inputs.decision
     must_wait = decision.must_wait
-    freeze = tuple([freeze_rule(t, must_wait(t.name), state) for t in inputs.tenants])
+    out: frozenset[str] = frozenset()
+    if state.rationed:
+        out, state = _ration(config, inputs.tenants, state)
+    freeze = tuple([freeze_rule(t, must_wait(t.name), state, t.name in out) for t in inputs.tenants])
     paused = state.paused
     holders: Mapping[Resource, str] = decision.holders
     revoked: dict[Resource, Rule] = {}

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from unisched.policy.model import PolicyError, Resource
 
-__all__ = ["GateMemory", "GateState", "SaturationConfig", "SaturationGate", "fresh_gate", "gate_step", "gate_states"]
+__all__ = ["GateMemory", "GateState", "SaturationConfig", "SaturationGate", "fresh_gate", "gate_states", "gate_step",
+           "rationing"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,15 @@ class GateMemory:
     def held(self) -> int:
         """Slices it stays open whatever its busy fraction (after slicing left turns unused)."""
         return 0 if self.sliced else self.hold
+
+
+def rationing(c: SaturationConfig, s: GateMemory) -> bool:
+    """Held open after slicing left the turns unused, and still saturated (the mean busy fraction of the last
+    `enter_slices` open slices >= `high`): paced tenants that fill the GPU only together. Every tenant may run, but
+    one ahead of its weight share sits out until the others catch up (policy.plan.ahead_rule), so the weights hold
+    without turns that one tenant cannot fill. Not while the GPU has room: nobody is held back from idle time."""
+    return (c.enabled and not s.sliced and s.hold > 0 and len(s.recent) == c.enter_slices
+            and sum(s.recent) >= c.high * c.enter_slices - 1e-9)
 
 
 def fresh_gate(config: SaturationConfig) -> GateMemory:

@@ -33,6 +33,11 @@ class Tuning:
     used_turn_margin: float = 0.3
     """A slice busier than `saturated_util` less this used its turn. NVML's 200 ms sample mixes four 50 ms turns, so
     a turn that was used beside a hand-over reads well under saturated; an unused one reads near idle."""
+    ration_lead_slices: float = 0.25
+    """On a resource held open while saturated (paced tenants that fill the GPU only together), a tenant more than
+    this many slices of GPU time ahead of its weight share may sit out until the others catch up. A larger lead lets
+    a light tenant run ahead for longer, which shows as an error of its share over a window of seconds; a smaller one
+    freezes and thaws for leads within the noise of one slice's charge."""
     gate_min_slices: int = 2
     """The gate's windows span at least this many slices, whatever the slice length: one slice's busy fraction is
     one sample, which a paced load can fill."""

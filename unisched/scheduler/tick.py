@@ -104,10 +104,15 @@ def _observe_saturation(c: Context, samples: Mapping[int, GpuSample], cpu: Mappi
     use = [FreezerUse(t.resources, t.all_engines(), t.engines, t.frozen, cpu.get(t.name, 0.0) / dt)
            for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
     contenders = {r: c.policy.contenders(r) for u in use for r in u.resources}
+    rationed = c.plan.rationed
     outcome, c.plan = observe(c.plan_config, use, samples, contenders, pairs, c.plan)
     for r in outcome.level:
         c.policy.level(r)
     _log_gates(c, outcome)
+    for r in rationed ^ c.plan.rationed:
+        log.info("rationing", gpu=r.gpu, domain=r.domain, on=r in c.plan.rationed,
+                 reason="held open and saturated: a tenant ahead of its weight share sits out" if r in c.plan.rationed
+                 else "no longer held open and saturated")
 
 
 def _log_gates(c: Context, outcome: GateOutcome) -> None:
@@ -139,7 +144,10 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
     leases = c.leases
     tenants = tuple(c.tenants.values())
     coop, enforced = leases.cooperative_names(), leases.enforced_names()
-    views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced) for t in tenants])
+    rationed, lead = c.plan.rationed, c.policy.lead
+    views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced,
+                              tuple((r, lead(t.name, r)) for r in t.resources & rationed) if rationed else ())
+                   for t in tenants])
     p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt), c.plan)
     _log_mixes(c, p)
     for t, verdict in zip(tenants, p.freeze, strict=True):

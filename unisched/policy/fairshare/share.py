@@ -116,6 +116,17 @@ class WeightedFairShare:
         return get(self._b, name).weight
 
 
+    def lead(self, name: str, resource: Resource) -> float:
+        """GPU seconds the tenant has had on `resource` beyond its weight share: its virtual time less the
+        resource's virtual clock (the lowest among the tenants that want it), times its weight; 0 where it has none."""
+        t = get(self._b, name)
+        v = t.vtime.get(resource)
+        rid = self._b.rids.get(resource)
+        if v is None or rid is None:
+            return 0.0
+        return max(0.0, (v - virtual_clock(self._b, rid)) * t.weight)
+
+
     def priority(self, name: str) -> Priority:
         return get(self._b, name).spec.priority
 
