@@ -262,23 +262,25 @@ def test_ahead_rule(lead_s: float, slice_s: float, lead_slices: float, ahead: bo
 
 
 def test_observe_rations_a_resource_held_open_while_saturated_and_stops_when_it_has_room() -> None:
-    """Paced tenants: saturated, sliced, turns unused (opened with a hold), still saturated open: rationed. A busy
-    fraction under `high` over the entry window ends it, though the hold goes on."""
+    """Paced tenants: saturated, sliced, turns unused (opened with a hold), still saturated open: rationed. Once
+    rationing, a window whose mean busy fraction falls under `low` ends it, though the hold goes on."""
     gate = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=1, hold_slices=10, max_hold_slices=40,
                             reset_slices=10)
     cfg = config(gate=gate)
     use = [FreezerUse(frozenset({SM}), frozenset({G}), frozenset({G}), False, 0.1)]
     state = PlanState()
     seen = []
-    for util in (1.0, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0):
+    for util in (1.0, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5, 1.0, 0.2, 0.2):
         _, state = observe(cfg, use, {0: Sample(util)}, {SM: 3}, {}, state)
         seen.append((state.is_open(SM), SM in state.rationed, state.sit_out.get(SM)))
     assert seen == [(True, False, None), (False, False, None),  # saturated over two slices: sliced
                     (True, False, None),  # the turn went unused: open, held
                     (True, False, None), (True, True, 1), (True, True, 2),  # saturated while held: rationed,
                     # one more may sit out after each saturated slice
-                    (True, False, None), (True, False, None),  # the window's mean under high: room, not rationed
-                    (True, True, 1)]  # saturated again, still held: rationed again, the budget from 0
+                    (True, True, 1),  # those out left it idle (0.5 < low): one fewer, and at most 1 from now on
+                    (True, True, 1),  # saturated, but capped
+                    (True, True, 0),  # idle again with one out: none may sit out
+                    (True, False, None)]  # the window's mean under low: room, not rationed
 
 
 # --- a lease grant ---------------------------------------------------------------------------------------------

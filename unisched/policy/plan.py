@@ -354,8 +354,8 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
         if was_open and not after.open and r.domain != MIX_DOMAIN:
             level.append(r)
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
-    rationed = frozenset(x.resource for x in readings
-                         if x.resource.domain != MIX_DOMAIN and rationing(config.gate, gates[x.resource]))
+    rationed = frozenset(x.resource for x in readings if x.resource.domain != MIX_DOMAIN
+                         and rationing(config.gate, gates[x.resource], x.resource in state.rationed))
     sit_out: dict[Resource, int] = {}
     caps: dict[Resource, int] = {}
     for x in readings:

@@ -100,13 +100,15 @@ class GateMemory:
         return 0 if self.sliced else self.hold
 
 
-def rationing(c: SaturationConfig, s: GateMemory) -> bool:
+def rationing(c: SaturationConfig, s: GateMemory, was: bool = False) -> bool:
     """Held open after slicing left the turns unused, and still saturated (the mean busy fraction of the last
-    `enter_slices` open slices >= `high`): paced tenants that fill the GPU only together. Every tenant may run, but
-    one ahead of its weight share sits out until the others catch up (policy.plan.ahead_rule), so the weights hold
-    without turns that one tenant cannot fill. Not while the GPU has room: nobody is held back from idle time."""
-    return (c.enabled and not s.sliced and s.hold > 0 and len(s.recent) == c.enter_slices
-            and sum(s.recent) >= c.high * c.enter_slices - 1e-9)
+    `enter_slices` open slices >= `high`; once rationing, >= `low`, since those sitting out leave it a little room at
+    times): paced tenants that fill the GPU only together. Every tenant may run, but those furthest ahead of their
+    weight share sit a slice out (policy.rationing), so the weights hold without turns that one tenant cannot fill.
+    Not where the GPU reads idle: nobody is held back from idle time."""
+    if not c.enabled or s.sliced or s.hold <= 0 or len(s.recent) < c.enter_slices:
+        return False
+    return sum(s.recent) >= (c.low if was else c.high) * c.enter_slices - 1e-9
 
 
 def fresh_gate(config: SaturationConfig) -> GateMemory:
