@@ -194,20 +194,16 @@ def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path)
     for i, name in enumerate(names):
         rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
 
-    def share() -> float:  # each running player gets an equal part of the GPU, none above its fifth
-        running = sum(not rig.frozen(n) for n in names)
-        return min(0.2, 1.0 / running) if running else 0.0
-    for _ in range(60):  # the gate slices, finds the turns unused, and holds the GPU open
-        part = share()
-        rig.rate.update(dict.fromkeys(names, part))
-        tel.next_samples = [GpuSample(0, min(1.0, part * sum(not rig.frozen(n) for n in names)), 0.0, 0.0, 0)]
-        rig.step()
+    def play(slices: int) -> None:  # each running player gets an equal part of the GPU, none above its fifth
+        for _ in range(slices):
+            running = sum(not rig.frozen(n) for n in names)
+            part = min(0.2, 1.0 / running) if running else 0.0
+            rig.rate.update(dict.fromkeys(names, part))
+            tel.next_samples = [GpuSample(0, min(1.0, part * running), 0.0, 0.0, 0)]
+            rig.step()
+    play(60)  # the gate slices, finds the turns unused, and holds the GPU open
     start = {n: rig.cpu(n) for n in names}
-    for _ in range(1200):
-        part = share()
-        rig.rate.update(dict.fromkeys(names, part))
-        tel.next_samples = [GpuSample(0, min(1.0, part * sum(not rig.frozen(n) for n in names)), 0.0, 0.0, 0)]
-        rig.step()
+    play(1200)
     used = {n: rig.cpu(n) - start[n] for n in names}
     by_weight = [sum(used[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)]
     assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
