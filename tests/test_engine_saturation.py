@@ -184,12 +184,14 @@ def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
     assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
 
 
-def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ration", [True, False])
+def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path, ration: bool) -> None:
     """Twelve paced players 1:2:4 each needing a fifth of the GPU: sliced, one alone leaves it 80% idle, so the gate
     holds it open; still saturated, the players furthest ahead of their share sit slices out, and their GPU time
-    (here their CPU time, which the fake burns in step with it) follows the weights instead of being equal."""
+    (here their CPU time, which the fake burns in step with it) follows the weights instead of being equal. With
+    ration_paced off they share it equally."""
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, ration_paced=ration), telemetry=tel)
     names = [f"p{i}" for i in range(12)]
     for i, name in enumerate(names):
         rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
@@ -206,6 +208,7 @@ def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path)
     play(1200)
     used = {n: rig.cpu(n) - start[n] for n in names}
     by_weight = [sum(used[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)]
-    assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
-    assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.15), by_weight
+    expected = (2.0, 4.0) if ration else (1.0, 1.0)
+    assert by_weight[1] / by_weight[0] == pytest.approx(expected[0], rel=0.15), by_weight
+    assert by_weight[2] / by_weight[0] == pytest.approx(expected[1], rel=0.15), by_weight
     assert sum(by_weight) >= 0.9 * 1200 * SLICE  # the GPU kept nearly full

@@ -120,6 +120,8 @@ class PlanConfig:
     """The slice length: a lead of `ration_lead_slices` of it makes a tenant ahead of its share."""
     mix_period_s: float = 1.0
     turn_cpu_cores: float = TUNING.turn_cpu_cores
+    ration: bool = True
+    """Ration resources held open while saturated (policy.rationing); without it they stay open to all."""
 
     @property
     def mixing(self) -> bool:
@@ -354,7 +356,7 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
         if was_open and not after.open and r.domain != MIX_DOMAIN:
             level.append(r)
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
-    rationed = frozenset(x.resource for x in readings if x.resource.domain != MIX_DOMAIN
+    rationed = frozenset(x.resource for x in readings if config.ration and x.resource.domain != MIX_DOMAIN
                          and rationing(config.gate, gates[x.resource], x.resource in state.rationed))
     sit_out: dict[Resource, int] = {}
     caps: dict[Resource, int] = {}

@@ -196,6 +196,11 @@ class DaemonConfig:
         0.98, "policy", "freezer enforcement: a GPU engine's tenants are sliced only while its mean busy fraction over 0.4 s "
         "is at least this (0 = always); near 1 because saturated means never idle (policy.tuning: saturation_*)",
         bounds=(0.0, 1.0), unit="fraction")
+    ration_paced: bool = knob(
+        True, "policy", "freezer enforcement: where paced tenants (games, streams) saturate a GPU engine only together, "
+        "so that slicing leaves their turns unused and the engine is held open, those furthest ahead of their weight "
+        "share sit slices out while the rest keep it busy (policy.rationing); false: held open, they share it as "
+        "without the daemon")
     contention: str = knob(
         "auto", "policy", "which engines contend. auto: measured per GPU model by `unisched calibrate` "
         "(compute and graphics that overlap partly get mixed slices, policy.overlap), without a calibration "

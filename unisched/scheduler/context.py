@@ -106,7 +106,8 @@ def build(
     gpu_indices: tuple[int, ...] = tuple(g.index for g in gpus) or (0,)
     contention = _contention(config, store, gpus[0].name if gpus else None)
     plan_config = PlanConfig(contention, gpu_indices, gate, config.activity_threshold, config.idle_slices,
-                             slice_s=config.slice_ms / 1000.0, mix_period_s=config.mix_period_ms / 1000.0)
+                             slice_s=config.slice_ms / 1000.0, mix_period_s=config.mix_period_ms / 1000.0,
+                             ration=config.ration_paced)
     leases = LeaseBook(policy, contention, config.slice_ms / 1000.0, config.lease_timeout_ms / 1000.0,
                        config.lease_max_run_ms / 1000.0)
     now = clock.monotonic()
