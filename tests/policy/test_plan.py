@@ -394,3 +394,18 @@ def test_plan_on_an_open_pair_without_cooperative_tenants_does_not_mix() -> None
     p, _ = plan(cfg, PlanInputs(decision, tenants, {0: PairWeights(100, 100, False)}, 0.05),
                 PlanState(gates=opened(JOINT)))
     assert p.mixes == {} and p.mixed == frozenset() and not any(v.frozen for v in p.freeze)
+
+
+def test_plan_rations_only_tenants_whose_sitting_out_takes_effect() -> None:
+    """Of the tenants ahead on a rationed resource, the fair share's holder (it runs) and a cooperative tenant (its
+    leases, not the freezer, gate it) do not sit out and do not use up the budget: the next furthest ahead do."""
+    decision = Decision(0.0, 0.05, frozenset({"holder"}), frozenset({"holder", "coop", "a", "b", "c"}),
+                        {SM: "holder"})
+    lead = {"holder": 0.5, "coop": 0.4, "a": 0.3, "b": 0.2, "c": 0.1}  # all past a quarter slice (0.0125 s)
+    tenants = tuple(TenantView(n, frozenset({SM}), True, cooperative=n == "coop", leads=((SM, x),))
+                    for n, x in lead.items())
+    state = PlanState(gates=opened(SM), rationed=frozenset({SM}), sit_out={SM: 2})
+    p, state = plan(config(), PlanInputs(decision, tenants), state)
+    assert [(v.frozen, v.rule) for v in p.freeze] == [
+        (False, Rule.RUNS), (False, Rule.COOPERATIVE), (True, Rule.AHEAD), (True, Rule.AHEAD), (False, Rule.UNSATURATED)]
+    assert state.sit_out == {SM: 2}

@@ -12,7 +12,7 @@ and what measurement motivated it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import NamedTuple, Protocol
@@ -399,6 +399,12 @@ _AHEAD = Verdict(True, Rule.AHEAD)
 _PAUSED = Verdict(True, Rule.MIX_PAUSED)
 
 
+def _waits_only_for_open(t: TenantView, waits: bool, state: PlanState) -> bool:
+    """A freezer-governed tenant the fair share makes wait, on resources that are all open: it runs, unless it sits
+    out of a rationed one (the only tenants whose sitting out takes effect)."""
+    return not t.cooperative and waits and bool(t.resources) and all(state.is_open(r) for r in t.resources)
+
+
 def freeze_rule(t: TenantView, waits: bool, state: PlanState, sits_out: bool = False) -> Verdict:
     """Frozen or not for the next slice, in order: the fair share's turn; a cooperative tenant is not frozen
     unless the freezer backs its leases; a freezer-governed tenant waiting only for open resources runs, unless
@@ -409,7 +415,7 @@ def freeze_rule(t: TenantView, waits: bool, state: PlanState, sits_out: bool = F
             return _COOPERATIVE
         return _WAITS if waits else _RUNS
     verdict = _WAITS if waits else _RUNS
-    if waits and t.resources and all(state.is_open(r) for r in t.resources):
+    if _waits_only_for_open(t, waits, state):
         verdict = _AHEAD if sits_out else _UNSATURATED
     paused = state.paused
     if not verdict.frozen and paused and t.active and not paused.isdisjoint(t.resources):
@@ -475,11 +481,14 @@ def _mix_slices(config: PlanConfig, pairs: Mapping[int, PairWeights], dt: float,
     return out, replace(state, clocks=clocks, running=running, paused=frozenset(paused), mixed=frozenset(mixed))
 
 
-def _ration(config: PlanConfig, tenants: Iterable[TenantView],
+def _ration(config: PlanConfig, tenants: Iterable[TenantView], must_wait: Callable[[str], bool],
             state: PlanState) -> tuple[frozenset[str], PlanState]:
-    """Who sits out of each rationed resource (`sit_out_rule`), and each budget clamped to how many do."""
+    """Who sits out of each rationed resource (`sit_out_rule`), and each budget clamped to how many do. Only tenants
+    whose sitting out takes effect count (not a cooperative tenant, nor the fair share's holder)."""
     leads: dict[Resource, list[tuple[float, str]]] = {r: [] for r in state.rationed}
     for t in tenants:
+        if not _waits_only_for_open(t, must_wait(t.name), state):
+            continue
         for r, lead in t.leads:
             if r in leads:
                 leads[r].append((lead, t.name))
@@ -502,7 +511,7 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
     must_wait = decision.must_wait
     out: frozenset[str] = frozenset()
     if state.rationed:
-        out, state = _ration(config, inputs.tenants, state)
+        out, state = _ration(config, inputs.tenants, must_wait, state)
     freeze = tuple([freeze_rule(t, must_wait(t.name), state, t.name in out) for t in inputs.tenants])
     paused = state.paused
     holders: Mapping[Resource, str] = decision.holders
