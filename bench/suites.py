@@ -233,12 +233,12 @@ def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
         if shared or alone:
             cases[f"N={n}"] = m = cloud_metrics(shared, alone)
             start, seconds = shared.get("start_at"), shared.get("seconds")
-            gate = gate_over(folder / f"unisched-{n}-daemon.log", float(start), float(start) + float(seconds)) \
-                if isinstance(start, int | float) and isinstance(seconds, int | float) and seconds > 0 else None
-            if gate is not None:
-                m["sliced_of_window"] = round(gate.sliced_s / float(seconds or 1), 4)
-                m["unused_openings"] = gate.unused_openings
-                m["util_at_unused_openings"] = gate.opening_util
+            if isinstance(start, int | float) and isinstance(seconds, int | float) and seconds > 0:
+                gate = gate_over(folder / f"unisched-{n}-daemon.log", start, start + seconds)
+                if gate is not None:
+                    m["sliced_of_window"] = round(gate.sliced_s / seconds, 4)
+                    m["unused_openings"] = gate.unused_openings
+                    m["util_at_unused_openings"] = gate.opening_util
             notes += [str(e.get("error", e)) if isinstance(e, dict) else str(e)
                       for e in [*shared.get("errors", []), *alone.get("errors", [])]]
     return cases, notes

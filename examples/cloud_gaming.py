@@ -227,8 +227,7 @@ def last_polled(polls: list[dict[str, Any]], name: str | None) -> dict[str, Any]
 
 def write_summary(args: argparse.Namespace, children: list[Child], before: list[dict[str, Any]] | None,
                   final: list[dict[str, Any]] | None, polls: list[dict[str, Any]], caps_applied: dict[str, float],
-                  errors: list[str | dict[str, Any]], start_at: float,
-                  gpu: dict[str, Any] | None = None) -> dict[str, Any]:
+                  errors: list[str | dict[str, Any]], start_at: float, gpu: dict[str, Any]) -> dict[str, Any]:
     """Per-instance figures, fairness, the daemon's view and the hog's story, as one report (--report). `gpu`:
     what NVML read of the GPU over the window (gpu_busy), where it could."""
     per: list[dict[str, Any]] = []
@@ -275,7 +274,7 @@ def write_summary(args: argparse.Namespace, children: list[Child], before: list[
         "fairness_without_hog": fairness(others) if args.hog_mib else None,
         "fps_mean_all": sum(fps) / len(fps) if fps else None, "fps_total": sum(fps),
         "cpu_cores_total": cpu_total(per), "host_cores": os.cpu_count(),
-        "player_cores": len(args.player_cpus) or os.cpu_count(), **(gpu or {"gpu_busy": None}),
+        "player_cores": len(args.player_cpus) or os.cpu_count(), **gpu,
         "hog": hog_summary(args, per, reports, polls, others),
         "tenants": [t for t in final or [] if t.get("name") in {c.tenant for c in children}],
         "daemon_timeline": polls, "errors": errors, "command": [sys.executable, *sys.argv],
