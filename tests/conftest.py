@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.server
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -263,3 +265,23 @@ def pipe_listeners() -> Iterator[Callable[[], int]]:
     finally:
         for w in writers:
             os.close(w)
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A fake API server's request handler that keeps its access log out of the test output."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_api_server(handler: type[QuietHandler]) -> Iterator[str]:
+    """A local HTTP server answering with `handler` (a fake Kubernetes API server) on a free port, in a thread, for
+    the block; yields its URL."""
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

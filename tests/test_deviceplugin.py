@@ -3,20 +3,18 @@ PodResources APIs over Unix sockets, and the adopter against the in-process daem
 
 from __future__ import annotations
 
-import http.server
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import ROOT, child_env, freezer_unavailable_reason, wait_until
+from conftest import ROOT, QuietHandler, child_env, fake_api_server, freezer_unavailable_reason, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import FakePodResources, StubKubelet, pod
 
@@ -373,7 +371,7 @@ def test_find_pod_cgroup_knows_both_cgroup_drivers(tmp_path: Path) -> None:
 def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None:
     seen: list[tuple[str, str | None]] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             seen.append((self.path, self.headers.get("Authorization")))
             code, body = {
@@ -385,22 +383,14 @@ def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    try:
-        pods = ApiServerPods(f"http://127.0.0.1:{httpd.server_port}", token, None)
+    with fake_api_server(Handler) as url:
+        pods = ApiServerPods(url, token, None)
         assert pods.pod("ns", "p") == PodInfo("u-1", {"a": "b"})
         assert pods.pod("ns", "gone") is None
         with pytest.raises(OSError, match="500"):
             pods.pod("ns", "broken")
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert seen[0] == ("/api/v1/namespaces/ns/pods/p", "Bearer s3cret")
 
 

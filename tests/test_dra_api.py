@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import drarig
-from conftest import ROOT, child_env, wait_until
+from conftest import ROOT, QuietHandler, child_env, fake_api_server, wait_until
 from drarig import DRIVER, NODE, claim, make_config, ref
 from inproc import InProcessServer
 from kubelet_stub import StubPluginWatcher
@@ -29,7 +27,7 @@ def test_api_server_claims_reads_claims_and_creates_then_updates_the_slice(tmp_p
     seen: list[tuple[str, str, Any]] = []
     slices: dict[str, dict[str, Any]] = {}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def _reply(self, code: int, body: Any) -> None:
             data = json.dumps(body).encode()
             self.send_response(code)
@@ -61,23 +59,15 @@ def test_api_server_claims_reads_claims_and_creates_then_updates_the_slice(tmp_p
             seen.append(("PUT", self.path, body))
             self._reply(200, body)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
     token = tmp_path / "token"
     token.write_text("t0ken\n")
-    try:
-        api = ApiServerClaims(f"http://127.0.0.1:{httpd.server_port}", token, None)
+    with fake_api_server(Handler) as url:
+        api = ApiServerClaims(url, token, None)
         assert api.claim("ml", "c") == c
         assert api.claim("ml", "gone") is None
         body = resource_slice(make_config(short_dir), [], {})
         api.publish_slice(body)  # none yet: created
         api.publish_slice(body)  # there: replaced, with its resourceVersion and the next pool generation
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
     assert seen[0] == ("GET", "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaims/c", "Bearer t0ken")
     writes = [(m, p) for m, p, _ in seen if m != "GET"]
     assert writes == [("POST", "/apis/resource.k8s.io/v1/resourceslices"),
