@@ -8,12 +8,10 @@ import pytest
 
 from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
 from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part
-from unisched.policy.overlap import SliceKind
+from unisched.policy.overlap import PairMember, PairWeights, SliceKind, mix_contenders, pair_weights
 from unisched.policy.plan import (
     MIX_DOMAIN,
     FreezerUse,
-    PairMember,
-    PairWeights,
     PlanConfig,
     PlanInputs,
     PlanState,
@@ -25,10 +23,8 @@ from unisched.policy.plan import (
     gate_reading,
     lease_contended,
     lease_jump,
-    mix_contenders,
     observe,
     online_jumps,
-    pair_weights,
     plan,
     turn_used,
 )

@@ -15,14 +15,16 @@ other workloads keep other rates. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
 
-from unisched.policy.model import PolicyError
+from unisched.policy.contention import ContentionMap
+from unisched.policy.model import Engine, PolicyError, Resource
 
-__all__ = ["MixClock", "MixTurns", "OverlapMix", "SliceKind", "overlap_mix"]
+__all__ = ["MixClock", "MixTurns", "OverlapMix", "PairMember", "PairWeights", "SliceKind", "mix_contenders", "overlap_mix",
+           "pair_weights"]
 
 
 class SliceKind(StrEnum):
@@ -69,7 +71,7 @@ def overlap_mix(kept_compute: float, kept_graphics: float, share_compute: float)
             continue
         if spare(lo) >= -1e-12:  # the root is inside [lo, hi]: spare is linear there
             s_lo, s_hi = spare(lo), spare(hi)
-            best = lo + (hi - lo) * s_lo / (s_lo - s_hi)
+            best = min(hi, max(lo, lo + (hi - lo) * s_lo / (s_lo - s_hi)))  # rounding must not leave [lo, hi]
         break
     # nothing is left over: spare(best) is 0 (a root), or best is 1 with neither side owed time alone
     return OverlapMix(best, max(0.0, share_compute - kept_compute * best), max(0.0, share_graphics - kept_graphics * best))
@@ -150,3 +152,49 @@ class MixTurns:
         if self._clock is None:
             self._clock = MixClock(self.period_s, self.horizon_s)
         return self._clock
+
+
+# --- who is on each side ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PairMember:
+    """A tenant with demand, as the compute + graphics mix weighs it."""
+
+    weight: int
+    resources: frozenset[Resource]
+    cooperative: bool
+
+
+@dataclass(frozen=True)
+class PairWeights:
+    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
+
+    compute: int
+    graphics: int
+    cooperative: bool
+    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
+
+
+def mix_contenders(pair: PairWeights | None) -> int:
+    """The joint resource's contenders: two when both sides have demand, else the one side (or none)."""
+    if pair is None:
+        return 0
+    return 2 if pair.compute and pair.graphics else int(bool(pair.compute or pair.graphics))
+
+
+def pair_weights(members: Iterable[PairMember], contention: ContentionMap) -> dict[int, PairWeights]:
+    """Per GPU, the weights of the tenants with demand on its compute and on its graphics side (a tenant using
+    both counts on the compute side)."""
+    out: dict[int, PairWeights] = {}
+    compute, graphics = contention.domain(Engine.COMPUTE), contention.domain(Engine.GRAPHICS)
+    for m in members:
+        sides: dict[int, bool] = {}  # GPU -> on its compute side
+        for r in m.resources:
+            if r.domain == compute:
+                sides[r.gpu] = True
+            elif r.domain == graphics:
+                sides.setdefault(r.gpu, False)
+        for g, is_compute in sides.items():
+            p = out.get(g, PairWeights(0, 0, False))
+            out[g] = PairWeights(p.compute + m.weight * is_compute, p.graphics + m.weight * (not is_compute),
+                                 p.cooperative or m.cooperative)
+    return out

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
-from unisched.policy.overlap import MixClock, OverlapMix, SliceKind, overlap_mix
+from unisched.policy.overlap import MixClock, OverlapMix, PairWeights, SliceKind, mix_contenders, overlap_mix
 from unisched.policy.rationing import sit_out_budget, sit_out_rule
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step, rationing
 from unisched.policy.tuning import TUNING
@@ -31,8 +31,6 @@ __all__ = [
     "GateReading",
     "FreezerUse",
     "MixSlice",
-    "PairMember",
-    "PairWeights",
     "Plan",
     "PlanConfig",
     "PlanInputs",
@@ -47,10 +45,8 @@ __all__ = [
     "gate_reading",
     "lease_contended",
     "lease_jump",
-    "mix_contenders",
     "observe",
     "online_jumps",
-    "pair_weights",
     "plan",
     "turn_used",
 ]
@@ -143,25 +139,6 @@ class FreezerUse:
     frozen: bool
     cpu_cores: float
     """CPU time over the interval, per second of it."""
-
-
-@dataclass(frozen=True, slots=True)
-class PairMember:
-    """A tenant with demand, as the compute + graphics mix weighs it."""
-
-    weight: int
-    resources: frozenset[Resource]
-    cooperative: bool
-
-
-@dataclass(frozen=True)
-class PairWeights:
-    """A GPU's compute and graphics sides, by the summed weights of the tenants with demand on each."""
-
-    compute: int
-    graphics: int
-    cooperative: bool
-    """A cooperative tenant is among them (its leases follow the mix whatever the saturation gate says)."""
 
 
 class TenantView(NamedTuple):
@@ -287,32 +264,6 @@ def gate_reading(sample: UtilSample | None, engines: Iterable[Engine], busy_cpu:
 def turn_used(util: float | None, busy_cpu: bool, low: float) -> bool:
     """The tenants that ran used their turn: a compute one kept its CPUs busy, or the GPU read busier than `low`."""
     return busy_cpu or (util is not None and util >= low)
-
-
-def mix_contenders(pair: PairWeights | None) -> int:
-    """The joint resource's contenders: two when both sides have demand, else the one side (or none)."""
-    if pair is None:
-        return 0
-    return 2 if pair.compute and pair.graphics else int(bool(pair.compute or pair.graphics))
-
-
-def pair_weights(members: Iterable[PairMember], contention: ContentionMap) -> dict[int, PairWeights]:
-    """Per GPU, the weights of the tenants with demand on its compute and on its graphics side (a tenant using
-    both counts on the compute side)."""
-    out: dict[int, PairWeights] = {}
-    compute, graphics = contention.domain(Engine.COMPUTE), contention.domain(Engine.GRAPHICS)
-    for m in members:
-        sides: dict[int, bool] = {}  # GPU -> on its compute side
-        for r in m.resources:
-            if r.domain == compute:
-                sides[r.gpu] = True
-            elif r.domain == graphics:
-                sides.setdefault(r.gpu, False)
-        for g, is_compute in sides.items():
-            p = out.get(g, PairWeights(0, 0, False))
-            out[g] = PairWeights(p.compute + m.weight * is_compute, p.graphics + m.weight * (not is_compute),
-                                 p.cooperative or m.cooperative)
-    return out
 
 
 def _mix_pair(config: PlanConfig, gpu: int) -> tuple[Resource, Resource]:

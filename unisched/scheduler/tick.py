@@ -15,18 +15,16 @@ from unisched.policy import (
     Resource,
 )
 from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part
+from unisched.policy.overlap import PairMember, PairWeights, pair_weights
 from unisched.policy.plan import (
     FreezerUse,
     GateOutcome,
-    PairMember,
-    PairWeights,
     Plan,
     PlanInputs,
     Rule,
     TenantView,
     demand_rule,
     observe,
-    pair_weights,
     plan,
 )
 from unisched.scheduler.context import SAVE_DELAY_S, Context, save
