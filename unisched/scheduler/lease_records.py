@@ -42,7 +42,7 @@ class LeaseRecord:
     """When the holder before it yielded, for a lease granted at that hand-over: its first report measures the gap."""
     frozen_holder: str | None = None
     """The freezer-governed holder frozen as this lease was granted (None: none): the lease's first units queue
-    behind that tenant's work in flight, which is charged to it (`LeaseBook._frozen_drain`)."""
+    behind that tenant's work in flight, which is charged to it (`LeaseCharges._frozen_drain`)."""
 
 
 @dataclass

@@ -5,7 +5,8 @@ demand is what its sessions want (renewed within `valid_s`), its charges are the
 instead of being frozen it is granted and revoked leases from the same decision that freezes and thaws
 freezer-governed tenants, so both kinds share a GPU by weight. `LeaseBook` is driven by `Scheduler` (which owns the
 policy and the clock); it sends through each session's `LeaseChannel`. Hand-overs between holders and their
-measured gap are scheduler.handovers; the minimum runs that long units earn are scheduler.turns.
+measured gap are scheduler.handovers; the minimum runs that long units earn are scheduler.turns; what a report is
+charged, and the overruns, are scheduler.lease_charges.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import structlog
 
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
-from unisched.policy.leases import OverrunMeter, OverrunVerdict
+from unisched.policy.leases import OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
-from unisched.policy.reports import EVEN_SLICING, beside_excess, learnable_tail, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
+from unisched.scheduler.lease_charges import LeaseCharges
 from unisched.scheduler.lease_records import CoopRecord, LeaseRecord, SessionRecord
 from unisched.scheduler.turns import Turns
 from unisched.scheduler.workends import WorkEnds
@@ -52,30 +53,23 @@ class LeaseBook:
         self._coop: dict[str, CoopRecord] = {}
         self._ids = count(1)
         self._lease_ids = count(1)
-        self._enforced: set[str] = set()
-        """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
-        self._overrun: dict[str, float] = {}
-        """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
         self._handovers = Handovers(slice_s, self.cooperative)
+        self._charges = LeaseCharges(policy, slice_s, self._handovers)
         self._turns = Turns(policy, slice_s, max_run_s)
         self._last_holder: dict[Resource, str] = {}
         """The previous decision's holder of each resource (a grant after a freezer-governed one follows a freeze)."""
         self._work_ends = WorkEnds(slice_s)
-        self._reported: dict[Resource, list[tuple[float, float]]] = {}
-        """(arrival, GPU seconds) of each report per resource since the last `take_reported`."""
 
     def take_reported(self) -> dict[Resource, list[tuple[float, float]]]:
-        """The reports per resource since the last call, as (arrival, GPU seconds): the freezer-governed tenants that ran
-        beside cooperative ones are charged the busy time less the work these cover (policy.charging.cooperative_part)."""
-        out, self._reported = self._reported, {}
-        return out
+        """The reports per resource since the last call (LeaseCharges.take_reported)."""
+        return self._charges.take_reported()
 
     # --- queries -----------------------------------------------------------------------------------
     def cooperative(self, tenant: str) -> bool:
         return tenant in self._coop
 
     def enforced(self, tenant: str) -> bool:
-        return tenant in self._enforced
+        return self._charges.enforced(tenant)
 
     def cooperative_names(self) -> Collection[str]:
         """The cooperative tenants (a live read-only view: membership tests without a call per tenant)."""
@@ -83,7 +77,7 @@ class LeaseBook:
 
     def enforced_names(self) -> Collection[str]:
         """The tenants whose leases the freezer backs (live; do not modify)."""
-        return self._enforced
+        return self._charges.enforced_names()
 
     def demand(self, tenant: str) -> frozenset[Resource]:
         c = self._coop.get(tenant)
@@ -98,7 +92,7 @@ class LeaseBook:
         return self._last_holder.get(r) in self._coop
 
     def overrun_s(self, tenant: str) -> float:
-        return self._overrun.get(tenant, 0.0)
+        return self._charges.overrun_s(tenant)
 
     def lease_of(self, tenant: str, sid: int, engine: Engine) -> int | None:
         """The id of the lease covering the session's engine, if the tenant holds it."""
@@ -157,8 +151,7 @@ class LeaseBook:
 
     def forget_tenant(self, tenant: str) -> None:
         """The tenant is removed: revoke what it holds and drop its sessions."""
-        self._enforced.discard(tenant)
-        self._overrun.pop(tenant, None)
+        self._charges.forget(tenant)
         self._handovers.drop(tenant)
         self._work_ends.drop(tenant)
         self._turns.drop(tenant)  # (the engine removes it from the policy right after)
@@ -210,43 +203,13 @@ class LeaseBook:
         if held is not None and held.handed_at is not None and gpu_s > 0:
             self._note_gap(r, now - gpu_s - held.handed_at)
             held.handed_at = None
-        verdict = None
-        wall_s = gpu_s
         unit_s = self._turns.unit_s(s.tenant)  # (this report teaches it only below)
-        frozen, drain = self._frozen_drain(held, gpu_s, units, unit_s)
-        gpu_s -= drain
-        # its own work as the units' usual length may learn it: not from what the `beside` rule cut to that length
-        # (a circle that keeps any estimate): a report after a freeze is left out, a tail by the `learn` rule
-        own_s = 0.0 if frozen is not None else gpu_s
-        at = self._work_ends.end(s.tenant, r, wall_s, now, ended_ago_s)  # when its work ended (reports come later)
-        charged = self._handovers.less_credit(s.tenant, r, gpu_s)
-        pieces: tuple[tuple[float, float], ...] = ((at, charged),)
-        if thawed_at is not None and charged > 0:  # its tail beside the freezer-governed tenant thawed for its turn
-            excess = beside_excess(charged, units, unit_s, at - thawed_at, EVEN_SLICING)
-            pieces = report_pieces(at, charged, excess, thawed_at)
-            charged -= excess
-            gpu_s -= excess
-            if own_s:
-                own_s = learnable_tail(own_s, at - thawed_at, unit_s, engine is not Engine.COMPUTE)
-        if frozen is not None and drain > 0:
-            self._charge_drain(frozen, r, drain, at - gpu_s, now)
-        if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
-            self._reported.setdefault(r, []).extend(pieces)
-            self.policy.charge(s.tenant, r, charged, now)
-            verdict = self._meter(c, r).report(charged, now)
-            if verdict is not None and verdict.overrun_s > 0:
-                self._overrun[s.tenant] = self._overrun.get(s.tenant, 0.0) + verdict.overrun_s
-                log.warning("lease overrun", tenant=s.tenant, engine=engine.value, overrun_s=round(verdict.overrun_s, 4),
-                            strikes=verdict.strikes)
-                if verdict.enforce and s.tenant not in self._enforced:
-                    self._enforced.add(s.tenant)
-                    log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        s.log.debug("lease charge", charged_s=round(charged, 5), drain_s=round(drain, 5), own_s=round(own_s, 5),
-                    beside=thawed_at is not None, unit_ms=None if unit_s is None else round(unit_s * 1000, 3))
+        at = self._work_ends.end(s.tenant, r, gpu_s, now, ended_ago_s)  # when its work ended (reports come later)
+        verdict, own_s = self._charges.charge(s, c, r, engine, gpu_s, units, unit_s, at, thawed_at, now)
         if own_s > 0:
             self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
                                earns_run=engine is Engine.COMPUTE)
-        elif wall_s > 0:  # left out of the usual length (after a freeze, or the `learn` rule)
+        elif gpu_s > 0:  # left out of the usual length (after a freeze, or the `learn` rule)
             self._turns.skip(s.tenant, units)
         if release:
             s.wants.pop(engine, None)
@@ -257,28 +220,6 @@ class LeaseBook:
             s.wants[engine] = now
             s.released.discard(engine)
         return self._refresh_demand(s.tenant, now) or handed, verdict
-
-    def _frozen_drain(self, held: LeaseRecord | None, gpu_s: float, units: int,
-                      unit_s: float | None) -> tuple[str | None, float]:
-        """Of the first whole units a holder reports after a freezer-governed tenant was frozen for its turn, the
-        time beyond its usual units (`unit_s`): that tenant's GPU work still queued at its freeze, which the holder's
-        CUDA events timed while waiting behind it (policy.reports' `beside` rule, at most a slice). Not the holder's
-        work: the frozen tenant is charged it (`_charge_drain`); a trainer's few queued matmuls (~7 ms) at every
-        hand-over are a few points of the GPU. Returns the frozen tenant (None: this report is not the first after a
-        freeze) and that time."""
-        if held is None or held.frozen_holder is None or units < 1 or gpu_s <= 0:
-            return None, 0.0
-        frozen, held.frozen_holder = held.frozen_holder, None
-        return frozen, beside_excess(gpu_s, units, unit_s, self.slice_s, 0.0)
-
-    def _charge_drain(self, frozen: str, r: Resource, drain_s: float, ended: float, now: float) -> None:
-        """Charge the frozen tenant its work that a holder's first units waited behind (`_frozen_drain`), and place it
-        in time as reported work, ending where the holder's own began, so the tick does not charge that busy time
-        again. Left to the tick's busy time, it would be charged only where the tenant's freeze fell in the same
-        interval as the report, which reports up to half a slice late mostly miss."""
-        self._reported.setdefault(r, []).append((ended, drain_s))
-        if self.policy.has(frozen):  # (it may have been removed since)
-            self.policy.charge(frozen, r, drain_s, now)
 
     def _note_gap(self, r: Resource, gap_s: float) -> None:
         """A hand-over's measured gap (Handovers.note_gap), and the minimum runs of the cooperative tenants on `r`
@@ -320,13 +261,6 @@ class LeaseBook:
         if run_left > slice_left_s:
             slice_left_s += math.floor((run_left - slice_left_s) / self.slice_s + 1e-9) * self.slice_s
         return slice_left_s
-
-    def _meter(self, c: CoopRecord, r: Resource) -> OverrunMeter:
-        m = c.meters.get(r)
-        if m is None:
-            m = c.meters[r] = OverrunMeter(TUNING.overrun_window_slices * self.slice_s, self.slice_s,
-                                              TUNING.strikes_to_enforce)
-        return m
 
     def expire(self, now: float, frozen: Callable[[str], bool]) -> None:
         """Drop the wants of lease holders that did not renew within valid_s (their demand and leases go
@@ -445,7 +379,7 @@ class LeaseBook:
                     self._handovers.granted(r, tenant)
                     log.debug("lease granted", tenant=tenant, lease=lease.id, resource=str(r), contended=contended,
                               slice_left_s=round(self._turn_left(tenant, now, slice_left_s), 4), now=round(now, 4))
-                    self._meter(c, r).hold(now)
+                    self._charges.meter(c, r).hold(now)
                     self._touch_resource(c, r, now)  # renewals are due from the grant on
                 elif not tick and contended == lease.contended and jump == lease.jump:
                     continue
@@ -490,7 +424,7 @@ class LeaseBook:
         if reason == "slice over" and notify:  # it may be mid-unit: the next holder waits for its yield
             self._handovers.start(r, tenant, now)
         log.debug("lease revoked", tenant=tenant, lease=lease.id, resource=str(r), reason=reason, now=round(now, 4))
-        self._meter(c, r).drop(now)
+        self._charges.meter(c, r).drop(now)
         if notify:
             self._send(c, r, lease, reason)
 
