@@ -31,6 +31,7 @@ class Rig:
         self.engine.start()
         self.busy: set[str] = set()
         self.rate: dict[str, float] = {}
+        self.loop = False
         self.pid = 1000
 
     def add(self, name: str, weight: int, busy: bool = True, **kw: object) -> None:
@@ -40,8 +41,9 @@ class Rig:
             self.busy.add(name)
 
     def step(self, n: int = 1) -> None:
+        """`n` slices, or with `loop` set `n` calls of the engine loop's `advance` (a rationed slice's steps too)."""
         for _ in range(n):
-            delay = self.engine.tick()
+            delay = self.engine.advance() if self.loop else self.engine.tick()
             for name in self.busy:
                 g = self.driver.groups[f"/unisched/{name}"]
                 if not g.frozen:

@@ -212,3 +212,57 @@ def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path,
     assert by_weight[1] / by_weight[0] == pytest.approx(expected[0], rel=0.15), by_weight
     assert by_weight[2] / by_weight[0] == pytest.approx(expected[1], rel=0.15), by_weight
     assert sum(by_weight) >= 0.9 * 1200 * SLICE  # the GPU kept nearly full
+
+
+def _rationed_players(tmp_path: Path, loop: bool) -> tuple[list[float], float, int]:
+    """Twelve paced players 1:2:4 on a GPU held open, a minute of it: GPU time per weight group, the longest any
+    player sat out at a stretch while held open (the gate's tries at slicing again, every 30 s at most, freeze
+    players for their turns), and how many calls between ticks changed who is frozen."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.loop = loop
+    names = [f"p{i}" for i in range(12)]
+    for i, name in enumerate(names):
+        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    since = dict.fromkeys(names, 0.0)
+    longest = 0.0
+    changed = 0
+
+    def play(seconds: float, measure: bool) -> None:
+        nonlocal changed, longest
+        end = rig.clock.monotonic() + seconds
+        while rig.clock.monotonic() < end:
+            running = sum(not rig.frozen(n) for n in names)
+            part = min(0.2, 1.0 / running) if running else 0.0
+            rig.rate.update(dict.fromkeys(names, part))
+            tel.next_samples = [GpuSample(0, min(1.0, part * running), 0.0, 0.0, 0)]
+            before = [rig.frozen(n) for n in names]
+            tick_at = rig.engine.next_tick
+            rig.step()
+            now = rig.clock.monotonic()
+            probing = any(g.sliced for g in rig.engine.gate_states())
+            for n in names:
+                if not rig.frozen(n) or probing:
+                    since[n] = now
+                elif measure:
+                    longest = max(longest, now - since[n])
+            changed += measure and now <= tick_at + 1e-9 and before != [rig.frozen(n) for n in names]
+    play(3.0, False)  # the gate slices, finds the turns unused, and holds the GPU open
+    start = {n: rig.cpu(n) for n in names}
+    play(60.0, True)
+    used = {n: rig.cpu(n) - start[n] for n in names}
+    return [sum(used[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)], longest, changed
+
+
+def test_rationed_players_sit_out_in_steps_between_ticks(tmp_path: Path) -> None:
+    """Driven as the daemon's loop drives it (`advance`), a rationed slice is split into steps and who sits out is
+    chosen for each: the weights hold, the GPU stays full, and the longest a player sits out at a stretch is under
+    half what one choice a slice gives (ticks alone: 250 ms here, frames missed in a row that players feel as
+    stutter; in steps about 110 ms)."""
+    by_weight, longest, changed = _rationed_players(tmp_path / "loop", loop=True)
+    assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
+    assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.15), by_weight
+    assert sum(by_weight) >= 0.9 * 60.0  # the GPU kept nearly full
+    _, whole, unchanged = _rationed_players(tmp_path / "ticks", loop=False)
+    assert changed > 0 and unchanged == 0
+    assert longest <= 0.5 * whole and longest < 3 * SLICE, (longest, whole)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -28,7 +28,7 @@ from unisched.policy.plan import (
     plan,
     turn_used,
 )
-from unisched.policy.rationing import ahead_rule, sit_out_budget, sit_out_rule
+from unisched.policy.rationing import Rationed, ahead_rule, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig
 
 SM = Resource(0, "sm")
@@ -236,14 +236,24 @@ def test_sit_out_budget(out: int, cap: int | None, util: float | None, expected:
     assert sit_out_budget(out, cap, util, high=0.9, low=0.6) == expected
 
 
-@pytest.mark.parametrize(("leads", "budget", "out"), [
-    ([(0.05, "a"), (0.02, "b"), (0.0, "c")], 5, {"a", "b"}),  # only those ahead (lead > 0.0125 s here)
-    ([(0.05, "a"), (0.02, "b"), (0.0, "c")], 1, {"a"}),  # the furthest ahead first
-    ([(0.05, "a"), (0.02, "b")], 0, set()),
-    ([(0.01, "a")], 3, set()),  # within the allowed lead: nobody
+def R(name: str, lead: float, used: float = 0.004, ran: int = 4, weight: int = 100) -> Rationed:
+    return Rationed(name, lead, weight, used, ran)
+
+
+@pytest.mark.parametrize(("rows", "budget", "steps", "out"), [
+    ([R("a", 0.05), R("b", 0.02), R("c", 0.0)], 5, 1, [{"a", "b"}]),  # only those ahead (lead > 0.0125 s here)
+    ([R("a", 0.05), R("b", 0.02), R("c", 0.0)], 1, 1, [{"a"}]),  # the furthest ahead first
+    ([R("a", 0.05), R("b", 0.02)], 0, 2, [set(), set()]),
+    ([R("a", 0.01)], 3, 2, [set(), set()]),  # within the allowed lead: nobody
+    # one far ahead sits out every step; two a little ahead take turns, step by step, while they stay ahead
+    ([R("far", 0.2), R("x", 0.016), R("y", 0.016), R("z", 0.0)], 2, 4, [{"far", "y"}, {"far", "x"}, {"far"}, {"far"}]),
+    ([R("x", 0.016), R("y", 0.016), R("z", 0.0)], 1, 4, [{"y"}, {"x"}, set(), set()]),
+    # one that sat the whole last slice out is taken to use what the others did: back in after two steps
+    ([R("x", 0.02, used=0.0, ran=0), R("z", 0.0)], 1, 4, [{"x"}, {"x"}, set(), set()]),
 ])
-def test_sit_out_rule(leads: list[tuple[float, str]], budget: int, out: set[str]) -> None:
-    assert sit_out_rule(leads, budget, slice_s=0.05) == out  # TUNING.ration_lead_slices = 0.25 of the slice
+def test_step_schedule(rows: list[Rationed], budget: int, steps: int, out: list[set[str]]) -> None:
+    got = step_schedule(rows, budget, steps, slice_s=0.05)  # TUNING.ration_lead_slices = 0.25 of the slice
+    assert got == tuple(map(frozenset, out))
 
 
 @pytest.mark.parametrize(("lead_s", "slice_s", "lead_slices", "ahead"), [
@@ -259,16 +269,20 @@ def test_ahead_rule(lead_s: float, slice_s: float, lead_slices: float, ahead: bo
 
 def test_observe_rations_a_resource_held_open_while_saturated_and_stops_when_it_has_room() -> None:
     """Paced tenants: saturated, sliced, turns unused (opened with a hold), still saturated open: rationed. Once
-    rationing, a window whose mean busy fraction falls under `low` ends it, though the hold goes on."""
+    rationing, a window whose mean busy fraction falls under `low` ends it, though the hold goes on. Slicing and
+    rationing start with the resource levelled."""
     gate = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=1, hold_slices=10, max_hold_slices=40,
                             reset_slices=10)
     cfg = config(gate=gate)
     use = [FreezerUse(frozenset({SM}), frozenset({G}), frozenset({G}), False, 0.1)]
     state = PlanState()
-    seen = []
+    seen, levelled = [], []
     for util in (1.0, 1.0, 0.2, 1.0, 1.0, 1.0, 0.5, 1.0, 0.2, 0.2):
-        _, state = observe(cfg, use, {0: Sample(util)}, {SM: 3}, {}, state)
+        outcome, state = observe(cfg, use, {0: Sample(util)}, {SM: 3}, {}, state)
         seen.append((state.is_open(SM), SM in state.rationed, state.sit_out.get(SM)))
+        levelled.append(SM in outcome.level)
+    # levelled where slicing starts and where rationing does: nobody is owed catch-up, nor pays back a lead
+    assert [i for i, x in enumerate(levelled) if x] == [1, 4]
     assert seen == [(True, False, None), (False, False, None),  # saturated over two slices: sliced
                     (True, False, None),  # the turn went unused: open, held
                     (True, False, None), (True, True, 1), (True, True, 2),  # saturated while held: rationed,
@@ -398,10 +412,26 @@ def test_plan_rations_only_tenants_whose_sitting_out_takes_effect() -> None:
     decision = Decision(0.0, 0.05, frozenset({"holder"}), frozenset({"holder", "coop", "a", "b", "c"}),
                         {SM: "holder"})
     lead = {"holder": 0.5, "coop": 0.4, "a": 0.3, "b": 0.2, "c": 0.1}  # all past a quarter slice (0.0125 s)
-    tenants = tuple(TenantView(n, frozenset({SM}), True, cooperative=n == "coop", leads=((SM, x),))
+    tenants = tuple(TenantView(n, frozenset({SM}), True, cooperative=n == "coop", leads=((SM, x, 0.0),))
                     for n, x in lead.items())
     state = PlanState(gates=opened(SM), rationed=frozenset({SM}), sit_out={SM: 2})
-    p, state = plan(config(), PlanInputs(decision, tenants), state)
+    p, state = plan(config(), PlanInputs(decision, tenants, {}), state)
     assert [(v.frozen, v.rule) for v in p.freeze] == [
         (False, Rule.RUNS), (False, Rule.COOPERATIVE), (True, Rule.AHEAD), (True, Rule.AHEAD), (False, Rule.UNSATURATED)]
     assert state.sit_out == {SM: 2}
+
+
+def test_between_ticks_the_step_of_the_slice_says_who_sits_out() -> None:
+    """A tick chooses who sits out of each step of the slice (PlanState.steps); the decisions between ticks, at
+    each step (scheduler.tick.advance) or at a client's request, freeze those of the step they fall in. No
+    resource rationed: nobody sits out and the steps are dropped."""
+    decision = Decision(0.0, 0.05, frozenset(), frozenset({"a", "b", "c"}), {})
+    tenants = tuple(TenantView(n, frozenset({SM}), True) for n in "abc")
+    steps = (frozenset({"a"}), frozenset({"b"}), frozenset(), frozenset({"a", "b"}))
+    state = PlanState(gates=opened(SM), rationed=frozenset({SM}), sit_out={SM: 2}, steps=steps)
+    for step, out in enumerate(steps):
+        p, after = plan(config(), PlanInputs(decision, tenants, None, step=step), state)
+        assert after.steps == steps
+        assert {t.name for t, v in zip(tenants, p.freeze, strict=True) if v.rule is Rule.AHEAD} == out
+    p, after = plan(config(), PlanInputs(decision, tenants, None), replace(state, rationed=frozenset()))
+    assert after.steps == () and not any(v.frozen for v in p.freeze)

@@ -12,6 +12,7 @@ and what measurement motivated it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -21,7 +22,7 @@ from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, PairWeights, SliceKind, mix_contenders, overlap_mix
-from unisched.policy.rationing import sit_out_budget, sit_out_rule
+from unisched.policy.rationing import Rationed, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step, rationing
 from unisched.policy.tuning import TUNING
 
@@ -118,6 +119,8 @@ class PlanConfig:
     turn_cpu_cores: float = TUNING.turn_cpu_cores
     ration: bool = True
     """Ration resources held open while saturated (policy.rationing); without it they stay open to all."""
+    ration_steps: int = TUNING.ration_steps
+    """Steps of a rationed slice, each with its own tenants sitting out (policy.rationing.step_schedule)."""
 
     @property
     def mixing(self) -> bool:
@@ -151,8 +154,10 @@ class TenantView(NamedTuple):
     cooperative: bool = False
     enforced: bool = False
     """Cooperative, and it kept overrunning its leases: the freezer backs them."""
-    leads: tuple[tuple[Resource, float], ...] = ()
-    """Per rationed resource it uses (PlanState.rationed), the GPU seconds it had there beyond its weight share."""
+    leads: tuple[tuple[Resource, float, float], ...] = ()
+    """Per rationed resource it uses (PlanState.rationed): the GPU seconds it had there beyond its weight share, and
+    those it was charged there over the last slice."""
+    weight: int = 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,8 @@ class PlanInputs:
     """Per GPU, the mix weights measured this tick; None between ticks (the mix of the tick stays)."""
     dt: float = 0.0
     """The interval that just ended (the running mixed slice is counted for it)."""
+    step: int = 0
+    """Between ticks, the step of a rationed slice this decision falls in (PlanState.steps)."""
 
 
 # --- state -------------------------------------------------------------------------------------------------
@@ -180,7 +187,9 @@ class PlanState:
     rationed: frozenset[Resource] = frozenset()
     """Resources held open while saturated (policy.saturation.rationing): tenants ahead of their share sit out."""
     sit_out: Mapping[Resource, int] = field(default_factory=dict)
-    """Per rationed resource, how many of the tenants ahead of their share sit out (`sit_out_budget`)."""
+    """Per rationed resource, how many of the tenants ahead of their share sit out of a step (`sit_out_budget`)."""
+    steps: tuple[frozenset[str], ...] = ()
+    """Who sits out of each step of this slice, over every rationed resource (`step_schedule`); () when none is."""
     sit_out_cap: Mapping[Resource, int] = field(default_factory=dict)
     """Per resource held open, the most that may sit out: fewer than once left the GPU idle (`sit_out_budget`)."""
 
@@ -209,8 +218,8 @@ class GateReading:
 class GateOutcome:
     readings: tuple[GateReading, ...]
     level: tuple[Resource, ...]
-    """Resources slicing starts on (in reading order): everyone ran as much as it wanted until now, so nobody is
-    owed catch-up time."""
+    """Resources slicing or rationing starts on (in reading order): everyone ran as much as it wanted until now, so
+    nobody is owed catch-up time (nor sits out for long to pay back a lead run up meanwhile)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +318,7 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))
     rationed = frozenset(x.resource for x in readings if config.ration and x.resource.domain != MIX_DOMAIN
                          and rationing(config.gate, gates[x.resource], x.resource in state.rationed))
+    level += [r for r in rationed - state.rationed if r not in level]  # as for slicing: everyone ran as it wanted
     sit_out: dict[Resource, int] = {}
     caps: dict[Resource, int] = {}
     for x in readings:
@@ -359,7 +369,7 @@ def _waits_only_for_open(t: TenantView, waits: bool, state: PlanState) -> bool:
 def freeze_rule(t: TenantView, waits: bool, state: PlanState, sits_out: bool = False) -> Verdict:
     """Frozen or not for the next slice, in order: the fair share's turn; a cooperative tenant is not frozen
     unless the freezer backs its leases; a freezer-governed tenant waiting only for open resources runs, unless
-    it `sits_out` of a rationed one (`sit_out_rule`); a freezer-governed tenant with demand on a side that sits out
+    it `sits_out` of a rationed one (`step_schedule`); a freezer-governed tenant with demand on a side that sits out
     is frozen."""
     if t.cooperative:
         if not t.enforced:
@@ -433,23 +443,25 @@ def _mix_slices(config: PlanConfig, pairs: Mapping[int, PairWeights], dt: float,
 
 
 def _ration(config: PlanConfig, tenants: Iterable[TenantView], must_wait: Callable[[str], bool],
-            state: PlanState) -> tuple[frozenset[str], PlanState]:
-    """Who sits out of each rationed resource (`sit_out_rule`), and each budget clamped to how many do. Only tenants
-    whose sitting out takes effect count (not a cooperative tenant, nor the fair share's holder)."""
-    leads: dict[Resource, list[tuple[float, str]]] = {r: [] for r in state.rationed}
+            state: PlanState) -> PlanState:
+    """Who sits out of each step of the slice on each rationed resource (`step_schedule`), and each budget clamped to
+    the most that do in a step. Only tenants whose sitting out takes effect are candidates (`_waits_only_for_open`)."""
+    k = max(1, config.ration_steps)
+    sat_out = Counter(n for step in state.steps for n in step) if len(state.steps) == k else Counter[str]()
+    rows: dict[Resource, list[Rationed]] = {r: [] for r in state.rationed}
     for t in tenants:
         if not _waits_only_for_open(t, must_wait(t.name), state):
             continue
-        for r, lead in t.leads:
-            if r in leads:
-                leads[r].append((lead, t.name))
-    out: set[str] = set()
+        for r, lead, used in t.leads:
+            if r in rows:
+                rows[r].append(Rationed(t.name, lead, t.weight, used, k - sat_out[t.name]))
+    steps: list[frozenset[str]] = [frozenset()] * k
     budgets: dict[Resource, int] = {}
-    for r, xs in leads.items():
-        names = sit_out_rule(xs, state.sit_out.get(r, 0), config.slice_s)
-        budgets[r] = len(names)
-        out |= names
-    return frozenset(out), replace(state, sit_out=budgets)
+    for r, xs in rows.items():
+        schedule = step_schedule(xs, state.sit_out.get(r, 0), k, config.slice_s)
+        budgets[r] = max(map(len, schedule))
+        steps = [a | b for a, b in zip(steps, schedule, strict=True)]
+    return replace(state, sit_out=budgets, steps=tuple(steps) if any(steps) else ())
 
 
 def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan, PlanState]:
@@ -460,9 +472,11 @@ def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan
         mixes, state = _mix_slices(config, inputs.pairs, inputs.dt, state)
     decision = inputs.decision
     must_wait = decision.must_wait
-    out: frozenset[str] = frozenset()
-    if state.rationed:
-        out, state = _ration(config, inputs.tenants, must_wait, state)
+    if not state.rationed:
+        state = replace(state, steps=()) if state.steps else state
+    elif inputs.pairs is not None:  # a tick: the new slice's steps
+        state = _ration(config, inputs.tenants, must_wait, state)
+    out = state.steps[min(inputs.step, len(state.steps) - 1)] if state.steps else frozenset()
     freeze = tuple([freeze_rule(t, must_wait(t.name), state, t.name in out) for t in inputs.tenants])
     paused = state.paused
     holders: Mapping[Resource, str] = decision.holders

@@ -10,10 +10,24 @@ cannot fill. Pure: leads, counts and busy fractions passed in.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from unisched.policy.tuning import TUNING
 
-__all__ = ["ahead_rule", "sit_out_budget", "sit_out_rule"]
+__all__ = ["Rationed", "ahead_rule", "sit_out_budget", "step_schedule"]
+
+
+class Rationed(NamedTuple):
+    """A tenant that may sit out of a rationed resource, as `step_schedule` weighs it."""
+
+    name: str
+    lead_s: float
+    """GPU seconds it has had there beyond its weight share (FairShare.lead)."""
+    weight: int
+    used_s: float
+    """GPU seconds it was charged there over the last slice."""
+    ran_steps: int
+    """Steps of the last slice it ran (was not sitting out)."""
 
 
 def ahead_rule(lead_s: float, slice_s: float, lead_slices: float = TUNING.ration_lead_slices) -> bool:
@@ -30,7 +44,7 @@ def sit_out_budget(out: int, cap: int | None, util: float | None, high: float,
     slice (>= `high`), one fewer after one with room: it tracks the most that keep the GPU full, since paced tenants
     can each use only so much of a slice. Where some sat out and the GPU read idle (under `low`, the gate's unused
     turn), their absence emptied it, and fewer than that may sit out while it stays held open: two tenants that
-    fill the GPU only together do not ration. `sit_out_rule` clamps the budget to how many did."""
+    fill the GPU only together do not ration. The plan clamps the budget to the most that did sit out of a step."""
     if util is not None and util >= high - 1e-9:
         budget = out + 1
     else:
@@ -40,8 +54,33 @@ def sit_out_budget(out: int, cap: int | None, util: float | None, high: float,
     return (budget if cap is None else min(budget, cap)), cap
 
 
-def sit_out_rule(leads: Iterable[tuple[float, str]], budget: int, slice_s: float) -> frozenset[str]:
-    """Who sits out of a rationed resource next slice: of the tenants ahead of their share (`ahead_rule`; `leads`:
-    each tenant's lead in GPU seconds and its name), the `budget` furthest ahead."""
-    ahead = sorted((x for x in leads if ahead_rule(x[0], slice_s)), reverse=True)
-    return frozenset(name for _, name in ahead[:budget])
+def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s: float) -> tuple[frozenset[str], ...]:
+    """Who sits out of each of the `steps` steps of the next slice: in each, the `budget` tenants furthest ahead of
+    their share (`ahead_rule`) as their lead will stand by then. A tenant's lead falls by its weight's part of a
+    step's GPU time for each step the others run, and rises by what it uses for each step it runs (its last slice's
+    use per step it ran; where it did not run, the median of the others': paced tenants use much alike). So one far
+    ahead sits out every step, while those a little ahead take turns step by step: a paced tenant that must sit out
+    most of the time misses a step at a time between frames, instead of a slice or more (the frames due meanwhile,
+    which players feel as stutter). With one step, the `budget` furthest ahead sit the slice out.
+    The resource is taken as saturated (rationing needs it): the weights share all of each step."""
+    rows = list(tenants)
+    total_w = sum(t.weight for t in rows)
+    if not rows or budget <= 0 or total_w <= 0:
+        return (frozenset(),) * steps
+    step_s = slice_s / steps
+    drop = {t.name: step_s * t.weight / total_w for t in rows}
+    known = sorted(t.used_s / t.ran_steps for t in rows if t.ran_steps)
+    usual = known[len(known) // 2] if known else step_s / len(rows)
+    rise = {t.name: t.used_s / t.ran_steps if t.ran_steps else usual for t in rows}
+    ran = dict.fromkeys(drop, 0)
+    out: list[frozenset[str]] = []
+    for s in range(steps):
+        ahead = sorted(((lead, t.name) for t in rows
+                        if ahead_rule(lead := t.lead_s + ran[t.name] * rise[t.name] - s * drop[t.name], slice_s)),
+                       reverse=True)
+        chosen = frozenset(name for _, name in ahead[:budget])
+        for name in ran:
+            if name not in chosen:
+                ran[name] += 1
+        out.append(chosen)
+    return tuple(out)

@@ -63,6 +63,10 @@ class Context:
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
     last_samples: tuple[GpuSample, ...] = ()
+    charged: dict[tuple[str, Resource], float] = field(default_factory=dict)
+    """GPU seconds each freezer-governed tenant was charged per resource at the last tick (what rationing weighs)."""
+    step: int = 0
+    """The step of the slice running now (a rationed slice has PlanState.steps; see tick.advance)."""
     matches: dict[Resource, ReportMatch] = field(default_factory=dict)
     """Per resource, cooperative reports matched against the busy time charged to freezer-governed tenants."""
     last_active: frozenset[str] = frozenset()

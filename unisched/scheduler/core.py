@@ -174,6 +174,10 @@ class Scheduler:
     def tick(self) -> float:
         return tick.tick(self._c)
 
+    def advance(self) -> float:
+        """The loop's call: a tick at a slice boundary, else a rationed slice's next step (tick.advance)."""
+        return tick.advance(self._c)
+
     # --- lease sessions -----------------------------------------------------------------------------
     def lease_open(
         self, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,

@@ -1,5 +1,5 @@
-"""The asyncio side of the engine: call tick() every slice until asked to stop, thaw everything on the
-way out (also when a tick raises)."""
+"""The asyncio side of the engine: call advance() (a tick every slice, and a rationed slice's steps between) until
+asked to stop, thaw everything on the way out (also when a tick raises)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
     try:
         while not stop.is_set():
             try:
-                delay = engine.tick()
+                delay = engine.advance()
             except Exception:
                 log.exception("slice failed; thawing everything and going on")
                 engine.thaw_all()

@@ -40,7 +40,7 @@ from unisched.scheduler.tenant import (
 from unisched.scheduler.upkeep import update_memory
 from unisched.telemetry import GpuSample
 
-__all__ = ["apply", "reschedule", "tick"]
+__all__ = ["advance", "apply", "reschedule", "tick"]
 
 log = structlog.get_logger("unisched.scheduler")
 
@@ -67,6 +67,7 @@ def tick(c: Context) -> float:
             for r in t.resources:
                 thawed_on.setdefault(r, []).append(t)
     gpu_active: set[str] = set()
+    c.charged = {}
     reports = leases.take_reported()
     for r, ts in thawed_on.items():
         _charge_resource(c, r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()))
@@ -83,6 +84,7 @@ def tick(c: Context) -> float:
             apply_tidal(c, t)
     decision = c.policy.decide(now)
     c.next_tick = now + decision.slice_s
+    c.step = 0
     apply(c, decision, now, tick=True, pairs=pairs, dt=dt)
     if c.unsaved and now - c.saved_at >= SAVE_DELAY_S:
         c.saved_at = now
@@ -92,6 +94,27 @@ def tick(c: Context) -> float:
         c.last_active = active
         log_shares(c, reason="demand")
     return decision.slice_s
+
+
+STEP_EARLY_S = 0.001
+"""A step due this close to the slice's end is left to the tick."""
+
+
+def advance(c: Context) -> float:
+    """What the engine's loop calls: a tick at each slice boundary, and between ticks the next step of a rationed
+    slice (PlanState.steps: who sits out changes, nothing is measured). Returns the seconds until the next call."""
+    now = c.clock.monotonic()
+    steps = len(c.plan.steps)
+    if steps > 1 and c.step + 1 < steps and now < c.next_tick - STEP_EARLY_S:
+        c.step += 1
+        apply(c, c.policy.decide(now), now, tick=False)
+    else:
+        tick(c)
+        steps = len(c.plan.steps)
+    if steps <= 1:
+        return max(0.0, c.next_tick - now)
+    due = c.last_tick + (c.step + 1) * (c.next_tick - c.last_tick) / steps
+    return max(0.0, min(due, c.next_tick) - now)
 
 
 def _observe_saturation(c: Context, samples: Mapping[int, GpuSample], cpu: Mapping[str, float], dt: float,
@@ -142,11 +165,13 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
     leases = c.leases
     tenants = tuple(c.tenants.values())
     coop, enforced = leases.cooperative_names(), leases.enforced_names()
-    rationed, lead = c.plan.rationed, c.policy.lead
+    rationed, lead, weight, charged = c.plan.rationed, c.policy.lead, c.policy.weight, c.charged
     views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced,
-                              tuple((r, lead(t.name, r)) for r in t.resources & rationed) if rationed else ())
+                              tuple((r, lead(t.name, r), charged.get((t.name, r), 0.0)) for r in t.resources & rationed),
+                              weight(t.name)) if rationed else
+                   TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced)
                    for t in tenants])
-    p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt), c.plan)
+    p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt, c.step), c.plan)
     _log_mixes(c, p)
     for t, verdict in zip(tenants, p.freeze, strict=True):
         if verdict.frozen != t.frozen and not t.missing:
@@ -276,6 +301,7 @@ def _charge_resource(
     for t, seconds in zip(ts, amounts, strict=True):
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)
+            c.charged[(t.name, r)] = seconds
     if rule is Rule.SIGNAL and len(ts) == 1 and not c.leases.client_held(r):
         gpu_active.add(ts[0].name)  # alone on a busy GPU: unless a client held it, that busy time is its own
 
