@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from unisched.policy.model import PolicyError, Resource
-from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate
+from unisched.policy.saturation import GateState, SaturationConfig, SaturationGate, fresh_gate, gate_step
 
 SM = Resource(0, "sm")
 BASE = SaturationConfig(high=0.90, low=0.60, enter_slices=2, leave_slices=2, hold_slices=40, max_hold_slices=600,
@@ -101,3 +101,21 @@ def test_saturation_is_the_mean_over_the_entry_window_not_every_slice() -> None:
     assert feed(gate, [1.0]) == [False]  # mean 0.9925
     other = new_gate(high=0.98, low=0.68, enter_slices=4)
     assert all(feed(other, [1.0, 1.0, 0.94, 0.94] * 10))  # bursts of full slices, 97% on average: open
+
+
+def test_a_hold_that_ends_while_rationed_is_renewed_instead_of_tried_again() -> None:
+    """Paced tenants rationed on a GPU held open: when the hold ends it is renewed, doubling, without the try at
+    turns that would stall every player for the others' turns (rationing keeps the weights meanwhile). A hold that
+    ends with rationing off (the GPU had room) ends in a try, as before."""
+    c = replace(BASE, leave_slices=2, hold_slices=4, max_hold_slices=16)
+    s = fresh_gate(c)
+    for u in (1.0, 1.0, 0.2, 0.2):  # sliced, turns unused: held open 4
+        s = gate_step(c, s, u, 2)
+    assert s.open and s.held == 4
+    for _ in range(4):
+        s = gate_step(c, s, 1.0, 2, rationed=True)
+    assert s.open and s.held == 8  # renewed, doubled
+    for _ in range(8):
+        s = gate_step(c, s, 1.0, 2, rationed=False)
+    assert s.open and s.held == 0
+    assert gate_step(c, s, 1.0, 2).sliced  # tried again

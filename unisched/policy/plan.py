@@ -312,7 +312,8 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
         used = turn_used(util, r in busy, config.gate.low)
         before = gates.get(r)
         was_open = before is not None and before.open
-        after = gates[r] = gate_step(config.gate, before or fresh_gate(config.gate), util, n, used)
+        after = gates[r] = gate_step(config.gate, before or fresh_gate(config.gate), util, n, used,
+                                     r in state.rationed)
         if was_open and not after.open and r.domain != MIX_DOMAIN:
             level.append(r)
         readings.append(GateReading(r, util, rule, r in busy, used, n, was_open, after.open, after.held))

@@ -18,7 +18,8 @@ Slicing that leaves the turns unused is what paced tenants do (sixteen cloud-gam
 between them read 94-100% busy on the H200, yet each uses a few ms of its 50 ms turn): it costs them most of their
 frames and gives nobody anything. So a resource opened for unused turns is held open for `hold_slices`, doubling
 each time it happens again (up to `max_hold_slices`), and back to `hold_slices` once slicing lasts `reset_slices`
-(its turns are used: a greedy tenant is there, slice it).
+(its turns are used: a greedy tenant is there, slice it). A hold that ends while its tenants are rationed is renewed
+instead (`gate_step`'s `rationed`).
 "used" is the caller's judgement; policy.plan.turn_used counts a turn used when the GPU was busy or a compute
 holder kept a CPU busy (CUDA work that utilization does not show, such as PyTorch's on the H200 VM, still keeps its launching
 thread busy).
@@ -117,16 +118,23 @@ def fresh_gate(config: SaturationConfig) -> GateMemory:
 
 
 def gate_step(c: SaturationConfig, s: GateMemory, util: float | None, contenders: int,
-              used: bool | None = None) -> GateMemory:
+              used: bool | None = None, rationed: bool = False) -> GateMemory:
     """The state machine of the module docstring: one slice's busy fraction (None: no GPU signal), how many
     tenants want the resource, and whether the tenants that ran used the slice (None: judged by the busy fraction
-    alone). Without a signal nothing is known about saturation, so the resource is sliced."""
+    alone). Without a signal nothing is known about saturation, so the resource is sliced.
+    `rationed`: the resource was rationed in this slice (`rationing`). A hold that ends so is renewed (doubling,
+    as after unused turns) rather than tried again: the try freezes every tenant for the others' turns, which paced
+    tenants feel as a stall of 0.4 s and more every time, and rationing keeps the weights meanwhile. A tenant that
+    turns greedy is rationed too (it sits out while ahead) rather than given turns; rationing ends, and the hold with
+    it, once the resource has room."""
     if not c.enabled or util is None:
         return replace(s, sliced=True, run=0)
     if contenders < 2:  # nobody to share with: nothing to slice, and a new set of contenders starts afresh
         return replace(s, sliced=False, run=0, hold=0, next_hold=c.hold_slices, recent=())
     if not s.sliced:
         recent = (*s.recent, util)[-c.enter_slices:]
+        if s.hold == 1 and rationed and s.next_hold:
+            return replace(s, recent=recent, hold=s.next_hold, next_hold=min(2 * s.next_hold, c.max_hold_slices))
         if s.hold > 0:
             return replace(s, recent=recent, hold=s.hold - 1)
         if len(recent) == c.enter_slices and sum(recent) >= c.high * c.enter_slices - 1e-9:

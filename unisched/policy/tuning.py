@@ -29,7 +29,8 @@ class Tuning:
     """How long an engine stays open after slicing left its turns unused (paced tenants), doubling each time it
     happens again; also how long slicing with used turns must last to reset the hold to this."""
     saturation_max_hold_s: float = 30.0
-    """The most the doubling hold reaches: a paced set that turns greedy waits at most this long to be sliced."""
+    """The most the doubling hold reaches: a paced set that turns greedy waits at most this long to be sliced (unless
+    it is rationed when the hold ends: then the hold is renewed, and rationing keeps the weights)."""
     used_turn_margin: float = 0.3
     """A slice busier than `saturated_util` less this used its turn. NVML's 200 ms sample mixes four 50 ms turns, so
     a turn that was used beside a hand-over reads well under saturated; an unused one reads near idle."""
