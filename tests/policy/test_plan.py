@@ -243,6 +243,8 @@ def R(name: str, lead: float, used: float = 0.004, ran: int = 4, weight: int = 1
 @pytest.mark.parametrize(("rows", "budget", "steps", "out"), [
     ([R("a", 0.05), R("b", 0.02), R("c", 0.0)], 5, 1, [{"a", "b"}]),  # only those ahead (lead > 0.0125 s here)
     ([R("a", 0.05), R("b", 0.02), R("c", 0.0)], 1, 1, [{"a"}]),  # the furthest ahead first
+    # furthest by virtual time: the light one, though the heavy one had more GPU seconds beyond its share
+    ([R("light", 0.03, weight=100), R("heavy", 0.05, weight=400)], 1, 1, [{"light"}]),
     ([R("a", 0.05), R("b", 0.02)], 0, 2, [set(), set()]),
     ([R("a", 0.01)], 3, 2, [set(), set()]),  # within the allowed lead: nobody
     # one far ahead sits out every step; two a little ahead take turns, step by step, while they stay ahead

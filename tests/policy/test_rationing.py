@@ -92,3 +92,17 @@ def test_a_tenant_sits_out_in_short_stretches(weights: tuple[int, ...], need: fl
     assert max(longest.values()) < 2 * TUNING.ration_steps
     *_, whole = model_gpu(weights, need, 0.0, 1, slices=1000)
     assert max(whole.values()) >= 3
+
+
+def test_players_paced_below_their_share_leave_the_rest_to_the_others_by_weight() -> None:
+    """Six players 1:2:4 each wanting a fifth of the GPU (1.2x): the weight-4 ones, at their pace, use less than
+    their share (2/7), which holds the clock back; what they leave goes to the others 1:2. Ranked by GPU seconds
+    ahead, the light ones got 0.10 of the GPU each and the middle ones 0.15 (1:1.5); by virtual time, 1:2."""
+    weights = (100, 200, 400) * 2
+    slices = 4000
+    used, _, _ = model_gpu(weights, 0.2, 0.0, TUNING.ration_steps, slices=slices)
+    heavy = 0.2 * slices * SLICE  # each weight-4 player at its pace
+    rest = sum(used.values()) - 2 * heavy
+    owed = {100: rest / 6, 200: rest / 3, 400: heavy}
+    for (n, x), w in zip(used.items(), weights, strict=True):
+        assert x == pytest.approx(owed[w], rel=0.03), (n, w)

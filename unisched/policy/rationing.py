@@ -56,13 +56,19 @@ def sit_out_budget(out: int, cap: int | None, util: float | None, high: float,
 
 def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s: float) -> tuple[frozenset[str], ...]:
     """Who sits out of each of the `steps` steps of the next slice: in each, the `budget` tenants furthest ahead of
-    their share (`ahead_rule`) as their lead will stand by then. A tenant's lead falls by its weight's part of a
-    step's GPU time for each step the others run, and rises by what it uses for each step it runs (its last slice's
-    use per step it ran; where it did not run, the median of the others': paced tenants use much alike). So one far
-    ahead sits out every step, while those a little ahead take turns step by step: a paced tenant that must sit out
-    most of the time misses a step at a time between frames, instead of a slice or more (the frames due meanwhile,
-    which players feel as stutter). With one step, the `budget` furthest ahead sit the slice out.
-    The resource is taken as saturated (rationing needs it): the weights share all of each step."""
+    their share (`ahead_rule`) as their lead will stand by then, furthest by virtual time (the lead over the weight).
+
+    A tenant's lead falls by its weight's part of a step's GPU time for each step the others run, and rises by what
+    it uses for each step it runs (its last slice's use per step it ran; where it did not run, the median of the
+    others': paced tenants use much alike). So one far ahead sits out every step, while those a little ahead take
+    turns step by step: a paced tenant that must sit out most of the time misses a step at a time between frames,
+    instead of a slice or more (the frames due meanwhile, which players feel as stutter). With one step, the
+    `budget` furthest ahead sit the slice out. The resource is taken as saturated (rationing needs it): the weights
+    share all of each step.
+
+    By virtual time, not GPU seconds: a tenant paced below its share (a heavy player at its frame rate) holds the
+    resource's clock back, so every other tenant runs up a lead; ranked by GPU seconds, those would end up nearer
+    equal GPU time whatever their weights (six players 1:2:4 in a model: 1:1.5 where 1:2 was owed)."""
     rows = list(tenants)
     total_w = sum(t.weight for t in rows)
     if not rows or budget <= 0 or total_w <= 0:
@@ -75,7 +81,7 @@ def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s:
     ran = dict.fromkeys(drop, 0)
     out: list[frozenset[str]] = []
     for s in range(steps):
-        ahead = sorted(((lead, t.name) for t in rows
+        ahead = sorted(((lead / t.weight, t.name) for t in rows
                         if ahead_rule(lead := t.lead_s + ran[t.name] * rise[t.name] - s * drop[t.name], slice_s)),
                        reverse=True)
         chosen = frozenset(name for _, name in ahead[:budget])
