@@ -1,10 +1,10 @@
-"""Rationing a GPU held open for paced tenants: the rules that pick who sits out of a slice.
+"""Rationing a GPU held open for paced tenants: the rules that pick who sits out, step by step of a slice.
 
 Why: paced tenants (games, video streams at a frame rate) that saturate the GPU only together each use a small part
 of a turn, so the saturation gate holds the GPU open rather than slice it (policy.saturation). While it is held
 open and still saturated (`policy.saturation.rationing`) every tenant may run, and those furthest ahead of their
-weight share sit a slice out, as many as still keep the GPU full: the weights hold without turns that one tenant
-cannot fill. Pure: leads, counts and busy fractions passed in.
+weight share sit out, a step of a slice at a time, as many as still keep the GPU full: the weights hold without
+turns that one tenant cannot fill. Pure: leads, counts and busy fractions passed in.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def rationing(c: SaturationConfig, s: GateMemory, was: bool = False) -> bool:
     """Held open after slicing left the turns unused, and still saturated (the mean busy fraction of the last
     `enter_slices` open slices >= `high`; once rationing, >= `low`, since those sitting out leave it a little room at
     times): paced tenants that fill the GPU only together. Every tenant may run, but those furthest ahead of their
-    weight share sit a slice out (policy.rationing), so the weights hold without turns that one tenant cannot fill.
+    weight share sit out (policy.rationing), so the weights hold without turns that one tenant cannot fill.
     Not where the GPU reads idle: nobody is held back from idle time."""
     if not c.enabled or s.sliced or s.hold <= 0 or len(s.recent) < c.enter_slices:
         return False

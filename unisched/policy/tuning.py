@@ -43,7 +43,7 @@ class Tuning:
     """A rationed slice is split into this many steps, and who sits out is chosen anew for each
     (policy.rationing.step_schedule): a tenant that must sit out most of the time does so in short stretches between
     which its frames go on, not for whole slices at a time. Whole 50 ms slices out, in a model of paced tenants, left
-    a player's 1% low at about a third of its mean frame rate; steps of a quarter slice, at two thirds or more."""
+    a player's 1% low at a third to a half of its mean frame rate; steps of a quarter slice, at two thirds or more."""
     gate_min_slices: int = 2
     """The gate's windows span at least this many slices, whatever the slice length: one slice's busy fraction is
     one sample, which a paced load can fill."""
