@@ -471,3 +471,34 @@ def test_no_decision_is_made_after_shutdown(tmp_path: Path) -> None:
         c.want()
     assert decided == []
     assert not any(g.frozen for g in rig.driver.groups.values())
+
+
+def test_a_renewal_that_changes_no_want_recomputes_no_demand_one_that_does_still_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal is the daemon's most frequent request, and one that wants what it wanted leaves the demand as it
+    was: it is not rebuilt for each. A report that wants again (after a release, or after its want expired) or
+    releases still changes the demand, and the holders follow."""
+    rig = LeaseRig(tmp_path, lease_timeout_ms=100.0)
+    a, b = rig.coop("a", 100), rig.coop("b", 100)
+    a.want()
+    b.want()
+    book = rig.engine.leases
+    refreshed: list[str] = []
+    refresh = book._refresh_demand
+    monkeypatch.setattr(book, "_refresh_demand", lambda tenant, *rest, **kw: refreshed.append(tenant)
+                        or refresh(tenant, *rest, **kw))
+    rig.run(20, [a, b])
+    assert refreshed == [] and book.demand("a") and book.demand("b")
+    holder, other = (a, b) if a.held else (b, a)
+    holder.report(0.01, release=True)  # released: its demand goes, and the other holds at once
+    other.pump()
+    assert not book.demand(holder.name) and other.held and refreshed == [holder.name]
+    holder.report(0.0)  # a renewal after the release wants the engine again
+    assert book.demand(holder.name) and refreshed == [holder.name] * 2
+    rig.run(12, [other])  # the holder goes silent past valid_s: its want expires and its lease is revoked
+    silent = a if any("not renewed" in r.reason for r in a.revokes) else b
+    assert not book.demand(silent.name)
+    refreshed.clear()
+    silent.report(0.0)  # renewing again: its demand is back, and it gets its turn
+    assert book.demand(silent.name) and refreshed == [silent.name]
+    assert silent.name in rig.run(10, [a, b])

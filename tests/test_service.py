@@ -146,6 +146,10 @@ class _Engine:
             raise RuntimeError("slice failed")
         return 0.0
 
+    def advance(self) -> float:
+        """What the loop calls (a tick at each slice boundary)."""
+        return self.tick()
+
     def thaw_all(self) -> None:
         pass
 
@@ -165,6 +169,29 @@ def test_the_loop_reports_alive_only_after_a_slice_ran(fail: bool) -> None:
 
     ticks = asyncio.run(go())
     assert calls == ([] if fail else list(range(1, ticks + 1)))
+
+
+def test_the_loop_waits_for_its_slices_without_a_task_each() -> None:
+    """A lease renewal due while the loop turns waits behind it: a wait per slice that makes a task and, at its
+    timeout, cancels it and waits for that costs some five loop turns a slice; one waiter serves the whole run."""
+    made: list[object] = []
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+
+        def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kw: Any) -> asyncio.Task[Any]:
+            made.append(coro)
+            return asyncio.Task(coro, loop=loop, **kw)
+
+        loop.set_task_factory(factory)
+        stop = asyncio.Event()
+        engine = _Engine(False, stop)
+        engine.ticks = -15  # 20 slices
+        await run_engine(engine, stop)
+        loop.set_task_factory(None)
+
+    asyncio.run(go())
+    assert len(made) == 1
 
 
 def test_a_slice_that_starts_late_is_logged_once_per_interval() -> None:

@@ -74,18 +74,28 @@ class FrameReader:
 
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._buf
-        buf += data
+        # with nothing held (the usual read: whole frames), frames are cut from `data` itself, and only an unfinished
+        # one is kept: a renewal's frame is not copied into the buffer and out again
+        src: bytes | bytearray = data
+        if buf:
+            buf += data
+            src = buf
         out = []
         start = 0
-        while len(buf) - start >= _LEN.size:
-            (n,) = _LEN.unpack_from(buf, start)
+        while len(src) - start >= _LEN.size:
+            (n,) = _LEN.unpack_from(src, start)
             if n > self.limit:
+                if src is data:
+                    buf += data  # (held, as the buffer holds a partial frame's bytes)
                 raise FrameError(f"message of {n} bytes exceeds the limit of {self.limit}")
             end = start + _LEN.size + n
-            if len(buf) < end:
+            if len(src) < end:
                 break
-            out.append(bytes(buf[start + _LEN.size:end]))
+            out.append(bytes(src[start + _LEN.size:end]))
             start = end
-        if start:
+        if src is data:
+            if start < len(data):
+                buf += data[start:]
+        elif start:
             del buf[:start]
         return out

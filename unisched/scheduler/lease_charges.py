@@ -100,8 +100,9 @@ class LeaseCharges:
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)
-        s.log.debug("lease charge", charged_s=round(charged, 5), drain_s=round(drain, 5), own_s=round(own_s, 5),
-                    beside=thawed_at is not None, unit_ms=None if unit_s is None else round(unit_s * 1000, 3))
+        if s.debug:
+            s.log.debug("lease charge", charged_s=round(charged, 5), drain_s=round(drain, 5), own_s=round(own_s, 5),
+                        beside=thawed_at is not None, unit_ms=None if unit_s is None else round(unit_s * 1000, 3))
         return verdict, own_s
 
     def _frozen_drain(self, held: LeaseRecord | None, gpu_s: float, units: int,

@@ -23,6 +23,9 @@ class SessionRecord:
     log: FilteringBoundLogger
     """Bound to the tenant and session once: the module's lazy logger re-binds on every call (~6-15 us per
     renewal, even for a debug line that is filtered out)."""
+    debug: bool = False
+    """Whether `log` writes debug lines (its level is fixed when it is bound): a renewal rounds and packs the fields
+    of its debug lines only then, not for a call that drops them."""
     wants: dict[Engine, float] = field(default_factory=dict)
     """engine -> when the client last wanted or reported on it (demand while fresh)."""
     codec: dict[str, int] = field(default_factory=dict)

@@ -11,6 +11,7 @@ charged, and the overruns, are scheduler.lease_charges.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Collection
 from itertools import count
@@ -121,7 +122,8 @@ class LeaseBook:
     # --- sessions ------------------------------------------------------------------------------------
     def open(self, tenant: str, gpu: int, channel: LeaseChannel) -> int:
         sid = next(self._ids)
-        self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, log.bind(tenant=tenant, session=sid))
+        bound = log.bind(tenant=tenant, session=sid)
+        self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, bound, bound.is_enabled_for(logging.DEBUG))
         self._coop.setdefault(tenant, CoopRecord()).sessions.add(sid)
         log.info("lease session opened", tenant=tenant, session=sid, gpu=gpu)
         return sid
@@ -194,9 +196,9 @@ class LeaseBook:
         s = self._session(sid)
         c = self._coop[s.tenant]
         r = self.resource(s.gpu, engine)
-        s.log.debug("lease report", gpu_s=round(gpu_s, 5), units=units, ago_ms=round(ended_ago_s * 1000, 2),
-                    release=release, yielded=yielded,
-                  held=r in c.leases, now=round(now, 4))
+        if s.debug:
+            s.log.debug("lease report", gpu_s=round(gpu_s, 5), units=units, ago_ms=round(ended_ago_s * 1000, 2),
+                        release=release, yielded=yielded, held=r in c.leases, now=round(now, 4))
         thawed_at = self._handovers.beside_freezer(r, s.tenant)  # (before its yield ends the hand-over)
         handed = (release or yielded) and self._handovers.yielded(r, s.tenant, now)
         held = c.leases.get(r)
@@ -211,6 +213,7 @@ class LeaseBook:
                                earns_run=engine is Engine.COMPUTE)
         elif gpu_s > 0:  # left out of the usual length (after a freeze, or the `learn` rule)
             self._turns.skip(s.tenant, units)
+        wanted = engine in s.wants
         if release:
             s.wants.pop(engine, None)
             s.released.add(engine)
@@ -219,6 +222,8 @@ class LeaseBook:
         else:  # a renewal: it still wants the engine (also after a revocation it could not see coming)
             s.wants[engine] = now
             s.released.discard(engine)
+        if (engine in s.wants) == wanted:  # the usual renewal: no engine wanted or dropped, so the demand is as it was
+            return handed, verdict
         return self._refresh_demand(s.tenant, now) or handed, verdict
 
     def _note_gap(self, r: Resource, gap_s: float) -> None:

@@ -4,7 +4,6 @@ asked to stop, thaw everything on the way out (also when a tick raises)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -53,6 +52,9 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
     keep failing stops calling it."""
     late = LateSlices(time.monotonic)
+    # one waiter for the whole run: a wait_for(stop.wait()) per slice makes a task and, at each timeout, cancels it
+    # and waits for that: some five loop turns a slice, which a lease renewal due meanwhile waits behind
+    stopped = asyncio.ensure_future(stop.wait())
     try:
         while not stop.is_set():
             try:
@@ -65,8 +67,8 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
                 if alive is not None:
                     alive()
             late.expect(delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+            await asyncio.wait((stopped,), timeout=delay)
             late.check()
     finally:
+        stopped.cancel()
         engine.shutdown()
