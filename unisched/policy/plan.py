@@ -158,6 +158,7 @@ class TenantView(NamedTuple):
     """Per rationed resource it uses (PlanState.rationed): the GPU seconds it had there beyond its weight share, and
     those it was charged there over the last slice."""
     weight: int = 1
+    """Its weight: those ahead are ranked by their lead over it (policy.rationing.step_schedule)."""
 
 
 @dataclass(frozen=True)

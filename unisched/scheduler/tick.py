@@ -165,7 +165,10 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
     leases = c.leases
     tenants = tuple(c.tenants.values())
     coop, enforced = leases.cooperative_names(), leases.enforced_names()
-    rationed, lead, weight, charged = c.plan.rationed, c.policy.lead, c.policy.weight, c.charged
+    # leads and weights only where a tick chooses who sits out (policy.plan._ration); between ticks the steps it
+    # chose stand, and a lead costs a look at the resource's virtual clock per tenant
+    rationed = c.plan.rationed if tick else frozenset()
+    lead, weight, charged = c.policy.lead, c.policy.weight, c.charged
     views = tuple([TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced,
                               tuple((r, lead(t.name, r), charged.get((t.name, r), 0.0)) for r in t.resources & rationed),
                               weight(t.name)) if rationed else
