@@ -199,8 +199,8 @@ class DaemonConfig:
     ration_paced: bool = knob(
         True, "policy", "freezer enforcement: where paced tenants (games, streams) saturate a GPU engine only together, "
         "so that slicing leaves their turns unused and the engine is held open, those furthest ahead of their weight "
-        "share sit slices out while the rest keep it busy (policy.rationing); false: held open, they share it as "
-        "without the daemon")
+        "share sit out, a quarter of a slice at a time, while the rest keep it busy (policy.rationing); false: held "
+        "open, they share it as without the daemon")
     contention: str = knob(
         "auto", "policy", "which engines contend. auto: measured per GPU model by `unisched calibrate` "
         "(compute and graphics that overlap partly get mixed slices, policy.overlap), without a calibration "
