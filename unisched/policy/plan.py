@@ -449,7 +449,7 @@ def _ration(config: PlanConfig, tenants: Iterable[TenantView], must_wait: Callab
     """Who sits out of each step of the slice on each rationed resource (`step_schedule`), and each budget clamped to
     the most that do in a step. Only tenants whose sitting out takes effect are candidates (`_waits_only_for_open`)."""
     k = max(1, config.ration_steps)
-    sat_out = Counter(n for step in state.steps for n in step) if len(state.steps) == k else Counter[str]()
+    sat_out = Counter(n for step in state.steps for n in step)  # the last slice's steps: () or k of them
     rows: dict[Resource, list[Rationed]] = {r: [] for r in state.rationed}
     for t in tenants:
         if not _waits_only_for_open(t, must_wait(t.name), state):
