@@ -7,6 +7,9 @@ that inside the process (the interpreter's own start excluded):
   cuda  libcuda through ctypes: cuInit, the device's primary context, a 1 MiB allocation and memset, synchronize
         (the same driver calls a framework makes for its first context, without seconds of framework import)
   egl   an EGL display and context on a pbuffer, made current, one clear, glFinish
+  replay  no GPU: a CUDA context's notified RM calls (bench/hook_answer.py's list) made on /dev/null, each after
+        --gap-us of busy time, as the driver spaces them; the same hooks and daemon without the driver, so that
+        what a real context adds beyond it is the driver's or the machine's
 
 Runs come in pairs, one with the hooks and one with `--no-session-hooks`, their order alternating, so that a drift of
 the machine over the round falls on both alike. The first --warmup pairs of each program are not counted (the
@@ -18,6 +21,7 @@ their paired differences too: which phase carries the noise and which the hooks'
 results.md.
 
   python3 bench/hook_startup.py --out bench/results/DATE-GPU/hook-startup
+  python3 bench/hook_startup.py --programs replay --sample daemon-stacks.json --out /tmp/hs   # no GPU needed
 """
 
 from __future__ import annotations
@@ -74,7 +78,27 @@ t_end = time.perf_counter()
 ctx.close()
 print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_init}}))
 """
-PROGRAMS = {"cuda": CUDA, "egl": EGL}
+REPLAY = f"""
+import ctypes, json, os, sys, time
+sys.path.insert(0, {str(ROOT / 'bench')!r})
+from hook_answer import RM_ALLOC, context, iowr
+libc = ctypes.CDLL(None, use_errno=True)
+gap_ns = int(float(os.environ["HOOK_STARTUP_GAP_US"]) * 1000)
+t = time.perf_counter()
+dev = os.open("/dev/null", os.O_RDWR)
+t_init = time.perf_counter()
+client = 0xC1D00000
+for _, parent, handle, h_class in context("cuda", client):
+    buf = ctypes.create_string_buffer(32)
+    ctypes.memmove(buf, (ctypes.c_uint32 * 4)(client, parent, handle, h_class), 16)
+    end = time.perf_counter_ns() + gap_ns
+    while time.perf_counter_ns() < end:
+        pass
+    libc.ioctl(ctypes.c_int(dev), ctypes.c_ulong(iowr(RM_ALLOC, 32)), buf)
+t_end = time.perf_counter()
+print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_init}}))
+"""
+PROGRAMS = {"cuda": CUDA, "egl": EGL, "replay": REPLAY}
 
 
 def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str, float]:
@@ -102,14 +126,22 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=24, help="counted pairs per program (default 24)")
     ap.add_argument("--warmup", type=int, default=1, help="pairs per program run first and not counted (default 1)")
-    ap.add_argument("--programs", default="cuda,egl", help="which of cuda, egl (default both)")
+    ap.add_argument("--programs", default="cuda,egl", help="which of cuda, egl, replay (default cuda,egl)")
+    ap.add_argument("--gap-us", type=float, default=800.0,
+                    help="replay: busy time before each call (default 800 us, a CUDA context's context phase on the "
+                         "H200 over its notified calls)")
+    ap.add_argument("--sample", type=Path,
+                    help="run the daemon under bench/stack_sampler.py, its findings written to this file (what held "
+                         "its event loop while the contexts started)")
     args = ap.parse_args()
     names = [n for n in args.programs.split(",") if n]
     if args.repeat < 2 or args.warmup < 0 or not names or any(n not in PROGRAMS for n in names):
-        ap.error("--repeat must be 2 or more, --warmup not negative, --programs of cuda, egl")
+        ap.error("--repeat must be 2 or more, --warmup not negative, --programs of cuda, egl, replay")
+    if args.gap_us < 0:
+        ap.error("--gap-us must not be negative")
     work = Path(tempfile.mkdtemp(prefix="hook-startup-"))
-    env = bench_env()
-    daemon, sock = start_daemon(work)
+    env = {**bench_env(), "HOOK_STARTUP_GAP_US": str(args.gap_us)}
+    daemon, sock = start_daemon(work, sample=args.sample.resolve() if args.sample else None)
     seconds: dict[str, dict[str, list[dict[str, float]]]] = {}
     diffs: dict[str, dict[str, list[float]]] = {}  # program -> phase ("total", "init", "context") -> ms per pair
     try:
