@@ -146,9 +146,12 @@ class _Engine:
             raise RuntimeError("slice failed")
         return 0.0
 
-    def advance(self) -> float:
+    def advance(self, readings: object = None) -> float:
         """What the loop calls (a tick at each slice boundary)."""
         return self.tick()
+
+    def tick_due(self) -> bool:
+        return False  # every call ticks on reads of its own (none here)
 
     def thaw_all(self) -> None:
         pass

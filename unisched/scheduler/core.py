@@ -33,6 +33,7 @@ from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.context import Context, build
 from unisched.scheduler.leases import LeaseBook
 from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk
+from unisched.scheduler.readings import Readings
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.telemetry import GpuSample, GpuTelemetry
@@ -174,9 +175,17 @@ class Scheduler:
     def tick(self) -> float:
         return tick.tick(self._c)
 
-    def advance(self) -> float:
-        """The loop's call: a tick at a slice boundary, else a rationed slice's next step (tick.advance)."""
-        return tick.advance(self._c)
+    def advance(self, readings: Readings | None = None) -> float:
+        """The loop's call: a tick at a slice boundary, else a rationed slice's next step (tick.advance);
+        with `readings` (from readings_reader, made off the loop), a tick on them."""
+        return tick.advance(self._c, readings)
+
+    def tick_due(self) -> bool:
+        return tick.tick_due(self._c)
+
+    def readings_reader(self) -> Callable[[], Readings]:
+        """The next tick's reads (NVML, cgroup CPU time) as a call for a worker thread (tick.readings_reader)."""
+        return tick.readings_reader(self._c)
 
     # --- lease sessions -----------------------------------------------------------------------------
     def lease_open(

@@ -1,5 +1,6 @@
 """The asyncio side of the engine: call advance() (a tick every slice, and a rationed slice's steps between) until
-asked to stop, thaw everything on the way out (also when a tick raises)."""
+asked to stop, thaw everything on the way out (also when a tick raises). What a tick reads from the machine is
+read on a worker thread first."""
 
 from __future__ import annotations
 
@@ -58,7 +59,12 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
     try:
         while not stop.is_set():
             try:
-                delay = engine.advance()
+                # a tick's reads block (NVML, one cgroup file per tenant): on a worker thread, so that lease
+                # renewals and seccomp decisions are served meanwhile; the tick itself runs here
+                readings = await asyncio.to_thread(engine.readings_reader()) if engine.tick_due() else None
+                if stop.is_set():
+                    break
+                delay = engine.advance(readings)
             except Exception:
                 log.exception("slice failed; thawing everything and going on")
                 engine.thaw_all()

@@ -3,7 +3,7 @@ grant/revoke. The rules are policy.plan's (docs/design/scheduling.md): this modu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import structlog
@@ -28,6 +28,7 @@ from unisched.policy.plan import (
     plan,
 )
 from unisched.scheduler.context import SAVE_DELAY_S, Context, save
+from unisched.scheduler.readings import Readings, read, reader
 from unisched.scheduler.reporting import log_shares
 from unisched.scheduler.roster import (
     apply_tidal,
@@ -40,20 +41,23 @@ from unisched.scheduler.tenant import (
 from unisched.scheduler.upkeep import update_memory
 from unisched.telemetry import GpuSample
 
-__all__ = ["advance", "apply", "reschedule", "tick"]
+__all__ = ["advance", "apply", "readings_reader", "reschedule", "tick", "tick_due"]
 
 log = structlog.get_logger("unisched.scheduler")
 
 
-def tick(c: Context) -> float:
-    """One slice boundary. Returns the seconds until the next one."""
+def tick(c: Context, readings: Readings | None = None) -> float:
+    """One slice boundary. Returns the seconds until the next one. `readings`: what the engine's loop read for it
+    off the loop (readings_reader), just before; None: read here."""
     now = c.clock.monotonic()
     dt = max(now - c.last_tick, 1e-6)
     c.last_tick = now
-    samples = {s.index: s for s in _sample(c)}
+    if readings is None:
+        readings = read(c.telemetry, c.driver, _cpu_read(c))
+    samples = {s.index: s for s in _samples(c, readings)}
     c.last_samples = tuple(samples.values())
     update_memory(c, samples, now)
-    cpu = _cpu_deltas(c)
+    cpu = _cpu_deltas(c, readings)
     thawed_on: dict[Resource, list[Tenant]] = {}
     leases = c.leases
     for t in c.tenants.values():
@@ -100,17 +104,34 @@ STEP_EARLY_S = 0.001
 """A step due this close to the slice's end is left to the tick."""
 
 
-def advance(c: Context) -> float:
-    """What the engine's loop calls: a tick at each slice boundary, and between ticks the next step of a rationed
-    slice (PlanState.steps: who sits out changes, nothing is measured). Returns the seconds until the next call."""
-    now = c.clock.monotonic()
+def tick_due(c: Context) -> bool:
+    """Whether advance() would tick now (else it takes a rationed slice's next step)."""
+    return not _step_due(c, c.clock.monotonic())
+
+
+def _step_due(c: Context, now: float) -> bool:
     steps = len(c.plan.steps)
-    if steps > 1 and c.step + 1 < steps and now < c.next_tick - STEP_EARLY_S:
+    return steps > 1 and c.step + 1 < steps and now < c.next_tick - STEP_EARLY_S
+
+
+def readings_reader(c: Context) -> Callable[[], Readings]:
+    """The next tick's reads as one call that touches only the telemetry and the cgroup files (never the
+    engine's state), for the loop to make on a worker thread: the tenants whose CPU time is read are listed now."""
+    return reader(c.telemetry, c.driver, _cpu_read(c))
+
+
+def advance(c: Context, readings: Readings | None = None) -> float:
+    """What the engine's loop calls: a tick at each slice boundary, and between ticks the next step of a rationed
+    slice (PlanState.steps: who sits out changes, nothing is measured). Returns the seconds until the next call.
+    With `readings` it ticks: the loop found a tick due and read for it (what was read is consumed: NVML's
+    samples since the last read are not read again)."""
+    now = c.clock.monotonic()
+    if readings is None and _step_due(c, now):
         c.step += 1
         apply(c, c.policy.decide(now), now, tick=False)
     else:
-        tick(c)
-        steps = len(c.plan.steps)
+        tick(c, readings)
+    steps = len(c.plan.steps)
     if steps <= 1:
         return max(0.0, c.next_tick - now)
     due = c.last_tick + (c.step + 1) * (c.next_tick - c.last_tick) / steps
@@ -240,29 +261,36 @@ def _turn_ended(c: Context) -> None:
         reschedule(c)
 
 
-def _sample(c: Context) -> Sequence[GpuSample]:
-    """The telemetry's samples; a telemetry that raises (it must not) counts as no GPU signal this slice,
+def _samples(c: Context, readings: Readings) -> Sequence[GpuSample]:
+    """The telemetry's samples; a telemetry that raised (it must not) counts as no GPU signal this slice,
     so the slice goes on with CPU signals instead of failing (and thawing everything) every slice."""
-    try:
-        samples = tuple(c.telemetry.sample())
-    except Exception as e:
+    if readings.failure is not None:
         if not c.telemetry_failing:
-            log.error("telemetry failed; slicing on CPU signals until it recovers", error=repr(e))
+            log.error("telemetry failed; slicing on CPU signals until it recovers", error=readings.failure)
         c.telemetry_failing = True
         return ()
     if c.telemetry_failing:
         log.info("telemetry recovered")
         c.telemetry_failing = False
-    return samples
+    return readings.samples
 
 
-def _cpu_deltas(c: Context) -> dict[str, float]:
+def _cpu_read(c: Context) -> list[tuple[str, str]]:
+    """The (tenant, cgroup) pairs whose CPU time a tick reads; cooperative tenants report GPU time instead."""
+    cooperative = c.leases.cooperative
+    return [(t.name, t.cgroup) for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
+
+
+def _cpu_deltas(c: Context, readings: Readings) -> dict[str, float]:
+    """CPU seconds per tenant since the last tick, from `readings`; a tenant that came (or whose cgroup changed)
+    after they were read is read here."""
     out = {}
     cooperative = c.leases.cooperative
     for t in c.tenants.values():
         if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
             continue
-        usage = c.driver.cpu_usage_s(t.cgroup)
+        key = (t.name, t.cgroup)
+        usage = readings.cpu_usage_s[key] if key in readings.cpu_usage_s else c.driver.cpu_usage_s(t.cgroup)
         if usage is None:
             lost(c, t, "cgroup removed")
             continue

@@ -1,0 +1,115 @@
+"""A tick's reads (NVML, the tenants' cgroup CPU time) are made off the event loop: the loop serves while they
+block, and a tick on reads made before it sees what changed meanwhile. Fake cgroups and telemetry, the real engine
+and its loop; no sleeps (threading events, with a timer that only ever frees a loop that would otherwise hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from test_engine import SLICE, Rig, gpu_rig
+
+from unisched.scheduler.runner import run_engine
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+
+RELEASE_AFTER_S = 10.0
+"""Frees a read that blocks the loop itself (the defect under test), so that the test fails instead of hanging."""
+
+
+class BlockingTelemetry(FakeTelemetry):
+    """Its second sample() (the first tick's, once the engine has run) blocks until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__([GpuInfo(0, "NVIDIA H200", "GPU-0", 1 << 30)])
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls = 0
+        self.threads: list[str] = []
+
+    def sample(self) -> Sequence[GpuSample]:
+        self.calls += 1
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        self.release.wait(RELEASE_AFTER_S + 5)
+        return super().sample()
+
+
+def test_the_loop_serves_while_a_tick_reads_the_gpus(tmp_path: Path) -> None:
+    tel = BlockingTelemetry()
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("a", 300)
+    served_while_blocked: list[bool] = []
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        timer = threading.Timer(RELEASE_AFTER_S, tel.release.set)
+        timer.start()
+        task = asyncio.create_task(run_engine(rig.engine, stop))
+        try:
+            assert await asyncio.to_thread(tel.entered.wait, RELEASE_AFTER_S * 2)
+            # the loop is free: a call is served (a status, as a client's would be) while the read still blocks
+            rig.engine.snapshots()
+            served_while_blocked.append(not tel.release.is_set())
+        finally:
+            tel.release.set()
+            timer.cancel()
+            stop.set()
+            await task
+
+    asyncio.run(go())
+    assert served_while_blocked == [True], "the tick read NVML on the event loop, which waited for it"
+    assert threading.main_thread().name not in tel.threads
+
+
+def test_a_tick_on_earlier_reads_uses_them_and_reads_a_tenant_that_came_since(tmp_path: Path) -> None:
+    """Reads made for a; a burns more CPU and c registers before the tick: a is charged up to what was read (the
+    rest falls in the next interval), c is read in the tick."""
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.step(4)
+    read = rig.engine.readings_reader()
+    reads = read()
+    a_read = reads.cpu_usage_s[("a", "/unisched/a")]
+    assert a_read == pytest.approx(rig.cpu("a"))
+    rig.driver.groups["/unisched/a"].cpu_s += 0.5
+    rig.add("c", 100)
+    rig.driver.groups["/unisched/c"].cpu_s = 0.25
+    rig.clock.advance(SLICE)
+    rig.engine.advance(reads)
+    tenants = rig.engine._c.tenants
+    assert tenants["a"].last_cpu == pytest.approx(a_read)
+    assert tenants["c"].last_cpu == pytest.approx(0.25)
+
+
+def test_advance_with_reads_ticks_even_where_a_step_was_due(tmp_path: Path) -> None:
+    """The loop read for a tick (NVML's samples since the last read are taken): the engine must tick on them, not
+    take a rationed step and drop them."""
+    rig, tel = gpu_rig(tmp_path, 0.9)
+    rig.step(2)
+    ctx = rig.engine._c
+    ctx.plan = dataclasses.replace(ctx.plan, steps=(frozenset(),) * 4)  # a rationed slice, its first step
+    ctx.step = 0
+    ctx.next_tick = rig.clock.monotonic() + 1.0
+    assert not rig.engine.tick_due()
+    tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0)]
+    reads = rig.engine.readings_reader()()
+    rig.clock.advance(0.01)
+    rig.engine.advance(reads)
+    assert ctx.last_tick == rig.clock.monotonic(), "a step was taken and the reads dropped"
+    assert ctx.last_samples == (GpuSample(0, 0.5, 0.0, 0.0, 0),)
+
+
+def test_a_telemetry_that_raises_off_the_loop_is_a_slice_without_gpu_signal(tmp_path: Path) -> None:
+    class Raising(FakeTelemetry):
+        def sample(self) -> Sequence[GpuSample]:
+            raise RuntimeError("NVML: GPU is lost")
+
+    rig = Rig(tmp_path, telemetry=Raising([GpuInfo(0, "NVIDIA H200", "GPU-0", 1 << 30)]))
+    rig.add("a", 100)
+    reads = rig.engine.readings_reader()()
+    assert reads.samples == () and reads.failure is not None and "GPU is lost" in reads.failure
+    rig.engine.advance(reads)  # does not raise
+    assert rig.engine._c.telemetry_failing
