@@ -21,7 +21,7 @@ RELEASE_AFTER_S = 10.0
 
 
 class BlockingTelemetry(FakeTelemetry):
-    """Its second sample() (the first tick's, once the engine has run) blocks until `release` is set."""
+    """Every sample() blocks until `release` is set."""
 
     def __init__(self) -> None:
         super().__init__([GpuInfo(0, "NVIDIA H200", "GPU-0", 1 << 30)])
