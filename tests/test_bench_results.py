@@ -168,7 +168,7 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
         def wait(self, timeout: float) -> int: return 0
 
     monkeypatch.setattr(hs, "one_run", one_run)
-    monkeypatch.setattr(hs, "start_daemon", lambda work: (Daemon(), "sock"))
+    monkeypatch.setattr(hs, "start_daemon", lambda work, sample=None: (Daemon(), "sock"))
     monkeypatch.setattr(sys, "argv", ["hook_startup.py", "--out", str(tmp_path / "startup"), "--repeat", "6"])
     assert hs.main() == 0
     assert calls[:4] == [("cuda", True), ("cuda", False), ("cuda", False), ("cuda", True)]
