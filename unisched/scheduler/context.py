@@ -22,6 +22,7 @@ from unisched.policy.tuning import TUNING
 from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import ConfigError, DaemonConfig
 from unisched.scheduler.leases import LeaseBook
+from unisched.scheduler.moves import MoveThread
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.tenant import SchedulerError, Tenant
 from unisched.telemetry import GpuSample, GpuTelemetry
@@ -83,6 +84,8 @@ class Context:
     """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
     decisions_this_turn: int = 0
     decision_due: bool = False
+    mover: MoveThread = field(default_factory=MoveThread)
+    """Where registering callers are moved into their tenants' cgroups, off the event loop (moves.py)."""
 
 
 def build(

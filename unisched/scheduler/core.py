@@ -7,13 +7,15 @@ every slice. The rules of each step are policy.plan's (docs/design/scheduling.md
 Time comes from an injected Clock, so tests drive it step by step with a FakeClock and fake cgroups.
 
 This class is the facade the transport and the daemon hold; each part is a module of plain functions over one
-`Context`: registration (registration.py), the tenant table (roster.py), session caps, device admission and
-memory reserves (admission.py), video memory terms (memory.py), NVML memory upkeep (upkeep.py), the slice
-(tick.py), lease sessions (lease_calls.py), start and stop (lifecycle.py) and what callers see (reporting.py).
+`Context`: registration (registration.py; the caller's move, off the event loop: moves.py), the tenant table
+(roster.py), session caps, device admission and memory reserves (admission.py), video memory terms (memory.py),
+NVML memory upkeep (upkeep.py), the slice (tick.py), lease sessions (lease_calls.py), start and stop (lifecycle.py)
+and what callers see (reporting.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 
 from unisched.enforce.cgroups import CgroupDriver
@@ -34,11 +36,12 @@ from unisched.scheduler.context import Context, build
 from unisched.scheduler.leases import LeaseBook
 from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk
 from unisched.scheduler.readings import Readings
+from unisched.scheduler.registration import RegisterAsk
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.tenant import LeaseAck, SchedulerError, TenantSnapshot
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["SchedulerError", "Scheduler", "LeaseAck", "TenantSnapshot"]
+__all__ = ["SchedulerError", "Scheduler", "LeaseAck", "RegisterAsk", "TenantSnapshot"]
 
 
 class Scheduler:
@@ -133,10 +136,16 @@ class Scheduler:
         session_hooks: bool = False,
         memory: MemoryAsk = NO_MEMORY_ASK,
     ) -> TenantSnapshot:
-        """registration.enroll, answered with the tenant's snapshot."""
-        registration.enroll(self._c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive, keep=keep,
-                            session_hooks=session_hooks, memory=memory)
-        return reporting.snapshot(self._c, name)
+        """registration.enroll (the caller moved at once, where no event loop runs), answered with the tenant's
+        snapshot; the daemon's loop calls `start_register`."""
+        ask = RegisterAsk(name, weight, priority, tuple(engines), tuple(gpus), pid, uid, is_admin, alive=alive,
+                          keep=keep, session_hooks=session_hooks, memory=memory)
+        return reporting.snapshot(self._c, registration.enroll(self._c, ask).name)
+
+    def start_register(self, ask: RegisterAsk) -> asyncio.Future[TenantSnapshot]:
+        """`register` from the event loop: refusals raise now, and the caller is moved into the tenant's cgroup
+        off the loop (registration.start_enroll); the future is the tenant's snapshot once it is in."""
+        return registration.start_enroll(self._c, ask, lambda t: reporting.snapshot(self._c, t.name))
 
     def adopt(self, name: str, weight: int | None, priority: Priority | None, cgroup: str, engines: Iterable[str],
               gpus: Iterable[int], labels: Mapping[str, str] | None = None,
@@ -192,8 +201,14 @@ class Scheduler:
         self, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
         pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
     ) -> tuple[int, TenantSnapshot]:
-        return lease_calls.lease_open(self._c, name, weight, priority, engines, gpu, pid, uid, is_admin, channel,
-                                      alive=alive)
+        """A lease session opened at once (where no event loop runs); the daemon's loop calls `start_lease_open`."""
+        ask = RegisterAsk(name, weight, priority, tuple(engines), (), pid, uid, is_admin, alive=alive)
+        return lease_calls.lease_open(self._c, ask, gpu, channel)
+
+    def start_lease_open(self, ask: RegisterAsk, gpu: int,
+                         channel: LeaseChannel) -> asyncio.Future[tuple[int, TenantSnapshot]]:
+        """`lease_open` from the event loop: the caller moves in off the loop; the future is the session."""
+        return lease_calls.start_lease_open(self._c, ask, gpu, channel)
 
     def lease_want(self, sid: int, engine: str) -> LeaseAck:
         return lease_calls.lease_want(self._c, sid, engine)

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+from dataclasses import replace
 
 import structlog
 
 from unisched.enforce.cgroups import CgroupError
 from unisched.enforce.leases import LeaseChannel
-from unisched.policy import (
-    Engine,
-    Priority,
-)
+from unisched.policy import Engine
 from unisched.scheduler.admission import (
     admit,
     session_freed,
 )
 from unisched.scheduler.context import Context
 from unisched.scheduler.leases import LeaseError
-from unisched.scheduler.registration import enroll
+from unisched.scheduler.registration import RegisterAsk, enroll, start_enroll
 from unisched.scheduler.reporting import snapshot
 from unisched.scheduler.roster import (
     lost,
@@ -32,23 +30,36 @@ from unisched.scheduler.tenant import (
 )
 from unisched.scheduler.tick import reschedule
 
-__all__ = ["lease_close", "lease_codec", "lease_open", "lease_report", "lease_want"]
+__all__ = ["lease_close", "lease_codec", "lease_open", "lease_report", "lease_want", "start_lease_open"]
 
 log = structlog.get_logger("unisched.scheduler")
 
 
-def lease_open(
-    c: Context, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
-    pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
-) -> tuple[int, TenantSnapshot]:
-    """Register the caller (as `registration.enroll`: its process joins the tenant's cgroup) and open a lease session."""
+def lease_open(c: Context, ask: RegisterAsk, gpu: int, channel: LeaseChannel) -> tuple[int, TenantSnapshot]:
+    """Register the caller (as `registration.enroll`: its process joins the tenant's cgroup) and open a lease
+    session, at once (no event loop)."""
+    return _session(c, enroll(c, _lease_ask(c, ask, gpu)), gpu, channel)
+
+
+def start_lease_open(c: Context, ask: RegisterAsk, gpu: int,
+                     channel: LeaseChannel) -> asyncio.Future[tuple[int, TenantSnapshot]]:
+    """`lease_open` from the event loop: the caller moves in off the loop (`registration.start_enroll`), and the
+    session opens once it is in."""
+    return start_enroll(c, _lease_ask(c, ask, gpu), lambda t: _session(c, t, gpu, channel))
+
+
+def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
+    """The registration a hello for `gpu` makes: a new tenant (or one bound to GPUs) is bound to that GPU."""
     if gpu not in c.gpu_indices:
         raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
-    t = c.tenants.get(name)
-    gpus = [gpu] if t is None or t.gpus is not None else []
-    t = enroll(c, name, weight, priority, engines, gpus, pid, uid, is_admin, alive=alive)
+    t = c.tenants.get(ask.name)
+    return replace(ask, gpus=(gpu,) if t is None or t.gpus is not None else ())
+
+
+def _session(c: Context, t: Tenant, gpu: int, channel: LeaseChannel) -> tuple[int, TenantSnapshot]:
     if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
         _thaw(c, t)
+    name = t.name
     sid = c.leases.open(name, gpu, channel)
     t.active = bool(c.leases.demand(name))
     c.policy.set_demand(name, c.leases.demand(name))

@@ -163,6 +163,7 @@ def shutdown(c: Context) -> None:
     """Thaw everything and save. Lease requests still come until the sockets close, and a decision folded into
     the turn's end may be pending: `stopped` keeps them from freezing a tenant after this thaw."""
     c.stopped = True
+    c.mover.close()  # registrations from now on are refused; a move in flight finishes on its own
     thaw_all(c)
     save(c)  # also what _save_soon left for the tick
     log.info("all managed cgroups thawed")

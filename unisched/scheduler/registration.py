@@ -1,12 +1,17 @@
-"""Registration and adoption: a caller's process joins a tenant's cgroup (creating the tenant when allowed),
-an admin adopts an existing cgroup; who may do what, and how many tenants one uid may make."""
+"""Registration and adoption: a caller's process joins a tenant's cgroup (creating the tenant when allowed; from
+the event loop the move itself runs on the move thread, moves.py), an admin adopts an existing cgroup; who may do
+what, and how many tenants one uid may make."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import os
 import posixpath
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -25,10 +30,10 @@ from unisched.scheduler.admission import apply_devices
 from unisched.scheduler.context import Context, check_gpus, save, save_soon
 from unisched.scheduler.labels import LabelError, validate_labels
 from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk, memory_limits
+from unisched.scheduler.moves import STOPPING, Move, move_back, move_caller
 from unisched.scheduler.reporting import snapshot
 from unisched.scheduler.roster import add, apply_weight
 from unisched.scheduler.tenant import (
-    CALLER_GONE,
     SchedulerError,
     Tenant,
     TenantSnapshot,
@@ -36,44 +41,26 @@ from unisched.scheduler.tenant import (
     parse_engines,
 )
 
-__all__ = ["MAX_TENANTS", "MAX_USER_TENANTS", "adopt", "enroll", "refusal_to_adopt"]
+__all__ = [
+    "MAX_TENANTS", "MAX_USER_TENANTS", "RegisterAsk", "adopt", "enroll", "refusal_to_adopt", "start_enroll",
+]
 
 log = structlog.get_logger("unisched.scheduler")
 MAX_TENANTS = 10_000
 """Tenants one daemon keeps (each is a cgroup, a state entry and a policy entry)."""
 MAX_USER_TENANTS = 32
 """Tenants one non-admin uid may create: creating tenants must not be a way to exhaust the daemon."""
+T = TypeVar("T")
 
 
-def enroll(
-    c: Context,
-    name: str,
-    weight: int | None,
-    priority: Priority | None,
-    engines: Iterable[str],
-    gpus: Iterable[int],
-    pid: int,
-    uid: int,
-    is_admin: bool,
-    alive: Callable[[], bool] | None = None,
-    keep: bool | None = None,
-    session_hooks: bool = False,
-    memory: MemoryAsk = NO_MEMORY_ASK,
-) -> Tenant:
-    """Move the caller's own process into the tenant's cgroup, creating the tenant if needed.
+@dataclass(frozen=True)
+class RegisterAsk:
+    """A registering caller (`unisched run`'s Register, a lease hello): who it is and what it asks for.
 
     `alive` says whether the process that connected still runs (the transport pins it; None: not checked).
-    A pid outlives its process: once the caller exits another process may take the number, so a caller
-    that is gone is never acted on, before anything changes and again after the move.
-
     keep=False (`unisched run` without --keep): a tenant this call creates is removed once its last process
     has exited, so tenants made for one run do not pile up against MAX_USER_TENANTS. keep=True: the owner
     keeps it (also one made that way before). None (lease sessions): a new tenant is kept, a known one unchanged.
-
-    What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
-    tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
-    behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
-    entries of the registrations made in it.
 
     session_hooks (`unisched run`): the caller's children get the session hooks before they exec, so a tenant
     this call creates is hooked from its first process on and holds no GPU context until the hooks count one.
@@ -82,26 +69,146 @@ def enroll(
 
     memory: GPU memory terms (limits.memory_limits); a reserve that does not fit is refused before anything is
     made or moved, so `unisched run` fails before it starts its command."""
+
+    name: str
+    weight: int | None
+    priority: Priority | None
+    engines: tuple[str, ...]
+    gpus: tuple[int, ...]
+    pid: int
+    uid: int
+    is_admin: bool
+    alive: Callable[[], bool] | None = None
+    keep: bool | None = None
+    session_hooks: bool = False
+    memory: MemoryAsk = NO_MEMORY_ASK
+
+
+@dataclass(frozen=True)
+class _Enrolment:
+    """A registration decided on the loop: the tenant as it now is, and the caller's move still to make (None:
+    the caller is a member already). While `move` is made the tenant counts it (`Tenant.moving`)."""
+
+    tenant: Tenant
+    move: Move | None
+
+
+def enroll(c: Context, ask: RegisterAsk) -> Tenant:
+    """Register the caller at once, its move included: where no event loop runs (`Scheduler.register`)."""
+    e = _begin(c, ask)
+    if e.move is not None:
+        try:
+            move_caller(e.move)
+        finally:
+            e.tenant.moving -= 1
+    return e.tenant
+
+
+def start_enroll(c: Context, ask: RegisterAsk, then: Callable[[Tenant], T]) -> asyncio.Future[T]:
+    """Register the caller from the event loop: decide and create now, move the caller on the move thread
+    (moves.MoveThread), and once it is in, on the loop, `then(tenant)` (in the same turn as the checks after the
+    move). Refusals before the move raise here; the future holds what the move or `then` raised.
+
+    The loop serves others during the move. A tenant removed meanwhile stays removed: the caller, if it got in,
+    is moved back, and the registration fails (not_found)."""
+    if c.mover.closed:
+        raise SchedulerError("failed", STOPPING)
+    e = _begin(c, ask)
+    result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    if e.move is None:
+        _settle(c, e, None, then, result)
+        return result
+    try:
+        moved = c.mover.submit(functools.partial(move_caller, e.move))
+    except BaseException:
+        e.tenant.moving -= 1
+        raise
+    moved.add_done_callback(lambda done: _settle(c, e, done, then, result))
+    return result
+
+
+def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
+    """Everything a registration decides and creates before the caller moves (on the loop): who may join or
+    create, the tenant made or changed, and the move to make. A caller that is gone is never acted on: a pid
+    outlives its process, and once the caller exits another process may take the number.
+
+    What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
+    tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
+    behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
+    entries of the registrations made in it."""
+    name, alive = ask.name, ask.alive
     need_alive(alive)
-    _check_name_and_weight(name, weight)
-    engine_set = parse_engines(engines)
-    gpu_tuple = check_gpus(c, gpus)
+    _check_name_and_weight(name, ask.weight)
+    engine_set = parse_engines(ask.engines)
+    gpu_tuple = check_gpus(c, ask.gpus)
     t = c.tenants.get(name)
     # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
     # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
-    member = t is not None and _is_member(c, t, pid)
+    member = t is not None and _is_member(c, t, ask.pid)
     need_alive(alive)  # what was read from /proc/<pid> was the caller's
     if t is None:
-        t = _create(c, name, weight, priority, engine_set, gpu_tuple, uid, is_admin, keep, session_hooks, memory)
+        t = _create(c, name, ask.weight, ask.priority, engine_set, gpu_tuple, ask.uid, ask.is_admin, ask.keep,
+                    ask.session_hooks, ask.memory)
         changed = True
     else:
-        changed = _rejoin(c, t, weight, priority, engine_set if list(engines) else None, gpu_tuple, uid, is_admin,
-                          member, keep, memory)
-    if not member:
-        _attach_caller(c, t.cgroup, pid, alive)
+        changed = _rejoin(c, t, ask.weight, ask.priority, engine_set if ask.engines else None, gpu_tuple, ask.uid,
+                          ask.is_admin, member, ask.keep, ask.memory)
     if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
         save_soon(c)
-    return t
+    if member:
+        return _Enrolment(t, None)
+    t.moving += 1
+    return _Enrolment(t, Move(c.driver, t.cgroup, ask.pid, alive))
+
+
+def _settle(c: Context, e: _Enrolment, moved: asyncio.Future[str | None] | None, then: Callable[[Tenant], T],
+            result: asyncio.Future[T]) -> None:
+    """On the loop once the move is done (`moved`; None: no move): the tenant no longer counts it, and the
+    registration ends as the move did, unless the tenant was removed meanwhile (then it fails once its caller,
+    if it got in, is back where it came from)."""
+    t = e.tenant
+    if e.move is not None:
+        t.moving -= 1
+    if c.tenants.get(t.name) is not t:
+        gone = SchedulerError("not_found", f"tenant {t.name!r} was removed while its caller was being moved in")
+        if e.move is not None and moved is not None and moved.exception() is None:
+            _undo(c, e.move, moved.result(), lambda: _fail(result, gone))
+        else:
+            _fail(result, gone)
+        return
+    try:
+        if moved is not None:
+            moved.result()  # the move's own refusal
+        value = then(t)
+    except Exception as err:  # (whatever it is, the caller waiting on `result` hears it)
+        _fail(result, err)
+        return
+    if not result.done():  # (done: the caller stopped waiting)
+        result.set_result(value)
+
+
+def _fail(result: asyncio.Future[T], err: Exception) -> None:
+    if not result.done():
+        result.set_exception(err)
+
+
+def _undo(c: Context, m: Move, origin: str | None, then: Callable[[], None]) -> None:
+    """The tenant went while its caller moved in: the caller goes back (on the move thread), and the cgroup it
+    leaves, when no tenant has it by then, goes too (removal left it because the caller was in it); then `then`."""
+
+    def tidy(_: asyncio.Future[bool]) -> None:
+        if not any(t.cgroup == m.cgroup for t in c.tenants.values()):
+            with contextlib.suppress(CgroupError, OSError):
+                if c.driver.exists(m.cgroup) and not c.driver.pids(m.cgroup):
+                    c.driver.remove(m.cgroup)
+        then()
+
+    try:
+        back = c.mover.submit(functools.partial(move_back, m, origin))
+    except SchedulerError:  # stopping: it stays where it is
+        then()
+        return
+    back.add_done_callback(tidy)
 
 
 def _check_name_and_weight(name: str, weight: int | None) -> None:
@@ -187,27 +294,6 @@ def _rejoin(
         t.missing = False
         t.last_cpu = None
     return t.saved() != before
-
-
-def _attach_caller(c: Context, cgroup: str, pid: int, alive: Callable[[], bool] | None) -> None:
-    """Move the caller into `cgroup`; if it exited meanwhile, the pid may name another process by now:
-    whatever process holds the pid in `cgroup` goes back where the caller was, and the call fails."""
-    try:
-        origin = c.driver.cgroup_of(pid)
-    except OSError:
-        origin = None
-    need_alive(alive)
-    try:
-        c.driver.attach(cgroup, pid)
-    except CgroupError as e:
-        raise SchedulerError("failed", f"cannot move pid {pid} into {cgroup}: {e}") from None
-    if alive is None or alive():
-        return
-    with contextlib.suppress(OSError, CgroupError):
-        if origin is not None and c.driver.cgroup_of(pid) == cgroup:
-            c.driver.attach(origin, pid)
-            log.warning("moved a reused pid back", pid=pid, cgroup=origin)
-    raise SchedulerError("failed", CALLER_GONE)
 
 
 def _check_not_governed(c: Context, name: str, cgroup: str) -> None:

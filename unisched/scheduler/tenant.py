@@ -132,6 +132,9 @@ class Tenant:
     """NVML lists one of its processes on a GPU (refreshed once a second; True while unknown)."""
     ephemeral: bool = False
     """Made by `unisched run` without --keep: removed once its last process has exited (`_reap_emptied`)."""
+    moving: int = 0
+    """Registering callers being moved into its cgroup now (off the loop): until they are in, its cgroup may show
+    no process, and an emptied run tenant must not be removed for that."""
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def saved(self) -> SavedTenant:

@@ -20,6 +20,7 @@ import pwd
 import select
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +38,10 @@ _CRED = struct.Struct("3i")
 
 class ProcessHandle:
     """The process that connected. With a pidfd (the normal case) it is alive until the pidfd polls readable;
-    without one, it is alive while /proc/<pid> shows the same start time and uid as at accept."""
+    without one, it is alive while /proc/<pid> shows the same start time and uid as at accept.
+
+    `alive` may run on the registration's move thread while the loop closes the connection: the lock keeps the
+    pidfd from being closed (and its number reused by another file) between its read and its poll."""
 
     def __init__(self, pid: int, uid: int, pidfd: int | None, start: str | None) -> None:
         self.pid = pid
@@ -45,20 +49,23 @@ class ProcessHandle:
         self._fd = pidfd
         self._start = start
         self._closed = pidfd is None and start is None  # nothing to check against: treated as gone
+        self._lock = threading.Lock()
 
     def alive(self) -> bool:
-        if self._closed:
-            return False
-        if self._fd is not None:
-            p = select.poll()
-            p.register(self._fd, select.POLLIN)
-            return not p.poll(0)  # POLLIN: the process has exited
+        with self._lock:
+            if self._closed:
+                return False
+            if self._fd is not None:
+                p = select.poll()
+                p.register(self._fd, select.POLLIN)
+                return not p.poll(0)  # POLLIN: the process has exited
         return _start_and_uid(self.pid) == (self._start, self.uid)
 
     def close(self) -> None:
         """With the connection: after this the process counts as gone (the fd number may be reused)."""
-        self._closed = True
-        fd, self._fd = self._fd, None
+        with self._lock:
+            self._closed = True
+            fd, self._fd = self._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -3,10 +3,11 @@
 One `LeaseConnection` (an asyncio Protocol) per client connection that opened with `leasewire.MAGIC`: hello,
 then wants, reports and codec sessions, each with a seq answered by an ack; the engine's grants and revokes
 are written to it directly (it is the session's LeaseChannel). A renewal is answered within the loop turn that
-read it, with no task, queue or thread between. Identity is the accepted socket's SO_PEERCRED, read by the front
-door: no request field names a process. A connection that opens with anything but MAGIC (a gRPC client sent to
-the wrong socket) is closed at once. Closing the connection ends the session (its demand, its codec
-sessions). An error is sent as a LeaseError (a gRPC status name and why) and ends the connection.
+read it, with no task, queue or thread between. A hello is welcomed once its caller is in its tenant's cgroup (a
+move made off the loop: scheduler.moves); what came after it waits for that. Identity is the accepted socket's
+SO_PEERCRED, read by the front door: no request field names a process. A connection that opens with anything
+but MAGIC (a gRPC client sent to the wrong socket) is closed at once. Closing the connection ends the session (its
+demand, its codec sessions). An error is sent as a LeaseError (a gRPC status name and why) and ends the connection.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
-from unisched.scheduler.core import LeaseAck, Scheduler, SchedulerError
+from unisched.scheduler.core import LeaseAck, RegisterAsk, Scheduler, SchedulerError, TenantSnapshot
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred
@@ -96,6 +97,11 @@ class LeaseConnection(asyncio.Protocol):
         those past ANSWERED_PER_TURN of one read."""
         self._paused = False
         """Reading is paused while requests are kept (_hold)."""
+        self.opening: asyncio.Future[tuple[int, TenantSnapshot]] | None = None
+        """The hello's registration while its caller is moved into the tenant's cgroup, off the loop; what came
+        after the hello waits for it (kept as in _hold)."""
+        self._early: list[bytes] = []
+        """Grants and revokes for the session sent before its welcome was written: written after it."""
 
     # asyncio.Protocol ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -186,27 +192,36 @@ class LeaseConnection(asyncio.Protocol):
     def _answer_some(self, payloads: list[bytes]) -> None:
         """Answer at most ANSWERED_PER_TURN requests now; the rest in the next loop turns, so that one read full of
         requests (a read holds up to 256 KiB: thousands of them) cannot hold the loop from every other tenant."""
-        self._answer_all(payloads[:ANSWERED_PER_TURN])
+        unanswered = self._answer_all(payloads[:ANSWERED_PER_TURN])
         rest = payloads[ANSWERED_PER_TURN:]
-        if rest and not self._ended:
+        if self.opening is not None and not self._ended:  # after the welcome (_opened)
+            self._hold(unanswered + rest)
+        elif rest and not self._ended:
             self._hold(rest)
             asyncio.get_running_loop().call_soon(self._take_turn)
         elif self._paused and self._transport is not None and not self._ended:
             self._paused = False
             self._transport.resume_reading()
 
-    def _answer_all(self, payloads: list[bytes]) -> None:
+    def _answer_all(self, payloads: list[bytes]) -> list[bytes]:
+        """Answer `payloads` in one write, up to a hello whose registration went off the loop: returns those after
+        it, unanswered."""
         out: list[bytes] = []  # everything this read answers, in one write
         pushed: list[bytes] = []
         self._pushed = pushed
+        unanswered: list[bytes] = []
         try:
-            for payload in payloads:
+            for i, payload in enumerate(payloads):
                 try:
                     req = pb.LeaseRequest.FromString(payload)
                 except DecodeError:
                     self._end(out, "INVALID_ARGUMENT", "malformed lease request (not a LeaseRequest)")
                     break
                 try:
+                    if self._sid is None and req.WhichOneof("kind") == "hello":
+                        self._hello(req)
+                        unanswered = payloads[i + 1:]
+                        break
                     reply = self._answer(req)
                 except SchedulerError as e:
                     self._end(out, ERROR_CODES[e.kind], str(e))
@@ -219,6 +234,47 @@ class LeaseConnection(asyncio.Protocol):
             self._pushed = None
             self._account()
         self._send_and_maybe_close(out)
+        return unanswered
+
+    def _hello(self, req: pb.LeaseRequest) -> None:
+        """Register the caller and open its session: refusals raise now; the welcome comes once the caller is in
+        the tenant's cgroup (_opened), the move being made off the loop."""
+        h, cred = req.hello, self.cred
+        ask = RegisterAsk(h.tenant, h.weight or None, PRIORITY.get(h.priority), tuple(h.engines), (), cred.pid,
+                          cred.uid, self.service.is_admin(cred), alive=cred.alive)
+        self.opening = self.service.engine.start_lease_open(ask, h.gpu, self)
+        self.opening.add_done_callback(lambda done: self._opened(done, req.seq))
+
+    def _opened(self, done: asyncio.Future[tuple[int, TenantSnapshot]], seq: int) -> None:
+        """The hello's registration ended: the welcome (then the grants sent meanwhile and the requests kept), or
+        the refusal. A connection closed meanwhile gets no session (one opened is closed at once)."""
+        self.opening = None
+        early, self._early = self._early, []
+        engine = self.service.engine
+        err = done.exception()
+        if self._ended:
+            if err is None:
+                engine.lease_close(done.result()[0])
+            return
+        out: list[bytes] = []
+        if err is not None:
+            if not isinstance(err, SchedulerError):
+                self._log.error("lease hello failed", error=repr(err))
+                err = SchedulerError("failed", "the daemon could not register the caller")
+            self._end(out, ERROR_CODES[err.kind], str(err))
+            self._send_and_maybe_close(out)
+            return
+        sid, snap = done.result()
+        self._sid = sid
+        self._log = self._log.bind(tenant=snap.name, session=sid)
+        self._log.info("lease session")
+        cfg = engine.config
+        out.append(frame(pb.LeaseReply(welcome=pb.LeaseWelcome(
+            tenant=snapshot_to_pb(snap), session=sid, slice_s=cfg.slice_ms / 1000.0,
+            valid_s=cfg.lease_timeout_ms / 1000.0,
+        ), seq=seq)))
+        self._write(out + early)
+        self._take_turn()  # what came after the hello
 
     def _send_and_maybe_close(self, out: list[bytes]) -> None:
         self._write(out)
@@ -259,6 +315,8 @@ class LeaseConnection(asyncio.Protocol):
                                                         reason=message.reason))
         if self._pushed is not None:
             self._pushed.append(frame(reply))
+        elif self.opening is not None:
+            self._early.append(frame(reply))
         else:
             self._write([frame(reply)])
 
@@ -283,25 +341,8 @@ class LeaseConnection(asyncio.Protocol):
         """The reply to one lease message; None for a want or report without a seq (no ack asked)."""
         engine = self.service.engine
         kind = req.WhichOneof("kind")
-        if kind == "hello":
-            if self._sid is not None:
-                raise SchedulerError("invalid", "hello was already sent on this stream")
-            h, cred = req.hello, self.cred
-            sid, snap = engine.lease_open(
-                h.tenant, h.weight or None, PRIORITY.get(h.priority), list(h.engines), h.gpu,
-                cred.pid, cred.uid, self.service.is_admin(cred), self, alive=cred.alive,
-            )
-            self._sid = sid
-            if self._timer is not None:  # the hello came in time
-                self._timer.cancel()
-                self._timer = None
-            self._log = self._log.bind(tenant=snap.name, session=sid)
-            self._log.info("lease session")
-            cfg = engine.config
-            return pb.LeaseReply(welcome=pb.LeaseWelcome(
-                tenant=snapshot_to_pb(snap), session=sid, slice_s=cfg.slice_ms / 1000.0,
-                valid_s=cfg.lease_timeout_ms / 1000.0,
-            ), seq=req.seq)
+        if kind == "hello":  # (the first is _hello's)
+            raise SchedulerError("invalid", "hello was already sent on this stream")
         if self._sid is None:
             raise SchedulerError("invalid", "the first message on a lease stream must be hello")
         sid = self._sid

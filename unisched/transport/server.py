@@ -20,7 +20,7 @@ import structlog
 from unisched import __version__
 from unisched.enforce.seccomp.abi import probe as seccomp_probe
 from unisched.scheduler.config import DaemonConfig, check_listener
-from unisched.scheduler.core import Scheduler, SchedulerError
+from unisched.scheduler.core import RegisterAsk, Scheduler, SchedulerError
 from unisched.scheduler.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
@@ -97,21 +97,22 @@ class UnischedServicer:
     async def Register(self, request: pb.RegisterRequest, call: Call) -> pb.Tenant:
         cred = self._need_caller(call)
         await self.pacer.turn()
-        try:
-            snap = self.engine.register(
-                request.tenant,
-                request.weight or None,
-                PRIORITY.get(request.priority),
-                list(request.engines),
-                list(request.gpus),
-                cred.pid,
-                cred.uid,
-                self.is_admin(cred),
-                alive=cred.alive,
-                keep=request.keep,
-                session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
-                memory=memory_ask(request),
-            )
+        ask = RegisterAsk(
+            request.tenant,
+            request.weight or None,
+            PRIORITY.get(request.priority),
+            tuple(request.engines),
+            tuple(request.gpus),
+            cred.pid,
+            cred.uid,
+            self.is_admin(cred),
+            alive=cred.alive,
+            keep=request.keep,
+            session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
+            memory=memory_ask(request),
+        )
+        try:  # the caller's cgroup move runs off the loop: others are served meanwhile
+            snap = await self.engine.start_register(ask)
         except SchedulerError as e:
             self._fail(e)
         log.info("registered", tenant=snap.name, pid=cred.pid, uid=cred.uid)
