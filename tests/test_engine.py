@@ -133,6 +133,7 @@ def test_restart_thaws_what_a_crash_left_frozen_and_restores_weights(tmp_path: P
     rig.add("b", 100)
     rig.step(5)
     assert rig.frozen("a") or rig.frozen("b")
+    assert rig.engine._c.writer.wait(10.0), "the tick's save was never written"  # on the writer thread
     # a crash: no shutdown(); a new engine over the same cgroups and state
     engine2 = Scheduler(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
     engine2.start()

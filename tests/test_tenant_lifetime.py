@@ -197,6 +197,7 @@ def test_only_emptied_run_tenants_are_removed(tmp_path: Path) -> None:
     _tick_past_check(engine, clock)
     assert {s.name for s in engine.snapshots()} == {"kept", "decl", "busy"}
     assert "/unisched/once" not in driver.groups
+    assert engine._c.writer.wait(10.0), "the tick's save was never written"  # on the writer thread
     assert {t.name for t in StateStore(tmp_path / "state").load()} == {"kept", "decl", "busy"}
 
 

@@ -23,18 +23,21 @@ from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import ConfigError, DaemonConfig
 from unisched.scheduler.leases import LeaseBook
 from unisched.scheduler.moves import MoveThread
+from unisched.scheduler.saves import StateWriter
 from unisched.scheduler.state import StateStore
 from unisched.scheduler.tenant import SchedulerError, Tenant
 from unisched.telemetry import GpuSample, GpuTelemetry
 
 __all__ = [
-    "SAVE_DELAY_S", "Context", "build", "check_gpus", "get", "save", "save_soon",
+    "SAVE_DELAY_S", "WRITER_STOP_S", "Context", "build", "check_gpus", "get", "save", "save_off_loop", "save_soon",
 ]
 
 log = structlog.get_logger("unisched.scheduler")
 SAVE_DELAY_S = 0.5
 """Registrations are written to the state file by the tick at most this long after them: one write per burst
 instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
+WRITER_STOP_S = 5.0
+"""How long shutdown waits for the state file's writer thread to end (it has nothing left to write by then)."""
 
 
 @dataclass
@@ -86,6 +89,11 @@ class Context:
     decision_due: bool = False
     mover: MoveThread = field(default_factory=MoveThread)
     """Where registering callers are moved into their tenants' cgroups, off the event loop (moves.py)."""
+    writer: StateWriter = field(init=False)
+    """Writes the state file: the tick's saves on a thread of its own, the others here (saves.py)."""
+
+    def __post_init__(self) -> None:
+        self.writer = StateWriter(self.store)
 
 
 def build(
@@ -149,13 +157,28 @@ def _contention(config: DaemonConfig, store: StateStore, gpu_name: str | None) -
 
 
 def save(c: Context) -> None:
-    c.store.save([t.saved() for t in sorted(c.tenants.values(), key=lambda t: t.name)])
+    """Write the state file before returning, on the event loop: for a change its caller is told is done (and
+    durable), and at start and stop. A periodic save waiting on the writer thread is dropped (this one is newer),
+    one being written is waited for: the file never goes back. A failed write raises to the caller."""
+    c.writer.write_now(_encoded(c))
     c.unsaved = False
 
 
+def save_off_loop(c: Context) -> None:
+    """The tick's save: the snapshot is taken here, written on the writer thread (saves.py) while the loop
+    serves. A write that fails is logged there and saved again by a later tick (`c.unsaved`)."""
+    c.unsaved = False
+    c.writer.hand_off(_encoded(c))
+
+
+def _encoded(c: Context) -> bytes:
+    return c.store.encode([t.saved() for t in sorted(c.tenants.values(), key=lambda t: t.name)])
+
+
 def save_soon(c: Context) -> None:
-    """For registrations (`run` and lease sessions): saved by the tick within SAVE_DELAY_S, so a thousand
-    clients registering at once do not rewrite the file a thousand times."""
+    """For registrations (`run` and lease sessions) and tenants the daemon removes itself: saved by the tick
+    within SAVE_DELAY_S, off the event loop, so a thousand clients registering at once neither rewrite the file a
+    thousand times nor hold the loop for its writes."""
     c.unsaved = True
 
 

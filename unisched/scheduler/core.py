@@ -9,8 +9,8 @@ Time comes from an injected Clock, so tests drive it step by step with a FakeClo
 This class is the facade the transport and the daemon hold; each part is a module of plain functions over one
 `Context`: registration (registration.py; the caller's move, off the event loop: moves.py), the tenant table
 (roster.py), session caps, device admission and memory reserves (admission.py), video memory terms (memory.py),
-NVML memory upkeep (upkeep.py), the slice (tick.py), lease sessions (lease_calls.py), start and stop (lifecycle.py)
-and what callers see (reporting.py).
+NVML memory upkeep (upkeep.py), the slice (tick.py; its saves of the state file are written off the event loop:
+saves.py), lease sessions (lease_calls.py), start and stop (lifecycle.py) and what callers see (reporting.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from unisched.policy import (
 )
 from unisched.scheduler.admission import check_reserve
 from unisched.scheduler.config import DeclaredTenant
-from unisched.scheduler.context import Context, save
+from unisched.scheduler.context import WRITER_STOP_S, Context, save
 from unisched.scheduler.registration import MAX_TENANTS, refusal_to_adopt
 from unisched.scheduler.roster import (
     add,
@@ -53,7 +53,7 @@ def start(c: Context) -> None:
         if declared.name not in c.tenants:
             _add_declared(c, declared)
     _readopt_live(c)
-    save(c)
+    save(c)  # before the first call is served: nothing to wait for yet, and the file matches what is served
 
 
 def _restore(c: Context, saved: SavedTenant) -> None:
@@ -160,12 +160,17 @@ def thaw_all(c: Context, extra: Iterable[str] = ()) -> list[str]:
 
 
 def shutdown(c: Context) -> None:
-    """Thaw everything and save. Lease requests still come until the sockets close, and a decision folded into
-    the turn's end may be pending: `stopped` keeps them from freezing a tenant after this thaw."""
+    """Thaw everything, save the last state and stop the state file's writer thread. Lease requests still come
+    until the sockets close, and a decision folded into the turn's end may be pending: `stopped` keeps them from
+    freezing a tenant after this thaw."""
     c.stopped = True
     c.mover.close()  # registrations from now on are refused; a move in flight finishes on its own
     thaw_all(c)
-    save(c)  # also what _save_soon left for the tick
+    try:
+        save(c)  # the last state, on disk before the daemon exits: also what save_soon left for the tick
+    finally:
+        if not c.writer.close(WRITER_STOP_S):
+            log.error("the state file's writer thread did not end", waited_s=WRITER_STOP_S)
     log.info("all managed cgroups thawed")
     if c.mps is not None:
         c.mps.stop()

@@ -132,10 +132,10 @@ def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
     create, the tenant made or changed, and the move to make. A caller that is gone is never acted on: a pid
     outlives its process, and once the caller exits another process may take the number.
 
-    What changed is saved by the tick within SAVE_DELAY_S, not here: a burst of `unisched run` (each a new
-    tenant) rewrote and fsync'ed the whole state file once per call, on the event loop, so replies queued
-    behind the disk. A graceful stop saves at once; a crash within that half second can lose only the
-    entries of the registrations made in it."""
+    What changed is saved by the tick within SAVE_DELAY_S, written off the event loop (saves.py), not here:
+    rewriting and fsync'ing the whole state file once per call, on the loop, would queue a burst of `unisched run`
+    (each a new tenant) and every other reply behind the disk. A graceful stop saves at once; a crash within that
+    half second can lose only the entries of the registrations made in it."""
     name, alive = ask.name, ask.alive
     need_alive(alive)
     _check_name_and_weight(name, ask.weight)
@@ -385,7 +385,7 @@ def adopt(
         limits=limits,
     )
     add(c, t, reason="adopted")
-    save(c)
+    save(c)  # on disk when the admin is answered: the adopted cgroup's path lives only in the state file
     return snapshot(c, name)
 
 

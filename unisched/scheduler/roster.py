@@ -84,7 +84,7 @@ def set_weight(c: Context, name: str, weight: int) -> TenantSnapshot:
     except PolicyError as e:
         raise SchedulerError("invalid", str(e)) from None
     apply_weight(c, t, weight, reason="set-weight")
-    save(c)
+    save(c)  # on disk when the admin is answered: a restart keeps the weight it was told was set
     return snapshot(c, name)
 
 
@@ -106,7 +106,7 @@ def remove_as(c: Context, name: str, uid: int, is_admin: bool) -> None:
 
 def remove(c: Context, name: str) -> None:
     drop(c, get(c, name))
-    save(c)
+    save(c)  # on disk when the caller is answered: a removed tenant does not come back at a restart
     log.info("tenant removed", tenant=name)
     log_shares(c, reason="removed")
 
@@ -140,7 +140,7 @@ def set_limits(c: Context, name: str, render: int | None, decode: int | None, en
                               memory_bytes=memory_bytes, memory_reserve=memory_reserve)
     log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
              memory_bytes=t.limits.memory_bytes, memory_reserve=t.limits.memory_reserve)
-    save(c)
+    save(c)  # on disk when the caller is answered, as a weight
     return snapshot(c, name)
 
 

@@ -216,11 +216,20 @@ class StateStore:
             return None
 
     def save(self, tenants: list[SavedTenant]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.write(self.encode(tenants))
+
+    @staticmethod
+    def encode(tenants: list[SavedTenant]) -> bytes:
+        """The file's bytes: made on the event loop (a consistent snapshot), written by `write`, maybe elsewhere."""
         # one tenant per line, each line by the C encoder (indent= would make the whole dump pure Python:
         # 60 ms at 1000 tenants, paid on every registration)
         lines = ",\n ".join(json.dumps(t.to_json(), separators=(",", ":")) for t in tenants)
-        body = f'{{"version": {STATE_VERSION}, "tenants": [\n {lines}\n]}}\n'.encode()
+        return f'{{"version": {STATE_VERSION}, "tenants": [\n {lines}\n]}}\n'.encode()
+
+    def write(self, body: bytes) -> None:
+        """Replace the file with `body` atomically and durably (tmp, fsync, rename, fsync the directory). Callers
+        make one write at a time: the temporary file's name is the process's."""
+        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

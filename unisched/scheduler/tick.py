@@ -27,7 +27,7 @@ from unisched.policy.plan import (
     observe,
     plan,
 )
-from unisched.scheduler.context import SAVE_DELAY_S, Context, save
+from unisched.scheduler.context import SAVE_DELAY_S, Context, save_off_loop
 from unisched.scheduler.readings import Readings, read, reader
 from unisched.scheduler.reporting import log_shares
 from unisched.scheduler.roster import (
@@ -90,9 +90,11 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     c.next_tick = now + decision.slice_s
     c.step = 0
     apply(c, decision, now, tick=True, pairs=pairs, dt=dt)
+    if c.writer.take_failure():  # the writer thread could not write the last snapshot: save again
+        c.unsaved = True
     if c.unsaved and now - c.saved_at >= SAVE_DELAY_S:
         c.saved_at = now
-        save(c)
+        save_off_loop(c)
     active = frozenset(n for n, t in c.tenants.items() if t.active)
     if active != c.last_active:
         c.last_active = active

@@ -11,7 +11,7 @@ from unisched.scheduler.admission import (
     apply_devices,
     engines_changed,
 )
-from unisched.scheduler.context import Context, save
+from unisched.scheduler.context import Context, save_soon
 from unisched.scheduler.reporting import log_shares
 from unisched.scheduler.roster import (
     drop,
@@ -80,7 +80,8 @@ def _reap_emptied(c: Context, pids_of: Callable[[Tenant], list[int]]) -> None:
         drop(c, t)
         log.info("tenant removed", tenant=t.name, reason="its last process exited")
     if gone:
-        save(c)
+        # no caller waits on it, and one a crash loses is reaped again at the next start: off the loop
+        save_soon(c)
         log_shares(c, reason="removed")
 
 
