@@ -14,6 +14,7 @@ import pytest
 from test_engine import SLICE, Rig, gpu_rig
 
 from unisched.scheduler.runner import run_engine
+from unisched.scheduler.upkeep import MEMORY_CHECK_S
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 
 RELEASE_AFTER_S = 10.0
@@ -113,3 +114,25 @@ def test_a_telemetry_that_raises_off_the_loop_is_a_slice_without_gpu_signal(tmp_
     assert reads.samples == () and reads.failure is not None and "GPU is lost" in reads.failure
     rig.engine.advance(reads)  # does not raise
     assert rig.engine._c.telemetry_failing
+
+
+def test_the_process_lists_are_read_off_the_loop_for_the_ticks_that_check_memory(tmp_path: Path) -> None:
+    """Once a second a tick checks memory from the tenants' process lists: they come with the reads, and the tick
+    reads none itself; between those ticks the reads list none. The check works from them (over its cap)."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0", 1 << 30)])
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("g", 100)
+    rig.engine.set_limits("g", None, None, None, 1 << 20)
+    pid = rig.driver.pids("/unisched/g")[0]
+    tel.next_samples = [GpuSample(0, 0.0, 0.0, 0.0, 0, process_memory={pid: 2 << 20})]
+    read_here: list[str] = []
+    listed = rig.driver.pids
+    rig.clock.advance(MEMORY_CHECK_S)
+    reads = rig.engine.readings_reader()()
+    assert reads.pids == {"/unisched/g": [pid]}
+    rig.driver.pids = lambda cgroup: read_here.append(cgroup) or listed(cgroup)  # type: ignore[method-assign]
+    rig.engine.advance(reads)
+    assert read_here == [], "the tick read a process list on the loop"
+    assert rig.engine.snapshot("g").over_memory
+    rig.clock.advance(SLICE)
+    assert rig.engine.readings_reader()().pids == {}

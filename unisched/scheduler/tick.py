@@ -38,7 +38,7 @@ from unisched.scheduler.tenant import (
     Tenant,
     off_gpu,
 )
-from unisched.scheduler.upkeep import update_memory
+from unisched.scheduler.upkeep import memory_due, update_memory
 from unisched.telemetry import GpuSample
 
 __all__ = ["advance", "apply", "readings_reader", "reschedule", "tick", "tick_due"]
@@ -56,7 +56,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
         readings = read(c.telemetry, c.driver, _cpu_read(c))
     samples = {s.index: s for s in _samples(c, readings)}
     c.last_samples = tuple(samples.values())
-    update_memory(c, samples, now)
+    update_memory(c, samples, now, readings.pids)
     cpu = _cpu_deltas(c, readings)
     thawed_on: dict[Resource, list[Tenant]] = {}
     leases = c.leases
@@ -118,8 +118,10 @@ def _step_due(c: Context, now: float) -> bool:
 
 def readings_reader(c: Context) -> Callable[[], Readings]:
     """The next tick's reads as one call that touches only the telemetry and the cgroup files (never the
-    engine's state), for the loop to make on a worker thread: the tenants whose CPU time is read are listed now."""
-    return reader(c.telemetry, c.driver, _cpu_read(c))
+    engine's state), for the loop to make on a worker thread: the tenants whose CPU time (and, where the tick will
+    check memory, whose process lists) are read are listed now."""
+    listed = [t.cgroup for t in c.tenants.values() if not t.missing] if memory_due(c, c.clock.monotonic()) else []
+    return reader(c.telemetry, c.driver, _cpu_read(c), listed)
 
 
 def advance(c: Context, readings: Readings | None = None) -> float:

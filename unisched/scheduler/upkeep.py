@@ -21,19 +21,26 @@ from unisched.scheduler.tenant import (
 )
 from unisched.telemetry import GpuSample
 
-__all__ = ["MEMORY_CHECK_S", "update_memory"]
+__all__ = ["MEMORY_CHECK_S", "memory_due", "update_memory"]
 
 log = structlog.get_logger("unisched.scheduler")
 MEMORY_CHECK_S = 1.0
 
 
-def update_memory(c: Context, samples: Mapping[int, GpuSample], now: float) -> None:
+def memory_due(c: Context, now: float) -> bool:
+    """Whether a tick at `now` checks memory (and so reads the tenants' process lists)."""
+    return now - c.memory_at >= MEMORY_CHECK_S
+
+
+def update_memory(c: Context, samples: Mapping[int, GpuSample], now: float,
+                  read_pids: Mapping[str, list[int]] | None = None) -> None:
     """Per-tenant GPU memory against caps, whether NVML lists a hooked tenant on a GPU (see `_off_gpu`), and
-    which `unisched run` tenants have emptied, at most once a second: it reads tenants' process lists."""
-    if now - c.memory_at < MEMORY_CHECK_S:
+    which `unisched run` tenants have emptied, at most once a second: it reads tenants' process lists (`read_pids`:
+    those read off the loop for this tick, by cgroup; a cgroup not there is read here)."""
+    if not memory_due(c, now):
         return
     c.memory_at = now
-    read: dict[str, list[int]] = {}
+    read: dict[str, list[int]] = dict(read_pids or {})
 
     def pids_of(t: Tenant) -> list[int]:  # each cgroup's process list read once for all three checks
         got = read.get(t.cgroup)
