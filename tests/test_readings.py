@@ -136,3 +136,18 @@ def test_the_process_lists_are_read_off_the_loop_for_the_ticks_that_check_memory
     assert rig.engine.snapshot("g").over_memory
     rig.clock.advance(SLICE)
     assert rig.engine.readings_reader()().pids == {}
+
+
+def test_a_run_tenant_whose_caller_came_after_the_reads_is_not_removed(tmp_path: Path) -> None:
+    """A `unisched run` tenant's cgroup read empty off the loop; its next caller is moved in before the tick: the
+    tick must not remove the tenant (and its caller's cgroup) on the stale list."""
+    rig = Rig(tmp_path)
+    rig.engine.register("once", None, None, (), (), 11, 1000, False, keep=False)
+    rig.driver.groups["/unisched/once"].pids.clear()  # its first process exited
+    rig.clock.advance(MEMORY_CHECK_S)
+    reads = rig.engine.readings_reader()()
+    assert reads.pids == {"/unisched/once": []}
+    rig.driver.groups["/unisched/once"].pids.append(12)  # the next `unisched run` moved its caller in
+    rig.engine.advance(reads)
+    assert rig.engine.has_tenant("once")
+    assert "/unisched/once" in rig.driver.groups

@@ -1,8 +1,7 @@
 """What a tick reads from the machine (the GPUs' telemetry, the tenants' cgroup CPU time and, once a second, their
-process lists), in one call that touches
-nothing else, so that the engine's loop can make it on a worker thread. NVML's calls block: a per-process query
-costs milliseconds on some machines, and a tick that made them on the event loop held every lease renewal and
-every seccomp decision behind them."""
+process lists), in one call that touches nothing else, so that the engine's loop can make it on a worker thread.
+NVML's calls block: a per-process query costs milliseconds on some machines, and a tick that made them on the event
+loop held every lease renewal and every seccomp decision behind them."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dataclasses import dataclass, field
 from unisched.enforce.cgroups import CgroupDriver
 from unisched.telemetry import GpuSample, GpuTelemetry
 
-__all__ = ["Readings", "read"]
+__all__ = ["Readings", "read", "reader"]
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,11 @@ def _reap_emptied(c: Context, pids_of: Callable[[Tenant], list[int]]) -> None:
     """Remove tenants `unisched run` made whose last process has exited (once a second, from the same process
     lists as the memory checks). Never one with a lease session open: its client talks to it even while its
     cgroup shows no process (a client outside the cgroup cannot hold one, but the session is its claim). Nor one
-    whose registering caller is still being moved in (`Tenant.moving`)."""
+    whose registering caller is still being moved in (`Tenant.moving`). The lists may have been read off the loop
+    before the tick, and a caller moved in since: a tenant is removed only when its cgroup is empty read here."""
     gone = [t for t in c.tenants.values()
-            if t.ephemeral and not t.moving and not c.leases.cooperative(t.name) and (t.missing or not pids_of(t))]
+            if t.ephemeral and not t.moving and not c.leases.cooperative(t.name)
+            and (t.missing or (not pids_of(t) and not c.driver.pids(t.cgroup)))]
     for t in gone:
         drop(c, t)
         log.info("tenant removed", tenant=t.name, reason="its last process exited")
