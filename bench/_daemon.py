@@ -42,3 +42,16 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
             raise SystemExit(f"unisched serve did not come up:\n{(work / 'daemon.log').read_text()[-2000:]}")
         time.sleep(0.05)
     return daemon, sock
+
+
+def remove_subtree(subtree: str) -> None:
+    """A run's own cgroup subtree (`--cgroup-subtree`), in every hierarchy the daemon made it in, deepest first (empty
+    once the tenants are gone); what cannot be removed is said on stderr."""
+    fs = Path("/sys/fs/cgroup")
+    for top in [fs / subtree, *fs.glob(f"*/{subtree}")]:  # cgroup v2's one hierarchy, or each of v1's
+        for d in [*sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True), top] if top.is_dir() else []:
+            if d.is_dir():
+                try:
+                    d.rmdir()
+                except OSError as e:
+                    print(f"{Path(sys.argv[0]).name}: left {d}: {e.strerror}", file=sys.stderr)

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, start_daemon
+from _daemon import ROOT, bench_env, remove_subtree, start_daemon
 
 SCRAPE_S = 1.0
 """Scrape interval: the metrics' own refresh (transport.metrics.REFRESH_S); a faster scrape reads each copy twice."""
@@ -134,17 +134,6 @@ def plot(out: Path, measured: Series, target: Series, frozen: Series, charged: S
     fig.suptitle("unisched daemon, CPU stand-ins pinned to one CPU (bench/metrics_plot.py)")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
-
-
-def remove_subtree(subtree: str) -> None:
-    """The run's own cgroup subtree, in every hierarchy the daemon made it in (empty once the tenants are gone)."""
-    for top in Path("/sys/fs/cgroup").glob(f"*/{subtree}"):
-        for d in [*sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True), top]:
-            if d.is_dir():
-                try:
-                    d.rmdir()
-                except OSError as e:
-                    print(f"metrics_plot.py: left {d}: {e.strerror}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -286,6 +286,13 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
     if flood:  # no target: what one connection's burst of demand changes costs another tenant's renewals
         cases[f"flood beside {flood['tenants']} tenants"] = {
             f"{phase}_{stat}_ms": flood[f"{phase}_ms"][stat] for phase in ("quiet", "flood") for stat in ("p99", "max")}
+    reg = _json(folder / "registrations" / "results.json")
+    if reg:  # no target: what one process's registrations, each a cgroup move, cost another caller's Status
+        cases["Status while registering"] = {
+            "registrations_per_s": reg["registrar"]["registrations"] / reg["registrar"]["seconds"],
+            "register_p50_ms": reg["registrar"]["p50_ms"], "late_warnings": reg["late_warnings"],
+            **{f"{phase}_{stat}_ms": reg[f"{phase}_ms"][stat] for phase in ("quiet", "registering")
+               for stat in ("p99", "max")}}
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
@@ -472,12 +479,14 @@ SUITES: tuple[Suite, ...] = (
           read_hooks, HOOK_TARGETS),
     Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
           "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
-          "beside them, and one connection flooding wants and releases beside 200 tenants (bench/lease_load.py, "
-          "bench/echo_floor.py, bench/lease_flood.py; CPU only, no GPU needed)", 1.6, False,
+          "beside them, one connection flooding wants and releases beside 200 tenants, and Status calls while one "
+          "process registers back to back (bench/lease_load.py, bench/echo_floor.py, bench/lease_flood.py, "
+          "bench/registration_load.py; CPU only, no GPU needed)", 1.9, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
            Step("floor", words("{py} bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out {out}")),
            Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}")),
-           Step("flood", words("{py} bench/lease_flood.py --out {out}"))),
+           Step("flood", words("{py} bench/lease_flood.py --out {out}")),
+           Step("registrations", words("{py} bench/registration_load.py --out {out}"))),
           read_leases, LEASE_TARGETS),
     Suite("memory", "GPU memory accounting and refusal at the allocation: bench/gpu_memory.sh (the RM-call probe, then "
           "tests/test_gpu_memory.py on the GPU)", 5.0, True,

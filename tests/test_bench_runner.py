@@ -158,19 +158,23 @@ def test_pairs_with_cpu_standins_writes_every_round_and_computed_verdicts(tmp_pa
 
 
 @needs_freezer
-def test_the_leases_suite_measures_the_round_trip_the_floor_the_load_and_a_flood(tmp_path: Path) -> None:
+def test_the_leases_suite_measures_the_round_trip_the_floor_the_load_a_flood_and_registrations(tmp_path: Path) -> None:
     """One short round of the CPU-only leases suite against a real daemon: every step ran, the floor is a case the
-    round-trip target does not judge, the load reports its probe apart from the 1000 tenants, and the flood its
-    probe's renewals when quiet and during the flood (no target)."""
+    round-trip target does not judge, the load reports its probe apart from the 1000 tenants, the flood its
+    probe's renewals when quiet and during the flood, and the registrations the Status calls beside them (no
+    target for either)."""
     got = run_py("leases", "--rounds", "1", "--out", str(tmp_path), "--", "--seconds", "2", "--warmup", "1",
                  timeout=300)
     assert got.returncode in (0, 1), got.stdout + got.stderr  # 1: the target missed on this loaded machine
     s = json.loads((tmp_path / "leases" / "summary.json").read_text())
     (rnd,) = s["rounds"]
-    assert [st["name"] for st in rnd["steps"]] == ["rtt", "floor", "load", "flood"]
+    assert [st["name"] for st in rnd["steps"]] == ["rtt", "floor", "load", "flood", "registrations"]
     assert all(st["rc"] == 0 for st in rnd["steps"] if st["name"] != "load"), rnd["steps"]
     flood = rnd["cases"]["flood beside 200 tenants"]
     assert 0 < flood["quiet_p99_ms"] <= flood["quiet_max_ms"] and 0 < flood["flood_p99_ms"] <= flood["flood_max_ms"]
+    reg = rnd["cases"]["Status while registering"]
+    assert reg["registrations_per_s"] > 0 and reg["register_p50_ms"] > 0 and reg["late_warnings"] >= 0
+    assert 0 < reg["quiet_p99_ms"] <= reg["quiet_max_ms"] and 0 < reg["registering_p99_ms"] <= reg["registering_max_ms"]
     floor = rnd["cases"]["bare echo (the machine's floor)"]
     assert 0 < floor["p50_ms"] <= floor["p99_ms"]
     load = rnd["cases"]["1000 tenants"]
