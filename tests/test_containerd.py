@@ -12,6 +12,7 @@ Needs root, containerd, ctr and runc (.ci/run installs Debian's containerd and r
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -149,6 +150,27 @@ def containerd() -> Iterator[Containerd]:
             proc.wait()
         _unmount_under(d)
         shutil.rmtree(d, ignore_errors=True)
+        _remove_namespace_cgroup(c.namespace)
+
+
+def _remove_namespace_cgroup(namespace: str) -> None:
+    """The cgroup that ctr made for the namespace's containers (runc removes theirs, not this parent), in cgroup v2's
+    one hierarchy or each of v1's, so that no run leaves an empty cgroup behind."""
+    fs = Path("/sys/fs/cgroup")
+    for top in [fs / namespace, *fs.glob(f"*/{namespace}")]:
+        wait_until(lambda top=top: _removed(top), 10, f"{top} to be removed")  # EBUSY a moment after the last exit
+
+
+def _removed(cgroup: Path) -> bool:
+    try:
+        cgroup.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise
+        return False
+    return True
 
 
 def governed(profile: dict[str, Any], agent: str, tenant: str) -> dict[str, Any]:
