@@ -100,3 +100,36 @@ def test_the_subtree_decides_where_a_created_tenant_may_live(tmp_path: Path) -> 
     mine = SavedTenant("m", 100, Priority.OFFLINE, frozenset({Engine.COMPUTE}), None, "/unisched-test-x/m", False, 0)
     store.save([mine, T])
     assert store.load() == [mine]  # T claims /unisched/a, outside this daemon's subtree
+
+
+# --- the tick's saves encode only what changed ---------------------------------------------------------------
+def _fields(t: SavedTenant) -> tuple[object, ...]:
+    return (t.name, t.weight, t.priority, t.engines, t.gpus, t.cgroup, t.adopted, t.owner_uid, t.limits, t.ephemeral,
+            t.labels)
+
+
+def test_the_line_cache_writes_what_encode_writes_and_encodes_again_only_changed_tenants(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from unisched.scheduler import state
+
+    ts = [replace(T, name=n, cgroup=f"/unisched/{n}") for n in ("a", "b", "c")]
+    cache = state.LineCache()
+    line, encoded = state._line, []
+
+    def body(tenants: list[SavedTenant]) -> list[str]:
+        encoded.clear()
+        monkeypatch.setattr(state, "_line", lambda t: encoded.append(t.name) or line(t))
+        got = cache.body(map(_fields, tenants))
+        monkeypatch.setattr(state, "_line", line)
+        assert got == StateStore.encode(tenants) and parse_state(got)[0] == tenants
+        return encoded
+
+    assert body(ts) == ["a", "b", "c"]
+    assert body(ts) == []
+    ts[1] = replace(ts[1], weight=300)
+    assert body(ts) == ["b"]
+    ts[2] = replace(ts[2], labels={"pod": "p"})
+    assert body(ts) == ["c"]
+    assert body(ts[1:]) == []  # a removed: forgotten
+    assert body(ts) == ["a"]  # and made again when it is back

@@ -24,7 +24,7 @@ from unisched.scheduler.config import ConfigError, DaemonConfig
 from unisched.scheduler.leases import LeaseBook
 from unisched.scheduler.moves import MoveThread
 from unisched.scheduler.saves import StateWriter
-from unisched.scheduler.state import StateStore
+from unisched.scheduler.state import LineCache, StateStore
 from unisched.scheduler.tenant import SchedulerError, Tenant
 from unisched.telemetry import GpuSample, GpuTelemetry
 
@@ -89,6 +89,8 @@ class Context:
     decision_due: bool = False
     mover: MoveThread = field(default_factory=MoveThread)
     """Where registering callers are moved into their tenants' cgroups, off the event loop (moves.py)."""
+    lines: LineCache = field(default_factory=LineCache)
+    """The state file's lines of the last save, each made again only when its tenant changed."""
     writer: StateWriter = field(init=False)
     """Writes the state file: the tick's saves on a thread of its own, the others here (saves.py)."""
 
@@ -172,7 +174,7 @@ def save_off_loop(c: Context) -> None:
 
 
 def _encoded(c: Context) -> bytes:
-    return c.store.encode([t.saved() for t in sorted(c.tenants.values(), key=lambda t: t.name)])
+    return c.lines.body(c.tenants[name].saved_fields() for name in sorted(c.tenants))
 
 
 def save_soon(c: Context) -> None:

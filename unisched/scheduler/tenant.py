@@ -13,7 +13,7 @@ from unisched.policy import (
 )
 from unisched.policy.caps import SessionLimits
 from unisched.scheduler.memory import GpuMemory
-from unisched.scheduler.state import SavedTenant
+from unisched.scheduler.state import SavedFields, SavedTenant
 
 __all__ = [
     "CALLER_GONE", "SchedulerError", "LeaseAck", "ResourceShare", "Tenant", "TenantSnapshot", "need_alive", "off_gpu",
@@ -138,10 +138,12 @@ class Tenant:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def saved(self) -> SavedTenant:
-        return SavedTenant(
-            self.name, self.base_weight, self.priority, self.engines, self.gpus,
-            self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral, self.labels,
-        )
+        return SavedTenant(*self.saved_fields())
+
+    def saved_fields(self) -> SavedFields:
+        """What the state file keeps of it, in SavedTenant's order (state.LineCache compares these)."""
+        return (self.name, self.base_weight, self.priority, self.engines, self.gpus,
+                self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral, self.labels)
 
     def all_engines(self) -> frozenset[Engine]:
         """Declared engines plus those its open sessions show (an open decoder is demand on NVDEC)."""
