@@ -87,7 +87,7 @@ def test_waiting_registrations_run_one_per_turn_in_the_order_they_came() -> None
     p = Pacer(loop.call_soon)
     assert p.take()
     for name in "abc":
-        p.queue(registrar(log, name))
+        p.queue(registrar(log, name), 1000)
     assert not p.take()  # nobody jumps the queue, even in a turn of its own
     seen = []
     for _ in range(4):
@@ -98,12 +98,28 @@ def test_waiting_registrations_run_one_per_turn_in_the_order_they_came() -> None
     assert p.take() and p.waiting == 0
 
 
+def test_users_take_turns_so_that_one_users_burst_delays_another_by_one_registration() -> None:
+    loop, log = Loop(), list[str]()
+    p = Pacer(loop.call_soon)
+    assert p.take()
+    for i in range(4):
+        p.queue(registrar(log, f"a{i}"), 1000)
+    p.queue(registrar(log, "b0"), 1001)
+    p.queue(registrar(log, "b1"), 1001)
+    p.queue(registrar(log, "c0"), 1002)
+    assert p.waiting == 7
+    for _ in range(8):
+        loop.turn()
+    assert log == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
+    assert p.waiting == 0
+
+
 def test_a_caller_gone_while_it_waited_leaves_its_turn_to_the_next() -> None:
     loop, log = Loop(), list[str]()
     p = Pacer(loop.call_soon)
     assert p.take()
-    p.queue(registrar(log, "gone", alive=False))
-    p.queue(registrar(log, "b"))
+    p.queue(registrar(log, "gone", alive=False), 1000)
+    p.queue(registrar(log, "b"), 1000)
     loop.turn()
     assert log == ["b"]
 
@@ -116,8 +132,8 @@ def test_a_registration_that_raises_does_not_stop_the_queue() -> None:
         raise RuntimeError("boom")
 
     assert p.take()
-    p.queue(boom)
-    p.queue(registrar(log, "b"))
+    p.queue(boom, 1000)
+    p.queue(registrar(log, "b"), 1000)
     with pytest.raises(RuntimeError):
         loop.turn()
     loop.turn()
@@ -127,7 +143,7 @@ def test_a_registration_that_raises_does_not_stop_the_queue() -> None:
 def test_a_queue_with_no_turn_taken_still_starts() -> None:
     loop, log = Loop(), list[str]()
     p = Pacer(loop.call_soon)
-    p.queue(registrar(log, "a"))
+    p.queue(registrar(log, "a"), 1000)
     loop.turn()
     assert log == ["a"]
 
@@ -140,7 +156,7 @@ def test_awaiting_callers_register_one_turn_apart() -> None:
         at: list[int] = []
 
         async def register() -> None:
-            await p.turn()
+            await p.turn(1000)
             at.append(turns[0])
 
         tasks = [asyncio.ensure_future(register()) for _ in range(5)]

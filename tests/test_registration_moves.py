@@ -225,6 +225,38 @@ def test_registrations_are_refused_once_the_engine_stopped(tmp_path: Path) -> No
     assert not engine.has_tenant("slow")
 
 
+def test_moves_waiting_take_turns_by_uid_and_a_failed_one_raises_on_the_loop() -> None:
+    """One user's burst of moves delays another user's by one move, not by all of theirs (FIFO fails this)."""
+    from unisched.scheduler.moves import MoveThread
+
+    async def main() -> tuple[list[str], BaseException | None]:
+        mover, started, gate, order = MoveThread(), threading.Event(), threading.Event(), list[str]()
+
+        def job(name: str) -> Callable[[], str]:
+            def run() -> str:
+                if name == "blocker":
+                    started.set()
+                    gate.wait(30)
+                if name == "bad":
+                    raise CgroupError("no such cgroup")
+                order.append(name)
+                return name
+            return run
+
+        first = mover.submit(job("blocker"), 0)
+        assert started.wait(30)  # the thread is busy: what comes next waits in its uid's queue
+        futures = [mover.submit(job(f"a{i}"), 1000) for i in range(4)]
+        futures += [mover.submit(job("b0"), 1001), mover.submit(job("bad"), 1002)]
+        gate.set()
+        got = await asyncio.gather(first, *futures, return_exceptions=True)
+        mover.close()
+        return order, next((g for g in got if isinstance(g, BaseException)), None)
+
+    order, error = asyncio.run(main())
+    assert order == ["blocker", "a0", "b0", "a1", "a2", "a3"]
+    assert isinstance(error, CgroupError)
+
+
 # --- a real daemon's loop --------------------------------------------------------------------------------------
 
 
@@ -357,3 +389,4 @@ def test_a_real_caller_moved_in_while_its_tenant_is_removed_goes_back(tmp_path: 
         child.communicate()
         engine.shutdown()
         _cleanup_cgroups(tenant_prefix)
+

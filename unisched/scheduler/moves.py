@@ -4,16 +4,19 @@ Writing a pid to cgroup.procs takes the kernel's cgroup_threadgroup_rwsem for wr
 grace period: milliseconds per move. Made on the event loop, each registration would hold every lease renewal,
 every seccomp decision and the slice that long, and any local user may register. So the daemon makes the move on
 `MoveThread`'s single worker (one move at a time: the kernel makes them one at a time anyway), and the loop goes
-on serving; without a loop (tests, `Scheduler.register`) the same `move_caller` runs inline."""
+on serving; without a loop (tests, `Scheduler.register`) the same `move_caller` runs inline. The moves waiting
+take turns by the caller's uid, as the registrations before them do (transport.pacing): one user's burst of
+registrations delays another user's move by one move, not by all of theirs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -39,6 +42,8 @@ class Move:
     pid: int
     alive: Callable[[], bool] | None
     """Whether the process that connected still runs (None: not checked)."""
+    uid: int = 0
+    """The caller's: whose turn the move waits for (MoveThread)."""
 
 
 def move_caller(m: Move) -> str | None:
@@ -71,26 +76,90 @@ def move_back(m: Move, origin: str | None) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class _Job:
+    work: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
 class MoveThread:
     """The moves' worker: one thread, started at the first move, whose results come back on the loop that asked.
 
-    One at a time bounds the threads a burst of registrations can make; the ones waiting queue in order (the
-    transport's pacer starts at most about one a loop turn). `close` (at shutdown) does not wait: a move in
-    flight ends on its own within milliseconds, and the loop need not stay for it."""
+    One at a time bounds the threads a burst of registrations can make. The moves waiting are kept per uid; the
+    thread takes the next from each uid in rotation, and a uid's own in the order they came. How many wait is
+    bounded by the registrations the transport lets in (its pacer starts at most about one a loop turn, and the
+    front door bounds each uid's connections). `close` (at shutdown) does not wait: the thread finishes the moves
+    asked for, each within milliseconds, and the loop need not stay for them."""
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._cond = threading.Condition()
+        self._waiting: dict[int, deque[_Job]] = {}
+        self._rotation: deque[int] = deque()
+        self._thread: threading.Thread | None = None
         self.closed = False
 
-    def submit(self, work: Callable[[], T]) -> asyncio.Future[T]:
-        """Run `work` on the move thread; the future is done on the running loop. Raises SchedulerError once closed."""
+    def submit(self, work: Callable[[], T], uid: int = 0) -> asyncio.Future[T]:
+        """Run `work` on the move thread in `uid`'s turn; the future is done on the running loop. Raises
+        SchedulerError once closed."""
         if self.closed:
             raise SchedulerError("failed", STOPPING)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unisched-move")
-        return asyncio.get_running_loop().run_in_executor(self._pool, work)
+        loop = asyncio.get_running_loop()
+        job = _Job(work, loop.create_future(), loop)
+        with self._cond:
+            mine = self._waiting.get(uid)
+            if mine is None:
+                mine = self._waiting[uid] = deque()
+                self._rotation.append(uid)
+            mine.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="unisched-move", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return job.future
 
     def close(self) -> None:
-        self.closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        with self._cond:
+            self.closed = True
+            self._cond.notify()
+
+    def _next(self) -> _Job | None:
+        """The next move in rotation (None: closed, and none waits); called holding the lock."""
+        self._cond.wait_for(lambda: bool(self._rotation) or self.closed)
+        if not self._rotation:
+            self._thread = None
+            return None
+        uid = self._rotation.popleft()
+        mine = self._waiting[uid]
+        job = mine.popleft()
+        if mine:
+            self._rotation.append(uid)
+        else:
+            del self._waiting[uid]
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next()
+            if job is None:
+                return
+            try:
+                result = job.work()
+            except BaseException as e:  # the loop's caller gets it, as run_in_executor would give it
+                self._settle(job, None, e)
+            else:
+                self._settle(job, result, None)
+
+    @staticmethod
+    def _settle(job: _Job, result: Any, error: BaseException | None) -> None:
+        def settle() -> None:
+            if job.future.done():
+                return
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the daemon stopped): nobody waits
+            job.loop.call_soon_threadsafe(settle)

@@ -119,7 +119,7 @@ def start_enroll(c: Context, ask: RegisterAsk, then: Callable[[Tenant], T]) -> a
         _settle(c, e, None, then, result)
         return result
     try:
-        moved = c.mover.submit(functools.partial(move_caller, e.move))
+        moved = c.mover.submit(functools.partial(move_caller, e.move), e.move.uid)
     except BaseException:
         e.tenant.moving -= 1
         raise
@@ -158,7 +158,7 @@ def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
     if member:
         return _Enrolment(t, None)
     t.moving += 1
-    return _Enrolment(t, Move(c.driver, t.cgroup, ask.pid, alive))
+    return _Enrolment(t, Move(c.driver, t.cgroup, ask.pid, alive, ask.uid))
 
 
 def _settle(c: Context, e: _Enrolment, moved: asyncio.Future[str | None] | None, then: Callable[[Tenant], T],
@@ -204,7 +204,7 @@ def _undo(c: Context, m: Move, origin: str | None, then: Callable[[], None]) -> 
         then()
 
     try:
-        back = c.mover.submit(functools.partial(move_back, m, origin))
+        back = c.mover.submit(functools.partial(move_back, m, origin), m.uid)
     except SchedulerError:  # stopping: it stays where it is
         then()
         return

@@ -163,7 +163,7 @@ class LeaseConnection(asyncio.Protocol):
             self._account()
         elif payloads and self._sid is None and not self.service.pacer.take():
             self._hold(payloads)  # the hello registers: in a later loop turn, not in this one
-            self.service.pacer.queue(self._take_turn)
+            self.service.pacer.queue(self._take_turn, self.cred.uid)
         else:
             self._answer_some(payloads)
 

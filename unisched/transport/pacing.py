@@ -1,10 +1,14 @@
-"""Registrations are paced to about one per event-loop turn, in the order they came.
+"""Registrations are paced to about one per event-loop turn, taking turns between users.
 
 Why: a registration costs milliseconds (a cgroup made, the caller moved, the device program, a snapshot and a
 decision that walk every tenant), and the daemon answers every lease renewal in the same event loop. Unpaced, a
 thousand sessions opened at once would run a thousand registrations in one turn, seconds without reading a
 socket, and every other tenant's leases would expire unrenewed. Paced, a renewal waits for one registration at
 most: the loop reads its sockets between each.
+
+Those waiting take turns by user (uid): each uid that waits gets the next turn in rotation, its own callers in
+the order they came. A user who keeps thousands of registrations waiting (128 connections of 100 calls each)
+delays another user's registration by one turn, not by all of theirs.
 
 One `Pacer` per daemon, shared by the lease stream's hellos (`take`, else `queue`) and the gRPC calls that
 register or list every tenant (`turn`), which cost as much. The loop's `call_soon` is passed in, so tests drive
@@ -17,12 +21,15 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["Pacer"]
+__all__ = ["NO_UID", "Pacer"]
+
+NO_UID = -1
+"""The turn of callers the daemon knows no uid of (the TLS listener's): they share one place in the rotation."""
 
 
 class Pacer:
     """At most one registration per turn of the loop (two where an awaiting call's turn meets the next one):
-    the first of a turn runs at once, later ones wait in order for later turns."""
+    the first of a turn runs at once, later ones wait for later turns, a uid at a time in rotation."""
 
     def __init__(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
         self._call_soon = call_soon
@@ -30,11 +37,14 @@ class Pacer:
         """This turn's registration ran (or was handed out)."""
         self._scheduled = False
         """`_next` is due at the next turn."""
-        self._waiting: deque[Callable[[], bool]] = deque()
+        self._waiting: dict[int, deque[Callable[[], bool]]] = {}
+        """Per uid, its callers waiting, in the order they came."""
+        self._rotation: deque[int] = deque()
+        """The uids that wait, the next to have a turn first."""
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return sum(map(len, self._waiting.values()))
 
     def take(self) -> bool:
         """This turn's registration, if nobody has it and nobody waits for one: True, and the caller registers
@@ -44,14 +54,19 @@ class Pacer:
         self._claim()
         return True
 
-    def queue(self, run: Callable[[], bool]) -> None:
-        """Call `run` in a later turn, after those queued before it. It returns whether it registered: one
-        whose caller has gone (False) leaves the turn to the next in line."""
-        self._waiting.append(run)
+    def queue(self, run: Callable[[], bool], uid: int) -> None:
+        """Call `run` in a later turn: after those `uid` queued before it, and after one of each other uid that
+        waits ahead of it in the rotation. It returns whether it registered: one whose caller has gone (False)
+        leaves the turn to the next in line."""
+        mine = self._waiting.get(uid)
+        if mine is None:
+            mine = self._waiting[uid] = deque()
+            self._rotation.append(uid)
+        mine.append(run)
         self._schedule()
 
-    async def turn(self) -> None:
-        """Return when it is the caller's turn to register (at once when the turn is free)."""
+    async def turn(self, uid: int) -> None:
+        """Return when it is the caller's (of `uid`) turn to register (at once when the turn is free)."""
         if self.take():
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -62,7 +77,7 @@ class Pacer:
             fut.set_result(None)
             return True
 
-        self.queue(run)
+        self.queue(run, uid)
         await fut
 
     def _claim(self) -> None:
@@ -77,8 +92,14 @@ class Pacer:
     def _next(self) -> None:
         self._scheduled = False
         self._used = False
-        while self._waiting and not self._used:
-            run = self._waiting.popleft()
+        while self._rotation and not self._used:
+            uid = self._rotation.popleft()
+            mine = self._waiting[uid]
+            run = mine.popleft()
+            if mine:
+                self._rotation.append(uid)  # its next waits for every other uid's turn
+            else:
+                del self._waiting[uid]
             self._claim()  # before run: a run that raises still leaves the next turn to the queue
             if not run():
                 self._used = False

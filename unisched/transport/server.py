@@ -33,7 +33,7 @@ from unisched.transport.health import beats, probes
 from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
-from unisched.transport.pacing import Pacer
+from unisched.transport.pacing import NO_UID, Pacer
 from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["MAX_MESSAGE_BYTES", "Doors", "UnischedServicer", "serve", "server_tls", "snapshot_to_pb"]
@@ -96,7 +96,7 @@ class UnischedServicer:
     # calls ---------------------------------------------------------------------------------------
     async def Register(self, request: pb.RegisterRequest, call: Call) -> pb.Tenant:
         cred = self._need_caller(call)
-        await self.pacer.turn()
+        await self.pacer.turn(cred.uid)
         ask = RegisterAsk(
             request.tenant,
             request.weight or None,
@@ -121,8 +121,8 @@ class UnischedServicer:
         return snapshot_to_pb(snap)
 
     async def Adopt(self, request: pb.AdoptRequest, call: Call) -> pb.Tenant:
-        self._need_admin(call)
-        await self.pacer.turn()
+        cred = self._need_admin(call)
+        await self.pacer.turn(cred.uid)
         try:
             snap = self.engine.adopt(
                 request.tenant,
@@ -162,7 +162,7 @@ class UnischedServicer:
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, call: Call) -> pb.Empty:
         """An admin removes any tenant; anyone else only tenants they own (run --keep ones, or those not yet gone)."""
         cred = self._need_caller(call)
-        await self.pacer.turn()
+        await self.pacer.turn(cred.uid)
         try:
             self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
         except SchedulerError as e:
@@ -174,7 +174,7 @@ class UnischedServicer:
         every tenant (tens of milliseconds at a thousand), so it takes its turn with the registrations."""
         cred = call.caller
         admin = cred is not None and self.is_admin(cred)
-        await self.pacer.turn()
+        await self.pacer.turn(cred.uid if cred is not None else NO_UID)
         out = []
         for snap in self.engine.snapshots():
             t = snapshot_to_pb(snap)
