@@ -1,14 +1,24 @@
 #!/usr/bin/env python3
-"""Registration load: while one local process registers again and again, how long do other callers wait?
+"""Registration load: while registrations come in bursts, how long do other callers wait?
 
 Each `Register` moves the caller's process into its tenant's cgroup: a write to cgroup.procs, which waits for the
 kernel (an RCU grace period, milliseconds). Any local user may register, so the daemon must not make everyone else
-wait while it moves someone. Here a registrar process registers back to back for --seconds, alternating between two
-tenants so that every registration is a real move, while this process times `Status` round trips to the same
-daemon, first --warmup seconds alone and then during the registrations. The report gives both, how many
-registrations were made and how long each took, and how often the daemon warned that its slice loop ran late.
-With --root DIR the daemon and the registrar run from another checkout (to compare with an older commit). CPU only
-(the daemon runs with --no-nvml); needs root, since the moves are real.
+wait while it moves someone, nor let one user's pile of registrations hold back another user's. Two phases, each
+--seconds long, after --warmup seconds of `Status` round trips alone:
+
+  back to back   a registrar process registers back to back, alternating between two tenants so that every
+                 registration is a real move, while this process times `Status` round trips to the same daemon
+  beside a burst the same registrar (root) registers while --burst-procs processes of another user (nobody, uid
+                 65534) each keep --burst-calls registrations in flight (gRPC calls on one connection, a batch at
+                 a time); the registrar's own registrations are timed
+
+The report gives the round trips alone and during the registrations, each phase's registrations and how long the
+registrar's took, and how often the daemon warned that its slice loop ran late. With --root DIR the daemon and the
+registrars run from another checkout (to compare with an older commit). CPU only: the daemon runs with --no-nvml,
+and with --activity-threshold 1 so that it does not time-slice the registering processes (their tenants' CPU
+time would otherwise count as work, and a registrar moved into a frozen tenant would wait for its turn: this
+measures the registrations, not the slicing). Needs root, since the moves are real and the burst runs as another
+user.
 
   python3 bench/registration_load.py --out DIR
   python3 bench/registration_load.py --root /tmp/old-checkout --out DIR
@@ -36,6 +46,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "clients")]
 
 TENANTS = ("reg-a", "reg-b")
 """The registrar alternates between these, so that each registration moves it."""
+BURST_TENANTS = ("burst-a", "burst-b")
+"""The burst's processes alternate between these."""
+BURST_UID = 65534
+"""The burst's user (nobody): another uid than the registrar's."""
 LATE_WARNING = "slice loop ran late"
 """What the daemon logs when its event loop started a slice late."""
 REPLY_S = 120.0
@@ -56,8 +70,29 @@ with DaemonClient(sock, timeout=30) as c:
         t0 = time.perf_counter()
         c.register(pb.RegisterRequest(tenant=tenants[(len(took) + 1) % len(tenants)], keep=True))
         took.append(time.perf_counter() - t0)
-print(json.dumps({"registrations": len(took), "seconds": seconds,
-                  "p50_ms": 1000 * statistics.median(took), "max_ms": 1000 * max(took)}), flush=True)
+took.sort()
+print(json.dumps({"registrations": len(took), "seconds": seconds, "p50_ms": 1000 * statistics.median(took),
+                  "p99_ms": 1000 * took[min(len(took) - 1, int(0.99 * len(took)))], "max_ms": 1000 * took[-1]}),
+      flush=True)
+"""
+
+BURST = r"""
+import json, os, sys, time
+import grpc
+from unisched_wire import unisched_pb2 as pb, unisched_pb2_grpc as pb_grpc
+sock, tenants, calls, uid = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4])
+channel = grpc.insecure_channel(f"unix:{sock}")
+stub = pb_grpc.UnischedStub(channel)
+os.setuid(uid)  # the channel connects at its first call: as this user
+stub.Register(pb.RegisterRequest(tenant=tenants[0], keep=True), timeout=60)
+print("ready", flush=True)
+seconds = float(sys.stdin.readline())
+n, end = 0, time.monotonic() + seconds
+while time.monotonic() < end:
+    batch = [stub.Register.future(pb.RegisterRequest(tenant=tenants[i % len(tenants)], keep=True), timeout=60)
+             for i in range(calls)]
+    n += sum(1 for f in batch if f.exception() is None)
+print(json.dumps({"registrations": n}), flush=True)
 """
 
 
@@ -92,42 +127,76 @@ def readline(proc: subprocess.Popen[str], what: str) -> str:
     return line
 
 
+def start(script: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """A registrar or burst process, once it said it is ready (imported, connected, registered once)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    readline(proc, "it registered the first time")
+    return proc
+
+
+def go(procs: list[subprocess.Popen[str]], seconds: float) -> None:
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{seconds}\n")
+        proc.stdin.flush()
+
+
+def report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    done: dict[str, Any] = json.loads(readline(proc, "it reported"))
+    proc.wait(REPLY_S)
+    return done
+
+
 def measure(sock: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     quiet = round_trips(sock, args.warmup)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients")])}
-    reg = subprocess.Popen([sys.executable, "-c", REGISTRAR, sock, ",".join(TENANTS)], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    procs: list[subprocess.Popen[str]] = []
     try:
-        readline(reg, "it registered the first time")
-        assert reg.stdin is not None
-        reg.stdin.write(f"{args.seconds}\n")
-        reg.stdin.flush()
+        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS)], env))
+        go([reg], args.seconds)
         busy = round_trips(sock, args.seconds)
-        done = json.loads(readline(reg, "it reported"))
-        reg.wait(REPLY_S)
+        back_to_back = report(reg)
+        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS)], env))
+        burst = [start(BURST, [sock, ",".join(BURST_TENANTS), str(args.burst_calls), str(BURST_UID)], env)
+                 for _ in range(args.burst_procs)]
+        procs += burst
+        go(burst, args.seconds + 1.0)  # under way before the registrar starts, and until after it ends
+        go([reg], args.seconds)
+        beside = report(reg)
+        burst_done = sum(report(p)["registrations"] for p in burst)
     finally:
-        if reg.poll() is None:
-            reg.kill()
-            reg.wait()
-    return {"registrar": done, "quiet_ms": stats_ms(quiet), "registering_ms": stats_ms(busy)}
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {"registrar": back_to_back, "quiet_ms": stats_ms(quiet), "registering_ms": stats_ms(busy),
+            "beside_burst": {"registrar": beside, "procs": args.burst_procs, "calls": args.burst_calls,
+                             "burst_registrations": burst_done}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="how long the registrar registers (default 10)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of Status round trips alone first (default 3)")
+    ap.add_argument("--burst-procs", type=int, default=16, help="processes of the burst's user (default 16)")
+    ap.add_argument("--burst-calls", type=int, default=100,
+                    help="registrations each keeps in flight (default 100: h2's streams on one connection)")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout the daemon runs from (default this one)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.seconds < 1 or args.warmup <= 0:
-        ap.error("--seconds must be >= 1 and --warmup positive")
+    if args.seconds < 1 or args.warmup <= 0 or args.burst_procs < 1 or args.burst_calls < 1:
+        ap.error("--seconds must be >= 1, --warmup positive, --burst-procs and --burst-calls >= 1")
     if os.geteuid() != 0:
         raise SystemExit("registration_load: needs root (each registration moves the registrar between cgroups)")
     root = args.root.resolve()
     subtree = f"unisched-bench-registration-{os.getpid()}"
     work = Path(tempfile.mkdtemp(prefix="registration-load-"))
-    print(f"registration_load: {args.warmup:g} s alone, then {args.seconds:g} s of registrations", file=sys.stderr)
-    daemon, sock = start_daemon(work, "--no-nvml", "--cgroup-subtree", subtree, root=root)
+    work.chmod(0o755)  # the burst's user reaches the socket in it
+    print(f"registration_load: {args.warmup:g} s alone, {args.seconds:g} s of registrations back to back, then "
+          f"{args.seconds:g} s beside {args.burst_procs} x {args.burst_calls} of uid {BURST_UID}", file=sys.stderr)
+    daemon, sock = start_daemon(work, "--no-nvml", "--cgroup-subtree", subtree, "--activity-threshold", "1",
+                                root=root)
     try:
         res = measure(sock, root, args)
     finally:
@@ -137,13 +206,20 @@ def main() -> int:
     late = (work / "daemon.log").read_text(errors="replace").count(LATE_WARNING)
     res = {**run_info(), "root": str(root), **res, "late_warnings": late}
     q, b, r = res["quiet_ms"], res["registering_ms"], res["registrar"]
-    md = (header(res) + f"One process registered {r['registrations']} times in {r['seconds']:g} s "
+    bb = res["beside_burst"]
+    md = (header(res) + f"Back to back: one process registered {r['registrations']} times in {r['seconds']:g} s "
           f"({r['registrations'] / r['seconds']:.0f} a second; a registration took {r['p50_ms']:.2f} ms at the median, "
           f"{r['max_ms']:.2f} ms at most), alternating between two tenants, so that each moved it. The daemon warned "
           f"{late} times that its slice loop ran late.\n\n"
           "| Status round trips | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
           + "".join(f"| {name} | {s['round_trips']} | {s['p50']:.2f} ms | {s['p99']:.2f} ms | {s['max']:.2f} ms |\n"
-                    for name, s in (("alone", q), ("during the registrations", b))))
+                    for name, s in (("alone", q), ("during the registrations", b)))
+          + f"\nBeside a burst: {bb['procs']} processes of uid {BURST_UID}, each keeping {bb['calls']} registrations in "
+          f"flight, made {bb['burst_registrations']} registrations; meanwhile the registrar (uid 0) made "
+          f"{bb['registrar']['registrations']}.\n\n"
+          "| the registrar's registrations | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
+          + "".join(f"| {name} | {x['registrations']} | {x['p50_ms']:.2f} ms | {x['p99_ms']:.2f} ms | "
+                    f"{x['max_ms']:.2f} ms |\n" for name, x in (("back to back", r), ("beside the burst", bb["registrar"]))))
     write(args.out, res, md)
     print(md)
     return 0

@@ -293,6 +293,12 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
             "register_p50_ms": reg["registrar"]["p50_ms"], "late_warnings": reg["late_warnings"],
             **{f"{phase}_{stat}_ms": reg[f"{phase}_ms"][stat] for phase in ("quiet", "registering")
                for stat in ("p99", "max")}}
+        burst = reg.get("beside_burst")
+        if burst:  # no target: another user's pile of registrations against one caller's own
+            cases["Register beside another user's burst"] = {
+                "in_flight": burst["procs"] * burst["calls"], "burst_registrations": burst["burst_registrations"],
+                "registrations": burst["registrar"]["registrations"],
+                **{f"register_{stat}_ms": burst["registrar"][f"{stat}_ms"] for stat in ("p50", "p99", "max")}}
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
@@ -479,9 +485,10 @@ SUITES: tuple[Suite, ...] = (
           read_hooks, HOOK_TARGETS),
     Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
           "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
-          "beside them, one connection flooding wants and releases beside 200 tenants, and Status calls while one "
-          "process registers back to back (bench/lease_load.py, bench/echo_floor.py, bench/lease_flood.py, "
-          "bench/registration_load.py; CPU only, no GPU needed)", 1.9, False,
+          "beside them, one connection flooding wants and releases beside 200 tenants, Status calls while one "
+          "process registers back to back, and one user's registrations beside another's burst "
+          "(bench/lease_load.py, bench/echo_floor.py, bench/lease_flood.py, bench/registration_load.py; CPU only, "
+          "no GPU needed)", 2.2, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
            Step("floor", words("{py} bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out {out}")),
            Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}")),
