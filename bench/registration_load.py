@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Registration load: while registrations come in bursts, how long do other callers wait?
 
-Each `Register` moves the caller's process into its tenant's cgroup: a write to cgroup.procs, which waits for the
-kernel (an RCU grace period, milliseconds). Any local user may register, so the daemon must not make everyone else
-wait while it moves someone, nor let one user's pile of registrations hold back another user's. Two phases, each
---seconds long, after --warmup seconds of `Status` round trips alone:
+Each `Register` moves the caller's process into its tenant's cgroup: a write to cgroup.procs, which can wait for the
+kernel (an RCU grace period: milliseconds for a move that comes alone, little for one right after another). Any
+local user may register, so the daemon must not make everyone else wait while it moves someone, nor let one user's
+pile of registrations hold back another user's. Two phases, each --seconds long, after --warmup seconds of
+`Status` round trips alone:
 
-  back to back   a registrar process registers back to back, alternating between two tenants so that every
-                 registration is a real move, while this process times `Status` round trips to the same daemon
-  beside a burst the same registrar (root) registers while --burst-procs processes of another user (nobody, uid
-                 65534) each keep --burst-calls registrations in flight (gRPC calls on one connection, a batch at
-                 a time); the registrar's own registrations are timed
+  spaced         a registrar process registers every --gap-ms (as separate `unisched run`s do), alternating
+                 between two tenants so that every registration is a real move, while this process times `Status`
+                 round trips to the same daemon
+  beside a burst a registrar (root) registers back to back while --burst-procs processes of another user (nobody,
+                 uid 65534) each keep --burst-calls registrations in flight (gRPC calls on one connection, a batch
+                 at a time); the registrar's own registrations are timed
 
 The report gives the round trips alone and during the registrations, each phase's registrations and how long the
 registrar's took, and how often the daemon warned that its slice loop ran late. With --root DIR the daemon and the
@@ -59,7 +61,7 @@ REGISTRAR = r"""
 import json, statistics, sys, time
 from unisched.transport.client import DaemonClient
 from unisched_wire import unisched_pb2 as pb
-sock, tenants = sys.argv[1], sys.argv[2].split(",")
+sock, tenants, gap = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3])
 with DaemonClient(sock, timeout=30) as c:
     c.register(pb.RegisterRequest(tenant=tenants[0], keep=True))  # connected, imported, in a tenant
     print("ready", flush=True)
@@ -70,8 +72,9 @@ with DaemonClient(sock, timeout=30) as c:
         t0 = time.perf_counter()
         c.register(pb.RegisterRequest(tenant=tenants[(len(took) + 1) % len(tenants)], keep=True))
         took.append(time.perf_counter() - t0)
+        time.sleep(gap)  # the workload's own pace
 took.sort()
-print(json.dumps({"registrations": len(took), "seconds": seconds, "p50_ms": 1000 * statistics.median(took),
+print(json.dumps({"registrations": len(took), "seconds": seconds, "gap_ms": 1000 * gap, "p50_ms": 1000 * statistics.median(took),
                   "p99_ms": 1000 * took[min(len(took) - 1, int(0.99 * len(took)))], "max_ms": 1000 * took[-1]}),
       flush=True)
 """
@@ -153,11 +156,11 @@ def measure(sock: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients")])}
     procs: list[subprocess.Popen[str]] = []
     try:
-        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS)], env))
+        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS), str(args.gap_ms / 1000)], env))
         go([reg], args.seconds)
         busy = round_trips(sock, args.seconds)
-        back_to_back = report(reg)
-        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS)], env))
+        spaced = report(reg)
+        procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS), "0"], env))
         burst = [start(BURST, [sock, ",".join(BURST_TENANTS), str(args.burst_calls), str(BURST_UID)], env)
                  for _ in range(args.burst_procs)]
         procs += burst
@@ -170,7 +173,7 @@ def measure(sock: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return {"registrar": back_to_back, "quiet_ms": stats_ms(quiet), "registering_ms": stats_ms(busy),
+    return {"registrar": spaced, "quiet_ms": stats_ms(quiet), "registering_ms": stats_ms(busy),
             "beside_burst": {"registrar": beside, "procs": args.burst_procs, "calls": args.burst_calls,
                              "burst_registrations": burst_done}}
 
@@ -179,21 +182,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=10.0, help="how long the registrar registers (default 10)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of Status round trips alone first (default 3)")
+    ap.add_argument("--gap-ms", type=float, default=20.0,
+                    help="the spaced registrar's pause between registrations (default 20 ms)")
     ap.add_argument("--burst-procs", type=int, default=16, help="processes of the burst's user (default 16)")
     ap.add_argument("--burst-calls", type=int, default=100,
                     help="registrations each keeps in flight (default 100: h2's streams on one connection)")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout the daemon runs from (default this one)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.seconds < 1 or args.warmup <= 0 or args.burst_procs < 1 or args.burst_calls < 1:
-        ap.error("--seconds must be >= 1, --warmup positive, --burst-procs and --burst-calls >= 1")
+    if args.seconds < 1 or args.warmup <= 0 or args.gap_ms < 0 or args.burst_procs < 1 or args.burst_calls < 1:
+        ap.error("--seconds must be >= 1, --warmup positive, --gap-ms >= 0, --burst-procs and --burst-calls >= 1")
     if os.geteuid() != 0:
         raise SystemExit("registration_load: needs root (each registration moves the registrar between cgroups)")
     root = args.root.resolve()
     subtree = f"unisched-bench-registration-{os.getpid()}"
     work = Path(tempfile.mkdtemp(prefix="registration-load-"))
     work.chmod(0o755)  # the burst's user reaches the socket in it
-    print(f"registration_load: {args.warmup:g} s alone, {args.seconds:g} s of registrations back to back, then "
+    print(f"registration_load: {args.warmup:g} s alone, {args.seconds:g} s of registrations every {args.gap_ms:g} ms, then "
           f"{args.seconds:g} s beside {args.burst_procs} x {args.burst_calls} of uid {BURST_UID}", file=sys.stderr)
     daemon, sock = start_daemon(work, "--no-nvml", "--cgroup-subtree", subtree, "--activity-threshold", "1",
                                 root=root)
@@ -207,10 +212,10 @@ def main() -> int:
     res = {**run_info(), "root": str(root), **res, "late_warnings": late}
     q, b, r = res["quiet_ms"], res["registering_ms"], res["registrar"]
     bb = res["beside_burst"]
-    md = (header(res) + f"Back to back: one process registered {r['registrations']} times in {r['seconds']:g} s "
-          f"({r['registrations'] / r['seconds']:.0f} a second; a registration took {r['p50_ms']:.2f} ms at the median, "
-          f"{r['max_ms']:.2f} ms at most), alternating between two tenants, so that each moved it. The daemon warned "
-          f"{late} times that its slice loop ran late.\n\n"
+    md = (header(res) + f"Spaced: one process registered {r['registrations']} times in {r['seconds']:g} s, pausing "
+          f"{r['gap_ms']:g} ms after each (a registration took {r['p50_ms']:.2f} ms at the median, {r['max_ms']:.2f} ms "
+          f"at most), alternating between two tenants, so that each moved it. The daemon warned {late} times that its "
+          "slice loop ran late.\n\n"
           "| Status round trips | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
           + "".join(f"| {name} | {s['round_trips']} | {s['p50']:.2f} ms | {s['p99']:.2f} ms | {s['max']:.2f} ms |\n"
                     for name, s in (("alone", q), ("during the registrations", b)))
@@ -219,7 +224,8 @@ def main() -> int:
           f"{bb['registrar']['registrations']}.\n\n"
           "| the registrar's registrations | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
           + "".join(f"| {name} | {x['registrations']} | {x['p50_ms']:.2f} ms | {x['p99_ms']:.2f} ms | "
-                    f"{x['max_ms']:.2f} ms |\n" for name, x in (("back to back", r), ("beside the burst", bb["registrar"]))))
+                    f"{x['max_ms']:.2f} ms |\n"
+                    for name, x in (("spaced", r), ("back to back, beside the burst", bb["registrar"]))))
     write(args.out, res, md)
     print(md)
     return 0

@@ -486,7 +486,7 @@ SUITES: tuple[Suite, ...] = (
     Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
           "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
           "beside them, one connection flooding wants and releases beside 200 tenants, Status calls while one "
-          "process registers back to back, and one user's registrations beside another's burst "
+          "process registers every 20 ms, and one user's registrations beside another's burst "
           "(bench/lease_load.py, bench/echo_floor.py, bench/lease_flood.py, bench/registration_load.py; CPU only, "
           "no GPU needed)", 2.2, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
