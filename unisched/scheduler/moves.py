@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 import structlog
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.policy.rotation import Rotation
 from unisched.scheduler.tenant import CALLER_GONE, SchedulerError, need_alive
 
 __all__ = ["STOPPING", "Move", "MoveThread", "move_back", "move_caller"]
@@ -86,16 +86,15 @@ class _Job:
 class MoveThread:
     """The moves' worker: one thread, started at the first move, whose results come back on the loop that asked.
 
-    One at a time bounds the threads a burst of registrations can make. The moves waiting are kept per uid; the
-    thread takes the next from each uid in rotation, and a uid's own in the order they came. How many wait is
+    One at a time bounds the threads a burst of registrations can make. The moves waiting take turns by uid
+    (policy.rotation). How many wait is
     bounded by the registrations the transport lets in (its pacer starts at most about one a loop turn, and the
     front door bounds each uid's connections). `close` (at shutdown) does not wait: the thread finishes the moves
     asked for, each within milliseconds, and the loop need not stay for them."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._waiting: dict[int, deque[_Job]] = {}
-        self._rotation: deque[int] = deque()
+        self._waiting: Rotation[_Job] = Rotation()
         self._thread: threading.Thread | None = None
         self.closed = False
 
@@ -107,11 +106,7 @@ class MoveThread:
         loop = asyncio.get_running_loop()
         job = _Job(work, loop.create_future(), loop)
         with self._cond:
-            mine = self._waiting.get(uid)
-            if mine is None:
-                mine = self._waiting[uid] = deque()
-                self._rotation.append(uid)
-            mine.append(job)
+            self._waiting.push(uid, job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="unisched-move", daemon=True)
                 self._thread.start()
@@ -125,18 +120,11 @@ class MoveThread:
 
     def _next(self) -> _Job | None:
         """The next move in rotation (None: closed, and none waits); called holding the lock."""
-        self._cond.wait_for(lambda: bool(self._rotation) or self.closed)
-        if not self._rotation:
+        self._cond.wait_for(lambda: bool(self._waiting) or self.closed)
+        if not self._waiting:
             self._thread = None
             return None
-        uid = self._rotation.popleft()
-        mine = self._waiting[uid]
-        job = mine.popleft()
-        if mine:
-            self._rotation.append(uid)
-        else:
-            del self._waiting[uid]
-        return job
+        return self._waiting.pop()
 
     def _run(self) -> None:
         while True:

@@ -18,8 +18,9 @@ the turns themselves.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
+
+from unisched.policy.rotation import Rotation
 
 __all__ = ["NO_UID", "Pacer"]
 
@@ -37,14 +38,12 @@ class Pacer:
         """This turn's registration ran (or was handed out)."""
         self._scheduled = False
         """`_next` is due at the next turn."""
-        self._waiting: dict[int, deque[Callable[[], bool]]] = {}
-        """Per uid, its callers waiting, in the order they came."""
-        self._rotation: deque[int] = deque()
-        """The uids that wait, the next to have a turn first."""
+        self._waiting: Rotation[Callable[[], bool]] = Rotation()
+        """The callers waiting, by uid in rotation (policy.rotation)."""
 
     @property
     def waiting(self) -> int:
-        return sum(map(len, self._waiting.values()))
+        return len(self._waiting)
 
     def take(self) -> bool:
         """This turn's registration, if nobody has it and nobody waits for one: True, and the caller registers
@@ -58,11 +57,7 @@ class Pacer:
         """Call `run` in a later turn: after those `uid` queued before it, and after one of each other uid that
         waits ahead of it in the rotation. It returns whether it registered: one whose caller has gone (False)
         leaves the turn to the next in line."""
-        mine = self._waiting.get(uid)
-        if mine is None:
-            mine = self._waiting[uid] = deque()
-            self._rotation.append(uid)
-        mine.append(run)
+        self._waiting.push(uid, run)
         self._schedule()
 
     async def turn(self, uid: int) -> None:
@@ -92,14 +87,8 @@ class Pacer:
     def _next(self) -> None:
         self._scheduled = False
         self._used = False
-        while self._rotation and not self._used:
-            uid = self._rotation.popleft()
-            mine = self._waiting[uid]
-            run = mine.popleft()
-            if mine:
-                self._rotation.append(uid)  # its next waits for every other uid's turn
-            else:
-                del self._waiting[uid]
+        while self._waiting and not self._used:
+            run = self._waiting.pop()
             self._claim()  # before run: a run that raises still leaves the next turn to the queue
             if not run():
                 self._used = False

@@ -1,0 +1,46 @@
+"""Waiting work served by owner in rotation: each owner (a uid) that waits gets the next turn in order, its own
+items in the order they came. The rule that one user's pile of calls delays another user's call by one item, not
+by the whole pile (the daemon's registrations and cgroup moves are served so)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, TypeVar
+
+__all__ = ["Rotation"]
+
+T = TypeVar("T")
+
+
+class Rotation(Generic[T]):
+    """Items waiting, per owner; `pop` takes the next owner's oldest item and sends that owner to the back."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, deque[T]] = {}
+        self._order: deque[int] = deque()
+        """The owners that wait, the next to have a turn first."""
+
+    def __len__(self) -> int:
+        return sum(map(len, self._waiting.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self._order)
+
+    def push(self, owner: int, item: T) -> None:
+        """`item` waits after `owner`'s earlier ones; an owner not waiting yet joins the back of the rotation."""
+        mine = self._waiting.get(owner)
+        if mine is None:
+            mine = self._waiting[owner] = deque()
+            self._order.append(owner)
+        mine.append(item)
+
+    def pop(self) -> T:
+        """The next item in rotation (IndexError when none waits)."""
+        owner = self._order.popleft()
+        mine = self._waiting[owner]
+        item = mine.popleft()
+        if mine:
+            self._order.append(owner)  # its next waits for every other owner's turn
+        else:
+            del self._waiting[owner]
+        return item
