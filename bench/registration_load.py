@@ -11,8 +11,9 @@ pile of registrations hold back another user's. Two phases, each --seconds long,
                  between two tenants so that every registration is a real move, while this process times `Status`
                  round trips to the same daemon
   beside a burst a registrar (root) registers back to back while --burst-procs processes of another user (nobody,
-                 uid 65534) each keep --burst-calls registrations in flight (gRPC calls on one connection, a batch
-                 at a time); the registrar's own registrations are timed
+                 uid 65534) each ask for --burst-calls registrations at once on one connection, a batch at a time
+                 (as many as the daemon lets the connection have in flight run, the client queues the rest); the
+                 registrar's own registrations are timed
 
 The report gives the round trips alone and during the registrations, each phase's registrations and how long the
 registrar's took, and how often the daemon warned that its slice loop ran late. With --root DIR the daemon and the
@@ -186,7 +187,7 @@ def main() -> int:
                     help="the spaced registrar's pause between registrations (default 20 ms)")
     ap.add_argument("--burst-procs", type=int, default=16, help="processes of the burst's user (default 16)")
     ap.add_argument("--burst-calls", type=int, default=100,
-                    help="registrations each keeps in flight (default 100: h2's streams on one connection)")
+                    help="registrations each asks for at once (default 100: h2's default streams on a connection)")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout the daemon runs from (default this one)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -219,8 +220,8 @@ def main() -> int:
           "| Status round trips | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
           + "".join(f"| {name} | {s['round_trips']} | {s['p50']:.2f} ms | {s['p99']:.2f} ms | {s['max']:.2f} ms |\n"
                     for name, s in (("alone", q), ("during the registrations", b)))
-          + f"\nBeside a burst: {bb['procs']} processes of uid {BURST_UID}, each keeping {bb['calls']} registrations in "
-          f"flight, made {bb['burst_registrations']} registrations; meanwhile the registrar (uid 0) made "
+          + f"\nBeside a burst: {bb['procs']} processes of uid {BURST_UID}, each asking for {bb['calls']} registrations "
+          f"at once, made {bb['burst_registrations']} registrations; meanwhile the registrar (uid 0) made "
           f"{bb['registrar']['registrations']}.\n\n"
           "| the registrar's registrations | count | p50 | p99 | max |\n|---|---|---|---|---|\n"
           + "".join(f"| {name} | {x['registrations']} | {x['p50_ms']:.2f} ms | {x['p99_ms']:.2f} ms | "

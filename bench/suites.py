@@ -296,7 +296,7 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
         burst = reg.get("beside_burst")
         if burst:  # no target: another user's pile of registrations against one caller's own
             cases["Register beside another user's burst"] = {
-                "in_flight": burst["procs"] * burst["calls"], "burst_registrations": burst["burst_registrations"],
+                "asked_at_once": burst["procs"] * burst["calls"], "burst_registrations": burst["burst_registrations"],
                 "registrations": burst["registrar"]["registrations"],
                 **{f"register_{stat}_ms": burst["registrar"][f"{stat}_ms"] for stat in ("p50", "p99", "max")}}
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")

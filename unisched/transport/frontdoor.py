@@ -32,6 +32,7 @@ from unisched.logs import Throttle
 from unisched.transport.identity import PeerCred, peer_of
 from unisched.transport.options import (
     ADMIN_RESERVE,
+    GRPC_CALLS_PER_CONNECTION,
     GRPC_IDLE_S,
     MAX_CONNECTIONS,
     MAX_CONNECTIONS_PER_UID,
@@ -54,6 +55,8 @@ ACCEPT_BATCH = 256
 """Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
 task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
 _ADMIN = -1
+H2_STREAMS = 100
+"""The calls in flight an HTTP/2 connection may carry by default (h2's own limit): admins' and the TLS listener's."""
 """The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
 
 
@@ -67,6 +70,7 @@ class FrontDoorLimits:
     partial_frame_s: float = PARTIAL_FRAME_S
     partial_bytes_per_uid: int = MAX_PARTIAL_BYTES_PER_UID
     grpc_idle_s: float = GRPC_IDLE_S
+    grpc_calls: int = GRPC_CALLS_PER_CONNECTION
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class StreamLimits:
     partial_frame_s: float
     hold: Callable[[int], bool]
     idle_s: float = GRPC_IDLE_S
+    calls: int = H2_STREAMS
+    """(gRPC) calls in flight at once on the connection."""
 
 
 Serve = Callable[[socket.socket, PeerCred, StreamLimits], Awaitable[None]]
@@ -251,7 +257,8 @@ class FrontDoor:
 
     def _stream_limits(self, bucket: int) -> StreamLimits:
         lim = self.limits
-        return StreamLimits(lim.opening_s, lim.partial_frame_s, lambda d: self._hold(bucket, d), lim.grpc_idle_s)
+        return StreamLimits(lim.opening_s, lim.partial_frame_s, lambda d: self._hold(bucket, d), lim.grpc_idle_s,
+                            H2_STREAMS if bucket == _ADMIN else lim.grpc_calls)
 
     async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: int, serve: Serve) -> None:
         try:

@@ -24,7 +24,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from google.protobuf.message import Message
 from grpclib.config import Configuration
@@ -33,11 +33,13 @@ from grpclib.const import Handler as MethodHandler
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.events import _DispatchServerEvents
 from grpclib.exceptions import GRPCError
-from grpclib.protocol import H2Protocol
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol, _set_nodelay
 from grpclib.server import Handler, Stream
 from h2.config import H2Configuration
+from h2.connection import H2Connection
 from h2.events import DataReceived, RequestReceived, StreamEnded
 from h2.exceptions import ProtocolError
+from h2.settings import SettingCodes, Settings
 
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred
@@ -223,12 +225,37 @@ class _Connection(H2Protocol):
         self._last = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        self._h2_made(transport)
         self._transport = transport
         self._registry.add(self)
         first, self._first = self._first, b""
         if first:
             self.data_received(first)
+
+    def _h2_made(self, transport: asyncio.BaseTransport) -> None:
+        """grpclib 0.4's H2Protocol.connection_made, but the H2Connection holds the peer to `limits.calls` streams
+        at once from its first SETTINGS frame: h2 enforces a local setting before the peer acknowledges it only
+        when it is the initial value (a later update_settings would let a client's first flight of 100 in)."""
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _set_nodelay(sock)
+        h2_conn = H2Connection(config=self.h2_config)
+        h2_conn.local_settings = Settings(client=False, initial_values={
+            SettingCodes.MAX_CONCURRENT_STREAMS: self.limits.calls,
+            SettingCodes.MAX_HEADER_LIST_SIZE: h2_conn.DEFAULT_MAX_HEADER_LIST_SIZE,
+        })
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        conn_delta = self.config.http2_connection_window_size - initial
+        stream_delta = self.config.http2_stream_window_size - initial
+        if conn_delta:
+            h2_conn.increment_flow_control_window(conn_delta)
+        if stream_delta:
+            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
+        self.connection = Connection(h2_conn, cast(asyncio.Transport, transport), config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
 
     def data_received(self, data: bytes) -> None:
         now = self._last = time.monotonic()

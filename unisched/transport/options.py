@@ -5,8 +5,8 @@ with the reason for its number. They hold for the gRPC socket and the lease sock
 from __future__ import annotations
 
 __all__ = [
-    "ADMIN_RESERVE", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "MAX_PARTIAL_BYTES_PER_UID",
-    "OPENING_DEADLINE_S", "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED",
+    "ADMIN_RESERVE", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID",
+    "MAX_PARTIAL_BYTES_PER_UID", "OPENING_DEADLINE_S", "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED",
 ]
 
 MAX_CONNECTIONS = 4096
@@ -35,6 +35,14 @@ MAX_PARTIAL_BYTES_PER_UID = 1 << 20
 all its connections. A renewal is tens of bytes, a hello or a gRPC call well under 1 KiB, so honest clients hold
 almost nothing here; past it the connection whose request tipped it over is dropped. With 128 connections of
 64 KiB each a uid could otherwise pin 8 MiB; 4,200 such connections pushed the daemon's RSS to 730 MiB."""
+
+GRPC_CALLS_PER_CONNECTION = 4
+"""gRPC calls one non-admin connection may have in flight at once (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS, held
+from the connection's first SETTINGS frame; admins keep h2's 100). A call's handler starts on the event loop as
+soon as its request arrives, so 128 connections of 100 calls each sent together would start 12,800 handlers in a
+turn of the loop and hold it for seconds (1600 held it for 220-240 ms on a 2-core VM); at 4, a uid starts at most
+512 at once. Honest clients have one call in flight per connection, and a gRPC client queues its extra calls
+itself; one that opens more streams than allowed has broken HTTP/2 and its connection is dropped."""
 
 GRPC_IDLE_S = 120.0
 """A gRPC connection that carried no request and had no call in flight for this long is closed. Every gRPC call is
