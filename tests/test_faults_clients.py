@@ -181,7 +181,7 @@ def test_clients_that_never_read_or_send_garbage(daemon_factory, tenant_prefix: 
         return s
 
     try:
-        # 1. asks for as many tenant lists at once as the daemon allows (h2's 100 concurrent streams, which it
+        # 1. asks for as many tenant lists at once as the daemon allows an admin (h2's 100 concurrent streams, which it
         # advertises; more is a protocol error that ends the connection) with a 2 GiB window, and never reads a
         # byte of the answers
         hog = raw()

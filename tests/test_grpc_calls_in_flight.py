@@ -7,7 +7,10 @@ Unix socket, grpcio and raw h2 as clients."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,10 +20,13 @@ import grpc
 import h2.config
 import h2.connection
 import h2.settings
+import pytest
+from conftest import Daemon, child_env
 
 from unisched.transport.frontdoor import StreamLimits
 from unisched.transport.grpcdoor import GrpcDoor
 from unisched.transport.identity import PeerCred
+from unisched.transport.options import GRPC_CALLS_PER_CONNECTION
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
 
@@ -109,8 +115,8 @@ def test_a_grpc_client_queues_its_calls_past_the_limit_and_every_call_is_answere
     assert servicer.most <= CALLS
 
 
-def raw_calls(n: int) -> bytes:
-    """An HTTP/2 client's preface and `n` Status calls sent before it reads the server's SETTINGS."""
+def raw_calls(n: int) -> tuple[h2.connection.H2Connection, bytes]:
+    """An HTTP/2 client, and its preface and `n` Status calls sent before it reads the server's SETTINGS."""
     c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     c.initiate_connection()
     body = pb.StatusRequest().SerializeToString()
@@ -119,7 +125,7 @@ def raw_calls(n: int) -> bytes:
         c.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", "/unisched.v1.Unisched/Status"),
                              (":authority", "unisched"), ("content-type", "application/grpc"), ("te", "trailers")])
         c.send_data(sid, b"\0" + len(body).to_bytes(4, "big") + body, end_stream=True)
-    return c.data_to_send()
+    return c, c.data_to_send()
 
 
 def test_a_peer_that_opens_more_streams_than_allowed_at_once_is_dropped_before_any_starts(tmp_path: Path) -> None:
@@ -130,7 +136,7 @@ def test_a_peer_that_opens_more_streams_than_allowed_at_once_is_dropped_before_a
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(path)
             s.settimeout(10)
-            s.sendall(raw_calls(CALLS + 3))  # its first flight, before any SETTINGS of the daemon's was read
+            s.sendall(raw_calls(CALLS + 3)[1])  # its first flight, before any SETTINGS of the daemon's was read
             got = b""
             while chunk := s.recv(1 << 16):  # until the daemon closes it
                 got += chunk
@@ -143,3 +149,46 @@ def test_a_peer_that_opens_more_streams_than_allowed_at_once_is_dropped_before_a
     events = settings.receive_data(client_saw)
     changed = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
     assert changed and changed[0].changed_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == CALLS
+
+
+# --- the real daemon: the limit is a non-admin connection's, an admin keeps h2's 100 ---------------------------
+
+PEER = r"""
+import os, socket, sys
+import h2.events
+path, n, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+sys.path.insert(0, sys.argv[4])
+from test_grpc_calls_in_flight import raw_calls
+if uid:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+c, first = raw_calls(n)
+ended = 0
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(path)
+    s.settimeout(20)
+    s.sendall(first)
+    try:
+        while ended < n and (data := s.recv(1 << 16)):
+            for e in c.receive_data(data):
+                ended += isinstance(e, h2.events.StreamEnded)
+            s.sendall(c.data_to_send())
+    except ConnectionResetError:  # dropped with our requests unread
+        pass
+print(ended)
+"""
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_the_daemon_holds_a_non_admin_connection_to_the_limit_and_an_admins_to_h2s(daemon: Daemon) -> None:
+    os.chmod(Path(daemon.socket).parent, 0o755)  # nobody reaches the socket
+    n = GRPC_CALLS_PER_CONNECTION + 1
+
+    def answered(uid: int) -> int:
+        out = subprocess.run([sys.executable, "-c", PEER, daemon.socket, str(n), str(uid), str(Path(__file__).parent)],
+                             capture_output=True, text=True, timeout=60, env=child_env())
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout)
+
+    assert answered(0) == n  # root: an admin
+    assert answered(65534) == 0  # dropped before any call started

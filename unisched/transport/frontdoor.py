@@ -255,14 +255,14 @@ class FrontDoor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    def _stream_limits(self, bucket: int) -> StreamLimits:
+    def _stream_limits(self, bucket: int, admin: bool) -> StreamLimits:
         lim = self.limits
         return StreamLimits(lim.opening_s, lim.partial_frame_s, lambda d: self._hold(bucket, d), lim.grpc_idle_s,
-                            H2_STREAMS if bucket == _ADMIN else lim.grpc_calls)
+                            H2_STREAMS if admin else lim.grpc_calls)
 
     async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: int, serve: Serve) -> None:
         try:
-            await serve(conn, cred, self._stream_limits(bucket))
+            await serve(conn, cred, self._stream_limits(bucket, self.is_admin(cred)))
         except (ConnectionError, OSError):
             conn.close()
         finally:
