@@ -12,9 +12,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_env() -> dict[str, str]:
-    """This checkout (and its wire package, clients/) first on PYTHONPATH, whatever was set after it."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "clients"),
+def bench_env(root: Path = ROOT) -> dict[str, str]:
+    """The checkout `root` (and its wire package, clients/) first on PYTHONPATH, whatever was set after it (a
+    machine's own site directory, say)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), str(root / "clients"),
                                                                       os.environ.get("PYTHONPATH")]))}
 
 
@@ -32,8 +33,7 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     with (work / "daemon.log").open("wb") as log:  # the daemon writes to its own copy of the file
         daemon = subprocess.Popen([sys.executable, *prof, "-m", "unisched", "serve", "--socket", sock, "--state-dir",
                                    str(work / "state"), *extra], stdout=log, stderr=log,
-                                  env={**bench_env(), "PYTHONPATH": os.pathsep.join(filter(None, [
-                                      str(root), str(root / "clients"), os.environ.get("PYTHONPATH")]))},
+                                  env=bench_env(root),
                                   cwd=root)
     deadline = time.monotonic() + timeout_s
     while not Path(sock).exists():

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, remove_subtree, start_daemon
+from _daemon import ROOT, bench_env, remove_subtree, start_daemon
 from _results import header, run_info, write
 from lease_load import percentile
 
@@ -154,7 +154,7 @@ def report(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 def measure(sock: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     quiet = round_trips(sock, args.warmup)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "clients")])}
+    env = bench_env(root)
     procs: list[subprocess.Popen[str]] = []
     try:
         procs.append(reg := start(REGISTRAR, [sock, ",".join(TENANTS), str(args.gap_ms / 1000)], env))
