@@ -38,9 +38,8 @@ def h2_frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 
 CONCURRENT_STREAMS = 100
-
-
-"""The streams one HTTP/2 connection to the daemon may have open at once (h2's default, in its SETTINGS)."""
+"""The streams an admin's HTTP/2 connection to the daemon may have open at once (h2's default, in its SETTINGS; a
+non-admin's: options.GRPC_CALLS_PER_CONNECTION)."""
 
 
 def h2_hello(big_window: bool = False) -> bytes:

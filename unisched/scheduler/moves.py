@@ -80,17 +80,17 @@ def move_back(m: Move, origin: str | None) -> bool:
 class _Job:
     work: Callable[[], Any]
     future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
+    """Done on the loop that asked (its own)."""
 
 
 class MoveThread:
     """The moves' worker: one thread, started at the first move, whose results come back on the loop that asked.
 
     One at a time bounds the threads a burst of registrations can make. The moves waiting take turns by uid
-    (policy.rotation). How many wait is
-    bounded by the registrations the transport lets in (its pacer starts at most about one a loop turn, and the
-    front door bounds each uid's connections). `close` (at shutdown) does not wait: the thread finishes the moves
-    asked for, each within milliseconds, and the loop need not stay for them."""
+    (policy.rotation). How many wait is bounded by the registrations the transport lets in (its pacer starts at
+    most about one a loop turn, and the front door bounds each uid's connections and their calls). `close` (at
+    shutdown) does not wait: the thread finishes the moves asked for, each within milliseconds, and the loop need
+    not stay for them."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -103,8 +103,7 @@ class MoveThread:
         SchedulerError once closed."""
         if self.closed:
             raise SchedulerError("failed", STOPPING)
-        loop = asyncio.get_running_loop()
-        job = _Job(work, loop.create_future(), loop)
+        job = _Job(work, asyncio.get_running_loop().create_future())
         with self._cond:
             self._waiting.push(uid, job)
             if self._thread is None:
@@ -150,4 +149,4 @@ class MoveThread:
                 job.future.set_result(result)
 
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (the daemon stopped): nobody waits
-            job.loop.call_soon_threadsafe(settle)
+            job.future.get_loop().call_soon_threadsafe(settle)

@@ -55,9 +55,9 @@ ACCEPT_BATCH = 256
 """Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
 task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
 _ADMIN = -1
+"""The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
 H2_STREAMS = 100
 """The calls in flight an HTTP/2 connection may carry by default (h2's own limit): admins' and the TLS listener's."""
-"""The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
 
 
 @dataclass(frozen=True)
