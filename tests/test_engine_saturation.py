@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 from test_engine import SLICE, Rig, gpu_rig
 
 from unisched.policy import Engine
@@ -269,3 +270,15 @@ def test_rationed_players_sit_out_in_steps_between_ticks(tmp_path: Path) -> None
     assert changed > 0 and unchanged == 0
     assert tries == 0  # rationed when each hold ended: renewed, never tried again
     assert longest < 2 * SLICE <= whole, (longest, whole)
+
+
+def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
+    """At --log-level debug each tick of a rationed GPU logs its steps, budget and the leads that chose them: what
+    a share that misses its weight on a real GPU is read from."""
+    with capture_logs() as logs:
+        _rationed_players(tmp_path, loop=True)
+    sliced = [e for e in logs if e["event"] == "rationed slice"]
+    assert sliced, "no rationed slice logged"
+    last = sliced[-1]
+    assert set(last["leads"]) == {f"p{i}" for i in range(12)} and set(last["charged"]) == set(last["leads"])
+    assert last["sit_out"]["gpu0/sm"] >= 1 and any(last["steps"])

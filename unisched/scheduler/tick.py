@@ -176,6 +176,15 @@ def _log_gates(c: Context, outcome: GateOutcome) -> None:
                      util=None if g.util is None else round(g.util, 3), reason=reason)
 
 
+def _log_ration(c: Context, views: Sequence[TenantView]) -> None:
+    """Who sits out of each step of the new rationed slice, how many may, and the leads that chose them
+    (--log-level debug): what a share that misses its weight is read from."""
+    log.debug("rationed slice", sit_out={str(r): n for r, n in c.plan.sit_out.items()},
+              cap={str(r): n for r, n in c.plan.sit_out_cap.items()}, steps=[sorted(s) for s in c.plan.steps],
+              leads={v.name: [round(lead, 5) for _, lead, _ in v.leads] for v in views if v.leads},
+              charged={v.name: [round(used, 5) for _, _, used in v.leads] for v in views if v.leads})
+
+
 def _mix_weights(c: Context) -> dict[int, PairWeights]:
     """Per GPU, the weights of the tenants with demand on its compute and on its graphics side."""
     cooperative, weight = c.leases.cooperative, c.policy.weight
@@ -200,6 +209,8 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
                    TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced)
                    for t in tenants])
     p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt, c.step), c.plan)
+    if rationed:
+        _log_ration(c, views)
     _log_mixes(c, p)
     for t, verdict in zip(tenants, p.freeze, strict=True):
         if verdict.frozen != t.frozen and not t.missing:
