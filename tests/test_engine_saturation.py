@@ -282,3 +282,48 @@ def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
     last = sliced[-1]
     assert set(last["leads"]) == {f"p{i}" for i in range(12)} and set(last["charged"]) == set(last["leads"])
     assert last["sit_out"]["gpu0/sm"] >= 1 and any(last["steps"])
+
+
+def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) -> None:
+    """Twelve paced players 1:2:4 whose CPU time is no measure of their GPU time: each waits for the busy GPU by
+    spinning, the more so the more often it runs (its CPU a GPU second 1, 1.5 and 2 by group, as players at 14, 18
+    and 22 ms of CPU a frame were). NVML's per-process samples show each one's GPU time, and the daemon weighs
+    their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    names = [f"p{i}" for i in range(12)]
+    spin = {n: (1.0, 1.5, 2.0)[i % 3] for i, n in enumerate(names)}
+    for i, name in enumerate(names):
+        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in names}
+    used = dict.fromkeys(names, 0.0)
+    shown: dict[int, float] = {}
+    window = dict.fromkeys(names, 0.0)
+    window_start = rig.clock.monotonic()
+
+    def play(seconds: float) -> None:
+        nonlocal shown, window_start
+        end = rig.clock.monotonic() + seconds
+        while rig.clock.monotonic() < end:
+            running = [n for n in names if not rig.frozen(n)]
+            part = min(0.2, 1.0 / len(running)) if running else 0.0
+            rig.rate.update({n: part * spin[n] for n in names})
+            tel.next_samples = [GpuSample(0, min(1.0, part * len(running)), 0.0, 0.0, 0, process_sm=shown)]
+            t0 = rig.clock.monotonic()
+            rig.step()
+            dt = rig.clock.monotonic() - t0
+            for n in running:
+                used[n] += part * dt
+                window[n] += part * dt
+            if rig.clock.monotonic() - window_start >= 1.0:  # NVML's per-process samples: a second's mean
+                span = rig.clock.monotonic() - window_start
+                shown = {pid[n]: window[n] / span for n in names}
+                window.update(dict.fromkeys(names, 0.0))
+                window_start = rig.clock.monotonic()
+    play(5.0)  # the gate slices, finds the turns unused, and holds the GPU open; the rates are taken
+    start = dict(used)
+    play(60.0)
+    by_weight = [sum(used[n] - start[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)]
+    assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
+    assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.15), by_weight
+    assert sum(by_weight) >= 0.9 * 60.0  # the GPU kept nearly full

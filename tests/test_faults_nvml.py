@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from test_engine import SLICE, Rig
 
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
-from unisched.telemetry.nvml import NvmlTelemetry, open_nvml
+from unisched.telemetry.nvml import PROCESS_POLL_EVERY, NvmlTelemetry, open_nvml
 
 
 # --- NVML errors mid-run ---------------------------------------------------------------------------------------
@@ -176,6 +176,39 @@ def test_nvml_lists_the_pids_with_a_gpu_context_or_says_it_cannot() -> None:
         raise StubNvml.NVMLError_NotSupported("not in this VM")
     nvml.nvmlDeviceGetGraphicsRunningProcesses = refuse  # type: ignore[method-assign]
     assert [s.gpu_pids for s in NvmlTelemetry(nvml).sample()] == [None, None]  # one list failed: unknown
+
+
+def test_nvml_gives_each_sampled_pids_sm_busy_since_its_last_query() -> None:
+    """Per-process SM busy fractions are the mean of the samples newer than the previous query's (NVML is asked
+    from that timestamp on); a pid with no sample is left out (unknown); a failed query says unknown (None), and
+    one that finds no sample says nobody was sampled ({})."""
+    nvml = StubNvml()
+    asked: list[int] = []
+    batches: list[Any] = [
+        [(7, 10, 40), (7, 20, 60), (8, 20, 10)],  # pid, timestamp, smUtil %
+        [(7, 30, 90)],
+        StubNvml.NVMLError_NotFound("no samples"),
+        StubNvml.NVMLError_NotSupported("not in this VM"),
+    ]
+
+    def utilization(h: int, since: int) -> list[Any]:
+        if h == 0:
+            asked.append(since)
+        got = batches[0] if h == 0 else []
+        if isinstance(got, Exception):
+            raise got
+        return [types.SimpleNamespace(pid=p, timeStamp=t, smUtil=u, memUtil=0, encUtil=0, decUtil=0)
+                for p, t, u in got]
+    nvml.nvmlDeviceGetProcessUtilization = utilization  # type: ignore[method-assign]
+    tel = NvmlTelemetry(nvml)
+    seen = []
+    while batches:
+        seen.append(tel.sample()[0].process_sm)
+        for _ in range(PROCESS_POLL_EVERY - 1):  # the samples between per-process queries carry the last one's
+            assert tel.sample()[0].process_sm == seen[-1]
+        batches.pop(0)
+    assert seen == [{7: pytest.approx(0.5), 8: pytest.approx(0.1)}, {7: pytest.approx(0.9)}, {}, None]
+    assert asked == [0, 20, 30, 30]
 
 
 def test_nvml_gpu_lost_before_start(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
-from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part
+from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part, gpu_per_cpu
 from unisched.policy.overlap import PairMember, PairWeights, SliceKind, mix_contenders, pair_weights
 from unisched.policy.plan import (
     MIX_DOMAIN,
@@ -133,6 +133,35 @@ def test_pair_weights(members: list[PairMember], expected: dict[int, PairWeights
 def test_charge_rule(util: float, cpu: list[float], charged: list[float], rule: Rule) -> None:
     amounts, why = charge_rule(util, 0.05, cpu, 0.02)
     assert amounts == pytest.approx(charged) and why is rule
+
+
+@pytest.mark.parametrize(("cpu", "rates", "charged", "rule"), [
+    # players that spin while they wait: the heavy one's CPU a frame is higher; its GPU per CPU second lower
+    ([0.01, 0.04], [0.5, 0.25], [0.05 / 3, 0.1 / 3], Rule.PROCESS_RATE),  # 0.05 s busy split 1:2 (0.005:0.01), not 1:4
+    ([0.01, 0.04], [0.5, None], [0.01, 0.04], Rule.SIGNAL),  # one not shown by NVML: CPU activity for all
+    ([0.01, 0.04], [0.5], [0.01, 0.04], Rule.SIGNAL),  # rates that do not match the tenants: ignored
+    ([0.01, 0.04], [0.0, 0.0], [0.01, 0.04], Rule.SIGNAL),  # NVML shows none of them busy: CPU activity
+    ([0.02, 0.02], [0.0, 0.3], [0.0, 0.05], Rule.PROCESS_RATE),  # shown idle on the GPU: pays nothing
+])
+def test_charge_rule_weighs_cpu_by_each_tenants_gpu_rate(cpu: list[float], rates: list[float | None],
+                                                          charged: list[float], rule: Rule) -> None:
+    amounts, why = charge_rule(1.0, 0.05, cpu, 0.02, rates=rates)
+    assert amounts == pytest.approx(charged) and why is rule
+
+
+def test_charge_rule_without_a_gpu_signal_ignores_rates() -> None:
+    assert charge_rule(0.0, 0.05, [0.01, 0.04], 0.02, rates=[0.5, 0.25]) == ([0.01, 0.04], Rule.CPU_TIME)
+
+
+@pytest.mark.parametrize(("gpu", "cores", "rate"), [
+    (0.2, 0.5, 0.4),  # 0.2 of the GPU on half a core
+    (0.0, 0.5, 0.0),  # shown, and idle on the GPU
+    (None, 0.5, None),  # NVML showed none of its processes
+    (0.2, 0.01, None),  # too little CPU for a ratio
+    (-0.1, 0.5, 0.0),  # never below nothing
+])
+def test_gpu_per_cpu(gpu: float | None, cores: float, rate: float | None) -> None:
+    assert gpu_per_cpu(gpu, cores) == (None if rate is None else pytest.approx(rate))
 
 
 def test_charge_rule_takes_off_what_cooperative_tenants_did() -> None:

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from unisched.policy.plan import Rule
+from unisched.policy.tuning import TUNING
 
-__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part"]
+__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +68,34 @@ def cooperative_part(busy_s: float, start: float, end: float, reports: Sequence[
 
 
 def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float,
-                cooperative_s: float = 0.0) -> tuple[list[float], Rule]:
+                cooperative_s: float = 0.0, rates: Sequence[float | None] = ()) -> tuple[list[float], Rule]:
     """GPU seconds to charge each freezer-governed tenant that ran on a resource over the interval (`cpu_s`: their CPU
     seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
     included), less `cooperative_s` that cooperative tenants did in it (`cooperative_part`), is split by CPU
     activity (evenly when none showed any); without one each tenant's CPU time stands in for GPU time, so the same
     engine runs (and is tested) on machines with no GPU. Less the reported part, because a freezer-governed tenant frozen
     while a client held the GPU still ran the few ms its freeze took, and would otherwise pay for the client's
-    whole interval: beside a client it paid about twice its use, and got a third of the GPU at 1:1."""
+    whole interval: beside a client it paid about twice its use, and got a third of the GPU at 1:1.
+
+    `rates`: each tenant's GPU seconds per CPU second (`gpu_per_cpu`), where known for every one of them: then each
+    one's CPU activity is weighed by its rate (PROCESS_RATE). CPU time alone misleads where tenants wait for a busy
+    GPU by spinning in the driver: the more often one runs, the more it spins for each frame, and paced players
+    1:2:4 were charged 1:2.0:3.4 for frames 1:1.6:2.1."""
     if util > activity_threshold:
         busy = max(0.0, util * dt - cooperative_s)
+        if cpu_s and len(rates) == len(cpu_s) and None not in rates:
+            scaled = [c * (r or 0.0) for c, r in zip(cpu_s, rates, strict=True)]
+            if sum(scaled) > 0:
+                return [busy * w / sum(scaled) for w in scaled], Rule.PROCESS_RATE
         total = sum(cpu_s)
         return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
     return list(cpu_s), Rule.CPU_TIME
+
+
+def gpu_per_cpu(gpu_busy: float | None, cpu_cores: float, min_cores: float = TUNING.rate_min_cpu_cores) -> float | None:
+    """A tenant's GPU seconds per CPU second over a period: its processes' SM busy fraction as NVML's per-process
+    samples gave it (`gpu_busy`; None where NVML showed none of them: it omits some processes, CUDA ones on the H200),
+    over the cores it used meanwhile. None (unknown) below `min_cores` of CPU."""
+    if gpu_busy is None or cpu_cores < min_cores:
+        return None
+    return max(0.0, gpu_busy) / cpu_cores

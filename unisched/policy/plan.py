@@ -69,6 +69,9 @@ class Rule(StrEnum):
     # how a freezer-governed tenant is charged (also SIGNAL: the GPU's busy time, split by CPU activity)
     CPU_TIME = "cpu-time"
     """No GPU signal: each tenant's CPU time stands in for its GPU time."""
+    PROCESS_RATE = "process-rate"
+    """The GPU's busy time split by CPU activity scaled by each tenant's GPU seconds per CPU second, as NVML's
+    per-process samples showed them (`policy.charging.gpu_per_cpu`)."""
     # a freezer-governed tenant's demand
     LOST = "lost"
     """Its cgroup is gone: no demand."""

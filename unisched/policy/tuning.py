@@ -39,6 +39,9 @@ class Tuning:
     this many slices of GPU time ahead of its weight share may sit out until the others catch up. A larger lead lets
     a light tenant run ahead for longer, which shows as an error of its share over a window of seconds; a smaller one
     freezes and thaws for leads within the noise of one slice's charge."""
+    rate_min_cpu_cores: float = 0.02
+    """A tenant's GPU seconds per CPU second (`policy.charging.gpu_per_cpu`) are taken only over a second in which it
+    used at least this much of a core: a ratio over less is mostly noise, and a tenant frozen all second has none."""
     ration_steps: int = 4
     """A rationed slice is split into this many steps, and who sits out is chosen anew for each
     (policy.rationing.step_schedule): a tenant that must sit out most of the time does so in short stretches between

@@ -136,6 +136,11 @@ class Tenant:
     """Registering callers being moved into its cgroup now (off the loop): until they are in, its cgroup may show
     no process, and an emptied run tenant must not be removed for that."""
     labels: Mapping[str, str] = field(default_factory=dict)
+    gpu_rates: dict[int, float] = field(default_factory=dict)
+    """Per GPU, its GPU seconds per CPU second over the last second where NVML's per-process samples showed its
+    processes (scheduler.rates): the charge split weighs its CPU time by it (policy.charging.charge_rule)."""
+    rate_cpu: tuple[float, float] | None = None
+    """Its cumulative CPU seconds, and when, as its rates were last taken."""
 
     def saved(self) -> SavedTenant:
         return SavedTenant(*self.saved_fields())

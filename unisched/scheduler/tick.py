@@ -11,6 +11,7 @@ import structlog
 from unisched.enforce.cgroups import CgroupError
 from unisched.policy import (
     Decision,
+    Engine,
     Mode,
     Resource,
 )
@@ -340,7 +341,9 @@ def _charge_resource(
     busy = util * dt if util > threshold else 0.0
     matched, c.matches[r] = cooperative_part(busy, now - dt, now, reports, c.matches.get(r, ReportMatch()),
                                              c.leases.valid_s, True)
-    amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched)
+    sm = r.domain in (c.contention.domain(Engine.COMPUTE), c.contention.domain(Engine.GRAPHICS))
+    rates = [t.gpu_rates.get(r.gpu) for t in ts] if sm else []  # NVML's per-process samples are of the SMs
+    amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates)
     log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
               cooperative_s=round(matched, 5), rule=rule.value,
               charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})

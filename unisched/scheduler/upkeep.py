@@ -1,5 +1,6 @@
 """Once a second, from the tenants' process lists: GPU memory against caps, whether NVML lists a hooked tenant
-on a GPU, NVENC session counts against NVML's, and `unisched run` tenants whose last process exited."""
+on a GPU, NVENC session counts against NVML's, each tenant's GPU seconds per CPU second (scheduler.rates), and
+`unisched run` tenants whose last process exited."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from unisched.scheduler.admission import (
     engines_changed,
 )
 from unisched.scheduler.context import Context, save_soon
+from unisched.scheduler.rates import update_rates
 from unisched.scheduler.reporting import log_shares
 from unisched.scheduler.roster import (
     drop,
@@ -49,6 +51,7 @@ def update_memory(c: Context, samples: Mapping[int, GpuSample], now: float,
         return got
 
     _reconcile_encoders(c, samples, pids_of)
+    update_rates(c, samples, now, pids_of)
     by_pid: dict[int, int] = {}
     for s in samples.values():
         for pid, used in s.process_memory.items():

@@ -38,6 +38,10 @@ class GpuSample:
     """Live NVENC sessions per pid from NVML's encoder session list; None where NVML cannot say (no NVENC)."""
     gpu_pids: frozenset[int] | None = None
     """Processes NVML lists with a graphics or compute context on this GPU; None where it cannot list them."""
+    process_sm: Mapping[int, float] | None = None
+    """SM (3D and compute) busy fraction per pid, averaged over NVML's per-process samples since its previous
+    per-process query (about a second); None where NVML cannot say. NVML leaves out processes it has no samples
+    for, and some it should have (CUDA ones on the H200): a pid missing is unknown, not idle."""
 
     def util(self, engine: Engine) -> float:
         if engine is Engine.DECODE:

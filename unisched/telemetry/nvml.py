@@ -75,6 +75,8 @@ class NvmlTelemetry:
         self._procs: list[dict[int, frozenset[Engine]]] = [{} for _ in self._handles]
         self._memory: list[dict[int, int]] = [{} for _ in self._handles]
         self._pids: list[frozenset[int] | None] = [None for _ in self._handles]
+        self._process_sm: list[dict[int, float] | None] = [None for _ in self._handles]
+        self._process_ts = [0] * len(self._handles)
         self._encoders: dict[int, dict[int, int] | None] = {}
         self._calls = 0
         self._failing: set[int] = set()
@@ -110,13 +112,13 @@ class NvmlTelemetry:
             enc = 0.0  # GPUs without NVENC (H100/H200)
         mem = int(nvml.nvmlDeviceGetMemoryInfo(h).used)
         if self._calls % PROCESS_POLL_EVERY == 1:
-            self._procs[k] = self._process_engines(h)
+            self._procs[k], self._process_sm[k] = self._process_utilization(k, h)
             self._memory[k], self._pids[k] = self._process_memory(h)
             self._encoders[k] = self._encoder_sessions(h)
         enc_sessions = self._encoders.get(k)
         return GpuSample(self._info[k].index, sm, dec, enc, mem, dict(self._procs[k]), dict(self._memory[k]),
                          encoder_sessions=None if enc_sessions is None else dict(enc_sessions),
-                         gpu_pids=self._pids[k])
+                         gpu_pids=self._pids[k], process_sm=self._process_sm[k])
 
     def _encoder_sessions(self, h: Any) -> dict[int, int] | None:
         """NVENC sessions per pid (what the session hooks' encoder counts are reconciled against)."""
@@ -147,7 +149,10 @@ class NvmlTelemetry:
             self._last_util[i] = nvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
         return self._last_util[i]
 
-    def _process_engines(self, h: Any) -> dict[int, frozenset[Engine]]:
+    def _process_utilization(self, k: int, h: Any) -> tuple[dict[int, frozenset[Engine]], dict[int, float] | None]:
+        """Which engines each process used (graphics: NVML lists it; decode and encode: its samples show them), and
+        each sampled pid's SM busy fraction, averaged over the samples since the previous query (None when the query
+        failed)."""
         nvml = self._nvml
         engines: dict[int, set[Engine]] = {}
         try:
@@ -155,15 +160,24 @@ class NvmlTelemetry:
                 engines.setdefault(int(p.pid), set()).add(Engine.GRAPHICS)
         except nvml.NVMLError:
             pass
+        sm: dict[int, list[float]] | None = {}
         try:
-            for s in nvml.nvmlDeviceGetProcessUtilization(h, 0):
-                if s.decUtil > 0:
-                    engines.setdefault(int(s.pid), set()).add(Engine.DECODE)
-                if s.encUtil > 0:
-                    engines.setdefault(int(s.pid), set()).add(Engine.ENCODE)
+            samples = nvml.nvmlDeviceGetProcessUtilization(h, self._process_ts[k])
+        except nvml.NVMLError_NotFound:
+            samples = []  # no process has a sample since then
         except nvml.NVMLError:
-            pass
-        return {pid: frozenset(e) for pid, e in engines.items()}
+            samples, sm = [], None
+        for s in samples:
+            pid = int(s.pid)
+            if s.decUtil > 0:
+                engines.setdefault(pid, set()).add(Engine.DECODE)
+            if s.encUtil > 0:
+                engines.setdefault(pid, set()).add(Engine.ENCODE)
+            if sm is not None:
+                sm.setdefault(pid, []).append(s.smUtil / 100.0)
+            self._process_ts[k] = max(self._process_ts[k], int(s.timeStamp))
+        return ({pid: frozenset(e) for pid, e in engines.items()},
+                None if sm is None else {pid: sum(v) / len(v) for pid, v in sm.items()})
 
     def _process_memory(self, h: Any) -> tuple[dict[int, int], frozenset[int] | None]:
         """GPU memory per listed pid, and every pid listed with a context (None when a list failed)."""

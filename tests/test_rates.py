@@ -1,0 +1,34 @@
+"""Each tenant's GPU seconds per CPU second (scheduler.rates), taken once a second from NVML's per-process samples,
+against fake cgroups, fake telemetry and an injected clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_engine import SLICE, Rig
+
+from unisched.scheduler.config import DaemonConfig
+from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+
+
+def test_a_tenants_rate_is_its_processes_gpu_busy_over_its_cpu(tmp_path: Path) -> None:
+    """a's one process shows 0.3 of the GPU on half a core (0.6 GPU seconds a CPU second); b is not in NVML's
+    samples (unknown, not idle); c used too little CPU for a ratio. Rates are taken over the second before, so
+    none exists until two checks have passed."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, saturated_util=1.0), telemetry=tel)
+    for name in "abc":
+        rig.add(name, 100, engines=("graphics",))
+    rig.rate.update({"a": 0.5, "b": 0.5, "c": 0.001})
+    pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in "abc"}
+    tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0, process_sm={pid["a"]: 0.3, pid["c"]: 0.2, 99999: 0.9})]
+    tenants = rig.engine._c.tenants
+    rig.step(2)
+    assert all(not t.gpu_rates for t in tenants.values())  # one check: nothing to take a rate over yet
+    rig.step(int(3.0 / SLICE))
+    assert tenants["a"].gpu_rates == {0: pytest.approx(0.6, rel=0.05)}
+    assert tenants["b"].gpu_rates == {} and tenants["c"].gpu_rates == {}
+    tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0, process_sm=None)]  # NVML cannot say any more
+    rig.step(int(1.5 / SLICE))
+    assert tenants["a"].gpu_rates == {}
