@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from test_engine import SLICE, Rig, gpu_rig
 
 from unisched.policy import Engine
+from unisched.policy.tuning import TUNING
 from unisched.scheduler.config import DaemonConfig
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 
@@ -327,3 +328,43 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) 
     assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
     assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.15), by_weight
     assert sum(by_weight) >= 0.9 * 60.0  # the GPU kept nearly full
+
+
+def test_one_dip_in_the_gpu_reading_does_not_hold_rationing_down(tmp_path: Path) -> None:
+    """Twenty-four paced players 1:2:4 on a GPU held open and rationed. One NVML sample that reads it 60% busy is
+    seen by the four ticks it spans: the cap on how many sit out falls by one, not four, and rises back within
+    seconds; their GPU time over the next half minute still follows the weights. Lowered at each tick and never
+    raised, the cap held rationing down for as long as the GPU stayed open (on an H100, 5 sitting out where 10-12
+    had kept the weights)."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
+    rig.loop = True
+    names = [f"p{i}" for i in range(24)]
+    for i, name in enumerate(names):
+        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    ctx = rig.engine._c
+
+    def play(seconds: float, dip: bool = False) -> None:
+        end = rig.clock.monotonic() + seconds
+        while rig.clock.monotonic() < end:
+            running = sum(not rig.frozen(n) for n in names)
+            part = min(0.08, 1.0 / running) if running else 0.0
+            rig.rate.update(dict.fromkeys(names, part))
+            util = 0.6 if dip else min(1.0, part * running)
+            tel.next_samples = [GpuSample(0, util, 0.0, 0.0, 0)]
+            rig.step()
+    play(10.0)
+    sm = next(iter(ctx.plan.sit_out))
+    before = ctx.plan.sit_out[sm]
+    assert before >= 4, ctx.plan.sit_out  # rationing: 1.9x the GPU wanted
+    for _ in range(4 * TUNING.ration_steps):  # one NVML sample, read at each tick and step it spans
+        play(1e-9, dip=True)
+    dipped = ctx.plan.sit_out_cap[sm].most
+    assert dipped >= before - 2, (before, dipped)
+    play(12.0)
+    start = {n: rig.cpu(n) for n in names}
+    play(30.0)
+    used = {n: rig.cpu(n) - start[n] for n in names}
+    by_weight = [sum(used[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)]
+    assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.1), by_weight
+    assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.1), by_weight

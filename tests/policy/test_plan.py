@@ -28,7 +28,7 @@ from unisched.policy.plan import (
     plan,
     turn_used,
 )
-from unisched.policy.rationing import Rationed, ahead_rule, sit_out_budget, step_schedule
+from unisched.policy.rationing import Rationed, SitOutCap, ahead_rule, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig
 
 SM = Resource(0, "sm")
@@ -37,7 +37,7 @@ DEC = Resource(0, "nvdec")
 JOINT = Resource(0, MIX_DOMAIN)
 C, G, D = Engine.COMPUTE, Engine.GRAPHICS, Engine.DECODE
 GATE = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=2, hold_slices=4, max_hold_slices=8,
-                        reset_slices=4)
+                        reset_slices=4, cap_settle_slices=1, cap_release_slices=0)
 PARTIAL = ContentionMap.partial(0.22, 0.92)
 
 
@@ -253,16 +253,32 @@ def test_freeze_rule_for_a_tenant_that_sits_out(waits: bool, state: PlanState, f
     assert (verdict.frozen, verdict.rule) == (frozen, rule)
 
 
+Cap = SitOutCap
+
+
 @pytest.mark.parametrize(("out", "cap", "util", "expected"), [
     (0, None, 1.0, (1, None)), (3, None, 0.9, (4, None)),  # saturated (at high): one more
-    (0, None, 0.5, (0, None)), (0, 2, None, (0, 2)),  # room (or no reading) with nobody out: no cap
+    (0, None, 0.5, (0, None)), (0, Cap(2), None, (0, Cap(2, 1))),  # room (or no reading) with nobody out: no cap
     (3, None, 0.89, (2, None)),  # room with 3 out, the GPU still busy: one fewer
-    (3, None, 0.5, (2, 2)),  # their absence left it idle (under low): never 3 again while held open
-    (1, None, 0.2, (0, 0)),  # two that fill the GPU only together: never ration
-    (3, 1, 0.89, (1, 1)), (1, 1, 1.0, (1, 1)),  # at its cap
+    (3, None, 0.5, (2, Cap(2))),  # their absence left it idle (under low): not 3 again for a while
+    (1, None, 0.2, (0, Cap(0))),  # two that fill the GPU only together: no rationing for a while
+    (3, Cap(1), 0.89, (1, Cap(1, 1))), (1, Cap(1), 1.0, (1, Cap(1, 1))),  # at its cap
 ])
-def test_sit_out_budget(out: int, cap: int | None, util: float | None, expected: tuple[int, int | None]) -> None:
+def test_sit_out_budget(out: int, cap: SitOutCap | None, util: float | None,
+                        expected: tuple[int, SitOutCap | None]) -> None:
     assert sit_out_budget(out, cap, util, high=0.9, low=0.6) == expected
+
+
+@pytest.mark.parametrize(("out", "cap", "util", "expected"), [
+    (3, Cap(3, 1), 0.5, (2, Cap(3, 2))),  # lowered a slice ago: the same GPU reading, not lowered again
+    (3, Cap(3, 3), 0.5, (2, Cap(2))),  # lowered four slices ago: a new reading, lowered
+    (2, Cap(2, 38), 1.0, (2, Cap(2, 39))),  # not lowered for 39 slices: as it was
+    (2, Cap(2, 39), 1.0, (3, Cap(3))),  # for 40: one more may sit out
+    (2, Cap(2, 39), 0.5, (1, Cap(1))),  # lowered at the same slice: lowered wins
+])
+def test_sit_out_cap_settles_and_releases(out: int, cap: SitOutCap, util: float,
+                                          expected: tuple[int, SitOutCap | None]) -> None:
+    assert sit_out_budget(out, cap, util, high=0.9, low=0.6, settle=4, release=40) == expected
 
 
 def R(name: str, lead: float, used: float = 0.004, ran: int = 4, weight: int = 100) -> Rationed:
@@ -303,7 +319,7 @@ def test_observe_rations_a_resource_held_open_while_saturated_and_stops_when_it_
     rationing, a window whose mean busy fraction falls under `low` ends it, though the hold goes on. Slicing and
     rationing start with the resource levelled."""
     gate = SaturationConfig(high=0.9, low=0.6, enter_slices=2, leave_slices=1, hold_slices=10, max_hold_slices=40,
-                            reset_slices=10)
+                            reset_slices=10, cap_settle_slices=1, cap_release_slices=0)
     cfg = config(gate=gate)
     use = [FreezerUse(frozenset({SM}), frozenset({G}), frozenset({G}), False, 0.1)]
     state = PlanState()

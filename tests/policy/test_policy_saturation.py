@@ -12,7 +12,7 @@ from unisched.policy.saturation import GateState, SaturationConfig, SaturationGa
 
 SM = Resource(0, "sm")
 BASE = SaturationConfig(high=0.90, low=0.60, enter_slices=2, leave_slices=2, hold_slices=40, max_hold_slices=600,
-                        reset_slices=40)
+                        reset_slices=40, cap_settle_slices=1, cap_release_slices=0)
 """The gate these tests start from (the daemon's own comes from its knobs and policy.tuning)."""
 
 

@@ -10,6 +10,9 @@ from test_policy_fairshare import SLICE, SM0, SM1, scheduler
 from unisched.policy.rationing import Rationed, sit_out_budget, step_schedule
 from unisched.policy.tuning import TUNING
 
+GATE = TUNING.gate(0.98, SLICE * 1000)
+"""The daemon's gate at its defaults: how its cap on those sitting out settles and releases."""
+
 
 def test_lead_is_the_gpu_time_had_beyond_the_weight_share() -> None:
     p = scheduler({"light": (100, [SM0]), "heavy": (400, [SM0])})
@@ -55,7 +58,8 @@ def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int,
             p.charge(n, SM0, x, now)
             used[n] += x
         budget, cap = sit_out_budget(max(map(len, schedule)), cap,
-                                     sum(slice_used.values()) / SLICE - noise * (i % 3) / 2, high=0.98, low=0.68)
+                                     sum(slice_used.values()) / SLICE - noise * (i % 3) / 2, high=0.98, low=0.68,
+                                     settle=GATE.cap_settle_slices, release=GATE.cap_release_slices)
         schedule = step_schedule([Rationed(n, p.lead(n, SM0), weight[n], slice_used[n], ran[n]) for n in names],
                                  budget, steps, SLICE)
     return used, sum(used.values()) / (slices * SLICE), longest

@@ -25,11 +25,12 @@ def test_the_gate_has_no_defaults_of_its_own() -> None:
 
 def test_the_daemons_gate_from_its_default_knobs_is_unchanged() -> None:
     """saturated_util 0.98 and 50 ms slices: a mean over 8 slices (0.4 s) to slice, 8 unused to open, held 40
-    slices (2 s) doubling to 600 (30 s)."""
+    slices (2 s) doubling to 600 (30 s); while rationing, the cap lowered at most every 4 slices (0.2 s) and raised
+    after 100 (5 s)."""
     config = DaemonConfig()
     gate = TUNING.gate(config.saturated_util, config.slice_ms)
     assert gate == SaturationConfig(high=0.98, low=0.98 - 0.3, enter_slices=8, leave_slices=8, hold_slices=40,
-                                    max_hold_slices=600, reset_slices=40)
+                                    max_hold_slices=600, reset_slices=40, cap_settle_slices=4, cap_release_slices=100)
     assert TUNING.gate(0.98, 1000.0).enter_slices == 2  # never a window of one sample
     assert TUNING.gate(0.2, 50.0).low == 0.0
 

@@ -22,7 +22,7 @@ from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, PairWeights, SliceKind, mix_contenders, overlap_mix
-from unisched.policy.rationing import Rationed, sit_out_budget, step_schedule
+from unisched.policy.rationing import Rationed, SitOutCap, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step, rationing
 from unisched.policy.tuning import TUNING
 
@@ -194,8 +194,8 @@ class PlanState:
     """Per rationed resource, how many of the tenants ahead of their share sit out of a step (`sit_out_budget`)."""
     steps: tuple[frozenset[str], ...] = ()
     """Who sits out of each step of this slice, over every rationed resource (`step_schedule`); () when none is."""
-    sit_out_cap: Mapping[Resource, int] = field(default_factory=dict)
-    """Per resource held open, the most that may sit out: fewer than once left the GPU idle (`sit_out_budget`)."""
+    sit_out_cap: Mapping[Resource, SitOutCap] = field(default_factory=dict)
+    """Per resource held open, the most that may sit out: fewer than lately left the GPU idle (`sit_out_budget`)."""
 
     def is_open(self, r: Resource) -> bool:
         s = self.gates.get(r)
@@ -325,13 +325,13 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
                          and rationing(config.gate, gates[x.resource], x.resource in state.rationed))
     level += [r for r in rationed - state.rationed if r not in level]  # as for slicing: everyone ran as it wanted
     sit_out: dict[Resource, int] = {}
-    caps: dict[Resource, int] = {}
+    caps: dict[Resource, SitOutCap] = {}
     for x in readings:
         r = x.resource
         if not gates[r].held:  # caps last while the resource is held open
             continue
         budget, cap = sit_out_budget(state.sit_out.get(r, 0), state.sit_out_cap.get(r), x.util, config.gate.high,
-                                     config.gate.low)
+                                     config.gate.low, config.gate.cap_settle_slices, config.gate.cap_release_slices)
         if cap is not None:
             caps[r] = cap
         if r in rationed:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from unisched.policy.tuning import TUNING
 
-__all__ = ["Rationed", "ahead_rule", "sit_out_budget", "step_schedule"]
+__all__ = ["Rationed", "SitOutCap", "ahead_rule", "sit_out_budget", "step_schedule"]
 
 
 class Rationed(NamedTuple):
@@ -37,21 +37,35 @@ def ahead_rule(lead_s: float, slice_s: float, lead_slices: float = TUNING.ration
     return lead_s > lead_slices * slice_s
 
 
-def sit_out_budget(out: int, cap: int | None, util: float | None, high: float,
-                   low: float) -> tuple[int, int | None]:
+class SitOutCap(NamedTuple):
+    """The most tenants that may sit out of a step of a resource held open (`sit_out_budget`)."""
+
+    most: int
+    age: int = 0
+    """Slices since it was last lowered or raised."""
+
+
+def sit_out_budget(out: int, cap: SitOutCap | None, util: float | None, high: float, low: float,
+                   settle: int = 1, release: int = 0) -> tuple[int, SitOutCap | None]:
     """How many tenants ahead of their share may sit out of a rationed resource next slice, and the cap on that
     while the resource stays held open. `out`: how many sat out of the slice just read. One more after a saturated
     slice (>= `high`), one fewer after one with room: it tracks the most that keep the GPU full, since paced tenants
     can each use only so much of a slice. Where some sat out and the GPU read idle (under `low`, the gate's unused
-    turn), their absence emptied it, and fewer than that may sit out while it stays held open: two tenants that
-    fill the GPU only together do not ration. The plan clamps the budget to the most that did sit out of a step."""
+    turn), their absence emptied it, and fewer than that may sit out: two tenants that fill the GPU only together
+    do not ration. The cap is lowered at most once in `settle` slices (one GPU reading can span several) and, not
+    lowered for `release` slices, rises by one (0: never), so that one dip does not hold it down for as long as the
+    resource stays open. The plan clamps the budget to the most that did sit out of a step."""
+    if cap is not None:
+        cap = cap._replace(age=cap.age + 1)
     if util is not None and util >= high - 1e-9:
         budget = out + 1
     else:
         budget = max(0, out - 1)
-        if out > 0 and (util is None or util < low):
-            cap = out - 1 if cap is None else min(cap, out - 1)
-    return (budget if cap is None else min(budget, cap)), cap
+        if out > 0 and (util is None or util < low) and (cap is None or cap.age >= settle):
+            cap = SitOutCap(out - 1 if cap is None else min(cap.most, out - 1))
+    if cap is not None and release and cap.age >= release:
+        cap = SitOutCap(cap.most + 1)
+    return (budget if cap is None else min(budget, cap.most)), cap
 
 
 def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s: float) -> tuple[frozenset[str], ...]:

@@ -52,6 +52,12 @@ class SaturationConfig:
     max_hold_slices: int
     reset_slices: int
     """A sliced stretch this long with used turns resets the hold."""
+    cap_settle_slices: int
+    """While rationing, the cap on how many sit out is lowered at most once in this many slices: one of NVML's
+    samples spans several slices, and a reading seen at each must not lower it at each (policy.rationing)."""
+    cap_release_slices: int
+    """While rationing, a cap not lowered for this many slices rises by one; 0: it lasts while the resource is held
+    open."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.low <= self.high <= 1.0:
@@ -59,6 +65,8 @@ class SaturationConfig:
         if min(self.enter_slices, self.leave_slices, self.reset_slices) < 1 or self.hold_slices < 0 \
                 or self.max_hold_slices < self.hold_slices:
             raise PolicyError("saturation slice counts must be >= 1, hold_slices >= 0 and max_hold_slices >= hold_slices")
+        if self.cap_settle_slices < 1 or self.cap_release_slices < 0:
+            raise PolicyError("cap_settle_slices must be >= 1 and cap_release_slices >= 0")
 
     @property
     def enabled(self) -> bool:

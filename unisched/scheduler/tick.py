@@ -181,7 +181,7 @@ def _log_ration(c: Context, views: Sequence[TenantView]) -> None:
     """Who sits out of each step of the new rationed slice, how many may, and the leads that chose them
     (--log-level debug): what a share that misses its weight is read from."""
     log.debug("rationed slice", sit_out={str(r): n for r, n in c.plan.sit_out.items()},
-              cap={str(r): n for r, n in c.plan.sit_out_cap.items()}, steps=[sorted(s) for s in c.plan.steps],
+              cap={str(r): n.most for r, n in c.plan.sit_out_cap.items()}, steps=[sorted(s) for s in c.plan.steps],
               leads={v.name: [round(lead, 5) for _, lead, _ in v.leads] for v in views if v.leads},
               charged={v.name: [round(used, 5) for _, _, used in v.leads] for v in views if v.leads})
 
