@@ -213,6 +213,55 @@ def test_a_failed_move_gives_the_same_error_on_the_loop_and_off_it(tmp_path: Pat
     assert off.kind == "failed" and str(off) == f"cannot move pid {PID} into {HELD}: no space left on device"
 
 
+class HeldLookup(HeldMoves):
+    """Fake cgroups whose read of where `pid` sits (/proc/<pid>/cgroup: it waits for the kernel's cgroup lock
+    while a move holds it) waits until `release` is set; moves go on at once, and are listed (`attached`)."""
+
+    attached: list[tuple[str, int]]
+
+    def attach(self, cgroup: str, pid: int) -> None:
+        self.attached.append((cgroup, pid))
+        self.inner.attach(cgroup, pid)
+
+    def cgroup_of(self, pid: int) -> str | None:
+        if pid == PID:
+            self.move_threads.add(threading.get_ident())
+            self._wait()
+        return self.inner.cgroup_of(pid)
+
+
+@pytest.mark.parametrize("member", [False, True], ids=["joins", "member"])
+def test_a_known_tenants_caller_is_located_off_the_loop(tmp_path: Path, member: bool) -> None:
+    """Registering with a known tenant reads where the caller sits (is it a member already?) on the move thread:
+    the loop answers meanwhile, and the registration goes on with what was read (a member is not moved)."""
+    inner, clock = MovingFake(), FakeClock()
+    inner.create(ORIGIN)
+    inner.attach(ORIGIN, PID)
+    driver = HeldLookup(inner)
+    driver.attached = []
+    engine = Scheduler(DaemonConfig(), driver, NoGpuTelemetry(), StateStore(tmp_path / "state"), clock)  # type: ignore[arg-type]
+    engine.start()
+    engine.register("slow", None, None, (), (), 11, 0, True)
+    if member:
+        inner.attach(HELD, PID)
+    driver.attached.clear()
+
+    async def main() -> None:
+        driver.loop_thread = threading.get_ident()
+        registered = engine.start_register(ask())
+        await entered(driver)
+        assert not registered.done()
+        assert engine.snapshot("slow").name == "slow"  # the loop answers while the read waits
+        driver.release.set()
+        snap = await registered
+        assert PID in snap.pids
+
+    run(main)
+    assert driver.move_threads and driver.loop_thread not in driver.move_threads
+    assert inner.cgroup_of(PID) == HELD
+    assert driver.attached == ([] if member else [(HELD, PID)])  # a member is not moved
+
+
 def test_registrations_are_refused_once_the_engine_stopped(tmp_path: Path) -> None:
     engine, _, _, _ = fake_engine(tmp_path)
     engine.shutdown()

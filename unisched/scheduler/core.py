@@ -143,8 +143,9 @@ class Scheduler:
         return reporting.snapshot(self._c, registration.enroll(self._c, ask).name)
 
     def start_register(self, ask: RegisterAsk) -> asyncio.Future[TenantSnapshot]:
-        """`register` from the event loop: refusals raise now, and the caller is moved into the tenant's cgroup
-        off the loop (registration.start_enroll); the future is the tenant's snapshot once it is in."""
+        """`register` from the event loop: the caller's cgroup is read, and the caller moved into the tenant's, off
+        the loop (registration.start_enroll); the future is the tenant's snapshot once it is in, or the refusal
+        (a new tenant's refusals raise at once)."""
         return registration.start_enroll(self._c, ask, lambda t: reporting.snapshot(self._c, t.name))
 
     def adopt(self, name: str, weight: int | None, priority: Priority | None, cgroup: str, engines: Iterable[str],

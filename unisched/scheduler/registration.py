@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import structlog
 
-from unisched.enforce.cgroups import CgroupError, adopt_refusal, within
+from unisched.enforce.cgroups import CgroupDriver, CgroupError, adopt_refusal, within
 from unisched.policy import (
     DEFAULT_WEIGHT,
     Engine,
@@ -105,29 +105,50 @@ def enroll(c: Context, ask: RegisterAsk) -> Tenant:
 
 
 def start_enroll(c: Context, ask: RegisterAsk, then: Callable[[Tenant], T]) -> asyncio.Future[T]:
-    """Register the caller from the event loop: decide and create now, move the caller on the move thread
-    (moves.MoveThread), and once it is in, on the loop, `then(tenant)` (in the same turn as the checks after the
-    move). Refusals before the move raise here; the future holds what the move or `then` raised.
+    """Register the caller from the event loop: decide and create on the loop, read and move the caller on the
+    move thread (moves.MoveThread), and once it is in, on the loop, `then(tenant)` (in the same turn as the checks
+    after the move). Refusals of a new tenant raise here; the future holds every other refusal and what the move or
+    `then` raised.
 
-    The loop serves others during the move. A tenant removed meanwhile stays removed: the caller, if it got in,
-    is moved back, and the registration fails (not_found)."""
+    For a known tenant, where the caller sits (whether it is a member already) is read on the move thread first:
+    reading /proc/<pid>/cgroup waits for the kernel's cgroup lock while a move holds it, so on the loop it would
+    wait for other users' moves. The loop serves others during both. A tenant removed meanwhile stays removed:
+    the caller, if it got in, is moved back, and the registration fails (not_found)."""
     if c.mover.closed:
         raise SchedulerError("failed", STOPPING)
-    e = _begin(c, ask)
     result: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    if ask.name not in c.tenants:
+        _go_on(c, _begin(c, ask, None), then, result)
+        return result
+    located = c.mover.submit(functools.partial(_where, c.driver, ask.pid), ask.uid)
+
+    def decide(done: asyncio.Future[str | None]) -> None:
+        try:
+            _go_on(c, _begin(c, ask, done.result()), then, result)
+        except Exception as err:  # a refusal, or the move thread stopping: the caller hears it
+            _fail(result, err)
+    located.add_done_callback(decide)
+    return result
+
+
+def _go_on(c: Context, e: _Enrolment, then: Callable[[Tenant], T], result: asyncio.Future[T]) -> None:
+    """A registration decided: the caller's move on the move thread (none for a member), then `_settle`."""
     if e.move is None:
         _settle(c, e, None, then, result)
-        return result
+        return
     try:
         moved = c.mover.submit(functools.partial(move_caller, e.move), e.move.uid)
     except BaseException:
         e.tenant.moving -= 1
         raise
     moved.add_done_callback(lambda done: _settle(c, e, done, then, result))
-    return result
 
 
-def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
+_UNREAD = "\0unread"
+"""`_begin`'s `where` when the caller's cgroup is yet to be read (it reads it)."""
+
+
+def _begin(c: Context, ask: RegisterAsk, where: str | None = _UNREAD) -> _Enrolment:
     """Everything a registration decides and creates before the caller moves (on the loop): who may join or
     create, the tenant made or changed, and the move to make. A caller that is gone is never acted on: a pid
     outlives its process, and once the caller exits another process may take the number.
@@ -135,7 +156,9 @@ def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
     What changed is saved by the tick within SAVE_DELAY_S, written off the event loop (saves.py), not here:
     rewriting and fsync'ing the whole state file once per call, on the loop, would queue a burst of `unisched run`
     (each a new tenant) and every other reply behind the disk. A graceful stop saves at once; a crash within that
-    half second can lose only the entries of the registrations made in it."""
+    half second can lose only the entries of the registrations made in it.
+
+    `where`: the caller's cgroup as read off the loop (`_where`; None: not known), unless it is to be read here."""
     name, alive = ask.name, ask.alive
     need_alive(alive)
     _check_name_and_weight(name, ask.weight)
@@ -144,7 +167,9 @@ def _begin(c: Context, ask: RegisterAsk) -> _Enrolment:
     t = c.tenants.get(name)
     # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
     # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
-    member = t is not None and _is_member(c, t, ask.pid)
+    if t is not None and where == _UNREAD:
+        where = _where(c.driver, ask.pid)
+    member = t is not None and where is not None and within(where, t.cgroup)
     need_alive(alive)  # what was read from /proc/<pid> was the caller's
     if t is None:
         t = _create(c, name, ask.weight, ask.priority, engine_set, gpu_tuple, ask.uid, ask.is_admin, ask.keep,
@@ -310,14 +335,12 @@ def _nvml_lists_processes(c: Context) -> bool:
     return bool(samples) and all(s.ok and s.gpu_pids is not None for s in samples)
 
 
-def _is_member(c: Context, t: Tenant, pid: int) -> bool:
-    """Whether `pid` already sits in the tenant's cgroup or below it."""
+def _where(driver: CgroupDriver, pid: int) -> str | None:
+    """The cgroup `pid` sits in (None: gone, or /proc unreadable)."""
     try:
-        where = c.driver.cgroup_of(pid)
-    except OSError:  # gone, or /proc unreadable: not a member
-        return False
-    root = t.cgroup.rstrip("/")
-    return where is not None and (where == t.cgroup or where.startswith(root + "/"))
+        return driver.cgroup_of(pid)
+    except OSError:
+        return None
 
 
 def _create_cgroup(c: Context, name: str, cgroup: str) -> None:
