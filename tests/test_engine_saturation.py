@@ -297,6 +297,8 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) 
     for i, name in enumerate(names):
         rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
     pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in names}
+    for n in names:
+        rig.engine._c.tenants[n].hooked = True  # under the session hooks, as `unisched run` players are
     used = dict.fromkeys(names, 0.0)
     shown: dict[int, float] = {}
     window = dict.fromkeys(names, 0.0)

@@ -20,10 +20,12 @@ def test_a_tenants_rate_is_its_processes_gpu_busy_over_its_cpu(tmp_path: Path) -
     rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, saturated_util=1.0), telemetry=tel)
     for name in "abc":
         rig.add(name, 100, engines=("graphics",))
+    tenants = rig.engine._c.tenants
+    for name in "abc":
+        tenants[name].hooked = True  # under the session hooks (`unisched run`)
     rig.rate.update({"a": 0.5, "b": 0.5, "c": 0.001})
     pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in "abc"}
     tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0, process_sm={pid["a"]: 0.3, pid["c"]: 0.2, 99999: 0.9})]
-    tenants = rig.engine._c.tenants
     rig.step(2)
     assert all(not t.gpu_rates for t in tenants.values())  # one check: nothing to take a rate over yet
     rig.step(int(3.0 / SLICE))
@@ -32,3 +34,22 @@ def test_a_tenants_rate_is_its_processes_gpu_busy_over_its_cpu(tmp_path: Path) -
     tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0, process_sm=None)]  # NVML cannot say any more
     rig.step(int(1.5 / SLICE))
     assert tenants["a"].gpu_rates == {}
+
+
+@pytest.mark.parametrize("why", ["no hooks", "a compute context", "declared compute"])
+def test_a_tenant_whose_gpu_work_nvml_may_not_see_gets_no_rate(tmp_path: Path, why: str) -> None:
+    """NVML leaves CUDA processes out of its samples on the H200: a tenant running CUDA beside a small render would
+    show the render's rate alone and pay for little of its GPU time. So a tenant outside the session hooks (whose
+    contexts nobody counts), one whose hooks count a compute context, and one declared compute get none."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, saturated_util=1.0), telemetry=tel)
+    rig.add("a", 100, engines=("compute", "graphics") if why == "declared compute" else ("graphics",))
+    t = rig.engine._c.tenants["a"]
+    t.hooked = why != "no hooks"
+    if why == "a compute context":
+        t.sessions["compute"] = 1
+    rig.rate["a"] = 0.5
+    pid = rig.driver.groups["/unisched/a"].pids[0]
+    tel.next_samples = [GpuSample(0, 0.5, 0.0, 0.0, 0, process_sm={pid: 0.05})]
+    rig.step(int(3.0 / SLICE))
+    assert t.gpu_rates == {}
