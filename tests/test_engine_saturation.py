@@ -186,17 +186,25 @@ def test_saturated_util_zero_always_slices(tmp_path: Path) -> None:
     assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
 
 
+def players(tmp_path: Path, n: int, loop: bool = False, **config: object) -> tuple[Rig, FakeTelemetry, list[str]]:
+    """`n` paced players p0, p1, ... in weight groups 1:2:4 (100, 200, 400 in turn), rendering, on GPU 0 of a fake
+    telemetry; `loop`: driven as the daemon's loop drives the engine (a rationed slice's steps too)."""
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, **config), telemetry=tel)  # type: ignore[arg-type]
+    rig.loop = loop
+    names = [f"p{i}" for i in range(n)]
+    for i, name in enumerate(names):
+        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    return rig, tel, names
+
+
 @pytest.mark.parametrize("ration", [True, False])
 def test_paced_tenants_on_a_gpu_held_open_are_rationed_by_weight(tmp_path: Path, ration: bool) -> None:
     """Twelve paced players 1:2:4 each needing a fifth of the GPU: sliced, one alone leaves it 80% idle, so the gate
     holds it open; still saturated, the players furthest ahead of their share sit slices out, and their GPU time
     (here their CPU time, which the fake burns in step with it) follows the weights instead of being equal. With
     ration_paced off they share it equally."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000, ration_paced=ration), telemetry=tel)
-    names = [f"p{i}" for i in range(12)]
-    for i, name in enumerate(names):
-        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    rig, tel, names = players(tmp_path, 12, ration_paced=ration)
 
     def play(slices: int) -> None:  # each running player gets an equal part of the GPU, none above its fifth
         for _ in range(slices):
@@ -220,12 +228,7 @@ def _rationed_players(tmp_path: Path, loop: bool) -> tuple[list[float], float, i
     """Twelve paced players 1:2:4 on a GPU held open, a minute of it: GPU time per weight group, the longest any
     player sat out at a stretch while held open, how many calls between ticks changed who is frozen, and how many
     times the gate tried slicing again (which freezes players for the others' turns)."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    rig.loop = loop
-    names = [f"p{i}" for i in range(12)]
-    for i, name in enumerate(names):
-        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    rig, tel, names = players(tmp_path, 12, loop)
     since = dict.fromkeys(names, 0.0)
     longest = 0.0
     changed = tries = 0
@@ -290,12 +293,8 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) 
     spinning, the more so the more often it runs (its CPU a GPU second 1, 1.5 and 2 by group, as players at 14, 18
     and 22 ms of CPU a frame were). NVML's per-process samples show each one's GPU time, and the daemon weighs
     their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    names = [f"p{i}" for i in range(12)]
+    rig, tel, names = players(tmp_path, 12)
     spin = {n: (1.0, 1.5, 2.0)[i % 3] for i, n in enumerate(names)}
-    for i, name in enumerate(names):
-        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
     pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in names}
     for n in names:
         rig.engine._c.tenants[n].hooked = True  # under the session hooks, as `unisched run` players are
@@ -338,12 +337,7 @@ def test_one_dip_in_the_gpu_reading_does_not_hold_rationing_down(tmp_path: Path)
     seconds; their GPU time over the next half minute still follows the weights. Lowered at each tick and never
     raised, the cap held rationing down for as long as the GPU stayed open (on an H100, 5 sitting out where 10-12
     had kept the weights)."""
-    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
-    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=SLICE * 1000), telemetry=tel)
-    rig.loop = True
-    names = [f"p{i}" for i in range(24)]
-    for i, name in enumerate(names):
-        rig.add(name, 100 * (1, 2, 4)[i % 3], engines=("graphics",))
+    rig, tel, names = players(tmp_path, 24, loop=True)
     ctx = rig.engine._c
 
     def play(seconds: float, dip: bool = False) -> None:
