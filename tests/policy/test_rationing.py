@@ -110,3 +110,11 @@ def test_players_paced_below_their_share_leave_the_rest_to_the_others_by_weight(
     owed = {100: rest / 6, 200: rest / 3, 400: heavy}
     for (n, x), w in zip(used.items(), weights, strict=True):
         assert x == pytest.approx(owed[w], rel=0.03), (n, w)
+
+
+def test_two_that_fill_the_gpu_only_together_keep_it_nearly_full() -> None:
+    """Two tenants 1:3 that each need 55% of the GPU: the light one ahead of its share cannot sit out without
+    leaving the GPU idle, so the cap holds it in; each time the cap rises again (after `ration_cap_release_s`) one
+    try costs about one NVML sample of a partly idle GPU. At the daemon's gate, 0.99 of the GPU stays busy."""
+    _, busy, _ = model_gpu((100, 300), 0.55, 0.0, TUNING.ration_steps, slices=2000)
+    assert busy >= 0.98
