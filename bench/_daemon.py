@@ -1,8 +1,10 @@
-"""`unisched serve` on a private socket for the benchmarks that need a bare daemon (lease_load, hook_startup);
-bench/gpu_pairs.py has its own `Daemon` with status checks and tenant snapshots."""
+"""`unisched serve` on a private socket and a cgroup subtree of its own, for the benchmarks that need a bare daemon
+(lease_load, hook_startup, the runner's steps); bench/gpu_pairs.py has its own `Daemon` with status checks and
+tenant snapshots."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -19,14 +21,23 @@ def bench_env(root: Path = ROOT) -> dict[str, str]:
                                                                       os.environ.get("PYTHONPATH")]))}
 
 
+_STARTED = itertools.count(1)
+
+
 def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = ROOT,
                  profile: Path | None = None, sample: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start the daemon (of the checkout `root`) with its socket, state and log in `work`; returns it and its socket
     once the socket is there. Exits with the log's tail when it dies first or does not come up. `profile`: run it
     under cProfile (its main thread: the event loop and every gRPC handler), written there when it exits. `sample`:
-    run it under bench/stack_sampler.py (what blocked its event loop, and for how long), written there."""
+    run it under bench/stack_sampler.py (what blocked its event loop, and for how long), written there.
+
+    Unless `extra` names one, it gets a cgroup subtree of its own (unisched-bench-<pid>-<n>): a benchmark's tenants
+    never share the subtree of a daemon already serving the host (whose cgroups a stopping daemon would thaw), and
+    `stop_daemon` removes them."""
     if profile and sample:
         raise SystemExit("start_daemon: profile or sample, not both (each runs the daemon under itself)")
+    extra, subtree = own_subtree(extra)
+    (work / "subtree").write_text(subtree)
     sock = str(work / "d.sock")
     prof = (["-m", "cProfile", "-o", str(profile)] if profile
             else [str(ROOT / "bench" / "stack_sampler.py"), str(sample)] if sample else [])
@@ -44,11 +55,39 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     return daemon, sock
 
 
+def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 30.0) -> None:
+    """Stop a daemon `start_daemon` started in `work` (SIGTERM, killed if it does not exit in `timeout_s`) and
+    remove its cgroup subtree."""
+    daemon.terminate()
+    try:
+        daemon.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
+    if (work / "subtree").exists():
+        remove_subtree((work / "subtree").read_text())
+
+
+def own_subtree(serve_args: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """`unisched serve` arguments with a cgroup subtree for this run's daemon (unisched-bench-<pid>-<n>) unless they
+    name one, and the subtree."""
+    for i, word in enumerate(serve_args):
+        if word.startswith("--cgroup-subtree="):
+            return serve_args, word.split("=", 1)[1]
+        if word == "--cgroup-subtree" and i + 1 < len(serve_args):
+            return serve_args, serve_args[i + 1]
+    subtree = f"unisched-bench-{os.getpid()}-{next(_STARTED)}"
+    return (*serve_args, "--cgroup-subtree", subtree), subtree
+
+
 def remove_subtree(subtree: str) -> None:
     """A run's own cgroup subtree (`--cgroup-subtree`), in every hierarchy the daemon made it in, deepest first (empty
     once the tenants are gone); what cannot be removed is said on stderr."""
+    rel = subtree.strip("/")
+    if not rel or ".." in rel.split("/"):
+        raise ValueError(f"remove_subtree: {subtree!r} is not a daemon's subtree")  # never the hierarchy's root
     fs = Path("/sys/fs/cgroup")
-    for top in [fs / subtree, *fs.glob(f"*/{subtree}")]:  # cgroup v2's one hierarchy, or each of v1's
+    for top in [fs / rel, *fs.glob(f"*/{rel}")]:  # cgroup v2's one hierarchy, or each of v1's
         for d in [*sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True), top] if top.is_dir() else []:
             if d.is_dir():
                 try:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, start_daemon
+from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 from _results import header, run_info, write
 from verdicts import mean_interval
 
@@ -160,8 +160,7 @@ def main() -> int:
                 print(f"hook_startup: {name} pair {i + 1 - args.warmup}/{args.repeat}: with "
                       f"{got[True]['total'] * 1000:.1f} ms, without {got[False]['total'] * 1000:.1f} ms", file=sys.stderr)
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        stop_daemon(daemon, work)
     added = {name: summarize(d["total"]) for name, d in diffs.items()}
     out = {**run_info(), "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds,
            "added_ms_pairs": {name: d["total"] for name, d in diffs.items()}, "added_ms": added,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, start_daemon
+from _daemon import ROOT, start_daemon, stop_daemon
 from _results import header, run_info, write
 from lease_load import lease_socket_of, percentile
 
@@ -122,8 +122,7 @@ def main() -> int:
     try:
         res = asyncio.run(_measure(lease_socket_of(sock), args))
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        stop_daemon(daemon, work)
     res = {**run_info(), "tenants": args.tenants, "pairs": args.pairs, **res}
     q, f = res["quiet_ms"], res["flood_ms"]
     md = (header(res) + f"{args.tenants} tenants; {res['bursts']} bursts of {args.pairs} want + release pairs "

@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, start_daemon
+from _daemon import ROOT, start_daemon, stop_daemon
 from _results import header, run_info, write
 from lease_tenants import CLOSE_S, SLOW_KEPT, SLOW_S, STALL_S, Window, library_worker, worker
 
@@ -180,17 +178,7 @@ def main() -> int:
 
     clients_cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     clients_cpu_s = clients_cpu.ru_utime + clients_cpu.ru_stime  # the workers' whole run, registration included
-    daemon.send_signal(signal.SIGTERM)
-    daemon.wait(30)
-    # remove the tenants' cgroups the daemon created
-    subprocess.run([sys.executable, "-c", f"""
-import sys; sys.path.insert(0, {str(ROOT)!r})
-from unisched.enforce.cgroups import detect_driver
-d = detect_driver('auto')
-for cg in d.managed():
-    if cg.rsplit('/', 1)[-1].startswith({prefix!r}) and not d.pids(cg):
-        d.remove(cg)
-"""], check=False)
+    stop_daemon(daemon, work)
     probed = [p for p in parts if p["names"] == [probe]]
     parts = [p for p in parts if p["names"] != [probe]]
     probe_rtts = [x for p in probed for x in p["rtts"]]

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, remove_subtree, start_daemon
+from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 
 SCRAPE_S = 1.0
 """Scrape interval: the metrics' own refresh (transport.metrics.REFRESH_S); a faster scrape reads each copy twice."""
@@ -146,15 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="us-plot-"))
     port = free_port()
     prefix = f"plot{os.getpid()}-"
-    subtree = f"unisched-plot-{os.getpid()}"
-    daemon, sock = start_daemon(work, "--no-nvml", "--metrics-port", str(port), "--cgroup-subtree", subtree)
+    daemon, sock = start_daemon(work, "--no-nvml", "--metrics-port", str(port))
     try:
         series = record(port, sock, prefix, args.seconds)
     finally:
-        daemon.terminate()
-        daemon.wait(30)
+        stop_daemon(daemon, work)
         shutil.rmtree(work, ignore_errors=True)
-        remove_subtree(subtree)
     plot(args.out, *series)
     print(f"wrote {args.out}")
     return 0

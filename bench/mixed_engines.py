@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, start_daemon
+from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 from _results import save_json, write_atomic
 from mixed_pairs import (
     DEFAULT_PAIRS,
@@ -93,8 +93,7 @@ def run_together(members: list[tuple[Member, int]], args: argparse.Namespace, wo
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        daemon.terminate()
-        daemon.wait(timeout=20)
+        stop_daemon(daemon, work, timeout_s=20)
     for r in reports:
         if not r.exists():
             raise SystemExit(f"{label}: no report {r} (logs in {work})")

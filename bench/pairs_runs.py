@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
-from _daemon import ROOT
+from _daemon import ROOT, own_subtree, remove_subtree
 from interleave import Alternation, Alternator
 
 from unisched.calibrate.runs import kill_group
@@ -294,6 +294,8 @@ class Daemon:
         self.socket = Path(tempfile.mkdtemp(prefix="us-")) / "unisched.sock"
         self.log = self.dir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.subtree = ""
+        """Its cgroup subtree, its own unless the serve arguments name one (`own_subtree`)."""
         self.info: dict[str, Any] = {"socket": str(self.socket), "state_dir": str(self.state_dir),
                                      "slice_ms": cfg.slice_ms}
         if contention is not None:
@@ -301,9 +303,9 @@ class Daemon:
             self.info["contention_file"] = str(contention)
 
     def start(self, timeout_s: float = 20.0) -> None:
+        serve, self.subtree = own_subtree((*self.cfg.serve_args, *self.serve_args))
         argv = unisched_cmd(self.cfg, "serve", "--socket", str(self.socket), "--state-dir",
-                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}", *self.cfg.serve_args,
-                            *self.serve_args)
+                            str(self.state_dir), "--slice-ms", f"{self.cfg.slice_ms:g}", *serve)
         self.info["argv"] = argv
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -384,3 +386,4 @@ class Daemon:
         self.info["rc"] = self.proc.returncode
         self.info["log_tail"] = tail(self.log)
         shutil.rmtree(self.socket.parent, ignore_errors=True)  # our own mkdtemp folder
+        remove_subtree(self.subtree)  # the tenants' cgroups (its own subtree: start)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, remove_subtree, start_daemon
+from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 from _results import header, run_info, write
 from lease_load import percentile
 
@@ -196,19 +196,15 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("registration_load: needs root (each registration moves the registrar between cgroups)")
     root = args.root.resolve()
-    subtree = f"unisched-bench-registration-{os.getpid()}"
     work = Path(tempfile.mkdtemp(prefix="registration-load-"))
     work.chmod(0o755)  # the burst's user reaches the socket in it
     print(f"registration_load: {args.warmup:g} s alone, {args.seconds:g} s of registrations every {args.gap_ms:g} ms, then "
           f"{args.seconds:g} s beside {args.burst_procs} x {args.burst_calls} of uid {BURST_UID}", file=sys.stderr)
-    daemon, sock = start_daemon(work, "--no-nvml", "--cgroup-subtree", subtree, "--activity-threshold", "1",
-                                root=root)
+    daemon, sock = start_daemon(work, "--no-nvml", "--activity-threshold", "1", root=root)
     try:
         res = measure(sock, root, args)
     finally:
-        daemon.terminate()
-        daemon.wait(30)
-        remove_subtree(subtree)
+        stop_daemon(daemon, work)
     late = (work / "daemon.log").read_text(errors="replace").count(LATE_WARNING)
     res = {**run_info(), "root": str(root), **res, "late_warnings": late}
     q, b, r = res["quiet_ms"], res["registering_ms"], res["registrar"]

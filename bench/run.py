@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import summary as sm
-from _daemon import ROOT, bench_env, start_daemon
+from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 from _results import utc_now
 from suites import BY_NAME, SUITES, Step, Suite
 from verdicts import Verdict
@@ -139,8 +139,7 @@ def run_step(step: Step, folder: Path, extra: list[str], log_to: Path, serve_arg
                     end_group(proc)
     finally:
         if daemon is not None and work is not None:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+            stop_daemon(daemon, work)
             shutil.copy(work / "daemon.log", log_to / f"{step.name}-daemon.log")
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
