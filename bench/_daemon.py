@@ -10,6 +10,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from unisched.enforce.cgroups import CgroupDriver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +42,7 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
         raise SystemExit("start_daemon: profile or sample, not both (each runs the daemon under itself)")
     extra, subtree = own_subtree(extra)
     (work / "subtree").write_text(subtree)
+    (work / "origin").write_text(_own_cgroup() or "")
     sock = str(work / "d.sock")
     prof = (["-m", "cProfile", "-o", str(profile)] if profile
             else [str(ROOT / "bench" / "stack_sampler.py"), str(sample)] if sample else [])
@@ -57,7 +62,8 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
 
 def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 30.0) -> None:
     """Stop a daemon `start_daemon` started in `work` (SIGTERM, killed if it does not exit in `timeout_s`) and
-    remove its cgroup subtree."""
+    remove its cgroup subtree; this process, where it registered itself as a tenant (lease_flood, lease_load), goes
+    back to the cgroup it started in first."""
     daemon.terminate()
     try:
         daemon.wait(timeout_s)
@@ -65,7 +71,26 @@ def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 
         daemon.kill()
         daemon.wait()
     if (work / "subtree").exists():
-        remove_subtree((work / "subtree").read_text())
+        subtree = (work / "subtree").read_text()
+        origin = (work / "origin").read_text() if (work / "origin").exists() else ""
+        here = _own_cgroup()
+        if origin and here and here.startswith(f"/{subtree.strip('/')}/"):  # this process registered itself
+            _driver().attach(origin, os.getpid())
+        remove_subtree(subtree)
+
+
+def _driver() -> CgroupDriver:
+    from unisched.enforce.cgroups import detect_driver  # the checkout's own, as the daemons use it
+
+    return detect_driver("auto", create=False)
+
+
+def _own_cgroup() -> str | None:
+    """This process's cgroup in the hierarchy the daemons govern (None: no cgroups to govern here)."""
+    try:
+        return _driver().cgroup_of(os.getpid())
+    except Exception:  # no usable freezer (not root, no cgroup fs): nothing will have moved it
+        return None
 
 
 def own_subtree(serve_args: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
