@@ -85,8 +85,9 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
         busy = max(0.0, util * dt - cooperative_s)
         if cpu_s and len(rates) == len(cpu_s) and None not in rates:
             scaled = [c * (r or 0.0) for c, r in zip(cpu_s, rates, strict=True)]
-            if sum(scaled) > 0:
-                return [busy * w / sum(scaled) for w in scaled], Rule.PROCESS_RATE
+            weighed = sum(scaled)
+            if weighed > 0:
+                return [busy * w / weighed for w in scaled], Rule.PROCESS_RATE
         total = sum(cpu_s)
         return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
     return list(cpu_s), Rule.CPU_TIME

@@ -104,9 +104,10 @@ class Tuning:
     pair; a sum between it and 1 plans no time together (exclusive runs, as sliced). Well under 1 (every SM
     renders, as on graphics-class GPUs) the closed-loop slicing of one domain stays."""
 
-    def gate_slices(self, seconds: float, slice_ms: float) -> int:
-        """A gate window of `seconds` in slices of `slice_ms` (at least gate_min_slices)."""
-        return max(self.gate_min_slices, math.ceil(seconds * 1000.0 / slice_ms - 1e-9))
+    def gate_slices(self, seconds: float, slice_ms: float, least: int | None = None) -> int:
+        """A gate window of `seconds` in slices of `slice_ms`, rounded up (at least `least`, by default
+        gate_min_slices)."""
+        return max(self.gate_min_slices if least is None else least, math.ceil(seconds * 1000.0 / slice_ms - 1e-9))
 
     def gate(self, saturated_util: float, slice_ms: float) -> SaturationConfig:
         """The saturation gate of a daemon with these knobs (saturated_util, slice_ms)."""
@@ -116,8 +117,8 @@ class Tuning:
             enter_slices=self.gate_slices(self.saturation_enter_s, slice_ms),
             leave_slices=self.gate_slices(self.saturation_leave_s, slice_ms),
             hold_slices=hold, max_hold_slices=self.gate_slices(self.saturation_max_hold_s, slice_ms),
-            reset_slices=hold, cap_settle_slices=max(1, math.ceil(self.ration_cap_settle_s * 1000.0 / slice_ms - 1e-9)),
-            cap_release_slices=max(1, math.ceil(self.ration_cap_release_s * 1000.0 / slice_ms - 1e-9)))
+            reset_slices=hold, cap_settle_slices=self.gate_slices(self.ration_cap_settle_s, slice_ms, least=1),
+            cap_release_slices=self.gate_slices(self.ration_cap_release_s, slice_ms, least=1))
 
 
 TUNING = Tuning()

@@ -95,7 +95,7 @@ class _Enrolment:
 
 def enroll(c: Context, ask: RegisterAsk) -> Tenant:
     """Register the caller at once, its move included: where no event loop runs (`Scheduler.register`)."""
-    e = _begin(c, ask)
+    e = _begin(c, ask, _where(c.driver, ask.pid) if ask.name in c.tenants else None)
     if e.move is not None:
         try:
             move_caller(e.move)
@@ -144,11 +144,7 @@ def _go_on(c: Context, e: _Enrolment, then: Callable[[Tenant], T], result: async
     moved.add_done_callback(lambda done: _settle(c, e, done, then, result))
 
 
-_UNREAD = "\0unread"
-"""`_begin`'s `where` when the caller's cgroup is yet to be read (it reads it)."""
-
-
-def _begin(c: Context, ask: RegisterAsk, where: str | None = _UNREAD) -> _Enrolment:
+def _begin(c: Context, ask: RegisterAsk, where: str | None) -> _Enrolment:
     """Everything a registration decides and creates before the caller moves (on the loop): who may join or
     create, the tenant made or changed, and the move to make. A caller that is gone is never acted on: a pid
     outlives its process, and once the caller exits another process may take the number.
@@ -158,7 +154,7 @@ def _begin(c: Context, ask: RegisterAsk, where: str | None = _UNREAD) -> _Enrolm
     (each a new tenant) and every other reply behind the disk. A graceful stop saves at once; a crash within that
     half second can lose only the entries of the registrations made in it.
 
-    `where`: the caller's cgroup as read off the loop (`_where`; None: not known), unless it is to be read here."""
+    `where`: the caller's cgroup (`_where`; None: not known, or not read because the tenant was new)."""
     name, alive = ask.name, ask.alive
     need_alive(alive)
     _check_name_and_weight(name, ask.weight)
@@ -167,8 +163,6 @@ def _begin(c: Context, ask: RegisterAsk, where: str | None = _UNREAD) -> _Enrolm
     t = c.tenants.get(name)
     # a caller already inside the tenant's cgroup (a container of an adopted pod, whose pod-level cgroup may hold
     # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
-    if t is not None and where == _UNREAD:
-        where = _where(c.driver, ask.pid)
     member = t is not None and where is not None and within(where, t.cgroup)
     need_alive(alive)  # what was read from /proc/<pid> was the caller's
     if t is None:

@@ -3,6 +3,7 @@ grant/revoke. The rules are policy.plan's (docs/design/scheduling.md): this modu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
@@ -210,7 +211,7 @@ def apply(c: Context, decision: Decision, now: float, tick: bool, pairs: Mapping
                    TenantView(t.name, t.resources, t.active, t.name in coop, t.name in enforced)
                    for t in tenants])
     p, c.plan = plan(c.plan_config, PlanInputs(decision, views, pairs, dt, c.step), c.plan)
-    if rationed:
+    if rationed and log.is_enabled_for(logging.DEBUG):  # (its fields cost a pass over every rationed tenant)
         _log_ration(c, views)
     _log_mixes(c, p)
     for t, verdict in zip(tenants, p.freeze, strict=True):
@@ -344,9 +345,10 @@ def _charge_resource(
     sm = r.domain in (c.contention.domain(Engine.COMPUTE), c.contention.domain(Engine.GRAPHICS))
     rates = [t.gpu_rates.get(r.gpu) for t in ts] if sm else []  # NVML's per-process samples are of the SMs
     amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates)
-    log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
-              cooperative_s=round(matched, 5), rule=rule.value,
-              charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
+    if log.is_enabled_for(logging.DEBUG):  # (its fields cost a pass over the tenants, per resource per tick)
+        log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
+                  cooperative_s=round(matched, 5), rule=rule.value,
+                  charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
     for t, seconds in zip(ts, amounts, strict=True):
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)
