@@ -61,28 +61,35 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
 
 
 def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 30.0) -> None:
-    """Stop a daemon `start_daemon` started in `work` (SIGTERM, killed if it does not exit in `timeout_s`) and
-    remove its cgroup subtree; this process, where it registered itself as a tenant (lease_flood, lease_load), goes
-    back to the cgroup it started in first."""
+    """Stop a daemon `start_daemon` started in `work` (SIGTERM, killed if it does not exit in `timeout_s`, and then
+    its tenants thawed) and remove its cgroup subtree; this process, where it registered itself as a tenant
+    (lease_flood, lease_load), goes back to the cgroup it started in first."""
+    subtree = (work / "subtree").read_text() if (work / "subtree").exists() else None
     daemon.terminate()
     try:
         daemon.wait(timeout_s)
     except subprocess.TimeoutExpired:
         daemon.kill()
         daemon.wait()
-    if (work / "subtree").exists():
-        subtree = (work / "subtree").read_text()
+        if subtree is not None:  # killed, it thawed nothing: its tenants' processes must not stay frozen
+            thaw = _driver(subtree.strip("/"))
+            for cgroup in thaw.managed():
+                thaw.set_frozen(cgroup, False)
+    if subtree is not None:
+        from unisched.enforce.cgroups import within  # the checkout's own, as the daemons use it
+
         origin = (work / "origin").read_text() if (work / "origin").exists() else ""
         here = _own_cgroup()
-        if origin and here and here.startswith(f"/{subtree.strip('/')}/"):  # this process registered itself
+        if origin and here and within(here, "/" + subtree.strip("/")):  # this process registered itself
             _driver().attach(origin, os.getpid())
         remove_subtree(subtree)
 
 
-def _driver() -> CgroupDriver:
-    from unisched.enforce.cgroups import detect_driver  # the checkout's own, as the daemons use it
+def _driver(subtree: str | None = None) -> CgroupDriver:
+    """The checkout's own cgroup driver, as the daemons detect it (for `subtree`: a daemon's own)."""
+    from unisched.enforce.cgroups import DEFAULT_SUBTREE, detect_driver
 
-    return detect_driver("auto", create=False)
+    return detect_driver("auto", subtree=subtree or DEFAULT_SUBTREE, create=False)
 
 
 def _own_cgroup() -> str | None:

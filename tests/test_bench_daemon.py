@@ -41,3 +41,33 @@ def test_stopping_a_bench_daemon_removes_its_tenants_cgroups() -> None:
     stop_daemon(daemon, work)
     assert daemon.returncode is not None
     assert not driver.exists(f"/{subtree}/a-tenant") and not driver.exists(f"/{subtree}")
+
+
+@needs_freezer
+def test_a_bench_daemon_killed_at_stop_leaves_no_tenant_frozen() -> None:
+    """A daemon that does not stop on SIGTERM (here: stopped itself, SIGSTOP) is killed, and a killed daemon thaws
+    nothing: stop_daemon thaws its tenants before removing its subtree, so none of their processes stays frozen."""
+    import signal
+    import subprocess
+
+    from unisched.enforce.cgroups import detect_driver
+
+    work = Path(tempfile.mkdtemp(prefix="bench-daemon-"))
+    daemon, _ = start_daemon(work, "--no-nvml")
+    subtree = (work / "subtree").read_text()
+    driver = detect_driver("auto", subtree=subtree)
+    tenant = f"/{subtree}/frozen-tenant"
+    driver.create(tenant)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        driver.attach(tenant, sleeper.pid)
+        driver.set_frozen(tenant, True)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        stop_daemon(daemon, work, timeout_s=0.5)
+        assert daemon.returncode == -signal.SIGKILL
+        assert not driver.is_frozen(tenant)  # thawed (and left, since its process is still in it)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        remove_subtree(subtree)
+    assert not driver.exists(tenant)
