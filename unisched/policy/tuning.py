@@ -39,8 +39,8 @@ class Tuning:
     """While rationing, a cap not lowered for this long rises by one, so that a resource held open for hours
     recovers from a dip: a cap that only fell left 24 players on an H100 at 5 sitting out where 10-12 had kept the
     weights, for the rest of the run. Tenants that fill the GPU only together then try rationing once in this long,
-    and each try leaves it partly idle for about one NVML sample: in a model of two tenants 1:3 that each need 55%,
-    0.99 of the GPU kept at 5 s (0.97 at 2 s, 1.0 with no release)."""
+    and each try leaves it partly idle for about one NVML sample: in the policy model, two tenants 1:3 that each need
+    55% keep at least 0.98 of the GPU busy (tests/policy/test_rationing.py); a shorter release tries more often."""
     used_turn_margin: float = 0.3
     """A slice busier than `saturated_util` less this used its turn. NVML's 200 ms sample mixes four 50 ms turns, so
     a turn that was used beside a hand-over reads well under saturated; an unused one reads near idle."""
