@@ -5,6 +5,7 @@ used turn when utilization cannot see the work."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -288,12 +289,16 @@ def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
     assert last["sit_out"]["gpu0/sm"] >= 1 and any(last["steps"])
 
 
-def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) -> None:
+@pytest.mark.parametrize("left_out", [0, 2])
+def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, left_out: int) -> None:
     """Twelve paced players 1:2:4 whose CPU time is no measure of their GPU time: each waits for the busy GPU by
     spinning, the more so the more often it runs (its CPU a GPU second 1, 1.5 and 2 by group, as players at 14, 18
     and 22 ms of CPU a frame were). NVML's per-process samples show each one's GPU time, and the daemon weighs
-    their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2."""
+    their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2. `left_out`: each
+    second NVML's samples leave out that many players, chosen at random: their last rates stand meanwhile (without
+    that, every tick beside one fell back to the CPU split, and they got 1:1.4:2)."""
     rig, tel, names = players(tmp_path, 12)
+    pick = random.Random(7)
     spin = {n: (1.0, 1.5, 2.0)[i % 3] for i, n in enumerate(names)}
     pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in names}
     for n in names:
@@ -319,7 +324,8 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path) 
                 window[n] += part * dt
             if rig.clock.monotonic() - window_start >= 1.0:  # NVML's per-process samples: a second's mean
                 span = rig.clock.monotonic() - window_start
-                shown = {pid[n]: window[n] / span for n in names}
+                out = set(pick.sample(names, left_out))
+                shown = {pid[n]: window[n] / span for n in names if n not in out}
                 window.update(dict.fromkeys(names, 0.0))
                 window_start = rig.clock.monotonic()
     play(5.0)  # the gate slices, finds the turns unused, and holds the GPU open; the rates are taken

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
-from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part, gpu_per_cpu
+from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part, gpu_per_cpu, kept_rate
 from unisched.policy.overlap import PairMember, PairWeights, SliceKind, mix_contenders, pair_weights
 from unisched.policy.plan import (
     MIX_DOMAIN,
@@ -162,6 +162,19 @@ def test_charge_rule_without_a_gpu_signal_ignores_rates() -> None:
 ])
 def test_gpu_per_cpu(gpu: float | None, cores: float, rate: float | None) -> None:
     assert gpu_per_cpu(gpu, cores) == (None if rate is None else pytest.approx(rate))
+
+
+@pytest.mark.parametrize(("fresh", "kept", "now", "out"), [
+    (0.4, None, 10.0, (0.4, 10.0)),  # a new rate
+    (0.4, (0.9, 8.0), 10.0, (0.4, 10.0)),  # a new rate replaces the kept one
+    (None, (0.9, 8.0), 10.0, (0.9, 8.0)),  # no new one: the kept one stands
+    (None, (0.9, 7.0), 10.0, (0.9, 7.0)),  # ... up to keep_s after it was taken
+    (None, (0.9, 6.9), 10.0, None),  # then none
+    (None, None, 10.0, None),
+])
+def test_kept_rate(fresh: float | None, kept: tuple[float, float] | None, now: float,
+                   out: tuple[float, float] | None) -> None:
+    assert kept_rate(fresh, kept, now, keep_s=3.0) == out
 
 
 def test_charge_rule_takes_off_what_cooperative_tenants_did() -> None:

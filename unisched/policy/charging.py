@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from unisched.policy.plan import Rule
 from unisched.policy.tuning import TUNING
 
-__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu"]
+__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu", "kept_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +100,14 @@ def gpu_per_cpu(gpu_busy: float | None, cpu_cores: float, min_cores: float = TUN
     if gpu_busy is None or cpu_cores < min_cores:
         return None
     return max(0.0, gpu_busy) / cpu_cores
+
+
+def kept_rate(fresh: float | None, kept: tuple[float, float] | None, now: float,
+              keep_s: float = TUNING.rate_keep_s) -> tuple[float, float] | None:
+    """A tenant's rate on a GPU, and when it was taken: the `fresh` one (`gpu_per_cpu`) where there is one, else the
+    one `kept` (rate, taken at) for up to `keep_s` after it was taken, else none."""
+    if fresh is not None:
+        return fresh, now
+    if kept is not None and now - kept[1] <= keep_s:
+        return kept
+    return None

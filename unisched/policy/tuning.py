@@ -52,6 +52,11 @@ class Tuning:
     rate_min_cpu_cores: float = 0.02
     """A tenant's GPU seconds per CPU second (`policy.charging.gpu_per_cpu`) are taken only over a second in which it
     used at least this much of a core: a ratio over less is mostly noise, and a tenant frozen all second has none."""
+    rate_keep_s: float = 3.0
+    """A tenant's GPU seconds per CPU second stand this long through seconds that give no new one (`policy.charging.
+    kept_rate`): NVML's per-process samples leave out a process that was not busy when they were taken, and the split
+    weighs the tenants' CPU by their rates only where every one that ran has one, so one missing sample would put
+    every tenant beside it back on CPU time for a second. A longer keep follows a change of a tenant's rate later."""
     ration_steps: int = 4
     """A rationed slice is split into this many steps, and who sits out is chosen anew for each
     (policy.rationing.step_schedule): a tenant that must sit out most of the time does so in short stretches between

@@ -137,8 +137,11 @@ class Tenant:
     no process, and an emptied run tenant must not be removed for that."""
     labels: Mapping[str, str] = field(default_factory=dict)
     gpu_rates: dict[int, float] = field(default_factory=dict)
-    """Per GPU, its GPU seconds per CPU second over the last second where NVML's per-process samples showed its
-    processes (scheduler.rates): the charge split weighs its CPU time by it (policy.charging.charge_rule)."""
+    """Per GPU, its GPU seconds per CPU second over a second where NVML's per-process samples showed its processes,
+    kept a while through seconds without one (scheduler.rates): the charge split weighs its CPU time by it
+    (policy.charging.charge_rule)."""
+    rates_at: dict[int, float] = field(default_factory=dict)
+    """When each of `gpu_rates` was taken."""
     rate_cpu: tuple[float, float] | None = None
     """Its cumulative CPU seconds, and when, as its rates were last taken."""
 
