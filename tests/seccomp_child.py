@@ -13,6 +13,7 @@ Tenant commands (numbers accept 0x...): alloc CLASS HANDLE [SIZE [ROOT]] | alloc
 xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
 fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
+dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
 Memory: dev HANDLE DEVICEID [ROOT] (NV01_DEVICE_0) | mem PARENT HANDLE BYTES [ROOT [SIZE]] (NV01_MEMORY_LOCAL_USER;
 "ok ERRNO STATUS", STATUS the status field after the call) | xmem PARENT HANDLE BYTES (through XFER) |
 threads_mem N PARENT BYTES FIRST (N threads at once, handles FIRST..; extra = how many were let through) |
@@ -33,7 +34,7 @@ import termios
 import time
 
 ROOT_HANDLE = 0xC1D00001
-RM_ALLOC, RM_FREE, XFER, VID_HEAP = 0x2B, 0x29, 0xD3, 0x4A
+RM_ALLOC, RM_FREE, XFER, VID_HEAP, DUP = 0x2B, 0x29, 0xD3, 0x4A, 0x34
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _IOCTL_NR = {"x86_64": 16, "aarch64": 29}[platform.machine()]
@@ -181,6 +182,10 @@ def tenant(where: str) -> None:
             size = nums[4] if len(nums) > 4 else 32
             err, status = mem_call(dev, nums[0], nums[1], nums[2], root, size, through_xfer=op == "xmem")
             extra = str(status)
+        elif op in ("dup", "xdup"):  # RM_DUP_OBJECT (NVOS55) into our client: parent handle source
+            buf = ctypes.create_string_buffer(28)
+            struct.pack_into("=IIIII", buf, 0, ROOT_HANDLE, nums[0], nums[1], ROOT_HANDLE, nums[2])
+            err = ioctl(dev, iowr(XFER, 16), xfer(DUP, buf)) if op == "xdup" else ioctl(dev, iowr(DUP, 28), buf)
         elif op == "heap":  # function parent handle nbytes flags attr
             err, status = heap_call(dev, *nums[:6])
             extra = str(status)

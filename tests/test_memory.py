@@ -17,7 +17,7 @@ import pytest
 from test_engine import Rig
 from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_for
 
-from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_FREE, XFER
+from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, XFER
 from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
@@ -171,6 +171,10 @@ def test_memory_allocations_are_decoded() -> None:
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
     free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
     assert (free.op, free.handle, free.mem_bytes) == (RM_FREE, 0x10, None)
+    nvos55 = struct.pack("=IIIIIII", ROOT, DEV, 0, ROOT + 1, 0x20, 0, 0)  # a dup into ROOT, the driver picking
+    dup = decode_call(RM_DUP_OBJECT, 28, 0x7000, _memory({0x7000: nvos55}))
+    assert (dup.op, dup.h_root, dup.h_parent, dup.handle, dup.kind) == (RM_DUP_OBJECT, ROOT, DEV, 0, None)
+    assert decode_call(RM_DUP_OBJECT, 32, 0x7000, _memory({0x7000: nvos55 + bytes(4)})).op == 0  # not NVOS55
 
 
 def _nvos32(function: int, handle: int = 0, flags: int = 0, attr: int = 0, nbytes: int = 0,
@@ -296,6 +300,29 @@ def test_heap_allocations_with_driver_chosen_handles_are_capped_and_given_back_b
     assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 2:#x}") == ENOTTY
     assert capped.held() == {}
     assert capped.ledger.of("t").refused == {0: 1}
+
+
+@needs_notify
+@pytest.mark.parametrize("op", ["dup", "xdup"])
+def test_a_dup_that_leaves_its_handle_to_the_driver_takes_its_turn_in_the_replay(capped: Served, op: str) -> None:
+    """RM_DUP_OBJECT with hObject 0 takes the next handle of its client's counter (rs_server.c serverCopyResource):
+    the allocation after it gets the one after that, and each free gives back what its own handle holds. Without
+    the dup followed, the replay gave that allocation the dup's handle, and its free was of a handle never given
+    out: the client was lost and its memory counted until it ended."""
+    proc = capped.proc
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00000
+    assert proc.call(f"{op} {DEV:#x} 0 {RS_UNIQUE_HANDLE_BASE:#x}") == ENOTTY  # 0xcaf00001: the same GiB, again
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00002
+    assert capped.held() == {0: 2 * GIB}
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 2:#x}") == ENOTTY
+    assert capped.held() == {0: GIB}
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 1:#x}") == ENOTTY  # the dup's handle: nothing to give back
+    assert capped.held() == {0: GIB}
+    assert proc.call(f"{op} {DEV:#x} {RS_UNIQUE_HANDLE_BASE + 3:#x} {RS_UNIQUE_HANDLE_BASE:#x}") == ENOTTY  # chosen
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00004: the driver skips the handle in use
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 4:#x}") == ENOTTY
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE:#x}") == ENOTTY
+    assert capped.held() == {}
 
 
 @needs_notify

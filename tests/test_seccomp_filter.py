@@ -81,9 +81,10 @@ def test_filter_is_well_formed_and_matches_what_it_should() -> None:
 
     prog = build_filter()
     rm_alloc, xfer, rm_free = iowr(0x46, 0x2B, 32), iowr(0x46, 0xD3, 16), iowr(0x46, 0x29, 16)
+    heap, dup = iowr(0x46, 0x4A, 184), iowr(0x46, 0x34, 28)  # heap allocations; dups, which may take driver handles
     notif, allow = SECCOMP_RET_USER_NOTIF, SECCOMP_RET_ALLOW
     for arch, ioctl_nr in ((AUDIT_ARCH_X86_64, 16), (AUDIT_ARCH_AARCH64, 29), (AUDIT_ARCH_I386, 54)):
-        for cmd in (rm_alloc, xfer, rm_free, iowr(0x46, 0x2B, 48), rm_alloc | 0xFFFFFFFF00000000):
+        for cmd in (rm_alloc, xfer, rm_free, heap, dup, iowr(0x46, 0x2B, 48), rm_alloc | 0xFFFFFFFF00000000):
             assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == notif, (hex(arch), hex(cmd))
         for cmd in (iowr(0x46, 0x2A, 32), iowr(0x47, 0x2B, 32), 0x541B, 0x5401):  # RM_CONTROL, other type, FIONREAD
             assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == allow, (hex(arch), hex(cmd))

@@ -42,10 +42,13 @@ __all__ = [
     "NVOS00_FORMAT",
     "NVOS00_SIZE",
     "NVOS21_SIZE",
+    "NVOS55_FORMAT",
+    "NVOS55_SIZE",
     "NVOS64_SIZE",
     "RM_ALLOC",
     "RM_ALLOC_SIZES",
     "RM_CONTROL",
+    "RM_DUP_OBJECT",
     "RM_FREE",
     "RM_MAP_MEMORY",
     "RM_VID_HEAP_CONTROL",
@@ -66,6 +69,7 @@ IOCTL_TYPE: Final = ord("F")  # 0x46, NV_IOCTL_MAGIC
 RM_FREE: Final = 0x29
 RM_CONTROL: Final = 0x2A
 RM_ALLOC: Final = 0x2B
+RM_DUP_OBJECT: Final = 0x34  # NVOS55: a new handle for an existing object; the driver picks it when hObject is 0
 RM_MAP_MEMORY: Final = 0x4E
 XFER: Final = 0xD3  # NV_ESC_IOCTL_XFER_CMD: {u32 cmd; u32 size; u64 ptr} wrapping another escape
 RM_VID_HEAP_CONTROL: Final = 0x4A  # NVOS32: the heap path EGL/OpenGL allocates through (rmapi_deprecated_vidheapctrl.c)
@@ -152,6 +156,10 @@ ROOT_CLASSES: Final = frozenset({0x0, 0x1, 0x41})
 # RM_FREE argument NVOS00: hRoot@0, hObjectParent@4, hObjectOld@8, status@12.
 NVOS00_FORMAT: Final = "=IIII"
 NVOS00_SIZE: Final = struct.calcsize(NVOS00_FORMAT)
+# RM_DUP_OBJECT argument NVOS55: hClient@0 (where the new handle goes), hParent@4, hObject@8 (0: the driver
+# picks it from hClient's counter, rs_server.c serverCopyResource), hClientSrc@12, hObjectSrc@16, flags@20, status@24.
+NVOS55_FORMAT: Final = "=IIIIIII"
+NVOS55_SIZE: Final = struct.calcsize(NVOS55_FORMAT)
 # XFER argument nv_ioctl_xfer_t: cmd (the inner escape number itself, e.g. 0x2B), size, ptr (NvP64, 8-aligned).
 XFER_FORMAT: Final = "=IIQ"
 XFER_SIZE: Final = struct.calcsize(XFER_FORMAT)

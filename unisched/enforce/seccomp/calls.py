@@ -31,9 +31,11 @@ from unisched.enforce.nvclasses import (
     NVOS32_FUNCTION_HW_FREE,
     NVOS32_SIZE,
     NVOS32_STATUS_AT,
+    NVOS55_SIZE,
     NVOS64_STATUS_AT,
     RM_ALLOC,
     RM_ALLOC_SIZES,
+    RM_DUP_OBJECT,
     RM_FREE,
     RM_VID_HEAP_CONTROL,
     XFER,
@@ -68,10 +70,10 @@ class Session:
 class Call:
     """What one notification asks for, decoded from the tenant's memory."""
 
-    op: int  # RM_ALLOC or RM_FREE; 0 = nothing to track
+    op: int  # RM_ALLOC, RM_DUP_OBJECT (a new handle for an existing object) or RM_FREE; 0 = nothing to track
     h_root: int = 0
     h_parent: int = 0
-    handle: int = 0  # hObjectNew (alloc) or hObjectOld (free)
+    handle: int = 0  # hObjectNew (alloc), hObject (dup) or hObjectOld (free)
     h_class: int = 0
     kind: SessionKind | None = None
     owner: tuple[int, str] | None = None  # (tgid, start time) when this client is new
@@ -89,7 +91,7 @@ def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     if IOCTL_SYSCALL.get(arch) != nr:
         return None
     _type, enr, size = decode_ioctl(request)
-    return (enr, size) if enr in (RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, XFER) else None
+    return (enr, size) if enr in (RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT, XFER) else None
 
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
@@ -113,6 +115,9 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
             return Call(RM_FREE, h_root, h_parent, h_old)
+        if enr == RM_DUP_OBJECT and size == NVOS55_SIZE:  # hClient, hParent, hObject (0: the driver picks)
+            h_client, h_parent, h_object = struct.unpack("=III", read(addr, 12))
+            return Call(RM_DUP_OBJECT, h_client, h_parent, h_object)
         if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:
             return _heap_call(addr, read(addr, NVOS32_SIZE))
     except (OSError, ValueError, struct.error):

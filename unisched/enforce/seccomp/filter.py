@@ -1,8 +1,9 @@
 """The tenant's seccomp filter: a classic-BPF program that notifies NVIDIA's allocation escapes, and installing it.
 
-Only ioctls whose request is 'F'/RM_ALLOC (0x2B), 'F'/XFER (0xD3, which wraps another escape) and, by default,
-'F'/RM_FREE (0x29) go to the supervisor; every other syscall runs at kernel speed. Children and threads inherit
-the filter. Standard library only: `unisched run`'s trampoline (hooked_exec) runs it in each new tenant process.
+Only ioctls whose request is 'F'/RM_ALLOC (0x2B), 'F'/RM_VID_HEAP_CONTROL (0x4A), 'F'/RM_DUP_OBJECT (0x34),
+'F'/XFER (0xD3, which wraps another escape) and, by default, 'F'/RM_FREE (0x29) go to the supervisor; every other
+syscall runs at kernel speed. Children and threads inherit the filter. Standard library only: `unisched run`'s
+trampoline (hooked_exec) runs it in each new tenant process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import struct
 from collections.abc import Iterable
 from typing import Final, NamedTuple
 
-from unisched.enforce.nvclasses import IOCTL_TYPE, RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, XFER
+from unisched.enforce.nvclasses import IOCTL_TYPE, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, RM_VID_HEAP_CONTROL, XFER
 from unisched.enforce.seccomp.abi import (
     DATA_OFF_ARCH,
     DATA_OFF_ARG1_LO,
@@ -73,7 +74,8 @@ def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tu
     """The seccomp program (an array of struct sock_filter) that notifies NVIDIA's allocation escapes.
 
     Notified: ioctl(fd, req, arg) whose request's low 32 bits carry nr RM_ALLOC (0x2B), RM_VID_HEAP_CONTROL
-    (0x4A, the heap allocations EGL/OpenGL make, followed for memory caps) or XFER (0xD3), and
+    (0x4A, the heap allocations EGL/OpenGL make, followed for memory caps), RM_DUP_OBJECT (0x34, which may take a
+    handle the driver picks: the memory book replays those) or XFER (0xD3), and
     RM_FREE (0x29) when `notify_free` (so counts follow frees). With `match_type` the type byte must be 'F'
     too (what NVIDIA's libraries always send; other drivers' 'F' ioctls stay fast); without it any type
     matches, like the driver's own dispatch. `extra` adds escape numbers (for a probe of which calls carry
@@ -82,7 +84,7 @@ def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tu
     """
     mask = 0xFFFF if match_type else 0xFF
     base = (IOCTL_TYPE << 8) if match_type else 0
-    wanted = [base | RM_ALLOC, base | RM_VID_HEAP_CONTROL, base | XFER]
+    wanted = [base | RM_ALLOC, base | RM_VID_HEAP_CONTROL, base | RM_DUP_OBJECT, base | XFER]
     wanted += ([base | RM_FREE] if notify_free else []) + [base | e for e in extra]
     prog: list[_Insn | str] = [_Insn(_LD_W_ABS, DATA_OFF_ARCH)]
     arches = list(IOCTL_SYSCALL.items())

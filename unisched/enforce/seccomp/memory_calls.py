@@ -9,7 +9,7 @@ from typing import Final
 
 import structlog
 
-from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_FREE, ROOT_CLASSES
+from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.allowance import Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.listener import Listener
@@ -59,7 +59,7 @@ class MemoryCalls:
                 log.warning("gpu memory: cannot follow the handles the driver picks for an RM client any more; "
                             "what it allocates under them stays counted until it ends", tenant=self.tenant,
                             h_root=f"{call.h_root:#x}", handle=f"{call.handle:#x}")
-        elif call.op == RM_ALLOC and call.h_class not in ROOT_CLASSES:
+        elif call.op == RM_DUP_OBJECT or (call.op == RM_ALLOC and call.h_class not in ROOT_CLASSES):
             handle = self.book.handle_for(call.h_root, call.handle, call.h_parent, call.owner or (0, ""))
             if not call.handle:
                 call.replayed = handle

@@ -27,7 +27,7 @@ from typing import Final
 
 import structlog
 
-from unisched.enforce.nvclasses import RM_ALLOC, RM_FREE, SessionKind
+from unisched.enforce.nvclasses import RM_ALLOC, RM_DUP_OBJECT, RM_FREE, SessionKind
 from unisched.enforce.seccomp.abi import (
     SeccompError,
 )
@@ -395,7 +395,7 @@ class SessionSupervisor:
         finally:
             os.close(mem)
         known = self._book.knows(call.h_root) and (self._mem.ledger is None or self._mem.book.holds(call.h_root))
-        if call.op == RM_ALLOC and not known:
+        if call.op in (RM_ALLOC, RM_DUP_OBJECT) and not known:
             try:
                 call.owner = owner(pid)
             except (OSError, ValueError):
