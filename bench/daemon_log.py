@@ -1,5 +1,6 @@
 """What a daemon's log (JSON lines) says it did over a measured window: how long its saturation gate kept a GPU
-sliced, and how often it opened the GPU again because the turns were left unused.
+sliced, and how often it opened the GPU again because the turns were left unused; and, over its whole run, by which
+rule it split the GPU's busy time among the tenants (`charged_by_rule`).
 
 Why from the log: a run's figures (FPS, rates) say what the tenants got, not whether the daemon was rationing at
 all; a miss with the GPU sliced throughout and one with it open throughout are different findings. The gate logs
@@ -80,3 +81,29 @@ def _union(spans: list[tuple[float, float]], start: float, end: float) -> float:
             total += b - max(a, reach)
             reach = b
     return total
+
+
+CHARGED = "busy time charged, by the rule that split it"
+"""The line the daemon logs as it stops: per resource, the GPU seconds charged under each charge rule."""
+
+
+def charged_by_rule(log: Path) -> dict[str, float] | None:
+    """GPU seconds the daemon charged over its run under each charge rule (process-rate, signal, cpu-time), all its
+    resources together, from the line it logs as it stops; None without the log or the line (a daemon killed)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == CHARGED and isinstance(entry.get("charged"), dict):
+            out: dict[str, float] = {}
+            for rules in entry["charged"].values():
+                for rule, seconds in (rules.items() if isinstance(rules, dict) else ()):
+                    if isinstance(seconds, int | float):
+                        out[str(rule)] = out.get(str(rule), 0.0) + float(seconds)
+            return out
+    return None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mixed_pairs
-from daemon_log import gate_over
+from daemon_log import charged_by_rule, gate_over
 from scoring import (
     GUARANTEE_SLACK,
     MAX_ERROR_POINTS,
@@ -222,8 +222,9 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
 
 def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
     """Per size N of the round (its runs' folders: no-scheduler-N, unisched-N), cloud_metrics, and from the daemon's
-    log how much of the window it sliced the GPU (sliced_of_window) and how often it opened it again because the
-    turns were left unused (unused_openings, and the highest GPU busy fraction it read then)."""
+    log how much of the window it sliced the GPU (sliced_of_window), how often it opened it again because the
+    turns were left unused (unused_openings, and the highest GPU busy fraction it read then), and the part of the
+    busy time it charged over the run that NVML's per-process samples split (process_rate_of_charged)."""
     cases: Cases = {}
     notes: list[str] = []
     runs = [re.fullmatch(r"(?:no-scheduler|unisched)-(\d+)", p.name) for p in folder.glob("*")]
@@ -239,6 +240,9 @@ def read_cloud(folder: Path) -> tuple[Cases, list[str]]:
                     m["sliced_of_window"] = round(gate.sliced_s / seconds, 4)
                     m["unused_openings"] = gate.unused_openings
                     m["util_at_unused_openings"] = gate.opening_util
+            charged = charged_by_rule(folder / f"unisched-{n}-daemon.log")
+            if charged and (total := sum(charged.values())) > 0:
+                m["process_rate_of_charged"] = round(charged.get("process-rate", 0.0) / total, 4)
             notes += [str(e.get("error", e)) if isinstance(e, dict) else str(e)
                       for e in [*shared.get("errors", []), *alone.get("errors", [])]]
     return cases, notes

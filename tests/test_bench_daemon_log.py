@@ -58,8 +58,35 @@ def test_the_cloud_reader_reports_the_share_of_the_window_the_daemon_sliced(tmp_
             "fps_target": 60, "fps_mean_all": 30.0, "start_at": T0, "seconds": 20,
             "per_instance": [{"weight": 100, "fps_mean": 30.0, "fps_1pct_low": 25.0}]}))
     write_log(tmp_path / "unisched-24-daemon.log", line(1, "slicing", gpu=0, domain="sm"),
-              line(1.5, "lending", gpu=0, domain="sm", reason=UNUSED))
+              line(1.5, "lending", gpu=0, domain="sm", reason=UNUSED),
+              line(30, daemon_log.CHARGED, charged={"gpu0/sm": {"process-rate": 9.0, "signal": 2.0},
+                                                    "gpu0/nvenc": {"cpu-time": 1.0}}))
     case = suites.read_cloud(tmp_path)[0]["N=24"]
     assert (case["sliced_of_window"], case["unused_openings"], case["util_at_unused_openings"]) == (0.025, 1, None)
+    assert case["process_rate_of_charged"] == 0.75  # of all the busy time charged over the run, every resource
     (tmp_path / "unisched-24-daemon.log").unlink()
-    assert "sliced_of_window" not in suites.read_cloud(tmp_path)[0]["N=24"]  # no log: not measured, not zero
+    gone = suites.read_cloud(tmp_path)[0]["N=24"]
+    assert "sliced_of_window" not in gone and "process_rate_of_charged" not in gone  # no log: not measured, not zero
+
+
+def test_the_daemon_logs_how_it_split_the_busy_time_as_it_stops(tmp_path: Path) -> None:
+    """The line charged_by_rule reads, from a real daemon's shutdown: its rules are the engine's (policy.plan.Rule)."""
+    from structlog.testing import capture_logs
+    from test_engine import Rig
+
+    from unisched.policy.plan import Rule
+    from unisched.scheduler.config import DaemonConfig
+    from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
+
+    tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-x", 1 << 30)])
+    rig = Rig(tmp_path, config=DaemonConfig(slice_ms=50), telemetry=tel)
+    rig.add("a", 100, engines=("graphics",))
+    rig.rate["a"] = 0.5
+    tel.next_samples = [GpuSample(0, 0.9, 0.0, 0.0, 0)]
+    rig.step(10)
+    with capture_logs() as logs:
+        rig.engine.shutdown()
+    line_ = next(e for e in logs if e["event"] == daemon_log.CHARGED)
+    assert set(line_["charged"]["gpu0/sm"]) <= {r.value for r in Rule} and line_["charged"]["gpu0/sm"]["signal"] > 0
+    log = write_log(tmp_path / "d.log", json.dumps({"event": daemon_log.CHARGED, "charged": line_["charged"]}))
+    assert daemon_log.charged_by_rule(log) == {"signal": line_["charged"]["gpu0/sm"]["signal"]}

@@ -331,6 +331,8 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, 
     play(5.0)  # the gate slices, finds the turns unused, and holds the GPU open; the rates are taken
     start = dict(used)
     play(60.0)
+    split = {rule: s for _, rule, s in rig.engine.charged_by_rule()}  # what unisched_gpu_charged_seconds shows
+    assert split["process-rate"] > 0.8 * sum(split.values()), split
     by_weight = [sum(used[n] - start[n] for i, n in enumerate(names) if i % 3 == k) for k in range(3)]
     assert by_weight[1] / by_weight[0] == pytest.approx(2.0, rel=0.15), by_weight
     assert by_weight[2] / by_weight[0] == pytest.approx(4.0, rel=0.15), by_weight

@@ -162,6 +162,10 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     assert value("unisched_gpu_info", gpu="0", UUID="GPU-0000", modelName="NVIDIA H200") == 1
     assert value("unisched_gpu_utilization_ratio", gpu="0", UUID="GPU-0000", engine="sm") == pytest.approx(0.99)
     assert value("unisched_gpu_sliced", gpu="0", domain="sm") == 1  # saturated: the two take turns
+    # the busy time charged, by the rule that split it: here by CPU activity (no per-process samples), all of it
+    assert value("unisched_gpu_charged_seconds_total", gpu="0", UUID="GPU-0000", domain="sm", rule="signal") == \
+        pytest.approx(sum(s.gpu_seconds for s in snaps.values()), rel=0.01)
+    assert value("unisched_gpu_charged_seconds_total", gpu="0", domain="sm", rule="process-rate") is None
     assert value("unisched_gpu_open_hold_seconds", gpu="0", domain="sm") == 0
     assert value("unisched_gpu_utilization_ratio", gpu="0", engine="dec") == pytest.approx(0.25)
     assert value("unisched_gpu_utilization_ratio", gpu="0", engine="enc") == 0

@@ -17,7 +17,7 @@ from unisched.policy.caps import VideoEngines, video_engines_for
 from unisched.policy.charging import ReportMatch
 from unisched.policy.contention import PARTIAL_OVERLAP
 from unisched.policy.overlap import OverlapMix
-from unisched.policy.plan import PlanConfig, PlanState
+from unisched.policy.plan import PlanConfig, PlanState, Rule
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import ConfigError, DaemonConfig
@@ -69,6 +69,9 @@ class Context:
     last_samples: tuple[GpuSample, ...] = ()
     charged: dict[tuple[str, Resource], float] = field(default_factory=dict)
     """GPU seconds each freezer-governed tenant was charged per resource at the last tick (what rationing weighs)."""
+    charged_by_rule: dict[tuple[Resource, Rule], float] = field(default_factory=dict)
+    """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them
+    (policy.charging.charge_rule): whether the split used NVML's per-process samples (unisched_gpu_charged_seconds)."""
     step: int = 0
     """The step of the slice running now (a rationed slice has PlanState.steps; see tick.advance)."""
     matches: dict[Resource, ReportMatch] = field(default_factory=dict)

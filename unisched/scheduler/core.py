@@ -23,7 +23,7 @@ from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.policy import ContentionMap, Priority, WeightedFairShare
+from unisched.policy import ContentionMap, Priority, Resource, WeightedFairShare
 from unisched.policy.caps import VideoEngines
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.overlap import OverlapMix, SliceKind
@@ -239,6 +239,9 @@ class Scheduler:
 
     def gate_states(self) -> tuple[GateState, ...]:
         return reporting.gate_states(self._c)
+
+    def charged_by_rule(self) -> tuple[tuple[Resource, str, float], ...]:
+        return reporting.charged_by_rule(self._c)
 
     @property
     def tenant_count(self) -> int:

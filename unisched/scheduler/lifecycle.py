@@ -172,6 +172,11 @@ def shutdown(c: Context) -> None:
         if not c.writer.close(WRITER_STOP_S):
             log.error("the state file's writer thread did not end", waited_s=WRITER_STOP_S)
     log.info("all managed cgroups thawed")
+    if c.charged_by_rule:  # how the GPU's busy time was split over the run (unisched_gpu_charged_seconds)
+        by_resource: dict[str, dict[str, float]] = {}
+        for (r, rule), seconds in c.charged_by_rule.items():
+            by_resource.setdefault(str(r), {})[rule.value] = round(seconds, 3)
+        log.info("busy time charged, by the rule that split it", charged=by_resource)
     if c.mps is not None:
         c.mps.stop()
         log.info("MPS asked to quit once its clients are done", pipe_dir=c.mps.pipe_dir)

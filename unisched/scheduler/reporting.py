@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from unisched.policy import saturation
+from unisched.policy import Resource, saturation
 from unisched.policy.caps import CapKind
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
@@ -120,6 +120,12 @@ def mixed_slices(c: Context, gpu: int) -> tuple[OverlapMix, SliceKind] | None:
     kind = c.plan.running.get(gpu)
     mix = c.mix_shown.get(gpu)
     return None if kind is None or mix is None else (mix, kind)
+
+
+def charged_by_rule(c: Context) -> tuple[tuple[Resource, str, float], ...]:
+    """GPU seconds charged to freezer-governed tenants since the start, per resource and the charge rule that split
+    them (its name, policy.plan.Rule)."""
+    return tuple((r, rule.value, seconds) for (r, rule), seconds in c.charged_by_rule.items())
 
 
 def gate_states(c: Context) -> tuple[GateState, ...]:

@@ -349,6 +349,8 @@ def _charge_resource(
         log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
                   cooperative_s=round(matched, 5), rule=rule.value,
                   charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
+    if (total := sum(amounts)) > 0:
+        c.charged_by_rule[(r, rule)] = c.charged_by_rule.get((r, rule), 0.0) + total
     for t, seconds in zip(ts, amounts, strict=True):
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)

@@ -81,6 +81,9 @@ FAMILIES = (
            "saturated), 0 while every tenant runs", (*GPU, "domain")),
     Family("unisched_gpu_open_hold_seconds", "gauge", "How long a GPU engine domain stays open whatever its busy "
            "fraction, because slicing left its turns unused (paced tenants)", (*GPU, "domain")),
+    Family("unisched_gpu_charged_seconds", "counter", "GPU busy time charged to the freezer-governed tenants of a "
+           "GPU engine domain, by the rule that split it among them (process-rate: CPU weighed by NVML's per-process "
+           "samples; signal: by CPU activity; cpu-time: no GPU signal, CPU time stands in)", (*GPU, "domain", "rule")),
     Family("unisched_gpu_mixed_time_ratio", "gauge", "Where compute and graphics overlap partly: the part of the "
            "time each kind of slice gets (both, compute, graphics)", (*GPU, "kind")),
     Family("unisched_gpu_mixed_now", "gauge", "1 for the kind of mixed slice running now", (*GPU, "kind")),

@@ -26,6 +26,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
+from unisched.policy import Resource
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
 from unisched.scheduler.core import Scheduler, TenantSnapshot
@@ -58,6 +59,8 @@ class View:
     """Per GPU that mixes slices now (partly overlapping compute + graphics): its mix and the kind running."""
     mode: str
     taken: float
+    charges: tuple[tuple[Resource, str, float], ...] = ()
+    """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them."""
 
 
 class EngineView:
@@ -76,6 +79,7 @@ class EngineView:
             mixes=tuple((g, *m) for g in self.engine.gpu_indices if (m := self.engine.mixed_slices(g)) is not None),
             mode=self.engine.config.mode.value,
             taken=time.monotonic(),
+            charges=self.engine.charged_by_rule(),
         )
         self.current = view  # one reference swap: a reader sees the old View or the new one, never a mix
         return view
@@ -110,6 +114,8 @@ class UnischedCollector(Collector):
             _gpu_metrics(out, view.gpus, view.samples)
             _gate_metrics(out, view.gates, uuids, self.view.engine.config.slice_ms / 1000.0)
             _mix_metrics(out, view.mixes, uuids)
+            for r, rule, seconds in view.charges:
+                out.add("unisched_gpu_charged_seconds", [*_gpu(r.gpu, uuids), r.domain, rule], seconds)
         yield from out.families()
 
 
