@@ -30,6 +30,7 @@ from unisched.policy.plan import (
 )
 from unisched.policy.rationing import Rationed, SitOutCap, ahead_rule, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig
+from unisched.policy.tuning import TUNING
 
 SM = Resource(0, "sm")
 GFX = Resource(0, "gfx")
@@ -479,6 +480,21 @@ def test_plan_rations_only_tenants_whose_sitting_out_takes_effect() -> None:
     assert [(v.frozen, v.rule) for v in p.freeze] == [
         (False, Rule.RUNS), (False, Rule.COOPERATIVE), (True, Rule.AHEAD), (True, Rule.AHEAD), (False, Rule.UNSATURATED)]
     assert state.sit_out == {SM: 2}
+
+
+def test_a_tick_carries_each_tenants_stretch_out_across_slices() -> None:
+    """PlanState.out_run: how many steps in a row each tenant had sat out when the slice's steps began, carried
+    through the last slice's steps, so that one that sat out ration_run_steps in a row (across slices) yields its
+    place to another ahead (`step_schedule`)."""
+    decision = Decision(0.0, 0.05, frozenset(), frozenset({"far", "near"}), {})
+    tenants = (TenantView("far", frozenset({SM}), True, leads=((SM, 0.5, 0.0),)),
+               TenantView("near", frozenset({SM}), True, leads=((SM, 0.1, 0.0),)))
+    limit = TUNING.ration_run_steps
+    last = (frozenset({"far"}),) * 4
+    state = PlanState(gates=opened(SM), rationed=frozenset({SM}), sit_out={SM: 1}, steps=last, out_run={"far": limit - 4})
+    _, state = plan(config(), PlanInputs(decision, tenants, {}), state)
+    assert state.out_run == {"far": limit}
+    assert state.steps[0] == frozenset({"near"}) and state.steps[1] == frozenset({"far"})
 
 
 def test_between_ticks_the_step_of_the_slice_says_who_sits_out() -> None:

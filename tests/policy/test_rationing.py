@@ -4,10 +4,12 @@ the others catch up (FairShare.lead, plan.ahead_rule). Pure: the GPU is a model 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from test_policy_fairshare import SLICE, SM0, SM1, scheduler
 
-from unisched.policy.rationing import Rationed, sit_out_budget, step_schedule
+from unisched.policy.rationing import Rationed, out_runs, sit_out_budget, step_schedule
 from unisched.policy.tuning import TUNING
 
 GATE = TUNING.gate(0.98, SLICE * 1000)
@@ -26,12 +28,16 @@ def test_lead_is_the_gpu_time_had_beyond_the_weight_share() -> None:
     assert p.lead("light", SM1) == 0.0  # a resource it never used: no lead
 
 
-def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int,
-              slices: int = 4000) -> tuple[dict[str, float], float, dict[str, int]]:
+def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int, slices: int = 4000,
+              charge_cv: float = 0.0, run_steps: int = TUNING.ration_run_steps,
+              ) -> tuple[dict[str, float], float, dict[str, int]]:
     """A model GPU: each step the tenants that run share it equally, none above what it needs (its pace). Charged
     what they used at the end of each slice, the ones ahead of their share sit out of the next slice's steps
     (step_schedule), as many a step as the budget allows (sit_out_budget). Returns each tenant's GPU time, the
-    GPU's busy fraction, and each tenant's longest stretch out in the second half, in steps."""
+    GPU's busy fraction, and each tenant's longest stretch out in the second half, in steps. `charge_cv`: each
+    slice's charges are uneven, each tenant's use times a lognormal factor of that spread (seeded), the busy time
+    they add up to kept, as CPU-split charges are on a GPU."""
+    pick = random.Random(1)
     names = [f"t{i}" for i in range(len(weights))]
     weight = dict(zip(names, weights, strict=True))
     p = scheduler({n: (w, [SM0]) for n, w in weight.items()})
@@ -54,14 +60,17 @@ def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int,
                 if i >= slices // 2:  # once settled: the first slices catch up on the lead all ran up
                     longest[n] = max(longest[n], stretch[n])
         now += SLICE
+        uneven = {n: pick.lognormvariate(0.0, charge_cv) if charge_cv else 1.0 for n in names}
+        scale = sum(slice_used.values()) / (sum(x * uneven[n] for n, x in slice_used.items()) or 1.0)
         for n, x in slice_used.items():
-            p.charge(n, SM0, x, now)
+            p.charge(n, SM0, x * uneven[n] * scale, now)
             used[n] += x
         budget, cap = sit_out_budget(max(map(len, schedule)), cap,
                                      sum(slice_used.values()) / SLICE - noise * (i % 3) / 2, high=0.98, low=0.68,
                                      settle=GATE.cap_settle_slices, release=GATE.cap_release_slices)
-        schedule = step_schedule([Rationed(n, p.lead(n, SM0), weight[n], slice_used[n], ran[n]) for n in names],
-                                 budget, steps, SLICE)
+        runs = {n: stretch[n] for n in names if stretch[n]}
+        schedule = step_schedule([Rationed(n, p.lead(n, SM0), weight[n], slice_used[n], ran[n], runs.get(n, 0))
+                                  for n in names], budget, steps, SLICE, run_steps)
     return used, sum(used.values()) / (slices * SLICE), longest
 
 
@@ -118,3 +127,43 @@ def test_two_that_fill_the_gpu_only_together_keep_it_nearly_full() -> None:
     try costs about one NVML sample of a partly idle GPU. At the daemon's gate, 0.99 of the GPU stays busy."""
     _, busy, _ = model_gpu((100, 300), 0.55, 0.0, TUNING.ration_steps, slices=2000)
     assert busy >= 0.98
+
+
+@pytest.mark.parametrize(("before", "steps", "after"), [
+    ({}, (frozenset("a"), frozenset("ab"), frozenset("a"), frozenset("a")), {"a": 4}),
+    ({"a": 6, "b": 2}, (frozenset("a"), frozenset("a"), frozenset("ab"), frozenset("ab")), {"a": 10, "b": 2}),
+    ({"a": 6}, (frozenset("b"),) * 4, {"b": 4}),  # a ran: from 0 again
+    ({"a": 6}, (), {}),  # nobody sat out of the slice
+])
+def test_out_runs(before: dict[str, int], steps: tuple[frozenset[str], ...], after: dict[str, int]) -> None:
+    assert out_runs(before, steps) == after
+
+
+def test_one_out_long_yields_its_place_to_another_ahead() -> None:
+    """far is furthest ahead but has sat out ration_run_steps steps in a row: near, also ahead, sits out in its
+    place, and far again the step after its run was broken. Alone ahead, it sits out on."""
+    limit = TUNING.ration_run_steps
+    lead = 0.2 * SLICE * 4  # well past ahead_rule's quarter slice
+    far = Rationed("far", 4 * lead, 100, 0.0, 0, limit)
+    near = Rationed("near", lead, 100, 0.0, 0, 0)
+    behind = Rationed("behind", 0.0, 100, 0.01, 4, 0)
+    assert step_schedule([far, near, behind], 1, 4, SLICE) == (
+        frozenset({"near"}), frozenset({"far"}), frozenset({"far"}), frozenset({"far"}))
+    assert step_schedule([far, behind], 1, 4, SLICE) == (frozenset({"far"}),) * 4
+    assert step_schedule([far, near, behind], 1, 4, SLICE, run_steps=10**6) == (frozenset({"far"}),) * 4
+
+
+def test_lumpy_charges_do_not_make_one_tenant_sit_out_for_long() -> None:
+    """24 players 1:2:4 each wanting 8%, charged unevenly slice by slice (lognormal, cv 0.8: a tenant's charge for
+    a slice several times its use, as splits by CPU activity are on a GPU). One charged a lump pays it back in one
+    stretch out: the weight-1 players' longest ran to 93 steps (over a second). With ration_run_steps the longest
+    stays under three times it, and the GPU time still follows the weights."""
+    weights = (100, 200, 400) * 8
+    used, busy, longest = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8)
+    assert max(v for n, v in longest.items() if weights[int(n[1:])] == 100) < 3 * TUNING.ration_run_steps
+    by_weight = {w: sum(x for x, ww in zip(used.values(), weights, strict=True) if ww == w) for w in (100, 200, 400)}
+    assert by_weight[200] / by_weight[100] == pytest.approx(2.0, rel=0.03)
+    assert by_weight[400] / by_weight[100] == pytest.approx(4.0, rel=0.05)
+    assert busy >= 0.97
+    *_, unlimited = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8, run_steps=10**6)
+    assert max(v for n, v in unlimited.items() if weights[int(n[1:])] == 100) >= 5 * TUNING.ration_run_steps

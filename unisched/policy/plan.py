@@ -22,7 +22,7 @@ from unisched.policy.contention import ContentionMap
 from unisched.policy.fairshare import Decision
 from unisched.policy.model import Engine, Priority, Resource
 from unisched.policy.overlap import MixClock, OverlapMix, PairWeights, SliceKind, mix_contenders, overlap_mix
-from unisched.policy.rationing import Rationed, SitOutCap, sit_out_budget, step_schedule
+from unisched.policy.rationing import Rationed, SitOutCap, out_runs, sit_out_budget, step_schedule
 from unisched.policy.saturation import GateMemory, SaturationConfig, fresh_gate, gate_step, rationing
 from unisched.policy.tuning import TUNING
 
@@ -196,6 +196,8 @@ class PlanState:
     """Who sits out of each step of this slice, over every rationed resource (`step_schedule`); () when none is."""
     sit_out_cap: Mapping[Resource, SitOutCap] = field(default_factory=dict)
     """Per resource held open, the most that may sit out: fewer than lately left the GPU idle (`sit_out_budget`)."""
+    out_run: Mapping[str, int] = field(default_factory=dict)
+    """Steps in a row each tenant had sat out when `steps` began (`out_runs`)."""
 
     def is_open(self, r: Resource) -> bool:
         s = self.gates.get(r)
@@ -453,20 +455,21 @@ def _ration(config: PlanConfig, tenants: Iterable[TenantView], must_wait: Callab
     the most that do in a step. Only tenants whose sitting out takes effect are candidates (`_waits_only_for_open`)."""
     k = max(1, config.ration_steps)
     sat_out = Counter(n for step in state.steps for n in step)  # the last slice's steps: () or k of them
+    runs = out_runs(state.out_run, state.steps)
     rows: dict[Resource, list[Rationed]] = {r: [] for r in state.rationed}
     for t in tenants:
         if not _waits_only_for_open(t, must_wait(t.name), state):
             continue
         for r, lead, used in t.leads:
             if r in rows:
-                rows[r].append(Rationed(t.name, lead, t.weight, used, k - sat_out[t.name]))
+                rows[r].append(Rationed(t.name, lead, t.weight, used, k - sat_out[t.name], runs.get(t.name, 0)))
     steps: list[frozenset[str]] = [frozenset()] * k
     budgets: dict[Resource, int] = {}
     for r, xs in rows.items():
         schedule = step_schedule(xs, state.sit_out.get(r, 0), k, config.slice_s)
         budgets[r] = max(map(len, schedule))
         steps = [a | b for a, b in zip(steps, schedule, strict=True)]
-    return replace(state, sit_out=budgets, steps=tuple(steps) if any(steps) else ())
+    return replace(state, sit_out=budgets, steps=tuple(steps) if any(steps) else (), out_run=runs)
 
 
 def plan(config: PlanConfig, inputs: PlanInputs, state: PlanState) -> tuple[Plan, PlanState]:

@@ -9,12 +9,12 @@ turns that one tenant cannot fill. Pure: leads, counts and busy fractions passed
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from unisched.policy.tuning import TUNING
 
-__all__ = ["Rationed", "SitOutCap", "ahead_rule", "sit_out_budget", "step_schedule"]
+__all__ = ["Rationed", "SitOutCap", "ahead_rule", "out_runs", "sit_out_budget", "step_schedule"]
 
 
 class Rationed(NamedTuple):
@@ -28,6 +28,8 @@ class Rationed(NamedTuple):
     """GPU seconds it was charged there over the last slice."""
     ran_steps: int
     """Steps of the last slice it ran (was not sitting out)."""
+    out_steps: int = 0
+    """Steps in a row it has sat out up to now, across slices (`out_runs`)."""
 
 
 def ahead_rule(lead_s: float, slice_s: float, lead_slices: float = TUNING.ration_lead_slices) -> bool:
@@ -68,9 +70,23 @@ def sit_out_budget(out: int, cap: SitOutCap | None, util: float | None, high: fl
     return (budget if cap is None else min(budget, cap.most)), cap
 
 
-def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s: float) -> tuple[frozenset[str], ...]:
+def out_runs(before: Mapping[str, int], steps: Sequence[frozenset[str]]) -> dict[str, int]:
+    """How many steps in a row each tenant has sat out after `steps` (a slice's; () when nobody sat out of it), from
+    `before` (at its start): a tenant that ran a step starts again from 0. Tenants at 0 are left out."""
+    if not steps:
+        return {}
+    runs = dict(before)
+    for out in steps:
+        runs = {name: runs.get(name, 0) + 1 for name in out}
+    return runs
+
+
+def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s: float,
+                  run_steps: int = TUNING.ration_run_steps) -> tuple[frozenset[str], ...]:
     """Who sits out of each of the `steps` steps of the next slice: in each, the `budget` tenants furthest ahead of
-    their share (`ahead_rule`) as their lead will stand by then, furthest by virtual time (the lead over the weight).
+    their share (`ahead_rule`) as their lead will stand by then, furthest by virtual time (the lead over the weight),
+    except that one that has sat out `run_steps` steps in a row goes after every other tenant ahead: it sits out
+    again only where too few others are ahead to fill the budget.
 
     A tenant's lead falls by its weight's part of a step's GPU time for each step the others run, and rises by what
     it uses for each step it runs (its last slice's use per step it ran; where it did not run, the median of the
@@ -93,14 +109,18 @@ def step_schedule(tenants: Iterable[Rationed], budget: int, steps: int, slice_s:
     usual = known[len(known) // 2] if known else step_s / len(rows)
     rise = {t.name: t.used_s / t.ran_steps if t.ran_steps else usual for t in rows}
     ran = dict.fromkeys(drop, 0)
+    run = {t.name: t.out_steps for t in rows}
     out: list[frozenset[str]] = []
     for s in range(steps):
-        ahead = sorted(((lead / t.weight, t.name) for t in rows
+        ahead = sorted(((run[t.name] < run_steps, lead / t.weight, t.name) for t in rows
                         if ahead_rule(lead := t.lead_s + ran[t.name] * rise[t.name] - s * drop[t.name], slice_s)),
                        reverse=True)
-        chosen = frozenset(name for _, name in ahead[:budget])
+        chosen = frozenset(name for *_, name in ahead[:budget])
         for name in ran:
-            if name not in chosen:
+            if name in chosen:
+                run[name] += 1
+            else:
                 ran[name] += 1
+                run[name] = 0
         out.append(chosen)
     return tuple(out)
