@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Daemon, child_env, wait_until
+from conftest import ROOT, Daemon, child_env, egl_reason, wait_until
 
 
 def _gpu_reason() -> str | None:
@@ -57,6 +57,34 @@ def test_nvml_telemetry_sees_the_gpu_and_its_load() -> None:
     finally:
         proc.wait(timeout=60)
         tel.close()
+
+
+def test_nvml_shows_a_rendering_players_own_gpu_busy() -> None:
+    """What the charge split's process rates rest on (scheduler.rates): NVML's per-process samples show an EGL
+    player's process with SM time of its own. Where they do not, rationed players are split by CPU time alone
+    (unisched_gpu_charged_seconds_total{rule="signal"}), and players that spin while they wait are charged wrong."""
+    if egl_reason():
+        pytest.skip(str(egl_reason()))
+    from unisched.telemetry.nvml import open_nvml
+
+    tel = open_nvml()
+    assert tel is not None
+    player = subprocess.Popen([sys.executable, "examples/cloud_gaming.py", "--role", "instance", "--fps", "0",
+                               "--seconds", "12", "--warmup", "2", "--width", "640", "--height", "360",
+                               "--iterations", "140"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        def own_busy() -> float | None:
+            got = [s.process_sm.get(player.pid, 0.0) for s in tel.sample() if s.process_sm]
+            return max(got) if got and max(got) > 0 else None
+
+        busy = wait_until(own_busy, 20, "the player's pid in NVML's per-process samples with SM time", 0.1)
+        assert 0 < busy <= 1.0
+    finally:
+        player.kill()
+        out = player.communicate(timeout=30)[0]
+        tel.close()
+    assert "Traceback" not in out, out[-2000:]
 
 
 def test_cuda_tenant_is_charged_gpu_seconds(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
