@@ -230,7 +230,9 @@ def test_seccomp_profile_is_the_runtime_default_plus_our_notify_rules() -> None:
     default = json.loads((seccomp / "runtime-default.json").read_text())
     assert profile["defaultAction"] == default["defaultAction"] == "SCMP_ACT_ERRNO" and profile["defaultErrnoRet"] == 38
     notify = [r for r in profile["syscalls"] if r["action"] == "SCMP_ACT_NOTIFY"]
-    assert {r["args"][0]["valueTwo"] for r in notify} == {0x462B, 0x464A, 0x46D3, 0x4629}
+    from unisched.enforce.seccomp.filter import NOTIFIED
+
+    assert {r["args"][0]["valueTwo"] for r in notify} == {(ord("F") << 8) | e for e in NOTIFIED}
     # every rule of the default is kept, except ioctl leaving the argument-free ALLOW list for conditional rules
     kept = [r for r in profile["syscalls"] if r["names"] != ["ioctl"]]
     plain = [r for r in default["syscalls"]]

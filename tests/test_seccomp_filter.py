@@ -22,7 +22,7 @@ from unisched.enforce.seccomp.abi import (
 )
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent, SessionLedger
 from unisched.enforce.seccomp.agent import parse_agent_message
-from unisched.enforce.seccomp.filter import build_filter
+from unisched.enforce.seccomp.filter import NOTIFIED, build_filter
 from unisched.enforce.seccomp.handover import make_agent_message
 
 
@@ -146,7 +146,7 @@ def test_oci_profile_notifies_exactly_the_filter_s_calls() -> None:
         (arg,) = rule["args"]
         assert arg["index"] == 1 and arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] == 0xFFFF
         notified.add(arg["valueTwo"])
-    assert notified == {0x462B, 0x464A, 0x46D3, 0x4629}
+    assert notified == {(ord("F") << 8) | e for e in NOTIFIED}
 
 
 def test_ledger_reserves_and_releases() -> None:

@@ -58,6 +58,8 @@ NOTIFIED_IOCTLS = (
     (0x462B, "NVIDIA RM_ALLOC: (request & 0xFFFF) == 0x462B ('F', nr 0x2B)"),
     (0x464A, "NVIDIA RM_VID_HEAP_CONTROL: (request & 0xFFFF) == 0x464A ('F', nr 0x4A), the heap allocations "
              "EGL/OpenGL make, so GPU memory caps count them"),
+    (0x4634, "NVIDIA RM_DUP_OBJECT: (request & 0xFFFF) == 0x4634 ('F', nr 0x34), which may take a handle the driver "
+             "picks, so the memory caps' handle replay follows it"),
     (0x46D3, "NVIDIA IOCTL_XFER_CMD: (request & 0xFFFF) == 0x46D3 ('F', nr 0xD3), wraps another escape"),
     (0x4629, "NVIDIA RM_FREE: (request & 0xFFFF) == 0x4629 ('F', nr 0x29), so session counts follow frees"),
 )

@@ -70,6 +70,11 @@ def _assemble(items: Iterable[_Insn | str]) -> bytes:
     return bytes(out)
 
 
+NOTIFIED: Final = (RM_ALLOC, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT, XFER, RM_FREE)
+"""The escapes the filter notifies by default (RM_FREE only with `notify_free`); the OCI profiles under
+deploy/seccomp notify the same (a test holds them to this)."""
+
+
 def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tuple[int, ...] = ()) -> bytes:
     """The seccomp program (an array of struct sock_filter) that notifies NVIDIA's allocation escapes.
 
@@ -84,8 +89,7 @@ def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tu
     """
     mask = 0xFFFF if match_type else 0xFF
     base = (IOCTL_TYPE << 8) if match_type else 0
-    wanted = [base | RM_ALLOC, base | RM_VID_HEAP_CONTROL, base | RM_DUP_OBJECT, base | XFER]
-    wanted += ([base | RM_FREE] if notify_free else []) + [base | e for e in extra]
+    wanted = [base | e for e in NOTIFIED if notify_free or e != RM_FREE] + [base | e for e in extra]
     prog: list[_Insn | str] = [_Insn(_LD_W_ABS, DATA_OFF_ARCH)]
     arches = list(IOCTL_SYSCALL.items())
     for arch, _ in arches:
