@@ -39,7 +39,7 @@ def update_rates(c: Context, samples: Mapping[int, GpuSample], now: float,
         last = t.rate_cpu
         t.rate_cpu = None if t.last_cpu is None else (t.last_cpu, now)
         if not _visible(t):
-            t.gpu_rates, t.rates_at = {}, {}
+            t.gpu_rates = {}
             if debug:
                 why[t.name] = "not visible"
             continue
@@ -54,17 +54,15 @@ def update_rates(c: Context, samples: Mapping[int, GpuSample], now: float,
             if seen:
                 busy[i] = sum(seen)
             fresh = None if cores is None else gpu_per_cpu(busy.get(i), cores)
-            old = (t.gpu_rates[i], t.rates_at[i]) if i in t.gpu_rates else None
-            rate = kept_rate(fresh, old, now)
+            rate = kept_rate(fresh, t.gpu_rates.get(i), now)
             if rate is None:
                 t.gpu_rates.pop(i, None)
-                t.rates_at.pop(i, None)
             else:
-                t.gpu_rates[i], t.rates_at[i] = rate
+                t.gpu_rates[i] = rate
         if debug:
             why[t.name] = {"cores": None if cores is None else round(cores, 3),
                            "busy": {i: round(b, 3) for i, b in busy.items()},
-                           "rates": {i: [round(r, 3), round(now - t.rates_at[i], 2)] for i, r in t.gpu_rates.items()}}
+                           "rates": {i: [round(r, 3), round(now - at, 2)] for i, (r, at) in t.gpu_rates.items()}}
     if debug:  # what NVML's per-process samples showed, and each tenant's rates (and their age) with what they came from
         log.debug("rates", now=round(now, 4), sampled={i: len(by_pid) for i, by_pid in shown.items()}, tenants=why)
 

@@ -136,12 +136,10 @@ class Tenant:
     """Registering callers being moved into its cgroup now (off the loop): until they are in, its cgroup may show
     no process, and an emptied run tenant must not be removed for that."""
     labels: Mapping[str, str] = field(default_factory=dict)
-    gpu_rates: dict[int, float] = field(default_factory=dict)
+    gpu_rates: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per GPU, its GPU seconds per CPU second over a second where NVML's per-process samples showed its processes,
-    kept a while through seconds without one (scheduler.rates): the charge split weighs its CPU time by it
-    (policy.charging.charge_rule)."""
-    rates_at: dict[int, float] = field(default_factory=dict)
-    """When each of `gpu_rates` was taken."""
+    and when it was taken, kept a while through seconds without one (scheduler.rates): the charge split weighs its
+    CPU time by it (policy.charging.charge_rule)."""
     rate_cpu: tuple[float, float] | None = None
     """Its cumulative CPU seconds, and when, as its rates were last taken."""
 

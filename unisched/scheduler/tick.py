@@ -343,7 +343,8 @@ def _charge_resource(
     matched, c.matches[r] = cooperative_part(busy, now - dt, now, reports, c.matches.get(r, ReportMatch()),
                                              c.leases.valid_s, True)
     sm = r.domain in (c.contention.domain(Engine.COMPUTE), c.contention.domain(Engine.GRAPHICS))
-    rates = [t.gpu_rates.get(r.gpu) for t in ts] if sm else []  # NVML's per-process samples are of the SMs
+    # NVML's per-process samples are of the SMs; each rate is (GPU seconds per CPU second, when taken)
+    rates = [rate[0] if (rate := t.gpu_rates.get(r.gpu)) else None for t in ts] if sm else []
     amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates)
     if log.is_enabled_for(logging.DEBUG):  # (its fields cost a pass over the tenants, per resource per tick)
         log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),

@@ -57,10 +57,10 @@ class View:
     gates: tuple[GateState, ...]
     mixes: tuple[tuple[int, OverlapMix, SliceKind], ...]
     """Per GPU that mixes slices now (partly overlapping compute + graphics): its mix and the kind running."""
+    charges: tuple[tuple[Resource, str, float], ...]
+    """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them."""
     mode: str
     taken: float
-    charges: tuple[tuple[Resource, str, float], ...] = ()
-    """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them."""
 
 
 class EngineView:
