@@ -71,10 +71,8 @@ def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 
     except subprocess.TimeoutExpired:
         daemon.kill()
         daemon.wait()
-        if subtree is not None:  # killed, it thawed nothing: its tenants' processes must not stay frozen
-            thaw = _driver(subtree.strip("/"))
-            for cgroup in thaw.managed():
-                thaw.set_frozen(cgroup, False)
+        if subtree is not None:
+            thaw_subtree(subtree)
     if subtree is not None:
         from unisched.enforce.cgroups import within  # the checkout's own, as the daemons use it
 
@@ -83,6 +81,14 @@ def stop_daemon(daemon: subprocess.Popen[bytes], work: Path, timeout_s: float = 
         if origin and here and within(here, "/" + subtree.strip("/")):  # this process registered itself
             _driver().attach(origin, os.getpid())
         remove_subtree(subtree)
+
+
+def thaw_subtree(subtree: str) -> None:
+    """Thaw every cgroup of a daemon's subtree: a daemon killed thawed nothing, and its tenants' processes must not
+    stay frozen (nor, under the v1 freezer, keep its cgroups from being removed)."""
+    thaw = _driver(subtree.strip("/"))
+    for cgroup in thaw.managed():
+        thaw.set_frozen(cgroup, False)
 
 
 def _driver(subtree: str | None = None) -> CgroupDriver:

@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
-from _daemon import ROOT, own_subtree, remove_subtree
+from _daemon import ROOT, own_subtree, remove_subtree, thaw_subtree
 from interleave import Alternation, Alternator
 
 from unisched.calibrate.runs import kill_group
@@ -373,7 +373,7 @@ class Daemon:
         return snap
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM and wait; SIGKILL its process group only if it will not go."""
+        """SIGTERM and wait; SIGKILL its process group only if it will not go, then thaw its tenants."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -383,6 +383,7 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 self.info["killed"] = True
                 kill_group(self.proc, grace_s=0.0)
+                thaw_subtree(self.subtree)  # killed, it thawed nothing
         self.info["rc"] = self.proc.returncode
         self.info["log_tail"] = tail(self.log)
         shutil.rmtree(self.socket.parent, ignore_errors=True)  # our own mkdtemp folder
