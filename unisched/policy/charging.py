@@ -79,8 +79,8 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
 
     `rates`: each tenant's GPU seconds per CPU second (`gpu_per_cpu`), where known for every one of them: then each
     one's CPU activity is weighed by its rate (PROCESS_RATE). CPU time alone misleads where tenants wait for a busy
-    GPU by spinning in the driver: the more often one runs, the more it spins for each frame, and paced players
-    1:2:4, held at their weights by charges split by CPU, got frames 1:1.7:2.7."""
+    GPU by spinning in the driver: the more often one runs, the more it spins for each frame, so the ones that run
+    most are overcharged (in the engine test, twelve such players 1:2:4 split by CPU alone got GPU time 1:1.4:2)."""
     if util > activity_threshold:
         busy = max(0.0, util * dt - cooperative_s)
         if cpu_s and len(rates) == len(cpu_s) and None not in rates:

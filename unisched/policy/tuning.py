@@ -34,11 +34,11 @@ class Tuning:
     ration_cap_settle_s: float = 0.2
     """While rationing, the cap on how many may sit out (`policy.rationing.sit_out_budget`) is lowered at most once
     in this long: one NVML sample on the H200 (1/6 s) spans about four 50 ms slices, and one dip of it, read at each,
-    had lowered the cap by three at once."""
+    would lower the cap once a slice."""
     ration_cap_release_s: float = 5.0
     """While rationing, a cap not lowered for this long rises by one, so that a resource held open for hours
-    recovers from a dip: a cap that only fell left 24 players on an H100 at 5 sitting out where 10-12 had kept the
-    weights, for the rest of the run. Tenants that fill the GPU only together then try rationing once in this long,
+    recovers from a dip: a cap that only falls can hold too few sitting out for the weights, for as long as the
+    resource stays open. Tenants that fill the GPU only together then try rationing once in this long,
     and each try leaves it partly idle for about one NVML sample: in the policy model, two tenants 1:3 that each need
     55% keep at least 0.98 of the GPU busy (tests/policy/test_rationing.py); a shorter release tries more often."""
     used_turn_margin: float = 0.3
