@@ -289,57 +289,6 @@ def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
     assert last["sit_out"]["gpu0/sm"] >= 1 and any(last["steps"])
 
 
-def test_a_rationed_players_lump_is_charged_as_it_runs(tmp_path: Path) -> None:
-    """On a GPU held open and rationed, a light player that burns ten times its usual CPU for one slice is charged
-    that lump as it runs (ration_spread_slices), not at once: at the tick it is charged under half of what the split
-    gave it, the rest is owed, and over the next slices it pays that off as it runs. Once the GPU is not rationed,
-    what it still owed is charged at its next charge: nothing is forgiven."""
-    rig, tel, names = players(tmp_path, 12, loop=True)
-    c = rig.engine._c
-    sm = next(iter(c.tenants["p0"].resources))
-    split = taken = 0.0  # p0's charges as the split gave them, and as charged
-
-    def play(slices: int, lump: float = 1.0, util: float | None = None) -> None:
-        nonlocal split, taken
-        ticks = 0
-        while ticks < slices:
-            running = sum(not rig.frozen(n) for n in names)
-            part = min(0.2, 1.0 / running) if running else 0.0
-            rig.rate.update(dict.fromkeys(names, part))
-            rig.rate["p0"] = part * lump
-            tel.next_samples = [GpuSample(0, min(1.0, part * running) if util is None else util, 0.0, 0.0, 0)]
-            with capture_logs() as logs:
-                rig.step()
-            for e in logs:
-                if e["event"] == "charged":
-                    split += e["charged"].get("p0", 0.0)
-                    taken += c.charged.get(("p0", sm), 0.0)
-                    ticks += 1
-
-    play(60)  # the gate slices, finds the turns unused, and holds the GPU open
-    assert sm in c.plan.rationed
-    while rig.frozen("p0"):  # the lump where it runs
-        play(1)
-    split0, taken0, owed0 = split, taken, c.owed.get(("p0", sm), 0.0)
-    play(1, lump=10.0)
-    play(1)  # (what it burns over a slice is charged at the tick that ends it)
-    lump, now = split - split0, taken - taken0
-    assert now < 0.5 * lump, (lump, now)
-    owed = c.owed[("p0", sm)]
-    rounded = 1e-5  # the debug line's charges are rounded to 10 us
-    assert owed == pytest.approx(owed0 + lump - now, abs=rounded)
-    play(40)
-    assert c.owed[("p0", sm)] - owed0 < 0.5 * (owed - owed0)  # paid off as it ran
-    assert taken + c.owed.get(("p0", sm), 0.0) == pytest.approx(split, abs=50 * rounded)
-    assert ("p1", sm) in c.owed
-    rig.engine.remove("p1")  # a tenant removed owes nothing any more
-    names.remove("p1")
-    assert ("p1", sm) not in c.owed
-    play(40, util=0.3)  # room on the GPU: the gate lets go, and what was owed is charged
-    assert sm not in c.plan.rationed and ("p0", sm) not in c.owed
-    assert taken == pytest.approx(split, abs=100 * rounded)
-
-
 @pytest.mark.parametrize("left_out", [0, 2])
 def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, left_out: int) -> None:
     """Twelve paced players 1:2:4 whose CPU time is no measure of their GPU time: each waits for the busy GPU by

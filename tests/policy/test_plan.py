@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import pytest
 
 from unisched.policy import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap, Decision, Engine, Priority, Resource
-from unisched.policy.charging import (
-    ReportMatch,
-    Unmatched,
-    charge_rule,
-    cooperative_part,
-    gpu_per_cpu,
-    kept_rate,
-    spread_charge,
-)
+from unisched.policy.charging import ReportMatch, Unmatched, charge_rule, cooperative_part, gpu_per_cpu, kept_rate
 from unisched.policy.overlap import PairMember, PairWeights, SliceKind, mix_contenders, pair_weights
 from unisched.policy.plan import (
     MIX_DOMAIN,
@@ -185,29 +176,6 @@ def test_gpu_per_cpu(gpu: float | None, cores: float, rate: float | None) -> Non
 def test_kept_rate(fresh: float | None, kept: tuple[float, float] | None, now: float,
                    out: tuple[float, float] | None) -> None:
     assert kept_rate(fresh, kept, now, keep_s=3.0) == out
-
-
-@pytest.mark.parametrize(("owed", "ran", "spread", "now"), [
-    (0.004, 0.0, 4.0, 0.0),  # sat out the whole interval: pays nothing of it meanwhile
-    (0.004, 4.0, 4.0, 0.004 * (1 - math.exp(-1.0))),  # ran as long as the spread: 1 - 1/e of it
-    (0.004, 1.0, 4.0, 0.004 * (1 - math.exp(-0.25))),  # a slice's worth of steps
-    (0.004, 0.25, 4.0, 0.004 * (1 - math.exp(-0.0625))),  # one step of four
-    (0.004, 1.0, 0.0, 0.004),  # no spread: all at once
-    (0.0, 1.0, 4.0, 0.0),  # nothing owed
-    (-0.001, 1.0, 4.0, 0.0),  # never a credit
-    (0.004, -1.0, 4.0, 0.0),  # a negative run counts as none
-])
-def test_spread_charge(owed: float, ran: float, spread: float, now: float) -> None:
-    assert spread_charge(owed, ran, spread) == pytest.approx(now)
-
-
-def test_spread_charge_takes_all_in_the_end() -> None:
-    """Nothing is forgiven: run on, a tenant pays what it owed, whatever the spread."""
-    owed, paid = 0.01, 0.0
-    for _ in range(200):
-        now = spread_charge(owed, 1.0, 4.0)
-        owed, paid = owed - now, paid + now
-    assert paid == pytest.approx(0.01, rel=1e-9) and owed >= 0.0
 
 
 def test_charge_rule_takes_off_what_cooperative_tenants_did() -> None:

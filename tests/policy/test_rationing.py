@@ -9,7 +9,6 @@ import random
 import pytest
 from test_policy_fairshare import SLICE, SM0, SM1, scheduler
 
-from unisched.policy.charging import spread_charge
 from unisched.policy.rationing import Rationed, out_runs, sit_out_budget, step_schedule
 from unisched.policy.tuning import TUNING
 
@@ -31,16 +30,13 @@ def test_lead_is_the_gpu_time_had_beyond_the_weight_share() -> None:
 
 def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int, slices: int = 4000,
               charge_cv: float = 0.0, run_steps: int = TUNING.ration_run_steps,
-              spread: float = TUNING.ration_spread_slices, stretches: dict[str, list[int]] | None = None,
               ) -> tuple[dict[str, float], float, dict[str, int]]:
     """A model GPU: each step the tenants that run share it equally, none above what it needs (its pace). Charged
     what they used at the end of each slice, the ones ahead of their share sit out of the next slice's steps
     (step_schedule), as many a step as the budget allows (sit_out_budget). Returns each tenant's GPU time, the
     GPU's busy fraction, and each tenant's longest stretch out in the second half, in steps. `charge_cv`: each
     slice's charges are uneven, each tenant's use times a lognormal factor of that spread (seeded), the busy time
-    they add up to kept, as CPU-split charges are on a GPU. Each charge is taken as the tenant runs, over `spread`
-    slices' worth of its steps (spread_charge, as the engine does). `stretches`: filled with each tenant's every
-    stretch out in the second half, in steps."""
+    they add up to kept, as CPU-split charges are on a GPU."""
     pick = random.Random(1)
     names = [f"t{i}" for i in range(len(weights))]
     weight = dict(zip(names, weights, strict=True))
@@ -49,7 +45,6 @@ def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int, s
     schedule: tuple[frozenset[str], ...] = (frozenset(),) * steps
     budget, cap, now, step_s = 0, None, 0.0, SLICE / steps
     stretch, longest = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
-    owed = dict.fromkeys(names, 0.0)
     for i in range(slices):
         slice_used, ran = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         for out in schedule:
@@ -61,8 +56,6 @@ def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int, s
                 slice_used[n] += share * step_s
                 ran[n] += 1
             for n in names:
-                if stretches is not None and n not in out and stretch[n] and i >= slices // 2:
-                    stretches.setdefault(n, []).append(stretch[n])
                 stretch[n] = stretch[n] + 1 if n in out else 0
                 if i >= slices // 2:  # once settled: the first slices catch up on the lead all ran up
                     longest[n] = max(longest[n], stretch[n])
@@ -70,10 +63,7 @@ def model_gpu(weights: tuple[int, ...], need: float, noise: float, steps: int, s
         uneven = {n: pick.lognormvariate(0.0, charge_cv) if charge_cv else 1.0 for n in names}
         scale = sum(slice_used.values()) / (sum(x * uneven[n] for n, x in slice_used.items()) or 1.0)
         for n, x in slice_used.items():
-            owed[n] += x * uneven[n] * scale
-            taken = spread_charge(owed[n], ran[n] / steps, spread)
-            owed[n] -= taken
-            p.charge(n, SM0, taken, now)
+            p.charge(n, SM0, x * uneven[n] * scale, now)
             used[n] += x
         budget, cap = sit_out_budget(max(map(len, schedule)), cap,
                                      sum(slice_used.values()) / SLICE - noise * (i % 3) / 2, high=0.98, low=0.68,
@@ -165,9 +155,9 @@ def test_one_out_long_yields_its_place_to_another_ahead() -> None:
 
 def test_lumpy_charges_do_not_make_one_tenant_sit_out_for_long() -> None:
     """24 players 1:2:4 each wanting 8%, charged unevenly slice by slice (lognormal, cv 0.8: a tenant's charge for
-    a slice several times its use, as splits by CPU activity are on a GPU). One charged a lump at once pays it back
-    in one stretch out: without ration_run_steps the weight-1 players' longest ran to 93 steps (over a second). With
-    it the longest stays under three times it, and the GPU time still follows the weights."""
+    a slice several times its use, as splits by CPU activity are on a GPU). One charged a lump pays it back in one
+    stretch out: the weight-1 players' longest ran to 93 steps (over a second). With ration_run_steps the longest
+    stays under three times it, and the GPU time still follows the weights."""
     weights = (100, 200, 400) * 8
     used, busy, longest = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8)
     assert max(v for n, v in longest.items() if weights[int(n[1:])] == 100) < 3 * TUNING.ration_run_steps
@@ -175,27 +165,5 @@ def test_lumpy_charges_do_not_make_one_tenant_sit_out_for_long() -> None:
     assert by_weight[200] / by_weight[100] == pytest.approx(2.0, rel=0.03)
     assert by_weight[400] / by_weight[100] == pytest.approx(4.0, rel=0.05)
     assert busy >= 0.97
-    *_, unlimited = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8, run_steps=10**6,
-                              spread=0.0)
+    *_, unlimited = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8, run_steps=10**6)
     assert max(v for n, v in unlimited.items() if weights[int(n[1:])] == 100) >= 5 * TUNING.ration_run_steps
-
-
-def test_lumps_taken_as_a_tenant_runs_are_paid_back_a_step_at_a_time() -> None:
-    """The same 24 lumpy players: each charge taken as the tenant runs (ration_spread_slices), the weight-1 players'
-    stretches out average 3.7 steps and nine in ten last 6 or less; each lump taken at once, 4.6 and 8 (the run
-    limit bounding both). Their GPU time still follows the weights."""
-    weights = (100, 200, 400) * 8
-
-    def light(spread: float) -> tuple[list[int], dict[int, float]]:
-        runs: dict[str, list[int]] = {}
-        used, _, _ = model_gpu(weights, 0.08, 0.0, TUNING.ration_steps, slices=3000, charge_cv=0.8, spread=spread,
-                               stretches=runs)
-        by_weight = {w: sum(x for x, ww in zip(used.values(), weights, strict=True) if ww == w) for w in (100, 200, 400)}
-        return sorted(x for n, v in runs.items() if weights[int(n[1:])] == 100 for x in v), by_weight
-
-    spread, by_weight = light(TUNING.ration_spread_slices)
-    at_once, _ = light(0.0)
-    assert sum(spread) / len(spread) < 0.85 * sum(at_once) / len(at_once)
-    assert spread[int(0.9 * len(spread))] < at_once[int(0.9 * len(at_once))]
-    assert by_weight[200] / by_weight[100] == pytest.approx(2.0, rel=0.03)
-    assert by_weight[400] / by_weight[100] == pytest.approx(4.0, rel=0.05)

@@ -4,14 +4,13 @@ Pure: times passed in. Part of the scheduling model (docs/design/scheduling.md, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from unisched.policy.plan import Rule
 from unisched.policy.tuning import TUNING
 
-__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu", "kept_rate", "spread_charge"]
+__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu", "kept_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,17 +111,3 @@ def kept_rate(fresh: float | None, kept: tuple[float, float] | None, now: float,
     if kept is not None and now - kept[1] <= keep_s:
         return kept
     return None
-
-
-def spread_charge(owed_s: float, ran_slices: float, spread_slices: float = TUNING.ration_spread_slices) -> float:
-    """Of the GPU seconds a tenant owes on a rationed resource (its charges not yet taken, the last interval's
-    included), the part its share is charged now: 1 - e^(-ran/spread), `ran_slices` being the slices' worth of steps
-    it ran in the interval; the rest stays owed. Why: a lump charged at once (CPU-split charges come in lumps) puts
-    the tenant so far ahead that it sits out until it is paid back, in one long stretch, the frames due meanwhile
-    felt as stutter; taken as it runs, the lump makes it sit out a step more here and there. A tenant that does not
-    run pays nothing meanwhile, so what it owes never holds it out. `spread_slices` 0: all at once."""
-    if owed_s <= 0.0:
-        return 0.0
-    if spread_slices <= 0.0:
-        return owed_s
-    return owed_s * -math.expm1(-max(0.0, ran_slices) / spread_slices)

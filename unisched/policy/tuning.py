@@ -67,20 +67,9 @@ class Tuning:
     the next step to another tenant ahead of its share, if there is one (policy.rationing.step_schedule): the number
     sitting out stays, only who. Charges that come in lumps (a tenant charged for a slice several times its usual
     use) otherwise make one tenant pay back in one long stretch, the frames due meanwhile felt as stutter. In the
-    policy model, 24 players 1:2:4 charged per slice as unevenly as on an H100 (lognormal, cv 0.8), each lump taken
-    at once: the weight-1 players' longest stretch out fell from 93 steps to 17, their GPU time within 5% of the
-    weights either way (tests/policy/test_rationing.py); with even charges, once settled, no stretch reaches it.
-    `ration_spread_slices` shortens the usual stretches; this bounds the longest."""
-    ration_spread_slices: float = 4.0
-    """On a rationed resource a tenant pays each charge over this many slices' worth of the steps it runs
-    (`policy.charging.spread_charge`): 1 - 1/e of what it owes by the time it has run this long. Charges split by CPU activity
-    come in lumps (a player charged for a slice several times its usual use), and a lump taken at once puts the tenant
-    so far ahead that it pays it back in one stretch out; spread over its running it sits out a step more here and
-    there instead. Nothing is forgiven, only taken later: in the policy model, 24 players 1:2:4 charged per slice as
-    unevenly as on an H100 (lognormal, cv 0.8), the weight-1 players' stretches out averaged 3.7 steps instead of 4.6
-    and nine in ten lasted 6 steps or less instead of 8, their GPU time within 5% of the weights either way
-    (tests/policy/test_rationing.py). A longer spread lags further behind what a tenant uses; 0 takes each charge
-    at once."""
+    policy model, 24 players 1:2:4 charged per slice as unevenly as on an H100 (lognormal, cv 0.8): the weight-1
+    players' longest stretch out fell from 93 steps to 17, their GPU time within 5% of the weights either way
+    (tests/policy/test_rationing.py); with even charges, once settled, no stretch reaches it."""
     gate_min_slices: int = 2
     """The gate's windows span at least this many slices, whatever the slice length: one slice's busy fraction is
     one sample, which a paced load can fill."""

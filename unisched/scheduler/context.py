@@ -69,9 +69,6 @@ class Context:
     last_samples: tuple[GpuSample, ...] = ()
     charged: dict[tuple[str, Resource], float] = field(default_factory=dict)
     """GPU seconds each freezer-governed tenant was charged per resource at the last tick (what rationing weighs)."""
-    owed: dict[tuple[str, Resource], float] = field(default_factory=dict)
-    """GPU seconds each freezer-governed tenant owes per rationed resource, charged as it runs
-    (policy.charging.spread_charge); settled at its next charge once the resource is not rationed."""
     charged_by_rule: dict[tuple[Resource, Rule], float] = field(default_factory=dict)
     """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them
     (policy.charging.charge_rule): whether the split used NVML's per-process samples (unisched_gpu_charged_seconds)."""

@@ -128,8 +128,6 @@ def drop(c: Context, t: Tenant) -> None:
         log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
     del c.tenants[name]
     c.logged_shares.pop(name, None)
-    for key in [k for k in c.owed if k[0] == name]:
-        del c.owed[key]
     c.leases.forget_tenant(name)
     c.policy.remove(name)
 

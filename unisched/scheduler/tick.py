@@ -16,7 +16,7 @@ from unisched.policy import (
     Mode,
     Resource,
 )
-from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part, spread_charge
+from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part
 from unisched.policy.overlap import PairMember, PairWeights, pair_weights
 from unisched.policy.plan import (
     FreezerUse,
@@ -352,33 +352,12 @@ def _charge_resource(
                   charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
     if (total := sum(amounts)) > 0:
         c.charged_by_rule[(r, rule)] = c.charged_by_rule.get((r, rule), 0.0) + total
-    rationed = r in c.plan.rationed
     for t, seconds in zip(ts, amounts, strict=True):
-        key = (t.name, r)
-        owed = c.owed.pop(key, 0.0) + seconds
-        if rationed:  # taken as it runs (policy.charging.spread_charge); the rest stays owed
-            seconds = spread_charge(owed, _ran_slices(c, t.name, dt))
-            if owed - seconds > OWED_LEAST_S:
-                c.owed[key] = owed - seconds
-        else:
-            seconds = owed
         if seconds > 0:
             c.policy.charge(t.name, r, seconds, now)
-            c.charged[key] = seconds
+            c.charged[(t.name, r)] = seconds
     if rule is Rule.SIGNAL and len(ts) == 1 and not c.leases.client_held(r):
         gpu_active.add(ts[0].name)  # alone on a busy GPU: unless a client held it, that busy time is its own
-
-
-OWED_LEAST_S = 1e-6
-"""Less than this owed on a resource is let go (a microsecond of GPU time)."""
-
-
-def _ran_slices(c: Context, name: str, dt: float) -> float:
-    """How many slices' worth of steps `name` ran over the last interval (`dt`) on the rationed resources: the
-    steps of the slice it did not sit out (PlanState.steps, the slice's schedule)."""
-    steps = c.plan.steps
-    ran = 1.0 if not steps else sum(name not in out for out in steps) / len(steps)
-    return ran * dt / c.plan_config.slice_s
 
 
 def _update_demand(c: Context, cpu: dict[str, float], dt: float, gpu_active: set[str]) -> None:
