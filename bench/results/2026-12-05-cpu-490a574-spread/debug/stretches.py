@@ -46,8 +46,9 @@ def main(path: str) -> None:
                 print(f"  weight {w}: {len(r)} stretches out, mean {statistics.mean(r):.2f} steps, p90 {r[int(.9 * len(r))]}, "
                       f"p99 {r[int(.99 * len(r))]}, longest {r[-1]}; out of {out:.2f} of the steps; charge a tick (ms) "
                       f"p50 {c[len(c) // 2]:.2f}, p90 {c[int(.9 * len(c))]:.2f}, p99 {c[int(.99 * len(c))]:.2f}")
+            players = sorted(report["per_instance"], key=lambda p: p["weight"])
             print("  weight, FPS, 1% low over mean:", [(p["weight"] // 100, round(p["fps_mean"], 1),
-                  round(p["fps_1pct_low"] / p["fps_mean"], 2)) for p in sorted(report["per_instance"], key=lambda p: p["weight"])])
+                  round(p["fps_1pct_low"] / p["fps_mean"], 2)) for p in players])
 
 
 if __name__ == "__main__":
