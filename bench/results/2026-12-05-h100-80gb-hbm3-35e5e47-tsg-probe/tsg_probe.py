@@ -29,7 +29,8 @@ def run(name: str, tenants: list[tuple[str, str]]) -> list[dict]:
         env = dict(os.environ, LD_PRELOAD=str(SHIM), TSGLOG=str(d / f"tsg{i}.log"), TSGSLICE_US=slice_us)
         cmd = [sys.executable, str(WL[kind]), "--seconds", str(SECONDS), "--start-at", str(start),
                "--report", str(d / f"r{i}.json")]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=open(d / f"out{i}.log", "w"), stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(d / f"out{i}.log", "w"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT))
     for p in procs:
         p.wait(timeout=LEAD + SECONDS + 60)
     res = []
