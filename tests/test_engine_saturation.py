@@ -289,16 +289,23 @@ def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
     assert last["sit_out"]["gpu0/sm"] >= 1 and any(last["steps"])
 
 
-@pytest.mark.parametrize("left_out", [0, 2])
-def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, left_out: int) -> None:
+@pytest.mark.parametrize(("left_out", "frame_s"), [(0, 0.0), (2, 0.0), (0, 0.2 / 60)])
+def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, left_out: int, frame_s: float) -> None:
     """Twelve paced players 1:2:4 whose CPU time is no measure of their GPU time: each waits for the busy GPU by
     spinning, the more so the more often it runs (its CPU a GPU second 1, 1.5 and 2 by group, as players at 14, 18
     and 22 ms of CPU a frame were). NVML's per-process samples show each one's GPU time, and the daemon weighs
     their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2. `left_out`: each
     second NVML's samples leave out that many players, chosen at random: their last rates stand meanwhile (without
-    that, every tick beside one fell back to the CPU split, and they got 1:1.4:2)."""
+    that, every tick beside one fell back to the CPU split, and they got 1:1.4:2). `frame_s`: the GPU time of the frame a
+    player has queued when it is frozen (a frame at its pace: a fifth of the GPU at 60 FPS), which the GPU still runs
+    while it sits out: the busy time of that drain is charged to the players thawed beside it, but NVML's samples
+    show it as the frozen player's, so its rate, and the weights, hold."""
     rig, tel, names = players(tmp_path, 12)
     pick = random.Random(7)
+    queued = random.Random(3)  # how much of its frame a player still has queued when it is frozen
+    left = dict.fromkeys(names, 0.0)
+    thawed = dict.fromkeys(names, True)
+    step = SLICE  # the length of the rig's last step (a tick or a rationed step)
     spin = {n: (1.0, 1.5, 2.0)[i % 3] for i, n in enumerate(names)}
     pid = {n: rig.driver.groups[f"/unisched/{n}"].pids[0] for n in names}
     for n in names:
@@ -309,19 +316,29 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, 
     window_start = rig.clock.monotonic()
 
     def play(seconds: float) -> None:
-        nonlocal shown, window_start
+        nonlocal shown, window_start, step
         end = rig.clock.monotonic() + seconds
         while rig.clock.monotonic() < end:
+            for n in names:
+                if rig.frozen(n) and thawed[n]:
+                    left[n] = queued.uniform(0.0, frame_s)
+                thawed[n] = not rig.frozen(n)
             running = [n for n in names if not rig.frozen(n)]
-            part = min(0.2, 1.0 / len(running)) if running else 0.0
+            ran = {n: min(left[n], step / (len(running) + 1)) for n in names if rig.frozen(n) and left[n] > 0}
+            drained = sum(ran.values()) / step  # the GPU's time-slicing gives what the drain leaves to the thawed
+            part = min(0.2, (1.0 - drained) / len(running)) if running else 0.0
             rig.rate.update({n: part * spin[n] for n in names})
-            tel.next_samples = [GpuSample(0, min(1.0, part * len(running)), 0.0, 0.0, 0, process_sm=shown)]
+            tel.next_samples = [GpuSample(0, min(1.0, part * len(running) + drained), 0.0, 0.0, 0, process_sm=shown)]
             t0 = rig.clock.monotonic()
             rig.step()
-            dt = rig.clock.monotonic() - t0
+            step = rig.clock.monotonic() - t0
             for n in running:
-                used[n] += part * dt
-                window[n] += part * dt
+                used[n] += part * step
+                window[n] += part * step
+            for n, seconds in ran.items():
+                left[n] -= seconds
+                used[n] += seconds
+                window[n] += seconds
             if rig.clock.monotonic() - window_start >= 1.0:  # NVML's per-process samples: a second's mean
                 span = rig.clock.monotonic() - window_start
                 out = set(pick.sample(names, left_out))
