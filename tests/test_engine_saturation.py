@@ -324,8 +324,12 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, 
                     left[n] = queued.uniform(0.0, frame_s)
                 thawed[n] = not rig.frozen(n)
             running = [n for n in names if not rig.frozen(n)]
-            ran = {n: min(left[n], step / (len(running) + 1)) for n in names if rig.frozen(n) and left[n] > 0}
-            drained = sum(ran.values()) / step  # the GPU's time-slicing gives what the drain leaves to the thawed
+            draining = [n for n in names if rig.frozen(n) and left[n] > 0]
+            # the GPU's time-slicing: a draining player gets at most an equal part of the step (the last one's length
+            # standing for this one's), the thawed share what the drain leaves
+            even = 1.0 / (len(running) + len(draining)) if running or draining else 0.0
+            ran = {n: min(even, left[n] / step) for n in draining}
+            drained = sum(ran.values())
             part = min(0.2, (1.0 - drained) / len(running)) if running else 0.0
             rig.rate.update({n: part * spin[n] for n in names})
             tel.next_samples = [GpuSample(0, min(1.0, part * len(running) + drained), 0.0, 0.0, 0, process_sm=shown)]
@@ -335,7 +339,8 @@ def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, 
             for n in running:
                 used[n] += part * step
                 window[n] += part * step
-            for n, seconds in ran.items():
+            for n, fraction in ran.items():
+                seconds = min(left[n], fraction * step)
                 left[n] -= seconds
                 used[n] += seconds
                 window[n] += seconds
