@@ -10,8 +10,10 @@ a context on the H200 (docs/design/memory.md and tests/test_gpu_hooks.py check t
   cuda  a new RM client, device, subdevice, 8 x (channel 0xC86F, copy 0xC8B5, compute 0xCBC0), 12 more channels
         and copies, 8 TSGs 0xA06C, 71 memory objects 0x0040: 130 RM_ALLOCs, of which one asks `decide` (the
         first compute object; the other 7 join its session), then RM_FREE of the client
-  egl   a new RM client, device, subdevice, one graphics 0xCB97 (asks `decide`), 4 channels and copies,
-        2 TSGs, 22 memory objects: 35 RM_ALLOCs, then RM_FREE of the client
+  egl   the RM calls an EGL app made on the H200 up to its last allocation (tests/data/h200_egl_rm_calls.jsonl,
+        calls 1-125: 35 RM_ALLOCs, one of them the graphics object 0xCB97 that asks `decide`, 85 heap allocations
+        RM_VID_HEAP_CONTROL and 5 RM_FREEs), its clients' handles moved to this context's, then RM_FREE of each
+        client
 
 Before each ioctl the tenant is busy for --gap-us (default 50 us; not timed): a driver does its own work between
 two RM calls (a CUDA context start on the H200 spent ~2.6 ms per notified call), so the supervisor has gone
@@ -64,11 +66,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _results import write  # noqa: E402
 
 OLD_REV = "c2c3ca1ba5addea81a651ea1dfe3843a5c93c90d"  # the last seccomp.py that answered on the asyncio loop
-RM_ALLOC, RM_FREE, RM_CONTROL = 0x2B, 0x29, 0x2A
+RM_ALLOC, RM_FREE, RM_CONTROL, RM_HEAP = 0x2B, 0x29, 0x2A, 0x4A
+NVOS32_SIZE, NVOS32_ALLOC_SIZE = 184, 2  # RM_VID_HEAP_CONTROL's argument; its function that allocates by size
+EGL_TRACE = ROOT / "tests" / "data" / "h200_egl_rm_calls.jsonl"
 ROOT_CLASS, DEVICE, SUBDEVICE = 0x0041, 0x0080, 0x2080
 CHANNEL, COPY, TSG, MEMORY = 0xC86F, 0xC8B5, 0xA06C, 0x0040
 COMPUTE, GRAPHICS = 0xCBC0, 0xCB97
-CATEGORIES = ("other alloc", "new session", "joined session object", "free", "plain ioctl")
+CATEGORIES = ("other alloc", "new session", "joined session object", "heap alloc", "free", "plain ioctl")
 KINDS = ("cuda", "egl")
 
 
@@ -77,35 +81,65 @@ def iowr(nr: int, size: int) -> int:
     return (3 << 30) | (size << 16) | (ord("F") << 8) | nr
 
 
-def context(kind: str, client: int) -> list[tuple[str, int, int, int]]:
-    """(category, parent, handle, class) of each RM_ALLOC of one context, in the order made."""
+Call = tuple[str, int, tuple[int, ...], int]
+"""(category, escape nr, the argument's leading 32-bit words, the argument's size) of one RM call."""
+
+
+def context(kind: str, client: int) -> list[Call]:
+    """Every RM call of one context, in the order made, ending with the free of its clients."""
+    if kind == "egl":
+        return egl_context(client)
     dev, sub = client + 1, client + 2
-    calls = [("other alloc", client, client, ROOT_CLASS), ("other alloc", client, dev, DEVICE),
-             ("other alloc", dev, sub, SUBDEVICE)]
+    calls: list[Call] = [("other alloc", RM_ALLOC, (client, client, client, ROOT_CLASS), 32),
+                         ("other alloc", RM_ALLOC, (client, client, dev, DEVICE), 32),
+                         ("other alloc", RM_ALLOC, (client, dev, sub, SUBDEVICE), 32)]
     h = client + 0x10
 
     def add(category: str, h_class: int, n: int) -> None:
         nonlocal h
         for _ in range(n):
-            calls.append((category, sub, h, h_class))
+            calls.append((category, RM_ALLOC, (client, sub, h, h_class), 32))
             h += 1
 
-    if kind == "cuda":
-        for i in range(8):
-            add("other alloc", CHANNEL, 1)
-            add("other alloc", COPY, 1)
-            add("new session" if i == 0 else "joined session object", COMPUTE, 1)
-        add("other alloc", CHANNEL, 12)
-        add("other alloc", COPY, 12)
-        add("other alloc", TSG, 8)
-        add("other alloc", MEMORY, 71)
-    else:
-        add("new session", GRAPHICS, 1)
-        add("other alloc", CHANNEL, 4)
-        add("other alloc", COPY, 4)
-        add("other alloc", TSG, 2)
-        add("other alloc", MEMORY, 22)
-    return calls
+    for i in range(8):
+        add("other alloc", CHANNEL, 1)
+        add("other alloc", COPY, 1)
+        add("new session" if i == 0 else "joined session object", COMPUTE, 1)
+    add("other alloc", CHANNEL, 12)
+    add("other alloc", COPY, 12)
+    add("other alloc", TSG, 8)
+    add("other alloc", MEMORY, 71)
+    return [*calls, ("free", RM_FREE, (client, client, client), 16)]
+
+
+def egl_context(client: int) -> list[Call]:
+    """The trace's calls up to its last allocation, each of its clients' handles (0xC1D0xxxx) moved to one of this
+    context's (so that no two contexts share a session), heap allocations of video memory by size."""
+    rows = [json.loads(line) for line in EGL_TRACE.read_text().splitlines() if line.strip()]
+    last = max(i for i, r in enumerate(rows) if r["esc"] in ("0x2b", "0x4a"))
+    clients: dict[int, int] = {}
+
+    def moved(handle: str) -> int:
+        h = int(handle, 16)
+        if h & 0xFFFFF000 != 0xC1D00000:
+            return h
+        return clients.setdefault(h, client + len(clients))
+
+    calls: list[Call] = []
+    for r in rows[:last + 1]:
+        root = moved(r["root"])
+        if r["esc"] == "0x2b":
+            cls = int(r["cls"], 16)
+            category = "new session" if cls == GRAPHICS else "other alloc"
+            calls.append((category, RM_ALLOC, (root, moved(r["parent"]), moved(r["new"]), cls), 32))
+        elif r["esc"] == "0x4a":  # hRoot, hObjectParent, function, ..., bytes at 88 (NVOS32_FUNCTION_ALLOC_SIZE)
+            words = [0] * 24
+            words[0], words[1], words[2] = root, root, int(r["function"])
+            words[22], words[23] = r["bytes"] & 0xFFFFFFFF, r["bytes"] >> 32
+            calls.append(("heap alloc", RM_HEAP, tuple(words), NVOS32_SIZE))
+        else:
+            calls.append(("free", RM_FREE, (root, root, moved(r["free"])), 16))
+    return calls + [("free", RM_FREE, (c, c, c), 16) for c in sorted(clients.values())]
 
 
 def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
@@ -125,7 +159,7 @@ def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
     times: dict[str, list[int]] = {c: [] for c in CATEGORIES}
     errnos: dict[str, dict[int, int]] = {c: {} for c in CATEGORIES}
     per_context: dict[str, list[list[int]]] = {k: [] for k in KINDS}  # [total ns, calls] per context
-    alloc, free, control = iowr(RM_ALLOC, 32), iowr(RM_FREE, 16), iowr(RM_CONTROL, 32)
+    control = iowr(RM_CONTROL, 32)
 
     gap_ns = int(gap_us * 1000)
 
@@ -150,10 +184,9 @@ def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
         client = 0xC1D00000 + (c << 12)
         total = 0
         calls = context(kind, client)
-        for category, parent, handle, h_class in calls:
-            total += call(category, alloc, (client, parent, handle, h_class), 32)
-        total += call("free", free, (client, client, client), 16)
-        per_context[kind].append([total, len(calls) + 1])
+        for category, nr, words, size in calls:
+            total += call(category, iowr(nr, size), words, size)
+        per_context[kind].append([total, len(calls)])
     sys.stdout.write(json.dumps({"times": times, "errnos": errnos, "contexts": per_context}) + "\n")
     sys.stdout.flush()
 
@@ -320,8 +353,8 @@ def table(meta: dict[str, Any], results: dict[str, dict[str, Any]], loads: list[
     lines = [f"`{meta['command']}` on {meta['machine']}, {meta['date']}; before = seccomp.py at {meta['old_rev'][:12]}; "
              f"1-min load average during the runs {min(meta['loadavg'])}-{max(meta['loadavg'])}.", "",
              "Per ioctl as the tenant sees it, p50 / p99 (us); the plain ioctl (not notified) is the baseline.", "",
-             "| loop load | path | other alloc | new session | joined session object | RM_FREE | plain |",
-             "|---|---|---|---|---|---|---|"]
+             "| loop load | path | other alloc | new session | joined session object | heap alloc | RM_FREE | plain |",
+             "|---|---|---|---|---|---|---|---|"]
     for ld in loads:
         for impl, res in results.items():
             c = res[ld]["categories"]
