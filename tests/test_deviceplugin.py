@@ -150,6 +150,7 @@ def test_allocate_gives_tenant_weight_socket_and_device_nodes(plugin: Plugin) ->
         "UNISCHED_GPU": "0",
         "UNISCHED_SOCKET": SOCK,
         "NVIDIA_VISIBLE_DEVICES": "0",
+        "__GL_YIELD": "USLEEP",  # policy.waits
     }
     assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [("/run/unisched", "/run/unisched", True)]
     assert [(d.container_path, d.host_path, d.permissions) for d in c.devices] == [

@@ -97,7 +97,7 @@ def test_prepare_returns_cdi_ids_and_writes_a_valid_cdi_spec(node: Node) -> None
     assert tenant.startswith("k8s-g0-")
     env = dict(e.split("=", 1) for e in edits["env"])
     assert env == {"UNISCHED_TENANT": tenant, "UNISCHED_WEIGHT": "30", "UNISCHED_GPU": "0", "UNISCHED_SOCKET": SOCK,
-                   "NVIDIA_VISIBLE_DEVICES": "0"}
+                   "NVIDIA_VISIBLE_DEVICES": "0", "__GL_YIELD": "USLEEP"}
     assert edits["mounts"] == [{"hostPath": "/run/unisched", "containerPath": "/run/unisched",
                                 "options": ["ro", "nosuid", "nodev", "bind"]}]
     assert [n["path"] for n in edits["deviceNodes"]] == ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]

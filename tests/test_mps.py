@@ -19,6 +19,7 @@ from conftest import child_env, cli
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.mps import FakeMpsControl, MpsError, NvidiaMpsControl
 from unisched.policy import Mode, Priority
+from unisched.policy.waits import DRIVER_WAIT_ENV
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import ConfigError, DaemonConfig
 from unisched.scheduler.core import Scheduler
@@ -106,9 +107,10 @@ def test_the_engine_gives_each_class_its_client_settings_and_quits_mps_on_shutdo
     engine.register("serve", None, Priority.ONLINE, (), (), 1002, 0, True)
     engine.register("render", None, Priority.OFFLINE, ("graphics",), (), 1003, 0, True)
     assert engine.snapshot("train").env == {"CUDA_MPS_PIPE_DIRECTORY": "/run/u/mps", "CUDA_MPS_CLIENT_PRIORITY": "1",
-                                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
-    assert engine.snapshot("serve").env == {"CUDA_MPS_PIPE_DIRECTORY": "/run/u/mps", "CUDA_MPS_CLIENT_PRIORITY": "0"}
-    assert engine.snapshot("render").env == {}
+                                            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40", **DRIVER_WAIT_ENV}
+    assert engine.snapshot("serve").env == {"CUDA_MPS_PIPE_DIRECTORY": "/run/u/mps", "CUDA_MPS_CLIENT_PRIORITY": "0",
+                                            **DRIVER_WAIT_ENV}
+    assert engine.snapshot("render").env == DRIVER_WAIT_ENV  # no compute: no MPS settings
     engine.shutdown()
     assert fake.stops == 1 and not fake.running
 
@@ -118,7 +120,7 @@ def test_without_mps_no_tenant_gets_settings(tmp_path: Path) -> None:
     engine = engine_with(tmp_path, fake, mode=Mode.PREEMPTIVE)  # a control at hand, but mps not configured
     engine.start()
     engine.register("train", None, Priority.OFFLINE, (), (), 1001, 0, True)
-    assert engine.snapshot("train").env == {} and engine.mps_status() is None and fake.starts == 0
+    assert engine.snapshot("train").env == DRIVER_WAIT_ENV and engine.mps_status() is None and fake.starts == 0
     engine.shutdown()
     assert fake.stops == 0
 

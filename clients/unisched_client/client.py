@@ -42,10 +42,11 @@ log = logging.getLogger("unisched_client")
 
 
 def _apply_env(env: Mapping[str, str]) -> None:
-    """The daemon's settings for this tenant's processes (MPS client priority and SM cap, `unisched serve --mps`),
-    applied at the first registration. CUDA reads them when the process first initializes it, so they take effect
-    only where the Client is created before the process's first CUDA call (torch.cuda.is_available() is one);
-    a program that cannot do that is started under `unisched run`, which sets them before it starts."""
+    """The daemon's settings for this tenant's processes (how the GPU driver waits; MPS client priority and SM cap,
+    `unisched serve --mps`), applied at the first registration. The drivers read them when the process first
+    initializes them, so they take effect only where the Client is created before the process's first CUDA call
+    (torch.cuda.is_available() is one); a program that cannot do that is started under `unisched run`, which sets
+    them before it starts."""
     if not env:
         return
     torch = sys.modules.get("torch")

@@ -14,6 +14,7 @@ from unisched.policy import memory as policy_memory
 from unisched.policy.caps import CapKind, SessionLimits, default_cap
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.mps import mps_client_settings
+from unisched.policy.waits import DRIVER_WAIT_ENV
 from unisched.scheduler.context import Context
 from unisched.scheduler.memory import gpu_totals, terms_of
 from unisched.scheduler.tenant import (
@@ -31,10 +32,13 @@ _CAP_OF_KIND = {"graphics": CapKind.RENDER, "nvdec": CapKind.DECODE, "nvenc": Ca
 
 
 def client_env(c: Context, t: Tenant) -> dict[str, str]:
+    """What the tenant's processes start with: how the GPU driver waits (policy.waits), and MPS client settings
+    where the daemon runs an MPS server and the tenant runs compute."""
+    env = dict(DRIVER_WAIT_ENV)
     if c.mps is None:
-        return {}
+        return env
     settings = mps_client_settings(t.all_engines(), t.priority, c.config.mode, c.config.mps_offline_sm_percent)
-    return {} if settings is None else settings.env(c.mps.pipe_dir)
+    return env if settings is None else {**env, **settings.env(c.mps.pipe_dir)}
 
 
 def memory_terms(c: Context) -> dict[str, MemoryTerms]:

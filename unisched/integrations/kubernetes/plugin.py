@@ -34,6 +34,7 @@ from unisched.integrations.kubernetes.devices import (
     preferred_allocation,
     tenant_name,
 )
+from unisched.policy.waits import DRIVER_WAIT_ENV
 from unisched.scheduler.config import DEFAULT_SOCKET
 from unisched.telemetry import GpuTelemetry
 
@@ -92,9 +93,9 @@ class TenantEdits:
 
 
 def tenant_edits(tenant: str, weight: int, gpus: Sequence[int], daemon_socket: str, dev_root: Path) -> TenantEdits:
-    """Tenant, weight, GPUs and the daemon's socket in the env, the socket's directory mounted, and the GPUs'
-    device nodes plus the control nodes every CUDA/EGL process opens, those the node has (looked for under
-    dev_root)."""
+    """Tenant, weight, GPUs, the daemon's socket and how the GPU driver waits (policy.waits) in the env, the
+    socket's directory mounted, and the GPUs' device nodes plus the control nodes every CUDA/EGL process opens, those
+    the node has (looked for under dev_root)."""
     listed = ",".join(map(str, gpus))
     envs = {
         "UNISCHED_TENANT": tenant,
@@ -102,6 +103,7 @@ def tenant_edits(tenant: str, weight: int, gpus: Sequence[int], daemon_socket: s
         "UNISCHED_GPU": listed,
         "UNISCHED_SOCKET": daemon_socket,
         "NVIDIA_VISIBLE_DEVICES": listed,
+        **DRIVER_WAIT_ENV,
     }
     nodes = [*(f"nvidia{g}" for g in gpus), *_DEVICE_NODES]
     return TenantEdits(envs, (os.path.dirname(daemon_socket),), tuple(f"/dev/{n}" for n in nodes if (dev_root / n).exists()))
