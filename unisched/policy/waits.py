@@ -5,9 +5,9 @@ Why: a freezer-governed tenant's share of a busy GPU is split from the CPU time 
 time-sliced on one GPU (they show a few a second, each whole to one process). NVIDIA's OpenGL/EGL driver waits for
 the GPU in a loop that calls sched_yield(), which returns at once on a host with idle cores: a process that waits
 behind other tenants' work spins, and is charged for that wait as if it were GPU work of its own. The more often a
-tenant runs, the more it waits beside others, so the heaviest weights were overcharged the most (game-streaming
-players 1:2:4 on an H100 got frames 1:1.75:2.34 at 13.7, 15.6 and 23.3 CPU ms a frame). The driver's __GL_YIELD=USLEEP
-makes each turn of that loop a usleep(0): the wait sleeps, and CPU time is the process's own work again.
+tenant runs, the more it waits beside others, so the heaviest weights are overcharged the most and get less than
+their share. The driver's __GL_YIELD=USLEEP makes each turn of that loop a usleep(0): the wait sleeps, and CPU time
+is the process's own work again.
 """
 
 from __future__ import annotations
