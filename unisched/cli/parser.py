@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="run a command as (part of) a tenant",
-        description="Start CMD inside the tenant's cgroup, registered with the daemon; wait for it and exit with its exit code.",
+        description="Start CMD inside the tenant's cgroup, registered with the daemon; wait for it and exit with its exit "
+                    "code. CMD starts with the environment the daemon gives the tenant (`unisched tenants --json` shows "
+                    "it): __GL_YIELD=USLEEP, so that NVIDIA's GL driver sleeps instead of spinning while it waits for "
+                    "the GPU (the tenant's CPU time splits the GPU's busy time), and MPS client settings under "
+                    "`serve --mps`.",
     )
     add_socket(r)
     add_tenant_opts(r)
