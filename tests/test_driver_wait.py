@@ -40,3 +40,22 @@ def test_settings_without_mps_leave_the_inherited_mps_variables() -> None:
     inherited = {"PATH": "/bin", "CUDA_MPS_PIPE_DIRECTORY": "/run/mine", "__GL_YIELD": "NOTHING"}
     assert process_env(inherited, DRIVER_WAIT_ENV) == {"PATH": "/bin", "CUDA_MPS_PIPE_DIRECTORY": "/run/mine",
                                                        "__GL_YIELD": "USLEEP"}
+
+
+def test_a_client_created_after_cuda_started_is_warned_only_about_settings_cuda_reads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client library applies the same settings to its own process at registration; it warns that CUDA
+    started too early for them only where they include CUDA's (MPS), not for the GL driver's wait alone."""
+    from types import SimpleNamespace
+
+    from unisched_client import client
+
+    monkeypatch.setattr(client.os, "environ", {"PATH": "/bin"})
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True)))
+    with caplog.at_level("WARNING", logger="unisched_client"):
+        client._apply_env(DRIVER_WAIT_ENV)
+    assert client.os.environ == {"PATH": "/bin", "__GL_YIELD": "USLEEP"} and not caplog.records
+    with caplog.at_level("WARNING", logger="unisched_client"):
+        client._apply_env({**DRIVER_WAIT_ENV, "CUDA_MPS_CLIENT_PRIORITY": "1"})
+    assert "['CUDA_MPS_CLIENT_PRIORITY']" in caplog.text

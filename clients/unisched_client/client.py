@@ -50,14 +50,15 @@ def _apply_env(env: Mapping[str, str]) -> None:
     if not env:
         return
     torch = sys.modules.get("torch")
-    late = torch is not None and torch.cuda.is_initialized()
+    for_cuda = sorted(k for k in env if k.startswith("CUDA_"))  # (the driver's wait setting is GL's, not CUDA's)
+    late = bool(for_cuda) and torch is not None and torch.cuda.is_initialized()
     wanted = process_env(os.environ, env)
     for key in [k for k in os.environ if k not in wanted]:
         del os.environ[key]
     os.environ.update(wanted)
     if late:
         log.warning("CUDA was initialized before the unisched Client: its settings %s apply to child processes only; "
-                    "create the Client first, or start the program under `unisched run`", sorted(env))
+                    "create the Client first, or start the program under `unisched run`", for_cuda)
 
 ENGINES = ("compute", "graphics", "decode", "encode")
 _PRIORITIES = {None: pb.PRIORITY_UNSPECIFIED, "online": pb.PRIORITY_ONLINE, "offline": pb.PRIORITY_OFFLINE}
