@@ -293,8 +293,10 @@ def test_a_rationed_slice_is_logged_with_who_sits_out(tmp_path: Path) -> None:
 def test_paced_players_that_spin_are_rationed_by_their_gpu_time(tmp_path: Path, left_out: int, frame_s: float) -> None:
     """Twelve paced players 1:2:4 whose CPU time is no measure of their GPU time: each waits for the busy GPU by
     spinning, the more so the more often it runs (its CPU a GPU second 1, 1.5 and 2 by group, as players at 14, 18
-    and 22 ms of CPU a frame were). NVML's per-process samples show each one's GPU time, and the daemon weighs
-    their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2. `left_out`: each
+    and 22 ms of CPU a frame were). Here NVML's per-process samples show each one's GPU time, and the daemon weighs
+    their CPU by it: their GPU time follows the weights. Split by CPU time alone they got 1:1.4:2. (On a GPU the
+    samples show only a few processes a second, so with many players the split falls back to CPU time; that is why
+    governed processes wait for the GPU by sleeping: policy.waits.) `left_out`: each
     second NVML's samples leave out that many players, chosen at random: their last rates stand meanwhile (without
     that, every tick beside one fell back to the CPU split, and they got 1:1.4:2). `frame_s`: the GPU time of the frame a
     player has queued when it is frozen (a frame at its pace: a fifth of the GPU at 60 FPS), which the GPU still runs
