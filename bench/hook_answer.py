@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import ctypes
 import datetime as dt
+import functools
 import importlib.util
 import json
 import os
@@ -65,9 +66,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from _results import write  # noqa: E402
 
+from unisched.enforce.nvclasses import (  # noqa: E402
+    NVOS32_ALLOCS,
+    NVOS32_SIZE,
+    RM_ALLOC,
+    RM_CONTROL,
+    RM_FREE,
+    RM_VID_HEAP_CONTROL,
+)
+
 OLD_REV = "c2c3ca1ba5addea81a651ea1dfe3843a5c93c90d"  # the last seccomp.py that answered on the asyncio loop
-RM_ALLOC, RM_FREE, RM_CONTROL, RM_HEAP = 0x2B, 0x29, 0x2A, 0x4A
-NVOS32_SIZE, NVOS32_ALLOC_SIZE = 184, 2  # RM_VID_HEAP_CONTROL's argument; its function that allocates by size
 EGL_TRACE = ROOT / "tests" / "data" / "h200_egl_rm_calls.jsonl"
 ROOT_CLASS, DEVICE, SUBDEVICE = 0x0041, 0x0080, 0x2080
 CHANNEL, COPY, TSG, MEMORY = 0xC86F, 0xC8B5, 0xA06C, 0x0040
@@ -112,11 +120,17 @@ def context(kind: str, client: int) -> list[Call]:
     return [*calls, ("free", RM_FREE, (client, client, client), 16)]
 
 
+@functools.cache
+def egl_trace() -> tuple[dict[str, Any], ...]:
+    """The trace's calls up to its last allocation (read once: every EGL context replays them)."""
+    rows = [json.loads(line) for line in EGL_TRACE.read_text().splitlines() if line.strip()]
+    last = max(i for i, r in enumerate(rows) if r["esc"] in ("0x2b", "0x4a"))
+    return tuple(rows[:last + 1])
+
+
 def egl_context(client: int) -> list[Call]:
     """The trace's calls up to its last allocation, each of its clients' handles (0xC1D0xxxx) moved to one of this
     context's (so that no two contexts share a session), heap allocations of video memory by size."""
-    rows = [json.loads(line) for line in EGL_TRACE.read_text().splitlines() if line.strip()]
-    last = max(i for i, r in enumerate(rows) if r["esc"] in ("0x2b", "0x4a"))
     clients: dict[int, int] = {}
 
     def moved(handle: str) -> int:
@@ -126,17 +140,20 @@ def egl_context(client: int) -> list[Call]:
         return clients.setdefault(h, client + len(clients))
 
     calls: list[Call] = []
-    for r in rows[:last + 1]:
+    for r in egl_trace():
         root = moved(r["root"])
         if r["esc"] == "0x2b":
             cls = int(r["cls"], 16)
             category = "new session" if cls == GRAPHICS else "other alloc"
             calls.append((category, RM_ALLOC, (root, moved(r["parent"]), moved(r["new"]), cls), 32))
-        elif r["esc"] == "0x4a":  # hRoot, hObjectParent, function, ..., bytes at 88 (NVOS32_FUNCTION_ALLOC_SIZE)
-            words = [0] * 24
-            words[0], words[1], words[2] = root, root, int(r["function"])
-            words[22], words[23] = r["bytes"] & 0xFFFFFFFF, r["bytes"] >> 32
-            calls.append(("heap alloc", RM_HEAP, tuple(words), NVOS32_SIZE))
+        elif r["esc"] == "0x4a":  # hRoot, hObjectParent, function, ..., the size where that function keeps it
+            function = int(r["function"])
+            size_at = NVOS32_ALLOCS[function].size
+            assert size_at is not None and size_at % 4 == 0
+            words = [0] * (size_at // 4 + 2)
+            words[0], words[1], words[2] = root, root, function
+            words[size_at // 4], words[size_at // 4 + 1] = r["bytes"] & 0xFFFFFFFF, r["bytes"] >> 32
+            calls.append(("heap alloc", RM_VID_HEAP_CONTROL, tuple(words), NVOS32_SIZE))
         else:
             calls.append(("free", RM_FREE, (root, root, moved(r["free"])), 16))
     return calls + [("free", RM_FREE, (c, c, c), 16) for c in sorted(clients.values())]
