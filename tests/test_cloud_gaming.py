@@ -193,9 +193,9 @@ def test_on_frame_sees_every_completion() -> None:
 
 def test_the_cpu_meter_counts_only_frames_in_the_window() -> None:
     """CPU seconds over wall seconds between the first and last frame done in the window; a warm-up frame before it
-    counts for nothing, and fewer than two frames in it measure nothing."""
-    cpu = iter([5.0, 5.5, 6.5])
-    meter = pacing.CpuMeter(start_at=100.0, cpu=lambda: next(cpu))
+    counts for nothing, and fewer than two frames in it measure nothing; its user-mode part the same way."""
+    cpu, user = iter([5.0, 5.5, 6.5]), iter([4.0, 4.1, 4.5])
+    meter = pacing.CpuMeter(start_at=100.0, cpu=lambda: next(cpu), user=lambda: next(user))
     meter.on_frame(99.0)  # warm-up: not read
     assert meter.cores() is None
     meter.on_frame(100.0)
@@ -203,6 +203,7 @@ def test_the_cpu_meter_counts_only_frames_in_the_window() -> None:
     meter.on_frame(101.0)
     meter.on_frame(102.0)
     assert meter.cores() == pytest.approx((6.5 - 5.0) / 2.0)
+    assert meter.user_cores() == pytest.approx((4.5 - 4.0) / 2.0)
     assert cg.cpu_total([{"cpu_cores": 0.5}, {"cpu_cores": None}, {}]) == 0.5 and cg.cpu_total([{}]) is None
 
 
@@ -336,6 +337,7 @@ def test_players_render_encode_and_report_on_any_egl(tmp_path: Path) -> None:
     for e in r["per_instance"]:
         assert e.keys() >= INSTANCE_KEYS and e["error"] is None
         assert e["frames"] > 0 and e["fps_mean"] > 0 and e["encoder"] and e["cpu_cores"] > 0
+        assert 0 <= e["cpu_user_cores"] <= e["cpu_cores"] + 0.05  # (the user part is read in 10 ms clock ticks)
         assert sum(1 for _, fps in e["timeline"] if fps > 0) >= 1
     hog = r["hog"]
     assert hog["allocated"] and hog["buffers"] == 1, hog

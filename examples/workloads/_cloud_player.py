@@ -287,7 +287,7 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
         hog_report = hog.finish() if hog is not None else None
         nvml.close()
         info = renderer.info()
-    done, cores = paced.completions, meter.cores()
+    done, cores, user = paced.completions, meter.cores(), meter.user_cores()
     # Ready in time, the player shared the whole window, however long the scheduler held it; ready late, its
     # window starts at its first frame, and the orchestrator reports it as late.
     window_start = start_at if ready_at <= start_at or not done else max(start_at, done[0])
@@ -301,6 +301,7 @@ def run_instance(args: argparse.Namespace, process_start: float, probe_argv: lis
         "encoder": encoder.name, "encoders_not_opened": encoder.not_opened, "encoded_bytes": encoder.bytes_out,
         "memory_bytes": memory, "skipped_slots": paced.skipped_slots, "stage_ms": stage_ms,
         "cpu_cores": None if cores is None else round(cores, 3),
+        "cpu_user_cores": None if user is None else round(user, 3),
         "window": {"start_at": start_at, "end_at": end_at, "window_start": window_start,
                    "late_s": round(window_start - start_at, 3), "ready_s": round(ready_at - start_at, 3),
                    "first_frame_s": round(done[0] - start_at, 3) if done else None},

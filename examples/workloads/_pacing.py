@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,23 +91,31 @@ class Paced:
 class CpuMeter:
     """This player's CPU time (every thread of it, the software encoder's too) over the frames in its window, in
     cores. With the host's cores it tells a CPU-bound host from a GPU-bound one: where the players need more cores
-    than there are, no GPU scheduler can make their frame rates follow the weights."""
+    than there are, no GPU scheduler can make their frame rates follow the weights. Its user-mode part apart: time
+    in the kernel includes the driver's wait for the GPU when that wait sleeps in a loop (`__GL_YIELD=USLEEP`)."""
 
     start_at: float
     cpu: Callable[[], float] = time.process_time
-    first: tuple[float, float] | None = None  # (wall, CPU seconds) at the first frame done in the window
-    last: tuple[float, float] | None = None
+    user: Callable[[], float] = lambda: os.times().user
+    first: tuple[float, float, float] | None = None  # (wall, CPU seconds, user-mode CPU seconds) at the first frame
+    last: tuple[float, float, float] | None = None
 
     def on_frame(self, now: float) -> None:
         if now >= self.start_at:
-            mark = (now, self.cpu())
+            mark = (now, self.cpu(), self.user())
             self.first = self.first or mark
             self.last = mark
 
     def cores(self) -> float | None:
+        return self._cores(1)
+
+    def user_cores(self) -> float | None:
+        return self._cores(2)
+
+    def _cores(self, i: int) -> float | None:
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return None
-        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+        return (self.last[i] - self.first[i]) / (self.last[0] - self.first[0])
 
 
 def paced_loop(step: Callable[[], object], start_at: float, end_at: float, t0: float, period: float,
