@@ -33,9 +33,9 @@ keeps rendering, the others should keep their frame rate.
 
 Metrics per instance over the window: fps_mean (frames / window), fps_min (lowest of the 1-second bins),
 fps_1pct_low (1 / the 99th-percentile frame time), frames, encoder, memory_bytes (NVML, this process), stage times,
-cpu_cores (this player's CPU over the window, in cores) and cpu_user_cores (its user-mode part), a timeline [[t,
-fps], ...] per 1-second bin, and its window (ready_s: when it had started up, first_frame_s; a player ready after
-the window began is late, one the scheduler held shared the window, held time included).
+cpu_cores (this player's CPU over the window, in cores) and cpu_user_cores (its user-mode part), a timeline
+[[t, fps], ...] per 1-second bin, and its window (ready_s: when it had started up, first_frame_s; a player ready
+after the window began is late, one the scheduler held shared the window, held time included).
 Overall: fairness_min_over_max, fps_mean_all, cpu_cores_total against player_cores, the CPUs the players may run
 on (host_cores unless --player-cpus), gpu_busy (the first GPU's mean NVML utilization over the window, 0..1: with
 the CPU figures it says whether the GPU or the host's CPU ran out first; a player waiting on a busy GPU can spin in the
