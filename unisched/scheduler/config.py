@@ -186,6 +186,10 @@ class DaemonConfig:
                             "its share", bounds=(1, 1000), unit="slices")
     activity_threshold: float = knob(0.02, "policy", "fraction of a slice of CPU (or GPU busy) below which a tenant "
                                      "shows no work", bounds=(0.0, 1.0), unit="fraction")
+    charge_cpu: str = knob(
+        "all", "policy", "freezer enforcement: the CPU time by which a busy GPU's time is split among the tenants "
+        "that ran in a slice: all of it, or its user-mode part (user), which leaves out time in the kernel, such as "
+        "a driver's wait for the GPU that sleeps in a loop", choices=("all", "user"))
     lease_timeout_ms: float = knob(250.0, "policy", "a cooperative client's lease is revoked, and its demand dropped, "
                                    "when not renewed within this long", bounds=(10.0, 600_000.0), unit="ms")
     lease_max_run_ms: float = knob(

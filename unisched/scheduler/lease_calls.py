@@ -149,6 +149,6 @@ def lease_close(c: Context, sid: int) -> None:
     t.active = bool(c.leases.demand(name)) if c.leases.cooperative(name) else False
     if not c.leases.cooperative(name):
         t.idle_run = 0
-        t.last_cpu = None
+        t.forget_cpu()
     if affected:
         reschedule(c)

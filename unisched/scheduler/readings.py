@@ -24,22 +24,26 @@ class Readings:
     """Cumulative CPU seconds by (tenant, cgroup) as read; None: the cgroup was not there."""
     pids: Mapping[str, list[int]] = field(default_factory=dict)
     """Process lists by cgroup, read for the ticks that check memory (upkeep, once a second)."""
+    cpu_user_s: Mapping[tuple[str, str], float | None] = field(default_factory=dict)
+    """Their user-mode part, read where busy time is split by it (`charge_cpu = "user"`)."""
 
 
 def read(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[str, str]],
-         pid_cgroups: Sequence[str] = ()) -> Readings:
-    """The reads of one tick: CPU time for the (tenant, cgroup) pairs given, process lists for `pid_cgroups`.
-    Never raises for the telemetry: its failure is reported in the result, as the tick reports it."""
+         pid_cgroups: Sequence[str] = (), user: bool = False) -> Readings:
+    """The reads of one tick: CPU time for the (tenant, cgroup) pairs given (and its user-mode part where `user`),
+    process lists for `pid_cgroups`. Never raises for the telemetry: its failure is reported in the result, as the
+    tick reports it."""
     try:
         samples, failure = tuple(telemetry.sample()), None
     except Exception as e:
         samples, failure = (), repr(e)
     return Readings(samples, failure, {(name, cg): driver.cpu_usage_s(cg) for name, cg in cgroups},
-                    {cg: driver.pids(cg) for cg in pid_cgroups})
+                    {cg: driver.pids(cg) for cg in pid_cgroups},
+                    {(name, cg): driver.cpu_user_s(cg) for name, cg in cgroups} if user else {})
 
 
 def reader(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[str, str]],
-           pid_cgroups: Sequence[str] = ()) -> Callable[[], Readings]:
+           pid_cgroups: Sequence[str] = (), user: bool = False) -> Callable[[], Readings]:
     """`read` for these, as a call without arguments (for a worker thread)."""
     pairs, listed = tuple(cgroups), tuple(pid_cgroups)
-    return lambda: read(telemetry, driver, pairs, listed)
+    return lambda: read(telemetry, driver, pairs, listed, user)

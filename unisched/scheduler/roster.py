@@ -160,5 +160,5 @@ def lost(c: Context, t: Tenant, why: str) -> None:
     t.missing = True
     t.frozen = False
     t.active = False
-    t.last_cpu = None
+    t.forget_cpu()
     c.policy.set_demand(t.name, ())
