@@ -402,4 +402,3 @@ def test_without_hooks_no_gpu_context_is_assumed_missing(tmp_path: Path) -> None
     tel.next_samples = [GpuSample(0, 1.0, 0.0, 0.0, 0, gpu_pids=frozenset())]
     rig.step(400)
     assert rig.cpu("a") / rig.cpu("b") == pytest.approx(3.0, rel=0.1)
-
