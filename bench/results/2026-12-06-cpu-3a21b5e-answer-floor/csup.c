@@ -24,6 +24,8 @@ int main(int argc, char **argv) {
   if (sync && ioctl(fd, SECCOMP_IOCTL_NOTIF_SET_FLAGS, SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP) < 0) perror("sync");
   struct pollfd p = {fd, POLLIN, 0};
   long n = 0;
+  printf("serving\n");
+  fflush(stdout);
   for (;;) {
     if (poll(&p, 1, -1) < 0) continue;
     if (!(p.revents & POLLIN) && (p.revents & (POLLHUP | POLLERR | POLLNVAL))) break;

@@ -32,6 +32,7 @@ def main(fd: int) -> None:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     id_valid, n = NOTIF_ID_VALID_OLD, 0
+    print("serving", flush=True)
     while poller.poll()[0][1] & select.POLLIN:
         buf = bytearray(NOTIF_SIZE)
         try:
