@@ -191,7 +191,8 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     |fps_i / owed_i - 1|, owed_i the players' total FPS divided by weight, none owed more than the pace:
     `weighted_shares`), and the players' 1% low over their mean FPS (median) under the daemon
     less the same with no scheduler. Also shown: the players' CPU over the cores they may run on (the host's, unless
-    pinned) and the GPU's NVML busy fraction (where measured) in each run."""
+    pinned) and the GPU's NVML busy fraction (where measured) in each run, and under the daemon the CPU a frame of
+    the lightest and heaviest weight groups (`cpu_a_frame`)."""
     per, base = shared.get("per_instance") or [], alone.get("per_instance") or []
     pace = float(alone.get("fps_target") or shared.get("fps_target") or 60.0)
     out: dict[str, Any] = {"fps_no_scheduler": alone.get("fps_mean_all"), "fps_unisched": shared.get("fps_mean_all"),
@@ -217,6 +218,23 @@ def cloud_metrics(shared: dict[str, Any], alone: dict[str, Any]) -> dict[str, An
     busy = out["gpu_busy_no_scheduler"]
     gpu_full = isinstance(busy, int | float) and busy >= CLOUD_GPU_BUSY
     out["host_bound"] = None if used is None else unpinned and used >= CLOUD_HOST_BOUND and not gpu_full
+    out.update(cpu_a_frame(per))
+    return out
+
+
+def cpu_a_frame(per: list[dict[str, Any]]) -> dict[str, float]:
+    """The CPU ms a frame of the lightest and the heaviest weight group under the daemon, all of it and its user-mode
+    part where the players reported it: the busy time is split by CPU, so a group that spends more CPU a frame (a
+    wait that costs CPU, spent in the kernel where it sleeps) pays more than its GPU time."""
+    out: dict[str, float] = {}
+    groups = sorted({float(e.get("weight") or 1.0) for e in per})
+    for name, w in (("lightest", groups[0]), ("heaviest", groups[-1])) if len(groups) > 1 else ():
+        members = [e for e in per if float(e.get("weight") or 1.0) == w]
+        frames = sum(float(e.get("fps_mean") or 0.0) for e in members)
+        for key, metric in (("cpu_cores", f"cpu_ms_a_frame_{name}"), ("cpu_user_cores", f"user_ms_a_frame_{name}")):
+            cores = [c for e in members if isinstance(c := e.get(key), int | float)]
+            if frames > 0 and len(cores) == len(members):
+                out[metric] = round(1000 * sum(cores) / frames, 3)
     return out
 
 

@@ -82,6 +82,20 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     assert m["lows_vs_no_scheduler"] == pytest.approx(0.7619 - 0.9, abs=1e-4)  # median of 0.8, 0.762, 0.75 vs 0.9
     assert m["cpu_of_host_unisched"] == 6.0 / 16 and m["cpu_of_host_no_scheduler"] is None  # that run measured none
     assert m["host_bound"] is None  # unknown without the no-scheduler run's CPU
+    assert "cpu_ms_a_frame_lightest" not in m  # the players reported no CPU
+
+
+def test_cloud_gaming_shows_the_cpu_a_frame_of_the_lightest_and_heaviest_groups_and_its_user_part() -> None:
+    def player(w: int, fps: float, cores: float, user: float | None) -> dict[str, Any]:
+        return {"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": fps, "cpu_cores": cores, "cpu_user_cores": user}
+
+    per = [player(1, 10, 0.07, 0.03), player(1, 10, 0.07, 0.03), player(2, 20, 0.15, 0.06),
+           player(4, 40, 0.4, 0.12), player(4, 40, 0.4, 0.12)]
+    m = suites.cloud_metrics({"fps_target": 60, "fps_mean_all": 24.0, "per_instance": per}, {})
+    assert (m["cpu_ms_a_frame_lightest"], m["cpu_ms_a_frame_heaviest"]) == (7.0, 10.0)
+    assert (m["user_ms_a_frame_lightest"], m["user_ms_a_frame_heaviest"]) == (3.0, 3.0)
+    older = suites.cloud_metrics({"per_instance": [{**e, "cpu_user_cores": None} for e in per]}, {})
+    assert older["cpu_ms_a_frame_heaviest"] == 10.0 and "user_ms_a_frame_heaviest" not in older
 
 
 @pytest.mark.parametrize(("total", "weights", "cap", "owed"), [
