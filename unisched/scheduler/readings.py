@@ -37,9 +37,12 @@ def read(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[
         samples, failure = tuple(telemetry.sample()), None
     except Exception as e:
         samples, failure = (), repr(e)
-    return Readings(samples, failure, {(name, cg): driver.cpu_usage_s(cg) for name, cg in cgroups},
-                    {cg: driver.pids(cg) for cg in pid_cgroups},
-                    {(name, cg): driver.cpu_user_s(cg) for name, cg in cgroups} if user else {})
+    pids = {cg: driver.pids(cg) for cg in pid_cgroups}
+    if not user:
+        return Readings(samples, failure, {(name, cg): driver.cpu_usage_s(cg) for name, cg in cgroups}, pids)
+    times = {(name, cg): driver.cpu_times_s(cg) for name, cg in cgroups}  # (one read of each for both)
+    return Readings(samples, failure, {k: None if t is None else t[0] for k, t in times.items()}, pids,
+                    {k: None if t is None else t[1] for k, t in times.items()})
 
 
 def reader(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[str, str]],

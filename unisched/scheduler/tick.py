@@ -312,15 +312,20 @@ def _cpu_deltas(c: Context, readings: Readings) -> tuple[dict[str, float], dict[
         if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
             continue
         key = (t.name, t.cgroup)
-        usage = readings.cpu_usage_s[key] if key in readings.cpu_usage_s else c.driver.cpu_usage_s(t.cgroup)
+        got: float | None = None  # its user-mode part
+        if key in readings.cpu_usage_s:
+            usage, got = readings.cpu_usage_s[key], readings.cpu_user_s.get(key)
+        elif user is not None:
+            times = c.driver.cpu_times_s(t.cgroup)
+            usage, got = (None, None) if times is None else times
+        else:
+            usage = c.driver.cpu_usage_s(t.cgroup)
         if usage is None:
             lost(c, t, "cgroup removed")
             continue
         out[t.name] = 0.0 if t.last_cpu is None else max(0.0, usage - t.last_cpu)
         t.last_cpu = usage
-        if user is not None:
-            got = readings.cpu_user_s[key] if key in readings.cpu_user_s else c.driver.cpu_user_s(t.cgroup)
-            # (a cgroup gone between the two reads: none this slice; the next read of its usage loses it)
+        if user is not None:  # (reads made without it, before the setting changed: none this slice)
             user[t.name] = 0.0 if t.last_cpu_user is None or got is None else max(0.0, got - t.last_cpu_user)
             t.last_cpu_user = got
     return out, user
