@@ -159,6 +159,19 @@ def egl_context(client: int) -> list[Call]:
     return calls + [("free", RM_FREE, (c, c, c), 16) for c in sorted(clients.values())]
 
 
+def rm_call(libc: ctypes.CDLL, dev: int, nr: int, words: tuple[int, ...], size: int, gap_ns: int) -> tuple[int, int]:
+    """One RM call (escape `nr`, its argument's leading words, its size) on `dev`, after `gap_ns` of busy time (the
+    driver's own work between two RM calls, not timed): the ioctl's return code and the ns it took."""
+    buf = ctypes.create_string_buffer(size)
+    ctypes.memmove(buf, (ctypes.c_uint32 * len(words))(*words), 4 * len(words))
+    end = time.perf_counter_ns() + gap_ns
+    while time.perf_counter_ns() < end:
+        pass
+    t0 = time.perf_counter_ns()
+    rc = libc.ioctl(ctypes.c_int(dev), ctypes.c_ulong(iowr(nr, size)), buf)
+    return rc, time.perf_counter_ns() - t0
+
+
 def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
     from unisched.enforce.seccomp.filter import install_filter
     from unisched.enforce.seccomp.handover import make_agent_message, send_fd
@@ -176,33 +189,24 @@ def child(sock_fd: int, contexts: int, plain: int, gap_us: float) -> None:
     times: dict[str, list[int]] = {c: [] for c in CATEGORIES}
     errnos: dict[str, dict[int, int]] = {c: {} for c in CATEGORIES}
     per_context: dict[str, list[list[int]]] = {k: [] for k in KINDS}  # [total ns, calls] per context
-    control = iowr(RM_CONTROL, 32)
-
     gap_ns = int(gap_us * 1000)
 
-    def call(category: str, cmd: int, words: tuple[int, ...], size: int) -> int:
-        buf = ctypes.create_string_buffer(size)
-        ctypes.memmove(buf, (ctypes.c_uint32 * len(words))(*words), 4 * len(words))
-        end = time.perf_counter_ns() + gap_ns
-        while time.perf_counter_ns() < end:  # the driver's own work between two RM calls (busy, not timed)
-            pass
-        t0 = time.perf_counter_ns()
-        rc = libc.ioctl(ctypes.c_int(dev), ctypes.c_ulong(cmd), buf)
-        dt_ns = time.perf_counter_ns() - t0
+    def call(category: str, nr: int, words: tuple[int, ...], size: int) -> int:
+        rc, dt_ns = rm_call(libc, dev, nr, words, size, gap_ns)
         err = ctypes.get_errno() if rc < 0 else 0
         times[category].append(dt_ns)
         errnos[category][err] = errnos[category].get(err, 0) + 1
         return dt_ns
 
     for i in range(plain):
-        call("plain ioctl", control, (0xC1D00001, 0xC1D00001, 0x100 + i, MEMORY), 32)
+        call("plain ioctl", RM_CONTROL, (0xC1D00001, 0xC1D00001, 0x100 + i, MEMORY), 32)
     for c in range(contexts):
         kind = KINDS[c % len(KINDS)]
         client = 0xC1D00000 + (c << 12)
         total = 0
         calls = context(kind, client)
         for category, nr, words, size in calls:
-            total += call(category, iowr(nr, size), words, size)
+            total += call(category, nr, words, size)
         per_context[kind].append([total, len(calls)])
     sys.stdout.write(json.dumps({"times": times, "errnos": errnos, "contexts": per_context}) + "\n")
     sys.stdout.flush()

@@ -81,20 +81,14 @@ print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_
 REPLAY = f"""
 import ctypes, json, os, sys, time
 sys.path.insert(0, {str(ROOT / 'bench')!r})
-from hook_answer import context, iowr
+from hook_answer import context, rm_call
 libc = ctypes.CDLL(None, use_errno=True)
 gap_ns = int(float(os.environ["HOOK_STARTUP_GAP_US"]) * 1000)
 t = time.perf_counter()
 dev = os.open("/dev/null", os.O_RDWR)
 t_init = time.perf_counter()
-client = 0xC1D00000
-for _, nr, words, size in context("cuda", client):
-    buf = ctypes.create_string_buffer(size)
-    ctypes.memmove(buf, (ctypes.c_uint32 * len(words))(*words), 4 * len(words))
-    end = time.perf_counter_ns() + gap_ns
-    while time.perf_counter_ns() < end:
-        pass
-    libc.ioctl(ctypes.c_int(dev), ctypes.c_ulong(iowr(nr, size)), buf)
+for _, nr, words, size in context("cuda", 0xC1D00000):
+    rm_call(libc, dev, nr, words, size, gap_ns)
 t_end = time.perf_counter()
 print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_init}}))
 """
