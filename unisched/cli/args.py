@@ -151,7 +151,7 @@ def _knob_help(spec: Knob) -> str:
     return text.replace("%", "%%")
 
 
-_METAVARS = {"ms": "MS", "s": "S", "fraction": "U", "port": "PORT", "%": "P", "slices": "N"}
+_METAVARS = {"ms": "MS", "us": "US", "s": "S", "fraction": "U", "port": "PORT", "%": "P", "slices": "N"}
 
 
 def add_knob_flag(parser: argparse.ArgumentParser, spec: Knob) -> None:

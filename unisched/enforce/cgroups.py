@@ -14,7 +14,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +30,7 @@ __all__ = [
     "canonical_cgroup",
     "check_subtree",
     "detect_driver",
+    "path_in",
     "within",
 ]
 
@@ -272,10 +273,7 @@ class CgroupV2Driver(_Common):
         return (_read_text(self._dir(cgroup) / "cgroup.freeze") or "").strip() == "1"
 
     def cgroup_of(self, pid: int) -> str | None:
-        for hierarchy, controllers, path in _proc_cgroup(pid):
-            if hierarchy == "0" and controllers == "":
-                return path
-        return None
+        return _cgroup_of(pid, self.kind)
 
 
 class CgroupV1Driver(_Common):
@@ -351,21 +349,28 @@ class CgroupV1Driver(_Common):
         return state is not None and state.strip() != "THAWED"
 
     def cgroup_of(self, pid: int) -> str | None:
-        for _, controllers, path in _proc_cgroup(pid):
-            if "freezer" in controllers.split(","):
-                return path
-        return None
+        return _cgroup_of(pid, self.kind)
 
 
-def _proc_cgroup(pid: int) -> Iterator[tuple[str, str, str]]:
+def _cgroup_of(pid: int, kind: str) -> str | None:
     try:
         text = Path(f"/proc/{pid}/cgroup").read_text()
     except (FileNotFoundError, ProcessLookupError):
-        return
+        return None
+    return path_in(text, kind)
+
+
+def path_in(text: str, kind: str) -> str | None:
+    """The cgroup a process's /proc/PID/cgroup `text` names in the hierarchy a driver of `kind` governs: the unified
+    one's line on v2, the freezer's on v1."""
     for line in text.splitlines():
         parts = line.split(":", 2)
-        if len(parts) == 3:
-            yield parts[0], parts[1], parts[2]
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if (hierarchy == "0" and controllers == "") if kind == "v2" else ("freezer" in controllers.split(",")):
+            return path
+    return None
 
 
 def _mounts() -> list[tuple[str, Path, list[str]]]:

@@ -190,6 +190,13 @@ class DaemonConfig:
         "all", "policy", "freezer enforcement: the CPU time by which a busy GPU's time is split among the tenants "
         "that ran in a slice: all of it, or its user-mode part (user), which leaves out time in the kernel, such as "
         "a driver's wait for the GPU that sleeps in a loop", choices=("all", "user"))
+    timer_slack_us: float = knob(
+        0.0, "policy", "freezer enforcement: the timer slack the daemon gives every thread of the tenants whose CPU "
+        "time it charges, once a second (0 = leave the kernel's, 50 us). A GL driver's sleeping wait for the GPU "
+        "turns its loop about once a slack: a larger one makes waiting behind other tenants cost less CPU, so that "
+        "the busy time split by CPU follows GPU work where dozens of paced tenants wait; but every timer of those "
+        "threads (sleeps, poll and timed waits) may then fire up to this much later", bounds=(0.0, 100_000.0),
+        unit="us")
     lease_timeout_ms: float = knob(250.0, "policy", "a cooperative client's lease is revoked, and its demand dropped, "
                                    "when not renewed within this long", bounds=(10.0, 600_000.0), unit="ms")
     lease_max_run_ms: float = knob(

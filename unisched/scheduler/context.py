@@ -12,6 +12,8 @@ from unisched.enforce.cgroups import CgroupDriver
 from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.mps import MpsControl
 from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.timerslack import ProcThreadSlack, ThreadSlack
+from unisched.logs import Throttle
 from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource, WeightedFairShare
 from unisched.policy.caps import VideoEngines, video_engines_for
 from unisched.policy.charging import ReportMatch
@@ -64,6 +66,12 @@ class Context:
     tenants: dict[str, Tenant] = field(default_factory=dict)
     declared: frozenset[str] = frozenset()
     """Tenants the config declares stay when their processes exit, however they were first made."""
+    thread_slack: ThreadSlack | None = None
+    """Sets the timer slack of the charged tenants' threads (`timer_slack_us`; scheduler.slack)."""
+    slack_from: int = 0
+    """Where the next timer slack sweep starts in the tenants' list (each sweep starts one further)."""
+    slack_refusals: Throttle = field(default_factory=lambda: Throttle(60.0))
+    """The warning that the kernel refused to set a timer slack: at most once a minute."""
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
     last_samples: tuple[GpuSample, ...] = ()
@@ -109,6 +117,7 @@ def build(
     clock: Clock,
     devices: DeviceAdmission | None = None,
     mps: MpsControl | None = None,
+    slack: ThreadSlack | None = None,
 ) -> Context:
     if config.mps and mps is None:
         raise ConfigError("config 'mps': this scheduler was built without an MPS control")
@@ -136,6 +145,7 @@ def build(
         mps=mps if config.mps else None, policy=policy, gpu_indices=gpu_indices,
         video=video_engines_for(gpus[0].name) if gpus else None, contention=contention, plan_config=plan_config,
         leases=leases, last_tick=now, next_tick=now, declared=frozenset(d.name for d in config.tenants),
+        thread_slack=ProcThreadSlack(driver) if slack is None else slack,
     )
 
 

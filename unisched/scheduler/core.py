@@ -23,13 +23,14 @@ from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.timerslack import ThreadSlack
 from unisched.policy import ContentionMap, Priority, Resource, WeightedFairShare
 from unisched.policy.caps import VideoEngines
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.plan import PlanConfig
 from unisched.policy.saturation import GateState
-from unisched.scheduler import admission, lease_calls, lifecycle, registration, reporting, roster, tick
+from unisched.scheduler import admission, lease_calls, lifecycle, registration, reporting, roster, slack, tick
 from unisched.scheduler.clock import Clock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.context import Context, build
@@ -56,8 +57,10 @@ class Scheduler:
         clock: Clock,
         devices: DeviceAdmission | None = None,
         mps: MpsControl | None = None,
+        thread_slack: ThreadSlack | None = None,
     ) -> None:
-        self._c: Context = build(config, driver, telemetry, store, clock, devices, mps)
+        """`thread_slack`: how the tenants' threads get their timer slack (default: through /proc)."""
+        self._c: Context = build(config, driver, telemetry, store, clock, devices, mps, thread_slack)
         c = self._c
         # collaborators callers read (never replaced: each names the context's own object)
         self.config: DaemonConfig = c.config
@@ -196,6 +199,18 @@ class Scheduler:
     def readings_reader(self) -> Callable[[], Readings]:
         """The next tick's reads (NVML, cgroup CPU time) as a call for a worker thread (tick.readings_reader)."""
         return tick.readings_reader(self._c)
+
+    @property
+    def sweeps_slack(self) -> bool:
+        """Whether the tenants' threads get a timer slack (`timer_slack_us`): the loop then sweeps them."""
+        return self.config.timer_slack_us > 0
+
+    def slack_sweeper(self) -> Callable[[], slack.Swept] | None:
+        """The next sweep of the tenants' timer slack as a call for a worker thread; None when it is off."""
+        return slack.sweeper(self._c)
+
+    def note_slack(self, swept: slack.Swept) -> None:
+        slack.note(self._c, swept)
 
     # --- lease sessions -----------------------------------------------------------------------------
     def lease_open(

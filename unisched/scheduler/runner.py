@@ -1,10 +1,12 @@
 """The asyncio side of the engine: call advance() (a tick every slice, and a rationed slice's steps between) until
 asked to stop, thaw everything on the way out (also when a tick raises). What a tick reads from the machine is
-read on a worker thread first."""
+read on a worker thread first. Beside it, where `timer_slack_us` is set, the tenants' threads are swept once a
+second (scheduler.slack), on a worker thread of their own, so that a sweep never delays a slice."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -12,8 +14,9 @@ import structlog
 
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
+from unisched.scheduler.slack import SLACK_EVERY_S
 
-__all__ = ["LATE_WARN_S", "LateSlices", "run_engine"]
+__all__ = ["LATE_WARN_S", "LateSlices", "run_engine", "run_slack"]
 
 log = structlog.get_logger("unisched.scheduler")
 
@@ -53,6 +56,7 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
     keep failing stops calling it."""
     late = LateSlices(time.monotonic)
+    sweeping = asyncio.ensure_future(run_slack(engine, stop)) if engine.sweeps_slack else None
     # one waiter for the whole run: a wait_for(stop.wait()) per slice makes a task and, at each timeout, cancels it
     # and waits for that: some five loop turns a slice, which a lease renewal due meanwhile waits behind
     stopped = asyncio.ensure_future(stop.wait())
@@ -77,4 +81,21 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
             late.check()
     finally:
         stopped.cancel()
+        if sweeping is not None:
+            sweeping.cancel()
         engine.shutdown()
+
+
+async def run_slack(engine: Scheduler, stop: asyncio.Event) -> None:
+    """Sweep the tenants' timer slack every SLACK_EVERY_S until `stop` is set (nothing while it is off). A sweep
+    that fails is logged and the next one runs."""
+    while not stop.is_set():
+        sweep = engine.slack_sweeper()
+        if sweep is None:
+            return  # off
+        try:
+            engine.note_slack(await asyncio.to_thread(sweep))
+        except Exception:
+            log.exception("timer slack sweep failed; sweeping again in a second")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SLACK_EVERY_S)

@@ -55,7 +55,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     dt = max(now - c.last_tick, 1e-6)
     c.last_tick = now
     if readings is None:
-        readings = read(c.telemetry, c.driver, _cpu_read(c), user=_split_by_user(c))
+        readings = read(c.telemetry, c.driver, charged_cgroups(c), user=_split_by_user(c))
     samples = {s.index: s for s in _samples(c, readings)}
     c.last_samples = tuple(samples.values())
     update_memory(c, samples, now, readings.pids)
@@ -123,7 +123,7 @@ def readings_reader(c: Context) -> Callable[[], Readings]:
     engine's state), for the loop to make on a worker thread: the tenants whose CPU time (and, where the tick will
     check memory, whose process lists) are read are listed now."""
     listed = [t.cgroup for t in c.tenants.values() if not t.missing] if memory_due(c, c.clock.monotonic()) else []
-    return reader(c.telemetry, c.driver, _cpu_read(c), listed, _split_by_user(c))
+    return reader(c.telemetry, c.driver, charged_cgroups(c), listed, _split_by_user(c))
 
 
 def advance(c: Context, readings: Readings | None = None) -> float:
@@ -292,7 +292,7 @@ def _samples(c: Context, readings: Readings) -> Sequence[GpuSample]:
     return readings.samples
 
 
-def _cpu_read(c: Context) -> list[tuple[str, str]]:
+def charged_cgroups(c: Context) -> list[tuple[str, str]]:
     """The (tenant, cgroup) pairs whose CPU time a tick reads; cooperative tenants report GPU time instead."""
     cooperative = c.leases.cooperative
     return [(t.name, t.cgroup) for t in c.tenants.values() if not t.missing and not cooperative(t.name)]

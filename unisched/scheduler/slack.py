@@ -1,0 +1,62 @@
+"""Once a second, off the slices' path: the timer slack of the charged tenants' threads (`timer_slack_us`;
+enforce.timerslack says why). Cooperative tenants are left alone: they report their GPU time, their CPU is not
+charged, and their lease renewals would wait on every timer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from unisched.enforce.timerslack import MAX_THREADS_A_SWEEP, SlackSweep
+from unisched.scheduler.context import Context
+from unisched.scheduler.tick import charged_cgroups
+
+__all__ = ["SLACK_EVERY_S", "Swept", "note", "sweeper"]
+
+log = structlog.get_logger("unisched.scheduler")
+
+SLACK_EVERY_S = 1.0
+"""How often the threads are swept: a thread started since waits at most this long (its process's first threads
+inherit the slack of none; later ones inherit it from the thread that makes them)."""
+Swept = list[tuple[str, SlackSweep]]
+"""(tenant, what its sweep did), in sweep order."""
+
+
+def sweeper(c: Context) -> Callable[[], Swept] | None:
+    """The next sweep as one call for a worker thread, touching only /proc and the cgroup files; None when
+    `timer_slack_us` is 0. Each sweep starts one tenant further down the list and looks at MAX_THREADS_A_SWEEP
+    threads at most, so that tenants with many threads neither stall the others nor the thread that sweeps."""
+    slack_ns = round(c.config.timer_slack_us * 1000)
+    slack = c.thread_slack
+    if slack_ns <= 0 or slack is None:
+        return None
+    pairs = charged_cgroups(c)
+    start = c.slack_from % len(pairs) if pairs else 0
+    c.slack_from = start + 1
+    order: Sequence[tuple[str, str]] = pairs[start:] + pairs[:start]
+
+    def sweep() -> Swept:
+        swept: Swept = []
+        left = MAX_THREADS_A_SWEEP
+        for name, cgroup in order:
+            if left <= 0:
+                break
+            s = slack.settle(cgroup, slack_ns, left)
+            left -= s.set + s.already + s.gone + s.refused
+            swept.append((name, s))
+        return swept
+
+    return sweep
+
+
+def note(c: Context, swept: Swept) -> None:
+    """Log what a sweep did: threads given the slack at debug, refusals (the daemon lacks CAP_SYS_NICE) as a
+    warning at most once a minute."""
+    slack_us = c.config.timer_slack_us
+    for name, s in swept:
+        if s.set:
+            log.debug("timer slack set", tenant=name, threads=s.set, slack_us=slack_us, left=s.left)
+        if s.refused and (held := c.slack_refusals.allow("refused")) is not None:
+            log.warning("cannot set the timer slack of a tenant's threads (the daemon needs CAP_SYS_NICE)",
+                        tenant=name, threads=s.refused, later_refusals_not_logged=held)
