@@ -151,18 +151,3 @@ def test_a_run_tenant_whose_caller_came_after_the_reads_is_not_removed(tmp_path:
     rig.engine.advance(reads)
     assert rig.engine.has_tenant("once")
     assert "/unisched/once" in rig.driver.groups
-
-
-@pytest.mark.parametrize("charge_cpu", ["all", "user"])
-def test_the_reads_off_the_loop_carry_user_cpu_only_where_busy_time_is_split_by_it(
-        tmp_path: Path, charge_cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With it, each cgroup's CPU and its user-mode part come from one read (cpu_times_s), not two."""
-    rig, _ = gpu_rig(tmp_path, 1.0, charge_cpu=charge_cpu)
-    rig.driver.groups["/unisched/a"].user_s = 0.125
-    if charge_cpu == "user":
-        monkeypatch.setattr(rig.driver, "cpu_usage_s", lambda cg: pytest.fail(f"{cg} read twice"))
-    reads = rig.engine.readings_reader()()
-    assert reads.cpu_user_s == ({("a", "/unisched/a"): 0.125, ("b", "/unisched/b"): 0.0} if charge_cpu == "user" else {})
-    rig.clock.advance(SLICE)
-    rig.engine.advance(reads)
-    assert rig.engine._c.tenants["a"].last_cpu_user == (0.125 if charge_cpu == "user" else None)

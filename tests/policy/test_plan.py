@@ -150,23 +150,6 @@ def test_charge_rule_weighs_cpu_by_each_tenants_gpu_rate(cpu: list[float], rates
     assert amounts == pytest.approx(charged) and why is rule
 
 
-@pytest.mark.parametrize(("cpu", "user", "rates", "charged", "rule"), [
-    # players whose wait sleeps in a loop: the kernel's part of the heavy one's CPU is its waiting, not its work
-    ([0.01, 0.04], [0.005, 0.01], (), [0.05 / 3, 0.1 / 3], Rule.SIGNAL),  # split 1:2 by user time, not 1:4
-    ([0.01, 0.04], [0.0, 0.0], (), [0.025, 0.025], Rule.SIGNAL),  # no user time shown: evenly
-    ([0.01, 0.04], [0.005, 0.01], [0.5, 0.5], [0.01, 0.04], Rule.PROCESS_RATE),  # rates are of all CPU: it splits
-])
-def test_charge_rule_splits_by_the_cpu_given_for_the_split(cpu: list[float], user: list[float],
-                                                           rates: list[float | None], charged: list[float],
-                                                           rule: Rule) -> None:
-    amounts, why = charge_rule(1.0, 0.05, cpu, 0.02, rates=rates, split_s=user)
-    assert amounts == pytest.approx(charged) and why is rule
-
-
-def test_charge_rule_lets_all_cpu_stand_in_for_gpu_time_without_a_signal() -> None:
-    assert charge_rule(0.0, 0.05, [0.01, 0.04], 0.02, split_s=[0.0, 0.01]) == ([0.01, 0.04], Rule.CPU_TIME)
-
-
 def test_charge_rule_without_a_gpu_signal_ignores_rates() -> None:
     assert charge_rule(0.0, 0.05, [0.01, 0.04], 0.02, rates=[0.5, 0.25]) == ([0.01, 0.04], Rule.CPU_TIME)
 

@@ -77,10 +77,6 @@ class CgroupDriver(Protocol):
         """CPU seconds the cgroup used so far; None when the cgroup is gone. Read every slice for every tenant,
         so it is one small read (1000 tenants: 6 ms a slice, was 29 ms with a separate existence check)."""
         ...
-    def cpu_times_s(self, cgroup: str) -> tuple[float, float] | None:
-        """cpu_usage_s and its user-mode part, in one read where the hierarchy keeps both in one file; None when
-        the cgroup is gone. Read each slice in its place where busy time is split by user time (`charge_cpu`)."""
-        ...
     def set_frozen(self, cgroup: str, frozen: bool) -> None: ...
     def is_frozen(self, cgroup: str) -> bool: ...
     def cgroup_of(self, pid: int) -> str | None: ...
@@ -142,30 +138,18 @@ def adopt_refusal(path: str, subtree: str, daemon_cgroup: str | None, governed: 
     return None
 
 
-def _read_head(path: str, size: int = 64) -> bytes | None:
+def _read_head(path: str) -> bytes | None:
     """The first bytes of a cgroup file (the counter the slice path needs comes first); None when it is gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return os.read(fd, size)
+            return os.read(fd, 64)
         finally:
             os.close(fd)
     except OSError as e:
         if e.errno in _GONE:
             return None
         raise
-
-
-def _stat_value(text: bytes, key: bytes, per_second: float) -> float:
-    """`key`'s value in seconds from the lines of a cgroup stat file ("key value"); 0 where it is not there."""
-    for line in text.split(b"\n"):
-        k, _, value = line.partition(b" ")
-        if k == key:
-            try:
-                return int(value) / per_second
-            except ValueError:
-                return 0.0
-    return 0.0
 
 
 def _read_text(path: Path) -> str | None:
@@ -256,13 +240,8 @@ class CgroupV2Driver(_Common):
         head = _read_head(f"{self.mount}/{cgroup.lstrip('/')}/cpu.stat")
         if head is None:
             return None
-        return _stat_value(head, b"usage_usec", 1e6)
-
-    def cpu_times_s(self, cgroup: str) -> tuple[float, float] | None:
-        head = _read_head(f"{self.mount}/{cgroup.lstrip('/')}/cpu.stat", 128)  # usage_usec, then user_usec
-        if head is None:
-            return None
-        return _stat_value(head, b"usage_usec", 1e6), _stat_value(head, b"user_usec", 1e6)
+        key, _, value = head.split(b"\n", 1)[0].partition(b" ")
+        return int(value) / 1e6 if key == b"usage_usec" else 0.0
 
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
         if frozen:
@@ -330,14 +309,6 @@ class CgroupV1Driver(_Common):
             return int(head) / 1e9
         except ValueError:
             return 0.0
-
-    def cpu_times_s(self, cgroup: str) -> tuple[float, float] | None:
-        usage = self.cpu_usage_s(cgroup)  # (v1 keeps the user-mode part in another file: cpuacct.stat)
-        if usage is None:
-            return None
-        acct = self._acct(cgroup)
-        head = _read_head(str(acct / "cpuacct.stat"), 128) if acct is not None else None
-        return usage, 0.0 if head is None else _stat_value(head, b"user", os.sysconf("SC_CLK_TCK"))  # (clock ticks)
 
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
         if frozen:
@@ -428,8 +399,6 @@ def detect_driver(prefer: str = "auto", subtree: str = DEFAULT_SUBTREE, create: 
 class _FakeGroup:
     pids: list[int] = field(default_factory=list)
     cpu_s: float = 0.0
-    user_s: float | None = None
-    """User-mode CPU seconds; None: all of cpu_s."""
     frozen: bool = False
 
 
@@ -477,10 +446,6 @@ class FakeCgroupDriver:
     def cpu_usage_s(self, cgroup: str) -> float | None:
         g = self.groups.get(cgroup)
         return g.cpu_s if g else None
-
-    def cpu_times_s(self, cgroup: str) -> tuple[float, float] | None:
-        g = self.groups.get(cgroup)
-        return None if g is None else (g.cpu_s, g.cpu_s if g.user_s is None else g.user_s)
 
     def set_frozen(self, cgroup: str, frozen: bool) -> None:
         if cgroup not in self.groups:

@@ -68,8 +68,7 @@ def cooperative_part(busy_s: float, start: float, end: float, reports: Sequence[
 
 
 def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_threshold: float,
-                cooperative_s: float = 0.0, rates: Sequence[float | None] = (),
-                split_s: Sequence[float] | None = None) -> tuple[list[float], Rule]:
+                cooperative_s: float = 0.0, rates: Sequence[float | None] = ()) -> tuple[list[float], Rule]:
     """GPU seconds to charge each freezer-governed tenant that ran on a resource over the interval (`cpu_s`: their CPU
     seconds). With a GPU signal the busy time (utilization x interval, the drain of work the previous holder queued
     included), less `cooperative_s` that cooperative tenants did in it (`cooperative_part`), is split by CPU
@@ -81,11 +80,7 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
     `rates`: each tenant's GPU seconds per CPU second (`gpu_per_cpu`), where known for every one of them: then each
     one's CPU activity is weighed by its rate (PROCESS_RATE). CPU time alone misleads where tenants wait for a busy
     GPU by spinning in the driver: the more often one runs, the more it spins for each frame, so the ones that run
-    most are overcharged (in the engine test, twelve such players 1:2:4 split by CPU alone got GPU time 1:1.4:2).
-
-    `split_s`: the CPU seconds the busy time is split by where no rate is known for every tenant, in place of
-    `cpu_s` (their user-mode part, `charge_cpu`: a driver's wait that sleeps in a loop spends its CPU in the kernel);
-    CPU time standing in for GPU time is all of it."""
+    most are overcharged (in the engine test, twelve such players 1:2:4 split by CPU alone got GPU time 1:1.4:2)."""
     if util > activity_threshold:
         busy = max(0.0, util * dt - cooperative_s)
         if cpu_s and len(rates) == len(cpu_s) and None not in rates:
@@ -93,9 +88,8 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
             weighed = sum(scaled)
             if weighed > 0:
                 return [busy * w / weighed for w in scaled], Rule.PROCESS_RATE
-        by = cpu_s if split_s is None else split_s
-        total = sum(by)
-        return [busy * (w / total if total > 0 else 1.0 / len(by)) for w in by], Rule.SIGNAL
+        total = sum(cpu_s)
+        return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
     return list(cpu_s), Rule.CPU_TIME
 
 

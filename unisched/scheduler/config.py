@@ -186,10 +186,6 @@ class DaemonConfig:
                             "its share", bounds=(1, 1000), unit="slices")
     activity_threshold: float = knob(0.02, "policy", "fraction of a slice of CPU (or GPU busy) below which a tenant "
                                      "shows no work", bounds=(0.0, 1.0), unit="fraction")
-    charge_cpu: str = knob(
-        "all", "policy", "freezer enforcement: the CPU time by which a busy GPU's time is split among the tenants "
-        "that ran in a slice: all of it, or its user-mode part (user), which leaves out time in the kernel, such as "
-        "a driver's wait for the GPU that sleeps in a loop", choices=("all", "user"))
     timer_slack_us: float = knob(
         0.0, "policy", "freezer enforcement: the timer slack the daemon gives every thread of the tenants whose CPU "
         "time it charges, once a second (0 = leave the kernel's, 50 us). A GL driver's sleeping wait for the GPU "

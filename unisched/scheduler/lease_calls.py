@@ -149,6 +149,6 @@ def lease_close(c: Context, sid: int) -> None:
     t.active = bool(c.leases.demand(name)) if c.leases.cooperative(name) else False
     if not c.leases.cooperative(name):
         t.idle_run = 0
-        t.forget_cpu()
+        t.last_cpu = None
     if affected:
         reschedule(c)

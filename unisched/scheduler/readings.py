@@ -24,29 +24,22 @@ class Readings:
     """Cumulative CPU seconds by (tenant, cgroup) as read; None: the cgroup was not there."""
     pids: Mapping[str, list[int]] = field(default_factory=dict)
     """Process lists by cgroup, read for the ticks that check memory (upkeep, once a second)."""
-    cpu_user_s: Mapping[tuple[str, str], float | None] = field(default_factory=dict)
-    """Their user-mode part, read where busy time is split by it (`charge_cpu = "user"`)."""
 
 
 def read(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[str, str]],
-         pid_cgroups: Sequence[str] = (), user: bool = False) -> Readings:
-    """The reads of one tick: CPU time for the (tenant, cgroup) pairs given (and its user-mode part where `user`),
-    process lists for `pid_cgroups`. Never raises for the telemetry: its failure is reported in the result, as the
-    tick reports it."""
+         pid_cgroups: Sequence[str] = ()) -> Readings:
+    """The reads of one tick: CPU time for the (tenant, cgroup) pairs given, process lists for `pid_cgroups`.
+    Never raises for the telemetry: its failure is reported in the result, as the tick reports it."""
     try:
         samples, failure = tuple(telemetry.sample()), None
     except Exception as e:
         samples, failure = (), repr(e)
-    pids = {cg: driver.pids(cg) for cg in pid_cgroups}
-    if not user:
-        return Readings(samples, failure, {(name, cg): driver.cpu_usage_s(cg) for name, cg in cgroups}, pids)
-    times = {(name, cg): driver.cpu_times_s(cg) for name, cg in cgroups}  # (one read of each for both)
-    return Readings(samples, failure, {k: None if t is None else t[0] for k, t in times.items()}, pids,
-                    {k: None if t is None else t[1] for k, t in times.items()})
+    return Readings(samples, failure, {(name, cg): driver.cpu_usage_s(cg) for name, cg in cgroups},
+                    {cg: driver.pids(cg) for cg in pid_cgroups})
 
 
 def reader(telemetry: GpuTelemetry, driver: CgroupDriver, cgroups: Sequence[tuple[str, str]],
-           pid_cgroups: Sequence[str] = (), user: bool = False) -> Callable[[], Readings]:
+           pid_cgroups: Sequence[str] = ()) -> Callable[[], Readings]:
     """`read` for these, as a call without arguments (for a worker thread)."""
     pairs, listed = tuple(cgroups), tuple(pid_cgroups)
-    return lambda: read(telemetry, driver, pairs, listed, user)
+    return lambda: read(telemetry, driver, pairs, listed)

@@ -311,7 +311,7 @@ def _rejoin(
         if t.missing:
             log.info("tenant cgroup recreated", tenant=name, cgroup=t.cgroup)
         t.missing = False
-        t.forget_cpu()
+        t.last_cpu = None
     return t.saved() != before
 
 

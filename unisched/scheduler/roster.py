@@ -160,5 +160,5 @@ def lost(c: Context, t: Tenant, why: str) -> None:
     t.missing = True
     t.frozen = False
     t.active = False
-    t.forget_cpu()
+    t.last_cpu = None
     c.policy.set_demand(t.name, ())

@@ -114,8 +114,6 @@ class Tenant:
     """Frozen since the last charge: its GPU work queued at the freeze (a render's frame in flight) drains in the
     interval, whatever CPU it shows, so it is charged for the interval (tick.py)."""
     last_cpu: float | None = None
-    last_cpu_user: float | None = None
-    """Its user-mode part, kept where busy time is split by it (`charge_cpu = "user"`)."""
     idle_run: int = 0
     active: bool = False
     missing: bool = False
@@ -152,11 +150,6 @@ class Tenant:
         """What the state file keeps of it, in SavedTenant's order (state.LineCache compares these)."""
         return (self.name, self.base_weight, self.priority, self.engines, self.gpus,
                 self.cgroup, self.adopted, self.owner_uid, self.limits, self.ephemeral, self.labels)
-
-    def forget_cpu(self) -> None:
-        """Its cgroup's CPU counters are not to be compared with the last ones read (a new or lost cgroup)."""
-        self.last_cpu = None
-        self.last_cpu_user = None
 
     def all_engines(self) -> frozenset[Engine]:
         """Declared engines plus those its open sessions show (an open decoder is demand on NVDEC)."""

@@ -55,11 +55,11 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     dt = max(now - c.last_tick, 1e-6)
     c.last_tick = now
     if readings is None:
-        readings = read(c.telemetry, c.driver, charged_cgroups(c), user=_split_by_user(c))
+        readings = read(c.telemetry, c.driver, charged_cgroups(c))
     samples = {s.index: s for s in _samples(c, readings)}
     c.last_samples = tuple(samples.values())
     update_memory(c, samples, now, readings.pids)
-    cpu, split = _cpu_deltas(c, readings)
+    cpu = _cpu_deltas(c, readings)
     thawed_on: dict[Resource, list[Tenant]] = {}
     leases = c.leases
     for t in c.tenants.values():
@@ -76,7 +76,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     c.charged = {}
     reports = leases.take_reported()
     for r, ts in thawed_on.items():
-        _charge_resource(c, r, ts, samples.get(r.gpu), cpu, split, dt, now, gpu_active, reports.pop(r, ()))
+        _charge_resource(c, r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()))
     for r in set(reports) | (set(c.matches) - set(thawed_on)):  # late reports of intervals already charged
         _, c.matches[r] = cooperative_part(0.0, now - dt, now, reports.get(r, ()),
                                            c.matches.get(r, ReportMatch()), leases.valid_s, False)
@@ -123,7 +123,7 @@ def readings_reader(c: Context) -> Callable[[], Readings]:
     engine's state), for the loop to make on a worker thread: the tenants whose CPU time (and, where the tick will
     check memory, whose process lists) are read are listed now."""
     listed = [t.cgroup for t in c.tenants.values() if not t.missing] if memory_due(c, c.clock.monotonic()) else []
-    return reader(c.telemetry, c.driver, charged_cgroups(c), listed, _split_by_user(c))
+    return reader(c.telemetry, c.driver, charged_cgroups(c), listed)
 
 
 def advance(c: Context, readings: Readings | None = None) -> float:
@@ -298,37 +298,22 @@ def charged_cgroups(c: Context) -> list[tuple[str, str]]:
     return [(t.name, t.cgroup) for t in c.tenants.values() if not t.missing and not cooperative(t.name)]
 
 
-def _split_by_user(c: Context) -> bool:
-    return c.config.charge_cpu == "user"
-
-
-def _cpu_deltas(c: Context, readings: Readings) -> tuple[dict[str, float], dict[str, float] | None]:
-    """CPU seconds per tenant since the last tick, from `readings`, and their user-mode part where busy time is
-    split by it (else None); a tenant that came (or whose cgroup changed) after they were read is read here."""
+def _cpu_deltas(c: Context, readings: Readings) -> dict[str, float]:
+    """CPU seconds per tenant since the last tick, from `readings`; a tenant that came (or whose cgroup changed)
+    after they were read is read here."""
     out = {}
-    user: dict[str, float] | None = {} if _split_by_user(c) else None
     cooperative = c.leases.cooperative
     for t in c.tenants.values():
         if t.missing or cooperative(t.name):  # cooperative tenants report GPU time: no cgroup reads
             continue
         key = (t.name, t.cgroup)
-        got: float | None = None  # its user-mode part
-        if key in readings.cpu_usage_s:
-            usage, got = readings.cpu_usage_s[key], readings.cpu_user_s.get(key)
-        elif user is not None:
-            times = c.driver.cpu_times_s(t.cgroup)
-            usage, got = (None, None) if times is None else times
-        else:
-            usage = c.driver.cpu_usage_s(t.cgroup)
+        usage = readings.cpu_usage_s[key] if key in readings.cpu_usage_s else c.driver.cpu_usage_s(t.cgroup)
         if usage is None:
             lost(c, t, "cgroup removed")
             continue
         out[t.name] = 0.0 if t.last_cpu is None else max(0.0, usage - t.last_cpu)
         t.last_cpu = usage
-        if user is not None:  # (reads made without it, before the setting changed: none this slice)
-            user[t.name] = 0.0 if t.last_cpu_user is None or got is None else max(0.0, got - t.last_cpu_user)
-            t.last_cpu_user = got
-    return out, user
+    return out
 
 
 def _charge_resource(
@@ -337,7 +322,6 @@ def _charge_resource(
     ts: list[Tenant],
     sample: GpuSample | None,
     cpu: dict[str, float],
-    split: dict[str, float] | None,
     dt: float,
     now: float,
     gpu_active: set[str],
@@ -346,8 +330,8 @@ def _charge_resource(
     """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
     `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
-    policy.charging.charge_rule (by `split`, their user-mode CPU, where given). A tenant alone on a busy resource
-    that no client held showed GPU activity (`gpu_active`)."""
+    policy.charging.charge_rule. A tenant alone on a busy resource that no client held showed GPU activity
+    (`gpu_active`)."""
     util = 0.0
     if sample is not None and sample.ok:
         util = max(
@@ -361,8 +345,7 @@ def _charge_resource(
     sm = r.domain in (c.contention.domain(Engine.COMPUTE), c.contention.domain(Engine.GRAPHICS))
     # NVML's per-process samples are of the SMs; each rate is (GPU seconds per CPU second, when taken)
     rates = [rate[0] if (rate := t.gpu_rates.get(r.gpu)) else None for t in ts] if sm else []
-    by_user = None if split is None else [split.get(t.name, 0.0) for t in ts]
-    amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates, by_user)
+    amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates)
     if log.is_enabled_for(logging.DEBUG):  # (its fields cost a pass over the tenants, per resource per tick)
         log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
                   cooperative_s=round(matched, 5), rule=rule.value,
