@@ -95,6 +95,19 @@ def test_a_sweep_looks_at_no_more_threads_than_its_bound(child_in: tuple[CgroupD
 
 @root_only
 @needs_freezer
+@pytest.mark.parametrize("child_in", [("v2", True), ("v1", True)], indirect=True)
+def test_a_sweep_looks_into_no_more_cgroups_than_its_bound(
+        child_in: tuple[CgroupDriver, str, subprocess.Popen[str]]) -> None:
+    """A delegated tenant may make many cgroups below its own: a sweep walks `most` of them at most (here the
+    tenant's own, empty, then the one below that holds the child)."""
+    driver, cg, child = child_in
+    assert ProcThreadSlack(driver).settle(cg, SLACK_NS, 1) == SlackSweep()
+    assert SLACK_NS not in slacks(child.pid)
+    assert ProcThreadSlack(driver).settle(cg, SLACK_NS, 2) == SlackSweep(set=2, left=2)
+
+
+@root_only
+@needs_freezer
 @pytest.mark.parametrize("prefer", ["v2", "v1"])
 def test_a_thread_not_in_the_cgroup_is_left_alone(prefer: str, tenant_prefix: str) -> None:
     """A tid the cgroup listed may be another process's by the time it is written (reused): the thread is checked to

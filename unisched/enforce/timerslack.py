@@ -14,7 +14,8 @@ off the engine's loop) sets it on the threads of the cgroup that do not have it 
 thread list and may be reused by another process before the write: the write goes through a handle on /proc/TID
 opened first, on which the thread is checked to be in the cgroup (or below it) still (a handle on a thread that exited fails, it
 never names the tid's next owner). A sweep looks at `most` threads at most (MAX_THREADS_A_SWEEP among all the
-tenants: scheduler.slack); the rest wait for a later one.
+tenants: scheduler.slack), in the order the cgroups list them: a tenant that had more than that when it came has
+the rest of them left as they were (the threads it makes later inherit the slack from the ones it had).
 """
 
 from __future__ import annotations
@@ -73,19 +74,20 @@ class ProcThreadSlack:
 
     def _threads(self, cgroup: str, most: int) -> list[int]:
         """The threads of `cgroup` and of the cgroups below it (a pod's containers sit below the pod's), up to one
-        more than the bound; none when the cgroup is gone (its tenant is, or will be, dropped)."""
+        more than the bound, from `most` cgroups at most (a delegated tenant may make many); none when the cgroup
+        is gone (its tenant is, or will be, dropped)."""
         name = _THREADS_FILE.get(self._driver.kind)
         if name is None:
             return []
         tids: list[int] = []
-        for folder, _, _ in os.walk(f"{self._driver.mount}/{cgroup.lstrip('/')}"):
+        for looked, (folder, _, _) in enumerate(os.walk(f"{self._driver.mount}/{cgroup.lstrip('/')}")):
+            if looked >= most or len(tids) > most:
+                break
             try:
                 with open(f"{folder}/{name}", "rb") as f:
                     tids.extend(int(t) for t in f.read().split())
             except (OSError, ValueError):
                 continue  # removed meanwhile
-            if len(tids) > most:
-                break
         return tids
 
 
