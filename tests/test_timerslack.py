@@ -131,13 +131,15 @@ def test_a_thread_not_in_the_cgroup_is_left_alone(prefer: str, tenant_prefix: st
 
 
 # --- the engine's sweeps (fakes) ------------------------------------------------------------------------------------
-def engine(tmp: Path, slack_us: float, fake: FakeThreadSlack, *names: str) -> Scheduler:
-    """An engine over fake cgroups with tenants `names` registered (freezer-governed: their CPU is charged)."""
+def engine(tmp: Path, slack_us: float, fake: FakeThreadSlack, *names: str, engines: tuple[str, ...] = ("graphics",)
+           ) -> Scheduler:
+    """An engine over fake cgroups with tenants `names` registered (freezer-governed: their CPU is charged), each
+    declaring `engines`."""
     e = Scheduler(DaemonConfig(timer_slack_us=slack_us), FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp / "state"),
                   FakeClock(), thread_slack=fake)
     e.start()
     for i, name in enumerate(names):
-        e.register(name, 100, None, (), (), 1000 + i, 0, True)
+        e.register(name, 100, None, engines, (), 1000 + i, 0, True)
     return e
 
 
@@ -185,12 +187,18 @@ def test_the_engine_loop_sweeps_beside_its_slices(tmp_path: Path) -> None:
     assert fake.swept == [("/unisched/a", SLACK_NS, MAX_THREADS_A_SWEEP)]
 
 
-def test_cooperative_tenants_are_not_swept(tmp_path: Path) -> None:
+def test_only_tenants_that_render_and_are_charged_are_swept(tmp_path: Path) -> None:
+    """Cooperative clients report their GPU time (their renewals would only wait longer); compute and video tenants
+    have no GL driver wait to mend, only timers to delay; a tenant whose render sessions show is swept from then on."""
     fake = FakeThreadSlack()
     e = engine(tmp_path, 500, fake, "app")
-    e.lease_open("client", 100, None, ["compute"], 0, 2000, 0, True, FakeLeaseChannel())
+    e.lease_open("client", 100, None, ["graphics"], 0, 2000, 0, True, FakeLeaseChannel())
+    e.register("trainer", 100, None, ("compute",), (), 3000, 0, True)
+    e.register("decoder", 100, None, ("decode", "encode"), (), 3001, 0, True)
     swept = e.slack_sweeper()()  # type: ignore[misc]
     assert [n for n, _ in swept] == ["app"] and fake.swept == [("/unisched/app", 500_000, MAX_THREADS_A_SWEEP)]
+    assert e.admit_session("trainer", "graphics", 0xC097)  # (a render context the hooks saw)
+    assert sorted(n for n, _ in e.slack_sweeper()()) == ["app", "trainer"]  # type: ignore[misc]
 
 
 def test_a_refused_write_is_warned_once_a_minute(tmp_path: Path) -> None:
@@ -211,7 +219,8 @@ def test_the_daemon_gives_a_run_tenants_threads_the_slack(daemon_factory, tenant
     d: Daemon = daemon_factory("--slice-ms", "20", "--timer-slack-us", "1000")
     name = f"{tenant_prefix}slk"
     tenant = subprocess.Popen(
-        [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", "100", "--",
+        [sys.executable, "-m", "unisched", "run", "--socket", d.socket, "--tenant", name, "--weight", "100",
+         "--engines", "graphics", "--",
          sys.executable, "-c", THREADS_CHILD.format(2)],
         cwd=ROOT, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

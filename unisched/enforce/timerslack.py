@@ -8,14 +8,15 @@ the heaviest weights, pay most. A slack of a millisecond makes each turn sleep a
 turns, and CPU time follows work again. Every timer of those threads (sleeps, poll and timed waits) may then fire up
 to that much later, so it is the operator's choice, off by default.
 
-A thread's slack is set through /proc/TID/timerslack_ns (root: CAP_SYS_NICE). Threads inherit it from the thread that
-creates them, so once a process's threads carry it, its later threads and children do too; a sweep (once a second,
-off the engine's loop) sets it on the threads of the cgroup that do not have it yet. The tid comes from the cgroup's
-thread list and may be reused by another process before the write: the write goes through a handle on /proc/TID
-opened first, on which the thread is checked to be in the cgroup (or below it) still (a handle on a thread that exited fails, it
-never names the tid's next owner). A sweep looks at `most` threads at most (MAX_THREADS_A_SWEEP among all the
-tenants: scheduler.slack), in the order the cgroups list them: a tenant that had more than that when it came has
-the rest of them left as they were (the threads it makes later inherit the slack from the ones it had).
+Only the threads of tenants that render are given it (scheduler.slack). A thread's slack is set through
+/proc/TID/timerslack_ns (root: CAP_SYS_NICE). Threads inherit it from the thread that creates them, so once a
+process's threads carry it, its later threads and children do too; a sweep (once a second, off the engine's loop)
+sets it on the threads of the cgroup that do not have it yet. The tid comes from the cgroup's thread list and may be
+reused by another process before the write: the write goes through a handle on /proc/TID opened first, on which the
+thread is checked to be in the cgroup (or below it) still (a handle on a thread that exited fails, it never names
+the tid's next owner). A sweep looks at `most` threads at most (MAX_THREADS_A_SWEEP among all the tenants:
+scheduler.slack), in the order the cgroups list them: a tenant that had more than that when it came has the rest of
+them left as they were (the threads it makes later inherit the slack from the ones it had).
 """
 
 from __future__ import annotations

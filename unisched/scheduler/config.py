@@ -187,8 +187,9 @@ class DaemonConfig:
     activity_threshold: float = knob(0.02, "policy", "fraction of a slice of CPU (or GPU busy) below which a tenant "
                                      "shows no work", bounds=(0.0, 1.0), unit="fraction")
     timer_slack_us: float = knob(
-        0.0, "policy", "freezer enforcement: the timer slack the daemon gives every thread of the tenants whose CPU "
-        "time it charges, once a second (0 = leave the kernel's, 50 us). A GL driver's sleeping wait for the GPU "
+        0.0, "policy", "freezer enforcement: the timer slack the daemon gives every thread of the tenants that render "
+        "(graphics declared, or render sessions seen) and whose CPU time it charges, once a second (0 = leave the "
+        "kernel's, 50 us). A GL driver's sleeping wait for the GPU "
         "turns its loop about once a slack: a larger one makes waiting behind other tenants cost less CPU, so that "
         "the busy time split by CPU follows GPU work where dozens of paced tenants wait; but every timer of those "
         "threads (sleeps, poll and timed waits) may then fire up to this much later", bounds=(0.0, 100_000.0),

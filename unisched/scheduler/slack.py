@@ -1,6 +1,8 @@
-"""Once a second, off the slices' path: the timer slack of the charged tenants' threads (`timer_slack_us`;
-enforce.timerslack says why). Cooperative tenants are left alone: they report their GPU time, their CPU is not
-charged, and their lease renewals would wait on every timer."""
+"""Once a second, off the slices' path: the timer slack of the threads of the charged tenants that render
+(`timer_slack_us`; enforce.timerslack says why). Only those: the GL driver's wait is the loop it helps, and a compute
+or video tenant (a training job, an inference service) would only get later timers. Cooperative tenants are left
+alone too: they report their GPU time, their CPU is not charged, and their lease renewals would wait on every
+timer."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from unisched.enforce.timerslack import MAX_THREADS_A_SWEEP, SlackSweep
+from unisched.policy import Engine
 from unisched.scheduler.context import Context
 from unisched.scheduler.tick import charged_cgroups
 
@@ -31,7 +34,7 @@ def sweeper(c: Context) -> Callable[[], Swept] | None:
     slack = c.thread_slack
     if slack_ns <= 0 or slack is None:
         return None
-    pairs = charged_cgroups(c)
+    pairs = [(name, cg) for name, cg in charged_cgroups(c) if Engine.GRAPHICS in c.tenants[name].all_engines()]
     start = c.slack_from % len(pairs) if pairs else 0
     c.slack_from = start + 1
     order: Sequence[tuple[str, str]] = pairs[start:] + pairs[:start]
