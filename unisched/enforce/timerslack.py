@@ -16,7 +16,8 @@ reused by another process before the write: the write goes through a handle on /
 thread is checked to be in the cgroup (or below it) still (a handle on a thread that exited fails, it never names
 the tid's next owner). A sweep looks at `most` threads at most (MAX_THREADS_A_SWEEP among all the tenants:
 scheduler.slack), in the order the cgroups list them: a tenant that had more than that when it came has the rest of
-them left as they were (the threads it makes later inherit the slack from the ones it had).
+them left as they were (the threads it makes later inherit the slack from the ones it had). Nothing sets it back:
+threads keep it when their tenant is dropped or the daemon stops, as they keep what it set in their environment.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class Context:
     declared: frozenset[str] = frozenset()
     """Tenants the config declares stay when their processes exit, however they were first made."""
     thread_slack: ThreadSlack | None = None
-    """Sets the timer slack of the charged tenants' threads (`timer_slack_us`; scheduler.slack)."""
+    """Sets the timer slack of the rendering tenants' threads (`timer_slack_us`; scheduler.slack)."""
     slack_from: int = 0
     """Where the next timer slack sweep starts in the tenants' list (each sweep starts one further)."""
     slack_refusals: Throttle = field(default_factory=lambda: Throttle(60.0))
