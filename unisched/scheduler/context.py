@@ -61,13 +61,13 @@ class Context:
     leases: LeaseBook
     last_tick: float
     next_tick: float
+    thread_slack: ThreadSlack
+    """Sets the timer slack of the rendering tenants' threads (`timer_slack_us`; scheduler.slack)."""
     plan: PlanState = field(default_factory=PlanState)
     """The scheduling model's state between slices (policy.plan): gates, mixed-slice clocks."""
     tenants: dict[str, Tenant] = field(default_factory=dict)
     declared: frozenset[str] = frozenset()
     """Tenants the config declares stay when their processes exit, however they were first made."""
-    thread_slack: ThreadSlack | None = None
-    """Sets the timer slack of the rendering tenants' threads (`timer_slack_us`; scheduler.slack)."""
     slack_from: int = 0
     """Where the next timer slack sweep starts in the tenants' list (each sweep starts one further)."""
     slack_refusals: Throttle = field(default_factory=lambda: Throttle(60.0))

@@ -203,7 +203,7 @@ class Scheduler:
     @property
     def sweeps_slack(self) -> bool:
         """Whether the tenants' threads get a timer slack (`timer_slack_us`): the loop then sweeps them."""
-        return self.config.timer_slack_us > 0
+        return slack.slack_ns(self._c) > 0
 
     def slack_sweeper(self) -> Callable[[], slack.Swept] | None:
         """The next sweep of the tenants' timer slack as a call for a worker thread; None when it is off."""

@@ -15,7 +15,7 @@ from unisched.policy import Engine
 from unisched.scheduler.context import Context
 from unisched.scheduler.tick import charged_cgroups
 
-__all__ = ["SLACK_EVERY_S", "Swept", "note", "sweeper"]
+__all__ = ["SLACK_EVERY_S", "Swept", "note", "slack_ns", "sweeper"]
 
 log = structlog.get_logger("unisched.scheduler")
 
@@ -26,13 +26,17 @@ Swept = list[tuple[str, SlackSweep]]
 """(tenant, what its sweep did), in sweep order."""
 
 
+def slack_ns(c: Context) -> int:
+    """The timer slack the rendering tenants' threads get, in ns; 0: the sweeps are off."""
+    return max(0, round(c.config.timer_slack_us * 1000))
+
+
 def sweeper(c: Context) -> Callable[[], Swept] | None:
     """The next sweep as one call for a worker thread, touching only /proc and the cgroup files; None when
     `timer_slack_us` is 0. Each sweep starts one tenant further down the list and looks at MAX_THREADS_A_SWEEP
     threads at most, so that tenants with many threads neither stall the others nor the thread that sweeps."""
-    slack_ns = round(c.config.timer_slack_us * 1000)
-    slack = c.thread_slack
-    if slack_ns <= 0 or slack is None:
+    ns, slack = slack_ns(c), c.thread_slack
+    if not ns:
         return None
     pairs = [(name, cg) for name, cg in charged_cgroups(c) if Engine.GRAPHICS in c.tenants[name].all_engines()]
     start = c.slack_from % len(pairs) if pairs else 0
@@ -45,7 +49,7 @@ def sweeper(c: Context) -> Callable[[], Swept] | None:
         for name, cgroup in order:
             if left <= 0:
                 break
-            s = slack.settle(cgroup, slack_ns, left)
+            s = slack.settle(cgroup, ns, left)
             left -= s.set + s.already + s.gone + s.refused
             swept.append((name, s))
         return swept
