@@ -318,14 +318,15 @@ class SessionBook:
         node = call.handle or next(self._synthetic)
         if node == call.h_parent:
             return node
-        if call.kind is not None or (self._nodes < self._bounds.nodes and self.share.room(Entry.NODES)):
-            if node not in client.parent:
-                self._nodes += 1
+        if node not in client.parent:  # session objects are always recorded (`unbooked` asked for their room)
+            if call.kind is None and not (self._nodes < self._bounds.nodes and self.share.take(Entry.NODES)):
+                self.untracked += 1
+                return node
+            if call.kind is not None:
                 self.share.take(Entry.NODES, force=True)
-            client.parent[node] = call.h_parent
-            client.children.setdefault(call.h_parent, set()).add(node)
-        else:
-            self.untracked += 1
+            self._nodes += 1
+        client.parent[node] = call.h_parent
+        client.children.setdefault(call.h_parent, set()).add(node)
         return node
 
     def _add_object(

@@ -355,10 +355,7 @@ class SessionSupervisor:
         with self._lock:
             self._notifications += 1
         answered = self._listener.answer(nid, -errno.EPERM if refused else 0)
-        with self._lock:
-            self._latency_ns.append(time.perf_counter_ns() - t0)
-            if not answered:
-                self._skipped += 1
+        self._timed(t0, answered)
         if not answered:
             events = self._book.undo(call, events)
             if call is not None:
@@ -402,14 +399,15 @@ class SessionSupervisor:
                 call.owner = (0, "")
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
-        if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(nid):
+        charged = call.mem_bytes is not None and self._mem.ledger is not None
+        if (call.kind is not None or charged) and not self._listener.id_valid(nid):
             raise _Gone
         return call
 
     def _commit(self, call: Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
         """Book the answered call; the events to report after the answer."""
-        holds = self._book.holds_sessions(call.h_root) or self._mem.holds(call.h_root)
-        if call.op == RM_FREE and holds and not self._listener.id_valid(nid):
+        if (call.op == RM_FREE and (self._book.holds_sessions(call.h_root) or self._mem.holds(call.h_root))
+                and not self._listener.id_valid(nid)):
             return []  # read from a process that is gone: uncount nothing
         self._mem.book_call(call, refused)
         events = self._book.commit(call, pid, refused, time.monotonic_ns())
@@ -421,11 +419,14 @@ class SessionSupervisor:
         """A video memory allocation, charged or refused by MemoryCalls; counted here like every answer."""
         with self._lock:
             self._notifications += 1
-        answered = self._mem.conclude(nid, pid, call)
+        self._timed(t0, self._mem.conclude(nid, pid, call))
+
+    def _timed(self, t0: int, answered: bool) -> None:
+        """After an answer (or a call found gone): its latency, for `stats`. The notification was counted before the
+        answer, so the counts are exact by the time the caller resumes."""
         with self._lock:
             self._latency_ns.append(time.perf_counter_ns() - t0)
-            if not answered:
-                self._skipped += 1
+            self._skipped += not answered
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
         """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
