@@ -190,9 +190,10 @@ class DaemonConfig:
         0.0, "policy", "freezer enforcement: the timer slack the daemon gives every thread of the tenants that render "
         "(graphics declared, or render sessions seen) and whose CPU time it charges, once a second (0 = leave the "
         "kernel's, 50 us). A GL driver's sleeping wait for the GPU "
-        "turns its loop about once a slack: a larger one makes waiting behind other tenants cost less CPU, so that "
-        "the busy time split by CPU follows GPU work where dozens of paced tenants wait; but every timer of those "
-        "threads (sleeps, poll and timed waits) may then fire up to this much later", bounds=(0.0, 100_000.0),
+        "turns its loop about once a slack: a larger one makes waiting behind other tenants cost less CPU where "
+        "dozens of paced tenants wait, but not nothing, and the split may then lean toward the heaviest weights "
+        "instead (compare it on the load); every timer of those threads (sleeps, poll and timed waits) may then "
+        "fire up to this much later", bounds=(0.0, 100_000.0),
         unit="us")
     lease_timeout_ms: float = knob(250.0, "policy", "a cooperative client's lease is revoked, and its demand dropped, "
                                    "when not renewed within this long", bounds=(10.0, 600_000.0), unit="ms")
