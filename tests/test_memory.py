@@ -326,36 +326,6 @@ def test_a_dup_that_leaves_its_handle_to_the_driver_takes_its_turn_in_the_replay
 
 
 @needs_notify
-@pytest.mark.parametrize("enforced", [True, False])
-def test_a_memory_call_is_checked_against_pid_reuse_only_where_memory_is_enforced(enforced: bool) -> None:
-    """A read is checked still to be the caller's (one more ioctl on the tenant's path) only where something depends on
-    it: a video memory allocation's size is charged only with a ledger, so without one it is not checked; a session
-    call always is."""
-    proc, fd = start_tenant()
-    ledger = MemoryLedger(lambda: {"t": MemoryTerms(cap=4 * GIB)}, lambda: {}) if enforced else None
-    sup = SessionSupervisor(fd, "t", lambda *_: True, None, memory=ledger)
-    checked: list[int] = []
-    check = sup._listener.id_valid
-
-    def counted(nid: int) -> bool:
-        checked.append(nid)
-        return check(nid)
-
-    sup._listener.id_valid = counted  # type: ignore[method-assign]
-    thread = serve(sup)
-    try:
-        assert proc.call(f"dev {DEV:#x} 0") == ENOTTY
-        assert mem(proc, 0x10, GIB) == LET_THROUGH
-        assert len(checked) == (1 if enforced else 0)
-        assert proc.call(f"alloc {0xCB97:#x} 0x20") == ENOTTY  # a graphics object: a session call
-        assert len(checked) == (2 if enforced else 1)
-    finally:
-        proc.kill()
-        sup.close()
-        thread.join(10)
-
-
-@needs_notify
 def test_counts_are_exact_across_threads() -> None:
     served = Served({"t": MemoryTerms(cap=5 * GIB)})
     try:

@@ -399,8 +399,7 @@ class SessionSupervisor:
                 call.owner = (0, "")
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
-        charged = call.mem_bytes is not None and self._mem.ledger is not None
-        if (call.kind is not None or charged) and not self._listener.id_valid(nid):
+        if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(nid):
             raise _Gone
         return call
 
