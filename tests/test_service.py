@@ -137,9 +137,7 @@ class _Engine:
     def __init__(self, fail: bool, stop: asyncio.Event) -> None:
         self.fail, self.stop, self.ticks = fail, stop, 0
         self.config = type("C", (), {"slice_ms": 1})()
-
-    def slack_sweeper(self) -> None:
-        return None  # timer slack off
+        self.sweeps_slack = False
 
     def tick(self) -> float:
         self.ticks += 1

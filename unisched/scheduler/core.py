@@ -200,6 +200,11 @@ class Scheduler:
         """The next tick's reads (NVML, cgroup CPU time) as a call for a worker thread (tick.readings_reader)."""
         return tick.readings_reader(self._c)
 
+    @property
+    def sweeps_slack(self) -> bool:
+        """Whether the tenants' threads get a timer slack (`timer_slack_us`): the loop then sweeps them."""
+        return slack.slack_ns(self._c) > 0
+
     def slack_sweeper(self) -> Callable[[], slack.Swept] | None:
         """The next sweep of the tenants' timer slack as a call for a worker thread; None when it is off."""
         return slack.sweeper(self._c)

@@ -56,7 +56,7 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
     keep failing stops calling it."""
     late = LateSlices(time.monotonic)
-    sweeping = asyncio.ensure_future(run_slack(engine, stop))  # ends at once where timer_slack_us is 0
+    sweeping = asyncio.ensure_future(run_slack(engine, stop)) if engine.sweeps_slack else None
     # one waiter for the whole run: a wait_for(stop.wait()) per slice makes a task and, at each timeout, cancels it
     # and waits for that: some five loop turns a slice, which a lease renewal due meanwhile waits behind
     stopped = asyncio.ensure_future(stop.wait())
@@ -81,7 +81,8 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
             late.check()
     finally:
         stopped.cancel()
-        sweeping.cancel()
+        if sweeping is not None:
+            sweeping.cancel()
         engine.shutdown()
 
 
