@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,22 @@ def bench_env(root: Path = ROOT) -> dict[str, str]:
 
 
 _STARTED = itertools.count(1)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a daemon's --metrics-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """A daemon's /metrics on `port`: (sample name, labels, value) of every sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
 def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = ROOT,

@@ -17,7 +17,9 @@ first start of a program loads the driver's files from disk). A whole start-up v
 run to run, far more than the hooks add, so the result is the mean of the --repeat paired differences with its 90%
 Student-t interval; a bound on the hooks is only as tight as that interval. Each start also times its two phases,
 init (the driver loaded, the device opened) and context (the context made and used once), and the report gives
-their paired differences too: which phase carries the noise and which the hooks' cost. Writes results.json and
+their paired differences too: which phase carries the noise and which the hooks' cost. The daemon's metrics
+(unisched_tenant_hook_*) give the notified calls a hooked start made and the daemon's mean time to answer one, so
+that the cost can be read per call. Writes results.json and
 results.md.
 
   python3 bench/hook_startup.py --out bench/results/DATE-GPU/hook-startup
@@ -32,11 +34,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, start_daemon, stop_daemon
+from _daemon import ROOT, bench_env, free_port, scrape, start_daemon, stop_daemon
 from _results import header, run_info, write
 from verdicts import mean_interval
 
@@ -107,6 +110,26 @@ def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str,
     return {k: float(v) for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
 
 
+def hooked_calls(port: int, tenant: str, runs: int) -> dict[str, float]:
+    """What the daemon's metrics say of `tenant`'s `runs` hooked starts: the notified calls a start made, and the
+    mean time the daemon took from a notification to its answer. The metrics are copied once a second, so this
+    reads until two scrapes over a second apart agree (30 s at most)."""
+    def read() -> tuple[float, float]:
+        got = {n: v for n, labels, v in scrape(port) if labels.get("tenant") == tenant}
+        return got.get("unisched_tenant_hook_calls_total", 0.0), got.get("unisched_tenant_hook_answer_seconds_total", 0.0)
+
+    last, deadline = read(), time.monotonic() + 30
+    while True:
+        time.sleep(1.2)
+        now = read()
+        if now == last or time.monotonic() > deadline:
+            break
+        last = now
+    calls, answer_s = now
+    return {"runs": runs, "calls_per_start": calls / runs if runs else 0.0,
+            "answer_us_mean": answer_s / calls * 1e6 if calls else 0.0}
+
+
 def summarize(diffs_ms: list[float]) -> dict[str, Any]:
     """What the hooks added, from the paired differences (with minus without, ms)."""
     iv = mean_interval(diffs_ms)
@@ -135,8 +158,10 @@ def main() -> int:
         ap.error("--gap-us must not be negative")
     work = Path(tempfile.mkdtemp(prefix="hook-startup-"))
     env = {**bench_env(), "HOOK_STARTUP_GAP_US": str(args.gap_us)}
-    daemon, sock = start_daemon(work, sample=args.sample.resolve() if args.sample else None)
+    port = free_port()
+    daemon, sock = start_daemon(work, "--metrics-port", str(port), sample=args.sample.resolve() if args.sample else None)
     seconds: dict[str, dict[str, list[dict[str, float]]]] = {}
+    calls: dict[str, dict[str, float]] = {}
     diffs: dict[str, dict[str, list[float]]] = {}  # program -> phase ("total", "init", "context") -> ms per pair
     try:
         for name in names:
@@ -153,11 +178,12 @@ def main() -> int:
                     diffs[name].setdefault(phase, []).append((got[True][phase] - got[False][phase]) * 1000)
                 print(f"hook_startup: {name} pair {i + 1 - args.warmup}/{args.repeat}: with "
                       f"{got[True]['total'] * 1000:.1f} ms, without {got[False]['total'] * 1000:.1f} ms", file=sys.stderr)
+            calls[name] = hooked_calls(port, f"hs-{name}", args.warmup + args.repeat)
     finally:
         stop_daemon(daemon, work)
     added = {name: summarize(d["total"]) for name, d in diffs.items()}
     out = {**run_info(), "repeat": args.repeat, "warmup": args.warmup, "seconds": seconds,
-           "added_ms_pairs": {name: d["total"] for name, d in diffs.items()}, "added_ms": added,
+           "added_ms_pairs": {name: d["total"] for name, d in diffs.items()}, "added_ms": added, "hooked_calls": calls,
            "added_ms_by_phase": {name: {ph: summarize(v) for ph, v in d.items() if ph != "total"}
                                  for name, d in diffs.items()}}
 
@@ -171,7 +197,10 @@ def main() -> int:
     md = (header(out) + f"{args.repeat} pairs per program, order alternating, after {args.warmup} not counted. The phases: init "
           "(the driver loaded, the device opened), context (the context made and used once).\n\n"
           "| program | start-up without hooks (median) | with hooks (median) | added, mean of pairs | median of pairs "
-          "| 90% interval of the mean |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+          "| 90% interval of the mean |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+          "The daemon's count of the hooked starts' calls (its metrics, over every hooked start of the program):\n\n"
+          "| program | notified calls a start | mean time to the answer in the daemon |\n|---|---|---|\n"
+          + "".join(f"| {name} | {c['calls_per_start']:.1f} | {c['answer_us_mean']:.1f} us |\n" for name, c in calls.items()))
     write(args.out, out, md)
     print(md)
     return 0

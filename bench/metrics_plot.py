@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _daemon import ROOT, bench_env, start_daemon, stop_daemon
+from _daemon import ROOT, bench_env, free_port, scrape, start_daemon, stop_daemon
 
 SCRAPE_S = 1.0
 """Scrape interval: the metrics' own refresh (transport.metrics.REFRESH_S); a faster scrape reads each copy twice."""
@@ -35,20 +33,6 @@ WINDOW_S = 5.0
 """The window of the frozen-time and GPU-time panels ($__rate_interval on a 15 s scrape would be a minute)."""
 TENANTS = (("a", 300, 0.0, 1.0), ("b", 100, 0.0, 1.0), ("c", 100, 1 / 3, 2 / 3))
 """(name, weight, start, end) with start and end as parts of the run."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
 def start_tenant(sock: str, prefix: str, name: str, weight: int, seconds: float) -> subprocess.Popen[bytes]:

@@ -279,9 +279,13 @@ def read_ad_sim(folder: Path) -> tuple[Cases, list[str]]:
 
 def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
     cases: Cases = {}
-    for kind, a in (_json(folder / "startup" / "results.json").get("added_ms") or {}).items():
+    startup = _json(folder / "startup" / "results.json")
+    for kind, a in (startup.get("added_ms") or {}).items():
+        calls = (startup.get("hooked_calls") or {}).get(kind) or {}  # (the daemon's metrics; absent before they were)
         cases[f"{kind} start-up"] = {"added_ms": a.get("mean"), "added_ms_lo90": a.get("lo90"),
-                                     "added_ms_hi90": a.get("hi90"), "pairs": a.get("n")}
+                                     "added_ms_hi90": a.get("hi90"), "pairs": a.get("n"),
+                                     "calls_a_start": calls.get("calls_per_start"),
+                                     "answer_us_in_daemon": calls.get("answer_us_mean")}
     after = ((_json(folder / "answer" / "results.json").get("results") or {}).get("after") or {}).get("idle") or {}
     for kind, c in (after.get("contexts") or {}).items():
         cases[f"{kind} context, answer cost"] = {"added_ms_p50": c.get("added_ms_p50"),

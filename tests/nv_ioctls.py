@@ -2,6 +2,8 @@
 errno of each: 25 (ENOTTY) = let through to the 'driver', 1 (EPERM) = refused by the session hook.
 
     nv_ioctls.py alloc:0xCB97:1 alloc:0xCB97:2 free:1 alloc:0xB8B0:3 ...   (CLASS:HANDLE, free:HANDLE)
+
+control:HANDLE makes an RM_CONTROL on the handle, a call the hooks are never notified of.
 """
 
 import ctypes
@@ -25,6 +27,9 @@ for arg in sys.argv[1:]:
         cls, handle = int(rest[0], 0), int(rest[1], 0)
         buf = ctypes.create_string_buffer(struct.pack("=IIIIQII", ROOT, ROOT, handle, cls, 0, 0, 0), 32)
         cmd = iowr(0x2B, 32)
+    elif op == "control":
+        buf = ctypes.create_string_buffer(struct.pack("=IIIIQII", ROOT, int(rest[0], 0), 0, 0, 0, 0, 0), 32)
+        cmd = iowr(0x2A, 32)
     else:
         handle = int(rest[0], 0)
         buf = ctypes.create_string_buffer(struct.pack("=IIII", ROOT, ROOT, handle, 0), 16)

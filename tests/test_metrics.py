@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import cli, wait_until
+from conftest import ROOT, cli, wait_until
 from inproc import free_port, in_process_server
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from unisched.enforce.cgroups import FakeCgroupDriver
+from unisched.enforce.seccomp.hooks import FakeSessionHooks
+from unisched.enforce.seccomp.stats import HookCounts
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler
@@ -174,6 +178,29 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
     assert value("unisched_gpu_sample_ok", gpu="0") == 1
 
 
+def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Path) -> None:
+    engine, driver, *_ = _engine_with_gpu(tmp_path)
+    driver.create("/kubepods/pod1")
+    engine.adopt("a", 300, None, "/kubepods/pod1", (), (), labels={"namespace": "ns", "pod": "p", "container": "c"})
+    hooks = FakeSessionHooks()
+    for tenant in ("a", "gone"):  # "gone": a listener served for a tenant the engine no longer has
+        r, w = os.pipe()
+        os.close(w)
+        hooks.attach(r, tenant, 0)
+    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075)
+    view = EngineView(engine, hooks)
+    view.refresh()
+    registry = CollectorRegistry()
+    registry.register(UnischedCollector(view))
+    samples = _registry_samples(registry)
+    where = {"tenant": "a", "namespace": "ns", "pod": "p", "container": "c"}
+    assert _get(samples, "unisched_tenant_hook_calls_total", **where) == 131
+    assert _get(samples, "unisched_tenant_hook_answer_seconds_total", **where) == pytest.approx(0.0075)
+    assert _get(samples, "unisched_tenant_hook_errors_total", **where) == 2
+    assert _get(samples, "unisched_tenant_hook_calls_total", tenant="gone", namespace="") == 0
+    assert _get(_registry_samples(_registry(engine)), "unisched_tenant_hook_calls_total", tenant="a") is None  # no hooks
+
+
 def test_a_scrape_reads_the_copy_not_the_live_engine(tmp_path: Path) -> None:
     """Between refreshes the engine may change; a scrape sees the last consistent copy."""
     engine, *_ = _engine_with_gpu(tmp_path)
@@ -200,6 +227,27 @@ def test_serve_metrics_port_flag(daemon_factory) -> None:  # type: ignore[no-unt
                    10, "the tenant in /metrics")
     assert _get(m, "unisched_tenant_weight", tenant=f"{d.prefix}m") == 250
     assert _get(m, "unisched_tenant_state", tenant=f"{d.prefix}m", state="frozen") == 0
+
+
+def test_a_hooked_run_s_calls_are_counted_in_the_metrics(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The real daemon's hooks (seccomp on /dev/null standing in for /dev/nvidiactl): every notified RM call of a
+    `unisched run` is counted, with the time to its answer; an ioctl the filter does not notify is not."""
+    from unisched.enforce.seccomp.abi import probe
+
+    if (why := probe()) is not None:
+        pytest.skip(f"seccomp user notification: {why}")
+    port = free_port()
+    d = daemon_factory("--metrics-port", str(port))
+    tenant = f"{d.prefix}hk"
+    calls = [f"alloc:{cls:#x}:{0x100 + i:#x}" for i, cls in enumerate([0xC86F, 0xC8B5, 0xA06C, 0x0040])]
+    run = d.cli("run", "--tenant", tenant, "--keep", "--", sys.executable, str(ROOT / "tests" / "nv_ioctls.py"),
+                *calls, "free:0x100", "control:0x100")
+    assert run.returncode == 0, run.stderr
+    m = wait_until(lambda: s if _get(s := _scrape(port), "unisched_tenant_hook_calls_total", tenant=tenant) else None,
+                   10, "the hooked calls in /metrics")
+    assert _get(m, "unisched_tenant_hook_calls_total", tenant=tenant) == 5  # 4 allocations and the free
+    assert 0 < (_get(m, "unisched_tenant_hook_answer_seconds_total", tenant=tenant) or 0) < 5
+    assert _get(m, "unisched_tenant_hook_errors_total", tenant=tenant) == 0
 
 
 def test_metrics_port_out_of_range_is_a_config_error(tmp_path: Path) -> None:

@@ -301,3 +301,48 @@ def test_asyncio_attach(tenant: tuple[Proc, int]) -> None:
 
 async def _attach(sup: SessionSupervisor, loop: asyncio.AbstractEventLoop) -> None:
     sup.attach(loop)
+
+
+@needs_notify
+def test_the_hooks_counts_of_a_tenant_add_up_its_listeners_and_keep_the_ended() -> None:
+    """What the metrics export (unisched_tenant_hook_*): a tenant's calls over all its hooked process groups,
+    never falling when one of them ends."""
+    from unisched.enforce.seccomp.hooks import SupervisedHooks
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    hooks = SupervisedHooks(lambda _t, _kind, _c: True, lambda _e: None)
+    tenants = [start_tenant() for _ in range(3)]
+
+    def on_loop(fn: Callable[[], object]) -> object:
+        async def call() -> object:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+    def counts() -> dict[str, tuple[int, int, bool]]:
+        return {c.tenant: (c.calls, c.errors, c.answer_s > 0) for c in on_loop(hooks.counts)}  # type: ignore[attr-defined]
+
+    try:
+        for (_, fd), name in zip(tenants, ("a", "a", "b"), strict=True):
+            on_loop(lambda fd=fd, name=name: hooks.attach(fd, name, 0))
+        (first, _), (second, _), (other, _) = tenants
+        for proc, n in ((first, 3), (second, 2), (other, 1)):
+            for i in range(n):
+                assert proc.call(f"alloc {OTHER:#x} {0x10 + i:#x}") == ENOTTY
+        assert other.call("fionread") == 0  # not notified: not counted
+        assert counts() == {"a": (5, 0, True), "b": (1, 0, True)}
+        first.send("exit")
+        assert first.popen.wait(10) == 0
+        ended = next(s for s, _ in hooks._supervisors if s.stats().notifications == 3)
+        assert ended.wait_closed(10)
+        assert counts() == {"a": (5, 0, True), "b": (1, 0, True)}  # the ended listener's calls are kept
+        assert second.call(f"alloc {OTHER:#x} 0x20") == ENOTTY
+        assert counts() == {"a": (6, 0, True), "b": (1, 0, True)}
+    finally:
+        on_loop(hooks.close)
+        for proc, _ in tenants:
+            proc.kill()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
+        loop.close()

@@ -70,6 +70,13 @@ FAMILIES = (
     Family("unisched_tenant_over_memory", "gauge", "1 while the daemon holds the tenant over its memory cap "
            "(new sessions refused)", TENANT),
     Family("unisched_tenant_processes", "gauge", "Processes in the tenant's cgroup", TENANT),
+    Family("unisched_tenant_hook_calls", "counter", "GPU driver calls of the tenant's hooked processes that the "
+           "session hooks were notified of (answered, or gone before the answer)", TENANT),
+    Family("unisched_tenant_hook_answer_seconds", "counter", "Time from each hooked call's notification reaching "
+           "the daemon to its answer, summed (its rate over unisched_tenant_hook_calls_total's is the mean wait the "
+           "daemon adds to a call)", TENANT),
+    Family("unisched_tenant_hook_errors", "counter", "Hooked calls let through uncounted because handling them "
+           "failed (a daemon bug: its log has each one)", TENANT),
     Family("unisched_gpu_info", "gauge", "GPUs the daemon sees (always 1)", (*GPU, "modelName")),
     Family("unisched_gpu_utilization_ratio", "gauge", "Busy fraction (0..1) over the last slice per engine (sm: "
            "SMs, dec: NVDEC, enc: NVENC)", (*GPU, "engine")),

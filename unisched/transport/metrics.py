@@ -26,6 +26,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
+from unisched.enforce.seccomp.hooks import SessionHooks
+from unisched.enforce.seccomp.stats import HookCounts
 from unisched.policy import Resource
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
@@ -59,6 +61,8 @@ class View:
     """Per GPU that mixes slices now (partly overlapping compute + graphics): its mix and the kind running."""
     charges: tuple[tuple[Resource, str, float], ...]
     """GPU seconds charged to freezer-governed tenants since the start, per resource and the rule that split them."""
+    hooks: tuple[HookCounts, ...]
+    """How the session hooks have answered each hooked tenant's calls (running totals)."""
     mode: str
     taken: float
 
@@ -66,8 +70,10 @@ class View:
 class EngineView:
     """The latest View of an engine. refresh() runs on the engine's loop; `current` is read from any thread."""
 
-    def __init__(self, engine: Scheduler) -> None:
+    def __init__(self, engine: Scheduler, hooks: SessionHooks | None = None) -> None:
         self.engine = engine
+        self.hooks = hooks
+        """The agent socket's session hooks (None: no agent socket, no hooked tenants)."""
         self.current: View | None = None
 
     def refresh(self) -> View:
@@ -80,6 +86,7 @@ class EngineView:
             mode=self.engine.config.mode.value,
             taken=time.monotonic(),
             charges=self.engine.charged_by_rule(),
+            hooks=tuple(self.hooks.counts()) if self.hooks is not None else (),
         )
         self.current = view  # one reference swap: a reader sees the old View or the new one, never a mix
         return view
@@ -111,6 +118,7 @@ class UnischedCollector(Collector):
             out.add("unisched_tenants", [], float(len(view.tenants)))
             uuids = {g.index: g.uuid for g in view.gpus}
             _tenant_metrics(out, view.tenants, uuids)
+            _hook_metrics(out, view.hooks, view.tenants)
             _gpu_metrics(out, view.gpus, view.samples)
             _gate_metrics(out, view.gates, uuids, self.view.engine.config.slice_ms / 1000.0)
             _mix_metrics(out, view.mixes, uuids)
@@ -180,6 +188,16 @@ def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Ma
             out.add("unisched_tenant_memory_refusals", g, float(m.refused))
             if m.reserve:
                 out.add("unisched_tenant_memory_reserve_bytes", g, float(m.reserve))
+
+
+def _hook_metrics(out: _Families, hooks: Sequence[HookCounts], tenants: Sequence[TenantSnapshot]) -> None:
+    labels = {s.name: s.labels for s in tenants}
+    for c in hooks:
+        mine = labels.get(c.tenant, {})
+        n = [c.tenant, *(mine.get(k, "") for k in LABEL_KEYS)]
+        out.add("unisched_tenant_hook_calls", n, float(c.calls))
+        out.add("unisched_tenant_hook_answer_seconds", n, c.answer_s)
+        out.add("unisched_tenant_hook_errors", n, float(c.errors))
 
 
 def _gpu_metrics(out: _Families, gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> None:

@@ -318,7 +318,7 @@ async def serve_async(
             _secure_socket(path, config.socket_group)
         served.set()
         if config.metrics_port:
-            view = EngineView(engine)
+            view = EngineView(engine, agent.hooks)
             view.refresh()
             metrics = start_metrics_server(config.metrics_listen, config.metrics_port, view, health)
             metrics_task = asyncio.create_task(view.run(stop))

@@ -19,7 +19,7 @@ from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import SessionEvent
 from unisched.enforce.seccomp.allowance import Allowance, Entry
 from unisched.enforce.seccomp.memory import MemoryLedger
-from unisched.enforce.seccomp.stats import SupervisorStats
+from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 MAX_LISTENERS_PER_TENANT: Final = 256
@@ -79,6 +79,12 @@ def listener_refusal(tenant: str, uid: int, served: list[tuple[str, int]], most:
     return None
 
 
+ENDED_TENANTS_KEPT: Final = 4096
+"""Tenants whose ended listeners' totals are kept (the oldest forgotten first), so that a tenant's counts in the
+metrics never fall when one of its runs or containers ends. A forgotten tenant's counts start again from 0 at its
+next listener, which Prometheus's rate() reads as a counter reset."""
+
+
 class SessionHooks(Protocol):
     def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
         """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid`, from now on. Called on the
@@ -89,6 +95,10 @@ class SessionHooks(Protocol):
 
     def stats(self) -> list[SupervisorStats]:
         """One entry per listener still served."""
+
+    def counts(self) -> list[HookCounts]:
+        """One entry per tenant with a listener served now or before (ENDED_TENANTS_KEPT): its calls' running
+        totals, over every listener it has had. Called on the daemon's event loop."""
 
 
 class SupervisedHooks:
@@ -117,9 +127,21 @@ class SupervisedHooks:
         self._users: dict[int, Allowance] = {}
         """Per non-root uid with a listener served: what all the books of the listeners it handed over hold together
         (USER_BOUNDS)."""
+        self._ended: dict[str, HookCounts] = {}
+        """Per tenant, the totals of its listeners that have ended (ENDED_TENANTS_KEPT, oldest first)."""
+
+    def _forget_ended(self) -> None:
+        """Drop the supervisors that have ended, their totals kept in `_ended`."""
+        for sup, _ in self._supervisors:
+            if sup.closed:
+                c, was = sup.counts(), self._ended.pop(sup.tenant, None)
+                self._ended[c.tenant] = c if was is None else c.plus(was)  # now the newest
+                while len(self._ended) > ENDED_TENANTS_KEPT:
+                    del self._ended[next(iter(self._ended))]
+        self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]
 
     def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
-        self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]  # forget those that have ended
+        self._forget_ended()
         served = [(s.tenant, u) for s, u in self._supervisors]
         tenants, uids = {t for t, _ in served}, {u for _, u in served}
         self._allowances = {t: a for t, a in self._allowances.items() if t in tenants}  # the ended gave all back
@@ -147,6 +169,14 @@ class SupervisedHooks:
     def stats(self) -> list[SupervisorStats]:
         return [sup.stats() for sup, _ in self._supervisors if not sup.closed]
 
+    def counts(self) -> list[HookCounts]:
+        self._forget_ended()
+        totals = dict(self._ended)
+        for sup, _ in self._supervisors:
+            c, was = sup.counts(), totals.get(sup.tenant)
+            totals[c.tenant] = c if was is None else c.plus(was)
+        return list(totals.values())
+
 
 class FakeSessionHooks:
     """Records what it is asked to serve and closes each listener at once (its tenant's session calls then fail
@@ -159,6 +189,8 @@ class FakeSessionHooks:
         self.uids: list[int] = []
         """Who handed each of them over."""
         self.closed = False
+        self.answered: dict[str, HookCounts] = {}
+        """What `counts` says of a tenant (a test sets it; zeros for the others attached)."""
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
 
@@ -182,3 +214,6 @@ class FakeSessionHooks:
                             closed=self.closed)
             for tenant in self.attached
         ]
+
+    def counts(self) -> list[HookCounts]:
+        return [self.answered.get(tenant, HookCounts(tenant, 0, 0, 0.0)) for tenant in dict.fromkeys(self.attached)]

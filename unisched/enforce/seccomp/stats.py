@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from unisched.enforce.seccomp.accounting import Counts
 
-__all__ = ["SupervisorStats", "percentile_us"]
+__all__ = ["HookCounts", "SupervisorStats", "percentile_us"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,26 @@ class SupervisorStats(Counts):
     """Session calls waiting for the loop's decision now."""
     sync_wake_up: bool = False
     """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
+
+
+@dataclass(frozen=True)
+class HookCounts:
+    """How a tenant's hooked calls have been answered: cheap running totals (no samples to sort), read for every
+    metrics refresh. The mean time to an answer over an interval is the rise of `answer_s` over that of `calls`."""
+
+    tenant: str
+    calls: int
+    """Notifications answered or skipped."""
+    errors: int
+    """Notifications answered "continue" because handling them failed."""
+    answer_s: float
+    """Seconds from each notification's receipt to its answer, summed over `calls` (a call found gone counts the
+    time to finding it so)."""
+
+    def plus(self, other: HookCounts) -> HookCounts:
+        """These totals and `other`'s (the same tenant's other listeners)."""
+        return HookCounts(self.tenant, self.calls + other.calls, self.errors + other.errors,
+                          self.answer_s + other.answer_s)
 
 
 def percentile_us(samples_ns: list[int], p: float) -> float | None:

@@ -38,7 +38,7 @@ from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
-from unisched.enforce.seccomp.stats import SupervisorStats, percentile_us
+from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, percentile_us
 from unisched.logs import Throttle
 
 log = structlog.get_logger("unisched.seccomp")
@@ -113,6 +113,8 @@ class SessionSupervisor:
         self._asked = 0
         self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
+        self._answer_ns = 0
+        """Every answer's latency summed (`counts`), where `_latency_ns` keeps only the recent ones."""
         self._warned: set[str] = set()
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
@@ -423,8 +425,10 @@ class SessionSupervisor:
     def _timed(self, t0: int, answered: bool) -> None:
         """After an answer (or a call found gone): its latency, for `stats`. The notification was counted before the
         answer, so the counts are exact by the time the caller resumes."""
+        dt = time.perf_counter_ns() - t0
         with self._lock:
-            self._latency_ns.append(time.perf_counter_ns() - t0)
+            self._latency_ns.append(dt)
+            self._answer_ns += dt
             self._skipped += not answered
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
@@ -454,6 +458,11 @@ class SessionSupervisor:
             log.warning(message, tenant=self.tenant)
 
     # ---- numbers ----
+    def counts(self) -> HookCounts:
+        """The running totals alone: O(1), for every metrics refresh (`stats` sorts its samples and reads the books)."""
+        with self._lock:
+            return HookCounts(self.tenant, self._notifications, self._errors, self._answer_ns / 1e9)
+
     def stats(self) -> SupervisorStats:
         with self._lock:
             samples = sorted(self._latency_ns)
