@@ -235,3 +235,29 @@ def test_freeing_devices_and_clients_in_a_loop_costs_what_they_held_not_the_book
     size = book.size()
     assert (size.clients, size.devices, size.objects) == (1, 1, MAX_OBJECTS - 1)
     assert sum(h.nbytes for h in book.free(ROOT, DEV)) == MAX_OBJECTS - 1  # the honest device's memory, all of it
+
+
+def test_the_last_room_taken_by_another_listener_during_a_charge_leaves_nothing_charged_for_ever() -> None:
+    """Two listeners of one tenant share its allowance: while one charges an allocation whose room it asked for,
+    the other books the last entry. The charge is booked all the same (the bound overshot by that one entry), so
+    the listeners' end credits it; a charge booked nowhere would hold the GPU's memory in the ledger for ever."""
+    from unisched.enforce.seccomp.allowance import Entry
+    from unisched.enforce.seccomp.hooks import TENANT_BOUNDS
+
+    ledger = MemoryLedger(lambda: {"t": MemoryTerms()}, lambda: {0: 100 << 30})
+    allowance = Allowance("t", {**TENANT_BOUNDS, Entry.ALLOCATIONS: 2})
+    (first, _), (second, _) = served("t", ledger, allowance=allowance), served("t", ledger, allowance=allowance)
+    assert alloc(first, ROOT, 0x10, 0, HONEST)  # 1 of the tenant's 2 allocations
+    charge = ledger.charge
+
+    def another_listener_takes_the_last_room(tenant: str, gpu: int, nbytes: int) -> object:
+        ledger.charge = charge  # type: ignore[method-assign]
+        assert alloc(second, ROOT + 1, 0x20, 0, HONEST)  # 2 of 2
+        return charge(tenant, gpu, nbytes)
+
+    ledger.charge = another_listener_takes_the_last_room  # type: ignore[method-assign,assignment]
+    assert alloc(first, ROOT, 0x30, 90 << 30, HONEST)
+    assert ledger.of("t").held == {-1: 90 << 30} and allowance.used()[Entry.ALLOCATIONS] == 3
+    first.release_all()
+    second.release_all()
+    assert ledger.of("t").held == {} and Entry.ALLOCATIONS not in allowance.used()

@@ -155,21 +155,23 @@ class MemoryBook:
         replay = self._replays.get(h_root)
         return replay is not None and replay.lost
 
-    def _client(self, h_root: int, owner: tuple[int, str]) -> HandleReplay | None:
+    def _client(self, h_root: int, owner: tuple[int, str], force: bool = False) -> HandleReplay | None:
         """Client `h_root`'s replay, booking the client on its first call (not a replay per call: this runs on every
-        RM_ALLOC); None when it cannot be booked (MAX_CLIENTS, or its process is not known)."""
+        RM_ALLOC); None when it cannot be booked (MAX_CLIENTS, or its process is not known). `force`: its room in the
+        shared allowances was asked before (Share.take)."""
         replay = self._replays.get(h_root)
         if replay is None:
-            if self._client_refusal(owner) is not None or not self.share.take(Entry.MEMORY_CLIENTS):
+            if self._client_refusal(owner) is not None or not self.share.take(Entry.MEMORY_CLIENTS, force=force):
                 return None
             self._owners[h_root] = owner
             replay = self._replays[h_root] = HandleReplay(self._budget)
         return replay
 
-    def handle_for(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> int:
+    def handle_for(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str], force: bool = False) -> int:
         """An allocation about to run with `handle` (0: the driver picks): the handle it will have, replayed
-        (a negative key of its own when that cannot be known). Call `untake` if the call never runs."""
-        replay = self._client(h_root, owner)
+        (a negative key of its own when that cannot be known). Call `untake` if the call never runs. `force`: as
+        `_client`'s."""
+        replay = self._client(h_root, owner, force)
         if handle:
             if replay is not None:
                 replay.note(handle, h_parent)
@@ -208,18 +210,21 @@ class MemoryBook:
         self._link(h_root, (_DEVICE, handle), h_parent)
         return []
 
-    def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str]) -> Unbooked | None:
-        """Why a video memory allocation could not be booked (None: `add` may book it). Ask before charging it."""
+    def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str],
+                 shared: bool = True) -> Unbooked | None:
+        """Why a video memory allocation could not be booked (None: `add` may book it). Ask before charging it.
+        `shared`: ask the tenant's and the user's allowances too (their room may be taken by another listener
+        meanwhile; the book's own bounds only this thread changes)."""
         if h_root not in self._owners:
             why = self._client_refusal(owner)
-            if why is not None or not self.share.room(Entry.MEMORY_CLIENTS):
+            if why is not None or (shared and not self.share.room(Entry.MEMORY_CLIENTS)):
                 return why or Unbooked.TENANT_CLIENT
         if h_root in self._unplaced and (h_root, h_parent) not in self._devices:
             return self._unplaced[h_root]
         if not handle or (h_root, handle) not in self._objects:
             if len(self._objects) >= self._bounds.objects:
                 return Unbooked.OBJECTS
-            if not self.share.room(Entry.ALLOCATIONS):
+            if shared and not self.share.room(Entry.ALLOCATIONS):
                 return Unbooked.TENANT_OBJECTS
         return None
 
@@ -233,12 +238,14 @@ class MemoryBook:
         """Record an admitted allocation that `unbooked` let through; (its GPU, its key handle for `undo`, what a
         stale object of the same handle held). A handle seen again means its earlier allocation failed in the driver
         or its free was not seen: the new one replaces it. Handle 0 (the driver picks one) is replayed
-        (`handle_for`)."""
-        why = self.unbooked(h_root, handle, h_parent, owner)
+        (`handle_for`). The shared allowances are not asked again: `unbooked` asked them before the charge, and
+        another listener taking their last room meanwhile must not leave a charge booked nowhere (Share.take's
+        force: a bound overshot by at most one entry per listener)."""
+        why = self.unbooked(h_root, handle, h_parent, owner, shared=False)
         if why is not None:
             raise ValueError(f"memory allocation cannot be booked ({why}): refuse it before charging it")
         gpu = self.gpu_of(h_root, h_parent)
-        key = (h_root, self.handle_for(h_root, handle, h_parent, owner))
+        key = (h_root, self.handle_for(h_root, handle, h_parent, owner, force=True))
         stale = self._drop_object(h_root, key[1])
         self.share.take(Entry.ALLOCATIONS, force=True)  # `unbooked` asked for room
         self._objects[key] = _Object(gpu, nbytes, h_parent)

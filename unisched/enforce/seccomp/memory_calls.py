@@ -98,7 +98,11 @@ class MemoryCalls:
         gpu = self.book.gpu_of(call.h_root, call.h_parent)
         why = self._refusal(gpu, call.h_root, call.handle, call.h_parent, call.mem_bytes, owner)
         if why is None:
-            gpu, key, stale = self.book.add(call.h_root, call.handle, call.h_parent, call.mem_bytes, owner)
+            try:
+                gpu, key, stale = self.book.add(call.h_root, call.handle, call.h_parent, call.mem_bytes, owner)
+            except BaseException:  # charged but booked nowhere: nothing would ever credit it
+                self.credit([Held(gpu, call.mem_bytes)])
+                raise
             self.credit(stale)
             answered = self._listener.answer(nid, 0)
             if not answered:
