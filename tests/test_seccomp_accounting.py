@@ -97,6 +97,9 @@ CASES = {
         [alloc(1, GRAPHICS), alloc(1, GRAPHICS)], ["admitted graphics"], {"graphics": 1}, 1),
     "a refused call is not counted and opens nothing to join": (
         [refuse(1, COMPUTE), alloc(2, COMPUTE)], ["refused compute", "admitted compute"], {"compute": 1}, 2),
+    "a handle named again under another parent moves there": (
+        [alloc(10, CHANNEL), alloc(11, CHANNEL), alloc(1, GRAPHICS, parent=10), alloc(1, GRAPHICS, parent=11),
+         free(10)], ["admitted graphics"], {"graphics": 1}, 1),
     "a free of an unknown handle uncounts nothing": (
         [alloc(1, GRAPHICS), free(99)], ["admitted graphics"], {"graphics": 1}, 1),
 }
@@ -137,6 +140,16 @@ def test_objects_past_the_node_limit_are_not_tracked_but_sessions_are() -> None:
     for handle, h_class in ((1, CHANNEL), (2, CHANNEL), (3, GRAPHICS)):
         book.commit(Call(RM_ALLOC, ROOT, ROOT, handle, h_class, classify(h_class), owner=(1, "s")), 1, False, 0)
     assert book.untracked == 1 and dict(book.counts().live) == {SessionKind.GRAPHICS: 1}
+
+
+def test_one_handle_named_under_ever_new_parents_keeps_one_entry() -> None:
+    """A tenant naming the same handle under a new parent on every call: the book keeps where it is now, not every
+    parent it ever had (that grew by ~280 bytes a call, past every bound)."""
+    book = SessionBook("t", join_window_ns=0)
+    for parent in range(0x1000_0000, 0x1000_0000 + 5000):
+        book.commit(Call(RM_ALLOC, ROOT, parent, 0x1234, CHANNEL, owner=(1, "s")), 1, False, 0)
+    client = book._clients[ROOT]
+    assert client.children == {0x1000_0000 + 4999: {0x1234}} and book.size().nodes == 1
 
 
 # --- decoding --------------------------------------------------------------------------------------------------------

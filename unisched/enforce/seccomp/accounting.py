@@ -325,6 +325,8 @@ class SessionBook:
             if call.kind is not None:
                 self.share.take(Entry.NODES, force=True)
             self._nodes += 1
+        else:  # a handle named again moves: out of its old parent's children, or they would grow by one a call
+            self._leave_parent(client, node, client.parent[node])
         client.parent[node] = call.h_parent
         client.children.setdefault(call.h_parent, set()).add(node)
         return node
@@ -405,11 +407,15 @@ class SessionBook:
         if parent is not None:
             self._nodes -= 1
             self.share.give(Entry.NODES)
-            siblings = client.children.get(parent)
-            if siblings is not None:
-                siblings.discard(h)
-                if not siblings:  # else parents named once each, their children freed, would pile up
-                    del client.children[parent]
+            self._leave_parent(client, h, parent)
+
+    @staticmethod
+    def _leave_parent(client: Client, h: int, parent: int) -> None:
+        siblings = client.children.get(parent)
+        if siblings is not None:
+            siblings.discard(h)
+            if not siblings:  # else parents named once each, their children freed, would pile up
+                del client.children[parent]
 
     def _drop_object(self, session: Session, h: int) -> bool:
         """Take object `h` out of its session; True when that was the session's last."""
