@@ -105,3 +105,28 @@ def test_every_driver_range_free_of_the_h200_egl_trace_meets_its_allocation() ->
             assert not book.lost(root), f"replay lost at the free of {handle:#x} in client {root:#x}"
     assert heap_allocs == 85 and frees_in_range == matched == 38
     assert given_back == heap_allocs  # the rest went with their RM clients' frees at the end
+
+
+class _NotWalked(dict[int, int]):
+    """Live handles that fail a test when walked whole (a free must walk its own subtree only)."""
+
+    def items(self):  # type: ignore[no-untyped-def,override]
+        raise AssertionError("walked every live handle")
+
+    __iter__ = keys = values = items  # type: ignore[assignment]
+
+
+def test_freeing_a_parent_walks_its_subtree_not_every_live_handle() -> None:
+    """A tenant may hold ~200,000 live handles and free a device beside them in a loop: each free must cost what
+    was under it, not all the book holds (that held the daemon's interpreter ~9 ms a free)."""
+    replay = HandleReplay()
+    for _ in range(1000):
+        replay.take(0x1)
+    device = replay.take(0x1)
+    assert device is not None
+    below = [replay.take(device) for _ in range(3)]
+    deeper = replay.take(below[0])  # type: ignore[arg-type]
+    replay._live = _NotWalked(replay._live)
+    replay.drop_under({device})
+    assert all(h not in replay._live for h in (*below, deeper)) and device in replay._live
+    assert dict.__len__(replay._live) == 1001

@@ -64,6 +64,7 @@ class HandleReplay:
     def __init__(self, budget: Budget | None = None, lost: bool = False) -> None:
         self._next = 0
         self._live: dict[int, int] = {}  # handle in the driver's range -> its parent handle
+        self._under: dict[int, set[int]] = {}  # parent handle -> its live handles, so a free walks its subtree only
         self._budget = Budget() if budget is None else budget
         self.lost = lost
 
@@ -82,7 +83,7 @@ class HandleReplay:
 
     def untake(self, handle: int) -> None:
         """The call that `take` answered never reached the driver (its caller was gone)."""
-        if self._live.pop(handle, None) is not None:
+        if self._forget(handle):
             self._budget.give()
             self._next -= 1
 
@@ -95,34 +96,52 @@ class HandleReplay:
         """RM_FREE of `handle`: a driver-range handle never given out means the replay is off (lost)."""
         if not in_driver_range(handle) or self.lost:
             return
-        if self._live.pop(handle, None) is None:
+        if not self._forget(handle):
             self.close()
         else:
             self._budget.give()
 
     def drop_under(self, parents: set[int]) -> None:
-        """Forget the handles under the freed `parents`, at any depth (the driver frees children with them). One
-        pass over the live handles, however deep the tree (a caller may chain its handles)."""
-        children: dict[int, list[int]] = {}
-        for h, p in self._live.items():
-            children.setdefault(p, []).append(h)
+        """Forget the handles under the freed `parents`, at any depth (the driver frees children with them),
+        walking only those (a caller may chain its handles, or free a device again and again beside many others)."""
         stack = list(parents)
         while stack:
-            for h in children.pop(stack.pop(), ()):
-                del self._live[h]
-                self._budget.give()
-                stack.append(h)
+            for h in self._under.pop(stack.pop(), ()):
+                if self._live.pop(h, None) is not None:
+                    self._budget.give()
+                    stack.append(h)
 
     def close(self) -> None:
         """Mark it lost and give its handles back to the budget (its client is gone, or cannot be followed)."""
         self.lost = True
         self._budget.give(len(self._live))
         self._live.clear()
+        self._under.clear()
 
     def _track(self, handle: int, parent: int) -> bool:
         """Record a live driver-range handle; past the budget the replay is lost instead (False)."""
-        if handle not in self._live and not self._budget.take():
-            self.close()
-            return False
+        old = self._live.get(handle)
+        if old is None:
+            if not self._budget.take():
+                self.close()
+                return False
+        elif old != parent:
+            self._leave(handle, old)
         self._live[handle] = parent
+        self._under.setdefault(parent, set()).add(handle)
         return True
+
+    def _forget(self, handle: int) -> bool:
+        """Drop a live handle (False: it was not one)."""
+        parent = self._live.pop(handle, None)
+        if parent is None:
+            return False
+        self._leave(handle, parent)
+        return True
+
+    def _leave(self, handle: int, parent: int) -> None:
+        kids = self._under.get(parent)
+        if kids is not None:
+            kids.discard(handle)
+            if not kids:
+                del self._under[parent]
