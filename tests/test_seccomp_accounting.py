@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -206,13 +207,14 @@ print("ok")
 """
 
 
-async def _hand_overs(server: SeccompAgentServer, metadata: list[str]) -> list[str]:
+async def _hand_overs(server: SeccompAgentServer, metadata: list[str], prefix: tuple[str, ...] = ()) -> list[str]:
+    """Each hand-over's answer; `prefix`: what the handing process runs under (unshare)."""
     await server.start()
     try:
         out = []
         for m in metadata:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", HAND_OVER, server.path, m, env=child_env(), stdout=subprocess.PIPE)
+                *prefix, sys.executable, "-c", HAND_OVER, server.path, m, env=child_env(), stdout=subprocess.PIPE)
             stdout, _ = await asyncio.wait_for(proc.communicate(), 30)
             out.append(stdout.decode().strip())
         return out
@@ -233,6 +235,26 @@ def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp
     assert hooks.attached == ["render"], "only the accepted hand-over reaches the hooks"
     assert hooks.closed, "closing the agent closes the hooks"
     assert [s.tenant for s in hooks.stats()] == ["render"]
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1)")
+@pytest.mark.parametrize("namespace", ["--pid", "--user"])
+def test_root_in_another_namespace_is_no_runtime_and_may_not_name_a_tenant(tmp_path: Path, namespace: str) -> None:
+    """Root inside a pod reaches the agent socket where /run/unisched is mounted: it is an ordinary peer there, not
+    the runtime, so it may neither name a tenant nor hand over another process's listener."""
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine.start()
+    hooks = FakeSessionHooks()
+    server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks)
+    prefix = ("unshare", namespace, "--fork", *(("--map-root-user",) if namespace == "--user" else ()))
+    (answer,) = asyncio.run(_hand_overs(server, ["tenant=render"], prefix))
+    assert answer != "ok" and ("may only hand over its own listener" in answer
+                               or "only a root runtime in the host's namespaces may name" in answer), answer
+    assert hooks.attached == []
+    assert asyncio.run(_hand_overs(SeccompAgentServer(str(tmp_path / "agent2.sock"), engine, hooks=hooks),
+                                   ["tenant=render"])) == ["ok"]  # the same from the host's namespaces: the runtime
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")

@@ -23,6 +23,7 @@ from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 from unisched.transport.claim import replace_stale_socket
+from unisched.transport.identity import in_host_namespaces, peer_of
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -104,6 +105,17 @@ class HandOverSlots:
 
     def in_progress(self, uid: int) -> int:
         return self._by_uid.get(uid, 0)
+
+
+def _in_host_namespaces(conn: socket.socket) -> bool:
+    """Whether the connected peer shares the daemon's user and pid namespaces, read through its pid and checked
+    against the process pinned at connect (a pid reused meanwhile is not believed)."""
+    cred = peer_of(conn)
+    try:
+        return in_host_namespaces(cred)
+    finally:
+        if cred.process is not None:
+            cred.process.close()
 
 
 class SeccompAgentServer:
@@ -205,7 +217,7 @@ class SeccompAgentServer:
                 self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
                 ack_agent(conn, str(e))
                 return
-            tenant, reason = self._tenant_for(pid, uid, hello.pid, hello.metadata)
+            tenant, reason = self._tenant_for(pid, uid == 0 and _in_host_namespaces(conn), hello.pid, hello.metadata)
             if reason is not None or tenant is None:
                 self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
                 ack_agent(conn, reason)
@@ -232,16 +244,17 @@ class SeccompAgentServer:
         if held_back is not None:
             log.warning(event, peer_uid=uid, **fields, **({"held_back": held_back} if held_back else {}))
 
-    def _tenant_for(self, peer_pid: int, peer_uid: int, pid: int, metadata: str) -> tuple[str | None, str | None]:
-        """Which tenant a hand-over governs: `tenant=NAME` in the profile's listenerMetadata when a root runtime
-        (runc, crun) sends it; else the tenant whose cgroup holds the process. A non-root peer may only hand
-        over its own listener (`unisched run`'s trampoline)."""
-        if peer_uid != 0 and peer_pid != pid:
+    def _tenant_for(self, peer_pid: int, runtime: bool, pid: int, metadata: str) -> tuple[str | None, str | None]:
+        """Which tenant a hand-over governs: `tenant=NAME` in the profile's listenerMetadata when a `runtime` (root
+        in the daemon's user and pid namespaces: runc, crun) sends it; else the tenant whose cgroup holds the
+        process. Any other peer (a user's `unisched run` trampoline; root inside a pod, which can reach the socket
+        where /run/unisched is mounted) may only hand over its own listener."""
+        if not runtime and peer_pid != pid:
             return None, f"peer pid {peer_pid} may only hand over its own listener (message says pid {pid})"
         named = dict(kv.split("=", 1) for kv in metadata.split(",") if "=" in kv).get("tenant")
         if named is not None:
-            if peer_uid != 0:
-                return None, "only a root runtime may name the tenant in listenerMetadata"
+            if not runtime:
+                return None, "only a root runtime in the host's namespaces may name the tenant in listenerMetadata"
             if not self.engine.has_tenant(named):
                 return None, f"listenerMetadata names unknown tenant {named!r} (declare or adopt it first)"
             return named, None
