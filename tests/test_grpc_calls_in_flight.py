@@ -151,6 +151,34 @@ def test_a_peer_that_opens_more_streams_than_allowed_at_once_is_dropped_before_a
     assert changed and changed[0].changed_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value == CALLS
 
 
+def test_a_peer_that_pings_without_end_and_never_reads_is_dropped_at_the_unsent_bound(tmp_path: Path) -> None:
+    """h2 acknowledges each PING at once, whatever the client reads: without a bound on what waits unsent, such a
+    client would grow the daemon by what it sends."""
+    from unisched.transport.grpcdoor import UNSENT_MAX
+
+    path = str(tmp_path / "d.sock")
+    ping = len(b"12345678").to_bytes(3, "big") + bytes([6, 0]) + bytes(4) + b"12345678"
+    settings = bytes(3) + bytes([4, 0]) + bytes(4)
+
+    def client() -> int:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(path)
+            s.settimeout(30)
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings)
+            sent, blob = 0, ping * 4096
+            try:
+                while sent < 16 * UNSENT_MAX:
+                    s.sendall(blob)
+                    sent += len(blob)
+            except (BrokenPipeError, ConnectionResetError):
+                return sent
+            return -1
+
+    sent = run_door(path, Counting(), client)
+    assert 0 < sent < 16 * UNSENT_MAX  # dropped once the acknowledgements it left unread passed the bound
+
+
 # --- the real daemon: the limit is a non-admin connection's, an admin keeps h2's 100 ---------------------------
 
 PEER = r"""

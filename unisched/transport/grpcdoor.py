@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
+import structlog
 from google.protobuf.message import Message
 from grpclib.config import Configuration
 from grpclib.const import Cardinality, Status
@@ -48,6 +49,8 @@ from unisched_wire.leasewire import MAX_REQUEST_BYTES, frame, is_lease_opening
 
 __all__ = ["PREFACE", "Call", "GrpcDoor", "fail", "is_h2_opening"]
 
+log = structlog.get_logger("unisched.grpc")
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 """What every HTTP/2 client sends first (RFC 9113 3.4)."""
 MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
@@ -55,6 +58,11 @@ MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
 _PREFIX = 5
 """gRPC's message prefix: a compression flag and the message's length (4 bytes, big-endian)."""
 _SWEEP_S = 0.5
+UNSENT_MAX = 8 * 1024 * 1024
+"""Bytes the daemon may hold unsent for one connection. Replies' DATA waits for the client's flow-control window,
+but h2 acknowledges every PING and SETTINGS frame at once: a client that sends them without end and never reads
+would grow the daemon by what it sends. Past this the connection is ended; an honest client's unread replies
+(at most its calls in flight, each at most a tenant list) stay far below it."""
 """How often open connections are checked against their partial-request and idle deadlines."""
 
 
@@ -286,6 +294,11 @@ class _Connection(H2Protocol):
             self.processor.process(event)
         self.connection.flush()
         self._account()
+        t = cast(asyncio.WriteTransport | None, self._transport)
+        unsent = t.get_write_buffer_size() if t is not None else 0
+        if unsent > UNSENT_MAX:
+            log.warning("grpc connection dropped", reason=f"client left {unsent} bytes unread")
+            self.abort()
 
     def _data(self, event: DataReceived, request: _Request) -> bool:
         """Count a request's bytes; refuse it once its prefix declares too much (False: the connection ended)."""
