@@ -200,7 +200,7 @@ with socket.socket(socket.AF_UNIX) as s:
             for e in c.receive_data(data):
                 ended += isinstance(e, h2.events.StreamEnded)
             s.sendall(c.data_to_send())
-    except ConnectionResetError:  # dropped with our requests unread
+    except (ConnectionResetError, BrokenPipeError):  # dropped with our requests unread (reset, or gone when we write)
         pass
 print(ended)
 """
