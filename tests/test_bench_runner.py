@@ -207,11 +207,14 @@ def test_a_step_over_its_time_limit_is_recorded_without_a_status_and_ended_with_
     step nor its child is left running."""
     run = bench_module("run")
     marker = str(tmp_path / "over-limit")
-    code = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', "
-            f"{marker!r}]); time.sleep(300)")
-    step = suites.Step("slow", (sys.executable, "-c", code, marker), timeout_s=0.5)
+    started = tmp_path / "child-started"
+    child = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(300)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}, {marker!r}]); time.sleep(300)"
+    # the limit leaves a loaded machine time to start both interpreters, so that the child is there to be ended
+    step = suites.Step("slow", (sys.executable, "-c", code, marker), timeout_s=5.0)
     got = run.run_step(step, tmp_path / "slow", [], tmp_path)
     assert got["rc"] is None and got["name"] == "slow"
+    assert started.exists(), "the step's child never started: nothing was tested"
     assert _running_with(marker) == []
 
 

@@ -70,15 +70,19 @@ def test_clients_with_long_units_get_turns_of_several_units(daemon: Daemon, tena
     if long_turns:  # shown while they run: `unisched tenants --json`
         shown = wait_until(lambda: [t for t in daemon.tenants() if t["name"] in names and t["turn_ms"]] or None, 10,
                            "the daemon to show the long units' turns")
-        assert all(t["unit_ms"] == pytest.approx(30.0, rel=0.25) and t["turn_ms"] > 200 for t in shown), shown
+        # units of ~30 ms, timed by the wall clock: more where this machine descheduled a busy loop
+        assert all(t["unit_ms"] > 20 and t["turn_ms"] > 200 for t in shown), shown
     results = [result(p) for p in procs]
     events = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
     turns = [e for e in events if e["event"] == "lease turns"]
     last = {e["tenant"]: e["min_run_ms"] for e in turns}
     revokes = sum(r["revokes"] for r in results)
+    share = TUNING.handover_share
+    rounding = 8 * 0.005 + (0.005 / share if share else 0.0)  # the log rounds unit_ms and handover_ms to 0.01 ms
     for e in turns:  # each turn follows from the units and the hand-over gap measured then
-        want = min(500.0, max(8 * e["unit_ms"], e["handover_ms"] / TUNING.handover_share if TUNING.handover_share else 0))
-        assert e["min_run_ms"] == pytest.approx(want if want >= 40 else 0.0, abs=1.0), e
+        want = min(500.0, max(8 * e["unit_ms"], e["handover_ms"] / share if share else 0))
+        allowed = {want if want >= 40 else 0.0} | ({0.0, want} if abs(want - 40) <= rounding else set())
+        assert any(e["min_run_ms"] == pytest.approx(w, abs=1.0) for w in allowed), e
     if long_turns:
         assert set(last) == set(names) and all(v >= 0.8 * 240 for v in last.values()), turns
         assert revokes < 40, results  # 4 s of 250 ms turns: ~16 hand-overs (measured 15)

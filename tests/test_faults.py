@@ -300,7 +300,9 @@ def test_sigkill_at_random_points_then_restart(daemon: Daemon, tenant_prefix: st
             assert known == {a: 100, b: 300}, f"iteration {i}: tenants after restart {known}"
         assert caught_frozen >= 1, "no kill ever landed while a tenant was frozen"
         rates = measure(dirs, 1.5)
-        assert min(rates.values()) > 0.1, f"a tenant made no progress after the restarts: {rates}"
+        # both make progress: the weight-100 one its part of what the two get (a quarter), whatever else the
+        # host's cores are busy with (an absolute floor failed at 0.072 of a core beside four busy loops)
+        assert min(rates.values()) > 0.1 * sum(rates.values()) > 0, f"a tenant made no progress after the restarts: {rates}"
         assert_clean_log(daemon)
         daemon.stop(signal.SIGTERM)
         assert not any(driver.is_frozen(cg) for cg in cgroups), "SIGTERM left a cgroup frozen"

@@ -107,8 +107,8 @@ except DaemonError as e:
 
 
 def test_calls_that_wait_for_a_busy_loop_are_served_not_cancelled(server: InProcessServer) -> None:
-    """Behind grpcio, calls that waited in gRPC core for a busy daemon loop would be cancelled after 30 s.
-    Served in the loop itself, calls that arrive while the loop is held are answered once it is free."""
+    """Calls made while the daemon's loop is held (here 1.5 s: a stand-in for a slow tick) wait and are all
+    answered once it is free; nothing between the socket and the loop drops or cancels them meanwhile."""
     held, release = threading.Event(), threading.Event()
 
     def block() -> None:
