@@ -7,6 +7,7 @@ checked first without a daemon."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -32,6 +33,7 @@ OTHER_UID = 65533
 HALF = b'{"ociVersion":"1.1.0","fds":["seccompFd"],"pid":1,"state":{"id":"x",'
 """An agent message cut in the middle of its object: the daemon waits for the rest, which never comes."""
 TRICKLE_S = 0.3
+CLONE_NEWPID, PR_SET_PDEATHSIG = 0x20000000, 1
 """The attacker's pace: one more byte per connection this often, well inside any per-read timeout."""
 
 
@@ -186,6 +188,32 @@ def _fork_as(uid: int, body: Callable[[], None]) -> int:
     return pid
 
 
+def _fork_in_pid_namespace(body: Callable[[], None]) -> int:
+    """Run `body` as root in a pid namespace of its own (root in a pod, as the agent socket sees it); killing the
+    returned pid kills it too (its parent-death signal)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(CLONE_NEWPID) != 0:
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID)")
+            inner = os.fork()
+            if inner == 0:
+                libc.prctl(PR_SET_PDEATHSIG, 9)
+                try:
+                    body()
+                finally:
+                    os._exit(1)
+            os.waitpid(inner, 0)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
+
 def _reap(pid: int) -> int:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, 9)
@@ -204,9 +232,12 @@ def _open_partial(path: str, token: int) -> socket.socket | None:
         return None
 
 
-def slow_loris(path: str, token: int, conns: int, reconnect: bool) -> None:
-    """The attack: `conns` connections that each send an fd and half a message, then a byte at a time."""
+def slow_loris(path: str, token: int, conns: int, reconnect: bool, ready: int | None = None) -> None:
+    """The attack: `conns` connections that each send an fd and half a message, then a byte at a time. `ready`:
+    a pipe told once the first `conns` connections were made (or refused)."""
     held: list[socket.socket | None] = [_open_partial(path, token) for _ in range(conns)]
+    if ready is not None:
+        os.write(ready, b"r\n")
     while True:
         time.sleep(TRICKLE_S)  # the attacker's own pace, not a wait on the daemon
         for i, s in enumerate(held):
@@ -221,16 +252,24 @@ def slow_loris(path: str, token: int, conns: int, reconnect: bool) -> None:
 
 
 @contextlib.contextmanager
-def attacker(path: str, conns: int, *, reconnect: bool = True, uid: int = NOBODY) -> Iterator[tuple[int, int]]:
-    """A slow-loris attacker process; yields (its pid, the inode of the pipe whose fd it sends)."""
+def attacker(path: str, conns: int, *, reconnect: bool = True, uid: int = NOBODY,
+             contained: bool = False) -> Iterator[tuple[int, int]]:
+    """A slow-loris attacker process (`contained`: root in a pid namespace of its own); yields (its pid, the inode
+    of the pipe whose fd it sends) once its first `conns` connections were made."""
     r, w = os.pipe()
-    pid = _fork_as(uid, lambda: slow_loris(path, r, conns, reconnect))
+    ready_r, ready_w = os.pipe()
+    if contained:
+        pid = _fork_in_pid_namespace(lambda: slow_loris(path, r, conns, reconnect, ready_w))
+    else:
+        pid = _fork_as(uid, lambda: slow_loris(path, r, conns, reconnect, ready_w))
+    os.close(ready_w)
     try:
+        assert _read_line(ready_r, 60.0) == "r", "the attacker did not start"
         yield pid, os.fstat(r).st_ino
     finally:
         _reap(pid)
-        os.close(r)
-        os.close(w)
+        for fd in (r, w, ready_r):
+            os.close(fd)
 
 
 def held(daemon: Daemon, inode: int) -> int:
@@ -274,6 +313,24 @@ def test_slow_loris_on_the_agent_socket_costs_only_the_attacker(daemon: Daemon, 
         assert held(daemon, inode) <= 4, "one uid holds at most its own slots"
     attached = [e for e in log_events(daemon, "session hooks attached") if e["tenant"] == name]
     assert attached, "the run's listener was handed over and governed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a pid namespace")
+def test_root_in_a_pod_takes_one_user_s_slots_not_the_runtime_s(daemon: Daemon, tenant_prefix: str) -> None:
+    """Root outside the daemon's namespaces (a pod's, with /run/unisched mounted) is not the runtime: its flood of
+    partial hand-overs holds one user's few slots, and root's own `unisched run` still hands over at once."""
+    agent = daemon.status()["agent_socket"]
+    name = f"{tenant_prefix}rt"
+    limit = HandOverLimits().per_uid
+    with attacker(agent, conns=80, contained=True) as (_, inode):
+        wait_until(lambda: held(daemon, inode) >= limit, 20, "the daemon to take the contained root's hand-overs")
+        peak, end = 0, time.monotonic() + HandOverLimits().deadline_s  # a window as long as a slot is held
+        while time.monotonic() < end and peak <= limit:
+            peak = max(peak, held(daemon, inode))
+        assert peak <= limit, f"root in a pod held {peak} slots, one user's are {limit}"
+        run = daemon.cli("run", "--tenant", name, "--", "true", timeout=60)
+        assert run.returncode == 0, run.stderr
+    assert [e for e in log_events(daemon, "session hooks attached") if e["tenant"] == name]
 
 
 def test_a_partial_hand_over_is_dropped_at_its_deadline_and_its_fd_closed(daemon: Daemon) -> None:

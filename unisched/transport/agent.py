@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Final
 
@@ -23,7 +22,7 @@ from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 from unisched.transport.claim import replace_stale_socket
-from unisched.transport.identity import in_host_namespaces, peer_of
+from unisched.transport.identity import PeerCred, in_host_namespaces, peer_of
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -36,7 +35,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger("unisched.agent")
-_CRED = struct.Struct("3i")
 _GIVE_BACK = (EventAction.ABORTED, EventAction.FREED, EventAction.EXITED, EventAction.DETACHED)
 
 HANDOVER_DEADLINE_S: Final = 2.0
@@ -107,15 +105,18 @@ class HandOverSlots:
         return self._by_uid.get(uid, 0)
 
 
-def _in_host_namespaces(conn: socket.socket) -> bool:
-    """Whether the connected peer shares the daemon's user and pid namespaces, read through its pid and checked
-    against the process pinned at connect (a pid reused meanwhile is not believed)."""
-    cred = peer_of(conn)
-    try:
-        return in_host_namespaces(cred)
-    finally:
-        if cred.process is not None:
-            cred.process.close()
+CONTAINED_ROOT: Final = -1
+"""The key under which root outside the daemon's user or pid namespaces (root in a pod, which reaches the socket
+where /run/unisched is mounted) takes hand-over slots, is logged and is bounded as one user: not the runtime's
+room, which it could otherwise keep busy."""
+
+
+def _peer_key(cred: PeerCred) -> int:
+    """Whose hand-over this is: the uid; root counts as the runtime (0) only in the daemon's user and pid namespaces
+    (read through its pid, checked against the process pinned at connect), else as CONTAINED_ROOT."""
+    if cred.uid != 0:
+        return cred.uid
+    return 0 if in_host_namespaces(cred) else CONTAINED_ROOT
 
 
 class SeccompAgentServer:
@@ -176,30 +177,39 @@ class SeccompAgentServer:
             self._admit(conn, loop.time() + self.limits.deadline_s)
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
-        """Take a slot for the peer's uid, or refuse at once ("busy", then close)."""
+        """Take a slot for the peer (its uid; root outside the host's namespaces as CONTAINED_ROOT), or refuse at
+        once ("busy", then close)."""
         try:
-            pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+            cred = peer_of(conn)
         except OSError:
             conn.close()
             return
+        uid = _peer_key(cred)
         refusal = self._slots.take(uid)
         if refusal is not None:
-            self._warn("seccomp hand-over refused: too many in progress", uid, peer_pid=pid, reason=refusal)
+            self._warn("seccomp hand-over refused: too many in progress", uid, peer_pid=cred.pid, reason=refusal)
             ack_agent(conn, refusal, busy=True)
-            conn.close()
+            self._close(conn, cred)
             return
         conn.setblocking(False)
-        task = asyncio.create_task(self._handle(conn, pid, uid, deadline))
+        task = asyncio.create_task(self._handle(conn, cred, uid, deadline))
         self._pending.add(task)
-        task.add_done_callback(lambda t: self._done(t, conn, uid))
+        task.add_done_callback(lambda t: self._done(t, conn, cred, uid))
 
-    def _done(self, task: asyncio.Task[None], conn: socket.socket, uid: int) -> None:
+    @staticmethod
+    def _close(conn: socket.socket, cred: PeerCred) -> None:
+        conn.close()
+        if cred.process is not None:
+            cred.process.close()
+
+    def _done(self, task: asyncio.Task[None], conn: socket.socket, cred: PeerCred, uid: int) -> None:
         """However the handler ended (even cancelled before it ran): the connection closes, the slot returns."""
         self._pending.discard(task)
-        conn.close()
+        self._close(conn, cred)
         self._slots.give_back(uid)
 
-    async def _handle(self, conn: socket.socket, pid: int, uid: int, deadline: float) -> None:
+    async def _handle(self, conn: socket.socket, cred: PeerCred, uid: int, deadline: float) -> None:
+        pid = cred.pid
         fd = -1
         try:
             try:
@@ -217,7 +227,9 @@ class SeccompAgentServer:
                 self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
                 ack_agent(conn, str(e))
                 return
-            tenant, reason = self._tenant_for(pid, uid == 0 and _in_host_namespaces(conn), hello.pid, hello.metadata)
+            tenant, reason = self._tenant_for(pid, uid == 0, hello.pid, hello.metadata)
+            if reason is None and not cred.alive():  # the tenant was read through a pid that may name another now
+                tenant, reason = None, "the peer exited before its hand-over was done"
             if reason is not None or tenant is None:
                 self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
                 ack_agent(conn, reason)
@@ -239,7 +251,8 @@ class SeccompAgentServer:
                 os.close(fd)
 
     def _warn(self, event: str, uid: int, **fields: object) -> None:
-        """Root's (runc's) refusals always; another uid's at most once per REFUSAL_LOG_INTERVAL_S per event."""
+        """The runtime's (uid 0's) refusals always; another peer's at most once per REFUSAL_LOG_INTERVAL_S per
+        event."""
         held_back = 0 if uid == 0 else self._throttle.allow((event, uid))
         if held_back is not None:
             log.warning(event, peer_uid=uid, **fields, **({"held_back": held_back} if held_back else {}))
