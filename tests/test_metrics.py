@@ -292,3 +292,50 @@ def test_mixed_slices_are_exported(tmp_path: Path) -> None:
         pytest.approx(mix.both) == pytest.approx(0.641, abs=1e-3)
     assert _get(samples, "unisched_gpu_mixed_time_ratio", gpu="0", kind="graphics") == 0.0
     assert _get(samples, "unisched_gpu_mixed_now", gpu="0", kind=kind.value) == 1.0
+
+
+def test_idle_metrics_connections_are_bounded_per_address_and_a_scrape_from_another_still_answers(
+        tmp_path: Path) -> None:
+    """Each connection is a thread of the daemon: one address's idle connections past its bound are closed at once
+    (not given a thread), and another address is still served."""
+    import http.client
+    import select
+    import socket
+
+    from unisched.transport.metrics import MAX_CONNECTIONS_PER_ADDRESS, start_metrics_server
+
+    engine, *_ = _engine_with_gpu(tmp_path)
+    view = EngineView(engine)
+    view.refresh()
+    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=60)
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            for _ in range(MAX_CONNECTIONS_PER_ADDRESS + 4)]
+    try:
+        for s in idle[MAX_CONNECTIONS_PER_ADDRESS:]:
+            assert s.recv(1) == b"", "closed unanswered past the address's bound"
+        readable, _, _ = select.select(idle[:MAX_CONNECTIONS_PER_ADDRESS], [], [], 0)
+        assert readable == [], "those within the bound are held, waiting for their request"
+        other = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10, source_address=("127.0.0.2", 0))
+        other.request("GET", "/metrics")
+        assert other.getresponse().status == 200
+        other.close()
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+def test_an_idle_metrics_connection_is_closed_at_the_read_timeout(tmp_path: Path) -> None:
+    import socket
+
+    from unisched.transport.metrics import start_metrics_server
+
+    engine, *_ = _engine_with_gpu(tmp_path)
+    view = EngineView(engine)
+    view.refresh()
+    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=0.2)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            assert s.recv(1) == b""  # closed by the daemon, not left holding a thread
+    finally:
+        server.close()

@@ -46,6 +46,16 @@ __all__ = ["REFRESH_S", "EngineView", "MetricsServer", "UnischedCollector", "Vie
 log = structlog.get_logger("unisched.metrics")
 
 REFRESH_S = 1.0
+READ_TIMEOUT_S = 10.0
+"""How long a metrics or probe connection may wait on its client (a request line, headers) before it is closed.
+A scrape sends its request at once and Prometheus's own scrape timeout is 10 s; without one, each idle connection
+held a thread of the daemon for ever."""
+MAX_CONNECTIONS = 64
+"""Metrics and probe connections served at once (each is a thread); past it a new one is closed unanswered."""
+MAX_CONNECTIONS_PER_ADDRESS = 8
+"""Of those, from one client address: a scraper and a kubelet probe need one or two, and one address opening many
+idle connections cannot take every slot (the port listens on all of a node's pods where metrics_listen is
+0.0.0.0)."""
 _STATES = ("running", "idle", "frozen")
 
 
@@ -247,8 +257,33 @@ class MetricsServer:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S
+
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes and probes every few seconds: not worth a log line each."""
+
+
+class _Slots:
+    """Connections served now, in all and per client address (MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)."""
+
+    def __init__(self, most: int, per_address: int) -> None:
+        self.most, self.per_address = most, per_address
+        self._lock = threading.Lock()
+        self._by_address: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        with self._lock:
+            n = self._by_address.get(address, 0)
+            if n >= self.per_address or sum(self._by_address.values()) >= self.most:
+                return False
+            self._by_address[address] = n + 1
+            return True
+
+    def give(self, address: str) -> None:
+        with self._lock:
+            n = self._by_address.pop(address, 0) - 1
+            if n > 0:
+                self._by_address[address] = n
 
 
 def _app(registry: CollectorRegistry, health: Health | None) -> WSGIApp:
@@ -271,19 +306,41 @@ def _app(registry: CollectorRegistry, health: Health | None) -> WSGIApp:
     return app
 
 
-def start_metrics_server(host: str, port: int, view: EngineView, health: Health | None = None) -> MetricsServer:
+def start_metrics_server(host: str, port: int, view: EngineView, health: Health | None = None,
+                         read_timeout_s: float = READ_TIMEOUT_S) -> MetricsServer:
     """Serve /metrics for `view` (and the probes of `health`) on HOST:PORT in a thread (a registry of our own:
-    no process globals)."""
+    no process globals), a thread per connection up to the bounds above."""
     registry = CollectorRegistry()
     registry.register(UnischedCollector(view))
+    slots = _Slots(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)
+
+    class Handler(_QuietHandler):
+        timeout = read_timeout_s
 
     class Server(ThreadingWSGIServer):
-        """ThreadingWSGIServer with the address family of HOST (an IPv6 address needs AF_INET6)."""
+        """ThreadingWSGIServer with the address family of HOST (an IPv6 address needs AF_INET6), serving at most
+        the connections `slots` allow (the others closed at once)."""
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not slots.take(str(client_address[0])):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.give(str(client_address[0]))
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                slots.give(str(client_address[0]))
 
     try:
         family_, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         Server.address_family = family_
-        httpd = make_server(str(sockaddr[0]), port, _app(registry, health), Server, handler_class=_QuietHandler)
+        httpd = make_server(str(sockaddr[0]), port, _app(registry, health), Server, handler_class=Handler)
     except OSError as e:
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
     thread = threading.Thread(target=httpd.serve_forever, name="unisched-metrics", daemon=True)
