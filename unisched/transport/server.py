@@ -34,11 +34,16 @@ from unisched.transport.identity import PeerCred, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.pacing import NO_UID, Pacer
+from unisched.transport.shared_call import SharedCall
 from unisched_wire import unisched_pb2 as pb
 
 __all__ = ["MAX_MESSAGE_BYTES", "Doors", "UnischedServicer", "serve", "server_tls", "snapshot_to_pb"]
 
 log = structlog.get_logger("unisched.transport")
+
+
+MPS_STATUS_FRESH_S = 1.0
+"""How long Status reuses the MPS control daemon's last answer (each asks a process)."""
 
 
 class UnischedServicer:
@@ -71,6 +76,9 @@ class UnischedServicer:
         self.lease_socket = ""
         self._hooks = seccomp_probe() or "on"
         self._devices = "on" if engine.devices is not None else "unavailable"
+        # asks nvidia-cuda-mps-control (a process, up to its timeout): off the loop that runs the slices, once at a
+        # time and at most once a second however many Status calls come
+        self._mps = SharedCall(engine.mps_status, MPS_STATUS_FRESH_S, time.monotonic)
 
     # identity ------------------------------------------------------------------------------------
     def is_admin(self, cred: PeerCred) -> bool:
@@ -224,8 +232,7 @@ class UnischedServicer:
         reply.agent_socket = self.agent_socket
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
-        # asks nvidia-cuda-mps-control (a process, up to its timeout): off the loop that runs the slices
-        mps = await asyncio.to_thread(self.engine.mps_status)
+        mps = await self._mps.get()
         reply.mps = "off" if mps is None else "running" if mps.running else "not running"
         reply.mps_pipe_dir = "" if mps is None else mps.pipe_dir
         return reply
