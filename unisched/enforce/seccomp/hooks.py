@@ -63,6 +63,12 @@ times a tenant's ~155 MB at all seven, ~620 MB, where TENANT_BOUNDS alone let on
 refused or followed less closely exactly as past the tenant's."""
 
 
+def user_name(uid: int) -> str:
+    """How a user is named in refusals: its uid; a negative one stands for root outside the daemon's namespaces
+    (root in a container), bounded as one user."""
+    return f"uid {uid}" if uid >= 0 else "root in a container"
+
+
 def listener_refusal(tenant: str, uid: int, served: list[tuple[str, int]], most: int,
                      most_per_user: int = MAX_LISTENERS_PER_USER) -> str | None:
     """Why one more listener of `tenant`, handed over by `uid`, is not served (None: it is), `served` the tenants
@@ -74,7 +80,7 @@ def listener_refusal(tenant: str, uid: int, served: list[tuple[str, int]], most:
     if uid != 0:
         mine = sum(1 for _, u in served if u == uid)
         if mine >= most_per_user:
-            return (f"uid {uid} already has {mine} hooked process groups (runs), the most served at once for a "
+            return (f"{user_name(uid)} already has {mine} hooked process groups (runs), the most served at once for a "
                     "non-root user; end some")
     return None
 
@@ -87,7 +93,8 @@ next listener, which Prometheus's rate() reads as a counter reset."""
 
 class SessionHooks(Protocol):
     def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
-        """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid`, from now on. Called on the
+        """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid` (negative: root in a container,
+        bounded as one user; `user_name`), from now on. Called on the
         daemon's event loop. The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
 
     def close(self) -> None:
@@ -151,7 +158,7 @@ class SupervisedHooks:
             os.close(listener_fd)
             raise SeccompError(why)
         allowance = self._allowances.setdefault(tenant, Allowance(tenant, self._tenant_bounds, self._lock))
-        user = None if uid == 0 else self._users.setdefault(uid, Allowance(f"uid {uid}", self._user_bounds, self._lock))
+        user = None if uid == 0 else self._users.setdefault(uid, Allowance(user_name(uid), self._user_bounds, self._lock))
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
                                     allowance=allowance, user_allowance=user)
