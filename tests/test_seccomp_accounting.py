@@ -326,7 +326,7 @@ def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_non_root_user_whate
 
 def test_root_in_a_container_is_named_so_in_a_listener_refusal() -> None:
     from unisched.enforce.seccomp.hooks import listener_refusal
-    from unisched.transport.agent import CONTAINED_ROOT
+    from unisched.transport.identity import CONTAINED_ROOT
 
     why = listener_refusal("t", CONTAINED_ROOT, [("t", CONTAINED_ROOT), ("u", CONTAINED_ROOT)], 9, most_per_user=2)
     assert why is not None and why.startswith("root in a container already has 2 hooked process groups")

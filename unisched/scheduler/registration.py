@@ -254,6 +254,9 @@ def _create(
     """A new tenant for a registering caller, in a cgroup made for it."""
     if not is_admin and not c.config.user_tenants:
         raise SchedulerError("permission", "only admins may create tenants on this daemon (user_tenants = false)")
+    if uid < 0:  # (transport's CONTAINED_ROOT: root in a container, no user of this host to own a tenant)
+        raise SchedulerError("permission", "root in a container may not create tenants: an admin adopts its "
+                             "container's cgroup (or its pod), and its processes join that tenant")
     w = weight if weight is not None else DEFAULT_WEIGHT
     _check_user_weight(c, w, is_admin)
     _check_room(c, uid, is_admin)

@@ -22,7 +22,7 @@ from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 from unisched.transport.claim import replace_stale_socket
-from unisched.transport.identity import PeerCred, in_host_namespaces, peer_of
+from unisched.transport.identity import PeerCred, peer_of
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -105,20 +105,6 @@ class HandOverSlots:
         return self._by_uid.get(uid, 0)
 
 
-CONTAINED_ROOT: Final = -1
-"""The key under which root outside the daemon's user or pid namespaces (root in a pod, which reaches the socket
-where /run/unisched is mounted) takes hand-over slots, is logged and is bounded as one user: not the runtime's
-room, which it could otherwise keep busy."""
-
-
-def _peer_key(cred: PeerCred) -> int:
-    """Whose hand-over this is: the uid; root counts as the runtime (0) only in the daemon's user and pid namespaces
-    (read through its pid, checked against the process pinned at connect), else as CONTAINED_ROOT."""
-    if cred.uid != 0:
-        return cred.uid
-    return 0 if in_host_namespaces(cred) else CONTAINED_ROOT
-
-
 class SeccompAgentServer:
     """Reads hand-overs on the event loop without blocking (non-blocking recvmsg when the socket is readable),
     never on a thread pool that other requests share; every hand-over has a deadline and each uid a bounded
@@ -177,14 +163,13 @@ class SeccompAgentServer:
             self._admit(conn, loop.time() + self.limits.deadline_s)
 
     def _admit(self, conn: socket.socket, deadline: float) -> None:
-        """Take a slot for the peer (its uid; root outside the host's namespaces as CONTAINED_ROOT), or refuse at
-        once ("busy", then close)."""
+        """Take a slot for the peer (its uid as `peer_of` knows it), or refuse at once ("busy", then close)."""
         try:
             cred = peer_of(conn)
         except OSError:
             conn.close()
             return
-        uid = _peer_key(cred)
+        uid = cred.uid  # root outside the host's namespaces is CONTAINED_ROOT: one user, not the runtime
         refusal = self._slots.take(uid)
         if refusal is not None:
             self._warn("seccomp hand-over refused: too many in progress", uid, peer_pid=cred.pid, reason=refusal)

@@ -9,12 +9,16 @@ before that check was the caller's. A process that is gone is never acted on.
 
 Admin rights are a property of the host: root (or a member of `admin_group`, by the uid's group list in
 /etc/group and passwd, not by what the process happens to hold) in the daemon's own user and pid namespaces.
-Root inside a container with its own pid namespace is an ordinary user.
+Root inside a container with its own pid namespace is an ordinary user, and not root: `peer_of` gives it the
+uid CONTAINED_ROOT, so it owns nothing the host's root made (adopted tenants) and shares one user's bounds. A
+caller in a user namespace of its own (rootless containers) is known by the uid that made that namespace, so a
+user's subordinate uids do not multiply its per-user bounds; one root made (a pod's) is CONTAINED_ROOT too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import select
@@ -26,7 +30,13 @@ from dataclasses import dataclass, field
 
 from unisched.enforce.seccomp.proc import state_and_start
 
-__all__ = ["PeerCred", "ProcessHandle", "is_admin", "peer_of", "uid_groups"]
+__all__ = ["CONTAINED_ROOT", "PeerCred", "ProcessHandle", "in_host_namespaces", "is_admin", "peer_of", "uid_groups"]
+
+CONTAINED_ROOT = -2
+"""The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
+uses for a caller without credentials."""
+NS_GET_OWNER_UID = 0xB704
+"""ioctl on a user namespace's fd: the uid that made it, as the daemon's namespace sees it (_IO(0xb7, 0x4))."""
 
 SO_PEERPIDFD = 77
 """getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the peer that connected (Linux 6.5+; no Python constant)."""
@@ -90,9 +100,40 @@ class PeerCred:
 
 
 def peer_of(conn: socket.socket) -> PeerCred:
-    """The credentials of an accepted Unix connection, with the connecting process pinned."""
+    """The credentials of an accepted Unix connection, with the connecting process pinned, its uid the one it is
+    known by here (`known_as`)."""
     pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return PeerCred(pid, uid, gid, _pin(conn, pid, uid))
+    cred = PeerCred(pid, uid, gid, _pin(conn, pid, uid))
+    known = known_as(cred)
+    return cred if known == uid else PeerCred(pid, known, gid, cred.process)
+
+
+def known_as(cred: PeerCred) -> int:
+    """The uid the caller counts as (module docstring): its own in the daemon's user namespace, except root outside
+    its pid namespace; the maker of its user namespace otherwise; CONTAINED_ROOT for root in a container (or a
+    caller gone before its namespaces were read)."""
+    theirs, ours = _ns(f"/proc/{cred.pid}/ns/user"), _ns("/proc/self/ns/user")
+    if theirs is not None and theirs == ours:
+        uid = cred.uid
+        if uid == 0 and _ns(f"/proc/{cred.pid}/ns/pid") != _ns("/proc/self/ns/pid"):
+            uid = CONTAINED_ROOT
+    else:
+        owner = _user_ns_owner(cred.pid)
+        uid = CONTAINED_ROOT if owner is None or owner == 0 else owner
+    return uid if cred.alive() else CONTAINED_ROOT
+
+
+def _user_ns_owner(pid: int) -> int | None:
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return int(struct.unpack("I", fcntl.ioctl(fd, NS_GET_OWNER_UID, bytes(4)))[0])
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _pin(conn: socket.socket, pid: int, uid: int) -> ProcessHandle:

@@ -225,7 +225,7 @@ class UnischedServicer:
             reply.gpus.append(gpu)
         if cred is not None:
             reply.caller_pid = cred.pid
-            reply.caller_uid = cred.uid
+            reply.caller_uid = max(cred.uid, 0)  # root in a container (CONTAINED_ROOT) is root where it runs
             reply.caller_is_admin = self.is_admin(cred)
             tenant = self.engine.tenant_of_pid(cred.pid) or ""
             reply.caller_tenant = tenant if cred.alive() else ""  # read through a pid that still named the caller

@@ -1,0 +1,57 @@
+"""Root inside a container (its own pid namespace, as in a pod) reaching the daemon's socket: an ordinary caller,
+known as CONTAINED_ROOT, never the owner of the tenants the host's root adopted (real daemon, real cgroups)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, child_env
+
+pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                                   reason="needs root and unshare(1)")]
+
+CALLS = r"""
+import sys
+from unisched.transport.client import DaemonClient, DaemonError
+from unisched_wire import unisched_pb2 as pb
+sock, tenant = sys.argv[1:3]
+with DaemonClient(sock, timeout=20) as c:
+    print("uid", c.status().caller_uid, "admin", c.status().caller_is_admin)
+    for what, call in (
+        ("register", lambda: c.register(pb.RegisterRequest(tenant=tenant, weight=1))),
+        ("remove", lambda: c.remove(tenant)),
+        ("create", lambda: c.register(pb.RegisterRequest(tenant=tenant + "-mine", weight=1))),
+    ):
+        try:
+            call()
+            print(what, "OK")
+        except DaemonError as e:
+            print(what, e.code.name)
+"""
+
+
+@pytest.mark.parametrize("namespace", [("--pid",), ("--user", "--map-root-user")])
+def test_root_in_a_container_owns_no_adopted_tenant(daemon: Daemon, tenant_prefix: str,
+                                                    namespace: tuple[str, ...]) -> None:
+    cg = Path(daemon.status()["cgroup_root"]) / f"{tenant_prefix}-pod"
+    cg.mkdir()
+    name = f"{tenant_prefix}adopted"
+    try:
+        out = daemon.cli("adopt", "--tenant", name, "--weight", "70", "--cgroup", str(cg))
+        assert out.returncode == 0, out.stderr
+        calls = subprocess.run(["unshare", *namespace, "--fork", sys.executable, "-c", CALLS, daemon.socket, name],
+                               capture_output=True, text=True, env=child_env(), timeout=60)
+        assert calls.returncode == 0, calls.stderr
+        lines = calls.stdout.split("\n")
+        assert lines[0] == "uid 0 admin False", lines  # root where it runs, no admin here
+        assert lines[1:4] == ["register PERMISSION_DENIED", "remove PERMISSION_DENIED", "create PERMISSION_DENIED"]
+        (t,) = [t for t in daemon.tenants() if t["name"].startswith(name)]
+        assert (t["name"], t["weight"]) == (name, 70)
+    finally:
+        daemon.cli("remove", "--tenant", name)
+        cg.rmdir()
