@@ -168,3 +168,26 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(daemon: Daemon, tenant
         p = subprocess.run([sys.executable, "-m", "unisched", "tenants", "--json", "--socket", daemon.socket],
                            stdout=out, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT, timeout=60)
     assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_an_adopted_cgroup_s_processes_include_those_below_it(daemon: Daemon, tenant_prefix: str) -> None:
+    """A pod's processes sit in its containers' cgroups below the pod's: the tenant's process list (and so its
+    memory and whether NVML sees it on a GPU) counts them."""
+    st = daemon.status()
+    cg = Path(st["cgroup_root"]) / f"{tenant_prefix}-pod"
+    ctr = cg / "ctr"
+    ctr.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    name = f"{tenant_prefix}pod"
+    try:
+        (ctr / "cgroup.procs").write_text(str(sleeper.pid))
+        out = daemon.cli("adopt", "--tenant", name, "--weight", "100", "--cgroup", str(cg))
+        assert out.returncode == 0, out.stderr
+        t = next(t for t in daemon.tenants() if t["name"] == name)
+        assert t["pids"] == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+        daemon.cli("remove", "--tenant", name)
+        ctr.rmdir()
+        cg.rmdir()

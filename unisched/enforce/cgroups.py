@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from unisched.enforce.cgtree import MAX_CGROUPS_READ, folders_below
+
 __all__ = [
     "CgroupDriver",
     "CgroupError",
@@ -72,7 +74,9 @@ class CgroupDriver(Protocol):
     def exists(self, cgroup: str) -> bool: ...
     def remove(self, cgroup: str) -> None: ...
     def attach(self, cgroup: str, pid: int) -> None: ...
-    def pids(self, cgroup: str) -> list[int]: ...
+    def pids(self, cgroup: str) -> list[int]:
+        """The processes in the cgroup and in the cgroups below it (an adopted pod's are in its containers')."""
+        ...
     def cpu_usage_s(self, cgroup: str) -> float | None:
         """CPU seconds the cgroup used so far; None when the cgroup is gone. Read every slice for every tenant,
         so it is one small read (1000 tenants: 6 ms a slice, was 29 ms with a separate existence check)."""
@@ -166,6 +170,11 @@ def _read_pids(path: Path) -> list[int]:
     return [int(line) for line in (_read_text(path) or "").split()]
 
 
+def _pids_below(top: Path) -> list[int]:
+    """The processes of the cgroup at `top` and of those below it (MAX_CGROUPS_READ of them at most)."""
+    return [pid for folder in folders_below(str(top), MAX_CGROUPS_READ) for pid in _read_pids(Path(folder, "cgroup.procs"))]
+
+
 class _Common:
     kind: str
     mount: Path
@@ -233,7 +242,7 @@ class CgroupV2Driver(_Common):
         _write(self._dir(cgroup) / "cgroup.procs", str(pid))
 
     def pids(self, cgroup: str) -> list[int]:
-        return _read_pids(self._dir(cgroup) / "cgroup.procs")
+        return _pids_below(self._dir(cgroup))
 
     def cpu_usage_s(self, cgroup: str) -> float | None:
         # `_dir` as a string: per tenant per slice, pathlib's join costs about what the read does
@@ -298,7 +307,7 @@ class CgroupV1Driver(_Common):
             _write(acct / "cgroup.procs", str(pid))
 
     def pids(self, cgroup: str) -> list[int]:
-        return _read_pids(self._dir(cgroup) / "cgroup.procs")
+        return _pids_below(self._dir(cgroup))
 
     def cpu_usage_s(self, cgroup: str) -> float | None:
         acct = self._acct(cgroup)
@@ -440,8 +449,9 @@ class FakeCgroupDriver:
         self.pid_cgroup[pid] = cgroup
 
     def pids(self, cgroup: str) -> list[int]:
-        g = self.groups.get(cgroup)
-        return list(g.pids) if g else []
+        below = f"{cgroup.rstrip('/')}/"
+        return [pid for name, g in sorted(self.groups.items()) if name == cgroup or name.startswith(below)
+                for pid in g.pids]
 
     def cpu_usage_s(self, cgroup: str) -> float | None:
         g = self.groups.get(cgroup)

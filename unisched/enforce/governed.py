@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from unisched.enforce.cgtree import folders_below
+
 __all__ = [
     "GOVERNED_DIR",
     "GOVERNED_DIR_ENV",
@@ -116,11 +118,8 @@ def _thaw_dir(kind: str, d: Path) -> bool:
 
 def _below(d: Path, budget: list[int]) -> Iterator[Path]:
     """`d` and the directories below it, parents first, at most MAX_THAW_CGROUPS all told."""
-    for top, dirs, _ in os.walk(d, followlinks=False):
-        if budget[0] <= 0:
-            return
+    for top in folders_below(str(d), budget[0]):
         budget[0] -= 1
-        dirs.sort()
         yield Path(top)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from unisched.enforce.cgroups import CgroupDriver, path_in, within
+from unisched.enforce.cgtree import folders_below
 
 __all__ = ["MAX_THREADS_A_SWEEP", "FakeThreadSlack", "ProcThreadSlack", "SlackSweep", "ThreadSlack", "settle_thread"]
 
@@ -82,8 +83,8 @@ class ProcThreadSlack:
         if name is None:
             return []
         tids: list[int] = []
-        for looked, (folder, _, _) in enumerate(os.walk(f"{self._driver.mount}/{cgroup.lstrip('/')}")):
-            if looked >= most or len(tids) > most:
+        for folder in folders_below(f"{self._driver.mount}/{cgroup.lstrip('/')}", most):
+            if len(tids) > most:
                 break
             try:
                 with open(f"{folder}/{name}", "rb") as f:
