@@ -15,9 +15,14 @@ def test_a_chain_deeper_than_python_s_recursion_is_walked_in_order_and_within_it
     for _ in range(1100):  # a delegated tenant's mkdir -p a/a/a/...: os.walk on 3.11 raised RecursionError
         path += "/a"
         os.mkdir(path)  # (os.makedirs would recurse itself)
-    got = list(folders_below(str(deep), 10_000))
-    assert len(got) == 1101 and got[0] == str(deep) and got[-1] == path
-    assert len(list(folders_below(str(deep), 7))) == 7
+    try:
+        got = list(folders_below(str(deep), 10_000))
+        assert len(got) == 1101 and got[0] == str(deep) and got[-1] == path
+        assert len(list(folders_below(str(deep), 7))) == 7
+    finally:  # bottom up, without recursion (pytest's own clean-up of tmp_path would recurse too deep)
+        while path != str(tmp_path):
+            os.rmdir(path)
+            path = os.path.dirname(path)
 
 
 def test_parents_come_first_siblings_in_name_order_and_links_are_not_followed(tmp_path: Path) -> None:

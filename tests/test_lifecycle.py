@@ -86,6 +86,22 @@ def shown(d: Daemon) -> dict[str, dict[str, object]]:
     return {t["name"]: t for t in d.tenants()}
 
 
+# --- one daemon per state directory ------------------------------------------------------------------------------
+@needs_freezer
+@pytest.mark.root
+def test_a_second_serve_on_a_live_daemon_s_state_directory_is_refused(daemon: Daemon, tenant_prefix: str,
+                                                                        tmp_path: Path) -> None:
+    """Its own socket and subtree but the first's state directory: each would replace the other's tenants in
+    the one state file."""
+    name = f"{tenant_prefix}kept"
+    assert daemon.cli("run", "--tenant", name, "--weight", "300", "--keep", "--", "true").returncode == 0
+    second = serve(daemon, "--socket", str(tmp_path / "second.sock"), "--cgroup-subtree", f"{daemon.subtree}-second",
+                   timeout=30)
+    assert second.returncode == 1, second.stderr
+    assert f"another unisched daemon (pid {daemon.proc.pid}) keeps its state in {daemon.state_dir}" in second.stderr
+    assert shown(daemon)[name]["weight"] == 300 and daemon.proc.poll() is None
+
+
 # --- one daemon per socket ------------------------------------------------------------------------------------
 @needs_freezer
 @pytest.mark.root

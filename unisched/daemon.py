@@ -36,7 +36,7 @@ from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.standin import CpuStandIn
-from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket
+from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket, claim_state_dir
 from unisched.transport.server import serve
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILED", "StartError", "check_host", "log_orphans", "run", "say_orphans"]
@@ -126,11 +126,12 @@ def check_host(config: DaemonConfig) -> list[int]:
 
 
 def _claim(config: DaemonConfig) -> list[SocketClaim]:
-    """Each socket the daemon serves on (gRPC, lease stream), locked for its life."""
+    """Each socket the daemon serves on (gRPC, lease stream), and its state directory, locked for its life."""
     claims: list[SocketClaim] = []
     try:
         for path in (config.socket, config.lease_socket):
             claims.append(claim_socket(path))
+        claims.append(claim_state_dir(config.state_dir))
     except (SocketInUse, OSError) as e:
         for claim in claims:
             claim.release()

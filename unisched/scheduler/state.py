@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,16 +226,21 @@ class StateStore:
 
     def write(self, body: bytes) -> None:
         """Replace the file with `body` atomically and durably (tmp, fsync, rename, fsync the directory). Callers
-        make one write at a time: the temporary file's name is the process's."""
+        make one write at a time. The temporary file is new and this write's own (two daemons in containers are
+        both pid 1), never opened through a link."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".state.json.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = self.path.with_name(f".state.json.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+            try:
+                os.write(fd, body)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)

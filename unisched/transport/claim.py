@@ -1,4 +1,5 @@
-"""One daemon per socket: `<socket>.lock`, flock'ed for the daemon's life, taken before anything is touched.
+"""One daemon per socket: `<socket>.lock`, flock'ed for the daemon's life, taken before anything is touched (and
+one per state directory: `<state_dir>/.lock`).
 
 A second `unisched serve` on a live daemon's socket would delete the socket and thaw the first daemon's tenants;
 it is refused instead, while another daemon holds the lock or answers on the socket (one that took no lock).
@@ -16,7 +17,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "replace_stale_socket", "socket_answers"]
+__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "replace_stale_socket", "socket_answers"]
 
 CONNECT_TIMEOUT_S = 2.0
 """A live daemon accepts a Unix connection at once (the kernel queues it); 2 s covers one busy on 2 cores."""
@@ -73,9 +74,9 @@ def _holder(fd: int) -> str:
     return "another process"
 
 
-def claim_socket(path: str) -> SocketClaim:
-    """Take `<path>.lock` and make sure nothing answers on `path`; SocketInUse otherwise."""
-    lock_path = Path(f"{path}.lock")
+def _lock(lock_path: Path, taken: str) -> int:
+    """The flock'ed fd of `lock_path` (made if need be, never through a link), or SocketInUse: `taken` says what the
+    holder does (with {holder} for who it is)."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
@@ -83,12 +84,33 @@ def claim_socket(path: str) -> SocketClaim:
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise SocketInUse(f"another unisched daemon ({holder}) serves on {path} (it holds {lock_path}); "
-                          f"stop it first, or give this one its own --socket and --cgroup-subtree") from None
+        raise SocketInUse(taken.format(holder=holder)) from None
+    return fd
+
+
+def _mark(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def claim_state_dir(directory: str) -> SocketClaim:
+    """Take `<directory>/.lock`: two daemons saving tenants to one state file would each replace the other's (and at
+    its next start each would set the other's entries aside as damaged); SocketInUse otherwise."""
+    lock_path = Path(directory) / ".lock"
+    fd = _lock(lock_path, f"another unisched daemon ({{holder}}) keeps its state in {directory} (it holds "
+                          f"{lock_path}); give this one its own --state-dir")
+    _mark(fd)
+    return SocketClaim(lock_path, fd)
+
+
+def claim_socket(path: str) -> SocketClaim:
+    """Take `<path>.lock` and make sure nothing answers on `path`; SocketInUse otherwise."""
+    lock_path = Path(f"{path}.lock")
+    fd = _lock(lock_path, f"another unisched daemon ({{holder}}) serves on {path} (it holds {lock_path}); "
+                          f"stop it first, or give this one its own --socket and --cgroup-subtree")
     if socket_answers(path):
         os.close(fd)
         raise SocketInUse(f"a daemon answers on {path} (without holding {lock_path}); "
                           f"stop it first, or give this one its own --socket and --cgroup-subtree")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _mark(fd)
     return SocketClaim(lock_path, fd)
