@@ -110,7 +110,7 @@ def test_prepare_returns_cdi_ids_and_writes_a_valid_cdi_spec(node: Node) -> None
 def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) -> None:
     whole = claim("two", "gpu0", "gpu1")
     shared = claim("shared", "gpu1", consumed={"weight": "25"})
-    both = claim("cfg", "gpu0", consumed={"weight": "25"}, config=[opaque(10, "FromClass"), opaque(40)])
+    both = claim("cfg", "gpu0", consumed={"weight": "25"}, config=[opaque(40, "FromClass"), opaque(10)])
     node.add(whole, shared, both)
     replies = node.prepare(whole, shared, both)
     assert {u: r.error for u, r in replies.items()} == dict.fromkeys(replies, "")
@@ -123,8 +123,29 @@ def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) 
     assert (env(whole)["UNISCHED_WEIGHT"], env(whole)["NVIDIA_VISIBLE_DEVICES"]) == ("100", "0,1")
     assert env(whole)["UNISCHED_TENANT"].startswith("k8s-g0-1-")
     assert env(shared)["UNISCHED_WEIGHT"] == "25"  # the weight capacity it consumed
-    assert env(both)["UNISCHED_WEIGHT"] == "40"  # the claim's opaque config over the class's, over the capacity
+    assert env(both)["UNISCHED_WEIGHT"] == "10"  # the claim's opaque config may lower the class's
     assert len({env(o)["UNISCHED_TENANT"] for o in (whole, shared, both)}) == 3
+
+
+@pytest.mark.parametrize(("consumed", "config", "why"), [
+    ({"weight": "1"}, [opaque(10_000)], "its GpuConfig weight 10000 is above the 1 its devices consumed"),
+    (None, [opaque(101)], "its GpuConfig weight 101 is above the 100 its devices consumed"),
+    ({"weight": "25"}, [opaque(30, "FromClass"), opaque(31)], "its GpuConfig weight 31 is above the 30 its class gives"),
+])
+def test_a_claim_s_own_config_may_not_raise_its_weight(node: Node, consumed: dict[str, str] | None,
+                                                       config: list[dict[str, Any]], why: str) -> None:
+    """A user's claim consuming 1 unit of a GPU asked the daemon for weight 10,000 (about all of the GPU beside a
+    neighbour of 100): its config may lower the weight its class or its capacity gives, not raise it."""
+    c = claim("greedy", "gpu0", consumed=consumed, config=config)
+    node.add(c)
+    reply = node.prepare(c)[c["metadata"]["uid"]]
+    assert why in reply.error
+
+
+def test_a_class_s_config_sets_the_weight_whatever_was_consumed(node: Node) -> None:
+    c = claim("premium", "gpu0", consumed={"weight": "25"}, config=[opaque(400, "FromClass")])
+    node.add(c)
+    assert node.prepare(c)[c["metadata"]["uid"]].error == ""
 
 
 def test_unprepare_removes_the_spec_and_both_are_idempotent(node: Node, telemetry: FakeTelemetry) -> None:

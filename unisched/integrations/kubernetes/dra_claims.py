@@ -182,10 +182,12 @@ class PreparedClaim:
 
 
 def _weight_of(config: DraConfig, claim: Mapping[str, Any], ours: Sequence[Mapping[str, Any]], key: str) -> int:
-    """Opaque config of this driver (the claim's over the class's, later over earlier) for any of our requests,
-    else the `weight` capacity the devices consumed (one value: a tenant has one weight), else whole GPUs."""
+    """The tenant's one weight: the `weight` capacity its devices consumed (else whole GPUs: --weight-per-gpu), or
+    this driver's opaque config for any of our requests. The class's config (an admin's DeviceClass) sets it; the
+    claim's (its user's) may lower it, never raise it past the class's or what the devices consumed, so a claim
+    consuming 1 unit of a GPU cannot ask the daemon for 10,000."""
     requests = {r.get("request") for r in ours}
-    weight: Any = None
+    given: dict[str, Any] = {}
     configs = claim.get("status", {}).get("allocation", {}).get("devices", {}).get("config") or []
     for source in ("FromClass", "FromClaim"):
         for c in configs:
@@ -203,18 +205,34 @@ def _weight_of(config: DraConfig, claim: Mapping[str, Any], ours: Sequence[Mappi
             if unknown:
                 raise ClaimError(f"claim {key}: unknown {CONFIG_KIND} fields {unknown} (known: weight)")
             if "weight" in params:
-                weight = params["weight"]
-    if weight is None:
-        consumed = {str((r.get("consumedCapacity") or {}).get("weight", config.weight_per_gpu)) for r in ours}
-        if len(consumed) != 1:
+                given[source] = params["weight"]
+    consumed = {str((r.get("consumedCapacity") or {}).get("weight", config.weight_per_gpu)) for r in ours}
+    try:
+        if "FromClass" in given:
+            ceiling = validate_weight(given["FromClass"])
+        elif len(consumed) == 1:
+            (text,) = consumed
+            ceiling = validate_weight(_number(text))
+        elif "FromClaim" not in given:
             raise ClaimError(f"claim {key}: its devices consumed different weights {sorted(consumed)}; a tenant has "
                              f"one weight (give it in a {CONFIG_KIND} opaque config)")
-        (text,) = consumed
-        weight = int(text) if text.isdigit() else text
-    try:
-        return validate_weight(weight)
+        else:  # devices that consumed different weights, and the claim's own: at most the least of them
+            ceiling = min(validate_weight(_number(t)) for t in consumed)
+        if "FromClaim" not in given:
+            return ceiling
+        weight = validate_weight(given["FromClaim"])
     except PolicyError as e:
         raise ClaimError(f"claim {key}: {e}") from None
+    if weight > ceiling:
+        raise ClaimError(f"claim {key}: its {CONFIG_KIND} weight {weight} is above the {ceiling} "
+                         f"{'its class gives' if 'FromClass' in given else 'its devices consumed'}; a claim's config "
+                         "may lower its weight, not raise it")
+    return weight
+
+
+def _number(text: str) -> Any:
+    """A consumed capacity's value, as a number where it is one (validate_weight says what else is wrong)."""
+    return int(text) if text.isdigit() else text
 
 
 def prepared_claim(config: DraConfig, ref: dra.Claim, claim: Mapping[str, Any]) -> PreparedClaim:
