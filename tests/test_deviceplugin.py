@@ -320,36 +320,38 @@ def test_adopter_waits_for_the_pod_cgroup_and_follows_a_replaced_pod(
         assert result.kept == (tenant_name(units),)
 
 
-def test_adopter_gives_pods_their_memory_annotations_and_holds_back_one_whose_reserve_does_not_fit(
+def test_adopter_gives_pods_their_memory_annotations_and_bounds_a_reserve_by_the_pod_s_weight(
     daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
 ) -> None:
-    """unisched.io/memory and unisched.io/memory-reserve become the tenant's GPU memory terms; a reserve that does
-    not fit beside another pod's on its GPU (141 GiB) is not adopted, and the container start says why."""
+    """unisched.io/memory and unisched.io/memory-reserve become the tenant's GPU memory terms. A reserve holds memory
+    against every other tenant, so a pod may reserve at most its weight's part of its GPU (141 GiB): 20 units of 100
+    may not reserve 50 GiB (any pod could otherwise hold a GPU's memory from all others); that pod is not adopted,
+    and its container start says why."""
     root = tmp_path / "cgroup"
     uids = {n: str(uuid.uuid4()) for n in ("game", "train", "typo")}
     for uid in uids.values():
         daemon.driver.create(_pod_dir(root, uid))
-    units = {"game": ids(0, 0, 10), "train": ids(0, 10, 10), "typo": ids(0, 20, 10)}
+    units = {"game": ids(0, 0, 70), "train": ids(0, 70, 20), "typo": ids(0, 90, 10)}
     podres.pods = [pod("ns", n, c={WEIGHT: u}) for n, u in units.items()]
-    notes = {"game": {"unisched.io/memory": "120GiB", "unisched.io/memory-reserve": "100GiB"},
+    notes = {"game": {"unisched.io/memory": "120GiB", "unisched.io/memory-reserve": "90GiB"},
              "train": {"unisched.io/memory-reserve": "50GiB"}, "typo": {"unisched.io/memory": "lots"}}
     pods = FakePods({f"ns/{n}": PodInfo(uids[n], notes[n]) for n in uids})
     with DaemonClient(daemon.socket) as client:
-        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root, gpu_memory={0: 141 << 30})
         result = adopter.reconcile()
         game, train, typo = (tenant_name(units[n]) for n in ("game", "train", "typo"))
         assert result.adopted == (game,)
         (t,) = client.tenants()
-        assert (t.name, t.caps.memory_bytes, t.caps.memory_reserve) == (game, 120 << 30, 100 << 30)
-        assert result.failed[train] == (f"memory reserve 50.00 GiB of tenant '{train}' does not fit on GPU 0: it has "
-                                        f"141.00 GiB and other tenants reserve 100.00 GiB there ({game} 100.00 GiB)")
+        assert (t.name, t.caps.memory_bytes, t.caps.memory_reserve) == (game, 120 << 30, 90 << 30)
+        assert result.failed[train] == (f"pod ns/train annotation unisched.io/memory-reserve: {50 << 30} bytes is more "
+                                        f"than its weight's part of GPU 0 (20 of 100 of its {141 << 30} bytes: "
+                                        f"{(141 << 30) * 20 // 100})")
         assert result.failed[typo].startswith("pod ns/typo annotation unisched.io/memory: size must be a number")
         why = adopter.ensure(units["train"])
-        assert why is not None and why.startswith("pod ns/train is not a unisched tenant yet: memory reserve 50.00 GiB")
+        assert why is not None and "pod ns/train annotation unisched.io/memory-reserve" in why
         assert {t.name for t in client.tenants()} == {game}  # retried with its annotations, refused again
-        podres.pods = [p for p in podres.pods if p.name != "game"]  # the game's pod goes: now it fits
-        assert adopter.ensure(units["train"]) is None
-        assert daemon.engine.snapshot(train).memory_reserve == 50 << 30
+        blind = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)  # no GPU memory known: no reserve
+        assert "GPU 0's memory is not known to the plugin" in blind.reconcile().failed[train]
 
 
 def test_adopter_reports_an_unreachable_kubelet(daemon: InProcessServer, short_dir: Path) -> None:

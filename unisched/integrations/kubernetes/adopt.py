@@ -202,8 +202,14 @@ class PodAdopter:
         caps: Sequence[str] = (),
         timeout: float = 5.0,
         claims: Callable[[], list[PodClaim]] | None = None,
+        gpu_memory: Mapping[int, int] | None = None,
+        units_per_gpu: int = 100,
     ) -> None:
         self.daemon = daemon
+        self.gpu_memory = dict(gpu_memory or {})
+        """Each GPU's memory in bytes (NVML's), by index: a pod's reserve is bounded by its weight's part of it."""
+        self.units_per_gpu = units_per_gpu
+        """The weight a whole GPU stands for (the device plugin's units, the DRA driver's --weight-per-gpu)."""
         self.pod_resources_socket = pod_resources_socket
         self.claims = claims
         """Where the pods to adopt come from; None: the kubelet's PodResources (the device plugin's units)."""
@@ -312,6 +318,8 @@ class PodAdopter:
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)
         memory = memory_terms(notes, claim.key)
+        if "memory_reserve" in memory:
+            self._check_reserve(claim, memory["memory_reserve"])
         self.daemon.adopt(pb.AdoptRequest(tenant=claim.tenant, weight=claim.weight, priority=priority, cgroup=cgroup,
                                           engines=engines, gpus=list(claim.gpus), labels=claim.labels, **memory))
         limits = {}
@@ -323,6 +331,21 @@ class PodAdopter:
             self.daemon.set_limit(pb.SetLimitRequest(tenant=claim.tenant, **limits))
         log.info("pod adopted", tenant=claim.tenant, pod=claim.key, weight=claim.weight, gpus=list(claim.gpus),
                  cgroup=cgroup, **limits, **memory)
+
+    def _check_reserve(self, claim: PodClaim, reserve: int) -> None:
+        """A reserve holds GPU memory for the pod against every other tenant (the daemon's reserves are an admin's
+        call, and adopting is one): a pod may reserve at most its weight's part of each of its GPUs' memory.
+        ValueError naming the pod and the annotation otherwise."""
+        for gpu in claim.gpus:
+            total = self.gpu_memory.get(gpu)
+            if total is None:
+                raise ValueError(f"pod {claim.key} annotation {MEMORY_RESERVE_ANNOTATION}: GPU {gpu}'s memory is not "
+                                 "known to the plugin (no NVML), so no reserve can be weighed against it")
+            most = total * min(claim.weight, self.units_per_gpu) // self.units_per_gpu
+            if reserve > most:
+                raise ValueError(f"pod {claim.key} annotation {MEMORY_RESERVE_ANNOTATION}: {reserve} bytes is more "
+                                 f"than its weight's part of GPU {gpu} ({claim.weight} of {self.units_per_gpu} of its "
+                                 f"{total} bytes: {most})")
 
     def ensure(self, device_ids: Sequence[str]) -> str | None:
         """Before a container starts (PreStartContainer): its pod is a tenant, or why not."""

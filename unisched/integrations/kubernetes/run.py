@@ -92,7 +92,9 @@ def serve_device_plugin(
             if pods is None:
                 log.warning("not in a cluster (no service account): pods cannot be looked up, so none is adopted")
         caps = [r.name for r in config.resources if r.name in (RENDER, DECODE)]
-        adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps)
+        adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps,
+                             gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
+                             units_per_gpu=config.units_per_gpu)
         server = DevicePluginServer(config, telemetry, prestart=adopter.ensure)
         stop = _stop_on_signals()
         log.info("device plugin started", gpus=list(config.gpus), resources=[r.name for r in config.resources],
@@ -130,7 +132,9 @@ def serve_dra_driver(
         else:
             claims_api, slices, pods = api
             driver = DraDriver(config, claims_api, telemetry, slices=slices)
-        driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims)
+        driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims,
+                                    gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
+                                    units_per_gpu=config.weight_per_gpu)
         stop = _stop_on_signals()
         log.info("DRA driver started", driver=config.driver_name, node=config.node_name, gpus=list(config.gpus),
                  cdi_dir=str(config.cdi_dir))
