@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog.testing
 from conftest import ROOT, QuietHandler, child_env, fake_api_server, freezer_unavailable_reason, wait_until
 from inproc import InProcessServer, in_process_server
 from kubelet_stub import FakePodResources, StubKubelet, pod
@@ -469,3 +470,25 @@ def test_device_plugin_command_registers_and_cleans_up(daemon: InProcessServer, 
         kubelet.stop()
     assert "device plugin started" in log and "registered with the kubelet" in log, log[-2000:]
     assert os.path.exists(daemon.socket)
+
+
+def test_a_pod_whose_weight_units_come_from_two_gpus_is_held_back_with_the_reason(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """Two containers of 50 units, one on each GPU: as one tenant it would have weight 100 on both (a 50-unit
+    neighbour on either would get a third instead of half), so it is not adopted and its start says why."""
+    root = tmp_path / "cgroup"
+    uid = str(uuid.uuid4())
+    daemon.driver.create(_pod_dir(root, uid))
+    a, b = ids(0, 0, 50), ids(1, 0, 50)
+    podres.pods = [pod("ns", "split", one={WEIGHT: a}, two={WEIGHT: b})]
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), FakePods({"ns/split": PodInfo(uid)}), cgroup_root=root)
+        with structlog.testing.capture_logs() as logs:
+            result = adopter.reconcile()
+            adopter.reconcile()  # the same reason again: logged once, not every pass
+        assert [e["event"] for e in logs if e["log_level"] == "error"] == ["adoption failed"]
+        assert result.adopted == () and client.tenants() == []
+        assert "its containers' unisched.io/gpu-weight units come from GPUs [0, 1]" in result.failed[tenant_name(a)]
+        why = adopter.ensure(a)
+        assert why is not None and "come from GPUs [0, 1]" in why

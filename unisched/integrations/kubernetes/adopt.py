@@ -72,6 +72,9 @@ class PodClaim:
     device_ids: frozenset[str]
     container: str = ""
     """The container whose gpu-weight IDs name the tenant ("" when the claim is the pod's, as DRA's)."""
+    problem: str = ""
+    """Why the pod cannot be a tenant as it is ("" when it can): it is not adopted, and its containers are held
+    back with this."""
 
     @property
     def key(self) -> str:
@@ -116,9 +119,13 @@ def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
         if not first:
             continue
         gpus = sorted({u.gpu for i in held[WEIGHT] if (u := parse_id(i)) is not None})
+        # one tenant has one weight on each of its GPUs: units from two GPUs would count on both
+        problem = (f"pod {pod.namespace}/{pod.name}: its containers' {WEIGHT} units come from GPUs {gpus}; a pod is one "
+                   "tenant with one weight, so its units must come from one GPU (give it one container asking for "
+                   "them, or fewer units)") if len(gpus) > 1 else ""
         out.append(PodClaim(pod.namespace, pod.name, tenant_name(first), len(held[WEIGHT]), tuple(gpus),
                             len(held[RENDER]), len(held[DECODE]), frozenset(held[WEIGHT] + held[RENDER] + held[DECODE]),
-                            container))
+                            container, problem))
     return out
 
 
@@ -219,6 +226,8 @@ class PodAdopter:
         """Session resources the plugin advertises: a pod's count of each becomes its cap (0 when it asked none)."""
         self.timeout = timeout
         self._lock = threading.Lock()
+        self._reported: dict[str, str] = {}
+        """Each pod's (tenant's) adoption failure logged last pass: logged again only when it changes."""
         self._cgroups: dict[tuple[str, str], tuple[str, PodInfo]] = {}
         """Each pod's cgroup and what the API server said of it (its annotations, read once: a pod whose adoption
         is refused is retried with them, not adopted without them)."""
@@ -285,6 +294,9 @@ class PodAdopter:
                 removed.append(name)
                 log.info("pod gone; tenant removed", tenant=name, cgroup=t.cgroup)
         for claim in claims:
+            if claim.problem:
+                failed[claim.tenant] = claim.problem
+                continue
             cg, info, why = self._cgroup_of(claim)
             if cg is None:
                 failed[claim.tenant] = why
@@ -300,15 +312,17 @@ class PodAdopter:
                 self._adopt(claim, cg, info)
             except ValueError as e:  # a bad annotation: the pod's to fix, reported as the daemon's refusals are
                 failed[claim.tenant] = str(e)
-                log.error("adoption failed", tenant=claim.tenant, pod=claim.key, cgroup=cg, error=str(e))
                 continue
             except DaemonError as e:
                 if e.code is grpc.StatusCode.UNAVAILABLE:
                     raise
                 failed[claim.tenant] = str(e)
-                log.error("adoption failed", tenant=claim.tenant, pod=claim.key, cgroup=cg, error=str(e))
                 continue
             adopted.append(claim.tenant)
+        for tenant, why in failed.items():  # once per pod and reason, not every pass (every 2 s)
+            if self._reported.get(tenant) != why:
+                log.error("adoption failed", tenant=tenant, error=why)
+        self._reported = dict(failed)
         live = {(c.namespace, c.name) for c in claims}
         self._cgroups = {k: v for k, v in self._cgroups.items() if k in live}
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
