@@ -492,3 +492,39 @@ def test_a_pod_whose_weight_units_come_from_two_gpus_is_held_back_with_the_reaso
         assert "its containers' unisched.io/gpu-weight units come from GPUs [0, 1]" in result.failed[tenant_name(a)]
         why = adopter.ensure(a)
         assert why is not None and "come from GPUs [0, 1]" in why
+
+
+def test_a_slow_api_server_costs_a_pass_its_lookup_budget_and_the_starting_pod_is_asked_first(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """Each lookup takes 6 s (an API server near its timeout): a pass asks for pods for 10 s, then leaves the rest
+    for the next, so a container start (PreStartContainer, given up by the kubelet at 30 s) is not held behind a
+    burst of new pods; and the pod whose container is starting is asked first."""
+    from unisched.integrations.kubernetes.adopt import LOOKUP_BUDGET_S
+
+    root = tmp_path / "cgroup"
+    now = [0.0]
+    names = [f"p{i}" for i in range(5)]
+    uids = {n: str(uuid.uuid4()) for n in names}
+    for uid in uids.values():
+        daemon.driver.create(_pod_dir(root, uid))
+    units = {n: ids(0, 10 * i, 10) for i, n in enumerate(names)}
+    podres.pods = [pod("ns", n, c={WEIGHT: units[n]}) for n in names]
+    asked: list[str] = []
+
+    class SlowPods(FakePods):
+        def pod(self, namespace: str, name: str) -> PodInfo | None:
+            asked.append(name)
+            now[0] += 6.0
+            return super().pod(namespace, name)
+
+    pods = SlowPods({f"ns/{n}": PodInfo(uids[n]) for n in names})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root, clock=lambda: now[0])
+        assert adopter.ensure(units["p4"]) is None  # its pod asked first, and adopted
+        assert asked == ["p4", "p0"]  # 0 s and 6 s into the budget; at 12 s the rest waits
+        assert 6.0 * (len(asked) - 1) <= LOOKUP_BUDGET_S
+        result = adopter.reconcile()  # the next pass asks for the next ones
+        assert asked == ["p4", "p0", "p1", "p2"]
+        assert set(result.adopted) == {tenant_name(units["p1"]), tenant_name(units["p2"])}
+        assert result.failed[tenant_name(units["p3"])].startswith("pod ns/p3 not looked up yet")

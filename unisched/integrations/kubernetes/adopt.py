@@ -15,6 +15,7 @@ missing, re-adopts a tenant whose pod was replaced, and logs what it cannot do y
 from __future__ import annotations
 
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -197,6 +198,13 @@ class PassResult:
     """Why the pass could not run at all (PodResources or the daemon unreachable)."""
 
 
+LOOKUP_BUDGET_S = 10.0
+"""How long one adoption pass may spend asking the API server for pods it has not looked up yet (each ask has its
+own timeout): a burst of new pods against a slow API server must not hold the pass, and with it every container
+start on the node (PreStartContainer waits for it; the kubelet gives up after 30 s). Those left are asked next
+pass; a container about to start has its pod asked first."""
+
+
 class PodAdopter:
     """Keeps the daemon's k8s- tenants equal to the pods that hold gpu-weight devices."""
 
@@ -211,8 +219,10 @@ class PodAdopter:
         claims: Callable[[], list[PodClaim]] | None = None,
         gpu_memory: Mapping[int, int] | None = None,
         units_per_gpu: int = 100,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.daemon = daemon
+        self.clock = clock
         self.gpu_memory = dict(gpu_memory or {})
         """Each GPU's memory in bytes (NVML's), by index: a pod's reserve is bounded by its weight's part of it."""
         self.units_per_gpu = units_per_gpu
@@ -243,11 +253,16 @@ class PodAdopter:
             self.cgroup_root = Path(self.daemon.status().cgroup_root)
         return self.cgroup_root
 
+    def _cached(self, claim: PodClaim) -> tuple[str, PodInfo] | None:
+        """The pod's cgroup and info from an earlier pass, while that cgroup exists."""
+        cached = self._cgroups.get((claim.namespace, claim.name))
+        return cached if cached is not None and (self._root() / cached[0].lstrip("/")).is_dir() else None
+
     def _cgroup_of(self, claim: PodClaim) -> tuple[str | None, PodInfo | None, str]:
         """The pod's cgroup and info (cached while the cgroup exists), or why not."""
         key = (claim.namespace, claim.name)
-        cached = self._cgroups.get(key)
-        if cached is not None and (self._root() / cached[0].lstrip("/")).is_dir():
+        cached = self._cached(claim)
+        if cached is not None:
             return cached[0], cached[1], ""
         if self.pods is None:
             return None, None, "no pod directory to look the pod's UID up in (not in a cluster?)"
@@ -263,10 +278,12 @@ class PodAdopter:
         self._cgroups[key] = (cg, info)
         return cg, info, ""
 
-    def reconcile(self) -> PassResult:
+    def reconcile(self, first: frozenset[str] = frozenset()) -> PassResult:
+        """One pass; the pod holding any of the devices `first` (a container about to start) is looked up first."""
         with self._lock:
             try:
                 claims = self.claims() if self.claims is not None else claims_of(self.list_pods())
+                claims.sort(key=lambda c: not first & c.device_ids)
             except grpc.RpcError as e:
                 why = f"PodResources at {self.pod_resources_socket}: {e.details() or e.code()}"
                 log.warning("adoption pass skipped", reason=why)
@@ -293,9 +310,14 @@ class PodAdopter:
                 self.daemon.remove(name)
                 removed.append(name)
                 log.info("pod gone; tenant removed", tenant=name, cgroup=t.cgroup)
+        lookups_end = self.clock() + LOOKUP_BUDGET_S
         for claim in claims:
             if claim.problem:
                 failed[claim.tenant] = claim.problem
+                continue
+            if self.clock() > lookups_end and not self._cached(claim):
+                failed[claim.tenant] = (f"pod {claim.key} not looked up yet: the API server answered slowly this pass "
+                                        "(it is tried again at the next)")
                 continue
             cg, info, why = self._cgroup_of(claim)
             if cg is None:
@@ -363,7 +385,7 @@ class PodAdopter:
 
     def ensure(self, device_ids: Sequence[str]) -> str | None:
         """Before a container starts (PreStartContainer): its pod is a tenant, or why not."""
-        result = self.reconcile()
+        result = self.reconcile(frozenset(device_ids))
         if result.error is not None:
             return result.error
         wanted = set(device_ids)
