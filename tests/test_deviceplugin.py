@@ -528,3 +528,25 @@ def test_a_slow_api_server_costs_a_pass_its_lookup_budget_and_the_starting_pod_i
         assert asked == ["p4", "p0", "p1", "p2"]
         assert set(result.adopted) == {tenant_name(units["p1"]), tenant_name(units["p2"])}
         assert result.failed[tenant_name(units["p3"])].startswith("pod ns/p3 not looked up yet")
+
+
+def test_a_pod_recreated_under_its_name_is_adopted_onto_its_own_cgroup_while_the_old_one_lingers(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """The kubelet removes a deleted pod's cgroup a while after the pod: its successor of the same name (and here
+    the same units) starting meanwhile is another pod, looked up afresh at its container's start."""
+    root = tmp_path / "cgroup"
+    old, new = str(uuid.uuid4()), str(uuid.uuid4())
+    old_cg, new_cg = _pod_dir(root, old), _pod_dir(root, new)
+    daemon.driver.create(old_cg)
+    units = ids(0, 0, 25)
+    podres.pods = [pod("web", "api-0", server={WEIGHT: units})]
+    pods = FakePods({"web/api-0": PodInfo(old)})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)
+        assert adopter.ensure(units) is None
+        assert client.tenants()[0].cgroup == old_cg
+        daemon.driver.create(new_cg)  # the old cgroup is still there
+        pods.pods["web/api-0"] = PodInfo(new)
+        assert adopter.ensure(units) is None
+        assert client.tenants()[0].cgroup == new_cg

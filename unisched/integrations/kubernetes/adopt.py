@@ -279,11 +279,16 @@ class PodAdopter:
         return cg, info, ""
 
     def reconcile(self, first: frozenset[str] = frozenset()) -> PassResult:
-        """One pass; the pod holding any of the devices `first` (a container about to start) is looked up first."""
+        """One pass; the pod holding any of the devices `first` (a container about to start) is looked up first,
+        and afresh: a pod recreated under the same name is another pod (its UID), whose cgroup is another, even
+        while the old one's still exists."""
         with self._lock:
             try:
                 claims = self.claims() if self.claims is not None else claims_of(self.list_pods())
                 claims.sort(key=lambda c: not first & c.device_ids)
+                for c in claims:
+                    if first & c.device_ids:
+                        self._cgroups.pop((c.namespace, c.name), None)
             except grpc.RpcError as e:
                 why = f"PodResources at {self.pod_resources_socket}: {e.details() or e.code()}"
                 log.warning("adoption pass skipped", reason=why)
