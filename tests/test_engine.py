@@ -183,6 +183,21 @@ def test_gpu_busy_time_is_charged_split_by_cpu_activity(tmp_path: Path) -> None:
     assert total == pytest.approx(0.5 * 199 * SLICE, rel=0.02)  # GPU seconds, not CPU seconds
 
 
+def test_online_priority_is_an_admin_s_to_give(tmp_path: Path) -> None:
+    """Online runs ahead of every offline tenant (in preemptive mode, strictly): a user asking it for its own
+    tenant, new or its own already, is refused, and nothing of the tenant changes."""
+    rig = Rig(tmp_path)
+    with pytest.raises(SchedulerError, match="only admins may give a tenant online priority"):
+        rig.engine.register("rush", None, Priority.ONLINE, (), (), 11, 1000, False)
+    assert not rig.engine.has_tenant("rush")
+    rig.engine.register("mine", 50, Priority.OFFLINE, (), (), 12, 1000, False)
+    with pytest.raises(SchedulerError, match="only admins may give a tenant online priority"):
+        rig.engine.register("mine", 90, Priority.ONLINE, (), (), 12, 1000, False)
+    snap = rig.engine.snapshot("mine")
+    assert (snap.weight, snap.priority) == (50, Priority.OFFLINE)
+    assert rig.engine.register("mine", None, Priority.ONLINE, (), (), 13, 0, True).priority == Priority.ONLINE
+
+
 def test_register_checks_ownership_and_weight_caps(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.engine.register("mine", None, None, (), (), 11, 1000, False)

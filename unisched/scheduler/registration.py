@@ -239,6 +239,14 @@ def _check_name_and_weight(name: str, weight: int | None) -> None:
         raise SchedulerError("invalid", str(e)) from None
 
 
+def _check_priority(priority: Priority | None, is_admin: bool) -> None:
+    """Online priority puts a tenant ahead of every offline one (in preemptive mode, strictly): an admin's to give,
+    as weights above max_user_weight are."""
+    if priority is Priority.ONLINE and not is_admin:
+        raise SchedulerError("permission", "only admins may give a tenant online priority (it runs ahead of every "
+                             "offline tenant); ask an admin, or run it offline")
+
+
 def _check_user_weight(c: Context, weight: int, is_admin: bool) -> None:
     if not is_admin and weight > c.config.max_user_weight:
         raise SchedulerError(
@@ -259,6 +267,7 @@ def _create(
                              "container's cgroup (or its pod), and its processes join that tenant")
     w = weight if weight is not None else DEFAULT_WEIGHT
     _check_user_weight(c, w, is_admin)
+    _check_priority(priority, is_admin)
     _check_room(c, uid, is_admin)
     limits = memory_limits(c, name, SessionLimits(), gpus, memory, is_admin, creating=True)
     cgroup = c.driver.tenant_cgroup(name)
@@ -286,6 +295,8 @@ def _rejoin(
     if not owner and not member:
         raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
     before = t.saved()
+    if owner and priority is not None and priority != t.priority:
+        _check_priority(priority, is_admin)  # before anything changes
     # checked before anything changes (a refused reserve leaves the tenant as it was), against the GPUs it will have;
     # a plain rejoin is not checked again (a reserve kept while the GPU's size was unknown must not lock it out)
     new_gpus = gpus if owner and gpus is not None else t.gpus
