@@ -502,3 +502,19 @@ def test_a_renewal_that_changes_no_want_recomputes_no_demand_one_that_does_still
     silent.report(0.0)  # renewing again: its demand is back, and it gets its turn
     assert book.demand(silent.name) and refreshed == [silent.name]
     assert silent.name in rig.run(10, [a, b])
+
+
+def test_a_member_may_not_open_a_lease_on_a_gpu_its_tenant_is_not_bound_to(tmp_path: Path) -> None:
+    """A process in a pod's tenant (bound to GPU 0) saying hello for GPU 1 would contend a GPU its tenant is weighted
+    on nowhere (and cannot open: device admission); only the owner or an admin moves a tenant."""
+    from unisched.enforce.leases import FakeLeaseChannel
+
+    rig = LeaseRig(tmp_path, telemetry=FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0", 141 << 30),
+                                                      GpuInfo(1, "NVIDIA H200", "GPU-1", 141 << 30)]))
+    rig.engine.register("t", 100, None, ["compute"], (0,), 6001, 1000, False)
+    rig.driver.attach("/unisched/t", 6002)  # a member: a process of the tenant, another uid's
+    with pytest.raises(SchedulerError, match=r"bound to GPUs \[0\]; only its owner or an admin may move it to GPU 1"):
+        rig.engine.lease_open("t", None, None, ["compute"], 1, 6002, 2000, False, FakeLeaseChannel())
+    rig.engine.lease_open("t", None, None, ["compute"], 0, 6002, 2000, False, FakeLeaseChannel())  # its own GPU
+    rig.engine.lease_open("t", None, None, ["compute"], 1, 6001, 1000, False, FakeLeaseChannel())  # the owner moves it
+    assert {r.gpu for s in rig.engine.snapshot("t").shares for r in (s.resource,)} == {1}

@@ -53,6 +53,10 @@ def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
     if gpu not in c.gpu_indices:
         raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
     t = c.tenants.get(ask.name)
+    if (t is not None and t.gpus is not None and gpu not in t.gpus and not ask.is_admin
+            and ask.uid != t.owner_uid):  # a member joins as it is: its owner set the GPUs, and its weight is theirs
+        raise SchedulerError("permission", f"tenant {t.name!r} is bound to GPUs {list(t.gpus)}; only its owner or an "
+                             f"admin may move it to GPU {gpu}")
     return replace(ask, gpus=(gpu,) if t is None or t.gpus is not None else ())
 
 
