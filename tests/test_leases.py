@@ -518,3 +518,15 @@ def test_a_member_may_not_open_a_lease_on_a_gpu_its_tenant_is_not_bound_to(tmp_p
     rig.engine.lease_open("t", None, None, ["compute"], 0, 6002, 2000, False, FakeLeaseChannel())  # its own GPU
     rig.engine.lease_open("t", None, None, ["compute"], 1, 6001, 1000, False, FakeLeaseChannel())  # the owner moves it
     assert {r.gpu for s in rig.engine.snapshot("t").shares for r in (s.resource,)} == {1}
+
+
+def test_with_user_leases_off_only_admins_open_lease_sessions(tmp_path: Path) -> None:
+    """A client's GPU time is what it reports: where every app must be held to its weight, the lease socket is an
+    admin's, and a user's app runs under the freezer."""
+    from unisched.enforce.leases import FakeLeaseChannel
+
+    rig = LeaseRig(tmp_path, user_leases=False)
+    with pytest.raises(SchedulerError, match=r"only admins may open lease sessions on this daemon \(user_leases = "):
+        rig.engine.lease_open("mine", 100, None, ["compute"], 0, 6001, 1000, False, FakeLeaseChannel())
+    assert not rig.engine.has_tenant("mine")
+    rig.engine.lease_open("ops", 100, None, ["compute"], 0, 6002, 0, True, FakeLeaseChannel())

@@ -138,6 +138,8 @@ class DaemonConfig:
     admin_group: str | None = knob(None, "daemon", "members may change weights and caps, adopt and remove tenants, "
                                    "besides root (a missing group leaves only root)")
     user_tenants: bool = knob(True, "daemon", "non-admins may create tenants (`unisched run --tenant NEW`)")
+    user_leases: bool = knob(True, "daemon", "non-admins may open lease sessions (the client libraries); a client's "
+                             "GPU time is what it reports, so set false where every app must be held to its weight")
     max_user_weight: int = knob(DEFAULT_WEIGHT, "daemon", "the highest weight a non-admin may ask for",
                                 bounds=(WEIGHT_MIN, WEIGHT_MAX))
     state_dir: str = knob(DEFAULT_STATE_DIR, "daemon", "where tenants and weights are kept across restarts")

@@ -50,6 +50,10 @@ def start_lease_open(c: Context, ask: RegisterAsk, gpu: int,
 
 def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
     """The registration a hello for `gpu` makes: a new tenant (or one bound to GPUs) is bound to that GPU."""
+    if not ask.is_admin and not c.config.user_leases:
+        raise SchedulerError("permission", "only admins may open lease sessions on this daemon (user_leases = false): "
+                             "run the app under `unisched run` without the client library, where the freezer holds it "
+                             "to its weight")
     if gpu not in c.gpu_indices:
         raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
     t = c.tenants.get(ask.name)
