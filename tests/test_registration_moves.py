@@ -178,7 +178,7 @@ def test_a_tenant_removed_during_the_move_stays_removed_and_the_registration_fai
     assert "slow" not in {t.name for t in StateStore(tmp_path / "state").load()}
 
 
-def test_a_caller_that_exits_during_the_move_is_refused_and_its_pid_moved_back(tmp_path: Path) -> None:
+def test_a_caller_that_exits_during_the_move_is_refused(tmp_path: Path) -> None:
     engine, driver, inner, _ = fake_engine(tmp_path)
     gone = threading.Event()
 
@@ -193,7 +193,9 @@ def test_a_caller_that_exits_during_the_move_is_refused_and_its_pid_moved_back(t
 
     err = run(main)
     assert (err.kind, str(err)) == ("failed", "the connecting process has exited")
-    assert inner.cgroup_of(PID) == ORIGIN
+    # whoever holds the pid now is not the caller: not put where the caller came from (its parent's cgroup is where
+    # it goes, below; this pid names no process here, so it has none)
+    assert inner.cgroup_of(PID) != ORIGIN
 
 
 def test_a_failed_move_gives_the_same_error_on_the_loop_and_off_it(tmp_path: Path) -> None:
@@ -439,3 +441,29 @@ def test_a_real_caller_moved_in_while_its_tenant_is_removed_goes_back(tmp_path: 
         engine.shutdown()
         _cleanup_cgroups(tenant_prefix)
 
+
+
+def test_a_pid_reused_during_a_move_goes_to_its_parent_s_cgroup_not_the_caller_s_origin() -> None:
+    """The caller exited and its pid named a stranger by the time the kernel moved it: the stranger leaves the
+    tenant for where a new process starts (its parent's cgroup), never for the caller's cgroup of origin, which the
+    caller chose (a cgroup of its own it may freeze)."""
+    import subprocess
+
+    from unisched.enforce.cgroups import FakeCgroupDriver
+    from unisched.scheduler.moves import Move, move_caller
+    from unisched.scheduler.tenant import SchedulerError
+
+    driver = FakeCgroupDriver()
+    for cg in ("/attacker", "/parent", "/unisched/t"):
+        driver.create(cg)
+    driver.attach("/parent", os.getpid())  # the stranger's parent: this test's process
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        driver.attach("/attacker", stranger.pid)  # where the caller, holding this pid before, came from
+        checks = iter((True, False))  # alive when asked before the move, gone after it
+        with pytest.raises(SchedulerError):
+            move_caller(Move(driver, "/unisched/t", stranger.pid, alive=lambda: next(checks)))
+        assert driver.cgroup_of(stranger.pid) == "/parent"
+    finally:
+        stranger.kill()
+        stranger.wait(10)

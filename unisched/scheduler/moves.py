@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import structlog
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.enforce.seccomp.proc import parent
 from unisched.policy.rotation import Rotation
 from unisched.scheduler.tenant import CALLER_GONE, SchedulerError, need_alive
 
@@ -48,8 +49,8 @@ class Move:
 
 def move_caller(m: Move) -> str | None:
     """Move the caller into `m.cgroup`; returns the cgroup it came from (None: unknown). If it exited meanwhile,
-    the pid may name another process by now: whatever process holds the pid in the cgroup goes back where the
-    caller was, and the call fails."""
+    the pid may name another process by now: whatever process holds the pid in the cgroup is moved out
+    (`move_stranger_out`), and the call fails."""
     try:
         origin = m.driver.cgroup_of(m.pid)
     except OSError:
@@ -61,8 +62,9 @@ def move_caller(m: Move) -> str | None:
         raise SchedulerError("failed", f"cannot move pid {m.pid} into {m.cgroup}: {e}") from None
     if m.alive is None or m.alive():
         return origin
-    if move_back(m, origin):
-        log.warning("moved a reused pid back", pid=m.pid, cgroup=origin)
+    out = move_stranger_out(m)
+    if out is not None:
+        log.warning("moved a reused pid out", pid=m.pid, cgroup=out)
     raise SchedulerError("failed", CALLER_GONE)
 
 
@@ -74,6 +76,22 @@ def move_back(m: Move, origin: str | None) -> bool:
             m.driver.attach(origin, m.pid)
             return True
     return False
+
+
+def move_stranger_out(m: Move) -> str | None:
+    """The caller was gone when its move ran, so the process holding the pid in `m.cgroup` now is not the caller: it
+    goes to its parent's cgroup (where a new process starts), not to where the caller came from (the caller's
+    choice, perhaps a cgroup it may freeze). Nothing when it is elsewhere or its parent's cgroup is unknown; returns
+    where it went."""
+    with contextlib.suppress(OSError, CgroupError, ValueError):
+        if m.driver.cgroup_of(m.pid) != m.cgroup:
+            return None
+        ppid = parent(m.pid)
+        home = None if ppid is None else m.driver.cgroup_of(ppid)
+        if home is not None and home != m.cgroup:
+            m.driver.attach(home, m.pid)
+            return home
+    return None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,16 @@ def state_and_start(pid: int) -> tuple[str, str] | None:
     return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
+def parent(pid: int) -> int | None:
+    """Field 4 of /proc/PID/stat (the parent's pid); None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
 def start_time(pid: int) -> str | None:
     """Field 22 of /proc/PID/stat (start time in clock ticks); None when the process is gone."""
     stat = state_and_start(pid)
