@@ -170,48 +170,44 @@ def test_a_busy_reply_to_the_deadline_is_an_error(short_dir: Path) -> None:
 
 
 # --- attackers: real processes as another uid -------------------------------------------------------------------------
-def _fork_as(uid: int, body: Callable[[], None]) -> int:
-    """Run `body` in a forked child with `uid` (no supplementary groups); its exit status says if it held."""
+def _forked(child: Callable[[], None]) -> int:
+    """Run `child` in a forked process; its exit status says if it held."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            body()
+            child()
             code = 0
         except BaseException:
             traceback.print_exc()
         finally:
             os._exit(code)
     return pid
+
+
+def _fork_as(uid: int, body: Callable[[], None]) -> int:
+    """Run `body` in a forked child with `uid` (no supplementary groups)."""
+    def child() -> None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        body()
+    return _forked(child)
 
 
 def _fork_in_pid_namespace(body: Callable[[], None]) -> int:
     """Run `body` as root in a pid namespace of its own (root in a pod, as the agent socket sees it); killing the
     returned pid kills it too (its parent-death signal)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.unshare(CLONE_NEWPID) != 0:
-                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID)")
-            inner = os.fork()
-            if inner == 0:
-                libc.prctl(PR_SET_PDEATHSIG, 9)
-                try:
-                    body()
-                finally:
-                    os._exit(1)
-            os.waitpid(inner, 0)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
+    def child() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(CLONE_NEWPID) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID)")
+
+        def inner() -> None:  # the namespace's first process
+            libc.prctl(PR_SET_PDEATHSIG, 9)
+            body()
+        os.waitpid(_forked(inner), 0)
+    return _forked(child)
 
 
 def _reap(pid: int) -> int:

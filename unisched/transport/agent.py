@@ -169,17 +169,16 @@ class SeccompAgentServer:
         except OSError:
             conn.close()
             return
-        uid = cred.uid  # root outside the host's namespaces is CONTAINED_ROOT: one user, not the runtime
-        refusal = self._slots.take(uid)
+        refusal = self._slots.take(cred.uid)  # root outside the host's namespaces: CONTAINED_ROOT, one user
         if refusal is not None:
-            self._warn("seccomp hand-over refused: too many in progress", uid, peer_pid=cred.pid, reason=refusal)
+            self._warn("seccomp hand-over refused: too many in progress", cred.uid, peer_pid=cred.pid, reason=refusal)
             ack_agent(conn, refusal, busy=True)
             self._close(conn, cred)
             return
         conn.setblocking(False)
-        task = asyncio.create_task(self._handle(conn, cred, uid, deadline))
+        task = asyncio.create_task(self._handle(conn, cred, deadline))
         self._pending.add(task)
-        task.add_done_callback(lambda t: self._done(t, conn, cred, uid))
+        task.add_done_callback(lambda t: self._done(t, conn, cred))
 
     @staticmethod
     def _close(conn: socket.socket, cred: PeerCred) -> None:
@@ -187,14 +186,14 @@ class SeccompAgentServer:
         if cred.process is not None:
             cred.process.close()
 
-    def _done(self, task: asyncio.Task[None], conn: socket.socket, cred: PeerCred, uid: int) -> None:
+    def _done(self, task: asyncio.Task[None], conn: socket.socket, cred: PeerCred) -> None:
         """However the handler ended (even cancelled before it ran): the connection closes, the slot returns."""
         self._pending.discard(task)
         self._close(conn, cred)
-        self._slots.give_back(uid)
+        self._slots.give_back(cred.uid)
 
-    async def _handle(self, conn: socket.socket, cred: PeerCred, uid: int, deadline: float) -> None:
-        pid = cred.pid
+    async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float) -> None:
+        pid, uid = cred.pid, cred.uid
         fd = -1
         try:
             try:

@@ -112,11 +112,8 @@ def known_as(cred: PeerCred) -> int:
     """The uid the caller counts as (module docstring): its own in the daemon's user namespace, except root outside
     its pid namespace; the maker of its user namespace otherwise; CONTAINED_ROOT for root in a container (or a
     caller gone before its namespaces were read)."""
-    theirs, ours = _ns(f"/proc/{cred.pid}/ns/user"), _ns("/proc/self/ns/user")
-    if theirs is not None and theirs == ours:
-        uid = cred.uid
-        if uid == 0 and _ns(f"/proc/{cred.pid}/ns/pid") != _ns("/proc/self/ns/pid"):
-            uid = CONTAINED_ROOT
+    if _ours(cred.pid, "user"):
+        uid = CONTAINED_ROOT if cred.uid == 0 and not _ours(cred.pid, "pid") else cred.uid
     else:
         owner = _user_ns_owner(cred.pid)
         uid = CONTAINED_ROOT if owner is None or owner == 0 else owner
@@ -194,14 +191,16 @@ def _ns(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _ours(pid: int, kind: str) -> bool:
+    """Whether process `pid` is in the daemon's own namespace of `kind` ("user", "pid"); False when it is gone."""
+    theirs = _ns(f"/proc/{pid}/ns/{kind}")
+    return theirs is not None and theirs == _ns(f"/proc/self/ns/{kind}")
+
+
 def in_host_namespaces(cred: PeerCred) -> bool:
     """Whether the caller shares the daemon's user and pid namespaces (read through its pid, then checked
     alive: a live pidfd means the pid still named the caller when its namespaces were read)."""
-    for kind in ("user", "pid"):
-        theirs = _ns(f"/proc/{cred.pid}/ns/{kind}")
-        if theirs is None or theirs != _ns(f"/proc/self/ns/{kind}"):
-            return False
-    return cred.alive()
+    return _ours(cred.pid, "user") and _ours(cred.pid, "pid") and cred.alive()
 
 
 def is_admin(cred: PeerCred, admin_gid: int | None) -> bool:

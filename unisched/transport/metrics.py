@@ -169,7 +169,7 @@ def _gpu(index: int, uuids: Mapping[int, str]) -> list[str]:
 
 def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Mapping[int, str]) -> None:
     for s in tenants:
-        n = [s.name, *(s.labels.get(k, "") for k in LABEL_KEYS)]
+        n = _tenant(s.name, s.labels)
         out.add("unisched_tenant_weight", n, float(s.weight))
         out.add("unisched_tenant_base_weight", n, float(s.base_weight))
         for share in s.shares:
@@ -200,11 +200,15 @@ def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Ma
                 out.add("unisched_tenant_memory_reserve_bytes", g, float(m.reserve))
 
 
+def _tenant(name: str, labels: Mapping[str, str]) -> list[str]:
+    """The per-tenant label values (metric_names.TENANT): its name, and where an orchestrator runs it."""
+    return [name, *(labels.get(k, "") for k in LABEL_KEYS)]
+
+
 def _hook_metrics(out: _Families, hooks: Sequence[HookCounts], tenants: Sequence[TenantSnapshot]) -> None:
     labels = {s.name: s.labels for s in tenants}
     for c in hooks:
-        mine = labels.get(c.tenant, {})
-        n = [c.tenant, *(mine.get(k, "") for k in LABEL_KEYS)]
+        n = _tenant(c.tenant, labels.get(c.tenant, {}))
         out.add("unisched_tenant_hook_calls", n, float(c.calls))
         out.add("unisched_tenant_hook_answer_seconds", n, c.answer_s)
         out.add("unisched_tenant_hook_errors", n, float(c.errors))
@@ -257,8 +261,6 @@ class MetricsServer:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    timeout = READ_TIMEOUT_S
-
     def log_message(self, format: str, *args: object) -> None:
         """Scrapes and probes every few seconds: not worth a log line each."""
 

@@ -27,26 +27,27 @@ def owner(tid: int) -> tuple[int, str]:
     return tgid, start_time(tgid) or ""
 
 
+def _stat_after_comm(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the 3rd on (after "(comm)", which may hold spaces and parentheses); None when
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def state_and_start(pid: int) -> tuple[str, str] | None:
     """(state letter, start time in clock ticks): fields 3 and 22 of /proc/PID/stat. The start time tells a reused
     pid apart; None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()  # after "(comm)", which may hold spaces and parentheses
-    return (fields[0], fields[19]) if len(fields) > 19 else None
+    fields = _stat_after_comm(pid)
+    return (fields[0], fields[19]) if fields is not None and len(fields) > 19 else None
 
 
 def parent(pid: int) -> int | None:
     """Field 4 of /proc/PID/stat (the parent's pid); None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    fields = _stat_after_comm(pid)
+    return int(fields[1]) if fields is not None and len(fields) > 1 and fields[1].isdigit() else None
 
 
 def start_time(pid: int) -> str | None:
