@@ -303,13 +303,49 @@ def test_orphan_records_are_thawed_once_and_live_ones_left_alone(tmp_path: Path)
     dead = tmp_path / "0123.list"
     dead.write_text("subtree /nowhere-on-this-host\n")
     (tmp_path / "notes.txt").write_text("not a record")
-    got = thaw_orphans(tmp_path)
+    got = thaw_orphans([tmp_path])
     assert got.records == 1 and got.thawed == () and not dead.exists() and live.path.exists()
     assert [s for _, s in live_subtrees(tmp_path)] == ["/live"]
     with pytest.raises(RecordError, match="overlaps /live"):
         GovernedRecord(tmp_path, "live/inner")
     live.close()
-    assert not live.path.exists() and thaw_orphans(tmp_path).records == 0
+    assert not live.path.exists() and thaw_orphans([tmp_path]).records == 0
+
+
+def test_the_record_is_kept_where_neither_a_crash_nor_a_pod_reaches_it(tmp_path: Path) -> None:
+    """systemd removes a unit's RuntimeDirectory whenever the unit stops, a crash before its automatic restart
+    included (RuntimeDirectoryPreserve= defaults to no): a record there is gone exactly when the restart needs it.
+    And pods get the daemon socket's directory mounted: the records (node cgroups, pod UIDs) are not theirs."""
+    from unisched.enforce.governed import GOVERNED_DIR
+    from unisched.integrations.kubernetes.plugin import tenant_edits
+    from unisched.scheduler.config import DEFAULT_SOCKET, DEFAULT_STATE_DIR
+
+    unit = dict(line.split("=", 1) for line in (ROOT / "deploy/systemd/unisched.service").read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    governed = Path(GOVERNED_DIR)
+    assert governed.is_relative_to(Path("/var/lib") / unit["StateDirectory"])
+    assert governed.is_relative_to(DEFAULT_STATE_DIR)
+    assert not any(governed.is_relative_to(Path("/run") / d) for d in unit["RuntimeDirectory"].split())
+    mounted = tenant_edits("t", 100, (0,), DEFAULT_SOCKET, tmp_path).mounts
+    assert mounted and not any(governed.is_relative_to(m) for m in mounted)
+
+
+def test_the_orphan_thaw_also_reads_where_records_were_kept_before(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon that died before an upgrade left its record in the old directory: the next start thaws it too.
+    A directory named in the environment (tests, a second instance) is read alone."""
+    from unisched.enforce.governed import GOVERNED_DIR, GOVERNED_DIR_ENV, LEGACY_GOVERNED_DIR, orphan_dirs
+
+    monkeypatch.delenv(GOVERNED_DIR_ENV, raising=False)
+    assert orphan_dirs() == (Path(GOVERNED_DIR), Path(LEGACY_GOVERNED_DIR))
+    monkeypatch.setenv(GOVERNED_DIR_ENV, str(tmp_path / "mine"))
+    assert orphan_dirs() == (tmp_path / "mine",)
+    new, old = tmp_path / "new", tmp_path / "old"
+    for d in (new, old):
+        d.mkdir(mode=0o700)
+        (d / "dead.list").write_text("subtree /nowhere-on-this-host\n")
+    got = thaw_orphans([new, old])
+    assert got.records == 2 and not (new / "dead.list").exists() and not (old / "dead.list").exists()
 
 
 def test_records_in_a_directory_others_can_write_are_not_acted_on(tmp_path: Path) -> None:
@@ -317,7 +353,7 @@ def test_records_in_a_directory_others_can_write_are_not_acted_on(tmp_path: Path
     shared.mkdir()
     shared.chmod(0o777)  # anyone could have written this record
     (shared / "1.list").write_text("subtree /kubepods\n")
-    got = thaw_orphans(shared)
+    got = thaw_orphans([shared])
     assert got.records == 0 and (shared / "1.list").exists()
     assert got.problems and "its records are ignored" in got.problems[0]
 

@@ -7,7 +7,7 @@ next `unisched serve` does, before it reads a config or a state file, is thaw ev
 (recursively below a subtree) and delete them. So a restart that then fails (a bad config, a corrupt state file)
 still leaves nothing frozen.
 
-The directory does not come from the config (a bad config must not hide it): /run/unisched/governed, or
+The directory does not come from the config (a bad config must not hide it): /var/lib/unisched/governed, or
 $UNISCHED_GOVERNED_DIR (tests, a second instance). Records are read as untrusted text: bad lines are skipped,
 paths with '..' refused.
 """
@@ -19,7 +19,7 @@ import fcntl
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +28,26 @@ from unisched.enforce.cgtree import folders_below
 __all__ = [
     "GOVERNED_DIR",
     "GOVERNED_DIR_ENV",
+    "LEGACY_GOVERNED_DIR",
     "GovernedRecord",
     "Orphans",
     "RecordError",
     "governed_dir",
     "live_subtrees",
+    "orphan_dirs",
     "parse_record",
     "thaw_orphans",
 ]
 
-GOVERNED_DIR = "/run/unisched/governed"
-"""On tmpfs: records describe cgroups, which do not survive a reboot either."""
+GOVERNED_DIR = "/var/lib/unisched/governed"
+"""Below the default state directory, which only root reads (the systemd unit's StateDirectory, the DaemonSet's
+state volume). Not in /run/unisched: systemd removes a unit's RuntimeDirectory whenever the unit stops, a crash
+before its automatic restart included, which would lose the record exactly when it is needed; and pods get
+/run/unisched mounted for the daemon's sockets, where the records (node cgroups, pod UIDs) are not theirs to read.
+Records outlive a reboot: the first start after one finds only cgroups that are gone, and thaws nothing."""
+LEGACY_GOVERNED_DIR = "/run/unisched/governed"
+"""Where records were kept before: the orphan thaw reads it too, so a daemon that died before an upgrade leaves
+nothing frozen after it."""
 GOVERNED_DIR_ENV = "UNISCHED_GOVERNED_DIR"
 MAX_RECORD_BYTES = 4 << 20
 """A record holds one line per adopted cgroup (a few hundred bytes each): 4 MiB is ten thousand adoptions and
@@ -55,6 +64,14 @@ class RecordError(OSError):
 
 def governed_dir() -> Path:
     return Path(os.environ.get(GOVERNED_DIR_ENV) or GOVERNED_DIR)
+
+
+def orphan_dirs() -> tuple[Path, ...]:
+    """Where a dead daemon's record may be: governed_dir(), and LEGACY_GOVERNED_DIR unless the environment names
+    the directory (tests, a second instance: theirs alone)."""
+    if os.environ.get(GOVERNED_DIR_ENV):
+        return (governed_dir(),)
+    return governed_dir(), Path(LEGACY_GOVERNED_DIR)
 
 
 @dataclass(frozen=True)
@@ -188,15 +205,15 @@ def _read_locked(path: Path) -> tuple[int, str] | None:
     return fd, os.pread(fd, MAX_RECORD_BYTES, 0).decode(errors="replace")
 
 
-def thaw_orphans(directory: Path | None = None) -> Orphans:
-    """Thaw what every daemon that is gone may have left frozen, and delete its record. Never raises: it runs
-    first on every start, before anything that could fail."""
-    directory = directory or governed_dir()
+def thaw_orphans(directories: Sequence[Path] | None = None) -> Orphans:
+    """Thaw what every daemon that is gone may have left frozen, and delete its record (in `directories`, default
+    `orphan_dirs()`). Never raises: it runs first on every start, before anything that could fail."""
+    directories = orphan_dirs() if directories is None else directories
     mounts = _freezer_mounts()
     thawed: list[str] = []
-    problems: list[str] = [why] if (why := _untrusted(directory)) else []
+    problems: list[str] = [why for d in directories if (why := _untrusted(d))]
     removed = 0
-    for path in _records(directory):
+    for path in (p for d in directories for p in _records(d)):
         opened = _read_locked(path)
         if opened is None:
             continue
