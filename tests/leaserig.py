@@ -22,13 +22,14 @@ class Coop:
     """One cooperative client: its session, its channel, and the lease it believes it holds."""
 
     def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute",
-                 priority: Priority | None = None) -> None:
+                 priority: Priority | None = None, uid: int = 0) -> None:
         self.rig = rig
         self.name = name
         self.engine = engine
         self.channel = FakeLeaseChannel()
         rig.pid += 1
-        self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, 0, True, self.channel)
+        self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, uid, uid == 0,
+                                            self.channel)
         self.held = False
         self.revokes: list[LeaseRevoke] = []
         self.grants: list[LeaseGrant] = []
@@ -66,8 +67,10 @@ class LeaseRig:
         self.pid = 5000
         self.clients: list[Coop] = []
 
-    def coop(self, name: str, weight: int, engine: str = "compute", priority: Priority | None = None) -> Coop:
-        c = Coop(self, name, weight, engine, priority)
+    def coop(self, name: str, weight: int, engine: str = "compute", priority: Priority | None = None,
+             uid: int = 0) -> Coop:
+        """A client of `uid` (0: an admin) opening a lease session in tenant `name`."""
+        c = Coop(self, name, weight, engine, priority, uid)
         self.clients.append(c)
         return c
 

@@ -247,6 +247,28 @@ def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases
     assert not rig.engine.snapshot("good").enforced
 
 
+def test_a_user_whose_leases_overran_stays_enforced_in_a_tenant_made_again(tmp_path: Path) -> None:
+    """Removing the overrunning tenant and making it again, under its name or another, must not wipe the record:
+    the freezer backs the leases of every tenant that user opens a session in. Another user's are not."""
+    rig = LeaseRig(tmp_path)
+    good, bad = rig.coop("good", 100, uid=1001), rig.coop("bad", 100, uid=1000)
+    bad.yields = False
+    good.want()
+    bad.want()
+    for _ in range(60):  # bad ignores revocations and uses every slice
+        delay = rig.tick()
+        rig.clock.advance(delay)
+        good.report(delay if good.held else 0.0)
+        bad.report(delay)
+    assert rig.engine.snapshot("bad").enforced and not rig.engine.snapshot("good").enforced
+    rig.engine.remove("bad")
+    again, renamed = rig.coop("bad", 100, uid=1000), rig.coop("bad-2", 100, uid=1000)
+    other = rig.coop("other", 100, uid=1002)
+    assert rig.engine.snapshot("bad").enforced and rig.engine.snapshot("bad-2").enforced
+    assert not rig.engine.snapshot("other").enforced and not rig.engine.snapshot("good").enforced
+    assert again.sid and renamed.sid and other.sid
+
+
 @pytest.mark.parametrize(("share", "gap_s", "turn_s"), [(0.01, 0.0, 0.0), (0.01, 0.0015, 0.15), (0.01, 0.02, 0.5),
                                                       (0.0, 0.02, 0.0)])
 def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

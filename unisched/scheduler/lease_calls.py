@@ -38,14 +38,14 @@ log = structlog.get_logger("unisched.scheduler")
 def lease_open(c: Context, ask: RegisterAsk, gpu: int, channel: LeaseChannel) -> tuple[int, TenantSnapshot]:
     """Register the caller (as `registration.enroll`: its process joins the tenant's cgroup) and open a lease
     session, at once (no event loop)."""
-    return _session(c, enroll(c, _lease_ask(c, ask, gpu)), gpu, channel)
+    return _session(c, enroll(c, _lease_ask(c, ask, gpu)), gpu, channel, ask)
 
 
 def start_lease_open(c: Context, ask: RegisterAsk, gpu: int,
                      channel: LeaseChannel) -> asyncio.Future[tuple[int, TenantSnapshot]]:
     """`lease_open` from the event loop: the caller moves in off the loop (`registration.start_enroll`), and the
     session opens once it is in."""
-    return start_enroll(c, _lease_ask(c, ask, gpu), lambda t: _session(c, t, gpu, channel))
+    return start_enroll(c, _lease_ask(c, ask, gpu), lambda t: _session(c, t, gpu, channel, ask))
 
 
 def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
@@ -64,11 +64,11 @@ def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
     return replace(ask, gpus=(gpu,) if t is None or t.gpus is not None else ())
 
 
-def _session(c: Context, t: Tenant, gpu: int, channel: LeaseChannel) -> tuple[int, TenantSnapshot]:
+def _session(c: Context, t: Tenant, gpu: int, channel: LeaseChannel, ask: RegisterAsk) -> tuple[int, TenantSnapshot]:
     if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
         _thaw(c, t)
     name = t.name
-    sid = c.leases.open(name, gpu, channel)
+    sid = c.leases.open(name, gpu, channel, user=None if ask.is_admin else ask.uid)
     t.active = bool(c.leases.demand(name))
     c.policy.set_demand(name, c.leases.demand(name))
     return sid, snapshot(c, name)

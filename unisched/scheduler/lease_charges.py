@@ -34,6 +34,9 @@ class LeaseCharges:
         self._handovers = handovers
         self._enforced: set[str] = set()
         """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
+        self._enforced_users: set[int] = set()
+        """Users (uids, not admins) whose sessions kept overrunning: every tenant they open a session in is enforced,
+        so removing a tenant and making it again, under any name, does not wipe the record (kept until restart)."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
@@ -51,6 +54,13 @@ class LeaseCharges:
     def enforced_names(self) -> Collection[str]:
         """The tenants whose leases the freezer backs (live; do not modify)."""
         return self._enforced
+
+    def enforce_user(self, user: int, tenant: str) -> None:
+        """`user` opens a session in `tenant`: the tenant is enforced if the user's sessions kept overrunning."""
+        if user in self._enforced_users and tenant not in self._enforced:
+            self._enforced.add(tenant)
+            log.warning("lease overrun: the freezer backs this tenant's leases, as its user's leases overran before",
+                        tenant=tenant, uid=user)
 
     def overrun_s(self, tenant: str) -> float:
         return self._overrun.get(tenant, 0.0)
@@ -97,6 +107,8 @@ class LeaseCharges:
                 self._overrun[s.tenant] = self._overrun.get(s.tenant, 0.0) + verdict.overrun_s
                 log.warning("lease overrun", tenant=s.tenant, engine=engine.value, overrun_s=round(verdict.overrun_s, 4),
                             strikes=verdict.strikes)
+                if verdict.enforce and s.user is not None:
+                    self._enforced_users.add(s.user)
                 if verdict.enforce and s.tenant not in self._enforced:
                     self._enforced.add(s.tenant)
                     log.warning("lease overrun: the freezer now backs this tenant's leases", tenant=s.tenant)

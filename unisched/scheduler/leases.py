@@ -120,10 +120,15 @@ class LeaseBook:
         return s
 
     # --- sessions ------------------------------------------------------------------------------------
-    def open(self, tenant: str, gpu: int, channel: LeaseChannel) -> int:
+    def open(self, tenant: str, gpu: int, channel: LeaseChannel, user: int | None = None) -> int:
+        """`user`: the uid that opens the session, None for an admin. A user whose leases were found overrunning
+        has the freezer back the leases of every tenant it opens a session in (LeaseCharges.enforce_user)."""
         sid = next(self._ids)
         bound = log.bind(tenant=tenant, session=sid)
-        self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, bound, bound.is_enabled_for(logging.DEBUG))
+        self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, bound, bound.is_enabled_for(logging.DEBUG),
+                                            user=user)
+        if user is not None:
+            self._charges.enforce_user(user, tenant)
         self._coop.setdefault(tenant, CoopRecord()).sessions.add(sid)
         log.info("lease session opened", tenant=tenant, session=sid, gpu=gpu)
         return sid
