@@ -114,9 +114,12 @@ def hooked_calls(port: int, tenant: str, runs: int) -> dict[str, float]:
     """What the daemon's metrics say of `tenant`'s `runs` hooked starts: the notified calls a start made, and the
     mean time the daemon took from a notification to its answer. The metrics are copied once a second, so this
     reads until two scrapes over a second apart agree (30 s at most)."""
-    def read() -> tuple[float, float]:
+    names = ("unisched_tenant_hook_calls_total", "unisched_tenant_hook_answer_seconds_total",
+             "unisched_tenant_hook_decisions_total", "unisched_tenant_hook_decision_seconds_total")
+
+    def read() -> tuple[float, ...]:
         got = {n: v for n, labels, v in scrape(port) if labels.get("tenant") == tenant}
-        return got.get("unisched_tenant_hook_calls_total", 0.0), got.get("unisched_tenant_hook_answer_seconds_total", 0.0)
+        return tuple(got.get(n, 0.0) for n in names)
 
     last, deadline = read(), time.monotonic() + 30
     while True:
@@ -125,9 +128,12 @@ def hooked_calls(port: int, tenant: str, runs: int) -> dict[str, float]:
         if now == last or time.monotonic() > deadline:
             break
         last = now
-    calls, answer_s = now
+    calls, answer_s, decided, decided_s = now
     return {"runs": runs, "calls_per_start": calls / runs if runs else 0.0,
-            "answer_us_mean": answer_s / calls * 1e6 if calls else 0.0}
+            "answer_us_mean": answer_s / calls * 1e6 if calls else 0.0,
+            "decisions_per_start": decided / runs if runs else 0.0,
+            "decision_us_mean": decided_s / decided * 1e6 if decided else 0.0,
+            "undecided_us_mean": (answer_s - decided_s) / (calls - decided) * 1e6 if calls > decided else 0.0}
 
 
 def summarize(diffs_ms: list[float]) -> dict[str, Any]:
@@ -199,8 +205,11 @@ def main() -> int:
           "| program | start-up without hooks (median) | with hooks (median) | added, mean of pairs | median of pairs "
           "| 90% interval of the mean |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
           "The daemon's count of the hooked starts' calls (its metrics, over every hooked start of the program):\n\n"
-          "| program | notified calls a start | mean time to the answer in the daemon |\n|---|---|---|\n"
-          + "".join(f"| {name} | {c['calls_per_start']:.1f} | {c['answer_us_mean']:.1f} us |\n" for name, c in calls.items()))
+          "| program | notified calls a start | mean time to the answer in the daemon | of which decided on the event "
+          "loop, a start | their mean time | the other calls' mean time |\n|---|---|---|---|---|---|\n"
+          + "".join(f"| {name} | {c['calls_per_start']:.1f} | {c['answer_us_mean']:.1f} us "
+                    f"| {c.get('decisions_per_start', 0.0):.1f} | {c.get('decision_us_mean', 0.0):.1f} us "
+                    f"| {c.get('undecided_us_mean', 0.0):.1f} us |\n" for name, c in calls.items()))
     write(args.out, out, md)
     print(md)
     return 0

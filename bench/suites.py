@@ -285,7 +285,10 @@ def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
         cases[f"{kind} start-up"] = {"added_ms": a.get("mean"), "added_ms_lo90": a.get("lo90"),
                                      "added_ms_hi90": a.get("hi90"), "pairs": a.get("n"),
                                      "calls_a_start": calls.get("calls_per_start"),
-                                     "answer_us_in_daemon": calls.get("answer_us_mean")}
+                                     "answer_us_in_daemon": calls.get("answer_us_mean"),
+                                     "decisions_a_start": calls.get("decisions_per_start"),
+                                     "decision_us_in_daemon": calls.get("decision_us_mean"),
+                                     "other_us_in_daemon": calls.get("undecided_us_mean")}
     after = ((_json(folder / "answer" / "results.json").get("results") or {}).get("after") or {}).get("idle") or {}
     for kind, c in (after.get("contexts") or {}).items():
         cases[f"{kind} context, answer cost"] = {"added_ms_p50": c.get("added_ms_p50"),

@@ -187,7 +187,7 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
         r, w = os.pipe()
         os.close(w)
         hooks.attach(r, tenant, 0)
-    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075)
+    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075, 4, 0.0031)
     view = EngineView(engine, hooks)
     view.refresh()
     registry = CollectorRegistry()
@@ -197,6 +197,8 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
     assert _get(samples, "unisched_tenant_hook_calls_total", **where) == 131
     assert _get(samples, "unisched_tenant_hook_answer_seconds_total", **where) == pytest.approx(0.0075)
     assert _get(samples, "unisched_tenant_hook_errors_total", **where) == 2
+    assert _get(samples, "unisched_tenant_hook_decisions_total", **where) == 4
+    assert _get(samples, "unisched_tenant_hook_decision_seconds_total", **where) == pytest.approx(0.0031)
     assert _get(samples, "unisched_tenant_hook_calls_total", tenant="gone", namespace="") == 0
     assert _get(_registry_samples(_registry(engine)), "unisched_tenant_hook_calls_total", tenant="a") is None  # no hooks
 
@@ -239,14 +241,18 @@ def test_a_hooked_run_s_calls_are_counted_in_the_metrics(daemon_factory) -> None
     port = free_port()
     d = daemon_factory("--metrics-port", str(port))
     tenant = f"{d.prefix}hk"
-    calls = [f"alloc:{cls:#x}:{0x100 + i:#x}" for i, cls in enumerate([0xC86F, 0xC8B5, 0xA06C, 0x0040])]
+    calls = [f"alloc:{cls:#x}:{0x100 + i:#x}" for i, cls in enumerate([0xC86F, 0xC8B5, 0xA06C, 0x0040, 0xCBC0])]
     run = d.cli("run", "--tenant", tenant, "--keep", "--", sys.executable, str(ROOT / "tests" / "nv_ioctls.py"),
                 *calls, "free:0x100", "control:0x100")
     assert run.returncode == 0, run.stderr
     m = wait_until(lambda: s if _get(s := _scrape(port), "unisched_tenant_hook_calls_total", tenant=tenant) else None,
                    10, "the hooked calls in /metrics")
-    assert _get(m, "unisched_tenant_hook_calls_total", tenant=tenant) == 5  # 4 allocations and the free
-    assert 0 < (_get(m, "unisched_tenant_hook_answer_seconds_total", tenant=tenant) or 0) < 5
+    assert _get(m, "unisched_tenant_hook_calls_total", tenant=tenant) == 6  # 5 allocations and the free
+    answer_s = _get(m, "unisched_tenant_hook_answer_seconds_total", tenant=tenant) or 0
+    assert 0 < answer_s < 5
+    # the compute object (0xCBC0, a new session) alone is admitted by the event loop
+    assert _get(m, "unisched_tenant_hook_decisions_total", tenant=tenant) == 1
+    assert 0 < (_get(m, "unisched_tenant_hook_decision_seconds_total", tenant=tenant) or 0) <= answer_s
     assert _get(m, "unisched_tenant_hook_errors_total", tenant=tenant) == 0
 
 

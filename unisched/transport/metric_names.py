@@ -77,6 +77,10 @@ FAMILIES = (
            "daemon adds to a call)", TENANT),
     Family("unisched_tenant_hook_errors", "counter", "Hooked calls let through uncounted because handling them "
            "failed (a daemon bug: its log has each one)", TENANT),
+    Family("unisched_tenant_hook_decisions", "counter", "Of the hooked calls, the new GPU sessions the daemon's event "
+           "loop decided (admission against the caps): the only ones that wait for the loop", TENANT),
+    Family("unisched_tenant_hook_decision_seconds", "counter", "Of unisched_tenant_hook_answer_seconds, the time to "
+           "the answers of unisched_tenant_hook_decisions (a busy event loop shows here alone)", TENANT),
     Family("unisched_gpu_info", "gauge", "GPUs the daemon sees (always 1)", (*GPU, "modelName")),
     Family("unisched_gpu_utilization_ratio", "gauge", "Busy fraction (0..1) over the last slice per engine (sm: "
            "SMs, dec: NVDEC, enc: NVENC)", (*GPU, "engine")),

@@ -47,11 +47,17 @@ class HookCounts:
     answer_s: float
     """Seconds from each notification's receipt to its answer, summed over `calls` (a call found gone counts the
     time to finding it so)."""
+    decided: int = 0
+    """Of `calls`, the new sessions the daemon's event loop decided (admission against the caps): only these wait
+    for the loop, so a loop slow to come round shows in their time alone."""
+    decided_s: float = 0.0
+    """Of `answer_s`, the time to the answers of the `decided` calls."""
 
     def plus(self, other: HookCounts) -> HookCounts:
         """These totals and `other`'s (the same tenant's other listeners)."""
         return HookCounts(self.tenant, self.calls + other.calls, self.errors + other.errors,
-                          self.answer_s + other.answer_s)
+                          self.answer_s + other.answer_s, self.decided + other.decided,
+                          self.decided_s + other.decided_s)
 
 
 def percentile_us(samples_ns: list[int], p: float) -> float | None:

@@ -114,6 +114,8 @@ class SessionSupervisor:
         self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._answer_ns = 0
+        self._decided_calls = 0
+        self._decided_ns = 0
         """Every answer's latency summed (`counts`), where `_latency_ns` keeps only the recent ones."""
         self._warned: set[str] = set()
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
@@ -333,14 +335,14 @@ class SessionSupervisor:
                 continue
             call, tid, t0 = entry
             failure = None if error is None else ("seccomp decide() failed; admitting the call", error)
-            self._conclude(nid, tid, t0, call, admitted, failure)
+            self._conclude(nid, tid, t0, call, admitted, failure, decided=True)
 
     def _conclude(
         self, nid: int, pid: int, t0: int, call: Call | None, admitted: bool, failure: tuple[str, BaseException] | None,
-        unbooked: SessionUnbooked | None = None,
+        unbooked: SessionUnbooked | None = None, decided: bool = False,
     ) -> None:
         """Count, answer, then report: the tail of every notification, decided or not. `unbooked`: why the call was
-        refused without a decision (the session book could not record it)."""
+        refused without a decision (the session book could not record it); `decided`: the event loop decided it."""
         refused = False
         events: list[SessionEvent] = []
         if call is not None:
@@ -357,7 +359,7 @@ class SessionSupervisor:
         with self._lock:
             self._notifications += 1
         answered = self._listener.answer(nid, -errno.EPERM if refused else 0)
-        self._timed(t0, answered)
+        self._timed(t0, answered, decided)
         if not answered:
             events = self._book.undo(call, events)
             if call is not None:
@@ -422,13 +424,16 @@ class SessionSupervisor:
             self._notifications += 1
         self._timed(t0, self._mem.conclude(nid, pid, call))
 
-    def _timed(self, t0: int, answered: bool) -> None:
+    def _timed(self, t0: int, answered: bool, decided: bool = False) -> None:
         """After an answer (or a call found gone): its latency, for `stats`. The notification was counted before the
         answer, so the counts are exact by the time the caller resumes."""
         dt = time.perf_counter_ns() - t0
         with self._lock:
             self._latency_ns.append(dt)
             self._answer_ns += dt
+            if decided:
+                self._decided_calls += 1
+                self._decided_ns += dt
             self._skipped += not answered
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
@@ -461,7 +466,8 @@ class SessionSupervisor:
     def counts(self) -> HookCounts:
         """The running totals alone: O(1), for every metrics refresh (`stats` sorts its samples and reads the books)."""
         with self._lock:
-            return HookCounts(self.tenant, self._notifications, self._errors, self._answer_ns / 1e9)
+            return HookCounts(self.tenant, self._notifications, self._errors, self._answer_ns / 1e9,
+                              self._decided_calls, self._decided_ns / 1e9)
 
     def stats(self) -> SupervisorStats:
         with self._lock:
