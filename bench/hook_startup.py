@@ -10,6 +10,10 @@ that inside the process (the interpreter's own start excluded):
   replay  no GPU: a CUDA context's notified RM calls (bench/hook_answer.py's list) made on /dev/null, each after
         --gap-us of busy time, as the driver spaces them; the same hooks and daemon without the driver, so that
         what a real context adds beyond it is the driver's or the machine's
+  replay-mapping  the replay while another thread of the same process maps and unmaps 4 MiB in a loop, as a
+        driver's threads map memory while its context starts: the daemon reads each call's argument from the
+        caller's memory, and that read waits for the caller's own mappings (the time in the daemon shows it; the
+        start-up times also carry the two threads' contention for the interpreter)
 
 Runs come in pairs, one with the hooks and one with `--no-session-hooks`, their order alternating, so that a drift of
 the machine over the round falls on both alike. The first --warmup pairs of each program are not counted (the
@@ -95,7 +99,17 @@ for _, nr, words, size in context("cuda", 0xC1D00000):
 t_end = time.perf_counter()
 print(json.dumps({{"total": t_end - t, "init": t_init - t, "context": t_end - t_init}}))
 """
-PROGRAMS = {"cuda": CUDA, "egl": EGL, "replay": REPLAY}
+MAPPING = REPLAY.replace("t = time.perf_counter()\n", """import mmap, threading
+mapping = True
+def remap():  # what a driver's own threads do while its context starts: map and unmap memory
+    while mapping:
+        m = mmap.mmap(-1, 1 << 22)
+        m[0] = m[1 << 21] = 1
+        m.close()
+threading.Thread(target=remap, daemon=True).start()
+t = time.perf_counter()
+""", 1).replace("t_end = time.perf_counter()\n", "t_end = time.perf_counter()\nmapping = False\n", 1)
+PROGRAMS = {"cuda": CUDA, "egl": EGL, "replay": REPLAY, "replay-mapping": MAPPING}
 
 
 def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str, float]:
@@ -149,7 +163,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=24, help="counted pairs per program (default 24)")
     ap.add_argument("--warmup", type=int, default=1, help="pairs per program run first and not counted (default 1)")
-    ap.add_argument("--programs", default="cuda,egl", help="which of cuda, egl, replay (default cuda,egl)")
+    ap.add_argument("--programs", default="cuda,egl", help="which of cuda, egl, replay, replay-mapping (default cuda,egl)")
     ap.add_argument("--gap-us", type=float, default=800.0,
                     help="replay: busy time before each call (default 800 us, a CUDA context's context phase on the "
                          "H200 over its notified calls)")
@@ -159,7 +173,7 @@ def main() -> int:
     args = ap.parse_args()
     names = [n for n in args.programs.split(",") if n]
     if args.repeat < 2 or args.warmup < 0 or not names or any(n not in PROGRAMS for n in names):
-        ap.error("--repeat must be 2 or more, --warmup not negative, --programs of cuda, egl, replay")
+        ap.error("--repeat must be 2 or more, --warmup not negative, --programs of " + ", ".join(PROGRAMS))
     if args.gap_us < 0:
         ap.error("--gap-us must not be negative")
     work = Path(tempfile.mkdtemp(prefix="hook-startup-"))
