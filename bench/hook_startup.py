@@ -14,6 +14,7 @@ that inside the process (the interpreter's own start excluded):
         driver's threads map memory while its context starts: the daemon reads each call's argument from the
         caller's memory, and that read waits for the caller's own mappings (the time in the daemon shows it; the
         start-up times also carry the two threads' contention for the interpreter)
+  replay-spinning  the control: the same second thread, busy without mapping anything
 
 Runs come in pairs, one with the hooks and one with `--no-session-hooks`, their order alternating, so that a drift of
 the machine over the round falls on both alike. The first --warmup pairs of each program are not counted (the
@@ -109,7 +110,10 @@ def remap():  # what a driver's own threads do while its context starts: map and
 threading.Thread(target=remap, daemon=True).start()
 t = time.perf_counter()
 """, 1).replace("t_end = time.perf_counter()\n", "t_end = time.perf_counter()\nmapping = False\n", 1)
-PROGRAMS = {"cuda": CUDA, "egl": EGL, "replay": REPLAY, "replay-mapping": MAPPING}
+SPINNING = MAPPING.replace("""        m = mmap.mmap(-1, 1 << 22)
+        m[0] = m[1 << 21] = 1
+        m.close()""", """        sum(range(1000))  # the same thread and load, no mapping: the control""", 1)
+PROGRAMS = {"cuda": CUDA, "egl": EGL, "replay": REPLAY, "replay-mapping": MAPPING, "replay-spinning": SPINNING}
 
 
 def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str, float]:

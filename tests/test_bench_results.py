@@ -207,17 +207,19 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     assert v.passed is True and v.value == pytest.approx(a["hi90"])
 
 
-@pytest.mark.parametrize("program", ["replay", "replay-mapping"])
+@pytest.mark.parametrize("program", ["replay", "replay-mapping", "replay-spinning"])
 def test_hook_startup_replay_program_runs_on_hook_answers_cuda_context(program: str) -> None:
     """The replay programs (no GPU) run as they are, on /dev/null and without hooks here, over hook_answer's CUDA
-    context, whatever shape that list has, and print their phases; replay-mapping with its mapping thread."""
+    context, whatever shape that list has, and print their phases; replay-mapping with its mapping thread, and
+    replay-spinning with a thread as busy that maps nothing."""
     hs = bench_module("hook_startup")
     p = subprocess.run([sys.executable, "-c", hs.PROGRAMS[program]], env={**os.environ, "HOOK_STARTUP_GAP_US": "0"},
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     phases = json.loads(p.stdout)
     assert set(phases) == {"total", "init", "context"} and phases["context"] > 0
-    assert ("def remap()" in hs.PROGRAMS[program]) == (program == "replay-mapping")
+    assert ("def remap()" in hs.PROGRAMS[program]) == (program != "replay")
+    assert ("mmap.mmap(" in hs.PROGRAMS[program]) == (program == "replay-mapping")
 
 
 # ------------------------------------------------------------------------------------------------ raw and tables
