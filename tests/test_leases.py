@@ -249,9 +249,10 @@ def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases
 
 def test_a_user_whose_leases_overran_stays_enforced_in_a_tenant_made_again(tmp_path: Path) -> None:
     """Removing the overrunning tenant and making it again, under its name or another, must not wipe the record:
-    the freezer backs the leases of every tenant that user opens a session in. Another user's are not."""
+    the freezer backs the leases of every tenant that user has or opens a session in. Another user's are not."""
     rig = LeaseRig(tmp_path)
     good, bad = rig.coop("good", 100, uid=1001), rig.coop("bad", 100, uid=1000)
+    also = rig.coop("bad-also", 100, uid=1000)  # the same user's session in a tenant of its own, open meanwhile
     bad.yields = False
     good.want()
     bad.want()
@@ -261,6 +262,7 @@ def test_a_user_whose_leases_overran_stays_enforced_in_a_tenant_made_again(tmp_p
         good.report(delay if good.held else 0.0)
         bad.report(delay)
     assert rig.engine.snapshot("bad").enforced and not rig.engine.snapshot("good").enforced
+    assert rig.engine.snapshot("bad-also").enforced and also.sid  # at once, not after strikes of its own
     rig.engine.remove("bad")
     again, renamed = rig.coop("bad", 100, uid=1000), rig.coop("bad-2", 100, uid=1000)
     other = rig.coop("other", 100, uid=1002)
