@@ -56,7 +56,8 @@ class LeaseCharges:
         return self._enforced
 
     def enforce_user(self, user: int, tenant: str) -> None:
-        """`user` opens a session in `tenant`: the tenant is enforced if the user's sessions kept overrunning."""
+        """`user` has or opens a session in `tenant`: the tenant is enforced if that user's sessions kept
+        overrunning."""
         if user in self._enforced_users and tenant not in self._enforced:
             self._enforced.add(tenant)
             log.warning("lease overrun: the freezer backs this tenant's leases, as its user's leases overran before",

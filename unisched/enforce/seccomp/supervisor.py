@@ -114,9 +114,10 @@ class SessionSupervisor:
         self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
         self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
         self._answer_ns = 0
+        """Every answer's latency summed (`counts`), where `_latency_ns` keeps only the recent ones."""
         self._decided_calls = 0
         self._decided_ns = 0
-        """Every answer's latency summed (`counts`), where `_latency_ns` keeps only the recent ones."""
+        """Of those, the answers the event loop decided, and their latency summed (`counts`)."""
         self._warned: set[str] = set()
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
