@@ -55,6 +55,9 @@ class LeaseCharges:
         """The tenants whose leases the freezer backs (live; do not modify)."""
         return self._enforced
 
+    def user_enforced(self, user: int) -> bool:
+        return user in self._enforced_users
+
     def enforce_user(self, user: int, tenant: str) -> None:
         """`user` has or opens a session in `tenant`: the tenant is enforced if that user's sessions kept
         overrunning."""

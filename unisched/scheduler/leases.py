@@ -212,9 +212,10 @@ class LeaseBook:
             held.handed_at = None
         unit_s = self._turns.unit_s(s.tenant)  # (this report teaches it only below)
         at = self._work_ends.end(s.tenant, r, gpu_s, now, ended_ago_s)  # when its work ended (reports come later)
+        user_was_enforced = s.user is not None and self._charges.user_enforced(s.user)
         verdict, own_s = self._charges.charge(s, c, r, engine, gpu_s, units, unit_s, at, thawed_at, now)
-        if verdict is not None and verdict.enforce and s.user is not None:  # its user's other tenants too, at once
-            for other in [o for o in self._sessions.values() if o.user == s.user and o.tenant != s.tenant]:
+        if s.user is not None and not user_was_enforced and self._charges.user_enforced(s.user):
+            for other in [o for o in self._sessions.values() if o.user == s.user]:  # its other tenants, at once
                 self._charges.enforce_user(s.user, other.tenant)
         if own_s > 0:
             self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
