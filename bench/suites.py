@@ -288,7 +288,8 @@ def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
                                      "answer_us_in_daemon": calls.get("answer_us_mean"),
                                      "decisions_a_start": calls.get("decisions_per_start"),
                                      "decision_us_in_daemon": calls.get("decision_us_mean"),
-                                     "other_us_in_daemon": calls.get("undecided_us_mean")}
+                                     "other_us_in_daemon": calls.get("undecided_us_mean"),
+                                     "send_us": calls.get("send_us_mean")}
     after = ((_json(folder / "answer" / "results.json").get("results") or {}).get("after") or {}).get("idle") or {}
     for kind, c in (after.get("contexts") or {}).items():
         cases[f"{kind} context, answer cost"] = {"added_ms_p50": c.get("added_ms_p50"),

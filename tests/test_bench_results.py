@@ -185,7 +185,7 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     monkeypatch.setattr(hs, "start_daemon", lambda work, *extra, sample=None: (Daemon(), "sock"))
     monkeypatch.setattr(hs, "hooked_calls", lambda port, tenant, runs: {
         "runs": runs, "calls_per_start": 131.0 if tenant == "hs-cuda" else 125.0, "answer_us_mean": 40.0,
-        "decisions_per_start": 4.0, "decision_us_mean": 900.0, "undecided_us_mean": 13.6})
+        "decisions_per_start": 4.0, "decision_us_mean": 900.0, "undecided_us_mean": 13.6, "send_us_mean": 21.0})
     monkeypatch.setattr(sys, "argv", ["hook_startup.py", "--out", str(tmp_path / "startup"), "--repeat", "6"])
     assert hs.main() == 0
     assert calls[:4] == [("cuda", True), ("cuda", False), ("cuda", False), ("cuda", True)]
@@ -203,6 +203,7 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     assert cases["cuda start-up"]["answer_us_in_daemon"] == 40.0
     assert (cases["cuda start-up"]["decisions_a_start"], cases["cuda start-up"]["decision_us_in_daemon"],
             cases["cuda start-up"]["other_us_in_daemon"]) == (4.0, 900.0, 13.6)
+    assert cases["cuda start-up"]["send_us"] == 21.0
     (v,) = [v for v in verdicts.judge_all(suites.HOOK_TARGETS, [cases]) if v.case == "cuda start-up"]
     assert v.passed is True and v.value == pytest.approx(a["hi90"])
 

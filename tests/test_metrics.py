@@ -187,7 +187,7 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
         r, w = os.pipe()
         os.close(w)
         hooks.attach(r, tenant, 0)
-    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075, 4, 0.0031)
+    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075, 4, 0.0031, 0.0042)
     view = EngineView(engine, hooks)
     view.refresh()
     registry = CollectorRegistry()
@@ -199,6 +199,7 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
     assert _get(samples, "unisched_tenant_hook_errors_total", **where) == 2
     assert _get(samples, "unisched_tenant_hook_decisions_total", **where) == 4
     assert _get(samples, "unisched_tenant_hook_decision_seconds_total", **where) == pytest.approx(0.0031)
+    assert _get(samples, "unisched_tenant_hook_send_seconds_total", **where) == pytest.approx(0.0042)
     assert _get(samples, "unisched_tenant_hook_calls_total", tenant="gone", namespace="") == 0
     assert _get(_registry_samples(_registry(engine)), "unisched_tenant_hook_calls_total", tenant="a") is None  # no hooks
 
@@ -253,6 +254,7 @@ def test_a_hooked_run_s_calls_are_counted_in_the_metrics(daemon_factory) -> None
     # the compute object (0xCBC0, a new session) alone is admitted by the event loop
     assert _get(m, "unisched_tenant_hook_decisions_total", tenant=tenant) == 1
     assert 0 < (_get(m, "unisched_tenant_hook_decision_seconds_total", tenant=tenant) or 0) <= answer_s
+    assert 0 < (_get(m, "unisched_tenant_hook_send_seconds_total", tenant=tenant) or 0) < 5
     assert _get(m, "unisched_tenant_hook_errors_total", tenant=tenant) == 0
 
 

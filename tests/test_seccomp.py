@@ -304,6 +304,45 @@ async def _attach(sup: SessionSupervisor, loop: asyncio.AbstractEventLoop) -> No
 
 
 @needs_notify
+def test_an_answers_own_system_call_is_timed_apart_from_the_daemons_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In sync wake-up mode the answered caller may run on the supervisor's CPU inside the SEND call, so that
+    call's time is summed apart (`send_s`), not in the daemon's answer time (`answer_s`). A SEND made 20 ms long
+    here must show in the one and not in the other."""
+    import fcntl as real_fcntl
+
+    from unisched.enforce.seccomp import listener as listener_module
+    from unisched.enforce.seccomp.abi import NOTIF_SEND
+
+    class SlowSend:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_fcntl, name)
+
+        @staticmethod
+        def ioctl(fd: int, request: int, *args: object) -> object:
+            got = real_fcntl.ioctl(fd, request, *args)  # type: ignore[call-overload]
+            if request == NOTIF_SEND:
+                end = time.perf_counter() + 0.02
+                while time.perf_counter() < end:  # a SEND that takes 20 ms of this thread
+                    pass
+            return got
+
+    monkeypatch.setattr(listener_module, "fcntl", SlowSend())
+    proc, fd = start_tenant()
+    sup = SessionSupervisor(fd, "t", lambda _t, _kind, _c: True)
+    thread = serve(sup)
+    try:
+        for i in range(3):
+            assert proc.call(f"alloc {OTHER:#x} {0x10 + i:#x}") == ENOTTY
+        wait_for(lambda: sup.counts().send_s >= 3 * 0.02, "the three SEND calls summed apart")  # after each returns
+        c = sup.counts()
+        assert c.calls == 3 and 0 < c.answer_s < 3 * 0.02
+    finally:
+        sup.close()
+        proc.kill()
+        thread.join(10)
+
+
+@needs_notify
 def test_the_hooks_counts_of_a_tenant_add_up_its_listeners_and_keep_the_ended() -> None:
     """What the metrics export (unisched_tenant_hook_*): a tenant's calls over all its hooked process groups,
     never falling when one of them ends."""

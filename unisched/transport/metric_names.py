@@ -75,6 +75,9 @@ FAMILIES = (
     Family("unisched_tenant_hook_answer_seconds", "counter", "Time from each hooked call's notification reaching "
            "the daemon to its answer, summed (its rate over unisched_tenant_hook_calls_total's is the mean wait the "
            "daemon adds to a call)", TENANT),
+    Family("unisched_tenant_hook_send_seconds", "counter", "Time in the answers' own system calls, summed apart: "
+           "the kernel's wake-up of the caller, and what the caller ran on the daemon's CPU before the call "
+           "returned (its wait had ended)", TENANT),
     Family("unisched_tenant_hook_errors", "counter", "Hooked calls let through uncounted because handling them "
            "failed (a daemon bug: its log has each one)", TENANT),
     Family("unisched_tenant_hook_decisions", "counter", "Of the hooked calls, the new GPU sessions the daemon's event "

@@ -214,6 +214,7 @@ def _hook_metrics(out: _Families, hooks: Sequence[HookCounts], tenants: Sequence
         out.add("unisched_tenant_hook_errors", n, float(c.errors))
         out.add("unisched_tenant_hook_decisions", n, float(c.decided))
         out.add("unisched_tenant_hook_decision_seconds", n, c.decided_s)
+        out.add("unisched_tenant_hook_send_seconds", n, c.send_s)
 
 
 def _gpu_metrics(out: _Families, gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> None:

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ class Listener:
         self.fd = fd
         self._warn = warn
         self._id_valid_cmd = NOTIF_ID_VALID_OLD
+        self.send_ns = 0
+        """How long the last `answer` spent in its SEND call. In sync wake-up mode the answered caller resumes on
+        this thread's CPU and may run there before the call returns: that time is the caller's, not the daemon's."""
 
     def set_sync_wake_up(self) -> bool:
         """SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (Linux >= 6.6): the kernel wakes the supervisor on the caller's CPU
@@ -73,12 +77,15 @@ class Listener:
         """SEND: "continue" (error 0), fail the call with `error` (-errno), or (`run` False, error 0) return 0
         from it without running it. False when the call is gone."""
         resp = struct.pack(RESP_FORMAT, nid, 0, error, FLAG_CONTINUE if run and not error else 0)
+        t0 = time.perf_counter_ns()
         try:
             fcntl.ioctl(self.fd, NOTIF_SEND, resp)
         except OSError as e:
             if e.errno != errno.ENOENT:
                 self._warn("send", f"seccomp answer failed: {e.strerror}")
             return False
+        finally:
+            self.send_ns = time.perf_counter_ns() - t0
         return True
 
     def id_valid(self, nid: int) -> bool:

@@ -45,19 +45,22 @@ class HookCounts:
     errors: int
     """Notifications answered "continue" because handling them failed."""
     answer_s: float
-    """Seconds from each notification's receipt to its answer, summed over `calls` (a call found gone counts the
-    time to finding it so)."""
+    """Seconds from each notification's receipt to its answer's SEND call, summed over `calls` (a call found gone
+    counts the time to finding it so): the daemon's own part of the caller's wait."""
     decided: int = 0
     """Of `calls`, the new sessions the daemon's event loop decided (admission against the caps): only these wait
     for the loop, so a loop slow to come round shows in their time alone."""
     decided_s: float = 0.0
     """Of `answer_s`, the time to the answers of the `decided` calls."""
+    send_s: float = 0.0
+    """Seconds in the answers' SEND calls, summed: the kernel's wake-up of the caller and, with sync wake-up,
+    whatever the caller ran on the daemon's CPU before the call returned (its wait had ended by then)."""
 
     def plus(self, other: HookCounts) -> HookCounts:
         """These totals and `other`'s (the same tenant's other listeners)."""
         return HookCounts(self.tenant, self.calls + other.calls, self.errors + other.errors,
                           self.answer_s + other.answer_s, self.decided + other.decided,
-                          self.decided_s + other.decided_s)
+                          self.decided_s + other.decided_s, self.send_s + other.send_s)
 
 
 def percentile_us(samples_ns: list[int], p: float) -> float | None:

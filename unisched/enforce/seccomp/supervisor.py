@@ -118,6 +118,8 @@ class SessionSupervisor:
         self._decided_calls = 0
         self._decided_ns = 0
         """Of those, the answers the event loop decided, and their latency summed (`counts`)."""
+        self._send_ns = 0
+        """The answers' SEND calls summed, apart from their latency (Listener.send_ns: partly the callers' time)."""
         self._warned: set[str] = set()
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
@@ -426,12 +428,15 @@ class SessionSupervisor:
         self._timed(t0, self._mem.conclude(nid, pid, call))
 
     def _timed(self, t0: int, answered: bool, decided: bool = False) -> None:
-        """After an answer (or a call found gone): its latency, for `stats`. The notification was counted before the
-        answer, so the counts are exact by the time the caller resumes."""
-        dt = time.perf_counter_ns() - t0
+        """After an answer (or a call found gone): its latency, for `stats`, up to the answer's SEND call, which is
+        summed apart (`Listener.send_ns`: with sync wake-up the caller may run on this CPU inside it). The
+        notification was counted before the answer, so the counts are exact by the time the caller resumes."""
+        send = self._listener.send_ns if answered else 0
+        dt = max(0, time.perf_counter_ns() - t0 - send)
         with self._lock:
             self._latency_ns.append(dt)
             self._answer_ns += dt
+            self._send_ns += send
             if decided:
                 self._decided_calls += 1
                 self._decided_ns += dt
@@ -468,7 +473,7 @@ class SessionSupervisor:
         """The running totals alone: O(1), for every metrics refresh (`stats` sorts its samples and reads the books)."""
         with self._lock:
             return HookCounts(self.tenant, self._notifications, self._errors, self._answer_ns / 1e9,
-                              self._decided_calls, self._decided_ns / 1e9)
+                              self._decided_calls, self._decided_ns / 1e9, self._send_ns / 1e9)
 
     def stats(self) -> SupervisorStats:
         with self._lock:
