@@ -11,9 +11,8 @@ that inside the process (the interpreter's own start excluded):
         --gap-us of busy time, as the driver spaces them; the same hooks and daemon without the driver, so that
         what a real context adds beyond it is the driver's or the machine's
   replay-mapping  the replay while another thread of the same process maps and unmaps 4 MiB in a loop, as a
-        driver's threads map memory while its context starts: the daemon reads each call's argument from the
-        caller's memory, and that read waits for the caller's own mappings (the time in the daemon shows it; the
-        start-up times also carry the two threads' contention for the interpreter)
+        driver's threads map memory while its context starts (read the daemon's times: the start-up times also
+        carry the two threads' contention for the interpreter)
   replay-spinning  the control: the same second thread, busy without mapping anything
 
 Runs come in pairs, one with the hooks and one with `--no-session-hooks`, their order alternating, so that a drift of
