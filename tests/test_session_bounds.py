@@ -53,6 +53,8 @@ class FakeListener:
     fd: int
     queue: list[Notification] = field(default_factory=list)
     answers: list[int] = field(default_factory=list)
+    send_ns: int = 0
+    """(Listener.send_ns: the last answer's SEND call took no time here)"""
 
     def receive(self) -> Notification | None:
         return self.queue.pop(0) if self.queue else None
