@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from leaserig import SLICE, LeaseRig, busy_rig, recording
+from leaserig import SLICE, Coop, LeaseRig, busy_rig, recording
 from structlog.testing import capture_logs
 
 from unisched.enforce.leases import LeaseGrant, LeaseRevoke
@@ -220,17 +220,22 @@ def test_a_holder_that_stops_renewing_is_revoked_and_the_other_runs(tmp_path: Pa
     assert rig.engine.snapshot("a").state == "idle"
 
 
-def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases(tmp_path: Path) -> None:
-    rig = LeaseRig(tmp_path)
-    good, bad = rig.coop("good", 100), rig.coop("bad", 100)
+def overrun(rig: LeaseRig, good: Coop, bad: Coop, slices: int = 60) -> None:
+    """Both want the GPU; `good` uses only the slices it holds, `bad` ignores revocations and uses every slice."""
     bad.yields = False
     good.want()
     bad.want()
-    for _ in range(60):  # bad ignores revocations and uses every slice
+    for _ in range(slices):
         delay = rig.tick()
         rig.clock.advance(delay)
         good.report(delay if good.held else 0.0)
         bad.report(delay)
+
+
+def test_overrun_is_charged_and_a_repeat_overrunner_is_frozen_outside_its_leases(tmp_path: Path) -> None:
+    rig = LeaseRig(tmp_path)
+    good, bad = rig.coop("good", 100), rig.coop("bad", 100)
+    overrun(rig, good, bad)
     snap = rig.engine.snapshot("bad")
     assert snap.overrun_s > 0.2
     assert snap.enforced
@@ -253,14 +258,7 @@ def test_a_user_whose_leases_overran_stays_enforced_in_a_tenant_made_again(tmp_p
     rig = LeaseRig(tmp_path)
     good, bad = rig.coop("good", 100, uid=1001), rig.coop("bad", 100, uid=1000)
     also = rig.coop("bad-also", 100, uid=1000)  # the same user's session in a tenant of its own, open meanwhile
-    bad.yields = False
-    good.want()
-    bad.want()
-    for _ in range(60):  # bad ignores revocations and uses every slice
-        delay = rig.tick()
-        rig.clock.advance(delay)
-        good.report(delay if good.held else 0.0)
-        bad.report(delay)
+    overrun(rig, good, bad)
     assert rig.engine.snapshot("bad").enforced and not rig.engine.snapshot("good").enforced
     assert rig.engine.snapshot("bad-also").enforced and also.sid  # at once, not after strikes of its own
     rig.engine.remove("bad")
