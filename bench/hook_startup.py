@@ -128,8 +128,9 @@ def one_run(sock: str, name: str, hooks: bool, env: dict[str, str]) -> dict[str,
 
 
 def hooked_calls(port: int, tenant: str, runs: int) -> dict[str, float]:
-    """What the daemon's metrics say of `tenant`'s `runs` hooked starts: the notified calls a start made, and the
-    mean time the daemon took from a notification to its answer. The metrics are copied once a second, so this
+    """What the daemon's metrics say of `tenant`'s `runs` hooked starts: the notified calls a start made, the mean
+    time the daemon took from a notification to its answer (of the calls its event loop decided, and of the
+    others), and the mean time in the answers' own system calls. The metrics are copied once a second, so this
     reads until two scrapes over a second apart agree (30 s at most)."""
     names = ("unisched_tenant_hook_calls_total", "unisched_tenant_hook_answer_seconds_total",
              "unisched_tenant_hook_decisions_total", "unisched_tenant_hook_decision_seconds_total",
@@ -168,7 +169,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=24, help="counted pairs per program (default 24)")
     ap.add_argument("--warmup", type=int, default=1, help="pairs per program run first and not counted (default 1)")
-    ap.add_argument("--programs", default="cuda,egl", help="which of cuda, egl, replay, replay-mapping (default cuda,egl)")
+    ap.add_argument("--programs", default="cuda,egl", help=f"which of {', '.join(PROGRAMS)} (default cuda,egl)")
     ap.add_argument("--gap-us", type=float, default=800.0,
                     help="replay: busy time before each call (default 800 us, a CUDA context's context phase on the "
                          "H200 over its notified calls)")
@@ -228,8 +229,8 @@ def main() -> int:
           "loop, a start | their mean time | the other calls' mean time | mean time in the answer's own system call "
           "|\n|---|---|---|---|---|---|---|\n"
           + "".join(f"| {name} | {c['calls_per_start']:.1f} | {c['answer_us_mean']:.1f} us "
-                    f"| {c.get('decisions_per_start', 0.0):.1f} | {c.get('decision_us_mean', 0.0):.1f} us "
-                    f"| {c.get('undecided_us_mean', 0.0):.1f} us | {c.get('send_us_mean', 0.0):.1f} us |\n"
+                    f"| {c['decisions_per_start']:.1f} | {c['decision_us_mean']:.1f} us "
+                    f"| {c['undecided_us_mean']:.1f} us | {c['send_us_mean']:.1f} us |\n"
                     for name, c in calls.items())
           + "\nThe answer's own system call is timed apart: the kernel wakes the caller in it, and with sync wake-up "
           "the caller may run on the daemon's CPU before it returns (its wait had ended by then).\n")
