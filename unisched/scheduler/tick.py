@@ -29,6 +29,7 @@ from unisched.policy.plan import (
     observe,
     plan,
 )
+from unisched.policy.slices import jittered_slice
 from unisched.scheduler.context import SAVE_DELAY_S, Context, save_off_loop
 from unisched.scheduler.readings import Readings, read, reader
 from unisched.scheduler.reporting import log_shares
@@ -89,7 +90,9 @@ def tick(c: Context, readings: Readings | None = None) -> float:
         for t in c.tenants.values():
             apply_tidal(c, t)
     decision = c.policy.decide(now)
-    c.next_tick = now + decision.slice_s
+    jitter = c.config.slice_jitter
+    length = jittered_slice(decision.slice_s, jitter, c.rng.random()) if jitter else decision.slice_s
+    c.next_tick = now + length
     c.step = 0
     apply(c, decision, now, tick=True, pairs=pairs, dt=dt)
     if c.writer.take_failure():  # the writer thread could not write the last snapshot: save again
@@ -101,7 +104,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     if active != c.last_active:
         c.last_active = active
         log_shares(c, reason="demand")
-    return decision.slice_s
+    return length
 
 
 STEP_EARLY_S = 0.001
