@@ -284,6 +284,7 @@ def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
         calls = (startup.get("hooked_calls") or {}).get(kind) or {}  # (the daemon's metrics; absent before they were)
         cases[f"{kind} start-up"] = {"added_ms": a.get("mean"), "added_ms_lo90": a.get("lo90"),
                                      "added_ms_hi90": a.get("hi90"), "pairs": a.get("n"),
+                                     "added_ms_median": a.get("median"), "pair_sd_ms": a.get("stdev"),
                                      "calls_a_start": calls.get("calls_per_start"),
                                      "answer_us_in_daemon": calls.get("answer_us_mean"),
                                      "decisions_a_start": calls.get("decisions_per_start"),

@@ -204,6 +204,8 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     assert (cases["cuda start-up"]["decisions_a_start"], cases["cuda start-up"]["decision_us_in_daemon"],
             cases["cuda start-up"]["other_us_in_daemon"]) == (4.0, 900.0, 13.6)
     assert cases["cuda start-up"]["send_us"] == 21.0
+    assert cases["cuda start-up"]["added_ms_median"] == pytest.approx(a["median"])  # the pairs' middle, beside the mean
+    assert cases["cuda start-up"]["pair_sd_ms"] == pytest.approx(a["stdev"])  # what the interval's width comes from
     (v,) = [v for v in verdicts.judge_all(suites.HOOK_TARGETS, [cases]) if v.case == "cuda start-up"]
     assert v.passed is True and v.value == pytest.approx(a["hi90"])
 
