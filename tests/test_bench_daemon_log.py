@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchrig import bench_module, suites
+from benchrig import bench_module, readers
 
 daemon_log = bench_module("daemon_log")
 T0 = 1_800_000_000.0
@@ -61,11 +61,11 @@ def test_the_cloud_reader_reports_the_share_of_the_window_the_daemon_sliced(tmp_
               line(1.5, "lending", gpu=0, domain="sm", reason=UNUSED),
               line(30, daemon_log.CHARGED, charged={"gpu0/sm": {"process-rate": 9.0, "signal": 2.0},
                                                     "gpu0/nvenc": {"cpu-time": 1.0}}))
-    case = suites.read_cloud(tmp_path)[0]["N=24"]
+    case = readers.read_cloud(tmp_path)[0]["N=24"]
     assert (case["sliced_of_window"], case["unused_openings"], case["util_at_unused_openings"]) == (0.025, 1, None)
     assert case["process_rate_of_charged"] == 0.75  # of all the busy time charged over the run, every resource
     (tmp_path / "unisched-24-daemon.log").unlink()
-    gone = suites.read_cloud(tmp_path)[0]["N=24"]
+    gone = readers.read_cloud(tmp_path)[0]["N=24"]
     assert "sliced_of_window" not in gone and "process_rate_of_charged" not in gone  # no log: not measured, not zero
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import bench_module, run_py, suites, verdicts
+from benchrig import bench_module, readers, run_py, suites, verdicts
 from conftest import ROOT, child_env, needs_freezer
 
 mixed_pairs = bench_module("mixed_pairs")
@@ -128,7 +128,7 @@ def test_verdicts_are_computed_for_the_render_pairs_from_every_round(tmp_path: P
         folder = tmp_path / f"round-{k}" / "mixed"
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps(synthetic_round(k)))
-        cases, _ = suites.read_mixed_engines(folder.parent)
+        cases, _ = readers.read_mixed_engines(folder.parent)
         rounds.append(cases)
     got = verdicts.judge_all(suites.PAIR_TARGETS, rounds)
     assert sorted({v.case for v in got}) == sorted(RENDER_KEYS)

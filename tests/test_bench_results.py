@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import BENCH, bench_module, run_py, suites, summary, verdicts
+from benchrig import BENCH, bench_module, readers, run_py, suites, summary, verdicts
 from conftest import ROOT, child_env
 
 # ------------------------------------------------------------------------------------------------ verdicts and readers
@@ -75,7 +75,7 @@ def test_cloud_gaming_weights_and_lows_from_the_players_reports() -> None:
     shared = {"fps_target": 60, "fps_mean_all": 20.0, "cpu_cores_total": 6.0, "host_cores": 16,
               "per_instance": [player(1, 10, 8), player(2, 21, 16), player(4, 40, 30)]}
     alone = {"fps_target": 60, "fps_mean_all": 40.0, "per_instance": [player(1, 40, 36)] * 3}
-    m = suites.cloud_metrics(shared, alone)
+    m = readers.cloud_metrics(shared, alone)
     assert m["saturated"] is True  # 40 < 0.95 * 60
     # k = 71 / 700 per unit of weight; worst |fps / (w k) - 1| is the weight-2 player: 21 / 20.29 - 1
     assert m["weight_error"] == pytest.approx(21 / (200 * 71 / 700) - 1)
@@ -91,10 +91,10 @@ def test_cloud_gaming_shows_the_cpu_a_frame_of_the_lightest_and_heaviest_groups_
 
     per = [player(1, 10, 0.07, 0.03), player(1, 10, 0.07, 0.03), player(2, 20, 0.15, 0.06),
            player(4, 40, 0.4, 0.12), player(4, 40, 0.4, 0.12)]
-    m = suites.cloud_metrics({"fps_target": 60, "fps_mean_all": 24.0, "per_instance": per}, {})
+    m = readers.cloud_metrics({"fps_target": 60, "fps_mean_all": 24.0, "per_instance": per}, {})
     assert (m["cpu_ms_a_frame_lightest"], m["cpu_ms_a_frame_heaviest"]) == (7.0, 10.0)
     assert (m["user_ms_a_frame_lightest"], m["user_ms_a_frame_heaviest"]) == (3.0, 3.0)
-    older = suites.cloud_metrics({"per_instance": [{**e, "cpu_user_cores": None} for e in per]}, {})
+    older = readers.cloud_metrics({"per_instance": [{**e, "cpu_user_cores": None} for e in per]}, {})
     assert older["cpu_ms_a_frame_heaviest"] == 10.0 and "user_ms_a_frame_heaviest" not in older
 
 
@@ -105,13 +105,13 @@ def test_cloud_gaming_shows_the_cpu_a_frame_of_the_lightest_and_heaviest_groups_
 ])
 def test_weighted_shares_never_owe_a_player_more_than_its_pace(total: float, weights: list[float], cap: float,
                                                                owed: list[float]) -> None:
-    assert suites.weighted_shares(total, weights, cap) == pytest.approx(owed)
+    assert readers.weighted_shares(total, weights, cap) == pytest.approx(owed)
 
 
 def test_cloud_gaming_weight_error_counts_a_player_held_to_its_pace_as_served() -> None:
     """Six players 1:2:4 sharing 270 FPS: the weight-4 ones cannot pass 60, so 25/50/60 is the weighted share."""
     per = [{"weight": 100 * w, "fps_mean": f, "fps_1pct_low": f * 0.9} for w, f in ((1, 25.0), (2, 50.0), (4, 60.0))] * 2
-    m = suites.cloud_metrics({"fps_target": 60, "fps_mean_all": 45.0, "per_instance": per}, {})
+    m = readers.cloud_metrics({"fps_target": 60, "fps_mean_all": 45.0, "per_instance": per}, {})
     assert m["weight_error"] == pytest.approx(0.0)
 
 
@@ -125,12 +125,12 @@ def test_cloud_gaming_is_judged_only_where_the_gpu_not_the_hosts_cpu_saturated()
                 "player_cores": player_cores, "gpu_busy": gpu_busy,
                 "per_instance": [{"weight": 100 * w, "fps_mean": fps, "fps_1pct_low": fps * 0.9} for w in (1, 2, 4)]}
 
-    by_cpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16))
-    by_gpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 11.0, 16))
-    stand_in = suites.cloud_metrics(run(20, 1.0, 1, 2), run(20, 1.0, 1, 2))
+    by_cpu = readers.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16))
+    by_gpu = readers.cloud_metrics(run(20, 15.5, 16), run(20, 11.0, 16))
+    stand_in = readers.cloud_metrics(run(20, 1.0, 1, 2), run(20, 1.0, 1, 2))
     # every core used, but NVML read the GPU busy: players spinning in the driver's wait for a saturated GPU
-    spinning = suites.cloud_metrics(run(20, 15.5, 16, gpu_busy=0.5), run(20, 15.99, 16, gpu_busy=0.99))
-    cpu_and_idle_gpu = suites.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16, gpu_busy=0.9))
+    spinning = readers.cloud_metrics(run(20, 15.5, 16, gpu_busy=0.5), run(20, 15.99, 16, gpu_busy=0.99))
+    cpu_and_idle_gpu = readers.cloud_metrics(run(20, 15.5, 16), run(20, 15.99, 16, gpu_busy=0.9))
     assert by_cpu["saturated"] is by_gpu["saturated"] is stand_in["saturated"] is True
     assert (by_cpu["host_bound"], by_gpu["host_bound"], stand_in["host_bound"]) == (True, False, False)
     assert (spinning["host_bound"], cpu_and_idle_gpu["host_bound"]) == (False, True)
@@ -150,7 +150,7 @@ def test_cloud_gaming_reads_every_size_its_round_ran_and_its_stand_ins_pin_playe
         (tmp_path / name / "report.json").write_text(json.dumps({
             "fps_target": 60, "fps_mean_all": fps, "cpu_cores_total": 0.9, "player_cores": 1, "host_cores": 2,
             "per_instance": [{"weight": 100, "fps_mean": fps, "fps_1pct_low": fps / 2}]}))
-    cases, _ = suites.read_cloud(tmp_path)
+    cases, _ = readers.read_cloud(tmp_path)
     assert list(cases) == ["N=3", "N=6"]
     assert cases["N=3"]["saturated"] is True and cases["N=3"]["cpu_of_host_unisched"] == 0.9  # of the 1 CPU
     assert cases["N=6"]["saturated"] is False  # no no-scheduler run to say so
@@ -197,7 +197,7 @@ def test_hook_startup_pairs_alternate_drop_the_warm_up_and_bound_the_mean_differ
     assert a["mean"] == pytest.approx(5.0) and a["lo90"] < 5.0 < a["hi90"] < 6.0
     phases = got["added_ms_by_phase"]["cuda"]
     assert phases["init"]["mean"] == pytest.approx(0.0) and phases["context"]["mean"] == pytest.approx(5.0)
-    cases, _ = suites.read_hooks(tmp_path)
+    cases, _ = readers.read_hooks(tmp_path)
     assert cases["egl start-up"]["added_ms_hi90"] == pytest.approx(got["added_ms"]["egl"]["hi90"])
     assert (cases["cuda start-up"]["calls_a_start"], cases["egl start-up"]["calls_a_start"]) == (131.0, 125.0)
     assert cases["cuda start-up"]["answer_us_in_daemon"] == 40.0
@@ -376,7 +376,7 @@ def test_the_online_suite_reads_what_scenarios_writes(tmp_path: Path) -> None:
     step = tmp_path / "online"
     step.mkdir()
     (step / "results.json").write_text(json.dumps({"scenarios": {"online": {"rate": 20, "batches": batches}}}))
-    cases, notes = suites.read_online(tmp_path)
+    cases, notes = readers.read_online(tmp_path)
     assert sorted(cases) == ["b1 unisched kernel", "b1 unisched user", "b8 unisched kernel", "b8 unisched user"]
     assert notes == []
     b1 = cases["b1 unisched kernel"]

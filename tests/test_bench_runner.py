@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import BENCH, bench_module, run_py, suites, summary
+from benchrig import BENCH, bench_module, readers, run_py, suites, summary
 from conftest import ROOT, child_env, needs_freezer, wait_until
 
 # ------------------------------------------------------------------------------------------------ the CLI
@@ -312,7 +312,7 @@ def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> 
     with tarfile.open(folder / "raw.tar.xz", "w:xz") as tar:
         tar.add(tmp_path / "build" / "raw", arcname="raw")
     archived = (folder / "raw.tar.xz").read_bytes()
-    old_case = {k: v for k, v in suites.read_cloud(raw)[0]["N=24"].items() if k != "host_bound"}
+    old_case = {k: v for k, v in readers.read_cloud(raw)[0]["N=24"].items() if k != "host_bound"}
     meta = {"command": "c", "machine": summary.machine(), "commit": "c" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"N=24": old_case}}
