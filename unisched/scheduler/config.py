@@ -178,9 +178,6 @@ class DaemonConfig:
         choices=tuple(m.value for m in Mode))
     slice_ms: float = knob(50.0, "policy", "slice length: how often the daemon measures, decides and freezes or "
                            "thaws", bounds=(1.0, 10_000.0), unit="ms")
-    slice_jitter: float = knob(0.0, "policy", "freezer enforcement: each slice lasts its length x (1 +- up to this), "
-                               "drawn at random, so that periodic work (frames) does not lock in phase with the turns "
-                               "(policy.slices); 0 = every slice alike", bounds=(0.0, 0.5), unit="fraction")
     lag_limit_slices: float = knob(2.0, "policy", "credit an idle tenant may keep: stops a tenant banking idle time",
                                    bounds=(0.0, 100.0), unit="slices")
     timeshare_window_ms: float = knob(100.0, "policy", "timeshare mode: a tenant's window is this x weight / 100",

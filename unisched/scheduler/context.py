@@ -3,7 +3,6 @@ and how it is built from the config. Each part is a module of plain functions ta
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -103,8 +102,6 @@ class Context:
     """Where registering callers are moved into their tenants' cgroups, off the event loop (moves.py)."""
     lines: LineCache = field(default_factory=LineCache)
     """The state file's lines of the last save, each made again only when its tenant changed."""
-    rng: random.Random = field(default_factory=random.Random)
-    """Draws the slices' jitter (`slice_jitter`; policy.slices)."""
     writer: StateWriter = field(init=False)
     """Writes the state file: the tick's saves on a thread of its own, the others here (saves.py)."""
 

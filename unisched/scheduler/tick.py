@@ -29,7 +29,6 @@ from unisched.policy.plan import (
     observe,
     plan,
 )
-from unisched.policy.slices import jittered_slice
 from unisched.scheduler.context import SAVE_DELAY_S, Context, save_off_loop
 from unisched.scheduler.readings import Readings, read, reader
 from unisched.scheduler.reporting import log_shares
@@ -90,9 +89,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
         for t in c.tenants.values():
             apply_tidal(c, t)
     decision = c.policy.decide(now)
-    jitter = c.config.slice_jitter
-    length = jittered_slice(decision.slice_s, jitter, c.rng.random()) if jitter else decision.slice_s
-    c.next_tick = now + length
+    c.next_tick = now + decision.slice_s
     c.step = 0
     apply(c, decision, now, tick=True, pairs=pairs, dt=dt)
     if c.writer.take_failure():  # the writer thread could not write the last snapshot: save again
@@ -104,7 +101,7 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     if active != c.last_active:
         c.last_active = active
         log_shares(c, reason="demand")
-    return length
+    return decision.slice_s
 
 
 STEP_EARLY_S = 0.001

@@ -32,7 +32,6 @@ from unisched.policy import (
     TenantSpec,
     WeightedFairShare,
 )
-from unisched.policy.slices import JITTER_MAX, jittered_slice
 from unisched.sim.gpu import SimResource, SimStream
 from unisched.sim.results import WAKE_SLACK_SLICES, ResourceResult, SimResult, TenantResult, WakeEvent
 from unisched.sim.workload import SimTenant
@@ -52,14 +51,10 @@ class SimConfig:
     seed: int = 0
     timeslice_efficiency: float = 1.0
     """Work a domain does per second while it time-slices two or more tenants' queued work (sim.gpu)."""
-    slice_jitter: float = 0.0
-    """Each slice lasts its length x (1 +- up to this), drawn from the seeded generator (policy.slices)."""
 
     def __post_init__(self) -> None:
         if self.idle_slices < 1:
             raise PolicyError("idle_slices must be >= 1")
-        if not 0.0 <= self.slice_jitter <= JITTER_MAX:
-            raise PolicyError(f"slice_jitter must be within 0 .. {JITTER_MAX}, got {self.slice_jitter}")
         if not 0.0 < self.timeslice_efficiency <= 1.0:
             raise PolicyError(f"timeslice_efficiency must be within (0, 1], got {self.timeslice_efficiency}")
 
@@ -238,8 +233,7 @@ class Simulation:
                     s.fill()
         self._frozen = frozen
 
-        jitter = self.config.slice_jitter
-        end = now + (jittered_slice(decision.slice_s, jitter, self._rng.random()) if jitter else decision.slice_s)
+        end = now + decision.slice_s
         changes = self._changes
         while changes and changes[0][0] < end:
             at, _, name = heapq.heappop(changes)
