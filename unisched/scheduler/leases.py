@@ -215,8 +215,9 @@ class LeaseBook:
         user_was_enforced = s.user is not None and self._charges.user_enforced(s.user)
         verdict, own_s = self._charges.charge(s, c, r, engine, gpu_s, units, unit_s, at, thawed_at, now)
         if s.user is not None and not user_was_enforced and self._charges.user_enforced(s.user):
-            for other in [o for o in self._sessions.values() if o.user == s.user]:  # its other tenants, at once
-                self._charges.enforce_user(s.user, other.tenant)
+            for other in self._sessions.values():  # its other tenants, at once
+                if other.user == s.user:
+                    self._charges.enforce_user(s.user, other.tenant)
         if own_s > 0:
             self._turns.report(s.tenant, own_s, units, lambda: self._longest_gap(s.tenant),
                                earns_run=engine is Engine.COMPUTE)
