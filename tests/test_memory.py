@@ -28,6 +28,7 @@ from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation, check
 from unisched.policy.model import PolicyError
 from unisched.scheduler.config import DaemonConfig, DeclaredTenant
 from unisched.scheduler.core import SchedulerError
+from unisched.scheduler.limits import CLEAR, MemoryAsk
 from unisched.scheduler.memory import GpuMemory
 from unisched.telemetry import FakeTelemetry, GpuInfo
 
@@ -53,6 +54,11 @@ OWNER = (4242, "123")
         (9 * GIB, {"b": GIB}, {"b": MemoryTerms(reserve=6 * GIB)}, None, Verdict.ADMIT),
         # within its own reserve a tenant is never refused by these rules, even when others hold much
         (2 * GIB, {"b": 9 * GIB}, {"a": MemoryTerms(reserve=2 * GIB)}, 10 * GIB, Verdict.ADMIT),
+        # what tenants without terms hold counts too (they have no entry in `terms`)
+        (3 * GIB, {"b": 8 * GIB}, {}, 10 * GIB, Verdict.RESERVES),
+        (2 * GIB, {"a": GIB, "b": 5 * GIB, "c": 2 * GIB}, {}, 10 * GIB, Verdict.ADMIT),
+        (2 * GIB, {"a": GIB, "b": 5 * GIB, "c": 2 * GIB}, {"c": MemoryTerms(reserve=3 * GIB)}, 10 * GIB,
+         Verdict.RESERVES),
         # b's reserve is on GPU 1 only: on GPU 0 it does not count
         (9 * GIB, {}, {"b": MemoryTerms(reserve=6 * GIB, gpus=frozenset({1}))}, 10 * GIB, Verdict.ADMIT),
     ],
@@ -399,6 +405,30 @@ def test_a_reserve_that_does_not_fit_is_refused_with_a_clear_error(tmp_path: Pat
     assert rig.engine.memory_terms()["game"] == MemoryTerms(reserve=6 * GIB)
     with pytest.raises(SchedulerError, match="exceeds the tenant's memory cap"):
         rig.engine.set_limits("game", None, None, None, 4 * GIB)
+
+
+def test_memory_terms_hold_the_tenants_with_terms_and_follow_every_change(tmp_path: Path) -> None:
+    """The hooks read the terms on every allocation: they are kept, not gathered from every tenant each time, so
+    each way a tenant's cap, reserve or GPUs change must show in them at once."""
+    rig = _rig(tmp_path)
+    terms = rig.engine.memory_terms
+    rig.add("plain", 100)
+    assert terms() == {}
+    rig.engine.register("game", 100, None, (), (), 2001, 0, True, memory=MemoryAsk(cap=4 * GIB, reserve=2 * GIB))
+    assert terms() == {"game": MemoryTerms(cap=4 * GIB, reserve=2 * GIB)}
+    before = terms()
+    rig.engine.set_weight("game", 300)  # no term changed: the same mapping
+    rig.engine.register("game", None, None, (), (), 2002, 0, True)  # a plain rejoin
+    assert terms() is before
+    rig.engine.set_limits("plain", None, None, None, 3 * GIB)
+    assert terms() == {"game": MemoryTerms(cap=4 * GIB, reserve=2 * GIB), "plain": MemoryTerms(cap=3 * GIB)}
+    assert before == {"game": MemoryTerms(cap=4 * GIB, reserve=2 * GIB)}  # replaced, not changed under a reader
+    rig.engine.register("game", None, None, (), (0,), 2003, 0, True)  # its owner pins it to GPU 0
+    assert terms()["game"] == MemoryTerms(cap=4 * GIB, reserve=2 * GIB, gpus=frozenset({0}))
+    rig.engine.set_limits("plain", None, None, None, CLEAR)
+    assert set(terms()) == {"game"}
+    rig.engine.remove("game")
+    assert terms() == {}
 
 
 def test_a_declared_tenant_whose_reserve_does_not_fit_is_not_created(tmp_path: Path) -> None:

@@ -67,8 +67,10 @@ def admit_allocation(
         return Verdict.CAP
     if total is None or mine <= reserve_on(own, gpu):
         return Verdict.ADMIT
-    names = (set(held) | set(terms)) - {tenant}
-    others = sum(max(held.get(n, 0), reserve_on(terms.get(n, MemoryTerms()), gpu)) for n in names)
+    # sum over the others of max(held, reserve): what they all hold, plus what each reserve is owed beyond it
+    # (a walk over the tenants with terms only: the others hold no reserve)
+    others = sum(held.values()) - held.get(tenant, 0)
+    others += sum(max(0, reserve_on(t, gpu) - held.get(n, 0)) for n, t in terms.items() if n != tenant)
     return Verdict.RESERVES if others + mine > total else Verdict.ADMIT
 
 

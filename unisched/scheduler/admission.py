@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import structlog
 
@@ -23,7 +24,7 @@ from unisched.scheduler.tenant import (
 
 __all__ = [
     "active_weight_by_gpu", "admit", "admit_session", "apply_devices", "cap_of", "check_reserve", "client_env",
-    "engines_changed", "gpu_memory_totals", "memory_terms", "session_freed", "v2_dir",
+    "engines_changed", "gpu_memory_totals", "memory_terms", "session_freed", "update_memory_terms", "v2_dir",
 ]
 
 log = structlog.get_logger("unisched.scheduler")
@@ -41,9 +42,28 @@ def client_env(c: Context, t: Tenant) -> dict[str, str]:
     return env if settings is None else {**env, **settings.env(c.mps.pipe_dir)}
 
 
-def memory_terms(c: Context) -> dict[str, MemoryTerms]:
-    """Every tenant's GPU memory cap and reserve per GPU; the session hooks read it from their own thread."""
-    return {n: terms_of(t.limits, t.gpus) for n, t in list(c.tenants.items())}
+def memory_terms(c: Context) -> Mapping[str, MemoryTerms]:
+    """The GPU memory cap and reserve per GPU of each tenant that has one; the session hooks read it from their own
+    thread on every allocation, so it is kept up to date (`update_memory_terms`), not gathered from every tenant."""
+    return c.memory_terms
+
+
+def update_memory_terms(c: Context, name: str) -> None:
+    """After tenant `name` was added or removed or its limits or GPUs changed: its entry in `c.memory_terms`, in a
+    new mapping (the hooks' threads read the old one meanwhile). A tenant without a cap or a reserve has no entry
+    (policy.memory: absent is none), so an allocation's check walks the few tenants with terms, not all."""
+    t = c.tenants.get(name)
+    terms = terms_of(t.limits, t.gpus) if t is not None else None
+    if terms is not None and terms.cap is None and not terms.reserve:
+        terms = None
+    if c.memory_terms.get(name) == terms:
+        return
+    changed = dict(c.memory_terms)
+    if terms is None:
+        del changed[name]
+    else:
+        changed[name] = terms
+    c.memory_terms = MappingProxyType(changed)
 
 
 def gpu_memory_totals(c: Context) -> dict[int, int]:

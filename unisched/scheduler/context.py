@@ -3,8 +3,9 @@ and how it is built from the config. Each part is a module of plain functions ta
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import structlog
 
@@ -18,6 +19,7 @@ from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource,
 from unisched.policy.caps import VideoEngines, video_engines_for
 from unisched.policy.charging import ReportMatch
 from unisched.policy.contention import PARTIAL_OVERLAP
+from unisched.policy.memory import MemoryTerms
 from unisched.policy.overlap import OverlapMix
 from unisched.policy.plan import PlanConfig, PlanState, Rule
 from unisched.policy.tuning import TUNING
@@ -74,6 +76,9 @@ class Context:
     """The warning that the kernel refused to set a timer slack: at most once a minute."""
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
+    memory_terms: Mapping[str, MemoryTerms] = field(default_factory=lambda: MappingProxyType({}))
+    """The memory cap and reserve of each tenant that has one (admission.update_memory_terms). The hooks' threads
+    read it on every allocation; each change replaces the mapping whole, so a reader never sees one half made."""
     last_samples: tuple[GpuSample, ...] = ()
     charged: dict[tuple[str, Resource], float] = field(default_factory=dict)
     """GPU seconds each freezer-governed tenant was charged per resource at the last tick (what rationing weighs)."""

@@ -169,7 +169,7 @@ class Scheduler:
                    memory_bytes: int | None, memory_reserve: int | None = None) -> TenantSnapshot:
         return roster.set_limits(self._c, name, render, decode, encode, memory_bytes, memory_reserve)
 
-    def memory_terms(self) -> dict[str, MemoryTerms]:
+    def memory_terms(self) -> Mapping[str, MemoryTerms]:
         """Every tenant's GPU memory cap and reserve per GPU; the session hooks read it from their own thread."""
         return admission.memory_terms(self._c)
 

@@ -26,7 +26,7 @@ from unisched.policy import (
     validate_weight,
 )
 from unisched.policy.caps import SessionLimits
-from unisched.scheduler.admission import apply_devices
+from unisched.scheduler.admission import apply_devices, update_memory_terms
 from unisched.scheduler.context import Context, check_gpus, save, save_soon
 from unisched.scheduler.labels import LabelError, validate_labels
 from unisched.scheduler.limits import NO_MEMORY_ASK, MemoryAsk, memory_limits
@@ -319,6 +319,7 @@ def _rejoin(
     if owner and keep is True:
         t.ephemeral = False
     t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
+    update_memory_terms(c, name)
     apply_devices(c, t)
     if t.missing or not c.driver.exists(t.cgroup):
         _create_cgroup(c, name, t.cgroup)

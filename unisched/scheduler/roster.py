@@ -14,6 +14,7 @@ from unisched.policy import (
 )
 from unisched.scheduler.admission import (
     apply_devices,
+    update_memory_terms,
     v2_dir,
 )
 from unisched.scheduler.context import Context, get, save
@@ -43,6 +44,7 @@ def add(c: Context, t: Tenant, reason: str) -> None:
                       cgroup=t.cgroup, error=str(e))
     t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
     c.tenants[t.name] = t
+    update_memory_terms(c, t.name)
     apply_devices(c, t)
     c.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
     log.info(
@@ -127,6 +129,7 @@ def drop(c: Context, t: Tenant) -> None:
     except CgroupError as e:
         log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
     del c.tenants[name]
+    update_memory_terms(c, name)
     c.logged_shares.pop(name, None)
     c.leases.forget_tenant(name)
     c.policy.remove(name)
@@ -138,6 +141,7 @@ def set_limits(c: Context, name: str, render: int | None, decode: int | None, en
     t = get(c, name)
     t.limits = changed_limits(c, name, t.limits, t.gpus, render=render, decode=decode, encode=encode,
                               memory_bytes=memory_bytes, memory_reserve=memory_reserve)
+    update_memory_terms(c, name)
     log.info("limits", tenant=name, render=t.limits.render, decode=t.limits.decode, encode=t.limits.encode,
              memory_bytes=t.limits.memory_bytes, memory_reserve=t.limits.memory_reserve)
     save(c)  # on disk when the caller is answered, as a weight
