@@ -287,6 +287,29 @@ def test_configured_render_cap_and_memory_cap(tmp_path: Path) -> None:
     assert engine2.snapshot("g").memory_cap == 1 << 20
 
 
+def test_session_refusals_warn_once_a_second_and_say_how_many_they_held_back(tmp_path: Path) -> None:
+    """An app retrying past its cap asks again at once: the host's log gets one warning a second per tenant and
+    kind, not one per call; the refusals are all counted."""
+    import structlog
+
+    rig = Rig(tmp_path)
+    rig.add("g", 100)
+    rig.add("h", 100)
+    rig.engine.set_limits("g", 0, None, None, None)
+    rig.engine.set_limits("h", 0, None, None, None)
+    with structlog.testing.capture_logs() as logs:
+        assert not any(rig.engine.admit_session("g", "graphics", 0xCB97) for _ in range(50))
+        assert not rig.engine.admit_session("h", "graphics", 0xCB97)  # another tenant's first: its own warning
+        rig.clock.advance(0.99)
+        assert not rig.engine.admit_session("g", "graphics", 0xCB97)
+        rig.clock.advance(0.01)
+        assert not rig.engine.admit_session("g", "graphics", 0xCB97)
+    warned = [(e["tenant"], e["held_back"]) for e in logs if e["event"] == "session refused" and e["log_level"] == "warning"]
+    assert warned == [("g", 0), ("h", 0), ("g", 50)]
+    assert len([e for e in logs if e["event"] == "session refused"]) == 53
+    assert rig.engine.snapshot("g").refusals == {"graphics": 52}
+
+
 def test_device_admission_follows_gpus_and_memory(tmp_path: Path) -> None:
     from unisched.enforce.devices import FakeDeviceAdmission
 

@@ -141,7 +141,12 @@ def admit(c: Context, t: Tenant, kind: str, h_class: int) -> str | None:
             refuse_reason = f"{kind} cap {cap} reached"
     if refuse_reason is not None:
         t.refusals[kind] = t.refusals.get(kind, 0) + 1
-        log.warning("session refused", tenant=t.name, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason)
+        # an app retrying past its cap asks again at once: one warning a second per tenant and kind, saying how many
+        # it held back (the counts stay exact in `refusals` and the metrics)
+        held = c.session_refusals.allow((t.name, kind))
+        (log.debug if held is None else log.warning)(
+            "session refused", tenant=t.name, kind=kind, h_class=f"0x{h_class:04X}", reason=refuse_reason,
+            held_back=held or 0)
         return refuse_reason
     before = t.all_engines()
     t.sessions[kind] = t.sessions.get(kind, 0) + 1
