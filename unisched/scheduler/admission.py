@@ -23,7 +23,7 @@ from unisched.scheduler.tenant import (
 )
 
 __all__ = [
-    "active_weight_by_gpu", "admit", "admit_session", "apply_devices", "cap_of", "check_reserve", "client_env",
+    "admit", "admit_session", "apply_devices", "cap_of", "check_reserve", "client_env",
     "engines_changed", "gpu_memory_totals", "memory_terms", "session_freed", "update_memory_terms", "v2_dir",
 ]
 
@@ -82,42 +82,36 @@ def check_reserve(c: Context, name: str, limits: SessionLimits, gpus: tuple[int,
         raise PolicyError(why)
 
 
-def cap_of(c: Context, t: Tenant, kind: CapKind, by_gpu: Mapping[int, int] | None = None) -> int | None:
+def cap_of(c: Context, t: Tenant, kind: CapKind) -> int | None:
     configured = t.limits.get(kind)
     if configured is not None:
         return configured
     if c.video is None:
         return None  # no GPU seen: nothing to derive a cap from
-    return default_cap(kind, _gpu_share(c, t, by_gpu), c.video)
+    return default_cap(kind, _gpu_share(c, t), c.video)
 
 
-def _gpu_share(c: Context, t: Tenant, by_gpu: Mapping[int, int] | None = None) -> float:
-    """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there.
-
-    `by_gpu` (from _active_weight_by_gpu) lets a caller that asks for every tenant sum the weights once.
-    """
+def _gpu_share(c: Context, t: Tenant) -> float:
+    """The tenant's weight share of its GPUs: its weight over the weights of every tenant with work there."""
     mine = c.policy.weight(t.name)
-    gpus = set(t.gpus or c.gpu_indices)
-    if by_gpu is not None and len(gpus) == 1:
-        (g,) = gpus
-        own = mine if t.active and any(r.gpu == g for r in t.resources) else 0
-        return mine / (mine + by_gpu.get(g, 0) - own)
-    total = sum(
-        c.policy.weight(o.name)
-        for o in c.tenants.values()
-        if o is not t and o.active and gpus & {r.gpu for r in o.resources}
-    )
-    return mine / (mine + total)
+    total, each = _weights_on(c, frozenset(t.gpus or c.gpu_indices))
+    return mine / (mine + total - each.get(t.name, 0))
 
 
-def active_weight_by_gpu(c: Context) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for o in c.tenants.values():
-        if o.active:
-            w = c.policy.weight(o.name)
-            for g in {r.gpu for r in o.resources}:
-                out[g] = out.get(g, 0) + w
-    return out
+def _weights_on(c: Context, gpus: frozenset[int]) -> tuple[int, Mapping[str, int]]:
+    """The weights of the tenants with work on any of `gpus`: their sum, and each one's. Taken once a slice for each
+    set of GPUs asked about (kept in `c.weights_on` until the next tick), so that a session decision, which a hooked
+    app retrying a refused session can ask for as fast as it is answered, is not a walk over every tenant; what
+    tenants do changes the answer at the next slice."""
+    if c.weights_at != c.last_tick:
+        c.weights_on.clear()
+        c.weights_at = c.last_tick
+    got = c.weights_on.get(gpus)
+    if got is None:
+        each = {o.name: c.policy.weight(o.name) for o in c.tenants.values()
+                if o.active and any(r.gpu in gpus for r in o.resources)}
+        got = c.weights_on[gpus] = (sum(each.values()), MappingProxyType(each))
+    return got
 
 
 def admit_session(c: Context, tenant: str, kind: str, h_class: int) -> bool:

@@ -11,7 +11,6 @@ from unisched.policy.caps import CapKind
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
 from unisched.scheduler.admission import (
-    active_weight_by_gpu,
     cap_of,
     client_env,
     gpu_memory_totals,
@@ -53,7 +52,6 @@ def snapshots(c: Context, names: Iterable[str] | None = None) -> list[TenantSnap
     """Every tenant's snapshot, or those of `names` (a registration answers with one: O(1), not O(tenants))."""
     wanted = sorted(c.tenants) if names is None else sorted(names)
     stats = {s.name: s for s in c.policy.stats(c.clock.monotonic(), wanted)}
-    by_gpu = active_weight_by_gpu(c)
     out = []
     for name in wanted:
         t = c.tenants[name]
@@ -85,7 +83,7 @@ def snapshots(c: Context, names: Iterable[str] | None = None) -> list[TenantSnap
                 adopted=t.adopted,
                 sessions=dict(t.sessions),
                 refusals=dict(t.refusals),
-                caps={k.value: cap_of(c, t, k, by_gpu) for k in CapKind},
+                caps={k.value: cap_of(c, t, k) for k in CapKind},
                 memory_cap=t.limits.memory_bytes,
                 memory_reserve=t.limits.memory_reserve,
                 memory_bytes=t.memory_bytes,
