@@ -100,12 +100,9 @@ def _gpu_share(c: Context, t: Tenant) -> float:
 
 def _weights_on(c: Context, gpus: frozenset[int]) -> tuple[int, Mapping[str, int]]:
     """The weights of the tenants with work on any of `gpus`: their sum, and each one's. Taken once a slice for each
-    set of GPUs asked about (kept in `c.weights_on` until the next tick), so that a session decision, which a hooked
-    app retrying a refused session can ask for as fast as it is answered, is not a walk over every tenant; what
-    tenants do changes the answer at the next slice."""
-    if c.weights_at != c.last_tick:
-        c.weights_on.clear()
-        c.weights_at = c.last_tick
+    set of GPUs asked about (kept in `c.weights_on` until the tick's next demand update clears it), so that a session
+    decision, which a hooked app retrying a refused session can ask for as fast as it is answered, is not a walk over
+    every tenant; what tenants do changes the answer at the next slice."""
     got = c.weights_on.get(gpus)
     if got is None:
         each = {o.name: c.policy.weight(o.name) for o in c.tenants.values()

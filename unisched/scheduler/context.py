@@ -83,9 +83,8 @@ class Context:
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
     weights_on: dict[frozenset[int], tuple[int, Mapping[str, int]]] = field(default_factory=dict)
-    """Per set of GPUs, the weights of the tenants with work there, taken at `weights_at` (admission._weights_on)."""
-    weights_at: float = float("nan")
-    """The tick `weights_on` was taken in (its `last_tick`); a later tick starts it again."""
+    """Per set of GPUs, the weights of the tenants with work there since the last demand update, which clears it
+    (admission._weights_on; tick._update_demand)."""
     memory_terms: Mapping[str, MemoryTerms] = field(default_factory=lambda: MappingProxyType({}))
     """The memory cap and reserve of each tenant that has one (admission.update_memory_terms). The hooks' threads
     read it on every allocation; each change replaces the mapping whole, so a reader never sees one half made."""

@@ -374,3 +374,4 @@ def _update_demand(c: Context, cpu: dict[str, float], dt: float, gpu_active: set
         if active != t.active or not active:
             c.policy.set_demand(t.name, t.resources if active else ())
         t.active = active
+    c.weights_on.clear()  # the default caps' shares (admission._weights_on) follow the demand just updated
