@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,6 +298,31 @@ def test_the_share_behind_a_default_cap_follows_the_tenants_at_the_next_slice(tm
     rig.engine.remove("c")
     rig.step(1)
     assert rig.engine.snapshot("b").caps["decode"] == 5
+
+
+def test_the_tenant_of_a_pid_is_the_one_whose_cgroup_holds_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.add("a", 100)
+    rig.driver.create("/kubepods.slice/pod-u1")
+    rig.engine.adopt("pod-u1", 300, None, "/kubepods.slice/pod-u1", (), ())
+    where = rig.driver.pid_cgroup
+    where.update({41: "/unisched/a", 42: "/unisched/a/worker/", 43: "/kubepods.slice/pod-u1/ctr",
+                  44: "/kubepods.slice/pod-u10/ctr", 45: "/unisched", 46: "/", 47: "kubepods.slice/pod-u1"})
+    assert [rig.engine.tenant_of_pid(p) for p in range(41, 49)] == ["a", "a", "pod-u1", None, None, None, None, None]
+
+    class Unwalked(dict[str, object]):  # every Status call asks: a lookup, not a walk over every tenant
+        def values(self) -> Any:
+            raise AssertionError("walked every tenant")
+
+        items = values
+
+    walked, rig.engine._c.tenants = rig.engine._c.tenants, Unwalked(rig.engine._c.tenants)  # type: ignore[assignment]
+    assert rig.engine.tenant_of_pid(42) == "a"
+    rig.engine._c.tenants = walked
+    rig.engine.remove("pod-u1")
+    assert rig.engine.tenant_of_pid(43) is None
+    rig.engine.adopt("pod-u1", 300, None, "/kubepods.slice/pod-u1", (), ())
+    assert rig.engine.tenant_of_pid(43) == "pod-u1"
 
 
 def test_configured_render_cap_and_memory_cap(tmp_path: Path) -> None:

@@ -71,6 +71,8 @@ class Context:
     plan: PlanState = field(default_factory=PlanState)
     """The scheduling model's state between slices (policy.plan): gates, mixed-slice clocks."""
     tenants: dict[str, Tenant] = field(default_factory=dict)
+    tenant_of_cgroup: dict[str, str] = field(default_factory=dict)
+    """Each tenant's cgroup (no trailing slash) -> its name (roster.add and drop keep it; roster.tenant_of_pid)."""
     declared: frozenset[str] = frozenset()
     """Tenants the config declares stay when their processes exit, however they were first made."""
     slack_from: int = 0

@@ -44,6 +44,7 @@ def add(c: Context, t: Tenant, reason: str) -> None:
                       cgroup=t.cgroup, error=str(e))
     t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
     c.tenants[t.name] = t
+    c.tenant_of_cgroup[_cgroup_key(t.cgroup)] = t.name
     update_memory_terms(c, t.name)
     apply_devices(c, t)
     c.policy.upsert(TenantSpec(t.name, t.base_weight, t.priority))
@@ -70,13 +71,21 @@ def note_session_hooks(c: Context, tenant: str) -> None:
 
 
 def tenant_of_pid(c: Context, pid: int) -> str | None:
+    """The tenant whose cgroup holds the process: a lookup of its cgroup and of each one above it (every Status
+    call asks, so not a walk over every tenant)."""
     cg = c.driver.cgroup_of(pid)
     if cg is None:
         return None
-    for t in c.tenants.values():
-        if cg == t.cgroup or cg.startswith(t.cgroup.rstrip("/") + "/"):
-            return t.name
-    return None
+    path = _cgroup_key(cg)
+    while True:
+        name = c.tenant_of_cgroup.get(path)
+        if name is not None or path == "/" or "/" not in path:
+            return name
+        path = path.rsplit("/", 1)[0] or "/"
+
+
+def _cgroup_key(cgroup: str) -> str:
+    return cgroup.rstrip("/") or "/"
 
 
 def set_weight(c: Context, name: str, weight: int) -> TenantSnapshot:
@@ -129,6 +138,8 @@ def drop(c: Context, t: Tenant) -> None:
     except CgroupError as e:
         log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
     del c.tenants[name]
+    if c.tenant_of_cgroup.get(_cgroup_key(t.cgroup)) == name:
+        del c.tenant_of_cgroup[_cgroup_key(t.cgroup)]
     update_memory_terms(c, name)
     c.logged_shares.pop(name, None)
     c.leases.forget_tenant(name)
