@@ -48,7 +48,7 @@ SLICE_S = 0.05
 CASES = ("session decision", "memory charge", "caller's tenant")
 
 
-def engine_with(n: int, work: Path) -> tuple[Scheduler, FakeCgroupDriver, FakeClock]:
+def engine_with(n: int, work: Path) -> tuple[Scheduler, FakeCgroupDriver]:
     driver, clock = FakeCgroupDriver(), FakeClock()
     tel = FakeTelemetry([GpuInfo(0, "NVIDIA H200", "GPU-0", 80 * GIB)])
     engine = Scheduler(DaemonConfig(slice_ms=SLICE_S * 1000), driver, tel, StateStore(work / "state"), clock)
@@ -59,7 +59,7 @@ def engine_with(n: int, work: Path) -> tuple[Scheduler, FakeCgroupDriver, FakeCl
         for i in range(n):
             driver.groups[f"/unisched/t{i}"].cpu_s += SLICE_S
         clock.advance(engine.tick())
-    return engine, driver, clock
+    return engine, driver
 
 
 def per_call_us(fn: Callable[[], object], calls: int, repeat: int) -> float:
@@ -74,7 +74,7 @@ def per_call_us(fn: Callable[[], object], calls: int, repeat: int) -> float:
 
 def measure(n: int, calls: int, repeat: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="tenant-scale-") as tmp:
-        engine, driver, _ = engine_with(n, Path(tmp))
+        engine, driver = engine_with(n, Path(tmp))
         while engine.admit_session("t0", "nvdec", 0xB8B0):  # up to its default cap
             pass
         engine.set_limits("t1", None, None, None, 4 * GIB, GIB)

@@ -13,6 +13,7 @@ from unisched.enforce.cgroups import CgroupDriver
 from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.mps import MpsControl
 from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S
 from unisched.enforce.timerslack import ProcThreadSlack, ThreadSlack
 from unisched.logs import Throttle
 from unisched.policy import SHARED_SM, ContentionMap, FairShareConfig, Resource, WeightedFairShare
@@ -40,9 +41,6 @@ log = structlog.get_logger("unisched.scheduler")
 SAVE_DELAY_S = 0.5
 """Registrations are written to the state file by the tick at most this long after them: one write per burst
 instead of one fsync'ed rewrite of every tenant per call, at the cost of that window's entries on a crash."""
-SESSION_REFUSAL_LOG_S = 1.0
-"""Session refusal warnings, at most one per tenant and kind in this many seconds; the lines between are logged at
-debug and counted in the next warning's held_back."""
 WRITER_STOP_S = 5.0
 """How long shutdown waits for the state file's writer thread to end (it has nothing left to write by then)."""
 
@@ -80,8 +78,8 @@ class Context:
     slack_refusals: Throttle = field(default_factory=lambda: Throttle(60.0))
     """The warning that the kernel refused to set a timer slack: at most once a minute."""
     session_refusals: Throttle = field(init=False)
-    """The warning that a session was refused (admission.admit): at most one a second per tenant and kind
-    (SESSION_REFUSAL_LOG_S), on the engine's clock."""
+    """The warning that a session was refused (admission.admit): at most one per tenant and kind in the hooks' own
+    refusal lines' interval (memory_calls.REFUSAL_LOG_INTERVAL_S), on the engine's clock."""
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
     weights_on: dict[frozenset[int], tuple[int, Mapping[str, int]]] = field(default_factory=dict)
@@ -123,7 +121,7 @@ class Context:
 
     def __post_init__(self) -> None:
         self.writer = StateWriter(self.store)
-        self.session_refusals = Throttle(SESSION_REFUSAL_LOG_S, self.clock.monotonic)
+        self.session_refusals = Throttle(REFUSAL_LOG_INTERVAL_S, self.clock.monotonic)
 
 
 def build(

@@ -170,7 +170,8 @@ class Scheduler:
         return roster.set_limits(self._c, name, render, decode, encode, memory_bytes, memory_reserve)
 
     def memory_terms(self) -> Mapping[str, MemoryTerms]:
-        """Every tenant's GPU memory cap and reserve per GPU; the session hooks read it from their own thread."""
+        """The GPU memory cap and reserve per GPU of each tenant that has one; the session hooks read it from their
+        own thread (admission.memory_terms)."""
         return admission.memory_terms(self._c)
 
     def gpu_memory_totals(self) -> dict[int, int]:

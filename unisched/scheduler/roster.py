@@ -138,8 +138,9 @@ def drop(c: Context, t: Tenant) -> None:
     except CgroupError as e:
         log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
     del c.tenants[name]
-    if c.tenant_of_cgroup.get(_cgroup_key(t.cgroup)) == name:
-        del c.tenant_of_cgroup[_cgroup_key(t.cgroup)]
+    key = _cgroup_key(t.cgroup)
+    if c.tenant_of_cgroup.get(key) == name:
+        del c.tenant_of_cgroup[key]
     update_memory_terms(c, name)
     c.logged_shares.pop(name, None)
     c.leases.forget_tenant(name)
