@@ -205,11 +205,21 @@ class _Handler(Handler):
     connection: _Connection | None = None
 
     def accept(self, stream: Any, headers: Any, release_stream: Callable[[], Any]) -> None:
+        released = False
+
         def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
             release_stream()
             if self.connection is not None:
                 self.connection.answered(stream.id)
         super().accept(stream, headers, release)
+        # grpclib releases a stream in its call's `finally`, which a call cancelled before its first step never
+        # reaches (its stream reset in the read that opened it, or refused by _refuse): a client sending HEADERS
+        # and RST_STREAM together, stream after stream, would leave each one held. So also release on the task's end.
+        self._tasks[stream].add_done_callback(lambda _task: release())
 
 
 class _Connection(H2Protocol):
