@@ -128,6 +128,45 @@ def test_removed_cgroup_does_not_stop_the_engine(tmp_path: Path) -> None:
     assert not rig.frozen("a")
 
 
+@pytest.mark.parametrize("again", ["owner", "admin", "ended"])
+def test_a_name_whose_cgroup_still_holds_a_removed_tenants_processes_is_not_given_to_another_user(
+        tmp_path: Path, again: str) -> None:
+    """Removing a tenant while its processes run leaves them in its cgroup: another user's tenant of that name
+    would take them in, and they could join it as members. Refused; its owner or an admin may make it again,
+    and anyone once those processes ended."""
+    rig = Rig(tmp_path)
+    attacker, victim, kept = 1001, 1002, 4242
+    rig.engine.register("train", None, None, (), (), kept, attacker, False, keep=True)
+    rig.engine.remove_as("train", attacker, False)
+    assert rig.driver.pids("/unisched/train") == [kept]
+    with pytest.raises(SchedulerError, match="still holds processes"):
+        rig.engine.register("train", 100, None, (), (), 5555, victim, False, keep=False)
+    assert not rig.engine.has_tenant("train")
+    if again == "owner":
+        rig.engine.register("train", None, None, (), (), kept, attacker, False, keep=True)
+    elif again == "admin":
+        rig.engine.register("train", 100, None, (), (), 5556, 0, True)
+    else:
+        rig.driver.groups["/unisched/train"].pids.clear()
+        rig.engine.register("train", 100, None, (), (), 5555, victim, False, keep=False)
+    assert rig.engine.has_tenant("train")
+    rig.engine.remove("train")  # made again: the owner's record went with it, and is the new owner's now
+    if again == "owner":
+        with pytest.raises(SchedulerError, match="still holds processes"):
+            rig.engine.register("train", 100, None, (), (), 5555, victim, False, keep=False)
+
+
+def test_the_removed_tenants_left_behind_are_bounded_oldest_first(tmp_path: Path) -> None:
+    from unisched.scheduler.roster import MAX_LEFT_BEHIND, leave_behind
+
+    rig = Rig(tmp_path)
+    c = rig.engine._c
+    for i in range(MAX_LEFT_BEHIND + 2):
+        leave_behind(c, f"/unisched/t{i}", i)
+    assert len(c.left_behind) == MAX_LEFT_BEHIND and "/unisched/t0" not in c.left_behind
+    assert c.left_behind["/unisched/t2"] == 2 and list(c.left_behind)[-1] == f"/unisched/t{MAX_LEFT_BEHIND + 1}"
+
+
 def test_restart_thaws_what_a_crash_left_frozen_and_restores_weights(tmp_path: Path) -> None:
     rig = Rig(tmp_path)
     rig.add("a", 300)

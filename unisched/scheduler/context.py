@@ -71,6 +71,10 @@ class Context:
     tenants: dict[str, Tenant] = field(default_factory=dict)
     tenant_of_cgroup: dict[str, str] = field(default_factory=dict)
     """Each tenant's cgroup (no trailing slash) -> its name (roster.add and drop keep it; roster.tenant_of_pid)."""
+    left_behind: dict[str, int] = field(default_factory=dict)
+    """The cgroups of removed tenants that still held processes -> the removed tenant's owner uid (roster.drop):
+    only that owner or an admin may make a tenant there again (registration._check_unoccupied). Oldest first,
+    at most MAX_LEFT_BEHIND."""
     declared: frozenset[str] = frozenset()
     """Tenants the config declares stay when their processes exit, however they were first made."""
     slack_from: int = 0

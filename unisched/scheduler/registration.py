@@ -272,6 +272,7 @@ def _create(
     limits = memory_limits(c, name, SessionLimits(), gpus, memory, is_admin, creating=True)
     cgroup = c.driver.tenant_cgroup(name)
     _check_not_governed(c, name, cgroup)
+    _check_unoccupied(c, name, cgroup, uid, is_admin)
     _create_cgroup(c, name, cgroup)
     t = Tenant(name, w, priority or Priority.OFFLINE, engines, gpus, cgroup, False, uid,
                ephemeral=keep is False and name not in c.declared, limits=limits)
@@ -336,6 +337,22 @@ def _check_not_governed(c: Context, name: str, cgroup: str) -> None:
         if o.adopted and (within(cgroup, o.cgroup) or within(o.cgroup, cgroup)):
             raise SchedulerError("invalid", f"tenant {name!r} would live in {cgroup}, which is nested with adopted "
                                          f"tenant {o.name!r}'s cgroup {o.cgroup}; choose another name")
+
+
+def _check_unoccupied(c: Context, name: str, cgroup: str, uid: int, is_admin: bool) -> None:
+    """A new tenant's cgroup must hold no processes but the caller's own. A tenant removed while its processes ran
+    leaves them in its cgroup (`roster.drop` deletes only an empty one): another user's tenant of the same name
+    would take them in, and they could join it (a process in a tenant's cgroup is its member) and be counted
+    against its caps. So only the removed tenant's owner, or an admin, may make a tenant there again."""
+    try:
+        occupied = c.driver.exists(cgroup) and bool(c.driver.pids(cgroup))
+    except (CgroupError, OSError) as e:
+        raise SchedulerError("failed", f"cannot read cgroup {cgroup}: {e}") from None
+    if occupied and not is_admin and c.left_behind.get(cgroup) != uid:
+        raise SchedulerError("permission", f"cgroup {cgroup} still holds processes of a removed tenant {name!r} "
+                                           "(or ones put there outside the daemon) that are not yours; choose "
+                                           "another name, or wait until they end")
+    c.left_behind.pop(cgroup, None)  # a tenant's again
 
 
 def _nvml_lists_processes(c: Context) -> bool:

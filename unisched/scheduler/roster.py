@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import structlog
 
 from unisched.enforce.bpf import DeviceAdmissionError
@@ -122,6 +124,19 @@ def remove(c: Context, name: str) -> None:
     log_shares(c, reason="removed")
 
 
+MAX_LEFT_BEHIND: Final = 1024
+"""Removed tenants' cgroups that still held processes, remembered with their owners (Context.left_behind); past
+it the oldest is forgotten, and its name is then refused to everyone but admins until its processes end."""
+
+
+def leave_behind(c: Context, cgroup: str, owner_uid: int) -> None:
+    """A removed tenant's cgroup still holds processes: remember whose they were (Context.left_behind)."""
+    c.left_behind.pop(cgroup, None)
+    c.left_behind[cgroup] = owner_uid
+    while len(c.left_behind) > MAX_LEFT_BEHIND:
+        del c.left_behind[next(iter(c.left_behind))]
+
+
 def drop(c: Context, t: Tenant) -> None:
     """Forget a tenant and thaw (and, when it made it and it is empty, delete) its cgroup; the caller saves."""
     name = t.name
@@ -135,6 +150,8 @@ def drop(c: Context, t: Tenant) -> None:
             c.driver.set_frozen(t.cgroup, False)
             if not t.adopted and not c.driver.pids(t.cgroup):
                 c.driver.remove(t.cgroup)
+            elif not t.adopted:
+                leave_behind(c, t.cgroup, t.owner_uid)
     except CgroupError as e:
         log.error("cleanup of removed tenant failed", tenant=name, error=str(e))
     del c.tenants[name]
