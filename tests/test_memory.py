@@ -20,7 +20,7 @@ from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_f
 from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, XFER
 from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
-from unisched.enforce.seccomp.memory import UNKNOWN_GPU, Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, MemoryLedger
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.policy import Engine, Priority
 from unisched.policy.caps import SessionLimits
@@ -131,6 +131,31 @@ def test_book_keeps_clients_apart_and_releases_exited_ones() -> None:
     assert sorted(h.nbytes for h in book.release_all()) == [5, GIB]
 
 
+def test_book_keeps_memory_charged_while_any_copy_of_its_handle_lives() -> None:
+    book = MemoryBook()
+    other = ROOT + 1
+    book.add_device(ROOT, DEV, 0x80, ROOT, 1, OWNER)
+    book.add(ROOT, 0x10, DEV, GIB, OWNER)
+    assert book.dup(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER) == []
+    assert book.dup(other, 0x30, other, (ROOT, 0x10), OWNER) == []  # into another client of the same process
+    assert book.free(ROOT, 0x10) == [Held(1, 0)] and book.held() == {1: GIB}  # two copies left
+    assert book.free(ROOT, 0x20) == [Held(1, 0)] and book.held() == {1: GIB}
+    assert book.release([other]) == [Held(1, GIB)] and book.held() == {}  # the last copy goes with its client
+    assert book.dup(ROOT, 0x21, DEV, (ROOT, 0x99), OWNER) == []  # a source not booked: nothing followed
+    book.add_device(ROOT, 0xD1, 0x2080, DEV, None, OWNER)
+    book.dup(other, 0xD2, other, (ROOT, DEV), OWNER)  # a copy of a device stands for its GPU
+    assert book.gpu_of(other, 0xD2) == 1
+
+
+def test_a_copy_the_book_has_no_room_for_keeps_its_original_charged_until_its_client_goes() -> None:
+    book = MemoryBook(BookBounds(objects=1))
+    book.add_device(ROOT, DEV, 0x80, ROOT, 0, OWNER)
+    book.add(ROOT, 0x10, DEV, GIB, OWNER)
+    book.dup(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER)
+    assert book.free(ROOT, 0x10) == [] and book.free(ROOT, 0x20) == [] and book.held() == {0: GIB}
+    assert book.release([ROOT]) == [Held(0, GIB)]
+
+
 def test_ledger_charges_and_credits_per_tenant_and_gpu() -> None:
     terms = {"a": MemoryTerms(cap=2 * GIB), "b": MemoryTerms(reserve=4 * GIB)}
     ledger = MemoryLedger(lambda: terms, lambda: {0: 8 * GIB})
@@ -173,6 +198,8 @@ def test_memory_allocations_are_decoded() -> None:
     assert decode_call(RM_ALLOC, 48, 0x7000, _memory({0x7000: unsized, 0x5000: bytes(params)})).mem_bytes == 3 * GIB
     system = struct.pack("=IIIIQII", ROOT, DEV, 0x10, 0x3E, 0x5000, len(params), 0)  # host memory: not counted
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: system, 0x5000: bytes(params)})).mem_bytes is None
+    no_params = struct.pack("=IIIIQII", ROOT, ROOT, DEV, 0x80, 0, 0, 0)  # the driver takes GPU 0 (deviceConstruct)
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: no_params})).device_id == 0
     device = struct.pack("=IIIIQII", ROOT, ROOT, DEV, 0x80, 0x5000, 16, 0)
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
     free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
@@ -180,6 +207,7 @@ def test_memory_allocations_are_decoded() -> None:
     nvos55 = struct.pack("=IIIIIII", ROOT, DEV, 0, ROOT + 1, 0x20, 0, 0)  # a dup into ROOT, the driver picking
     dup = decode_call(RM_DUP_OBJECT, 28, 0x7000, _memory({0x7000: nvos55}))
     assert (dup.op, dup.h_root, dup.h_parent, dup.handle, dup.kind) == (RM_DUP_OBJECT, ROOT, DEV, 0, None)
+    assert dup.source == (ROOT + 1, 0x20)
     assert decode_call(RM_DUP_OBJECT, 32, 0x7000, _memory({0x7000: nvos55 + bytes(4)})).op == 0  # not NVOS55
 
 
@@ -328,7 +356,25 @@ def test_a_dup_that_leaves_its_handle_to_the_driver_takes_its_turn_in_the_replay
     assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00004: the driver skips the handle in use
     assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 4:#x}") == ENOTTY
     assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE:#x}") == ENOTTY
+    assert capped.held() == {0: GIB}  # the original freed, but its copy keeps the memory: still charged
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 3:#x}") == ENOTTY
     assert capped.held() == {}
+
+
+@needs_notify
+def test_dup_then_free_of_the_original_does_not_escape_the_cap(capped: Served) -> None:
+    """Allocate, RM_DUP_OBJECT it, free the original, again and again: the driver keeps each allocation's memory
+    for its copy, so the cap must too (without the copies followed, each free gave its GiB back and the loop held
+    any amount under a 4 GiB cap)."""
+    proc = capped.proc
+    for i in range(4):
+        assert mem(proc, 0x10 + i, GIB) == LET_THROUGH
+        assert proc.call(f"dup {DEV:#x} {0x40 + i:#x} {0x10 + i:#x}") == ENOTTY
+        assert proc.call(f"free {0x10 + i:#x}") == ENOTTY
+    assert capped.held() == {0: 4 * GIB}
+    assert mem(proc, 0x20, GIB) == REFUSED
+    assert proc.call(f"free {0x41:#x}") == ENOTTY  # a copy's free, the last handle of its memory: given back
+    assert capped.held() == {0: 3 * GIB}
 
 
 @needs_notify

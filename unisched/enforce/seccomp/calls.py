@@ -84,6 +84,7 @@ class Call:
     mem_bytes: int | None = None  # video memory the allocation asks for (nvclasses.MEMORY_SIZE_AT)
     device_id: int | None = None  # deviceId of an NV01_DEVICE_0 allocation
     replayed: int = 0  # the handle the driver will pick for it (handle 0), as the memory book replays it
+    source: tuple[int, int] = (0, 0)  # (hClientSrc, hObjectSrc) of RM_DUP_OBJECT: what the new handle names
 
 
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
@@ -111,13 +112,17 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 call.instance = _engine_instance(params, read)
             elif params and (h_class in MEMORY_SIZE_AT or h_class in DEVICE_CLASSES):
                 _memory_params(call, size, addr, params, read)
+            elif h_class == NV01_DEVICE_0:  # no parameters: the driver takes the class's own instance, GPU 0
+                call.device_id = h_class - NV01_DEVICE_0
             return call
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
             return Call(RM_FREE, h_root, h_parent, h_old)
-        if enr == RM_DUP_OBJECT and size == NVOS55_SIZE:  # hClient, hParent, hObject (0: the driver picks)
-            h_client, h_parent, h_object = struct.unpack("=III", read(addr, 12))
-            return Call(RM_DUP_OBJECT, h_client, h_parent, h_object)
+        if enr == RM_DUP_OBJECT and size == NVOS55_SIZE:  # hClient, hParent, hObject (0: the driver picks), source
+            h_client, h_parent, h_object, src_root, src_handle = struct.unpack("=IIIII", read(addr, 20))
+            call = Call(RM_DUP_OBJECT, h_client, h_parent, h_object)
+            call.source = (src_root, src_handle)
+            return call
         if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:
             return _heap_call(addr, read(addr, NVOS32_SIZE))
     except (OSError, ValueError, struct.error):

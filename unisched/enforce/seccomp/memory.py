@@ -131,6 +131,10 @@ class MemoryBook:
         self._of_root: dict[int, set[tuple[int, int]]] = {}
         self._replays: dict[int, HandleReplay] = {}  # hRoot -> its driver-chosen handles; one per owner
         self._unplaced: dict[int, Unbooked] = {}  # booked clients with a device the book had no room for, and why
+        self._sharing: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        """Memory objects that name the same memory (an allocation and its RM_DUP_OBJECT copies in this book): each
+        one's key -> the one set of them all. One of them carries the bytes; one dropped while others remain hands
+        its bytes on (`_drop_object`), so the memory stays charged until its last handle goes, as the driver keeps it."""
         self._budget = Budget(bounds.live, self.share)
         self._synthetic = itertools.count(-1, -1)
 
@@ -186,12 +190,13 @@ class MemoryBook:
             replay.untake(handle)
 
     def add_device(self, h_root: int, handle: int, h_class: int, h_parent: int, device_id: int | None,
-                   owner: tuple[int, str]) -> list[Held]:
-        """Record a device (its deviceId) or subdevice (its device's GPU) handle (from `handle_for`). A deviceId the
-        driver refuses (NV0080_MAX_DEVICES) stands for no GPU, so the GPUs the ledger keys on stay few."""
-        if h_class == NV01_DEVICE_0 and device_id is not None:
+                   owner: tuple[int, str], gpu: int | None = None) -> list[Held]:
+        """Record a device (its deviceId) or subdevice (its device's GPU) handle (from `handle_for`), or with `gpu`
+        a copy of one (`dup`). A deviceId the driver refuses (NV0080_MAX_DEVICES) stands for no GPU, so the GPUs
+        the ledger keys on stay few."""
+        if gpu is None and h_class == NV01_DEVICE_0 and device_id is not None:
             gpu = device_id if device_id < NV0080_MAX_DEVICES else UNKNOWN_GPU
-        else:
+        elif gpu is None:
             gpu = self.gpu_of(h_root, h_parent)
         key = (h_root, handle)
         if self._client(h_root, owner) is None:
@@ -209,6 +214,46 @@ class MemoryBook:
         self._devices[key] = (gpu, h_parent)
         self._link(h_root, (_DEVICE, handle), h_parent)
         return []
+
+    def dup(self, h_root: int, handle: int, h_parent: int, source: tuple[int, int], owner: tuple[int, str]) -> list[Held]:
+        """RM_DUP_OBJECT made `handle` (from `handle_for`) in client `h_root` name what `source` (hClientSrc,
+        hObjectSrc) names. A booked device: the copy stands for the same GPU. A booked memory object: the copy
+        shares its bytes (`_sharing`), so freeing the original while the copy lives gives nothing back; where the
+        book has no room for the copy, the original is kept charged until its client goes (`_pin`). Anything else
+        (a source in another process's book, or none) is not followed. What a stale object of the same handle
+        held comes back."""
+        if source in self._devices:
+            return self.add_device(h_root, handle, 0, h_parent, None, owner, gpu=self._devices[source][0])
+        src = self._objects.get(source)
+        if src is None or source == (h_root, handle):
+            return []
+        stale = self._drop_object(h_root, handle)
+        given = [] if stale is None or not stale.nbytes else [Held(stale.gpu, stale.nbytes)]
+        if self.unbooked(h_root, handle, h_parent, owner) is not None:
+            self._pin(*source)
+            return given
+        self.share.take(Entry.ALLOCATIONS, force=True)
+        key = (h_root, handle)
+        self._objects[key] = _Object(src.gpu, 0, h_parent)
+        self._link(h_root, (_MEMORY, handle), h_parent)
+        group = self._sharing.get(source) or {source}
+        group.add(key)
+        for k in group:
+            self._sharing[k] = group
+        return given
+
+    def _pin(self, h_root: int, handle: int) -> None:
+        """Keep a memory object charged until its client goes: moved to a key of its own, which no free names."""
+        obj = self._objects.pop((h_root, handle))
+        self._unlink(h_root, (_MEMORY, handle), obj.parent)
+        pinned = next(self._synthetic)
+        self._objects[(h_root, pinned)] = obj
+        self._link(h_root, (_MEMORY, pinned), obj.parent)
+        group = self._sharing.pop((h_root, handle), None)
+        if group is not None:
+            group.discard((h_root, handle))
+            group.add((h_root, pinned))
+            self._sharing[(h_root, pinned)] = group
 
     def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str],
                  shared: bool = True) -> Unbooked | None:
@@ -256,6 +301,7 @@ class MemoryBook:
         its call named handle 0)."""
         if driver_chosen:
             self.untake(h_root, key)
+        self._drop_device(h_root, key)  # a copy of a device (`dup`)
         obj = self._drop_object(h_root, key)
         return [] if obj is None else [Held(obj.gpu, obj.nbytes)]
 
@@ -333,11 +379,25 @@ class MemoryBook:
             self._unlink(h_root, (_DEVICE, handle), found[1])
 
     def _drop_object(self, h_root: int, handle: int) -> _Object | None:
-        obj = self._objects.pop((h_root, handle), None)
-        if obj is not None:
-            self.share.give(Entry.ALLOCATIONS)
-            self._unlink(h_root, (_MEMORY, handle), obj.parent)
-        return obj
+        """Forget a memory object; what it held comes back, unless a copy of it lives on (`_sharing`): then its bytes
+        go to that copy and it comes back holding none."""
+        key = (h_root, handle)
+        obj = self._objects.pop(key, None)
+        if obj is None:
+            return None
+        self.share.give(Entry.ALLOCATIONS)
+        self._unlink(h_root, (_MEMORY, handle), obj.parent)
+        group = self._sharing.pop(key, None)
+        if group is None:
+            return obj
+        group.discard(key)
+        heir = next(iter(group))
+        if len(group) == 1:
+            del self._sharing[heir]
+        if obj.nbytes:
+            kept = self._objects[heir]
+            self._objects[heir] = _Object(kept.gpu, kept.nbytes + obj.nbytes, kept.parent)
+        return _Object(obj.gpu, 0, obj.parent)
 
     def held(self) -> dict[int, int]:
         """Bytes held per GPU."""

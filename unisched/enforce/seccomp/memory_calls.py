@@ -63,13 +63,17 @@ class MemoryCalls:
             handle = self.book.handle_for(call.h_root, call.handle, call.h_parent, call.owner or (0, ""))
             if not call.handle:
                 call.replayed = handle
-            if call.h_class in DEVICE_CLASSES:
+            if call.op == RM_DUP_OBJECT:
+                self.credit(self.book.dup(call.h_root, handle, call.h_parent, call.source, call.owner or (0, "")))
+            elif call.h_class in DEVICE_CLASSES:
                 self.book.add_device(call.h_root, handle, call.h_class, call.h_parent, call.device_id,
                                      call.owner or (0, ""))
 
     def unbook_call(self, call: Call) -> None:
         """`book_call`'s call never reached the driver (its caller was gone before the answer)."""
-        if call.replayed:
+        if call.op == RM_DUP_OBJECT and self.ledger is not None:
+            self.credit(self.book.undo(call.h_root, call.replayed or call.handle, driver_chosen=bool(call.replayed)))
+        elif call.replayed:
             self.book.untake(call.h_root, call.replayed)
 
     def credit(self, given_back: list[Held]) -> None:
