@@ -204,6 +204,18 @@ def test_tidal_weights_follow_the_clock(tmp_path: Path) -> None:
     assert (rig.cpu("a") - a0) / (rig.cpu("b") - b0) == pytest.approx(1.0, abs=0.15)
 
 
+def test_a_tidal_window_gives_a_tenant_a_user_made_no_more_than_max_user_weight(tmp_path: Path) -> None:
+    """A window names a tenant: whoever makes a tenant of that name while the window is open must not get more
+    than a user may ask for."""
+    sched = TidalSchedule((TidalWindow("nightly", 0, 24 * 60 - 1, 10000), TidalWindow("ops", 0, 24 * 60 - 1, 5000)))
+    rig = Rig(tmp_path, DaemonConfig(mode=Mode.TIDAL, tidal=sched, slice_ms=SLICE * 1000, max_user_weight=100))
+    rig.clock.day = 12 * 3600
+    rig.engine.register("nightly", 1, None, (), (), 5555, 1001, False, keep=True)
+    rig.add("ops", 100)  # root's
+    rig.step(2)
+    assert rig.engine.policy.weight("nightly") == 100 and rig.engine.policy.weight("ops") == 5000
+
+
 def test_preemptive_mode_runs_online_first(tmp_path: Path) -> None:
     rig = Rig(tmp_path, DaemonConfig(mode=Mode.PREEMPTIVE, slice_ms=SLICE * 1000))
     rig.add("off", 900, priority=Priority.OFFLINE)

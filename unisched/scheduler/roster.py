@@ -178,9 +178,13 @@ def set_limits(c: Context, name: str, render: int | None, decode: int | None, en
 
 
 def apply_tidal(c: Context, t: Tenant) -> None:
+    """The tenant's weight now: its [[tidal]] window's, if one is open. A window names a tenant, not who made it:
+    a tenant a non-root user made under that name is held to max_user_weight, as its own weight is."""
     w = t.base_weight
     if c.config.mode is Mode.TIDAL:
         w = c.config.tidal.weight_at(t.name, t.base_weight, c.clock.seconds_of_day())
+        if t.owner_uid != 0 and not t.adopted:
+            w = min(w, max(t.base_weight, c.config.max_user_weight))
     if w != c.policy.weight(t.name):
         c.policy.set_weight(t.name, w)
         log.info("tidal weight", tenant=t.name, weight=w, base_weight=t.base_weight)
