@@ -14,6 +14,7 @@ xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
 fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
 dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
+aobj CLASS HANDLE (RM_ALLOC_OBJECT) | amem PARENT HANDLE BYTES [CLASS] (RM_ALLOC_MEMORY; extra: the status field).
 Memory: dev HANDLE DEVICEID [ROOT] (NV01_DEVICE_0) | mem PARENT HANDLE BYTES [ROOT [SIZE]] (NV01_MEMORY_LOCAL_USER;
 "ok ERRNO STATUS", STATUS the status field after the call) | xmem PARENT HANDLE BYTES (through XFER) |
 threads_mem N PARENT BYTES FIRST (N threads at once, handles FIRST..; extra = how many were let through) |
@@ -34,7 +35,7 @@ import termios
 import time
 
 ROOT_HANDLE = 0xC1D00001
-RM_ALLOC, RM_FREE, XFER, VID_HEAP, DUP = 0x2B, 0x29, 0xD3, 0x4A, 0x34
+RM_ALLOC, RM_FREE, XFER, VID_HEAP, DUP, ALLOC_OBJECT, ALLOC_MEMORY = 0x2B, 0x29, 0xD3, 0x4A, 0x34, 0x28, 0x27
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _IOCTL_NR = {"x86_64": 16, "aarch64": 29}[platform.machine()]
@@ -166,6 +167,16 @@ def tenant(where: str) -> None:
             err = ioctl(dev, iowr(RM_ALLOC, 32), buf)
         elif op == "alloc_sx":
             err = ioctl(dev, iowr(RM_ALLOC, 32), nvos21(nums[0], nums[1]), sign_extend=True)
+        elif op == "aobj":  # RM_ALLOC_OBJECT (NVOS05): CLASS HANDLE
+            buf = ctypes.create_string_buffer(20)
+            struct.pack_into("=IIII", buf, 0, ROOT_HANDLE, ROOT_HANDLE, nums[1], nums[0])
+            err = ioctl(dev, iowr(ALLOC_OBJECT, 20), buf)
+        elif op == "amem":  # RM_ALLOC_MEMORY (NVOS02 with an fd): PARENT HANDLE BYTES [CLASS]
+            buf = ctypes.create_string_buffer(56)
+            h_class = nums[3] if len(nums) > 3 else 0x40
+            struct.pack_into("=IIIII4xQQ", buf, 0, ROOT_HANDLE, nums[0], nums[1], h_class, 0, 0, nums[2] - 1)
+            err = ioctl(dev, iowr(ALLOC_MEMORY, 56), buf)
+            extra = str(struct.unpack_from("=I", buf, 40)[0])
         elif op == "xalloc":
             inner = nvos21(nums[0], nums[1])
             err = ioctl(dev, iowr(XFER, 16), xfer(RM_ALLOC, inner))

@@ -17,7 +17,16 @@ import pytest
 from test_engine import Rig
 from test_seccomp import ENOTTY, Proc, needs_notify, serve, start_tenant, wait_for
 
-from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, XFER
+from unisched.enforce.nvclasses import (
+    NV_ERR_NO_MEMORY,
+    RM_ALLOC,
+    RM_ALLOC_MEMORY,
+    RM_ALLOC_OBJECT,
+    RM_DUP_OBJECT,
+    RM_FREE,
+    XFER,
+    SessionKind,
+)
 from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, MemoryLedger
@@ -204,6 +213,13 @@ def test_memory_allocations_are_decoded() -> None:
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
     free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
     assert (free.op, free.handle, free.mem_bytes) == (RM_FREE, 0x10, None)
+    nvos05 = struct.pack("=IIIII", ROOT, ROOT, 0x30, 0xC597, 0)  # RM_ALLOC_OBJECT: no parameters
+    obj = decode_call(RM_ALLOC_OBJECT, 20, 0x7000, _memory({0x7000: nvos05}))
+    assert (obj.op, obj.handle, obj.h_class, obj.kind, obj.status_at) == (RM_ALLOC, 0x30, 0xC597, SessionKind.GRAPHICS, 0x7010)
+    nvos02 = struct.pack("=IIIII4xQQII4x", ROOT, DEV, 0x31, 0x40, 0, 0, GIB - 1, 0, 3)  # RM_ALLOC_MEMORY, fd 3
+    amem = decode_call(RM_ALLOC_MEMORY, 56, 0x7000, _memory({0x7000: nvos02}))
+    assert (amem.op, amem.h_parent, amem.handle, amem.mem_bytes, amem.status_at) == (RM_ALLOC, DEV, 0x31, GIB, 0x7028)
+    assert decode_call(RM_ALLOC_MEMORY, 48, 0x7000, _memory({0x7000: nvos02})).op == 0  # not the driver's size
     nvos55 = struct.pack("=IIIIIII", ROOT, DEV, 0, ROOT + 1, 0x20, 0, 0)  # a dup into ROOT, the driver picking
     dup = decode_call(RM_DUP_OBJECT, 28, 0x7000, _memory({0x7000: nvos55}))
     assert (dup.op, dup.h_root, dup.h_parent, dup.handle, dup.kind) == (RM_DUP_OBJECT, ROOT, DEV, 0, None)
@@ -256,6 +272,13 @@ def mem(proc: Proc, handle: int, nbytes: int, *, parent: int = DEV, op: str = "m
     """(errno, status) of one allocation from the child."""
     tail = f" {ROOT:#x} {size}" if op == "mem" else ""
     proc.send(f"{op} {parent:#x} {handle:#x} {nbytes}{tail}")
+    _, err, status = proc.line().split()
+    return int(err), int(status)
+
+
+def amem(proc: Proc, handle: int, nbytes: int, h_class: int = 0x40) -> tuple[int, int]:
+    """(errno, status) of one RM_ALLOC_MEMORY from the child."""
+    proc.send(f"amem {DEV:#x} {handle:#x} {nbytes} {h_class:#x}")
     _, err, status = proc.line().split()
     return int(err), int(status)
 
@@ -359,6 +382,19 @@ def test_a_dup_that_leaves_its_handle_to_the_driver_takes_its_turn_in_the_replay
     assert capped.held() == {0: GIB}  # the original freed, but its copy keeps the memory: still charged
     assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 3:#x}") == ENOTTY
     assert capped.held() == {}
+
+
+@needs_notify
+def test_video_memory_through_rm_alloc_memory_is_capped_like_rm_alloc(capped: Served) -> None:
+    """RM_ALLOC_MEMORY (0x27), the older allocation path, takes NV01_MEMORY_LOCAL_USER too: without it notified,
+    any amount of video memory passed the cap uncounted."""
+    proc = capped.proc
+    assert [amem(proc, 0x10 + i, GIB) for i in range(4)] == [LET_THROUGH] * 4
+    assert amem(proc, 0x14, GIB) == REFUSED
+    assert amem(proc, 0x15, GIB, h_class=0x3E) == LET_THROUGH  # system memory: not counted
+    assert capped.held() == {0: 4 * GIB}
+    assert proc.call("free 0x11") == ENOTTY
+    assert capped.held() == {0: 3 * GIB}
 
 
 @needs_notify

@@ -149,13 +149,14 @@ def test_caps_counts_and_frees_end_to_end(tenant: tuple[Proc, int]) -> None:
         assert proc.call(f"alloc {OTHER:#x} 0x104") == ENOTTY  # not a session: never asked, never counted
         assert proc.call(f"xalloc {GRAPHICS:#x} 0x105") == EPERM  # XFER-wrapped RM_ALLOC is unwrapped
         assert proc.call(f"alloc_sx {GRAPHICS:#x} 0x106") == EPERM  # sign-extended request still matched
+        assert proc.call(f"aobj {GRAPHICS:#x} 0x10a") == EPERM  # RM_ALLOC's older form, without parameters
         s = sup.stats()
         assert dict(s.live) == {SessionKind.GRAPHICS: 1, SessionKind.NVDEC: 1, SessionKind.COMPUTE: 1}
-        assert dict(s.refused) == {SessionKind.GRAPHICS: 3}
-        assert s.notifications == 7 and s.errors == 0
+        assert dict(s.refused) == {SessionKind.GRAPHICS: 4}
+        assert s.notifications == 8 and s.errors == 0
 
         assert proc.call("fionread") == 0  # an unrelated ioctl is never notified
-        assert sup.stats().notifications == 7
+        assert sup.stats().notifications == 8
 
         assert proc.call("free 0x100") == ENOTTY  # RM_FREE of the graphics handle uncounts it
         assert SessionKind.GRAPHICS not in sup.stats().live
@@ -168,7 +169,7 @@ def test_caps_counts_and_frees_end_to_end(tenant: tuple[Proc, int]) -> None:
         assert proc.call("free 0xC1D00001") == ENOTTY  # ...freeing the whole client frees every session in it
         assert dict(sup.stats().live) == {}  # exact as soon as the caller resumes; events follow the answer
         wait_for(lambda: ledger.live("render") == {}, "the ledger to see the frees")
-        assert ledger.refused("render") == {SessionKind.GRAPHICS: 4}
+        assert ledger.refused("render") == {SessionKind.GRAPHICS: 5}
 
         actions = [(e.action, e.kind, e.handle) for e in events]
         assert actions[:3] == [

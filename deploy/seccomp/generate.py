@@ -56,6 +56,10 @@ LISTENER_PATH = "/run/unisched/seccomp-agent.sock"
 
 NOTIFIED_IOCTLS = (
     (0x462B, "NVIDIA RM_ALLOC: (request & 0xFFFF) == 0x462B ('F', nr 0x2B)"),
+    (0x4628, "NVIDIA RM_ALLOC_OBJECT: (request & 0xFFFF) == 0x4628 ('F', nr 0x28), RM_ALLOC's older form without "
+             "parameters, so session caps count it"),
+    (0x4627, "NVIDIA RM_ALLOC_MEMORY: (request & 0xFFFF) == 0x4627 ('F', nr 0x27), the older memory allocation, so "
+             "GPU memory caps count it"),
     (0x464A, "NVIDIA RM_VID_HEAP_CONTROL: (request & 0xFFFF) == 0x464A ('F', nr 0x4A), the heap allocations "
              "EGL/OpenGL make, so GPU memory caps count them"),
     (0x4634, "NVIDIA RM_DUP_OBJECT: (request & 0xFFFF) == 0x4634 ('F', nr 0x34), which may take a handle the driver "

@@ -45,7 +45,14 @@ __all__ = [
     "NVOS55_FORMAT",
     "NVOS55_SIZE",
     "NVOS64_SIZE",
+    "NVOS02_FD_SIZE",
+    "NVOS02_FORMAT",
+    "NVOS02_STATUS_AT",
+    "NVOS05_SIZE",
+    "NVOS05_STATUS_AT",
     "RM_ALLOC",
+    "RM_ALLOC_MEMORY",
+    "RM_ALLOC_OBJECT",
     "RM_ALLOC_SIZES",
     "RM_CONTROL",
     "RM_DUP_OBJECT",
@@ -66,6 +73,8 @@ __all__ = [
 IOCTL_TYPE: Final = ord("F")  # 0x46, NV_IOCTL_MAGIC
 
 # Escape numbers (the ioctl "nr" byte). The driver dispatches on nr and size only, never on type or direction.
+RM_ALLOC_MEMORY: Final = 0x27  # NVOS02 (with an fd): the older memory allocation path, video memory included
+RM_ALLOC_OBJECT: Final = 0x28  # NVOS05: the older object allocation, without parameters
 RM_FREE: Final = 0x29
 RM_CONTROL: Final = 0x2A
 RM_ALLOC: Final = 0x2B
@@ -84,6 +93,14 @@ RM_ALLOC_HEAD_FORMAT: Final = "=IIII"  # hRoot, hObjectParent, hObjectNew, hClas
 # (src/common/sdk/nvidia/inc/nvos.h). The ioctl itself returns 0 whenever the escape was carried out.
 NVOS21_STATUS_AT: Final = 28
 NVOS64_STATUS_AT: Final = 40
+# RM_ALLOC_OBJECT argument NVOS05 {hRoot@0, hObjectParent@4, hObjectNew@8, hClass@12, status@16}: RmAlloc without
+# parameters. RM_ALLOC_MEMORY argument nv_ioctl_nvos02_parameters_with_fd: NVOS02 {hRoot@0, hObjectParent@4,
+# hObjectNew@8, hClass@12, flags@16, pMemory@24, limit@32 (bytes - 1), status@40} then an fd@48 (escape.c).
+NVOS05_SIZE: Final = 20
+NVOS05_STATUS_AT: Final = 16
+NVOS02_FD_SIZE: Final = 56
+NVOS02_FORMAT: Final = "=IIIII4xQQ"
+NVOS02_STATUS_AT: Final = 40
 NV_ERR_NO_MEMORY: Final = 0x51  # "Out of memory" (src/common/sdk/nvidia/inc/nvstatuscodes.h)
 
 # Objects whose allocation parameters say which GPU their children live on: NV01_DEVICE_0 0x80 with

@@ -20,6 +20,11 @@ from unisched.enforce.nvclasses import (
     NV01_MEMORY_SYSTEM,
     NV50_MEMORY_VIRTUAL,
     NVOS00_SIZE,
+    NVOS02_FD_SIZE,
+    NVOS02_FORMAT,
+    NVOS02_STATUS_AT,
+    NVOS05_SIZE,
+    NVOS05_STATUS_AT,
     NVOS21_SIZE,
     NVOS21_STATUS_AT,
     NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED,
@@ -34,6 +39,8 @@ from unisched.enforce.nvclasses import (
     NVOS55_SIZE,
     NVOS64_STATUS_AT,
     RM_ALLOC,
+    RM_ALLOC_MEMORY,
+    RM_ALLOC_OBJECT,
     RM_ALLOC_SIZES,
     RM_DUP_OBJECT,
     RM_FREE,
@@ -87,12 +94,16 @@ class Call:
     source: tuple[int, int] = (0, 0)  # (hClientSrc, hObjectSrc) of RM_DUP_OBJECT: what the new handle names
 
 
+_FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT,
+                               XFER})
+
+
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
     if IOCTL_SYSCALL.get(arch) != nr:
         return None
     _type, enr, size = decode_ioctl(request)
-    return (enr, size) if enr in (RM_ALLOC, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT, XFER) else None
+    return (enr, size) if enr in _FOLLOWED else None
 
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
@@ -114,6 +125,19 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 _memory_params(call, size, addr, params, read)
             elif h_class == NV01_DEVICE_0:  # no parameters: the driver takes the class's own instance, GPU 0
                 call.device_id = h_class - NV01_DEVICE_0
+            return call
+        if enr == RM_ALLOC_OBJECT and size == NVOS05_SIZE:  # RM_ALLOC without parameters
+            h_root, h_parent, h_new, h_class = struct.unpack("=IIII", read(addr, 16))
+            call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS05_STATUS_AT)
+            if h_class == NV01_DEVICE_0:
+                call.device_id = 0  # as with RM_ALLOC's no parameters (deviceConstruct)
+            return call
+        if enr == RM_ALLOC_MEMORY and size == NVOS02_FD_SIZE:
+            h_root, h_parent, h_new, h_class, _flags, _p_memory, limit = struct.unpack(
+                NVOS02_FORMAT, read(addr, struct.calcsize(NVOS02_FORMAT)))
+            call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS02_STATUS_AT)
+            if h_class == NV01_MEMORY_LOCAL_USER:  # video memory: limit is its last byte's offset
+                call.mem_bytes = limit + 1
             return call
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))

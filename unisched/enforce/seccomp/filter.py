@@ -1,7 +1,8 @@
 """The tenant's seccomp filter: a classic-BPF program that notifies NVIDIA's allocation escapes, and installing it.
 
-Only ioctls whose request is 'F'/RM_ALLOC (0x2B), 'F'/RM_VID_HEAP_CONTROL (0x4A), 'F'/RM_DUP_OBJECT (0x34),
-'F'/XFER (0xD3, which wraps another escape) and, by default, 'F'/RM_FREE (0x29) go to the supervisor; every other
+Only ioctls whose request is 'F'/RM_ALLOC (0x2B), its older forms RM_ALLOC_OBJECT (0x28) and RM_ALLOC_MEMORY
+(0x27), 'F'/RM_VID_HEAP_CONTROL (0x4A), 'F'/RM_DUP_OBJECT (0x34), 'F'/XFER (0xD3, which wraps another escape)
+and, by default, 'F'/RM_FREE (0x29) go to the supervisor; every other
 syscall runs at kernel speed. Children and threads inherit the filter. Standard library only: `unisched run`'s
 trampoline (hooked_exec) runs it in each new tenant process.
 """
@@ -15,7 +16,16 @@ import struct
 from collections.abc import Iterable
 from typing import Final, NamedTuple
 
-from unisched.enforce.nvclasses import IOCTL_TYPE, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, RM_VID_HEAP_CONTROL, XFER
+from unisched.enforce.nvclasses import (
+    IOCTL_TYPE,
+    RM_ALLOC,
+    RM_ALLOC_MEMORY,
+    RM_ALLOC_OBJECT,
+    RM_DUP_OBJECT,
+    RM_FREE,
+    RM_VID_HEAP_CONTROL,
+    XFER,
+)
 from unisched.enforce.seccomp.abi import (
     DATA_OFF_ARCH,
     DATA_OFF_ARG1_LO,
@@ -70,7 +80,7 @@ def _assemble(items: Iterable[_Insn | str]) -> bytes:
     return bytes(out)
 
 
-NOTIFIED: Final = (RM_ALLOC, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT, XFER, RM_FREE)
+NOTIFIED: Final = (RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT, XFER, RM_FREE)
 """The escapes the filter notifies by default (RM_FREE only with `notify_free`); the OCI profiles under
 deploy/seccomp notify the same (a test holds them to this)."""
 
