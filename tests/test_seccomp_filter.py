@@ -22,6 +22,7 @@ from unisched.enforce.seccomp.abi import (
 )
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent, SessionLedger
 from unisched.enforce.seccomp.agent import parse_agent_message
+from unisched.enforce.seccomp.calls import escape_of
 from unisched.enforce.seccomp.filter import NOTIFIED, build_filter
 from unisched.enforce.seccomp.handover import make_agent_message
 
@@ -83,14 +84,19 @@ def test_filter_is_well_formed_and_matches_what_it_should() -> None:
     rm_alloc, xfer, rm_free = iowr(0x46, 0x2B, 32), iowr(0x46, 0xD3, 16), iowr(0x46, 0x29, 16)
     heap, dup = iowr(0x46, 0x4A, 184), iowr(0x46, 0x34, 28)  # heap allocations; dups, which may take driver handles
     notif, allow = SECCOMP_RET_USER_NOTIF, SECCOMP_RET_ALLOW
-    for arch, ioctl_nr in ((AUDIT_ARCH_X86_64, 16), (AUDIT_ARCH_AARCH64, 29), (AUDIT_ARCH_I386, 54)):
-        for cmd in (rm_alloc, xfer, rm_free, heap, dup, iowr(0x46, 0x2B, 48), rm_alloc | 0xFFFFFFFF00000000):
+    alloc_object, alloc_memory = iowr(0x46, 0x28, 20), iowr(0x46, 0x27, 56)  # RM_ALLOC's older forms
+    x32 = 0x40000000 | 514  # an x32 process's ioctl: x86_64's arch, its own number
+    for arch, ioctl_nr in ((AUDIT_ARCH_X86_64, 16), (AUDIT_ARCH_X86_64, x32), (AUDIT_ARCH_AARCH64, 29),
+                           (AUDIT_ARCH_I386, 54), (0x40000028, 54)):  # the last: 32-bit ARM on aarch64
+        assert escape_of(ioctl_nr, arch, rm_alloc) == (0x2B, 32)
+        for cmd in (rm_alloc, xfer, rm_free, heap, dup, alloc_object, alloc_memory, iowr(0x46, 0x2B, 48),
+                    rm_alloc | 0xFFFFFFFF00000000):
             assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == notif, (hex(arch), hex(cmd))
         for cmd in (iowr(0x46, 0x2A, 32), iowr(0x47, 0x2B, 32), 0x541B, 0x5401):  # RM_CONTROL, other type, FIONREAD
             assert _run_bpf(prog, ioctl_nr, arch, (3, cmd, 0x1000)) == allow, (hex(arch), hex(cmd))
         assert _run_bpf(prog, ioctl_nr + 1, arch, (3, rm_alloc)) == allow  # not ioctl
     assert _run_bpf(prog, 29, AUDIT_ARCH_X86_64, (3, rm_alloc)) == allow  # x86_64 nr 29 is shmget, not ioctl
-    assert _run_bpf(prog, 16, 0x40000028, (3, rm_alloc)) == allow  # unknown arch (arm)
+    assert _run_bpf(prog, 16, 0x40000015, (3, rm_alloc)) == allow  # an arch the filter does not know
     assert _run_bpf(build_filter(notify_free=False), 16, AUDIT_ARCH_X86_64, (3, rm_free)) == allow
     assert _run_bpf(build_filter(match_type=False), 16, AUDIT_ARCH_X86_64, (3, iowr(0x47, 0x2B, 32))) == notif
 

@@ -21,8 +21,14 @@ from typing import Any, Final
 AUDIT_ARCH_X86_64: Final = 0xC000003E
 AUDIT_ARCH_AARCH64: Final = 0xC00000B7
 AUDIT_ARCH_I386: Final = 0x40000003  # 32-bit x86 processes (and int 0x80) on an x86_64 kernel
-IOCTL_SYSCALL: Final = MappingProxyType({AUDIT_ARCH_X86_64: 16, AUDIT_ARCH_AARCH64: 29, AUDIT_ARCH_I386: 54})
-"""ioctl's syscall number per audit arch (what a filter and a notification name the call by)."""
+AUDIT_ARCH_ARM: Final = 0x40000028  # 32-bit ARM processes on an aarch64 kernel
+X32_SYSCALL_BIT: Final = 0x40000000
+IOCTL_SYSCALL: Final = MappingProxyType({
+    AUDIT_ARCH_X86_64: (16, X32_SYSCALL_BIT | 514),  # x32 processes share x86_64's arch, with their own numbers
+    AUDIT_ARCH_AARCH64: (29,), AUDIT_ARCH_I386: (54,), AUDIT_ARCH_ARM: (54,),
+})
+"""ioctl's syscall numbers per audit arch (what a filter and a notification name the call by): every ABI a process
+of that arch may call ioctl through, so none reaches the driver unseen."""
 _SECCOMP_SYSCALL: Final = MappingProxyType({"x86_64": 317, "aarch64": 277})
 
 SECCOMP_RET_ALLOW: Final = 0x7FFF0000

@@ -100,7 +100,7 @@ _FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FRE
 
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
-    if IOCTL_SYSCALL.get(arch) != nr:
+    if nr not in IOCTL_SYSCALL.get(arch, ()):
         return None
     _type, enr, size = decode_ioctl(request)
     return (enr, size) if enr in _FOLLOWED else None

@@ -94,7 +94,7 @@ def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tu
     RM_FREE (0x29) when `notify_free` (so counts follow frees). With `match_type` the type byte must be 'F'
     too (what NVIDIA's libraries always send; other drivers' 'F' ioctls stay fast); without it any type
     matches, like the driver's own dispatch. `extra` adds escape numbers (for a probe of which calls carry
-    memory). Known arches: x86_64, i386 (compat), aarch64; anything else and
+    memory). Known arches: x86_64 (x32 too), i386 (compat), aarch64, arm (compat); anything else and
     every other syscall: ALLOW.
     """
     mask = 0xFFFF if match_type else 0xFF
@@ -105,8 +105,9 @@ def build_filter(*, notify_free: bool = True, match_type: bool = True, extra: tu
     for arch, _ in arches:
         prog.append(_Insn(_JEQ_K, arch, jt=f"arch_{arch:x}"))
     prog.append(_Insn(_RET_K, SECCOMP_RET_ALLOW))
-    for arch, nr in arches:
-        prog += [f"arch_{arch:x}", _Insn(_LD_W_ABS, DATA_OFF_NR), _Insn(_JEQ_K, nr, jt="ioctl", jf="allow")]
+    for arch, nrs in arches:
+        prog += [f"arch_{arch:x}", _Insn(_LD_W_ABS, DATA_OFF_NR)]
+        prog += [_Insn(_JEQ_K, nr, jt="ioctl", jf="allow" if i == len(nrs) - 1 else None) for i, nr in enumerate(nrs)]
     prog += ["ioctl", _Insn(_LD_W_ABS, DATA_OFF_ARG1_LO), _Insn(_ALU_AND_K, mask)]
     for i, value in enumerate(wanted):
         prog.append(_Insn(_JEQ_K, value, jt="notify", jf="allow" if i == len(wanted) - 1 else None))
