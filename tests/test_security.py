@@ -255,6 +255,17 @@ def test_names_lists_and_messages_are_bounded(inproc: InProcessServer) -> None:
 
 
 @needs_root
+def test_the_public_summary_keeps_no_measure_of_a_tenants_work() -> None:
+    from unisched.transport.convert import public_summary
+
+    t = pb.Tenant(name="x", weight=100, pids=[1], gpu_seconds=2.0, measured_share=0.5, slices=3, overrun_s=0.1,
+                  unit_ms=4.0, turn_ms=40.0, cgroup="/unisched/x", memory_bytes=5, devices="c 195:0 rw")
+    public_summary(t)
+    assert (t.name, t.weight) == ("x", 100)
+    assert not (t.pids or t.gpu_seconds or t.measured_share or t.slices or t.overrun_s or t.unit_ms or t.turn_ms
+                or t.cgroup or t.memory_bytes or t.devices)
+
+
 def test_non_admin_sees_only_a_public_summary_of_others(inproc: InProcessServer) -> None:
     with DaemonClient(inproc.socket) as c:
         c.register(pb.RegisterRequest(tenant="private", weight=200))  # this process, in a fake cgroup

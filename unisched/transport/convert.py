@@ -74,6 +74,8 @@ def public_summary(t: pb.Tenant) -> None:
         share.measured_share = 0.0
     t.slices = 0
     t.overrun_s = 0.0
+    t.unit_ms = 0.0  # its mean GPU step, and the turn sized from it: measures of its work too
+    t.turn_ms = 0.0
     t.over_memory = False
     t.cgroup = ""
     t.sessions.clear()
