@@ -29,7 +29,7 @@ from unisched.enforce.nvclasses import (
 )
 from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
-from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, MemoryLedger
+from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, MemoryLedger, Unbooked
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.policy import Engine, Priority
 from unisched.policy.caps import SessionLimits
@@ -145,24 +145,39 @@ def test_book_keeps_memory_charged_while_any_copy_of_its_handle_lives() -> None:
     other = ROOT + 1
     book.add_device(ROOT, DEV, 0x80, ROOT, 1, OWNER)
     book.add(ROOT, 0x10, DEV, GIB, OWNER)
-    assert book.dup(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER) == []
-    assert book.dup(other, 0x30, other, (ROOT, 0x10), OWNER) == []  # into another client of the same process
+    book.handle_for(other, 0x30, other, OWNER)  # the copy's client, booked as its first call books it
+    assert book.dup(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER)
+    assert book.dup(other, 0x30, other, (ROOT, 0x10), OWNER)  # into another client of the same process
     assert book.free(ROOT, 0x10) == [Held(1, 0)] and book.held() == {1: GIB}  # two copies left
     assert book.free(ROOT, 0x20) == [Held(1, 0)] and book.held() == {1: GIB}
     assert book.release([other]) == [Held(1, GIB)] and book.held() == {}  # the last copy goes with its client
-    assert book.dup(ROOT, 0x21, DEV, (ROOT, 0x99), OWNER) == []  # a source not booked: nothing followed
+    assert not book.dup(ROOT, 0x21, DEV, (ROOT, 0x99), OWNER)  # a source not booked: nothing followed
     book.add_device(ROOT, 0xD1, 0x2080, DEV, None, OWNER)
-    book.dup(other, 0xD2, other, (ROOT, DEV), OWNER)  # a copy of a device stands for its GPU
+    assert book.dup(other, 0xD2, other, (ROOT, DEV), OWNER)  # a copy of a device stands for its GPU
     assert book.gpu_of(other, 0xD2) == 1
 
 
-def test_a_copy_the_book_has_no_room_for_keeps_its_original_charged_until_its_client_goes() -> None:
+def test_a_copy_onto_a_handle_in_use_changes_nothing_and_an_undone_copy_only_itself() -> None:
+    """The driver refuses a copy onto a live handle: what that handle holds stays charged, and a copy whose
+    caller was gone before the answer takes away only what it recorded."""
+    book = MemoryBook()
+    book.add_device(ROOT, DEV, 0x80, ROOT, 3, OWNER)
+    book.add(ROOT, 0x10, DEV, GIB, OWNER)
+    book.add(ROOT, 0x11, DEV, 4096, OWNER)
+    assert not book.dup(ROOT, 0x10, DEV, (ROOT, 0x11), OWNER) and book.held() == {3: GIB + 4096}
+    assert not book.dup(ROOT, DEV, ROOT, (ROOT, 0x10), OWNER)  # onto the device's handle
+    assert book.gpu_of(ROOT, DEV) == 3
+    assert book.dup(ROOT, 0x12, DEV, (ROOT, 0x10), OWNER)
+    assert book.undo_copy(ROOT, 0x12) == [] and book.free(ROOT, 0x10) == [Held(3, GIB)]
+
+
+def test_a_copy_of_booked_memory_the_book_has_no_room_for_is_refused() -> None:
     book = MemoryBook(BookBounds(objects=1))
     book.add_device(ROOT, DEV, 0x80, ROOT, 0, OWNER)
     book.add(ROOT, 0x10, DEV, GIB, OWNER)
-    book.dup(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER)
-    assert book.free(ROOT, 0x10) == [] and book.free(ROOT, 0x20) == [] and book.held() == {0: GIB}
-    assert book.release([ROOT]) == [Held(0, GIB)]
+    assert book.copy_refusal(ROOT, 0x20, DEV, (ROOT, 0x10), OWNER) is Unbooked.OBJECTS
+    assert book.copy_refusal(ROOT, 0x20, DEV, (ROOT, 0x99), OWNER) is None  # not booked memory: not followed
+    assert book.copy_refusal(ROOT + 5, 0x20, DEV, (ROOT, 0x10), (0, "")) is Unbooked.CLIENT  # process not known
 
 
 def test_ledger_charges_and_credits_per_tenant_and_gpu() -> None:
@@ -217,13 +232,13 @@ def test_memory_allocations_are_decoded() -> None:
     obj = decode_call(RM_ALLOC_OBJECT, 20, 0x7000, _memory({0x7000: nvos05}))
     assert (obj.op, obj.handle, obj.h_class, obj.kind, obj.status_at) == (RM_ALLOC, 0x30, 0xC597, SessionKind.GRAPHICS, 0x7010)
     nvos02 = struct.pack("=IIIII4xQQII4x", ROOT, DEV, 0x31, 0x40, 0, 0, GIB - 1, 0, 3)  # RM_ALLOC_MEMORY, fd 3
-    amem = decode_call(RM_ALLOC_MEMORY, 56, 0x7000, _memory({0x7000: nvos02}))
-    assert (amem.op, amem.h_parent, amem.handle, amem.mem_bytes, amem.status_at) == (RM_ALLOC, DEV, 0x31, GIB, 0x7028)
+    amem = decode_call(RM_ALLOC_MEMORY, 56, 0x7000, _memory({0x7000: nvos02}))  # its handle only: no heap bytes
+    assert (amem.op, amem.h_parent, amem.handle, amem.mem_bytes, amem.status_at) == (RM_ALLOC, DEV, 0x31, None, 0x7028)
     assert decode_call(RM_ALLOC_MEMORY, 48, 0x7000, _memory({0x7000: nvos02})).op == 0  # not the driver's size
     nvos55 = struct.pack("=IIIIIII", ROOT, DEV, 0, ROOT + 1, 0x20, 0, 0)  # a dup into ROOT, the driver picking
     dup = decode_call(RM_DUP_OBJECT, 28, 0x7000, _memory({0x7000: nvos55}))
     assert (dup.op, dup.h_root, dup.h_parent, dup.handle, dup.kind) == (RM_DUP_OBJECT, ROOT, DEV, 0, None)
-    assert dup.source == (ROOT + 1, 0x20)
+    assert dup.source == (ROOT + 1, 0x20) and dup.status_at == 0x7000 + 24
     assert decode_call(RM_DUP_OBJECT, 32, 0x7000, _memory({0x7000: nvos55 + bytes(4)})).op == 0  # not NVOS55
 
 
@@ -385,16 +400,18 @@ def test_a_dup_that_leaves_its_handle_to_the_driver_takes_its_turn_in_the_replay
 
 
 @needs_notify
-def test_video_memory_through_rm_alloc_memory_is_capped_like_rm_alloc(capped: Served) -> None:
-    """RM_ALLOC_MEMORY (0x27), the older allocation path, takes NV01_MEMORY_LOCAL_USER too: without it notified,
-    any amount of video memory passed the cap uncounted."""
+def test_rm_alloc_memory_is_followed_for_its_handle_and_charges_nothing(capped: Served) -> None:
+    """RM_ALLOC_MEMORY (0x27), the older allocation path: for NV01_MEMORY_LOCAL_USER the driver ignores the size
+    asked and allocates nothing from the heap, so nothing is charged; its driver-picked handle takes its turn in
+    the replay (without it followed, the heap allocation after it got its handle)."""
     proc = capped.proc
-    assert [amem(proc, 0x10 + i, GIB) for i in range(4)] == [LET_THROUGH] * 4
-    assert amem(proc, 0x14, GIB) == REFUSED
-    assert amem(proc, 0x15, GIB, h_class=0x3E) == LET_THROUGH  # system memory: not counted
-    assert capped.held() == {0: 4 * GIB}
-    assert proc.call("free 0x11") == ENOTTY
-    assert capped.held() == {0: 3 * GIB}
+    assert amem(proc, 0x10, 64 * GIB) == LET_THROUGH
+    assert capped.held() == {}
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00000
+    assert amem(proc, 0, GIB) == LET_THROUGH  # 0xcaf00001
+    assert heap(proc, GIB) == LET_THROUGH  # 0xcaf00002
+    assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 2:#x}") == ENOTTY
+    assert capped.held() == {0: GIB}
 
 
 @needs_notify

@@ -16,7 +16,14 @@ from typing import cast
 import structlog
 import structlog.testing
 
-from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0, NV20_SUBDEVICE_0, RM_ALLOC, RM_FREE
+from unisched.enforce.nvclasses import (
+    NV0080_MAX_DEVICES,
+    NV01_DEVICE_0,
+    NV20_SUBDEVICE_0,
+    RM_ALLOC,
+    RM_DUP_OBJECT,
+    RM_FREE,
+)
 from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay
@@ -166,6 +173,26 @@ def test_memory_under_a_device_the_book_could_not_record_is_refused_not_counted_
     assert calls.book.unbooked(ROOT, 0x11, DEV + 1, HONEST) is Unbooked.DEVICE
     assert not alloc(calls, ROOT, 0x11, MIB, HONEST, parent=DEV + 1)
     assert ledger.of("t").held == {0: MIB} and ledger.of("t").refused == {UNKNOWN_GPU: 1}
+
+
+def test_a_copy_of_booked_memory_past_the_bounds_is_refused_as_out_of_memory() -> None:
+    """Admitted unbooked, a copy would keep the memory its original's free gives back: allocate, copy into a client
+    the book has no room for, free the original, again and again, and no cap would hold."""
+    ledger = MemoryLedger(lambda: {"t": MemoryTerms(cap=4 * MIB)})
+    calls, listener = served("t", ledger, BookBounds(clients=1))
+    device(calls, ROOT, DEV, HONEST)
+    assert alloc(calls, ROOT, 0x10, 4 * MIB, HONEST)
+    copy = Call(RM_DUP_OBJECT, ROOT + 1, ROOT + 1, 0x20, owner=HONEST, status_at=0x1000)
+    copy.source = (ROOT, 0x10)
+    assert calls.copy_refusal(copy) is Unbooked.CLIENT  # no room for a second client
+    assert calls.refuse_copy(7, 1, copy, Unbooked.CLIENT) and listener.refused == [7]
+    assert ledger.of("t").refused == {0: 1} and ledger.of("t").held == {0: 4 * MIB}
+    inside = Call(RM_DUP_OBJECT, ROOT, DEV, 0x21, owner=HONEST)
+    inside.source = (ROOT, 0x10)
+    assert calls.copy_refusal(inside) is None  # room in its own client: recorded, sharing the bytes
+    calls.book_call(inside, refused=False)
+    calls.book_call(Call(RM_FREE, ROOT, DEV, 0x10), refused=False)
+    assert ledger.of("t").held == {0: 4 * MIB}
 
 
 def test_device_ids_the_driver_refuses_stand_for_no_gpu() -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "NVOS21_SIZE",
     "NVOS55_FORMAT",
     "NVOS55_SIZE",
+    "NVOS55_STATUS_AT",
     "NVOS64_SIZE",
     "NVOS02_FD_SIZE",
     "NVOS02_FORMAT",
@@ -177,6 +178,7 @@ NVOS00_SIZE: Final = struct.calcsize(NVOS00_FORMAT)
 # picks it from hClient's counter, rs_server.c serverCopyResource), hClientSrc@12, hObjectSrc@16, flags@20, status@24.
 NVOS55_FORMAT: Final = "=IIIIIII"
 NVOS55_SIZE: Final = struct.calcsize(NVOS55_FORMAT)
+NVOS55_STATUS_AT: Final = 24
 # XFER argument nv_ioctl_xfer_t: cmd (the inner escape number itself, e.g. 0x2B), size, ptr (NvP64, 8-aligned).
 XFER_FORMAT: Final = "=IIQ"
 XFER_SIZE: Final = struct.calcsize(XFER_FORMAT)

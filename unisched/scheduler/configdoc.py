@@ -132,8 +132,9 @@ def markdown() -> str:
     lines += ["", "## [[tenants]]", "", "Tenants declared ahead, created at start if not already known. Only "
               "`name` is required.", "", *_table_rows(TENANT_KEYS)]
     lines += ["", "## [[tidal]]", "", 'Tidal windows, with `mode = "tidal"` only: the tenant\'s weight from start '
-              "to end, local time. All four keys are required. A tenant a non-root user made (not adopted) "
-              "is held to max_user_weight within its window, as its own weight is.", "", *_table_rows(TIDAL_KEYS)]
+              "to end, local time. All four keys are required. A window gives its weight to a tenant root "
+              "made (the declared tenants are) or an admin adopted; a tenant another user made, admin_group "
+              "members included, gets at most max_user_weight in it, as from its own weight.", "", *_table_rows(TIDAL_KEYS)]
     lines += ["", "## Fixed tuning constants", "",
               "Not settable: the tuning value (unisched.policy.tuning.Tuning: one set of defaults, the daemon's",
               "saturation gate derived from them and the keys saturated_util and slice_ms) and the engine's limits,",

@@ -282,6 +282,7 @@ def _create(
         t.hooked = True
         t.nvml_on_gpu = not _nvml_lists_processes(c)
     add(c, t, reason="registered")
+    c.left_behind.pop(cgroup, None)  # a tenant's again
     return t
 
 
@@ -340,10 +341,10 @@ def _check_not_governed(c: Context, name: str, cgroup: str) -> None:
 
 
 def _check_unoccupied(c: Context, name: str, cgroup: str, uid: int, is_admin: bool) -> None:
-    """A new tenant's cgroup must hold no processes but the caller's own. A tenant removed while its processes ran
-    leaves them in its cgroup (`roster.drop` deletes only an empty one): another user's tenant of the same name
-    would take them in, and they could join it (a process in a tenant's cgroup is its member) and be counted
-    against its caps. So only the removed tenant's owner, or an admin, may make a tenant there again."""
+    """A new tenant's cgroup must hold no processes, unless the caller is an admin or owned the removed tenant that
+    left them (Context.left_behind). A tenant removed while its processes ran leaves them in its cgroup
+    (`roster.drop` deletes only an empty one): another user's tenant of the same name would take them in, and they
+    could join it (a process in a tenant's cgroup is its member) and be counted against its caps."""
     try:
         occupied = c.driver.exists(cgroup) and bool(c.driver.pids(cgroup))
     except (CgroupError, OSError) as e:
@@ -352,7 +353,6 @@ def _check_unoccupied(c: Context, name: str, cgroup: str, uid: int, is_admin: bo
         raise SchedulerError("permission", f"cgroup {cgroup} still holds processes of a removed tenant {name!r} "
                                            "(or ones put there outside the daemon) that are not yours; choose "
                                            "another name, or wait until they end")
-    c.left_behind.pop(cgroup, None)  # a tenant's again
 
 
 def _nvml_lists_processes(c: Context) -> bool:

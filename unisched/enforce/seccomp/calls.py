@@ -37,6 +37,7 @@ from unisched.enforce.nvclasses import (
     NVOS32_SIZE,
     NVOS32_STATUS_AT,
     NVOS55_SIZE,
+    NVOS55_STATUS_AT,
     NVOS64_STATUS_AT,
     RM_ALLOC,
     RM_ALLOC_MEMORY,
@@ -92,6 +93,7 @@ class Call:
     device_id: int | None = None  # deviceId of an NV01_DEVICE_0 allocation
     replayed: int = 0  # the handle the driver will pick for it (handle 0), as the memory book replays it
     source: tuple[int, int] = (0, 0)  # (hClientSrc, hObjectSrc) of RM_DUP_OBJECT: what the new handle names
+    copied: bool = False  # the memory book recorded this RM_DUP_OBJECT's new handle (MemoryBook.dup)
 
 
 _FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT,
@@ -133,18 +135,17 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 call.device_id = 0  # as with RM_ALLOC's no parameters (deviceConstruct)
             return call
         if enr == RM_ALLOC_MEMORY and size == NVOS02_FD_SIZE:
-            h_root, h_parent, h_new, h_class, _flags, _p_memory, limit = struct.unpack(
+            h_root, h_parent, h_new, h_class, _flags, _p_memory, _limit = struct.unpack(
                 NVOS02_FORMAT, read(addr, struct.calcsize(NVOS02_FORMAT)))
-            call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS02_STATUS_AT)
-            if h_class == NV01_MEMORY_LOCAL_USER:  # video memory: limit is its last byte's offset
-                call.mem_bytes = limit + 1
-            return call
+            # Followed for its handle only: for NV01_MEMORY_LOCAL_USER the driver ignores `limit` and makes a view
+            # of the framebuffer (root) or a placeholder (rmapi_deprecated_allocmemory.c), no heap allocation.
+            return Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS02_STATUS_AT)
         if enr == RM_FREE and size == NVOS00_SIZE:
             h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
             return Call(RM_FREE, h_root, h_parent, h_old)
         if enr == RM_DUP_OBJECT and size == NVOS55_SIZE:  # hClient, hParent, hObject (0: the driver picks), source
             h_client, h_parent, h_object, src_root, src_handle = struct.unpack("=IIIII", read(addr, 20))
-            call = Call(RM_DUP_OBJECT, h_client, h_parent, h_object)
+            call = Call(RM_DUP_OBJECT, h_client, h_parent, h_object, status_at=addr + NVOS55_STATUS_AT)
             call.source = (src_root, src_handle)
             return call
         if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:

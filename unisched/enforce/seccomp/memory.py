@@ -154,6 +154,11 @@ class MemoryBook:
         found = self._devices.get((h_root, h_parent))
         return UNKNOWN_GPU if found is None else found[0]
 
+    def gpu_held(self, key: tuple[int, int]) -> int:
+        """The GPU booked memory object `key` (hRoot, handle) lives on."""
+        obj = self._objects.get(key)
+        return UNKNOWN_GPU if obj is None else obj.gpu
+
     def lost(self, h_root: int) -> bool:
         """Whether the driver-chosen handles of client `h_root` can no longer be replayed (handles.py)."""
         replay = self._replays.get(h_root)
@@ -215,45 +220,45 @@ class MemoryBook:
         self._link(h_root, (_DEVICE, handle), h_parent)
         return []
 
-    def dup(self, h_root: int, handle: int, h_parent: int, source: tuple[int, int], owner: tuple[int, str]) -> list[Held]:
+    def copy_refusal(self, h_root: int, handle: int, h_parent: int, source: tuple[int, int],
+                     owner: tuple[int, str]) -> Unbooked | None:
+        """Why RM_DUP_OBJECT of `source` into client `h_root` cannot be booked where it must be (None: it may go
+        on). A copy of booked memory must be: admitted unbooked, the original's free (or its client's end) would
+        give back what the copy still holds. Ask before answering; a refused copy is failed as out of memory."""
+        if source not in self._objects or source == (h_root, handle):
+            return None
+        return self.unbooked(h_root, handle, h_parent, owner)
+
+    def dup(self, h_root: int, handle: int, h_parent: int, source: tuple[int, int],
+            owner: tuple[int, str]) -> bool:
         """RM_DUP_OBJECT made `handle` (from `handle_for`) in client `h_root` name what `source` (hClientSrc,
-        hObjectSrc) names. A booked device: the copy stands for the same GPU. A booked memory object: the copy
-        shares its bytes (`_sharing`), so freeing the original while the copy lives gives nothing back; where the
-        book has no room for the copy, the original is kept charged until its client goes (`_pin`). Anything else
-        (a source in another process's book, or none) is not followed. What a stale object of the same handle
-        held comes back."""
-        if source in self._devices:
-            return self.add_device(h_root, handle, 0, h_parent, None, owner, gpu=self._devices[source][0])
-        src = self._objects.get(source)
-        if src is None or source == (h_root, handle):
-            return []
-        stale = self._drop_object(h_root, handle)
-        given = [] if stale is None or not stale.nbytes else [Held(stale.gpu, stale.nbytes)]
-        if self.unbooked(h_root, handle, h_parent, owner) is not None:
-            self._pin(*source)
-            return given
-        self.share.take(Entry.ALLOCATIONS, force=True)
+        hObjectSrc) names. A booked device: the copy stands for the same GPU. Booked memory: the copy shares its
+        bytes (`_sharing`), so freeing the original while the copy lives gives nothing back (`copy_refusal` said
+        it may be booked). Anything else (a source in another process's book, or none, or a handle in use, which
+        the driver refuses) is not followed. Whether the copy was recorded (for `undo_copy`)."""
         key = (h_root, handle)
+        if source in self._devices:
+            if key in self._devices or key in self._objects:
+                return False  # a handle in use: the driver refuses the copy
+            self.add_device(h_root, handle, 0, h_parent, None, owner, gpu=self._devices[source][0])
+            return key in self._devices
+        src = self._objects.get(source)
+        if src is None or key in self._objects or key in self._devices or h_root not in self._owners:
+            return False  # nothing followed, or a handle in use (the driver refuses the copy; what it holds stays)
+        self.share.take(Entry.ALLOCATIONS, force=True)  # `copy_refusal` asked for room
         self._objects[key] = _Object(src.gpu, 0, h_parent)
         self._link(h_root, (_MEMORY, handle), h_parent)
         group = self._sharing.get(source) or {source}
         group.add(key)
         for k in group:
             self._sharing[k] = group
-        return given
+        return True
 
-    def _pin(self, h_root: int, handle: int) -> None:
-        """Keep a memory object charged until its client goes: moved to a key of its own, which no free names."""
-        obj = self._objects.pop((h_root, handle))
-        self._unlink(h_root, (_MEMORY, handle), obj.parent)
-        pinned = next(self._synthetic)
-        self._objects[(h_root, pinned)] = obj
-        self._link(h_root, (_MEMORY, pinned), obj.parent)
-        group = self._sharing.pop((h_root, handle), None)
-        if group is not None:
-            group.discard((h_root, handle))
-            group.add((h_root, pinned))
-            self._sharing[(h_root, pinned)] = group
+    def undo_copy(self, h_root: int, handle: int) -> list[Held]:
+        """The RM_DUP_OBJECT that `dup` recorded as `handle` never reached the driver: forget the copy."""
+        self._drop_device(h_root, handle)
+        obj = self._drop_object(h_root, handle)
+        return [] if obj is None or not obj.nbytes else [Held(obj.gpu, obj.nbytes)]
 
     def unbooked(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str],
                  shared: bool = True) -> Unbooked | None:
@@ -301,7 +306,6 @@ class MemoryBook:
         its call named handle 0)."""
         if driver_chosen:
             self.untake(h_root, key)
-        self._drop_device(h_root, key)  # a copy of a device (`dup`)
         obj = self._drop_object(h_root, key)
         return [] if obj is None else [Held(obj.gpu, obj.nbytes)]
 

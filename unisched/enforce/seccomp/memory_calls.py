@@ -64,16 +64,16 @@ class MemoryCalls:
             if not call.handle:
                 call.replayed = handle
             if call.op == RM_DUP_OBJECT:
-                self.credit(self.book.dup(call.h_root, handle, call.h_parent, call.source, call.owner or (0, "")))
+                call.copied = self.book.dup(call.h_root, handle, call.h_parent, call.source, call.owner or (0, ""))
             elif call.h_class in DEVICE_CLASSES:
                 self.book.add_device(call.h_root, handle, call.h_class, call.h_parent, call.device_id,
                                      call.owner or (0, ""))
 
     def unbook_call(self, call: Call) -> None:
         """`book_call`'s call never reached the driver (its caller was gone before the answer)."""
-        if call.op == RM_DUP_OBJECT and self.ledger is not None:
-            self.credit(self.book.undo(call.h_root, call.replayed or call.handle, driver_chosen=bool(call.replayed)))
-        elif call.replayed:
+        if call.copied:
+            self.credit(self.book.undo_copy(call.h_root, call.replayed or call.handle))
+        if call.replayed:
             self.book.untake(call.h_root, call.replayed)
 
     def credit(self, given_back: list[Held]) -> None:
@@ -112,9 +112,36 @@ class MemoryCalls:
             if not answered:
                 self.credit(self.book.undo(call.h_root, key, driver_chosen=not call.handle))
         else:
-            written = self._listener.write_status(nid, pid, call.status_at)
-            answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
-        if why is not None and answered:  # past the book's bounds, a flood may be on: the warning said it once
+            answered = self._refuse(nid, pid, call, why, gpu)
+        return answered
+
+    def copy_refusal(self, call: Call) -> Unbooked | None:
+        """Why an RM_DUP_OBJECT of booked video memory cannot be booked (MemoryBook.copy_refusal; None: it goes on as
+        other calls do). Such a copy is refused (`refuse_copy`) as an allocation past the bounds is."""
+        if self.ledger is None or call.op != RM_DUP_OBJECT:
+            return None
+        return self.book.copy_refusal(call.h_root, call.handle, call.h_parent, call.source, call.owner or (0, ""))
+
+    def refuse_copy(self, nid: int, pid: int, call: Call, why: Unbooked) -> bool:
+        """Fail the copy `copy_refusal` refused, as out of memory. Whether it was answered."""
+        gpu = self.book.gpu_held(call.source)
+        self._unbookable(gpu, why)
+        return self._refuse(nid, pid, call, why, gpu)
+
+    def _unbookable(self, gpu: int, why: Unbooked) -> None:
+        """Count a refusal past the book's bounds; the first one warns."""
+        assert self.ledger is not None
+        self.ledger.refuse(self.tenant, gpu)
+        self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, its tenant's or its user's, or a "
+                   "process not known) was refused as out of memory; later ones are logged at debug "
+                   f"({why.value}; {self.book.size()})")
+
+    def _refuse(self, nid: int, pid: int, call: Call, why: Verdict | Unbooked, gpu: int) -> bool:
+        """Fail the call as the driver does when memory is out (its status NV_ERR_NO_MEMORY, the ioctl not run; ENOMEM
+        where the status cannot be written), and log it. Whether it was answered."""
+        written = self._listener.write_status(nid, pid, call.status_at)
+        answered = self._listener.answer(nid, 0 if written else -errno.ENOMEM, run=False)
+        if answered:  # past the book's bounds, a flood may be on: the warning said it once
             held = None if isinstance(why, Unbooked) else self.refusal_log.allow(why.value)
             (log.debug if held is None else log.info)(
                 "gpu memory allocation refused", tenant=self.tenant, gpu=gpu, bytes=call.mem_bytes, why=why.value, pid=pid,
@@ -129,10 +156,7 @@ class MemoryCalls:
         assert self.ledger is not None
         unbooked = self.book.unbooked(h_root, handle, h_parent, owner)
         if unbooked is not None:
-            self.ledger.refuse(self.tenant, gpu)
-            self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, its tenant's or its user's, or a "
-                       "process not known) was refused as out of memory; later ones are logged at debug "
-                       f"({unbooked.value}; {self.book.size()})")
+            self._unbookable(gpu, unbooked)
             return unbooked
         verdict = self.ledger.charge(self.tenant, gpu, nbytes)
         return None if verdict is Verdict.ADMIT else verdict

@@ -272,6 +272,11 @@ class SessionSupervisor:
             if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
+            copy_refused = self._mem.copy_refusal(call)
+            if copy_refused is not None:
+                copy = call
+                self._answer_memory(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
+                return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
             unbooked = self._book.unbooked(call)
             if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
@@ -422,10 +427,15 @@ class SessionSupervisor:
         return events
 
     def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
-        """A video memory allocation, charged or refused by MemoryCalls; counted here like every answer."""
+        """A video memory allocation, charged or refused by MemoryCalls."""
+        self._answer_memory(t0, lambda: self._mem.conclude(nid, pid, call))
+
+    def _answer_memory(self, t0: int, answer: Callable[[], bool]) -> None:
+        """A call MemoryCalls answers (`answer`: whether it was), counted like every answer: before it, so the
+        counts are exact by the time the caller resumes."""
         with self._lock:
             self._notifications += 1
-        self._timed(t0, self._mem.conclude(nid, pid, call))
+        self._timed(t0, answer())
 
     def _timed(self, t0: int, answered: bool, decided: bool = False) -> None:
         """After an answer (or a call found gone): its latency, for `stats`, up to the answer's SEND call, which is
