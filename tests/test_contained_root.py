@@ -55,3 +55,29 @@ def test_root_in_a_container_owns_no_adopted_tenant(daemon: Daemon, tenant_prefi
     finally:
         daemon.cli("remove", "--tenant", name)
         cg.rmdir()
+
+
+def test_a_user_in_a_container_is_not_that_user_on_the_host(daemon: Daemon, tenant_prefix: str) -> None:
+    """A process in a container (its own pid namespace) under uid 65534, which root there can take at will, may not
+    act as the host's uid 65534: not join its tenant (the move would take it out of its container's cgroup, its
+    device rules and limits), not remove it, not make a tenant of its own."""
+    from test_security import run_as
+
+    name = f"{tenant_prefix}hosts"
+    got = run_as(daemon.socket, 65534, [("create", "register", {"tenant": name, "weight": 50, "keep": True})])
+    assert got["create"] == "OK"
+    as_user = CALLS.replace("with DaemonClient(sock, timeout=20) as c:", "import os\nclient = DaemonClient(sock, timeout=20)\n"
+                            "os.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\nwith client as c:")
+    assert as_user != CALLS
+    try:
+        calls = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", as_user, daemon.socket, name],
+                               capture_output=True, text=True, env=child_env(), timeout=60, cwd="/tmp")
+        assert calls.returncode == 0, calls.stderr
+        lines = calls.stdout.split("\n")
+        assert lines[0] == "uid 65534 admin False", lines
+        assert lines[1:4] == ["register PERMISSION_DENIED", "remove PERMISSION_DENIED", "create PERMISSION_DENIED"]
+        (t,) = [t for t in daemon.tenants() if t["name"] == name]
+        assert t["weight"] == 50
+        assert not [t for t in daemon.tenants() if t["name"] == name + "-mine"]
+    finally:
+        daemon.cli("remove", "--tenant", name)

@@ -347,3 +347,34 @@ def test_an_idle_metrics_connection_is_closed_at_the_read_timeout(tmp_path: Path
             assert s.recv(1) == b""  # closed by the daemon, not left holding a thread
     finally:
         server.close()
+
+
+def test_a_metrics_client_that_sends_its_request_a_byte_at_a_time_is_closed_at_the_read_timeout(tmp_path: Path) -> None:
+    """Each read's timeout alone never closes a client that sends a byte now and then, so a few such clients
+    held every connection slot (and the daemon's probes with them): the whole request has its deadline."""
+    import select
+    import socket
+    import time
+
+    from unisched.transport.metrics import start_metrics_server
+
+    engine, *_ = _engine_with_gpu(tmp_path)
+    view = EngineView(engine)
+    view.refresh()
+    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            give_up = time.monotonic() + 20
+            closed = False
+            while not closed and time.monotonic() < give_up:
+                try:
+                    s.sendall(b"X")  # a header that never ends, a byte at a time
+                except OSError:
+                    closed = True
+                    break
+                readable, _, _ = select.select([s], [], [], 0.05)
+                closed = bool(readable) and s.recv(1 << 16) == b""
+            assert closed, "a dribbling client kept its connection"
+    finally:
+        server.close()

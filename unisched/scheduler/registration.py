@@ -82,6 +82,10 @@ class RegisterAsk:
     keep: bool | None = None
     session_hooks: bool = False
     memory: MemoryAsk = NO_MEMORY_ASK
+    contained: bool = False
+    """The caller is outside the daemon's user or pid namespace (a container's process): it may only join the tenant
+    whose cgroup it is in, as it is. Moved into a tenant, it would leave its container's cgroup (its device rules
+    and limits) through the daemon; and a uid inside a container, which root there can take, owns nothing."""
 
 
 @dataclass(frozen=True)
@@ -165,13 +169,17 @@ def _begin(c: Context, ask: RegisterAsk, where: str | None) -> _Enrolment:
     # no process of its own under cgroup v2) is the tenant: it joins without being moved, whoever owns it
     member = t is not None and where is not None and within(where, t.cgroup)
     need_alive(alive)  # what was read from /proc/<pid> was the caller's
+    if ask.contained and not member:
+        raise SchedulerError("permission", "a process in a container (outside the daemon's namespaces) may only "
+                             "join the tenant whose cgroup holds it: an admin adopts its container's cgroup (or its "
+                             "pod); the daemon neither moves it nor makes it a tenant")
     if t is None:
         t = _create(c, name, ask.weight, ask.priority, engine_set, gpu_tuple, ask.uid, ask.is_admin, ask.keep,
                     ask.session_hooks, ask.memory)
         changed = True
     else:
         changed = _rejoin(c, t, ask.weight, ask.priority, engine_set if ask.engines else None, gpu_tuple, ask.uid,
-                          ask.is_admin, member, ask.keep, ask.memory)
+                          ask.is_admin, member, ask.keep, ask.memory, ask.contained)
     if changed:  # the state file holds every tenant: rewrite it only when what it keeps changed
         save_soon(c)
     if member:
@@ -289,11 +297,13 @@ def _create(
 def _rejoin(
     c: Context, t: Tenant, weight: int | None, priority: Priority | None, engines: frozenset[Engine] | None,
     gpus: tuple[int, ...] | None, uid: int, is_admin: bool, member: bool, keep: bool | None, memory: MemoryAsk,
+    contained: bool = False,
 ) -> bool:
     """A caller registering with a known tenant: its owner (or an admin) may change it, a member joins it as it
-    is; a lost cgroup is made again. Returns whether what the state file keeps changed."""
+    is; a lost cgroup is made again. Returns whether what the state file keeps changed. A `contained` caller
+    (RegisterAsk) owns nothing: its uid is one root in its container can take."""
     name = t.name
-    owner = is_admin or uid == t.owner_uid
+    owner = is_admin or (uid == t.owner_uid and not contained)
     if not owner and not member:
         raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; you are uid {uid}")
     before = t.saved()

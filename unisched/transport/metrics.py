@@ -50,6 +50,9 @@ READ_TIMEOUT_S = 10.0
 """How long a metrics or probe connection may wait on its client (a request line, headers) before it is closed.
 A scrape sends its request at once and Prometheus's own scrape timeout is 10 s; without one, each idle connection
 held a thread of the daemon for ever."""
+CONNECTION_DEADLINE_S = 60.0
+"""How long a metrics or probe connection may last in all, its answer included: a client that reads its answer a
+byte at a time must not hold its thread (and its slot) for ever either."""
 MAX_CONNECTIONS = 64
 """Metrics and probe connections served at once (each is a thread); past it a new one is closed unanswered."""
 MAX_CONNECTIONS_PER_ADDRESS = 8
@@ -268,6 +271,32 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes and probes every few seconds: not worth a log line each."""
 
 
+class _Deadline:
+    """A connection's deadlines: its whole request (request line and headers) within `request_s` of its start, a
+    total of `total_s` for all of it. Each read's own timeout does not bound a client that sends a byte every few
+    seconds; past a deadline the socket is shut down, which ends the handler's read or write at once."""
+
+    def __init__(self, conn: socket.socket, request_s: float, total_s: float) -> None:
+        self._read = threading.Event()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, args=(conn, request_s, total_s), name="unisched-metrics-deadline",
+                         daemon=True).start()
+
+    def request_read(self) -> None:
+        self._read.set()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self, conn: socket.socket, request_s: float, total_s: float) -> None:
+        if self._done.wait(request_s):
+            return
+        if self._read.is_set() and self._done.wait(max(0.0, total_s - request_s)):
+            return
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+
 class _Slots:
     """Connections served now, in all and per client address (MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)."""
 
@@ -321,6 +350,22 @@ def start_metrics_server(host: str, port: int, view: EngineView, health: Health 
 
     class Handler(_QuietHandler):
         timeout = read_timeout_s
+        _deadline: _Deadline
+
+        def setup(self) -> None:
+            super().setup()
+            self._deadline = _Deadline(self.connection, read_timeout_s, max(read_timeout_s, CONNECTION_DEADLINE_S))
+
+        def parse_request(self) -> bool:
+            whole = super().parse_request()
+            self._deadline.request_read()
+            return whole
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                self._deadline.stop()
 
     class Server(ThreadingWSGIServer):
         """ThreadingWSGIServer with the address family of HOST (an IPv6 address needs AF_INET6), serving at most

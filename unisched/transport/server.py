@@ -30,7 +30,7 @@ from unisched.transport.convert import PRIORITY, memory_ask, public_summary, sna
 from unisched.transport.frontdoor import FrontDoor
 from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
-from unisched.transport.identity import PeerCred, is_admin
+from unisched.transport.identity import CONTAINED_ROOT, PeerCred, in_host_namespaces, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.pacing import NO_UID, Pacer
@@ -118,6 +118,7 @@ class UnischedServicer:
             keep=request.keep,
             session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             memory=memory_ask(request),
+            contained=not in_host_namespaces(cred),
         )
         try:  # the caller's cgroup move runs off the loop: others are served meanwhile
             snap = await self.engine.start_register(ask)
@@ -172,7 +173,9 @@ class UnischedServicer:
         cred = self._need_caller(call)
         await self.pacer.turn(cred.uid)
         try:
-            self.engine.remove_as(request.tenant, cred.uid, self.is_admin(cred))
+            # a caller in a container owns nothing: its uid is one root there can take (RegisterAsk.contained)
+            uid = cred.uid if in_host_namespaces(cred) else CONTAINED_ROOT
+            self.engine.remove_as(request.tenant, uid, self.is_admin(cred))
         except SchedulerError as e:
             self._fail(e)
         return pb.Empty()
