@@ -23,7 +23,7 @@ from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
 from unisched.telemetry import FakeTelemetry, GpuInfo, GpuSample
 from unisched.transport.client import DaemonClient
-from unisched.transport.metrics import EngineView, UnischedCollector
+from unisched.transport.metrics import EngineView, MetricsServer, UnischedCollector
 from unisched_wire import unisched_pb2 as pb
 
 GiB = 1 << 30
@@ -333,15 +333,20 @@ def test_idle_metrics_connections_are_bounded_per_address_and_a_scrape_from_anot
         server.close()
 
 
-def test_an_idle_metrics_connection_is_closed_at_the_read_timeout(tmp_path: Path) -> None:
-    import socket
-
+def _served(tmp_path: Path, read_timeout_s: float) -> MetricsServer:
+    """A metrics server on a free port over an engine with a GPU, its connections' read timeout `read_timeout_s`."""
     from unisched.transport.metrics import start_metrics_server
 
     engine, *_ = _engine_with_gpu(tmp_path)
     view = EngineView(engine)
     view.refresh()
-    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=0.2)
+    return start_metrics_server("127.0.0.1", 0, view, read_timeout_s=read_timeout_s)
+
+
+def test_an_idle_metrics_connection_is_closed_at_the_read_timeout(tmp_path: Path) -> None:
+    import socket
+
+    server = _served(tmp_path, 0.2)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
             assert s.recv(1) == b""  # closed by the daemon, not left holding a thread
@@ -356,12 +361,7 @@ def test_a_metrics_client_that_sends_its_request_a_byte_at_a_time_is_closed_at_t
     import socket
     import time
 
-    from unisched.transport.metrics import start_metrics_server
-
-    engine, *_ = _engine_with_gpu(tmp_path)
-    view = EngineView(engine)
-    view.refresh()
-    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=0.3)
+    server = _served(tmp_path, 0.3)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
             s.sendall(b"GET /metrics HTTP/1.1\r\n")
