@@ -125,14 +125,14 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 call.instance = _engine_instance(params, read)
             elif params and (h_class in MEMORY_SIZE_AT or h_class in DEVICE_CLASSES):
                 _memory_params(call, size, addr, params, read)
-            elif h_class == NV01_DEVICE_0:  # no parameters: the driver takes the class's own instance, GPU 0
-                call.device_id = h_class - NV01_DEVICE_0
+            elif h_class == NV01_DEVICE_0:
+                call.device_id = 0  # no parameters: the driver takes GPU 0 (deviceConstruct)
             return call
         if enr == RM_ALLOC_OBJECT and size == NVOS05_SIZE:  # RM_ALLOC without parameters
             h_root, h_parent, h_new, h_class = struct.unpack("=IIII", read(addr, 16))
             call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS05_STATUS_AT)
             if h_class == NV01_DEVICE_0:
-                call.device_id = 0  # as with RM_ALLOC's no parameters (deviceConstruct)
+                call.device_id = 0  # no parameters: the driver takes GPU 0 (deviceConstruct)
             return call
         if enr == RM_ALLOC_MEMORY and size == NVOS02_FD_SIZE:
             h_root, h_parent, h_new, h_class, _flags, _p_memory, _limit = struct.unpack(

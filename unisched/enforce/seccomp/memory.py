@@ -237,14 +237,14 @@ class MemoryBook:
         it may be booked). Anything else (a source in another process's book, or none, or a handle in use, which
         the driver refuses) is not followed. Whether the copy was recorded (for `undo_copy`)."""
         key = (h_root, handle)
+        if key in self._devices or key in self._objects:
+            return False  # a handle in use: the driver refuses the copy (what the handle holds stays)
         if source in self._devices:
-            if key in self._devices or key in self._objects:
-                return False  # a handle in use: the driver refuses the copy
             self.add_device(h_root, handle, 0, h_parent, None, owner, gpu=self._devices[source][0])
             return key in self._devices
         src = self._objects.get(source)
-        if src is None or key in self._objects or key in self._devices or h_root not in self._owners:
-            return False  # nothing followed, or a handle in use (the driver refuses the copy; what it holds stays)
+        if src is None or h_root not in self._owners:
+            return False  # nothing followed
         self.share.take(Entry.ALLOCATIONS, force=True)  # `copy_refusal` asked for room
         self._objects[key] = _Object(src.gpu, 0, h_parent)
         self._link(h_root, (_MEMORY, handle), h_parent)

@@ -116,9 +116,9 @@ class MemoryCalls:
         return answered
 
     def copy_refusal(self, call: Call) -> Unbooked | None:
-        """Why an RM_DUP_OBJECT of booked video memory cannot be booked (MemoryBook.copy_refusal; None: it goes on as
-        other calls do). Such a copy is refused (`refuse_copy`) as an allocation past the bounds is."""
-        if self.ledger is None or call.op != RM_DUP_OBJECT:
+        """Why RM_DUP_OBJECT `call`, a copy of booked video memory, cannot be booked (MemoryBook.copy_refusal; None: it
+        goes on as other calls do). Such a copy is refused (`refuse_copy`) as an allocation past the bounds is."""
+        if self.ledger is None:
             return None
         return self.book.copy_refusal(call.h_root, call.handle, call.h_parent, call.source, call.owner or (0, ""))
 

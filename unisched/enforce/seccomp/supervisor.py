@@ -272,8 +272,7 @@ class SessionSupervisor:
             if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
-            copy_refused = self._mem.copy_refusal(call)
-            if copy_refused is not None:
+            if call.op == RM_DUP_OBJECT and (copy_refused := self._mem.copy_refusal(call)) is not None:
                 copy = call
                 self._answer_memory(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
                 return
