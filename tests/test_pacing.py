@@ -170,6 +170,33 @@ def test_awaiting_callers_register_one_turn_apart() -> None:
     assert all(b > a for a, b in itertools.pairwise(at)), at
 
 
+def test_callers_that_queue_and_give_up_leave_nothing_queued_behind() -> None:
+    """A user who opens calls and cancels them at once, turn after turn, while another user's calls wait: the
+    cancelled ones leave the queue at once (else one entry a turn is served and the queue grows without bound)."""
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        p = Pacer(loop.call_soon)
+        assert p.take()
+        live = [asyncio.ensure_future(p.turn(1)) for _ in range(4)]
+        most = 0
+        for _ in range(200):
+            cancelled = [asyncio.ensure_future(p.turn(2)) for _ in range(50)]
+            await asyncio.sleep(0)  # each is queued
+            for t in cancelled:
+                t.cancel()
+            await asyncio.gather(*cancelled, return_exceptions=True)
+            most = max(most, p.waiting)
+            live = [t for t in live if not t.done()] + [asyncio.ensure_future(p.turn(1))]
+        for t in live:
+            t.cancel()
+        await asyncio.gather(*live, return_exceptions=True)
+        return most, p.waiting
+
+    most, left = asyncio.run(main())
+    assert most <= 6, most  # uid 1's few live callers, nothing of uid 2's
+    assert left == 0
+
+
 # the lease stream's hellos, against a real loop and real sockets ---------------------------------------------------
 
 HELLOS = 24
@@ -441,3 +468,19 @@ def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:
 
     listed_in = asyncio.run(main())
     assert len(listed_in) == 5 and len(set(listed_in)) == 5, f"turns of the listings: {listed_in}"
+
+
+def test_a_connection_that_ends_while_its_hello_waits_leaves_the_queue(tmp_path: Path) -> None:
+    async def main() -> None:
+        with lease_connections(tmp_path) as (_loop, connect, _held):
+            (a, _ta), (b, _tb) = connect(), connect()
+            a.data_received(lease_hello("first"))
+            b.data_received(lease_hello("second"))
+            pacer = b.service.pacer
+            assert pacer.waiting == 1
+            b.connection_lost(None)
+            assert pacer.waiting == 0
+            assert a.opening is not None
+            await a.opening
+
+    asyncio.run(main())

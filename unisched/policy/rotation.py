@@ -44,3 +44,21 @@ class Rotation(Generic[T]):
         else:
             del self._waiting[owner]
         return item
+
+    def discard(self, owner: int, item: T) -> bool:
+        """Take `item` out of `owner`'s waiting ones (its caller gave up): what nobody waits for must not stay queued
+        until its turn, or a caller that asks and gives up in a loop grows the queue without bound. False when it
+        does not wait (it had its turn)."""
+        mine = self._waiting.get(owner)
+        if mine is None:
+            return False
+        for i, waiting in enumerate(mine):
+            if waiting is item:
+                del mine[i]
+                break
+        else:
+            return False
+        if not mine:
+            del self._waiting[owner]
+            self._order.remove(owner)
+        return True

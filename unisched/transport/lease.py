@@ -97,6 +97,8 @@ class LeaseConnection(asyncio.Protocol):
         those past ANSWERED_PER_TURN of one read."""
         self._paused = False
         """Reading is paused while requests are kept (_hold)."""
+        self._queued: Callable[[], bool] | None = None
+        """The hello's turn while it waits in the pacer's queue: withdrawn when the connection ends first."""
         self.opening: asyncio.Future[tuple[int, TenantSnapshot]] | None = None
         """The hello's registration while its caller is moved into the tenant's cgroup, off the loop; what came
         after the hello waits for it (kept as in _hold)."""
@@ -163,7 +165,8 @@ class LeaseConnection(asyncio.Protocol):
             self._account()
         elif payloads and self._sid is None and not self.service.pacer.take():
             self._hold(payloads)  # the hello registers: in a later loop turn, not in this one
-            self.service.pacer.queue(self._take_turn, self.cred.uid)
+            self._queued = self._take_turn
+            self.service.pacer.queue(self._queued, self.cred.uid)
         else:
             self._answer_some(payloads)
 
@@ -182,6 +185,7 @@ class LeaseConnection(asyncio.Protocol):
     def _take_turn(self) -> bool:
         """A later loop turn: answer the requests kept (the pacer's turn for a hello and what came with it, or the
         rest of a read). False when the connection ended meanwhile: the turn was not used."""
+        self._queued = None
         payloads, self._stash = self._stash or [], None
         if self._ended or self._transport is None or self._transport.is_closing():
             self._account()
@@ -284,6 +288,9 @@ class LeaseConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._ended = True
         self._stash = None
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self.service.pacer.withdraw(queued, self.cred.uid)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -60,6 +60,11 @@ class Pacer:
         self._waiting.push(uid, run)
         self._schedule()
 
+    def withdraw(self, run: Callable[[], bool], uid: int) -> None:
+        """`run`, queued for `uid`, is not wanted any more (its caller went away): out of the queue now, so that
+        callers who queue and go away in a loop leave nothing behind."""
+        self._waiting.discard(uid, run)
+
     async def turn(self, uid: int) -> None:
         """Return when it is the caller's (of `uid`) turn to register (at once when the turn is free)."""
         if self.take():
@@ -73,7 +78,11 @@ class Pacer:
             return True
 
         self.queue(run, uid)
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.withdraw(run, uid)
+            raise
 
     def _claim(self) -> None:
         self._used = True
