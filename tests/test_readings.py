@@ -151,3 +151,78 @@ def test_a_run_tenant_whose_caller_came_after_the_reads_is_not_removed(tmp_path:
     rig.engine.advance(reads)
     assert rig.engine.has_tenant("once")
     assert "/unisched/once" in rig.driver.groups
+
+
+class StuckTelemetry(FakeTelemetry):
+    """No GPUs (the CPU signal decides) until `stuck` is set; then every sample() blocks until `release` is (a GPU fallen off the
+    bus holds NVML so)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.stuck, self.entered, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def sample(self) -> Sequence[GpuSample]:
+        if self.stuck.is_set():
+            self.entered.set()
+            self.release.wait(RELEASE_AFTER_S + 5)
+        return super().sample()
+
+
+def contended(tmp_path: Path) -> tuple[Rig, StuckTelemetry]:
+    """Tenants a (300) and b (100) sharing a busy GPU, one of them frozen now."""
+    tel = StuckTelemetry()
+    rig = Rig(tmp_path, telemetry=tel)
+    rig.add("a", 300)
+    rig.add("b", 100)
+    for _ in range(50):
+        rig.step()
+        if rig.frozen("a") or rig.frozen("b"):
+            break
+    assert rig.frozen("a") or rig.frozen("b"), "no tenant was frozen: nothing to test"
+    tel.stuck.set()
+    return rig, tel
+
+
+def test_a_stop_while_a_read_is_stuck_thaws_and_ends_without_it(tmp_path: Path) -> None:
+    rig, tel = contended(tmp_path)
+
+    async def go() -> bool:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_engine(rig.engine, stop, read_overdue_s=RELEASE_AFTER_S * 10))
+        try:
+            assert await asyncio.to_thread(tel.entered.wait, RELEASE_AFTER_S)
+            stop.set()
+            done, _ = await asyncio.wait((task,), timeout=RELEASE_AFTER_S / 2)
+            return task in done
+        finally:
+            tel.release.set()
+            stop.set()
+            await task
+
+    assert asyncio.run(go()), "the stop waited for the stuck read"
+    assert not rig.frozen("a") and not rig.frozen("b")
+
+
+def test_a_read_that_does_not_come_back_thaws_every_tenant_meanwhile(tmp_path: Path) -> None:
+    rig, tel = contended(tmp_path)
+    thawed = threading.Event()
+    set_frozen = rig.driver.set_frozen
+
+    def watched(cgroup: str, frozen: bool) -> None:
+        set_frozen(cgroup, frozen)
+        if tel.entered.is_set() and not rig.frozen("a") and not rig.frozen("b"):
+            thawed.set()
+
+    rig.driver.set_frozen = watched  # type: ignore[method-assign]
+
+    async def go() -> bool:
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_engine(rig.engine, stop, read_overdue_s=0.05))
+        try:
+            return await asyncio.to_thread(thawed.wait, RELEASE_AFTER_S)
+        finally:
+            tel.release.set()
+            stop.set()
+            await task
+
+    assert asyncio.run(go()), "the tenants stayed frozen while the read was stuck"

@@ -9,14 +9,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
+from unisched.scheduler.readings import Readings
 from unisched.scheduler.slack import SLACK_EVERY_S
 
-__all__ = ["LATE_WARN_S", "LateSlices", "run_engine", "run_slack"]
+__all__ = ["LATE_WARN_S", "READ_OVERDUE_S", "LateSlices", "run_engine", "run_slack"]
 
 log = structlog.get_logger("unisched.scheduler")
 
@@ -24,6 +26,11 @@ LATE_WARN_S = 0.1
 """A slice that starts this much later than its loop asked is logged (at most once every LATE_LOG_EVERY_S): the
 event loop was blocked or the daemon not scheduled, and every lease renewal and call waited as long."""
 LATE_LOG_EVERY_S = 10.0
+
+READ_OVERDUE_S = 1.0
+"""A tick's read (NVML, the tenants' cgroup files) that has not come back after this long is overdue: a GPU fallen
+off the bus or a wedged driver can hold NVML for good. Every tenant is thawed meanwhile (the daemon fails open),
+and a stop does not wait for the read."""
 
 
 class LateSlices:
@@ -50,11 +57,13 @@ class LateSlices:
         return late
 
 
-async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None) -> None:
+async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[], None] | None = None,
+                     read_overdue_s: float = READ_OVERDUE_S) -> None:
     """Tick until `stop` is set. The loop is what keeps time in production; tests call tick() directly.
 
     `alive` is called after every slice that ran (the systemd watchdog): a loop that hangs or whose slices
-    keep failing stops calling it."""
+    keep failing stops calling it, and neither does a read that never comes back (`read_overdue_s`: everything is
+    thawed while it is overdue; a stop thaws and ends without it)."""
     late = LateSlices(time.monotonic)
     sweeping = asyncio.ensure_future(run_slack(engine, stop)) if engine.sweeps_slack else None
     # one waiter for the whole run: a wait_for(stop.wait()) per slice makes a task and, at each timeout, cancels it
@@ -65,7 +74,7 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
             try:
                 # a tick's reads block (NVML, one cgroup file per tenant): on a worker thread, so that lease
                 # renewals and seccomp decisions are served meanwhile; the tick itself runs here
-                readings = await asyncio.to_thread(engine.readings_reader()) if engine.tick_due() else None
+                readings = await _read(engine, stopped, read_overdue_s) if engine.tick_due() else None
                 if stop.is_set():
                     break
                 delay = engine.advance(readings)
@@ -84,6 +93,28 @@ async def run_engine(engine: Scheduler, stop: asyncio.Event, alive: Callable[[],
         if sweeping is not None:
             sweeping.cancel()
         engine.shutdown()
+
+
+async def _read(engine: Scheduler, stopped: asyncio.Future[Any], overdue_s: float) -> Readings | None:
+    """A tick's reads on a worker thread; None when `stopped` came first (the thread is left to finish on its own:
+    a read stuck in the driver must not keep the tenants frozen through a stop)."""
+    reading = asyncio.ensure_future(asyncio.to_thread(engine.readings_reader()))
+    done, _ = await asyncio.wait((reading, stopped), timeout=overdue_s, return_when=asyncio.FIRST_COMPLETED)
+    if not done:
+        thawed = engine.thaw_all()
+        log.error("a tick's read of the GPUs is overdue (NVML or the driver not answering); every tenant is thawed "
+                  "until it comes back", overdue_s=overdue_s, thawed=len(thawed))
+        done, _ = await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
+    if reading not in done:
+        reading.add_done_callback(_drop_result)
+        return None
+    return reading.result()
+
+
+def _drop_result(reading: asyncio.Future[Readings]) -> None:
+    """The read left behind at a stop: its result (or error) is not wanted."""
+    if not reading.cancelled():
+        reading.exception()
 
 
 async def run_slack(engine: Scheduler, stop: asyncio.Event) -> None:
