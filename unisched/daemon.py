@@ -217,7 +217,10 @@ def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated:
         raise StartError(f"--mps: {e}") from e
     except (CgroupError, OSError) as e:
         raise StartError(str(e)) from e
-    record.close()  # stopped cleanly: everything it froze was thawed
+    if engine.left_frozen:
+        _log().error("some cgroups could not be thawed; the record of what this daemon governs is kept, and the next "
+                     "start thaws them", record=str(record.path))
+    record.close(keep=engine.left_frozen)  # removed only when everything it froze was thawed
 
 
 def run(config: DaemonConfig, *, delegated: bool = False, orphans: Orphans | None = None) -> None:

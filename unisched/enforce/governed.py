@@ -51,7 +51,11 @@ nothing frozen after it."""
 GOVERNED_DIR_ENV = "UNISCHED_GOVERNED_DIR"
 MAX_RECORD_BYTES = 4 << 20
 """A record holds one line per adopted cgroup (a few hundred bytes each): 4 MiB is ten thousand adoptions and
-more; a bigger file is not ours to read whole."""
+more; a bigger file is not ours to read whole (its tail is reported unread and the record kept)."""
+COMPACT_RECORD_BYTES = 256 << 10
+"""A live record past this many bytes is rewritten with only the adopted cgroups that still exist (a node's pods
+come and go: appended for ever, a record would pass MAX_RECORD_BYTES in weeks of pod churn), and again each time it
+has doubled since."""
 MAX_THAW_CGROUPS = 100_000
 """Bound on the cgroups one orphan thaw visits below a subtree (a host has far fewer): a runaway tree must not
 stall the start."""
@@ -133,11 +137,13 @@ def _thaw_dir(kind: str, d: Path) -> bool:
     return True
 
 
-def _below(d: Path, budget: list[int]) -> Iterator[Path]:
-    """`d` and the directories below it, parents first, at most MAX_THAW_CGROUPS all told."""
+def _below(d: Path, budget: list[int], problems: list[str]) -> Iterator[Path]:
+    """`d` and the directories below it, parents first, at most MAX_THAW_CGROUPS all told (a problem past that)."""
     for top in folders_below(str(d), budget[0]):
         budget[0] -= 1
         yield Path(top)
+    if budget[0] <= 0:
+        problems.append(f"{d}: more than {MAX_THAW_CGROUPS} cgroups; those past them were not thawed")
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ def _thaw(governed: Governed, mounts: list[tuple[str, Path]], problems: list[str
             top = mount / path.lstrip("/")
             if not top.is_dir():
                 continue
-            for d in _below(top, budget) if recursive else iter((top,)):
+            for d in _below(top, budget, problems) if recursive else iter((top,)):
                 try:
                     if _thaw_dir(kind, d):
                         thawed.append("/" + str(d.relative_to(mount)))
@@ -189,27 +195,37 @@ def _records(directory: Path) -> list[Path]:
         return []
 
 
-def _read_locked(path: Path) -> tuple[int, str] | None:
-    """Open a record and take its lock; None when its daemon still holds it (or it is gone)."""
+def _read_locked(path: Path) -> tuple[int, str, bool] | None:
+    """Open a record and take its lock: (fd, its text, whether all of it was read). None when its daemon still holds
+    it, or it is gone, or its name now names another file (its daemon rewrote it meanwhile: _compact)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_uid != os.geteuid():
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
             raise PermissionError
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise FileNotFoundError
     except OSError:
         os.close(fd)
         return None
-    return fd, os.pread(fd, MAX_RECORD_BYTES, 0).decode(errors="replace")
+    data = os.pread(fd, MAX_RECORD_BYTES + 1, 0)
+    whole = len(data) <= MAX_RECORD_BYTES
+    return fd, data[:MAX_RECORD_BYTES].decode(errors="replace"), whole
 
 
-def thaw_orphans(directories: Sequence[Path] | None = None) -> Orphans:
+def thaw_orphans(directories: Sequence[Path] | None = None,
+                 mounts: Sequence[tuple[str, Path]] | None = None) -> Orphans:
     """Thaw what every daemon that is gone may have left frozen, and delete its record (in `directories`, default
-    `orphan_dirs()`). Never raises: it runs first on every start, before anything that could fail."""
+    `orphan_dirs()`; `mounts`: the freezer hierarchies, default this host's). A record whose thaw met a problem is
+    kept, so the next start tries again. Never raises: it runs first on every start, before anything that could
+    fail."""
     directories = orphan_dirs() if directories is None else directories
-    mounts = _freezer_mounts()
+    mounts = _freezer_mounts() if mounts is None else list(mounts)
     thawed: list[str] = []
     problems: list[str] = [why for d in directories if (why := _untrusted(d))]
     removed = 0
@@ -217,11 +233,16 @@ def thaw_orphans(directories: Sequence[Path] | None = None) -> Orphans:
         opened = _read_locked(path)
         if opened is None:
             continue
-        fd, text = opened
+        fd, text, whole = opened
         try:
             governed, skipped = parse_record(text)
             problems += [f"{path}: {why}" for why in skipped]
-            thawed += _thaw(governed, mounts, problems)
+            failed: list[str] = [] if whole else [f"{path}: larger than {MAX_RECORD_BYTES} bytes; its tail was not "
+                                                  "read, and it is kept"]
+            thawed += _thaw(governed, mounts, failed)
+            problems += failed
+            if failed:
+                continue  # kept: the next start tries again
             with contextlib.suppress(FileNotFoundError):  # another starter removed it first
                 path.unlink()
             removed += 1
@@ -262,7 +283,10 @@ class GovernedRecord:
     def __init__(self, directory: Path, subtree: str) -> None:
         self.subtree = "/" + subtree.strip("/")
         self.path = directory / f"{uuid.uuid4().hex}{_SUFFIX}"
+        self._directory = directory
         self._noted: set[str] = set()
+        self._bytes = 0
+        self._compact_at = COMPACT_RECORD_BYTES
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -271,17 +295,46 @@ class GovernedRecord:
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)  # one starter at a time checks for overlap and adds its record
             self._check_overlap(directory)
-            tmp = directory / f".{self.path.name}.tmp"
-            self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(self._fd, f"subtree {self.subtree}\n".encode())
-            os.rename(tmp, self.path)
+            self._fd = self._write_locked([])
         except RecordError:
             raise
         except OSError as e:
             raise RecordError(f"cannot keep the record of governed cgroups in {directory}: {e.strerror or e}") from None
         finally:
             os.close(dir_fd)  # closing drops the directory lock
+
+    def _write_locked(self, adopted: Sequence[str]) -> int:
+        """A new file with the subtree and `adopted`, locked, then renamed over the record: the name always names a
+        locked record of everything this daemon may have frozen. Its fd; OSError as it comes."""
+        tmp = self._directory / f".{self.path.name}.tmp"
+        text = f"subtree {self.subtree}\n" + "".join(f"adopted {a}\n" for a in adopted)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, text.encode())
+            os.rename(tmp, self.path)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        self._bytes = len(text)
+        return fd
+
+    def _compact(self) -> None:
+        """Rewrite the record with the adopted cgroups that still exist on some freezer hierarchy (one that is gone
+        cannot be frozen). Kept as it is when that fails: it only grows."""
+        mounts = _freezer_mounts()
+        live = sorted(c for c in self._noted if any((m / c.lstrip("/")).is_dir() for _, m in mounts))
+        try:
+            fd = self._write_locked(live)
+        except OSError:
+            self._compact_at *= 2
+            return
+        os.close(self._fd)  # the old file, renamed over: a starter that waited on its lock finds it gone
+        self._fd = fd
+        self._noted = set(live)
+        self._compact_at = max(COMPACT_RECORD_BYTES, 2 * self._bytes)
 
     def _check_overlap(self, directory: Path) -> None:
         for other, subtree in live_subtrees(directory):
@@ -296,12 +349,21 @@ class GovernedRecord:
         clean = _clean(cgroup)
         if clean is None:
             raise RecordError(f"cgroup path {cgroup!r} cannot be recorded")
-        os.write(self._fd, f"adopted {clean}\n".encode())
-        self._noted.add(cgroup)
+        if clean != cgroup:
+            self.note(clean)
+            return
+        if self._bytes > self._compact_at:
+            self._compact()
+        line = f"adopted {clean}\n".encode()
+        os.write(self._fd, line)
+        self._bytes += len(line)
+        self._noted.add(clean)
 
-    def close(self) -> None:
-        """On a clean stop, after everything was thawed: the record is no longer needed."""
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+    def close(self, keep: bool = False) -> None:
+        """On a stop: unlocked, and removed when everything was thawed (`keep`: something may still be frozen, and
+        the next start thaws what the record names)."""
+        if not keep:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
         with contextlib.suppress(OSError):
             os.close(self._fd)

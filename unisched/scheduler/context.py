@@ -112,6 +112,8 @@ class Context:
     saved_at: float = float("-inf")
     stopped: bool = False
     """The engine has shut down (everything thawed): no decision may freeze anything again."""
+    left_frozen: bool = False
+    """The shutdown's thaw failed for some cgroup: the daemon keeps its record of what it governs for the next start."""
     defer: Callable[[Callable[[], None]], object] | None = None
     """The daemon's event loop's call_soon (None: no loop, every decision at once): see tick.reschedule."""
     decisions_this_turn: int = 0

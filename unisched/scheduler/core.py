@@ -111,6 +111,11 @@ class Scheduler:
     def shutdown(self) -> None:
         lifecycle.shutdown(self._c)
 
+    @property
+    def left_frozen(self) -> bool:
+        """The shutdown could not thaw some cgroup (the next start thaws it from the record of what was governed)."""
+        return self._c.left_frozen
+
     def mps_status(self) -> MpsStatus | None:
         return lifecycle.mps_status(self._c)
 

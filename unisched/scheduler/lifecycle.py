@@ -143,7 +143,8 @@ def _add_declared(c: Context, d: DeclaredTenant) -> None:
 
 
 def thaw_all(c: Context, extra: Iterable[str] = ()) -> list[str]:
-    """Thaw every cgroup we manage or know of; returns those that were frozen."""
+    """Thaw every cgroup we manage or know of; returns those that were frozen. One that cannot be thawed is logged
+    and marks the context `left_frozen`."""
     cgroups = set(c.driver.managed()) | {t.cgroup for t in c.tenants.values()} | set(extra)
     was_frozen = []
     for cg in sorted(cgroups):
@@ -153,6 +154,7 @@ def thaw_all(c: Context, extra: Iterable[str] = ()) -> list[str]:
             if c.driver.exists(cg):
                 c.driver.set_frozen(cg, False)
         except CgroupError as e:
+            c.left_frozen = True
             log.error("could not thaw", cgroup=cg, error=str(e))
     for t in c.tenants.values():
         t.frozen = False
@@ -165,13 +167,15 @@ def shutdown(c: Context) -> None:
     freezing a tenant after this thaw."""
     c.stopped = True
     c.mover.close()  # registrations from now on are refused; a move in flight finishes on its own
+    c.left_frozen = False
     thaw_all(c)
     try:
         save(c)  # the last state, on disk before the daemon exits: also what save_soon left for the tick
     finally:
         if not c.writer.close(WRITER_STOP_S):
             log.error("the state file's writer thread did not end", waited_s=WRITER_STOP_S)
-    log.info("all managed cgroups thawed")
+    if not c.left_frozen:
+        log.info("all managed cgroups thawed")
     if c.charged_by_rule:  # how the GPU's busy time was split over the run (unisched_gpu_charged_seconds)
         by_resource: dict[str, dict[str, float]] = {}
         for (r, rule), seconds in c.charged_by_rule.items():

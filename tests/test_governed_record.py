@@ -1,0 +1,117 @@
+"""The record of what a daemon may freeze, as a crash leaves it: compacted as pods come and go, kept until its thaw
+succeeded. Over a freezer hierarchy of plain files (cgroup.freeze), no real cgroups needed."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+from test_engine import Rig
+
+from unisched.enforce import governed
+from unisched.enforce.cgroups import CgroupError
+from unisched.enforce.governed import COMPACT_RECORD_BYTES, GovernedRecord, thaw_orphans
+
+
+def hierarchy(tmp_path: Path) -> Path:
+    mount = tmp_path / "cgroup"
+    mount.mkdir()
+    return mount
+
+
+def frozen_cgroup(mount: Path, path: str) -> Path:
+    d = mount / path.lstrip("/")
+    d.mkdir(parents=True)
+    (d / "cgroup.freeze").write_text("1\n")
+    return d
+
+
+def records(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.list"))
+
+
+def test_a_record_of_many_adoptions_keeps_those_that_exist_and_the_last_is_thawed_after_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's pods come and go, each adopted once: the record is rewritten with the cgroups still there, so it
+    stays small, and a crash's thaw reaches the newest adoption and an early one that still runs."""
+    mount, directory = hierarchy(tmp_path), tmp_path / "governed"
+    monkeypatch.setattr(governed, "_freezer_mounts", lambda: [("v2", mount)])
+    record = GovernedRecord(directory, "unisched")
+    early = "/kubepods/burstable/pod-early-still-running"
+    frozen_cgroup(mount, early)
+    record.note(early)
+    pods = 40 * COMPACT_RECORD_BYTES // 100  # ~40 compactions' worth of pods that have since gone
+    for i in range(pods):
+        record.note(f"/kubepods/burstable/pod{i:08d}-0123456789abcdef0123456789abcdef")
+    last = "/kubepods/burstable/pod-last"
+    frozen_cgroup(mount, last)
+    record.note(last)
+    assert record.path.stat().st_size <= 2 * COMPACT_RECORD_BYTES
+    record.close(keep=True)  # a crash: the lock goes, the record stays
+    got = thaw_orphans([directory], [("v2", mount)])
+    assert set(got.thawed) == {early, last} and got.problems == () and got.records == 1
+    assert (mount / last.lstrip("/") / "cgroup.freeze").read_text() == "0"
+    assert records(directory) == []
+
+
+def test_a_record_whose_thaw_failed_is_kept_and_the_next_start_thaws(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    mount, directory = hierarchy(tmp_path), tmp_path / "governed"
+    frozen_cgroup(mount, "/pods/p1")
+    directory.mkdir(mode=0o700)
+    (directory / "dead.list").write_text("subtree /unisched\nadopted /pods/p1\n")
+    thaw_dir = governed._thaw_dir
+    busy = [True]
+
+    def once_busy(kind: str, d: Path) -> bool:
+        if busy.pop() if busy else False:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return thaw_dir(kind, d)
+
+    monkeypatch.setattr(governed, "_thaw_dir", once_busy)
+    first = thaw_orphans([directory], [("v2", mount)])
+    assert first.thawed == () and first.records == 0 and any("busy" in p for p in first.problems)
+    assert records(directory) == [directory / "dead.list"], "the record went with the cgroup still frozen"
+    second = thaw_orphans([directory], [("v2", mount)])
+    assert second.thawed == ("/pods/p1",) and second.records == 1 and records(directory) == []
+
+
+def test_a_record_larger_than_is_read_is_kept_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mount, directory = hierarchy(tmp_path), tmp_path / "governed"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setattr(governed, "MAX_RECORD_BYTES", 64)
+    (directory / "big.list").write_text("subtree /unisched\n" + "adopted /pods/p\n" * 10)
+    got = thaw_orphans([directory], [("v2", mount)])
+    assert got.records == 0 and any("tail was not read" in p for p in got.problems)
+    assert records(directory) == [directory / "big.list"]
+
+
+def test_a_shutdown_that_cannot_thaw_a_tenant_says_so_and_a_clean_one_does_not(tmp_path: Path) -> None:
+    """The daemon removes its record only when the shutdown thawed everything (daemon._serve reads left_frozen)."""
+    rig = Rig(tmp_path)
+    rig.add("a", 300)
+    rig.add("b", 100)
+    rig.step(5)
+    set_frozen = rig.driver.set_frozen
+
+    def stuck(cgroup: str, frozen: bool) -> None:
+        if cgroup.endswith("/a") and not frozen:
+            raise CgroupError("cannot write cgroup.freeze: Device or resource busy")
+        set_frozen(cgroup, frozen)
+
+    rig.driver.set_frozen = stuck  # type: ignore[method-assign]
+    rig.engine.shutdown()
+    assert rig.engine.left_frozen
+    clean = Rig(tmp_path / "clean")
+    clean.add("a", 100)
+    clean.engine.shutdown()
+    assert not clean.engine.left_frozen
+
+
+def test_a_record_closed_with_something_left_frozen_stays_for_the_next_start(tmp_path: Path) -> None:
+    kept, removed = GovernedRecord(tmp_path / "k", "k"), GovernedRecord(tmp_path / "r", "r")
+    kept.close(keep=True)
+    removed.close()
+    assert kept.path.exists() and not removed.path.exists()
+    assert thaw_orphans([tmp_path / "k"], []).records == 1
