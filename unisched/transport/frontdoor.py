@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import functools
 import resource
 import socket
 from collections import Counter
@@ -40,6 +41,7 @@ from unisched.transport.options import (
     OPENING_DEADLINE_S,
     PARTIAL_FRAME_S,
     TRIM_AFTER_CLOSED,
+    TRIM_EVERY_S,
 )
 
 __all__ = ["FrontDoor", "FrontDoorLimits", "Serve", "StreamLimits", "read_opening"]
@@ -131,6 +133,7 @@ class FrontDoor:
         self._refusals = Throttle(REFUSAL_LOG_INTERVAL_S)
         self._closed_since_trim = 0
         self._trim_pending = False
+        self._trimmed_at = float("-inf")
         budget = connection_budget(max_connections)
         if budget < max_connections:
             log.warning("open-file limit bounds client connections", max_connections=budget, wanted=max_connections,
@@ -216,13 +219,17 @@ class FrontDoor:
         self._closed_since_trim += 1
         if self._closed_since_trim >= TRIM_AFTER_CLOSED and not self._trim_pending:
             self._trim_pending = True
-            asyncio.get_running_loop().call_later(1.0, self._trim)
+            loop = asyncio.get_running_loop()
+            loop.call_later(max(1.0, self._trimmed_at + TRIM_EVERY_S - loop.time()), self._trim)
 
     def _trim(self) -> None:
-        """Give the heap a burst of connections left behind back to the system (glibc only)."""
+        """Give the heap a burst of connections left behind back to the system (glibc only), once a TRIM_EVERY_S."""
         self._trim_pending = False
         self._closed_since_trim = 0
-        _malloc_trim()
+        self._trimmed_at = asyncio.get_running_loop().time()
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
 
     def _hold(self, bucket: int, delta: int) -> bool:
         """Account bytes of a connection's unfinished requests; False when its uid is over its budget."""
@@ -301,9 +308,14 @@ async def _accept_failed(e: OSError) -> None:
         await asyncio.sleep(0.1)
 
 
-def _malloc_trim() -> None:
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (find_library runs `ldconfig -p`, a process, each time); None elsewhere."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(name).malloc_trim(0)
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim

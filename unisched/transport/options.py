@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = [
     "ADMIN_RESERVE", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID",
     "MAX_PARTIAL_BYTES_PER_UID", "OPENING_DEADLINE_S", "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED",
+    "TRIM_EVERY_S",
 ]
 
 MAX_CONNECTIONS = 4096
@@ -54,3 +55,6 @@ its registration; the per-uid cap bounds how many a user holds."""
 TRIM_AFTER_CLOSED = 64
 """After this many connections have closed (a burst), the front door asks glibc to return freed heap to the
 system (malloc_trim): CPython keeps freed small buffers in its heap, so after a flood RSS stayed high."""
+TRIM_EVERY_S = 60.0
+"""At most one such trim a minute: it walks the whole heap on the event loop, and any local user can open and close
+64 connections a second."""
