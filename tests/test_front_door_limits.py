@@ -139,4 +139,3 @@ def test_a_connection_flood_costs_only_the_attacker(daemon: Daemon) -> None:
         attacker.wait(timeout=10)
         for f in (attacker.stdin, attacker.stdout):
             f.close()
-
