@@ -118,7 +118,7 @@ def test_watchdog_pings_at_most_once_per_interval() -> None:
     sent: list[dict[str, str | int]] = []
 
     class Recorder(Notifier):
-        def send(self, **fields: str | int) -> bool:
+        def send(self, wait_s: float = 0.0, **fields: str | int) -> bool:
             sent.append(fields)
             return True
 
@@ -132,6 +132,30 @@ def test_watchdog_pings_at_most_once_per_interval() -> None:
 
 def test_notifier_without_notify_socket_does_nothing() -> None:
     assert Notifier.from_env({}).ready("x") is False
+
+
+def test_a_full_notify_queue_drops_a_ping_instead_of_blocking_the_loop(tmp_path: Path) -> None:
+    """Any local process can fill PID 1's notify socket: the watchdog's ping (sent from the event loop) must not wait
+    for room."""
+    import threading
+
+    path = str(tmp_path / "notify")
+    unread = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    unread.bind(path)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with unread, filler:
+        try:
+            while True:
+                filler.sendto(b"x" * 64, path)
+        except BlockingIOError:
+            pass  # the queue is full
+        notifier, returned = Notifier(path), []
+        t = threading.Thread(target=lambda: returned.append(notifier.send(WATCHDOG=1)), daemon=True)
+        t.start()
+        t.join(5.0)
+        notifier.close()
+    assert returned == [False], "the ping waited for room in a full queue"
 
 
 class _Engine:

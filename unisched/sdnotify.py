@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["Notifier", "Watchdog", "watchdog_interval_s"]
 
+READY_WAIT_S = 1.0
+"""How long READY and STOPPING may wait for room in systemd's queue. Every other message is sent without waiting
+(dropped when the queue is full): any local process can fill PID 1's notify socket, and the watchdog's pings are
+sent from the event loop."""
 WATCHDOG_FRACTION = 0.5
 """Ping at half of WATCHDOG_USEC, as sd_watchdog_enabled(3) advises: one late slice never trips systemd."""
 
@@ -37,28 +41,29 @@ class Notifier:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def send(self, **fields: str | int) -> bool:
-        """Send KEY=VALUE lines in one datagram; False (never an exception) when systemd cannot be reached:
-        a lost notification must not take the daemon down."""
+    def send(self, wait_s: float = 0.0, **fields: str | int) -> bool:
+        """Send KEY=VALUE lines in one datagram, waiting at most `wait_s` for room; False (never an exception) when
+        systemd cannot be reached or its queue stays full: a lost notification must not take the daemon down."""
         if self.path is None:
             return False
         message = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._sock.settimeout(wait_s)
             self._sock.sendto(message, _address(self.path))
         except OSError:
             return False
         return True
 
     def ready(self, status: str) -> bool:
-        return self.send(READY=1, STATUS=status, MAINPID=os.getpid())
+        return self.send(READY_WAIT_S, READY=1, STATUS=status, MAINPID=os.getpid())
 
     def status(self, status: str) -> bool:
         return self.send(STATUS=status)
 
     def stopping(self, status: str) -> bool:
-        return self.send(STOPPING=1, STATUS=status)
+        return self.send(READY_WAIT_S, STOPPING=1, STATUS=status)
 
     def close(self) -> None:
         if self._sock is not None:
