@@ -19,10 +19,13 @@ def test_bad_flags_fail_before_contacting_anything() -> None:
         (("run", "--tenant", "a", "--engines", "warp", "--", "true"), "engines must be a comma list"),
         (("set-weight", "--tenant", "a"), "--weight"),
         (("serve", "--mode", "fast"), "invalid choice: 'fast'"),
+        (("run", "--tenant", "a", "--gpus", "2147483648", "--", "true"), "gpus must be a comma list of GPU indices 0..255"),
+        (("set-limit", "--tenant", "a", "--render", "2147483648"), "must be in 0..100000, or -1 to clear"),
+        (("set-limit", "--tenant", "a", "--memory", "9223372036854775807"), "at most 1PiB"),
     ]:
         out = cli(*args)
         assert out.returncode == 2, (args, out.stderr)
-        assert text in out.stderr, (args, out.stderr)
+        assert text in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
 def test_missing_command(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from unisched.policy import Engine, Mode, Priority
+from unisched.policy.caps import MAX_MEMORY_BYTES
 from unisched.scheduler.config import (
-    MAX_SIZE_BYTES,
     ConfigError,
     DaemonConfig,
     DeclaredTenant,
@@ -67,6 +67,10 @@ weight = 50
         ("[policy]\nmode = 'tidal'\n[[tidal]]\ntenant = 'a'\nstart = '25:00'\nend = '09:00'\nweight = 5", "'HH:MM'"),
         ("[daemon]\nlisten = 'nohost'", "'listen': must be HOST:PORT"),
         ("[gpus]\nx = 1", "'gpus': unknown section"),
+        ("[[tenants]]\nname = 'a'\ngpus = [false]", "tenants[0] 'gpus': must be a list of GPU indices 0..255"),
+        ("[[tenants]]\nname = 'a'\ngpus = 0", "tenants[0] 'gpus': must be a list of GPU indices 0..255"),
+        ("[[tenants]]\nname = 'a'\nmemory = '1025TiB'\nmemory_reserve = '1GiB'", "tenants[0] 'memory': size must be"),
+        ("[[tenants]]\nname = 'a'\nmemory = '1GiB'\nmemory_reserve = '2GiB'", "tenants[0] 'memory_reserve'"),
     ],
 )
 def test_bad_config_names_the_key_and_allowed_values(tmp_path: Path, text: str, message: str) -> None:
@@ -160,8 +164,9 @@ def test_a_file_that_is_not_utf8_or_not_a_file_is_a_config_error(tmp_path: Path)
 
 def test_sizes() -> None:
     assert parse_size("8GiB") == 8 << 30 and parse_size(512) == 512 and parse_size("1.5k") == 1536
-    assert parse_size("9223372036854775807") == MAX_SIZE_BYTES
-    for bad in ("1e400GiB", "inf", "-1", "8XB", "", True, None, "9223372036854775808", 2.5e30):
+    assert parse_size("1PiB") == parse_size(str(MAX_MEMORY_BYTES)) == MAX_MEMORY_BYTES  # the most any cap takes
+    for bad in ("1e400GiB", "inf", "-1", "8XB", "", True, None, "9223372036854775807", str(MAX_MEMORY_BYTES + 1),
+                "2048TiB", 2.5e30):
         with pytest.raises(ValueError, match="size must be"):
             parse_size(bad)
 

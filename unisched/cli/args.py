@@ -8,9 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 from unisched.policy import WEIGHT_MAX, WEIGHT_MIN, Engine
+from unisched.policy.caps import MAX_SESSIONS
 from unisched.scheduler.config import (
     DEFAULT_SOCKET,
     KNOBS,
+    MAX_GPU_INDEX,
     parse_size,
 )
 from unisched.scheduler.knobs import Knob
@@ -44,19 +46,23 @@ def engines_arg(text: str) -> list[str]:
 
 
 def gpus_arg(text: str) -> list[int]:
+    bad = argparse.ArgumentTypeError(f"gpus must be a comma list of GPU indices 0..{MAX_GPU_INDEX}, got {text!r}")
     try:
-        return [int(g) for g in text.split(",") if g.strip()]
+        gpus = [int(g) for g in text.split(",") if g.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"gpus must be a comma list of GPU indices, got {text!r}") from None
+        raise bad from None
+    if not all(0 <= g <= MAX_GPU_INDEX for g in gpus):
+        raise bad
+    return gpus
 
 
 def count_arg(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, or -1 to clear; got {text!r}") from None
-    if n < -1:
-        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 to clear; got {n}")
+        raise argparse.ArgumentTypeError(f"must be a whole number 0..{MAX_SESSIONS}, or -1 to clear; got {text!r}") from None
+    if not -1 <= n <= MAX_SESSIONS:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SESSIONS}, or -1 to clear; got {n}")
     return n
 
 

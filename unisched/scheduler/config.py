@@ -28,7 +28,7 @@ from unisched.policy import (
     parse_clock,
     validate_tenant_name,
 )
-from unisched.policy.caps import MAX_SESSIONS, SessionLimits
+from unisched.policy.caps import MAX_MEMORY_BYTES, MAX_SESSIONS, SessionLimits
 from unisched.scheduler.knobs import Knob, KnobError, TableKey, knob, knobs_of
 from unisched_wire.leasewire import LEASE_SOCKET_NAME, lease_socket_beside
 
@@ -45,9 +45,12 @@ __all__ = [
     "check_groups",
     "check_listener",
     "load_config",
+    "MAX_GPU_INDEX",
     "parse_size",
 ]
 
+MAX_GPU_INDEX = 255
+"""The highest GPU index a tenant may name (a host has at most a few dozen)."""
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
@@ -62,7 +65,6 @@ DEFAULT_NICE = -10
 user processes (200 concurrent `unisched run` starting Python on 2 cores) must not leave it ~1% of the CPU while
 their replies queue; -10 weighs it ~9x a nice-0 process (CFS), and the burst then finishes within the clients'
 deadline. Not lower: the daemon's own CPU per call is small, it needs to be scheduled, not to starve the host."""
-MAX_SIZE_BYTES = (1 << 63) - 1
 """The largest size a config or flag may give: the API carries sizes as int64."""
 
 
@@ -329,8 +331,9 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         raise ConfigError(f"{where} 'priority': must be one of online, offline; got {prio!r}")
     engines = _parse_engines(raw["engines"], where) if "engines" in raw else frozenset({Engine.COMPUTE})
     gpus = raw.get("gpus")
-    if gpus is not None and (not isinstance(gpus, list) or not all(isinstance(g, int) and 0 <= g < 256 for g in gpus)):
-        raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..255; got {gpus!r}")
+    if gpus is not None and (not isinstance(gpus, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in gpus)):
+        raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..{MAX_GPU_INDEX}; got {gpus!r}")
     cgroup = raw.get("cgroup")
     if cgroup is not None:
         parts = cgroup.split("/") if isinstance(cgroup, str) else []
@@ -357,12 +360,14 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+               "p": 1 << 50, "pb": 1 << 50, "pib": 1 << 50}
 
 
 def parse_size(value: object) -> int:
-    """'8GiB', '512M', 1073741824 -> bytes (binary units), 0..MAX_SIZE_BYTES."""
-    bad = ValueError(f"size must be a number of bytes or like 8GiB, 512MiB (at most {MAX_SIZE_BYTES}); got {value!r}")
+    """'8GiB', '512M', 1073741824 -> bytes (binary units), 0..MAX_MEMORY_BYTES (1 PiB, the most any cap takes)."""
+    bad = ValueError(f"size must be a number of bytes or like 8GiB, 512MiB (at most 1PiB, {MAX_MEMORY_BYTES}); "
+                     f"got {value!r}")
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise bad
     text = str(value).strip().lower().replace(" ", "")
@@ -375,7 +380,7 @@ def parse_size(value: object) -> int:
     if unit not in _SIZE_UNITS or not math.isfinite(number) or number < 0:
         raise bad
     size = int(num) * _SIZE_UNITS[unit] if num.isdigit() else int(number * _SIZE_UNITS[unit])
-    if size > MAX_SIZE_BYTES:
+    if size > MAX_MEMORY_BYTES:
         raise bad
     return size
 
