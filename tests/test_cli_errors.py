@@ -194,3 +194,31 @@ def test_an_adopted_cgroup_s_processes_include_those_below_it(daemon: Daemon, te
         daemon.cli("remove", "--tenant", name)
         ctr.rmdir()
         cg.rmdir()
+
+
+AS_NOBODY = """
+import os, sys
+import grpc._channel, grpc._plugin_wrapping  # (grpc imports these lazily)
+from unisched.cli.main import main  # everything imported while still root (the interpreter may live in /root)
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_a_socket_the_user_may_not_open_is_named_as_such_not_as_no_daemon(short_dir: Path) -> None:
+    """A user outside the socket's group is told so, not sent off to check whether the daemon runs."""
+    import socket
+
+    short_dir.chmod(0o755)
+    path = short_dir / "s.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        path.chmod(0o600)  # root's alone, as a daemon's socket is to users outside socket_group
+        out = subprocess.run([sys.executable, "-c", AS_NOBODY, "status", "--socket", str(path)], capture_output=True,
+                             text=True, timeout=30, cwd=ROOT, env=child_env())
+    assert out.returncode == 1, out.stderr
+    assert "permission denied on the unisched daemon's socket" in out.stderr, out.stderr
+    assert "is `unisched serve` running" not in out.stderr

@@ -88,7 +88,12 @@ class DaemonClient:
     def _error(self, e: grpc.RpcError) -> DaemonError:
         code = e.code()
         if code is grpc.StatusCode.UNAVAILABLE:
-            hint = f"({e.details()})" if self.tls else "is `unisched serve` running?"
+            details = e.details() or ""
+            if not self.tls and "Permission denied" in details:
+                return DaemonError(code, f"permission denied on the unisched daemon's socket {self.address}: only "
+                                   "root and the members of its group (socket_group) may use it; ask an admin to "
+                                   "add you")
+            hint = f"({details})" if self.tls else "is `unisched serve` running?"
             return DaemonError(code, f"cannot reach the unisched daemon at {self.address}: {hint}")
         return DaemonError(code, e.details() or str(code))
 
