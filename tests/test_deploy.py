@@ -127,10 +127,11 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     assert _unit()["Install"]["WantedBy"] == ["multi-user.target"]
 
 
-def test_package_ships_the_unit_install_service_writes() -> None:
-    from unisched.cli.service import unit_template
+def test_package_ships_the_unit_and_the_config_install_service_writes() -> None:
+    from unisched.cli.service import default_config, unit_template
 
     assert unit_template() == UNIT.read_text()
+    assert default_config() == (ROOT / "deploy" / "unisched.toml").read_text()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

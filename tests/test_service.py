@@ -331,6 +331,28 @@ def test_install_service_writes_a_unit_that_runs_this_interpreter(tmp_path: Path
         assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
 
 
+def test_install_service_writes_the_config_where_there_is_none_and_leaves_one_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the README's install steps say: a fresh host gets a config the daemon starts with (before, only a hint was
+    printed, and the enabled unit exited 2 on the missing file)."""
+    from unisched.cli.service import install_service
+    from unisched.scheduler.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    said = install_service(str(tmp_path / "unit" / "unisched.service"), "etc/unisched.toml")  # relative: made absolute
+    config = tmp_path / "etc" / "unisched.toml"
+    assert config.read_text() == (ROOT / "deploy" / "unisched.toml").read_text() and f"wrote {config}" in said
+    assert oct(config.stat().st_mode & 0o777) == "0o644"
+    assert load_config(config).socket == "/run/unisched/unisched.sock"
+    assert f"--config {config} --delegated" in (tmp_path / "unit" / "unisched.service").read_text()
+    config.write_text("[policy]\nslice_ms = 40\n")  # the operator's own: never replaced
+    install_service(str(tmp_path / "unit" / "unisched.service"), str(config))
+    assert config.read_text() == "[policy]\nslice_ms = 40\n"
+    with pytest.raises(OSError, match="is a directory"):
+        install_service(str(tmp_path / "unit"), str(config))
+    assert sorted(p.name for p in tmp_path.rglob(".*.tmp")) == []
+
+
 def test_install_service_quotes_paths_and_doubles_percent() -> None:
     from unisched.cli.service import Install, render_unit, unit_template
 

@@ -144,6 +144,10 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
 
     try:
         print(install_service(args.unit_path, args.config))
+    except PermissionError as e:
+        print(f"unisched install-service: {e} (run it as root: sudo {sys.executable} -m unisched install-service)",
+              file=sys.stderr)
+        return 1
     except (OSError, ValueError) as e:
         print(f"unisched install-service: {e}", file=sys.stderr)
         return 1

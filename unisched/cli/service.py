@@ -2,7 +2,8 @@
 command (`python -m unisched serve`), so the unit works for a venv, a `pip install --user` or a system
 install alike: no guess at where a console script went.
 
-The unit's text is deploy/systemd/unisched.service (shipped in the package as unisched/cli/unisched.service);
+The unit's text is deploy/systemd/unisched.service (shipped in the package as unisched/cli/unisched.service), and
+the config it names, where there is none, deploy/unisched.toml (shipped as unisched/cli/unisched.toml);
 only the lines that depend on the install change: ExecStart, the PYTHONPATH that finds this package and its
 wire package (unisched_wire, from the unisched-client distribution), and ProtectHome= (read-only instead of yes
 when the interpreter or the package lives under /home or /root, which ProtectHome=yes would hide from the
@@ -46,6 +47,24 @@ def unit_template() -> str:
     return resources.files("unisched.cli").joinpath("unisched.service").read_text()
 
 
+def default_config() -> str:
+    """deploy/unisched.toml: every key with its default, as the package ships it."""
+    return resources.files("unisched.cli").joinpath("unisched.toml").read_text()
+
+
+def _write(target: Path, text: str) -> None:
+    """`text` as `target`, mode 0644, atomically (a temporary file beside it, renamed over; removed on failure)."""
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _quote(value: str) -> str:
     """One systemd command-line word: '%' is a specifier, so doubled; quotes only where needed."""
     if any(c in value for c in '"\\\n\'') or not value:
@@ -78,17 +97,18 @@ def render_unit(template: str, install: Install) -> str:
 
 
 def install_service(unit_path: str, config: str) -> str:
-    """Write the unit (atomically, mode 0644); returns what to tell the operator."""
+    """Write the unit, and the config it names where there is none (each atomically, mode 0644); returns what to
+    tell the operator. `config` is made absolute: systemd starts the daemon in /."""
+    config = str(Path(config).absolute())
     text = render_unit(unit_template(), Install.current(config))
     target = Path(unit_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    notes = [f"wrote {target} (ExecStart: {sys.executable} -m unisched serve --config {config})"]
+    if target.is_dir():
+        raise OSError(f"{target} is a directory: name the unit file (e.g. {target / 'unisched.service'})")
+    _write(target, text)
+    exec_start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    notes = [f"wrote {target} ({exec_start})"]
     if not Path(config).exists():
-        notes.append(f"{config} does not exist: install one (deploy/unisched.toml lists every key), e.g. "
-                     f"install -Dm644 deploy/unisched.toml {config}")
+        _write(Path(config), default_config())
+        notes.append(f"wrote {config}: every setting with its default (see docs/configuration.md)")
     notes.append("then: systemctl daemon-reload && systemctl enable --now unisched")
     return "\n".join(notes)
