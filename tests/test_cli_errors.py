@@ -28,6 +28,21 @@ def test_bad_flags_fail_before_contacting_anything() -> None:
         assert text in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
+@pytest.mark.parametrize(("flags", "text"), [
+    (("--state-dir", "/etc/hostname/state"), "config 'state_dir': /etc/hostname is not a directory"),
+    (("--socket", "relative.sock"), "config 'socket': must be an absolute path"),
+    (("--metrics-port", "19999", "--metrics-listen", "bad host!"), "config 'metrics_listen': cannot resolve 'bad host!'"),
+])
+def test_check_config_refuses_places_the_daemon_could_not_start_on(tmp_path: Path, flags: tuple[str, ...],
+                                                                    text: str) -> None:
+    """What --check-config passes, a start passes too: these failed only half-way through a start, with a bare errno
+    and exit 1, which systemd restarts for ever."""
+    base = ("--socket", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state"), "--no-nvml")
+    for args in (("serve", "--check-config", *base, *flags), ("serve", *base, *flags)):
+        out = cli(*args)
+        assert out.returncode == 2 and text in out.stderr, (args, out.stderr)
+
+
 def test_missing_command(tmp_path: Path) -> None:
     out = cli("run", "--socket", str(tmp_path / "none.sock"), "--tenant", "a")
     assert out.returncode == 2 and "missing command" in out.stderr

@@ -17,6 +17,7 @@ from unisched.scheduler.config import (
     DaemonConfig,
     check_groups,
     check_listener,
+    check_places,
     load_config,
 )
 from unisched.transport.client import DaemonClient
@@ -94,6 +95,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config).with_overrides(**knob_flags(args))
         check_listener(config)
+        check_places(config)
         warnings = check_groups(config)
     except ConfigError as e:
         daemon.say_orphans(orphans)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import grp
 import math
 import posixpath
+import socket
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from unisched.enforce.cgroups import DEFAULT_SUBTREE, CgroupDriver, CgroupError, adopt_refusal, check_subtree
 from unisched.policy import (
@@ -43,6 +44,7 @@ __all__ = [
     "check_declared_cgroups",
     "check_gpus",
     "check_groups",
+    "check_places",
     "check_listener",
     "load_config",
     "MAX_GPU_INDEX",
@@ -472,6 +474,30 @@ def check_groups(config: DaemonConfig) -> list[str]:
                                   "deploy/sysusers.d/unisched.conf, or unset socket_group)") from None
             warnings.append(f"admin_group {group!r} does not exist: only root will be admin")
     return warnings
+
+
+PATH_KEYS: Final = ("socket", "lease_socket", "agent_socket", "state_dir")
+"""Where the daemon makes its sockets and keeps its state: absolute (systemd starts it in /), below a directory."""
+
+
+def check_places(config: DaemonConfig) -> None:
+    """Each of PATH_KEYS absolute, its nearest existing ancestor a directory; the metrics' and TCP listener's hosts
+    resolvable. A start would otherwise fail half-way with a bare errno (exit 1: restarted by systemd for ever)."""
+    for key in PATH_KEYS:
+        path = Path(getattr(config, key))
+        if not path.is_absolute():
+            raise ConfigError(f"config {key!r}: must be an absolute path; got {str(path)!r}")
+        above = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        if not above.is_dir():
+            raise ConfigError(f"config {key!r}: {above} is not a directory, so {path} cannot be made")
+    hosts = [("listen", config.listen.rpartition(":")[0])] if config.listen else []
+    if config.metrics_port:
+        hosts.append(("metrics_listen", config.metrics_listen))
+    for key, host in hosts:
+        try:
+            socket.getaddrinfo(host.strip("[]"), None)
+        except (OSError, UnicodeError) as e:
+            raise ConfigError(f"config {key!r}: cannot resolve {host!r}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def check_gpus(config: DaemonConfig, seen: Sequence[int]) -> None:
