@@ -237,3 +237,16 @@ def test_a_socket_the_user_may_not_open_is_named_as_such_not_as_no_daemon(short_
     assert out.returncode == 1, out.stderr
     assert "permission denied on the unisched daemon's socket" in out.stderr, out.stderr
     assert "is `unisched serve` running" not in out.stderr
+
+
+def test_every_command_says_what_it_does_with_an_example_and_every_option_has_help() -> None:
+    import argparse
+
+    from unisched.cli.parser import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        assert p.description, f"`unisched {name} --help` has no description"
+        assert "example: " in (p.epilog or "") and f"unisched {name}" in (p.epilog or ""), f"{name}: no example"
+        bare = [a.dest for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+        assert not bare, f"unisched {name}: options without help: {bare}"

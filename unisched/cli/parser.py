@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
-        "serve", help="run the daemon (as root)", description="Run the unisched daemon. Flags override the config file."
+        "serve", help="run the daemon (as root)", description="Run the unisched daemon. Flags override the config file.",
+        epilog="example: sudo unisched serve --config /etc/unisched/unisched.toml --check-config",
     )
     s.add_argument("--config", help="TOML config file ([daemon], [policy], [[tenants]], [[tidal]])")
     s.add_argument("--check-config", action="store_true",
@@ -61,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser(
         "install-service", help="write the systemd unit for this installation (as root)",
         description="Write the systemd unit with ExecStart running this Python interpreter (`python -m unisched "
-                    "serve`), so it works for a venv or a `pip install --user` as for a system install.",
+                    "serve`), so it works for a venv or a `pip install --user` as for a system install; and the "
+                    "config it names, with every setting's default, where there is none.",
+        epilog="example: sudo python3 -m unisched install-service && sudo systemctl daemon-reload && "
+               "sudo systemctl enable --now unisched",
     )
     i.add_argument("--unit-path", default=DEFAULT_UNIT_PATH, help=f"where to write the unit (default {DEFAULT_UNIT_PATH})")
     i.add_argument("--config", default=DEFAULT_CONFIG_PATH,
@@ -75,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "it): __GL_YIELD=USLEEP, so that NVIDIA's GL driver sleeps instead of spinning while it waits for "
                     "the GPU (the tenant's CPU time splits the GPU's busy time), and MPS client settings under "
                     "`serve --mps`.",
+        epilog="example: unisched run --tenant training --weight 300 -- python3 train.py",
     )
     add_socket(r)
     add_tenant_opts(r)
@@ -86,46 +91,64 @@ def build_parser() -> argparse.ArgumentParser:
                         "creates is removed then, unless the config declares it")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
-    a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)")
+    a = sub.add_parser("adopt", help="govern an existing cgroup (a container's) as a tenant (admin)",
+                       description="Make an existing cgroup (a container's, a systemd service's) a tenant: its processes "
+                                   "are weighed and capped as the tenant's, where they are; nothing is moved.",
+                       epilog="example: unisched adopt --tenant sim --weight 300 --cgroup /system.slice/sim.service")
     add_socket(a)
     add_tenant_opts(a)
     add_memory_opts(a, "the adoption is refused")
     a.add_argument("--cgroup", required=True, help="cgroup path, absolute or relative to the cgroup root")
 
-    t = sub.add_parser("tenants", help="list tenants and their shares")
+    t = sub.add_parser("tenants", help="list tenants and their shares",
+                       description="Each tenant: weight, target and measured share, frozen or running, sessions, caps "
+                                   "and refusals.", epilog="example: unisched tenants --json")
     add_socket(t)
     add_remote(t)
     t.add_argument("--json", action="store_true", help="print a JSON list, one object per tenant")
 
-    w = sub.add_parser("set-weight", help="change a tenant's weight (admin)")
+    w = sub.add_parser("set-weight", help="change a tenant's weight (admin)",
+                       description="Change a tenant's weight: its share of every GPU engine it uses is weight / the sum "
+                                   "of the weights of those contending there. Kept across restarts.",
+                       epilog="example: unisched set-weight --tenant training --weight 300")
     add_socket(w)
-    w.add_argument("--tenant", required=True)
-    w.add_argument("--weight", type=weight_arg, required=True)
+    w.add_argument("--tenant", required=True, help="the tenant's name")
+    w.add_argument("--weight", type=weight_arg, required=True, help="the new weight, 1..10000")
 
     lim = sub.add_parser("set-limit", help="cap a tenant's render/decode/encode sessions and GPU memory (admin)",
                          description="Caps on live sessions and GPU memory. -1 clears a cap back to the default "
-                                     "(decode/encode: the weight share of the GPU's video engines; render, memory: none).")
+                                     "(decode/encode: the weight share of the GPU's video engines; render, memory: none).",
+                         epilog="example: unisched set-limit --tenant player-3 --render 1 --memory 4GiB")
     add_socket(lim)
-    lim.add_argument("--tenant", required=True)
-    lim.add_argument("--render", type=count_arg, help="live render (3D/graphics) contexts")
-    lim.add_argument("--decode", type=count_arg, help="live NVDEC sessions")
-    lim.add_argument("--encode", type=count_arg, help="live NVENC sessions")
-    lim.add_argument("--memory", type=size_arg, help="GPU memory per GPU, e.g. 8GiB (-1 clears); the allocation that "
-                     "would cross it fails as out of memory (hooked tenants: `unisched run`, OCI agent)")
-    lim.add_argument("--memory-reserve", type=size_arg, help="GPU memory kept for the tenant on each GPU it may use, "
-                     "e.g. 4GiB (-1 clears); refused when the reserves on a GPU would exceed its memory")
+    lim.add_argument("--tenant", required=True, help="the tenant's name")
+    lim.add_argument("--render", type=count_arg, metavar="N", help="live render (3D/graphics) contexts (-1 clears)")
+    lim.add_argument("--decode", type=count_arg, metavar="N", help="live NVDEC sessions (-1 clears)")
+    lim.add_argument("--encode", type=count_arg, metavar="N", help="live NVENC sessions (-1 clears)")
+    lim.add_argument("--memory", type=size_arg, metavar="SIZE",
+                     help="GPU memory per GPU, e.g. 8GiB (-1 clears); the allocation that would cross it fails as out of "
+                          "memory (hooked tenants: `unisched run`, OCI agent)")
+    lim.add_argument("--memory-reserve", type=size_arg, metavar="SIZE",
+                     help="GPU memory kept for the tenant on each GPU it may use, e.g. 4GiB (-1 clears); refused when the "
+                          "reserves on a GPU would exceed its memory")
 
-    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin, or the tenant's owner)")
+    rm = sub.add_parser("remove", help="forget a tenant and thaw its cgroup (admin, or the tenant's owner)",
+                        description="Forget a tenant: its cgroup is thawed and no longer governed; processes still in "
+                                    "it keep running (a cgroup the daemon made is removed once they end).",
+                        epilog="example: unisched remove --tenant old-job")
     add_socket(rm)
-    rm.add_argument("--tenant", required=True)
+    rm.add_argument("--tenant", required=True, help="the tenant's name")
 
-    st = sub.add_parser("status", help="daemon and GPU status; exit 0 when the daemon answers")
+    st = sub.add_parser("status", help="daemon and GPU status; exit 0 when the daemon answers",
+                        description="The daemon's version, mode, sockets, session hooks and GPUs; exit 0 when it "
+                                    "answers, 1 when it cannot be reached (a health check).",
+                        epilog="example: unisched status --json")
     add_socket(st)
     add_remote(st)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
 
     top = sub.add_parser("top", help="live view of tenants, shares per engine domain, sessions and refusals",
-                         description="Refreshes every --interval seconds; q quits (Ctrl-C when stdin is not a terminal).")
+                         description="Refreshes every --interval seconds; q quits (Ctrl-C when stdin is not a terminal).",
+                         epilog="example: unisched top --interval 0.5")
     add_socket(top)
     add_remote(top)
     top.add_argument("--interval", type=interval_arg, default=1.0, help="seconds between refreshes (default 1)")
@@ -155,7 +178,8 @@ Needs an NVIDIA GPU, PyTorch with CUDA and PyOpenGL.""",
         epilog=f"time: about {estimate_s(STANDARD):.0f} s ({STANDARD.seconds:g} s windows); --quick about "
                f"{estimate_s(QUICK):.0f} s. Progress goes to stderr.\n"
                "exit status: 0 written; 1 a measurement failed (nothing written); 2 refused before measuring "
-               "(no GPU, missing workloads, a target it cannot write)",
+               "(no GPU, missing workloads, a target it cannot write)\n"
+               "example: sudo unisched calibrate --dry-run && sudo unisched calibrate && sudo systemctl restart unisched",
     )
     c.add_argument("--config", help="the TOML config `unisched serve` reads, for its state_dir")
     state_dir = next(k for k in KNOBS if k.name == "state_dir")
@@ -198,6 +222,7 @@ as a daemon tenant (weight = its units, pinned to its GPU; pod UID looked up in 
 service account), before its containers start (PreStartContainer), and removes the tenant when the pod is gone.
 GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is followed by a new registration.
 """,
+        epilog="example: unisched device-plugin --units-per-gpu 100 --render-sessions 8",
     )
     add_socket(d)
     d.add_argument("--kubelet-dir", default=DEFAULT_KUBELET_DIR,
@@ -222,7 +247,8 @@ def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str
     d.add_argument("--gpus", type=gpus_arg, default=[], help=f"GPU indices to {verb[0]} (default: the GPUs the daemon serves)")
     d.add_argument("--cgroup-root", help="where pod cgroups are searched (default: the daemon's cgroup root)")
     d.add_argument("--interval", type=interval_arg, default=2.0, help=f"seconds between {checks} (default 2)")
-    d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto")
+    d.add_argument("--log-format", choices=["auto", "json", "console"], default="auto",
+                   help="json lines, or console text (default auto: console on a terminal, else json)")
 
 
 def _add_dra_driver(sub: Any) -> None:
@@ -246,6 +272,7 @@ UNISCHED_GPU, UNISCHED_SOCKET, NVIDIA_VISIBLE_DEVICES, the daemon's socket direc
 and adopts the pod's cgroup as that daemon tenant. NodeUnprepareResources removes both. A claim that cannot be
 prepared fails alone, with the reason in the pod's events.
 """,
+        epilog="example: unisched dra-driver --weight-per-gpu 100",
     )
     add_socket(d)
     d.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
