@@ -1,9 +1,11 @@
-"""The record of what a daemon may freeze, as a crash leaves it: compacted as pods come and go, kept until its thaw
-succeeded. Over a freezer hierarchy of plain files (cgroup.freeze), no real cgroups needed."""
+"""What a crash leaves and a restart finds: the record of what a daemon may freeze (compacted as pods come and go,
+kept until its thaw succeeded; over a freezer hierarchy of plain files), and the tenants taken back from the state
+file and the live cgroups (over fake cgroups)."""
 
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ from test_engine import Rig
 from unisched.enforce import governed
 from unisched.enforce.cgroups import CgroupError
 from unisched.enforce.governed import COMPACT_RECORD_BYTES, GovernedRecord, thaw_orphans
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.upkeep import MEMORY_CHECK_S
+from unisched.telemetry import NoGpuTelemetry
 
 
 def hierarchy(tmp_path: Path) -> Path:
@@ -115,3 +120,38 @@ def test_a_record_closed_with_something_left_frozen_stays_for_the_next_start(tmp
     removed.close()
     assert kept.path.exists() and not removed.path.exists()
     assert thaw_orphans([tmp_path / "k"], []).records == 1
+
+
+def restart(rig: Rig) -> Scheduler:
+    """A new engine over the same cgroups and state, as after a crash (no shutdown)."""
+    assert rig.engine._c.writer.wait(10.0), "the last save was never written"
+    engine = Scheduler(rig.config, rig.driver, NoGpuTelemetry(), rig.store, rig.clock)
+    engine.start()
+    return engine
+
+
+def test_a_tenant_removed_while_its_processes_ran_comes_back_only_until_they_end(tmp_path: Path) -> None:
+    """A restart governs the live cgroup again (not left unscheduled), but not as a tenant kept for ever at root's
+    weight: it goes when its processes have, and its owner may make it again."""
+    rig = Rig(tmp_path)
+    rig.engine.register("job", 50, None, (), (), 4242, 1000, False, keep=True)
+    rig.engine.remove_as("job", 1000, False)  # its process still runs in the cgroup
+    engine = restart(rig)
+    (job,) = [t for t in engine._c.tenants.values() if t.name == "job"]
+    assert job.ephemeral and job.owner_uid == 0
+    rig.driver.groups["/unisched/job"].pids.clear()  # its process ended
+    rig.clock.advance(MEMORY_CHECK_S)
+    engine.tick()
+    assert not engine.has_tenant("job")
+    engine.register("job", 50, None, (), (), 4343, 1000, False, keep=True)  # its owner makes it again
+    assert engine._c.tenants["job"].owner_uid == 1000
+
+
+def test_a_saved_adopted_cgroup_that_now_holds_the_daemon_is_not_restored(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.driver.create("/system.slice")
+    rig.engine.adopt("sys", 100, None, "/system.slice", (), ())
+    rig.driver.create("/system.slice/unisched.service")
+    rig.driver.attach("/system.slice/unisched.service", os.getpid())  # the daemon runs there now
+    engine = restart(rig)
+    assert not engine.has_tenant("sys"), "a cgroup holding the daemon was restored: its turns would freeze the daemon"

@@ -58,6 +58,10 @@ def start(c: Context) -> None:
 
 def _restore(c: Context, saved: SavedTenant) -> None:
     missing = False
+    if saved.adopted and (why := refusal_to_adopt(c, saved.cgroup)) is not None:
+        # as an adoption now would be (a hand-edited state file, the daemon moved into that cgroup since)
+        log.error("saved adopted cgroup not restored", tenant=saved.name, cgroup=saved.cgroup, why=why)
+        return
     if not c.driver.exists(saved.cgroup):
         if saved.adopted:
             log.warning("adopted cgroup is gone; forgetting tenant", tenant=saved.name, cgroup=saved.cgroup)
@@ -78,8 +82,9 @@ def _restore(c: Context, saved: SavedTenant) -> None:
 
 def _readopt_live(c: Context) -> None:
     """A cgroup of our subtree with processes in it that no tenant names (its entry was lost with a damaged
-    state file) is governed again, not left to run unscheduled: a tenant named after it, default weight,
-    owned by root."""
+    state file or a crash before it was saved, or its tenant was removed while they ran) is governed again, not
+    left to run unscheduled: a tenant named after it, default weight, owned by root, and ephemeral: it goes when its
+    processes have ended, and its name is free again for whoever makes it then."""
     named = {t.cgroup for t in c.tenants.values()}
     for cg in c.driver.managed():
         if cg in named:
@@ -95,8 +100,8 @@ def _readopt_live(c: Context) -> None:
         if why is not None:
             log.error("live cgroup in the subtree not governed", cgroup=cg, pids=len(pids), why=why)
             continue
-        add(c, Tenant(name, DEFAULT_WEIGHT, Priority.OFFLINE, parse_engines(()), None, cg, False, 0),
-                  reason="re-adopted")
+        add(c, Tenant(name, DEFAULT_WEIGHT, Priority.OFFLINE, parse_engines(()), None, cg, False, 0, ephemeral=True),
+            reason="re-adopted")
         log.warning("re-adopted a live cgroup the state file did not name", tenant=name, cgroup=cg,
                     pids=len(pids), weight=DEFAULT_WEIGHT)
 
