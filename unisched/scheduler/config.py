@@ -487,7 +487,8 @@ def check_places(config: DaemonConfig) -> None:
         path = Path(getattr(config, key))
         if not path.is_absolute():
             raise ConfigError(f"config {key!r}: must be an absolute path; got {str(path)!r}")
-        above = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+        start = path if key == "state_dir" else path.parent  # a socket's file may be there already (stale)
+        above = next((p for p in (start, *start.parents) if p.exists()), Path("/"))
         if not above.is_dir():
             raise ConfigError(f"config {key!r}: {above} is not a directory, so {path} cannot be made")
     hosts = [("listen", config.listen.rpartition(":")[0])] if config.listen else []
