@@ -415,3 +415,25 @@ def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_th
     assert b_answer == "error the fd received is not a seccomp notification listener", b_answer
     refused = log_events(daemon, "seccomp hand-over refused: too many in progress")
     assert refused and refused[-1]["peer_uid"] == NOBODY
+
+
+def test_a_handed_over_listener_is_close_on_exec_from_the_moment_it_arrives() -> None:
+    """A child the daemon starts (a helper, MPS control) must not inherit a tenant's listener: while any copy of it
+    is open the tenant's calls wait for an answer instead of failing with ENOSYS once the daemon is gone."""
+    import fcntl
+    import socket
+
+    from unisched.enforce.seccomp.agent import recv_agent_chunk
+
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    with a, b:
+        socket.send_fds(a, [b"{}"], [r])
+        _, fds = recv_agent_chunk(b)
+    os.close(r)
+    os.close(w)
+    try:
+        assert len(fds) == 1 and fcntl.fcntl(fds[0], fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        for fd in fds:
+            os.close(fd)

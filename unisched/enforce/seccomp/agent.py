@@ -185,11 +185,15 @@ class AgentMessageReader:
 def recv_agent_chunk(sock: socket.socket) -> tuple[bytes, list[int]]:
     """One recvmsg on an agent connection: (bytes, fds). Raises BlockingIOError on a non-blocking socket with
     nothing to read; fds cut off by MSG_CTRUNC were closed by the kernel and those received are closed here."""
-    msg, fds, flags, _ = socket.recv_fds(sock, _AGENT_CHUNK, _AGENT_MAX_FDS)
+    # close-on-exec from the start: a listener leaked into a child the daemon runs would keep it open (its callers
+    # would wait on a daemon that is gone instead of failing with ENOSYS)
+    msg, fds, flags, _ = socket.recv_fds(sock, _AGENT_CHUNK, _AGENT_MAX_FDS, socket.MSG_CMSG_CLOEXEC)
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
         raise SeccompError("the fd message was truncated (MSG_CTRUNC): too many fds sent")
+    for fd in fds:
+        os.set_inheritable(fd, False)  # where the kernel ignores MSG_CMSG_CLOEXEC (gVisor)
     return msg, fds
 
 
