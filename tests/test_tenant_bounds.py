@@ -342,3 +342,34 @@ def test_the_real_hooks_give_a_non_root_user_s_listeners_one_allowance_across_it
 def test_listener_refusal(served: list[tuple[str, int]], tenant: str, uid: int, refused: str | None) -> None:
     why = listener_refusal(tenant, uid, served, most=2, most_per_user=3)
     assert (why is None) if refused is None else (why is not None and refused in why)
+
+
+def test_stopping_with_supervisors_held_by_their_tenants_waits_one_deadline_not_one_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant can hold its supervisor's thread (a read of its memory that its own FUSE mount never answers): a stop
+    tells every supervisor first, then waits JOIN_TIMEOUT_S in all, not that much once per held supervisor."""
+    from unisched.enforce.seccomp import hooks as hooks_module
+    from unisched.enforce.seccomp.supervisor import JOIN_TIMEOUT_S
+
+    now = [0.0]
+    told: list[str] = []
+
+    class Held:
+        """A supervisor whose thread never ends: each join takes its whole timeout."""
+
+        def __init__(self, name: str) -> None:
+            self.tenant = name
+
+        def close(self, join_s: float = JOIN_TIMEOUT_S) -> None:
+            told.append(self.tenant)
+            now[0] += join_s
+
+        def join(self, timeout_s: float) -> None:
+            assert told == ["a", "b", "c"], "joined before every supervisor was told to stop"
+            now[0] += timeout_s
+
+    monkeypatch.setattr(hooks_module.time, "monotonic", lambda: now[0])
+    hooks = SupervisedHooks(lambda *a: True, lambda e: None)
+    hooks._supervisors = [(Held(n), 0) for n in "abc"]  # type: ignore[misc]
+    hooks.close()
+    assert told == ["a", "b", "c"] and now[0] == pytest.approx(JOIN_TIMEOUT_S)

@@ -159,8 +159,9 @@ class SessionSupervisor:
             self._finish(EventAction.DETACHED)
             raise SeccompError(f"cannot start the session supervisor's thread: {e}") from None
 
-    def close(self) -> None:
-        """Stop serving and close the listener. Any thread; with `attach`, returns once its thread has ended.
+    def close(self, join_s: float = JOIN_TIMEOUT_S) -> None:
+        """Stop serving and close the listener. Any thread; with `attach`, returns once its thread has ended, or
+        after `join_s` (0: at once; `join` waits later).
 
         Closing while the tenant still runs makes its pending and later session allocations fail with ENOSYS;
         sessions still counted are reported DETACHED.
@@ -172,11 +173,16 @@ class SessionSupervisor:
             if first and serving:  # the serving thread closes the fd itself once it wakes up
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._wake_w, b"x")
-            thread = self._thread
         if first and not serving:
             self._finish(EventAction.DETACHED)
+        if join_s > 0:
+            self.join(join_s)
+
+    def join(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the serving thread to end after `close` (logged when it does not)."""
+        thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(JOIN_TIMEOUT_S)
+            thread.join(timeout_s)
             if thread.is_alive():
                 log.error("seccomp supervisor thread did not stop", tenant=self.tenant)
 
