@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, wait_until
 
 from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.abi import (
@@ -360,8 +360,15 @@ def test_the_hooks_counts_of_a_tenant_add_up_its_listeners_and_keep_the_ended() 
             return fn()
         return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
 
-    def counts() -> dict[str, tuple[int, int, bool]]:
+    def read() -> dict[str, tuple[int, int, bool]]:
         return {c.tenant: (c.calls, c.errors, c.answer_s > 0) for c in on_loop(hooks.counts)}  # type: ignore[attr-defined]
+
+    def counts() -> dict[str, tuple[int, int, bool]]:
+        """The calls are counted before each answer, exact once the caller resumes; a call's answer time is added
+        after its SEND, which (sync wake-up) can run the caller first: wait for that alone."""
+        now = read()
+        wait_until(lambda: all(t for _, _, t in read().values()), 10, "the answers' times")
+        return {name: (calls, errors, True) for name, (calls, errors, _) in now.items()}
 
     try:
         for (_, fd), name in zip(tenants, ("a", "a", "b"), strict=True):
