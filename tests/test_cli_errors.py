@@ -43,6 +43,15 @@ def test_check_config_refuses_places_the_daemon_could_not_start_on(tmp_path: Pat
         assert out.returncode == 2 and text in out.stderr, (args, out.stderr)
 
 
+def test_a_tls_file_that_is_not_pem_is_named(tmp_path: Path) -> None:
+    not_pem = tmp_path / "cert.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a not a PEM file")
+    tls = ("--tls-ca", str(not_pem), "--tls-cert", str(not_pem), "--tls-key", str(not_pem))
+    out = cli("status", "--target", "127.0.0.1:1", *tls)
+    assert out.returncode == 1 and f"TLS file {not_pem} is not PEM" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_missing_command(tmp_path: Path) -> None:
     out = cli("run", "--socket", str(tmp_path / "none.sock"), "--tenant", "a")
     assert out.returncode == 2 and "missing command" in out.stderr

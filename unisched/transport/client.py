@@ -41,9 +41,12 @@ class DaemonError(Exception):
 
 def _read(path: str | Path) -> bytes:
     try:
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise DaemonError(None, f"cannot read TLS file {path}: {e.strerror or e}") from None
+    if b"-----BEGIN " not in data:  # else gRPC's TLS layer prints its own errors and the call says "unreachable"
+        raise DaemonError(None, f"TLS file {path} is not PEM (no '-----BEGIN' line): give the PEM certificate or key")
+    return data
 
 
 class DaemonClient:
