@@ -155,3 +155,25 @@ def test_a_saved_adopted_cgroup_that_now_holds_the_daemon_is_not_restored(tmp_pa
     rig.driver.attach("/system.slice/unisched.service", os.getpid())  # the daemon runs there now
     engine = restart(rig)
     assert not engine.has_tenant("sys"), "a cgroup holding the daemon was restored: its turns would freeze the daemon"
+
+
+def test_a_users_removal_is_saved_by_the_tick_off_the_loop_and_an_admins_at_once(tmp_path: Path) -> None:
+    """A user may remove and re-make its tenant in a loop: that must not put two fsyncs on the event loop each time
+    (the tick saves it within SAVE_DELAY_S, as registrations); an admin's removal is on disk when answered."""
+    from unisched.scheduler.context import SAVE_DELAY_S
+
+    rig = Rig(tmp_path)
+    on_loop: list[bytes] = []
+    writer = rig.engine._c.writer
+    write_now = writer.write_now
+    writer.write_now = lambda body: on_loop.append(body) or write_now(body)  # type: ignore[method-assign]
+    rig.engine.register("mine", 50, None, (), (), 4242, 1000, False, keep=True)
+    rig.engine.register("theirs", 50, None, (), (), 4343, 1001, False, keep=True)
+    rig.engine.remove_as("mine", 1000, False)
+    assert on_loop == []
+    rig.clock.advance(SAVE_DELAY_S)
+    rig.engine.tick()
+    assert writer.wait(10.0)
+    assert b'"mine"' not in rig.store.path.read_bytes() and b'"theirs"' in rig.store.path.read_bytes()
+    rig.engine.remove_as("theirs", 0, True)
+    assert len(on_loop) == 1 and b'"theirs"' not in on_loop[0]

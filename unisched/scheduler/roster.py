@@ -19,7 +19,7 @@ from unisched.scheduler.admission import (
     update_memory_terms,
     v2_dir,
 )
-from unisched.scheduler.context import Context, get, save
+from unisched.scheduler.context import Context, get, save, save_soon
 from unisched.scheduler.limits import changed_limits
 from unisched.scheduler.reporting import log_shares, snapshot
 from unisched.scheduler.tenant import (
@@ -114,12 +114,18 @@ def remove_as(c: Context, name: str, uid: int, is_admin: bool) -> None:
     if not is_admin and uid != t.owner_uid:
         raise SchedulerError("permission", f"tenant {name!r} belongs to uid {t.owner_uid}; only its owner or an "
                                         f"admin may remove it (you are uid {uid})")
-    remove(c, name)
+    remove(c, name, durable=is_admin)
 
 
-def remove(c: Context, name: str) -> None:
+def remove(c: Context, name: str, durable: bool = True) -> None:
+    """`durable`: on disk when the caller is answered (an admin's, so a removed tenant does not come back at a
+    restart); else written by the tick within SAVE_DELAY_S, off the loop, as registrations are: a user removing and
+    re-making its tenant in a loop must not put two fsyncs on the event loop each time."""
     drop(c, get(c, name))
-    save(c)  # on disk when the caller is answered: a removed tenant does not come back at a restart
+    if durable:
+        save(c)
+    else:
+        save_soon(c)
     log.info("tenant removed", tenant=name)
     log_shares(c, reason="removed")
 
