@@ -177,3 +177,18 @@ def test_a_users_removal_is_saved_by_the_tick_off_the_loop_and_an_admins_at_once
     assert b'"mine"' not in rig.store.path.read_bytes() and b'"theirs"' in rig.store.path.read_bytes()
     rig.engine.remove_as("theirs", 0, True)
     assert len(on_loop) == 1 and b'"theirs"' not in on_loop[0]
+
+
+def test_a_record_directory_others_could_write_is_made_ours_before_a_record_goes_there(tmp_path: Path) -> None:
+    """The orphan thaw ignores records in a directory others can write: a daemon that wrote its record there ran
+    without its crash safety net."""
+    directory = tmp_path / "governed"
+    directory.mkdir(mode=0o755)
+    directory.chmod(0o777)
+    mount = hierarchy(tmp_path)
+    frozen_cgroup(mount, "/pods/p1")
+    record = GovernedRecord(directory, "unisched")
+    record.note("/pods/p1")
+    record.close(keep=True)  # a crash
+    assert directory.stat().st_mode & 0o022 == 0
+    assert thaw_orphans([directory], [("v2", mount)]).thawed == ("/pods/p1",)

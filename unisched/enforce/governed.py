@@ -289,9 +289,22 @@ class GovernedRecord:
         self._compact_at = COMPACT_RECORD_BYTES
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             raise RecordError(f"cannot keep the record of governed cgroups in {directory}: {e.strerror or e}") from None
+        try:
+            st = os.fstat(dir_fd)
+            if st.st_uid != os.geteuid():  # the next start would ignore a record there (_untrusted): no safety net
+                raise RecordError(f"{directory} is not owned by this daemon's user: the record of governed cgroups "
+                                  "kept there would be ignored after a crash; remove it or choose another")
+            if st.st_mode & 0o022:
+                os.fchmod(dir_fd, stat.S_IMODE(st.st_mode) & ~0o022)
+        except OSError as e:
+            os.close(dir_fd)
+            raise RecordError(f"cannot keep the record of governed cgroups in {directory}: {e.strerror or e}") from None
+        except RecordError:
+            os.close(dir_fd)
+            raise
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)  # one starter at a time checks for overlap and adds its record
             self._check_overlap(directory)
