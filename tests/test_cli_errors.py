@@ -52,6 +52,20 @@ def test_a_tls_file_that_is_not_pem_is_named(tmp_path: Path) -> None:
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the check as another uid")
+def test_a_config_can_be_checked_by_a_user(short_dir: Path) -> None:
+    """--check-config starts and changes nothing: an operator or a CI job may lint a config without root."""
+    short_dir.chmod(0o755)
+    config = short_dir / "u.toml"
+    config.write_text((ROOT / "deploy" / "unisched.toml").read_text())
+    config.chmod(0o644)
+    out = subprocess.run([sys.executable, "-c", AS_NOBODY, "serve", "--config", str(config), "--check-config",
+                          "--no-nvml"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=child_env())
+    assert out.returncode == 0 and "config OK" in out.stdout, out.stderr
+    assert "the daemon itself must run as root" in out.stderr
+
+
 def test_missing_command(tmp_path: Path) -> None:
     out = cli("run", "--socket", str(tmp_path / "none.sock"), "--tenant", "a")
     assert out.returncode == 2 and "missing command" in out.stderr
@@ -223,6 +237,7 @@ def test_an_adopted_cgroup_s_processes_include_those_below_it(daemon: Daemon, te
 AS_NOBODY = """
 import os, sys
 import grpc._channel, grpc._plugin_wrapping  # (grpc imports these lazily)
+import unisched.daemon  # (imported lazily by serve)
 from unisched.cli.main import main  # everything imported while still root (the interpreter may live in /root)
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 sys.exit(main(sys.argv[1:]))

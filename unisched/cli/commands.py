@@ -104,6 +104,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         if args.check_config:
             gpus = daemon.check_host(config)
+            if os.geteuid() != 0:
+                warnings.append("checked as a user: the daemon itself must run as root")
             for w in warnings:
                 print(f"unisched serve: warning: {w}", file=sys.stderr)
             print(_config_summary(args.config, config, gpus))

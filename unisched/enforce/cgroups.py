@@ -388,7 +388,7 @@ def detect_driver(prefer: str = "auto", subtree: str = DEFAULT_SUBTREE, create: 
         subtree = check_subtree(subtree)
     except ValueError as e:
         raise CgroupError(f"cgroup_subtree {e}") from None
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and create:  # (create=False only looks: a config can be checked as any user)
         raise CgroupError("unisched serve must run as root to create and freeze cgroups")
     mounts = _mounts()
     if prefer in ("auto", "v2"):
