@@ -164,6 +164,8 @@ def test_a_file_that_is_not_utf8_or_not_a_file_is_a_config_error(tmp_path: Path)
 
 def test_sizes() -> None:
     assert parse_size("8GiB") == 8 << 30 and parse_size(512) == 512 and parse_size("1.5k") == 1536
+    with pytest.raises(ValueError, match="size must be a whole number of bytes without a unit"):
+        parse_size("1.5")  # became 1 byte
     assert parse_size("1PiB") == parse_size(str(MAX_MEMORY_BYTES)) == MAX_MEMORY_BYTES  # the most any cap takes
     for bad in ("1e400GiB", "inf", "-1", "8XB", "", True, None, "9223372036854775807", str(MAX_MEMORY_BYTES + 1),
                 "2048TiB", 2.5e30):

@@ -381,6 +381,8 @@ def parse_size(value: object) -> int:
         raise bad from None
     if unit not in _SIZE_UNITS or not math.isfinite(number) or number < 0:
         raise bad
+    if _SIZE_UNITS[unit] == 1 and not num.isdigit():  # "1.5": a fraction of a byte, surely not what was meant
+        raise ValueError(f"size must be a whole number of bytes without a unit (or like 1.5GiB); got {value!r}")
     size = int(num) * _SIZE_UNITS[unit] if num.isdigit() else int(number * _SIZE_UNITS[unit])
     if size > MAX_MEMORY_BYTES:
         raise bad
