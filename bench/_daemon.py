@@ -58,6 +58,7 @@ def start_daemon(work: Path, *extra: str, timeout_s: float = 30.0, root: Path = 
     `stop_daemon` removes them."""
     if profile and sample:
         raise SystemExit("start_daemon: profile or sample, not both (each runs the daemon under itself)")
+    work = work.absolute()  # `serve` takes absolute socket and state paths only
     extra, subtree = own_subtree(extra)
     (work / "subtree").write_text(subtree)
     (work / "origin").write_text(_own_cgroup() or "")

@@ -140,6 +140,7 @@ def new_config(*, seconds: float, warmup: float, grace_s: float, work_dir: Path 
     if work_dir is None:
         work_dir = (Path(tempfile.gettempdir()) / f"{prefix}XXXXXXXX" if dry_run
                     else Path(tempfile.mkdtemp(prefix=prefix)))
+    work_dir = work_dir.absolute()  # the daemons' sockets and state go below it: `serve` takes absolute paths only
     if not dry_run:
         work_dir.mkdir(parents=True, exist_ok=True)
     custom = {"cuda": workload_cmd_cuda, "render": workload_cmd_render, "nvdec": workload_cmd_nvdec}
