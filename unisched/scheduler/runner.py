@@ -27,10 +27,11 @@ LATE_WARN_S = 0.1
 event loop was blocked or the daemon not scheduled, and every lease renewal and call waited as long."""
 LATE_LOG_EVERY_S = 10.0
 
-READ_OVERDUE_S = 1.0
+READ_OVERDUE_S = 2.0
 """A tick's read (NVML, the tenants' cgroup files) that has not come back after this long is overdue: a GPU fallen
 off the bus or a wedged driver can hold NVML for good. Every tenant is thawed meanwhile (the daemon fails open),
-and a stop does not wait for the read."""
+and a stop does not wait for the read. A read takes milliseconds a GPU; 2 s leaves a many-GPU host's slowest
+reads far inside it, and a stuck one still thaws well before the watchdog (30 s) restarts the daemon."""
 
 
 class LateSlices:
