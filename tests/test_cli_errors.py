@@ -274,3 +274,10 @@ def test_every_command_says_what_it_does_with_an_example_and_every_option_has_he
         assert "example: " in (p.epilog or "") and f"unisched {name}" in (p.epilog or ""), f"{name}: no example"
         bare = [a.dest for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
         assert not bare, f"unisched {name}: options without help: {bare}"
+
+
+def test_set_limit_says_a_memory_cap_as_it_was_given() -> None:
+    from unisched.cli.commands import _fmt_size
+
+    assert [_fmt_size(v) for v in (-1, 8 << 30, 512 << 20, (3 << 30) + 1, 1 << 40, 1536)] == [
+        "unlimited", "8 GiB", "512 MiB", "3221225473 B", "1 TiB", "1536 B"]

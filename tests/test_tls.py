@@ -144,7 +144,7 @@ def test_cli_reaches_the_listener_with_its_tls_flags(tls_server: InProcessServer
     out = cli("tenants", "--target", tls_server.config.listen, "--tls-ca", str(pki.ca))
     assert out.returncode == 2 and "--target needs --tls-cert, --tls-key" in out.stderr
     out = cli("tenants", "--tls-ca", str(pki.ca))
-    assert out.returncode == 2 and "--tls-ca only apply with --target" in out.stderr
+    assert out.returncode == 2 and "--tls-ca applies only with --target" in out.stderr and "usage: unisched tenants" in out.stderr
     out = cli("tenants", "--target", tls_server.config.listen, "--tls-ca", str(pki.ca), "--tls-cert", str(pki.rogue_cert),
               "--tls-key", str(pki.rogue_key))
     assert out.returncode == 1 and "cannot reach the unisched daemon" in out.stderr

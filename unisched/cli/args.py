@@ -96,7 +96,8 @@ def remote_error(args: argparse.Namespace) -> str | None:
     tls = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
     if args.target is None:
         given = [k for k, v in tls.items() if v is not None]
-        return f"{', '.join(given)} only apply with --target HOST:PORT" if given else None
+        verb = "applies" if len(given) == 1 else "apply"
+        return f"{', '.join(given)} {verb} only with --target HOST:PORT" if given else None
     missing = [k for k, v in tls.items() if v is None]
     if missing:
         return f"--target needs {', '.join(missing)} (the daemon's TCP listener requires TLS with a client certificate)"

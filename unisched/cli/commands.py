@@ -285,13 +285,23 @@ def _cmd_set_limit(args: argparse.Namespace) -> int:
         t = client.set_limit(req)
     caps = t.caps
     print(f"{t.name}: render {_fmt_cap(caps.render)}, decode {_fmt_cap(caps.decode)}, "
-          f"encode {_fmt_cap(caps.encode)}, memory {_fmt_cap(caps.memory_bytes)}, "
-          f"memory reserve {_fmt_cap(caps.memory_reserve)}")
+          f"encode {_fmt_cap(caps.encode)}, memory {_fmt_size(caps.memory_bytes)}, "
+          f"memory reserve {_fmt_size(caps.memory_reserve)}")
     return 0
 
 
 def _fmt_cap(v: int) -> str:
     return "unlimited" if v < 0 else str(v)
+
+
+def _fmt_size(v: int) -> str:
+    """A size as it was most likely given: 8 GiB, 512 MiB, else bytes."""
+    if v < 0:
+        return "unlimited"
+    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if v >= unit and v % unit == 0:
+            return f"{v // unit} {name}"
+    return f"{v} B"
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:

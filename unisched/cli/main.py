@@ -3,6 +3,7 @@ dispatches to the command (cli.commands); `serve` thaws what a dead daemon left 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -33,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     args.orphans = orphans
     if hasattr(args, "target") and (problem := remote_error(args)):
-        parser.error(problem)
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subcommands.choices[args.command].error(problem)  # with the command's own usage line
     try:
         return COMMANDS[args.command](args)
     except DaemonError as e:
