@@ -13,6 +13,7 @@ from unisched.scheduler.config import (
     DEFAULT_SOCKET,
     KNOBS,
     MAX_GPU_INDEX,
+    is_gpu_index,
     parse_size,
 )
 from unisched.scheduler.knobs import Knob
@@ -51,7 +52,7 @@ def gpus_arg(text: str) -> list[int]:
         gpus = [int(g) for g in text.split(",") if g.strip()]
     except ValueError:
         raise bad from None
-    if not all(0 <= g <= MAX_GPU_INDEX for g in gpus):
+    if not all(map(is_gpu_index, gpus)):
         raise bad
     return gpus
 

@@ -48,11 +48,13 @@ __all__ = [
     "check_listener",
     "load_config",
     "MAX_GPU_INDEX",
+    "is_gpu_index",
     "parse_size",
 ]
 
 MAX_GPU_INDEX = 255
 """The highest GPU index a tenant may name (a host has at most a few dozen)."""
+
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
 DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
@@ -67,7 +69,6 @@ DEFAULT_NICE = -10
 user processes (200 concurrent `unisched run` starting Python on 2 cores) must not leave it ~1% of the CPU while
 their replies queue; -10 weighs it ~9x a nice-0 process (CFS), and the burst then finishes within the clients'
 deadline. Not lower: the daemon's own CPU per call is small, it needs to be scheduled, not to starve the host."""
-"""The largest size a config or flag may give: the API carries sizes as int64."""
 
 
 class ConfigError(ValueError):
@@ -333,8 +334,7 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         raise ConfigError(f"{where} 'priority': must be one of online, offline; got {prio!r}")
     engines = _parse_engines(raw["engines"], where) if "engines" in raw else frozenset({Engine.COMPUTE})
     gpus = raw.get("gpus")
-    if gpus is not None and (not isinstance(gpus, list) or not all(
-            isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX for g in gpus)):
+    if gpus is not None and (not isinstance(gpus, list) or not all(map(is_gpu_index, gpus))):
         raise ConfigError(f"{where} 'gpus': must be a list of GPU indices 0..{MAX_GPU_INDEX}; got {gpus!r}")
     cgroup = raw.get("cgroup")
     if cgroup is not None:
@@ -360,6 +360,10 @@ def _parse_tenant(raw: Any, i: int) -> DeclaredTenant:
         raise ConfigError(f"{where} 'memory_reserve': {e}") from None
     return DeclaredTenant(name, weight, Priority(prio), engines, tuple(gpus) if gpus else None, cgroup, limits)
 
+
+def is_gpu_index(g: object) -> bool:
+    """A GPU index a tenant may name: a whole number (not a boolean) in 0..MAX_GPU_INDEX."""
+    return isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
