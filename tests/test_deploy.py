@@ -125,6 +125,9 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     caps = set(svc["CapabilityBoundingSet"][0].split())
     assert {"CAP_SYS_ADMIN", "CAP_BPF", "CAP_SYS_PTRACE"} <= caps and not caps & {"CAP_SETUID", "CAP_SYS_MODULE"}
     assert _unit()["Install"]["WantedBy"] == ["multi-user.target"]
+    assert svc["OOMScoreAdjust"] == ["-900"]  # the host's OOM killer picks a tenant first
+    # each setting said once: a second copy of a block would be read as the last one alone, silently
+    assert not {k: v for k, v in svc.items() if len(v) > 1}
 
 
 def test_package_ships_the_unit_and_the_config_install_service_writes() -> None:
