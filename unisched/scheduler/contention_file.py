@@ -17,11 +17,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from unisched.scheduler.durable import replace_durably
 
 __all__ = ["CONTENTION_FILE", "CONTENTION_VERSION", "MAX_KEPT", "ContentionFileError", "contention_path", "kept_of",
            "make_entry", "read_file", "write_entry"]
@@ -92,19 +92,4 @@ def write_entry(path: Path, gpu: str, entry: Mapping[str, Any]) -> None:
     data["gpus"][gpu] = dict(entry)
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # the daemon and `unisched status` readers need not be the writer
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # the rename itself survives a crash
-    finally:
-        os.close(dfd)
+    replace_durably(path, text.encode(), 0o644)  # the daemon and `unisched status` readers need not be the writer

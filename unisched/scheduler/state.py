@@ -12,7 +12,6 @@ import json
 import os
 import re
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from unisched.enforce.cgroups import DEFAULT_SUBTREE
 from unisched.policy import Engine, PolicyError, Priority, validate_tenant_name, validate_weight
 from unisched.policy.caps import SessionLimits
 from unisched.scheduler.contention_file import ContentionFileError, contention_path, kept_of, read_file
+from unisched.scheduler.durable import replace_durably
 from unisched.scheduler.labels import validate_labels
 
 __all__ = ["LineCache", "SavedFields", "SavedTenant", "StateStore", "parse_state"]
@@ -225,27 +225,10 @@ class StateStore:
         return _body(_line(t) for t in tenants)
 
     def write(self, body: bytes) -> None:
-        """Replace the file with `body` atomically and durably (tmp, fsync, rename, fsync the directory). Callers
-        make one write at a time. The temporary file is new and this write's own (two daemons in containers are
-        both pid 1), never opened through a link."""
+        """Replace the file with `body` atomically and durably (durable.replace_durably). Callers make one write at a
+        time."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".state.json.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        replace_durably(self.path, body)
 
 
 SavedFields = tuple[Any, ...]
