@@ -1,9 +1,10 @@
 """Helper process for tests/test_seccomp.py (not a test module).
 
-  seccomp_child.py tenant SOCKFD|PATH
+  seccomp_child.py tenant SOCKFD|PATH|-
                                    install the GPU session filter, hand the listener over the inherited socket
                                    SOCKFD (OCI agent message, as runc does) or to the agent socket at PATH
                                    (hand_over, as `unisched run` does; prints "refused ..." if the agent says no),
+                                   or (-) neither, as the command of `unisched run`, which did both;
                                    print "ready", then run commands from stdin, one reply line each:
                                    "ok ERRNO [extra]" (ERRNO 0 = the call succeeded)
   seccomp_child.py hold SOCKFD     a stand-in daemon: receive a listener, print "ready", receive one
@@ -133,12 +134,15 @@ def tenant(where: str) -> None:
     from unisched.enforce.seccomp.filter import install_filter
     from unisched.enforce.seccomp.handover import hand_over, make_agent_message, send_fd
 
-    listener = install_filter()
-    if where.isdigit():  # an inherited socket: send and close, as runc does
+    if where == "-":  # already behind the filter: `unisched run` installed it and handed the listener over
+        pass
+    elif where.isdigit():  # an inherited socket: send and close, as runc does
+        listener = install_filter()
         with socket.socket(fileno=int(where)) as sock:
             send_fd(sock, listener, make_agent_message(os.getpid(), metadata="test"))
         os.close(listener)  # never keep our own listener: a call notified to it would wait for ourselves
     else:  # an agent socket path: what `unisched run`'s child does before exec
+        listener = install_filter()
         try:
             hand_over(listener, where, metadata="test")
         except SeccompError as e:

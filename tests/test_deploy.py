@@ -126,6 +126,7 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     assert {"CAP_SYS_ADMIN", "CAP_BPF", "CAP_SYS_PTRACE"} <= caps and not caps & {"CAP_SETUID", "CAP_SYS_MODULE"}
     assert _unit()["Install"]["WantedBy"] == ["multi-user.target"]
     assert svc["OOMScoreAdjust"] == ["-900"]  # the host's OOM killer picks a tenant first
+    assert int(svc["FileDescriptorStoreMax"][0]) >= 256  # session hooks carried over a restart (transport/carry.py)
     # each setting said once: a second copy of a block would be read as the last one alone, silently
     assert not {k: v for k, v in svc.items() if len(v) > 1}
 

@@ -1,17 +1,19 @@
 """sd_notify without libsystemd: tell systemd (Type=notify) when the daemon serves, what it is doing, and
-that its slice loop is alive (WatchdogSec). One datagram per message to $NOTIFY_SOCKET; a name starting
-with '@' is in the abstract namespace. Without $NOTIFY_SOCKET every call does nothing, so the daemon run by
-hand, in a test or in a container behaves the same."""
+that its slice loop is alive (WatchdogSec); keep file descriptors in its store across a restart (FDSTORE), and take
+them back at the next start (LISTEN_FDS). One datagram per message to $NOTIFY_SOCKET; a name starting with '@' is in
+the abstract namespace. Without $NOTIFY_SOCKET every call does nothing, so the daemon run by hand, in a test or in a
+container behaves the same."""
 
 from __future__ import annotations
 
+import array
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Notifier", "Watchdog", "watchdog_interval_s"]
+__all__ = ["Notifier", "Watchdog", "passed_fds", "watchdog_interval_s"]
 
 READY_WAIT_S = 1.0
 """How long READY and STOPPING may wait for room in systemd's queue. Every other message is sent without waiting
@@ -41,9 +43,10 @@ class Notifier:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def send(self, wait_s: float = 0.0, **fields: str | int) -> bool:
-        """Send KEY=VALUE lines in one datagram, waiting at most `wait_s` for room; False (never an exception) when
-        systemd cannot be reached or its queue stays full: a lost notification must not take the daemon down."""
+    def send(self, wait_s: float = 0.0, fds: Sequence[int] = (), **fields: str | int) -> bool:
+        """Send KEY=VALUE lines in one datagram (with `fds` attached), waiting at most `wait_s` for room; False (never
+        an exception) when systemd cannot be reached or its queue stays full: a lost notification must not take the
+        daemon down."""
         if self.path is None:
             return False
         message = "\n".join(f"{k}={v}" for k, v in fields.items()).encode()
@@ -51,7 +54,8 @@ class Notifier:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self._sock.settimeout(wait_s)
-            self._sock.sendto(message, _address(self.path))
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            self._sock.sendmsg([message], rights, 0, _address(self.path))  # (socket.send_fds drops the address)
         except OSError:
             return False
         return True
@@ -65,10 +69,50 @@ class Notifier:
     def stopping(self, status: str) -> bool:
         return self.send(READY_WAIT_S, STOPPING=1, STATUS=status)
 
+    def store_fd(self, fd: int, name: str) -> bool:
+        """FDSTORE=1: systemd keeps a copy of `fd` under `name` (replacing one of that name) and passes it to the
+        service's next start (`passed_fds`), as long as the unit is restarting rather than stopped, and drops it when
+        the fd hangs up. Only where the unit sets FileDescriptorStoreMax=; elsewhere systemd closes its copy."""
+        return self.send(READY_WAIT_S, [fd], FDSTORE=1, FDNAME=name)
+
+    def remove_stored(self, name: str) -> bool:
+        """FDSTOREREMOVE=1: systemd closes its copies of the fds stored under `name`."""
+        return self.send(READY_WAIT_S, FDSTOREREMOVE=1, FDNAME=name)
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+MAX_PASSED_FDS = 65536
+"""The most fds `passed_fds` believes LISTEN_FDS about (the unit's LimitNOFILE): a larger count is not systemd's."""
+
+
+def passed_fds(env: MutableMapping[str, str] | None = None, pid: int | None = None) -> list[tuple[int, str]]:
+    """sd_listen_fds_with_names: the fds systemd passed this process at its start (3 on, LISTEN_FDS of them) with
+    their names (LISTEN_FDNAMES; "unknown" where none), each close-on-exec from now on. None unless LISTEN_PID names
+    this process: variables inherited from a parent started by systemd are not ours. The variables are removed
+    either way, so no child takes them for its own."""
+    env = os.environ if env is None else env
+    owner, count, names = (env.pop(k, "") for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"))
+    try:
+        mine, n = int(owner) == (os.getpid() if pid is None else pid), int(count)
+    except ValueError:
+        return []
+    if not mine or not 0 < n <= MAX_PASSED_FDS:
+        return []
+    labels = names.split(":") if names else []
+    labels = labels if len(labels) == n else ["unknown"] * n
+    passed = []
+    for i, label in enumerate(labels):
+        fd = 3 + i
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            continue  # not open after all
+        passed.append((fd, label))
+    return passed
 
 
 def watchdog_interval_s(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:

@@ -21,6 +21,7 @@ from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
+from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import replace_stale_socket
 from unisched.transport.identity import PeerCred, peer_of
 
@@ -111,9 +112,12 @@ class SeccompAgentServer:
     number in progress."""
 
     def __init__(
-        self, path: str, engine: Scheduler, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None
+        self, path: str, engine: Scheduler, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None,
+        carry: ListenerCarry | None = None,
     ) -> None:
         self.path = path
+        self.carry = carry
+        """Where the hooks' listeners are kept across a graceful restart (carry.py); None: never kept."""
         self.engine = engine
         self.limits = limits or HandOverLimits()
         if hooks is None:  # the real hooks also follow video memory: caps and reserves at each allocation
@@ -135,7 +139,30 @@ class SeccompAgentServer:
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
+        if self.carry is not None:
+            self._serve_carried(self.carry.take())
         self._task = asyncio.create_task(self._accept_loop())
+
+    def _serve_carried(self, carried: list[tuple[int, Carried]]) -> None:
+        """Serve again the listeners the last graceful stop kept, each for its tenant if that still exists (its books
+        start empty: what was opened before the restart is not counted); the others closed (ENOSYS)."""
+        served: list[str] = []
+        for fd, entry in carried:
+            if not self.engine.has_tenant(entry.tenant):
+                os.close(fd)
+                log.warning("a carried session hook's tenant is gone; its calls fail with ENOSYS", tenant=entry.tenant)
+                continue
+            try:
+                self.hooks.attach(fd, entry.tenant, entry.uid)
+            except SeccompError as e:
+                log.warning("a carried session hook is not served; its calls fail with ENOSYS", tenant=entry.tenant,
+                            reason=str(e))
+                continue
+            self.engine.note_session_hooks(entry.tenant)
+            served.append(entry.tenant)
+        if carried:
+            log.info("session hooks carried over the restart", served=len(served), listeners=len(carried),
+                     tenants=sorted(set(served)))
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._pending) if t is not None]
@@ -148,7 +175,10 @@ class SeccompAgentServer:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        self.hooks.close()
+        if self.carry is not None and self.carry.enabled:
+            self.carry.keep(self.hooks.hand_off())
+        else:
+            self.hooks.close()
 
     async def _accept_loop(self) -> None:
         assert self._sock is not None

@@ -24,6 +24,7 @@ from unisched.scheduler.core import RegisterAsk, Scheduler, SchedulerError
 from unisched.scheduler.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.carry import ListenerCarry
 from unisched.transport.claim import replace_stale_socket
 from unisched.transport.client import AGENT_SOCKET_METADATA, LEASE_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, memory_ask, public_summary, snapshot_to_pb
@@ -305,12 +306,12 @@ async def serve_async(
     front = FrontDoor(is_admin=servicer.is_admin)
     door = GrpcDoor(servicer, config.lease_socket)
     lease = LeaseService(engine, servicer.is_admin, pacer)
-    agent = SeccompAgentServer(config.agent_socket, engine)
+    notifier = Notifier.from_env()
+    agent = SeccompAgentServer(config.agent_socket, engine, carry=ListenerCarry(notifier, config.state_dir))
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    notifier = Notifier.from_env()
     served = asyncio.Event()
     health = probes(config, engine, nvml, served.is_set)
     engine_task = asyncio.create_task(run_engine(engine, stop, beats(health.heartbeat, _watchdog(notifier, engine))))

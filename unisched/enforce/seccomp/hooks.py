@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Protocol
 
@@ -92,6 +93,16 @@ metrics never fall when one of its runs or containers ends. A forgotten tenant's
 next listener, which Prometheus's rate() reads as a counter reset."""
 
 
+@dataclass(frozen=True)
+class KeptListener:
+    """A listener `hand_off` kept open for the next daemon: its fd (the caller's), the tenant it served and the uid
+    that handed it over (negative: root in a container)."""
+
+    fd: int
+    tenant: str
+    uid: int
+
+
 class SessionHooks(Protocol):
     def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
         """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid` (negative: root in a container,
@@ -100,6 +111,10 @@ class SessionHooks(Protocol):
 
     def close(self) -> None:
         """Stop serving every listener (their tenants' pending and later session calls fail with ENOSYS)."""
+
+    def hand_off(self) -> list[KeptListener]:
+        """Stop serving every listener as `close` does, but answer every call received first and keep each listener
+        whose processes still run open, for a restarted daemon to serve (the caller's to close from now on)."""
 
     def stats(self) -> list[SupervisorStats]:
         """One entry per listener still served."""
@@ -170,14 +185,28 @@ class SupervisedHooks:
         sup.attach(asyncio.get_running_loop())
 
     def close(self) -> None:
+        self._stop_all(keep=False)
+
+    def hand_off(self) -> list[KeptListener]:
+        """A supervisor whose thread has not ended by the deadline keeps its listener, closed when the daemon exits."""
+        kept = []
+        for sup, uid in self._stop_all(keep=True):
+            fd = sup.take_kept() if sup.closed else None
+            if fd is not None:
+                kept.append(KeptListener(fd, sup.tenant, uid))
+        return kept
+
+    def _stop_all(self, keep: bool) -> list[tuple[SessionSupervisor, int]]:
         """Every supervisor told to stop at once, then joined against one deadline: a thread held by its tenant (a
-        read of its memory that a FUSE mount never answers) costs the stop JOIN_TIMEOUT_S once, not once each."""
-        for sup, _ in self._supervisors:
-            sup.close(join_s=0)
+        read of its memory that a FUSE mount never answers) costs the stop JOIN_TIMEOUT_S once, not once each.
+        Returns them, no longer served."""
+        stopped, self._supervisors = self._supervisors, []
+        for sup, _ in stopped:
+            sup.close(join_s=0, keep=keep)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for sup, _ in self._supervisors:
+        for sup, _ in stopped:
             sup.join(max(0.0, deadline - time.monotonic()))
-        self._supervisors.clear()
+        return stopped
 
     def stats(self) -> list[SupervisorStats]:
         return [sup.stats() for sup, _ in self._supervisors if not sup.closed]
@@ -218,6 +247,10 @@ class FakeSessionHooks:
 
     def close(self) -> None:
         self.closed = True
+
+    def hand_off(self) -> list[KeptListener]:
+        self.closed = True
+        return []  # every listener was closed at its attach
 
     def stats(self) -> list[SupervisorStats]:
         empty: MappingProxyType[SessionKind, int] = MappingProxyType({})

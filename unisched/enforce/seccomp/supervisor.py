@@ -124,6 +124,8 @@ class SessionSupervisor:
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
         self._closed = False
+        self._keep = False
+        self._kept_fd: int | None = None
         self._finished = False
         self._done = threading.Event()
         self._serving = False
@@ -159,16 +161,20 @@ class SessionSupervisor:
             self._finish(EventAction.DETACHED)
             raise SeccompError(f"cannot start the session supervisor's thread: {e}") from None
 
-    def close(self, join_s: float = JOIN_TIMEOUT_S) -> None:
+    def close(self, join_s: float = JOIN_TIMEOUT_S, *, keep: bool = False) -> None:
         """Stop serving and close the listener. Any thread; with `attach`, returns once its thread has ended, or
         after `join_s` (0: at once; `join` waits later).
 
         Closing while the tenant still runs makes its pending and later session allocations fail with ENOSYS;
-        sessions still counted are reported DETACHED.
+        sessions still counted are reported DETACHED. `keep`: answer every call received instead (one still waiting
+        for the loop's decision is admitted) and keep the listener open for `take_kept`, so that the tenant's later
+        calls wait for whoever serves it next (a restart); a listener whose processes have all exited is closed.
         """
         with self._lock:
             first = not self._closed
             self._closed = True
+            if first:
+                self._keep = keep
             serving = self._serving
             if first and serving:  # the serving thread closes the fd itself once it wakes up
                 with contextlib.suppress(BlockingIOError):
@@ -231,13 +237,19 @@ class SessionSupervisor:
             self._finished = True
             self._closed = True
             self._serving = False
-            os.close(self._listener.fd)
+            keep = self._keep and action is not EventAction.EXITED
+            if keep:
+                self._kept_fd = self._listener.fd
+            else:
+                os.close(self._listener.fd)
             os.close(self._wake_r)
             os.close(self._wake_w)
             decided = list(self._decided)
             self._decided.clear()
-        # The callers still waiting got ENOSYS when the fd closed. Admissions the loop already made are given
-        # back; decisions still on the loop are not asked any more (see _decide_on_loop).
+        if keep:  # every call received is answered: the next server of the listener cannot see them
+            self._answer_all_pending(decided)
+        # The callers still waiting got ENOSYS when the fd closed (or were answered). Admissions the loop already
+        # made are given back; decisions still on the loop are not asked any more (see _decide_on_loop).
         events = []
         for nid, admitted, _ in decided:
             entry = self._pending.pop(nid, None)
@@ -250,6 +262,21 @@ class SessionSupervisor:
         self._emit_all(events + self._book.release_all(action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
+
+    def _answer_all_pending(self, decided: list[tuple[int, bool, BaseException | None]]) -> None:
+        """Before the listener is kept for a restart: the calls the loop decided, as it decided; those it did not,
+        admitted (the books end with this supervisor anyway)."""
+        verdicts = {nid: admitted for nid, admitted, _ in decided}
+        for nid, (call, _, _) in self._pending.items():
+            refused = call.kind is not None and not verdicts.get(nid, True)
+            self._listener.answer(nid, -errno.EPERM if refused else 0)
+
+    def take_kept(self) -> int | None:
+        """After `close(keep=True)` has finished (`closed`): the listener, the caller's to close from now on; None
+        when it was closed after all (its processes had all exited) or is taken already."""
+        with self._lock:
+            fd, self._kept_fd = self._kept_fd, None
+        return fd
 
     # ---- process exit ----
     def reconcile(self) -> None:

@@ -1,0 +1,332 @@
+"""Session hooks carried across a graceful restart through systemd's fd store (transport/carry.py): a stand-in for
+systemd's notify socket that keeps the fds it is sent, a real seccomp listener, real daemons and `unisched run`."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import fcntl
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from conftest import ROOT, Daemon, child_env
+from test_seccomp import CHILD, ENOSYS, ENOTTY, EPERM, GRAPHICS, NVDEC, Proc, needs_notify, running_tenant, wait_for
+
+from unisched.enforce.nvclasses import SessionKind
+from unisched.enforce.seccomp.hooks import KeptListener
+from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.sdnotify import Notifier, passed_fds
+from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, ListenerCarry
+
+
+class FdStore:
+    """What systemd's notify socket does with FDSTORE=1 and FDSTOREREMOVE=1: keeps the fds sent under their FDNAME,
+    closes them when told to remove that name. `pump` reads what has arrived (never blocking past its timeout)."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.env = str(path)
+        self.fds: dict[str, int] = {}
+        self.removed: list[str] = []
+        self._notifiers: list[Notifier] = []
+
+    def pump(self, timeout: float = 0.0) -> None:
+        while select.select([self.sock], [], [], timeout)[0]:
+            timeout = 0.0
+            fds = array.array("i")
+            msg, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(64 * fds.itemsize))
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+            name = fields.get("FDNAME", "stored")
+            if fields.get("FDSTORE") == "1":
+                for fd in fds:
+                    self.fds[name] = fd
+            else:
+                for fd in fds:
+                    os.close(fd)
+            if fields.get("FDSTOREREMOVE") == "1":
+                self.removed.append(name)
+                if name in self.fds:
+                    os.close(self.fds.pop(name))
+
+    def notifier(self) -> Notifier:
+        """A daemon's side of this socket (closed with the store)."""
+        self._notifiers.append(Notifier(self.env))
+        return self._notifiers[-1]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        for n in self._notifiers:
+            n.close()
+        self.sock.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[FdStore]:
+    s = FdStore(tmp_path / "notify")
+    yield s
+    s.close()
+
+
+# --- the pieces -------------------------------------------------------------------------------------------------------
+def test_passed_fds_are_this_process_s_only_and_the_variables_go() -> None:
+    env = {"LISTEN_PID": "1", "LISTEN_FDS": "1", "LISTEN_FDNAMES": "x"}
+    assert passed_fds(env, pid=2) == [] and env == {}  # another process's: not ours, and not handed down either
+    assert passed_fds({"LISTEN_PID": "7", "LISTEN_FDS": "99999999"}, pid=7) == []  # a count no systemd passes
+    assert passed_fds({"LISTEN_PID": "seven", "LISTEN_FDS": "1"}, pid=7) == []
+
+
+def test_passed_fds_names_each_fd_from_three_on(tmp_path: Path) -> None:
+    """In a child whose fds 3 and 4 are what systemd would pass: both found, named, and close-on-exec after."""
+    code = ("import json, os, sys; from unisched.sdnotify import passed_fds; "
+            "got = passed_fds(); print(json.dumps([got, [os.get_inheritable(fd) for fd, _ in got], "
+            "'LISTEN_FDS' in os.environ]))")
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    wrapper = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
+               "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.executable, [sys.executable, '-c', sys.argv[3]])")
+    env = child_env() | {"LISTEN_FDS": "2", "LISTEN_FDNAMES": "first:second"}
+    out = subprocess.run([sys.executable, "-c", wrapper, str(r1), str(r2), code], pass_fds=[r1, r2], env=env,
+                         capture_output=True, text=True, timeout=30, cwd=ROOT)
+    for fd in (r1, w1, r2, w2):
+        os.close(fd)
+    assert out.returncode == 0, out.stderr
+    got, inheritable, left = json.loads(out.stdout)
+    assert got == [[3, "first"], [4, "second"]] and inheritable == [False, False] and not left
+
+
+def test_store_fd_sends_the_fd_under_its_name_and_remove_drops_it(store: FdStore) -> None:
+    notifier = store.notifier()
+    r, w = os.pipe()
+    try:
+        assert notifier.store_fd(r, "unisched-hook-a-0")
+        store.pump(5)
+        kept = store.fds["unisched-hook-a-0"]
+        os.write(w, b"x")
+        assert os.read(kept, 1) == b"x"  # the very pipe
+        assert notifier.remove_stored("unisched-hook-a-0")
+        store.pump(5)
+        assert store.removed == ["unisched-hook-a-0"] and not store.fds
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _carry(store: FdStore, state: Path, passed: list[tuple[int, str]] | None = None,
+           env: dict[str, str] | None = None) -> ListenerCarry:
+    return ListenerCarry(store.notifier(), state, env=env or {}, passed=(lambda: list(passed or [])))
+
+
+@needs_notify
+def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(store: FdStore, tmp_path: Path) -> None:
+    with _listener() as (a, _), _listener() as (b, _):
+        carry = _carry(store, tmp_path)
+        assert carry.keep([KeptListener(os.dup(a), "alpha", 1000), KeptListener(os.dup(b), "beta", 0)]) == 2
+        store.pump(5)
+        listed = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]
+        assert [(e["tenant"], e["uid"]) for e in listed] == [("alpha", 1000), ("beta", 0)]
+        assert sorted(store.fds) == sorted(e["name"] for e in listed)
+        assert all(n.startswith(FD_NAME_PREFIX) for n in store.fds)
+        # the next start: systemd passes its copies; one more fd under our prefix that no list names, and one not ours
+        stray_r, stray_w = os.pipe()
+        other_r, other_w = os.pipe()
+        passed = [(os.dup(fd), n) for n, fd in store.fds.items()] + [(stray_r, FD_NAME_PREFIX + "zz-0"),
+                                                                     (other_r, "something-else")]
+        taken = _carry(store, tmp_path, passed).take()
+        assert sorted((c.tenant, c.uid) for _, c in taken) == [("alpha", 1000), ("beta", 0)]
+        assert not (tmp_path / CARRIED_FILE).exists()  # read once: a later start never serves these again
+        with pytest.raises(BrokenPipeError):
+            os.write(stray_w, b"x")  # unlisted: its read end closed
+        os.write(other_w, b"x")  # not ours: left alone
+        store.pump(5)
+        assert not store.fds and sorted(store.removed) == sorted([e["name"] for e in listed] + [FD_NAME_PREFIX + "zz-0"])
+        for fd, _ in taken:
+            os.close(fd)
+        for fd in (stray_w, other_r, other_w):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, damaged: bool) -> None:
+    """After a crash there is no list (or a damaged one): a stored listener, whose received calls nobody may ever
+    answer, is closed, and dropped from the store."""
+    if damaged:
+        (tmp_path / CARRIED_FILE).write_text('{"listeners": [{"name": "unisched-hook-0a-0", "tenant": ')
+    r, w = os.pipe()
+    try:
+        assert _carry(store, tmp_path, [(r, FD_NAME_PREFIX + "0a-0")]).take() == []
+        with pytest.raises(BrokenPipeError):
+            os.write(w, b"x")
+        store.pump(5)
+        assert store.removed == [FD_NAME_PREFIX + "0a-0"]
+        assert not (tmp_path / CARRIED_FILE).exists()
+    finally:
+        os.close(w)
+
+
+@needs_notify
+def test_keep_stores_no_more_than_the_store_has_room_for(store: FdStore, tmp_path: Path) -> None:
+    with _listener() as (a, _):
+        carry = _carry(store, tmp_path, env={"FDSTORE": "1"})
+        assert carry.keep([KeptListener(os.dup(a), "alpha", 0), KeptListener(os.dup(a), "beta", 0)]) == 1
+        store.pump(5)
+        assert len(store.fds) == 1
+
+
+class _listener:
+    """A real seccomp listener of a tenant process (test_seccomp's helper), as (fd, process); the fd is closed at
+    the end unless `release`d to a supervisor."""
+
+    def __enter__(self) -> tuple[int, Proc]:
+        self._it = running_tenant()
+        self._proc, self._fd = next(self._it)
+        return self._fd, self._proc
+
+    def release(self) -> int:
+        fd, self._fd = self._fd, -1
+        return fd
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        next(self._it, None)
+
+
+@needs_notify
+def test_a_kept_listener_answers_what_it_received_and_waits_for_the_next_server() -> None:
+    """close(keep=True) while a new session's decision is still on the (here: never running) loop: the call is
+    admitted (not ENOSYS), the listener stays open, and the next supervisor of it answers the tenant's next call."""
+    loop = asyncio.new_event_loop()
+    held = _listener()
+    with held as (_, proc):
+        sup = SessionSupervisor(held.release(), "t", lambda *_: False)
+        sup.attach(loop)
+        proc.send(f"alloc {GRAPHICS:#x} 0x1")
+        wait_for(lambda: sup.stats().pending == 1, "the session call to wait for the loop")
+        sup.close(keep=True)
+        assert proc.line() == f"ok {ENOTTY}"  # admitted: it went on to the (stand-in) driver
+        kept = sup.take_kept()
+        assert kept is not None and sup.take_kept() is None
+        proc.send(f"alloc {NVDEC:#x} 0x2")
+        assert proc.popen.stdout is not None
+        assert not select.select([proc.popen.stdout], [], [], 0.2)[0], "the call should wait for the next server"
+        nxt = SessionSupervisor(kept, "t", lambda *_: False)
+        thread = threading.Thread(target=nxt.serve_forever, daemon=True)
+        thread.start()
+        try:
+            assert proc.line() == f"ok {EPERM}"  # the next server's decision
+            assert nxt.stats().refused == {SessionKind.NVDEC: 1}
+        finally:
+            nxt.close()
+            thread.join(10)
+        assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # the last copy closed: fails, never waits
+    loop.close()
+
+
+@needs_notify
+def test_a_kept_listener_whose_processes_exited_is_closed() -> None:
+    held = _listener()
+    with held as (_, proc):
+        sup = SessionSupervisor(held.release(), "t", lambda *_: True)
+        proc.send("exit")
+        assert proc.popen.wait(10) == 0
+        thread = threading.Thread(target=sup.serve_forever, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert sup.closed  # it saw the hang-up
+        sup.close(keep=True)
+        assert sup.take_kept() is None
+
+
+# --- real daemons -----------------------------------------------------------------------------------------------------
+@dataclass
+class PassedDaemon(Daemon):
+    """A daemon started as systemd starts one with stored fds: each at 3, 4, ... with LISTEN_FDS, LISTEN_FDNAMES and
+    LISTEN_PID (set by a wrapper that then execs the daemon, keeping its pid)."""
+
+    passed: tuple[tuple[int, str], ...] = ()
+
+    def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200 + i) for i, (fd, _) in enumerate(self.passed)]
+        argv = [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
+                "--no-nvml", "--log-format", "json", *self.extra]
+        wrapper = ("import os, sys; n = int(sys.argv[1]); src = [int(a) for a in sys.argv[2:2 + n]]\n"
+                   "for i, fd in enumerate(src):\n    os.dup2(fd, 3 + i); os.close(fd)\n"
+                   "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.argv[2 + n], sys.argv[2 + n:])")
+        env = child_env()
+        if self.passed:
+            env |= {"LISTEN_FDS": str(len(self.passed)), "LISTEN_FDNAMES": ":".join(n for _, n in self.passed)}
+        try:
+            return subprocess.Popen([sys.executable, "-c", wrapper, str(len(high)), *map(str, high), *argv],
+                                    stdout=log, stderr=log, cwd=ROOT, env=env, pass_fds=high)
+        finally:
+            for fd in high:
+                os.close(fd)
+
+
+class RunProc(Proc):
+    """The command of a `unisched run`, driven like test_seccomp's helper processes."""
+
+    def __init__(self, popen: subprocess.Popen[str]) -> None:
+        self.popen = popen
+
+
+def _events(log: Path, event: str) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [e for e in lines if e.get("event") == event]
+
+
+@needs_notify
+def test_a_restart_under_systemd_carries_a_running_process_s_hooks(
+    daemon_factory: Any, tenant_prefix: str, tmp_path: Path, store: FdStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`unisched run` under daemon A; A stops gracefully and stores the hook; a call made meanwhile waits; daemon B
+    (passed the stored fd) answers it and drops the store's copy; B killed: the next call fails at once (ENOSYS),
+    never waits for good."""
+    monkeypatch.setenv("NOTIFY_SOCKET", store.env)
+    a = daemon_factory()
+    name = f"{tenant_prefix}run"
+    proc = RunProc(subprocess.Popen(
+        [sys.executable, "-m", "unisched", "run", "--socket", a.socket, "--tenant", name, "--", sys.executable,
+         str(CHILD), "tenant", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT))
+    b: PassedDaemon | None = None
+    try:
+        assert proc.line(30) == "ready"
+        assert proc.call(f"alloc {GRAPHICS:#x} 0x1") == ENOTTY  # served by A
+        assert a.stop() == 0
+        store.pump(5)
+        (stored,) = store.fds
+        assert stored.startswith(FD_NAME_PREFIX)
+        assert _events(a.log_path, "session hooks handed to systemd for the next start")[0]["stored"] == 1
+        proc.send(f"alloc {NVDEC:#x} 0x2")
+        assert proc.popen.stdout is not None
+        assert not select.select([proc.popen.stdout], [], [], 0.3)[0], "with the hook in the store, the call waits"
+        b = PassedDaemon(a.socket, a.state_dir, None, tmp_path / "b.log", a.extra, a.prefix,  # type: ignore[arg-type]
+                         subtree=a.subtree, passed=((store.fds[stored], stored),))
+        b.start()
+        assert proc.line(30) == f"ok {ENOTTY}"  # answered by B
+        carried = _events(b.log_path, "session hooks carried over the restart")
+        assert carried and carried[0]["served"] == 1 and carried[0]["tenants"] == [name]
+        store.pump(5)
+        assert store.removed == [stored] and not store.fds  # B's copy is the last one now
+        assert not (Path(b.state_dir) / CARRIED_FILE).exists()
+        b.stop(sig=9)
+        assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # after a crash: fails at once
+    finally:
+        proc.kill()
+        if b is not None and b.proc.poll() is None:
+            b.stop()
