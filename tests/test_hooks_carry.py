@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -26,12 +26,13 @@ from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.hooks import KeptListener
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.sdnotify import Notifier, passed_fds
-from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, ListenerCarry
+from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, ListenerCarry, is_seccomp_listener
 
 
 class FdStore:
     """What systemd's notify socket does with FDSTORE=1 and FDSTOREREMOVE=1: keeps the fds sent under their FDNAME,
-    closes them when told to remove that name. `pump` reads what has arrived (never blocking past its timeout)."""
+    closes them when told to remove that name. A thread reads it as messages come (as PID 1 does: the queue holds
+    only a few datagrams); `wait` waits for what a test expects to have arrived."""
 
     def __init__(self, path: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -39,18 +40,30 @@ class FdStore:
         self.env = str(path)
         self.fds: dict[str, int] = {}
         self.removed: list[str] = []
+        self.messages: list[dict[str, str]] = []
         self._notifiers: list[Notifier] = []
+        self._lock = threading.Lock()
+        self._stop_r, self._stop_w = os.pipe()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def pump(self, timeout: float = 0.0) -> None:
-        while select.select([self.sock], [], [], timeout)[0]:
-            timeout = 0.0
-            fds = array.array("i")
-            msg, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(64 * fds.itemsize))
-            for level, kind, data in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-            fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
-            name = fields.get("FDNAME", "stored")
+    def _read(self) -> None:
+        while True:
+            ready = select.select([self.sock, self._stop_r], [], [])[0]
+            if self._stop_r in ready:
+                return
+            self._one()
+
+    def _one(self) -> None:
+        fds = array.array("i")
+        msg, anc, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(64 * fds.itemsize))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        fields = dict(line.split("=", 1) for line in msg.decode().splitlines() if "=" in line)
+        name = fields.get("FDNAME", "stored")
+        with self._lock:
+            self.messages.append(fields)
             if fields.get("FDSTORE") == "1":
                 for fd in fds:
                     self.fds[name] = fd
@@ -62,13 +75,22 @@ class FdStore:
                 if name in self.fds:
                     os.close(self.fds.pop(name))
 
+    def wait(self, done: Callable[[FdStore], bool], what: str) -> None:
+        wait_for(lambda: self._check(done), what)
+
+    def _check(self, done: Callable[[FdStore], bool]) -> bool:
+        with self._lock:
+            return done(self)
+
     def notifier(self) -> Notifier:
         """A daemon's side of this socket (closed with the store)."""
         self._notifiers.append(Notifier(self.env))
         return self._notifiers[-1]
 
     def close(self) -> None:
-        for fd in self.fds.values():
+        os.write(self._stop_w, b"x")
+        self._reader.join(10)
+        for fd in (*self.fds.values(), self._stop_r, self._stop_w):
             os.close(fd)
         for n in self._notifiers:
             n.close()
@@ -114,13 +136,11 @@ def test_store_fd_sends_the_fd_under_its_name_and_remove_drops_it(store: FdStore
     r, w = os.pipe()
     try:
         assert notifier.store_fd(r, "unisched-hook-a-0")
-        store.pump(5)
-        kept = store.fds["unisched-hook-a-0"]
+        store.wait(lambda st: "unisched-hook-a-0" in st.fds, "the fd in the store")
         os.write(w, b"x")
-        assert os.read(kept, 1) == b"x"  # the very pipe
+        assert os.read(store.fds["unisched-hook-a-0"], 1) == b"x"  # the very pipe
         assert notifier.remove_stored("unisched-hook-a-0")
-        store.pump(5)
-        assert store.removed == ["unisched-hook-a-0"] and not store.fds
+        store.wait(lambda st: st.removed == ["unisched-hook-a-0"] and not st.fds, "the fd dropped")
     finally:
         os.close(r)
         os.close(w)
@@ -131,65 +151,9 @@ def _carry(store: FdStore, state: Path, passed: list[tuple[int, str]] | None = N
     return ListenerCarry(store.notifier(), state, env=env or {}, passed=(lambda: list(passed or [])))
 
 
-@needs_notify
-def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(store: FdStore, tmp_path: Path) -> None:
-    with _listener() as (a, _), _listener() as (b, _):
-        carry = _carry(store, tmp_path)
-        assert carry.keep([KeptListener(os.dup(a), "alpha", 1000), KeptListener(os.dup(b), "beta", 0)]) == 2
-        store.pump(5)
-        listed = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]
-        assert [(e["tenant"], e["uid"]) for e in listed] == [("alpha", 1000), ("beta", 0)]
-        assert sorted(store.fds) == sorted(e["name"] for e in listed)
-        assert all(n.startswith(FD_NAME_PREFIX) for n in store.fds)
-        # the next start: systemd passes its copies; one more fd under our prefix that no list names, and one not ours
-        stray_r, stray_w = os.pipe()
-        other_r, other_w = os.pipe()
-        passed = [(os.dup(fd), n) for n, fd in store.fds.items()] + [(stray_r, FD_NAME_PREFIX + "zz-0"),
-                                                                     (other_r, "something-else")]
-        taken = _carry(store, tmp_path, passed).take()
-        assert sorted((c.tenant, c.uid) for _, c in taken) == [("alpha", 1000), ("beta", 0)]
-        assert not (tmp_path / CARRIED_FILE).exists()  # read once: a later start never serves these again
-        with pytest.raises(BrokenPipeError):
-            os.write(stray_w, b"x")  # unlisted: its read end closed
-        os.write(other_w, b"x")  # not ours: left alone
-        store.pump(5)
-        assert not store.fds and sorted(store.removed) == sorted([e["name"] for e in listed] + [FD_NAME_PREFIX + "zz-0"])
-        for fd, _ in taken:
-            os.close(fd)
-        for fd in (stray_w, other_r, other_w):
-            os.close(fd)
-
-
-@pytest.mark.parametrize("damaged", [False, True])
-def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, damaged: bool) -> None:
-    """After a crash there is no list (or a damaged one): a stored listener, whose received calls nobody may ever
-    answer, is closed, and dropped from the store."""
-    if damaged:
-        (tmp_path / CARRIED_FILE).write_text('{"listeners": [{"name": "unisched-hook-0a-0", "tenant": ')
-    r, w = os.pipe()
-    try:
-        assert _carry(store, tmp_path, [(r, FD_NAME_PREFIX + "0a-0")]).take() == []
-        with pytest.raises(BrokenPipeError):
-            os.write(w, b"x")
-        store.pump(5)
-        assert store.removed == [FD_NAME_PREFIX + "0a-0"]
-        assert not (tmp_path / CARRIED_FILE).exists()
-    finally:
-        os.close(w)
-
-
-@needs_notify
-def test_keep_stores_no_more_than_the_store_has_room_for(store: FdStore, tmp_path: Path) -> None:
-    with _listener() as (a, _):
-        carry = _carry(store, tmp_path, env={"FDSTORE": "1"})
-        assert carry.keep([KeptListener(os.dup(a), "alpha", 0), KeptListener(os.dup(a), "beta", 0)]) == 1
-        store.pump(5)
-        assert len(store.fds) == 1
-
-
 class _listener:
     """A real seccomp listener of a tenant process (test_seccomp's helper), as (fd, process); the fd is closed at
-    the end unless `release`d to a supervisor."""
+    the end unless `release`d (to a supervisor, or as what systemd passes)."""
 
     def __enter__(self) -> tuple[int, Proc]:
         self._it = running_tenant()
@@ -207,49 +171,129 @@ class _listener:
 
 
 @needs_notify
+def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(store: FdStore, tmp_path: Path) -> None:
+    """A stop lists, then stores, each listener (a runtime's first); the next start serves the listed listeners, and
+    closes a listener no list names (its tenant's calls then fail at once) and a listed name that is no listener;
+    systemd is asked to drop every stored copy; the list is read once."""
+    users, runtime, stray = _listener(), _listener(), _listener()
+    with users as (a, _), runtime as (b, _), stray as (_, stray_proc):
+        carry = _carry(store, tmp_path)
+        assert carry.keep([KeptListener(os.dup(a), "alpha", 1000), KeptListener(os.dup(b), "beta", 0)]) == 2
+        store.wait(lambda st: len(st.fds) == 2, "both listeners in the store")
+        listed = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]
+        assert [(e["tenant"], e["uid"]) for e in listed] == [("beta", 0), ("alpha", 1000)]  # the runtime's first
+        assert sorted(store.fds) == sorted(e["name"] for e in listed)
+        pipe_r, pipe_w = os.pipe()
+        other_r, other_w = os.pipe()
+        passed = [(os.dup(fd), n) for n, fd in store.fds.items()]
+        passed += [(stray.release(), FD_NAME_PREFIX + "zz-0"), (other_r, "something-else")]
+        listed_pipe = _carry(store, tmp_path)  # a listed name whose fd is not a listener: a second stop's list
+        assert listed_pipe.keep([KeptListener(pipe_r, "gamma", 0)]) == 1
+        pipe_name = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"][0]["name"]
+        both = [*listed, {"name": pipe_name, "tenant": "gamma", "uid": 0}]
+        (tmp_path / CARRIED_FILE).write_text(json.dumps({"listeners": both}))
+        os.chmod(tmp_path / CARRIED_FILE, 0o600)
+        store.wait(lambda st: pipe_name in st.fds, "the pipe in the store")
+        passed.append((os.dup(store.fds[pipe_name]), pipe_name))
+        taken = _carry(store, tmp_path, passed).take()
+        assert sorted((c.tenant, c.uid) for _, c in taken) == [("alpha", 1000), ("beta", 0)]
+        assert all(is_seccomp_listener(fd) for fd, _ in taken)
+        assert not (tmp_path / CARRIED_FILE).exists()  # read once: a later start never serves these again
+        assert stray_proc.call(f"alloc {NVDEC:#x} 0x1") == ENOSYS  # the unlisted listener's last copy was closed
+        os.write(other_w, b"x")  # not ours: left alone
+        names = [e["name"] for e in listed]
+        store.wait(lambda st: sorted(st.removed) == sorted([*names, FD_NAME_PREFIX + "zz-0", pipe_name]),
+                   "every stored copy dropped")
+        assert not store.fds
+        with pytest.raises(BrokenPipeError):
+            os.write(pipe_w, b"x")  # listed, but no listener: closed too (every copy)
+        for fd, _ in taken:
+            os.close(fd)
+        for fd in (pipe_w, other_r, other_w):
+            os.close(fd)
+
+
+@needs_notify
+@pytest.mark.parametrize("damaged", [False, True])
+def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, damaged: bool) -> None:
+    """After a crash there is no list (or a damaged one): a stored listener, whose received calls nobody may ever
+    answer, is closed, and dropped from the store: its tenant's next call fails at once."""
+    if damaged:
+        (tmp_path / CARRIED_FILE).write_text('{"listeners": [{"name": "unisched-hook-0a-0", "tenant": ')
+    held = _listener()
+    with held as (_, proc):
+        assert _carry(store, tmp_path, [(held.release(), FD_NAME_PREFIX + "0a-0")]).take() == []
+        assert proc.call(f"alloc {NVDEC:#x} 0x1") == ENOSYS
+        store.wait(lambda st: st.removed == [FD_NAME_PREFIX + "0a-0"], "the stored copy dropped")
+        assert not (tmp_path / CARRIED_FILE).exists()
+
+
+@needs_notify
+def test_a_list_others_could_write_is_not_believed(store: FdStore, tmp_path: Path) -> None:
+    held = _listener()
+    with held as (fd, proc):
+        carry = _carry(store, tmp_path)
+        assert carry.keep([KeptListener(os.dup(fd), "alpha", 0)]) == 1
+        store.wait(lambda st: len(st.fds) == 1, "the listener in the store")
+        os.chmod(tmp_path / CARRIED_FILE, 0o622)
+        (name,) = store.fds
+        assert _carry(store, tmp_path, [(os.dup(store.fds[name]), name)]).take() == []
+        os.close(held.release())
+        store.wait(lambda st: not st.fds, "the stored copy dropped")
+        assert proc.call(f"alloc {NVDEC:#x} 0x1") == ENOSYS
+
+
+@needs_notify
+def test_keep_stores_no_more_than_the_store_has_room_for(store: FdStore, tmp_path: Path) -> None:
+    with _listener() as (a, _):
+        carry = _carry(store, tmp_path, env={"FDSTORE": "1"})
+        assert carry.keep([KeptListener(os.dup(a), "alpha", 0), KeptListener(os.dup(a), "beta", 0)]) == 1
+        store.wait(lambda st: len(st.fds) == 1, "one listener in the store")
+        assert [e["tenant"] for e in json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]] == ["alpha"]
+
+
+@needs_notify
 def test_a_kept_listener_answers_what_it_received_and_waits_for_the_next_server() -> None:
     """close(keep=True) while a new session's decision is still on the (here: never running) loop: the call is
     admitted (not ENOSYS), the listener stays open, and the next supervisor of it answers the tenant's next call."""
     loop = asyncio.new_event_loop()
     held = _listener()
-    with held as (_, proc):
-        sup = SessionSupervisor(held.release(), "t", lambda *_: False)
-        sup.attach(loop)
-        proc.send(f"alloc {GRAPHICS:#x} 0x1")
-        wait_for(lambda: sup.stats().pending == 1, "the session call to wait for the loop")
-        sup.close(keep=True)
-        assert proc.line() == f"ok {ENOTTY}"  # admitted: it went on to the (stand-in) driver
-        kept = sup.take_kept()
-        assert kept is not None and sup.take_kept() is None
-        proc.send(f"alloc {NVDEC:#x} 0x2")
-        assert proc.popen.stdout is not None
-        assert not select.select([proc.popen.stdout], [], [], 0.2)[0], "the call should wait for the next server"
-        nxt = SessionSupervisor(kept, "t", lambda *_: False)
-        thread = threading.Thread(target=nxt.serve_forever, daemon=True)
-        thread.start()
-        try:
-            assert proc.line() == f"ok {EPERM}"  # the next server's decision
-            assert nxt.stats().refused == {SessionKind.NVDEC: 1}
-        finally:
-            nxt.close()
-            thread.join(10)
-        assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # the last copy closed: fails, never waits
-    loop.close()
+    try:
+        with held as (_, proc):
+            sup = SessionSupervisor(held.release(), "t", lambda *_: False)
+            sup.attach(loop)
+            proc.send(f"alloc {GRAPHICS:#x} 0x1")
+            wait_for(lambda: sup.stats().pending == 1, "the session call to wait for the loop")
+            sup.close(keep=True)
+            assert proc.line() == f"ok {ENOTTY}"  # admitted: it went on to the (stand-in) driver
+            kept = sup.take_kept()
+            assert kept is not None and sup.take_kept() is None
+            proc.send(f"alloc {NVDEC:#x} 0x2")
+            assert proc.popen.stdout is not None
+            assert not select.select([proc.popen.stdout], [], [], 0.2)[0], "the call should wait for the next server"
+            nxt = SessionSupervisor(kept, "t", lambda *_: False)
+            thread = threading.Thread(target=nxt.serve_forever, daemon=True)
+            thread.start()
+            try:
+                assert proc.line() == f"ok {EPERM}"  # the next server's decision
+                assert nxt.stats().refused == {SessionKind.NVDEC: 1}
+            finally:
+                nxt.close()
+                thread.join(10)
+            assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # the last copy closed: fails, never waits
+    finally:
+        loop.close()
 
 
 @needs_notify
-def test_a_kept_listener_whose_processes_exited_is_closed() -> None:
+def test_a_listener_whose_processes_exited_is_not_kept() -> None:
     held = _listener()
     with held as (_, proc):
-        sup = SessionSupervisor(held.release(), "t", lambda *_: True)
+        sup = SessionSupervisor(held.release(), "t", lambda *_: True)  # not serving: close() finishes it here
         proc.send("exit")
         assert proc.popen.wait(10) == 0
-        thread = threading.Thread(target=sup.serve_forever, daemon=True)
-        thread.start()
-        thread.join(10)
-        assert sup.closed  # it saw the hang-up
         sup.close(keep=True)
-        assert sup.take_kept() is None
+        assert sup.closed and sup.take_kept() is None
 
 
 # --- real daemons -----------------------------------------------------------------------------------------------------
@@ -291,12 +335,15 @@ def _events(log: Path, event: str) -> list[dict[str, Any]]:
 
 
 @needs_notify
+@pytest.mark.parametrize("b_fails", [False, True], ids=["restarted", "restart-fails"])
 def test_a_restart_under_systemd_carries_a_running_process_s_hooks(
-    daemon_factory: Any, tenant_prefix: str, tmp_path: Path, store: FdStore, monkeypatch: pytest.MonkeyPatch
+    daemon_factory: Any, tenant_prefix: str, tmp_path: Path, store: FdStore, monkeypatch: pytest.MonkeyPatch,
+    b_fails: bool,
 ) -> None:
     """`unisched run` under daemon A; A stops gracefully and stores the hook; a call made meanwhile waits; daemon B
     (passed the stored fd) answers it and drops the store's copy; B killed: the next call fails at once (ENOSYS),
-    never waits for good."""
+    never waits for good. A B whose start fails (its metrics port is taken) after it took the hook stores nothing
+    again: the call fails at once, however often systemd would restart it."""
     monkeypatch.setenv("NOTIFY_SOCKET", store.env)
     a = daemon_factory()
     name = f"{tenant_prefix}run"
@@ -308,21 +355,35 @@ def test_a_restart_under_systemd_carries_a_running_process_s_hooks(
         assert proc.line(30) == "ready"
         assert proc.call(f"alloc {GRAPHICS:#x} 0x1") == ENOTTY  # served by A
         assert a.stop() == 0
-        store.pump(5)
+        store.wait(lambda st: len(st.fds) == 1, "daemon A's listener in the store")
         (stored,) = store.fds
         assert stored.startswith(FD_NAME_PREFIX)
         assert _events(a.log_path, "session hooks handed to systemd for the next start")[0]["stored"] == 1
         proc.send(f"alloc {NVDEC:#x} 0x2")
         assert proc.popen.stdout is not None
         assert not select.select([proc.popen.stdout], [], [], 0.3)[0], "with the hook in the store, the call waits"
-        b = PassedDaemon(a.socket, a.state_dir, None, tmp_path / "b.log", a.extra, a.prefix,  # type: ignore[arg-type]
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        fail = ("--metrics-port", str(taken.getsockname()[1]), "--metrics-listen", "127.0.0.1") if b_fails else ()
+        b = PassedDaemon(a.socket, a.state_dir, None, tmp_path / "b.log", (*a.extra, *fail), a.prefix,  # type: ignore[arg-type]
                          subtree=a.subtree, passed=((store.fds[stored], stored),))
+        if b_fails:
+            with open(b.log_path, "ab") as log:
+                b.proc = b._spawn(log)
+            assert b.proc.wait(30) != 0
+            taken.close()
+            store.wait(lambda st: st.removed == [stored] and not st.fds, "B to drop the store's copy")
+            assert proc.line(30) in (f"ok {ENOTTY}", f"ok {ENOSYS}")  # answered before B failed, or failed with it
+            assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS
+            assert not store.fds and not _events(b.log_path, "session hooks handed to systemd for the next start")
+            return
+        taken.close()
         b.start()
         assert proc.line(30) == f"ok {ENOTTY}"  # answered by B
         carried = _events(b.log_path, "session hooks carried over the restart")
         assert carried and carried[0]["served"] == 1 and carried[0]["tenants"] == [name]
-        store.pump(5)
-        assert store.removed == [stored] and not store.fds  # B's copy is the last one now
+        store.wait(lambda st: st.removed == [stored] and not st.fds, "B to drop the store's copy")  # B's is the last
         assert not (Path(b.state_dir) / CARRIED_FILE).exists()
         b.stop(sig=9)
         assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # after a crash: fails at once

@@ -125,6 +125,24 @@ def test_book_follows_devices_frees_and_clients() -> None:
     assert book.held() == {} and book.owners() == {}
 
 
+def test_a_carried_book_refuses_memory_on_devices_it_never_saw_made_by_processes_from_before() -> None:
+    """A listener kept over a restart: a process that started before it (start time 123 < 200) made its clients and
+    devices unseen. Its memory under such a device is refused (not counted on UNKNOWN_GPU, past every GPU's caps
+    and reserves) and the handles the driver picks for it are not replayed; under a device made since, it is
+    followed as ever, and a process started since is followed in full."""
+    book = MemoryBook(carried_before=200)
+    assert book.unbooked(ROOT, 0x10, DEV, OWNER) is Unbooked.CARRIED
+    book.add_device(ROOT, 0xD5, 0x80, ROOT, 1, OWNER)  # a device it makes after the restart: seen
+    assert book.unbooked(ROOT, 0x11, 0xD5, OWNER) is None and book.add(ROOT, 0x11, 0xD5, GIB, OWNER)[0] == 1
+    assert book.unbooked(ROOT, 0x12, DEV, OWNER) is Unbooked.CARRIED  # still not the old one
+    assert book.lost(ROOT)  # its driver-picked handles: keys of their own, counted until it ends
+    new, fresh = ROOT + 1, (4343, "300")
+    assert book.unbooked(new, 0x10, DEV, fresh) is None  # started since: an unknown parent is as it always was
+    book.add_device(new, DEV, 0x80, new, 0, fresh)
+    assert book.add(new, 0, DEV, 5, fresh)[1] == RS_UNIQUE_HANDLE_BASE and not book.lost(new)
+    assert MemoryBook().unbooked(ROOT, 0x10, DEV, OWNER) is None  # not carried: no such rule
+
+
 def test_book_keeps_clients_apart_and_releases_exited_ones() -> None:
     book = MemoryBook()
     other = ROOT + 1

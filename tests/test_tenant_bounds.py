@@ -360,7 +360,7 @@ def test_stopping_with_supervisors_held_by_their_tenants_waits_one_deadline_not_
         def __init__(self, name: str) -> None:
             self.tenant = name
 
-        def close(self, join_s: float = JOIN_TIMEOUT_S) -> None:
+        def close(self, join_s: float = JOIN_TIMEOUT_S, *, keep: bool = False) -> None:
             told.append(self.tenant)
             now[0] += join_s
 

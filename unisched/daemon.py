@@ -34,8 +34,10 @@ from unisched.scheduler.clock import SystemClock
 from unisched.scheduler.config import ConfigError, DaemonConfig, check_declared_cgroups, check_gpus
 from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
+from unisched.sdnotify import Notifier
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.standin import CpuStandIn
+from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket, claim_state_dir
 from unisched.transport.server import serve
 
@@ -197,7 +199,8 @@ def _mps_control(config: DaemonConfig) -> MpsControl | None:
     return NvidiaMpsControl(Path(config.socket).parent / "mps", Path(config.state_dir) / "mps-log")
 
 
-def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated: bool) -> None:
+def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated: bool,
+           carried: list[tuple[int, Carried]]) -> None:
     """Steps 5 to 7, with the socket claimed and logging configured; returns when a signal stopped the daemon."""
     if delegated:
         config = _enter_delegated(config)
@@ -210,7 +213,7 @@ def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated:
     try:
         store = StateStore(config.state_dir, config.cgroup_subtree)
         engine = Scheduler(config, driver, telemetry, store, SystemClock(), devices, mps)
-        serve(config, engine, nvml)
+        serve(config, engine, nvml, carried)
     except ConfigError as e:
         raise StartError(str(e), EXIT_BAD_CONFIG) from e
     except MpsError as e:
@@ -225,7 +228,15 @@ def _serve(config: DaemonConfig, telemetry: GpuTelemetry, nvml: bool, delegated:
 
 def run(config: DaemonConfig, *, delegated: bool = False, orphans: Orphans | None = None) -> None:
     """Start the daemon in the order of this module's docstring and serve until a signal stops it.
-    `orphans`: what the cli's first step thawed, reported on stderr on an early failure, else in the log."""
+    `orphans`: what the cli's first step thawed, reported on stderr on an early failure, else in the log.
+
+    Before any of it, the session hooks systemd kept over a restart are taken (transport/carry.py), so that a start
+    that fails closes them as it exits, and their calls fail at once rather than wait through restart after
+    restart. From there they are the seccomp agent's."""
+    _run(config, delegated, orphans, ListenerCarry(Notifier.from_env(), config.state_dir).take())
+
+
+def _run(config: DaemonConfig, delegated: bool, orphans: Orphans | None, carried: list[tuple[int, Carried]]) -> None:
     try:
         telemetry, nvml = _preflight(config)
     except StartError:
@@ -242,7 +253,7 @@ def run(config: DaemonConfig, *, delegated: bool = False, orphans: Orphans | Non
             log_orphans(orphans)
             if (why := set_own_nice(config.nice)) is not None:
                 _log().warning("cannot set the daemon's nice value", nice=config.nice, reason=why)
-            _serve(config, telemetry, nvml, delegated)
+            _serve(config, telemetry, nvml, delegated, carried)
         finally:
             for claim in claims:
                 claim.release()

@@ -69,15 +69,16 @@ class Notifier:
     def stopping(self, status: str) -> bool:
         return self.send(READY_WAIT_S, STOPPING=1, STATUS=status)
 
-    def store_fd(self, fd: int, name: str) -> bool:
-        """FDSTORE=1: systemd keeps a copy of `fd` under `name` (replacing one of that name) and passes it to the
-        service's next start (`passed_fds`), as long as the unit is restarting rather than stopped, and drops it when
-        the fd hangs up. Only where the unit sets FileDescriptorStoreMax=; elsewhere systemd closes its copy."""
-        return self.send(READY_WAIT_S, [fd], FDSTORE=1, FDNAME=name)
+    def store_fd(self, fd: int, name: str, wait_s: float = READY_WAIT_S) -> bool:
+        """FDSTORE=1: systemd keeps a copy of `fd` under `name` and passes it to the service's next start
+        (`passed_fds`) as long as the unit is restarting rather than stopped, and drops it when the fd hangs up. True
+        says the message was sent, not that it was kept: systemd drops it where the unit lacks
+        FileDescriptorStoreMax=, when the store is full, or when it takes the fd for one it holds already."""
+        return self.send(wait_s, [fd], FDSTORE=1, FDNAME=name)
 
-    def remove_stored(self, name: str) -> bool:
+    def remove_stored(self, name: str, wait_s: float = READY_WAIT_S) -> bool:
         """FDSTOREREMOVE=1: systemd closes its copies of the fds stored under `name`."""
-        return self.send(READY_WAIT_S, FDSTOREREMOVE=1, FDNAME=name)
+        return self.send(wait_s, FDSTOREREMOVE=1, FDNAME=name)
 
     def close(self) -> None:
         if self._sock is not None:

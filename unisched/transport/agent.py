@@ -113,11 +113,16 @@ class SeccompAgentServer:
 
     def __init__(
         self, path: str, engine: Scheduler, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None,
-        carry: ListenerCarry | None = None,
+        carry: ListenerCarry | None = None, carried: list[tuple[int, Carried]] | None = None,
     ) -> None:
         self.path = path
         self.carry = carry
         """Where the hooks' listeners are kept across a graceful restart (carry.py); None: never kept."""
+        self.carried = carried or []
+        """The listeners the last graceful stop kept, served again at `start` (ListenerCarry.take's)."""
+        self.graceful = False
+        """Set when the daemon was serving and a stop was asked for: only then does `close` keep the listeners (a
+        start that failed, or an engine that died, closes them: a restart loop must not keep calls waiting)."""
         self.engine = engine
         self.limits = limits or HandOverLimits()
         if hooks is None:  # the real hooks also follow video memory: caps and reserves at each allocation
@@ -139,8 +144,8 @@ class SeccompAgentServer:
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
-        if self.carry is not None:
-            self._serve_carried(self.carry.take())
+        carried, self.carried = self.carried, []
+        self._serve_carried(carried)
         self._task = asyncio.create_task(self._accept_loop())
 
     def _serve_carried(self, carried: list[tuple[int, Carried]]) -> None:
@@ -153,7 +158,7 @@ class SeccompAgentServer:
                 log.warning("a carried session hook's tenant is gone; its calls fail with ENOSYS", tenant=entry.tenant)
                 continue
             try:
-                self.hooks.attach(fd, entry.tenant, entry.uid)
+                self.hooks.attach(fd, entry.tenant, entry.uid, carried=True)
             except SeccompError as e:
                 log.warning("a carried session hook is not served; its calls fail with ENOSYS", tenant=entry.tenant,
                             reason=str(e))
@@ -175,7 +180,10 @@ class SeccompAgentServer:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-        if self.carry is not None and self.carry.enabled:
+        for fd, _ in self.carried:  # never started: not served, so not kept either
+            os.close(fd)
+        self.carried = []
+        if self.carry is not None and self.carry.enabled and self.graceful:
             self.carry.keep(self.hooks.hand_off())
         else:
             self.hooks.close()

@@ -10,9 +10,14 @@ it has systemd drop every stored copy (FDSTOREREMOVE=1), so that the daemon's co
 or stop fails its calls as before, and none ever waits for good.
 
 After a crash no list is written: a listener stored by no graceful stop cannot be known to have every received call
-answered (a caller would wait for an answer nobody can give), so it is closed. `systemctl stop` releases the store,
-which closes every listener in it (ENOSYS, as without the store). Without systemd (`NOTIFY_SOCKET` unset: by hand,
-the Kubernetes DaemonSet) nothing is carried.
+answered (a caller would wait for an answer nobody can give), so it is closed. The stored listeners are taken first
+thing at start, before anything that can fail: a start that fails closes them (ENOSYS), so a start failing over and
+over never keeps a call waiting. Only a stop asked for (SIGTERM) of a daemon that was serving stores them.
+`systemctl stop` releases the store, which closes every listener in it (ENOSYS, as without the store). Without
+systemd (`NOTIFY_SOCKET` unset: by hand, the Kubernetes DaemonSet) nothing is carried.
+
+A carried listener's books start empty: sessions its processes opened before the restart are not counted against
+caps, and memory they allocate under GPU devices opened before it is refused (memory.MemoryBook's carried_before).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import contextlib
 import json
 import os
 import secrets
+import stat
+import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +39,7 @@ from unisched.enforce.seccomp.hooks import KeptListener
 from unisched.policy import PolicyError, validate_tenant_name
 from unisched.scheduler.durable import replace_durably
 from unisched.sdnotify import Notifier, passed_fds
+from unisched.transport.identity import CONTAINED_ROOT
 
 __all__ = ["CARRIED_FILE", "FD_NAME_PREFIX", "Carried", "ListenerCarry", "is_seccomp_listener"]
 
@@ -43,6 +51,13 @@ FD_NAME_PREFIX: Final = "unisched-hook-"
 """Every stored listener's name starts so: `unisched-hook-<this stop's token>-<n>`."""
 MAX_FILE_BYTES: Final = 4 << 20
 """The most of the list file read: far past the store's FileDescriptorStoreMax= entries of about 100 bytes each."""
+STORE_DEADLINE_S: Final = 5.0
+"""How long a stop may spend handing listeners to systemd, all together (TimeoutStopSec is 30 s): any local process
+can fill PID 1's notify queue, and each message may wait for room. Those not sent by then fail as without a store."""
+REMOVE_DEADLINE_S: Final = 2.0
+"""How long a start may spend asking systemd to drop its stored copies, all together (the same queue); a copy not
+dropped is closed when the unit stops, and lists nothing the next start would serve."""
+MAX_UID: Final = (1 << 32) - 2
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ def _parse(body: bytes) -> dict[str, Carried]:
             continue
         name, tenant, uid = e.get("name"), e.get("tenant"), e.get("uid")
         if not (isinstance(name, str) and name.startswith(FD_NAME_PREFIX) and isinstance(tenant, str)
-                and isinstance(uid, int) and not isinstance(uid, bool)):
+                and isinstance(uid, int) and not isinstance(uid, bool) and (0 <= uid <= MAX_UID or uid == CONTAINED_ROOT)):
             continue
         try:
             validate_tenant_name(tenant)
@@ -106,10 +121,12 @@ class ListenerCarry:
             return None
 
     def keep(self, listeners: Sequence[KeptListener]) -> int:
-        """At a graceful stop: list, then store, each listener (up to the store's room); every fd here is closed
-        afterwards, whether stored or not (one not stored: its calls fail with ENOSYS). The number stored."""
+        """At a graceful stop: list, then store, each listener (up to the store's room; a runtime's, uid 0, before
+        users' runs), within STORE_DEADLINE_S; every fd here is closed afterwards, whether stored or not (one not
+        stored: its calls fail with ENOSYS). The number sent to the store."""
         room = self._room()
-        offered = list(listeners) if room is None else list(listeners)[:room]
+        ordered = sorted(listeners, key=lambda k: k.uid != 0)
+        offered = ordered if room is None else ordered[:room]
         token = secrets.token_hex(6)
         entries = [Carried(f"{FD_NAME_PREFIX}{token}-{i}", k.tenant, k.uid) for i, k in enumerate(offered)]
         stored = 0
@@ -118,8 +135,9 @@ class ListenerCarry:
                 body = json.dumps({"listeners": [asdict(e) for e in entries]}, separators=(",", ":")).encode()
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 replace_durably(self.path, body)  # before the fds: a stored listener the list does not name is closed
+                deadline = time.monotonic() + STORE_DEADLINE_S
                 for entry, kept in zip(entries, offered, strict=True):
-                    if not self.notifier.store_fd(kept.fd, entry.name):
+                    if not self.notifier.store_fd(kept.fd, entry.name, max(0.0, deadline - time.monotonic())):
                         break  # systemd's queue stayed full: the rest fail as without the store
                     stored += 1
         except OSError as e:
@@ -135,27 +153,37 @@ class ListenerCarry:
         return stored
 
     def take(self) -> list[tuple[int, Carried]]:
-        """At start: the stored listeners the last graceful stop listed, each an fd that is now the caller's; every
-        other stored listener closed; every stored copy dropped from systemd's store; the list removed."""
+        """At start, before anything that can fail: the stored listeners the last graceful stop listed, each an fd
+        that is now the caller's; every other seccomp listener passed, and every other fd passed under our names,
+        closed; every stored copy dropped from systemd's store (within REMOVE_DEADLINE_S); the list removed."""
         listed = self._take_list()
-        ours = [(fd, name) for fd, name in self._passed() if name.startswith(FD_NAME_PREFIX)]
         taken: list[tuple[int, Carried]] = []
-        for fd, name in ours:
+        dropped: list[str] = []
+        for fd, name in self._passed():
             entry = listed.get(name)
-            if entry is not None and is_seccomp_listener(fd):
+            listener = is_seccomp_listener(fd)
+            if entry is not None and listener:
                 taken.append((fd, entry))
-                continue
-            log.warning("a stored session hook no graceful stop listed is closed (its calls fail with ENOSYS)",
-                        name=name)
-            os.close(fd)
-        for name in dict.fromkeys(n for _, n in ours):
-            self.notifier.remove_stored(name)
+                dropped.append(name)
+            elif listener or name.startswith(FD_NAME_PREFIX):  # (a listener under a name not ours: a store's leftover)
+                os.close(fd)
+                dropped.append(name)
+        if len(taken) < len(listed):
+            log.warning("fewer session hooks came back from systemd than the last stop handed over; the others' calls "
+                        "fail with ENOSYS", listed=len(listed), back=len(taken))
+        if len(dropped) > len(taken):
+            log.warning("stored session hooks no graceful stop listed were closed (their calls fail with ENOSYS)",
+                        closed=len(dropped) - len(taken))
+        deadline = time.monotonic() + REMOVE_DEADLINE_S
+        for name in dict.fromkeys(dropped):
+            self.notifier.remove_stored(name, max(0.0, deadline - time.monotonic()))
         return taken
 
     def _take_list(self) -> Mapping[str, Carried]:
-        """The list the last graceful stop wrote, removed as it is read: a later start never reads it again."""
+        """The list the last graceful stop wrote, removed as it is read: a later start never reads it again. Only a
+        regular file of the daemon's own user that no other may write counts."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             return {}
         except OSError as e:
@@ -163,6 +191,11 @@ class ListenerCarry:
             return {}
         try:
             with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or not stat.S_ISREG(st.st_mode):
+                    log.error("the list of carried session hooks is not the daemon's own file; none is carried",
+                              path=str(self.path))
+                    return {}
                 body = f.read(MAX_FILE_BYTES + 1)
         finally:
             with contextlib.suppress(OSError):

@@ -24,7 +24,7 @@ from unisched.scheduler.core import RegisterAsk, Scheduler, SchedulerError
 from unisched.scheduler.runner import run_engine
 from unisched.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from unisched.transport.agent import SeccompAgentServer
-from unisched.transport.carry import ListenerCarry
+from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import replace_stale_socket
 from unisched.transport.client import AGENT_SOCKET_METADATA, LEASE_SOCKET_METADATA
 from unisched.transport.convert import PRIORITY, memory_ask, public_summary, snapshot_to_pb
@@ -289,8 +289,10 @@ async def serve_async(
     nvml: bool,
     stop: asyncio.Event | None = None,
     ready: Callable[[Doors], None] | None = None,
+    carried: list[tuple[int, Carried]] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do).
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do). `carried`:
+    the session hooks' listeners the last graceful stop kept (ListenerCarry.take, which the caller made first).
 
     Raises ConfigError before touching anything when `listen` is set without its TLS files."""
     started = time.monotonic()
@@ -307,7 +309,8 @@ async def serve_async(
     door = GrpcDoor(servicer, config.lease_socket)
     lease = LeaseService(engine, servicer.is_admin, pacer)
     notifier = Notifier.from_env()
-    agent = SeccompAgentServer(config.agent_socket, engine, carry=ListenerCarry(notifier, config.state_dir))
+    agent = SeccompAgentServer(config.agent_socket, engine, carry=ListenerCarry(notifier, config.state_dir),
+                               carried=carried)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -351,6 +354,7 @@ async def serve_async(
         # Type=notify: systemd starts units ordered after this one only now, when every socket answers
         notifier.ready(f"serving on {config.socket}, {engine.tenant_count} tenants")
         await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        agent.graceful = not engine_task.done()  # a stop asked for, the engine still running: carry the hooks over
     finally:
         notifier.stopping("thawing every tenant and saving state")
         stop.set()
@@ -379,5 +383,5 @@ def _watchdog(notifier: Notifier, engine: Scheduler) -> Callable[[], None] | Non
     return Watchdog(notifier, interval, lambda: f"serving on {engine.config.socket}, {engine.tenant_count} tenants").alive
 
 
-def serve(config: DaemonConfig, engine: Scheduler, nvml: bool) -> None:
-    asyncio.run(serve_async(config, engine, nvml))
+def serve(config: DaemonConfig, engine: Scheduler, nvml: bool, carried: list[tuple[int, Carried]] | None = None) -> None:
+    asyncio.run(serve_async(config, engine, nvml, carried=carried))

@@ -104,10 +104,10 @@ class KeptListener:
 
 
 class SessionHooks(Protocol):
-    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
+    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
         """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid` (negative: root in a container,
-        bounded as one user; `user_name`), from now on. Called on the
-        daemon's event loop. The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
+        bounded as one user; `user_name`), from now on; `carried`: kept over a restart (SessionSupervisor's). Called
+        on the daemon's event loop. The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
 
     def close(self) -> None:
         """Stop serving every listener (their tenants' pending and later session calls fail with ENOSYS)."""
@@ -163,7 +163,7 @@ class SupervisedHooks:
                     del self._ended[next(iter(self._ended))]
         self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]
 
-    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
+    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
         self._forget_ended()
         served = [(s.tenant, u) for s, u in self._supervisors]
         tenants, uids = {t for t, _ in served}, {u for _, u in served}
@@ -177,7 +177,7 @@ class SupervisedHooks:
         user = None if uid == 0 else self._users.setdefault(uid, Allowance(user_name(uid), self._user_bounds, self._lock))
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
-                                    allowance=allowance, user_allowance=user)
+                                    allowance=allowance, user_allowance=user, carried=carried)
         except BaseException:
             os.close(listener_fd)
             raise
@@ -236,7 +236,7 @@ class FakeSessionHooks:
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
 
-    def attach(self, listener_fd: int, tenant: str, uid: int) -> None:
+    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
         os.close(listener_fd)
         why = listener_refusal(tenant, uid, list(zip(self.attached, self.uids, strict=True)), self._max_per_tenant,
                                self._max_per_user)

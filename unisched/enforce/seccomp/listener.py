@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
 import struct
 import time
 from collections.abc import Callable
@@ -60,6 +61,12 @@ class Listener:
         except OSError:
             return False
         return True
+
+    def hung_up(self) -> bool:
+        """Whether every process of the filter has exited (the listener polls POLLHUP): nobody will call again."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in poller.poll(0))
 
     def receive(self) -> Notification | None:
         """The next notification; None when there is none after all (the caller went away meanwhile)."""

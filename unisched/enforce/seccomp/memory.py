@@ -107,6 +107,7 @@ class Unbooked(StrEnum):
     TENANT_CLIENT = "client not booked: the tenant's or its user's bound"
     TENANT_DEVICE = "device not booked: the tenant's or its user's bound"
     TENANT_OBJECTS = "too many allocations for the tenant or its user"
+    CARRIED = "a device opened before the daemon restarted"
 
 
 _DEVICE, _MEMORY = 0, 1
@@ -118,8 +119,16 @@ class MemoryBook:
     every client, device, allocation and replayed handle it records is taken from it, and given back when dropped).
     One thread changes it (the supervisor's)."""
 
-    def __init__(self, bounds: BookBounds = BookBounds(), share: Share | None = None) -> None:
+    def __init__(self, bounds: BookBounds = BookBounds(), share: Share | None = None,
+                 carried_before: int | None = None) -> None:
+        """`carried_before`: the book of a listener carried over a restart (transport/carry.py), which saw nothing of
+        what processes started before that time (clock ticks since boot, as /proc/PID/stat's start time) made: their
+        devices' GPUs and the handles the driver gave them are unknown. Their driver-picked handles are not replayed
+        (what they allocate under them stays counted until they end), and their memory under a parent not seen
+        being made as a device is refused (Unbooked.CARRIED): counted on UNKNOWN_GPU it would escape the caps and
+        reserves of the GPU it is on."""
         self._bounds = bounds
+        self._carried_before = carried_before
         self.share = Share() if share is None else share
         self._owners: dict[int, tuple[int, str]] = {}
         self._devices: dict[tuple[int, int], tuple[int, int]] = {}  # (hRoot, handle) -> (gpu, parent)
@@ -173,8 +182,12 @@ class MemoryBook:
             if self._client_refusal(owner) is not None or not self.share.take(Entry.MEMORY_CLIENTS, force=force):
                 return None
             self._owners[h_root] = owner
-            replay = self._replays[h_root] = HandleReplay(self._budget)
+            replay = self._replays[h_root] = HandleReplay(self._budget, lost=self._predates(owner))
         return replay
+
+    def _predates(self, owner: tuple[int, str]) -> bool:
+        """Whether process `owner` started before this book's listener was carried over a restart."""
+        return self._carried_before is not None and owner[1].isdigit() and int(owner[1]) < self._carried_before
 
     def handle_for(self, h_root: int, handle: int, h_parent: int, owner: tuple[int, str], force: bool = False) -> int:
         """An allocation about to run with `handle` (0: the driver picks): the handle it will have, replayed
@@ -271,6 +284,8 @@ class MemoryBook:
                 return why or Unbooked.TENANT_CLIENT
         if h_root in self._unplaced and (h_root, h_parent) not in self._devices:
             return self._unplaced[h_root]
+        if self._predates(self._owners.get(h_root, owner)) and (h_root, h_parent) not in self._devices:
+            return Unbooked.CARRIED
         if not handle or (h_root, handle) not in self._objects:
             if len(self._objects) >= self._bounds.objects:
                 return Unbooked.OBJECTS

@@ -33,10 +33,11 @@ class MemoryCalls:
     enforced: nothing is charged, booked or credited. `share`: the book's part of its tenant's and its user's allowances."""
 
     def __init__(self, tenant: str, ledger: MemoryLedger | None, listener: Listener,
-                 warn: Callable[[str, str], None], share: Share | None = None) -> None:
+                 warn: Callable[[str, str], None], share: Share | None = None,
+                 carried_before: int | None = None) -> None:
         self.tenant = tenant
         self.ledger = ledger
-        self.book = MemoryBook(share=share)
+        self.book = MemoryBook(share=share, carried_before=carried_before)
         self._listener = listener
         self._warn = warn
         """The supervisor's warn-once (key, message), as its listener's."""
@@ -132,6 +133,11 @@ class MemoryCalls:
         """Count a refusal past the book's bounds; the first one warns."""
         assert self.ledger is not None
         self.ledger.refuse(self.tenant, gpu)
+        if why is Unbooked.CARRIED:
+            self._warn("carried", "gpu memory: an allocation under a GPU device opened before the daemon restarted was "
+                       "refused as out of memory (which GPU it is on is not known, so its caps and reserves cannot be "
+                       "held); restart the process to have its memory followed again; later ones are logged at debug")
+            return
         self._warn("memory", "gpu memory: an allocation the book cannot record (its bounds, its tenant's or its user's, or a "
                    "process not known) was refused as out of memory; later ones are logged at debug "
                    f"({why.value}; {self.book.size()})")

@@ -78,7 +78,8 @@ class SessionSupervisor:
 
     `allowance`: the entries all the tenant's books may hold together (hooks.TENANT_BOUNDS); `user_allowance`: all
     the books of the listeners one non-root user handed over (hooks.USER_BOUNDS). Both books draw on both, and give
-    back all they held when the supervisor finishes. None: no such bound.
+    back all they held when the supervisor finishes. None: no such bound. `carried`: a listener kept over a restart,
+    whose processes made objects this daemon never saw (memory.MemoryBook's carried_before).
     """
 
     def __init__(
@@ -95,13 +96,15 @@ class SessionSupervisor:
         memory: MemoryLedger | None = None,
         allowance: Allowance | None = None,
         user_allowance: Allowance | None = None,
+        carried: bool = False,
     ) -> None:
         self.tenant = tenant
         self.allowance = allowance
         self.user_allowance = user_allowance
         self._listener = Listener(listener_fd, self._warn_once)
+        since = start_time(os.getpid()) if carried else None  # (memory.MemoryBook's carried_before)
         self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once,
-                                share=Share(allowance, user_allowance))
+                                share=Share(allowance, user_allowance), carried_before=int(since) if since else None)
         self._decide = decide
         self._on_event = on_event
         self._reconcile_interval = reconcile_interval_s
@@ -237,7 +240,7 @@ class SessionSupervisor:
             self._finished = True
             self._closed = True
             self._serving = False
-            keep = self._keep and action is not EventAction.EXITED
+            keep = self._keep and action is not EventAction.EXITED and not self._listener.hung_up()
             if keep:
                 self._kept_fd = self._listener.fd
             else:
