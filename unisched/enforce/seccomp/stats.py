@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from unisched.enforce.seccomp.accounting import Counts
 
-__all__ = ["HookCounts", "SupervisorStats", "percentile_us"]
+__all__ = ["HookCounts", "SupervisorStats", "Tally", "percentile_us"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,38 @@ def percentile_us(samples_ns: list[int], p: float) -> float | None:
     if not samples_ns:
         return None
     return samples_ns[min(len(samples_ns) - 1, int(p * len(samples_ns)))] / 1000.0
+
+
+class Tally:
+    """A supervisor's running numbers of its answers, changed and read under the supervisor's lock: the totals
+    `counts` reports, and the recent latencies `stats` sorts."""
+
+    def __init__(self, latency_window: int) -> None:
+        self.notifications = 0
+        """Notifications answered or skipped: counted before each answer, so exact by the time the caller resumes."""
+        self.skipped = 0
+        self.errors = 0
+        self.asked = 0
+        """Session calls whose decision was asked on the event loop."""
+        self.latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
+        self.answer_ns = 0
+        """Every answer's latency summed, where `latency_ns` keeps only the recent ones."""
+        self.decided = 0
+        self.decided_ns = 0
+        """Of those, the answers the event loop decided, and their latency summed."""
+        self.send_ns = 0
+        """The answers' SEND calls summed, apart from their latency (Listener.send_ns: partly the callers' time)."""
+
+    def answered(self, latency_ns: int, send_ns: int, answered: bool, decided: bool) -> None:
+        """One answer (or a call found gone: not `answered`)."""
+        self.latency_ns.append(latency_ns)
+        self.answer_ns += latency_ns
+        self.send_ns += send_ns
+        if decided:
+            self.decided += 1
+            self.decided_ns += latency_ns
+        self.skipped += not answered
+
+    def counts(self, tenant: str) -> HookCounts:
+        return HookCounts(tenant, self.notifications, self.errors, self.answer_ns / 1e9, self.decided,
+                          self.decided_ns / 1e9, self.send_ns / 1e9)

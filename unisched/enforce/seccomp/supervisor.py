@@ -38,7 +38,7 @@ from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
-from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, percentile_us
+from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, Tally, percentile_us
 from unisched.logs import Throttle
 
 log = structlog.get_logger("unisched.seccomp")
@@ -110,19 +110,9 @@ class SessionSupervisor:
         self._reconcile_interval = reconcile_interval_s
         self._lock = threading.Lock()
         self._book = SessionBook(tenant, int(join_window_s * 1e9), share=Share(allowance, user_allowance))
-        self._notifications = 0
-        self._skipped = 0
-        self._errors = 0
-        self._asked = 0
+        self._tally = Tally(latency_window)
+        """(under `_lock`)"""
         self._sync_wake_up = sync_wake_up and self._listener.set_sync_wake_up()
-        self._latency_ns: collections.deque[int] = collections.deque(maxlen=latency_window)
-        self._answer_ns = 0
-        """Every answer's latency summed (`counts`), where `_latency_ns` keeps only the recent ones."""
-        self._decided_calls = 0
-        self._decided_ns = 0
-        """Of those, the answers the event loop decided, and their latency summed (`counts`)."""
-        self._send_ns = 0
-        """The answers' SEND calls summed, apart from their latency (Listener.send_ns: partly the callers' time)."""
         self._warned: set[str] = set()
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
@@ -228,7 +218,7 @@ class SessionSupervisor:
                         self.reconcile()
                 except Exception:  # a bug here must not take the tenant's hooks down: log it, serve on
                     with self._lock:
-                        self._errors += 1
+                        self._tally.errors += 1
                     log.exception("seccomp supervisor error; serving on", tenant=self.tenant)
         finally:
             self._finish(why)
@@ -329,8 +319,8 @@ class SessionSupervisor:
                     failure = ("seccomp decide() failed; admitting the call", e)
         except _Gone:
             with self._lock:
-                self._notifications += 1
-                self._skipped += 1
+                self._tally.notifications += 1
+                self._tally.skipped += 1
             return
         except Exception as e:
             failure, call = ("seccomp notification handling failed; letting the call continue", e), None
@@ -347,7 +337,7 @@ class SessionSupervisor:
             self._conclude(nid, tid, t0, call, True, ("the daemon's event loop is closed; admitting the call", e))
             return
         with self._lock:
-            self._asked += 1
+            self._tally.asked += 1
 
     def _decide_on_loop(self, nid: int, kind: SessionKind, h_class: int) -> None:
         """On the loop: ask `decide`, hand the answer back to the serving thread."""
@@ -400,7 +390,7 @@ class SessionSupervisor:
                     events = [SessionEvent(self.tenant, EventAction.ABORTED, call.kind, call.h_class, pid, call.handle, 0)]
                 call = None
         with self._lock:
-            self._notifications += 1
+            self._tally.notifications += 1
         answered = self._listener.answer(nid, -errno.EPERM if refused else 0)
         self._timed(t0, answered, decided)
         if not answered:
@@ -410,7 +400,7 @@ class SessionSupervisor:
         self._emit_all(events)
         if failure is not None:
             with self._lock:
-                self._errors += 1
+                self._tally.errors += 1
             log.error(failure[0], tenant=self.tenant, pid=pid, exc_info=failure[1])
         if refused and call is not None and answered:  # past the bounds a flood may be on: the warning said it once
             held = None if unbooked is not None else self.refusal_log.allow(str(call.kind))
@@ -469,7 +459,7 @@ class SessionSupervisor:
         """A call MemoryCalls answers (`answer`: whether it was), counted like every answer: before it, so the
         counts are exact by the time the caller resumes."""
         with self._lock:
-            self._notifications += 1
+            self._tally.notifications += 1
         self._timed(t0, answer())
 
     def _timed(self, t0: int, answered: bool, decided: bool = False) -> None:
@@ -479,13 +469,7 @@ class SessionSupervisor:
         send = self._listener.send_ns if answered else 0
         dt = max(0, time.perf_counter_ns() - t0 - send)
         with self._lock:
-            self._latency_ns.append(dt)
-            self._answer_ns += dt
-            self._send_ns += send
-            if decided:
-                self._decided_calls += 1
-                self._decided_ns += dt
-            self._skipped += not answered
+            self._tally.answered(dt, send, answered, decided)
 
     def _emit_all(self, events: list[SessionEvent]) -> None:
         """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
@@ -517,30 +501,15 @@ class SessionSupervisor:
     def counts(self) -> HookCounts:
         """The running totals alone: O(1), for every metrics refresh (`stats` sorts its samples and reads the books)."""
         with self._lock:
-            return HookCounts(self.tenant, self._notifications, self._errors, self._answer_ns / 1e9,
-                              self._decided_calls, self._decided_ns / 1e9, self._send_ns / 1e9)
+            return self._tally.counts(self.tenant)
 
     def stats(self) -> SupervisorStats:
         with self._lock:
-            samples = sorted(self._latency_ns)
-            notifications, skipped, errors = self._notifications, self._skipped, self._errors
-            asked, pending = self._asked, len(self._pending)
-
-        counts = self._book.counts()
+            t, samples, pending = self._tally, sorted(self._tally.latency_ns), len(self._pending)
+            notifications, skipped, errors, asked = t.notifications, t.skipped, t.errors, t.asked
+        c = self._book.counts()
         return SupervisorStats(
-            tenant=self.tenant,
-            live=counts.live,
-            objects=counts.objects,
-            admitted=counts.admitted,
-            refused=counts.refused,
-            notifications=notifications,
-            skipped=skipped,
-            errors=errors,
-            latency_p50_us=percentile_us(samples, 0.50),
-            latency_p99_us=percentile_us(samples, 0.99),
-            latency_samples=len(samples),
-            closed=self._done.is_set(),
-            asked_loop=asked,
-            pending=pending,
-            sync_wake_up=self._sync_wake_up,
-        )
+            live=c.live, objects=c.objects, admitted=c.admitted, refused=c.refused, tenant=self.tenant,
+            notifications=notifications, skipped=skipped, errors=errors, latency_p50_us=percentile_us(samples, 0.50),
+            latency_p99_us=percentile_us(samples, 0.99), latency_samples=len(samples), closed=self._done.is_set(),
+            asked_loop=asked, pending=pending, sync_wake_up=self._sync_wake_up)
