@@ -149,12 +149,13 @@ class Daemon:
         if self.proc.poll() is not None:
             raise AssertionError(f"daemon exited at start: {self.log_path.read_text()[-2000:]}")
 
+    def argv(self) -> list[str]:
+        """The daemon's command line."""
+        return [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
+                *(() if self.nvml else ("--no-nvml",)), "--log-format", "json", *self.extra]
+
     def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
-             *(() if self.nvml else ("--no-nvml",)), "--log-format", "json", *self.extra],
-            stdout=log, stderr=log, cwd=ROOT, env=child_env(),
-        )
+        return subprocess.Popen(self.argv(), stdout=log, stderr=log, cwd=ROOT, env=child_env())
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:

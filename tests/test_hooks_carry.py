@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -13,7 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -104,6 +105,26 @@ def store(tmp_path: Path) -> Iterator[FdStore]:
     s.close()
 
 
+@contextlib.contextmanager
+def systemd_start(passed: Sequence[tuple[int, str]], argv: list[str]) -> Iterator[tuple[list[str], list[int], dict[str, str]]]:
+    """`argv` started as systemd starts a service it passes fds to: each of `passed` at 3, 4, ... with LISTEN_FDS,
+    LISTEN_FDNAMES and LISTEN_PID (set by a wrapper that then execs `argv`, keeping its pid). Yields the command, the
+    fds to pass to it (copies at 200 and up, so that no move clobbers another; closed after the block) and its
+    environment."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200 + i) for i, (fd, _) in enumerate(passed)]
+    wrapper = ("import os, sys; n = int(sys.argv[1]); src = [int(a) for a in sys.argv[2:2 + n]]\n"
+               "for i, fd in enumerate(src):\n    os.dup2(fd, 3 + i); os.close(fd)\n"
+               "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.argv[2 + n], sys.argv[2 + n:])")
+    env = child_env()
+    if passed:
+        env |= {"LISTEN_FDS": str(len(passed)), "LISTEN_FDNAMES": ":".join(n for _, n in passed)}
+    try:
+        yield [sys.executable, "-c", wrapper, str(len(high)), *map(str, high), *argv], high, env
+    finally:
+        for fd in high:
+            os.close(fd)
+
+
 # --- the pieces -------------------------------------------------------------------------------------------------------
 def test_passed_fds_are_this_process_s_only_and_the_variables_go() -> None:
     env = {"LISTEN_PID": "1", "LISTEN_FDS": "1", "LISTEN_FDNAMES": "x"}
@@ -119,11 +140,8 @@ def test_passed_fds_names_each_fd_from_three_on(tmp_path: Path) -> None:
             "'LISTEN_FDS' in os.environ]))")
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
-    wrapper = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
-               "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.executable, [sys.executable, '-c', sys.argv[3]])")
-    env = child_env() | {"LISTEN_FDS": "2", "LISTEN_FDNAMES": "first:second"}
-    out = subprocess.run([sys.executable, "-c", wrapper, str(r1), str(r2), code], pass_fds=[r1, r2], env=env,
-                         capture_output=True, text=True, timeout=30, cwd=ROOT)
+    with systemd_start([(r1, "first"), (r2, "second")], [sys.executable, "-c", code]) as (cmd, fds, env):
+        out = subprocess.run(cmd, pass_fds=fds, env=env, capture_output=True, text=True, timeout=30, cwd=ROOT)
     for fd in (r1, w1, r2, w2):
         os.close(fd)
     assert out.returncode == 0, out.stderr
@@ -305,21 +323,8 @@ class PassedDaemon(Daemon):
     passed: tuple[tuple[int, str], ...] = ()
 
     def _spawn(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 200 + i) for i, (fd, _) in enumerate(self.passed)]
-        argv = [sys.executable, "-m", "unisched", "serve", "--socket", self.socket, "--state-dir", self.state_dir,
-                "--no-nvml", "--log-format", "json", *self.extra]
-        wrapper = ("import os, sys; n = int(sys.argv[1]); src = [int(a) for a in sys.argv[2:2 + n]]\n"
-                   "for i, fd in enumerate(src):\n    os.dup2(fd, 3 + i); os.close(fd)\n"
-                   "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.argv[2 + n], sys.argv[2 + n:])")
-        env = child_env()
-        if self.passed:
-            env |= {"LISTEN_FDS": str(len(self.passed)), "LISTEN_FDNAMES": ":".join(n for _, n in self.passed)}
-        try:
-            return subprocess.Popen([sys.executable, "-c", wrapper, str(len(high)), *map(str, high), *argv],
-                                    stdout=log, stderr=log, cwd=ROOT, env=env, pass_fds=high)
-        finally:
-            for fd in high:
-                os.close(fd)
+        with systemd_start(self.passed, self.argv()) as (cmd, fds, env):
+            return subprocess.Popen(cmd, stdout=log, stderr=log, cwd=ROOT, env=env, pass_fds=fds)
 
 
 class RunProc(Proc):

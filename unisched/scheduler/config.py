@@ -365,6 +365,7 @@ def is_gpu_index(g: object) -> bool:
     """A GPU index a tenant may name: a whole number (not a boolean) in 0..MAX_GPU_INDEX."""
     return isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= MAX_GPU_INDEX
 
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
                "p": 1 << 50, "pb": 1 << 50, "pib": 1 << 50}
