@@ -354,7 +354,10 @@ async def serve_async(
         # Type=notify: systemd starts units ordered after this one only now, when every socket answers
         notifier.ready(f"serving on {config.socket}, {engine.tenant_count} tenants")
         await asyncio.wait([engine_task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-        agent.graceful = not engine_task.done()  # a stop asked for, the engine still running: carry the hooks over
+        # a stop asked for, not an engine that died: carry the hooks over (the engine also ends once `stop` is set,
+        # so whether it is done by now says nothing)
+        died = engine_task.done() and (engine_task.cancelled() or engine_task.exception() is not None)
+        agent.graceful = stop.is_set() and not died
     finally:
         notifier.stopping("thawing every tenant and saving state")
         stop.set()
