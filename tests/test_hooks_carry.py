@@ -23,11 +23,18 @@ import pytest
 from conftest import ROOT, Daemon, child_env
 from test_seccomp import CHILD, ENOSYS, ENOTTY, EPERM, GRAPHICS, NVDEC, Proc, needs_notify, running_tenant, wait_for
 
+from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import SessionKind
-from unisched.enforce.seccomp.hooks import KeptListener
+from unisched.enforce.seccomp.hooks import FakeSessionHooks, KeptListener
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.scheduler.clock import FakeClock
+from unisched.scheduler.config import DaemonConfig, DeclaredTenant
+from unisched.scheduler.core import Scheduler
+from unisched.scheduler.state import StateStore
 from unisched.sdnotify import Notifier, passed_fds
-from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, ListenerCarry, is_seccomp_listener
+from unisched.telemetry import NoGpuTelemetry
+from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, Carried, ListenerCarry, is_seccomp_listener
 
 
 class FdStore:
@@ -188,33 +195,42 @@ class _listener:
         next(self._it, None)
 
 
+CGROUPS: dict[str, str] = {t: f"/sys/fs/cgroup/unisched/{t}" for t in ("alpha", "beta", "gamma")}
+"""Each tenant's cgroup at the stop (the daemon's `cgroup_of`); delta is gone."""
+
+
 @needs_notify
 def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(store: FdStore, tmp_path: Path) -> None:
     """A stop lists, then stores, each listener (a runtime's first); the next start serves the listed listeners, and
     closes a listener no list names (its tenant's calls then fail at once) and a listed name that is no listener;
     systemd is asked to drop every stored copy; the list is read once."""
-    users, runtime, stray = _listener(), _listener(), _listener()
-    with users as (a, _), runtime as (b, _), stray as (_, stray_proc):
+    users, runtime, stray, dropped = _listener(), _listener(), _listener(), _listener()
+    with users as (a, _), runtime as (b, _), stray as (_, stray_proc), dropped as (_, dropped_proc):
         carry = _carry(store, tmp_path)
-        assert carry.keep([KeptListener(os.dup(a), "alpha", 1000), KeptListener(os.dup(b), "beta", 0)]) == 2
+        kept = [KeptListener(os.dup(a), "alpha", 1000), KeptListener(os.dup(b), "beta", 0),
+                KeptListener(dropped.release(), "delta", 0)]
+        assert carry.keep(kept, CGROUPS.get) == 2  # delta's tenant is gone by the stop: not kept
+        assert dropped_proc.call(f"alloc {NVDEC:#x} 0x1") == ENOSYS  # but closed, as every fd handed to keep
         store.wait(lambda st: len(st.fds) == 2, "both listeners in the store")
         listed = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]
-        assert [(e["tenant"], e["uid"]) for e in listed] == [("beta", 0), ("alpha", 1000)]  # the runtime's first
+        assert [(e["tenant"], e["uid"], e["cgroup"]) for e in listed] == [  # the runtime's first
+            ("beta", 0, CGROUPS["beta"]), ("alpha", 1000, CGROUPS["alpha"])]
         assert sorted(store.fds) == sorted(e["name"] for e in listed)
         pipe_r, pipe_w = os.pipe()
         other_r, other_w = os.pipe()
         passed = [(os.dup(fd), n) for n, fd in store.fds.items()]
         passed += [(stray.release(), FD_NAME_PREFIX + "zz-0"), (other_r, "something-else")]
         listed_pipe = _carry(store, tmp_path)  # a listed name whose fd is not a listener: a second stop's list
-        assert listed_pipe.keep([KeptListener(pipe_r, "gamma", 0)]) == 1
+        assert listed_pipe.keep([KeptListener(pipe_r, "gamma", 0)], CGROUPS.get) == 1
         pipe_name = json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"][0]["name"]
-        both = [*listed, {"name": pipe_name, "tenant": "gamma", "uid": 0}]
+        both = [*listed, {"name": pipe_name, "tenant": "gamma", "uid": 0, "cgroup": CGROUPS["gamma"]}]
         (tmp_path / CARRIED_FILE).write_text(json.dumps({"listeners": both}))
         os.chmod(tmp_path / CARRIED_FILE, 0o600)
         store.wait(lambda st: pipe_name in st.fds, "the pipe in the store")
         passed.append((os.dup(store.fds[pipe_name]), pipe_name))
         taken = _carry(store, tmp_path, passed).take()
-        assert sorted((c.tenant, c.uid) for _, c in taken) == [("alpha", 1000), ("beta", 0)]
+        assert sorted((c.tenant, c.uid, c.cgroup) for _, c in taken) == [
+            ("alpha", 1000, CGROUPS["alpha"]), ("beta", 0, CGROUPS["beta"])]
         assert all(is_seccomp_listener(fd) for fd, _ in taken)
         assert not (tmp_path / CARRIED_FILE).exists()  # read once: a later start never serves these again
         assert stray_proc.call(f"alloc {NVDEC:#x} 0x1") == ENOSYS  # the unlisted listener's last copy was closed
@@ -232,12 +248,17 @@ def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(st
 
 
 @needs_notify
-@pytest.mark.parametrize("damaged", [False, True])
-def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, damaged: bool) -> None:
-    """After a crash there is no list (or a damaged one): a stored listener, whose received calls nobody may ever
-    answer, is closed, and dropped from the store: its tenant's next call fails at once."""
-    if damaged:
+@pytest.mark.parametrize("listed", ["nothing", "damaged", "no cgroup"])
+def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, listed: str) -> None:
+    """After a crash there is no list (or a damaged one, or one whose entry does not say the tenant's cgroup): a
+    stored listener, whose received calls nobody may ever answer, is closed, and dropped from the store: its tenant's
+    next call fails at once."""
+    if listed == "damaged":
         (tmp_path / CARRIED_FILE).write_text('{"listeners": [{"name": "unisched-hook-0a-0", "tenant": ')
+    elif listed == "no cgroup":
+        (tmp_path / CARRIED_FILE).write_text(json.dumps(
+            {"listeners": [{"name": FD_NAME_PREFIX + "0a-0", "tenant": "alpha", "uid": 0}]}))
+        os.chmod(tmp_path / CARRIED_FILE, 0o600)
     held = _listener()
     with held as (_, proc):
         assert _carry(store, tmp_path, [(held.release(), FD_NAME_PREFIX + "0a-0")]).take() == []
@@ -246,12 +267,38 @@ def test_without_a_list_nothing_is_carried(store: FdStore, tmp_path: Path, damag
         assert not (tmp_path / CARRIED_FILE).exists()
 
 
+def test_a_carried_listener_is_served_only_for_its_tenant_over_the_same_cgroup(tmp_path: Path) -> None:
+    """A tenant of the listed name over another cgroup (the configuration changed between stop and start) is not
+    the one whose processes hold the listener: that listener is closed, as one whose tenant is gone."""
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"), DeclaredTenant(name="other")))
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine.start()
+    cgroup = {t.name: t.cgroup for t in engine.snapshots()}
+    hooks = FakeSessionHooks()
+    pipes = [os.pipe() for _ in range(3)]  # read ends stand in for the listeners
+    carried = [(pipes[0][0], Carried(FD_NAME_PREFIX + "0a-0", "render", 0, cgroup["render"])),
+               (pipes[1][0], Carried(FD_NAME_PREFIX + "0a-1", "other", 0, cgroup["render"])),
+               (pipes[2][0], Carried(FD_NAME_PREFIX + "0a-2", "nobody", 0, cgroup["render"]))]
+    server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks, carried=carried)
+
+    async def start_and_close() -> None:
+        await server.start()
+        await server.close()
+
+    asyncio.run(start_and_close())
+    assert hooks.attached == ["render"]
+    for _, w in pipes:  # the served one is the hooks' (the fake closes it), the others closed
+        with pytest.raises(BrokenPipeError):
+            os.write(w, b"x")
+        os.close(w)
+
+
 @needs_notify
 def test_a_list_others_could_write_is_not_believed(store: FdStore, tmp_path: Path) -> None:
     held = _listener()
     with held as (fd, proc):
         carry = _carry(store, tmp_path)
-        assert carry.keep([KeptListener(os.dup(fd), "alpha", 0)]) == 1
+        assert carry.keep([KeptListener(os.dup(fd), "alpha", 0)], CGROUPS.get) == 1
         store.wait(lambda st: len(st.fds) == 1, "the listener in the store")
         os.chmod(tmp_path / CARRIED_FILE, 0o622)
         (name,) = store.fds
@@ -265,7 +312,7 @@ def test_a_list_others_could_write_is_not_believed(store: FdStore, tmp_path: Pat
 def test_keep_stores_no_more_than_the_store_has_room_for(store: FdStore, tmp_path: Path) -> None:
     with _listener() as (a, _):
         carry = _carry(store, tmp_path, env={"FDSTORE": "1"})
-        assert carry.keep([KeptListener(os.dup(a), "alpha", 0), KeptListener(os.dup(a), "beta", 0)]) == 1
+        assert carry.keep([KeptListener(os.dup(a), "alpha", 0), KeptListener(os.dup(a), "beta", 0)], CGROUPS.get) == 1
         store.wait(lambda st: len(st.fds) == 1, "one listener in the store")
         assert [e["tenant"] for e in json.loads((tmp_path / CARRIED_FILE).read_text())["listeners"]] == ["alpha"]
 

@@ -149,13 +149,16 @@ class SeccompAgentServer:
         self._task = asyncio.create_task(self._accept_loop())
 
     def _serve_carried(self, carried: list[tuple[int, Carried]]) -> None:
-        """Serve again the listeners the last graceful stop kept, each for its tenant if that still exists (its books
-        start empty: what was opened before the restart is not counted); the others closed (ENOSYS)."""
+        """Serve again the listeners the last graceful stop kept, each for its tenant if that still exists over the
+        same cgroup (its books start empty: what was opened before the restart is not counted); the others closed
+        (ENOSYS)."""
         served: list[str] = []
         for fd, entry in carried:
-            if not self.engine.has_tenant(entry.tenant):
+            now = self._cgroup_of(entry.tenant)
+            if now != entry.cgroup:
                 os.close(fd)
-                log.warning("a carried session hook's tenant is gone; its calls fail with ENOSYS", tenant=entry.tenant)
+                log.warning("a carried session hook's tenant is gone or now names another cgroup; its calls fail with "
+                            "ENOSYS", tenant=entry.tenant, cgroup=entry.cgroup, now=now)
                 continue
             try:
                 self.hooks.attach(fd, entry.tenant, entry.uid, carried=True)
@@ -168,6 +171,10 @@ class SeccompAgentServer:
         if carried:
             log.info("session hooks carried over the restart", served=len(served), listeners=len(carried),
                      tenants=sorted(set(served)))
+
+    def _cgroup_of(self, tenant: str) -> str | None:
+        """The tenant's cgroup (None: no such tenant): what a carried listener is matched to besides its name."""
+        return self.engine.snapshot(tenant).cgroup if self.engine.has_tenant(tenant) else None
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, *self._pending) if t is not None]
@@ -184,7 +191,7 @@ class SeccompAgentServer:
             os.close(fd)
         self.carried = []
         if self.carry is not None and self.carry.enabled and self.graceful:
-            self.carry.keep(self.hooks.hand_off())
+            self.carry.keep(self.hooks.hand_off(), self._cgroup_of)
         else:
             self.hooks.close()
 

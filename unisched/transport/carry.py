@@ -2,12 +2,14 @@
 
 A hooked process group's GPU session calls wait on its seccomp listener, which the daemon holds; once the last copy
 of the listener closes, every one of those calls fails with ENOSYS for good. So at a graceful stop under systemd the
-daemon answers every call it received, writes which tenant (and uid) each listener serves to the state directory
-under a name of this stop's own, and hands each listener to systemd's store under that name (FDSTORE=1;
-FileDescriptorStoreMax= in the unit). Calls made meanwhile wait in the kernel. The next start takes the list (removing
-it), serves again each stored listener the list names whose tenant still exists, and closes every other one; then
-it has systemd drop every stored copy (FDSTOREREMOVE=1), so that the daemon's copy is again the last: a later crash
-or stop fails its calls as before, and none ever waits for good.
+daemon answers every call it received, writes which tenant each listener serves (with that tenant's cgroup and the
+uid that handed it over) to the state directory under a name of this stop's own, and hands each listener to
+systemd's store under that name (FDSTORE=1; FileDescriptorStoreMax= in the unit). Calls made meanwhile wait in the
+kernel. The next start takes the list (removing it), serves again each stored listener the list names whose tenant
+still exists over the same cgroup (a tenant of that name over another cgroup, after a change of the configuration,
+is not the one whose processes hold the listener), and closes every other one; then it has systemd drop every
+stored copy (FDSTOREREMOVE=1), so that the daemon's copy is again the last: a later crash or stop fails its calls as
+before, and none ever waits for good.
 
 After a crash no list is written: a listener stored by no graceful stop cannot be known to have every received call
 answered (a caller would wait for an answer nobody can give), so it is closed. The stored listeners are taken first
@@ -62,11 +64,13 @@ MAX_UID: Final = (1 << 32) - 2
 
 @dataclass(frozen=True)
 class Carried:
-    """One listener the last graceful stop stored: its name in the store, its tenant, and who handed it over."""
+    """One listener the last graceful stop stored: its name in the store, its tenant and that tenant's cgroup then,
+    and who handed it over."""
 
     name: str
     tenant: str
     uid: int
+    cgroup: str
 
 
 def is_seccomp_listener(fd: int) -> bool:
@@ -85,15 +89,16 @@ def _parse(body: bytes) -> dict[str, Carried]:
     for e in entries if isinstance(entries, list) else []:
         if not isinstance(e, dict):
             continue
-        name, tenant, uid = e.get("name"), e.get("tenant"), e.get("uid")
+        name, tenant, uid, cgroup = e.get("name"), e.get("tenant"), e.get("uid"), e.get("cgroup")
         if not (isinstance(name, str) and name.startswith(FD_NAME_PREFIX) and isinstance(tenant, str)
+                and isinstance(cgroup, str) and cgroup
                 and isinstance(uid, int) and not isinstance(uid, bool) and (0 <= uid <= MAX_UID or uid == CONTAINED_ROOT)):
             continue
         try:
             validate_tenant_name(tenant)
         except PolicyError:
             continue
-        found[name] = Carried(name, tenant, uid)
+        found[name] = Carried(name, tenant, uid, cgroup)
     return found
 
 
@@ -120,15 +125,17 @@ class ListenerCarry:
         except ValueError:
             return None
 
-    def keep(self, listeners: Sequence[KeptListener]) -> int:
+    def keep(self, listeners: Sequence[KeptListener], cgroup_of: Callable[[str], str | None]) -> int:
         """At a graceful stop: list, then store, each listener (up to the store's room; a runtime's, uid 0, before
         users' runs), within STORE_DEADLINE_S; every fd here is closed afterwards, whether stored or not (one not
-        stored: its calls fail with ENOSYS). The number sent to the store."""
+        stored: its calls fail with ENOSYS). `cgroup_of(tenant)`: the tenant's cgroup now (None: it is gone, and its
+        listeners are not kept). The number sent to the store."""
         room = self._room()
-        ordered = sorted(listeners, key=lambda k: k.uid != 0)
+        known = [(k, cgroup) for k in listeners if (cgroup := cgroup_of(k.tenant))]
+        ordered = sorted(known, key=lambda kc: kc[0].uid != 0)
         offered = ordered if room is None else ordered[:room]
         token = secrets.token_hex(6)
-        entries = [Carried(f"{FD_NAME_PREFIX}{token}-{i}", k.tenant, k.uid) for i, k in enumerate(offered)]
+        entries = [Carried(f"{FD_NAME_PREFIX}{token}-{i}", k.tenant, k.uid, cgroup) for i, (k, cgroup) in enumerate(offered)]
         stored = 0
         try:
             if entries:
@@ -136,7 +143,7 @@ class ListenerCarry:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 replace_durably(self.path, body)  # before the fds: a stored listener the list does not name is closed
                 deadline = time.monotonic() + STORE_DEADLINE_S
-                for entry, kept in zip(entries, offered, strict=True):
+                for entry, (kept, _) in zip(entries, offered, strict=True):
                     if not self.notifier.store_fd(kept.fd, entry.name, max(0.0, deadline - time.monotonic())):
                         break  # systemd's queue stayed full: the rest fail as without the store
                     stored += 1
@@ -149,7 +156,7 @@ class ListenerCarry:
                     os.close(k.fd)
         if listeners:
             log.info("session hooks handed to systemd for the next start", stored=stored, listeners=len(listeners),
-                     tenants=sorted({k.tenant for k in offered[:stored]}))
+                     tenants=sorted({k.tenant for k, _ in offered[:stored]}))
         return stored
 
     def take(self) -> list[tuple[int, Carried]]:
