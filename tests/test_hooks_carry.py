@@ -319,13 +319,14 @@ def test_keep_stores_no_more_than_the_store_has_room_for(store: FdStore, tmp_pat
 
 @needs_notify
 def test_a_kept_listener_answers_what_it_received_and_waits_for_the_next_server() -> None:
-    """close(keep=True) while a new session's decision is still on the (here: never running) loop: the call is
-    admitted (not ENOSYS), the listener stays open, and the next supervisor of it answers the tenant's next call."""
+    """close(keep=True) while a new session's decision is still on the (here: never running) loop: past its wait for
+    the decision the call is admitted (not ENOSYS), the listener stays open, and the next supervisor of it answers
+    the tenant's next call."""
     loop = asyncio.new_event_loop()
     held = _listener()
     try:
         with held as (_, proc):
-            sup = SessionSupervisor(held.release(), "t", lambda *_: False)
+            sup = SessionSupervisor(held.release(), "t", lambda *_: False, keep_decision_s=0.05)
             sup.attach(loop)
             proc.send(f"alloc {GRAPHICS:#x} 0x1")
             wait_for(lambda: sup.stats().pending == 1, "the session call to wait for the loop")
@@ -347,6 +348,51 @@ def test_a_kept_listener_answers_what_it_received_and_waits_for_the_next_server(
                 thread.join(10)
             assert proc.call(f"alloc {NVDEC:#x} 0x3") == ENOSYS  # the last copy closed: fails, never waits
     finally:
+        loop.close()
+
+
+@needs_notify
+def test_a_kept_listener_s_pending_session_gets_the_loop_s_decision() -> None:
+    """A new session still waiting for the loop's decision when the listener is kept for a restart is decided by
+    the loop, not admitted past its cap: here the loop is busy at the stop and decides (refuses) after it."""
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    busy, released = threading.Event(), threading.Event()
+
+    def hold_the_loop() -> None:
+        busy.set()
+        released.wait(30)
+
+    held = _listener()
+    try:
+        with held as (_, proc):
+            sup = SessionSupervisor(held.release(), "t", lambda *_: False)
+            sup.attach(loop)
+            loop.call_soon_threadsafe(hold_the_loop)
+            assert busy.wait(10)
+            proc.send(f"alloc {GRAPHICS:#x} 0x1")
+            wait_for(lambda: sup.stats().pending == 1, "the session call to wait for the loop")
+            waiting = threading.Event()
+            await_decisions = sup._await_decisions
+
+            def entered() -> None:
+                waiting.set()
+                await_decisions()
+
+            sup._await_decisions = entered  # type: ignore[method-assign]
+            sup.close(join_s=0, keep=True)
+            assert waiting.wait(10), "the stopping supervisor should wait for the loop's decision"
+            released.set()
+            assert proc.line() == f"ok {EPERM}"  # the loop's decision, made after the stop
+            sup.join(10)
+            kept = sup.take_kept()
+            assert kept is not None
+            os.close(kept)
+    finally:
+        released.set()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(10)
         loop.close()
 
 

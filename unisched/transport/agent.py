@@ -191,7 +191,8 @@ class SeccompAgentServer:
             os.close(fd)
         self.carried = []
         if self.carry is not None and self.carry.enabled and self.graceful:
-            self.carry.keep(self.hooks.hand_off(), self._cgroup_of)
+            # off the loop: the hooks wait for the loop's decisions on the sessions they had asked about
+            self.carry.keep(await asyncio.to_thread(self.hooks.hand_off), self._cgroup_of)
         else:
             self.hooks.close()
 

@@ -104,3 +104,13 @@ class Tally:
     def counts(self, tenant: str) -> HookCounts:
         return HookCounts(tenant, self.notifications, self.errors, self.answer_ns / 1e9, self.decided,
                           self.decided_ns / 1e9, self.send_ns / 1e9)
+
+    def stats(self, tenant: str, books: Counts, pending: int, closed: bool, sync_wake_up: bool) -> SupervisorStats:
+        """The supervisor's stats: its `books`' counts, these numbers and the recent answers' percentiles."""
+        samples = sorted(self.latency_ns)
+        return SupervisorStats(
+            live=books.live, objects=books.objects, admitted=books.admitted, refused=books.refused, tenant=tenant,
+            notifications=self.notifications, skipped=self.skipped, errors=self.errors,
+            latency_p50_us=percentile_us(samples, 0.50), latency_p99_us=percentile_us(samples, 0.99),
+            latency_samples=len(samples), closed=closed, asked_loop=self.asked, pending=pending,
+            sync_wake_up=sync_wake_up)

@@ -4,11 +4,9 @@ listener's ioctls listener.py, video memory calls memory_calls.py.
 It reads each notified call's argument from the tenant's memory (/proc/PID/mem), decodes the class (NVOS21/NVOS64
 hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts
 (RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
-"continue" or EPERM. In the daemon (`attach(loop)`) the thread answers every call at once except the first object
-of a new session, whose `decide` runs on the event loop: the hundred-odd allocations of memory, channels and copy
-engines of a CUDA context never wait for the loop. It never wedges a tenant: any failure while handling a call
-answers "continue"; a call whose notification is gone is skipped; if the daemon dies (the listener's last fd
-closes), pending and later notified calls fail at once with ENOSYS and everything else keeps working.
+"continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call whose
+notification is gone is skipped; if the daemon dies (the listener's last fd closes), pending and later notified
+calls fail at once with ENOSYS and everything else keeps working.
 """
 
 from __future__ import annotations
@@ -28,17 +26,16 @@ from typing import Final
 import structlog
 
 from unisched.enforce.nvclasses import RM_ALLOC, RM_DUP_OBJECT, RM_FREE, SessionKind
-from unisched.enforce.seccomp.abi import (
-    SeccompError,
-)
+from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent, SessionUnbooked
 from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
+from unisched.enforce.seccomp.outlet import EventOutlet
 from unisched.enforce.seccomp.proc import owner, read_mem, start_time
-from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, Tally, percentile_us
+from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, Tally
 from unisched.logs import Throttle
 
 log = structlog.get_logger("unisched.seccomp")
@@ -48,6 +45,9 @@ class _Gone(Exception):
     """The notification is no longer valid (the caller was killed or interrupted)."""
 
 
+KEEP_DECISION_S: Final = 1.0
+"""At a stop that keeps the listener for a restart: how long the serving thread waits for the loop to decide the new
+sessions it had asked about, before it admits the rest undecided (the loop may be busy, or gone)."""
 JOIN_TIMEOUT_S: Final = 5.0
 """How long close() waits for the supervisor's thread: it never waits on the loop, so only a stuck ioctl could
 keep it longer."""
@@ -60,17 +60,18 @@ class SessionSupervisor:
     the fd: `close()` (or the tenant's last process exiting) closes it.
 
     - `serve_forever()` in a thread of the caller's: `decide` and `on_event` run on that thread.
-    - `attach(loop)`: the supervisor starts its own thread, which answers every call that needs no decision
-      at once, without the loop: non-session classes (memory, channels, copy engines...), frees, objects that
-      join an open session, and unreadable or malformed calls. Only the first object of a new session waits:
-      `decide` is called on the loop (call_soon_threadsafe) and the thread answers when it returns, while it
-      keeps answering the tenant's other calls. `on_event` runs on the loop too. If the loop is closed, a
-      session call is admitted (never wedged); a decision still on the loop when the supervisor closes is
-      not asked any more, or reported ABORTED when it had been admitted.
+    - `attach(loop)` (the daemon): the supervisor starts its own thread, which answers every call that needs no
+      decision at once, without the loop (the hundred-odd allocations of a CUDA context never wait for it). Only
+      the first object of a new session waits: `decide` is called on the loop (call_soon_threadsafe) and the
+      thread answers when it returns, while it keeps answering the tenant's other calls. `on_event` runs on the
+      loop too. If the loop is closed, a session call is admitted (never wedged); a decision still on the loop
+      when the supervisor closes is not asked any more (unless the listener is kept: `close`), or reported
+      ABORTED when it had been admitted.
 
     On kernels >= 6.6 the listener is put in sync wake-up mode (`sync_wake_up`): the tenant only waits while
     its call is handled, so the kernel runs the supervisor's thread on the tenant's CPU and back, instead of
-    waking another (possibly idle) CPU each way.
+    waking another (possibly idle) CPU each way. The caller then resumes there once the thread sleeps again, so
+    all the thread does for a call, before its answer or after, is the caller's wait.
 
     `decide` and `on_event` must be quick and non-blocking; `decide` is consulted only for the first object of
     an engine session (accounting.py says which objects join one), and an exception in it admits the call.
@@ -97,8 +98,10 @@ class SessionSupervisor:
         allowance: Allowance | None = None,
         user_allowance: Allowance | None = None,
         carried: bool = False,
+        keep_decision_s: float = KEEP_DECISION_S,
     ) -> None:
         self.tenant = tenant
+        self._keep_decision_s = keep_decision_s
         self.allowance = allowance
         self.user_allowance = user_allowance
         self._listener = Listener(listener_fd, self._warn_once)
@@ -106,7 +109,7 @@ class SessionSupervisor:
         self._mem = MemoryCalls(tenant, memory, self._listener, self._warn_once,
                                 share=Share(allowance, user_allowance), carried_before=int(since) if since else None)
         self._decide = decide
-        self._on_event = on_event
+        self._events = EventOutlet(tenant, on_event)
         self._reconcile_interval = reconcile_interval_s
         self._lock = threading.Lock()
         self._book = SessionBook(tenant, int(join_window_s * 1e9), share=Share(allowance, user_allowance))
@@ -144,7 +147,7 @@ class SessionSupervisor:
         with self._lock:
             if self._closed or self._serving or self._loop is not None:
                 raise SeccompError("this supervisor is closed or already serving")
-            self._loop = loop
+            self._loop = self._events.loop = loop
             self._serving = True
             self._thread = threading.Thread(target=self._serve, name=f"unisched-seccomp-{self.tenant}", daemon=True)
         try:
@@ -159,9 +162,10 @@ class SessionSupervisor:
         after `join_s` (0: at once; `join` waits later).
 
         Closing while the tenant still runs makes its pending and later session allocations fail with ENOSYS;
-        sessions still counted are reported DETACHED. `keep`: answer every call received instead (one still waiting
-        for the loop's decision is admitted) and keep the listener open for `take_kept`, so that the tenant's later
-        calls wait for whoever serves it next (a restart); a listener whose processes have all exited is closed.
+        sessions still counted are reported DETACHED. `keep`: answer every call received instead (one waiting for
+        the loop's decision gets it, within `keep_decision_s`, or is admitted) and keep the listener open for
+        `take_kept`, so that the tenant's later calls wait for whoever serves it next (a restart); a listener whose
+        processes have all exited is closed.
         """
         with self._lock:
             first = not self._closed
@@ -221,7 +225,25 @@ class SessionSupervisor:
                         self._tally.errors += 1
                     log.exception("seccomp supervisor error; serving on", tenant=self.tenant)
         finally:
+            if self._keep and why is not EventAction.EXITED:
+                self._await_decisions()
             self._finish(why)
+
+    def _await_decisions(self) -> None:
+        """Before a kept listener's pending calls are answered: wait (up to `keep_decision_s`) for the loop to decide
+        those it was asked about, so that a restart admits no new session past its caps undecided."""
+        deadline = time.monotonic() + self._keep_decision_s
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            with self._lock:
+                decided = {nid for nid, _, _ in self._decided}
+            left = deadline - time.monotonic()
+            if self._pending.keys() <= decided or left <= 0:
+                return
+            poller.poll(math.ceil(left * 1000))
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
 
     def _finish(self, action: EventAction) -> None:
         with self._lock:
@@ -252,7 +274,7 @@ class SessionSupervisor:
                 events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
         self._pending.clear()
         self._mem.release_all()
-        self._emit_all(events + self._book.release_all(action))
+        self._events.emit(events + self._book.release_all(action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
 
@@ -279,7 +301,7 @@ class SessionSupervisor:
         """
         owners = self._book.owners() | self._mem.book.owners()
         gone = [h for h, (tgid, start) in owners.items() if tgid and start_time(tgid) != start]
-        self._emit_all(self._book.release(gone, EventAction.EXITED))
+        self._events.emit(self._book.release(gone, EventAction.EXITED))
         self._mem.release(gone)
 
     # ---- one notification ----
@@ -341,7 +363,7 @@ class SessionSupervisor:
 
     def _decide_on_loop(self, nid: int, kind: SessionKind, h_class: int) -> None:
         """On the loop: ask `decide`, hand the answer back to the serving thread."""
-        if self._closed:
+        if self._closed and not self._keep:
             return  # the call failed with ENOSYS when the listener closed (or will): nothing to decide
         admitted, error = False, None
         try:
@@ -355,7 +377,7 @@ class SessionSupervisor:
                     os.write(self._wake_w, b"d")
                 return
         if admitted:  # closed meanwhile: the caller got ENOSYS; give back what decide() reserved
-            self._emit_now([SessionEvent(self.tenant, EventAction.ABORTED, kind, h_class, 0, 0, 0)])
+            self._events.emit_now([SessionEvent(self.tenant, EventAction.ABORTED, kind, h_class, 0, 0, 0)])
 
     def _answer_decided(self) -> None:
         while True:
@@ -397,7 +419,7 @@ class SessionSupervisor:
             events = self._book.undo(call, events)
             if call is not None:
                 self._mem.unbook_call(call)
-        self._emit_all(events)
+        self._events.emit(events)
         if failure is not None:
             with self._lock:
                 self._tally.errors += 1
@@ -471,27 +493,6 @@ class SessionSupervisor:
         with self._lock:
             self._tally.answered(dt, send, answered, decided)
 
-    def _emit_all(self, events: list[SessionEvent]) -> None:
-        """Report events: at once without a loop; with one, on the loop (dropped once it is closed)."""
-        if not events or self._on_event is None:
-            return
-        if self._loop is None:
-            self._emit_now(events)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._emit_now, events)
-        except RuntimeError:
-            log.debug("event loop closed; session events dropped", tenant=self.tenant, n=len(events))
-
-    def _emit_now(self, events: list[SessionEvent]) -> None:
-        if self._on_event is None:
-            return
-        for event in events:
-            try:
-                self._on_event(event)
-            except Exception:
-                log.exception("seccomp on_event callback failed", tenant=self.tenant)
-
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -504,12 +505,6 @@ class SessionSupervisor:
             return self._tally.counts(self.tenant)
 
     def stats(self) -> SupervisorStats:
+        books = self._book.counts()
         with self._lock:
-            t, samples, pending = self._tally, sorted(self._tally.latency_ns), len(self._pending)
-            notifications, skipped, errors, asked = t.notifications, t.skipped, t.errors, t.asked
-        c = self._book.counts()
-        return SupervisorStats(
-            live=c.live, objects=c.objects, admitted=c.admitted, refused=c.refused, tenant=self.tenant,
-            notifications=notifications, skipped=skipped, errors=errors, latency_p50_us=percentile_us(samples, 0.50),
-            latency_p99_us=percentile_us(samples, 0.99), latency_samples=len(samples), closed=self._done.is_set(),
-            asked_loop=asked, pending=pending, sync_wake_up=self._sync_wake_up)
+            return self._tally.stats(self.tenant, books, len(self._pending), self._done.is_set(), self._sync_wake_up)
