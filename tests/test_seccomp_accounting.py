@@ -239,16 +239,15 @@ def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp
 
 
 SEND_AND_EXIT = """
-import socket, sys
+import os, socket, sys
 from unisched.enforce.seccomp.filter import install_filter
 from unisched.enforce.seccomp.handover import make_agent_message, send_fd
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(sys.argv[1])
-send_fd(sock, install_filter(), make_agent_message(int(sys.argv[2] or 0) or __import__("os").getpid(),
-                                                   metadata=sys.argv[3]))
+send_fd(sock, install_filter(), make_agent_message(os.getpid(), metadata=sys.argv[2]))
 """
 """As runc does: send the hand-over and exit without waiting for the daemon's answer. argv: the agent socket, the
-pid the message names (empty: this process), the metadata."""
+metadata."""
 
 
 def _served_after_the_sender_exited(tmp_path: Path, metadata: str) -> list[str]:
@@ -270,7 +269,7 @@ def _served_after_the_sender_exited(tmp_path: Path, metadata: str) -> list[str]:
         server._done = handled_now  # type: ignore[method-assign]
         await server.start()
         try:  # the loop is held while the sender runs to its end: the daemon reads it only once it has exited
-            subprocess.run([sys.executable, "-c", SEND_AND_EXIT, server.path, "", metadata], env=child_env(),
+            subprocess.run([sys.executable, "-c", SEND_AND_EXIT, server.path, metadata], env=child_env(),
                            check=True, timeout=30)
             await asyncio.wait_for(handled.wait(), 30)
         finally:

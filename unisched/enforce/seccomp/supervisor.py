@@ -208,8 +208,7 @@ class SessionSupervisor:
                 events = dict(poller.poll(timeout_ms))
                 try:
                     if events.get(self._wake_r, 0):
-                        with contextlib.suppress(BlockingIOError):
-                            os.read(self._wake_r, 4096)
+                        self._drain_wake()
                         self._answer_decided()
                     ev = events.get(self._listener.fd, 0)
                     if ev & select.POLLIN:
@@ -242,8 +241,12 @@ class SessionSupervisor:
             if self._pending.keys() <= decided or left <= 0:
                 return
             poller.poll(math.ceil(left * 1000))
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
+            self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        """Empty the wake-up pipe (close() and the loop's decisions write to it; one read takes every byte)."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
 
     def _finish(self, action: EventAction) -> None:
         with self._lock:
