@@ -11,6 +11,8 @@
                                                        start their daemons, their own flags go after `--`)
   python3 bench/run.py A B --budget 540                several suites one after another, one time budget for all
   python3 bench/run.py SUITE --rescore --out DIR      judge DIR/SUITE's rounds again by the current targets
+  python3 bench/run.py SUITE --out DIR --add-rounds OTHER --why TEXT   OTHER/SUITE's rounds (another run of the same
+                                                       command, machine and commit) appended to DIR/SUITE's, said so
   python3 bench/run.py SUITE --compare DIR DIR...      one suite's runs side by side (variants): every target's value
                                                        and verdict, and every metric's median, per run (its
                                                        links are relative to where it runs)
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -211,6 +214,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="judge the rounds already in --out/SUITE again by the current targets, running nothing: each "
                          "round's outputs are read again by the suite's current reader where the raw archive holds "
                          "them, and the summary says when and at which commit it was rescored")
+    ap.add_argument("--add-rounds", type=Path, default=None, metavar="OTHER",
+                    help="append OTHER/SUITE's rounds to --out/SUITE's, running nothing: another run of the same command "
+                         "on the same machine and commit (e.g. a call that started without the folder's earlier rounds); "
+                         "every round of both is kept and the report says which rounds came from where and --why")
+    ap.add_argument("--why", default=None, help="with --add-rounds: why the rounds were measured by another run")
     ap.add_argument("--compare", type=Path, nargs="+", default=None, metavar="DIR",
                     help="print the named suite's runs in these run folders side by side (each DIR/SUITE/summary.json): "
                          "every target's value and verdict, and every metric's median, per run; runs nothing")
@@ -230,6 +238,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error("--compare needs one suite: the runs of which to set side by side")
     if args.rescore and (args.out is None or not args.suite):
         ap.error("--rescore needs the suites and the --out folder that holds their rounds")
+    if args.add_rounds is not None and (args.out is None or len(args.suite) != 1 or not args.why):
+        ap.error("--add-rounds needs one suite, the --out folder to add to, and --why")
     if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
         ap.error("name a suite, or --list, --table, --update-readme or --update-results")
     return args, extra
@@ -272,6 +282,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     if args.rescore:
         return rescore(suite, args.out / suite.name, args.argv)
+    if args.add_rounds is not None:
+        return add_rounds(suite, args.out / suite.name, args.add_rounds / suite.name, args.why)
     steps = suite.standin if args.cpu_standin and suite.standin else suite.steps
     serve_args = tuple(args.serve_arg)
     if serve_args and all(step.serve is None for step in steps):
@@ -357,6 +369,50 @@ def rescore(suite: Suite, folder: Path, argv: list[str]) -> int:
                         "date_utc": utc_now()}
     rounds = reread(suite, folder, before["rounds"])
     return publish(suite, folder, sm.build(suite, rounds, meta), f"rescored {len(rounds)} rounds: ")
+
+
+def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
+    """other's rounds appended to folder's, renumbered after them, with their raw outputs; only for a run of the same
+    command, machine and commit, so that every round measured is kept in one record."""
+    a, b = sm.load(folder), sm.load(other)
+    if a is None or b is None or not b.get("rounds"):
+        print(f"run.py: --add-rounds needs rounds in both {folder} and {other}", file=sys.stderr)
+        return 2
+    same = ("commit", "serve_args", "standin")
+    if any(a.get(k) != b.get(k) for k in same) or sm.gpu_names(a["machine"]) != sm.gpu_names(b["machine"]) \
+            or _options(a["command"]) != _options(b["command"]):
+        print(f"run.py: {other} is not a run of the same command, machine and commit as {folder}", file=sys.stderr)
+        return 2
+    sm.unpack_raw(folder)
+    n, added = len(a["rounds"]), []
+    with tempfile.TemporaryDirectory() as tmp:
+        sm.extract_raw(other, Path(tmp))
+        for r in b["rounds"]:
+            k = n + int(r["round"])
+            src = Path(tmp) / sm.RAW / f"round-{r['round']}"
+            if src.is_dir():
+                shutil.move(str(src), str(folder / sm.RAW / f"round-{k}"))
+            renamed = json.loads(json.dumps(r).replace(f"/round-{r['round']}/", f"/round-{k}/"))
+            added.append({**renamed, "round": k})
+    meta = {k: a[k] for k in sm.RUN_META if k in a}
+    meta["merged"] = [*(a.get("merged") or []),
+                      {"rounds": [r["round"] for r in added], "date_utc": b["date_utc"], "why": why}]
+    result = sm.build(suite, [*a["rounds"], *added], meta)
+    result["raw"] = sm.archive_raw(folder)
+    return publish(suite, folder, result, f"added {len(added)} rounds: ")
+
+
+def _options(command: str) -> list[str]:
+    """A run's command without the options that only say how long it may take."""
+    words, out, skip = shlex.split(command), [], False
+    for w in words:
+        if skip or w.startswith("--budget="):
+            skip = False
+            continue
+        skip = w == "--budget"
+        if not skip:
+            out.append(w)
+    return out
 
 
 def reread(suite: Suite, folder: Path, rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -99,7 +99,7 @@ def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: 
 # ------------------------------------------------------------------------------------------------ summary
 
 
-RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored")
+RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored", "merged")
 """A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
 
 
@@ -153,6 +153,9 @@ def report_md(s: dict[str, Any]) -> str:
                 f"{s['rescored']['commit']}: the rounds' outputs as measured, read and judged by that commit's reader "
                 "and targets  "]
                if s.get("rescored") else []),
+             *(f"Rounds {', '.join(str(n) for n in m_['rounds'])} were measured by another run of the same command "
+               f"({m_['date_utc']} UTC, same machine and commit) and are reported here with it: {m_['why']}  "
+               for m_ in s.get("merged") or []),
              *([f"Daemon settings: `{shlex.join(s['serve_args'])}` on every daemon the runner started (a variant "
                 "of the suite, not its defaults)  "] if s.get("serve_args") else []),
              f"Rounds: {len(s['rounds'])}" + _unsettled(s)

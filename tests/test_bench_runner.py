@@ -296,6 +296,40 @@ def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_
     assert run_py("leases", "--rescore").returncode == 2  # --out is needed
 
 
+def test_add_rounds_keeps_every_round_of_another_run_of_the_same_command_and_says_so(tmp_path: Path) -> None:
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "python3 bench/run.py leases --out X --budget 500", "machine": summary.machine(),
+            "commit": "c" * 40, "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
+
+    def run(out: Path, p99s: list[float], **changed: Any) -> Path:
+        rounds = [{"round": i + 1, "date_utc": "d", "steps": [{"name": "rtt", "argv": [f"raw/round-{i + 1}/rtt"],
+                                                               "rc": 0, "wall_s": 1.0}],
+                   "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": x}}} for i, x in enumerate(p99s)]
+        folder = out / "leases"
+        for r in rounds:
+            (folder / "raw" / f"round-{r['round']}").mkdir(parents=True)
+            (folder / "raw" / f"round-{r['round']}" / "out.txt").write_text(f"p99 {p99s[r['round'] - 1]}")
+        summary.write(folder, {**summary.build(suite, rounds, {**meta, **changed}), "raw": summary.archive_raw(folder)})
+        return out
+
+    first = run(tmp_path / "a", [0.4, 0.45])
+    second = run(tmp_path / "b", [0.3, 0.7], command="python3 bench/run.py leases --out X --budget 300")
+    got = run_py("leases", "--out", str(first), "--add-rounds", str(second), "--why", "the call lost the folder")
+    assert got.returncode == 1, got.stderr  # round 4's 0.7 ms misses the target that rounds 1-2 met
+    s = json.loads((first / "leases" / "summary.json").read_text())
+    assert [(r["round"], r["cases"]["round trip, 1 tenant"]["p99_ms"]) for r in s["rounds"]] == \
+        [(1, 0.4), (2, 0.45), (3, 0.3), (4, 0.7)]
+    assert s["rounds"][3]["steps"][0]["argv"] == ["raw/round-4/rtt"]
+    assert s["merged"] == [{"rounds": [3, 4], "date_utc": meta["date_utc"], "why": "the call lost the folder"}]
+    assert "Rounds 3, 4 were measured by another run of the same command" in (first / "leases" / "report.md").read_text()
+    with tarfile.open(first / "leases" / "raw.tar.xz") as tar:
+        assert tar.extractfile("raw/round-4/out.txt").read() == b"p99 0.7"  # type: ignore[union-attr]
+    other_commit = run(tmp_path / "c", [0.3], commit="d" * 40)
+    refused = run_py("leases", "--out", str(first), "--add-rounds", str(other_commit), "--why", "x")
+    assert refused.returncode == 2 and "not a run of the same command, machine and commit" in refused.stderr
+    assert run_py("leases", "--out", str(first), "--add-rounds", str(second)).returncode == 2  # --why is needed
+
+
 def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> None:
     """A round judged by an older reader (no host_bound in its case): rescore reads its raw outputs with the current
     one, so the host-bound size is no longer judged; the archive itself is left as it was."""
