@@ -24,6 +24,7 @@ from typing import IO
 import pytest
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
+from unisched.scheduler.config import runtime_agent_socket_beside
 from unisched.telemetry import FakeTelemetry, GpuInfo
 from unisched_wire.leasewire import lease_socket_beside
 
@@ -243,6 +244,8 @@ def daemon_factory(tmp_path: Path, tenant_prefix: str) -> Iterator:  # type: ign
             d.stop()
     _cleanup_cgroups(tenant_prefix)
     shutil.rmtree(f"/tmp/us-{tenant_prefix}", ignore_errors=True)
+    # the runtime agent socket's directory beside it, which a daemon stopped by SIGKILL leaves behind
+    shutil.rmtree(Path(runtime_agent_socket_beside(f"/tmp/us-{tenant_prefix}/d.sock")).parent, ignore_errors=True)
 
 
 @pytest.fixture

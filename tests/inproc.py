@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import tempfile
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.scheduler.clock import SystemClock
-from unisched.scheduler.config import DaemonConfig
+from unisched.scheduler.config import DaemonConfig, runtime_agent_socket_beside
 from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
@@ -54,6 +55,7 @@ def in_process_server(
     sock_dir.chmod(0o755)
     config = replace(
         DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"),
+                     runtime_agent_socket=runtime_agent_socket_beside(str(sock_dir / "s.sock")),
                      lease_socket=str(sock_dir / "lease.sock"), state_dir=str(state_dir)),
         **overrides,
     )
@@ -89,6 +91,5 @@ def in_process_server(
         loop.call_soon_threadsafe(stop.set)
         thread.join(20)
         loop.close()
-        for p in sock_dir.iterdir():
-            p.unlink()
-        sock_dir.rmdir()
+        shutil.rmtree(sock_dir)
+        shutil.rmtree(Path(config.runtime_agent_socket).parent, ignore_errors=True)  # (the daemon removes what it made)

@@ -7,13 +7,17 @@ import pytest
 from unisched.policy import Engine, Mode, Priority
 from unisched.policy.caps import MAX_MEMORY_BYTES
 from unisched.scheduler.config import (
+    DEFAULT_RUNTIME_AGENT_SOCKET,
+    DEFAULT_SOCKET,
     ConfigError,
     DaemonConfig,
     DeclaredTenant,
     check_gpus,
     check_groups,
+    check_places,
     load_config,
     parse_size,
+    runtime_agent_socket_beside,
 )
 
 
@@ -188,3 +192,24 @@ def test_groups_socket_group_must_exist_admin_group_is_a_warning() -> None:
         check_groups(DaemonConfig(socket_group="no-such-group-x"))
     (warning,) = check_groups(DaemonConfig(admin_group="no-such-group-x"))
     assert "only root will be admin" in warning
+
+
+def test_a_daemon_on_its_own_socket_gets_its_runtime_agent_socket_beside_that_socket_s_directory() -> None:
+    """Beside, not inside: the socket's directory is what pods get mounted, and the runtime agent socket must be
+    in none of theirs. The default is the same rule applied to the default socket."""
+    assert runtime_agent_socket_beside(DEFAULT_SOCKET) == DEFAULT_RUNTIME_AGENT_SOCKET
+    assert DEFAULT_RUNTIME_AGENT_SOCKET == "/run/unisched-runtime/seccomp-agent.sock"
+    own = DaemonConfig().with_overrides(socket="/run/second/d.sock")
+    assert (own.agent_socket, own.runtime_agent_socket) == ("/run/second/seccomp-agent.sock",
+                                                           "/run/second-runtime/seccomp-agent.sock")
+    named = DaemonConfig().with_overrides(socket="/run/second/d.sock", runtime_agent_socket="/run/rt/a.sock")
+    assert named.runtime_agent_socket == "/run/rt/a.sock"  # one given is kept
+
+
+@pytest.mark.parametrize("runtime", ["/run/unisched/rt.sock", "/run/rt.sock", "/run/unisched/runtime/rt.sock"])
+def test_the_runtime_agent_socket_s_directory_and_the_other_sockets_do_not_nest(runtime: str) -> None:
+    """The daemon makes that directory root's alone (0700), and it must be in no pod: the sockets everyone reaches
+    would be unreachable below it, and above it would be the directory pods get mounted."""
+    check_places(DaemonConfig())
+    with pytest.raises(ConfigError, match=r"config 'runtime_agent_socket': its directory .* nests with /run/unisched"):
+        check_places(DaemonConfig(runtime_agent_socket=runtime))

@@ -1,9 +1,9 @@
 """The container path through containerd, as Kubernetes starts containers: a real containerd daemon (its own root,
 state and socket in a temporary directory) starts containers with `ctr run --seccomp-profile`, whose profile
-carries listenerPath (the daemon's agent socket) and listenerMetadata (the tenant). containerd passes both through
-to runc, runc hands the notification fd to the daemon, and the daemon admits and refuses sessions by the tenant's
-caps, as under `unisched run` and tests/test_oci_agent.py (runc alone). /dev/null stands in for /dev/nvidiactl
-(let through: ENOTTY 25; refused: EPERM 1).
+carries listenerPath (the daemon's runtime agent socket) and listenerMetadata (the tenant). containerd passes both
+through to runc, runc hands the notification fd to the daemon, and the daemon admits and refuses sessions by the
+tenant's caps, as under `unisched run` and tests/test_oci_agent.py (runc alone). /dev/null stands in for
+/dev/nvidiactl (let through: ENOTTY 25; refused: EPERM 1).
 
 containerd reads a profile as the OCI runtime-spec's seccomp section (contrib/seccomp.WithProfile, for ctr and for
 the CRI plugin's Localhost profiles alike), so the containers here get deploy/seccomp/unisched-gpu.containerd-
@@ -174,7 +174,7 @@ def _removed(cgroup: Path) -> bool:
 
 
 def governed(profile: dict[str, Any], agent: str, tenant: str) -> dict[str, Any]:
-    """The profile pointed at the test daemon's agent socket, naming the tenant as a root runtime may."""
+    """The profile pointed at the test daemon's runtime agent socket, naming the tenant as a root runtime may."""
     return {**profile, "listenerPath": agent, "listenerMetadata": f"tenant={tenant}"}
 
 
@@ -185,7 +185,7 @@ def test_containerd_passes_the_listener_through_and_the_daemon_governs_the_conta
     name = f"{tenant_prefix}ctrd"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
-    profile = governed(RESOLVED, daemon.status()["agent_socket"], name)
+    profile = governed(RESOLVED, daemon.status()["runtime_agent_socket"], name)
     out = containerd.run(name, profile, ["/usr/bin/python3", "/t/nv_ioctls.py",
                                          "alloc:0xCB97:1", "alloc:0xCB97:2", "alloc:0xB8B0:3"])
     assert out.returncode == 0, out.stderr
@@ -208,7 +208,7 @@ def test_listener_path_reaches_runc(containerd: Containerd, tmp_path: Path) -> N
 
 @needs_containerd
 def test_unknown_tenant_in_metadata_is_refused(containerd: Containerd, daemon: Daemon, tenant_prefix: str) -> None:
-    profile = governed(RESOLVED, daemon.status()["agent_socket"], "nobody-here")
+    profile = governed(RESOLVED, daemon.status()["runtime_agent_socket"], "nobody-here")
     containerd.run(f"{tenant_prefix}x", profile, ["/usr/bin/python3", "-c", "print('ran')"])
     events = [json.loads(x) for x in daemon.log_path.read_text().splitlines() if x.startswith("{")]
     refused = [e for e in events if e["event"] == "seccomp hand-over refused"]
@@ -224,7 +224,7 @@ def test_governed_container_keeps_the_runtime_default_refusals(
     CAP_SYS_PTRACE) are refused as by the runtime default."""
     name = f"{tenant_prefix}def"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
-    profile = governed(RESOLVED, daemon.status()["agent_socket"], name)
+    profile = governed(RESOLVED, daemon.status()["runtime_agent_socket"], name)
     out = containerd.run(name, profile, ["/usr/bin/python3", "-c", _PLAIN_IOCTL_AND_VMSPLICE + _KCMP])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["25", "1", "1"], out.stdout
@@ -239,7 +239,7 @@ def test_engine_format_profile_loses_the_capability_rules_under_containerd(
     assert any("kcmp" in r["names"] and r.get("includes") for r in ENGINE_FORMAT["syscalls"])
     name = f"{tenant_prefix}eng"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
-    profile = governed(ENGINE_FORMAT, daemon.status()["agent_socket"], name)
+    profile = governed(ENGINE_FORMAT, daemon.status()["runtime_agent_socket"], name)
     out = containerd.run(name, profile, ["/usr/bin/python3", "-c", _KCMP])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0"], out.stdout

@@ -18,6 +18,7 @@ from unisched.cli.parser import build_parser
 from unisched.policy import Engine, Mode, Priority
 from unisched.scheduler.config import (
     DEFAULT_AGENT_SOCKET,
+    DEFAULT_RUNTIME_AGENT_SOCKET,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
     ConfigError,
@@ -109,8 +110,9 @@ def test_unit_runs_serve_with_the_default_config() -> None:
     # sd_notify: ready when the sockets answer, and a watchdog the slice loop feeds
     assert svc["Type"] == ["notify"] and svc["NotifyAccess"] == ["main"] and int(svc["WatchdogSec"][0]) >= 10
     # the directories systemd creates are the ones the defaults use
-    assert svc["RuntimeDirectory"] == ["unisched"]
+    assert svc["RuntimeDirectory"] == ["unisched unisched-runtime"]
     assert Path(DEFAULT_SOCKET).parent == Path(DEFAULT_AGENT_SOCKET).parent == Path("/run/unisched")
+    assert Path(DEFAULT_RUNTIME_AGENT_SOCKET).parent == Path("/run/unisched-runtime")  # (the daemon narrows it to 0700)
     assert svc["StateDirectory"] == ["unisched"] and DEFAULT_STATE_DIR == "/var/lib/unisched"
     assert svc["ConfigurationDirectory"] == ["unisched"]
     # a stop thaws every tenant and leaves them running: SIGTERM to the daemon only, time to finish, restart on

@@ -15,6 +15,7 @@ from unisched.cli.parser import build_parser
 from unisched.policy import Engine, Priority
 from unisched.scheduler.config import (
     DEFAULT_AGENT_SOCKET,
+    DEFAULT_RUNTIME_AGENT_SOCKET,
     DEFAULT_SOCKET,
     DEFAULT_STATE_DIR,
     METRICS_PORT,
@@ -111,7 +112,8 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     spec = ds["spec"]["template"]["spec"]
     assert spec["hostPID"] is True and spec["serviceAccountName"] == "unisched"
     host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert set(host.values()) == {"/run/unisched", "/var/lib/unisched", "/sys/fs/cgroup", "/sys/fs/bpf",
+    runtime_dir = str(Path(DEFAULT_RUNTIME_AGENT_SOCKET).parent)
+    assert set(host.values()) == {"/run/unisched", runtime_dir, "/var/lib/unisched", "/sys/fs/cgroup", "/sys/fs/bpf",
                                   DEFAULT_KUBELET_DIR, str(Path(DEFAULT_POD_RESOURCES_SOCKET).parent),
                                   "/var/lib/kubelet/seccomp"}
     containers = {c["name"]: c for c in spec["containers"]}
@@ -125,7 +127,7 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     args = build_parser().parse_args(argv[6:])
     assert args.command == "serve" and args.config == "/etc/unisched/unisched.toml"
     assert {"/sys/fs/cgroup": "/sys/fs/cgroup", "/sys/fs/bpf": "/sys/fs/bpf", "/run/unisched": "/run/unisched",
-            DEFAULT_STATE_DIR: DEFAULT_STATE_DIR}.items() <= mounts["daemon"].items()
+            runtime_dir: runtime_dir, DEFAULT_STATE_DIR: DEFAULT_STATE_DIR}.items() <= mounts["daemon"].items()
     # the device plugin: the kubelet's directories and the daemon's socket, at the paths it is told
     plugin = containers["device-plugin"]
     args = build_parser().parse_args(plugin["command"][1:] + plugin["args"])
@@ -177,6 +179,24 @@ def test_only_the_daemon_container_is_privileged() -> None:
         assert "/run/unisched" in mounts
 
 
+def test_only_the_daemon_container_mounts_the_runtime_agent_socket_s_directory() -> None:
+    """The runtime agent socket is believed as the host's container runtime because only root on the host reaches
+    it: its directory goes into the daemon's container, and into no other container (root in a pod with it mounted
+    could name any tenant)."""
+    runtime_dir = str(Path(DEFAULT_RUNTIME_AGENT_SOCKET).parent)
+    mounting = set()
+    for where, spec in _all_pod_specs():
+        host = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes", []) if "hostPath" in v}
+        above_or_in = [h for name, h in host.items() if name != "runtime" and (
+            Path(h) == Path(runtime_dir) or Path(h) in Path(runtime_dir).parents or Path(runtime_dir) in Path(h).parents)]
+        assert not above_or_in, (where, above_or_in)  # nor a directory above it, nor one in it
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if any(host.get(m["name"]) == runtime_dir for m in c.get("volumeMounts", [])):
+                mounting.add((where, c["name"]))
+                assert {m["mountPath"] for m in c["volumeMounts"] if m["name"] == "runtime"} == {runtime_dir}
+    assert mounting == {("daemonset.yaml: unisched", "daemon"), ("dra/daemonset.yaml: unisched-dra", "daemon")}
+
+
 def test_admin_rights_follow_the_host_namespaces() -> None:
     """uid 0 is an admin of the daemon only in the daemon's own PID and user namespaces: the node agent's pods
     (which adopt pods) share the host's; no other pod does, so root in a workload pod is not an admin."""
@@ -195,15 +215,16 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     toml.write_text(data["unisched.toml"])
     cfg = load_config(toml)
     assert (cfg.socket, cfg.agent_socket, cfg.state_dir) == (DEFAULT_SOCKET, DEFAULT_AGENT_SOCKET, DEFAULT_STATE_DIR)
+    assert cfg.runtime_agent_socket == DEFAULT_RUNTIME_AGENT_SOCKET
     assert cfg.user_tenants is False  # a pod process may not make itself a tenant outside its pod's
     assert (cfg.metrics_port, cfg.metrics_listen) == (METRICS_PORT, "0.0.0.0")  # on, on the pod's address
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
-    assert profile["listenerPath"] == cfg.agent_socket
+    assert profile["listenerPath"] == cfg.runtime_agent_socket  # the runtime hands over on root's own socket
     # containerd nodes: the resolved form, which containerd reads without dropping the capability-dependent rules
     resolved = json.loads(data["unisched-gpu-containerd.json"])
     assert resolved == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.containerd-amd64.json").read_text())
-    assert resolved["listenerPath"] == cfg.agent_socket and "archMap" not in resolved
+    assert resolved["listenerPath"] == cfg.runtime_agent_socket and "archMap" not in resolved
 
 
 def test_both_daemonsets_install_both_seccomp_profiles() -> None:

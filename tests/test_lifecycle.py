@@ -384,3 +384,31 @@ def test_a_socket_something_answers_on_is_never_replaced(tmp_path: Path) -> None
         assert (tmp_path / "new").is_dir()
     finally:
         listener.close()
+
+
+def test_the_runtime_agent_socket_s_directory_is_made_the_daemon_s_alone_or_refused(tmp_path: Path) -> None:
+    """Made 0700 where missing; narrowed to 0700 where systemd's RuntimeDirectory= or a Kubernetes hostPath made it
+    0755; refused, never narrowed, where others may write to it (a shared directory such as /tmp: what is in it
+    need not be ours) or it is a link."""
+    from unisched.transport.claim import make_private_directory
+
+    made, opened, shared, link = (tmp_path / n for n in ("made", "opened", "shared", "link"))
+    assert make_private_directory(str(made)) is True
+    opened.mkdir()
+    opened.chmod(0o755)
+    assert make_private_directory(str(opened)) is False
+    assert [(p.stat().st_uid, p.stat().st_mode & 0o7777) for p in (made, opened)] == [(os.geteuid(), 0o700)] * 2
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(OSError, match="others may write to"):
+        make_private_directory(str(shared))
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    link.symlink_to(made)
+    with pytest.raises(OSError):
+        make_private_directory(str(link))
+    if os.geteuid() == 0:  # (only root can give a directory away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(OSError, match="belongs to uid 65534"):
+            make_private_directory(str(theirs))

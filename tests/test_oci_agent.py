@@ -1,7 +1,7 @@
 """The container path for GPU session admission with a real OCI runtime: runc starts a container whose
 seccomp profile (deploy/seccomp/unisched-gpu.json: the runtime default plus our rules, resolved for the
-container as a runtime resolves a Localhost profile) sends the driver's allocation ioctls to the daemon's agent
-socket (listenerPath); the daemon governs the container's sessions by its tenant's caps, and the runtime
+container as a runtime resolves a Localhost profile) sends the driver's allocation ioctls to the daemon's runtime
+agent socket (listenerPath); the daemon governs the container's sessions by its tenant's caps, and the runtime
 default's refusals still hold. /dev/null stands in for /dev/nvidiactl (let through: ENOTTY; refused: EPERM).
 Needs root and runc (CI installs it)."""
 
@@ -90,7 +90,7 @@ def test_runc_container_is_governed_through_the_agent_socket(daemon: Daemon, ten
     name = f"{tenant_prefix}ctr"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
-    agent = daemon.status()["agent_socket"]
+    agent = daemon.status()["runtime_agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}",
                ["/usr/bin/python3", "/t/nv_ioctls.py", "alloc:0xCB97:1", "alloc:0xCB97:2", "alloc:0xB8B0:3"])
     out = run_container(tmp_path, b, name)
@@ -103,7 +103,7 @@ def test_runc_container_is_governed_through_the_agent_socket(daemon: Daemon, ten
 def test_unknown_tenant_in_metadata_is_refused(
     daemon: Daemon, tenant_prefix: str, tmp_path: Path
 ) -> None:
-    agent = daemon.status()["agent_socket"]
+    agent = daemon.status()["runtime_agent_socket"]
     b = bundle(tmp_path, agent, "tenant=nobody-here", ["/usr/bin/python3", "-c", "print('ran')"])
     run_container(tmp_path, b, f"{tenant_prefix}x")
     refused = [json.loads(x) for x in daemon.log_path.read_text().splitlines() if x.startswith("{")]
@@ -131,7 +131,7 @@ def test_governed_container_keeps_the_runtime_default_refusals(daemon: Daemon, t
     name = f"{tenant_prefix}def"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
-    agent = daemon.status()["agent_socket"]
+    agent = daemon.status()["runtime_agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}", ["/usr/bin/python3", "-c", _PLAIN_IOCTL_AND_VMSPLICE])
     out = run_container(tmp_path, b, name)
     assert out.returncode == 0, out.stderr
@@ -148,7 +148,7 @@ def test_an_argument_free_ioctl_allow_would_swallow_the_notify_rules(
     name = f"{tenant_prefix}nv"
     assert daemon.cli("run", "--tenant", name, "--keep", "--", "true").returncode == 0
     daemon.cli("set-limit", "--tenant", name, "--render", "1", check=True)
-    agent = daemon.status()["agent_socket"]
+    agent = daemon.status()["runtime_agent_socket"]
     b = bundle(tmp_path, agent, f"tenant={name}",
                ["/usr/bin/python3", "/t/nv_ioctls.py", "alloc:0xCB97:1", "alloc:0xCB97:2"], profile=naive)
     out = run_container(tmp_path, b, name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import child_env, pipe_listeners
+from structlog.testing import capture_logs
 
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
@@ -244,49 +246,144 @@ from unisched.enforce.seccomp.filter import install_filter
 from unisched.enforce.seccomp.handover import make_agent_message, send_fd
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect(sys.argv[1])
-send_fd(sock, install_filter(), make_agent_message(os.getpid(), metadata=sys.argv[2]))
+send_fd(sock, install_filter(), make_agent_message(int(sys.argv[3]) or os.getpid(), metadata=sys.argv[2]))
 """
 """As runc does: send the hand-over and exit without waiting for the daemon's answer. argv: the agent socket, the
-metadata."""
+metadata, the pid the message names (0: this process)."""
 
 
-def _served_after_the_sender_exited(tmp_path: Path, metadata: str) -> list[str]:
-    """Hand a listener over as runc does, the daemon's loop held until the sender has exited; the tenants served."""
+def _agent(tmp_path: Path, engine: Scheduler, hooks: FakeSessionHooks) -> SeccompAgentServer:
+    """An agent on both sockets, the runtime one in a directory of its own."""
+    return SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks,
+                              runtime_path=str(tmp_path / "runtime" / "agent.sock"))
+
+
+def _after_the_sender_exited(tmp_path: Path, metadata: str, *, runtime: bool = True, pid: int = 0,
+                             in_tenant: bool = False) -> tuple[list[str], list[str]]:
+    """Hand a listener over as runc does, on the runtime agent socket (`runtime`) or the shared one, the daemon's
+    loop held until the sender has exited and been reaped; the tenants served and the refusals' reasons. `pid`: the
+    process the message names (0: the sender), put in tenant render's cgroup first if `in_tenant`."""
+    tmp_path.mkdir(exist_ok=True)
     config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
-    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    driver = FakeCgroupDriver()
+    engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
     engine.start()
     hooks = FakeSessionHooks()
-    server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks)
+    server = _agent(tmp_path, engine, hooks)
 
     async def exited_before_read() -> None:
         handled = asyncio.Event()
-        done = server._done
+        close = server._close
 
-        def handled_now(*args: Any) -> None:
-            done(*args)
+        def handled_now(*args: Any) -> None:  # each connection ends here, whether refused at accept or handled
+            close(*args)
             handled.set()
 
-        server._done = handled_now  # type: ignore[method-assign]
+        server._close = handled_now  # type: ignore[method-assign]
         await server.start()
         try:  # the loop is held while the sender runs to its end: the daemon reads it only once it has exited
-            subprocess.run([sys.executable, "-c", SEND_AND_EXIT, server.path, metadata], env=child_env(),
-                           check=True, timeout=30)
+            path = server.runtime_path if runtime else server.path
+            assert path is not None
+            sender = subprocess.Popen([sys.executable, "-c", SEND_AND_EXIT, path, metadata, str(pid)],
+                                      env=child_env())
+            if in_tenant:
+                driver.attach(engine.snapshot("render").cgroup, pid or sender.pid)
+            assert sender.wait(30) == 0
             await asyncio.wait_for(handled.wait(), 30)
         finally:
             await server.close()
 
-    asyncio.run(exited_before_read())
-    return hooks.attached
+    with capture_logs() as logs:
+        asyncio.run(exited_before_read())
+    return hooks.attached, [str(e["reason"]) for e in logs if e["event"] == "seccomp hand-over refused"]
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: only root may hand over on the runtime agent socket")
+def test_a_runtime_gone_before_its_hand_over_is_read_is_still_served(tmp_path: Path) -> None:
+    """runc sends the listener and goes on without reading an answer; under load it may have exited before the
+    daemon reads the hand-over. On the runtime agent socket, which only root on the host reaches, it is still
+    believed, and the container's GPU session calls are governed (not failed with ENOSYS)."""
+    assert _after_the_sender_exited(tmp_path, "tenant=render") == (["render"], [])
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: only root may hand over on the runtime agent socket")
+def test_a_gone_runtime_s_container_is_found_by_its_cgroup_while_the_container_s_process_runs(tmp_path: Path) -> None:
+    """Without listenerMetadata (Kubernetes' Localhost profiles) the tenant is the one whose cgroup holds the
+    process the message names: served though the runtime is gone, if that process still runs once its cgroup was
+    read (it is pinned first), so that the pid read named it."""
+    alive = _after_the_sender_exited(tmp_path / "alive", "", pid=os.getpid(), in_tenant=True)
+    assert alive == (["render"], [])
+    attached, reasons = _after_the_sender_exited(tmp_path / "gone", "", in_tenant=True)  # names itself, reaped
+    assert attached == [] and len(reasons) == 1 and "exited before its tenant was read" in reasons[0], reasons
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: only root in the host's namespaces is the runtime")
-@pytest.mark.xfail(strict=True, reason="known limit: a runtime gone before the daemon reads its hand-over cannot be "
-                   "told from root in a pod (its pid namespace is no longer readable), so it is refused")
-def test_a_runtime_gone_before_its_hand_over_is_read_is_still_served(tmp_path: Path) -> None:
-    """runc sends the listener and goes on without reading an answer; under load it may have exited before the
-    daemon reads the hand-over, and the container's GPU session calls then fail with ENOSYS."""
-    assert _served_after_the_sender_exited(tmp_path, "tenant=render") == ["render"]
+def test_on_the_shared_agent_socket_a_sender_gone_before_its_hand_over_is_read_may_not_name_a_tenant(
+    tmp_path: Path
+) -> None:
+    """Root in a pod reaches the shared socket where /run/unisched is mounted: a root peer whose namespaces can no
+    longer be read (it is gone) cannot be told from it there, so it is an ordinary peer and may not name a tenant."""
+    attached, reasons = _after_the_sender_exited(tmp_path, "tenant=render", runtime=False)
+    assert attached == [] and len(reasons) == 1, reasons
+    assert "only a root runtime in the host's namespaces may name the tenant" in reasons[0]
+
+
+RUNTIME_SOCKET_AS_NOBODY = """
+import os, sys
+from unisched.enforce.seccomp.abi import SeccompError
+from unisched.enforce.seccomp.handover import hand_over  # imported while still root (the interpreter may live in /root)
+r, w = os.pipe()  # any fd: a peer that is not root is refused before its hand-over is read
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+try:
+    hand_over(r, sys.argv[1], metadata="tenant=render", timeout=10)
+except SeccompError as e:
+    print(e)
+    raise SystemExit(1)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the runtime agent socket is root's")
+def test_the_runtime_agent_socket_is_root_s_alone_and_refuses_any_other_peer(short_dir: Path) -> None:
+    """Its directory is made 0700 and the socket 0600, both root's, so no other user reaches it; and should its modes
+    ever let one in, the peer's uid (SO_PEERCRED) is checked as well."""
+    short_dir.chmod(0o755)  # (the shared socket's place: anyone may reach it)
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(short_dir / "state"), FakeClock())
+    engine.start()
+    hooks = FakeSessionHooks()
+    server = _agent(short_dir, engine, hooks)
+    assert server.runtime_path is not None
+    runtime = Path(server.runtime_path)
+
+    async def as_nobody() -> list[str]:
+        await server.start()
+        try:
+            modes = [(os.stat(p).st_uid, stat.S_IMODE(os.stat(p).st_mode)) for p in (runtime.parent, runtime)]
+            assert modes == [(0, 0o700), (0, 0o600)]
+            answers = []
+            for loosened in (False, True):
+                if loosened:  # as if its modes had failed: the peer's uid still keeps it out
+                    runtime.parent.chmod(0o711)
+                    runtime.chmod(0o666)
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", RUNTIME_SOCKET_AS_NOBODY, str(runtime), env=child_env(),
+                    stdout=subprocess.PIPE)
+                stdout, _ = await asyncio.wait_for(proc.communicate(), 30)
+                answers.append(stdout.decode().strip())
+            return answers
+        finally:
+            await server.close()
+
+    kept_out, refused = asyncio.run(as_nobody())
+    assert "Permission denied" in kept_out, kept_out
+    assert "only root (a container runtime on the host) may hand over on the runtime agent socket" in refused, refused
+    assert hooks.attached == []
+    assert not runtime.parent.exists(), "the directory the daemon made goes with it"
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")

@@ -25,6 +25,7 @@ from unisched.enforce.seccomp.agent import parse_agent_message
 from unisched.enforce.seccomp.calls import escape_of
 from unisched.enforce.seccomp.filter import NOTIFIED, build_filter
 from unisched.enforce.seccomp.handover import make_agent_message
+from unisched.scheduler.config import DEFAULT_RUNTIME_AGENT_SOCKET
 
 
 # --- pure parts ------------------------------------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_oci_profile_notifies_exactly_the_filter_s_calls() -> None:
     calls `unisched run`'s own filter notifies on."""
     profile = json.loads((ROOT / "deploy/seccomp/unisched-gpu.json").read_text())
     assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
-    assert profile["listenerPath"] == "/run/unisched/seccomp-agent.sock"
+    assert profile["listenerPath"] == DEFAULT_RUNTIME_AGENT_SOCKET  # root's alone: the host's runtime hands over there
     assert profile["listenerMetadata"] == ""
     notified = set()
     for rule in profile["syscalls"]:

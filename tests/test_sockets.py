@@ -22,6 +22,7 @@ import grpc
 import pytest
 from conftest import Daemon, child_env
 
+from unisched.scheduler.config import runtime_agent_socket_beside
 from unisched.transport.client import DaemonClient
 from unisched.transport.grpcdoor import PREFACE
 from unisched_wire import unisched_pb2 as pb
@@ -77,7 +78,7 @@ def test_the_daemon_has_no_tcp_or_udp_socket(daemon: Daemon) -> None:
         inet = _inet_inodes(pid)
         assert not {i: inet[i] for i in _socket_inodes(pid) if i in inet}, "the daemon holds TCP/UDP sockets"
     agent = str(Path(daemon.socket).with_name("seccomp-agent.sock"))
-    assert _unix_listeners(pid) == {daemon.socket, daemon.lease_socket, agent}
+    assert _unix_listeners(pid) == {daemon.socket, daemon.lease_socket, agent, runtime_agent_socket_beside(daemon.socket)}
 
 
 WHO = r"""

@@ -267,7 +267,7 @@ class MixedSlices(_message.Message):
     def __init__(self, together: _Optional[float] = ..., compute_alone: _Optional[float] = ..., graphics_alone: _Optional[float] = ..., now: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission", "mps", "mps_pipe_dir")
+    __slots__ = ("version", "mode", "slice_ms", "cgroup_driver", "cgroup_root", "nvml", "gpus", "tenants", "uptime_s", "caller_pid", "caller_uid", "caller_is_admin", "caller_tenant", "agent_socket", "session_hooks", "device_admission", "mps", "mps_pipe_dir", "runtime_agent_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SLICE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class StatusReply(_message.Message):
     DEVICE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     MPS_FIELD_NUMBER: _ClassVar[int]
     MPS_PIPE_DIR_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_AGENT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: str
     mode: str
     slice_ms: float
@@ -304,7 +305,8 @@ class StatusReply(_message.Message):
     device_admission: str
     mps: str
     mps_pipe_dir: str
-    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ..., agent_socket: _Optional[str] = ..., session_hooks: _Optional[str] = ..., device_admission: _Optional[str] = ..., mps: _Optional[str] = ..., mps_pipe_dir: _Optional[str] = ...) -> None: ...
+    runtime_agent_socket: str
+    def __init__(self, version: _Optional[str] = ..., mode: _Optional[str] = ..., slice_ms: _Optional[float] = ..., cgroup_driver: _Optional[str] = ..., cgroup_root: _Optional[str] = ..., nvml: _Optional[bool] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., tenants: _Optional[int] = ..., uptime_s: _Optional[float] = ..., caller_pid: _Optional[int] = ..., caller_uid: _Optional[int] = ..., caller_is_admin: _Optional[bool] = ..., caller_tenant: _Optional[str] = ..., agent_socket: _Optional[str] = ..., session_hooks: _Optional[str] = ..., device_admission: _Optional[str] = ..., mps: _Optional[str] = ..., mps_pipe_dir: _Optional[str] = ..., runtime_agent_socket: _Optional[str] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()

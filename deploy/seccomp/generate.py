@@ -52,7 +52,9 @@ keeps these rules (stricter than its engine-format resolution, never looser)."""
 
 def containerd_output(arch: str) -> Path:
     return HERE / f"unisched-gpu.containerd-{arch}.json"
-LISTENER_PATH = "/run/unisched/seccomp-agent.sock"
+LISTENER_PATH = "/run/unisched-runtime/seccomp-agent.sock"
+"""The daemon's runtime agent socket (runtime_agent_socket): root's alone, where the container runtime on the host
+hands over each container's listener; never mounted into pods."""
 
 NOTIFIED_IOCTLS = (
     (0x462B, "NVIDIA RM_ALLOC: (request & 0xFFFF) == 0x462B ('F', nr 0x2B)"),

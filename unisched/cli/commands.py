@@ -339,6 +339,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             for g in s.gpus
         ],
         "agent_socket": s.agent_socket,
+        "runtime_agent_socket": s.runtime_agent_socket,
         "session_hooks": s.session_hooks,
         "device_admission": s.device_admission,
         "mps": s.mps or "off",
@@ -354,7 +355,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     )
     if not s.nvml:
         print("no NVML: scheduling on CPU signals")
-    print(f"session hooks (seccomp): {s.session_hooks}" + (f", agent socket {s.agent_socket}" if s.agent_socket else ""))
+    sockets = "".join(f", {what} {path}" for what, path in (("agent socket", s.agent_socket),
+                                                            ("runtime agent socket", s.runtime_agent_socket)) if path)
+    print(f"session hooks (seccomp): {s.session_hooks}{sockets}")
     print(f"device admission (cgroup eBPF): {s.device_admission}")
     print(f"MPS: {s.mps or 'off'}" + (f", pipe directory {s.mps_pipe_dir}" if s.mps_pipe_dir else ""))
     from unisched.cli.top import gpu_line

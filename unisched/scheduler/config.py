@@ -50,6 +50,7 @@ __all__ = [
     "MAX_GPU_INDEX",
     "is_gpu_index",
     "parse_size",
+    "runtime_agent_socket_beside",
 ]
 
 MAX_GPU_INDEX = 255
@@ -57,9 +58,20 @@ MAX_GPU_INDEX = 255
 
 DEFAULT_SOCKET = "/run/unisched/unisched.sock"
 DEFAULT_STATE_DIR = "/var/lib/unisched"
-DEFAULT_AGENT_SOCKET = "/run/unisched/seccomp-agent.sock"
+AGENT_SOCKET_NAME = "seccomp-agent.sock"
+DEFAULT_AGENT_SOCKET = str(Path(DEFAULT_SOCKET).with_name(AGENT_SOCKET_NAME))
 DEFAULT_LEASE_SOCKET = str(Path(DEFAULT_SOCKET).with_name(LEASE_SOCKET_NAME))
 DEFAULT_METRICS_LISTEN = "127.0.0.1"
+
+
+def runtime_agent_socket_beside(socket_path: str) -> str:
+    """The runtime agent socket of a daemon on `socket_path`: in a directory beside the socket's (its name and
+    `-runtime`), never inside it, since the socket's directory is mounted into pods."""
+    where = Path(socket_path).parent
+    return str(where.parent / f"{where.name or 'unisched'}-runtime" / AGENT_SOCKET_NAME)
+
+
+DEFAULT_RUNTIME_AGENT_SOCKET = runtime_agent_socket_beside(DEFAULT_SOCKET)
 METRICS_PORT = 19400
 """Our metrics port, where deploy/ turns metrics on: outside 9100-9999, which Prometheus' list of exporter ports
 has given out (9400 is dcgm-exporter's, which runs on the same GPU nodes)."""
@@ -136,8 +148,15 @@ class DaemonConfig:
         "which looks for it beside socket unless UNISCHED_LEASE_SOCKET names it); same access as socket",
         default_text=f"{LEASE_SOCKET_NAME} beside socket")
     agent_socket: str = knob(
-        DEFAULT_AGENT_SOCKET, "daemon", "seccomp agent socket: `unisched run` children and OCI runtimes (seccomp "
-        "listenerPath) hand over their GPU session filter here", default_text="seccomp-agent.sock beside socket")
+        DEFAULT_AGENT_SOCKET, "daemon", "seccomp agent socket of `unisched run` children (any user, mode 0666), each "
+        "handing over its own GPU session filter; container runtimes use runtime_agent_socket",
+        default_text=f"{AGENT_SOCKET_NAME} beside socket")
+    runtime_agent_socket: str = knob(
+        DEFAULT_RUNTIME_AGENT_SOCKET, "daemon", "seccomp agent socket of the host's OCI runtimes (runc, crun: the "
+        "seccomp profile's listenerPath), root's alone (0600, in a directory the daemon keeps 0700): a runtime there "
+        "may name the tenant and is believed though it exited before its hand-over was read. Never mount its "
+        "directory into a pod",
+        default_text=f"{AGENT_SOCKET_NAME} in <socket's directory>-runtime")
     socket_group: str | None = knob(None, "daemon", "only root and this group may connect to socket (mode 0660; "
                                     "unset: everyone, 0666); the group must exist")
     admin_group: str | None = knob(None, "daemon", "members may change weights and caps, adopt and remove tenants, "
@@ -247,12 +266,18 @@ class DaemonConfig:
         raw = {k: (v.value if isinstance(v, Mode) else v) for k, v in given.items()}
         checked = _parse_daemon(raw, base=self, where="flag")
         out = replace(self, **{k: getattr(checked, k) for k in given})
-        if "socket" in given and "agent_socket" not in given and self.agent_socket == DEFAULT_AGENT_SOCKET:
-            # a daemon on its own socket (tests, a second instance) gets its agent socket beside it
-            out = replace(out, agent_socket=str(Path(out.socket).with_name("seccomp-agent.sock")))
-        if "socket" in given and "lease_socket" not in given and self.lease_socket == DEFAULT_LEASE_SOCKET:
-            out = replace(out, lease_socket=lease_socket_beside(out.socket))  # and its lease socket, likewise
-        return out
+        # a daemon on its own socket (tests, a second instance) gets its other sockets beside it
+        moved: dict[str, Any] = {key: beside(out.socket) for key, default, beside in _BESIDE_SOCKET
+                                 if "socket" in given and key not in given and getattr(self, key) == default}
+        return replace(out, **moved)
+
+
+_BESIDE_SOCKET: Final = (
+    ("agent_socket", DEFAULT_AGENT_SOCKET, lambda s: str(Path(s).with_name(AGENT_SOCKET_NAME))),
+    ("lease_socket", DEFAULT_LEASE_SOCKET, lease_socket_beside),
+    ("runtime_agent_socket", DEFAULT_RUNTIME_AGENT_SOCKET, runtime_agent_socket_beside),
+)
+"""The sockets whose default follows `socket` when only it is given: (key, its default, where beside socket)."""
 
 
 KNOBS = knobs_of(DaemonConfig)
@@ -483,7 +508,7 @@ def check_groups(config: DaemonConfig) -> list[str]:
     return warnings
 
 
-PATH_KEYS: Final = ("socket", "lease_socket", "agent_socket", "state_dir")
+PATH_KEYS: Final = ("socket", "lease_socket", "agent_socket", "runtime_agent_socket", "state_dir")
 """Where the daemon makes its sockets and keeps its state: absolute (systemd starts it in /), below a directory."""
 
 
@@ -498,6 +523,7 @@ def check_places(config: DaemonConfig) -> None:
         above = next((p for p in (start, *start.parents) if p.exists()), Path("/"))
         if not above.is_dir():
             raise ConfigError(f"config {key!r}: {above} is not a directory, so {path} cannot be made")
+    _check_runtime_directory(config)
     hosts = [("listen", config.listen.rpartition(":")[0])] if config.listen else []
     if config.metrics_port:
         hosts.append(("metrics_listen", config.metrics_listen))
@@ -506,6 +532,18 @@ def check_places(config: DaemonConfig) -> None:
             socket.getaddrinfo(host.strip("[]"), None)
         except (OSError, UnicodeError) as e:
             raise ConfigError(f"config {key!r}: cannot resolve {host!r}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _check_runtime_directory(config: DaemonConfig) -> None:
+    """runtime_agent_socket's directory is made root's alone (0700) and must be in no pod, while every tenant
+    reaches the other sockets' directories and pods get them mounted: the two may not nest either way."""
+    own = Path(config.runtime_agent_socket).parent
+    for key in ("socket", "lease_socket", "agent_socket"):
+        theirs = Path(getattr(config, key)).parent
+        if own == theirs or own in theirs.parents or theirs in own.parents:
+            raise ConfigError(f"config 'runtime_agent_socket': its directory {own} nests with {theirs}, where {key} "
+                              "is: it is made root's alone (0700) and kept out of pods, which get that one mounted; "
+                              "give it a directory of its own")
 
 
 def check_gpus(config: DaemonConfig, seen: Sequence[int]) -> None:

@@ -1,7 +1,15 @@
-"""The seccomp agent socket: where `unisched run` children and OCI runtimes (seccomp `listenerPath`) hand
-over the notification listener of a tenant's GPU session filter. Each listener goes to the session hooks (by
-default a SessionSupervisor each: its own thread answers every call that is not a new session at once, and asks
-the engine, on the daemon's event loop, to admit or refuse each new render/compute/codec session)."""
+"""The seccomp agent sockets: where `unisched run` children and OCI runtimes (seccomp `listenerPath`) hand over
+the notification listener of a tenant's GPU session filter. Each listener goes to the session hooks (by default a
+SessionSupervisor each: its own thread answers every call that is not a new session at once, and asks the engine,
+on the daemon's event loop, to admit or refuse each new render/compute/codec session).
+
+Two sockets share the hooks and the hand-over slots. Every tenant process must reach the shared one
+(`agent_socket`, 0666), and so does root in a pod where /run/unisched is mounted: a peer there is who `peer_of`
+says (root outside the host's namespaces, or gone before they were read, is an ordinary user) and must still run
+when its tenant is read. The runtime one (`runtime_agent_socket`) is root's alone (0600, in a 0700 directory never
+mounted into a pod), so only root on the host reaches it and the connection itself proves a host runtime: it may
+name the tenant and hand over another process's listener, and is believed after it exited (runc sends the
+listener and goes on without reading an answer)."""
 
 from __future__ import annotations
 
@@ -22,8 +30,8 @@ from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 from unisched.transport.carry import Carried, ListenerCarry
-from unisched.transport.claim import replace_stale_socket
-from unisched.transport.identity import PeerCred, peer_of
+from unisched.transport.claim import make_private_directory, replace_stale_socket
+from unisched.transport.identity import PeerCred, ProcessHandle, kernel_cred, peer_of
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -49,8 +57,8 @@ MAX_HANDOVERS_USERS: Final = 64
 """Hand-overs in progress from all non-root uids together: bounds the fds and buffers (up to
 MAX_AGENT_MESSAGE_BYTES each) that many uids at once can pin."""
 MAX_HANDOVERS_ROOT: Final = 64
-"""Hand-overs in progress from root (runc/containerd starting containers, root's runs): root's own room, which
-no other uid's connections can take."""
+"""Hand-overs in progress from root (runc/containerd starting containers, on either socket; root's runs): root's
+own room, which no other uid's connections can take."""
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
 """At most one warning per kind and uid this often: a flood must not flood the journal too."""
 _ACCEPT_RETRY_S: Final = 0.1
@@ -114,8 +122,11 @@ class SeccompAgentServer:
     def __init__(
         self, path: str, engine: Scheduler, limits: HandOverLimits | None = None, hooks: SessionHooks | None = None,
         carry: ListenerCarry | None = None, carried: list[tuple[int, Carried]] | None = None,
+        runtime_path: str | None = None,
     ) -> None:
         self.path = path
+        self.runtime_path = runtime_path
+        """The runtime agent socket (module docstring); None: the shared one alone."""
         self.carry = carry
         """Where the hooks' listeners are kept across a graceful restart (carry.py); None: never kept."""
         self.carried = carried or []
@@ -129,24 +140,40 @@ class SeccompAgentServer:
             engine.memory_ledger = MemoryLedger(engine.memory_terms, engine.gpu_memory_totals)
             hooks = SupervisedHooks(self._decide, self._on_event, engine.memory_ledger)
         self.hooks: SessionHooks = hooks
-        self._sock: socket.socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._bound: list[tuple[socket.socket, str, bool]] = []
+        """Each listening socket, its path and whether it is the runtime one."""
+        self._made_dir: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
         self._slots = HandOverSlots(self.limits)
         self._throttle = Throttle(REFUSAL_LOG_INTERVAL_S)
 
     async def start(self) -> None:
-        replace_stale_socket(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(self.path)
         # tenants' children hand over their listener as themselves (any uid); identity is checked per connection
-        os.chmod(self.path, 0o666)
-        sock.listen(128)
-        sock.setblocking(False)
-        self._sock = sock
+        self._listen(self.path, 0o666, runtime=False)
+        if self.runtime_path is not None:  # bound inside a directory root's alone: no one else ever reaches it
+            directory = os.path.dirname(self.runtime_path)
+            try:
+                self._made_dir = directory if make_private_directory(directory) else None
+            except OSError as e:
+                raise OSError(f"cannot serve the runtime agent socket {self.runtime_path}: {e}") from None
+            self._listen(self.runtime_path, 0o600, runtime=True)
         carried, self.carried = self.carried, []
         self._serve_carried(carried)
-        self._task = asyncio.create_task(self._accept_loop())
+        self._tasks = [asyncio.create_task(self._accept_loop(sock, runtime)) for sock, _, runtime in self._bound]
+
+    def _listen(self, path: str, mode: int, runtime: bool) -> None:
+        replace_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+        except OSError:
+            sock.close()
+            raise
+        self._bound.append((sock, path, runtime))
+        os.chmod(path, mode)
+        sock.listen(128)
+        sock.setblocking(False)
 
     def _serve_carried(self, carried: list[tuple[int, Carried]]) -> None:
         """Serve again the listeners the last graceful stop kept, each for its tenant if that still exists over the
@@ -177,16 +204,20 @@ class SeccompAgentServer:
         return self.engine.snapshot(tenant).cgroup if self.engine.has_tenant(tenant) else None
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._pending) if t is not None]
+        tasks = [*self._tasks, *self._pending]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._sock is not None:
-            self._sock.close()
+        for sock, path, _ in self._bound:
+            sock.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                os.unlink(path)
+        self._bound = []
+        if self._made_dir is not None:
+            with contextlib.suppress(OSError):  # (not empty: something else was put there, left alone)
+                os.rmdir(self._made_dir)
         for fd, _ in self.carried:  # never started: not served, so not kept either
             os.close(fd)
         self.carried = []
@@ -196,24 +227,30 @@ class SeccompAgentServer:
         else:
             self.hooks.close()
 
-    async def _accept_loop(self) -> None:
-        assert self._sock is not None
+    async def _accept_loop(self, sock: socket.socket, runtime: bool) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._sock)
+                conn, _ = await loop.sock_accept(sock)
             except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the pending connection waits in the backlog
                 self._warn("seccomp agent cannot accept", -1, error=str(e))
                 await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
-            self._admit(conn, loop.time() + self.limits.deadline_s)
+            self._admit(conn, loop.time() + self.limits.deadline_s, runtime)
 
-    def _admit(self, conn: socket.socket, deadline: float) -> None:
-        """Take a slot for the peer (its uid as `peer_of` knows it), or refuse at once ("busy", then close)."""
+    def _admit(self, conn: socket.socket, deadline: float, runtime: bool) -> None:
+        """Take a slot for the peer (its uid as `peer_of` knows it; on the runtime socket as the kernel recorded it
+        at connect, which must be root's), or refuse at once ("busy", then close)."""
         try:
-            cred = peer_of(conn)
+            cred = kernel_cred(conn) if runtime else peer_of(conn)
         except OSError:
             conn.close()
+            return
+        if runtime and cred.uid != 0:  # its modes keep everyone else out; should they ever not
+            reason = "only root (a container runtime on the host) may hand over on the runtime agent socket"
+            self._warn("seccomp hand-over refused", cred.uid, peer_pid=cred.pid, reason=reason)
+            ack_agent(conn, reason)
+            self._close(conn, cred)
             return
         refusal = self._slots.take(cred.uid)  # root outside the host's namespaces: CONTAINED_ROOT, one user
         if refusal is not None:
@@ -222,7 +259,7 @@ class SeccompAgentServer:
             self._close(conn, cred)
             return
         conn.setblocking(False)
-        task = asyncio.create_task(self._handle(conn, cred, deadline))
+        task = asyncio.create_task(self._handle(conn, cred, deadline, runtime))
         self._pending.add(task)
         task.add_done_callback(lambda t: self._done(t, conn, cred))
 
@@ -238,7 +275,7 @@ class SeccompAgentServer:
         self._close(conn, cred)
         self._slots.give_back(cred.uid)
 
-    async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float) -> None:
+    async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float, runtime: bool) -> None:
         pid, uid = cred.pid, cred.uid
         fd = -1
         try:
@@ -257,9 +294,7 @@ class SeccompAgentServer:
                 self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
                 ack_agent(conn, str(e))
                 return
-            tenant, reason = self._tenant_for(pid, uid == 0, hello.pid, hello.metadata)
-            if reason is None and not cred.alive():  # the tenant was read through a pid that may name another now
-                tenant, reason = None, "the peer exited before its hand-over was done"
+            tenant, reason = self._tenant_for(cred, runtime, hello)
             if reason is not None or tenant is None:
                 self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
                 ack_agent(conn, reason)
@@ -287,25 +322,38 @@ class SeccompAgentServer:
         if held_back is not None:
             log.warning(event, peer_uid=uid, **fields, **({"held_back": held_back} if held_back else {}))
 
-    def _tenant_for(self, peer_pid: int, runtime: bool, pid: int, metadata: str) -> tuple[str | None, str | None]:
-        """Which tenant a hand-over governs: `tenant=NAME` in the profile's listenerMetadata when a `runtime` (root
-        in the daemon's user and pid namespaces: runc, crun) sends it; else the tenant whose cgroup holds the
-        process. Any other peer (a user's `unisched run` trampoline; root inside a pod, which can reach the socket
-        where /run/unisched is mounted) may only hand over its own listener."""
-        if not runtime and peer_pid != pid:
-            return None, f"peer pid {peer_pid} may only hand over its own listener (message says pid {pid})"
-        named = dict(kv.split("=", 1) for kv in metadata.split(",") if "=" in kv).get("tenant")
-        if named is not None:
-            if not runtime:
-                return None, "only a root runtime in the host's namespaces may name the tenant in listenerMetadata"
-            if not self.engine.has_tenant(named):
-                return None, f"listenerMetadata names unknown tenant {named!r} (declare or adopt it first)"
-            return named, None
-        tenant = self.engine.tenant_of_pid(pid)
-        if tenant is None:
-            hint = "adopt the container's cgroup, or set listenerMetadata tenant=NAME"
-            return None, f"pid {pid} is not in any tenant's cgroup ({hint})"
-        return tenant, None
+    def _tenant_for(self, cred: PeerCred, on_runtime_socket: bool, hello: AgentHello) -> tuple[str | None, str | None]:
+        """Which tenant a hand-over governs (tenant, None), or why none (None, reason): `tenant=NAME` in the
+        profile's listenerMetadata when a runtime sends it (any peer of the runtime socket; root in the host's
+        namespaces on the shared one, runc or crun); else the tenant whose cgroup holds the process. Any other
+        peer (a user's `unisched run` trampoline; root inside a pod) may only hand over its own listener."""
+        runtime = on_runtime_socket or cred.uid == 0  # (`peer_of` gives uid 0 to root in the host's namespaces only)
+        pid = hello.pid
+        if not runtime and cred.pid != pid:
+            return None, f"peer pid {cred.pid} may only hand over its own listener (message says pid {pid})"
+        named = dict(kv.split("=", 1) for kv in hello.metadata.split(",") if "=" in kv).get("tenant")
+        if named is not None and not runtime:
+            return None, "only a root runtime in the host's namespaces may name the tenant in listenerMetadata"
+        if named is not None and not self.engine.has_tenant(named):
+            return None, f"listenerMetadata names unknown tenant {named!r} (declare or adopt it first)"
+        if named is not None and on_runtime_socket:
+            return named, None  # a host runtime's word, whether it still runs or not
+        # what must still run once the tenant is read, so that the pid read named it: on the shared socket the peer;
+        # on the runtime one the process the message names (the runtime may be gone), pinned before the read
+        pinned = _pin(pid) if on_runtime_socket else None
+        try:
+            tenant = named or self.engine.tenant_of_pid(pid)
+            if tenant is None:
+                hint = "adopt the container's cgroup, or set listenerMetadata tenant=NAME"
+                return None, f"pid {pid} is not in any tenant's cgroup ({hint})"
+            if pinned is not None and not pinned.alive():
+                return None, f"pid {pid} exited before its tenant was read"
+            if pinned is None and not cred.alive():
+                return None, "the peer exited before its hand-over was done"
+            return tenant, None
+        finally:
+            if pinned is not None:
+                pinned.close()
 
     def _decide(self, tenant: str, kind: str, h_class: int) -> bool:
         return self.engine.admit_session(tenant, str(kind), h_class)
@@ -313,6 +361,14 @@ class SeccompAgentServer:
     def _on_event(self, event: SessionEvent) -> None:
         if event.action in _GIVE_BACK:
             self.engine.session_freed(event.tenant, str(event.kind))
+
+
+def _pin(pid: int) -> ProcessHandle:
+    """Process `pid` held by a pidfd (one that is gone already counts as gone)."""
+    try:
+        return ProcessHandle(pid, 0, os.pidfd_open(pid), None)
+    except OSError:
+        return ProcessHandle(pid, 0, None, None)
 
 
 async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:

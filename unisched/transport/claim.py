@@ -17,7 +17,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "replace_stale_socket", "socket_answers"]
+__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "make_private_directory", "replace_stale_socket",
+           "socket_answers"]
 
 CONNECT_TIMEOUT_S = 2.0
 """A live daemon accepts a Unix connection at once (the kernel queues it); 2 s covers one busy on 2 cores."""
@@ -65,6 +66,30 @@ def replace_stale_socket(path: str) -> None:
         if socket_answers(path):
             raise OSError(f"a daemon answers on {path}; refusing to replace its socket")
         p.unlink()
+
+
+def make_private_directory(directory: str) -> bool:
+    """Make `directory` this daemon's user's alone (0700), created if missing (True) or narrowed to 0700. One that
+    another user owns, or that others may write (a shared one, such as /tmp), is refused with an OSError instead:
+    what is in it need not be ours."""
+    made = True
+    try:
+        Path(directory).mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        made = False
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise OSError(f"{directory} belongs to uid {st.st_uid}, not to this daemon's; give it a directory of its own")
+        if st.st_mode & 0o022:
+            raise OSError(f"others may write to {directory} (mode {stat.S_IMODE(st.st_mode):04o}); give it a directory "
+                          "of its own")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return made
 
 
 def _holder(fd: int) -> str:

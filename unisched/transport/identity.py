@@ -26,11 +26,12 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from unisched.enforce.seccomp.proc import state_and_start
 
-__all__ = ["CONTAINED_ROOT", "PeerCred", "ProcessHandle", "in_host_namespaces", "is_admin", "peer_of", "uid_groups"]
+__all__ = ["CONTAINED_ROOT", "PeerCred", "ProcessHandle", "in_host_namespaces", "is_admin", "kernel_cred", "peer_of",
+           "uid_groups"]
 
 CONTAINED_ROOT = -2
 """The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
@@ -87,7 +88,8 @@ class ProcessHandle:
 
 @dataclass(frozen=True)
 class PeerCred:
-    """SO_PEERCRED at connect time, and the process it names (None only where a test builds one by hand)."""
+    """SO_PEERCRED at connect time, and the process it names (None where nothing was pinned: `kernel_cred`, or a
+    test that builds one by hand)."""
 
     pid: int
     uid: int
@@ -99,13 +101,21 @@ class PeerCred:
         return self.process is None or self.process.alive()
 
 
+def kernel_cred(conn: socket.socket) -> PeerCred:
+    """SO_PEERCRED as the kernel recorded it at connect, nothing pinned nor read from /proc: all there is to know of
+    a peer that may have exited since, where the socket's place alone says who could connect (the runtime agent
+    socket)."""
+    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return PeerCred(pid, uid, gid)
+
+
 def peer_of(conn: socket.socket) -> PeerCred:
     """The credentials of an accepted Unix connection, with the connecting process pinned, its uid the one it is
     known by here (`known_as`)."""
-    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    cred = PeerCred(pid, uid, gid, _pin(conn, pid, uid))
+    raw = kernel_cred(conn)
+    cred = replace(raw, process=_pin(conn, raw.pid, raw.uid))
     known = known_as(cred)
-    return cred if known == uid else PeerCred(pid, known, gid, cred.process)
+    return cred if known == raw.uid else replace(cred, uid=known)
 
 
 def known_as(cred: PeerCred) -> int:

@@ -74,6 +74,7 @@ class UnischedServicer:
         self._root = cgroup_root
         self._nvml = nvml
         self.agent_socket = ""
+        self.runtime_agent_socket = ""
         self.lease_socket = ""
         self._hooks = seccomp_probe() or "on"
         self._devices = "on" if engine.devices is not None else "unavailable"
@@ -234,6 +235,7 @@ class UnischedServicer:
             tenant = self.engine.tenant_of_pid(cred.pid) or ""
             reply.caller_tenant = tenant if cred.alive() else ""  # read through a pid that still named the caller
         reply.agent_socket = self.agent_socket
+        reply.runtime_agent_socket = self.runtime_agent_socket
         reply.session_hooks = self._hooks
         reply.device_admission = self._devices
         mps = await self._mps.get()
@@ -304,13 +306,14 @@ async def serve_async(
     servicer = UnischedServicer(engine, config.admin_group, started, engine.driver.kind, str(engine.driver.mount), nvml,
                                 pacer)
     servicer.agent_socket = config.agent_socket
+    servicer.runtime_agent_socket = config.runtime_agent_socket
     servicer.lease_socket = config.lease_socket
     front = FrontDoor(is_admin=servicer.is_admin)
     door = GrpcDoor(servicer, config.lease_socket)
     lease = LeaseService(engine, servicer.is_admin, pacer)
     notifier = Notifier.from_env()
     agent = SeccompAgentServer(config.agent_socket, engine, carry=ListenerCarry(notifier, config.state_dir),
-                               carried=carried)
+                               carried=carried, runtime_path=config.runtime_agent_socket)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,7 +2,7 @@
 
 `unisched run`'s trampoline runs it in each new tenant process, so it imports the standard library only (no
 structlog, asyncio or grpc): a burst of runs is paid in CPU time per import. The message is the OCI runtimes'
-(runtime-spec ContainerProcessState), so one agent socket serves runs and containers (agent.py reads it).
+(runtime-spec ContainerProcessState), so the daemon reads runs' and containers' hand-overs alike (agent.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Final
 from unisched.enforce.seccomp.abi import SeccompError
 
 DEFAULT_LISTENER_PATH: Final = "/run/unisched/seccomp-agent.sock"
-"""Where the daemon's agent socket listens (the path deploy/seccomp/unisched-gpu.json names)."""
+"""Where the daemon's agent socket for runs listens by default (`agent_socket`; container runtimes hand over on
+`runtime_agent_socket`, which deploy/seccomp/unisched-gpu.json names)."""
 
 
 def send_fd(sock: socket.socket, fd: int, payload: bytes) -> None:
@@ -30,7 +31,7 @@ def send_fd(sock: socket.socket, fd: int, payload: bytes) -> None:
 
 
 def make_agent_message(pid: int, *, metadata: str = "", container_id: str = "", status: str = "running") -> bytes:
-    """The same message shape for `unisched run`'s child, so one agent socket serves runs and containers."""
+    """The same message shape for `unisched run`'s child as the OCI runtimes send, so one reader serves both."""
     return json.dumps(
         {
             "ociVersion": "1.1.0",
