@@ -12,13 +12,11 @@ from unisched.scheduler.config import (
     ConfigError,
     DaemonConfig,
     DeclaredTenant,
-    check_gpus,
-    check_groups,
-    check_places,
     load_config,
     parse_size,
     runtime_agent_socket_beside,
 )
+from unisched.scheduler.hostcheck import check_gpus, check_groups, check_places
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -31,8 +31,9 @@ from unisched.enforce.governed import GovernedRecord, Orphans, RecordError, gove
 from unisched.enforce.mps import MpsControl, MpsError, NvidiaMpsControl, mps_unavailable_reason
 from unisched.logs import configure_logging
 from unisched.scheduler.clock import SystemClock
-from unisched.scheduler.config import ConfigError, DaemonConfig, check_declared_cgroups, check_gpus
+from unisched.scheduler.config import ConfigError, DaemonConfig
 from unisched.scheduler.core import Scheduler
+from unisched.scheduler.hostcheck import check_declared_cgroups, check_gpus
 from unisched.scheduler.state import StateStore
 from unisched.sdnotify import Notifier
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry

@@ -12,14 +12,8 @@ from typing import Any
 
 from unisched.cli.args import knob_flags
 from unisched.enforce.governed import Orphans
-from unisched.scheduler.config import (
-    ConfigError,
-    DaemonConfig,
-    check_groups,
-    check_listener,
-    check_places,
-    load_config,
-)
+from unisched.scheduler.config import ConfigError, DaemonConfig, check_listener, load_config
+from unisched.scheduler.hostcheck import check_groups, check_places
 from unisched.transport.client import DaemonClient
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import LEASE_SOCKET_ENV
