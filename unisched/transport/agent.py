@@ -228,6 +228,9 @@ class SeccompAgentServer:
             self.hooks.close()
 
     async def _accept_loop(self, sock: socket.socket, runtime: bool) -> None:
+        """One connection at a time, the loop's other work let run after each: `sock_accept` returns at once, without
+        yielding, while connections are queued, so a flood of them (the shared socket is anyone's) would otherwise
+        hold the whole loop, the slices and systemd's watchdog included."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -237,6 +240,7 @@ class SeccompAgentServer:
                 await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
             self._admit(conn, loop.time() + self.limits.deadline_s, runtime)
+            await asyncio.sleep(0)
 
     def _admit(self, conn: socket.socket, deadline: float, runtime: bool) -> None:
         """Take a slot for the peer (its uid as `peer_of` knows it; on the runtime socket as the kernel recorded it

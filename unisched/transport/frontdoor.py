@@ -160,7 +160,9 @@ class FrontDoor:
     async def _accept_loop(self, listener: socket.socket, serve: Serve) -> None:
         """Wait for a connection, then take what the backlog holds (up to ACCEPT_BATCH), deciding on each as it
         is accepted: admitted ones get a task, the rest are closed at once, so limits apply before any read and
-        a burst never runs the daemon out of file descriptors (EMFILE)."""
+        a burst never runs the daemon out of file descriptors (EMFILE). Then the loop's other work runs:
+        `sock_accept` returns at once, without yielding, while connections are queued, so a flood would otherwise
+        hold the whole loop."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -180,6 +182,7 @@ class FrontDoor:
                     await _accept_failed(e)
                     break
                 self._admit(conn, serve)
+            await asyncio.sleep(0)
 
     def _admit(self, conn: socket.socket, serve: Serve) -> None:
         conn.setblocking(False)
