@@ -53,9 +53,10 @@ def in_process_server(
 ) -> Iterator[InProcessServer]:
     sock_dir = Path(tempfile.mkdtemp(prefix="us-inproc-"))
     sock_dir.chmod(0o755)
+    runtime_socket = runtime_agent_socket_beside(str(sock_dir / "s.sock"))
     config = replace(
         DaemonConfig(socket=str(sock_dir / "s.sock"), agent_socket=str(sock_dir / "agent.sock"),
-                     runtime_agent_socket=runtime_agent_socket_beside(str(sock_dir / "s.sock")),
+                     runtime_agent_socket=runtime_socket,
                      lease_socket=str(sock_dir / "lease.sock"), state_dir=str(state_dir)),
         **overrides,
     )
@@ -92,4 +93,8 @@ def in_process_server(
         thread.join(20)
         loop.close()
         shutil.rmtree(sock_dir)
-        shutil.rmtree(Path(config.runtime_agent_socket).parent, ignore_errors=True)  # (the daemon removes what it made)
+        # the daemon removes the runtime agent socket's directory it made at stop; should it not have, only ours
+        # goes, and only empty: never one an override names, nor anything in it
+        if config.runtime_agent_socket == runtime_socket:
+            with contextlib.suppress(OSError):
+                Path(runtime_socket).parent.rmdir()

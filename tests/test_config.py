@@ -204,10 +204,28 @@ def test_a_daemon_on_its_own_socket_gets_its_runtime_agent_socket_beside_that_so
     assert named.runtime_agent_socket == "/run/rt/a.sock"  # one given is kept
 
 
-@pytest.mark.parametrize("runtime", ["/run/unisched/rt.sock", "/run/rt.sock", "/run/unisched/runtime/rt.sock"])
-def test_the_runtime_agent_socket_s_directory_and_the_other_sockets_do_not_nest(runtime: str) -> None:
+@pytest.mark.parametrize("runtime", ["/run/unisched/rt.sock", "/run/rt.sock", "/run/unisched/runtime/rt.sock",
+                                     "/run/x/../unisched/rt.sock", "/run/unisched-runtime/../unisched/rt/rt.sock",
+                                     "link"])
+def test_the_runtime_agent_socket_s_directory_and_the_other_sockets_do_not_nest(runtime: str, tmp_path: Path) -> None:
     """The daemon makes that directory root's alone (0700), and it must be in no pod: the sockets everyone reaches
-    would be unreachable below it, and above it would be the directory pods get mounted."""
+    would be unreachable below it, and above it would be the directory pods get mounted. Compared where the paths
+    lead: a '..' or a link to the sockets' directory is that directory."""
+    if runtime == "link":
+        (tmp_path / "link").symlink_to("/run/unisched")
+        runtime = str(tmp_path / "link" / "rt.sock")
     check_places(DaemonConfig())
     with pytest.raises(ConfigError, match=r"config 'runtime_agent_socket': its directory .* nests with /run/unisched"):
         check_places(DaemonConfig(runtime_agent_socket=runtime))
+
+
+@pytest.mark.parametrize("socket", ["/run/d.sock", "/tmp/d.sock", "/srv/d.sock"])
+def test_a_runtime_agent_socket_beside_a_top_level_directory_is_refused(socket: str) -> None:
+    """A daemon given only --socket puts its runtime agent socket in "<socket's directory>-runtime": for a socket
+    directly in /run or /tmp that would be a directory made at the filesystem's root (/run-runtime)."""
+    config = DaemonConfig().with_overrides(socket=socket)
+    assert Path(config.runtime_agent_socket).parent == Path(f"{Path(socket).parent}-runtime")
+    with pytest.raises(ConfigError, match=r"config 'runtime_agent_socket': its directory /\w+-runtime would be made "
+                                          r"at the filesystem's root.*set runtime_agent_socket"):
+        check_places(config)
+    check_places(DaemonConfig().with_overrides(socket=socket, runtime_agent_socket="/opt/unisched-runtime/rt.sock"))

@@ -5,7 +5,8 @@
   root's process is not moved;
 - admin groups come from the uid's group list, not from what the connecting process holds;
 - root in its own pid namespace (a container) is not an admin;
-- a non-admin sees no usage of other users' tenants.
+- a non-admin sees no usage of other users' tenants;
+- what `kernel_cred` gives (nothing pinned) is never asked who the peer is now.
 """
 
 from __future__ import annotations
@@ -270,3 +271,20 @@ def test_non_admin_sees_no_usage_of_others(daemon: Daemon, tenant_prefix: str) -
     finally:
         hog.kill()
         hog.wait(timeout=10)
+
+
+def test_a_kernel_cred_is_never_taken_for_a_pinned_peer() -> None:
+    """`kernel_cred` pins nothing (the runtime agent socket's peer may be gone): its pid may name another process by
+    now, so whether it runs, its namespaces and admin rights are refused rather than read off that process."""
+    from unisched.transport.identity import in_host_namespaces, is_admin, kernel_cred, peer_of
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        raw, pinned = kernel_cred(ours), peer_of(ours)
+        assert (raw.pid, raw.uid) == (pinned.pid, pinned.uid) == (os.getpid(), 0)
+        for ask in (raw.alive, lambda: in_host_namespaces(raw), lambda: is_admin(raw, None)):
+            with pytest.raises(ValueError, match="never pinned"):
+                ask()
+        assert pinned.alive() and in_host_namespaces(pinned) and is_admin(pinned, None)
+        assert pinned.process is not None
+        pinned.process.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Daemon, child_env, needs_freezer, wait_until
+from conftest import ROOT, Daemon, child_env, needs_freezer, subtree_for, wait_until
 
 from unisched.enforce.cgroups import CgroupDriver, check_subtree, detect_driver
 from unisched.enforce.governed import GovernedRecord, RecordError, live_subtrees, parse_record, thaw_orphans
@@ -159,6 +160,31 @@ def test_a_daemon_on_another_socket_but_the_same_subtree_is_refused(daemon_facto
     )
     assert out.returncode == 1 and f"overlaps /{a.subtree}, which a running daemon governs" in out.stderr, out.stderr
     assert a.proc.poll() is None
+
+
+@needs_freezer
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a read-only mount of its own")
+def test_a_runtime_agent_socket_directory_it_cannot_make_is_a_config_error_saying_to_install_the_unit(
+        daemon_factory: Callable[..., Daemon], tenant_prefix: str, tmp_path: Path) -> None:
+    """A host that kept an older systemd unit (RuntimeDirectory=unisched alone, ProtectSystem=strict) has /run
+    read-only to the daemon but for /run/unisched, so /run/unisched-runtime cannot be made (EROFS): exit 2, which
+    systemd does not restart into again and again, saying to install this release's unit. (A read-only tmpfs in a
+    mount namespace of the daemon's own stands in for /run; `daemon_factory` only cleans up after it.)"""
+    read_only = tmp_path / "run"
+    read_only.mkdir()
+    runtime_dir = read_only / "unisched-runtime"
+    mount_then_run = 'mount -t tmpfs -o ro tmpfs "$0" && exec "$@"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount_then_run, str(read_only),
+         sys.executable, "-m", "unisched", "serve", "--socket", f"/tmp/us-{tenant_prefix}/d.sock", "--state-dir",
+         str(tmp_path / "state"), "--no-nvml", "--cgroup-subtree", subtree_for(tenant_prefix),
+         "--runtime-agent-socket", str(runtime_dir / "seccomp-agent.sock")],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=child_env(),
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"config 'runtime_agent_socket': cannot make {runtime_dir}: Read-only file system" in out.stderr, out.stderr
+    assert "re-run `python3 -m unisched install-service`" in out.stderr, out.stderr
 
 
 # --- nothing left frozen by a kill followed by a restart that fails -------------------------------------------
@@ -388,27 +414,39 @@ def test_a_socket_something_answers_on_is_never_replaced(tmp_path: Path) -> None
 
 def test_the_runtime_agent_socket_s_directory_is_made_the_daemon_s_alone_or_refused(tmp_path: Path) -> None:
     """Made 0700 where missing; narrowed to 0700 where systemd's RuntimeDirectory= or a Kubernetes hostPath made it
-    0755; refused, never narrowed, where others may write to it (a shared directory such as /tmp: what is in it
-    need not be ours) or it is a link."""
+    0755, empty or holding only the socket (stale); refused, never narrowed, where it holds anything else
+    (runtime_agent_socket = "/etc/rt.sock" must not make /etc root's alone), where others may write to it (a shared
+    directory such as /tmp: what is in it need not be ours) or it is a link."""
+    import errno
+
     from unisched.transport.claim import make_private_directory
 
-    made, opened, shared, link = (tmp_path / n for n in ("made", "opened", "shared", "link"))
-    assert make_private_directory(str(made)) is True
-    opened.mkdir()
-    opened.chmod(0o755)
-    assert make_private_directory(str(opened)) is False
-    assert [(p.stat().st_uid, p.stat().st_mode & 0o7777) for p in (made, opened)] == [(os.geteuid(), 0o700)] * 2
+    made, opened, stale, busy, shared, link = (
+        tmp_path / n for n in ("made", "opened", "stale", "busy", "shared", "link"))
+    assert make_private_directory(str(made), "rt.sock") is True
+    for directory in (opened, stale, busy):
+        directory.mkdir()
+        directory.chmod(0o755)
+    (stale / "rt.sock").touch()
+    (busy / "passwd").touch()
+    assert make_private_directory(str(opened), "rt.sock") is False
+    assert make_private_directory(str(stale), "rt.sock") is False
+    assert [(p.stat().st_uid, p.stat().st_mode & 0o7777) for p in (made, opened, stale)] == [(os.geteuid(), 0o700)] * 3
+    with pytest.raises(OSError, match=f"{busy} holds other files \\(passwd\\).*a directory of its own"):
+        make_private_directory(str(busy), "rt.sock")
+    assert busy.stat().st_mode & 0o7777 == 0o755, "left as it was"
     shared.mkdir()
     shared.chmod(0o1777)
     with pytest.raises(OSError, match="others may write to"):
-        make_private_directory(str(shared))
+        make_private_directory(str(shared), "rt.sock")
     assert shared.stat().st_mode & 0o7777 == 0o1777
     link.symlink_to(made)
-    with pytest.raises(OSError):
-        make_private_directory(str(link))
+    with pytest.raises(OSError, match=f"{link} is a link") as refused:
+        make_private_directory(str(link), "rt.sock")
+    assert refused.value.errno in (errno.ENOTDIR, errno.ELOOP), refused.value  # (O_DIRECTORY checks first: ENOTDIR)
     if os.geteuid() == 0:  # (only root can give a directory away)
         theirs = tmp_path / "theirs"
         theirs.mkdir(mode=0o700)
         os.chown(theirs, 65534, 65534)
         with pytest.raises(OSError, match="belongs to uid 65534"):
-            make_private_directory(str(theirs))
+            make_private_directory(str(theirs), "rt.sock")

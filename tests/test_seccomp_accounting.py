@@ -12,7 +12,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from conftest import child_env, pipe_listeners
@@ -22,14 +22,16 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FREE, XFER, SessionKind, classify, iowr
 from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionBounds
+from unisched.enforce.seccomp.agent import AgentHello
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.scheduler.clock import FakeClock
-from unisched.scheduler.config import DaemonConfig, DeclaredTenant
+from unisched.scheduler.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.scheduler.core import Scheduler
 from unisched.scheduler.state import StateStore
 from unisched.telemetry import NoGpuTelemetry
-from unisched.transport.agent import SeccompAgentServer
+from unisched.transport.agent import HandOverLimits, SeccompAgentServer
+from unisched.transport.identity import PeerCred
 
 ROOT = 0xC1D00001
 GRAPHICS, COMPUTE, NVDEC, CHANNEL = 0xCB97, 0xCBC0, 0xB8B0, 0xC86F
@@ -241,50 +243,73 @@ def test_the_agent_gives_each_accepted_listener_to_its_hooks_and_closes_them(tmp
 
 
 SEND_AND_EXIT = """
-import os, socket, sys
+import os, socket, sys, traceback
 from unisched.enforce.seccomp.filter import install_filter
 from unisched.enforce.seccomp.handover import make_agent_message, send_fd
-sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-sock.connect(sys.argv[1])
-send_fd(sock, install_filter(), make_agent_message(int(sys.argv[3]) or os.getpid(), metadata=sys.argv[2]))
+def send():
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(sys.argv[1])
+    send_fd(sock, install_filter(), make_agent_message(int(sys.argv[3]) or os.getpid(), metadata=sys.argv[2]))
+count = int(sys.argv[4])
+if count == 1:
+    send()
+else:  # a process may hold one listener: a child each, one after the other
+    for _ in range(count):
+        child = os.fork()
+        if child == 0:
+            try:
+                send()
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        if os.waitpid(child, 0)[1]:
+            raise SystemExit(1)
 """
 """As runc does: send the hand-over and exit without waiting for the daemon's answer. argv: the agent socket, the
-metadata, the pid the message names (0: this process)."""
+metadata, the pid the message names (0: this process), how many hand-overs (one connection each; from a child
+each when more than one)."""
 
 
-def _agent(tmp_path: Path, engine: Scheduler, hooks: FakeSessionHooks) -> SeccompAgentServer:
-    """An agent on both sockets, the runtime one in a directory of its own."""
-    return SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks,
+def _agent(tmp_path: Path, engine: Scheduler, hooks: FakeSessionHooks,
+           limits: HandOverLimits | None = None) -> SeccompAgentServer:
+    """An agent on both sockets, each in a directory of its own (side by side, as the config check wants them)."""
+    return SeccompAgentServer(str(tmp_path / "shared" / "agent.sock"), engine, hooks=hooks, limits=limits,
                               runtime_path=str(tmp_path / "runtime" / "agent.sock"))
 
 
 def _after_the_sender_exited(tmp_path: Path, metadata: str, *, runtime: bool = True, pid: int = 0,
-                             in_tenant: bool = False) -> tuple[list[str], list[str]]:
-    """Hand a listener over as runc does, on the runtime agent socket (`runtime`) or the shared one, the daemon's
-    loop held until the sender has exited and been reaped; the tenants served and the refusals' reasons. `pid`: the
-    process the message names (0: the sender), put in tenant render's cgroup first if `in_tenant`."""
+                             in_tenant: bool = False, count: int = 1,
+                             limits: HandOverLimits | None = None) -> tuple[list[str], list[str]]:
+    """Hand `count` listeners over as runc does, on the runtime agent socket (`runtime`) or the shared one, the
+    daemon's loop held until the sender has exited and been reaped; the tenants served and the refusals' reasons
+    (busy ones included). `pid`: the process the message names (0: the sender), put in tenant render's cgroup first
+    if `in_tenant`."""
     tmp_path.mkdir(exist_ok=True)
     config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
     driver = FakeCgroupDriver()
     engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
     engine.start()
     hooks = FakeSessionHooks()
-    server = _agent(tmp_path, engine, hooks)
+    server = _agent(tmp_path, engine, hooks, limits)
 
     async def exited_before_read() -> None:
         handled = asyncio.Event()
         close = server._close
+        ended = [0]
 
         def handled_now(*args: Any) -> None:  # each connection ends here, whether refused at accept or handled
             close(*args)
-            handled.set()
+            ended[0] += 1
+            if ended[0] == count:
+                handled.set()
 
         server._close = handled_now  # type: ignore[method-assign]
         await server.start()
         try:  # the loop is held while the sender runs to its end: the daemon reads it only once it has exited
             path = server.runtime_path if runtime else server.path
             assert path is not None
-            sender = subprocess.Popen([sys.executable, "-c", SEND_AND_EXIT, path, metadata, str(pid)],
+            sender = subprocess.Popen([sys.executable, "-c", SEND_AND_EXIT, path, metadata, str(pid), str(count)],
                                       env=child_env())
             if in_tenant:
                 driver.attach(engine.snapshot("render").cgroup, pid or sender.pid)
@@ -295,7 +320,7 @@ def _after_the_sender_exited(tmp_path: Path, metadata: str, *, runtime: bool = T
 
     with capture_logs() as logs:
         asyncio.run(exited_before_read())
-    return hooks.attached, [str(e["reason"]) for e in logs if e["event"] == "seccomp hand-over refused"]
+    return hooks.attached, [str(e["reason"]) for e in logs if e["event"].startswith("seccomp hand-over refused")]
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
@@ -317,6 +342,76 @@ def test_a_gone_runtime_s_container_is_found_by_its_cgroup_while_the_container_s
     assert alive == (["render"], [])
     attached, reasons = _after_the_sender_exited(tmp_path / "gone", "", in_tenant=True)  # names itself, reaped
     assert attached == [] and len(reasons) == 1 and "exited before its tenant was read" in reasons[0], reasons
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: only root may hand over on the runtime agent socket")
+def test_runtime_hand_overs_past_root_s_slots_wait_for_one_and_are_all_served(tmp_path: Path) -> None:
+    """runc never reads the answer, so a "busy" refusal on the runtime agent socket would leave its container's GPU
+    calls failing with ENOSYS: while root's slots are all taken, the runtime's next hand-overs wait (in the backlog)
+    until one is given back, and none is refused."""
+    attached, reasons = _after_the_sender_exited(tmp_path, "tenant=render", count=6, limits=HandOverLimits(root=1))
+    assert (attached, reasons) == (["render"] * 6, [])
+
+
+def _pidfds_of(pid: int) -> int:
+    """How many pidfds of process `pid` this process holds."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]":
+                held += f"\nPid:\t{pid}\n" in Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue  # (closed meanwhile: the listing's own fd)
+    return held
+
+
+def test_on_the_runtime_socket_the_named_process_is_pinned_before_its_cgroup_is_read(tmp_path: Path) -> None:
+    """Without a tenant named (Kubernetes' profiles name none) the tenant is read through the cgroup of the process
+    the message names. It is held by a pidfd first, so that its being alive after the read proves the pid read was
+    still that process, not one given the pid after it exited."""
+    pid, held = os.getpid(), []
+    before = _pidfds_of(pid)
+
+    class Engine:
+        def tenant_of_pid(self, asked: int) -> str | None:
+            held.append(_pidfds_of(asked) - before)
+            return "render"
+
+    server = SeccompAgentServer(str(tmp_path / "agent.sock"), cast(Scheduler, Engine()), hooks=FakeSessionHooks())
+    hello = AgentHello(pid=pid, metadata="", container_id="c", status="creating", annotations={})
+    runtime = PeerCred(1, 0, 0, unpinned=True)  # (the runtime, as `kernel_cred` gives it: gone for all we know)
+    assert server._tenant_for(runtime, True, hello) == ("render", None)
+    assert held == [1], "the process was not held while its cgroup was read"
+    assert _pidfds_of(pid) == before, "and let go after"
+
+
+def test_a_runtime_directory_made_before_the_daemon_stays_and_one_holding_other_files_is_refused(
+        tmp_path: Path) -> None:
+    """systemd's RuntimeDirectory= or a Kubernetes hostPath makes the directory before the daemon starts: narrowed to
+    0700 at start, left in place at stop (only the socket goes). One that holds other files is not the daemon's to
+    narrow: a configuration error naming it (exit 2)."""
+    config = DaemonConfig(tenants=(DeclaredTenant(name="render"),))
+    engine = Scheduler(config, FakeCgroupDriver(), NoGpuTelemetry(), StateStore(tmp_path / "state"), FakeClock())
+    engine.start()
+    made_before = tmp_path / "runtime"
+    made_before.mkdir(mode=0o755)
+
+    async def start_and_stop(server: SeccompAgentServer) -> int:
+        try:
+            await server.start()
+            return stat.S_IMODE(made_before.stat().st_mode)
+        finally:
+            await server.close()
+
+    assert asyncio.run(start_and_stop(_agent(tmp_path, engine, FakeSessionHooks()))) == 0o700
+    assert made_before.is_dir() and list(made_before.iterdir()) == [], "left in place, its socket gone"
+    (made_before / "other").touch()
+    made_before.chmod(0o755)
+    refused = f"config 'runtime_agent_socket': cannot use {made_before}: {made_before} holds other files \\(other\\)"
+    with pytest.raises(ConfigError, match=refused):
+        asyncio.run(start_and_stop(_agent(tmp_path, engine, FakeSessionHooks())))
+    assert stat.S_IMODE(made_before.stat().st_mode) == 0o755 and (made_before / "other").exists()
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"seccomp user notification: {probe()}")

@@ -59,7 +59,8 @@ DEFAULT_METRICS_LISTEN = "127.0.0.1"
 
 def runtime_agent_socket_beside(socket_path: str) -> str:
     """The runtime agent socket of a daemon on `socket_path`: in a directory beside the socket's (its name and
-    `-runtime`), never inside it, since the socket's directory is mounted into pods."""
+    `-runtime`), never inside it, since the socket's directory is mounted into pods. For a socket directly in a
+    top-level directory (/run/d.sock) that is at the filesystem's root (/run-runtime), which hostcheck refuses."""
     where = Path(socket_path).parent
     return str(where.parent / f"{where.name or 'unisched'}-runtime" / AGENT_SOCKET_NAME)
 

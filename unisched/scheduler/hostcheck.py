@@ -4,6 +4,7 @@ GPUs and cgroups it names must exist and be usable, or the start stops with a Co
 from __future__ import annotations
 
 import grp
+import os
 import posixpath
 import socket
 from collections.abc import Sequence
@@ -62,14 +63,26 @@ def check_places(config: DaemonConfig) -> None:
 
 def _check_runtime_directory(config: DaemonConfig) -> None:
     """runtime_agent_socket's directory is made root's alone (0700) and must be in no pod, while every tenant
-    reaches the other sockets' directories and pods get them mounted: the two may not nest either way."""
-    own = Path(config.runtime_agent_socket).parent
+    reaches the other sockets' directories and pods get them mounted: the two may not nest either way, compared
+    as the paths lead (links and '..' followed). Nor is it made at the filesystem's root, where a socket directly in
+    /run or /tmp would put the directory beside its own (/run-runtime)."""
+    own = _leads_to(Path(config.runtime_agent_socket).parent)
     for key in ("socket", "lease_socket", "agent_socket"):
-        theirs = Path(getattr(config, key)).parent
+        theirs = _leads_to(Path(getattr(config, key)).parent)
         if own == theirs or own in theirs.parents or theirs in own.parents:
             raise ConfigError(f"config 'runtime_agent_socket': its directory {own} nests with {theirs}, where {key} "
                               "is: it is made root's alone (0700) and kept out of pods, which get that one mounted; "
                               "give it a directory of its own")
+    if own.parent == Path("/"):  # (so is "/" itself)
+        raise ConfigError(f"config 'runtime_agent_socket': its directory {own} would be made at the filesystem's "
+                          "root (a daemon given only --socket puts it beside the socket's directory); set "
+                          "runtime_agent_socket to a path in a directory of its own, such as "
+                          "/run/unisched-runtime/seccomp-agent.sock")
+
+
+def _leads_to(directory: Path) -> Path:
+    """Where `directory` is: its existing part with links resolved, the rest (and each '..') taken as written."""
+    return Path(os.path.realpath(directory))
 
 
 def check_gpus(config: DaemonConfig, seen: Sequence[int]) -> None:

@@ -6,8 +6,9 @@ on the daemon's event loop, to admit or refuse each new render/compute/codec ses
 Two sockets share the hooks and the hand-over slots. Every tenant process must reach the shared one
 (`agent_socket`, 0666), and so does root in a pod where /run/unisched is mounted: a peer there is who `peer_of`
 says (root outside the host's namespaces, or gone before they were read, is an ordinary user) and must still run
-when its tenant is read. The runtime one (`runtime_agent_socket`) is root's alone (0600, in a 0700 directory never
-mounted into a pod), so only root on the host reaches it and the connection itself proves a host runtime: it may
+when its tenant is read. The runtime one (`runtime_agent_socket`) is root's alone (0600 in a 0700 directory, which
+keeps out the host's other users; that directory is never mounted into a pod, which keeps pods out: root there
+passes the modes), so only root on the host reaches it and the connection itself proves a host runtime: it may
 name the tenant and hand over another process's listener, and is believed after it exited (runc sends the
 listener and goes on without reading an answer)."""
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_a
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
+from unisched.scheduler.config import ConfigError
 from unisched.scheduler.core import Scheduler
 from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import make_private_directory, replace_stale_socket
@@ -146,17 +149,19 @@ class SeccompAgentServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: set[asyncio.Task[None]] = set()
         self._slots = HandOverSlots(self.limits)
+        self._root_given_back = asyncio.Event()
+        """Set each time a hand-over from root ends: a runtime waiting for root's room may go on."""
         self._throttle = Throttle(REFUSAL_LOG_INTERVAL_S)
 
     async def start(self) -> None:
         # tenants' children hand over their listener as themselves (any uid); identity is checked per connection
         self._listen(self.path, 0o666, runtime=False)
         if self.runtime_path is not None:  # bound inside a directory root's alone: no one else ever reaches it
-            directory = os.path.dirname(self.runtime_path)
+            directory, name = os.path.split(self.runtime_path)
             try:
-                self._made_dir = directory if make_private_directory(directory) else None
+                self._made_dir = directory if make_private_directory(directory, name) else None
             except OSError as e:
-                raise OSError(f"cannot serve the runtime agent socket {self.runtime_path}: {e}") from None
+                raise _unusable_runtime_directory(directory, e) from None
             self._listen(self.runtime_path, 0o600, runtime=True)
         carried, self.carried = self.carried, []
         self._serve_carried(carried)
@@ -230,7 +235,9 @@ class SeccompAgentServer:
     async def _accept_loop(self, sock: socket.socket, runtime: bool) -> None:
         """One connection at a time, the loop's other work let run after each: `sock_accept` returns at once, without
         yielding, while connections are queued, so a flood of them (the shared socket is anyone's) would otherwise
-        hold the whole loop, the slices and systemd's watchdog included."""
+        hold the whole loop, the slices and systemd's watchdog included. On the runtime socket nothing is refused
+        "busy" (runc never reads the answer: its container's GPU calls would fail with ENOSYS): while root's slots
+        are all taken, the connection accepted waits for one, and the rest wait in the backlog."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -239,8 +246,20 @@ class SeccompAgentServer:
                 self._warn("seccomp agent cannot accept", -1, error=str(e))
                 await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
+            if runtime:
+                try:
+                    await self._root_room()
+                except asyncio.CancelledError:
+                    conn.close()
+                    raise
             self._admit(conn, loop.time() + self.limits.deadline_s, runtime)
             await asyncio.sleep(0)
+
+    async def _root_room(self) -> None:
+        """Return once root may take a hand-over slot."""
+        while self._slots.in_progress(0) >= self.limits.root:
+            self._root_given_back.clear()
+            await self._root_given_back.wait()
 
     def _admit(self, conn: socket.socket, deadline: float, runtime: bool) -> None:
         """Take a slot for the peer (its uid as `peer_of` knows it; on the runtime socket as the kernel recorded it
@@ -278,6 +297,8 @@ class SeccompAgentServer:
         self._pending.discard(task)
         self._close(conn, cred)
         self._slots.give_back(cred.uid)
+        if cred.uid == 0:
+            self._root_given_back.set()
 
     async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float, runtime: bool) -> None:
         pid, uid = cred.pid, cred.uid
@@ -365,6 +386,18 @@ class SeccompAgentServer:
     def _on_event(self, event: SessionEvent) -> None:
         if event.action in _GIVE_BACK:
             self.engine.session_freed(event.tenant, str(event.kind))
+
+
+def _unusable_runtime_directory(directory: str, e: OSError) -> ConfigError:
+    """A configuration error (exit 2: systemd does not restart into it again) saying what to change."""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # an older unit: /run read-only but for its own directory
+        why = (f"cannot make {directory}: {e.strerror}. Under systemd the unit makes it: this release's unit has "
+               "RuntimeDirectory=unisched unisched-runtime, so re-run `python3 -m unisched install-service`, then "
+               "`systemctl daemon-reload` (for another place, add it to the unit's RuntimeDirectory=); elsewhere, "
+               "set runtime_agent_socket where the daemon can make its directory")
+    else:
+        why = f"cannot use {directory}: {e.strerror or e}"
+    return ConfigError(f"config 'runtime_agent_socket': {why}")
 
 
 def _pin(pid: int) -> ProcessHandle:

@@ -4,6 +4,9 @@ one per state directory: `<state_dir>/.lock`).
 A second `unisched serve` on a live daemon's socket would delete the socket and thaw the first daemon's tenants;
 it is refused instead, while another daemon holds the lock or answers on the socket (one that took no lock).
 The lock file is never deleted: deleting it would let two daemons hold locks on two different files.
+
+Also where the sockets go: `replace_stale_socket` makes way for one, and `make_private_directory` makes the
+runtime agent socket's directory the daemon's alone.
 """
 
 from __future__ import annotations
@@ -68,23 +71,35 @@ def replace_stale_socket(path: str) -> None:
         p.unlink()
 
 
-def make_private_directory(directory: str) -> bool:
-    """Make `directory` this daemon's user's alone (0700), created if missing (True) or narrowed to 0700. One that
-    another user owns, or that others may write (a shared one, such as /tmp), is refused with an OSError instead:
-    what is in it need not be ours."""
+def make_private_directory(directory: str, own: str) -> bool:
+    """Make `directory` this daemon's user's alone (0700) for the one file `own` (a socket's name): created if
+    missing (True), else narrowed to 0700 only if it is empty or holds just `own` (a stale socket): what systemd's
+    RuntimeDirectory= or a Kubernetes hostPath gives. Any other directory (one that holds other files, such as /etc;
+    one another user owns or others may write; a link) is left as it is and refused with an OSError: narrowing it
+    would take it from whoever else uses it, and what is in it need not be ours."""
     made = True
     try:
         Path(directory).mkdir(mode=0o700, parents=True)
     except FileExistsError:
         made = False
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    own_it = "give the runtime agent socket a directory of its own"
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:  # (a link to a directory: ENOTDIR, not ELOOP, with O_DIRECTORY)
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        raise OSError(e.errno, f"{directory} is a link or not a directory; {own_it}") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
-            raise OSError(f"{directory} belongs to uid {st.st_uid}, not to this daemon's; give it a directory of its own")
+            raise OSError(f"{directory} belongs to uid {st.st_uid}, not to this daemon's; {own_it}")
         if st.st_mode & 0o022:
-            raise OSError(f"others may write to {directory} (mode {stat.S_IMODE(st.st_mode):04o}); give it a directory "
-                          "of its own")
+            raise OSError(f"others may write to {directory} (mode {stat.S_IMODE(st.st_mode):04o}); {own_it}")
+        others = sorted(set(os.listdir(fd)) - {own})
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise OSError(f"{directory} holds other files ({shown}), so it is not made this daemon's alone (0700); "
+                          f"{own_it}")
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
     finally:

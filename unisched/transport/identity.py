@@ -95,24 +95,33 @@ class PeerCred:
     uid: int
     gid: int
     process: ProcessHandle | None = field(default=None, compare=False, repr=False)
+    unpinned: bool = field(default=False, compare=False, repr=False)
+    """`kernel_cred`'s: its pid may name another process by now, so `alive`, `in_host_namespaces` and `is_admin`
+    refuse it (ValueError) rather than answer for whatever process has the pid now."""
 
     def alive(self) -> bool:
         """Whether the process that connected still runs (so its pid still names it)."""
+        if self.unpinned:
+            raise ValueError(f"peer pid {self.pid} was never pinned (kernel_cred): whether it runs is unknown")
         return self.process is None or self.process.alive()
+
+
+def _ids(conn: socket.socket) -> tuple[int, int, int]:
+    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid, gid
 
 
 def kernel_cred(conn: socket.socket) -> PeerCred:
     """SO_PEERCRED as the kernel recorded it at connect, nothing pinned nor read from /proc: all there is to know of
     a peer that may have exited since, where the socket's place alone says who could connect (the runtime agent
-    socket)."""
-    pid, uid, gid = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return PeerCred(pid, uid, gid)
+    socket). Marked `unpinned`: never to be asked who the peer is now."""
+    return PeerCred(*_ids(conn), unpinned=True)
 
 
 def peer_of(conn: socket.socket) -> PeerCred:
     """The credentials of an accepted Unix connection, with the connecting process pinned, its uid the one it is
     known by here (`known_as`)."""
-    raw = kernel_cred(conn)
+    raw = PeerCred(*_ids(conn))
     cred = replace(raw, process=_pin(conn, raw.pid, raw.uid))
     known = known_as(cred)
     return cred if known == raw.uid else replace(cred, uid=known)
@@ -210,11 +219,15 @@ def _ours(pid: int, kind: str) -> bool:
 def in_host_namespaces(cred: PeerCred) -> bool:
     """Whether the caller shares the daemon's user and pid namespaces (read through its pid, then checked
     alive: a live pidfd means the pid still named the caller when its namespaces were read)."""
+    if cred.unpinned:
+        raise ValueError(f"peer pid {cred.pid} was never pinned (kernel_cred): its namespaces cannot be vouched for")
     return _ours(cred.pid, "user") and _ours(cred.pid, "pid") and cred.alive()
 
 
 def is_admin(cred: PeerCred, admin_gid: int | None) -> bool:
     """Root, or a member of the admin group by the uid's group list, and in the host's namespaces."""
+    if cred.unpinned:
+        raise ValueError(f"peer pid {cred.pid} was never pinned (kernel_cred): it cannot be an admin")
     if cred.uid != 0 and (admin_gid is None or admin_gid not in uid_groups(cred.uid)):
         return False
     return in_host_namespaces(cred)

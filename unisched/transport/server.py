@@ -296,7 +296,8 @@ async def serve_async(
     """Serve until SIGTERM/SIGINT (or until `stop` is set, when the caller owns stopping, as tests do). `carried`:
     the session hooks' listeners the last graceful stop kept (ListenerCarry.take, which the caller made first).
 
-    Raises ConfigError before touching anything when `listen` is set without its TLS files."""
+    Raises ConfigError before touching anything when `listen` is set without its TLS files, and at the agent's start
+    when the runtime agent socket's directory cannot be made or is not one of its own."""
     started = time.monotonic()
     tls = server_tls(config) if config.listen else None
     engine.start()
