@@ -147,9 +147,9 @@ class DaemonConfig:
         default_text=f"{AGENT_SOCKET_NAME} beside socket")
     runtime_agent_socket: str = knob(
         DEFAULT_RUNTIME_AGENT_SOCKET, "daemon", "seccomp agent socket of the host's OCI runtimes (runc, crun: the "
-        "seccomp profile's listenerPath), root's alone (0600, in a directory the daemon keeps 0700): a runtime there "
-        "may name the tenant and is believed though it exited before its hand-over was read. Never mount its "
-        "directory into a pod",
+        "seccomp profile's listenerPath), root's alone: a runtime there may name the tenant and is believed though it "
+        "exited before its hand-over was read. Its modes (0600, in a directory of its own the daemon keeps 0700) keep "
+        "out the host's other users; only never mounting that directory into a pod keeps pods out",
         default_text=f"{AGENT_SOCKET_NAME} in <socket's directory>-runtime")
     socket_group: str | None = knob(None, "daemon", "only root and this group may connect to socket (mode 0660; "
                                     "unset: everyone, 0666); the group must exist")
