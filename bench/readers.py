@@ -233,7 +233,8 @@ def read_hooks(folder: Path) -> tuple[Cases, list[str]]:
 
 def read_leases(folder: Path) -> tuple[Cases, list[str]]:
     cases: Cases = {}
-    for step, case in (("rtt", "round trip, 1 tenant"), ("load", "1000 tenants")):
+    for step, case in (("rtt", "round trip, 1 tenant"), ("rtt-library", "round trip, 1 tenant, client library"),
+                       ("load", "1000 tenants")):
         r = _json(folder / step / "results.json")
         if r:
             rtt = r.get("rtt_ms") or {}
@@ -266,9 +267,9 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
     floor = _json(folder / "floor" / "results.json").get("rtt_ms")
     if floor:  # no tenant: the target does not apply to it
         cases["bare echo (the machine's floor)"] = {"p50_ms": floor.get("p50"), "p99_ms": floor.get("p99")}
-        one = cases.get("round trip, 1 tenant")
-        if one and one.get("p99_ms") is not None and floor.get("p99") is not None:  # the daemon's and client's part
-            one["p99_over_floor_ms"] = one["p99_ms"] - floor["p99"]
+        for one in (cases.get("round trip, 1 tenant"), cases.get("round trip, 1 tenant, client library")):
+            if one and one.get("p99_ms") is not None and floor.get("p99") is not None:  # the daemon's and client's part
+                one["p99_over_floor_ms"] = one["p99_ms"] - floor["p99"]
     return cases, []
 
 

@@ -245,13 +245,16 @@ SUITES: tuple[Suite, ...] = (
           (Step("startup", words("{py} bench/hook_startup.py --out {out}")),
            Step("answer", words("{py} bench/hook_answer.py --loads idle --out {out}"))),
           read_hooks, HOOK_TARGETS),
-    Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, the same exchange between two bare "
+    Suite("leases", "a lease renewal's round trip with one tenant every 25 ms, as the lease protocol and as the client "
+          "library's Client.renew() (what an app waits), the same exchange between two bare "
           "processes (the machine's floor), and 1000 tenants renewing every 100 ms with one more tenant probing "
           "beside them, one connection flooding wants and releases beside 200 tenants, Status calls while one "
           "process registers every 20 ms, and one user's registrations beside another's burst "
           "(bench/lease_load.py, bench/echo_floor.py, bench/lease_flood.py, bench/registration_load.py; CPU only, "
-          "no GPU needed)", 2.2, False,
+          "no GPU needed)", 2.5, False,
           (Step("rtt", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 --out {out}")),
+           Step("rtt-library", words("{py} bench/lease_load.py --tenants 1 --seconds 15 --warmup 3 --renew-ms 25 "
+                                     "--client library --out {out}")),
            Step("floor", words("{py} bench/echo_floor.py --seconds 15 --warmup 3 --every-ms 25 --out {out}")),
            Step("load", words("{py} bench/lease_load.py --tenants 1000 --seconds 30 --probe --out {out}")),
            Step("flood", words("{py} bench/lease_flood.py --out {out}")),

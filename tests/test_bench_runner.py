@@ -168,7 +168,7 @@ def test_the_leases_suite_measures_the_round_trip_the_floor_the_load_a_flood_and
     assert got.returncode in (0, 1), got.stdout + got.stderr  # 1: the target missed on this loaded machine
     s = json.loads((tmp_path / "leases" / "summary.json").read_text())
     (rnd,) = s["rounds"]
-    assert [st["name"] for st in rnd["steps"]] == ["rtt", "floor", "load", "flood", "registrations"]
+    assert [st["name"] for st in rnd["steps"]] == ["rtt", "rtt-library", "floor", "load", "flood", "registrations"]
     assert all(st["rc"] == 0 for st in rnd["steps"] if st["name"] != "load"), rnd["steps"]
     flood = rnd["cases"]["flood beside 200 tenants"]
     assert 0 < flood["quiet_p99_ms"] <= flood["quiet_max_ms"] and 0 < flood["flood_p99_ms"] <= flood["flood_max_ms"]
@@ -182,7 +182,10 @@ def test_the_leases_suite_measures_the_round_trip_the_floor_the_load_a_flood_and
     assert 0 < floor["p50_ms"] <= floor["p99_ms"]
     load = rnd["cases"]["1000 tenants"]
     assert load["tenants"] == 1000 and load["probe_p99_ms"] > 0 and load["over_100ms"] >= 0
-    assert [v["case"] for v in s["verdicts"]] == ["round trip, 1 tenant"]
+    library = rnd["cases"]["round trip, 1 tenant, client library"]
+    assert library["tenants"] == 1 and 0 < library["p50_ms"] <= library["p99_ms"]
+    assert library["p99_over_floor_ms"] == library["p99_ms"] - floor["p99_ms"]
+    assert [v["case"] for v in s["verdicts"]] == ["round trip, 1 tenant", "round trip, 1 tenant, client library"]
 
 
 # ------------------------------------------------------------------------------------------------ limits and stops
