@@ -302,37 +302,6 @@ def test_mixed_slices_are_exported(tmp_path: Path) -> None:
     assert _get(samples, "unisched_gpu_mixed_now", gpu="0", kind=kind.value) == 1.0
 
 
-def test_idle_metrics_connections_are_bounded_per_address_and_a_scrape_from_another_still_answers(
-        tmp_path: Path) -> None:
-    """Each connection is a thread of the daemon: one address's idle connections past its bound are closed at once
-    (not given a thread), and another address is still served."""
-    import http.client
-    import select
-    import socket
-
-    from unisched.transport.metrics import MAX_CONNECTIONS_PER_ADDRESS, start_metrics_server
-
-    engine, *_ = _engine_with_gpu(tmp_path)
-    view = EngineView(engine)
-    view.refresh()
-    server = start_metrics_server("127.0.0.1", 0, view, read_timeout_s=60)
-    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
-            for _ in range(MAX_CONNECTIONS_PER_ADDRESS + 4)]
-    try:
-        for s in idle[MAX_CONNECTIONS_PER_ADDRESS:]:
-            assert s.recv(1) == b"", "closed unanswered past the address's bound"
-        readable, _, _ = select.select(idle[:MAX_CONNECTIONS_PER_ADDRESS], [], [], 0)
-        assert readable == [], "those within the bound are held, waiting for their request"
-        other = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10, source_address=("127.0.0.2", 0))
-        other.request("GET", "/metrics")
-        assert other.getresponse().status == 200
-        other.close()
-    finally:
-        for s in idle:
-            s.close()
-        server.close()
-
-
 def _served(tmp_path: Path, read_timeout_s: float) -> MetricsServer:
     """A metrics server on a free port over an engine with a GPU, its connections' read timeout `read_timeout_s`."""
     from unisched.transport.metrics import start_metrics_server

@@ -17,12 +17,11 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer
 
 import structlog
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from unisched import __version__
@@ -36,6 +35,7 @@ from unisched.scheduler.labels import LABEL_KEYS
 from unisched.telemetry import GpuInfo, GpuSample
 from unisched.transport.health import Health
 from unisched.transport.metric_names import FAMILIES, family
+from unisched.transport.metrics_http import READ_TIMEOUT_S, serve
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse
@@ -46,19 +46,6 @@ __all__ = ["REFRESH_S", "EngineView", "MetricsServer", "UnischedCollector", "Vie
 log = structlog.get_logger("unisched.metrics")
 
 REFRESH_S = 1.0
-READ_TIMEOUT_S = 10.0
-"""How long a metrics or probe connection may wait on its client (a request line, headers) before it is closed.
-A scrape sends its request at once and Prometheus's own scrape timeout is 10 s; without one, each idle connection
-held a thread of the daemon for ever."""
-CONNECTION_DEADLINE_S = 60.0
-"""How long a metrics or probe connection may last in all, its answer included: a client that reads its answer a
-byte at a time must not hold its thread (and its slot) for ever either."""
-MAX_CONNECTIONS = 64
-"""Metrics and probe connections served at once (each is a thread); past it a new one is closed unanswered."""
-MAX_CONNECTIONS_PER_ADDRESS = 8
-"""Of those, from one client address: a scraper and a kubelet probe need one or two, and one address opening many
-idle connections cannot take every slot (the port listens on all of a node's pods where metrics_listen is
-0.0.0.0)."""
 _STATES = ("running", "idle", "frozen")
 
 
@@ -266,60 +253,6 @@ class MetricsServer:
         self.thread.join(5.0)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        """Scrapes and probes every few seconds: not worth a log line each."""
-
-
-class _Deadline:
-    """A connection's deadlines: its whole request (request line and headers) within `request_s` of its start, a
-    total of `total_s` for all of it. Each read's own timeout does not bound a client that sends a byte every few
-    seconds; past a deadline the socket is shut down, which ends the handler's read or write at once."""
-
-    def __init__(self, conn: socket.socket, request_s: float, total_s: float) -> None:
-        self._read = threading.Event()
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, args=(conn, request_s, total_s), name="unisched-metrics-deadline",
-                         daemon=True).start()
-
-    def request_read(self) -> None:
-        self._read.set()
-
-    def stop(self) -> None:
-        self._done.set()
-
-    def _watch(self, conn: socket.socket, request_s: float, total_s: float) -> None:
-        if self._done.wait(request_s):
-            return
-        if self._read.is_set() and self._done.wait(max(0.0, total_s - request_s)):
-            return
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
-
-
-class _Slots:
-    """Connections served now, in all and per client address (MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)."""
-
-    def __init__(self, most: int, per_address: int) -> None:
-        self.most, self.per_address = most, per_address
-        self._lock = threading.Lock()
-        self._by_address: dict[str, int] = {}
-
-    def take(self, address: str) -> bool:
-        with self._lock:
-            n = self._by_address.get(address, 0)
-            if n >= self.per_address or sum(self._by_address.values()) >= self.most:
-                return False
-            self._by_address[address] = n + 1
-            return True
-
-    def give(self, address: str) -> None:
-        with self._lock:
-            n = self._by_address.pop(address, 0) - 1
-            if n > 0:
-                self._by_address[address] = n
-
-
 def _app(registry: CollectorRegistry, health: Health | None) -> WSGIApp:
     """/metrics (also /, as prometheus-client serves it), and /healthz and /readyz when `health` is given."""
     metrics = make_wsgi_app(registry)
@@ -343,54 +276,12 @@ def _app(registry: CollectorRegistry, health: Health | None) -> WSGIApp:
 def start_metrics_server(host: str, port: int, view: EngineView, health: Health | None = None,
                          read_timeout_s: float = READ_TIMEOUT_S) -> MetricsServer:
     """Serve /metrics for `view` (and the probes of `health`) on HOST:PORT in a thread (a registry of our own:
-    no process globals), a thread per connection up to the bounds above."""
+    no process globals), a thread per connection within metrics_http's bounds."""
     registry = CollectorRegistry()
     registry.register(UnischedCollector(view))
-    slots = _Slots(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_ADDRESS)
-
-    class Handler(_QuietHandler):
-        timeout = read_timeout_s
-        _deadline: _Deadline
-
-        def setup(self) -> None:
-            super().setup()
-            self._deadline = _Deadline(self.connection, read_timeout_s, max(read_timeout_s, CONNECTION_DEADLINE_S))
-
-        def parse_request(self) -> bool:
-            whole = super().parse_request()
-            self._deadline.request_read()
-            return whole
-
-        def finish(self) -> None:
-            try:
-                super().finish()
-            finally:
-                self._deadline.stop()
-
-    class Server(ThreadingWSGIServer):
-        """ThreadingWSGIServer with the address family of HOST (an IPv6 address needs AF_INET6), serving at most
-        the connections `slots` allow (the others closed at once)."""
-
-        def process_request(self, request: Any, client_address: Any) -> None:
-            if not slots.take(str(client_address[0])):
-                self.shutdown_request(request)
-                return
-            try:
-                super().process_request(request, client_address)
-            except BaseException:
-                slots.give(str(client_address[0]))
-                raise
-
-        def process_request_thread(self, request: Any, client_address: Any) -> None:
-            try:
-                super().process_request_thread(request, client_address)
-            finally:
-                slots.give(str(client_address[0]))
-
     try:
         family_, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        Server.address_family = family_
-        httpd = make_server(str(sockaddr[0]), port, _app(registry, health), Server, handler_class=Handler)
+        httpd = serve(str(sockaddr[0]), port, family_, _app(registry, health), read_timeout_s)
     except OSError as e:
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
     thread = threading.Thread(target=httpd.serve_forever, name="unisched-metrics", daemon=True)
