@@ -11,7 +11,8 @@
                                    notification without ever answering it, print "got", then sleep
 
 Tenant commands (numbers accept 0x...): alloc CLASS HANDLE [SIZE [ROOT]] | alloc_eng CLASS HANDLE INSTANCE |
-xalloc CLASS HANDLE |
+churn_eng CLASS HANDLE N (alloc_eng CLASS HANDLE on instances 1..N in turn, each freed; extra = how many failed
+with EPERM) | xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
 fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
 dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
@@ -26,6 +27,7 @@ The RM calls go to /dev/null, standing in for /dev/nvidiactl: when let through t
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import select
@@ -120,6 +122,15 @@ def threads_mem(dev: int, n: int, parent: int, nbytes: int, first: int) -> int:
     return sum(1 for r in results if r == 25)
 
 
+def engine_call(dev: int, h_class: int, handle: int, instance: int) -> int:
+    """RM_ALLOC of a video engine object with NV_BSP_ALLOCATION_PARAMETERS {size, prohibit, engineInstance}."""
+    params = ctypes.create_string_buffer(12)
+    struct.pack_into("=III", params, 0, 12, 0, instance)
+    buf = nvos21(h_class, handle)
+    struct.pack_into("=Q", buf, 16, ctypes.addressof(params))
+    return ioctl(dev, iowr(RM_ALLOC, 32), buf)
+
+
 def device_call(dev: int, handle: int, device_id: int, root: int = ROOT_HANDLE) -> int:
     params = ctypes.create_string_buffer(struct.pack("=III", device_id, 0, 0), 64)
     buf = nvos21(0x80, handle, root)
@@ -164,11 +175,13 @@ def tenant(where: str) -> None:
             root = nums[3] if len(nums) > 3 else ROOT_HANDLE
             err = ioctl(dev, iowr(RM_ALLOC, size), nvos21(nums[0], nums[1], root, size))
         elif op == "alloc_eng":  # a video engine object with NV_BSP_ALLOCATION_PARAMETERS {size, prohibit, instance}
-            params = ctypes.create_string_buffer(12)
-            struct.pack_into("=III", params, 0, 12, 0, nums[2])
-            buf = nvos21(nums[0], nums[1])
-            struct.pack_into("=Q", buf, 16, ctypes.addressof(params))
-            err = ioctl(dev, iowr(RM_ALLOC, 32), buf)
+            err = engine_call(dev, nums[0], nums[1], nums[2])
+        elif op == "churn_eng":
+            err, refused = 0, 0
+            for instance in range(1, nums[2] + 1):
+                refused += engine_call(dev, nums[0], nums[1], instance) == errno.EPERM
+                ioctl(dev, iowr(RM_FREE, 16), nvos00(nums[1]))
+            extra = str(refused)
         elif op == "alloc_sx":
             err = ioctl(dev, iowr(RM_ALLOC, 32), nvos21(nums[0], nums[1]), sign_extend=True)
         elif op == "aobj":  # RM_ALLOC_OBJECT (NVOS05): CLASS HANDLE

@@ -29,6 +29,7 @@ from unisched.enforce.seccomp.abi import (
 )
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent, SessionLedger
 from unisched.enforce.seccomp.agent import recv_agent_message
+from unisched.enforce.seccomp.calls import ENGINE_INSTANCES
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 CHILD = Path(__file__).with_name("seccomp_child.py")
@@ -36,6 +37,7 @@ UNAVAILABLE = probe()
 needs_notify = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"seccomp user notification unavailable: {UNAVAILABLE}")
 
 GRAPHICS, NVDEC, COMPUTE, OTHER = 0xCB97, 0xB8B0, 0xCBC0, 0x1234
+ROOT = 0xC1D00001  # the helper's RM client (seccomp_child.ROOT_HANDLE)
 KERNEL = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
 ENOTTY, EPERM, ENOSYS = errno.ENOTTY, errno.EPERM, errno.ENOSYS
 
@@ -229,6 +231,30 @@ def test_one_session_spans_several_objects(tenant: tuple[Proc, int]) -> None:
         assert proc.call("free 0x16") == ENOTTY
         assert SessionKind.NVDEC not in sup.stats().live
         assert proc.call(f"alloc_eng {NVDEC:#x} 0x40 0") == ENOTTY  # a new decoder gets through
+    finally:
+        sup.close()
+        thread.join(10)
+
+
+@needs_notify
+def test_a_decoder_object_churned_on_ever_new_engine_instances_leaves_its_session_the_live_objects(
+        tenant: tuple[Proc, int]) -> None:
+    """engineInstance is the tenant's to write: one decoder object kept while another is allocated on instances
+    1..200 and freed each time. Those on an instance a GPU can have join the session and leave it with their free;
+    those past any GPU's engines open (decided, capped) sessions of their own. The session keeps the instance of
+    its one live object, not the 200 it once saw, which grew the daemon's memory without end."""
+    proc, fd = tenant
+    sup = SessionSupervisor(fd, "t", lambda *_: True, join_window_s=60)
+    thread = serve(sup)
+    try:
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x1 0") == ENOTTY
+        assert proc.call_extra(f"churn_eng {NVDEC:#x} 0x2 200") == (0, 0)
+        assert proc.call(f"alloc_eng {NVDEC:#x} 0x3 {ENGINE_INSTANCES}") == ENOTTY  # joins nothing: its own session
+        s = sup.stats()
+        assert s.live == {SessionKind.NVDEC: 2}
+        assert s.admitted[SessionKind.NVDEC] == 2 + 200 - (ENGINE_INSTANCES - 1)
+        client = sup._book._clients[ROOT]
+        assert {h: x.instances for h, x in client.sessions.items()} == {0x1: {0x1: 0}, 0x3: {}}
     finally:
         sup.close()
         thread.join(10)

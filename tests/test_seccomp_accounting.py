@@ -23,7 +23,7 @@ from unisched.enforce.nvclasses import NVOS00_SIZE, RM_ALLOC, RM_CONTROL, RM_FRE
 from unisched.enforce.seccomp.abi import AUDIT_ARCH_AARCH64, AUDIT_ARCH_X86_64, probe
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionBounds
 from unisched.enforce.seccomp.agent import AgentHello
-from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
+from unisched.enforce.seccomp.calls import ENGINE_INSTANCES, Call, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import ConfigError, DaemonConfig, DeclaredTenant
@@ -91,6 +91,9 @@ CASES = {
     "a second decoder needs engine 0 again: a new session": (
         [alloc(1, NVDEC, instance=0), alloc(2, NVDEC, instance=1), alloc(3, NVDEC, instance=0)],
         ["admitted nvdec"] * 2, {"nvdec": 2}, 2),
+    "a freed object's engine instance is free again for the session's next object": (
+        [alloc(1, NVDEC, instance=0), alloc(2, NVDEC, instance=1), free(2), alloc(3, NVDEC, instance=1)],
+        ["admitted nvdec"], {"nvdec": 1}, 1),
     "a video object without an instance opens its own session": (
         [alloc(1, NVDEC, instance=0), alloc(2, NVDEC)], ["admitted nvdec"] * 2, {"nvdec": 2}, 2),
     "freeing an ancestor ends the sessions below it": (
@@ -141,6 +144,23 @@ def test_exited_and_detached_clients_release_their_sessions() -> None:
     assert dict(book.counts().live) == {} and book.owners() == {}
 
 
+def test_a_session_keeps_only_its_live_objects_engine_instances() -> None:
+    """One decoder object kept, another allocated on each other instance in turn and freed: each joins the session
+    and is dropped with its free, instance and all. Kept, a freed object's instance could not be used again, and
+    with engineInstance unbounded the instances grew by one a loop (~140 B each, without end) while every bound of
+    the book saw two objects at most."""
+    book = SessionBook("t", join_window_ns=1000 * MS)
+    for handle, instance in [(1, 0)] + [(2, 1 + i % (ENGINE_INSTANCES - 1)) for i in range(2000)]:
+        call = Call(RM_ALLOC, ROOT, ROOT, handle, NVDEC, SessionKind.NVDEC, owner=(1, "s"), instance=instance)
+        assert not book.needs_decision(call, 7, 0) or handle == 1  # every object after the first joins
+        book.commit(call, 7, False, 0)
+        if handle == 2:
+            book.commit(Call(RM_FREE, ROOT, ROOT, 2), 7, False, 0)
+    (session,) = book._clients[ROOT].latest.values()
+    assert session.instances == {1: 0} and session.objects == {1}
+    assert dict(book.counts().live) == {SessionKind.NVDEC: 1}
+
+
 def test_objects_past_the_node_limit_are_not_tracked_but_sessions_are() -> None:
     book = SessionBook("t", join_window_ns=0, bounds=SessionBounds(nodes=1))
     for handle, h_class in ((1, CHANNEL), (2, CHANNEL), (3, GRAPHICS)):
@@ -173,6 +193,10 @@ MEMORY = {
     0x3000: struct.pack("=III", 12, 0, 2),
     0x4000: struct.pack("=III", ROOT, ROOT, 7),
     0x5000: struct.pack("=IIIIQ", ROOT, ROOT, 8, NVDEC, 0x6000),  # parameters unreadable
+    0x7000: struct.pack("=IIIIQ", ROOT, ROOT, 9, NVDEC, 0x8000),
+    0x8000: struct.pack("=III", 12, 0, ENGINE_INSTANCES),  # past any GPU's engines: no instance, joins nothing
+    0xA000: struct.pack("=IIIIQ", ROOT, ROOT, 10, NVDEC, 0xB000),
+    0xB000: struct.pack("=III", 12, 0, ENGINE_INSTANCES - 1),
 }
 
 
@@ -191,6 +215,8 @@ def read(addr: int, size: int) -> bytes:
     (XFER, 24, 0x2000, (0, 0, None, None)),
     (RM_ALLOC, 32, 0x9000, (0, 0, None, None)),  # unreadable: the driver answers EFAULT
     (RM_ALLOC, 32, 0x5000, (RM_ALLOC, 8, SessionKind.NVDEC, None)),
+    (RM_ALLOC, 32, 0x7000, (RM_ALLOC, 9, SessionKind.NVDEC, None)),
+    (RM_ALLOC, 32, 0xA000, (RM_ALLOC, 10, SessionKind.NVDEC, ENGINE_INSTANCES - 1)),
 ])
 def test_calls_are_decoded_from_the_caller_s_memory(enr: int, size: int, addr: int, expected: tuple[object, ...]) -> None:
     call = decode_call(enr, size, addr, read)

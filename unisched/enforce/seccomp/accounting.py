@@ -8,10 +8,10 @@ Sessions: the driver allocates several objects for one session of some kinds (on
 compute objects, one PyAV decoder 7 NVDEC objects, one per engine), so counts and caps are kept per session,
 and a decision is asked once, for the first object. A later object of a video engine kind joins the same
 client's latest session of that kind when the same thread allocates it within the join window of the previous
-one and on an engine instance that session does not use yet (engineInstance from the allocation parameters); a
-second decoder, which needs engine 0 again, opens a new session. Compute objects join on the same thread and
-window; graphics and NVENC_SW_SESSION objects are one session each. A session ends when its last object is
-freed (directly or with an ancestor) or its process exits.
+one and on an engine instance that session's live objects do not use (engineInstance from the allocation
+parameters, below calls.ENGINE_INSTANCES); a second decoder, which needs engine 0 again, opens a new session.
+Compute objects join on the same thread and window; graphics and NVENC_SW_SESSION objects are one session each. A
+session ends when its last object is freed (directly or with an ancestor) or its process exits.
 
 The book is bounded (SessionBounds): the calls are the tenant's to make up, and the driver's refusal of a made-up one
 is never seen. Past a bound a session call the book cannot record is refused like one over its cap (`unbooked`),
@@ -283,7 +283,7 @@ class SessionBook:
             return None
         if now_ns - session.last_ns > self._join_window_ns:
             return None
-        if kind in ENGINE_KINDS and (call.instance is None or call.instance in session.instances):
+        if kind in ENGINE_KINDS and (call.instance is None or call.instance in session.instances.values()):
             return None
         return session
 
@@ -341,7 +341,7 @@ class SessionBook:
             client.latest[kind] = session
         session.objects.add(node)
         if call.instance is not None:
-            session.instances.add(call.instance)
+            session.instances[node] = call.instance
         session.last_ns = now_ns
         client.sessions[node] = session
         self.share.take(Entry.SESSION_OBJECTS, force=True)  # `unbooked` asked for room, before any decision
@@ -362,10 +362,7 @@ class SessionBook:
             session = client.sessions.pop(call.node, None)
             if session is not None:  # the object was recorded: take it back (its session stays if it has others)
                 self._unlink(client, call.node)
-                session.objects.discard(call.node)
-                self.share.give(Entry.SESSION_OBJECTS)
-                with self._lock:
-                    self._objects[session.kind] -= 1
+                self._drop_object(session, call.node)
         for e in events:
             if e.action is EventAction.ADMITTED:
                 with self._lock:
@@ -418,8 +415,9 @@ class SessionBook:
                 del client.children[parent]
 
     def _drop_object(self, session: Session, h: int) -> bool:
-        """Take object `h` out of its session; True when that was the session's last."""
+        """Take object `h` out of its session, and its engine instance; True when that was the session's last."""
         session.objects.discard(h)
+        session.instances.pop(h, None)
         self.share.give(Entry.SESSION_OBJECTS)
         with self._lock:
             self._objects[session.kind] -= 1

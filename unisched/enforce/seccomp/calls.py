@@ -55,10 +55,14 @@ from unisched.enforce.nvclasses import (
 )
 from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
 
-__all__ = ["ENGINE_KINDS", "Call", "Session", "decode_call", "escape_of"]
+__all__ = ["ENGINE_INSTANCES", "ENGINE_KINDS", "Call", "Session", "decode_call", "escape_of"]
 
 ENGINE_KINDS: Final = frozenset({SessionKind.NVDEC, SessionKind.NVENC, SessionKind.NVJPG, SessionKind.OFA})
 """Video engine kinds: one object per engine instance, joined into one session."""
+ENGINE_INSTANCES: Final = 16
+"""engineInstance is below it on any GPU (an H100 or H200 has 7 NVDEC and 7 NVJPG). The value is the tenant's to
+write: one at or above it is taken as no instance, so its object opens a session of its own (decided and capped)
+instead of joining one, and a session's instances stay few."""
 
 
 @dataclass(eq=False)
@@ -70,7 +74,9 @@ class Session:
     pid: int  # the thread that opened it
     handle: int  # its first object's handle
     objects: set[int] = field(default_factory=set)
-    instances: set[int] = field(default_factory=set)
+    instances: dict[int, int] = field(default_factory=dict)
+    """Object (node) -> its engine instance, for the live objects that named one: a freed object's instance is
+    dropped with it, so a session keeps no more than its live objects' (at most ENGINE_INSTANCES)."""
     last_ns: int = 0
 
 
@@ -198,9 +204,10 @@ def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable
 
 
 def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | None:
-    """engineInstance of NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS {size, prohibitMultipleInstances, instance}."""
+    """engineInstance of NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS {size, prohibitMultipleInstances, instance};
+    None past ENGINE_INSTANCES."""
     try:
         p_size, _prohibit, instance = struct.unpack("=III", read(params, 12))
     except (OSError, ValueError):
         return None
-    return instance if p_size >= 12 else None
+    return instance if p_size >= 12 and instance < ENGINE_INSTANCES else None
