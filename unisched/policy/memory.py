@@ -9,7 +9,7 @@ The guarantee: a tenant below its reserve is never refused by these rules (only 
 is not there); any other allocation is refused when it would take the tenant over its cap, or eat into what
 other tenants hold or are owed: sum over others of max(held, reserve) + this tenant's new total > the GPU's
 memory. So the reserves leave room for each other (their sum never exceeds the GPU, `check_reserve`), and
-caps of others leave room for them.
+caps of others leave room for them. A tenant pinned to some GPUs is refused any allocation on another.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class Verdict(StrEnum):
     """It would take the tenant over its own cap."""
     RESERVES = "reserves"
     """It would eat into what other tenants hold or are owed on this GPU."""
+    GPU = "not its gpu"
+    """The GPU is not one the tenant may use: its device cgroup keeps a real app off it, so the call is made up (the
+    hooks cannot see which file it is on), and charged it would eat into others' reserves there."""
 
 
 def reserve_on(terms: MemoryTerms, gpu: int) -> int:
@@ -60,9 +63,12 @@ def admit_allocation(
     tenant: str, gpu: int, nbytes: int, held: Mapping[str, int], terms: Mapping[str, MemoryTerms], total: int | None
 ) -> Verdict:
     """Whether `tenant` may allocate `nbytes` more on `gpu`, where each tenant holds `held[name]` bytes now and
-    the GPU has `total` bytes (None: not known, so only caps apply). Tenants absent from `terms` have none."""
+    the GPU has `total` bytes (None: not known, so only caps apply). Tenants absent from `terms` have none. A
+    negative `gpu` stands for none known (the hooks' UNKNOWN_GPU): no tenant's GPUs, no size, so caps only."""
     mine = held.get(tenant, 0) + nbytes
     own = terms.get(tenant, MemoryTerms())
+    if own.gpus is not None and gpu >= 0 and gpu not in own.gpus:
+        return Verdict.GPU
     if own.cap is not None and mine > own.cap:
         return Verdict.CAP
     if total is None or mine <= reserve_on(own, gpu):

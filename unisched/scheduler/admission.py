@@ -43,18 +43,19 @@ def client_env(c: Context, t: Tenant) -> dict[str, str]:
 
 
 def memory_terms(c: Context) -> Mapping[str, MemoryTerms]:
-    """The GPU memory cap and reserve per GPU of each tenant that has one; the session hooks read it from their own
+    """The GPU memory cap, reserve and GPUs of each tenant that has one; the session hooks read it from their own
     thread on every allocation, so it is kept up to date (`update_memory_terms`), not gathered from every tenant."""
     return c.memory_terms
 
 
 def update_memory_terms(c: Context, name: str) -> None:
     """After tenant `name` was added or removed or its limits or GPUs changed: its entry in `c.memory_terms`, in a
-    new mapping (the hooks' threads read the old one meanwhile). A tenant without a cap or a reserve has no entry
-    (policy.memory: absent is none), so an allocation's check walks the few tenants with terms, not all."""
+    new mapping (the hooks' threads read the old one meanwhile). A tenant without a cap, a reserve or GPUs of its
+    own has no entry (policy.memory: absent is none); a pinned one has, so that its memory on other GPUs is refused
+    (MemoryLedger walks only the reserves, however many tenants are pinned)."""
     t = c.tenants.get(name)
     terms = terms_of(t.limits, t.gpus) if t is not None else None
-    if terms is not None and terms.cap is None and not terms.reserve:
+    if terms is not None and terms.cap is None and not terms.reserve and terms.gpus is None:
         terms = None
     if c.memory_terms.get(name) == terms:
         return

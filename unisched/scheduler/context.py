@@ -90,7 +90,7 @@ class Context:
     """Per set of GPUs, the weights of the tenants with work there since the last demand update, which clears it
     (admission._weights_on; tick._update_demand)."""
     memory_terms: Mapping[str, MemoryTerms] = field(default_factory=lambda: MappingProxyType({}))
-    """The memory cap and reserve of each tenant that has one (admission.update_memory_terms). The hooks' threads
+    """The memory cap, reserve and GPUs of each tenant that has one (admission.update_memory_terms). The hooks' threads
     read it on every allocation; each change replaces the mapping whole, so a reader never sees one half made."""
     last_samples: tuple[GpuSample, ...] = ()
     charged: dict[tuple[str, Resource], float] = field(default_factory=dict)

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Final
 
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0
@@ -439,20 +440,23 @@ class MemoryLedger:
     """Bytes held per tenant and GPU, shared by every listener's book (thread-safe).
 
     `terms()` gives each tenant's MemoryTerms and `totals()` each GPU's size in bytes (GPUs absent: not known,
-    caps only); both are read outside the lock on every allocation, so they must be quick and never block.
+    caps only); both are read outside the lock on every allocation, so they must be quick and never block. A
+    mapping `terms()` gave is never changed in place (a change is a new mapping): the tenants with a reserve in it
+    are found once (`_checked`).
     """
 
     def __init__(self, terms: Callable[[], Mapping[str, MemoryTerms]],
                  totals: Callable[[], Mapping[int, int]] = lambda: {}) -> None:
         self._terms = terms
         self._totals = totals
+        self._reserves: tuple[Mapping[str, MemoryTerms], Mapping[str, MemoryTerms]] = ({}, {})  # terms(), its reserves
         self._lock = threading.Lock()
         self._held: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._refused: collections.Counter[tuple[str, int]] = collections.Counter()
 
     def charge(self, tenant: str, gpu: int, nbytes: int) -> Verdict:
         """Admit and count an allocation, or say why not (counted as refused)."""
-        terms = self._terms()
+        terms = self._checked(self._terms(), tenant)
         total = self._totals().get(gpu)
         with self._lock:
             held = self._held[gpu]
@@ -462,6 +466,16 @@ class MemoryLedger:
             else:
                 self._refused[(tenant, gpu)] += 1
             return verdict
+
+    def _checked(self, terms: Mapping[str, MemoryTerms], tenant: str) -> Mapping[str, MemoryTerms]:
+        """The terms an allocation of `tenant` is checked against: its own and the reserves. A tenant pinned to GPUs
+        has terms for that alone (on a node of pods, every one), and the check walks the others' terms."""
+        last, reserves = self._reserves
+        if last is not terms:
+            reserves = MappingProxyType({n: t for n, t in terms.items() if t.reserve})
+            self._reserves = (terms, reserves)
+        own = terms.get(tenant)
+        return reserves if own is None or tenant in reserves else {**reserves, tenant: own}
 
     def refuse(self, tenant: str, gpu: int) -> None:
         """Count an allocation refused without a charge (its book could not record it)."""
