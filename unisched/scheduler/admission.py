@@ -158,10 +158,16 @@ def session_freed(c: Context, tenant: str, kind: str, count: int = 1) -> None:
 
 
 def engines_changed(c: Context, t: Tenant) -> None:
+    """A session kind outside the tenant's declared engines came or went: its demand follows at once; the line saying
+    so at most once an interval per tenant (c.engine_lines), held_back counting those between, as a tenant opening
+    and freeing a session in a loop would otherwise write two lines a loop."""
     t.resources = c.contention.resources(t.gpus or c.gpu_indices, t.all_engines())
     if t.active:
         c.policy.set_demand(t.name, t.resources)
-    log.info("engines", tenant=t.name, engines=sorted(e.value for e in t.all_engines()), reason="sessions")
+    held = c.engine_lines.allow(t.name)
+    (log.debug if held is None else log.info)(
+        "engines", tenant=t.name, engines=sorted(e.value for e in t.all_engines()), reason="sessions",
+        held_back=held or 0)
 
 
 def v2_dir(c: Context, t: Tenant) -> Path:

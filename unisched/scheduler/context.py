@@ -84,6 +84,10 @@ class Context:
     session_refusals: Throttle = field(init=False)
     """The warning that a session was refused (admission.admit): at most one per tenant and kind in the hooks' own
     refusal lines' interval (memory_calls.REFUSAL_LOG_INTERVAL_S), on the engine's clock."""
+    engine_lines: Throttle = field(init=False)
+    """The info line that a tenant's engines changed with its sessions (admission.engines_changed): a hooked app can
+    open and free a session of a kind outside its declared engines in a loop, so at most one per tenant in the same
+    interval, on the engine's clock."""
     memory_ledger: MemoryLedger | None = None
     """The session hooks' video memory counts (set where the hooks are made; None: not followed)."""
     weights_on: dict[frozenset[int], tuple[int, Mapping[str, int]]] = field(default_factory=dict)
@@ -128,6 +132,7 @@ class Context:
     def __post_init__(self) -> None:
         self.writer = StateWriter(self.store)
         self.session_refusals = Throttle(REFUSAL_LOG_INTERVAL_S, self.clock.monotonic)
+        self.engine_lines = Throttle(REFUSAL_LOG_INTERVAL_S, self.clock.monotonic)
 
 
 def build(
