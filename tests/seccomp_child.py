@@ -12,7 +12,8 @@
 
 Tenant commands (numbers accept 0x...): alloc CLASS HANDLE [SIZE [ROOT]] | alloc_eng CLASS HANDLE INSTANCE |
 churn_eng CLASS HANDLE N (alloc_eng CLASS HANDLE on instances 1..N in turn, each freed; extra = how many failed
-with EPERM) | xalloc CLASS HANDLE |
+with EPERM) | thread_alloc CLASS HANDLE (alloc on a thread of its own: its reply comes when the call returns, the
+commands after it run meanwhile) | xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
 fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
 dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
@@ -182,6 +183,16 @@ def tenant(where: str) -> None:
                 refused += engine_call(dev, nums[0], nums[1], instance) == errno.EPERM
                 ioctl(dev, iowr(RM_FREE, 16), nvos00(nums[1]))
             extra = str(refused)
+        elif op == "thread_alloc":
+            import threading
+
+            def alloc_apart(h_class: int, handle: int) -> None:
+                err = ioctl(dev, iowr(RM_ALLOC, 32), nvos21(h_class, handle))
+                out.write(f"ok {err}\n")
+                out.flush()
+
+            threading.Thread(target=alloc_apart, args=(nums[0], nums[1])).start()
+            continue
         elif op == "alloc_sx":
             err = ioctl(dev, iowr(RM_ALLOC, 32), nvos21(nums[0], nums[1]), sign_extend=True)
         elif op == "aobj":  # RM_ALLOC_OBJECT (NVOS05): CLASS HANDLE

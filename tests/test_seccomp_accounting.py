@@ -133,6 +133,17 @@ def test_a_call_gone_before_its_answer_is_taken_back() -> None:
     assert book.counts().refused[SessionKind.GRAPHICS] == 0
 
 
+def test_a_decided_session_of_a_client_with_no_known_process_is_given_back_not_recorded() -> None:
+    """Its client freed while the call waited for its decision and its process gone before it could be read
+    again: recorded, its client (process 0) would never be found exited, so the session counted until the listener
+    ended. The reservation its decision made is given back instead."""
+    book = SessionBook("t", join_window_ns=1000 * MS)
+    call = Call(RM_ALLOC, ROOT, ROOT, 1, GRAPHICS, SessionKind.GRAPHICS)  # owner not read: the client was known
+    events = book.commit(call, 7, False, 0)
+    assert [(e.action, e.kind) for e in events] == [(EventAction.ABORTED, SessionKind.GRAPHICS)]
+    assert book.owners() == {} and dict(book.counts().live) == {} and book.size().clients == 0
+
+
 def test_exited_and_detached_clients_release_their_sessions() -> None:
     book = SessionBook("t", join_window_ns=1000 * MS)
     for h_root, tgid in ((ROOT, 10), (ROOT + 1, 11)):

@@ -26,6 +26,7 @@ from test_seccomp import (
     KERNEL,
     NVDEC,
     OTHER,
+    ROOT,
     Proc,
     needs_notify,
     running_tenant,
@@ -36,6 +37,7 @@ from test_seccomp import (
 from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent, SessionLedger
 from unisched.enforce.seccomp.agent import ack_agent, recv_agent_message
+from unisched.enforce.seccomp.proc import start_time
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
 
@@ -211,9 +213,42 @@ def test_a_closed_loop_admits_session_calls_instead_of_wedging(tenant: tuple[Pro
     assert sup.closed
 
 
+@needs_notify
+def test_a_client_freed_while_its_session_call_waits_for_the_loop_is_recorded_under_its_process(
+        tenant: tuple[Proc, int], loop: Loop) -> None:
+    """The session call's client was known when the call came (its process read then, not again), and its whole
+    client was freed while the loop decided: the session is recorded under the caller's process, which the
+    reconcile pass drops at its exit. It was recorded under a client of process 0, which reconcile skips: counted
+    until every process of the listener had exited."""
+    proc, fd = tenant
+    asked, go = threading.Event(), threading.Event()
+    ledger = SessionLedger(lambda t, kind: None)
+
+    def decide(t: str, kind: SessionKind, h_class: int) -> bool:
+        asked.set()
+        assert go.wait(10), "the test never let the decision go"
+        return ledger.decide(t, kind, h_class)
+
+    sup = SessionSupervisor(fd, "t", decide, ledger.on_event)
+    loop.run(lambda: sup.attach(loop.loop))
+    try:
+        assert proc.call(f"alloc {OTHER:#x} 0x400") == ENOTTY  # the client is known from here on
+        proc.send(f"thread_alloc {GRAPHICS:#x} 0x500")  # waits for decide(), on the loop
+        assert asked.wait(10), "the session call never reached the loop"
+        assert proc.call(f"free {ROOT:#x}") == ENOTTY  # the whole client, freed without the loop meanwhile
+        go.set()
+        assert proc.line() == f"ok {ENOTTY}"
+        assert sup._book.owners() == {ROOT: (proc.pid, start_time(proc.pid))}
+        assert sup.stats().live == {SessionKind.GRAPHICS: 1}
+    finally:
+        go.set()
+        loop.run(sup.close)
+
+
 DAEMON_STANDIN = """
 import asyncio, socket, sys, threading
 from unisched.enforce.seccomp.agent import recv_agent_message
+from unisched.enforce.seccomp.proc import start_time
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 with socket.socket(fileno=int(sys.argv[1])) as sock:
     fd, _ = recv_agent_message(sock)

@@ -305,6 +305,8 @@ class SessionBook:
                 self.untracked += bool(call.owner and call.owner[0])  # MAX_CLIENTS, not an unknown process
                 return []
             tgid, start = call.owner or (0, "")  # a session call here was let through by `unbooked` or a decision
+            if not tgid and kind is not None:  # its client freed while the call waited, its process gone since
+                return self._unrecorded(call, kind, pid)
             self.share.take(Entry.SESSION_CLIENTS, force=True)  # its room was asked just now, or before the decision
             client = self._clients[call.h_root] = Client(tgid, start)
         node = self._record(client, call)
@@ -312,6 +314,13 @@ class SessionBook:
             return []
         call.node = node
         return self._add_object(client, call, kind, node, pid, now_ns)
+
+    def _unrecorded(self, call: Call, kind: SessionKind, pid: int) -> list[SessionEvent]:
+        """A decided session call whose client cannot be recorded: a client of no known process would never be
+        dropped (`owners`: no exit to find), and its session counted until the listener ends. Given back instead."""
+        with self._lock:
+            live = self._live[kind]
+        return [SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, pid, call.handle, live)]
 
     def _record(self, client: Client, call: Call) -> int:
         """Put the new object in its client's tree (session objects always; others up to MAX_NODES)."""

@@ -27,6 +27,14 @@ def owner(tid: int) -> tuple[int, str]:
     return tgid, start_time(tgid) or ""
 
 
+def owner_or_none(tid: int) -> tuple[int, str]:
+    """`owner`, or (0, "") when it cannot be read (the thread is gone): no process the books may record a client of."""
+    try:
+        return owner(tid)
+    except (OSError, ValueError):
+        return 0, ""
+
+
 def _stat_after_comm(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields from the 3rd on (after "(comm)", which may hold spaces and parentheses); None when
     the process is gone."""

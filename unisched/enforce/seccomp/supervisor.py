@@ -34,7 +34,7 @@ from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.outlet import EventOutlet
-from unisched.enforce.seccomp.proc import owner, read_mem, start_time
+from unisched.enforce.seccomp.proc import owner_or_none, read_mem, start_time
 from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, Tally
 from unisched.logs import Throttle
 
@@ -392,6 +392,10 @@ class SessionSupervisor:
             if entry is None:
                 continue
             call, tid, t0 = entry
+            if call.owner is None:  # its client, known when the call came, may have been freed since: read it now
+                self._read_owner(call, tid)
+                if call.owner is not None and not self._listener.id_valid(nid):
+                    call.owner = (0, "")  # the caller is gone: not the owner of whatever took its tid
             failure = None if error is None else ("seccomp decide() failed; admitting the call", error)
             self._conclude(nid, tid, t0, call, admitted, failure, decided=True)
 
@@ -453,17 +457,18 @@ class SessionSupervisor:
             call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
         finally:
             os.close(mem)
-        known = self._book.knows(call.h_root) and (self._mem.ledger is None or self._mem.book.holds(call.h_root))
-        if call.op in (RM_ALLOC, RM_DUP_OBJECT) and not known:
-            try:
-                call.owner = owner(pid)
-            except (OSError, ValueError):
-                call.owner = (0, "")
+        self._read_owner(call, pid)
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
         if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(nid):
             raise _Gone
         return call
+
+    def _read_owner(self, call: Call, tid: int) -> None:
+        """The process of the call's RM client, when a book does not know the client yet (it is recorded under it)."""
+        known = self._book.knows(call.h_root) and (self._mem.ledger is None or self._mem.book.holds(call.h_root))
+        if call.op in (RM_ALLOC, RM_DUP_OBJECT) and not known:
+            call.owner = owner_or_none(tid)
 
     def _commit(self, call: Call, nid: int, pid: int, refused: bool) -> list[SessionEvent]:
         """Book the answered call; the events to report after the answer."""
