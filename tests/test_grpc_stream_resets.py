@@ -16,13 +16,15 @@ import h2.events
 
 from unisched.transport.frontdoor import StreamLimits
 from unisched.transport.grpcdoor import GrpcDoor
+from unisched.transport.h2guard import RESETS_PER_WINDOW
 from unisched.transport.identity import PeerCred
 from unisched_wire import unisched_pb2 as pb
 
 HEADERS = [(":method", "POST"), (":scheme", "http"), (":path", "/unisched.v1.Unisched/Status"),
            (":authority", "unisched"), ("content-type", "application/grpc"), ("te", "trailers")]
 ABUSED = 300
-"""Streams the client opens and ends badly, each kind."""
+"""Streams the client opens and has refused for their size (resets are bounded by RESETS_PER_WINDOW: it resets
+that many, all the door lets one connection reset at once)."""
 
 
 class Answering:
@@ -45,7 +47,7 @@ async def _session() -> tuple[int, int, int]:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     await loop.sock_sendall(theirs, client.data_to_send())
-    for _ in range(ABUSED):  # HEADERS and RST_STREAM in one write: the call is cancelled before it starts
+    for _ in range(RESETS_PER_WINDOW):  # HEADERS and RST_STREAM in one write: the call is cancelled before it starts
         sid = client.get_next_available_stream_id()
         client.send_headers(sid, HEADERS, end_stream=True)
         client.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)

@@ -42,7 +42,9 @@ from h2.events import DataReceived, RequestReceived, StreamEnded
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes, Settings
 
+from unisched.logs import Throttle
 from unisched.transport.frontdoor import StreamLimits, read_opening
+from unisched.transport.h2guard import FEED_PER_TURN, FrameBudget
 from unisched.transport.identity import PeerCred
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAX_REQUEST_BYTES, frame, is_lease_opening
@@ -58,12 +60,14 @@ MAX_MESSAGE_BYTES = MAX_REQUEST_BYTES
 _PREFIX = 5
 """gRPC's message prefix: a compression flag and the message's length (4 bytes, big-endian)."""
 _SWEEP_S = 0.5
+"""How often open connections are checked against their partial-request and idle deadlines."""
+DROP_LOG_INTERVAL_S = 1.0
+"""At most one 'grpc connection dropped' line a second per reason and uid, saying how many were held back."""
 UNSENT_MAX = 8 * 1024 * 1024
 """Bytes the daemon may hold unsent for one connection. Replies' DATA waits for the client's flow-control window,
 but h2 acknowledges every PING and SETTINGS frame at once: a client that sends them without end and never reads
 would grow the daemon by what it sends. Past this the connection is ended; an honest client's unread replies
 (at most its calls in flight, each at most a tenant list) stay far below it."""
-"""How often open connections are checked against their partial-request and idle deadlines."""
 
 
 def is_h2_opening(first: bytes) -> bool | None:
@@ -113,6 +117,9 @@ class GrpcDoor:
         self._open: set[_Connection] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._tls: asyncio.Server | None = None
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of connections' frame budgets (h2guard), made after it is set (a test's stands still)."""
+        self._drops = Throttle(DROP_LOG_INTERVAL_S)
 
     @property
     def connections(self) -> int:
@@ -136,7 +143,8 @@ class GrpcDoor:
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
         handler = _Handler(dict(self._methods(cred)), self._codec, None, self._dispatch)
-        conn = _Connection(handler, self._config, self._h2, first, limits, self._open)
+        conn = _Connection(handler, self._config, self._h2, first, limits, self._open,
+                           _Dropped(self._drops, cred.uid if cred is not None else None), FrameBudget(self.clock))
         handler.connection = conn
         return conn
 
@@ -188,6 +196,20 @@ class GrpcDoor:
                 conn.check(now)
 
 
+@dataclass(frozen=True)
+class _Dropped:
+    """Logs why a connection was dropped: throttled per reason and uid (an attacker reconnecting must not flood
+    the log)."""
+
+    throttle: Throttle
+    uid: int | None
+
+    def __call__(self, reason: str) -> None:
+        held_back = self.throttle.allow((reason, self.uid))
+        if held_back is not None:
+            log.warning("grpc connection dropped", reason=reason, uid=self.uid, held_back=held_back)
+
+
 @dataclass
 class _Request:
     """A call's request as it arrives, until the call is answered."""
@@ -226,8 +248,17 @@ class _Connection(H2Protocol):
     """grpclib's HTTP/2 protocol on one connection, held to the front door's limits (module docstring)."""
 
     def __init__(self, handler: _Handler, config: Configuration, h2_config: H2Configuration, first: bytes,
-                 limits: StreamLimits, registry: set[_Connection]) -> None:
+                 limits: StreamLimits, registry: set[_Connection], dropped: _Dropped, budget: FrameBudget) -> None:
         super().__init__(handler, config, h2_config)
+        self._dropped = dropped
+        self._budget = budget
+        self._backlog = bytearray()
+        """Bytes read and not yet given to h2 (at most FEED_PER_TURN a turn); reading is paused meanwhile."""
+        self._feeding = False
+        """A later turn's feed is scheduled."""
+        self._ended = False
+        self._pauses: set[str] = set()
+        """Why reading is paused now: "backlog" (bytes wait in _backlog)."""
         self.limits = limits
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._first = first
@@ -276,6 +307,45 @@ class _Connection(H2Protocol):
         self.processor = EventsProcessor(self.handler, self.connection)
 
     def data_received(self, data: bytes) -> None:
+        """Keep what was read; h2 gets it FEED_PER_TURN at a time, one slice a turn (h2guard)."""
+        if self._ended:
+            return
+        self._backlog += data
+        if not self._feeding:
+            self._feed_some()
+
+    def _feed_some(self) -> None:
+        self._feeding = False
+        if self._ended:
+            return
+        chunk = bytes(self._backlog[:FEED_PER_TURN])
+        del self._backlog[:FEED_PER_TURN]
+        self._feed(chunk)
+        if self._ended:
+            return
+        if self._backlog:
+            self._feeding = True
+            self._pause("backlog", True)
+            asyncio.get_running_loop().call_soon(self._feed_some)
+        else:
+            self._pause("backlog", False)
+
+    def _pause(self, why: str, on: bool) -> None:
+        """Pause reading while any reason holds; resume once none does."""
+        was = bool(self._pauses)
+        if on:
+            self._pauses.add(why)
+        else:
+            self._pauses.discard(why)
+        t = cast(asyncio.ReadTransport | None, self._transport)
+        if t is None or t.is_closing() or was == bool(self._pauses):
+            return
+        if self._pauses:
+            t.pause_reading()
+        else:
+            t.resume_reading()
+
+    def _feed(self, data: bytes) -> None:
         now = self._last = time.monotonic()
         try:
             events = self.connection.feed(data)
@@ -289,6 +359,10 @@ class _Connection(H2Protocol):
             self._unparsed_since = self._unparsed_since if self._unparsed else now
             self._unparsed += len(data)
         for event in events:
+            over = self._budget.over(event)
+            if over is not None:
+                self._drop(over)
+                return
             request = self._requests.get(getattr(event, "stream_id", None) or 0)
             if isinstance(event, RequestReceived) and event.stream_id is not None:
                 self._requests[event.stream_id] = _Request(now)
@@ -307,8 +381,11 @@ class _Connection(H2Protocol):
         t = cast(asyncio.WriteTransport | None, self._transport)
         unsent = t.get_write_buffer_size() if t is not None else 0
         if unsent > UNSENT_MAX:
-            log.warning("grpc connection dropped", reason=f"client left {unsent} bytes unread")
-            self.abort()
+            self._drop(f"client left {unsent} bytes unread")
+
+    def _drop(self, reason: str) -> None:
+        self._dropped(reason)
+        self.abort()
 
     def _data(self, event: DataReceived, request: _Request) -> bool:
         """Count a request's bytes; refuse it once its prefix declares too much (False: the connection ended)."""
@@ -357,7 +434,7 @@ class _Connection(H2Protocol):
             self._account()
 
     def _account(self) -> None:
-        held = self._unparsed + sum(r.size for r in self._requests.values() if not r.refused)
+        held = self._unparsed + len(self._backlog) + sum(r.size for r in self._requests.values() if not r.refused)
         delta, self._held = held - self._held, held
         if delta and not self.limits.hold(delta):
             self.abort()
@@ -373,6 +450,8 @@ class _Connection(H2Protocol):
             self.abort()
 
     def abort(self) -> None:
+        self._ended = True
+        self._backlog.clear()
         if self._transport is not None:
             self._transport.abort()  # type: ignore[attr-defined]
 
