@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import structlog
 
 from unisched.logs import Throttle
-from unisched.transport.identity import PeerCred, peer_of
+from unisched.transport.identity import PeerCred, kernel_cred, peer_of
 from unisched.transport.options import (
     ADMIN_RESERVE,
     GRPC_CALLS_PER_CONNECTION,
@@ -53,9 +53,10 @@ FD_RESERVE = 256  # for everything else: cgroup files, state file, logs, seccomp
 BACKLOG = 1024  # a burst of clients queues in the kernel instead of getting EAGAIN (asyncio's default is 100)
 REFUSAL_LOG_INTERVAL_S = 1.0
 """At most one 'too many connections' line a second, saying how many were refused since the last."""
-ACCEPT_BATCH = 256
-"""Connections taken from the backlog in one turn of the loop once one is ready. Refusing is cheap (no read, no
-task), so a flood is drained quickly and root's connection, queued behind it, is reached within the turn."""
+ACCEPT_BATCH = 32
+"""Connections taken from the backlog in one turn of the loop once one is ready; then the loop's other work runs.
+Admitting one costs ~70 us (its caller pinned, /proc read): a process churning connect/close kept the loop
+74-126 ms late at 256 a turn. A refusal costs one getsockopt, so a flood is still drained quickly."""
 _ADMIN = -1
 """The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
 H2_STREAMS = 100
@@ -118,8 +119,11 @@ class FrontDoor:
     against the same cap."""
 
     def __init__(self, max_connections: int = MAX_CONNECTIONS, is_admin: Callable[[PeerCred], bool] | None = None,
-                 limits: FrontDoorLimits | None = None) -> None:
+                 limits: FrontDoorLimits | None = None, may_be_admin: Callable[[int], bool] | None = None) -> None:
         self.is_admin = is_admin or (lambda cred: False)
+        self.may_be_admin = may_be_admin or ((lambda uid: False) if is_admin is None else (lambda uid: True))
+        """Whether a caller of this raw SO_PEERCRED uid could be an admin (root, the admin group): only such callers
+        are pinned and asked `is_admin` once their uid's bucket or the non-admin part of the cap is full."""
         self.limits = limits or FrontDoorLimits()
         self.max_connections = max_connections
         self.refused = 0
@@ -187,6 +191,11 @@ class FrontDoor:
     def _admit(self, conn: socket.socket, serve: Serve) -> None:
         conn.setblocking(False)
         try:
+            raw_uid = kernel_cred(conn).uid
+            if self._surely_refused(raw_uid):
+                self._refuse(raw_uid)
+                conn.close()
+                return
             cred = peer_of(conn)
         except OSError:
             conn.close()
@@ -202,6 +211,20 @@ class FrontDoor:
         task = asyncio.create_task(self._handle(conn, cred, bucket, serve))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._closed(t, bucket))
+
+    def _surely_refused(self, raw_uid: int) -> bool:
+        """Whether _bucket would refuse the caller whoever it turns out to be, judged by the kernel's uid alone
+        (one getsockopt, before the ~70 us of pinning it): the cap is full, or the caller cannot be an admin and
+        its uid's bucket or the non-admin part of the cap is. Only ever a refusal: the uid it is known by
+        (`known_as`) may differ (root in a container, a user namespace's uids), so admitting waits for peer_of.
+        A subordinate uid (a rootless container's) counts here as itself: it is refused early only when that very
+        host uid holds a full bucket."""
+        total = len(self._tasks)
+        if total >= self.max_connections:
+            return True
+        reserve = min(self.limits.admin_reserve, self.max_connections // 4)
+        full = self._per_uid[raw_uid] >= self.limits.per_uid or total >= self.max_connections - reserve
+        return full and not self.may_be_admin(raw_uid)
 
     def _bucket(self, cred: PeerCred) -> int | None:
         """Which count the connection goes to, or None to refuse it: a uid's own (at most `per_uid`, and

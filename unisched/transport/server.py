@@ -31,7 +31,7 @@ from unisched.transport.convert import PRIORITY, memory_ask, public_summary, sna
 from unisched.transport.frontdoor import FrontDoor
 from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
-from unisched.transport.identity import CONTAINED_ROOT, PeerCred, in_host_namespaces, is_admin
+from unisched.transport.identity import CONTAINED_ROOT, PeerCred, in_host_namespaces, is_admin, uid_groups
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.pacing import NO_UID, Pacer
@@ -86,6 +86,10 @@ class UnischedServicer:
     def is_admin(self, cred: PeerCred) -> bool:
         """Root or the admin group by the uid's group list, in the host's namespaces (identity.is_admin)."""
         return is_admin(cred, self._admin_gid)
+
+    def may_be_admin(self, uid: int) -> bool:
+        """Whether a caller of kernel uid `uid` could be an admin (is_admin then decides, once it is pinned)."""
+        return uid == 0 or (self._admin_gid is not None and self._admin_gid in uid_groups(uid))
 
     @staticmethod
     def _need_caller(call: Call) -> PeerCred:
@@ -309,7 +313,7 @@ async def serve_async(
     servicer.agent_socket = config.agent_socket
     servicer.runtime_agent_socket = config.runtime_agent_socket
     servicer.lease_socket = config.lease_socket
-    front = FrontDoor(is_admin=servicer.is_admin)
+    front = FrontDoor(is_admin=servicer.is_admin, may_be_admin=servicer.may_be_admin)
     door = GrpcDoor(servicer, config.lease_socket)
     lease = LeaseService(engine, servicer.is_admin, pacer)
     notifier = Notifier.from_env()
