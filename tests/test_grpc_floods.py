@@ -150,3 +150,52 @@ def test_a_large_read_is_handled_a_slice_per_turn(monkeypatch: pytest.MonkeyPatc
     assert sum(sizes) >= 9_000 * 17  # all of it was handled
     assert max(sizes) <= FEED_PER_TURN
     assert len(set(turns)) == len(turns)  # no two slices in the same turn of the loop
+
+
+async def _unread_pings(total: int) -> tuple[int, int, bool, bool]:
+    """A client that sends PINGs (within the budget: each window fresh) and never reads what the daemon answers,
+    sending until the daemon stops taking them; returns bytes it got sent, the most the daemon held unsent,
+    whether the daemon still reads it, and whether the connection was dropped."""
+    door = GrpcDoor(Answering(), "unisched.sock")
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+    door.clock = clock
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    limits = StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=lambda delta: True, calls=4)
+    served = asyncio.ensure_future(door.serve(ours, PeerCred(1, 65534, 65534), limits))
+    blob = PREFACE + _frame(4, 0, 0, b"") + pings(total // 17)
+    sent = most = stuck = 0
+    reading = True
+    try:
+        while sent < len(blob) and stuck < 200 and not served.done():  # stuck: turns with nothing taken
+            try:
+                sent += theirs.send(blob[sent:sent + (1 << 16)])
+                stuck = 0
+            except BlockingIOError:
+                stuck += 1
+            await asyncio.sleep(0)
+            for conn in door._open:
+                t = conn._transport
+                assert isinstance(t, asyncio.Transport)
+                most = max(most, t.get_write_buffer_size())
+                reading = t.is_reading()
+        return sent, most, reading, served.done()
+    finally:
+        theirs.close()
+        await door.close()
+        await asyncio.gather(served, return_exceptions=True)
+
+
+def test_a_client_that_does_not_read_is_not_read_from() -> None:
+    """Before, the daemon kept reading and acknowledging: what it held unsent grew with what the client sent (up
+    to the 8 MiB cap per connection, 1 GiB for one uid's 128)."""
+    sent, most, reading, dropped = asyncio.run(_unread_pings(4 << 20))
+    assert not dropped
+    assert not reading
+    assert sent < 2 << 20  # the kernel's buffers and a read: the client could not send it all
+    assert most <= 64 * 1024 + 2 * FEED_PER_TURN  # the transport's high-water mark and one slice's acks

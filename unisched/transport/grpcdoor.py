@@ -63,11 +63,13 @@ _SWEEP_S = 0.5
 """How often open connections are checked against their partial-request and idle deadlines."""
 DROP_LOG_INTERVAL_S = 1.0
 """At most one 'grpc connection dropped' line a second per reason and uid, saying how many were held back."""
-UNSENT_MAX = 8 * 1024 * 1024
-"""Bytes the daemon may hold unsent for one connection. Replies' DATA waits for the client's flow-control window,
-but h2 acknowledges every PING and SETTINGS frame at once: a client that sends them without end and never reads
-would grow the daemon by what it sends. Past this the connection is ended; an honest client's unread replies
-(at most its calls in flight, each at most a tenant list) stay far below it."""
+UNSENT_MAX = 256 * 1024
+"""Bytes the daemon may hold unsent for one connection when it reads from it; past this the connection is ended.
+h2 acknowledges every PING and SETTINGS frame at once, so a client that sends them and never reads would grow
+the daemon by what it sends: reading stops instead while the transport holds more than its high-water mark
+(64 KiB; pause_writing), so at a read this is at most that plus one FEED_PER_TURN slice's acknowledgements and
+the cap is a backstop. A reply larger than the cap (every tenant at MAX_TENANTS is ~2.5 MB) does not trip it:
+while it drains, reading, and so this check, waits."""
 
 
 def is_h2_opening(first: bytes) -> bool | None:
@@ -258,7 +260,8 @@ class _Connection(H2Protocol):
         """A later turn's feed is scheduled."""
         self._ended = False
         self._pauses: set[str] = set()
-        """Why reading is paused now: "backlog" (bytes wait in _backlog)."""
+        """Why reading is paused now: "backlog" (bytes wait in _backlog), "unread" (the client is not reading)."""
+        self._unread_since = 0.0
         self.limits = limits
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._first = first
@@ -316,8 +319,8 @@ class _Connection(H2Protocol):
 
     def _feed_some(self) -> None:
         self._feeding = False
-        if self._ended:
-            return
+        if self._ended or "unread" in self._pauses:
+            return  # (resume_writing goes on)
         chunk = bytes(self._backlog[:FEED_PER_TURN])
         del self._backlog[:FEED_PER_TURN]
         self._feed(chunk)
@@ -329,6 +332,19 @@ class _Connection(H2Protocol):
             asyncio.get_running_loop().call_soon(self._feed_some)
         else:
             self._pause("backlog", False)
+
+    def pause_writing(self) -> None:
+        """The client stopped reading: read nothing more from it until it does (what it sends makes h2 write)."""
+        super().pause_writing()
+        self._unread_since = time.monotonic()
+        self._pause("unread", True)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._pause("unread", False)
+        if self._backlog and not self._feeding and not self._ended:
+            self._feeding = True
+            asyncio.get_running_loop().call_soon(self._feed_some)
 
     def _pause(self, why: str, on: bool) -> None:
         """Pause reading while any reason holds; resume once none does."""
@@ -440,13 +456,14 @@ class _Connection(H2Protocol):
             self.abort()
 
     def check(self, now: float) -> None:
-        """Past a deadline: a request (or a header block) not whole within partial_frame_s, or nothing at all
-        carried for idle_s with no call in flight."""
+        """Past a deadline: a request (or a header block) not whole within partial_frame_s, nothing at all
+        carried for idle_s with no call in flight, or replies left unread for idle_s."""
         late = now - self.limits.partial_frame_s
         unfinished = (self._unparsed and self._unparsed_since < late) or any(
             not r.whole and r.began < late for r in self._requests.values())
         idle = not self._requests and self._last < now - self.limits.idle_s
-        if unfinished or idle:
+        unread = "unread" in self._pauses and self._unread_since < now - self.limits.idle_s
+        if unfinished or idle or unread:
             self.abort()
 
     def abort(self) -> None:
