@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from unisched.transport import frontdoor
 from unisched.transport.frontdoor import FrontDoor, FrontDoorLimits, StreamLimits
-from unisched.transport.identity import PeerCred
+from unisched.transport.identity import PeerCred, peer_of
 
 PER_UID = 2
 
@@ -53,8 +52,6 @@ async def _third_connection(tmp_path: Path, door: FrontDoor) -> tuple[int, int]:
 
 def _counting_peer_of(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls = [0]
-    peer_of: Callable[[socket.socket], Any] = frontdoor.peer_of
-
     def counting(conn: socket.socket) -> Any:
         calls[0] += 1
         return peer_of(conn)
