@@ -20,6 +20,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
+from unisched.logs import Throttle
 from unisched.scheduler.core import LeaseAck, RegisterAsk, Scheduler, SchedulerError, TenantSnapshot
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
@@ -45,6 +46,9 @@ ANSWERED_PER_TURN = 32
 LEASE_UNSENT_MAX = 256 * 1024
 """Reply bytes a lease connection may leave unread (thousands of grants and acks); past it the client, which
 is not reading, is dropped so that it cannot grow the daemon's memory."""
+DROP_LOG_INTERVAL_S = 1.0
+"""At most one 'lease stream dropped' line a second per reason and uid, saying how many were held back: a user
+opening streams only to have them dropped must not flood the log (1,581 lines in 3 s from one uid before)."""
 
 
 class LeaseService:
@@ -54,6 +58,8 @@ class LeaseService:
         self.engine = engine
         self.is_admin = is_admin
         self.pacer = pacer
+        self.drops = Throttle(DROP_LOG_INTERVAL_S)
+        """Throttles the connections' 'lease stream dropped' lines (a test may give it its own clock)."""
 
     async def serve(self, conn: socket.socket, cred: PeerCred, limits: StreamLimits) -> None:
         """One admitted connection (the front door's Serve): its MAGIC within the opening deadline, then the
@@ -124,7 +130,7 @@ class LeaseConnection(asyncio.Protocol):
         self._timer = None
         if self._transport is not None and not self._ended:
             self._ended = True
-            self._log.info("lease stream dropped", reason=f"{why} within its deadline")
+            self._dropped("deadline", f"{why} within its deadline", warn=False)
             self._transport.abort()
 
     def _account(self) -> None:
@@ -145,7 +151,7 @@ class LeaseConnection(asyncio.Protocol):
         was, self._held = self._held, pending
         if not self.limits.hold(pending - was) and not self._ended:
             self._ended = True
-            self._log.warning("lease stream dropped", reason="its uid holds too many bytes of unfinished frames")
+            self._dropped("unfinished", "its uid holds too many bytes of unfinished frames")
             if self._transport is not None:
                 self._transport.abort()
 
@@ -336,8 +342,14 @@ class LeaseConnection(asyncio.Protocol):
         unsent = t.get_write_buffer_size()
         if unsent > LEASE_UNSENT_MAX:
             self._ended = True
-            self._log.warning("lease stream dropped", reason=f"client left {unsent} bytes of lease replies unread")
+            self._dropped("unread", f"client left {unsent} bytes of lease replies unread")
             t.abort()
+
+    def _dropped(self, kind: str, reason: str, warn: bool = True) -> None:
+        """Log that the connection was dropped: the first of its uid for this `kind` of reason in an interval."""
+        held_back = self.service.drops.allow((kind, self.cred.uid))
+        if held_back is not None:
+            (self._log.warning if warn else self._log.info)("lease stream dropped", reason=reason, held_back=held_back)
 
     def _end(self, out: list[bytes], code: str, details: str) -> None:
         """Answer with the error and end the connection once it is written; later requests are ignored."""
