@@ -11,7 +11,9 @@ MAX_MESSAGE_BYTES is answered RESOURCE_EXHAUSTED and the rest of it dropped unre
 sends more than it declared ends the connection, and a request's bytes count against its uid's budget until its
 call is answered; a request must arrive whole within the partial-frame
 deadline; an idle connection is closed. h2 bounds the rest: 100 concurrent streams, 64 KiB of headers, 64
-CONTINUATION frames. grpclib's per-connection parts (Handler, H2Protocol) are used directly because the daemon
+CONTINUATION frames. What a connection's frames may cost the loop is bounded in h2guard.py (a slice of its
+bytes per turn, resets and control frames per second), and a connection is not read while its replies sit
+unread. grpclib's per-connection parts (Handler, H2Protocol) are used directly because the daemon
 does its own accepting; they are grpclib 0.4's (pyproject pins it).
 """
 
