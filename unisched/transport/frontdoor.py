@@ -7,7 +7,8 @@ credentials for the connection's life: no TCP port, no lookup by address, so ide
 request field or reached through a side door.
 
 What one user's connections may cost is bounded (options.py gives each number's reason), over both sockets
-together: connections per uid, with a reserve the global cap keeps for admins; a deadline for a connection's
+together: connections per uid, with a reserve the global cap keeps for admins (a caller outside the daemon's pid
+namespace counts by its pod, not its uid, and pods together hold at most a share of the cap); a deadline for a connection's
 opening bytes (the lease stream's MAGIC and hello, HTTP/2's preface) and for each unfinished request; the bytes
 of unfinished requests per uid; and an idle timeout for gRPC connections. Refusals happen at accept, before any
 read. A connection that opens with the other protocol's bytes is refused at once.
@@ -30,9 +31,10 @@ from dataclasses import dataclass
 import structlog
 
 from unisched.logs import Throttle
-from unisched.transport.identity import PeerCred, kernel_cred, peer_of
+from unisched.transport.identity import PeerCred, in_our_pid_ns_unpinned, kernel_cred, peer_of, pod_of
 from unisched.transport.options import (
     ADMIN_RESERVE,
+    CONTAINED_SHARE,
     GRPC_CALLS_PER_CONNECTION,
     GRPC_IDLE_S,
     MAX_CONNECTIONS,
@@ -59,6 +61,8 @@ Admitting one costs ~70 us (its caller pinned, /proc read): a process churning c
 74-126 ms late at 256 a turn. A refusal costs one getsockopt, so a flood is still drained quickly."""
 _ADMIN = -1
 """The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
+Bucket = int | tuple[str, int]
+"""Whose count a connection goes to: a host uid, _ADMIN, or ("pidns", inode) for a pod (identity.pod_of)."""
 H2_STREAMS = 100
 """The calls in flight an HTTP/2 connection may carry by default (h2's own limit): admins' and the TLS listener's."""
 
@@ -69,6 +73,7 @@ class FrontDoorLimits:
 
     per_uid: int = MAX_CONNECTIONS_PER_UID
     admin_reserve: int = ADMIN_RESERVE
+    contained_share: float = CONTAINED_SHARE
     opening_s: float = OPENING_DEADLINE_S
     partial_frame_s: float = PARTIAL_FRAME_S
     partial_bytes_per_uid: int = MAX_PARTIAL_BYTES_PER_UID
@@ -130,9 +135,11 @@ class FrontDoor:
         self._listeners: list[socket.socket] = []
         self._acceptors: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._per_uid: Counter[int] = Counter()
-        """Connections held per bucket: a non-admin uid, or _ADMIN for those in the admins' reserve."""
-        self._partial: Counter[int] = Counter()
+        self._per_uid: Counter[Bucket] = Counter()
+        """Connections held per bucket: a non-admin host uid, a pod's pid namespace, or _ADMIN for the reserve."""
+        self._contained = 0
+        """Connections held by pods' buckets together."""
+        self._partial: Counter[Bucket] = Counter()
         """Bytes of unfinished requests held per bucket."""
         self._refusals = Throttle(REFUSAL_LOG_INTERVAL_S)
         self._closed_since_trim = 0
@@ -191,8 +198,9 @@ class FrontDoor:
     def _admit(self, conn: socket.socket, serve: Serve) -> None:
         conn.setblocking(False)
         try:
-            raw_uid = kernel_cred(conn).uid
-            if self._surely_refused(raw_uid):
+            raw = kernel_cred(conn)
+            raw_uid = raw.uid
+            if self._surely_refused(raw_uid, raw.pid):
                 self._refuse(raw_uid)
                 conn.close()
                 return
@@ -208,37 +216,57 @@ class FrontDoor:
             conn.close()
             return
         self._per_uid[bucket] += 1
+        self._contained += isinstance(bucket, tuple)
         task = asyncio.create_task(self._handle(conn, cred, bucket, serve))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._closed(t, bucket))
 
-    def _surely_refused(self, raw_uid: int) -> bool:
-        """Whether _bucket would refuse the caller whoever it turns out to be, judged by the kernel's uid alone
+    def _reserve(self) -> int:
+        return min(self.limits.admin_reserve, self.max_connections // 4)
+
+    def _surely_refused(self, raw_uid: int, raw_pid: int) -> bool:
+        """Whether _bucket would refuse the caller whoever it turns out to be, judged by the kernel's credentials
         (one getsockopt, before the ~70 us of pinning it): the cap is full, or the caller cannot be an admin and
-        its uid's bucket or the non-admin part of the cap is. Only ever a refusal: the uid it is known by
-        (`known_as`) may differ (root in a container, a user namespace's uids), so admitting waits for peer_of.
-        A subordinate uid (a rootless container's) counts here as itself: it is refused early only when that very
-        host uid holds a full bucket."""
+        the non-admin part of the cap is, or its uid's bucket is and its pid is in the daemon's pid namespace (one
+        stat, only then). A caller in a pod is counted by its pod, never by the uid it runs as, so a host user's
+        full bucket must not refuse a pod's process of the same raw uid: it is pinned and bucketed by peer_of.
+        The pid is not pinned here, so this only ever refuses: a pid reused meanwhile by a host process means the
+        caller is gone. A subordinate uid (a rootless container's) counts here as itself: it is refused early
+        only when that very host uid holds a full bucket."""
         total = len(self._tasks)
         if total >= self.max_connections:
             return True
-        reserve = min(self.limits.admin_reserve, self.max_connections // 4)
-        full = self._per_uid[raw_uid] >= self.limits.per_uid or total >= self.max_connections - reserve
-        return full and not self.may_be_admin(raw_uid)
+        if self.may_be_admin(raw_uid):
+            return False
+        if total >= self.max_connections - self._reserve():
+            return True
+        return self._per_uid[raw_uid] >= self.limits.per_uid and in_our_pid_ns_unpinned(raw_pid)
 
-    def _bucket(self, cred: PeerCred) -> int | None:
-        """Which count the connection goes to, or None to refuse it: a uid's own (at most `per_uid`, and
-        only while the global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
+    def _contained_cap(self) -> int:
+        return int((self.max_connections - self._reserve()) * self.limits.contained_share)
+
+    def _bucket(self, cred: PeerCred) -> Bucket | None:
+        """Which count the connection goes to, or None to refuse it. A caller outside the daemon's pid namespace
+        goes to its pod's (identity.pod_of: at most `per_uid`, whatever uids root in the pod takes, and only while
+        pods together hold less than their share of the non-admin cap, so pods never lock host users out and a
+        pod's own namespaces do not multiply its bucket); any other to its uid's (at most `per_uid`, while the
+        global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
         total = len(self._tasks)
         if total >= self.max_connections:
             return None
-        reserve = min(self.limits.admin_reserve, self.max_connections // 4)
-        if self._per_uid[cred.uid] < self.limits.per_uid and total < self.max_connections - reserve:
+        room = total < self.max_connections - self._reserve()
+        pod = pod_of(cred)
+        if pod is not None:
+            key = ("pidns", pod)
+            ok = room and self._per_uid[key] < self.limits.per_uid and self._contained < self._contained_cap()
+            return key if ok else None  # never an admin: admins are in the host's namespaces
+        if self._per_uid[cred.uid] < self.limits.per_uid and room:
             return cred.uid
         return _ADMIN if self.is_admin(cred) else None
 
-    def _closed(self, task: asyncio.Task[None], bucket: int) -> None:
+    def _closed(self, task: asyncio.Task[None], bucket: Bucket) -> None:
         self._tasks.discard(task)
+        self._contained -= isinstance(bucket, tuple)
         self._per_uid[bucket] -= 1
         if self._per_uid[bucket] <= 0:
             del self._per_uid[bucket]
@@ -257,7 +285,7 @@ class FrontDoor:
         if trim is not None:
             trim(0)
 
-    def _hold(self, bucket: int, delta: int) -> bool:
+    def _hold(self, bucket: Bucket, delta: int) -> bool:
         """Account bytes of a connection's unfinished requests; False when its uid is over its budget."""
         held = self._partial[bucket] + delta
         if held <= 0:
@@ -288,12 +316,12 @@ class FrontDoor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
 
-    def _stream_limits(self, bucket: int, admin: bool) -> StreamLimits:
+    def _stream_limits(self, bucket: Bucket, admin: bool) -> StreamLimits:
         lim = self.limits
         return StreamLimits(lim.opening_s, lim.partial_frame_s, lambda d: self._hold(bucket, d), lim.grpc_idle_s,
                             H2_STREAMS if admin else lim.grpc_calls)
 
-    async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: int, serve: Serve) -> None:
+    async def _handle(self, conn: socket.socket, cred: PeerCred, bucket: Bucket, serve: Serve) -> None:
         try:
             await serve(conn, cred, self._stream_limits(bucket, self.is_admin(cred)))
         except (ConnectionError, OSError):

@@ -30,14 +30,22 @@ from dataclasses import dataclass, field, replace
 
 from unisched.enforce.seccomp.proc import state_and_start
 
-__all__ = ["CONTAINED_ROOT", "PeerCred", "ProcessHandle", "in_host_namespaces", "is_admin", "kernel_cred", "peer_of",
-           "uid_groups"]
+__all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "in_host_namespaces", "in_our_pid_ns_unpinned",
+           "is_admin", "kernel_cred", "peer_of", "pod_of", "uid_groups"]
 
 CONTAINED_ROOT = -2
 """The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
 uses for a caller without credentials."""
 NS_GET_OWNER_UID = 0xB704
 """ioctl on a user namespace's fd: the uid that made it, as the daemon's namespace sees it (_IO(0xb7, 0x4))."""
+NS_GET_USERNS = 0xB701
+"""ioctl on a namespace's fd: an fd of the user namespace that owns it (_IO(0xb7, 0x1))."""
+NS_GET_PARENT = 0xB702
+"""ioctl on a pid namespace's fd: an fd of its parent (_IO(0xb7, 0x2)); EPERM above the daemon's own."""
+MAX_PID_NS_DEPTH = 32
+"""The kernel nests pid namespaces at most this deep."""
+GONE_POD = 0
+"""`pod_of` for a caller gone before its pid namespace was read (no namespace has inode 0)."""
 
 SO_PEERPIDFD = 77
 """getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the peer that connected (Linux 6.5+; no Python constant)."""
@@ -231,3 +239,67 @@ def is_admin(cred: PeerCred, admin_gid: int | None) -> bool:
     if cred.uid != 0 and (admin_gid is None or admin_gid not in uid_groups(cred.uid)):
         return False
     return in_host_namespaces(cred)
+
+
+def in_our_pid_ns_unpinned(pid: int) -> bool:
+    """Whether `pid` names a process in the daemon's pid namespace now. Nothing is pinned, so the pid may name
+    another process than the one that connected: only for deciding to refuse cheaply (frontdoor._surely_refused),
+    where a wrong True costs a caller already gone its connection."""
+    return _ours(pid, "pid")
+
+
+def pod_of(cred: PeerCred) -> int | None:
+    """The pod a caller counts as in: the inode of the pid namespace just below the daemon's that holds it, so
+    namespaces it makes inside its pod count as the pod's. None for a caller in the daemon's pid namespace, and
+    for one in a rootless container (a top pid namespace a host user made in a user namespace of their own: only
+    a process in the daemon's pid namespace can make one, so no pod can claim a host user's bucket this way; it
+    is known by that user, `known_as`). GONE_POD when the caller is gone before its namespace was read (checked
+    alive after the read, like `in_host_namespaces`)."""
+    if cred.unpinned:
+        raise ValueError(f"peer pid {cred.pid} was never pinned (kernel_cred): its namespaces cannot be vouched for")
+    pod = _pod_of_pid(cred.pid)
+    return pod if cred.alive() else GONE_POD
+
+
+def _pod_of_pid(pid: int) -> int | None:
+    ours = _ns("/proc/self/ns/pid")
+    try:
+        fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return GONE_POD
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == ours:
+            return None
+        for _ in range(MAX_PID_NS_DEPTH):
+            try:
+                parent = fcntl.ioctl(fd, NS_GET_PARENT)
+            except OSError:
+                break  # not below the daemon's namespace: counted as a pod of its own
+            pst = os.fstat(parent)
+            if (pst.st_dev, pst.st_ino) == ours:
+                os.close(parent)
+                break
+            os.close(fd)
+            fd, st = parent, pst
+        return None if _made_by_host_user(fd) else st.st_ino
+    finally:
+        os.close(fd)
+
+
+def _made_by_host_user(pid_ns_fd: int) -> bool:
+    """Whether the pid namespace is owned by a user namespace a non-root host uid made (a rootless container)."""
+    try:
+        user_ns = fcntl.ioctl(pid_ns_fd, NS_GET_USERNS)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(user_ns)
+        if (st.st_dev, st.st_ino) == _ns("/proc/self/ns/user"):
+            return False
+        owner = int(struct.unpack("I", fcntl.ioctl(user_ns, NS_GET_OWNER_UID, bytes(4)))[0])
+        return owner != 0
+    except OSError:
+        return False
+    finally:
+        os.close(user_ns)

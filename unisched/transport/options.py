@@ -5,7 +5,7 @@ with the reason for its number. They hold for the gRPC socket and the lease sock
 from __future__ import annotations
 
 __all__ = [
-    "ADMIN_RESERVE", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID",
+    "ADMIN_RESERVE", "CONTAINED_SHARE", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID",
     "MAX_PARTIAL_BYTES_PER_UID", "OPENING_DEADLINE_S", "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED",
     "TRIM_EVERY_S",
 ]
@@ -22,6 +22,12 @@ MAX_CONNECTIONS_PER_UID = 128
 one short gRPC connection each, so 128 is far above honest use, while 31 such users still cannot fill the
 non-admin part of the cap (4096 - 64). Past it the user's new connections are closed at accept (cheaply: no
 read, no task), so a flood of 4,200 idle connections costs the daemon 128 held sockets."""
+
+CONTAINED_SHARE = 0.5
+"""The part of the non-admin connections (the cap less the admins' reserve) that callers outside the daemon's pid
+namespace (pods, containers) may hold together. Each pod counts as one user (MAX_CONNECTIONS_PER_UID, by its pid
+namespace, whatever uids root in it takes), and however many pods there are, host users keep the other half.
+Half leaves 2,016 connections to pods: 15 pods flooding at once still leave room for a 16th."""
 
 OPENING_DEADLINE_S = 5.0
 """A connection must open its socket's protocol (the lease stream's MAGIC and hello, or HTTP/2's preface) within
