@@ -199,3 +199,21 @@ def test_a_client_that_does_not_read_is_not_read_from() -> None:
     assert not reading
     assert sent < 2 << 20  # the kernel's buffers and a read: the client could not send it all
     assert most <= 64 * 1024 + 2 * FEED_PER_TURN  # the transport's high-water mark and one slice's acks
+
+
+def test_the_control_frames_a_connection_may_send_grow_with_the_calls_it_makes() -> None:
+    """A client making calls back to back sends a few control frames each (flow control, bandwidth-probing PINGs):
+    its calls earn it room; the same frames without calls are a flood."""
+    from h2.events import PingReceived, RequestReceived
+
+    from unisched.transport.h2guard import CONTROL_PER_CALL, FrameBudget
+
+    busy = FrameBudget(clock=lambda: 0.0)
+    for _ in range(200):
+        assert busy.over(RequestReceived(stream_id=1)) is None
+        for _ in range(CONTROL_PER_CALL):
+            assert busy.over(PingReceived(ping_data=b"12345678")) is None
+    assert busy.control == 200 * CONTROL_PER_CALL > CONTROL_PER_WINDOW
+    idle = FrameBudget(clock=lambda: 0.0)
+    verdicts = [idle.over(PingReceived(ping_data=b"12345678")) for _ in range(CONTROL_PER_WINDOW + 1)]
+    assert verdicts[:-1] == [None] * CONTROL_PER_WINDOW and verdicts[-1] is not None

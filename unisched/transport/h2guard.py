@@ -20,13 +20,14 @@ from h2.events import (
     PingReceived,
     PriorityUpdated,
     RemoteSettingsChanged,
+    RequestReceived,
     SettingsAcknowledged,
     StreamReset,
     UnknownFrameReceived,
     WindowUpdated,
 )
 
-__all__ = ["CONTROL_PER_WINDOW", "FEED_PER_TURN", "RESETS_PER_WINDOW", "WINDOW_S", "FrameBudget"]
+__all__ = ["CONTROL_PER_CALL", "CONTROL_PER_WINDOW", "FEED_PER_TURN", "RESETS_PER_WINDOW", "WINDOW_S", "FrameBudget"]
 
 FEED_PER_TURN = 16 * 1024
 """Bytes of one connection given to h2 in one turn of the loop (about 1,000 frames of the smallest kinds: tens of
@@ -37,8 +38,12 @@ RESETS_PER_WINDOW = 64
 deadline passed, or its caller went away), one of its few calls in flight at a time."""
 CONTROL_PER_WINDOW = 512
 """PING, SETTINGS, WINDOW_UPDATE, PRIORITY, unknown frames and empty DATA frames a connection may send within
-WINDOW_S. A gRPC client sends a few per call (flow-control updates, a bandwidth-probing PING) and a keepalive
-PING now and then; a flood of them is answered frame by frame on the loop."""
+WINDOW_S besides those its calls earn (CONTROL_PER_CALL): keepalive PINGs and settings now and then. A flood of
+them is answered frame by frame on the loop."""
+CONTROL_PER_CALL = 16
+"""Control frames each call opened within WINDOW_S adds to the connection's allowance: a gRPC client sends a few
+per call (flow-control updates, a bandwidth-probing PING and its answer), so a client making calls back to back
+sends thousands a second. A call costs the loop far more than the frames it earns."""
 _CONTROL = (PingReceived, PingAckReceived, RemoteSettingsChanged, SettingsAcknowledged, WindowUpdated, PriorityUpdated,
             UnknownFrameReceived)
 
@@ -51,9 +56,14 @@ class FrameBudget:
         self._since = clock()
         self.resets = 0
         self.control = 0
+        self.calls = 0
 
     def over(self, event: Event) -> str | None:
         """Count `event`; why the connection must be dropped once it is past a bound, else None."""
+        if isinstance(event, RequestReceived):
+            self._tick()
+            self.calls += 1
+            return None
         if isinstance(event, StreamReset):
             if not event.remote_reset:
                 return None
@@ -64,11 +74,11 @@ class FrameBudget:
         if isinstance(event, _CONTROL) or (isinstance(event, DataReceived) and not event.flow_controlled_length):
             self._tick()
             self.control += 1
-            return f"sent more than {CONTROL_PER_WINDOW} control frames in {WINDOW_S:g} s" \
-                if self.control > CONTROL_PER_WINDOW else None
+            allowed = CONTROL_PER_WINDOW + CONTROL_PER_CALL * self.calls
+            return f"sent more than {allowed} control frames in {WINDOW_S:g} s" if self.control > allowed else None
         return None
 
     def _tick(self) -> None:
         now = self._clock()
         if now - self._since >= WINDOW_S:
-            self._since, self.resets, self.control = now, 0, 0
+            self._since, self.resets, self.control, self.calls = now, 0, 0, 0
