@@ -217,3 +217,21 @@ def test_the_control_frames_a_connection_may_send_grow_with_the_calls_it_makes()
     idle = FrameBudget(clock=lambda: 0.0)
     verdicts = [idle.over(PingReceived(ping_data=b"12345678")) for _ in range(CONTROL_PER_WINDOW + 1)]
     assert verdicts[:-1] == [None] * CONTROL_PER_WINDOW and verdicts[-1] is not None
+
+
+def test_a_call_reset_after_the_slice_that_opened_it_is_no_rapid_reset() -> None:
+    """A client with short deadlines against a slow daemon cancels many calls, each after it was open for a turn of
+    the loop (the calls-in-flight limit bounds those): only a stream reset in the same slice of bytes that opened it
+    counts towards RESETS_PER_WINDOW."""
+    from h2.events import StreamReset
+
+    from unisched.transport.h2guard import FrameBudget
+
+    def reset(sid: int) -> StreamReset:
+        return StreamReset(stream_id=sid, remote_reset=True)
+
+    late = FrameBudget(clock=lambda: 0.0)
+    assert all(late.over(reset(sid), opened=()) is None for sid in range(1, 2 * 500, 2))
+    rapid = FrameBudget(clock=lambda: 0.0)
+    verdicts = [rapid.over(reset(sid), opened={sid}) for sid in range(1, 2 * (RESETS_PER_WINDOW + 1), 2)]
+    assert verdicts[:-1] == [None] * RESETS_PER_WINDOW and verdicts[-1] is not None

@@ -376,8 +376,11 @@ class _Connection(H2Protocol):
         else:
             self._unparsed_since = self._unparsed_since if self._unparsed else now
             self._unparsed += len(data)
+        opened: set[int] = set()  # streams this slice opened: one it also resets is the rapid-reset pattern
         for event in events:
-            over = self._budget.over(event)
+            if isinstance(event, RequestReceived) and event.stream_id is not None:
+                opened.add(event.stream_id)
+            over = self._budget.over(event, opened)
             if over is not None:
                 self._drop(over)
                 return

@@ -11,7 +11,7 @@ streams, or sends more than CONTROL_PER_WINDOW control frames, within one WINDOW
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from h2.events import (
     DataReceived,
@@ -34,8 +34,10 @@ FEED_PER_TURN = 16 * 1024
 milliseconds at most); the rest of a read waits for the next turns, with the connection's reading paused."""
 WINDOW_S = 1.0
 RESETS_PER_WINDOW = 64
-"""Streams a connection may reset within WINDOW_S. An honest client resets only a call it gives up on (its
-deadline passed, or its caller went away), one of its few calls in flight at a time."""
+"""Streams a connection may reset within WINDOW_S in the same slice of its bytes that opened them (rapid reset).
+A call reset later (its deadline passed, or its caller went away: an honest client with short deadlines against a
+slow daemon resets many) is not counted: it was open for a turn of the loop at least, so the calls-in-flight
+limit bounds those."""
 CONTROL_PER_WINDOW = 512
 """PING, SETTINGS, WINDOW_UPDATE, PRIORITY, unknown frames and empty DATA frames a connection may send within
 WINDOW_S besides those its calls earn (CONTROL_PER_CALL): keepalive PINGs and settings now and then. A flood of
@@ -58,14 +60,15 @@ class FrameBudget:
         self.control = 0
         self.calls = 0
 
-    def over(self, event: Event) -> str | None:
-        """Count `event`; why the connection must be dropped once it is past a bound, else None."""
+    def over(self, event: Event, opened: Container[int] = ()) -> str | None:
+        """Count `event` (`opened`: the streams the slice of bytes it came in opened); why the connection must be
+        dropped once it is past a bound, else None."""
         if isinstance(event, RequestReceived):
             self._tick()
             self.calls += 1
             return None
         if isinstance(event, StreamReset):
-            if not event.remote_reset:
+            if not event.remote_reset or event.stream_id not in opened:
                 return None
             self._tick()
             self.resets += 1
