@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from unisched.enforce.seccomp.proc import state_and_start
 
-__all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "in_host_namespaces", "in_our_pid_ns_unpinned",
+__all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces", "in_our_pid_ns_unpinned",
            "is_admin", "kernel_cred", "peer_of", "pod_of", "uid_groups"]
 
 CONTAINED_ROOT = -2
@@ -236,9 +236,13 @@ def is_admin(cred: PeerCred, admin_gid: int | None) -> bool:
     """Root, or a member of the admin group by the uid's group list, and in the host's namespaces."""
     if cred.unpinned:
         raise ValueError(f"peer pid {cred.pid} was never pinned (kernel_cred): it cannot be an admin")
-    if cred.uid != 0 and (admin_gid is None or admin_gid not in uid_groups(cred.uid)):
-        return False
-    return in_host_namespaces(cred)
+    return admin_uid(cred.uid, admin_gid) and in_host_namespaces(cred)
+
+
+def admin_uid(uid: int, admin_gid: int | None) -> bool:
+    """Whether `uid` is an admin's: root, or a member of the admin group by its group list (`is_admin` also asks
+    that the caller be in the host's namespaces)."""
+    return uid == 0 or (admin_gid is not None and admin_gid in uid_groups(uid))
 
 
 def in_our_pid_ns_unpinned(pid: int) -> bool:

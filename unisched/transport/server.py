@@ -31,7 +31,7 @@ from unisched.transport.convert import PRIORITY, memory_ask, public_summary, sna
 from unisched.transport.frontdoor import FrontDoor
 from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
-from unisched.transport.identity import CONTAINED_ROOT, PeerCred, in_host_namespaces, is_admin, uid_groups
+from unisched.transport.identity import CONTAINED_ROOT, PeerCred, admin_uid, in_host_namespaces, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.pacing import NO_UID, Pacer
@@ -89,7 +89,7 @@ class UnischedServicer:
 
     def may_be_admin(self, uid: int) -> bool:
         """Whether a caller of kernel uid `uid` could be an admin (is_admin then decides, once it is pinned)."""
-        return uid == 0 or (self._admin_gid is not None and self._admin_gid in uid_groups(uid))
+        return admin_uid(uid, self._admin_gid)
 
     @staticmethod
     def _need_caller(call: Call) -> PeerCred:
