@@ -57,8 +57,9 @@ REFUSAL_LOG_INTERVAL_S = 1.0
 """At most one 'too many connections' line a second, saying how many were refused since the last."""
 ACCEPT_BATCH = 32
 """Connections taken from the backlog in one turn of the loop once one is ready; then the loop's other work runs.
-Admitting one costs ~70 us (its caller pinned, /proc read): a process churning connect/close kept the loop
-74-126 ms late at 256 a turn. A refusal costs one getsockopt, so a flood is still drained quickly."""
+Admitting one costs ~70 us (its caller pinned, /proc read), so a turn of 32 keeps a process churning
+connect/close from holding the loop for more than a few ms. A refusal costs one getsockopt, so a flood is still
+drained quickly."""
 _ADMIN = -1
 """The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
 Bucket = int | tuple[str, int]

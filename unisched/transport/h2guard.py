@@ -2,8 +2,8 @@
 
 The limit on calls in flight does not bound a connection's work: h2 answers every PING and SETTINGS at once, and
 grpclib starts a task for every stream a HEADERS frame opens, even one the client resets in the same read ("rapid
-reset", CVE-2023-44487), so the stream is closed again before the limit counts it. One read (up to 256 KiB) of
-HEADERS and RST_STREAM pairs held the loop 7.5 s; one of PINGs ~400 ms. So a connection's bytes are handed to h2
+reset", CVE-2023-44487), so the stream is closed again before the limit counts it: one read (up to 256 KiB) of
+such pairs, or of PINGs, would be seconds of work on the loop. So a connection's bytes are handed to h2
 FEED_PER_TURN at a time, one slice per turn of the loop, and a connection that resets more than RESETS_PER_WINDOW
 streams, or sends more than CONTROL_PER_WINDOW control frames, within one WINDOW_S is dropped.
 """

@@ -48,7 +48,7 @@ LEASE_UNSENT_MAX = 256 * 1024
 is not reading, is dropped so that it cannot grow the daemon's memory."""
 DROP_LOG_INTERVAL_S = 1.0
 """At most one 'lease stream dropped' line a second per reason and uid, saying how many were held back: a user
-opening streams only to have them dropped must not flood the log (1,581 lines in 3 s from one uid before)."""
+opening streams only to have them dropped (hundreds a second) must not flood the log."""
 
 
 class LeaseService:
