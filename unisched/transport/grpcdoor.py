@@ -48,6 +48,7 @@ from unisched.logs import Throttle
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.h2guard import FEED_PER_TURN, FrameBudget
 from unisched.transport.identity import PeerCred
+from unisched.transport.options import DROP_LOG_INTERVAL_S
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAX_REQUEST_BYTES, frame, is_lease_opening
 
@@ -63,8 +64,6 @@ _PREFIX = 5
 """gRPC's message prefix: a compression flag and the message's length (4 bytes, big-endian)."""
 _SWEEP_S = 0.5
 """How often open connections are checked against their partial-request and idle deadlines."""
-DROP_LOG_INTERVAL_S = 1.0
-"""At most one 'grpc connection dropped' line a second per reason and uid, saying how many were held back."""
 UNSENT_MAX = 256 * 1024
 """Bytes the daemon may hold unsent for one connection when it reads from it; past this the connection is ended.
 h2 acknowledges every PING and SETTINGS frame at once, so a client that sends them and never reads would grow

@@ -25,6 +25,7 @@ from unisched.scheduler.core import LeaseAck, RegisterAsk, Scheduler, SchedulerE
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred, in_host_namespaces
+from unisched.transport.options import DROP_LOG_INTERVAL_S
 from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
@@ -46,10 +47,6 @@ ANSWERED_PER_TURN = 32
 LEASE_UNSENT_MAX = 256 * 1024
 """Reply bytes a lease connection may leave unread (thousands of grants and acks); past it the client, which
 is not reading, is dropped so that it cannot grow the daemon's memory."""
-DROP_LOG_INTERVAL_S = 1.0
-"""At most one 'lease stream dropped' line a second per reason and uid, saying how many were held back: a user
-opening streams only to have them dropped (hundreds a second) must not flood the log."""
-
 
 class LeaseService:
     """Serves the lease socket's connections (one service per daemon)."""

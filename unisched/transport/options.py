@@ -5,9 +5,9 @@ with the reason for its number. They hold for the gRPC socket and the lease sock
 from __future__ import annotations
 
 __all__ = [
-    "ADMIN_RESERVE", "CONTAINED_SHARE", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S", "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID",
-    "MAX_PARTIAL_BYTES_PER_UID", "OPENING_DEADLINE_S", "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED",
-    "TRIM_EVERY_S",
+    "ADMIN_RESERVE", "CONTAINED_SHARE", "DROP_LOG_INTERVAL_S", "GRPC_CALLS_PER_CONNECTION", "GRPC_IDLE_S",
+    "MAX_CONNECTIONS", "MAX_CONNECTIONS_PER_UID", "MAX_PARTIAL_BYTES_PER_UID", "OPENING_DEADLINE_S",
+    "PARTIAL_FRAME_S", "TRIM_AFTER_CLOSED", "TRIM_EVERY_S"
 ]
 
 MAX_CONNECTIONS = 4096
@@ -64,3 +64,8 @@ system (malloc_trim): CPython keeps freed small buffers in its heap, so after a 
 TRIM_EVERY_S = 60.0
 """At most one such trim a minute: it walks the whole heap on the event loop, and any local user can open and close
 64 connections a second."""
+
+
+DROP_LOG_INTERVAL_S = 1.0
+"""At most one 'grpc connection dropped' or 'lease stream dropped' line a second per reason and uid, saying how many
+were held back: a user opening connections only to have them dropped (hundreds a second) must not flood the log."""
