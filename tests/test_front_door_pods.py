@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from unisched.policy.callers import Pod
 from unisched.transport.frontdoor import FrontDoor, FrontDoorLimits, StreamLimits
-from unisched.transport.identity import PeerCred
+from unisched.transport.identity import PeerCred, peer_of
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                                    reason="needs root and unshare(1)")]
@@ -110,7 +111,7 @@ def test_a_pod_counts_as_one_bucket_whatever_uids_its_root_takes() -> None:
     async def body(h: Holders) -> None:
         ns = await h.hold([61001, 61002, 61003], per=1, pod=True)
         assert (h.admitted, door.refused) == (2, 1)
-        assert dict(door._per_uid) == {("pidns", ns): 2}
+        assert dict(door._per_uid) == {Pod(ns): 2}
 
     asyncio.run(_with_door(door, body))
 
@@ -146,3 +147,49 @@ def test_a_full_host_bucket_does_not_refuse_a_pod_process_of_that_uid_early() ->
         pod.wait()
         if pod.stdout is not None:
             pod.stdout.close()
+
+
+CONNECT = r"""
+import os, socket, sys
+os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+print(os.stat("/proc/self/ns/pid").st_ino, flush=True)
+os.read(0, 1)  # connected until the test closes our stdin
+"""
+"""Connects to argv[1] as uid argv[2] and prints its pid namespace's inode."""
+
+
+@pytest.mark.parametrize("in_pod", [True, False])
+def test_peer_of_counts_a_pod_s_process_as_its_pod_and_a_host_process_as_its_uid(in_pod: bool) -> None:
+    """Every book kept per caller keys on PeerCred.caller: a pod's process running as uid 61000 is its pod there,
+    not the host's uid 61000."""
+    sockdir = tempfile.mkdtemp(prefix="unisched-pods-")
+    os.chmod(sockdir, 0o755)
+    path = str(Path(sockdir) / "c.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(60)
+    os.chmod(path, 0o777)
+    proc = subprocess.Popen([*(["unshare", "--pid", "--fork"] if in_pod else []), sys.executable, "-c", CONNECT, path,
+                             "61000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd="/")
+    try:
+        conn, _ = listener.accept()
+        assert proc.stdout is not None
+        ns = int(proc.stdout.readline())
+        cred = peer_of(conn)
+        conn.close()
+        if cred.process is not None:
+            cred.process.close()
+        assert cred.uid == 61000
+        assert cred.caller == (Pod(ns) if in_pod else 61000)
+        assert (ns != os.stat("/proc/self/ns/pid").st_ino) == in_pod
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        listener.close()
+        shutil.rmtree(sockdir, ignore_errors=True)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import structlog
 
 from unisched.logs import Throttle
-from unisched.transport.identity import PeerCred, in_our_pid_ns_unpinned, kernel_cred, peer_of, pod_of
+from unisched.policy.callers import Caller, Pod
+from unisched.transport.identity import PeerCred, in_our_pid_ns_unpinned, kernel_cred, peer_of
 from unisched.transport.options import (
     ADMIN_RESERVE,
     CONTAINED_SHARE,
@@ -62,8 +63,8 @@ connect/close from holding the loop for more than a few ms. A refusal costs one 
 drained quickly."""
 _ADMIN = -1
 """The bucket of connections admitted into the admins' reserve (not counted against a uid)."""
-Bucket = int | tuple[str, int]
-"""Whose count a connection goes to: a host uid, _ADMIN, or ("pidns", inode) for a pod (identity.pod_of)."""
+Bucket = Caller
+"""Whose count a connection goes to: its caller (PeerCred.caller: a uid, or its pod), or _ADMIN."""
 H2_STREAMS = 100
 """The calls in flight an HTTP/2 connection may carry by default (h2's own limit): admins' and the TLS listener's."""
 
@@ -217,7 +218,7 @@ class FrontDoor:
             conn.close()
             return
         self._per_uid[bucket] += 1
-        self._contained += isinstance(bucket, tuple)
+        self._contained += isinstance(bucket, Pod)
         task = asyncio.create_task(self._handle(conn, cred, bucket, serve))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._closed(t, bucket))
@@ -248,7 +249,7 @@ class FrontDoor:
 
     def _bucket(self, cred: PeerCred) -> Bucket | None:
         """Which count the connection goes to, or None to refuse it. A caller outside the daemon's pid namespace
-        goes to its pod's (identity.pod_of: at most `per_uid`, whatever uids root in the pod takes, and only while
+        goes to its pod's (PeerCred.caller: at most `per_uid`, whatever uids root in the pod takes, and only while
         pods together hold less than their share of the non-admin cap, so pods never lock host users out and a
         pod's own namespaces do not multiply its bucket); any other to its uid's (at most `per_uid`, while the
         global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
@@ -256,18 +257,17 @@ class FrontDoor:
         if total >= self.max_connections:
             return None
         room = total < self.max_connections - self._reserve()
-        pod = pod_of(cred)
-        if pod is not None:
-            key = ("pidns", pod)
-            ok = room and self._per_uid[key] < self.limits.per_uid and self._contained < self._contained_cap()
-            return key if ok else None  # never an admin: admins are in the host's namespaces
-        if self._per_uid[cred.uid] < self.limits.per_uid and room:
-            return cred.uid
+        caller = cred.caller
+        if isinstance(caller, Pod):
+            ok = room and self._per_uid[caller] < self.limits.per_uid and self._contained < self._contained_cap()
+            return caller if ok else None  # never an admin: admins are in the host's namespaces
+        if self._per_uid[caller] < self.limits.per_uid and room:
+            return caller
         return _ADMIN if self.is_admin(cred) else None
 
     def _closed(self, task: asyncio.Task[None], bucket: Bucket) -> None:
         self._tasks.discard(task)
-        self._contained -= isinstance(bucket, tuple)
+        self._contained -= isinstance(bucket, Pod)
         self._per_uid[bucket] -= 1
         if self._per_uid[bucket] <= 0:
             del self._per_uid[bucket]

@@ -10,9 +10,10 @@ before that check was the caller's. A process that is gone is never acted on.
 Admin rights are a property of the host: root (or a member of `admin_group`, by the uid's group list in
 /etc/group and passwd, not by what the process happens to hold) in the daemon's own user and pid namespaces.
 Root inside a container with its own pid namespace is an ordinary user, and not root: `peer_of` gives it the
-uid CONTAINED_ROOT, so it owns nothing the host's root made (adopted tenants) and shares one user's bounds. A
-caller in a user namespace of its own (rootless containers) is known by the uid that made that namespace, so a
-user's subordinate uids do not multiply its per-user bounds; one root made (a pod's) is CONTAINED_ROOT too.
+uid CONTAINED_ROOT, so it owns nothing the host's root made (adopted tenants). A caller in a user namespace of its
+own (rootless containers) is known by the uid that made that namespace, so a user's subordinate uids do not
+multiply its per-user bounds; one root made (a pod's) is CONTAINED_ROOT too. Every book kept per caller counts a
+caller in a pod by its pod, whatever uid it runs as (`PeerCred.caller`): root in a pod may take any uid but 0.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from unisched.enforce.seccomp.proc import state_and_start
+from unisched.policy.callers import Caller, Pod
 
 __all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces", "in_our_pid_ns_unpinned",
            "is_admin", "kernel_cred", "peer_of", "pod_of", "uid_groups"]
@@ -106,6 +108,15 @@ class PeerCred:
     unpinned: bool = field(default=False, compare=False, repr=False)
     """`kernel_cred`'s: its pid may name another process by now, so `alive`, `in_host_namespaces` and `is_admin`
     refuse it (ValueError) rather than answer for whatever process has the pid now."""
+    pod: int | None = field(default=None, compare=False)
+    """The pod the caller is in (`pod_of`, read by `peer_of`: a process never changes pid namespace); None for a
+    caller in the daemon's pid namespace or a rootless container, and where nothing was read."""
+
+    @property
+    def caller(self) -> Caller:
+        """Whom every book kept per caller counts it as (policy.callers): its pod when it is in one, whatever uid it
+        runs as (root in a pod may take any uid but 0); else its uid as known here (`known_as`)."""
+        return self.uid if self.pod is None else Pod(self.pod)
 
     def alive(self) -> bool:
         """Whether the process that connected still runs (so its pid still names it)."""
@@ -128,11 +139,10 @@ def kernel_cred(conn: socket.socket) -> PeerCred:
 
 def peer_of(conn: socket.socket) -> PeerCred:
     """The credentials of an accepted Unix connection, with the connecting process pinned, its uid the one it is
-    known by here (`known_as`)."""
+    known by here (`known_as`) and its pod (`pod_of`)."""
     raw = PeerCred(*_ids(conn))
     cred = replace(raw, process=_pin(conn, raw.pid, raw.uid))
-    known = known_as(cred)
-    return cred if known == raw.uid else replace(cred, uid=known)
+    return replace(cred, uid=known_as(cred), pod=pod_of(cred))
 
 
 def known_as(cred: PeerCred) -> int:
