@@ -1,11 +1,12 @@
 """The seccomp agent socket (mode 0666) under a hostile local user: slow and partial hand-overs, and floods of
 connections, must cost only that user. The attacker is a real process forked from the test and set to an
 unprivileged uid; it sends real fds with SCM_RIGHTS to the real daemon's agent socket. The daemon's holdings
-are read from /proc/<daemon>/fd. The pure parts (the per-uid slots, the log throttle, the message reader) are
-checked first without a daemon."""
+are read from /proc/<daemon>/fd. The pure parts (the per-caller slots, the log throttle, the message reader) are
+checked first without a daemon, and a pod's callers with credentials as peer_of gives them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -17,16 +18,23 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 from conftest import Daemon, wait_until
+from structlog.testing import capture_logs
 
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.agent import AgentMessageReader, agent_reply
 from unisched.enforce.seccomp.handover import hand_over, make_agent_message
+from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.logs import Throttle
-from unisched.transport.agent import HandOverLimits, HandOverSlots
+from unisched.policy.callers import Pod
+from unisched.scheduler.core import Scheduler
+from unisched.transport import agent
+from unisched.transport.agent import HandOverLimits, HandOverSlots, SeccompAgentServer
 from unisched.transport.client import DaemonClient
+from unisched.transport.identity import PeerCred
 
 NOBODY = 65534
 OTHER_UID = 65533
@@ -50,6 +58,76 @@ def test_slots_bound_each_uid_and_keep_room_for_root() -> None:
     slots.give_back(1000)
     assert slots.take(1002) is None
     assert slots.in_progress(1000) == 1 and slots.in_progress(0) == 1
+
+
+def test_pods_have_slots_of_their_own_and_together_at_most_their_share_of_the_users() -> None:
+    slots = HandOverSlots(HandOverLimits(per_uid=2, users=4, root=1))  # pods: half of the users' 4
+    assert slots.take(Pod(7)) is None and slots.take(Pod(7)) is None
+    refusal = slots.take(Pod(7))
+    assert refusal is not None and "pod (pid namespace 7) has 2" in refusal
+    refusal = slots.take(Pod(8))
+    assert refusal is not None and "2 hand-overs from pods in progress (at most 2)" in refusal
+    assert slots.take(1000) is None and slots.take(1001) is None, "host users keep the rest"
+    slots.give_back(Pod(7))
+    assert slots.take(Pod(8)) is None
+    assert slots.in_progress(Pod(7)) == slots.in_progress(Pod(8)) == 1
+
+
+POD_UID = 61000
+"""The uid a pod's process runs as, which a host user has too (1000 in many images)."""
+
+
+async def _admitted(creds: list[PeerCred], limits: HandOverLimits) -> tuple[SeccompAgentServer, list[bytes]]:
+    """An agent (fake hooks, no socket bound) admitting one connection per cred, as peer_of would have known them;
+    what each connection was answered at once (b"": nothing yet, its hand-over in progress). The caller closes it."""
+    server = SeccompAgentServer("/nonexistent/agent.sock", cast(Scheduler, object()), limits, FakeSessionHooks())
+    deadline = asyncio.get_running_loop().time() + 60
+    answers = []
+    for cred in creds:
+        ours, theirs = socket.socketpair()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(agent, "peer_of", lambda conn, cred=cred: cred)
+            server._admit(ours, deadline, runtime=False)
+        theirs.setblocking(False)
+        try:
+            answers.append(theirs.recv(1 << 16))
+        except BlockingIOError:
+            answers.append(b"")
+        theirs.close()
+    return server, answers
+
+
+def test_a_pod_s_hand_overs_hold_its_pod_s_slots_not_those_of_the_host_uid_it_runs_as() -> None:
+    """uid 61000 in a pod is not the host's uid 61000: the pod's flood holds the pod's own slots, and the host user
+    still hands over."""
+    in_pod = PeerCred(4242, POD_UID, POD_UID, pod=7)
+
+    async def main() -> tuple[list[bytes], int, int]:
+        server, answers = await _admitted([in_pod, in_pod, in_pod, PeerCred(4243, POD_UID, POD_UID)],
+                                          HandOverLimits(per_uid=2))
+        try:
+            return answers, server._slots.in_progress(Pod(7)), server._slots.in_progress(POD_UID)
+        finally:
+            await server.close()
+
+    answers, pods, host = asyncio.run(main())
+    assert (pods, host) == (2, 1)
+    assert [b"busy" in a for a in answers] == [False, False, True, False]
+
+
+def test_a_pod_s_refusals_are_logged_apart_from_the_host_uid_it_runs_as() -> None:
+    """The refusals' log lines are throttled per caller: a pod's flood holds back its own lines, not those of the host
+    user whose uid its processes take."""
+    in_pod, host = PeerCred(4242, POD_UID, POD_UID, pod=7), PeerCred(4243, POD_UID, POD_UID)
+
+    async def main() -> None:
+        server, _ = await _admitted([in_pod, in_pod, in_pod, host, host], HandOverLimits(per_uid=1))
+        await server.close()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    refused = [(e.get("pod"), e["peer_uid"]) for e in logs if e["event"] == "seccomp hand-over refused: too many in progress"]
+    assert refused == [(7, POD_UID), (None, POD_UID)]
 
 
 def test_throttle_lets_one_line_per_interval_and_counts_the_rest() -> None:

@@ -30,11 +30,13 @@ from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_a
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.logs import Throttle
+from unisched.policy.callers import Caller, Pod, named
 from unisched.scheduler.config import ConfigError
 from unisched.scheduler.core import Scheduler
 from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import make_private_directory, replace_stale_socket
 from unisched.transport.identity import PeerCred, ProcessHandle, kernel_cred, peer_of
+from unisched.transport.options import CONTAINED_SHARE
 
 __all__ = [
     "HANDOVER_DEADLINE_S",
@@ -52,18 +54,20 @@ _GIVE_BACK = (EventAction.ABORTED, EventAction.FREED, EventAction.EXITED, EventA
 HANDOVER_DEADLINE_S: Final = 2.0
 """How long one hand-over (fd and message) may take from accept. runc, crun and `unisched run`'s trampoline send
 it all in one sendmsg right after connecting, so it is there at once; 2 s leaves room for a loaded host and
-bounds how long a slow peer holds one of its uid's slots."""
+bounds how long a slow peer holds one of its caller's slots."""
 MAX_HANDOVERS_PER_UID: Final = 4
-"""Hand-overs in progress per non-root uid. Each takes milliseconds, so a user's burst of runs rarely has more
-than a few at once (and `hand_over` retries a "busy" reply); a user who stalls their own only waits on them."""
+"""Hand-overs in progress per non-root uid, and per pod whatever uids its processes take (PeerCred.caller). Each
+takes milliseconds, so a user's burst of runs rarely has more than a few at once (and `hand_over` retries a "busy"
+reply); a user who stalls their own only waits on them."""
 MAX_HANDOVERS_USERS: Final = 64
-"""Hand-overs in progress from all non-root uids together: bounds the fds and buffers (up to
-MAX_AGENT_MESSAGE_BYTES each) that many uids at once can pin."""
+"""Hand-overs in progress from all non-root uids and pods together: bounds the fds and buffers (up to
+MAX_AGENT_MESSAGE_BYTES each) that many callers at once can pin. Pods together hold at most CONTAINED_SHARE of
+them, as of the front door's connections, so pods never lock host users out."""
 MAX_HANDOVERS_ROOT: Final = 64
 """Hand-overs in progress from root (runc/containerd starting containers, on either socket; root's runs): root's
 own room, which no other uid's connections can take."""
 REFUSAL_LOG_INTERVAL_S: Final = 10.0
-"""At most one warning per kind and uid this often: a flood must not flood the journal too."""
+"""At most one warning per kind and caller (a uid, or a pod) this often: a flood must not flood the journal too."""
 _ACCEPT_RETRY_S: Final = 0.1
 """Pause after accept fails (out of fds or memory) before trying again, instead of spinning or giving up."""
 
@@ -76,50 +80,64 @@ class HandOverLimits:
     users: int = MAX_HANDOVERS_USERS
     root: int = MAX_HANDOVERS_ROOT
     deadline_s: float = HANDOVER_DEADLINE_S
+    contained_share: float = CONTAINED_SHARE
+    """The part of `users` that pods may hold together."""
 
 
 class HandOverSlots:
-    """Hand-overs in progress per uid, taken at accept and given back when the connection ends: a uid at its
-    limit is refused at once, so a flood costs only the uid that sends it (and root always keeps its room)."""
+    """Hand-overs in progress per caller (a uid, or a pod: PeerCred.caller), taken at accept and given back when
+    the connection ends: a caller at its limit is refused at once, so a flood costs only the caller that sends it
+    (root always keeps its room, and host users the part of theirs that pods may not take)."""
 
     def __init__(self, limits: HandOverLimits) -> None:
         self.limits = limits
-        self._by_uid: dict[int, int] = {}
+        self._by_caller: dict[Caller, int] = {}
         self._users = 0
+        """Slots held by non-root callers, pods' included."""
+        self._pods = 0
+        """Slots held by pods."""
 
-    def take(self, uid: int) -> str | None:
+    def take(self, caller: Caller) -> str | None:
         """None when a slot was taken; else why not."""
-        n = self._by_uid.get(uid, 0)
-        if uid == 0:
+        n = self._by_caller.get(caller, 0)
+        pod = isinstance(caller, Pod)
+        if caller == 0:
             if n >= self.limits.root:
                 return f"{n} hand-overs from root in progress (at most {self.limits.root})"
         elif n >= self.limits.per_uid:
-            return f"uid {uid} has {n} hand-overs in progress (at most {self.limits.per_uid})"
+            return f"{named(caller)} has {n} hand-overs in progress (at most {self.limits.per_uid})"
         elif self._users >= self.limits.users:
             return f"{self._users} hand-overs from users in progress (at most {self.limits.users})"
+        elif pod and self._pods >= self._pods_cap():
+            return f"{self._pods} hand-overs from pods in progress (at most {self._pods_cap()})"
         else:
             self._users += 1
-        self._by_uid[uid] = n + 1
+            self._pods += pod
+        self._by_caller[caller] = n + 1
         return None
 
-    def give_back(self, uid: int) -> None:
-        n = self._by_uid.get(uid, 0) - 1
+    def give_back(self, caller: Caller) -> None:
+        n = self._by_caller.get(caller, 0) - 1
         if n < 0:
             return
         if n:
-            self._by_uid[uid] = n
+            self._by_caller[caller] = n
         else:
-            del self._by_uid[uid]
-        if uid != 0:
+            del self._by_caller[caller]
+        if caller != 0:
             self._users -= 1
+            self._pods -= isinstance(caller, Pod)
 
-    def in_progress(self, uid: int) -> int:
-        return self._by_uid.get(uid, 0)
+    def in_progress(self, caller: Caller) -> int:
+        return self._by_caller.get(caller, 0)
+
+    def _pods_cap(self) -> int:
+        return int(self.limits.users * self.limits.contained_share)
 
 
 class SeccompAgentServer:
     """Reads hand-overs on the event loop without blocking (non-blocking recvmsg when the socket is readable),
-    never on a thread pool that other requests share; every hand-over has a deadline and each uid a bounded
+    never on a thread pool that other requests share; every hand-over has a deadline and each caller a bounded
     number in progress."""
 
     def __init__(
@@ -243,7 +261,7 @@ class SeccompAgentServer:
             try:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the pending connection waits in the backlog
-                self._warn("seccomp agent cannot accept", -1, error=str(e))
+                self._warn("seccomp agent cannot accept", None, error=str(e))
                 await asyncio.sleep(_ACCEPT_RETRY_S)
                 continue
             if runtime:
@@ -262,8 +280,8 @@ class SeccompAgentServer:
             await self._root_given_back.wait()
 
     def _admit(self, conn: socket.socket, deadline: float, runtime: bool) -> None:
-        """Take a slot for the peer (its uid as `peer_of` knows it; on the runtime socket as the kernel recorded it
-        at connect, which must be root's), or refuse at once ("busy", then close)."""
+        """Take a slot for the peer (its caller as `peer_of` knows it: its uid, or its pod; on the runtime socket its
+        uid as the kernel recorded it at connect, which must be root's), or refuse at once ("busy", then close)."""
         try:
             cred = kernel_cred(conn) if runtime else peer_of(conn)
         except OSError:
@@ -271,13 +289,13 @@ class SeccompAgentServer:
             return
         if runtime and cred.uid != 0:  # its modes keep everyone else out; should they ever not
             reason = "only root (a container runtime on the host) may hand over on the runtime agent socket"
-            self._warn("seccomp hand-over refused", cred.uid, peer_pid=cred.pid, reason=reason)
+            self._warn("seccomp hand-over refused", cred, reason=reason)
             ack_agent(conn, reason)
             self._close(conn, cred)
             return
-        refusal = self._slots.take(cred.uid)  # root outside the host's namespaces: CONTAINED_ROOT, one user
+        refusal = self._slots.take(cred.caller)  # root in a pod: its pod, as any uid there
         if refusal is not None:
-            self._warn("seccomp hand-over refused: too many in progress", cred.uid, peer_pid=cred.pid, reason=refusal)
+            self._warn("seccomp hand-over refused: too many in progress", cred, reason=refusal)
             ack_agent(conn, refusal, busy=True)
             self._close(conn, cred)
             return
@@ -296,39 +314,38 @@ class SeccompAgentServer:
         """However the handler ended (even cancelled before it ran): the connection closes, the slot returns."""
         self._pending.discard(task)
         self._close(conn, cred)
-        self._slots.give_back(cred.uid)
-        if cred.uid == 0:
+        self._slots.give_back(cred.caller)
+        if cred.caller == 0:
             self._root_given_back.set()
 
     async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float, runtime: bool) -> None:
-        pid, uid = cred.pid, cred.uid
+        uid = cred.uid
         fd = -1
         try:
             try:
                 async with asyncio.timeout_at(deadline):
                     fd, hello = await _receive(conn)
             except TimeoutError:
-                self._warn("seccomp hand-over incomplete at its deadline", uid, peer_pid=pid,
-                           deadline_s=self.limits.deadline_s)
+                self._warn("seccomp hand-over incomplete at its deadline", cred, deadline_s=self.limits.deadline_s)
                 # "busy": `hand_over` tries again. An honest peer sends all right after connecting, but its tenant
                 # can be frozen by the time slicing (or preempted) in between for longer than this; a slow peer
                 # still loses its slot at the deadline and only its own retries pay for it
                 ack_agent(conn, f"the hand-over was not complete within {self.limits.deadline_s:g} s", busy=True)
                 return
             except (SeccompError, OSError) as e:
-                self._warn("seccomp hand-over failed", uid, peer_pid=pid, error=str(e))
+                self._warn("seccomp hand-over failed", cred, error=str(e))
                 ack_agent(conn, str(e))
                 return
             tenant, reason = self._tenant_for(cred, runtime, hello)
             if reason is not None or tenant is None:
-                self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=reason)
+                self._warn("seccomp hand-over refused", cred, pid=hello.pid, reason=reason)
                 ack_agent(conn, reason)
                 return
             fd, listener = -1, fd  # the hooks own it now
             try:
                 self.hooks.attach(listener, tenant, uid)
             except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT, MAX_LISTENERS_PER_USER)
-                self._warn("seccomp hand-over refused", uid, peer_pid=pid, pid=hello.pid, reason=str(e))
+                self._warn("seccomp hand-over refused", cred, pid=hello.pid, reason=str(e))
                 ack_agent(conn, str(e))
                 return
             self.engine.note_session_hooks(tenant)
@@ -340,12 +357,16 @@ class SeccompAgentServer:
             if fd >= 0:
                 os.close(fd)
 
-    def _warn(self, event: str, uid: int, **fields: object) -> None:
+    def _warn(self, event: str, cred: PeerCred | None, **fields: object) -> None:
         """The runtime's (uid 0's) refusals always; another peer's at most once per REFUSAL_LOG_INTERVAL_S per
-        event."""
-        held_back = 0 if uid == 0 else self._throttle.allow((event, uid))
+        event and caller (its uid, or its pod: root in a pod taking uid after uid gets no more lines)."""
+        caller = None if cred is None else cred.caller
+        held_back = 0 if caller == 0 else self._throttle.allow((event, caller))
         if held_back is not None:
-            log.warning(event, peer_uid=uid, **fields, **({"held_back": held_back} if held_back else {}))
+            peer: dict[str, int] = {} if cred is None else {"peer_uid": cred.uid, "peer_pid": cred.pid}
+            if isinstance(caller, Pod):
+                peer["pod"] = caller.pidns
+            log.warning(event, **peer, **fields, **({"held_back": held_back} if held_back else {}))
 
     def _tenant_for(self, cred: PeerCred, on_runtime_socket: bool, hello: AgentHello) -> tuple[str | None, str | None]:
         """Which tenant a hand-over governs (tenant, None), or why none (None, reason): `tenant=NAME` in the
