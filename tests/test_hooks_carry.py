@@ -27,6 +27,7 @@ from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.nvclasses import SessionKind
 from unisched.enforce.seccomp.hooks import FakeSessionHooks, KeptListener
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
+from unisched.policy.callers import Pod
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig, DeclaredTenant
 from unisched.scheduler.core import Scheduler
@@ -34,7 +35,8 @@ from unisched.scheduler.state import StateStore
 from unisched.sdnotify import Notifier, passed_fds
 from unisched.telemetry import NoGpuTelemetry
 from unisched.transport.agent import SeccompAgentServer
-from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, Carried, ListenerCarry, is_seccomp_listener
+from unisched.transport.carry import CARRIED_FILE, FD_NAME_PREFIX, Carried, ListenerCarry, _parse, is_seccomp_listener
+from unisched.transport.identity import CONTAINED_ROOT
 
 
 class FdStore:
@@ -229,7 +231,7 @@ def test_keep_lists_then_stores_each_listener_and_take_serves_only_the_listed(st
         store.wait(lambda st: pipe_name in st.fds, "the pipe in the store")
         passed.append((os.dup(store.fds[pipe_name]), pipe_name))
         taken = _carry(store, tmp_path, passed).take()
-        assert sorted((c.tenant, c.uid, c.cgroup) for _, c in taken) == [
+        assert sorted((c.tenant, c.user, c.cgroup) for _, c in taken) == [
             ("alpha", 1000, CGROUPS["alpha"]), ("beta", 0, CGROUPS["beta"])]
         assert all(is_seccomp_listener(fd) for fd, _ in taken)
         assert not (tmp_path / CARRIED_FILE).exists()  # read once: a later start never serves these again
@@ -276,7 +278,7 @@ def test_a_carried_listener_is_served_only_for_its_tenant_over_the_same_cgroup(t
     cgroup = {t.name: t.cgroup for t in engine.snapshots()}
     hooks = FakeSessionHooks()
     pipes = [os.pipe() for _ in range(3)]  # read ends stand in for the listeners
-    carried = [(pipes[0][0], Carried(FD_NAME_PREFIX + "0a-0", "render", 0, cgroup["render"])),
+    carried = [(pipes[0][0], Carried(FD_NAME_PREFIX + "0a-0", "render", Pod(7), cgroup["render"])),
                (pipes[1][0], Carried(FD_NAME_PREFIX + "0a-1", "other", 0, cgroup["render"])),
                (pipes[2][0], Carried(FD_NAME_PREFIX + "0a-2", "nobody", 0, cgroup["render"]))]
     server = SeccompAgentServer(str(tmp_path / "agent.sock"), engine, hooks=hooks, carried=carried)
@@ -287,10 +289,26 @@ def test_a_carried_listener_is_served_only_for_its_tenant_over_the_same_cgroup(t
 
     asyncio.run(start_and_close())
     assert hooks.attached == ["render"]
+    assert hooks.users == [Pod(7)], "served again as the pod that handed it over, within that pod's bounds"
     for _, w in pipes:  # the served one is the hooks' (the fake closes it), the others closed
         with pytest.raises(BrokenPipeError):
             os.write(w, b"x")
         os.close(w)
+
+
+def test_the_list_says_who_handed_each_listener_over_a_uid_or_a_pod() -> None:
+    """A pod's listener is listed as its pod's (the pid namespace outlives the restart), so after the restart it
+    still counts against that pod's per-user bounds, not against the uid its process ran as; an entry that names
+    both, neither or no real namespace is not believed."""
+    cgroup = CGROUPS["alpha"]
+    entries = [Carried(FD_NAME_PREFIX + f"0a-{i}", "alpha", user, cgroup)
+               for i, user in enumerate([0, 1000, CONTAINED_ROOT, Pod(4026532999)])]
+    listed = [e.listed() for e in entries]
+    assert listed[3] == {"name": FD_NAME_PREFIX + "0a-3", "tenant": "alpha", "pod": 4026532999, "cgroup": cgroup}
+    bad = [{**listed[3], "uid": 1000}, {**listed[3], "pod": 0}, {**listed[3], "pod": True}, {**listed[1], "uid": -5},
+           {k: v for k, v in listed[3].items() if k != "pod"}]
+    bad = [{**b, "name": FD_NAME_PREFIX + f"0b-{i}"} for i, b in enumerate(bad)]
+    assert list(_parse(json.dumps({"listeners": listed + bad}).encode()).values()) == entries
 
 
 @needs_notify

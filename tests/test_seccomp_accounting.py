@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import stat
 import struct
 import subprocess
@@ -25,6 +26,7 @@ from unisched.enforce.seccomp.accounting import EventAction, SessionBook, Sessio
 from unisched.enforce.seccomp.agent import AgentHello
 from unisched.enforce.seccomp.calls import ENGINE_INSTANCES, Call, decode_call, escape_of
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
+from unisched.policy.callers import Pod
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import ConfigError, DaemonConfig, DeclaredTenant
 from unisched.scheduler.core import Scheduler
@@ -611,3 +613,41 @@ def test_root_in_a_container_is_named_so_in_a_listener_refusal() -> None:
 
     why = listener_refusal("t", CONTAINED_ROOT, [("t", CONTAINED_ROOT), ("u", CONTAINED_ROOT)], 9, most_per_user=2)
     assert why is not None and why.startswith("root in a container already has 2 hooked process groups")
+    why = listener_refusal("t", Pod(7), [("t", Pod(7)), ("u", Pod(7)), ("v", 1000)], 9, most_per_user=2)
+    assert why is not None and why.startswith("pod (pid namespace 7) already has 2 hooked process groups")
+
+
+def test_a_pod_s_listeners_count_against_its_pod_s_bound_not_the_host_uid_it_runs_as(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """uid 61000 in a pod is not the host's uid 61000: the listeners a pod's process hands over fill its pod's
+    per-user bounds (listeners and books, hooks.USER_BOUNDS), and the host user's run is still served. The
+    hand-overs come as the agent reads them (its `_receive` stood in for), from credentials as peer_of gives them."""
+    from types import SimpleNamespace
+
+    from unisched.transport import agent
+
+    hooks = FakeSessionHooks(max_per_user=1)
+    engine = SimpleNamespace(tenant_of_pid=lambda pid: "render", note_session_hooks=lambda tenant: None)
+    server = SeccompAgentServer("/nonexistent/agent.sock", cast(Scheduler, engine), hooks=hooks)
+    in_pod, host = PeerCred(4242, 61000, 61000, pod=7), PeerCred(4243, 61000, 61000)
+
+    async def hand_over(cred: PeerCred) -> None:
+        async def received(conn: object) -> tuple[int, AgentHello]:
+            r, w = os.pipe()  # stands in for the listener
+            os.close(w)
+            return r, AgentHello(cred.pid, "", "", "running", {})
+
+        monkeypatch.setattr(agent, "_receive", received)
+        ours, theirs = socket.socketpair()
+        try:
+            await server._handle(ours, cred, asyncio.get_running_loop().time() + 60, runtime=False)
+        finally:
+            ours.close()
+            theirs.close()
+
+    async def main() -> None:
+        for cred in (in_pod, in_pod, host):
+            await hand_over(cred)
+
+    asyncio.run(main())
+    assert hooks.users == [Pod(7), 61000], "the pod's second refused at its own bound, the host user's served"

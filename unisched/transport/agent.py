@@ -211,7 +211,7 @@ class SeccompAgentServer:
                             "ENOSYS", tenant=entry.tenant, cgroup=entry.cgroup, now=now)
                 continue
             try:
-                self.hooks.attach(fd, entry.tenant, entry.uid, carried=True)
+                self.hooks.attach(fd, entry.tenant, entry.user, carried=True)
             except SeccompError as e:
                 log.warning("a carried session hook is not served; its calls fail with ENOSYS", tenant=entry.tenant,
                             reason=str(e))
@@ -319,7 +319,6 @@ class SeccompAgentServer:
             self._root_given_back.set()
 
     async def _handle(self, conn: socket.socket, cred: PeerCred, deadline: float, runtime: bool) -> None:
-        uid = cred.uid
         fd = -1
         try:
             try:
@@ -343,7 +342,7 @@ class SeccompAgentServer:
                 return
             fd, listener = -1, fd  # the hooks own it now
             try:
-                self.hooks.attach(listener, tenant, uid)
+                self.hooks.attach(listener, tenant, cred.caller)  # a pod's count as its pod's, whatever their uid
             except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT, MAX_LISTENERS_PER_USER)
                 self._warn("seccomp hand-over refused", cred, pid=hello.pid, reason=str(e))
                 ack_agent(conn, str(e))

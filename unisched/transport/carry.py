@@ -3,13 +3,13 @@
 A hooked process group's GPU session calls wait on its seccomp listener, which the daemon holds; once the last copy
 of the listener closes, every one of those calls fails with ENOSYS for good. So at a graceful stop under systemd the
 daemon answers every call it received, writes which tenant each listener serves (with that tenant's cgroup and the
-uid that handed it over) to the state directory under a name of this stop's own, and hands each listener to
-systemd's store under that name (FDSTORE=1; FileDescriptorStoreMax= in the unit). Calls made meanwhile wait in the
-kernel. The next start takes the list (removing it), serves again each stored listener the list names whose tenant
-still exists over the same cgroup (a tenant of that name over another cgroup, after a change of the configuration,
-is not the one whose processes hold the listener), and closes every other one; then it has systemd drop every
-stored copy (FDSTOREREMOVE=1), so that the daemon's copy is again the last: a later crash or stop fails its calls as
-before, and none ever waits for good.
+user that handed it over: a uid, or a pod by its pid namespace) to the state directory under a name of this stop's
+own, and hands each listener to systemd's store under that name (FDSTORE=1; FileDescriptorStoreMax= in the unit).
+Calls made meanwhile wait in the kernel. The next start takes the list (removing it), serves again each stored
+listener the list names whose tenant still exists over the same cgroup (a tenant of that name over another cgroup,
+after a change of the configuration, is not the one whose processes hold the listener), and closes every other one;
+then it has systemd drop every stored copy (FDSTOREREMOVE=1), so that the daemon's copy is again the last: a later
+crash or stop fails its calls as before, and none ever waits for good.
 
 After a crash no list is written: a listener stored by no graceful stop cannot be known to have every received call
 answered (a caller would wait for an answer nobody can give), so it is closed. The stored listeners are taken first
@@ -31,7 +31,7 @@ import secrets
 import stat
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -39,6 +39,7 @@ import structlog
 
 from unisched.enforce.seccomp.hooks import KeptListener
 from unisched.policy import PolicyError, validate_tenant_name
+from unisched.policy.callers import Caller, Pod
 from unisched.scheduler.durable import replace_durably
 from unisched.sdnotify import Notifier, passed_fds
 from unisched.transport.identity import CONTAINED_ROOT
@@ -60,17 +61,23 @@ REMOVE_DEADLINE_S: Final = 2.0
 """How long a start may spend asking systemd to drop its stored copies, all together (the same queue); a copy not
 dropped is closed when the unit stops, and lists nothing the next start would serve."""
 MAX_UID: Final = (1 << 32) - 2
+MAX_INODE: Final = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class Carried:
     """One listener the last graceful stop stored: its name in the store, its tenant and that tenant's cgroup then,
-    and who handed it over."""
+    and who handed it over (its per-user bounds hold again after the restart: a pod's pid namespace outlives it)."""
 
     name: str
     tenant: str
-    uid: int
+    user: Caller
     cgroup: str
+
+    def listed(self) -> dict[str, object]:
+        """Its entry in the list: the user as "uid" (a number) or "pod" (its pid namespace's inode)."""
+        who = {"pod": self.user.pidns} if isinstance(self.user, Pod) else {"uid": self.user}
+        return {"name": self.name, "tenant": self.tenant, **who, "cgroup": self.cgroup}
 
 
 def is_seccomp_listener(fd: int) -> bool:
@@ -89,17 +96,27 @@ def _parse(body: bytes) -> dict[str, Carried]:
     for e in entries if isinstance(entries, list) else []:
         if not isinstance(e, dict):
             continue
-        name, tenant, uid, cgroup = e.get("name"), e.get("tenant"), e.get("uid"), e.get("cgroup")
+        name, tenant, cgroup = e.get("name"), e.get("tenant"), e.get("cgroup")
+        user = _user(e.get("uid"), e.get("pod"))
         if not (isinstance(name, str) and name.startswith(FD_NAME_PREFIX) and isinstance(tenant, str)
-                and isinstance(cgroup, str) and cgroup
-                and isinstance(uid, int) and not isinstance(uid, bool) and (0 <= uid <= MAX_UID or uid == CONTAINED_ROOT)):
+                and isinstance(cgroup, str) and cgroup and user is not None):
             continue
         try:
             validate_tenant_name(tenant)
         except PolicyError:
             continue
-        found[name] = Carried(name, tenant, uid, cgroup)
+        found[name] = Carried(name, tenant, user, cgroup)
     return found
+
+
+def _user(uid: object, pod: object) -> Caller | None:
+    """Who an entry says handed its listener over: a uid, or a pod (one of the two); None when it says neither
+    well."""
+    if pod is None and isinstance(uid, int) and not isinstance(uid, bool) and (0 <= uid <= MAX_UID or uid == CONTAINED_ROOT):
+        return uid
+    if uid is None and isinstance(pod, int) and not isinstance(pod, bool) and 0 < pod <= MAX_INODE:
+        return Pod(pod)
+    return None
 
 
 class ListenerCarry:
@@ -132,14 +149,14 @@ class ListenerCarry:
         listeners are not kept). The number sent to the store."""
         room = self._room()
         known = [(k, cgroup) for k in listeners if (cgroup := cgroup_of(k.tenant))]
-        ordered = sorted(known, key=lambda kc: kc[0].uid != 0)
+        ordered = sorted(known, key=lambda kc: kc[0].user != 0)
         offered = ordered if room is None else ordered[:room]
         token = secrets.token_hex(6)
-        entries = [Carried(f"{FD_NAME_PREFIX}{token}-{i}", k.tenant, k.uid, cgroup) for i, (k, cgroup) in enumerate(offered)]
+        entries = [Carried(f"{FD_NAME_PREFIX}{token}-{i}", k.tenant, k.user, cgroup) for i, (k, cgroup) in enumerate(offered)]
         stored = 0
         try:
             if entries:
-                body = json.dumps({"listeners": [asdict(e) for e in entries]}, separators=(",", ":")).encode()
+                body = json.dumps({"listeners": [e.listed() for e in entries]}, separators=(",", ":")).encode()
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 replace_durably(self.path, body)  # before the fds: a stored listener the list does not name is closed
                 deadline = time.monotonic() + STORE_DEADLINE_S

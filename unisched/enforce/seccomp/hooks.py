@@ -23,6 +23,7 @@ from unisched.enforce.seccomp.allowance import Allowance, Entry
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats
 from unisched.enforce.seccomp.supervisor import JOIN_TIMEOUT_S, SessionSupervisor
+from unisched.policy.callers import Caller, named
 
 MAX_LISTENERS_PER_TENANT: Final = 256
 """Listeners (hooked process groups: a container, a `unisched run`) served at once per tenant. Each is a supervisor
@@ -50,10 +51,10 @@ GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocati
 
 
 MAX_LISTENERS_PER_USER: Final = 256
-"""Listeners one non-root user (the uid that hands them over: `unisched run`) has served at once, all its tenants
-together. Each listener is a supervisor thread: a user with MAX_USER_TENANTS tenants could otherwise start 8,192,
-past a systemd service's default task limit, and the daemon could then start no thread for anyone. Root's (the
-container runtime's) are bounded per tenant only."""
+"""Listeners one non-root user (the caller that hands them over: `unisched run`'s uid, or a pod whatever uids its
+processes take) has served at once, all its tenants together. Each listener is a supervisor thread: a user with
+MAX_USER_TENANTS tenants could otherwise start 8,192, past a systemd service's default task limit, and the daemon
+could then start no thread for anyone. Root's (the container runtime's) are bounded per tenant only."""
 
 USER_TENANT_BOOKS: Final = 4
 """How many tenants' worth of books (TENANT_BOUNDS) the listeners one non-root user handed over may hold together."""
@@ -65,24 +66,18 @@ times a tenant's ~155 MB at all seven, ~620 MB, where TENANT_BOUNDS alone let on
 refused or followed less closely exactly as past the tenant's."""
 
 
-def user_name(uid: int) -> str:
-    """How a user is named in refusals: its uid; a negative one stands for root outside the daemon's namespaces
-    (root in a container), bounded as one user."""
-    return f"uid {uid}" if uid >= 0 else "root in a container"
-
-
-def listener_refusal(tenant: str, uid: int, served: list[tuple[str, int]], most: int,
+def listener_refusal(tenant: str, user: Caller, served: list[tuple[str, Caller]], most: int,
                      most_per_user: int = MAX_LISTENERS_PER_USER) -> str | None:
-    """Why one more listener of `tenant`, handed over by `uid`, is not served (None: it is), `served` the tenants
-    and uids of those served now."""
+    """Why one more listener of `tenant`, handed over by `user`, is not served (None: it is), `served` the tenants
+    and users of those served now."""
     n = sum(1 for t, _ in served if t == tenant)
     if n >= most:
         return (f"tenant {tenant!r} already has {n} hooked process groups (containers or runs), the most served at "
                 "once; end some, or run this one as another tenant")
-    if uid != 0:
-        mine = sum(1 for _, u in served if u == uid)
+    if user != 0:
+        mine = sum(1 for _, u in served if u == user)
         if mine >= most_per_user:
-            return (f"{user_name(uid)} already has {mine} hooked process groups (runs), the most served at once for a "
+            return (f"{named(user)} already has {mine} hooked process groups (runs), the most served at once for a "
                     "non-root user; end some")
     return None
 
@@ -95,19 +90,20 @@ next listener, which Prometheus's rate() reads as a counter reset."""
 
 @dataclass(frozen=True)
 class KeptListener:
-    """A listener `hand_off` kept open for the next daemon: its fd (the caller's), the tenant it served and the uid
-    that handed it over (negative: root in a container)."""
+    """A listener `hand_off` kept open for the next daemon: its fd (the caller's), the tenant it served and the user
+    that handed it over (a uid, negative for root in a container, or a pod: policy.callers)."""
 
     fd: int
     tenant: str
-    uid: int
+    user: Caller
 
 
 class SessionHooks(Protocol):
-    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
-        """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `uid` (negative: root in a container,
-        bounded as one user; `user_name`), from now on; `carried`: kept over a restart (SessionSupervisor's). Called
-        on the daemon's event loop. The fd is the hooks' own from the call on, even when it raises (SeccompError)."""
+    def attach(self, listener_fd: int, tenant: str, user: Caller, carried: bool = False) -> None:
+        """Serve the seccomp listener `listener_fd` for `tenant`, handed over by `user` (a uid, 0 for root on the
+        host, or a pod whatever uids its processes take: policy.callers), from now on; `carried`: kept over a
+        restart (SessionSupervisor's). Called on the daemon's event loop. The fd is the hooks' own from the call on,
+        even when it raises (SeccompError)."""
 
     def close(self) -> None:
         """Stop serving every listener (their tenants' pending and later session calls fail with ENOSYS)."""
@@ -141,15 +137,15 @@ class SupervisedHooks:
         self._on_event = on_event
         self.memory = memory
         """Video memory held per tenant and GPU, and the caps and reserves decided on it (None: not followed)."""
-        self._supervisors: list[tuple[SessionSupervisor, int]] = []
-        """Each listener served, with the uid that handed it over."""
+        self._supervisors: list[tuple[SessionSupervisor, Caller]] = []
+        """Each listener served, with the user that handed it over."""
         self._lock = threading.Lock()
         """The one lock of every allowance below: a book draws on its tenant's and its user's at once."""
         self._allowances: dict[str, Allowance] = {}
         """Per tenant with a listener served: what all its books hold together (TENANT_BOUNDS)."""
-        self._users: dict[int, Allowance] = {}
-        """Per non-root uid with a listener served: what all the books of the listeners it handed over hold together
-        (USER_BOUNDS)."""
+        self._users: dict[Caller, Allowance] = {}
+        """Per non-root user (a uid, or a pod) with a listener served: what all the books of the listeners it handed
+        over hold together (USER_BOUNDS)."""
         self._ended: dict[str, HookCounts] = {}
         """Per tenant, the totals of its listeners that have ended (ENDED_TENANTS_KEPT, oldest first)."""
 
@@ -163,25 +159,25 @@ class SupervisedHooks:
                     del self._ended[next(iter(self._ended))]
         self._supervisors = [(s, u) for s, u in self._supervisors if not s.closed]
 
-    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
+    def attach(self, listener_fd: int, tenant: str, user: Caller, carried: bool = False) -> None:
         self._forget_ended()
         served = [(s.tenant, u) for s, u in self._supervisors]
-        tenants, uids = {t for t, _ in served}, {u for _, u in served}
+        tenants, users = {t for t, _ in served}, {u for _, u in served}
         self._allowances = {t: a for t, a in self._allowances.items() if t in tenants}  # the ended gave all back
-        self._users = {u: a for u, a in self._users.items() if u in uids}
-        why = listener_refusal(tenant, uid, served, self._max_per_tenant, self._max_per_user)
+        self._users = {u: a for u, a in self._users.items() if u in users}
+        why = listener_refusal(tenant, user, served, self._max_per_tenant, self._max_per_user)
         if why is not None:
             os.close(listener_fd)
             raise SeccompError(why)
         allowance = self._allowances.setdefault(tenant, Allowance(tenant, self._tenant_bounds, self._lock))
-        user = None if uid == 0 else self._users.setdefault(uid, Allowance(user_name(uid), self._user_bounds, self._lock))
+        mine = None if user == 0 else self._users.setdefault(user, Allowance(named(user), self._user_bounds, self._lock))
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
-                                    allowance=allowance, user_allowance=user, carried=carried)
+                                    allowance=allowance, user_allowance=mine, carried=carried)
         except BaseException:
             os.close(listener_fd)
             raise
-        self._supervisors.append((sup, uid))
+        self._supervisors.append((sup, user))
         sup.attach(asyncio.get_running_loop())
 
     def close(self) -> None:
@@ -190,13 +186,13 @@ class SupervisedHooks:
     def hand_off(self) -> list[KeptListener]:
         """A supervisor whose thread has not ended by the deadline keeps its listener, closed when the daemon exits."""
         kept = []
-        for sup, uid in self._stop_all(keep=True):
+        for sup, user in self._stop_all(keep=True):
             fd = sup.take_kept() if sup.closed else None
             if fd is not None:
-                kept.append(KeptListener(fd, sup.tenant, uid))
+                kept.append(KeptListener(fd, sup.tenant, user))
         return kept
 
-    def _stop_all(self, keep: bool) -> list[tuple[SessionSupervisor, int]]:
+    def _stop_all(self, keep: bool) -> list[tuple[SessionSupervisor, Caller]]:
         """Every supervisor told to stop at once, then joined against one deadline: a thread held by its tenant (a
         read of its memory that a FUSE mount never answers) costs the stop JOIN_TIMEOUT_S once, not once each.
         Returns them, no longer served."""
@@ -228,7 +224,7 @@ class FakeSessionHooks:
                  max_per_user: int = MAX_LISTENERS_PER_USER) -> None:
         self.attached: list[str] = []
         """The tenants given a listener, in order (all counted as still served)."""
-        self.uids: list[int] = []
+        self.users: list[Caller] = []
         """Who handed each of them over."""
         self.closed = False
         self.answered: dict[str, HookCounts] = {}
@@ -236,14 +232,14 @@ class FakeSessionHooks:
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
 
-    def attach(self, listener_fd: int, tenant: str, uid: int, carried: bool = False) -> None:
+    def attach(self, listener_fd: int, tenant: str, user: Caller, carried: bool = False) -> None:
         os.close(listener_fd)
-        why = listener_refusal(tenant, uid, list(zip(self.attached, self.uids, strict=True)), self._max_per_tenant,
+        why = listener_refusal(tenant, user, list(zip(self.attached, self.users, strict=True)), self._max_per_tenant,
                                self._max_per_user)
         if why is not None:
             raise SeccompError(why)
         self.attached.append(tenant)
-        self.uids.append(uid)
+        self.users.append(user)
 
     def close(self) -> None:
         self.closed = True
