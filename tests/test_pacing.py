@@ -14,6 +14,8 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from inproc import InProcessServer, in_process_server
@@ -21,6 +23,7 @@ from inproc import InProcessServer, in_process_server
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel
 from unisched.policy import Decision
+from unisched.policy.callers import Caller, Pod
 from unisched.scheduler.clock import SystemClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler
@@ -297,8 +300,12 @@ class Transport(asyncio.Transport):
             bytes(self.written))]
 
 
+Connect = Callable[..., tuple[LeaseConnection, Transport]]
+"""A lease connection (of root's in the host's namespaces, or of the PeerCred given)."""
+
+
 @contextlib.contextmanager
-def lease_connections(tmp_path: Path) -> Iterator[tuple[Loop, Callable[[], tuple[LeaseConnection, Transport]], list[int]]]:
+def lease_connections(tmp_path: Path) -> Iterator[tuple[Loop, Connect, list[int]]]:
     """Connections of one real engine (fake cgroups) whose pacer's turns the test drives; `held` is the uid's
     budget as the front door keeps it."""
     config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
@@ -311,9 +318,9 @@ def lease_connections(tmp_path: Path) -> Iterator[tuple[Loop, Callable[[], tuple
         held[0] += delta
         return held[0] <= 4096
 
-    def connect() -> tuple[LeaseConnection, Transport]:
+    def connect(cred: PeerCred | None = None) -> tuple[LeaseConnection, Transport]:
         aloop = asyncio.get_running_loop()
-        conn = LeaseConnection(service, PeerCred(os.getpid(), 0, 0), b"", aloop.create_future(),
+        conn = LeaseConnection(service, cred or PeerCred(os.getpid(), 0, 0), b"", aloop.create_future(),
                                StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=hold))
         t = Transport()
         conn.connection_made(t)
@@ -468,6 +475,59 @@ def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:
 
     listed_in = asyncio.run(main())
     assert len(listed_in) == 5 and len(set(listed_in)) == 5, f"turns of the listings: {listed_in}"
+
+
+def test_a_pod_s_hellos_wait_in_its_pod_s_place_not_in_that_of_the_host_uid_it_runs_as(tmp_path: Path) -> None:
+    """uid 61000 in a pod is not the host's uid 61000: a pod's burst of hellos delays that host user's hello by one
+    turn, not by the whole burst."""
+    async def main() -> None:
+        with lease_connections(tmp_path) as (loop, connect, _held):
+            first, _ = connect()
+            pod = [connect(PeerCred(os.getpid(), 61000, 61000, pod=7))[0] for _ in range(3)]
+            host, _ = connect(PeerCred(os.getpid(), 61000, 61000))
+            first.data_received(lease_hello("first"))  # this turn's
+            for i, conn in enumerate(pod):
+                conn.data_received(lease_hello(f"pod-{i}"))
+            host.data_received(lease_hello("host"))
+            opened = [first.opening]
+            loop.turn()
+            loop.turn()  # (nothing is awaited meanwhile: each opening stays set until its move is done)
+            assert [c.opening is not None for c in (*pod, host)] == [True, False, False, True]
+            loop.turn()
+            loop.turn()
+            opened += [c.opening for c in (*pod, host)]
+            assert all(o is not None for o in opened)
+            await asyncio.gather(*opened)
+
+    asyncio.run(main())
+
+
+def test_a_pod_s_registration_and_listing_take_its_pod_s_turn() -> None:
+    """The gRPC calls that take turns with the registrations ask for the turn of the caller as the books count it:
+    a pod's, for a pod's process whatever uid it runs as."""
+    class Turns(Pacer):
+        def __init__(self) -> None:
+            super().__init__(lambda cb: None)
+            self.asked: list[object] = []
+
+        async def turn(self, caller: Caller) -> None:
+            self.asked.append(caller)
+            raise RuntimeError("asked")  # (enough: the call goes no further)
+
+    pacer = Turns()
+    engine = SimpleNamespace(devices=None, mps_status=lambda: None)
+    servicer = UnischedServicer(cast(Scheduler, engine), None, 0.0, "fake", "/", False, pacer)
+    call = Call(PeerCred(os.getpid(), 61000, 61000, pod=7))
+
+    async def main() -> None:
+        for ask in (servicer.Register(pb.RegisterRequest(tenant="t"), call),
+                    servicer.RemoveTenant(pb.RemoveTenantRequest(tenant="t"), call),
+                    servicer.ListTenants(pb.ListTenantsRequest(), call)):
+            with pytest.raises(RuntimeError, match="asked"):
+                await ask
+
+    asyncio.run(main())
+    assert pacer.asked == [Pod(7)] * 3
 
 
 def test_a_connection_that_ends_while_its_hello_waits_leaves_the_queue(tmp_path: Path) -> None:

@@ -1,11 +1,13 @@
-"""Waiting work served by owner in rotation: each owner (a uid) that waits gets the next turn in order, its own
-items in the order they came. The rule that one user's pile of calls delays another user's call by one item, not
-by the whole pile (the daemon's registrations and cgroup moves are served so)."""
+"""Waiting work served by owner in rotation: each owner (a caller: a uid, or a pod, policy.callers) that waits gets
+the next turn in order, its own items in the order they came. The rule that one user's pile of calls delays another
+user's call by one item, not by the whole pile (the daemon's registrations and cgroup moves are served so)."""
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Generic, TypeVar
+
+from unisched.policy.callers import Caller
 
 __all__ = ["Rotation"]
 
@@ -16,8 +18,8 @@ class Rotation(Generic[T]):
     """Items waiting, per owner; `pop` takes the next owner's oldest item and sends that owner to the back."""
 
     def __init__(self) -> None:
-        self._waiting: dict[int, deque[T]] = {}
-        self._order: deque[int] = deque()
+        self._waiting: dict[Caller, deque[T]] = {}
+        self._order: deque[Caller] = deque()
         """The owners that wait, the next to have a turn first."""
 
     def __len__(self) -> int:
@@ -26,7 +28,7 @@ class Rotation(Generic[T]):
     def __bool__(self) -> bool:
         return bool(self._order)
 
-    def push(self, owner: int, item: T) -> None:
+    def push(self, owner: Caller, item: T) -> None:
         """`item` waits after `owner`'s earlier ones; an owner not waiting yet joins the back of the rotation."""
         mine = self._waiting.get(owner)
         if mine is None:
@@ -45,7 +47,7 @@ class Rotation(Generic[T]):
             del self._waiting[owner]
         return item
 
-    def discard(self, owner: int, item: T) -> bool:
+    def discard(self, owner: Caller, item: T) -> bool:
         """Take `item` out of `owner`'s waiting ones (its caller gave up): what nobody waits for must not stay queued
         until its turn, or a caller that asks and gives up in a loop grows the queue without bound. False when it
         does not wait (it had its turn)."""

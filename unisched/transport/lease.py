@@ -169,7 +169,7 @@ class LeaseConnection(asyncio.Protocol):
         elif payloads and self._sid is None and not self.service.pacer.take():
             self._hold(payloads)  # the hello registers: in a later loop turn, not in this one
             self._queued = self._take_turn
-            self.service.pacer.queue(self._queued, self.cred.uid)
+            self.service.pacer.queue(self._queued, self.cred.caller)
         else:
             self._answer_some(payloads)
 
@@ -293,7 +293,7 @@ class LeaseConnection(asyncio.Protocol):
         self._stash = None
         queued, self._queued = self._queued, None
         if queued is not None:
-            self.service.pacer.withdraw(queued, self.cred.uid)
+            self.service.pacer.withdraw(queued, self.cred.caller)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

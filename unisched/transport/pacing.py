@@ -6,9 +6,10 @@ thousand sessions opened at once would run a thousand registrations in one turn,
 socket, and every other tenant's leases would expire unrenewed. Paced, a renewal waits for one registration at
 most: the loop reads its sockets between each.
 
-Those waiting take turns by user (uid): each uid that waits gets the next turn in rotation, its own callers in
-the order they came. A user who keeps thousands of registrations waiting (128 connections of 100 calls each)
-delays another user's registration by one turn, not by all of theirs.
+Those waiting take turns by caller (PeerCred.caller: a uid, or a pod whatever uids its processes take): each
+caller that waits gets the next turn in rotation, its own calls in the order they came. A user who keeps thousands
+of registrations waiting (128 connections of 100 calls each) delays another user's registration by one turn, not by
+all of theirs; a pod's process running as a host user's uid waits in its pod's place, not in that user's.
 
 One `Pacer` per daemon, shared by the lease stream's hellos (`take`, else `queue`) and the gRPC calls that
 register or list every tenant (`turn`), which cost as much. The loop's `call_soon` is passed in, so tests drive
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from unisched.policy.callers import Caller
 from unisched.policy.rotation import Rotation
 
 __all__ = ["NO_UID", "Pacer"]
@@ -30,7 +32,7 @@ NO_UID = -1
 
 class Pacer:
     """At most one registration per turn of the loop (two where an awaiting call's turn meets the next one):
-    the first of a turn runs at once, later ones wait for later turns, a uid at a time in rotation."""
+    the first of a turn runs at once, later ones wait for later turns, a caller at a time in rotation."""
 
     def __init__(self, call_soon: Callable[[Callable[[], None]], object]) -> None:
         self._call_soon = call_soon
@@ -39,7 +41,7 @@ class Pacer:
         self._scheduled = False
         """`_next` is due at the next turn."""
         self._waiting: Rotation[Callable[[], bool]] = Rotation()
-        """The callers waiting, by uid in rotation (policy.rotation)."""
+        """The calls waiting, by caller in rotation (policy.rotation)."""
 
     @property
     def waiting(self) -> int:
@@ -53,20 +55,20 @@ class Pacer:
         self._claim()
         return True
 
-    def queue(self, run: Callable[[], bool], uid: int) -> None:
-        """Call `run` in a later turn: after those `uid` queued before it, and after one of each other uid that
-        waits ahead of it in the rotation. It returns whether it registered: one whose caller has gone (False)
+    def queue(self, run: Callable[[], bool], caller: Caller) -> None:
+        """Call `run` in a later turn: after those `caller` queued before it, and after one of each other caller
+        that waits ahead of it in the rotation. It returns whether it registered: one whose caller has gone (False)
         leaves the turn to the next in line."""
-        self._waiting.push(uid, run)
+        self._waiting.push(caller, run)
         self._schedule()
 
-    def withdraw(self, run: Callable[[], bool], uid: int) -> None:
-        """`run`, queued for `uid`, is not wanted any more (its caller went away): out of the queue now, so that
+    def withdraw(self, run: Callable[[], bool], caller: Caller) -> None:
+        """`run`, queued for `caller`, is not wanted any more (its caller went away): out of the queue now, so that
         callers who queue and go away in a loop leave nothing behind."""
-        self._waiting.discard(uid, run)
+        self._waiting.discard(caller, run)
 
-    async def turn(self, uid: int) -> None:
-        """Return when it is the caller's (of `uid`) turn to register (at once when the turn is free)."""
+    async def turn(self, caller: Caller) -> None:
+        """Return when it is `caller`'s turn to register (at once when the turn is free)."""
         if self.take():
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -77,11 +79,11 @@ class Pacer:
             fut.set_result(None)
             return True
 
-        self.queue(run, uid)
+        self.queue(run, caller)
         try:
             await fut
         except asyncio.CancelledError:
-            self.withdraw(run, uid)
+            self.withdraw(run, caller)
             raise
 
     def _claim(self) -> None:

@@ -110,7 +110,7 @@ class UnischedServicer:
     # calls ---------------------------------------------------------------------------------------
     async def Register(self, request: pb.RegisterRequest, call: Call) -> pb.Tenant:
         cred = self._need_caller(call)
-        await self.pacer.turn(cred.uid)
+        await self.pacer.turn(cred.caller)
         ask = RegisterAsk(
             request.tenant,
             request.weight or None,
@@ -137,7 +137,7 @@ class UnischedServicer:
 
     async def Adopt(self, request: pb.AdoptRequest, call: Call) -> pb.Tenant:
         cred = self._need_admin(call)
-        await self.pacer.turn(cred.uid)
+        await self.pacer.turn(cred.caller)
         try:
             snap = self.engine.adopt(
                 request.tenant,
@@ -177,7 +177,7 @@ class UnischedServicer:
     async def RemoveTenant(self, request: pb.RemoveTenantRequest, call: Call) -> pb.Empty:
         """An admin removes any tenant; anyone else only tenants they own (run --keep ones, or those not yet gone)."""
         cred = self._need_caller(call)
-        await self.pacer.turn(cred.uid)
+        await self.pacer.turn(cred.caller)
         try:
             # a caller in a container owns nothing: its uid is one root there can take (RegisterAsk.contained)
             uid = cred.uid if in_host_namespaces(cred) else CONTAINED_ROOT
@@ -191,7 +191,7 @@ class UnischedServicer:
         every tenant (tens of milliseconds at a thousand), so it takes its turn with the registrations."""
         cred = call.caller
         admin = cred is not None and self.is_admin(cred)
-        await self.pacer.turn(cred.uid if cred is not None else NO_UID)
+        await self.pacer.turn(cred.caller if cred is not None else NO_UID)
         out = []
         for snap in self.engine.snapshots():
             t = snapshot_to_pb(snap)
