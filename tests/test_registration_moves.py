@@ -308,6 +308,52 @@ def test_moves_waiting_take_turns_by_uid_and_a_failed_one_raises_on_the_loop() -
     assert isinstance(error, CgroupError)
 
 
+@pytest.mark.parametrize("door", ["register", "lease"])
+def test_a_pod_s_cgroup_reads_and_moves_take_its_pod_s_turns(tmp_path: Path, door: str) -> None:
+    """uid 61000 in a pod is not the host's uid 61000: the reads and moves its registrations make on the move thread
+    wait in its pod's place in the rotation, not in that host user's. Asked through the transport, with credentials
+    as peer_of gives a pod's process."""
+    from test_pacing import Transport, lease_hello
+
+    from unisched.policy.callers import Pod
+    from unisched.transport.frontdoor import StreamLimits
+    from unisched.transport.grpcdoor import Call
+    from unisched.transport.identity import PeerCred
+    from unisched.transport.lease import LeaseConnection, LeaseService
+    from unisched.transport.pacing import Pacer
+    from unisched.transport.server import UnischedServicer
+
+    engine, driver, _, _ = fake_engine(tmp_path)
+    driver.release.set()  # no move is held here
+    mover, turns = engine._c.mover, list[object]()
+    submit = mover.submit
+
+    def counted(work: Callable[[], T], turn: object = 0) -> asyncio.Future[T]:
+        turns.append(turn)
+        return submit(work, turn)  # type: ignore[arg-type]
+
+    mover.submit = counted  # type: ignore[method-assign]
+    cred = PeerCred(os.getpid(), 61000, 61000, pod=7)
+
+    async def main() -> None:
+        pacer = Pacer(asyncio.get_running_loop().call_soon)
+        for _ in range(2):  # a new tenant (its caller moved in), then a known one (the caller located first)
+            if door == "register":
+                servicer = UnischedServicer(engine, None, 0.0, "fake", "/", False, pacer)
+                await servicer.Register(pb.RegisterRequest(tenant="pod"), Call(cred))
+                continue
+            service = LeaseService(engine, lambda cred: False, pacer)
+            conn = LeaseConnection(service, cred, b"", asyncio.get_running_loop().create_future(),
+                                   StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=lambda delta: True))
+            conn.connection_made(Transport())
+            conn.data_received(lease_hello("pod"))
+            assert conn.opening is not None
+            await conn.opening  # (the loop has turned meanwhile: the next hello takes a turn at once)
+
+    run(main)
+    assert turns == [Pod(7), Pod(7)]
+
+
 # --- a real daemon's loop --------------------------------------------------------------------------------------
 
 

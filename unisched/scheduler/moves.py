@@ -5,8 +5,9 @@ grace period: milliseconds per move. Made on the event loop, each registration w
 every seccomp decision and the slice that long, and any local user may register. So the daemon makes the move on
 `MoveThread`'s single worker (one move at a time: the kernel makes them one at a time anyway), and the loop goes
 on serving; without a loop (tests, `Scheduler.register`) the same `move_caller` runs inline. The moves waiting
-take turns by the caller's uid, as the registrations before them do (transport.pacing): one user's burst of
-registrations delays another user's move by one move, not by all of theirs."""
+take turns by caller (a uid, or a pod whatever uids its processes take: policy.callers), as the registrations
+before them do (transport.pacing): one user's burst of registrations delays another user's move by one move, not
+by all of theirs."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupDriver, CgroupError
 from unisched.enforce.seccomp.proc import parent
+from unisched.policy.callers import Caller
 from unisched.policy.rotation import Rotation
 from unisched.scheduler.tenant import CALLER_GONE, SchedulerError, need_alive
 
@@ -43,8 +45,8 @@ class Move:
     pid: int
     alive: Callable[[], bool] | None
     """Whether the process that connected still runs (None: not checked)."""
-    uid: int = 0
-    """The caller's: whose turn the move waits for (MoveThread)."""
+    turn: Caller = 0
+    """Whose turn the move waits for (MoveThread): the caller's (RegisterAsk.counted_as)."""
 
 
 def move_caller(m: Move) -> str | None:
@@ -104,7 +106,7 @@ class _Job:
 class MoveThread:
     """The moves' worker: one thread, started at the first move, whose results come back on the loop that asked.
 
-    One at a time bounds the threads a burst of registrations can make. The moves waiting take turns by uid
+    One at a time bounds the threads a burst of registrations can make. The moves waiting take turns by caller
     (policy.rotation). How many wait is bounded by the registrations the transport lets in (its pacer starts at
     most about one a loop turn, and the front door bounds each uid's connections and their calls). `close` (at
     shutdown) does not wait: the thread finishes the moves asked for, each within milliseconds, and the loop need
@@ -116,14 +118,14 @@ class MoveThread:
         self._thread: threading.Thread | None = None
         self.closed = False
 
-    def submit(self, work: Callable[[], T], uid: int = 0) -> asyncio.Future[T]:
-        """Run `work` on the move thread in `uid`'s turn; the future is done on the running loop. Raises
-        SchedulerError once closed."""
+    def submit(self, work: Callable[[], T], turn: Caller = 0) -> asyncio.Future[T]:
+        """Run `work` on the move thread in `turn`'s turn (a caller's); the future is done on the running loop.
+        Raises SchedulerError once closed."""
         if self.closed:
             raise SchedulerError("failed", STOPPING)
         job = _Job(work, asyncio.get_running_loop().create_future())
         with self._cond:
-            self._waiting.push(uid, job)
+            self._waiting.push(turn, job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="unisched-move", daemon=True)
                 self._thread.start()

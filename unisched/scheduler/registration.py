@@ -25,6 +25,7 @@ from unisched.policy import (
     validate_tenant_name,
     validate_weight,
 )
+from unisched.policy.callers import Caller
 from unisched.policy.caps import SessionLimits
 from unisched.scheduler.admission import apply_devices, update_memory_terms
 from unisched.scheduler.context import Context, check_gpus, save, save_soon
@@ -86,6 +87,14 @@ class RegisterAsk:
     """The caller is outside the daemon's user or pid namespace (a container's process): it may only join the tenant
     whose cgroup it is in, as it is. Moved into a tenant, it would leave its container's cgroup (its device rules
     and limits) through the daemon; and a uid inside a container, which root there can take, owns nothing."""
+    caller: Caller | None = None
+    """Whom the books kept per caller count it as (the transport's PeerCred.caller: a pod for a pod's process,
+    whatever uid it runs as); None: its uid."""
+
+    @property
+    def counted_as(self) -> Caller:
+        """Whose turn its cgroup move waits for (moves.MoveThread), and whose record its lease overruns go to."""
+        return self.uid if self.caller is None else self.caller
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ def start_enroll(c: Context, ask: RegisterAsk, then: Callable[[Tenant], T]) -> a
     if ask.name not in c.tenants:
         _go_on(c, _begin(c, ask, None), then, result)
         return result
-    located = c.mover.submit(functools.partial(_where, c.driver, ask.pid), ask.uid)
+    located = c.mover.submit(functools.partial(_where, c.driver, ask.pid), ask.counted_as)
 
     def decide(done: asyncio.Future[str | None]) -> None:
         try:
@@ -141,7 +150,7 @@ def _go_on(c: Context, e: _Enrolment, then: Callable[[Tenant], T], result: async
         _settle(c, e, None, then, result)
         return
     try:
-        moved = c.mover.submit(functools.partial(move_caller, e.move), e.move.uid)
+        moved = c.mover.submit(functools.partial(move_caller, e.move), e.move.turn)
     except BaseException:
         e.tenant.moving -= 1
         raise
@@ -185,7 +194,7 @@ def _begin(c: Context, ask: RegisterAsk, where: str | None) -> _Enrolment:
     if member:
         return _Enrolment(t, None)
     t.moving += 1
-    return _Enrolment(t, Move(c.driver, t.cgroup, ask.pid, alive, ask.uid))
+    return _Enrolment(t, Move(c.driver, t.cgroup, ask.pid, alive, ask.counted_as))
 
 
 def _settle(c: Context, e: _Enrolment, moved: asyncio.Future[str | None] | None, then: Callable[[Tenant], T],
@@ -231,7 +240,7 @@ def _undo(c: Context, m: Move, origin: str | None, then: Callable[[], None]) -> 
         then()
 
     try:
-        back = c.mover.submit(functools.partial(move_back, m, origin), m.uid)
+        back = c.mover.submit(functools.partial(move_back, m, origin), m.turn)
     except SchedulerError:  # stopping: it stays where it is
         then()
         return

@@ -248,7 +248,8 @@ class LeaseConnection(asyncio.Protocol):
         the tenant's cgroup (_opened), the move being made off the loop."""
         h, cred = req.hello, self.cred
         ask = RegisterAsk(h.tenant, h.weight or None, PRIORITY.get(h.priority), tuple(h.engines), (), cred.pid,
-                          cred.uid, self.service.is_admin(cred), alive=cred.alive, contained=not in_host_namespaces(cred))
+                          cred.uid, self.service.is_admin(cred), alive=cred.alive, contained=not in_host_namespaces(cred),
+                          caller=cred.caller)
         self.opening = self.service.engine.start_lease_open(ask, h.gpu, self)
         self.opening.add_done_callback(lambda done: self._opened(done, req.seq))
 

@@ -125,6 +125,7 @@ class UnischedServicer:
             session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             memory=memory_ask(request),
             contained=not in_host_namespaces(cred),
+            caller=cred.caller,
         )
         try:  # the caller's cgroup move runs off the loop: others are served meanwhile
             snap = await self.engine.start_register(ask)
