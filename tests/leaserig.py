@@ -9,6 +9,7 @@ from pathlib import Path
 from unisched.enforce.cgroups import FakeCgroupDriver
 from unisched.enforce.leases import FakeLeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import Decision, Priority
+from unisched.policy.callers import Caller
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler
@@ -22,14 +23,14 @@ class Coop:
     """One cooperative client: its session, its channel, and the lease it believes it holds."""
 
     def __init__(self, rig: LeaseRig, name: str, weight: int, engine: str = "compute",
-                 priority: Priority | None = None, uid: int = 0) -> None:
+                 priority: Priority | None = None, uid: int = 0, caller: Caller | None = None) -> None:
         self.rig = rig
         self.name = name
         self.engine = engine
         self.channel = FakeLeaseChannel()
         rig.pid += 1
         self.sid, _ = rig.engine.lease_open(name, weight, priority, [engine], 0, rig.pid, uid, uid == 0,
-                                            self.channel)
+                                            self.channel, caller=caller)
         self.held = False
         self.revokes: list[LeaseRevoke] = []
         self.grants: list[LeaseGrant] = []
@@ -68,9 +69,10 @@ class LeaseRig:
         self.clients: list[Coop] = []
 
     def coop(self, name: str, weight: int, engine: str = "compute", priority: Priority | None = None,
-             uid: int = 0) -> Coop:
-        """A client of `uid` (0: an admin) opening a lease session in tenant `name`."""
-        c = Coop(self, name, weight, engine, priority, uid)
+             uid: int = 0, caller: Caller | None = None) -> Coop:
+        """A client of `uid` (0: an admin) opening a lease session in tenant `name`; `caller`: whom the books count
+        it as (a pod's process: its pod; None: its uid)."""
+        c = Coop(self, name, weight, engine, priority, uid, caller)
         self.clients.append(c)
         return c
 

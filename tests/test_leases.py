@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from unisched.enforce.leases import LeaseGrant, LeaseRevoke
 from unisched.policy import Engine
+from unisched.policy.callers import Pod
 from unisched.policy.leases import OverrunMeter
 from unisched.scheduler.core import SchedulerError
 from unisched.telemetry import FakeTelemetry, GpuInfo
@@ -267,6 +268,21 @@ def test_a_user_whose_leases_overran_stays_enforced_in_a_tenant_made_again(tmp_p
     assert rig.engine.snapshot("bad").enforced and rig.engine.snapshot("bad-2").enforced
     assert not rig.engine.snapshot("other").enforced and not rig.engine.snapshot("good").enforced
     assert again.sid and renamed.sid and other.sid
+
+
+def test_a_pod_s_overrun_record_is_its_pod_s_not_that_of_the_host_uid_it_runs_as(tmp_path: Path) -> None:
+    """uid 1000 in a pod is not the host's uid 1000: a pod whose sessions overran has the freezer back the leases of
+    the tenants it opens sessions in later, and the host user of that uid keeps a clean record (and the other way
+    round)."""
+    rig = LeaseRig(tmp_path)
+    good, bad = rig.coop("good", 100, uid=1001), rig.coop("pod", 100, uid=1000, caller=Pod(7))
+    host = rig.coop("host", 100, uid=1000)  # the host user of the same uid, its session open meanwhile
+    overrun(rig, good, bad)
+    assert rig.engine.snapshot("pod").enforced
+    assert not rig.engine.snapshot("host").enforced and host.sid
+    again, later = rig.coop("pod-2", 100, uid=1000, caller=Pod(7)), rig.coop("host-2", 100, uid=1000)
+    assert rig.engine.snapshot("pod-2").enforced and again.sid
+    assert not rig.engine.snapshot("host-2").enforced and later.sid
 
 
 @pytest.mark.parametrize(("share", "gap_s", "turn_s"), [(0.01, 0.0, 0.0), (0.01, 0.0015, 0.15), (0.01, 0.02, 0.5),

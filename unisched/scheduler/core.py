@@ -25,6 +25,7 @@ from unisched.enforce.mps import MpsControl, MpsStatus
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.timerslack import ThreadSlack
 from unisched.policy import ContentionMap, Priority, Resource, WeightedFairShare
+from unisched.policy.callers import Caller
 from unisched.policy.caps import VideoEngines
 from unisched.policy.memory import MemoryTerms
 from unisched.policy.overlap import OverlapMix, SliceKind
@@ -222,9 +223,11 @@ class Scheduler:
     def lease_open(
         self, name: str, weight: int | None, priority: Priority | None, engines: Iterable[str], gpu: int,
         pid: int, uid: int, is_admin: bool, channel: LeaseChannel, alive: Callable[[], bool] | None = None,
+        caller: Caller | None = None,
     ) -> tuple[int, TenantSnapshot]:
-        """A lease session opened at once (where no event loop runs); the daemon's loop calls `start_lease_open`."""
-        ask = RegisterAsk(name, weight, priority, tuple(engines), (), pid, uid, is_admin, alive=alive)
+        """A lease session opened at once (where no event loop runs); the daemon's loop calls `start_lease_open`.
+        `caller`: whom the books kept per caller count it as (RegisterAsk.caller)."""
+        ask = RegisterAsk(name, weight, priority, tuple(engines), (), pid, uid, is_admin, alive=alive, caller=caller)
         return lease_calls.lease_open(self._c, ask, gpu, channel)
 
     def start_lease_open(self, ask: RegisterAsk, gpu: int,

@@ -68,7 +68,7 @@ def _session(c: Context, t: Tenant, gpu: int, channel: LeaseChannel, ask: Regist
     if t.frozen:  # was a freezer-governed tenant: leases gate it from now on
         _thaw(c, t)
     name = t.name
-    sid = c.leases.open(name, gpu, channel, user=None if ask.is_admin else ask.uid)
+    sid = c.leases.open(name, gpu, channel, user=None if ask.is_admin else ask.counted_as)
     t.active = bool(c.leases.demand(name))
     c.policy.set_demand(name, c.leases.demand(name))
     return sid, snapshot(c, name)

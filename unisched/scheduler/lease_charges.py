@@ -13,6 +13,7 @@ from collections.abc import Collection
 import structlog
 
 from unisched.policy import Engine, Resource, WeightedFairShare
+from unisched.policy.callers import Caller, named
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
 from unisched.policy.reports import EVEN_SLICING, beside_excess, learnable_tail, report_pieces
 from unisched.policy.tuning import TUNING
@@ -34,9 +35,11 @@ class LeaseCharges:
         self._handovers = handovers
         self._enforced: set[str] = set()
         """Tenants that kept overrunning: the freezer backs their leases from then on (kept across sessions)."""
-        self._enforced_users: set[int] = set()
-        """Users (uids, not admins) whose sessions kept overrunning: every tenant they open a session in is enforced,
-        so removing a tenant and making it again, under any name, does not wipe the record (kept until restart)."""
+        self._enforced_users: set[Caller] = set()
+        """Users (uids, not admins, or pods whatever uids their processes take) whose sessions kept overrunning: every
+        tenant they open a session in is enforced, so removing a tenant and making it again, under any name, does not
+        wipe the record (kept until restart). A pod's record is its own: the host user of the uid its processes ran
+        as keeps a clean one."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
@@ -55,16 +58,16 @@ class LeaseCharges:
         """The tenants whose leases the freezer backs (live; do not modify)."""
         return self._enforced
 
-    def user_enforced(self, user: int) -> bool:
+    def user_enforced(self, user: Caller) -> bool:
         return user in self._enforced_users
 
-    def enforce_user(self, user: int, tenant: str) -> None:
+    def enforce_user(self, user: Caller, tenant: str) -> None:
         """`user` has or opens a session in `tenant`: the tenant is enforced if that user's sessions kept
         overrunning."""
         if user in self._enforced_users and tenant not in self._enforced:
             self._enforced.add(tenant)
             log.warning("lease overrun: the freezer backs this tenant's leases, as its user's leases overran before",
-                        tenant=tenant, uid=user)
+                        tenant=tenant, user=named(user))
 
     def overrun_s(self, tenant: str) -> float:
         return self._overrun.get(tenant, 0.0)

@@ -9,6 +9,7 @@ from structlog.typing import FilteringBoundLogger
 
 from unisched.enforce.leases import LeaseChannel
 from unisched.policy import Engine, Resource
+from unisched.policy.callers import Caller
 from unisched.policy.leases import OverrunMeter
 
 __all__ = ["CoopRecord", "LeaseRecord", "SessionRecord"]
@@ -26,8 +27,8 @@ class SessionRecord:
     debug: bool = False
     """Whether `log` writes debug lines (its level is fixed when it is bound): a renewal rounds and packs the fields
     of its debug lines only then, not for a call that drops them."""
-    user: int | None = None
-    """The uid that opened the session; None for an admin (LeaseBook.open)."""
+    user: Caller | None = None
+    """Who opened the session (a uid, or a pod: RegisterAsk.counted_as); None for an admin (LeaseBook.open)."""
     wants: dict[Engine, float] = field(default_factory=dict)
     """engine -> when the client last wanted or reported on it (demand while fresh)."""
     codec: dict[str, int] = field(default_factory=dict)

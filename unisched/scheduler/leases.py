@@ -20,6 +20,7 @@ import structlog
 
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
+from unisched.policy.callers import Caller
 from unisched.policy.leases import OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
 from unisched.policy.tuning import TUNING
@@ -120,9 +121,10 @@ class LeaseBook:
         return s
 
     # --- sessions ------------------------------------------------------------------------------------
-    def open(self, tenant: str, gpu: int, channel: LeaseChannel, user: int | None = None) -> int:
-        """`user`: the uid that opens the session, None for an admin. A user whose leases were found overrunning
-        has the freezer back the leases of every tenant it opens a session in (LeaseCharges.enforce_user)."""
+    def open(self, tenant: str, gpu: int, channel: LeaseChannel, user: Caller | None = None) -> int:
+        """`user`: who opens the session (a uid, or a pod whatever uids its processes take), None for an admin. A
+        user whose leases were found overrunning has the freezer back the leases of every tenant it opens a session
+        in (LeaseCharges.enforce_user)."""
         sid = next(self._ids)
         bound = log.bind(tenant=tenant, session=sid)
         self._sessions[sid] = SessionRecord(sid, tenant, gpu, channel, bound, bound.is_enabled_for(logging.DEBUG),
