@@ -147,7 +147,7 @@ class GrpcDoor:
             self._sweeper = asyncio.create_task(self._sweep())
         handler = _Handler(dict(self._methods(cred)), self._codec, None, self._dispatch)
         conn = _Connection(handler, self._config, self._h2, first, limits, self._open,
-                           _Dropped(self._drops, cred.uid if cred is not None else None), FrameBudget(self.clock))
+                           _Dropped(self._drops, cred), FrameBudget(self.clock))
         handler.connection = conn
         return conn
 
@@ -201,16 +201,20 @@ class GrpcDoor:
 
 @dataclass(frozen=True)
 class _Dropped:
-    """Logs why a connection was dropped: throttled per reason and uid (an attacker reconnecting must not flood
-    the log)."""
+    """Logs why a connection was dropped: throttled per reason and caller (an attacker reconnecting must not flood
+    the log; root in a pod taking uid after uid counts as its pod, PeerCred.caller)."""
 
     throttle: Throttle
-    uid: int | None
+    cred: PeerCred | None
+    """None over TLS."""
 
     def __call__(self, reason: str) -> None:
-        held_back = self.throttle.allow((reason, self.uid))
+        cred = self.cred
+        held_back = self.throttle.allow((reason, None if cred is None else cred.caller))
         if held_back is not None:
-            log.warning("grpc connection dropped", reason=reason, uid=self.uid, held_back=held_back)
+            where = {} if cred is None or cred.pod is None else {"pod": cred.pod}
+            log.warning("grpc connection dropped", reason=reason, uid=None if cred is None else cred.uid, **where,
+                        held_back=held_back)
 
 
 @dataclass

@@ -90,7 +90,7 @@ class LeaseConnection(asyncio.Protocol):
         self._reader = FrameReader(MAX_REQUEST_BYTES)
         self._transport: asyncio.Transport | None = None
         self._sid: int | None = None
-        self._log = log.bind(pid=cred.pid, uid=cred.uid)
+        self._log = log.bind(pid=cred.pid, uid=cred.uid, **({} if cred.pod is None else {"pod": cred.pod}))
         """Bound once per connection: binding the module's lazy logger on every renewal cost ~6-15 us."""
         self._pushed: list[bytes] | None = None
         """While a request is being answered: the engine's grants and revokes, written after its reply."""
@@ -344,8 +344,9 @@ class LeaseConnection(asyncio.Protocol):
             t.abort()
 
     def _dropped(self, kind: str, reason: str, warn: bool = True) -> None:
-        """Log that the connection was dropped: the first of its uid for this `kind` of reason in an interval."""
-        held_back = self.service.drops.allow((kind, self.cred.uid))
+        """Log that the connection was dropped: the first of its caller's (its uid, or its pod: PeerCred.caller) for
+        this `kind` of reason in an interval."""
+        held_back = self.service.drops.allow((kind, self.cred.caller))
         if held_back is not None:
             (self._log.warning if warn else self._log.info)("lease stream dropped", reason=reason, held_back=held_back)
 
