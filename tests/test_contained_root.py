@@ -32,6 +32,7 @@ with DaemonClient(sock, timeout=20) as c:
             print(what, "OK")
         except DaemonError as e:
             print(what, e.code.name)
+    print("list", *["whole" if t.cgroup else "summary" for t in c.tenants() if t.name == tenant])
 """
 
 
@@ -60,7 +61,7 @@ def test_root_in_a_container_owns_no_adopted_tenant(daemon: Daemon, tenant_prefi
 def test_a_user_in_a_container_is_not_that_user_on_the_host(daemon: Daemon, tenant_prefix: str) -> None:
     """A process in a container (its own pid namespace) under uid 65534, which root there can take at will, may not
     act as the host's uid 65534: not join its tenant (the move would take it out of its container's cgroup, its
-    device rules and limits), not remove it, not make a tenant of its own."""
+    device rules and limits), not remove it, not make a tenant of its own, not see its processes and usage."""
     from test_security import run_as
 
     name = f"{tenant_prefix}hosts"
@@ -76,6 +77,7 @@ def test_a_user_in_a_container_is_not_that_user_on_the_host(daemon: Daemon, tena
         lines = calls.stdout.split("\n")
         assert lines[0] == "uid 65534 admin False", lines
         assert lines[1:4] == ["register PERMISSION_DENIED", "remove PERMISSION_DENIED", "create PERMISSION_DENIED"]
+        assert lines[4] == "list summary", "another user's tenant: its processes, cgroup and usage are not shown"
         (t,) = [t for t in daemon.tenants() if t["name"] == name]
         assert t["weight"] == 50
         assert not [t for t in daemon.tenants() if t["name"] == name + "-mine"]

@@ -16,7 +16,8 @@ from unisched.enforce.leases import LeaseGrant, LeaseRevoke
 from unisched.policy import Engine
 from unisched.policy.callers import Pod
 from unisched.policy.leases import OverrunMeter
-from unisched.scheduler.core import SchedulerError
+from unisched.scheduler import lease_calls
+from unisched.scheduler.core import RegisterAsk, SchedulerError
 from unisched.telemetry import FakeTelemetry, GpuInfo
 
 
@@ -554,6 +555,10 @@ def test_a_member_may_not_open_a_lease_on_a_gpu_its_tenant_is_not_bound_to(tmp_p
     with pytest.raises(SchedulerError, match=r"bound to GPUs \[0\]; only its owner or an admin may move it to GPU 1"):
         rig.engine.lease_open("t", None, None, ["compute"], 1, 6002, 2000, False, FakeLeaseChannel())
     rig.engine.lease_open("t", None, None, ["compute"], 0, 6002, 2000, False, FakeLeaseChannel())  # its own GPU
+    rig.driver.attach("/unisched/t", 6003)  # a member in a container, running as the owner's uid: it owns nothing
+    in_pod = RegisterAsk("t", None, None, ("compute",), (), 6003, 1000, False, contained=True, caller=Pod(7))
+    with pytest.raises(SchedulerError, match=r"bound to GPUs \[0\]; only its owner or an admin may move it to GPU 1"):
+        lease_calls.lease_open(rig.engine._c, in_pod, 1, FakeLeaseChannel())
     rig.engine.lease_open("t", None, None, ["compute"], 1, 6001, 1000, False, FakeLeaseChannel())  # the owner moves it
     assert {r.gpu for s in rig.engine.snapshot("t").shares for r in (s.resource,)} == {1}
 

@@ -57,8 +57,10 @@ def _lease_ask(c: Context, ask: RegisterAsk, gpu: int) -> RegisterAsk:
     if gpu not in c.gpu_indices:
         raise SchedulerError("invalid", f"no GPU {gpu}; this host has GPUs {list(c.gpu_indices)}")
     t = c.tenants.get(ask.name)
-    if (t is not None and t.gpus is not None and gpu not in t.gpus and not ask.is_admin
-            and ask.uid != t.owner_uid):  # a member joins as it is: its owner set the GPUs, and its weight is theirs
+    # a member joins as it is: its owner set the GPUs, and its weight is theirs; a caller in a container owns nothing
+    # (RegisterAsk.contained: its uid is one root there may take)
+    owner = t is not None and ask.uid == t.owner_uid and not ask.contained
+    if t is not None and t.gpus is not None and gpu not in t.gpus and not ask.is_admin and not owner:
         raise SchedulerError("permission", f"tenant {t.name!r} is bound to GPUs {list(t.gpus)}; only its owner or an "
                              f"admin may move it to GPU {gpu}")
     return replace(ask, gpus=(gpu,) if t is None or t.gpus is not None else ())

@@ -92,6 +92,12 @@ class UnischedServicer:
         return admin_uid(uid, self._admin_gid)
 
     @staticmethod
+    def _owner(cred: PeerCred) -> int:
+        """The uid whose tenants the caller owns: its own in the host's namespaces; none in a container, where
+        root may take any uid but 0 (CONTAINED_ROOT owns nothing: RegisterAsk.contained)."""
+        return cred.uid if in_host_namespaces(cred) else CONTAINED_ROOT
+
+    @staticmethod
     def _need_caller(call: Call) -> PeerCred:
         if call.caller is None:
             fail("PERMISSION_DENIED", "this call needs the daemon's Unix socket (identity comes from SO_PEERCRED)")
@@ -180,9 +186,7 @@ class UnischedServicer:
         cred = self._need_caller(call)
         await self.pacer.turn(cred.caller)
         try:
-            # a caller in a container owns nothing: its uid is one root there can take (RegisterAsk.contained)
-            uid = cred.uid if in_host_namespaces(cred) else CONTAINED_ROOT
-            self.engine.remove_as(request.tenant, uid, self.is_admin(cred))
+            self.engine.remove_as(request.tenant, self._owner(cred), self.is_admin(cred))
         except SchedulerError as e:
             self._fail(e)
         return pb.Empty()
@@ -193,10 +197,11 @@ class UnischedServicer:
         cred = call.caller
         admin = cred is not None and self.is_admin(cred)
         await self.pacer.turn(cred.caller if cred is not None else NO_UID)
+        mine = NO_UID if cred is None else self._owner(cred)
         out = []
         for snap in self.engine.snapshots():
             t = snapshot_to_pb(snap)
-            if not admin and (cred is None or cred.uid != snap.owner_uid):
+            if not admin and snap.owner_uid != mine:
                 public_summary(t)
             out.append(t)
         return pb.ListTenantsReply(tenants=out)
