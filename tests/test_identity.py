@@ -288,3 +288,21 @@ def test_a_kernel_cred_is_never_taken_for_a_pinned_peer() -> None:
         assert pinned.alive() and in_host_namespaces(pinned) and is_admin(pinned, None)
         assert pinned.process is not None
         pinned.process.close()
+
+
+def test_a_process_pinned_by_its_pid_is_alive_until_it_exits() -> None:
+    """`pin` (a peer without SO_PEERPIDFD; the process a runtime's hand-over names): alive while that process runs,
+    gone once it has exited (its pid may then name another); gone at once when `uid` is given and the pid names
+    another user's process."""
+    from unisched.transport.identity import pin
+
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        held, other_user = pin(proc.pid), pin(proc.pid, uid=NOBODY)
+        assert held.holds_fd and held.alive()
+        assert not other_user.alive()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not held.alive()
+    held.close()

@@ -35,7 +35,7 @@ from unisched.scheduler.config import ConfigError
 from unisched.scheduler.core import Scheduler
 from unisched.transport.carry import Carried, ListenerCarry
 from unisched.transport.claim import make_private_directory, replace_stale_socket
-from unisched.transport.identity import PeerCred, ProcessHandle, kernel_cred, peer_of
+from unisched.transport.identity import PeerCred, kernel_cred, peer_of, pin
 from unisched.transport.options import CONTAINED_SHARE
 
 __all__ = [
@@ -385,7 +385,7 @@ class SeccompAgentServer:
             return named, None  # a host runtime's word, whether it still runs or not
         # what must still run once the tenant is read, so that the pid read named it: on the shared socket the peer;
         # on the runtime one the process the message names (the runtime may be gone), pinned before the read
-        pinned = _pin(pid) if on_runtime_socket else None
+        pinned = pin(pid) if on_runtime_socket else None
         try:
             tenant = named or self.engine.tenant_of_pid(pid)
             if tenant is None:
@@ -418,14 +418,6 @@ def _unusable_runtime_directory(directory: str, e: OSError) -> ConfigError:
     else:
         why = f"cannot use {directory}: {e.strerror or e}"
     return ConfigError(f"config 'runtime_agent_socket': {why}")
-
-
-def _pin(pid: int) -> ProcessHandle:
-    """Process `pid` held by a pidfd (one that is gone already counts as gone)."""
-    try:
-        return ProcessHandle(pid, 0, os.pidfd_open(pid), None)
-    except OSError:
-        return ProcessHandle(pid, 0, None, None)
 
 
 async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:

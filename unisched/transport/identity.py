@@ -33,7 +33,7 @@ from unisched.enforce.seccomp.proc import state_and_start
 from unisched.policy.callers import Caller, Pod
 
 __all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces", "in_our_pid_ns_unpinned",
-           "is_admin", "kernel_cred", "peer_of", "pod_of", "uid_groups"]
+           "is_admin", "kernel_cred", "peer_of", "pin", "pod_of", "uid_groups"]
 
 CONTAINED_ROOT = -2
 """The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
@@ -174,18 +174,24 @@ def _pin(conn: socket.socket, pid: int, uid: int) -> ProcessHandle:
     try:
         return ProcessHandle(pid, uid, conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD), None)
     except OSError:
-        pass  # an older kernel (ENOPROTOOPT), or the peer already gone (ESRCH)
+        return pin(pid, uid)  # an older kernel (ENOPROTOOPT), or the peer already gone (ESRCH)
+
+
+def pin(pid: int, uid: int | None = None) -> ProcessHandle:
+    """Process `pid` as it is now, held by a pidfd (where none can be had, by its start time and owner): what is read
+    of /proc/<pid> after this and before its `alive()` says True was this process's. One that is gone, or (`uid`
+    given) whose pid already names another user's process, counts as gone."""
     start = _start_and_uid(pid)
-    if start is None or start[1] != uid:
-        return ProcessHandle(pid, uid, None, None)  # gone, or the pid already names another user's process
+    if start is None or (uid is not None and start[1] != uid):
+        return ProcessHandle(pid, -1 if uid is None else uid, None, None)
     try:
         fd: int | None = os.pidfd_open(pid)
     except OSError:
         fd = None
     if fd is not None and _start_and_uid(pid) != start:  # replaced between the read and pidfd_open
         os.close(fd)
-        return ProcessHandle(pid, uid, None, None)
-    return ProcessHandle(pid, uid, fd, start[0])
+        return ProcessHandle(pid, start[1], None, None)
+    return ProcessHandle(pid, start[1], fd, start[0])
 
 
 def _start_and_uid(pid: int) -> tuple[str, int] | None:
