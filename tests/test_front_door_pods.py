@@ -18,7 +18,7 @@ import pytest
 
 from unisched.policy.callers import Pod
 from unisched.transport.frontdoor import FrontDoor, FrontDoorLimits, StreamLimits
-from unisched.transport.identity import PeerCred, peer_of
+from unisched.transport.identity import CONTAINED_ROOT, PeerCred, peer_of
 
 pytestmark = [pytest.mark.root, pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                                    reason="needs root and unshare(1)")]
@@ -150,20 +150,38 @@ def test_a_full_host_bucket_does_not_refuse_a_pod_process_of_that_uid_early() ->
 
 
 CONNECT = r"""
-import os, socket, sys
-os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
+import ctypes, os, socket, sys
+path, uid, rootless = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "rootless"
+if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+if rootless:  # that user's own user namespace, and a pid namespace in it
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x20000000) != 0:  # CLONE_NEWUSER | CLONE_NEWPID
+        raise OSError(ctypes.get_errno(), "unshare")
+    child = os.fork()
+    if child:
+        sys.exit(os.waitpid(child, 0)[1])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.connect(sys.argv[1])
+s.connect(path)
 print(os.stat("/proc/self/ns/pid").st_ino, flush=True)
 os.read(0, 1)  # connected until the test closes our stdin
 """
-"""Connects to argv[1] as uid argv[2] and prints its pid namespace's inode."""
+"""Connects to argv[1] (as uid argv[2] unless it is negative; from a user and a pid namespace of that user's own if
+argv[3] says "rootless") and prints its pid namespace's inode."""
+POD = ["unshare", "--pid", "--fork"]
 
 
-@pytest.mark.parametrize("in_pod", [True, False])
-def test_peer_of_counts_a_pod_s_process_as_its_pod_and_a_host_process_as_its_uid(in_pod: bool) -> None:
+@pytest.mark.parametrize(("wrap", "uid", "known", "pod"), [
+    ([], 61000, 61000, None),  # a host user
+    (POD, 61000, 61000, "own"),  # a pod's process as the host user's uid
+    (POD, 0, CONTAINED_ROOT, "own"),  # root in a pod
+    ([*POD, *POD], 61000, 61000, "outer"),  # a pid namespace made inside a pod is the pod's
+    (["unshare", "--user", "--map-root-user", *POD], -1, CONTAINED_ROOT, "own"),  # a pod with a user namespace
+    (["rootless"], 61000, 61000, None),  # a host user's rootless container
+], ids=["host", "pod", "pod-root", "nested", "pod-userns", "rootless"])
+def test_peer_of_knows_a_caller_by_its_uid_here_and_its_pod(wrap: list[str], uid: int, known: int,
+                                                            pod: str | None) -> None:
     """Every book kept per caller keys on PeerCred.caller: a pod's process running as uid 61000 is its pod there,
-    not the host's uid 61000."""
+    not the host's uid 61000; a rootless container is its host user's."""
     sockdir = tempfile.mkdtemp(prefix="unisched-pods-")
     os.chmod(sockdir, 0o755)
     path = str(Path(sockdir) / "c.sock")
@@ -172,8 +190,9 @@ def test_peer_of_counts_a_pod_s_process_as_its_pod_and_a_host_process_as_its_uid
     listener.listen(1)
     listener.settimeout(60)
     os.chmod(path, 0o777)
-    proc = subprocess.Popen([*(["unshare", "--pid", "--fork"] if in_pod else []), sys.executable, "-c", CONNECT, path,
-                             "61000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd="/")
+    rootless = wrap == ["rootless"]
+    proc = subprocess.Popen([*([] if rootless else wrap), sys.executable, "-c", CONNECT, path, str(uid),
+                             "rootless" if rootless else "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd="/")
     try:
         conn, _ = listener.accept()
         assert proc.stdout is not None
@@ -182,9 +201,10 @@ def test_peer_of_counts_a_pod_s_process_as_its_pod_and_a_host_process_as_its_uid
         conn.close()
         if cred.process is not None:
             cred.process.close()
-        assert cred.uid == 61000
-        assert cred.caller == (Pod(ns) if in_pod else 61000)
-        assert (ns != os.stat("/proc/self/ns/pid").st_ino) == in_pod
+        if pod == "outer":  # the namespace of the outer unshare's child (the inner unshare)
+            (inner,) = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+            ns = os.stat(f"/proc/{inner}/ns/pid").st_ino
+        assert (cred.uid, cred.caller) == (known, known if pod is None else Pod(ns))
     finally:
         assert proc.stdin is not None
         proc.stdin.close()

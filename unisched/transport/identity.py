@@ -33,7 +33,7 @@ from unisched.enforce.seccomp.proc import state_and_start
 from unisched.policy.callers import Caller, Pod
 
 __all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces", "in_our_pid_ns_unpinned",
-           "is_admin", "kernel_cred", "peer_of", "pin", "pod_of", "uid_groups"]
+           "is_admin", "kernel_cred", "peer_of", "pin", "uid_groups"]
 
 CONTAINED_ROOT = -2
 """The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
@@ -47,7 +47,7 @@ NS_GET_PARENT = 0xB702
 MAX_PID_NS_DEPTH = 32
 """The kernel nests pid namespaces at most this deep."""
 GONE_POD = 0
-"""`pod_of` for a caller gone before its pid namespace was read (no namespace has inode 0)."""
+"""The pod of a caller gone before its namespaces were read (`peer_of`; no namespace has inode 0)."""
 
 SO_PEERPIDFD = 77
 """getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the peer that connected (Linux 6.5+; no Python constant)."""
@@ -109,13 +109,13 @@ class PeerCred:
     """`kernel_cred`'s: its pid may name another process by now, so `alive`, `in_host_namespaces` and `is_admin`
     refuse it (ValueError) rather than answer for whatever process has the pid now."""
     pod: int | None = field(default=None, compare=False)
-    """The pod the caller is in (`pod_of`, read by `peer_of`: a process never changes pid namespace); None for a
-    caller in the daemon's pid namespace or a rootless container, and where nothing was read."""
+    """The pod the caller is in (read by `peer_of`: a process never changes pid namespace); None for a caller in the
+    daemon's pid namespace or a rootless container, and where nothing was read."""
 
     @property
     def caller(self) -> Caller:
         """Whom every book kept per caller counts it as (policy.callers): its pod when it is in one, whatever uid it
-        runs as (root in a pod may take any uid but 0); else its uid as known here (`known_as`)."""
+        runs as (root in a pod may take any uid but 0); else its uid as known here (`peer_of`)."""
         return self.uid if self.pod is None else Pod(self.pod)
 
     def alive(self) -> bool:
@@ -139,35 +139,59 @@ def kernel_cred(conn: socket.socket) -> PeerCred:
 
 def peer_of(conn: socket.socket) -> PeerCred:
     """The credentials of an accepted Unix connection, with the connecting process pinned, its uid the one it is
-    known by here (`known_as`) and its pod (`pod_of`)."""
+    known by here and its pod (`_known`: one read of its namespaces)."""
     raw = PeerCred(*_ids(conn))
     cred = replace(raw, process=_pin(conn, raw.pid, raw.uid))
-    return replace(cred, uid=known_as(cred), pod=pod_of(cred))
+    uid, pod = _known(cred)
+    return replace(cred, uid=uid, pod=pod)
 
 
-def known_as(cred: PeerCred) -> int:
-    """The uid the caller counts as (module docstring): its own in the daemon's user namespace, except root outside
-    its pid namespace; the maker of its user namespace otherwise; CONTAINED_ROOT for root in a container (or a
-    caller gone before its namespaces were read)."""
-    if _ours(cred.pid, "user"):
-        uid = CONTAINED_ROOT if cred.uid == 0 and not _ours(cred.pid, "pid") else cred.uid
-    else:
-        owner = _user_ns_owner(cred.pid)
-        uid = CONTAINED_ROOT if owner is None or owner == 0 else owner
-    return uid if cred.alive() else CONTAINED_ROOT
+def _known(cred: PeerCred) -> tuple[int, int | None]:
+    """The uid the caller counts as and the pod it is in, from one read of its user and pid namespaces, checked
+    alive after it (as `in_host_namespaces`); a caller gone before they were read is CONTAINED_ROOT in GONE_POD.
 
-
-def _user_ns_owner(pid: int) -> int | None:
+    Its uid (module docstring): its own in the daemon's user namespace, except root outside the daemon's pid
+    namespace; the maker of its user namespace otherwise; CONTAINED_ROOT for root in a container. Its pod: the inode
+    of the pid namespace just below the daemon's that holds it, so namespaces it makes inside its pod count as the
+    pod's; None in the daemon's pid namespace, and in a rootless container (a top pid namespace a host user made in
+    a user namespace of their own: only a process in the daemon's pid namespace can make one, so no pod can claim a
+    host user's bucket this way; it is known by that user)."""
+    gone = CONTAINED_ROOT, GONE_POD
     try:
-        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        user_ns = os.open(f"/proc/{cred.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
+        return gone
     try:
-        return int(struct.unpack("I", fcntl.ioctl(fd, NS_GET_OWNER_UID, bytes(4)))[0])
+        pid_ns = os.open(f"/proc/{cred.pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
+        os.close(user_ns)
+        return gone
+    try:
+        ours_pid = _is_ours(pid_ns, "pid")
+        if _is_ours(user_ns, "user"):
+            uid = CONTAINED_ROOT if cred.uid == 0 and not ours_pid else cred.uid
+        else:
+            owner = _owner(user_ns)
+            uid = CONTAINED_ROOT if owner is None or owner == 0 else owner
+        pod = None if ours_pid else _pod_below(pid_ns)
     finally:
-        os.close(fd)
+        os.close(user_ns)
+        os.close(pid_ns)
+    return (uid, pod) if cred.alive() else gone
+
+
+def _is_ours(ns_fd: int, kind: str) -> bool:
+    """Whether the namespace open at `ns_fd` is the daemon's own of `kind` ("user", "pid")."""
+    st = os.fstat(ns_fd)
+    return (st.st_dev, st.st_ino) == _ns(f"/proc/self/ns/{kind}")
+
+
+def _owner(user_ns_fd: int) -> int | None:
+    """The uid that made the user namespace open at `user_ns_fd`, as the daemon's namespace sees it (None: unknown)."""
+    try:
+        return int(struct.unpack("I", fcntl.ioctl(user_ns_fd, NS_GET_OWNER_UID, bytes(4)))[0])
+    except OSError:
+        return None
 
 
 def _pin(conn: socket.socket, pid: int, uid: int) -> ProcessHandle:
@@ -268,29 +292,11 @@ def in_our_pid_ns_unpinned(pid: int) -> bool:
     return _ours(pid, "pid")
 
 
-def pod_of(cred: PeerCred) -> int | None:
-    """The pod a caller counts as in: the inode of the pid namespace just below the daemon's that holds it, so
-    namespaces it makes inside its pod count as the pod's. None for a caller in the daemon's pid namespace, and
-    for one in a rootless container (a top pid namespace a host user made in a user namespace of their own: only
-    a process in the daemon's pid namespace can make one, so no pod can claim a host user's bucket this way; it
-    is known by that user, `known_as`). GONE_POD when the caller is gone before its namespace was read (checked
-    alive after the read, like `in_host_namespaces`)."""
-    if cred.unpinned:
-        raise ValueError(f"peer pid {cred.pid} was never pinned (kernel_cred): its namespaces cannot be vouched for")
-    pod = _pod_of_pid(cred.pid)
-    return pod if cred.alive() else GONE_POD
-
-
-def _pod_of_pid(pid: int) -> int | None:
+def _pod_below(pid_ns: int) -> int | None:
+    """The pod of a caller whose pid namespace (not the daemon's) is open at `pid_ns` (`_known`)."""
     ours = _ns("/proc/self/ns/pid")
+    fd, st = pid_ns, os.fstat(pid_ns)
     try:
-        fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return GONE_POD
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) == ours:
-            return None
         for _ in range(MAX_PID_NS_DEPTH):
             try:
                 parent = fcntl.ioctl(fd, NS_GET_PARENT)
@@ -300,11 +306,13 @@ def _pod_of_pid(pid: int) -> int | None:
             if (pst.st_dev, pst.st_ino) == ours:
                 os.close(parent)
                 break
-            os.close(fd)
+            if fd != pid_ns:
+                os.close(fd)
             fd, st = parent, pst
         return None if _made_by_host_user(fd) else st.st_ino
     finally:
-        os.close(fd)
+        if fd != pid_ns:
+            os.close(fd)
 
 
 def _made_by_host_user(pid_ns_fd: int) -> bool:
@@ -314,11 +322,10 @@ def _made_by_host_user(pid_ns_fd: int) -> bool:
     except OSError:
         return False
     try:
-        st = os.fstat(user_ns)
-        if (st.st_dev, st.st_ino) == _ns("/proc/self/ns/user"):
+        if _is_ours(user_ns, "user"):
             return False
-        owner = int(struct.unpack("I", fcntl.ioctl(user_ns, NS_GET_OWNER_UID, bytes(4)))[0])
-        return owner != 0
+        owner = _owner(user_ns)
+        return owner is not None and owner != 0
     except OSError:
         return False
     finally:
