@@ -235,14 +235,25 @@ class FrontDoor:
         The pid is not pinned here, so this only ever refuses: a pid reused meanwhile by a host process means the
         caller is gone. A subordinate uid (a rootless container's) counts here as itself: it is refused early
         only when that very host uid holds a full bucket."""
-        total = len(self._tasks)
-        if total >= self.max_connections:
+        if self._full():
             return True
         if self.may_be_admin(raw_uid):
             return False
-        if total >= self.max_connections - self._reserve():
+        if not self._non_admin_room():
             return True
-        return self._per_uid[raw_uid] >= self.limits.per_uid and in_our_pid_ns_unpinned(raw_pid)
+        return not self._bucket_room(raw_uid) and in_our_pid_ns_unpinned(raw_pid)
+
+    def _full(self) -> bool:
+        """The cap is reached: no one else gets in, admins neither."""
+        return len(self._tasks) >= self.max_connections
+
+    def _non_admin_room(self) -> bool:
+        """The cap less the admins' reserve has room."""
+        return len(self._tasks) < self.max_connections - self._reserve()
+
+    def _bucket_room(self, bucket: Bucket) -> bool:
+        """`bucket` holds fewer than `per_uid` connections."""
+        return self._per_uid[bucket] < self.limits.per_uid
 
     def _contained_cap(self) -> int:
         return int((self.max_connections - self._reserve()) * self.limits.contained_share)
@@ -253,15 +264,14 @@ class FrontDoor:
         pods together hold less than their share of the non-admin cap, so pods never lock host users out and a
         pod's own namespaces do not multiply its bucket); any other to its uid's (at most `per_uid`, while the
         global cap minus the admins' reserve has room), else the reserve if it is an admin's."""
-        total = len(self._tasks)
-        if total >= self.max_connections:
+        if self._full():
             return None
-        room = total < self.max_connections - self._reserve()
+        room = self._non_admin_room()
         caller = cred.caller
         if isinstance(caller, Pod):
-            ok = room and self._per_uid[caller] < self.limits.per_uid and self._contained < self._contained_cap()
+            ok = room and self._bucket_room(caller) and self._contained < self._contained_cap()
             return caller if ok else None  # never an admin: admins are in the host's namespaces
-        if self._per_uid[caller] < self.limits.per_uid and room:
+        if room and self._bucket_room(caller):
             return caller
         return _ADMIN if self.is_admin(cred) else None
 
