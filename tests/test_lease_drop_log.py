@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
+from unisched.transport.droplog import DropLog
 from unisched.transport.frontdoor import StreamLimits
 from unisched.transport.grpcdoor import GrpcDoor
 from unisched.transport.identity import PeerCred
@@ -60,7 +61,7 @@ async def _drops(service: LeaseService, uid: int, pod: int | None = None) -> int
 def test_dropped_lease_streams_are_logged_once_an_interval_per_uid() -> None:
     now = [0.0]
     service = LeaseService(cast(Scheduler, object()), lambda cred: False, Pacer(lambda *args: None))
-    service.drops = Throttle(INTERVAL_S, clock=lambda: now[0])
+    service.drops = DropLog("lease stream dropped", Throttle(INTERVAL_S, clock=lambda: now[0]))
 
     async def main() -> list[int]:
         counts = [await _drops(service, 65534), await _drops(service, 1000)]
@@ -78,7 +79,7 @@ def test_a_pod_s_dropped_lease_streams_are_logged_apart_from_the_host_uid_it_run
     """uid 1000 in a pod is not the host's uid 1000: the pod's drops hold back the pod's own lines, not that host
     user's."""
     service = LeaseService(cast(Scheduler, object()), lambda cred: False, Pacer(lambda *args: None))
-    service.drops = Throttle(INTERVAL_S, clock=lambda: 0.0)
+    service.drops = DropLog("lease stream dropped", Throttle(INTERVAL_S, clock=lambda: 0.0))
 
     async def main() -> None:
         await _drops(service, 1000, pod=7)
@@ -94,14 +95,14 @@ def test_a_pod_s_dropped_grpc_connections_are_logged_apart_from_the_host_uid_it_
     """The same for the gRPC socket's connections."""
     door = GrpcDoor(SimpleNamespace(**{m.name: None for m in pb.DESCRIPTOR.services_by_name["Unisched"].methods}),
                     "unisched.sock")  # (no call is made)
-    door._drops = Throttle(INTERVAL_S, clock=lambda: 0.0)
+    door._drops = DropLog("grpc connection dropped", Throttle(INTERVAL_S, clock=lambda: 0.0))
     limits = StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=lambda delta: True)
 
     async def main() -> None:
         try:
             for cred in (PeerCred(1, 1000, 1000, pod=7), PeerCred(1, 1000, 1000)):
                 for _ in range(DROPS):
-                    door._connection(cred, b"", limits)._dropped("too many streams")
+                    door._connection(cred, b"", limits)._dropped("streams", "too many streams")
         finally:
             await door.close()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import ssl
 import time
@@ -44,11 +45,10 @@ from h2.events import DataReceived, RequestReceived, StreamEnded
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes, Settings
 
-from unisched.logs import Throttle
+from unisched.transport.droplog import DropLog
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.h2guard import FEED_PER_TURN, FrameBudget
 from unisched.transport.identity import PeerCred
-from unisched.transport.options import DROP_LOG_INTERVAL_S
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAX_REQUEST_BYTES, frame, is_lease_opening
 
@@ -122,7 +122,8 @@ class GrpcDoor:
         self._tls: asyncio.Server | None = None
         self.clock: Callable[[], float] = time.monotonic
         """The clock of connections' frame budgets (h2guard), made after it is set (a test's stands still)."""
-        self._drops = Throttle(DROP_LOG_INTERVAL_S)
+        self._drops = DropLog("grpc connection dropped")
+        """Throttles the connections' 'grpc connection dropped' lines (a test may give it its own clock)."""
 
     @property
     def connections(self) -> int:
@@ -146,8 +147,9 @@ class GrpcDoor:
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
         handler = _Handler(dict(self._methods(cred)), self._codec, None, self._dispatch)
-        conn = _Connection(handler, self._config, self._h2, first, limits, self._open,
-                           _Dropped(self._drops, cred), FrameBudget(self.clock))
+        who = {"uid": None} if cred is None else {"uid": cred.uid, **({} if cred.pod is None else {"pod": cred.pod})}
+        dropped = functools.partial(self._drops, log.bind(**who), None if cred is None else cred.caller)
+        conn = _Connection(handler, self._config, self._h2, first, limits, self._open, dropped, FrameBudget(self.clock))
         handler.connection = conn
         return conn
 
@@ -199,24 +201,6 @@ class GrpcDoor:
                 conn.check(now)
 
 
-@dataclass(frozen=True)
-class _Dropped:
-    """Logs why a connection was dropped: throttled per reason and caller (an attacker reconnecting must not flood
-    the log; root in a pod taking uid after uid counts as its pod, PeerCred.caller)."""
-
-    throttle: Throttle
-    cred: PeerCred | None
-    """None over TLS."""
-
-    def __call__(self, reason: str) -> None:
-        cred = self.cred
-        held_back = self.throttle.allow((reason, None if cred is None else cred.caller))
-        if held_back is not None:
-            where = {} if cred is None or cred.pod is None else {"pod": cred.pod}
-            log.warning("grpc connection dropped", reason=reason, uid=None if cred is None else cred.uid, **where,
-                        held_back=held_back)
-
-
 @dataclass
 class _Request:
     """A call's request as it arrives, until the call is answered."""
@@ -255,9 +239,11 @@ class _Connection(H2Protocol):
     """grpclib's HTTP/2 protocol on one connection, held to the front door's limits (module docstring)."""
 
     def __init__(self, handler: _Handler, config: Configuration, h2_config: H2Configuration, first: bytes,
-                 limits: StreamLimits, registry: set[_Connection], dropped: _Dropped, budget: FrameBudget) -> None:
+                 limits: StreamLimits, registry: set[_Connection], dropped: Callable[[str, str], None],
+                 budget: FrameBudget) -> None:
         super().__init__(handler, config, h2_config)
         self._dropped = dropped
+        """Logs a drop (DropLog, bound to the connection's logger and caller): kind of reason, reason."""
         self._budget = budget
         self._backlog = bytearray()
         """Bytes read and not yet given to h2 (at most FEED_PER_TURN a turn); reading is paused meanwhile."""
@@ -408,7 +394,7 @@ class _Connection(H2Protocol):
             self._drop(f"client left {unsent} bytes unread")
 
     def _drop(self, reason: str) -> None:
-        self._dropped(reason)
+        self._dropped(reason, reason)  # (each reason its own kind)
         self.abort()
 
     def _data(self, event: DataReceived, request: _Request) -> bool:

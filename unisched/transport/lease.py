@@ -20,12 +20,11 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from unisched.enforce.leases import LeaseGrant, LeaseMessage
-from unisched.logs import Throttle
 from unisched.scheduler.core import LeaseAck, RegisterAsk, Scheduler, SchedulerError, TenantSnapshot
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
+from unisched.transport.droplog import DropLog
 from unisched.transport.frontdoor import StreamLimits, read_opening
 from unisched.transport.identity import PeerCred, in_host_namespaces
-from unisched.transport.options import DROP_LOG_INTERVAL_S
 from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
@@ -55,7 +54,7 @@ class LeaseService:
         self.engine = engine
         self.is_admin = is_admin
         self.pacer = pacer
-        self.drops = Throttle(DROP_LOG_INTERVAL_S)
+        self.drops = DropLog("lease stream dropped")
         """Throttles the connections' 'lease stream dropped' lines (a test may give it its own clock)."""
 
     async def serve(self, conn: socket.socket, cred: PeerCred, limits: StreamLimits) -> None:
@@ -344,11 +343,9 @@ class LeaseConnection(asyncio.Protocol):
             t.abort()
 
     def _dropped(self, kind: str, reason: str, warn: bool = True) -> None:
-        """Log that the connection was dropped: the first of its caller's (its uid, or its pod: PeerCred.caller) for
-        this `kind` of reason in an interval."""
-        held_back = self.service.drops.allow((kind, self.cred.caller))
-        if held_back is not None:
-            (self._log.warning if warn else self._log.info)("lease stream dropped", reason=reason, held_back=held_back)
+        """Log that the connection was dropped (DropLog: the first of its caller's for this `kind` of reason in an
+        interval)."""
+        self.service.drops(self._log, self.cred.caller, kind, reason, warn)
 
     def _end(self, out: list[bytes], code: str, details: str) -> None:
         """Answer with the error and end the connection once it is written; later requests are ignored."""
