@@ -14,7 +14,7 @@ from unisched.logs import Throttle
 from unisched.scheduler.core import Scheduler
 from unisched.transport.droplog import DropLog
 from unisched.transport.frontdoor import StreamLimits
-from unisched.transport.grpcdoor import GrpcDoor
+from unisched.transport.grpcdoor import PREFACE, UNSENT_MAX, GrpcDoor
 from unisched.transport.identity import PeerCred
 from unisched.transport.lease import LEASE_UNSENT_MAX, LeaseConnection, LeaseService
 from unisched.transport.pacing import Pacer
@@ -110,3 +110,43 @@ def test_a_pod_s_dropped_grpc_connections_are_logged_apart_from_the_host_uid_it_
         asyncio.run(main())
     lines = [(e.get("pod"), e.get("uid"), e.get("held_back")) for e in logs if e["event"] == "grpc connection dropped"]
     assert lines == [(7, 1000, 0), (None, 1000, 0)]
+
+
+class UnreadH2(Unread):
+    """A transport whose client has left `unsent` bytes unread, as the gRPC door's connections see it."""
+
+    def __init__(self, unsent: int) -> None:
+        super().__init__()
+        self.unsent = unsent
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    def pause_reading(self) -> None:
+        pass
+
+
+def test_grpc_drops_for_one_kind_of_reason_share_a_line_whatever_numbers_their_reasons_carry() -> None:
+    """The throttle keys on the kind of reason, not its text: 'client left N bytes unread' with another N each time
+    must not get a line each."""
+    door = GrpcDoor(SimpleNamespace(**{m.name: None for m in pb.DESCRIPTOR.services_by_name["Unisched"].methods}),
+                    "unisched.sock")
+    door._drops = DropLog("grpc connection dropped", Throttle(INTERVAL_S, clock=lambda: 0.0))
+    limits = StreamLimits(hello_s=5.0, partial_frame_s=5.0, hold=lambda delta: True)
+    transports = [UnreadH2(UNSENT_MAX + 1 + i) for i in range(DROPS)]
+
+    async def main() -> None:
+        try:
+            for t in transports:
+                door._connection(PeerCred(1, 1000, 1000), PREFACE, limits).connection_made(t)
+        finally:
+            await door.close()
+
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert all(t.closed for t in transports)
+    lines = [e["reason"] for e in logs if e["event"] == "grpc connection dropped"]
+    assert lines == [f"client left {UNSENT_MAX + 1} bytes unread"]

@@ -371,7 +371,7 @@ class _Connection(H2Protocol):
                 opened.add(event.stream_id)
             over = self._budget.over(event, opened)
             if over is not None:
-                self._drop(over)
+                self._drop("frames", over)
                 return
             request = self._requests.get(getattr(event, "stream_id", None) or 0)
             if isinstance(event, RequestReceived) and event.stream_id is not None:
@@ -391,10 +391,11 @@ class _Connection(H2Protocol):
         t = cast(asyncio.WriteTransport | None, self._transport)
         unsent = t.get_write_buffer_size() if t is not None else 0
         if unsent > UNSENT_MAX:
-            self._drop(f"client left {unsent} bytes unread")
+            self._drop("unread", f"client left {unsent} bytes unread")
 
-    def _drop(self, reason: str) -> None:
-        self._dropped(reason, reason)  # (each reason its own kind)
+    def _drop(self, kind: str, reason: str) -> None:
+        """End the connection; `kind`: its reason's, for the log's throttle (the reason's text carries numbers)."""
+        self._dropped(kind, reason)
         self.abort()
 
     def _data(self, event: DataReceived, request: _Request) -> bool:

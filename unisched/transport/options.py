@@ -67,6 +67,6 @@ TRIM_EVERY_S = 60.0
 
 
 DROP_LOG_INTERVAL_S = 1.0
-"""At most one 'grpc connection dropped' or 'lease stream dropped' line a second per reason and caller (a uid, or a
-pod whatever uids its processes take), saying how many were held back: a user opening connections only to have them
-dropped (hundreds a second) must not flood the log."""
+"""At most one 'grpc connection dropped' or 'lease stream dropped' line a second per kind of reason and caller (a
+uid, or a pod whatever uids its processes take), saying how many were held back: a user opening connections only to
+have them dropped (hundreds a second) must not flood the log."""
