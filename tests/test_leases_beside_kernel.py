@@ -183,12 +183,23 @@ def test_a_frozen_tenants_queued_work_is_charged_to_it_once_when_the_holder_repo
     else:
         pytest.fail("the client was never granted as the other tenant was frozen")
     kern, coop = rig.engine.snapshot("kern").gpu_seconds, rig.engine.snapshot("coop").gpu_seconds
+    kern_as, coop_as = _charged_as(rig, "kern"), _charged_as(rig, "coop")
     rig.clock.advance(delay)
     c.report(0.05, units=8)  # 8 units of 5 ms, after 10 ms of the frozen tenant's work
     assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
     assert rig.engine.snapshot("coop").gpu_seconds - coop == pytest.approx(0.040)
+    # kept as what they are: the frozen tenant's drain as the report timed it, and the client's own reported work
+    drain, own = ("report", "drain"), ("report", "reported")
+    assert _charged_as(rig, "kern").get(drain, 0.0) - kern_as.get(drain, 0.0) == pytest.approx(0.010)
+    assert _charged_as(rig, "coop")[own] - coop_as.get(own, 0.0) == pytest.approx(0.040)
     rig.tick()  # its interval was all reported work: nothing more for the frozen tenant
     assert rig.engine.snapshot("kern").gpu_seconds - kern == pytest.approx(0.010)
+
+
+def _charged_as(rig: LeaseRig, name: str) -> dict[tuple[str, str], float]:
+    """A tenant's charges on GPU 0's SMs by (rule, source)."""
+    return {(k.rule, k.source): s for share in rig.engine.snapshot(name).shares if str(share.resource) == "gpu0/sm"
+            for k, s in share.charges}
 
 
 def test_an_idle_unmodified_tenant_takes_no_turns_from_a_lone_client(tmp_path: Path) -> None:

@@ -155,6 +155,11 @@ def test_collector_numbers_follow_the_engine(tmp_path: Path) -> None:
         assert snaps[name].gpu_seconds > 0
         assert value("unisched_tenant_gpu_seconds_total", tenant=name, gpu="0", UUID="GPU-0000", domain="sm") == \
             pytest.approx(snaps[name].gpu_seconds)
+        # the same time by how each charge came (rule and source): every second of it, each one way
+        charged = [(ls["rule"], ls["source"], v) for n, ls, v in samples if n == "unisched_tenant_charged_seconds_total"
+                   and ls["tenant"] == name and ls["gpu"] == "0" and ls["UUID"] == "GPU-0000" and ls["domain"] == "sm"]
+        assert sum(v for *_, v in charged) == pytest.approx(snaps[name].gpu_seconds)
+        assert {rule for rule, _, _ in charged} == {"signal"} and ("signal", "beside-drain") in {c[:2] for c in charged}
         assert value("unisched_tenant_slices_total", tenant=name) == snaps[name].slices > 0
         assert value("unisched_tenant_state", tenant=name, state=snaps[name].state) == 1
     assert value("unisched_tenant_session_refusals_total", tenant="a", kind="graphics") == 1

@@ -17,16 +17,28 @@ PRIORITY_ONLINE: Priority
 PRIORITY_OFFLINE: Priority
 
 class ResourceShare(_message.Message):
-    __slots__ = ("gpu", "domain", "target_share", "measured_share")
+    __slots__ = ("gpu", "domain", "target_share", "measured_share", "charges")
     GPU_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     TARGET_SHARE_FIELD_NUMBER: _ClassVar[int]
     MEASURED_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CHARGES_FIELD_NUMBER: _ClassVar[int]
     gpu: int
     domain: str
     target_share: float
     measured_share: float
-    def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ...) -> None: ...
+    charges: _containers.RepeatedCompositeFieldContainer[Charge]
+    def __init__(self, gpu: _Optional[int] = ..., domain: _Optional[str] = ..., target_share: _Optional[float] = ..., measured_share: _Optional[float] = ..., charges: _Optional[_Iterable[_Union[Charge, _Mapping]]] = ...) -> None: ...
+
+class Charge(_message.Message):
+    __slots__ = ("rule", "source", "seconds")
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rule: str
+    source: str
+    seconds: float
+    def __init__(self, rule: _Optional[str] = ..., source: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Tenant(_message.Message):
     __slots__ = ("name", "weight", "base_weight", "priority", "pids", "state", "target_share", "measured_share", "gpu_seconds", "cgroup", "engines", "shares", "slices", "owner_uid", "adopted", "sessions", "refusals", "caps", "memory_bytes", "over_memory", "devices", "cooperative", "overrun_s", "enforced", "unit_ms", "turn_ms", "env", "gpu_memory")

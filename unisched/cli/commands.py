@@ -49,6 +49,7 @@ def tenant_to_dict(t: pb.Tenant) -> dict[str, Any]:
                 "domain": s.domain,
                 "target_share": round(s.target_share, 4),
                 "measured_share": round(s.measured_share, 4),
+                "charges": [{"rule": x.rule, "source": x.source, "seconds": round(x.seconds, 4)} for x in s.charges],
             }
             for s in t.shares
         ],

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from unisched.policy.model import ChargeSource
 from unisched.policy.plan import Rule
 from unisched.policy.tuning import TUNING
 
-__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu", "kept_rate"]
+__all__ = ["ReportMatch", "Unmatched", "charge_rule", "cooperative_part", "gpu_per_cpu", "kept_rate", "sources"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,25 @@ def charge_rule(util: float, dt: float, cpu_s: Sequence[float], activity_thresho
         total = sum(cpu_s)
         return [busy * (w / total if total > 0 else 1.0 / len(cpu_s)) for w in cpu_s], Rule.SIGNAL
     return list(cpu_s), Rule.CPU_TIME
+
+
+def sources(ran_as: Sequence[ChargeSource], amounts: Sequence[float]) -> list[ChargeSource]:
+    """The source of each of `charge_rule`'s `amounts` among the tenants that ran on a resource in an interval, from
+    what each did in it (`ran_as`): SHARED thawed, DRAIN frozen in it (its queued work drained in it), FROZEN_TAIL
+    frozen before it but using CPU. A thawed tenant is BESIDE_DRAIN where another one drained beside it, whatever
+    that one was charged (its part of the busy time may hold that drain: docs/design/scheduling.md, the limit of the
+    split), else ALONE where no other tenant was charged anything, else SHARED; the frozen ones keep theirs."""
+    drained = ChargeSource.DRAIN in ran_as
+    charged = sum(1 for x in amounts if x > 0)
+    out: list[ChargeSource] = []
+    for a, x in zip(ran_as, amounts, strict=True):
+        if a is not ChargeSource.SHARED:
+            out.append(a)
+        elif drained:
+            out.append(ChargeSource.BESIDE_DRAIN)
+        else:
+            out.append(ChargeSource.ALONE if charged - (x > 0) == 0 else ChargeSource.SHARED)
+    return out
 
 
 def gpu_per_cpu(gpu_busy: float | None, cpu_cores: float, min_cores: float = TUNING.rate_min_cpu_cores) -> float | None:

@@ -14,6 +14,8 @@ __all__ = [
     "DEFAULT_WEIGHT",
     "WEIGHT_MAX",
     "WEIGHT_MIN",
+    "ChargeKind",
+    "ChargeSource",
     "Engine",
     "Mode",
     "PolicyError",
@@ -78,6 +80,40 @@ class Resource:
 
     def __str__(self) -> str:
         return f"gpu{self.gpu}/{self.domain}"
+
+
+class ChargeSource(StrEnum):
+    """What a tenant was doing where a charge came from, beside the rule that split the busy time: the parts of the
+    charging model that can put another tenant's work on it are told apart, so a share that misses its weight can be
+    traced to one (docs/design/scheduling.md, Charging)."""
+
+    ALONE = "alone"
+    """Thawed, the only tenant charged on the resource in the interval: the busy time measured there (less what
+    cooperative tenants reported)."""
+    SHARED = "shared"
+    """Thawed, its part of the busy time split with the other tenants thawed beside it."""
+    BESIDE_DRAIN = "beside-drain"
+    """Thawed, its part of the busy time of an interval in which another tenant on the resource was frozen: that
+    tenant's work queued at its freeze drained in it, and a split by CPU activity puts most of it here."""
+    DRAIN = "drain"
+    """Frozen in the interval, its queued work draining: its part of the split; or (rule `report`) that drain as a
+    client's units timed it."""
+    FROZEN_TAIL = "frozen-tail"
+    """Frozen before the interval, charged for the CPU it still used in it."""
+    REPORTED = "reported"
+    """A cooperative tenant's own GPU time, as its reports gave it less the other tenants' work they timed."""
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class ChargeKind:
+    """How a charge came: the rule that split it (a policy.plan.Rule value; `report` for what a cooperative report
+    gave) and its source."""
+
+    rule: str
+    source: ChargeSource
+
+    def __str__(self) -> str:
+        return f"{self.rule}/{self.source}"
 
 
 @dataclass(frozen=True)

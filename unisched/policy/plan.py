@@ -72,6 +72,9 @@ class Rule(StrEnum):
     PROCESS_RATE = "process-rate"
     """The GPU's busy time split by CPU activity scaled by each tenant's GPU seconds per CPU second, as NVML's
     per-process samples showed them (`policy.charging.gpu_per_cpu`)."""
+    REPORT = "report"
+    """A cooperative tenant's report of the GPU time its units took (scheduler.lease_charges): its own work, and the
+    drain of a freezer-governed tenant frozen for its turn that its first units waited behind."""
     # a freezer-governed tenant's demand
     LOST = "lost"
     """Its cgroup is gone: no demand."""

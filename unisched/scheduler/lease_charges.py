@@ -12,9 +12,10 @@ from collections.abc import Collection
 
 import structlog
 
-from unisched.policy import Engine, Resource, WeightedFairShare
+from unisched.policy import ChargeKind, ChargeSource, Engine, Resource, WeightedFairShare
 from unisched.policy.callers import Caller, named
 from unisched.policy.leases import OverrunMeter, OverrunVerdict
+from unisched.policy.plan import Rule
 from unisched.policy.reports import EVEN_SLICING, beside_excess, learnable_tail, report_pieces
 from unisched.policy.tuning import TUNING
 from unisched.scheduler.handovers import Handovers
@@ -23,6 +24,11 @@ from unisched.scheduler.lease_records import CoopRecord, LeaseRecord, SessionRec
 __all__ = ["LeaseCharges"]
 
 log = structlog.get_logger("unisched.scheduler")
+
+REPORTED = ChargeKind(Rule.REPORT, ChargeSource.REPORTED)
+"""A cooperative tenant's own work, as its report gave it."""
+REPORTED_DRAIN = ChargeKind(Rule.REPORT, ChargeSource.DRAIN)
+"""A freezer-governed tenant's work queued at its freeze, as a holder's first units after it timed it."""
 
 
 class LeaseCharges:
@@ -108,7 +114,7 @@ class LeaseCharges:
             self._charge_drain(frozen, r, drain, at - gpu_s, now)
         if charged > 0:  # what it is charged: the busy time that was its work, and when it ran
             self._reported.setdefault(r, []).extend(pieces)
-            self.policy.charge(s.tenant, r, charged, now)
+            self.policy.charge(s.tenant, r, charged, now, REPORTED)
             verdict = self.meter(c, r).report(charged, now)
             if verdict is not None and verdict.overrun_s > 0:
                 self._overrun[s.tenant] = self._overrun.get(s.tenant, 0.0) + verdict.overrun_s
@@ -144,4 +150,4 @@ class LeaseCharges:
         interval as the report, which reports up to half a slice late mostly miss."""
         self._reported.setdefault(r, []).append((ended, drain_s))
         if self.policy.has(frozen):  # (it may have been removed since)
-            self.policy.charge(frozen, r, drain_s, now)
+            self.policy.charge(frozen, r, drain_s, now, REPORTED_DRAIN)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import structlog
 
-from unisched.policy import Resource, saturation
+from unisched.policy import ChargeKind, Resource, saturation
 from unisched.policy.caps import CapKind
 from unisched.policy.overlap import OverlapMix, SliceKind
 from unisched.policy.saturation import GateState
@@ -26,7 +26,8 @@ from unisched.scheduler.tenant import (
 )
 from unisched.telemetry import GpuSample
 
-__all__ = ["gate_states", "gpu_samples", "log_shares", "mixed_slices", "snapshot", "snapshots"]
+__all__ = ["charged_line", "charges_by_resource", "gate_states", "gpu_samples", "log_shares", "mixed_slices", "snapshot",
+           "snapshots"]
 
 log = structlog.get_logger("unisched.scheduler")
 
@@ -56,8 +57,10 @@ def snapshots(c: Context, names: Iterable[str] | None = None) -> list[TenantSnap
     for name in wanted:
         t = c.tenants[name]
         st = stats[name]
+        charges = charges_by_resource(st.charged_as)
         shares = tuple(
-            ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0), st.seconds_by.get(r, 0.0))
+            ResourceShare(r, st.target_share.get(r, 0.0), st.measured_share.get(r, 0.0), st.seconds_by.get(r, 0.0),
+                          charges.get(r, ()))
             for r in sorted(t.resources)
         )
         main = max(shares, key=lambda s: (s.target, s.measured), default=None)
@@ -100,6 +103,22 @@ def snapshots(c: Context, names: Iterable[str] | None = None) -> list[TenantSnap
             )
         )
     return out
+
+
+def charges_by_resource(charged_as: Mapping[tuple[Resource, ChargeKind], float]
+                        ) -> dict[Resource, tuple[tuple[ChargeKind, float], ...]]:
+    """A tenant's charges (TenantStats.charged_as) per resource, each resource's in the kinds' order."""
+    out: dict[Resource, list[tuple[ChargeKind, float]]] = {}
+    for (r, kind), seconds in sorted(charged_as.items(), key=lambda x: x[0][1]):
+        out.setdefault(r, []).append((kind, seconds))
+    return {r: tuple(xs) for r, xs in out.items()}
+
+
+def charged_line(c: Context, name: str) -> dict[str, dict[str, float]]:
+    """What a tenant was charged since it was added, per resource and `rule/source` (ChargeKind), for a log line:
+    what it paid stays in the log once it is gone (`tenant removed`)."""
+    (st,) = c.policy.stats(c.clock.monotonic(), [name])
+    return {str(r): {str(k): round(s, 4) for k, s in xs} for r, xs in charges_by_resource(st.charged_as).items()}
 
 
 def snapshot(c: Context, name: str) -> TenantSnapshot:

@@ -21,7 +21,7 @@ from unisched.scheduler.admission import (
 )
 from unisched.scheduler.context import Context, get, save, save_soon
 from unisched.scheduler.limits import changed_limits
-from unisched.scheduler.reporting import log_shares, snapshot
+from unisched.scheduler.reporting import charged_line, log_shares, snapshot
 from unisched.scheduler.tenant import (
     SchedulerError,
     Tenant,
@@ -121,12 +121,12 @@ def remove(c: Context, name: str, durable: bool = True) -> None:
     """`durable`: on disk when the caller is answered (an admin's, so a removed tenant does not come back at a
     restart); else written by the tick within SAVE_DELAY_S, off the loop, as registrations are: a user removing and
     re-making its tenant in a loop must not put two fsyncs on the event loop each time."""
-    drop(c, get(c, name))
+    charged = drop(c, get(c, name))
     if durable:
         save(c)
     else:
         save_soon(c)
-    log.info("tenant removed", tenant=name)
+    log.info("tenant removed", tenant=name, charged=charged)
     log_shares(c, reason="removed")
 
 
@@ -143,9 +143,11 @@ def leave_behind(c: Context, cgroup: str, owner_uid: int) -> None:
         del c.left_behind[next(iter(c.left_behind))]
 
 
-def drop(c: Context, t: Tenant) -> None:
-    """Forget a tenant and thaw (and, when it made it and it is empty, delete) its cgroup; the caller saves."""
+def drop(c: Context, t: Tenant) -> dict[str, dict[str, float]]:
+    """Forget a tenant and thaw (and, when it made it and it is empty, delete) its cgroup; the caller saves. Returns
+    what it was charged (`charged_line`), for the caller's log line."""
     name = t.name
+    charged = charged_line(c, name)
     if t.devices_admitted and c.devices is not None:
         try:
             c.devices.revoke(v2_dir(c, t))
@@ -168,6 +170,7 @@ def drop(c: Context, t: Tenant) -> None:
     c.logged_shares.pop(name, None)
     c.leases.forget_tenant(name)
     c.policy.remove(name)
+    return charged
 
 
 def set_limits(c: Context, name: str, render: int | None, decode: int | None, encode: int | None,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from unisched.policy import (
+    ChargeKind,
     Engine,
     Priority,
     Resource,
@@ -42,6 +43,8 @@ class ResourceShare:
     measured: float
     gpu_seconds: float = 0.0
     """GPU time charged on this resource since the tenant was added."""
+    charges: tuple[tuple[ChargeKind, float], ...] = ()
+    """`gpu_seconds` by the rule and source each charge came by (policy.ChargeKind), in their order."""
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ import structlog
 
 from unisched.enforce.cgroups import CgroupError
 from unisched.policy import (
+    ChargeKind,
+    ChargeSource,
     Decision,
     Engine,
     Mode,
     Resource,
 )
-from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part
+from unisched.policy.charging import ReportMatch, charge_rule, cooperative_part, sources
 from unisched.policy.overlap import PairMember, PairWeights, pair_weights
 from unisched.policy.plan import (
     FreezerUse,
@@ -61,22 +63,25 @@ def tick(c: Context, readings: Readings | None = None) -> float:
     update_memory(c, samples, now, readings.pids)
     cpu = _cpu_deltas(c, readings)
     thawed_on: dict[Resource, list[Tenant]] = {}
+    how: dict[str, ChargeSource] = {}
     leases = c.leases
     for t in c.tenants.values():
         # thawed tenants, and frozen ones that still ran: a freeze takes effect a few ms late, and an
         # uncharged tail favours the tenant frozen most often per unit of its share (the low weight); and one
         # frozen at the interval's start: its queued GPU work drains in it (a render's frame in flight)
-        ran = not t.frozen or t.froze or cpu.get(t.name, 0.0) > 0.0
+        ran = _ran_as(t, cpu.get(t.name, 0.0))
         t.froze = False
-        if ran and not t.missing and not leases.cooperative(t.name) and not off_gpu(t):
+        if ran is not None and not t.missing and not leases.cooperative(t.name) and not off_gpu(t):
             # (cooperative ones report their GPU time; one with no GPU context used none)
+            how[t.name] = ran
             for r in t.resources:
                 thawed_on.setdefault(r, []).append(t)
     gpu_active: set[str] = set()
     c.charged = {}
     reports = leases.take_reported()
     for r, ts in thawed_on.items():
-        _charge_resource(c, r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()))
+        _charge_resource(c, r, ts, samples.get(r.gpu), cpu, dt, now, gpu_active, reports.pop(r, ()),
+                         [how[t.name] for t in ts])
     for r in set(reports) | (set(c.matches) - set(thawed_on)):  # late reports of intervals already charged
         _, c.matches[r] = cooperative_part(0.0, now - dt, now, reports.get(r, ()),
                                            c.matches.get(r, ReportMatch()), leases.valid_s, False)
@@ -316,6 +321,17 @@ def _cpu_deltas(c: Context, readings: Readings) -> dict[str, float]:
     return out
 
 
+def _ran_as(t: Tenant, cpu_s: float) -> ChargeSource | None:
+    """What a tenant did in the interval, as policy.charging.sources reads it: thawed (SHARED), frozen in it (DRAIN:
+    its queued work drains in it), frozen before it but still using CPU (FROZEN_TAIL); None: frozen and idle (not
+    charged)."""
+    if not t.frozen:
+        return ChargeSource.SHARED
+    if t.froze:
+        return ChargeSource.DRAIN
+    return ChargeSource.FROZEN_TAIL if cpu_s > 0.0 else None
+
+
 def _charge_resource(
     c: Context,
     r: Resource,
@@ -325,13 +341,15 @@ def _charge_resource(
     dt: float,
     now: float,
     gpu_active: set[str],
-    reports: Sequence[tuple[float, float]] = (),
+    reports: Sequence[tuple[float, float]],
+    ran_as: Sequence[ChargeSource],
 ) -> None:
     """Charge the measured use of `r` over the interval to the tenants that were thawed on it.
 
     `util` is the highest busy fraction of the engines they use there (0 without a sample); how it is split is
-    policy.charging.charge_rule. A tenant alone on a busy resource that no client held showed GPU activity
-    (`gpu_active`)."""
+    policy.charging.charge_rule. `ran_as`: what each tenant did in the interval (`_ran_as`), from which its charge's
+    source (policy.charging.sources) is kept with it (`ChargeKind`). A tenant alone on a busy resource that no
+    client held showed GPU activity (`gpu_active`)."""
     util = 0.0
     if sample is not None and sample.ok:
         util = max(
@@ -346,15 +364,17 @@ def _charge_resource(
     # NVML's per-process samples are of the SMs; each rate is (GPU seconds per CPU second, when taken)
     rates = [rate[0] if (rate := t.gpu_rates.get(r.gpu)) else None for t in ts] if sm else []
     amounts, rule = charge_rule(util, dt, [cpu.get(t.name, 0.0) for t in ts], threshold, matched, rates)
+    came = sources(ran_as, amounts)
     if log.is_enabled_for(logging.DEBUG):  # (its fields cost a pass over the tenants, per resource per tick)
         log.debug("charged", resource=str(r), now=round(now, 4), util=round(util, 3), busy_s=round(busy, 5),
                   cooperative_s=round(matched, 5), rule=rule.value,
-                  charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)})
+                  charged={t.name: round(s, 5) for t, s in zip(ts, amounts, strict=True)},
+                  sources={t.name: a.value for t, a in zip(ts, came, strict=True)})
     if (total := sum(amounts)) > 0:
         c.charged_by_rule[(r, rule)] = c.charged_by_rule.get((r, rule), 0.0) + total
-    for t, seconds in zip(ts, amounts, strict=True):
+    for t, seconds, source in zip(ts, amounts, came, strict=True):
         if seconds > 0:
-            c.policy.charge(t.name, r, seconds, now)
+            c.policy.charge(t.name, r, seconds, now, ChargeKind(rule, source))
             c.charged[(t.name, r)] = seconds
     if rule is Rule.SIGNAL and len(ts) == 1 and not c.leases.client_held(r):
         gpu_active.add(ts[0].name)  # alone on a busy GPU: unless a client held it, that busy time is its own

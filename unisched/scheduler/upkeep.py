@@ -89,8 +89,8 @@ def _reap_emptied(c: Context, pids_of: Callable[[Tenant], list[int]]) -> None:
             if t.ephemeral and not t.moving and not c.leases.cooperative(t.name)
             and (t.missing or (not pids_of(t) and not c.driver.pids(t.cgroup)))]
     for t in gone:
-        drop(c, t)
-        log.info("tenant removed", tenant=t.name, reason="its last process exited")
+        charged = drop(c, t)
+        log.info("tenant removed", tenant=t.name, reason="its last process exited", charged=charged)
     if gone:
         # no caller waits on it, and one a crash loses is reaped again at the next start: off the loop
         save_soon(c)

@@ -34,7 +34,8 @@ def snapshot_to_pb(s: TenantSnapshot) -> pb.Tenant:
         engines=sorted(e.value for e in s.engines),
         shares=[
             pb.ResourceShare(
-                gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured
+                gpu=x.resource.gpu, domain=x.resource.domain, target_share=x.target, measured_share=x.measured,
+                charges=[pb.Charge(rule=k.rule, source=k.source, seconds=seconds) for k, seconds in x.charges],
             )
             for x in s.shares
         ],
@@ -72,6 +73,7 @@ def public_summary(t: pb.Tenant) -> None:
     t.measured_share = 0.0
     for share in t.shares:
         share.measured_share = 0.0
+        del share.charges[:]
     t.slices = 0
     t.overrun_s = 0.0
     t.unit_ms = 0.0  # its mean GPU step, and the turn sized from it: measures of its work too

@@ -51,6 +51,10 @@ FAMILIES = (
            "the share window (0..1)", (*TENANT, *GPU, "domain")),
     Family("unisched_tenant_gpu_seconds", "counter", "GPU time charged to the tenant on the GPU engine domain",
            (*TENANT, *GPU, "domain")),
+    Family("unisched_tenant_charged_seconds", "counter", "unisched_tenant_gpu_seconds by how each charge came: the rule "
+           "that split the busy time (signal, process-rate, cpu-time; report: a cooperative report) and its source "
+           "(alone, shared, beside-drain: thawed beside a tenant whose queued work drained, drain, frozen-tail, "
+           "reported)", (*TENANT, *GPU, "domain", "rule", "source")),
     Family("unisched_tenant_slices", "counter", "Slices the tenant was given", TENANT),
     Family("unisched_tenant_session_refusals", "counter", "GPU sessions refused (kind=memory: memory-cap "
            "crossings)", (*TENANT, "kind")),

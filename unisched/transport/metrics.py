@@ -167,6 +167,8 @@ def _tenant_metrics(out: _Families, tenants: Sequence[TenantSnapshot], uuids: Ma
             out.add("unisched_tenant_target_share_ratio", where, share.target)
             out.add("unisched_tenant_measured_share_ratio", where, share.measured)
             out.add("unisched_tenant_gpu_seconds", where, share.gpu_seconds)
+            for how, seconds in share.charges:
+                out.add("unisched_tenant_charged_seconds", [*where, how.rule, how.source], seconds)
         out.add("unisched_tenant_slices", n, float(s.slices))
         for kind, k in sorted(s.refusals.items()):
             out.add("unisched_tenant_session_refusals", [*n, kind], float(k))

@@ -11,6 +11,7 @@ from itertools import count
 from unisched.policy.fairshare.heaps import KEY, MULTI, OFFLINE, ONLINE, OWNER, SINGLE, Entry, Index, push, settle
 from unisched.policy.model import (
     DEFAULT_WEIGHT,
+    ChargeKind,
     Mode,
     PolicyError,
     Priority,
@@ -80,6 +81,8 @@ class TenantStats:
     slices: int
     seconds_by: Mapping[Resource, float] = field(default_factory=dict)
     """`gpu_seconds` by resource (GPU and domain): what metrics export per GPU."""
+    charged_as: Mapping[tuple[Resource, ChargeKind], float] = field(default_factory=dict)
+    """Of `seconds_by`, the charges whose caller said how they came (the rule and source: the engine's always do)."""
 
 
 # A heap entry is a list, so that entries compare in C: [key, name, seq, owner, value].
@@ -92,6 +95,7 @@ class Tenant:
     demand: frozenset[Resource] = frozenset()
     gpu_seconds: float = 0.0
     seconds_by: dict[Resource, float] = field(default_factory=dict)
+    charged_as: dict[tuple[Resource, ChargeKind], float] = field(default_factory=dict)
     slices: int = 0
     last_run_end: float = float("-inf")
     turn_started: float | None = None

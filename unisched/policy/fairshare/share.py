@@ -22,7 +22,7 @@ from unisched.policy.fairshare.book import (
     virtual_clock,
 )
 from unisched.policy.fairshare.heaps import VALUE
-from unisched.policy.model import PolicyError, Priority, Resource, TenantSpec, validate_weight
+from unisched.policy.model import ChargeKind, PolicyError, Priority, Resource, TenantSpec, validate_weight
 
 __all__ = ["WeightedFairShare"]
 
@@ -179,8 +179,10 @@ class WeightedFairShare:
                 reindex(self._b, t)
 
 
-    def charge(self, name: str, resource: Resource, gpu_seconds: float, now: float) -> None:
-        """Measured GPU time the tenant used on `resource` (slice, overrun and drain alike)."""
+    def charge(self, name: str, resource: Resource, gpu_seconds: float, now: float, kind: ChargeKind | None = None) -> None:
+        """Measured GPU time the tenant used on `resource` (slice, overrun and drain alike). `kind`: the rule and
+        source it came by, kept apart per tenant (`TenantStats.charged_as`) so that a share can be traced to the part
+        of the charging model that set it; the vtime does not depend on it."""
         if not (gpu_seconds >= 0 and math.isfinite(gpu_seconds)):
             raise PolicyError(f"charge must be a finite number of seconds >= 0, got {gpu_seconds}")
         if gpu_seconds == 0:
@@ -197,6 +199,9 @@ class WeightedFairShare:
                 entry[VALUE] = v  # its heap place is fixed when it reaches the top
         t.gpu_seconds += gpu_seconds
         t.seconds_by[resource] = t.seconds_by.get(resource, 0.0) + gpu_seconds
+        if kind is not None:
+            key = (resource, kind)
+            t.charged_as[key] = t.charged_as.get(key, 0.0) + gpu_seconds
         t.window[resource] = t.window.get(resource, 0.0) + gpu_seconds
         self._b.window_total[resource] = self._b.window_total.get(resource, 0.0) + gpu_seconds
         self._b.charges.append((now, t, resource, gpu_seconds))
@@ -244,6 +249,7 @@ class WeightedFairShare:
                     gpu_seconds=t.gpu_seconds,
                     slices=t.slices,
                     seconds_by=dict(t.seconds_by),
+                    charged_as=dict(t.charged_as),
                 )
             )
         return out
