@@ -1,6 +1,7 @@
 """What a daemon's log (JSON lines) says it did over a measured window: how long its saturation gate kept a GPU
 sliced, and how often it opened the GPU again because the turns were left unused; and, over its whole run, by which
-rule it split the GPU's busy time among the tenants (`charged_by_rule`).
+rule it split the GPU's busy time among the tenants (`charged_by_rule`), and what it had charged each tenant it
+removed (`removed_charges`).
 
 Why from the log: a run's figures (FPS, rates) say what the tenants got, not whether the daemon was rationing at
 all; a miss with the GPU sliced throughout and one with it open throughout are different findings. The gate logs
@@ -107,3 +108,28 @@ def charged_by_rule(log: Path) -> dict[str, float] | None:
                         out[str(rule)] = out.get(str(rule), 0.0) + float(seconds)
             return out
     return None
+
+
+REMOVED = "tenant removed"
+"""The line the daemon logs as it removes a tenant, with what it charged it (per resource, by `rule/source`)."""
+
+
+def removed_charges(log: Path) -> dict[str, tuple[float | None, dict[str, float]]]:
+    """Per tenant the daemon removed, when (wall clock) and what it had charged it, as {"gpu0/sm signal/alone":
+    seconds} (bench/charges.py's keys); empty without the log or such lines."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    out: dict[str, tuple[float | None, dict[str, float]]] = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or entry.get("event") != REMOVED or not isinstance(entry.get("charged"), dict):
+            continue
+        charged = {f"{r} {kind}": float(s) for r, kinds in entry["charged"].items() if isinstance(kinds, dict)
+                   for kind, s in kinds.items() if isinstance(s, int | float)}
+        out[str(entry.get("tenant"))] = (_stamp(entry), charged)
+    return out

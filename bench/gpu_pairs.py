@@ -12,9 +12,11 @@ depends on weights); every weighted pair then runs under a fresh `unisched serve
 of a run are launched together and given the same absolute measurement window (`--start-at`), so
 neither measures while the other is still starting. Scoring lives in bench/scoring.py.
 
-Outputs in --out: results.json (raw reports, daemon snapshots, derived numbers) and results.md (the
-table). Worker logs, reports and daemon state go to --work-dir (a temp folder by default) so the
-output folder holds two files; the tail of every log is copied into results.json.
+Outputs in --out: results.json (raw reports, daemon snapshots, derived numbers), results.md (the
+table) and daemon-logs/ (each daemon's log, its start and end where it is long). Worker logs, reports
+and daemon state go to --work-dir (a temp folder by default); the tail of every log is copied into
+results.json. Each pair under unisched also keeps what the daemon charged each tenant, by rule and
+source, at its window's start and end (bench/charges.py).
 
 With --calibrate-out DIR the no-scheduler cuda+render run doubles as the daemon's contention
 calibration (DIR/contention.json, as `unisched calibrate` writes it, with its fit and writer), and the
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
 from _daemon import ROOT
 from _results import save_json, utc_now, write_atomic
+from charges import DAEMON_LOGS, log_name
 from pairs_args import TIME_BUDGET_S, parse_args
 from pairs_calibration import (
     check_contention_dir,
@@ -351,13 +354,15 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
                 if contention_path is not None:
                     check_daemon_contention(daemon, results["contention"]["verdict"], pair.key,
                                             results["warnings"])
-                outcome = run_group(cfg, pair.key, "unisched", specs, daemon, warmup=cfg.unisched_warmup)
+                outcome = run_group(cfg, pair.key, "unisched", specs, daemon, warmup=cfg.unisched_warmup,
+                                    charges=True)
             except DaemonError as exc:
                 daemon_failures += 1
                 results["errors"].append(f"unisched: {pair.key}: {exc}")
                 progress.note(f"  -> daemon FAILED: {str(exc).splitlines()[0]}")
             finally:
                 daemon.stop()
+                daemon.keep_log(out / DAEMON_LOGS / log_name(pair.key))
             if daemon.info.get("killed") or daemon.info.get("rc") not in (0, None):
                 killed = " (killed after SIGTERM was ignored)" if daemon.info.get("killed") else ""
                 results["warnings"].append(f"unisched: {pair.key}: daemon exit status "
@@ -385,6 +390,7 @@ def run_round(args: argparse.Namespace, cfg: Config, progress: Progress, command
                 continue
             finally:
                 daemon.stop()
+                daemon.keep_log(out / DAEMON_LOGS / log_name(f"alone-{kind}"))
             base, under = solo[kind].throughputs()[0], group.throughputs()[0]
             results["overhead"][kind] = {
                 "alone": base, "alone_under_unisched": under,

@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scoring
 from _daemon import ROOT, own_subtree, remove_subtree, thaw_subtree
+from charges import compact, keep_log
 from interleave import Alternation, Alternator
 
 from unisched.calibrate.runs import kill_group
 from unisched.scheduler.contention_file import CONTENTION_FILE
 
+SNAPSHOT_LEAD_S = 0.5
+"""How long before a window's start and end its charges are asked for (`run_group`'s `charges`): `unisched tenants
+--json` takes a few tenths of a second to start and answer, so the answers fall about on the window's edges; and a
+tenant whose workload has ended is removed within a second, taking its charges with it."""
 ENGINES = {"cuda": "compute", "render": "graphics", "nvdec": "decode"}
 """The engines a tenant of each kind declares (`unisched run --engines`)."""
 LOG_TAIL_CHARS = 3000
@@ -161,27 +167,38 @@ def tail(path: Path, limit: int = LOG_TAIL_CHARS) -> str:
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]], deadline: float,
-             at: float | None = None, action: Callable[[], None] | None = None) -> bool:
-    """Wait for every process until `deadline` (time.time()); run `action` once at time `at`.
+             actions: Sequence[tuple[float, Callable[[], None]]] = ()) -> bool:
+    """Wait for every process until `deadline` (time.time()); start each of `actions` (time, action) at its time, on a
+    thread of its own so that one slow to end (a snapshot the daemon is slow to answer) delays neither the next one
+    nor the wait; those still due when every process has ended start then. Returns once the actions have ended too.
 
     Returns False when the deadline passed with some still running (the caller kills them).
     """
     pending = list(procs)
-    while pending:
-        now = time.time()
-        if action is not None and at is not None and now >= at:
-            action()
-            action = None
-        wake = deadline if action is None or at is None else min(deadline, at)
-        try:
-            pending[0].wait(timeout=max(0.0, wake - time.time()))
-            pending.pop(0)
-        except subprocess.TimeoutExpired:
-            if time.time() >= deadline:
-                return False
-    if action is not None:  # everything ended before `at`: still take the snapshot
-        action()
-    return True
+    due = sorted(actions, key=lambda a: a[0])
+    started: list[threading.Thread] = []
+
+    def start(action: Callable[[], None]) -> None:
+        started.append(threading.Thread(target=action, daemon=True))
+        started[-1].start()
+
+    try:
+        while pending:
+            while due and time.time() >= due[0][0]:
+                start(due.pop(0)[1])
+            wake = min(deadline, due[0][0]) if due else deadline
+            try:
+                pending[0].wait(timeout=max(0.0, wake - time.time()))
+                pending.pop(0)
+            except subprocess.TimeoutExpired:
+                if time.time() >= deadline:
+                    return False
+        for _, action in due:  # everything ended before them: still take the snapshots
+            start(action)
+        return True
+    finally:
+        for thread in started:
+            thread.join()
 
 
 def read_report(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -205,12 +222,14 @@ def unisched_cmd(cfg: Config, *args: str) -> list[str]:
 
 def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
               daemon: Daemon | None = None, warmup: float | None = None,
-              alternate: tuple[str, float, float] | None = None) -> GroupResult:
+              alternate: tuple[str, float, float] | None = None, charges: bool = False) -> GroupResult:
     """Launch the tenants together, wait for their shared window to end, collect their reports.
 
     The window starts `warmup` seconds after the launch (default: cfg.warmup). `alternate` = (tenant, period s,
     guard s): that tenant is paused (SIGUSR1 / SIGUSR2: its workload must be --pausable) in every other period of the
-    window (interleave.py); the plan and how it went are in extra["alternation"].
+    window (interleave.py); the plan and how it went are in extra["alternation"]. `charges` (with a daemon): what it
+    charged each tenant, asked SNAPSHOT_LEAD_S before the window's start and before its end (charges.compact), in
+    extra["charges"].
     """
     run_dir = cfg.work_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{setup}-{label}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -245,10 +264,16 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
         (paused,) = [proc for (spec, *_), proc in zip(plans, procs, strict=True) if spec.name == paused_name]
         alternator = Alternator(Alternation(start_at, cfg.seconds, period_s, guard_s), paused.pid)
         alternator.start()
-    snapshot = None if daemon is None else lambda: extra.update(tenants_snapshot=daemon.tenants_json())
+    actions: list[tuple[float, Callable[[], None]]] = []
+    if daemon is not None:
+        actions.append((start_at + 0.85 * cfg.seconds, lambda: extra.update(tenants_snapshot=daemon.tenants_json())))
+    if daemon is not None and charges:
+        def charged(when: str) -> Callable[[], None]:
+            return lambda: extra.setdefault("charges", {}).update({when: compact(daemon.tenants_json())})
+        lead = min(SNAPSHOT_LEAD_S, cfg.seconds / 4)
+        actions += [(start_at - lead, charged("start")), (start_at + cfg.seconds - lead, charged("end"))]
     try:
-        finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s,
-                            at=start_at + 0.85 * cfg.seconds, action=snapshot)
+        finished = wait_all(procs, start_at + cfg.seconds + cfg.grace_s, actions)
     finally:
         if alternator is not None:  # resumed before anything is killed
             extra["alternation"] = {"tenant": paused_name, **alternator.stop()}
@@ -365,7 +390,8 @@ class Daemon:
         except subprocess.TimeoutExpired:
             return {**snap, "rc": None, "error": "timed out after 10 s"}
         out = done.stdout.decode(errors="replace")
-        snap.update(rc=done.returncode, stdout=out, stderr=done.stderr.decode(errors="replace")[-2000:])
+        snap.update(rc=done.returncode, answered=time.time(), stdout=out,
+                    stderr=done.stderr.decode(errors="replace")[-2000:])
         try:
             snap["parsed"] = json.loads(out)
         except ValueError:
@@ -388,3 +414,8 @@ class Daemon:
         self.info["log_tail"] = tail(self.log)
         shutil.rmtree(self.socket.parent, ignore_errors=True)  # our own mkdtemp folder
         remove_subtree(self.subtree)  # the tenants' cgroups (its own subtree: start)
+
+    def keep_log(self, dest: Path) -> None:
+        """Its log (charges.keep_log: whole, or its start and end) kept at `dest`, said in `info`."""
+        if keep_log(self.log, dest):
+            self.info["log"] = str(dest)

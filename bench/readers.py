@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon_log import charged_by_rule, gate_over
+from charges import DAEMON_LOGS, log_name, pair_rows
+from daemon_log import charged_by_rule, gate_over, removed_charges
 from scoring import overlap_bound
 
 Cases = dict[str, dict[str, Any]]
@@ -46,9 +47,13 @@ def _json(path: Path) -> dict[str, Any]:
 def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
     """bench/gpu_pairs.py's results.json: per pair under unisched, its normalized rates, error, sum, guarantee and
     the no-scheduler sum beside it (and, for a pair that overlaps, the most a mix that keeps the guarantee could
-    sum: scoring.overlap_bound); per kind alone under unisched (--overhead), the throughput lost."""
-    data = _json(step_folder(folder) / "results.json")
+    sum: scoring.overlap_bound), and what the daemon charged each tenant over the window, by rule and source, beside
+    what it measured (`charges`: charges.pair_rows; each tenant's part of the charges as charged_part_a and _b); per
+    kind alone under unisched (--overhead), the throughput lost."""
+    step = step_folder(folder)
+    data = _json(step / "results.json")
     cases: Cases = {}
+    notes: list[str] = []
     for d in data.get("pairs", []):
         us, ns = d.get("unisched") or {}, d.get("no_scheduler") or {}
         if not us and not ns:
@@ -62,11 +67,19 @@ def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
                 m["sum_vs_no_scheduler"] = us["efficiency"] - ns["efficiency"]
         if not d.get("contending") and ns.get("normalized") and d.get("weights"):  # what any scheduler could keep
             m["best_sum_with_guarantee"] = overlap_bound(ns["normalized"], d["weights"])
+        group = (data.get("unisched") or {}).get(d["pair"]) or {}
+        if us and group.get("charges"):
+            rows, why = pair_rows(group, d, removed_charges(step / DAEMON_LOGS / log_name(d["pair"])))
+            if rows:
+                m.update({f"charged_part_{side}": row["charged_part"] for side, row in zip("ab", rows, strict=False)})
+                m["charges"] = rows
+            if why:
+                notes.append(f"{d['pair']}: {why}")
         cases[d["pair"]] = m
     for kind, o in (data.get("overhead") or {}).items():
         cases[f"{kind} alone"] = {"alone": o.get("alone"), "under_daemon": o.get("alone_under_unisched"),
                                   "loss": o.get("loss")}
-    return cases, [*data.get("errors", []), *data.get("warnings", [])]
+    return cases, [*data.get("errors", []), *data.get("warnings", []), *notes]
 
 
 def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:

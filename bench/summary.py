@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from _results import save_json, write_atomic
+from charges import charges_md
 from suites import SUITES, Suite
 from verdicts import Verdict, judge_all, overall, stats_of
 
@@ -171,10 +172,12 @@ def report_md(s: dict[str, Any]) -> str:
     for r in s["rounds"]:
         lines += [f"Round {r['round']} ({r['date_utc']}, {sum(st['wall_s'] for st in r['steps']):.0f} s):", "",
                   "| case | " + "metrics |", "|---|---|"]
-        lines += [f"| {case} | " + ", ".join(f"{k} {_num(v)}" for k, v in metrics.items()) + " |"
+        lines += [f"| {case} | " + ", ".join(f"{k} {_num(v)}" for k, v in metrics.items()
+                                           if not isinstance(v, list | dict)) + " |"
                   for case, metrics in r["cases"].items()]
         bad = [f"`{st['name']}` exit status {st['rc']}" for st in r["steps"] if st["rc"] != 0]
         lines += [""] + [f"- {n}" for n in [*bad, *r.get("notes", [])]] + ([""] if bad or r.get("notes") else [])
+    lines += charges_md(s["rounds"])
     lines += ["## Over the rounds", "", "| case | metric | median | lowest | highest | 90% interval of the mean |",
               "|---|---|---|---|---|---|"]
     for case, metrics in s["stats"].items():

@@ -154,6 +154,21 @@ def test_pairs_with_cpu_standins_writes_every_round_and_computed_verdicts(tmp_pa
     assert 0 < (folder / "raw.tar.xz").stat().st_size <= summary.RAW_ARCHIVE_MAX
     with tarfile.open(folder / "raw.tar.xz") as tar:
         assert "raw/round-1/pairs/results.json" in tar.getnames()
+        # the daemon's log, and what it charged each tenant by rule and source at the window's start and end
+        log = tar.extractfile("raw/round-1/pairs/daemon-logs/cuda+cuda_3-1.log")
+        assert log is not None and b'"event": "stopped"' in log.read()
+        results = tar.extractfile("raw/round-1/pairs/results.json")
+        assert results is not None
+        snaps = json.load(results)["unisched"]["cuda+cuda 3:1"]["charges"]
+    assert set(snaps) == {"start", "end"}
+    if all("tenants" in x for x in snaps.values()) and "gone before" not in " ".join(rnd["notes"]):
+        a, b = m["charges"]
+        assert (a["tenant"], b["tenant"]) == ("a-cuda", "b-cuda") and (a["weight_share"], b["weight_share"]) == (0.75, 0.25)
+        assert m["charged_part_a"] + m["charged_part_b"] == pytest.approx(1.0, abs=1e-3)
+        assert all(key.startswith("gpu0/sm ") for row in m["charges"] for key in row["by"])
+        assert "## What the daemon charged, by rule and source" in report
+    else:  # a snapshot failed on a machine this loaded: the round says so
+        assert any("no charges" in n for n in rnd["notes"]), rnd["notes"]
     assert summary.latest(tmp_path) == {}  # stand-in runs never reach the README's table
 
 
