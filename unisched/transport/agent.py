@@ -350,22 +350,24 @@ class SeccompAgentServer:
             self.engine.note_session_hooks(tenant)
             log.info("session hooks attached", tenant=tenant, pid=hello.pid, container=hello.container_id or None)
             ack_agent(conn, None)
-        except Exception:
-            log.exception("seccomp agent connection failed")
+        except Exception:  # a bug, but one a peer may trigger at will: its lines are throttled like its refusals
+            self._warn("seccomp agent connection failed", cred, level="error", exc_info=True)
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _warn(self, event: str, cred: PeerCred | None, **fields: object) -> None:
-        """The runtime's (uid 0's) refusals always; another peer's at most once per REFUSAL_LOG_INTERVAL_S per
-        event and caller (its uid, or its pod: root in a pod taking uid after uid gets no more lines)."""
+    def _warn(self, event: str, cred: PeerCred | None, level: str = "warning", **fields: object) -> None:
+        """The runtime's (uid 0's) lines always; another peer's at most once per REFUSAL_LOG_INTERVAL_S per
+        event and caller (its uid, or its pod: root in a pod taking uid after uid gets no more lines). `level`
+        "error" for a failure that is a bug, not a refusal."""
         caller = None if cred is None else cred.caller
         held_back = 0 if caller == 0 else self._throttle.allow((event, caller))
         if held_back is not None:
             peer: dict[str, int] = {} if cred is None else {"peer_uid": cred.uid, "peer_pid": cred.pid}
             if isinstance(caller, Pod):
                 peer["pod"] = caller.pidns
-            log.warning(event, **peer, **fields, **({"held_back": held_back} if held_back else {}))
+            emit = log.error if level == "error" else log.warning
+            emit(event, **peer, **fields, **({"held_back": held_back} if held_back else {}))
 
     def _tenant_for(self, cred: PeerCred, on_runtime_socket: bool, hello: AgentHello) -> tuple[str | None, str | None]:
         """Which tenant a hand-over governs (tenant, None), or why none (None, reason): `tenant=NAME` in the

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import reprlib
 import socket
 import time
 from collections.abc import Mapping
@@ -48,11 +49,18 @@ class AgentHello:
 
 
 def parse_agent_message(payload: bytes | str) -> AgentHello:
-    """Parse the OCI seccomp agent message (runtime-spec ContainerProcessState). ociVersion is not validated."""
+    """Parse the OCI seccomp agent message (runtime-spec ContainerProcessState). ociVersion is not validated. Any
+    malformed message, nesting too deep for json included, is a SeccompError: a peer's refusal, never a crash."""
     try:
         msg = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
         raise SeccompError(f"seccomp agent message is not JSON: {e}") from None
+    return _hello_from(msg)
+
+
+def _hello_from(msg: object) -> AgentHello:
+    """The hand-over a decoded message describes. Errors quote the peer's values through reprlib (bounded, however
+    large or deep the value)."""
     if not isinstance(msg, dict):
         raise SeccompError("seccomp agent message must be a JSON object")
     state = msg.get("state") or {}
@@ -60,23 +68,33 @@ def parse_agent_message(payload: bytes | str) -> AgentHello:
         raise SeccompError("seccomp agent message: 'state' must be an object")
     pid = msg.get("pid", state.get("pid"))
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        raise SeccompError(f"seccomp agent message: bad or missing pid {pid!r}")
+        raise SeccompError(f"seccomp agent message: bad or missing pid {reprlib.repr(pid)}")
     fds = msg.get("fds", ["seccompFd"])
     if not isinstance(fds, list) or "seccompFd" not in fds:
-        raise SeccompError(f"seccomp agent message: fds {fds!r} does not name seccompFd")
+        raise SeccompError(f"seccomp agent message: fds {reprlib.repr(fds)} does not name seccompFd")
     annotations = state.get("annotations") or {}
     if not isinstance(annotations, dict):
         raise SeccompError("seccomp agent message: 'state.annotations' must be an object")
     return AgentHello(
         pid=pid,
-        metadata=str(msg.get("metadata") or ""),
-        container_id=str(state.get("id") or ""),
-        status=str(state.get("status") or ""),
-        annotations=MappingProxyType({str(k): str(v) for k, v in annotations.items()}),
-        bundle=str(state.get("bundle") or ""),
-        oci_version=str(msg.get("ociVersion") or ""),
+        metadata=_text(msg.get("metadata"), "metadata"),
+        container_id=_text(state.get("id"), "state.id"),
+        status=_text(state.get("status"), "state.status"),
+        annotations=MappingProxyType({str(k): _text(v, "an annotation") for k, v in annotations.items()}),
+        bundle=_text(state.get("bundle"), "state.bundle"),
+        oci_version=_text(msg.get("ociVersion"), "ociVersion"),
         fd_index=fds.index("seccompFd"),
     )
+
+
+def _text(value: object, what: str) -> str:
+    """A string field ("" when absent or empty; a number taken as its text). An object or array is refused rather
+    than turned into text: str() of a peer's deep nesting recurses as far as json did."""
+    if not value:
+        return ""
+    if isinstance(value, (dict, list)):
+        raise SeccompError(f"seccomp agent message: {what} must be a string")
+    return str(value)
 
 
 MAX_AGENT_MESSAGE_BYTES: Final = 1 << 20
