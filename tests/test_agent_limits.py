@@ -1,8 +1,9 @@
 """The seccomp agent socket (mode 0666) under a hostile local user: slow and partial hand-overs, and floods of
 connections, must cost only that user. The attacker is a real process forked from the test and set to an
-unprivileged uid; it sends real fds with SCM_RIGHTS to the real daemon's agent socket. The daemon's holdings
-are read from /proc/<daemon>/fd. The pure parts (the per-caller slots, the log throttle, the message reader) are
-checked first without a daemon, and a pod's callers with credentials as peer_of gives them."""
+unprivileged uid; it sends a real seccomp listener with SCM_RIGHTS to the real daemon's agent socket. The daemon's
+holdings of it are read from /proc/<daemon>/fd (compared with kcmp). The pure parts (the per-caller slots, the log
+throttle, the message reader) are checked first without a daemon, and a pod's callers with credentials as peer_of
+gives them."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ import pytest
 from conftest import Daemon, wait_until
 from structlog.testing import capture_logs
 
-from unisched.enforce.seccomp.abi import SeccompError
+from unisched.enforce.seccomp import agent as seccomp_agent
+from unisched.enforce.seccomp.abi import SeccompError, probe
 from unisched.enforce.seccomp.agent import AgentMessageReader, agent_reply
+from unisched.enforce.seccomp.filter import install_filter
 from unisched.enforce.seccomp.handover import hand_over, make_agent_message
 from unisched.enforce.seccomp.hooks import FakeSessionHooks
 from unisched.logs import Throttle
@@ -145,24 +148,18 @@ def _pipe_fd() -> tuple[int, int]:
     return r, w
 
 
-def test_reader_assembles_a_message_split_anywhere_and_closes_extra_fds() -> None:
-    message = make_agent_message(42, metadata='tenant=a,"x}\\"{')
+def test_reader_refuses_an_fd_that_is_no_listener_with_the_first_bytes() -> None:
+    """The fd is judged when it arrives: a peer that sends a pipe is refused before its message is read."""
     r, w = _pipe_fd()
-    extra_r, extra_w = _pipe_fd()
+    reader = AgentMessageReader()
     try:
-        reader = AgentMessageReader()
-        assert reader.feed(b"  " + message[:7], [r]) is None
-        for i in range(7, len(message) - 1):
-            assert reader.feed(message[i:i + 1], [extra_r] if i == 9 else []) is None
         with pytest.raises(SeccompError, match="not a seccomp notification listener"):
-            reader.feed(message[-1:] + b"trailing", [])
-        reader.close()
-        for fd in (r, extra_r):
-            with pytest.raises(OSError):
-                os.fstat(fd)
+            reader.feed(b'{"a":', [r])
     finally:
+        reader.close()
         os.close(w)
-        os.close(extra_w)
+    with pytest.raises(OSError):
+        os.fstat(r)
 
 
 @pytest.mark.parametrize(("chunks", "error"), [
@@ -170,7 +167,9 @@ def test_reader_assembles_a_message_split_anywhere_and_closes_extra_fds() -> Non
     ([b"{" + b" " * 100], "too long"),
     ([b'{"a":1'], None),
 ])
-def test_reader_refuses_non_objects_and_overlong_messages(chunks: list[bytes], error: str | None) -> None:
+def test_reader_refuses_non_objects_and_overlong_messages(chunks: list[bytes], error: str | None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seccomp_agent, "is_listener_fd", lambda fd: True)  # (a pipe stands in for the listener)
     r, w = _pipe_fd()
     reader = AgentMessageReader(max_bytes=64)
     try:
@@ -325,33 +324,55 @@ def slow_loris(path: str, token: int, conns: int, reconnect: bool, ready: int | 
                 held[i] = None
 
 
+def _listener() -> int:
+    """A seccomp notification listener, from a child that installs the filter and exits: what an attacker sends,
+    since the daemon refuses any other fd as soon as it arrives."""
+    a, b = socket.socketpair()
+
+    def make() -> None:
+        socket.send_fds(b, [b"l"], [install_filter()])
+
+    with a, b:
+        pid = _forked(make)
+        _, fds, _, _ = socket.recv_fds(a, 1, 1)
+    assert os.waitpid(pid, 0)[1] == 0 and len(fds) == 1, "no listener came"
+    return fds[0]
+
+
 @contextlib.contextmanager
 def attacker(path: str, conns: int, *, reconnect: bool = True, uid: int = NOBODY,
              contained: bool = False) -> Iterator[tuple[int, int]]:
-    """A slow-loris attacker process (`contained`: root in a pid namespace of its own); yields (its pid, the inode
-    of the pipe whose fd it sends) once its first `conns` connections were made."""
-    r, w = os.pipe()
+    """A slow-loris attacker process (`contained`: root in a pid namespace of its own); yields (its pid, the
+    listener it sends, as an fd of this process) once its first `conns` connections were made."""
+    token = _listener()
     ready_r, ready_w = os.pipe()
     if contained:
-        pid = _fork_in_pid_namespace(lambda: slow_loris(path, r, conns, reconnect, ready_w))
+        pid = _fork_in_pid_namespace(lambda: slow_loris(path, token, conns, reconnect, ready_w))
     else:
-        pid = _fork_as(uid, lambda: slow_loris(path, r, conns, reconnect, ready_w))
+        pid = _fork_as(uid, lambda: slow_loris(path, token, conns, reconnect, ready_w))
     os.close(ready_w)
     try:
         assert _read_line(ready_r, 60.0) == "r", "the attacker did not start"
-        yield pid, os.fstat(r).st_ino
+        yield pid, token
     finally:
         _reap(pid)
-        for fd in (r, w, ready_r):
+        for fd in (token, ready_r):
             os.close(fd)
 
 
-def held(daemon: Daemon, inode: int) -> int:
-    """How many fds of the attacker's pipe the daemon holds now."""
+_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)
+"""kcmp(2)'s syscall number: whether two fds are the same open file (every listener reads anon_inode:seccomp notify
+in /proc, so only this tells the attacker's from the daemon's others)."""
+needs_listeners = pytest.mark.skipif(probe() is not None or _KCMP is None,
+                                     reason=f"the attacker sends a seccomp listener: {probe() or 'no kcmp here'}")
+
+
+def held(daemon: Daemon, token: int) -> int:
+    """How many fds of the attacker's listener (`token`, an fd of this process) the daemon holds now."""
+    libc, me, pid = ctypes.CDLL(None, use_errno=True), os.getpid(), daemon.proc.pid
     n = 0
-    for entry in Path(f"/proc/{daemon.proc.pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            n += os.readlink(entry) == f"pipe:[{inode}]"
+    for entry in os.listdir(f"/proc/{pid}/fd"):
+        n += libc.syscall(_KCMP, me, pid, 0, token, int(entry)) == 0  # KCMP_FILE
     return n
 
 
@@ -369,13 +390,14 @@ def log_events(daemon: Daemon, event: str) -> list[dict]:  # type: ignore[type-a
 
 
 # --- against the real daemon ------------------------------------------------------------------------------------------
+@needs_listeners
 def test_slow_loris_on_the_agent_socket_costs_only_the_attacker(daemon: Daemon, tenant_prefix: str) -> None:
     """Eight connections that each send an fd and half a message, then trickle bytes: root's status still
     answers within 1 s and root's `unisched run` (with session hooks) hands over its listener."""
     agent = daemon.status()["agent_socket"]
     name = f"{tenant_prefix}run"
-    with attacker(agent, conns=8) as (pid, inode):
-        wait_until(lambda: held(daemon, inode) >= 4, 20, "the daemon to take the attacker's partial hand-overs")
+    with attacker(agent, conns=8) as (pid, token):
+        wait_until(lambda: held(daemon, token) >= 4, 20, "the daemon to take the attacker's partial hand-overs")
         with DaemonClient(daemon.socket, timeout=10) as client:
             for _ in range(3):
                 t0 = time.monotonic()
@@ -384,11 +406,12 @@ def test_slow_loris_on_the_agent_socket_costs_only_the_attacker(daemon: Daemon, 
         run = daemon.cli("run", "--tenant", name, "--", "true", timeout=60)
         assert run.returncode == 0, run.stderr
         assert alive(pid), "the attack ran throughout"
-        assert held(daemon, inode) <= 4, "one uid holds at most its own slots"
+        assert held(daemon, token) <= 4, "one uid holds at most its own slots"
     attached = [e for e in log_events(daemon, "session hooks attached") if e["tenant"] == name]
     assert attached, "the run's listener was handed over and governed"
 
 
+@needs_listeners
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a pid namespace")
 def test_root_in_a_pod_takes_one_user_s_slots_not_the_runtime_s(daemon: Daemon, tenant_prefix: str) -> None:
     """Root outside the daemon's namespaces (a pod's, with /run/unisched mounted) is not the runtime: its flood of
@@ -396,23 +419,24 @@ def test_root_in_a_pod_takes_one_user_s_slots_not_the_runtime_s(daemon: Daemon, 
     agent = daemon.status()["agent_socket"]
     name = f"{tenant_prefix}rt"
     limit = HandOverLimits().per_uid
-    with attacker(agent, conns=80, contained=True) as (_, inode):
-        wait_until(lambda: held(daemon, inode) >= limit, 20, "the daemon to take the contained root's hand-overs")
+    with attacker(agent, conns=80, contained=True) as (_, token):
+        wait_until(lambda: held(daemon, token) >= limit, 20, "the daemon to take the contained root's hand-overs")
         peak, end = 0, time.monotonic() + HandOverLimits().deadline_s  # a window as long as a slot is held
         while time.monotonic() < end and peak <= limit:
-            peak = max(peak, held(daemon, inode))
+            peak = max(peak, held(daemon, token))
         assert peak <= limit, f"root in a pod held {peak} slots, one user's are {limit}"
         run = daemon.cli("run", "--tenant", name, "--", "true", timeout=60)
         assert run.returncode == 0, run.stderr
     assert [e for e in log_events(daemon, "session hooks attached") if e["tenant"] == name]
 
 
+@needs_listeners
 def test_a_partial_hand_over_is_dropped_at_its_deadline_and_its_fd_closed(daemon: Daemon) -> None:
     agent = daemon.status()["agent_socket"]
     baseline = fd_count(daemon)
-    with attacker(agent, conns=1, reconnect=False) as (pid, inode):
-        wait_until(lambda: held(daemon, inode) == 1, 20, "the daemon to take the partial hand-over")
-        wait_until(lambda: held(daemon, inode) == 0, 15, "the partial hand-over to be dropped")
+    with attacker(agent, conns=1, reconnect=False) as (pid, token):
+        wait_until(lambda: held(daemon, token) == 1, 20, "the daemon to take the partial hand-over")
+        wait_until(lambda: held(daemon, token) == 0, 15, "the partial hand-over to be dropped")
         assert alive(pid), "dropped while the attacker was still trickling bytes"
     wait_until(lambda: fd_count(daemon) <= baseline, 10, f"the daemon's fd count to return to {baseline}")
     dropped = log_events(daemon, "seccomp hand-over incomplete at its deadline")
@@ -451,18 +475,20 @@ def _read_line(r: int, timeout: float = 20.0) -> str:
     return out.decode().strip()
 
 
+@needs_listeners
 def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_through(daemon: Daemon) -> None:
     """uid A holds four partial hand-overs (the per-uid limit): its fifth is refused at once, while uid B's
     hand-over at the same moment is read and answered."""
     agent = daemon.status()["agent_socket"]
-    token_r, token_w = os.pipe()
+    token_r, token_w = os.pipe()  # B's hand-over: refused as no listener when read
+    listener = _listener()  # A's partial ones: a listener, or the daemon would refuse them at their first bytes
     a_r, a_w = os.pipe()  # A -> test: its fifth's answer, then whether its four were still held
     go_r, go_w = os.pipe()  # A -> B: "holding"
     b_r, b_w = os.pipe()  # B -> test and A: B's answer
     done_r, done_w = os.pipe()  # B -> A: done
 
     def uid_a() -> None:
-        conns = [_open_partial(agent, token_r) for _ in range(4)]
+        conns = [_open_partial(agent, listener) for _ in range(4)]
         assert all(conns)
         _report(a_w, _probe(agent, token_r))
         _report(go_w, "holding")
@@ -484,7 +510,7 @@ def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_th
     finally:
         for p in pids:
             _reap(p)
-        for fd in (token_r, token_w, a_r, a_w, go_r, go_w, b_r, b_w, done_r, done_w):
+        for fd in (token_r, token_w, listener, a_r, a_w, go_r, go_w, b_r, b_w, done_r, done_w):
             os.close(fd)
     if still != "held":
         pytest.fail("uid A's four hand-overs were dropped before B was answered (host too loaded to tell)")

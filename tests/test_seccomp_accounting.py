@@ -632,7 +632,7 @@ def test_a_pod_s_listeners_count_against_its_pod_s_bound_not_the_host_uid_it_run
     in_pod, host = PeerCred(4242, 61000, 61000, pod=7), PeerCred(4243, 61000, 61000)
 
     async def hand_over(cred: PeerCred) -> None:
-        async def received(conn: object) -> tuple[int, AgentHello]:
+        async def received(conn: object, deadline: float) -> tuple[int, AgentHello]:
             r, w = os.pipe()  # stands in for the listener
             os.close(w)
             return r, AgentHello(cred.pid, "", "", "running", {})

@@ -323,7 +323,7 @@ class SeccompAgentServer:
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    fd, hello = await _receive(conn)
+                    fd, hello = await _receive(conn, deadline)
             except TimeoutError:
                 self._warn("seccomp hand-over incomplete at its deadline", cred, deadline_s=self.limits.deadline_s)
                 # "busy": `hand_over` tries again. An honest peer sends all right after connecting, but its tenant
@@ -422,11 +422,16 @@ def _unusable_runtime_directory(directory: str, e: OSError) -> ConfigError:
     return ConfigError(f"config 'runtime_agent_socket': {why}")
 
 
-async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:
-    """One hand-over from a non-blocking connection, waiting for readability on the loop between reads."""
+async def _receive(conn: socket.socket, deadline: float) -> tuple[int, AgentHello]:
+    """One hand-over from a non-blocking connection: one recvmsg per turn of the loop, the loop's other work let run
+    between a peer's chunks (while the socket stays readable nothing else would yield), and none read past
+    `deadline` (the loop's clock): TimeoutError."""
+    loop = asyncio.get_running_loop()
     reader = AgentMessageReader()
     try:
         while True:
+            if loop.time() >= deadline:
+                raise TimeoutError
             try:
                 data, fds = recv_agent_chunk(conn)
             except BlockingIOError:
@@ -435,6 +440,7 @@ async def _receive(conn: socket.socket) -> tuple[int, AgentHello]:
             hello = reader.feed(data, fds)
             if hello is not None:
                 return reader.take_fd(), hello
+            await asyncio.sleep(0)
     finally:
         reader.close()
 

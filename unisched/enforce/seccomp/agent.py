@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import reprlib
 import socket
 import time
@@ -87,6 +86,14 @@ def _hello_from(msg: object) -> AgentHello:
     )
 
 
+def _first_object(data: bytes | bytearray) -> object:
+    """The JSON value at the start of `data` (UTF-8), whatever follows it; SeccompError when there is none."""
+    try:
+        return json.JSONDecoder().raw_decode(data.decode().lstrip(" \t\n\r"))[0]
+    except (ValueError, RecursionError) as e:
+        raise SeccompError(f"seccomp agent message is not JSON: {e}") from None
+
+
 def _text(value: object, what: str) -> str:
     """A string field ("" when absent or empty; a number taken as its text). An object or array is refused rather
     than turned into text: str() of a peer's deep nesting recurses as far as json did."""
@@ -98,9 +105,15 @@ def _text(value: object, what: str) -> str:
 
 
 MAX_AGENT_MESSAGE_BYTES: Final = 1 << 20
-"""The longest hand-over message read. The OCI state's annotations are its only large part (Kubernetes caps a
-pod's at 256 KiB); 1 MiB leaves room for JSON escaping, and the agent's connection limits bound how many such
-buffers a flood can pin."""
+"""The longest hand-over message read. runc and crun send a few hundred bytes besides the container's annotations
+(a pod's, where the runtime passes them on, are capped by Kubernetes at 256 KiB); 1 MiB leaves room for JSON
+escaping. Reading a byte costs C-speed passes only, so this bounds memory (the agent's connection limits bound how
+many such buffers a flood can pin), and MAX_AGENT_MESSAGE_TOKENS bounds json's work."""
+MAX_AGENT_MESSAGE_TOKENS: Final = 16384
+"""The most quotes, commas, objects and arrays (outside strings) a hand-over message may hold. json spends its time
+per value, not per byte: a megabyte of `[],` or `"",` would take it tens of milliseconds on the event loop, this many
+a millisecond or two. runc's or crun's message has a few dozen (ten fields and each annotation's four quotes and a
+comma), a pod with a thousand annotations some 5,000."""
 MAX_ACK_BYTES: Final = 1024
 """The longest reply line: it must fit in an empty socket buffer at once, so writing it never waits on a peer
 that does not read."""
@@ -109,54 +122,63 @@ _AGENT_CHUNK: Final = 65536
 _AGENT_MAX_FDS: Final = 8
 """fds taken per recvmsg (all but the first hand-over fd are closed at once); more are cut off (MSG_CTRUNC)."""
 _JSON_WS: Final = b" \t\n\r"
-_OUTSIDE_STRING: Final = re.compile(rb'["{}\[\]]')
-_INSIDE_STRING: Final = re.compile(rb'["\\]')
 
 
 class _ObjectEnd:
-    """Where a JSON object ends in a byte stream fed in pieces: nesting depth and string state carried between
-    pieces, so the whole scan is linear (re-parsing the buffer after every byte a peer trickles would be
-    quadratic). Only finds the end; json.loads judges the text once it is complete."""
+    """Whether a JSON object fed in pieces may be complete: its brackets outside strings all closed. Each piece
+    costs a few C-speed passes (bytes.replace, count, split; no Python step per byte or bracket), with the string
+    and escape state carried between pieces, so the scan is linear and a trickling peer's bytes cost next to
+    nothing. It only finds where to stop reading: json judges the text once, and a message that would cost json
+    more than MAX_AGENT_MESSAGE_TOKENS is refused before that."""
 
-    def __init__(self) -> None:
-        self.seen = 0
+    def __init__(self, max_tokens: int = MAX_AGENT_MESSAGE_TOKENS) -> None:
+        self.started = False
         self.depth = 0
+        self.tokens = 0
         self.in_string = False
         self.escaped = False
+        self._max_tokens = max_tokens
 
-    def feed(self, chunk: bytes) -> int | None:
-        """Offset just past the object's closing brace in all bytes fed so far, or None while it is open."""
-        base, pos = self.seen, 0
-        self.seen += len(chunk)
-        if self.depth == 0:
-            pos = len(chunk) - len(chunk.lstrip(_JSON_WS))
-            if pos == len(chunk):
-                return None
-            if chunk[pos:pos + 1] != b"{":
+    def feed(self, piece: bytes) -> bool:
+        """True once every bracket opened so far is closed (the object is complete, or malformed: json says)."""
+        if not self.started:
+            piece = piece.lstrip(_JSON_WS)
+            if not piece:
+                return False
+            if piece[:1] != b"{":
                 raise SeccompError("seccomp agent message must be a JSON object")
-            self.depth, pos = 1, pos + 1
-        if self.escaped and pos < len(chunk):
-            self.escaped, pos = False, pos + 1
-        while (m := (_INSIDE_STRING if self.in_string else _OUTSIDE_STRING).search(chunk, pos)) is not None:
-            c, pos = m.group(), m.end()
-            if c == b'"':
-                self.in_string = not self.in_string
-            elif c == b"\\":  # inside a string: the next byte is escaped, maybe in the next piece
-                self.escaped = pos >= len(chunk)
-                pos += 1
-            elif c in (b"{", b"["):
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth == 0:
-                    return base + pos
-        return None
+            self.started = True
+        if self.escaped:  # the last piece ended on a string's backslash: this byte is the escaped one
+            piece, self.escaped = piece[1:], False
+        if b"\\" in piece:  # escaped backslashes, then escaped quotes, go: each quote left opens or closes a string
+            piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+            if piece.endswith(b"\\"):
+                piece, self.escaped = piece[:-1], True
+        quotes = piece.count(b'"')
+        self._count(quotes)  # before the split, which makes a part per quote
+        if quotes:  # the parts between quotes alternate outside and inside strings
+            outside = b"".join(piece.split(b'"')[int(self.in_string)::2])
+            self.in_string ^= quotes % 2 == 1
+        else:
+            outside = b"" if self.in_string else piece
+        opens = outside.count(b"{") + outside.count(b"[")
+        self._count(opens + outside.count(b","))
+        self.depth += opens - outside.count(b"}") - outside.count(b"]")
+        return self.depth <= 0
+
+    def _count(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.tokens > self._max_tokens:
+            raise SeccompError(f"seccomp agent message has too many JSON values (more than {self._max_tokens} "
+                               "quotes, commas and brackets)")
 
 
 class AgentMessageReader:
     """One hand-over (the listener fd and the OCI JSON) assembled from whatever each recvmsg returns. It does no
     I/O itself, so the daemon's event loop and a blocking caller share it. It owns every fd it is fed: the
-    first is the listener (`take_fd`), the rest are closed at once, and `close` closes what it still holds."""
+    first is the listener (`take_fd`), checked at once; the others that came with it are closed at once; fds in a
+    later recvmsg end the hand-over (each such message ends a recvmsg, so a peer could otherwise make every byte
+    cost a recvmsg and the closing of its fds); and `close` closes what it still holds."""
 
     def __init__(self, max_bytes: int = MAX_AGENT_MESSAGE_BYTES) -> None:
         self._fd = -1
@@ -166,11 +188,19 @@ class AgentMessageReader:
 
     def feed(self, data: bytes, fds: list[int]) -> AgentHello | None:
         """Add one recvmsg's bytes and fds: the parsed message once complete, else None. Raises SeccompError
-        for a closed peer, a missing fd, an overlong or malformed message, or an fd that is no listener."""
-        for extra in fds if self._fd >= 0 else fds[1:]:
-            os.close(extra)
-        if self._fd < 0 and fds:
+        for a closed peer, a missing fd, an fd that is no listener, fds after the first message's, or an overlong,
+        overfull or malformed message."""
+        if fds and self._fd >= 0:
+            for fd in fds:
+                os.close(fd)
+            raise SeccompError("file descriptors came after the message's first bytes (send the listener once, "
+                               "with them)")
+        if fds:
             self._fd = fds[0]
+            for extra in fds[1:]:
+                os.close(extra)
+            if not is_listener_fd(self._fd):
+                raise SeccompError("the fd received is not a seccomp notification listener")
         if not data:
             raise SeccompError("the peer closed before the message was complete" if self._data or self._fd >= 0
                                else "the peer closed without sending")
@@ -179,14 +209,11 @@ class AgentMessageReader:
         if len(self._data) + len(data) > self._max:
             raise SeccompError("seccomp agent message too long")
         self._data += data
-        end = self._end.feed(data)
-        if end is None:
+        if not self._end.feed(data):
             return None
-        hello = parse_agent_message(bytes(self._data[:end]))
+        hello = _hello_from(_first_object(self._data))
         if hello.fd_index != 0:
             raise SeccompError("seccomp agent message: only one fd (seccompFd) is supported")
-        if not is_listener_fd(self._fd):
-            raise SeccompError("the fd received is not a seccomp notification listener")
         return hello
 
     def take_fd(self) -> int:
