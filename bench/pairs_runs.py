@@ -33,6 +33,10 @@ SNAPSHOT_LEAD_S = 0.5
 """How long before a window's start and end its charges are asked for (`run_group`'s `charges`): `unisched tenants
 --json` takes a few tenths of a second to start and answer, so the answers fall about on the window's edges; and a
 tenant whose workload has ended is removed within a second, taking its charges with it."""
+CHARGES_MIN_WINDOW_S = 2.0
+"""Windows shorter than this take no charge snapshots: each is a CLI process started beside the pair (a few tenths
+of a second of a core), which in a short window on a small machine delays the pair's own start-up (a stand-in
+tenant of a 0.5 s window started 0.4 s late behind one on the 2-core test machine)."""
 ENGINES = {"cuda": "compute", "render": "graphics", "nvdec": "decode"}
 """The engines a tenant of each kind declares (`unisched run --engines`)."""
 LOG_TAIL_CHARS = 3000
@@ -228,7 +232,8 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
     The window starts `warmup` seconds after the launch (default: cfg.warmup). `alternate` = (tenant, period s,
     guard s): that tenant is paused (SIGUSR1 / SIGUSR2: its workload must be --pausable) in every other period of the
     window (interleave.py); the plan and how it went are in extra["alternation"]. `charges` (with a daemon): what it
-    charged each tenant, asked SNAPSHOT_LEAD_S before the window's start and before its end (charges.compact), in
+    charged each tenant, asked SNAPSHOT_LEAD_S before the window's start and before its end (charges.compact; windows
+    of CHARGES_MIN_WINDOW_S or more), in
     extra["charges"].
     """
     run_dir = cfg.work_dir / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{setup}-{label}")
@@ -267,7 +272,7 @@ def run_group(cfg: Config, label: str, setup: str, specs: list[TenantSpec],
     actions: list[tuple[float, Callable[[], None]]] = []
     if daemon is not None:
         actions.append((start_at + 0.85 * cfg.seconds, lambda: extra.update(tenants_snapshot=daemon.tenants_json())))
-    if daemon is not None and charges:
+    if daemon is not None and charges and cfg.seconds >= CHARGES_MIN_WINDOW_S:
         def charged(when: str) -> Callable[[], None]:
             return lambda: extra.setdefault("charges", {}).update({when: compact(daemon.tenants_json())})
         lead = min(SNAPSHOT_LEAD_S, cfg.seconds / 4)
