@@ -475,11 +475,15 @@ def _read_line(r: int, timeout: float = 20.0) -> str:
     return out.decode().strip()
 
 
-@needs_listeners
-def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_through(daemon: Daemon) -> None:
-    """uid A holds four partial hand-overs (the per-uid limit): its fifth is refused at once, while uid B's
-    hand-over at the same moment is read and answered."""
-    agent = daemon.status()["agent_socket"]
+INCONCLUSIVE_TRIES = 3
+"""Tries of a scenario whose precondition timing can break on a loaded host (a slot held past the daemon's 2 s
+hand-over deadline): one that finds its precondition unmet is run again, and only an unmet one every time fails."""
+
+
+def _per_uid_limit_scenario(agent: str) -> tuple[str, str, str]:
+    """uid A opens four partial hand-overs and probes a fifth; then uid B probes. Returns A's fifth answer, B's
+    answer, and whether A's four were still "held" when B was answered ("inconclusive: ..." where A could not
+    open its four)."""
     token_r, token_w = os.pipe()  # B's hand-over: refused as no listener when read
     listener = _listener()  # A's partial ones: a listener, or the daemon would refuse them at their first bytes
     a_r, a_w = os.pipe()  # A -> test: its fifth's answer, then whether its four were still held
@@ -489,7 +493,11 @@ def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_th
 
     def uid_a() -> None:
         conns = [_open_partial(agent, listener) for _ in range(4)]
-        assert all(conns)
+        if not all(conns):  # a connect that timed out on a loaded host: say so rather than die silently
+            _report(a_w, "inconclusive: a partial hand-over could not be opened")
+            _report(go_w, "holding")
+            _report(a_w, "dropped")
+            return
         _report(a_w, _probe(agent, token_r))
         _report(go_w, "holding")
         _read_line(done_r)
@@ -512,8 +520,23 @@ def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_th
             _reap(p)
         for fd in (token_r, token_w, listener, a_r, a_w, go_r, go_w, b_r, b_w, done_r, done_w):
             os.close(fd)
-    if still != "held":
-        pytest.fail("uid A's four hand-overs were dropped before B was answered (host too loaded to tell)")
+    return fifth, b_answer, still
+
+
+@needs_listeners
+def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_through(daemon: Daemon) -> None:
+    """uid A holds four partial hand-overs (the per-uid limit): its fifth is refused at once, while uid B's
+    hand-over at the same moment is read and answered. The precondition (A's four held until B was answered) needs
+    the scenario to run within the daemon's hand-over deadline: a try that misses it is run again."""
+    agent = daemon.status()["agent_socket"]
+    tries = []
+    for _ in range(INCONCLUSIVE_TRIES):
+        fifth, b_answer, still = _per_uid_limit_scenario(agent)
+        if still == "held" and not fifth.startswith("inconclusive"):
+            break
+        tries.append((fifth, still))
+    else:
+        pytest.fail(f"uid A's four hand-overs were never all held until B was answered (host too loaded): {tries}")
     assert fifth.startswith("busy "), f"uid A's fifth hand-over was not refused: {fifth!r}"
     assert f"uid {NOBODY}" in fifth
     assert b_answer == "error the fd received is not a seccomp notification listener", b_answer
