@@ -44,6 +44,9 @@ def test_bad_requests_get_clear_errors(server: InProcessServer) -> None:
     with DaemonClient(server.socket) as c:
         for req, code, text in [
             (pb.RegisterRequest(tenant="bad name!", weight=1), grpc.StatusCode.INVALID_ARGUMENT, "tenant name"),
+            # a controller's file not made yet: the tenant's cgroup would make root's `+hugetlb` fail host-wide
+            (pb.RegisterRequest(tenant="hugetlb.2MB.max", keep=True), grpc.StatusCode.INVALID_ARGUMENT,
+             "cgroup interface files"),
             (pb.RegisterRequest(tenant="w", weight=10**9), grpc.StatusCode.INVALID_ARGUMENT, "weight must be in"),
             (pb.RegisterRequest(tenant="e", engines=["warp"]), grpc.StatusCode.INVALID_ARGUMENT, "engines must be"),
         ]:

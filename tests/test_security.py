@@ -201,8 +201,9 @@ def test_register_moves_the_caller_and_no_other_pid(daemon: Daemon, tenant_prefi
 @needs_freezer
 @pytest.mark.root
 def test_tenant_named_like_a_cgroup_file_is_refused_cleanly(daemon: Daemon) -> None:
-    """A valid tenant name can collide with a cgroup interface file (cgroup.procs exists in every cgroup of v1
-    and v2): mkdir failed with FileExistsError, which escaped the engine as an unknown gRPC error."""
+    """A tenant name like a cgroup interface file (cgroup.procs exists in every cgroup of v1 and v2) is refused
+    with its reason, not as an unknown gRPC error (the name rule refuses it first; a mkdir that meets such a file
+    says so too)."""
     out = daemon.cli("run", "--tenant", "cgroup.procs", "--", "true")
     assert out.returncode != 0 and "interface file" in out.stderr, out.stderr
     assert daemon.status()["tenants"] == 0

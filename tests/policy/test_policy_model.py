@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unisched.policy import (
+    CGROUP_FILE_PREFIXES,
     DEFAULT_WEIGHT,
     SEPARATE_GRAPHICS,
     SHARED_SM,
@@ -57,6 +58,48 @@ def test_bad_names(bad: object) -> None:
         validate_tenant_name(bad)  # type: ignore[arg-type]
     with pytest.raises(PolicyError):
         TenantSpec(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("squat", [
+    "hugetlb.2MB.max", "cpu.max", "cpuset.cpus", "cpuset.cpus.partition", "cgroup.procs", "cgroup.new", "memory.high",
+    "io.max", "pids.max", "rdma.max", "misc.max", "dmem.max", "irq.pressure", "cpuacct.usage", "blkio.weight",
+    "freezer.state", "devices.allow", "net_cls.classid", "net_prio.ifpriomap", "perf_event.x", "memory.",
+    "cpu.no-such-file-yet",
+])
+def test_names_of_cgroup_interface_files_are_refused(squat: str) -> None:
+    """A tenant's cgroup named like a controller's file that is not there yet would make root's `+controller` in
+    cgroup.subtree_control fail with EEXIST (host-wide): refused by the name's part before its first '.'."""
+    with pytest.raises(PolicyError, match=r"tenant name .* cgroup interface files"):
+        validate_tenant_name(squat)
+    with pytest.raises(PolicyError):
+        TenantSpec(squat)
+
+
+@pytest.mark.parametrize("fine", [
+    "cpu", "memory", "cgroup", "io", "cpu-max", "cpu_max", "cpux.max", "CPU.max", "Memory.high", "my.cpu.max",
+    "team.memory", "iox.max", "hugetlb2.x", "k8s-g0-0123456789ab",
+])
+def test_names_near_the_cgroup_prefixes_are_kept(fine: str) -> None:
+    """Only the part before the first '.', compared exactly (cgroupfs names are case-sensitive): a name without a dot
+    is a directory no interface file can be named like."""
+    assert validate_tenant_name(fine) == fine
+
+
+def test_the_prefixes_cover_every_controller_of_this_host() -> None:
+    """Whatever this kernel offers (cgroup v2's list of controllers) is among the refused prefixes."""
+    offered: set[str] = set()
+    for v2 in ("/sys/fs/cgroup/cgroup.controllers", "/sys/fs/cgroup/unified/cgroup.controllers"):
+        try:
+            with open(v2) as f:
+                offered |= set(f.read().split())
+        except OSError:
+            pass
+    try:
+        with open("/proc/cgroups") as f:
+            offered |= {line.split()[0] for line in f if line.strip() and not line.startswith("#")}
+    except OSError:
+        pass
+    assert offered <= CGROUP_FILE_PREFIXES
 
 
 @pytest.mark.parametrize(

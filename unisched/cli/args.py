@@ -119,7 +119,8 @@ def interval_arg(text: str) -> float:
 
 
 def add_tenant_opts(p: argparse.ArgumentParser, weight_required: bool = False) -> None:
-    p.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-')")
+    p.add_argument("--tenant", required=True, help="tenant name (letters, digits, '_', '.', '-'; "
+                   "not a cgroup file's prefix such as 'cpu.')")
     p.add_argument(
         "--weight",
         type=weight_arg,

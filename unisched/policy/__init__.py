@@ -3,6 +3,7 @@
 from unisched.policy.contention import SEPARATE_GRAPHICS, SHARED_SM, ContentionMap
 from unisched.policy.fairshare import Decision, FairShareConfig, TenantStats, WeightedFairShare
 from unisched.policy.model import (
+    CGROUP_FILE_PREFIXES,
     DEFAULT_WEIGHT,
     WEIGHT_MAX,
     WEIGHT_MIN,
@@ -20,6 +21,7 @@ from unisched.policy.model import (
 from unisched.policy.tidal import TidalSchedule, TidalWindow, parse_clock
 
 __all__ = [
+    "CGROUP_FILE_PREFIXES",
     "DEFAULT_WEIGHT",
     "SEPARATE_GRAPHICS",
     "SHARED_SM",

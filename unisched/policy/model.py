@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
+    "CGROUP_FILE_PREFIXES",
     "DEFAULT_WEIGHT",
     "WEIGHT_MAX",
     "WEIGHT_MIN",
@@ -30,6 +31,14 @@ WEIGHT_MIN = 1
 WEIGHT_MAX = 10_000
 DEFAULT_WEIGHT = 100
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+CGROUP_FILE_PREFIXES = frozenset({
+    "cgroup", "cpu", "cpuset", "cpuacct", "io", "blkio", "memory", "hugetlb", "pids", "rdma", "misc", "freezer",
+    "devices", "net_cls", "net_prio", "perf_event", "dmem", "irq",
+})
+"""What a cgroup interface file's name starts with, before its first '.': the controllers' (cgroup v1 and v2), the
+core's (cgroup.procs) and PSI's (irq.pressure). A tenant's cgroup is a directory named after the tenant beside such
+files, and one named like a file that is not there yet (hugetlb.2MB.max before hugetlb is enabled) makes the kernel
+fail root's `+hugetlb` in cgroup.subtree_control with EEXIST, host-wide; so no tenant name has such a prefix."""
 
 
 class PolicyError(ValueError):
@@ -136,8 +145,15 @@ def validate_weight(weight: int) -> int:
 
 
 def validate_tenant_name(name: str) -> str:
+    """The one rule for tenant names (registration, configuration, the state file, re-adoption all ask here)."""
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise PolicyError(
             f"tenant name must be 1-63 characters of letters, digits, '_', '.', '-' starting with a letter or digit, got {name!r}"
+        )
+    prefix, dot, _ = name.partition(".")
+    if dot and prefix in CGROUP_FILE_PREFIXES:
+        raise PolicyError(
+            f"tenant name {name!r} starts with '{prefix}.', as cgroup interface files are named (the tenant's cgroup "
+            "could keep a controller's file from being created, host-wide); choose another name"
         )
     return name

@@ -94,7 +94,8 @@ class DeclaredTenant:
 
 
 TENANT_KEYS = (
-    TableKey("name", "string", "1-63 letters, digits, '_', '.', '-'", "required", "the tenant's name"),
+    TableKey("name", "string", "1-63 letters, digits, '_', '.', '-'; not starting with a cgroup controller's name "
+             "or 'cgroup' and a '.' (cpu.x)", "required", "the tenant's name"),
     TableKey("weight", "integer", f"{WEIGHT_MIN}..{WEIGHT_MAX}", str(DEFAULT_WEIGHT), "its share of each GPU engine, by weight"),
     TableKey("priority", "string", "online | offline", "offline", "online tenants go first in preemptive mode"),
     TableKey("engines", "list of strings", ", ".join(e.value for e in Engine), '["compute"]', "the GPU engines it uses"),
