@@ -7,6 +7,9 @@
                                    or (-) neither, as the command of `unisched run`, which did both;
                                    print "ready", then run commands from stdin, one reply line each:
                                    "ok ERRNO [extra]" (ERRNO 0 = the call succeeded)
+  seccomp_child.py foreign-getppid|foreign-control SOCKFD
+                                   as tenant SOCKFD, behind a filter that is not the daemon's: the GPU session
+                                   filter that also notifies getppid(), or 'F'/RM_CONTROL (0x2A) ioctls
   seccomp_child.py hold SOCKFD     a stand-in daemon: receive a listener, print "ready", receive one
                                    notification without ever answering it, print "got", then sleep
 
@@ -15,7 +18,7 @@ churn_eng CLASS HANDLE N (alloc_eng CLASS HANDLE on instances 1..N in turn, each
 with EPERM) | thread_alloc CLASS HANDLE (alloc on a thread of its own: its reply comes when the call returns, the
 commands after it run meanwhile) | xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
-fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | exit.
+fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | getppid | control | exit.
 dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
 aobj CLASS HANDLE (RM_ALLOC_OBJECT) | amem PARENT HANDLE BYTES [CLASS] (RM_ALLOC_MEMORY; extra: the status field).
 Memory: dev HANDLE DEVICEID [ROOT] (NV01_DEVICE_0) | mem PARENT HANDLE BYTES [ROOT [SIZE]] (NV01_MEMORY_LOCAL_USER;
@@ -40,9 +43,11 @@ import time
 
 ROOT_HANDLE = 0xC1D00001
 RM_ALLOC, RM_FREE, XFER, VID_HEAP, DUP, ALLOC_OBJECT, ALLOC_MEMORY = 0x2B, 0x29, 0xD3, 0x4A, 0x34, 0x28, 0x27
+RM_CONTROL = 0x2A
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _IOCTL_NR = {"x86_64": 16, "aarch64": 29}[platform.machine()]
+_GETPPID_NR = {"x86_64": 110, "aarch64": 173}[platform.machine()]
 
 
 def iowr(nr: int, size: int) -> int:
@@ -140,7 +145,21 @@ def device_call(dev: int, handle: int, device_id: int, root: int = ROOT_HANDLE) 
     return ioctl(dev, iowr(RM_ALLOC, 32), buf)
 
 
-def tenant(where: str) -> None:
+def foreign_program(what: str) -> bytes:
+    """A filter that is not the daemon's: its program, after getppid() notified first (not even an ioctl); or its
+    program with 'F'/RM_CONTROL notified too (an escape the daemon's never sends)."""
+    from unisched.enforce.seccomp.abi import DATA_OFF_NR, SECCOMP_RET_USER_NOTIF
+    from unisched.enforce.seccomp.filter import build_filter
+
+    if what == "control":
+        return build_filter(extra=(RM_CONTROL,))
+    ld_nr = struct.pack("=HBBI", 0x20, 0, 0, DATA_OFF_NR)  # BPF_LD|W|ABS nr
+    is_getppid = struct.pack("=HBBI", 0x15, 0, 1, _GETPPID_NR)  # JEQ: notify, else skip to the filter's program
+    notify = struct.pack("=HBBI", 0x06, 0, 0, SECCOMP_RET_USER_NOTIF)
+    return ld_nr + is_getppid + notify + build_filter()
+
+
+def tenant(where: str, program: bytes | None = None) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from unisched.enforce.seccomp.abi import SeccompError
     from unisched.enforce.seccomp.filter import install_filter
@@ -149,7 +168,7 @@ def tenant(where: str) -> None:
     if where == "-":  # already behind the filter: `unisched run` installed it and handed the listener over
         pass
     elif where.isdigit():  # an inherited socket: send and close, as runc does
-        listener = install_filter()
+        listener = install_filter(program)
         with socket.socket(fileno=int(where)) as sock:
             send_fd(sock, listener, make_agent_message(os.getpid(), metadata="test"))
         os.close(listener)  # never keep our own listener: a call notified to it would wait for ourselves
@@ -238,6 +257,10 @@ def tenant(where: str) -> None:
             _, status = os.waitpid(child, 0)
             err = os.waitstatus_to_exitcode(status)
             extra = str(child)
+        elif op == "getppid":
+            err = ctypes.get_errno() if _libc.syscall(ctypes.c_long(_GETPPID_NR)) < 0 else 0
+        elif op == "control":
+            err = ioctl(dev, iowr(RM_CONTROL, 32), nvos21(0, 0))
         elif op == "fionread":
             n = ctypes.create_string_buffer(4)
             err = ioctl(pipe_r, termios.FIONREAD, n)
@@ -281,4 +304,8 @@ def hold(where: str) -> None:
 
 
 if __name__ == "__main__":
-    {"tenant": tenant, "hold": hold}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1].startswith("foreign-"):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        tenant(sys.argv[2], foreign_program(sys.argv[1].removeprefix("foreign-")))
+    else:
+        {"tenant": tenant, "hold": hold}[sys.argv[1]](sys.argv[2])

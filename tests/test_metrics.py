@@ -192,7 +192,7 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
         r, w = os.pipe()
         os.close(w)
         hooks.attach(r, tenant, 0)
-    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075, 4, 0.0031, 0.0042)
+    hooks.answered["a"] = HookCounts("a", 131, 2, 0.0075, 4, 0.0031, 0.0042, 7, 0.0123)
     view = EngineView(engine, hooks)
     view.refresh()
     registry = CollectorRegistry()
@@ -205,6 +205,8 @@ def test_the_hooks_answers_are_exported_per_tenant_with_its_labels(tmp_path: Pat
     assert _get(samples, "unisched_tenant_hook_decisions_total", **where) == 4
     assert _get(samples, "unisched_tenant_hook_decision_seconds_total", **where) == pytest.approx(0.0031)
     assert _get(samples, "unisched_tenant_hook_send_seconds_total", **where) == pytest.approx(0.0042)
+    assert _get(samples, "unisched_tenant_hook_paced_total", **where) == 7
+    assert _get(samples, "unisched_tenant_hook_paced_seconds_total", **where) == pytest.approx(0.0123)
     assert _get(samples, "unisched_tenant_hook_calls_total", tenant="gone", namespace="") == 0
     assert _get(_registry_samples(_registry(engine)), "unisched_tenant_hook_calls_total", tenant="a") is None  # no hooks
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import platform
 import re
 import select
@@ -59,15 +60,29 @@ class Proc:
     def pid(self) -> int:
         return self.popen.pid
 
+    _unread = ""
+    """What was read from the helper's stdout past the lines taken (`line`)."""
+
     def line(self, timeout: float = 10.0) -> str:
+        """The next line; read from the pipe itself, so that two lines that came together (a thread's reply and
+        the main thread's) are both seen (a TextIOWrapper's readline would keep the second where select cannot)."""
         assert self.popen.stdout is not None
-        ready, _, _ = select.select([self.popen.stdout], [], [], timeout)
-        if not ready:
-            raise AssertionError(f"helper process gave no answer within {timeout}s")
-        out = self.popen.stdout.readline()
-        if not out:
-            raise AssertionError(f"helper process exited ({self.popen.poll()})")
+        deadline = time.monotonic() + timeout
+        while "\n" not in self._unread:
+            ready, _, _ = select.select([self.popen.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"helper process gave no answer within {timeout}s")
+            chunk = os.read(self.popen.stdout.fileno(), 65536)
+            if not chunk:
+                raise AssertionError(f"helper process exited ({self.popen.poll()})")
+            self._unread += chunk.decode()
+        out, _, self._unread = self._unread.partition("\n")
         return out.strip()
+
+    def answered(self) -> bool:
+        """Whether a line has come (without waiting)."""
+        assert self.popen.stdout is not None
+        return "\n" in self._unread or bool(select.select([self.popen.stdout], [], [], 0)[0])
 
     def send(self, command: str) -> None:
         assert self.popen.stdin is not None
@@ -92,10 +107,11 @@ class Proc:
                 f.close()
 
 
-def start_tenant() -> tuple[Proc, int]:
-    """A tenant child with the filter installed, and the listener fd it handed over (checked like the daemon does)."""
+def start_tenant(mode: str = "tenant") -> tuple[Proc, int]:
+    """A tenant child with the filter installed, and the listener fd it handed over (checked like the daemon does).
+    `mode`: seccomp_child.py's (foreign-*: a filter that is not the daemon's)."""
     ours, theirs = socket.socketpair()
-    proc = Proc("tenant", theirs)
+    proc = Proc(mode, theirs)
     with ours:
         fd, hello = recv_agent_message(ours)
     assert hello.pid == proc.pid and hello.metadata == "test"

@@ -82,6 +82,11 @@ FAMILIES = (
     Family("unisched_tenant_hook_send_seconds", "counter", "Time in the answers' own system calls, summed apart: "
            "the kernel's wake-up of the caller, and what the caller ran on the daemon's CPU before the call "
            "returned (its wait had ended)", TENANT),
+    Family("unisched_tenant_hook_paced", "counter", "Of the hooked calls, those that waited for their turn of the "
+           "hooks' budget (a listener's, or its owner's: a user's, or one of root's tenants) before the daemon took "
+           "them: an app making driver calls faster than the budget is slowed to it", TENANT),
+    Family("unisched_tenant_hook_paced_seconds", "counter", "The time unisched_tenant_hook_paced's calls waited "
+           "for their turn, summed (apart from unisched_tenant_hook_answer_seconds)", TENANT),
     Family("unisched_tenant_hook_errors", "counter", "Hooked calls let through uncounted because handling them "
            "failed (a daemon bug: its log has each one)", TENANT),
     Family("unisched_tenant_hook_decisions", "counter", "Of the hooked calls, the new GPU sessions the daemon's event "

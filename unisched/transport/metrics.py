@@ -207,6 +207,8 @@ def _hook_metrics(out: _Families, hooks: Sequence[HookCounts], tenants: Sequence
         out.add("unisched_tenant_hook_decisions", n, float(c.decided))
         out.add("unisched_tenant_hook_decision_seconds", n, c.decided_s)
         out.add("unisched_tenant_hook_send_seconds", n, c.send_s)
+        out.add("unisched_tenant_hook_paced", n, float(c.paced))
+        out.add("unisched_tenant_hook_paced_seconds", n, c.paced_s)
 
 
 def _gpu_metrics(out: _Families, gpus: Sequence[GpuInfo], samples: Sequence[GpuSample]) -> None:

@@ -15,6 +15,9 @@ sessions per tenant and admits or refuses new ones.
 - accounting.py: which calls open and close which sessions (pure).
 - memory.py, handles.py: video memory per allocation and the driver-picked handles replayed (pure).
 - supervisor.py: the thread that answers one listener's notifications.
+- examine.py: reading a notified call from its caller; a call the daemon's filter never sends (not its listener).
+- decisions.py: the new sessions' calls a supervisor asks the event loop to decide.
+- budget.py: one owner's listeners take turns, at a bounded rate (the interpreter lock they share with the loop).
 - listener.py: the listener fd's ioctls (receive, check, answer, write a refused call's status).
 - memory_calls.py: charging video memory allocations, booking devices and frees (the supervisor's memory side).
 - stats.py: what a supervisor reports (`SupervisorStats`).

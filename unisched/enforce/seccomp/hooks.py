@@ -20,6 +20,15 @@ from unisched.enforce.seccomp import accounting, memory
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import SessionEvent
 from unisched.enforce.seccomp.allowance import Allowance, Entry
+from unisched.enforce.seccomp.budget import (
+    LISTENER_BURST,
+    LISTENER_RATE,
+    OWNER_BURST,
+    OWNER_RATE,
+    Pace,
+    Rate,
+    Turnstile,
+)
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats
 from unisched.enforce.seccomp.supervisor import JOIN_TIMEOUT_S, SessionSupervisor
@@ -82,6 +91,12 @@ def listener_refusal(tenant: str, user: Caller, served: list[tuple[str, Caller]]
     return None
 
 
+def pace_owner(tenant: str, user: Caller) -> str:
+    """Whose budget (budget.OWNER_RATE) and turnstile a listener shares: the non-root user's or the pod's that handed
+    it over, all its tenants' together; root's (a container runtime's) per tenant."""
+    return f"tenant {tenant}" if user == 0 else named(user)
+
+
 ENDED_TENANTS_KEPT: Final = 4096
 """Tenants whose ended listeners' totals are kept (the oldest forgotten first), so that a tenant's counts in the
 metrics never fall when one of its runs or containers ends. A forgotten tenant's counts start again from 0 at its
@@ -128,7 +143,10 @@ class SupervisedHooks:
         memory: MemoryLedger | None = None, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
         tenant_bounds: Mapping[Entry, int] = TENANT_BOUNDS, max_per_user: int = MAX_LISTENERS_PER_USER,
         user_bounds: Mapping[Entry, int] = USER_BOUNDS,
+        rates: tuple[tuple[float, int], tuple[float, int]] = ((LISTENER_RATE, LISTENER_BURST), (OWNER_RATE, OWNER_BURST)),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`rates`: (per second, burst) of each listener's budget and of each owner's (budget.py); `clock` theirs."""
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
         self._tenant_bounds = tenant_bounds
@@ -148,6 +166,11 @@ class SupervisedHooks:
         over hold together (USER_BOUNDS)."""
         self._ended: dict[str, HookCounts] = {}
         """Per tenant, the totals of its listeners that have ended (ENDED_TENANTS_KEPT, oldest first)."""
+        self._rates, self._clock = rates, clock
+        self._paces: dict[str, tuple[Rate, Turnstile]] = {}
+        """Per owner with a listener served (`pace_owner`): the budget its listeners share (under `_pace_lock`), and
+        their turnstile."""
+        self._pace_lock = threading.Lock()
 
     def _forget_ended(self) -> None:
         """Drop the supervisors that have ended, their totals kept in `_ended`."""
@@ -165,15 +188,21 @@ class SupervisedHooks:
         tenants, users = {t for t, _ in served}, {u for _, u in served}
         self._allowances = {t: a for t, a in self._allowances.items() if t in tenants}  # the ended gave all back
         self._users = {u: a for u, a in self._users.items() if u in users}
+        owners = {pace_owner(t, u) for t, u in served}
+        with self._pace_lock:  # an owner's budget outlives its listeners until it is full again (no fresh burst)
+            self._paces = {o: p for o, p in self._paces.items() if o in owners or not p[0].full(self._clock())}
         why = listener_refusal(tenant, user, served, self._max_per_tenant, self._max_per_user)
         if why is not None:
             os.close(listener_fd)
             raise SeccompError(why)
         allowance = self._allowances.setdefault(tenant, Allowance(tenant, self._tenant_bounds, self._lock))
         mine = None if user == 0 else self._users.setdefault(user, Allowance(named(user), self._user_bounds, self._lock))
+        (own, own_burst), (shared, shared_burst) = self._rates
+        owner, turnstile = self._paces.setdefault(pace_owner(tenant, user), (Rate(shared, shared_burst), Turnstile()))
+        pace = Pace(Rate(own, own_burst), owner, self._pace_lock, self._clock, turnstile)
         try:
             sup = SessionSupervisor(listener_fd, tenant, self._decide, self._on_event, memory=self.memory,
-                                    allowance=allowance, user_allowance=mine, carried=carried)
+                                    allowance=allowance, user_allowance=mine, carried=carried, pace=pace)
         except BaseException:
             os.close(listener_fd)
             raise

@@ -33,6 +33,10 @@ class SupervisorStats(Counts):
     """Session calls waiting for the loop's decision now."""
     sync_wake_up: bool = False
     """Whether the kernel wakes supervisor and caller on each other's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP)."""
+    paced: int = 0
+    """Notifications that waited for their turn of the listener's budget (budget.py) before they were taken."""
+    foreign: bool = False
+    """The listener notified a call the daemon's filter never sends and was let go of (examine.Foreign)."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,17 @@ class HookCounts:
     send_s: float = 0.0
     """Seconds in the answers' SEND calls, summed: the kernel's wake-up of the caller and, with sync wake-up,
     whatever the caller ran on the daemon's CPU before the call returned (its wait had ended by then)."""
+    paced: int = 0
+    """Of `calls`, those that waited for their turn of the budget (budget.py) before the daemon took them."""
+    paced_s: float = 0.0
+    """The time they waited, summed: not part of `answer_s` (the daemon had not taken them yet)."""
 
     def plus(self, other: HookCounts) -> HookCounts:
         """These totals and `other`'s (the same tenant's other listeners)."""
         return HookCounts(self.tenant, self.calls + other.calls, self.errors + other.errors,
                           self.answer_s + other.answer_s, self.decided + other.decided,
-                          self.decided_s + other.decided_s, self.send_s + other.send_s)
+                          self.decided_s + other.decided_s, self.send_s + other.send_s,
+                          self.paced + other.paced, self.paced_s + other.paced_s)
 
 
 def percentile_us(samples_ns: list[int], p: float) -> float | None:
@@ -90,6 +99,9 @@ class Tally:
         """Of those, the answers the event loop decided, and their latency summed."""
         self.send_ns = 0
         """The answers' SEND calls summed, apart from their latency (Listener.send_ns: partly the callers' time)."""
+        self.waits = 0
+        self.waited_s = 0.0
+        """Notifications that waited for their turn of the budget, and how long, summed."""
 
     def answered(self, latency_ns: int, send_ns: int, answered: bool, decided: bool) -> None:
         """One answer (or a call found gone: not `answered`)."""
@@ -101,11 +113,17 @@ class Tally:
             self.decided_ns += latency_ns
         self.skipped += not answered
 
+    def paced(self, waited_s: float) -> None:
+        """One notification that waited `waited_s` for its turn of the budget."""
+        self.waits += 1
+        self.waited_s += waited_s
+
     def counts(self, tenant: str) -> HookCounts:
         return HookCounts(tenant, self.notifications, self.errors, self.answer_ns / 1e9, self.decided,
-                          self.decided_ns / 1e9, self.send_ns / 1e9)
+                          self.decided_ns / 1e9, self.send_ns / 1e9, self.waits, self.waited_s)
 
-    def stats(self, tenant: str, books: Counts, pending: int, closed: bool, sync_wake_up: bool) -> SupervisorStats:
+    def stats(self, tenant: str, books: Counts, pending: int, closed: bool, sync_wake_up: bool,
+              foreign: bool = False) -> SupervisorStats:
         """The supervisor's stats: its `books`' counts, these numbers and the recent answers' percentiles."""
         samples = sorted(self.latency_ns)
         return SupervisorStats(
@@ -113,4 +131,4 @@ class Tally:
             notifications=self.notifications, skipped=self.skipped, errors=self.errors,
             latency_p50_us=percentile_us(samples, 0.50), latency_p99_us=percentile_us(samples, 0.99),
             latency_samples=len(samples), closed=closed, asked_loop=self.asked, pending=pending,
-            sync_wake_up=sync_wake_up)
+            sync_wake_up=sync_wake_up, paced=self.waits, foreign=foreign)

@@ -6,13 +6,13 @@ hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine 
 (RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
 "continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call whose
 notification is gone is skipped; if the daemon dies (the listener's last fd closes), pending and later notified
-calls fail at once with ENOSYS and everything else keeps working.
+calls fail at once with ENOSYS and everything else keeps working. It takes each notification in its turn of the
+listener's budget (budget.py), and lets go of a listener that is not the daemon's filter's (examine.Foreign).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import errno
 import math
@@ -29,21 +29,19 @@ from unisched.enforce.nvclasses import RM_ALLOC, RM_DUP_OBJECT, RM_FREE, Session
 from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import EventAction, SessionBook, SessionEvent, SessionUnbooked
 from unisched.enforce.seccomp.allowance import Allowance, Share
-from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
-from unisched.enforce.seccomp.listener import Listener
+from unisched.enforce.seccomp.budget import Pace
+from unisched.enforce.seccomp.calls import Call
+from unisched.enforce.seccomp.decisions import LoopDecisions
+from unisched.enforce.seccomp.examine import Foreign, Gone, escape, log_foreign, read_call
+from unisched.enforce.seccomp.listener import Listener, Notification
 from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.outlet import EventOutlet
-from unisched.enforce.seccomp.proc import owner_or_none, read_mem, start_time
+from unisched.enforce.seccomp.proc import owner_or_none, start_time
 from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats, Tally
 from unisched.logs import Throttle
 
 log = structlog.get_logger("unisched.seccomp")
-
-
-class _Gone(Exception):
-    """The notification is no longer valid (the caller was killed or interrupted)."""
-
 
 KEEP_DECISION_S: Final = 1.0
 """At a stop that keeps the listener for a restart: how long the serving thread waits for the loop to decide the new
@@ -80,7 +78,8 @@ class SessionSupervisor:
     `allowance`: the entries all the tenant's books may hold together (hooks.TENANT_BOUNDS); `user_allowance`: all
     the books of the listeners one non-root user handed over (hooks.USER_BOUNDS). Both books draw on both, and give
     back all they held when the supervisor finishes. None: no such bound. `carried`: a listener kept over a restart,
-    whose processes made objects this daemon never saw (memory.MemoryBook's carried_before).
+    whose processes made objects this daemon never saw (memory.MemoryBook's carried_before). `pace`: the turns in
+    which notifications are taken (budget.py; None: as fast as they come).
     """
 
     def __init__(
@@ -99,8 +98,10 @@ class SessionSupervisor:
         user_allowance: Allowance | None = None,
         carried: bool = False,
         keep_decision_s: float = KEEP_DECISION_S,
+        pace: Pace | None = None,
     ) -> None:
         self.tenant = tenant
+        self._pace = pace
         self._keep_decision_s = keep_decision_s
         self.allowance = allowance
         self.user_allowance = user_allowance
@@ -120,6 +121,8 @@ class SessionSupervisor:
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
         self._closed = False
+        self._dropped = False
+        """The listener was closed for a foreign call (`_forsake`) while the books still follow its processes."""
         self._keep = False
         self._kept_fd: int | None = None
         self._finished = False
@@ -128,10 +131,8 @@ class SessionSupervisor:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # Session calls waiting for the loop's decision (serving thread only), and decisions back from the
-        # loop not yet answered (under _lock: the loop appends, the serving thread takes).
-        self._pending: dict[int, tuple[Call, int, int]] = {}  # notification id -> (call, tid, t0)
-        self._decided: collections.deque[tuple[int, bool, BaseException | None]] = collections.deque()
+        self._decisions = LoopDecisions(tenant, decide, self._events, self._lock, self._wake_w,
+                                        lambda: not (self._closed and not self._keep) and not self._dropped)
 
     # ---- running ----
     def serve_forever(self) -> None:
@@ -176,6 +177,8 @@ class SessionSupervisor:
             if first and serving:  # the serving thread closes the fd itself once it wakes up
                 with contextlib.suppress(BlockingIOError):
                     os.write(self._wake_w, b"x")
+        if first and serving and self._pace is not None and self._pace.turnstile is not None:
+            self._pace.turnstile.wake_all()  # or at its owner's turnstile
         if first and not serving:
             self._finish(EventAction.DETACHED)
         if join_s > 0:
@@ -197,28 +200,40 @@ class SessionSupervisor:
         return self._done.wait(timeout)
 
     def _serve(self) -> None:
-        poller = select.poll()
-        poller.register(self._listener.fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        listening, waking = select.poll(), select.poll()
+        listening.register(self._listener.fd, select.POLLIN)
+        for poller in (listening, waking):
+            poller.register(self._wake_r, select.POLLIN)
         next_reconcile = time.monotonic() + self._reconcile_interval
+        turn: float | None = None  # the pace's turn taken for the next notification
         why = EventAction.DETACHED
         try:
             while not self._closed:
-                timeout_ms = max(0, math.ceil((next_reconcile - time.monotonic()) * 1000))
-                events = dict(poller.poll(timeout_ms))
+                ahead = 0.0 if turn is None or self._pace is None else turn - self._pace.clock()
+                wait_s = next_reconcile - time.monotonic()
+                poller = waking if self._dropped or ahead > 0 else listening
+                events = dict(poller.poll(max(0, math.ceil(min(wait_s, ahead if ahead > 0 else wait_s) * 1000))))
                 try:
                     if events.get(self._wake_r, 0):
                         self._drain_wake()
                         self._answer_decided()
-                    ev = events.get(self._listener.fd, 0)
+                    ev = events.get(self._listener.fd, 0) if poller is listening else 0
                     if ev & select.POLLIN:
-                        self._handle_one()
+                        if self._pace is not None and turn is None:
+                            turn = self._pace.turn()  # one per notification, waited for on the next rounds if ahead
+                            self._paced(turn - self._pace.clock())
+                        if turn is None or self._pace is None or turn <= self._pace.clock():
+                            turn = None
+                            self._handle_in_turn()
                     elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         why = EventAction.EXITED  # every process using the filter has exited: their sessions are gone
                         return
                     if time.monotonic() >= next_reconcile:
                         next_reconcile = time.monotonic() + self._reconcile_interval
                         self.reconcile()
+                    if self._dropped and not self._follows():
+                        why = EventAction.EXITED  # a forsaken listener's processes have all exited
+                        return
                 except Exception:  # a bug here must not take the tenant's hooks down: log it, serve on
                     with self._lock:
                         self._tally.errors += 1
@@ -231,17 +246,7 @@ class SessionSupervisor:
     def _await_decisions(self) -> None:
         """Before a kept listener's pending calls are answered: wait (up to `keep_decision_s`) for the loop to decide
         those it was asked about, so that a restart admits no new session past its caps undecided."""
-        deadline = time.monotonic() + self._keep_decision_s
-        poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        while True:
-            with self._lock:
-                decided = {nid for nid, _, _ in self._decided}
-            left = deadline - time.monotonic()
-            if self._pending.keys() <= decided or left <= 0:
-                return
-            poller.poll(math.ceil(left * 1000))
-            self._drain_wake()
+        self._decisions.await_back(self._wake_r, self._keep_decision_s, self._drain_wake)
 
     def _drain_wake(self) -> None:
         """Empty the wake-up pipe (close() and the loop's decisions write to it; one read takes every byte)."""
@@ -255,39 +260,22 @@ class SessionSupervisor:
             self._finished = True
             self._closed = True
             self._serving = False
-            keep = self._keep and action is not EventAction.EXITED and not self._listener.hung_up()
+            keep = (self._keep and action is not EventAction.EXITED and not self._dropped
+                    and not self._listener.hung_up())
             if keep:
                 self._kept_fd = self._listener.fd
-            else:
+            elif not self._dropped:
                 os.close(self._listener.fd)
             os.close(self._wake_r)
             os.close(self._wake_w)
-            decided = list(self._decided)
-            self._decided.clear()
+            decided = self._decisions.stop_taking()
         if keep:  # every call received is answered: the next server of the listener cannot see them
-            self._answer_all_pending(decided)
-        # The callers still waiting got ENOSYS when the fd closed (or were answered). Admissions the loop already
-        # made are given back; decisions still on the loop are not asked any more (see _decide_on_loop).
-        events = []
-        for nid, admitted, _ in decided:
-            entry = self._pending.pop(nid, None)
-            kind = entry[0].kind if entry is not None else None
-            if admitted and entry is not None and kind is not None:
-                call, tid = entry[0], entry[1]
-                events.append(SessionEvent(self.tenant, EventAction.ABORTED, kind, call.h_class, tid, call.handle, 0))
-        self._pending.clear()
+            self._decisions.answer_all(self._listener, decided)
+        events = self._decisions.drop(decided)
         self._mem.release_all()
         self._events.emit(events + self._book.release_all(action))
         self._done.set()
         log.debug("seccomp supervisor closed", tenant=self.tenant, why=action.value)
-
-    def _answer_all_pending(self, decided: list[tuple[int, bool, BaseException | None]]) -> None:
-        """Before the listener is kept for a restart: the calls the loop decided, as it decided; those it did not,
-        admitted (the books end with this supervisor anyway)."""
-        verdicts = {nid: admitted for nid, admitted, _ in decided}
-        for nid, (call, _, _) in self._pending.items():
-            refused = call.kind is not None and not verdicts.get(nid, True)
-            self._listener.answer(nid, -errno.EPERM if refused else 0)
 
     def take_kept(self) -> int | None:
         """After `close(keep=True)` has finished (`closed`): the listener, the caller's to close from now on; None
@@ -307,7 +295,38 @@ class SessionSupervisor:
         self._events.emit(self._book.release(gone, EventAction.EXITED))
         self._mem.release(gone)
 
+    def _follows(self) -> bool:
+        """Whether the books still hold what a live process made (reconcile releases what an exited one made)."""
+        owners = self._book.owners() | self._mem.book.owners()
+        return any(tgid for tgid, _ in owners.values())
+
+    # ---- a listener not the daemon's filter's ----
+    def _forsake(self, notif: Notification) -> None:
+        """A call the daemon's filter never notifies (examine.Foreign): let it go on and close the listener, so that
+        its processes' later notified calls fail at once with ENOSYS and cost the daemon nothing. The thread stays
+        until they have exited (reconcile), the books holding what they made meanwhile: closing a listener must
+        not shed the sessions and memory its processes still hold."""
+        with self._lock:  # all said before the answer: the caller may look as soon as it resumes
+            self._tally.notifications += 1
+            self._dropped = True
+            decided = self._decisions.stop_taking()
+        log_foreign(self.tenant, notif)
+        self._listener.answer(notif.nid, 0)
+        os.close(self._listener.fd)  # a call notified meanwhile fails with ENOSYS here
+        self._events.emit(self._decisions.drop(decided))
+
     # ---- one notification ----
+    def _handle_in_turn(self) -> None:
+        """`_handle_one` once the owner's turnstile lets this thread in (budget.Turnstile), unless it closes first."""
+        turnstile = None if self._pace is None else self._pace.turnstile
+        if turnstile is None:
+            self._handle_one()
+        elif turnstile.enter(lambda: self._closed):
+            try:
+                self._handle_one()
+            finally:
+                turnstile.leave()
+
     def _handle_one(self) -> None:
         notif = self._listener.receive()
         if notif is None:
@@ -319,7 +338,7 @@ class SessionSupervisor:
         unbooked: SessionUnbooked | None = None
         failure: tuple[str, BaseException] | None = None
         try:
-            call = self._examine(nid, pid, notif.nr, notif.arch, notif.args)
+            call = self._examine(notif)
             if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
@@ -342,10 +361,13 @@ class SessionSupervisor:
                     admitted = bool(self._decide(self.tenant, call.kind, call.h_class))
                 except Exception as e:
                     failure = ("seccomp decide() failed; admitting the call", e)
-        except _Gone:
+        except Gone:
             with self._lock:
                 self._tally.notifications += 1
                 self._tally.skipped += 1
+            return
+        except Foreign:
+            self._forsake(notif)
             return
         except Exception as e:
             failure, call = ("seccomp notification handling failed; letting the call continue", e), None
@@ -353,45 +375,17 @@ class SessionSupervisor:
 
     def _ask_loop(self, loop: asyncio.AbstractEventLoop, nid: int, tid: int, t0: int, call: Call) -> None:
         """A new session: ask `decide` on the loop; `_answer_decided` answers when it is back."""
-        assert call.kind is not None
-        self._pending[nid] = (call, tid, t0)
         try:
-            loop.call_soon_threadsafe(self._decide_on_loop, nid, call.kind, call.h_class)
+            self._decisions.ask(loop, nid, tid, t0, call)
         except RuntimeError as e:  # the loop is closed: nobody can decide, and the caller must not wait
-            del self._pending[nid]
             self._conclude(nid, tid, t0, call, True, ("the daemon's event loop is closed; admitting the call", e))
             return
         with self._lock:
             self._tally.asked += 1
 
-    def _decide_on_loop(self, nid: int, kind: SessionKind, h_class: int) -> None:
-        """On the loop: ask `decide`, hand the answer back to the serving thread."""
-        if self._closed and not self._keep:
-            return  # the call failed with ENOSYS when the listener closed (or will): nothing to decide
-        admitted, error = False, None
-        try:
-            admitted = bool(self._decide(self.tenant, kind, h_class))
-        except Exception as e:
-            admitted, error = True, e
-        with self._lock:
-            if not self._finished:
-                self._decided.append((nid, admitted, error))
-                with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the thread
-                    os.write(self._wake_w, b"d")
-                return
-        if admitted:  # closed meanwhile: the caller got ENOSYS; give back what decide() reserved
-            self._events.emit_now([SessionEvent(self.tenant, EventAction.ABORTED, kind, h_class, 0, 0, 0)])
-
     def _answer_decided(self) -> None:
-        while True:
-            with self._lock:
-                if not self._decided:
-                    return
-                nid, admitted, error = self._decided.popleft()
-            entry = self._pending.pop(nid, None)
-            if entry is None:
-                continue
-            call, tid, t0 = entry
+        while (back := self._decisions.take()) is not None:
+            nid, (call, tid, t0), admitted, error = back
             if call.owner is None:  # its client, known when the call came, may have been freed since: read it now
                 self._read_owner(call, tid)
                 if call.owner is not None and not self._listener.id_valid(nid):
@@ -438,30 +432,17 @@ class SessionSupervisor:
                 why="the daemon's decision" if unbooked is None else unbooked.value,
                 held_back=held or 0)
 
-    def _examine(self, nid: int, pid: int, nr: int, arch: int, args: list[int]) -> Call:
-        """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue."""
-        escape = escape_of(nr, arch, args[1])
-        if escape is None:
-            return Call(0)
-        if pid == 0:
-            self._warn_once("pid0", "a notified caller is outside the daemon's pid namespace; letting its calls continue")
-            return Call(0)
-        try:
-            mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-        except PermissionError:
-            self._warn_once("mem", "cannot read tenants' memory (/proc/PID/mem): run the daemon as root; letting calls continue")
-            return Call(0)
-        except OSError:
-            return Call(0)  # gone already: the answer will fail harmlessly
-        try:
-            call = decode_call(escape[0], escape[1], args[2], lambda addr, size: read_mem(mem, addr, size))
-        finally:
-            os.close(mem)
-        self._read_owner(call, pid)
+    def _examine(self, notif: Notification) -> Call:
+        """Decode the call from the caller's memory. Call(0) means: nothing to decide or track, continue. Foreign: not
+        a call the daemon's filter sends; Gone: the caller went away while it was read."""
+        call = read_call(notif.pid, escape(notif), notif.args[2], self._warn_once)
+        if call.op == 0:
+            return call
+        self._read_owner(call, notif.pid)
         # Before a decision or a count that depends on what was read, make sure it was read from the caller
         # (its pid not reused meanwhile). Frees check in _commit, only when they uncount something.
-        if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(nid):
-            raise _Gone
+        if (call.kind is not None or call.mem_bytes is not None) and not self._listener.id_valid(notif.nid):
+            raise Gone
         return call
 
     def _read_owner(self, call: Call, tid: int) -> None:
@@ -501,6 +482,12 @@ class SessionSupervisor:
         with self._lock:
             self._tally.answered(dt, send, answered, decided)
 
+    def _paced(self, ahead_s: float) -> None:
+        """A notification's turn taken; `ahead_s` how long it waits for it (counted when it waits at all)."""
+        if ahead_s > 0:
+            with self._lock:
+                self._tally.paced(ahead_s)
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -515,4 +502,5 @@ class SessionSupervisor:
     def stats(self) -> SupervisorStats:
         books = self._book.counts()
         with self._lock:
-            return self._tally.stats(self.tenant, books, len(self._pending), self._done.is_set(), self._sync_wake_up)
+            return self._tally.stats(self.tenant, books, len(self._decisions.pending), self._done.is_set(), self._sync_wake_up,
+                                     self._dropped)
