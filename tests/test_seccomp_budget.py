@@ -19,6 +19,9 @@ from unisched.enforce.seccomp.budget import OWNER_BURST, OWNER_RATE, Pace, Rate,
 from unisched.enforce.seccomp.hooks import SupervisedHooks, pace_owner
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 
+NEVER_TAKEN = 3600.0
+"""A turnstile's held_max_s where a test holds the turn itself and no waiter may take it from the test."""
+
 
 class Clock:
     def __init__(self, now: float = 100.0) -> None:
@@ -67,37 +70,41 @@ def test_a_listener_s_own_rate_holds_when_its_owner_has_room() -> None:
 
 
 def test_a_turnstile_hands_the_turn_to_its_waiters_in_the_order_they_came() -> None:
-    turnstile = Turnstile()
-    assert turnstile.enter(lambda: False)
+    turnstile = Turnstile(held_max_s=NEVER_TAKEN)
+    first = turnstile.enter(lambda: False)
+    assert first is not None
     order: list[int] = []
 
     def wait_turn(i: int) -> None:
-        assert turnstile.enter(lambda: False)
+        ticket = turnstile.enter(lambda: False)
+        assert ticket is not None
         order.append(i)
-        turnstile.leave()
+        turnstile.leave(ticket)
 
     threads = []
     for i in range(5):
         threads.append(threading.Thread(target=wait_turn, args=(i,)))
         threads[-1].start()
         wait_for(lambda i=i: turnstile.waiting == i + 1, f"waiter {i} to queue")  # type: ignore[misc]
-    turnstile.leave()
+    turnstile.leave(first)
     for t in threads:
         t.join(10)
     assert order == [0, 1, 2, 3, 4] and turnstile.waiting == 0
-    assert turnstile.enter(lambda: True)  # free again: entered at once, whatever give_up says
+    assert turnstile.enter(lambda: True) is not None  # free again: entered at once, whatever give_up says
 
 
 def test_a_waiter_whose_supervisor_closes_gives_up_and_the_others_wait_on() -> None:
-    turnstile = Turnstile()
-    assert turnstile.enter(lambda: False)
+    turnstile = Turnstile(held_max_s=NEVER_TAKEN)
+    first = turnstile.enter(lambda: False)
+    assert first is not None
     closing = threading.Event()
     got: dict[str, bool] = {}
 
     def wait_turn(name: str, give_up: threading.Event) -> None:
-        got[name] = turnstile.enter(give_up.is_set)
-        if got[name]:
-            turnstile.leave()
+        ticket = turnstile.enter(give_up.is_set)
+        got[name] = ticket is not None
+        if ticket is not None:
+            turnstile.leave(ticket)
 
     leaving = threading.Thread(target=wait_turn, args=("closing", closing))
     staying = threading.Thread(target=wait_turn, args=("staying", threading.Event()))
@@ -110,9 +117,39 @@ def test_a_waiter_whose_supervisor_closes_gives_up_and_the_others_wait_on() -> N
     leaving.join(10)
     assert got == {"closing": False}
     wait_for(lambda: turnstile.waiting == 1, "the other waiter to wait again")
-    turnstile.leave()
+    turnstile.leave(first)
     staying.join(10)
     assert got == {"closing": False, "staying": True} and turnstile.waiting == 0
+
+
+def test_a_turn_held_past_its_limit_is_taken_by_the_first_waiter_and_its_old_holder_s_leave_does_nothing() -> None:
+    """A listener's thread blocked in its turn (its caller's memory behind a FUSE mount that never answers) must not
+    stop its owner's other listeners: past held_max_s (the clock's) the first waiter takes the turn; the others keep
+    their order; the blocked thread's late leave hands nothing on."""
+    clock = Clock(0.0)
+    turnstile = Turnstile(held_max_s=0.01, clock=clock)
+    stuck = turnstile.enter(lambda: False)
+    assert stuck is not None
+    got: dict[str, int | None] = {}
+
+    def wait_turn(name: str) -> None:
+        got[name] = turnstile.enter(lambda: False)
+
+    first = threading.Thread(target=wait_turn, args=("first",))
+    first.start()
+    wait_for(lambda: turnstile.waiting == 1, "the first waiter")
+    second = threading.Thread(target=wait_turn, args=("second",))
+    second.start()
+    wait_for(lambda: turnstile.waiting == 2, "the second waiter")
+    assert got == {}  # held, by the clock, for less than its limit: both wait, however long in real time
+    clock.now = 0.5
+    first.join(10)
+    assert not first.is_alive() and got["first"] is not None and "second" not in got
+    turnstile.leave(stuck)  # the blocked thread comes back: its turn was taken, nothing is handed on
+    assert turnstile.waiting == 1 and "second" not in got
+    turnstile.leave(got["first"])
+    second.join(10)
+    assert got["second"] is not None and turnstile.waiting == 0
 
 
 @pytest.mark.parametrize(("tenant", "uid", "owner"), [
@@ -215,25 +252,27 @@ def test_a_listener_handles_its_calls_only_in_its_owner_s_turn() -> None:
     """Another listener of the same owner holds the turnstile (the test does): the call waits in the kernel until the
     turn is its listener's; a listener closing meanwhile stops waiting at once."""
     proc, fd = start_tenant()
-    turnstile = Turnstile()
+    turnstile = Turnstile(held_max_s=NEVER_TAKEN)
     sup = SessionSupervisor(fd, "t", lambda *a: True, pace=Pace(Rate(1e6, 1000), turnstile=turnstile))
     thread = serve(sup)
     try:
         assert proc.call(f"alloc {OTHER:#x} 0x100") == ENOTTY  # nobody else's turn: at once
-        assert turnstile.enter(lambda: False)
+        ticket = turnstile.enter(lambda: False)
+        assert ticket is not None
         proc.send(f"alloc {OTHER:#x} 0x101")
         wait_for(lambda: turnstile.waiting == 1, "the supervisor to wait at the turnstile")
         assert not proc.answered() and sup.stats().notifications == 1
-        turnstile.leave()
+        turnstile.leave(ticket)
         assert proc.line() == f"ok {ENOTTY}"
-        assert turnstile.enter(lambda: False)
+        ticket = turnstile.enter(lambda: False)
+        assert ticket is not None
         proc.send(f"alloc {OTHER:#x} 0x102")
         wait_for(lambda: turnstile.waiting == 1, "the supervisor to wait again")
         sup.close(join_s=0)
         thread.join(10)
         assert not thread.is_alive() and turnstile.waiting == 0
         assert proc.line() == f"ok {ENOSYS}"
-        turnstile.leave()
+        turnstile.leave(ticket)
     finally:
         sup.close()
         proc.kill()

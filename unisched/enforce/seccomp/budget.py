@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["LISTENER_BURST", "LISTENER_RATE", "OWNER_BURST", "OWNER_RATE", "Pace", "Rate", "Turnstile"]
+__all__ = ["LISTENER_BURST", "LISTENER_RATE", "OWNER_BURST", "OWNER_RATE", "TURN_HELD_MAX_S", "Pace", "Rate", "Turnstile"]
 
 LISTENER_RATE: Final = 1000.0
 """Notifications a second one listener is answered beyond its burst. A CUDA or EGL context's start makes 130-odd
@@ -41,23 +41,38 @@ OWNER_BURST: Final = 2048
 """Calls all of one owner's listeners may make at once: 15 contexts starting together."""
 
 
+TURN_HELD_MAX_S: Final = 0.1
+"""A turn held longer than this is taken from its thread by the first waiter: the thread is blocked, not handling
+(a caller's memory behind a FUSE mount that never answers, read through /proc/PID/mem), and must not stop its
+owner's other listeners. A notification's handling takes well under a millisecond otherwise."""
+
+
 class _Waiter:
-    __slots__ = ("handed", "lock")
+    __slots__ = ("handed", "lock", "ticket")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()  # released when the turn is handed over, or by wake_all
         self.handed = False
+        self.ticket = 0
 
 
 class Turnstile:
     """One owner's listeners handle one notification at a time, in the order they came: the turn is handed to the
-    first waiter (none can slip in ahead of it), so no listener of the owner waits behind another's flood for long."""
+    first waiter (none can slip in ahead of it), so no listener of the owner waits behind another's flood for long.
+    A turn held past `held_max_s` (by the injectable `clock`) is taken by the first waiter; the blocked thread's
+    `leave` then does nothing (each turn has a ticket)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held_max_s: float = TURN_HELD_MAX_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._busy = False
         self._queue: collections.deque[_Waiter] = collections.deque()
+        self._held_max_s = held_max_s
+        self._clock = clock
+        self._ticket = 0
+        """The turn now held (its holder's `enter` returned it)."""
+        self._since = 0.0
+        """When the turn now held was taken."""
 
     @property
     def waiting(self) -> int:
@@ -65,26 +80,44 @@ class Turnstile:
         with self._lock:
             return len(self._queue)
 
-    def enter(self, give_up: Callable[[], bool]) -> bool:
-        """Wait for the turn; False (not entered) once `give_up()` says so, asked before each wait (`wake_all`)."""
+    def enter(self, give_up: Callable[[], bool]) -> int | None:
+        """Wait for the turn: its ticket, for `leave`; None (not entered) once `give_up()` says so, asked before
+        each wait (`wake_all`)."""
         while True:
             with self._lock:
                 if not self._busy:
-                    self._busy = True
-                    return True
+                    return self._take()
                 if give_up():
-                    return False
+                    return None
                 waiter = _Waiter()
                 self._queue.append(waiter)
-            waiter.lock.acquire()
+            while not waiter.lock.acquire(timeout=self._held_max_s):
+                with self._lock:
+                    if waiter.handed:  # (handed just as the wait ended)
+                        break
+                    if waiter not in self._queue:  # wake_all took it just as the wait ended
+                        break
+                    if self._queue[0] is waiter and self._clock() - self._since >= self._held_max_s:
+                        self._queue.popleft()
+                        return self._take()  # the holder is blocked: this thread's turn now
             if waiter.handed:
-                return True
+                return waiter.ticket
 
-    def leave(self) -> None:
-        """End the turn: the first waiter's now."""
+    def _take(self) -> int:
+        """The turn is the caller's (under the lock)."""
+        self._busy = True
+        self._ticket += 1
+        self._since = self._clock()
+        return self._ticket
+
+    def leave(self, ticket: int) -> None:
+        """End the turn `ticket` (nothing where it was taken from its holder meanwhile): the first waiter's now."""
         with self._lock:
+            if ticket != self._ticket:
+                return
             if self._queue:
                 waiter = self._queue.popleft()
+                waiter.ticket = self._take()
                 waiter.handed = True
                 waiter.lock.release()
             else:

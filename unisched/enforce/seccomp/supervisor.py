@@ -321,11 +321,11 @@ class SessionSupervisor:
         turnstile = None if self._pace is None else self._pace.turnstile
         if turnstile is None:
             self._handle_one()
-        elif turnstile.enter(lambda: self._closed):
+        elif (ticket := turnstile.enter(lambda: self._closed)) is not None:
             try:
                 self._handle_one()
             finally:
-                turnstile.leave()
+                turnstile.leave(ticket)
 
     def _handle_one(self) -> None:
         notif = self._listener.receive()
