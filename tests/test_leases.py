@@ -286,6 +286,22 @@ def test_a_pod_s_overrun_record_is_its_pod_s_not_that_of_the_host_uid_it_runs_as
     assert not rig.engine.snapshot("host-2").enforced and later.sid
 
 
+def test_a_pod_s_overrun_record_ends_with_its_last_session(tmp_path: Path) -> None:
+    """A pod is keyed by its pid namespace's inode, which the kernel gives the next pod once it is gone: a record kept
+    after the pod's last session ended would enforce an unrelated pod. While one of its sessions is open the record
+    holds; its tenants stay enforced after."""
+    rig = LeaseRig(tmp_path)
+    good, bad = rig.coop("good", 100, uid=1001), rig.coop("pod", 100, uid=1000, caller=Pod(7))
+    still = rig.coop("pod-b", 100, uid=1000, caller=Pod(7))
+    overrun(rig, good, bad)
+    rig.engine.lease_close(bad.sid)
+    assert rig.engine.snapshot("pod-b").enforced  # the pod has a session left: its record holds
+    rig.engine.lease_close(still.sid)
+    assert rig.engine.snapshot("pod").enforced  # its tenants stay enforced
+    later = rig.coop("next-pod", 100, uid=1000, caller=Pod(7))  # the same inode, another pod
+    assert later.sid and not rig.engine.snapshot("next-pod").enforced
+
+
 @pytest.mark.parametrize(("share", "gap_s", "turn_s"), [(0.01, 0.0, 0.0), (0.01, 0.0015, 0.15), (0.01, 0.02, 0.5),
                                                       (0.0, 0.02, 0.0)])
 def test_turns_between_clients_grow_with_the_measured_hand_over_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -44,8 +44,8 @@ class LeaseCharges:
         self._enforced_users: set[Caller] = set()
         """Users (uids, not admins, or pods whatever uids their processes take) whose sessions kept overrunning: every
         tenant they open a session in is enforced, so removing a tenant and making it again, under any name, does not
-        wipe the record (kept until restart). A pod's record is its own: the host user of the uid its processes ran
-        as keeps a clean one."""
+        wipe the record (kept until restart; a pod's until its last session ends). A pod's record is its own: the host
+        user of the uid its processes ran as keeps a clean one."""
         self._overrun: dict[str, float] = {}
         """GPU seconds each tenant reported beyond its leases (kept across sessions)."""
         self._reported: dict[Resource, list[tuple[float, float]]] = {}
@@ -74,6 +74,10 @@ class LeaseCharges:
             self._enforced.add(tenant)
             log.warning("lease overrun: the freezer backs this tenant's leases, as its user's leases overran before",
                         tenant=tenant, user=named(user))
+
+    def forget_user(self, user: Caller) -> None:
+        """`user`'s record of overruns is dropped (a pod gone: leases.LeaseBook._left)."""
+        self._enforced_users.discard(user)
 
     def overrun_s(self, tenant: str) -> float:
         return self._overrun.get(tenant, 0.0)

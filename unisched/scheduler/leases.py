@@ -20,7 +20,7 @@ import structlog
 
 from unisched.enforce.leases import LeaseChannel, LeaseGrant, LeaseRevoke
 from unisched.policy import ContentionMap, Decision, Engine, Mode, Priority, Resource, WeightedFairShare
-from unisched.policy.callers import Caller
+from unisched.policy.callers import Caller, Pod
 from unisched.policy.leases import OverrunVerdict
 from unisched.policy.plan import lease_contended, lease_jump, online_jumps
 from unisched.policy.tuning import TUNING
@@ -145,6 +145,7 @@ class LeaseBook:
         c = self._coop[s.tenant]
         c.sessions.discard(sid)
         log.info("lease session closed", tenant=s.tenant, session=sid)
+        self._left(s.user)
         affected = False
         if not c.sessions:
             affected = bool(c.leases)
@@ -169,9 +170,19 @@ class LeaseBook:
             return
         for sid in c.sessions:
             s = self._sessions.pop(sid)
+            self._left(s.user)
             for r, lease in c.leases.items():
                 if r.gpu == s.gpu:
                     s.channel.send(LeaseRevoke(lease.id, lease.engine, "tenant removed"))
+
+    def _left(self, user: Caller | None) -> None:
+        """A session of `user` ended. A pod whose overruns are on record and that has no session left has its record
+        dropped: a pod is keyed by its pid namespace's inode, which the kernel gives the next pod once this one is
+        gone, and a record kept would enforce that unrelated pod (a pod that sheds its record this way gains no more
+        than making a new pod would; its tenants stay enforced)."""
+        if (isinstance(user, Pod) and self._charges.user_enforced(user)
+                and not any(o.user == user for o in self._sessions.values())):
+            self._charges.forget_user(user)
 
     def note_codec(self, sid: int, kind: str, delta: int) -> None:
         s = self._session(sid)
