@@ -25,7 +25,9 @@ MAGIC = b"unisched-lease/1\n"
 MAX_REQUEST_BYTES = 64 * 1024
 """A LeaseRequest longer than this ends the connection (the gRPC server's receive limit, as before)."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
-"""What the client accepts from the daemon (a welcome carries the tenant's snapshot)."""
+"""What a client accepts from the daemon in one message: a lease welcome (the tenant's snapshot), and a gRPC reply
+(an admin's ListTenants of thousands of tenants, each share with its charges by rule and source, passes gRPC's
+default 4 MiB)."""
 LEASE_SOCKET_NAME = "lease.sock"
 """The lease socket's name, in the main socket's directory unless the daemon's `lease_socket` says otherwise."""
 LEASE_SOCKET_ENV = "UNISCHED_LEASE_SOCKET"

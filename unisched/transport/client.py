@@ -10,6 +10,7 @@ import grpc
 
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire import unisched_pb2_grpc as pb_grpc
+from unisched_wire.leasewire import MAX_REPLY_BYTES
 
 __all__ = ["AGENT_SOCKET_METADATA", "LEASE_SOCKET_METADATA", "DaemonClient", "DaemonError", "RunSockets", "TlsFiles"]
 
@@ -57,12 +58,13 @@ class DaemonClient:
     ) -> None:
         self.address = target or f"unix:{socket}"
         self.tls = tls is not None
+        options = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
         if tls is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = grpc.insecure_channel(self.address, options)
         else:
             ca, cert, key = (_read(p) for p in tls)
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-            self._channel = grpc.secure_channel(self.address, creds)
+            self._channel = grpc.secure_channel(self.address, creds, options)
         self._stub = pb_grpc.UnischedStub(self._channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
 
