@@ -174,10 +174,20 @@ def test_the_loop_runs_between_the_chunks_of_a_hand_over(pipe: int, monkeypatch:
 
 
 @pytest.mark.usefixtures("any_fd_listens")
-def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int) -> None:
+def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its deadline a hand-over that keeps coming is read no further than its first chunk."""
+    monkeypatch.setattr(agent, "_AGENT_CHUNK", 1024)
+    read = [0]
+    recv = agent.recv_agent_chunk
+
+    def counted(sock: socket.socket) -> tuple[bytes, list[int]]:
+        read[0] += 1
+        return recv(sock)
+
+    monkeypatch.setattr(transport_agent, "recv_agent_chunk", counted)
     a, b = socket.socketpair()
     with a, b:
-        _queued_endless_string(a, os.dup(pipe))
+        assert _queued_endless_string(a, os.dup(pipe)) > 8 * 1024, "the socket took too little to tell"
         b.setblocking(False)
 
         async def main() -> str:
@@ -189,7 +199,24 @@ def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int) -> No
             return repr(task.exception())
 
         assert asyncio.run(main()) == "TimeoutError()"
-        assert b.recv(6) == b'{"a":"', "nothing was read past the deadline"
+        assert read == [1], "read past the deadline"
+
+
+@pytest.mark.usefixtures("any_fd_listens")
+def test_a_hand_over_whole_in_the_socket_is_taken_when_the_loop_comes_to_it_late(pipe: int) -> None:
+    """A runtime sends its hand-over in one sendmsg and never reads the answer: one already whole in the socket is
+    taken even when the task first runs past its deadline (a loop late), not refused unread."""
+    a, b = socket.socketpair()
+    with a, b:
+        socket.send_fds(a, [make_agent_message(os.getpid())], [os.dup(pipe)])
+        b.setblocking(False)
+
+        async def main() -> tuple[int, object]:
+            return await transport_agent._receive(b, asyncio.get_running_loop().time() - 1)
+
+        fd, hello = asyncio.run(main())
+        os.close(fd)
+        assert hello is not None
 
 
 # --- the server's answers and log lines ----------------------------------------------------------------------------

@@ -424,14 +424,13 @@ def _unusable_runtime_directory(directory: str, e: OSError) -> ConfigError:
 
 async def _receive(conn: socket.socket, deadline: float) -> tuple[int, AgentHello]:
     """One hand-over from a non-blocking connection: one recvmsg per turn of the loop, the loop's other work let run
-    between a peer's chunks (while the socket stays readable nothing else would yield), and none read past
-    `deadline` (the loop's clock): TimeoutError."""
+    between a peer's chunks (while the socket stays readable nothing else would yield), and no chunk read after the
+    first past `deadline` (the loop's clock): TimeoutError. The first is read whenever the task runs, so a hand-over
+    already whole in the socket (a runtime's: one sendmsg) is taken even when the loop came to it late."""
     loop = asyncio.get_running_loop()
     reader = AgentMessageReader()
     try:
         while True:
-            if loop.time() >= deadline:
-                raise TimeoutError
             try:
                 data, fds = recv_agent_chunk(conn)
             except BlockingIOError:
@@ -441,6 +440,8 @@ async def _receive(conn: socket.socket, deadline: float) -> tuple[int, AgentHell
             if hello is not None:
                 return reader.take_fd(), hello
             await asyncio.sleep(0)
+            if loop.time() >= deadline:
+                raise TimeoutError
     finally:
         reader.close()
 
