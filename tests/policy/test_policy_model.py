@@ -62,7 +62,7 @@ def test_bad_names(bad: object) -> None:
 
 @pytest.mark.parametrize("squat", [
     "hugetlb.2MB.max", "cpu.max", "cpuset.cpus", "cpuset.cpus.partition", "cgroup.procs", "cgroup.new", "memory.high",
-    "io.max", "pids.max", "rdma.max", "misc.max", "dmem.max", "irq.pressure", "cpuacct.usage", "blkio.weight",
+    "io.max", "pids.max", "rdma.max", "misc.max", "dmem.max", "irq.pressure", "debug.stat", "cpuacct.usage", "blkio.weight",
     "freezer.state", "devices.allow", "net_cls.classid", "net_prio.ifpriomap", "perf_event.x", "memory.",
     "cpu.no-such-file-yet",
 ])

@@ -33,7 +33,7 @@ DEFAULT_WEIGHT = 100
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 CGROUP_FILE_PREFIXES = frozenset({
     "cgroup", "cpu", "cpuset", "cpuacct", "io", "blkio", "memory", "hugetlb", "pids", "rdma", "misc", "freezer",
-    "devices", "net_cls", "net_prio", "perf_event", "dmem", "irq",
+    "devices", "net_cls", "net_prio", "perf_event", "dmem", "irq", "debug",
 })
 """What a cgroup interface file's name starts with, before its first '.': the controllers' (cgroup v1 and v2), the
 core's (cgroup.procs) and PSI's (irq.pressure). A tenant's cgroup is a directory named after the tenant beside such
