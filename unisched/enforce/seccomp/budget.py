@@ -36,7 +36,7 @@ OWNER_RATE: Final = 2000.0
 """Notifications a second all the listeners of one owner (a non-root uid, or one of root's tenants: a container
 runtime's pod) are answered beyond its burst, however many listeners it hands over. A call read from its caller's
 memory costs a thread ~50 us of CPU alone and up to ~180 us when a hundred of one owner's listeners take turns
-(RM_FREE on fd -1; 2-core VM): a tenth to a third of a core, where one thread unbounded answered 16,000 a second."""
+(RM_FREE on fd -1; 2-core VM): a tenth to a third of a core."""
 OWNER_BURST: Final = 2048
 """Calls all of one owner's listeners may make at once: 15 contexts starting together."""
 
