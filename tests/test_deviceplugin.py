@@ -20,6 +20,7 @@ from inproc import InProcessServer, in_process_server
 from kubelet_stub import FakePodResources, StubKubelet, pod
 
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
+from unisched.integrations.kubernetes import podresources_v1_pb2 as pr
 from unisched.integrations.kubernetes.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
 from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
 from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
@@ -285,6 +286,27 @@ def test_adopter_makes_pods_tenants_and_removes_them_when_gone(
         assert gone.removed == (tenant,)
         assert client.tenants() == []
         assert adopter.ensure(units[:1]) == f"no pod on this node holds devices {units[:1]} (PodResources does not list them)"
+
+
+def test_adopter_takes_a_pod_resources_list_past_4_mib(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """PodResources lists every pod on the node: pod authors size it (here 4 pods of 16,000 long-named containers,
+    no GPU asked). A reply past gRPC's default 4 MiB must not stop adoption, and with it every GPU container's start."""
+    root = tmp_path / "cgroup"
+    uid = str(uuid.uuid4())
+    cg = _pod_dir(root, uid)
+    daemon.driver.create(cg)
+    units = ids(0, 0, 30)
+    fat = [pr.PodResources(namespace="evil", name=f"fat-{p}",
+                           containers=[pr.ContainerResources(name=f"c{i:05d}".ljust(63, "x")) for i in range(16_000)])
+           for p in range(4)]
+    podres.pods = [pod("team-a", "trainer", main={WEIGHT: units}), *fat]
+    assert pr.ListPodResourcesResponse(pod_resources=podres.pods).ByteSize() > 4 << 20
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), FakePods({"team-a/trainer": PodInfo(uid)}), cgroup_root=root)
+        assert adopter.ensure(units[:1]) is None
+        assert [t.name for t in client.tenants()] == [tenant_name(units)]
 
 
 def test_adopter_waits_for_the_pod_cgroup_and_follows_a_replaced_pod(

@@ -198,6 +198,10 @@ class PassResult:
     """Why the pass could not run at all (PodResources or the daemon unreachable)."""
 
 
+PODRESOURCES_REPLY_MAX = 64 << 20
+"""The largest PodResources List reply taken. It lists every pod on the node with all its containers, GPU or not,
+so pod authors size it: a few pods of thousands of long-named containers pass gRPC's default 4 MiB, and a List
+refused at that size would hold back every GPU container's start on the node (PreStartContainer waits for a pass)."""
 LOOKUP_BUDGET_S = 10.0
 """How long one adoption pass may spend asking the API server for pods it has not looked up yet (each ask has its
 own timeout): a burst of new pods against a slow API server must not hold the pass, and with it every container
@@ -243,7 +247,8 @@ class PodAdopter:
         is refused is retried with them, not adopted without them)."""
 
     def list_pods(self) -> list[pr.PodResources]:
-        with grpc.insecure_channel(f"unix:{self.pod_resources_socket}") as channel:
+        options = [("grpc.max_receive_message_length", PODRESOURCES_REPLY_MAX)]
+        with grpc.insecure_channel(f"unix:{self.pod_resources_socket}", options) as channel:
             stub = pr_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
             reply = stub.List(pr.ListPodResourcesRequest(), timeout=self.timeout)
         return list(reply.pod_resources)
