@@ -129,6 +129,21 @@ def test_a_peer_s_values_are_never_turned_into_text_whole() -> None:
 
 
 # --- on the event loop ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def counted_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The hand-over's chunks read (1 KiB each), counted in [0]: transport.agent's recv_agent_chunk wrapped."""
+    monkeypatch.setattr(agent, "_AGENT_CHUNK", 1024)
+    read = [0]
+    recv = agent.recv_agent_chunk  # (what transport.agent imported)
+
+    def counted(sock: socket.socket) -> tuple[bytes, list[int]]:
+        read[0] += 1
+        return recv(sock)
+
+    monkeypatch.setattr(transport_agent, "recv_agent_chunk", counted)
+    return read
+
+
 def _queued_endless_string(a: socket.socket, fd: int) -> int:
     """Send an fd and the start of a string that never ends, then as much of it as the socket takes: the bytes
     queued."""
@@ -141,18 +156,10 @@ def _queued_endless_string(a: socket.socket, fd: int) -> int:
 
 
 @pytest.mark.usefixtures("any_fd_listens")
-def test_the_loop_runs_between_the_chunks_of_a_hand_over(pipe: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loop_runs_between_the_chunks_of_a_hand_over(pipe: int, counted_reads: list[int]) -> None:
     """While a peer's bytes keep its socket readable nothing else yields: a callback scheduled behind the read must
     run after its first chunk, not once all that was queued is consumed."""
-    monkeypatch.setattr(agent, "_AGENT_CHUNK", 1024)
-    read = [0]
-    recv = agent.recv_agent_chunk  # (what transport.agent imported)
-
-    def counted(sock: socket.socket) -> tuple[bytes, list[int]]:
-        read[0] += 1
-        return recv(sock)
-
-    monkeypatch.setattr(transport_agent, "recv_agent_chunk", counted)
+    read = counted_reads
     a, b = socket.socketpair()
     with a, b:
         queued = _queued_endless_string(a, os.dup(pipe))
@@ -174,17 +181,8 @@ def test_the_loop_runs_between_the_chunks_of_a_hand_over(pipe: int, monkeypatch:
 
 
 @pytest.mark.usefixtures("any_fd_listens")
-def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int, counted_reads: list[int]) -> None:
     """Past its deadline a hand-over that keeps coming is read no further than its first chunk."""
-    monkeypatch.setattr(agent, "_AGENT_CHUNK", 1024)
-    read = [0]
-    recv = agent.recv_agent_chunk
-
-    def counted(sock: socket.socket) -> tuple[bytes, list[int]]:
-        read[0] += 1
-        return recv(sock)
-
-    monkeypatch.setattr(transport_agent, "recv_agent_chunk", counted)
     a, b = socket.socketpair()
     with a, b:
         assert _queued_endless_string(a, os.dup(pipe)) > 8 * 1024, "the socket took too little to tell"
@@ -199,7 +197,7 @@ def test_a_hand_over_still_readable_at_its_deadline_stops_there(pipe: int, monke
             return repr(task.exception())
 
         assert asyncio.run(main()) == "TimeoutError()"
-        assert read == [1], "read past the deadline"
+        assert counted_reads == [1], "read past the deadline"
 
 
 @pytest.mark.usefixtures("any_fd_listens")

@@ -147,7 +147,7 @@ class GrpcDoor:
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
         handler = _Handler(dict(self._methods(cred)), self._codec, None, self._dispatch)
-        who = {"uid": None} if cred is None else {"uid": cred.uid, **({} if cred.pod is None else {"pod": cred.pod})}
+        who: dict[str, int | None] = {"uid": None} if cred is None else {**cred.who}
         dropped = functools.partial(self._drops, log.bind(**who), None if cred is None else cred.caller)
         conn = _Connection(handler, self._config, self._h2, first, limits, self._open, dropped, FrameBudget(self.clock))
         handler.connection = conn

@@ -118,6 +118,11 @@ class PeerCred:
         runs as (root in a pod may take any uid but 0); else its uid as known here (`peer_of`)."""
         return self.uid if self.pod is None else Pod(self.pod)
 
+    @property
+    def who(self) -> dict[str, int]:
+        """Its uid, and its pod where it is in one: the fields a log line about the caller names it by."""
+        return {"uid": self.uid} if self.pod is None else {"uid": self.uid, "pod": self.pod}
+
     def alive(self) -> bool:
         """Whether the process that connected still runs (so its pid still names it)."""
         if self.unpinned:

@@ -212,7 +212,7 @@ class SessionSupervisor:
                 ahead = 0.0 if turn is None or self._pace is None else turn - self._pace.clock()
                 wait_s = next_reconcile - time.monotonic()
                 poller = waking if self._dropped or ahead > 0 else listening
-                events = dict(poller.poll(max(0, math.ceil(min(wait_s, ahead if ahead > 0 else wait_s) * 1000))))
+                events = dict(poller.poll(max(0, math.ceil((min(wait_s, ahead) if ahead > 0 else wait_s) * 1000))))
                 try:
                     if events.get(self._wake_r, 0):
                         self._drain_wake()
