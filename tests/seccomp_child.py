@@ -240,6 +240,8 @@ def tenant(where: str, program: bytes | None = None) -> None:
             size = nums[4] if len(nums) > 4 else 32
             err, status = mem_call(dev, nums[0], nums[1], nums[2], root, size, through_xfer=op == "xmem")
             extra = str(status)
+        elif op == "chan":  # a channel group or channel (NV_CHANNEL_ALLOC_PARAMS): CLASS PARENT HANDLE CONTEXT_SHARE
+            err, _status = mem_call(dev, nums[1], nums[2], nums[3], h_class=nums[0], at=24)
         elif op in ("dup", "xdup"):  # RM_DUP_OBJECT (NVOS55) into our client: parent handle source
             buf = ctypes.create_string_buffer(28)
             struct.pack_into("=IIIII", buf, 0, ROOT_HANDLE, nums[0], nums[1], ROOT_HANDLE, nums[2])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, in_driver_range
+from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, Made, in_driver_range
 from unisched.enforce.seccomp.memory import MAX_CLIENTS, MemoryBook, Unbooked
 
 BASE = RS_UNIQUE_HANDLE_BASE
@@ -130,3 +130,67 @@ def test_freeing_a_parent_walks_its_subtree_not_every_live_handle() -> None:
     replay.drop_under({device})
     assert all(h not in replay._live for h in (*below, deeper)) and device in replay._live
     assert dict.__len__(replay._live) == 1001
+
+
+GROUP, CHANNEL, DEVICE = 0xA06C, 0xC86F, 0xD0  # KEPLER_CHANNEL_GROUP_A, HOPPER_CHANNEL_GPFIFO_A
+
+
+def test_the_children_the_driver_makes_inside_channel_allocations_take_handles() -> None:
+    """kernel_channel_group_api.c and kernel_channel.c: a group makes its graphics context; a channel under the device
+    is wrapped in a group of the driver's (its context, two legacy context shares); the first channel of a group
+    without a context share makes the group's two legacy shares; a channel with one makes nothing."""
+    replay = HandleReplay()
+    assert replay.made(GROUP, 0x100, DEVICE, 0).taken == (BASE,)
+    assert replay.made(CHANNEL, 0x101, 0x100, 0x200).taken == ()  # its own context share
+    assert replay.made(CHANNEL, 0x102, 0x100, 0).taken == (BASE + 1, BASE + 2)  # the group goes legacy
+    assert replay.made(CHANNEL, 0x103, 0x100, 0).taken == ()  # once
+    assert replay.made(CHANNEL, 0x104, DEVICE, 0).taken == (BASE + 3, BASE + 4, BASE + 5, BASE + 6)
+    assert replay.made(CHANNEL, 0x105, DEVICE, 0x200).taken == ()  # refused by the driver
+    assert replay.made(CHANNEL, 0x106, DEVICE, None).taken == ()  # no parameters: refused
+    assert replay.made(0x40, 0x107, DEVICE, 0).taken == ()  # not a channel nor a group
+    assert replay.take(DEVICE) == BASE + 7
+
+
+def test_a_channel_group_made_by_a_driver_picked_allocation_follows_its_own_handle() -> None:
+    replay = HandleReplay()
+    group = replay.take(DEVICE)
+    assert group == BASE and replay.made(GROUP, group, DEVICE, 0).taken == (BASE + 1,)
+    channel = replay.take(group)
+    assert channel == BASE + 2 and replay.made(CHANNEL, channel, group, 0).taken == (BASE + 3, BASE + 4)
+
+
+def test_an_allocation_that_never_ran_gives_its_children_back() -> None:
+    replay = HandleReplay()
+    group = replay.made(GROUP, 0x100, DEVICE, 0)
+    legacy = replay.made(CHANNEL, 0x101, 0x100, 0)
+    replay.unmade(legacy)
+    assert replay.made(CHANNEL, 0x101, 0x100, 0) == legacy  # the group is not legacy yet: the same handles again
+    replay.unmade(legacy)
+    replay.unmade(group)
+    bare = replay.made(CHANNEL, 0x102, 0x100, 0)  # no group of that handle any more: wrapped in the driver's
+    assert bare.taken == (BASE, BASE + 1, BASE + 2, BASE + 3)
+
+
+def test_a_free_takes_the_children_the_driver_made_with_it() -> None:
+    budget = Budget(100)
+    replay = HandleReplay(budget)
+    replay.made(GROUP, 0x100, DEVICE, 0)
+    replay.made(CHANNEL, 0x101, 0x100, 0)
+    replay.made(CHANNEL, 0x102, DEVICE, 0)
+    assert budget.left == 100 - 7 - 2  # seven handles and two groups
+    replay.free(0x102)  # the channel: its group, and that group's context and shares
+    replay.free(0x100)  # a caller's group: its context and legacy shares
+    assert budget.left == 100 and not replay.lost
+    replay.free(BASE + 3)  # went with its channel
+    assert replay.lost
+
+
+def test_groups_are_bounded_by_the_budget_even_when_their_children_are_freed() -> None:
+    """A caller can free a group's context by its handle and make groups on and on: each recorded group takes from
+    the budget itself, so the book of groups stays bounded."""
+    budget = Budget(10)
+    replay = HandleReplay(budget)
+    for i in range(9):
+        replay.free(replay.made(GROUP, 0x100 + i, DEVICE, 0).taken[0])
+    assert not replay.lost and budget.left == 1  # nine groups, each holding a unit with no child left
+    assert replay.made(GROUP, 0x200, DEVICE, 0) == Made() and replay.lost and budget.left == 10

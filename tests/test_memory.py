@@ -44,6 +44,7 @@ from unisched.telemetry import FakeTelemetry, GpuInfo
 GIB = 1 << 30
 ROOT = 0xC1D00001
 DEV = 0xD0  # the device handle the tests allocate
+GROUP, AMPERE_CHANNEL = 0xA06C, 0xC56F  # KEPLER_CHANNEL_GROUP_A, AMPERE_CHANNEL_GPFIFO_A (cl*.h)
 OWNER = (4242, "123")
 
 
@@ -244,6 +245,14 @@ def test_memory_allocations_are_decoded() -> None:
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: no_params})).device_id == 0
     device = struct.pack("=IIIIQII", ROOT, ROOT, DEV, 0x80, 0x5000, 16, 0)
     assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: device, 0x5000: struct.pack("=I", 3) + bytes(12)})).device_id == 3
+    channel = struct.pack("=IIIIQII", ROOT, 0x20, 0x21, AMPERE_CHANNEL, 0x5000, 0, 0)  # NV_CHANNEL_ALLOC_PARAMS
+    chan_params = bytes(24) + struct.pack("=I", 0x30) + bytes(100)  # hContextShare@24
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: channel, 0x5000: chan_params})).context_share == 0x30
+    short_chan = struct.pack("=IIIIQII", ROOT, 0x20, 0x21, AMPERE_CHANNEL, 0x5000, 24, 0)  # cannot hold it: refused
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: short_chan, 0x5000: chan_params})).context_share is None
+    group = struct.pack("=IIIIQII", ROOT, DEV, 0x20, GROUP, 0x5000, 0, 0)
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: group, 0x5000: chan_params})).context_share == 0
+    assert decode_call(RM_ALLOC, 32, 0x7000, _memory({0x7000: group[:16] + bytes(16)})).context_share is None
     free = decode_call(RM_FREE, 16, 0x7000, _memory({0x7000: struct.pack("=IIII", ROOT, DEV, 0x10, 0)}))
     assert (free.op, free.handle, free.mem_bytes) == (RM_FREE, 0x10, None)
     nvos05 = struct.pack("=IIIII", ROOT, ROOT, 0x30, 0xC597, 0)  # RM_ALLOC_OBJECT: no parameters
@@ -390,6 +399,37 @@ def test_heap_allocations_with_driver_chosen_handles_are_capped_and_given_back_b
     assert proc.call(f"free {RS_UNIQUE_HANDLE_BASE + 2:#x}") == ENOTTY
     assert capped.held() == {}
     assert capped.ledger.of("t").refused == {0: 1}
+
+
+def chan(proc: Proc, h_class: int, parent: int, handle: int, context_share: int = 0) -> int:
+    """errno of one channel group or channel allocation from the child."""
+    return proc.call(f"chan {h_class:#x} {parent:#x} {handle:#x} {context_share:#x}")
+
+
+@needs_notify
+def test_the_children_the_driver_makes_for_channels_take_their_turns_in_the_replay(capped: Served) -> None:
+    """What an EGL player did on the H100 (driver 580): channel groups, textures under driver-picked handles, a
+    channel with a context share in a group, two channels under the device, more textures. Each group's graphics
+    context, and each bare channel's group with its context and two context shares, take handles from the client's
+    counter inside those allocations. Without them replayed, the later textures were booked ten handles low, the
+    first free above them named a handle never given out, and the client's memory stayed counted until it ended."""
+    proc, base = capped.proc, RS_UNIQUE_HANDLE_BASE
+    assert chan(proc, GROUP, DEV, 0xCEF80000) == chan(proc, GROUP, DEV, 0xCEF80001) == ENOTTY  # base, base + 1
+    assert heap(proc, GIB) == LET_THROUGH  # base + 2
+    assert chan(proc, AMPERE_CHANNEL, 0xCEF80000, 0xBEEF0100, context_share=0xCEF00000) == ENOTTY  # nothing more
+    assert chan(proc, AMPERE_CHANNEL, DEV, 0xBEEF0101) == chan(proc, AMPERE_CHANNEL, DEV, 0xBEEF0102) == ENOTTY  # +8
+    assert heap(proc, GIB) == LET_THROUGH  # base + 11
+    assert chan(proc, AMPERE_CHANNEL, 0xCEF80001, 0xBEEF0103) == ENOTTY  # the group's legacy context shares: +2
+    assert chan(proc, AMPERE_CHANNEL, 0xCEF80001, 0xBEEF0104) == ENOTTY  # once per group
+    assert heap(proc, GIB) == LET_THROUGH  # base + 14
+    assert capped.held() == {0: 3 * GIB}
+    for handle in (base + 11, base + 14, base + 2):
+        assert proc.call(f"free {handle:#x}") == ENOTTY
+    assert capped.held() == {}
+    assert proc.call("free 0xbeef0101") == ENOTTY  # the channel takes its group (and that group's children) with it
+    assert heap(proc, GIB) == LET_THROUGH  # base + 15: the driver never reuses a handle before the counter wraps
+    assert proc.call(f"free {base + 15:#x}") == ENOTTY
+    assert capped.held() == {}
 
 
 @needs_notify

@@ -30,6 +30,9 @@ __all__ = [
     "NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED",
     "NVOS32_ALLOCS",
     "HeapAlloc",
+    "CHANNEL_CLASSES",
+    "CHANNEL_CONTEXT_SHARE_AT",
+    "CHANNEL_GROUP",
     "DEVICE_CLASSES",
     "IOCTL_TYPE",
     "MEMORY_SIZE_AT",
@@ -168,6 +171,17 @@ NVOS32_ATTR_LOCATION_SHIFT: Final = 25  # NVOS32_ATTR_LOCATION 26:25; _VIDMEM 0,
 NV01_MEMORY_LOCAL_USER: Final = 0x40
 NV01_MEMORY_SYSTEM: Final = 0x3E
 NV50_MEMORY_VIRTUAL: Final = 0x50A0
+# Objects the driver makes children of inside their allocation, in the caller's RM client with handles from its
+# counter (handles.py): KEPLER_CHANNEL_GROUP_A (a TSG) makes a KERNEL_GRAPHICS_CONTEXT
+# (kernel_channel_group_api.c); a GPFIFO channel under the device is wrapped in a TSG the driver makes; a channel
+# without a context share puts its TSG in legacy mode once, which makes two FERMI_CONTEXT_SHARE_A (SYNC and ASYNC,
+# Volta and newer) (kernel_channel.c). NV_CHANNEL_ALLOC_PARAMS (alloc/alloc_channel.h): hObjectError@0
+# hObjectBuffer@4 gpFifoOffset@8 gpFifoEntries@16 flags@20 hContextShare@24 hVASpace@28 ...
+CHANNEL_GROUP: Final = 0xA06C
+CHANNEL_CLASSES: Final = frozenset({0x906F, 0xA06F, 0xA16F, 0xB06F, 0xC06F, 0xC36F, 0xC46F, 0xC56F, 0xC86F, 0xC96F,
+                                    0xCA6F})
+"""GF100, KEPLER A/B, MAXWELL, PASCAL, VOLTA, TURING, AMPERE, HOPPER, BLACKWELL A/B _CHANNEL_GPFIFO."""
+CHANNEL_CONTEXT_SHARE_AT: Final = 24
 ROOT_CLASSES: Final = frozenset({0x0, 0x1, 0x41})
 """NV01_ROOT, NV01_ROOT_NON_PRIV, NV01_ROOT_CLIENT: an RM client, whose handle comes from a global generator."""
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from unisched.enforce.nvclasses import (
+    CHANNEL_CLASSES,
+    CHANNEL_CONTEXT_SHARE_AT,
+    CHANNEL_GROUP,
     DEVICE_CLASSES,
     MEMORY_SIZE_AT,
     NV01_DEVICE_0,
@@ -54,6 +57,7 @@ from unisched.enforce.nvclasses import (
     decode_ioctl,
 )
 from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
+from unisched.enforce.seccomp.handles import Made
 
 __all__ = ["ENGINE_INSTANCES", "ENGINE_KINDS", "Call", "Session", "decode_call", "escape_of"]
 
@@ -100,6 +104,10 @@ class Call:
     replayed: int = 0  # the handle the driver will pick for it (handle 0), as the memory book replays it
     source: tuple[int, int] = (0, 0)  # (hClientSrc, hObjectSrc) of RM_DUP_OBJECT: what the new handle names
     copied: bool = False  # the memory book recorded this RM_DUP_OBJECT's new handle (MemoryBook.dup)
+    context_share: int | None = None
+    """A channel's hContextShare, 0 for a channel group (nvclasses.CHANNEL_CLASSES, CHANNEL_GROUP); None without
+    parameters, which the driver refuses: what the driver makes inside the allocation (handles.HandleReplay.made)."""
+    made: Made = field(default_factory=Made)  # the handles the driver's children of it took, as the memory book replays them
 
 
 _FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT,
@@ -133,6 +141,8 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 _memory_params(call, size, addr, params, read)
             elif h_class == NV01_DEVICE_0:
                 call.device_id = 0  # no parameters: the driver takes GPU 0 (deviceConstruct)
+            elif params and (h_class == CHANNEL_GROUP or h_class in CHANNEL_CLASSES):
+                call.context_share = _context_share(h_class, size, addr, params, read)
             return call
         if enr == RM_ALLOC_OBJECT and size == NVOS05_SIZE:  # RM_ALLOC without parameters
             h_root, h_parent, h_new, h_class = struct.unpack("=IIII", read(addr, 16))
@@ -192,15 +202,33 @@ def _heap_call(addr: int, args: bytes) -> Call:
 
 
 def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> None:
-    """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it
-    (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h). paramsSize 0 means the class's own parameter struct: the
-    driver then copies that struct whole, and libcuda on the H200 (driver 580) passes 0 for every allocation."""
-    (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
+    """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it. paramsSize 0
+    means the class's own parameter struct: the driver then copies that struct whole, and libcuda on the H200 (driver
+    580) passes 0 for every allocation."""
+    psize = _params_size(size, addr, read)
     at = MEMORY_SIZE_AT.get(call.h_class)
     if at is not None and (psize == 0 or psize >= at + 8):
         (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
     elif call.h_class == NV01_DEVICE_0 and (psize == 0 or psize >= 4):
         (call.device_id,) = struct.unpack("=I", read(params, 4))
+
+
+def _params_size(size: int, addr: int, read: Callable[[int, int], bytes]) -> int:
+    """An RM_ALLOC's paramsSize (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h)."""
+    (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
+    return int(psize)
+
+
+def _context_share(h_class: int, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> int | None:
+    """A channel's hContextShare (NV_CHANNEL_ALLOC_PARAMS), 0 for a channel group; None when paramsSize cannot
+    hold it (the driver refuses the call)."""
+    if h_class == CHANNEL_GROUP:
+        return 0
+    psize = _params_size(size, addr, read)
+    if psize and psize < CHANNEL_CONTEXT_SHARE_AT + 4:
+        return None
+    (handle,) = struct.unpack("=I", read(params + CHANNEL_CONTEXT_SHARE_AT, 4))
+    return int(handle)
 
 
 def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | None:

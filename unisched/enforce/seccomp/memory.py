@@ -29,7 +29,7 @@ from typing import Final
 
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0
 from unisched.enforce.seccomp.allowance import Entry, Share
-from unisched.enforce.seccomp.handles import Budget, HandleReplay
+from unisched.enforce.seccomp.handles import Budget, HandleReplay, Made
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
@@ -201,6 +201,17 @@ class MemoryBook:
             return handle
         taken = None if replay is None else replay.take(h_parent)
         return next(self._synthetic) if taken is None else taken
+
+    def made(self, h_root: int, handle: int, h_class: int, h_parent: int, context_share: int | None) -> Made:
+        """The children the driver makes inside the allocation of `handle` (from `handle_for`), replayed
+        (HandleReplay.made); `unmade` if the call never runs."""
+        replay = self._replays.get(h_root)
+        return Made() if replay is None else replay.made(h_class, handle, h_parent, context_share)
+
+    def unmade(self, h_root: int, made: Made) -> None:
+        replay = self._replays.get(h_root)
+        if replay is not None:
+            replay.unmade(made)
 
     def untake(self, h_root: int, handle: int) -> None:
         """The allocation `handle_for` gave a driver-chosen `handle` never reached the driver."""

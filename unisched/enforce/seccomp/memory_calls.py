@@ -69,11 +69,15 @@ class MemoryCalls:
             elif call.h_class in DEVICE_CLASSES:
                 self.book.add_device(call.h_root, handle, call.h_class, call.h_parent, call.device_id,
                                      call.owner or (0, ""))
+            elif call.context_share is not None:
+                call.made = self.book.made(call.h_root, handle, call.h_class, call.h_parent, call.context_share)
 
     def unbook_call(self, call: Call) -> None:
         """`book_call`'s call never reached the driver (its caller was gone before the answer)."""
         if call.copied:
             self.credit(self.book.undo_copy(call.h_root, call.replayed or call.handle))
+        if call.made.taken:
+            self.book.unmade(call.h_root, call.made)
         if call.replayed:
             self.book.untake(call.h_root, call.replayed)
 
