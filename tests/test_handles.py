@@ -4,10 +4,16 @@ of every RM call an EGL app made on the H200 (driver 580), whose frees must each
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, Made, in_driver_range
-from unisched.enforce.seccomp.memory import MAX_CLIENTS, MemoryBook, Unbooked
+from unisched.enforce.seccomp.memory import MAX_CLIENTS, UNKNOWN_GPU, MemoryBook, MemoryLedger, Unbooked
+from unisched.enforce.seccomp.memory_calls import MemoryCalls
+from unisched.policy.memory import MemoryTerms
 
 BASE = RS_UNIQUE_HANDLE_BASE
 TRACE = Path(__file__).parent / "data" / "h200_egl_rm_calls.jsonl"
@@ -194,3 +200,81 @@ def test_groups_are_bounded_by_the_budget_even_when_their_children_are_freed() -
         replay.free(replay.made(GROUP, 0x100 + i, DEVICE, 0).taken[0])
     assert not replay.lost and budget.left == 1  # nine groups, each holding a unit with no child left
     assert replay.made(GROUP, 0x200, DEVICE, 0) == Made() and replay.lost and budget.left == 10
+
+
+H100_PLAYER = Path(__file__).parent / "data" / "h100_egl_player_rm_calls.jsonl"
+"""One cloud-gaming player (examples/cloud_gaming.py, 640x360: EGL render, read-back, libx264) for 30 s on an H100
+(driver 580), its NVIDIA escapes logged by an LD_PRELOAD shim around ioctl: every call the memory hooks follow, in
+order, with the handle the driver gave (`got`) where it picked one, and the channels' hContextShare (`ctx`)."""
+
+
+ARGS, PARAMS = 0x1000, 0x8000  # where the recorded call's argument and its parameters sit in the fake memory
+
+
+class _Answered:
+    def answer(self, nid: int, value: int) -> bool:
+        return True
+
+
+def _as_bytes(call: dict[str, Any]) -> tuple[int, int, bytes, bytes]:
+    """(escape, size, argument, parameters) of one recorded call, as the tenant's memory held them."""
+    h = {k: int(v, 16) for k, v in call.items() if isinstance(v, str) and k != "esc"}
+    esc = int(call["esc"], 16)
+    if esc == 0x2B:
+        params = bytearray(128)
+        struct.pack_into("=I", params, 24, h.get("ctx", 0))
+        head = struct.pack("=IIIIQQIII4x", h["root"], h["parent"], h["new"], h["cls"], PARAMS, 0, 0, 0, 0)
+        return esc, 48, head, bytes(params)
+    if esc == 0x28:
+        return esc, 20, struct.pack("=IIIII", h["root"], h["parent"], h["new"], h["cls"], 0), b""
+    if esc == 0x27:
+        return esc, 56, struct.pack("=IIIII4xQQII4x", h["root"], h["parent"], h["new"], h["cls"], 0, 0, 0, 0, 3), b""
+    if esc == 0x29:
+        return esc, 16, struct.pack("=IIII", h["root"], h["root"], h["free"], 0), b""
+    if esc == 0x34:
+        return esc, 28, struct.pack("=IIIIIII", h["root"], h["parent"], h["new"], h["src_root"], h["src"], 0, 0), b""
+    args = bytearray(184)
+    struct.pack_into("=III", args, 0, h["root"], h["parent"], call["function"])
+    if call["function"] == 2:
+        struct.pack_into("=II", args, 44, h["handle"], 0)
+        struct.pack_into("=II", args, 52, h["flags"], h["attr"])
+        struct.pack_into("=Q", args, 88, call["bytes"])
+    else:
+        struct.pack_into("=IIII", args, 40, *(int(w, 16) for w in call["words"]))
+    return esc, 184, bytes(args), b""
+
+
+def _reader(args: bytes, params: bytes) -> Callable[[int, int], bytes]:
+    def read(addr: int, n: int) -> bytes:
+        for base, data in ((ARGS, args), (PARAMS, params)):
+            if base <= addr and addr + n <= base + len(data):
+                return data[addr - base:addr - base + n]
+        raise OSError("unmapped")
+    return read
+
+
+def test_every_handle_the_driver_picked_for_an_h100_egl_player_is_the_one_replayed() -> None:
+    """Through the hooks' own decoding and booking (calls.decode_call, MemoryCalls): each driver-picked handle is
+    the one the driver gave, each free meets its allocation, and no client is lost. Without the channels' children
+    replayed, its textures were booked ten handles low and its EGL client was lost at its first free above them."""
+    ledger = MemoryLedger(lambda: {"t": MemoryTerms()})
+    calls = MemoryCalls("t", ledger, _Answered(), lambda *_: None)  # type: ignore[arg-type]
+    checked = lost = 0
+    for line in H100_PLAYER.read_text().splitlines():
+        recorded = json.loads(line)
+        esc, size, args, params = _as_bytes(recorded)
+        call = decode_call(esc, size, ARGS, _reader(args, params))
+        call.owner = (1, "1")
+        if call.mem_bytes is not None:
+            calls.conclude(1, 1, call)
+        else:
+            calls.book_call(call, refused=False)
+        if "got" in recorded:
+            got = int(recorded["got"], 16)
+            booked = calls.book.gpu_held((call.h_root, got)) != UNKNOWN_GPU
+            assert booked or call.replayed == got, f"{recorded}: replayed {call.replayed:#x}"
+            checked += 1
+        lost += any(calls.book.lost(root) for root in calls.book.owners())
+    assert checked == 45 and lost == 0
+    calls.release_all()
+    assert ledger.of("t").held == {}
