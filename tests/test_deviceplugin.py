@@ -23,7 +23,7 @@ from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
 from unisched.integrations.kubernetes import podresources_v1_pb2 as pr
 from unisched.integrations.kubernetes.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
 from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
-from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig
+from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig, tenant_edits
 from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
 
@@ -167,6 +167,30 @@ def test_allocate_gives_tenant_weight_socket_and_device_nodes(plugin: Plugin) ->
     assert "/dev/nvidia1" not in [d.host_path for d in b.devices]
     (r,) = _allocate(plugin, RENDER, ["gpu1-r0", "gpu1-r1"]).container_responses
     assert dict(r.envs) == {"UNISCHED_RENDER_SESSIONS": "2"} and not r.devices
+
+
+def test_volume_mounts_name_the_gpus_by_mounts_a_pod_cannot_make_itself(short_dir: Path,
+                                                                         telemetry: FakeTelemetry) -> None:
+    """--device-list volume-mounts (NVIDIA's device plugin's strategy): /dev/null mounted per GPU under
+    /var/run/nvidia-container-devices and NVIDIA_VISIBLE_DEVICES pointing there, which a toolkit set to accept
+    volume mounts and refuse the variable from unprivileged containers honours, and a pod's own env cannot forge."""
+    kubelet = StubKubelet(short_dir).start()
+    config = PluginConfig(gpus=(0, 1), units_per_gpu=10, kubelet_dir=short_dir, daemon_socket=SOCK,
+                          device_list="volume-mounts")
+    server = DevicePluginServer(config, telemetry)
+    try:
+        assert server.check_kubelet()
+        req = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=ids(1, 0, 3))])
+        (c,) = kubelet.plugin(WEIGHT).Allocate(req, timeout=10).container_responses
+        assert c.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+        assert c.envs["UNISCHED_GPU"] == "1"
+        assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts] == [
+            ("/run/unisched", "/run/unisched", True), ("/var/run/nvidia-container-devices/1", "/dev/null", True)]
+    finally:
+        kubelet.stop()
+        server.close()
+    with pytest.raises(ValueError, match="one of envvar, volume-mounts"):
+        tenant_edits("t", 1, (0,), SOCK, short_dir, device_list="mounts")
 
 
 @pytest.mark.parametrize(

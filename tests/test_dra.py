@@ -107,6 +107,25 @@ def test_prepare_returns_cdi_ids_and_writes_a_valid_cdi_spec(node: Node) -> None
         same.envs, same.mounts, same.devices)
 
 
+def test_volume_mounts_name_the_claims_gpus_by_mounts(short_dir: Path, telemetry: FakeTelemetry) -> None:
+    """--device-list volume-mounts: the CDI spec mounts /dev/null per GPU under /var/run/nvidia-container-devices
+    and points NVIDIA_VISIBLE_DEVICES there, as the device plugin's Allocate does."""
+    n = Node(short_dir, telemetry, device_list="volume-mounts")
+    try:
+        assert n.driver.check_sockets() and n.watcher.scan() == [DRIVER]
+        c = claim("two", "gpu0", "gpu1")
+        n.add(c)
+        assert n.prepare(c)[c["metadata"]["uid"]].error == ""
+        (device,) = json.loads(n.spec_path(c).read_text())["devices"]
+        edits = device["containerEdits"]
+        assert dict(e.split("=", 1) for e in edits["env"])["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+        assert [(m["hostPath"], m["containerPath"]) for m in edits["mounts"]] == [
+            ("/run/unisched", "/run/unisched"), ("/dev/null", "/var/run/nvidia-container-devices/0"),
+            ("/dev/null", "/var/run/nvidia-container-devices/1")]
+    finally:
+        n.close()
+
+
 def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) -> None:
     whole = claim("two", "gpu0", "gpu1")
     shared = claim("shared", "gpu1", consumed={"weight": "25"})

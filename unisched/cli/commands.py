@@ -373,7 +373,7 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
     config = PluginConfig(
         gpus=tuple(args.gpus), units_per_gpu=args.units_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, kubelet_dir=Path(args.kubelet_dir), daemon_socket=args.socket,
-        beside_nvidia_plugin=args.beside_nvidia_plugin,
+        beside_nvidia_plugin=args.beside_nvidia_plugin, device_list=args.device_list,
     )
     return serve_device_plugin(config, args.pod_resources_socket, interval=args.interval,
                                cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)
@@ -395,7 +395,7 @@ def _cmd_dra_driver(args: argparse.Namespace) -> int:
         node_name=args.node_name, gpus=tuple(args.gpus), driver_name=args.driver_name,
         plugins_dir=Path(args.plugins_dir), registry_dir=Path(args.registry_dir), cdi_dir=Path(args.cdi_dir),
         daemon_socket=args.socket, weight_per_gpu=args.weight_per_gpu, render_sessions=args.render_sessions or 0,
-        decode_sessions=args.decode_sessions or 0,
+        decode_sessions=args.decode_sessions or 0, device_list=args.device_list,
     )
     return serve_dra_driver(config, interval=args.interval,
                             cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)

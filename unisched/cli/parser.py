@@ -30,6 +30,7 @@ from unisched.integrations.kubernetes.defaults import (
     DEFAULT_PLUGINS_DIR,
     DEFAULT_POD_RESOURCES_SOCKET,
     DEFAULT_REGISTRY_DIR,
+    DEVICE_LISTS,
     DRIVER_NAME,
 )
 from unisched.scheduler.config import (
@@ -240,6 +241,13 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
 
 def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str], checks: str) -> None:
     """The flags `device-plugin` and `dra-driver` share."""
+    d.add_argument("--device-list", choices=DEVICE_LISTS, default=DEVICE_LISTS[0],
+                   help="how a container's GPUs are named to the NVIDIA container toolkit: the NVIDIA_VISIBLE_DEVICES "
+                        "variable (envvar, the default), or /dev/null mounted per GPU under "
+                        "/var/run/nvidia-container-devices (volume-mounts); with volume-mounts, and the toolkit set to "
+                        "accept-nvidia-visible-devices-as-volume-mounts = true and "
+                        "accept-nvidia-visible-devices-envvar-when-unprivileged = false, a pod that sets the variable "
+                        "itself gets no GPU")
     d.add_argument("--render-sessions", type=int_in("render sessions per GPU", 1, 1000),
                    help=f"{verb[0]} {sessions[0]}, this many per GPU (default: not {verb[1]})")
     d.add_argument("--decode-sessions", type=int_in("decode sessions per GPU", 1, 1000),

@@ -22,6 +22,7 @@ from unisched.integrations.kubernetes.defaults import (
     DEFAULT_PLUGINS_DIR,
     DEFAULT_REGISTRY_DIR,
     DRIVER_NAME,
+    ENVVAR,
 )
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.plugin import tenant_edits
@@ -77,6 +78,8 @@ class DraConfig:
     render_sessions: int = 0
     """Per-GPU session caps published as attributes (0: not published)."""
     decode_sessions: int = 0
+    device_list: str = ENVVAR
+    """How the claim's GPUs are named to the NVIDIA container toolkit (plugin.DEVICE_LISTS)."""
 
     @property
     def endpoint(self) -> Path:
@@ -326,10 +329,13 @@ class ApiServerClaims(ApiServer):
 def cdi_spec(config: DraConfig, claim: PreparedClaim) -> dict[str, Any]:
     """One CDI device for the claim, with what the device plugin's Allocate gives a container; the claim itself
     rides along in the spec's annotations, so the spec files are all the state the driver keeps."""
-    edits = tenant_edits(claim.tenant, claim.weight, claim.gpus, config.daemon_socket, config.dev_root)
+    edits = tenant_edits(claim.tenant, claim.weight, claim.gpus, config.daemon_socket, config.dev_root,
+                         config.device_list)
+    bind = ["ro", "nosuid", "nodev", "bind"]
     container_edits: dict[str, Any] = {
         "env": [f"{k}={v}" for k, v in edits.envs.items()],
-        "mounts": [{"hostPath": d, "containerPath": d, "options": ["ro", "nosuid", "nodev", "bind"]} for d in edits.mounts],
+        "mounts": [*({"hostPath": d, "containerPath": d, "options": bind} for d in edits.mounts),
+                   *({"hostPath": "/dev/null", "containerPath": m, "options": bind} for m in edits.device_list)],
     }
     if edits.devices:
         container_edits["deviceNodes"] = [{"path": d, "hostPath": d, "permissions": "rw"} for d in edits.devices]

@@ -23,7 +23,7 @@ import structlog
 
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2_grpc as dp_grpc
-from unisched.integrations.kubernetes.defaults import DEFAULT_KUBELET_DIR
+from unisched.integrations.kubernetes.defaults import DEFAULT_KUBELET_DIR, DEVICE_LIST_ROOT, DEVICE_LISTS, ENVVAR, VOLUME_MOUNTS
 from unisched.integrations.kubernetes.devices import (
     DECODE,
     RENDER,
@@ -74,6 +74,8 @@ class PluginConfig:
     """Where the NVIDIA device nodes are looked for (paths handed to the kubelet are always /dev/...)."""
     beside_nvidia_plugin: bool = False
     """Start even where NVIDIA's device plugin advertises some of these GPUs (a warning instead of a refusal)."""
+    device_list: str = ENVVAR
+    """DEVICE_LISTS."""
 
     @property
     def resources(self) -> tuple[Resource, ...]:
@@ -90,23 +92,31 @@ class TenantEdits:
     """Host directories bind-mounted read-only at the same path (the daemon socket's)."""
     devices: tuple[str, ...]
     """Device node paths, the same in the container as on the host."""
+    device_list: tuple[str, ...] = ()
+    """Container paths where /dev/null is mounted read-only, one per GPU (DEVICE_LISTS: volume-mounts)."""
 
 
-def tenant_edits(tenant: str, weight: int, gpus: Sequence[int], daemon_socket: str, dev_root: Path) -> TenantEdits:
+def tenant_edits(tenant: str, weight: int, gpus: Sequence[int], daemon_socket: str, dev_root: Path,
+                 device_list: str = ENVVAR) -> TenantEdits:
     """Tenant, weight, GPUs, the daemon's socket and how the GPU driver waits (policy.waits) in the env, the
-    socket's directory mounted, and the GPUs' device nodes plus the control nodes every CUDA/EGL process opens, those
-    the node has (looked for under dev_root)."""
+    socket's directory mounted, the GPUs named to the container toolkit as `device_list` says (DEVICE_LISTS), and
+    the GPUs' device nodes plus the control nodes every CUDA/EGL process opens, those the node has (looked for under
+    dev_root)."""
+    if device_list not in DEVICE_LISTS:
+        raise ValueError(f"device list {device_list!r}: one of {', '.join(DEVICE_LISTS)}")
     listed = ",".join(map(str, gpus))
+    marks = tuple(f"{DEVICE_LIST_ROOT}/{g}" for g in gpus) if device_list == VOLUME_MOUNTS else ()
     envs = {
         "UNISCHED_TENANT": tenant,
         "UNISCHED_WEIGHT": str(weight),
         "UNISCHED_GPU": listed,
         "UNISCHED_SOCKET": daemon_socket,
-        "NVIDIA_VISIBLE_DEVICES": listed,
+        "NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_ROOT if marks else listed,
         **DRIVER_WAIT_ENV,
     }
     nodes = [*(f"nvidia{g}" for g in gpus), *_DEVICE_NODES]
-    return TenantEdits(envs, (os.path.dirname(daemon_socket),), tuple(f"/dev/{n}" for n in nodes if (dev_root / n).exists()))
+    return TenantEdits(envs, (os.path.dirname(daemon_socket),), tuple(f"/dev/{n}" for n in nodes if (dev_root / n).exists()),
+                       marks)
 
 
 def gpu_health(telemetry: GpuTelemetry, gpus: Sequence[int]) -> dict[int, bool]:
@@ -202,10 +212,12 @@ class _Endpoint(dp_grpc.DevicePluginServicer):
             return dp.ContainerAllocateResponse(envs={"UNISCHED_RENDER_SESSIONS": str(len(ids))})
         if self.resource.name == DECODE:
             return dp.ContainerAllocateResponse(envs={"UNISCHED_DECODE_SESSIONS": str(len(ids))})
-        edits = tenant_edits(tenant_name(ids), len(ids), (gpu,), self.config.daemon_socket, self.config.dev_root)
+        edits = tenant_edits(tenant_name(ids), len(ids), (gpu,), self.config.daemon_socket, self.config.dev_root,
+                             self.config.device_list)
         return dp.ContainerAllocateResponse(
             envs=edits.envs,
-            mounts=[dp.Mount(container_path=d, host_path=d, read_only=True) for d in edits.mounts],
+            mounts=[*(dp.Mount(container_path=d, host_path=d, read_only=True) for d in edits.mounts),
+                    *(dp.Mount(container_path=m, host_path="/dev/null", read_only=True) for m in edits.device_list)],
             devices=[dp.DeviceSpec(container_path=n, host_path=n, permissions="rw") for n in edits.devices],
         )
 
