@@ -131,7 +131,7 @@ def test_daemonset_runs_the_daemon_and_the_device_plugin_with_the_host_paths_the
     # the device plugin: the kubelet's directories and the daemon's socket, at the paths it is told
     plugin = containers["device-plugin"]
     args = build_parser().parse_args(plugin["command"][1:] + plugin["args"])
-    assert args.command == "device-plugin" and args.units_per_gpu == 100
+    assert args.command == "device-plugin" and args.units_per_gpu == 100 and args.require_gpu_profile
     assert args.socket == DEFAULT_SOCKET and str(Path(args.socket).parent) in mounts["device-plugin"]
     assert mounts["device-plugin"][args.kubelet_dir] == DEFAULT_KUBELET_DIR
     assert mounts["device-plugin"][str(Path(args.pod_resources_socket).parent)] == str(Path(DEFAULT_POD_RESOURCES_SOCKET).parent)
@@ -270,6 +270,7 @@ def test_rbac_grants_the_device_plugin_pod_reads_only() -> None:
 
 
 def test_sample_pods_cover_every_example_and_ask_for_gpu_weight() -> None:
+    from unisched.integrations.kubernetes.adopt import unhooked_containers
     from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT
 
     specs = _pod_specs()
@@ -287,6 +288,7 @@ def test_sample_pods_cover_every_example_and_ask_for_gpu_weight() -> None:
                                                               "localhostProfile": "profiles/unisched-gpu.json"}
             script = next(a for a in c["command"] if a.startswith("/opt/unisched/"))
             assert (ROOT / script.removeprefix("/opt/unisched/")).is_file(), script
+        assert unhooked_containers(spec) == (), meta["name"]  # what the shipped --require-gpu-profile asks
 
 
 def test_second_scheduler_owns_the_render_pool_and_pods_pick_pools() -> None:

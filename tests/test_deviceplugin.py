@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +22,14 @@ from kubelet_stub import FakePodResources, StubKubelet, pod
 
 from unisched.integrations.kubernetes import deviceplugin_v1beta1_pb2 as dp
 from unisched.integrations.kubernetes import podresources_v1_pb2 as pr
-from unisched.integrations.kubernetes.adopt import ApiServerPods, FakePods, PodAdopter, PodInfo, find_pod_cgroup
+from unisched.integrations.kubernetes.adopt import (
+    ApiServerPods,
+    FakePods,
+    PodAdopter,
+    PodInfo,
+    find_pod_cgroup,
+    unhooked_containers,
+)
 from unisched.integrations.kubernetes.devices import DECODE, RENDER, WEIGHT, preferred_allocation, tenant_name
 from unisched.integrations.kubernetes.plugin import DevicePluginServer, PluginConfig, tenant_edits
 from unisched.telemetry import FakeTelemetry, GpuSample
@@ -312,6 +320,66 @@ def test_adopter_makes_pods_tenants_and_removes_them_when_gone(
         assert adopter.ensure(units[:1]) == f"no pod on this node holds devices {units[:1]} (PodResources does not list them)"
 
 
+GPU_PROFILE = {"type": "Localhost", "localhostProfile": "profiles/unisched-gpu.json"}
+
+
+def _spec(*containers: dict[str, Any], profile: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"containers": list(containers), **({"securityContext": {"seccompProfile": profile}} if profile else {})}
+
+
+def _container(name: str, resource: str = WEIGHT, profile: dict[str, str] | None = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "resources": {"limits": {resource: "10"}}}
+    if profile is not None:
+        c["securityContext"] = {"seccompProfile": profile}
+    return c
+
+
+@pytest.mark.parametrize(("spec", "unhooked"), [
+    (_spec(_container("main", profile=GPU_PROFILE)), ()),
+    (_spec(_container("main"), profile=GPU_PROFILE), ()),  # the pod's profile
+    (_spec(_container("main", profile={"type": "Localhost", "localhostProfile": "unisched-gpu-containerd.json"})), ()),
+    (_spec(_container("main")), ("main",)),
+    (_spec(_container("main", profile={"type": "RuntimeDefault"}), profile=GPU_PROFILE), ("main",)),  # overridden
+    (_spec(_container("main", profile={"type": "Localhost", "localhostProfile": "profiles/other.json"})), ("main",)),
+    (_spec(_container("main", profile={"type": "Unconfined", "localhostProfile": "unisched-gpu.json"})), ("main",)),
+    (_spec(_container("side", resource="cpu"), _container("gpu", resource=RENDER)), ("gpu",)),  # ours only
+    ({"initContainers": [_container("init")], "containers": []}, ("init",)),
+    ({}, ()),
+])
+def test_containers_holding_our_resources_without_the_gpu_profile_are_found(spec: dict[str, Any],
+                                                                             unhooked: tuple[str, ...]) -> None:
+    assert unhooked_containers(spec) == unhooked
+
+
+def test_a_pod_without_the_gpu_profile_is_held_back_when_the_profile_is_required(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """--require-gpu-profile: a pod whose GPU container runs without the profile is not adopted and its containers
+    are held back at PreStartContainer with the reason; once it has the profile it is adopted. Without the flag it
+    is adopted (weighted, without session hooks)."""
+    root = tmp_path / "cgroup"
+    uid, remade = str(uuid.uuid4()), str(uuid.uuid4())
+    first = _pod_dir(root, uid)
+    daemon.driver.create(first)
+    units = ids(0, 0, 20)
+    podres.pods = [pod("games", "p-1", main={WEIGHT: units})]
+    pods = FakePods({"games/p-1": PodInfo(uid, unhooked=("main",))})
+    with DaemonClient(daemon.socket) as client:
+        strict = PodAdopter(client, str(podres.socket), pods, cgroup_root=root, require_gpu_profile=True)
+        why = strict.ensure(units[:1])
+        assert why is not None and "containers ['main'] hold unisched.io resources without the GPU seccomp" in why
+        assert client.tenants() == []
+        shutil.rmtree(root / first.lstrip("/"))  # the pod made again with the profile (a spec's never changes)
+        daemon.driver.create(_pod_dir(root, remade))
+        pods.pods["games/p-1"] = PodInfo(remade)
+        assert strict.ensure(units[:1]) is None
+        assert [t.name for t in client.tenants()] == [tenant_name(units)]
+        client.remove(tenant_name(units))
+        pods.pods["games/p-1"] = PodInfo(remade, unhooked=("main",))
+        lax = PodAdopter(client, str(podres.socket), pods, cgroup_root=root)
+        assert lax.ensure(units[:1]) is None and [t.name for t in client.tenants()] == [tenant_name(units)]
+
+
 def test_adopter_takes_a_pod_resources_list_past_4_mib(
     daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
 ) -> None:
@@ -425,7 +493,9 @@ def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None
         def do_GET(self) -> None:
             seen.append((self.path, self.headers.get("Authorization")))
             code, body = {
-                "/api/v1/namespaces/ns/pods/p": (200, b'{"metadata": {"uid": "u-1", "annotations": {"a": "b"}}}'),
+                "/api/v1/namespaces/ns/pods/p": (200, b'{"metadata": {"uid": "u-1", "annotations": {"a": "b"}}, '
+                                                   b'"spec": {"containers": [{"name": "gpu", "resources": '
+                                                   b'{"limits": {"unisched.io/gpu-weight": "5"}}}]}}'),
                 "/api/v1/namespaces/ns/pods/broken": (500, b"{}"),
             }.get(self.path, (404, b"{}"))
             self.send_response(code)
@@ -437,7 +507,7 @@ def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None
     token.write_text("s3cret\n")
     with fake_api_server(Handler) as url:
         pods = ApiServerPods(url, token, None)
-        assert pods.pod("ns", "p") == PodInfo("u-1", {"a": "b"})
+        assert pods.pod("ns", "p") == PodInfo("u-1", {"a": "b"}, ("gpu",))
         assert pods.pod("ns", "gone") is None
         with pytest.raises(OSError, match="500"):
             pods.pod("ns", "broken")

@@ -374,6 +374,7 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
         gpus=tuple(args.gpus), units_per_gpu=args.units_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, kubelet_dir=Path(args.kubelet_dir), daemon_socket=args.socket,
         beside_nvidia_plugin=args.beside_nvidia_plugin, device_list=args.device_list,
+        require_gpu_profile=args.require_gpu_profile,
     )
     return serve_device_plugin(config, args.pod_resources_socket, interval=args.interval,
                                cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)

@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Final, Protocol
 
 import grpc
 import structlog
@@ -134,6 +134,30 @@ def claims_of(pods: Iterable[pr.PodResources]) -> list[PodClaim]:
 class PodInfo:
     uid: str
     annotations: Mapping[str, str] = field(default_factory=dict)
+    unhooked: tuple[str, ...] = ()
+    """Its containers that hold unisched.io/* resources without the GPU seccomp profile (`unhooked_containers`)."""
+
+
+GPU_PROFILE_PREFIX: Final = "unisched-gpu"
+"""The GPU seccomp profiles' file names start with it (deploy/seccomp: unisched-gpu.json and its containerd forms)."""
+
+
+def unhooked_containers(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """The containers (init containers too) of pod `spec` that hold unisched.io/* resources but run without a
+    Localhost seccomp profile named GPU_PROFILE_PREFIX*.json, theirs or the pod's: the runtime hands no listener over
+    for them, so they would run without session hooks (no render or decode caps, memory read from NVML's sum)."""
+    pod_profile = (spec.get("securityContext") or {}).get("seccompProfile")
+    out = []
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        resources = c.get("resources") or {}
+        held = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        if not any(str(name).startswith("unisched.io/") for name in held):
+            continue
+        profile = (c.get("securityContext") or {}).get("seccompProfile") or pod_profile or {}
+        name = str(profile.get("localhostProfile") or "").rsplit("/", 1)[-1]
+        if profile.get("type") != "Localhost" or not (name.startswith(GPU_PROFILE_PREFIX) and name.endswith(".json")):
+            out.append(str(c.get("name", "")))
+    return tuple(out)
 
 
 class PodDirectory(Protocol):
@@ -160,7 +184,7 @@ class ApiServerPods(ApiServer):
         if body is None:
             return None
         meta = body.get("metadata", {})
-        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}))
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}))
 
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:
@@ -224,8 +248,12 @@ class PodAdopter:
         gpu_memory: Mapping[int, int] | None = None,
         units_per_gpu: int = 100,
         clock: Callable[[], float] = time.monotonic,
+        require_gpu_profile: bool = False,
     ) -> None:
         self.daemon = daemon
+        self.require_gpu_profile = require_gpu_profile
+        """Refuse a pod whose containers holding our resources lack the GPU seccomp profile (PodInfo.unhooked): its
+        containers are then held back at PreStartContainer with the reason."""
         self.clock = clock
         self.gpu_memory = dict(gpu_memory or {})
         """Each GPU's memory in bytes (NVML's), by index: a pod's reserve is bounded by its weight's part of it."""
@@ -360,6 +388,11 @@ class PodAdopter:
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
 
     def _adopt(self, claim: PodClaim, cgroup: str, info: PodInfo | None) -> None:
+        if self.require_gpu_profile and info is not None and info.unhooked:
+            raise ValueError(f"pod {claim.key}: containers {list(info.unhooked)} hold unisched.io resources without the "
+                             f"GPU seccomp profile (securityContext.seccompProfile: type Localhost, localhostProfile "
+                             f"profiles/{GPU_PROFILE_PREFIX}*.json), so their session caps could not be enforced; this "
+                             "node's device plugin runs with --require-gpu-profile")
         notes = info.annotations if info is not None else {}
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)

@@ -76,6 +76,8 @@ class PluginConfig:
     """Start even where NVIDIA's device plugin advertises some of these GPUs (a warning instead of a refusal)."""
     device_list: str = ENVVAR
     """DEVICE_LISTS."""
+    require_gpu_profile: bool = False
+    """Hold back containers holding our resources without the GPU seccomp profile (adopt.PodAdopter's)."""
 
     @property
     def resources(self) -> tuple[Resource, ...]:

@@ -94,7 +94,7 @@ def serve_device_plugin(
         caps = [r.name for r in config.resources if r.name in (RENDER, DECODE)]
         adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps,
                              gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
-                             units_per_gpu=config.units_per_gpu)
+                             units_per_gpu=config.units_per_gpu, require_gpu_profile=config.require_gpu_profile)
         server = DevicePluginServer(config, telemetry, prestart=adopter.ensure)
         stop = _stop_on_signals()
         log.info("device plugin started", gpus=list(config.gpus), resources=[r.name for r in config.resources],
