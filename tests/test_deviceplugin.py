@@ -380,6 +380,28 @@ def test_a_pod_without_the_gpu_profile_is_held_back_when_the_profile_is_required
         assert lax.ensure(units[:1]) is None and [t.name for t in client.tenants()] == [tenant_name(units)]
 
 
+def test_the_online_priority_is_honoured_only_in_the_namespaces_the_operator_names(
+    daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
+) -> None:
+    """--online-namespaces: online holds every other tenant back while it has work, so a pod outside the named
+    namespaces that asks for it is not adopted (its containers held back with the reason); inside, it is online."""
+    root = tmp_path / "cgroup"
+    online = {"unisched.io/priority": "online"}
+    uids = {key: str(uuid.uuid4()) for key in ("serving/api", "batch/sneaky")}
+    for uid in uids.values():
+        daemon.driver.create(_pod_dir(root, uid))
+    api, sneaky = ids(0, 0, 10), ids(0, 10, 10)
+    podres.pods = [pod("serving", "api", main={WEIGHT: api}), pod("batch", "sneaky", main={WEIGHT: sneaky})]
+    pods = FakePods({key: PodInfo(uid, online) for key, uid in uids.items()})
+    with DaemonClient(daemon.socket) as client:
+        adopter = PodAdopter(client, str(podres.socket), pods, cgroup_root=root, online_namespaces=frozenset({"serving"}))
+        assert adopter.ensure(api[:1]) is None
+        why = adopter.ensure(sneaky[:1])
+        assert why is not None and "online is allowed in namespaces ['serving'] only" in why
+        (t,) = client.tenants()
+        assert (t.name, t.priority) == (tenant_name(api), 1)  # PRIORITY_ONLINE
+
+
 def test_adopter_takes_a_pod_resources_list_past_4_mib(
     daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,18 @@ def gpus_arg(text: str) -> list[int]:
     if not all(map(is_gpu_index, gpus)):
         raise bad
     return gpus
+
+
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+"""A Kubernetes namespace name (an RFC 1123 label)."""
+
+
+def namespace_list(text: str) -> frozenset[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not _NAMESPACE.fullmatch(n)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"a comma list of Kubernetes namespaces (RFC 1123 labels); got {text!r}")
+    return frozenset(names)
 
 
 def count_arg(text: str) -> int:

@@ -374,7 +374,7 @@ def _cmd_device_plugin(args: argparse.Namespace) -> int:
         gpus=tuple(args.gpus), units_per_gpu=args.units_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, kubelet_dir=Path(args.kubelet_dir), daemon_socket=args.socket,
         beside_nvidia_plugin=args.beside_nvidia_plugin, device_list=args.device_list,
-        require_gpu_profile=args.require_gpu_profile,
+        require_gpu_profile=args.require_gpu_profile, online_namespaces=args.online_namespaces,
     )
     return serve_device_plugin(config, args.pod_resources_socket, interval=args.interval,
                                cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)
@@ -397,6 +397,7 @@ def _cmd_dra_driver(args: argparse.Namespace) -> int:
         plugins_dir=Path(args.plugins_dir), registry_dir=Path(args.registry_dir), cdi_dir=Path(args.cdi_dir),
         daemon_socket=args.socket, weight_per_gpu=args.weight_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, device_list=args.device_list,
+        online_namespaces=args.online_namespaces,
     )
     return serve_dra_driver(config, interval=args.interval,
                             cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)

@@ -17,6 +17,7 @@ from unisched.cli.args import (
     gpus_arg,
     int_in,
     interval_arg,
+    namespace_list,
     positive_seconds,
     size_arg,
     weight_arg,
@@ -246,6 +247,10 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
 
 def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str], checks: str) -> None:
     """The flags `device-plugin` and `dra-driver` share."""
+    d.add_argument("--online-namespaces", type=namespace_list, default=None, metavar="NS,NS",
+                   help="the namespaces whose pods may ask for the online priority (annotation unisched.io/priority: "
+                        "online, which holds the other tenants back while it has work); a pod elsewhere that asks for "
+                        "it is not adopted and its containers are held back with the reason (default: any namespace)")
     d.add_argument("--device-list", choices=DEVICE_LISTS, default=DEVICE_LISTS[0],
                    help="how a container's GPUs are named to the NVIDIA container toolkit: the NVIDIA_VISIBLE_DEVICES "
                         "variable (envvar, the default), or /dev/null mounted per GPU under "

@@ -249,8 +249,12 @@ class PodAdopter:
         units_per_gpu: int = 100,
         clock: Callable[[], float] = time.monotonic,
         require_gpu_profile: bool = False,
+        online_namespaces: frozenset[str] | None = None,
     ) -> None:
         self.daemon = daemon
+        self.online_namespaces = online_namespaces
+        """Where a pod may ask for the online priority (PRIORITY_ANNOTATION), which holds the other tenants back
+        while it has work; None: anywhere. A pod elsewhere that asks for it is not adopted, with the reason."""
         self.require_gpu_profile = require_gpu_profile
         """Refuse a pod whose containers holding our resources lack the GPU seccomp profile (PodInfo.unhooked): its
         containers are then held back at PreStartContainer with the reason."""
@@ -396,6 +400,10 @@ class PodAdopter:
         notes = info.annotations if info is not None else {}
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)
+        if (priority == pb.PRIORITY_ONLINE and self.online_namespaces is not None
+                and claim.namespace not in self.online_namespaces):
+            raise ValueError(f"pod {claim.key} annotation {PRIORITY_ANNOTATION}: online is allowed in namespaces "
+                             f"{sorted(self.online_namespaces)} only (the node agent's --online-namespaces)")
         memory = memory_terms(notes, claim.key)
         if "memory_reserve" in memory:
             self._check_reserve(claim, memory["memory_reserve"])

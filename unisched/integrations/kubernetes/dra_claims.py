@@ -80,6 +80,8 @@ class DraConfig:
     decode_sessions: int = 0
     device_list: str = ENVVAR
     """How the claim's GPUs are named to the NVIDIA container toolkit (plugin.DEVICE_LISTS)."""
+    online_namespaces: frozenset[str] | None = None
+    """Where pods may ask for the online priority (adopt.PodAdopter's); None: anywhere."""
 
     @property
     def endpoint(self) -> Path:

@@ -78,6 +78,8 @@ class PluginConfig:
     """DEVICE_LISTS."""
     require_gpu_profile: bool = False
     """Hold back containers holding our resources without the GPU seccomp profile (adopt.PodAdopter's)."""
+    online_namespaces: frozenset[str] | None = None
+    """Where pods may ask for the online priority (adopt.PodAdopter's); None: anywhere."""
 
     @property
     def resources(self) -> tuple[Resource, ...]:

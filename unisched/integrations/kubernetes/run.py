@@ -94,7 +94,8 @@ def serve_device_plugin(
         caps = [r.name for r in config.resources if r.name in (RENDER, DECODE)]
         adopter = PodAdopter(daemon, pod_resources_socket, pods, cgroup_root=cgroup_root, caps=caps,
                              gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
-                             units_per_gpu=config.units_per_gpu, require_gpu_profile=config.require_gpu_profile)
+                             units_per_gpu=config.units_per_gpu, require_gpu_profile=config.require_gpu_profile,
+                             online_namespaces=config.online_namespaces)
         server = DevicePluginServer(config, telemetry, prestart=adopter.ensure)
         stop = _stop_on_signals()
         log.info("device plugin started", gpus=list(config.gpus), resources=[r.name for r in config.resources],
@@ -134,7 +135,7 @@ def serve_dra_driver(
             driver = DraDriver(config, claims_api, telemetry, slices=slices)
         driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims,
                                     gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
-                                    units_per_gpu=config.weight_per_gpu)
+                                    units_per_gpu=config.weight_per_gpu, online_namespaces=config.online_namespaces)
         stop = _stop_on_signals()
         log.info("DRA driver started", driver=config.driver_name, node=config.node_name, gpus=list(config.gpus),
                  cdi_dir=str(config.cdi_dir))
