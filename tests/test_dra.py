@@ -22,7 +22,7 @@ from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
 from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.dra import DraDriver
-from unisched.integrations.kubernetes.dra_claims import resource_slice
+from unisched.integrations.kubernetes.dra_claims import ClaimError, prepared_claim, resource_slice
 from unisched.integrations.kubernetes.plugin import tenant_edits
 from unisched.telemetry import FakeTelemetry, GpuSample
 from unisched.transport.client import DaemonClient
@@ -124,6 +124,32 @@ def test_volume_mounts_name_the_claims_gpus_by_mounts(short_dir: Path, telemetry
             ("/dev/null", "/var/run/nvidia-container-devices/1")]
     finally:
         n.close()
+
+
+def test_a_claim_serves_one_pod_and_with_template_claims_only_only_its_templates(tmp_path: Path) -> None:
+    """The kubelet prepares a claim once: pods that share it would get its GPU outside any tenant. A claim reserved
+    for several pods is refused; --template-claims-only also refuses one its pod did not make from a template."""
+    config = make_config(tmp_path)
+    strict = make_config(tmp_path, template_claims_only=True)
+
+    def ref(c: Mapping[str, Any]) -> dra.Claim:
+        return dra.Claim(namespace=c["metadata"]["namespace"], name=c["metadata"]["name"], uid=c["metadata"]["uid"])
+
+    shared = claim("shared", "gpu0")
+    shared["status"]["reservedFor"].append({"resource": "pods", "name": "p1", "uid": str(uuid.uuid4())})
+    with pytest.raises(ClaimError, match="reserved for 2 pods"):
+        prepared_claim(config, ref(shared), shared)
+    own = claim("own", "gpu0", pod="p0")
+    assert prepared_claim(config, ref(own), own).pod == "p0"  # a claim of its own, for one pod: served by default
+    with pytest.raises(ClaimError, match="not made from a ResourceClaimTemplate for pod p0"):
+        prepared_claim(strict, ref(own), own)
+    made = copy.deepcopy(own)
+    made["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p0", "uid": "u",
+                                            "controller": True, "blockOwnerDeletion": True}]
+    assert prepared_claim(strict, ref(made), made).pod == "p0"
+    made["metadata"]["ownerReferences"][0]["name"] = "other"  # another pod's claim, reserved for p0
+    with pytest.raises(ClaimError, match="not made from a ResourceClaimTemplate"):
+        prepared_claim(strict, ref(made), made)
 
 
 def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) -> None:
