@@ -82,7 +82,8 @@ def test_kubernetes_manifests_match_the_schemas() -> None:
               for e in _schema_errors(d, DRA_VERSIONS if p.parent == DRA else KUBE_VERSIONS)]
     assert errors == []
     assert {p.name for p in files if p.parent == DRA} == {"daemonset.yaml", "deviceclass.yaml", "rbac.yaml",
-                                                          "claim-templates.yaml", "side-by-side.yaml"}
+                                                          "claim-templates.yaml", "side-by-side.yaml",
+                                                          "resourceslice-policy.yaml"}
     assert sum(len(_docs(p)) for p in files) >= 20
 
 
@@ -194,6 +195,50 @@ def test_only_the_daemon_container_mounts_the_runtime_agent_socket_s_directory()
                 mounting.add((where, c["name"]))
                 assert {m["mountPath"] for m in c["volumeMounts"] if host.get(m["name"]) == runtime_dir} == {runtime_dir}
     assert mounting == {("daemonset.yaml: unisched", "daemon"), ("dra/daemonset.yaml: unisched-dra", "daemon")}
+
+
+def test_only_the_node_agent_container_gets_the_api_token() -> None:
+    """The daemon runs privileged and needs no API access: the pod mounts no token by default, and the container
+    that reads pods and claims (device plugin, DRA driver) gets a projected one at the path in-cluster clients read."""
+    from unisched.integrations.kubernetes.apiserver import ApiServer
+
+    for name, agent in (("unisched", "device-plugin"), ("unisched-dra", "dra-driver")):
+        spec = _by_kind("DaemonSet")[name]["spec"]["template"]["spec"]
+        assert spec["automountServiceAccountToken"] is False, name
+        (volume,) = [v for v in spec["volumes"] if "projected" in v]
+        sources = {k for src in volume["projected"]["sources"] for k in src}
+        assert sources == {"serviceAccountToken", "configMap", "downwardAPI"}
+        mounting = {c["name"]: m for c in spec["initContainers"] + spec["containers"] for m in c.get("volumeMounts", [])
+                    if m["name"] == volume["name"]}
+        assert list(mounting) == [agent], name
+        assert mounting[agent]["mountPath"] == str(ApiServer.SA_DIR) and mounting[agent]["readOnly"] is True
+
+
+def test_the_resourceslice_policy_names_the_dra_driver_s_account_and_driver() -> None:
+    """dra/resourceslice-policy.yaml narrows the driver's ResourceSlice writes to its node's slices of its driver:
+    it must name the account the DRA DaemonSet runs as and the driver name the driver publishes."""
+    from unisched.integrations.kubernetes.defaults import DRIVER_NAME
+
+    ds = _by_kind("DaemonSet")["unisched-dra"]
+    account = f"system:serviceaccount:{ds['metadata']['namespace']}:{ds['spec']['template']['spec']['serviceAccountName']}"
+    policy = _by_kind("ValidatingAdmissionPolicy")["unisched-dra-resourceslices"]["spec"]
+    (condition,) = policy["matchConditions"]
+    assert condition["expression"] == f'request.userInfo.username == "{account}"'
+    assert policy["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceslices"]
+    expressions = " ".join(v["expression"] for v in policy["validations"] + policy["variables"])
+    assert f'spec.driver == "{DRIVER_NAME}"' in expressions and "authentication.kubernetes.io/node-name" in expressions
+    (binding,) = _by_kind("ValidatingAdmissionPolicyBinding").values()
+    assert (binding["spec"]["policyName"], binding["spec"]["validationActions"]) == (
+        "unisched-dra-resourceslices", ["Deny"])
+
+
+def test_the_metrics_port_is_open_to_the_scraper_namespaces_only() -> None:
+    (policy,) = _by_kind("NetworkPolicy").values()
+    port = _by_kind("Service")["unisched-metrics"]["spec"]["ports"][0]["port"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == _by_kind("Service")["unisched-metrics"]["spec"]["selector"]
+    (rule,) = policy["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [port]
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"unisched.io/metrics-scraper": "true"}}}]
 
 
 def test_admin_rights_follow_the_host_namespaces() -> None:
