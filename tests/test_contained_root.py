@@ -83,3 +83,42 @@ def test_a_user_in_a_container_is_not_that_user_on_the_host(daemon: Daemon, tena
         assert not [t for t in daemon.tenants() if t["name"] == name + "-mine"]
     finally:
         daemon.cli("remove", "--tenant", name)
+
+
+IN_OWN_USER_NS = r"""
+import ctypes, os, sys
+from unisched.transport.client import DaemonClient, DaemonError  # imported as root: its files may be root's alone
+from unisched_wire import unisched_pb2 as pb
+import grpc._channel, grpc._utilities, grpc._interceptor  # what grpc imports when the first channel is made
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER, as toolbox or `podman unshare`
+    print("unshare", os.strerror(ctypes.get_errno()))
+    sys.exit(0)
+"""
+
+
+def test_a_user_in_a_user_namespace_of_its_own_is_that_user(daemon: Daemon, tenant_prefix: str) -> None:
+    """A host user in the host's pid namespace inside a user namespace it made (toolbox, `podman unshare`) is that
+    user, as the kernel takes it to be for its files: it owns that user's tenants (removes its own), sees them whole,
+    and is no admin. Root doing the same is known as CONTAINED_ROOT (test_root_in_a_container_owns_no_adopted_tenant)."""
+    from test_security import run_as
+
+    name = f"{tenant_prefix}toolbox"
+    got = run_as(daemon.socket, 65534, [("create", "register", {"tenant": name, "weight": 50, "keep": True})])
+    assert got["create"] == "OK"
+    script = IN_OWN_USER_NS + CALLS.replace("import sys\n", "", 1)
+    try:
+        calls = subprocess.run([sys.executable, "-c", script, daemon.socket, name], capture_output=True, text=True,
+                               env=child_env(), timeout=60, cwd="/tmp")
+        assert calls.returncode == 0, calls.stderr
+        lines = calls.stdout.split("\n")
+        if lines[0].startswith("unshare"):
+            pytest.skip(f"unprivileged user namespaces are not allowed here ({lines[0]})")
+        assert lines[0] == "uid 65534 admin False", lines
+        assert lines[1:3] == ["register OK", "remove OK"], lines  # its own tenant: joins it, then removes it
+        assert not [t for t in daemon.tenants() if t["name"] == name]
+    finally:
+        daemon.cli("remove", "--tenant", name)
+        daemon.cli("remove", "--tenant", name + "-mine")

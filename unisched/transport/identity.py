@@ -11,8 +11,9 @@ Admin rights are a property of the host: root (or a member of `admin_group`, by 
 /etc/group and passwd, not by what the process happens to hold) in the daemon's own user and pid namespaces.
 Root inside a container with its own pid namespace is an ordinary user, and not root: `peer_of` gives it the
 uid CONTAINED_ROOT, so it owns nothing the host's root made (adopted tenants). A caller in a user namespace of its
-own (rootless containers) is known by the uid that made that namespace, so a user's subordinate uids do not
-multiply its per-user bounds; one root made (a pod's) is CONTAINED_ROOT too. Every book kept per caller counts a
+own (rootless containers, toolbox) is known by the uid that made that namespace, so a user's subordinate uids do not
+multiply its per-user bounds, and outside a pod it owns that user's tenants (`PeerCred.contained`); one root made
+(a pod's) is CONTAINED_ROOT too. Every book kept per caller counts a
 caller in a pod by its pod, whatever uid it runs as (`PeerCred.caller`): root in a pod may take any uid but 0.
 """
 
@@ -117,6 +118,15 @@ class PeerCred:
         """Whom every book kept per caller counts it as (policy.callers): its pod when it is in one, whatever uid it
         runs as (root in a pod may take any uid but 0); else its uid as known here (`peer_of`)."""
         return self.uid if self.pod is None else Pod(self.pod)
+
+    @property
+    def contained(self) -> bool:
+        """Whether it owns no host user's tenants (`peer_of` read it): in a pod, where root may take any uid but 0,
+        or known only as CONTAINED_ROOT (root in a container, or in a user namespace root made). A caller in the
+        daemon's pid namespace, or in a rootless container, inside a user namespace a host user made is that user,
+        as the kernel takes it to be for that user's files: it owns that user's tenants, and is never an admin
+        (`is_admin` asks for the host's namespaces)."""
+        return self.pod is not None or self.uid == CONTAINED_ROOT
 
     @property
     def who(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ from unisched.scheduler.core import LeaseAck, RegisterAsk, Scheduler, SchedulerE
 from unisched.transport.convert import PRIORITY, snapshot_to_pb
 from unisched.transport.droplog import DropLog
 from unisched.transport.frontdoor import StreamLimits, read_opening
-from unisched.transport.identity import PeerCred, in_host_namespaces
+from unisched.transport.identity import PeerCred
 from unisched.transport.pacing import Pacer
 from unisched_wire import unisched_pb2 as pb
 from unisched_wire.leasewire import MAGIC, MAX_REQUEST_BYTES, FrameError, FrameReader, frame, is_lease_opening
@@ -247,7 +247,7 @@ class LeaseConnection(asyncio.Protocol):
         the tenant's cgroup (_opened), the move being made off the loop."""
         h, cred = req.hello, self.cred
         ask = RegisterAsk(h.tenant, h.weight or None, PRIORITY.get(h.priority), tuple(h.engines), (), cred.pid,
-                          cred.uid, self.service.is_admin(cred), alive=cred.alive, contained=not in_host_namespaces(cred),
+                          cred.uid, self.service.is_admin(cred), alive=cred.alive, contained=cred.contained,
                           caller=cred.caller)
         self.opening = self.service.engine.start_lease_open(ask, h.gpu, self)
         self.opening.add_done_callback(lambda done: self._opened(done, req.seq))

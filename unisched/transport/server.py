@@ -31,7 +31,7 @@ from unisched.transport.convert import PRIORITY, memory_ask, public_summary, sna
 from unisched.transport.frontdoor import FrontDoor
 from unisched.transport.grpcdoor import MAX_MESSAGE_BYTES, Call, GrpcDoor, fail
 from unisched.transport.health import beats, probes
-from unisched.transport.identity import CONTAINED_ROOT, PeerCred, admin_uid, in_host_namespaces, is_admin
+from unisched.transport.identity import CONTAINED_ROOT, PeerCred, admin_uid, is_admin
 from unisched.transport.lease import ERROR_CODES, LeaseService
 from unisched.transport.metrics import EngineView, MetricsServer, start_metrics_server
 from unisched.transport.pacing import NO_UID, Pacer
@@ -93,9 +93,9 @@ class UnischedServicer:
 
     @staticmethod
     def _owner(cred: PeerCred) -> int:
-        """The uid whose tenants the caller owns: its own in the host's namespaces; none in a container, where
-        root may take any uid but 0 (CONTAINED_ROOT owns nothing: RegisterAsk.contained)."""
-        return cred.uid if in_host_namespaces(cred) else CONTAINED_ROOT
+        """The uid whose tenants the caller owns: the one it is known by, unless it is contained (PeerCred.contained:
+        CONTAINED_ROOT owns nothing, RegisterAsk.contained)."""
+        return CONTAINED_ROOT if cred.contained else cred.uid
 
     @staticmethod
     def _need_caller(call: Call) -> PeerCred:
@@ -130,7 +130,7 @@ class UnischedServicer:
             keep=request.keep,
             session_hooks=request.session_hooks and self._hooks == "on",  # (hooks this kernel can install)
             memory=memory_ask(request),
-            contained=not in_host_namespaces(cred),
+            contained=cred.contained,
             caller=cred.caller,
         )
         try:  # the caller's cgroup move runs off the loop: others are served meanwhile
