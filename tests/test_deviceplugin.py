@@ -344,6 +344,8 @@ def _container(name: str, resource: str = WEIGHT, profile: dict[str, str] | None
     (_spec(_container("main", profile={"type": "Unconfined", "localhostProfile": "unisched-gpu.json"})), ("main",)),
     (_spec(_container("side", resource="cpu"), _container("gpu", resource=RENDER)), ("gpu",)),  # ours only
     ({"initContainers": [_container("init")], "containers": []}, ("init",)),
+    (_spec({**_container("main", profile=GPU_PROFILE), "securityContext": {"seccompProfile": GPU_PROFILE,
+                                                                           "privileged": True}}), ("main",)),
     ({}, ()),
 ])
 def test_containers_holding_our_resources_without_the_gpu_profile_are_found(spec: dict[str, Any],

@@ -19,7 +19,7 @@ from kubelet_stub import StubPluginWatcher
 
 from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
-from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
+from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo, template_claims
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.dra import DraDriver
 from unisched.integrations.kubernetes.dra_claims import ClaimError, prepared_claim, resource_slice
@@ -126,30 +126,43 @@ def test_volume_mounts_name_the_claims_gpus_by_mounts(short_dir: Path, telemetry
         n.close()
 
 
-def test_a_claim_serves_one_pod_and_with_template_claims_only_only_its_templates(tmp_path: Path) -> None:
-    """The kubelet prepares a claim once: pods that share it would get its GPU outside any tenant. A claim reserved
-    for several pods is refused; --template-claims-only also refuses one its pod did not make from a template."""
-    config = make_config(tmp_path)
-    strict = make_config(tmp_path, template_claims_only=True)
-
-    def ref(c: Mapping[str, Any]) -> dra.Claim:
-        return dra.Claim(namespace=c["metadata"]["namespace"], name=c["metadata"]["name"], uid=c["metadata"]["uid"])
-
+def test_a_claim_reserved_for_several_pods_is_refused(tmp_path: Path) -> None:
+    """The kubelet prepares a claim once: the pods that share it past the first would get its GPU outside any tenant."""
     shared = claim("shared", "gpu0")
     shared["status"]["reservedFor"].append({"resource": "pods", "name": "p1", "uid": str(uuid.uuid4())})
+    ref = dra.Claim(namespace="default", name="shared", uid=shared["metadata"]["uid"])
     with pytest.raises(ClaimError, match="reserved for 2 pods"):
-        prepared_claim(config, ref(shared), shared)
-    own = claim("own", "gpu0", pod="p0")
-    assert prepared_claim(config, ref(own), own).pod == "p0"  # a claim of its own, for one pod: served by default
-    with pytest.raises(ClaimError, match="not made from a ResourceClaimTemplate for pod p0"):
-        prepared_claim(strict, ref(own), own)
-    made = copy.deepcopy(own)
-    made["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p0", "uid": "u",
-                                            "controller": True, "blockOwnerDeletion": True}]
-    assert prepared_claim(strict, ref(made), made).pod == "p0"
-    made["metadata"]["ownerReferences"][0]["name"] = "other"  # another pod's claim, reserved for p0
-    with pytest.raises(ClaimError, match="not made from a ResourceClaimTemplate"):
-        prepared_claim(strict, ref(made), made)
+        prepared_claim(make_config(tmp_path), ref, shared)
+
+
+def test_template_claims_are_the_ones_the_controller_resolved_from_templates() -> None:
+    pod = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-weight-25"},
+                                       {"name": "direct", "resourceClaimName": "shared"}]},
+           "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p0-gpu-x7k2"},
+                                                {"name": "direct", "resourceClaimName": "shared"}]}}
+    assert template_claims(pod) == {"p0-gpu-x7k2"}
+    assert template_claims({"spec": pod["spec"]}) == frozenset()  # not resolved yet: nothing is the pod's alone
+
+
+def test_with_template_claims_only_a_claim_the_pod_names_directly_is_refused(short_dir: Path,
+                                                                            telemetry: FakeTelemetry) -> None:
+    """--template-claims-only: a claim is prepared only when its pod's status says the controller made it from one
+    of the pod's templates. An owner reference would not do: any claim author may write one."""
+    n = Node(short_dir, telemetry, template_claims_only=True)
+    try:
+        assert n.driver.check_sockets() and n.watcher.scan() == [DRIVER]
+        own, made = claim("own", "gpu0", pod="p0"), claim("p1-gpu-x7k2", "gpu1", pod="p1")
+        own["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p0", "uid": "u0",
+                                               "controller": True}]
+        n.add(own, made)
+        n.driver.pods = FakePods({"default/p0": PodInfo("u0"), "default/p1": PodInfo("u1", template_claims=frozenset(
+            {"p1-gpu-x7k2"}))})
+        replies = n.prepare(own, made)
+        assert "was not made for pod p0 from a ResourceClaimTemplate" in replies[own["metadata"]["uid"]].error
+        assert replies[made["metadata"]["uid"]].error == ""
+        assert not n.spec_path(own).exists() and n.spec_path(made).exists()
+    finally:
+        n.close()
 
 
 def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) -> None:

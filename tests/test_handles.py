@@ -9,7 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unisched.enforce.seccomp.calls import decode_call
+import pytest
+
+from unisched.enforce.seccomp.calls import Call, decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, Made, in_driver_range
 from unisched.enforce.seccomp.memory import MAX_CLIENTS, UNKNOWN_GPU, MemoryBook, MemoryLedger, Unbooked
 from unisched.enforce.seccomp.memory_calls import MemoryCalls
@@ -146,44 +148,66 @@ def test_the_children_the_driver_makes_inside_channel_allocations_take_handles()
     is wrapped in a group of the driver's (its context, two legacy context shares); the first channel of a group
     without a context share makes the group's two legacy shares; a channel with one makes nothing."""
     replay = HandleReplay()
-    assert replay.made(GROUP, 0x100, DEVICE, 0).taken == (BASE,)
-    assert replay.made(CHANNEL, 0x101, 0x100, 0x200).taken == ()  # its own context share
-    assert replay.made(CHANNEL, 0x102, 0x100, 0).taken == (BASE + 1, BASE + 2)  # the group goes legacy
-    assert replay.made(CHANNEL, 0x103, 0x100, 0).taken == ()  # once
-    assert replay.made(CHANNEL, 0x104, DEVICE, 0).taken == (BASE + 3, BASE + 4, BASE + 5, BASE + 6)
-    assert replay.made(CHANNEL, 0x105, DEVICE, 0x200).taken == ()  # refused by the driver
-    assert replay.made(CHANNEL, 0x106, DEVICE, None).taken == ()  # no parameters: refused
-    assert replay.made(0x40, 0x107, DEVICE, 0).taken == ()  # not a channel nor a group
-    assert replay.take(DEVICE) == BASE + 7
+    assert replay.made(GROUP, 0x100, DEVICE, 0, True).taken == (BASE,)
+    assert replay.made(GROUP, 0x110, DEVICE, 0, True).taken == (BASE + 1,)
+    assert replay.made(CHANNEL, 0x101, 0x100, 0x200, False).taken == ()  # its own context share
+    assert replay.made(CHANNEL, 0x111, 0x110, 0, False).taken == (BASE + 2, BASE + 3)  # the group goes legacy
+    assert replay.made(CHANNEL, 0x112, 0x110, 0, False).taken == ()  # once
+    assert replay.made(CHANNEL, 0x104, DEVICE, 0, True).taken == (BASE + 4, BASE + 5, BASE + 6, BASE + 7)
+    assert replay.made(0x40, 0x107, DEVICE, 0, True).taken == ()  # not a channel nor a group
+    assert replay.take(DEVICE) == BASE + 8
+
+
+@pytest.mark.parametrize(("h_class", "handle", "parent", "context_share", "why"), [
+    (GROUP, 0x120, 0xBAD, 0, "a group under no device seen made"),
+    (GROUP, 0x100, DEVICE, 0, "a group handle in use"),
+    (CHANNEL, 0x121, 0xBAD, 0, "a channel under neither a device nor a group"),
+    (CHANNEL, 0x122, DEVICE, 0x200, "a context share outside a group"),
+    (CHANNEL, 0x123, DEVICE, None, "no parameters"),
+    (CHANNEL, 0x124, 0x100, 0, "no context share in a group whose channels have theirs"),
+    (CHANNEL, 0x125, 0x110, 0x200, "a context share in a legacy group"),
+])
+def test_what_the_driver_refuses_before_it_makes_anything_takes_nothing(
+        h_class: int, handle: int, parent: int, context_share: int | None, why: str) -> None:
+    """Taken anyway, the replay would run ahead of the driver: each later texture booked above the handle the
+    driver gave it, and a free of the booked one (never the driver's) would give its bytes back."""
+    replay = HandleReplay()
+    replay.made(GROUP, 0x100, DEVICE, 0, True)
+    replay.made(CHANNEL, 0x101, 0x100, 0x200, False)  # 0x100's channels have their own context shares
+    replay.made(GROUP, 0x110, DEVICE, 0, True)
+    replay.made(CHANNEL, 0x111, 0x110, 0, False)  # 0x110 is legacy
+    assert replay.made(h_class, handle, parent, context_share, parent == DEVICE) == Made(), why
+    assert replay.take(DEVICE) == BASE + 4, why
 
 
 def test_a_channel_group_made_by_a_driver_picked_allocation_follows_its_own_handle() -> None:
     replay = HandleReplay()
     group = replay.take(DEVICE)
-    assert group == BASE and replay.made(GROUP, group, DEVICE, 0).taken == (BASE + 1,)
+    assert group == BASE and replay.made(GROUP, group, DEVICE, 0, True).taken == (BASE + 1,)
     channel = replay.take(group)
-    assert channel == BASE + 2 and replay.made(CHANNEL, channel, group, 0).taken == (BASE + 3, BASE + 4)
+    assert channel == BASE + 2 and replay.made(CHANNEL, channel, group, 0, False).taken == (BASE + 3, BASE + 4)
 
 
 def test_an_allocation_that_never_ran_gives_its_children_back() -> None:
     replay = HandleReplay()
-    group = replay.made(GROUP, 0x100, DEVICE, 0)
-    legacy = replay.made(CHANNEL, 0x101, 0x100, 0)
+    group = replay.made(GROUP, 0x100, DEVICE, 0, True)
+    legacy = replay.made(CHANNEL, 0x101, 0x100, 0, False)
     replay.unmade(legacy)
-    assert replay.made(CHANNEL, 0x101, 0x100, 0) == legacy  # the group is not legacy yet: the same handles again
+    assert replay.made(CHANNEL, 0x101, 0x100, 0, False) == legacy  # the group is not legacy yet: the same handles again
     replay.unmade(legacy)
     replay.unmade(group)
-    bare = replay.made(CHANNEL, 0x102, 0x100, 0)  # no group of that handle any more: wrapped in the driver's
-    assert bare.taken == (BASE, BASE + 1, BASE + 2, BASE + 3)
+    assert replay.made(CHANNEL, 0x102, 0x100, 0, False) == Made()  # no group of that handle any more: refused
+    bare = replay.made(CHANNEL, 0x102, DEVICE, 0, True)
+    assert bare.taken == (BASE, BASE + 1, BASE + 2, BASE + 3)  # every handle the undone calls took, given back
 
 
 def test_a_free_takes_the_children_the_driver_made_with_it() -> None:
     budget = Budget(100)
     replay = HandleReplay(budget)
-    replay.made(GROUP, 0x100, DEVICE, 0)
-    replay.made(CHANNEL, 0x101, 0x100, 0)
-    replay.made(CHANNEL, 0x102, DEVICE, 0)
-    assert budget.left == 100 - 7 - 2  # seven handles and two groups
+    replay.made(GROUP, 0x100, DEVICE, 0, True)
+    replay.made(CHANNEL, 0x101, 0x100, 0, False)
+    replay.made(CHANNEL, 0x102, DEVICE, 0, True)
+    assert budget.left == 100 - 7 - 2 - 2  # seven handles, two groups, and the caller's group and channel recorded
     replay.free(0x102)  # the channel: its group, and that group's context and shares
     replay.free(0x100)  # a caller's group: its context and legacy shares
     assert budget.left == 100 and not replay.lost
@@ -192,14 +216,48 @@ def test_a_free_takes_the_children_the_driver_made_with_it() -> None:
 
 
 def test_groups_are_bounded_by_the_budget_even_when_their_children_are_freed() -> None:
-    """A caller can free a group's context by its handle and make groups on and on: each recorded group takes from
-    the budget itself, so the book of groups stays bounded."""
+    """A caller can free a group's context by its handle and make groups on and on: each recorded group (and the
+    caller's handle it is recorded under) takes from the budget itself, so the book of groups stays bounded."""
     budget = Budget(10)
     replay = HandleReplay(budget)
-    for i in range(9):
-        replay.free(replay.made(GROUP, 0x100 + i, DEVICE, 0).taken[0])
-    assert not replay.lost and budget.left == 1  # nine groups, each holding a unit with no child left
-    assert replay.made(GROUP, 0x200, DEVICE, 0) == Made() and replay.lost and budget.left == 10
+    for i in range(4):
+        replay.free(replay.made(GROUP, 0x100 + i, DEVICE, 0, True).taken[0])
+    assert not replay.lost and budget.left == 2  # four groups, each with its record and no child left
+    assert replay.made(GROUP, 0x200, DEVICE, 0, True) == Made() and replay.lost and budget.left == 10
+
+
+def test_freeing_the_device_gives_back_what_its_channels_and_groups_took() -> None:
+    """The driver frees a device's groups and channels with it, and their children: the replay walks from the device
+    through the caller's own group and channel handles to the handles the driver made under them."""
+    budget = Budget(100)
+    replay = HandleReplay(budget)
+    replay.made(GROUP, 0x100, DEVICE, 0, True)
+    replay.made(CHANNEL, 0x101, 0x100, 0, False)
+    replay.made(CHANNEL, 0x102, DEVICE, 0, True)
+    assert budget.left < 100
+    replay.drop_under({DEVICE})
+    assert budget.left == 100 and not replay.lost
+
+
+def test_a_channel_call_that_never_reached_the_driver_gives_its_children_back() -> None:
+    """MemoryCalls.unbook_call (the caller was gone before the answer): the channel's own handle and the handles the
+    driver would have given its group, context and shares go back, so the next allocation gets the right one."""
+    calls = MemoryCalls("t", MemoryLedger(lambda: {"t": MemoryTerms()}), _Answered(), lambda *_: None)  # type: ignore[arg-type]
+    root = 0xC1D00001
+
+    def book(esc: int, size: int, args: bytes, params: bytes = b"") -> Call:
+        call = decode_call(esc, size, ARGS, _reader(args, params))
+        call.owner = (1, "1")
+        calls.book_call(call, refused=False)
+        return call
+
+    book(0x2B, 48, struct.pack("=IIIIQQIII4x", root, root, DEVICE, 0x80, 0, 0, 0, 0, 0))
+    channel = struct.pack("=IIIIQQIII4x", root, DEVICE, 0, CHANNEL, PARAMS, 0, 0, 0, 0)
+    gone = book(0x2B, 48, channel, bytes(64))
+    assert gone.replayed == BASE and gone.made.taken == (BASE + 1, BASE + 2, BASE + 3, BASE + 4)
+    calls.unbook_call(gone)
+    again = book(0x2B, 48, channel, bytes(64))
+    assert again.replayed == BASE and again.made == gone.made
 
 
 H100_PLAYER = Path(__file__).parent / "data" / "h100_egl_player_rm_calls.jsonl"

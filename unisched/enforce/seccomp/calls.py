@@ -106,7 +106,7 @@ class Call:
     copied: bool = False  # the memory book recorded this RM_DUP_OBJECT's new handle (MemoryBook.dup)
     context_share: int | None = None
     """A channel's hContextShare, 0 for a channel group (nvclasses.CHANNEL_CLASSES, CHANNEL_GROUP); None without
-    parameters, which the driver refuses: what the driver makes inside the allocation (handles.HandleReplay.made)."""
+    parameters (the driver refuses it): what the driver makes inside the allocation (handles.HandleReplay.made)."""
     made: Made = field(default_factory=Made)  # the handles the driver's children of it took, as the memory book replays them
 
 
@@ -138,11 +138,11 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
             if call.kind in ENGINE_KINDS and params:
                 call.instance = _engine_instance(params, read)
             elif params and (h_class in MEMORY_SIZE_AT or h_class in DEVICE_CLASSES):
-                _memory_params(call, size, addr, params, read)
+                _memory_params(call, params, read)
             elif h_class == NV01_DEVICE_0:
                 call.device_id = 0  # no parameters: the driver takes GPU 0 (deviceConstruct)
             elif params and (h_class == CHANNEL_GROUP or h_class in CHANNEL_CLASSES):
-                call.context_share = _context_share(h_class, size, addr, params, read)
+                call.context_share = _context_share(h_class, params, read)
             return call
         if enr == RM_ALLOC_OBJECT and size == NVOS05_SIZE:  # RM_ALLOC without parameters
             h_root, h_parent, h_new, h_class = struct.unpack("=IIII", read(addr, 16))
@@ -201,32 +201,21 @@ def _heap_call(addr: int, args: bytes) -> Call:
     return Call(0)
 
 
-def _memory_params(call: Call, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> None:
-    """The byte count of a video memory allocation, or a device's deviceId, when paramsSize covers it. paramsSize 0
-    means the class's own parameter struct: the driver then copies that struct whole, and libcuda on the H200 (driver
-    580) passes 0 for every allocation."""
-    psize = _params_size(size, addr, read)
+def _memory_params(call: Call, params: int, read: Callable[[int, int], bytes]) -> None:
+    """The byte count of a video memory allocation, or a device's deviceId. The driver copies the class's own
+    parameter struct whole whatever paramsSize says (serverAllocApiCopyIn, rmapiParamsCopyInit), so neither is
+    the caller's to hide by a short paramsSize."""
     at = MEMORY_SIZE_AT.get(call.h_class)
-    if at is not None and (psize == 0 or psize >= at + 8):
+    if at is not None:
         (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
-    elif call.h_class == NV01_DEVICE_0 and (psize == 0 or psize >= 4):
+    elif call.h_class == NV01_DEVICE_0:
         (call.device_id,) = struct.unpack("=I", read(params, 4))
 
 
-def _params_size(size: int, addr: int, read: Callable[[int, int], bytes]) -> int:
-    """An RM_ALLOC's paramsSize (NVOS21 paramsSize@24, NVOS64 paramsSize@32; nvos.h)."""
-    (psize,) = struct.unpack("=I", read(addr + (24 if size == NVOS21_SIZE else 32), 4))
-    return int(psize)
-
-
-def _context_share(h_class: int, size: int, addr: int, params: int, read: Callable[[int, int], bytes]) -> int | None:
-    """A channel's hContextShare (NV_CHANNEL_ALLOC_PARAMS), 0 for a channel group; None when paramsSize cannot
-    hold it (the driver refuses the call)."""
+def _context_share(h_class: int, params: int, read: Callable[[int, int], bytes]) -> int:
+    """A channel's hContextShare (NV_CHANNEL_ALLOC_PARAMS, copied whole as `_memory_params` says), 0 for a group."""
     if h_class == CHANNEL_GROUP:
         return 0
-    psize = _params_size(size, addr, read)
-    if psize and psize < CHANNEL_CONTEXT_SHARE_AT + 4:
-        return None
     (handle,) = struct.unpack("=I", read(params + CHANNEL_CONTEXT_SHARE_AT, 4))
     return int(handle)
 

@@ -66,13 +66,18 @@ class Budget:
         self._share.give(Entry.HANDLES, n)
 
 
+_FRESH, _LEGACY, _SHARES = 0, 1, 2
+"""A channel group's channels: none yet; without context shares (the driver made the group's two); with their own."""
+
+
 @dataclass(frozen=True)
 class Made:
     """What one allocation's driver-made children took (`HandleReplay.made`), for `unmade` when it never ran."""
 
     taken: tuple[int, ...] = ()
     group: int = 0  # the channel group it recorded (its own handle, or the one the driver wraps a channel in)
-    legacy: int = 0  # the channel group it put in legacy mode
+    changed: int = 0  # the fresh channel group whose channels it decided (legacy or their own context shares)
+    anchor: int = 0  # the caller's handle it recorded under its parent (`HandleReplay._anchor`)
 
 
 class HandleReplay:
@@ -83,7 +88,8 @@ class HandleReplay:
         self._next = 0
         self._live: dict[int, int] = {}  # handle in the driver's range -> its parent handle
         self._under: dict[int, set[int]] = {}  # parent handle -> its live handles, so a free walks its subtree only
-        self._groups: dict[int, bool] = {}  # channel group handle -> in legacy mode (each taken from the budget)
+        self._groups: dict[int, int] = {}  # channel group handle -> _FRESH, _LEGACY or _SHARES (each from the budget)
+        self._anchors: dict[int, int] = {}  # a caller's handle with driver-made children -> its parent (`_anchor`)
         self._budget = Budget() if budget is None else budget
         self.lost = lost
 
@@ -111,37 +117,55 @@ class HandleReplay:
         if in_driver_range(handle) and not self.lost:
             self._track(handle, parent)
 
-    def made(self, h_class: int, handle: int, h_parent: int, context_share: int | None) -> Made:
+    def made(self, h_class: int, handle: int, h_parent: int, context_share: int | None,
+             parent_is_device: bool) -> Made:
         """Take the handles the driver gives the children it makes inside the allocation of `handle` (module
-        docstring; `context_share`: calls.Call's). Call `unmade` if the call never runs."""
+        docstring; `context_share`: calls.Call's; `parent_is_device`: `h_parent` is a device of this client the book
+        saw made). What the driver refuses before it makes anything takes nothing: a group or a channel under
+        anything but a device or a group seen made, a group handle in use, a channel whose context share does not
+        match its group's other channels. Call `unmade` if the call never runs."""
         if self.lost or handle <= 0 or context_share is None:
             return Made()
         if h_class == CHANNEL_GROUP:
+            if not parent_is_device or handle in self._groups:
+                return Made()
             taken = self._take_all((handle,))
-            return Made(taken, group=handle) if taken and self._add_group(handle, legacy=False) else Made()
+            if not taken or not self._add_group(handle, _FRESH):
+                return Made()
+            anchor = self._anchor(handle, h_parent)
+            return Made() if self.lost else Made(taken, group=handle, anchor=anchor)
         if h_class not in CHANNEL_CLASSES:
             return Made()
-        if h_parent in self._groups:
-            if context_share or self._groups[h_parent]:
+        state = self._groups.get(h_parent)
+        if state is not None:
+            if state != _FRESH:  # legacy: nothing more to make; its own shares: a channel without one is refused
                 return Made()
+            if context_share:
+                self._groups[h_parent] = _SHARES
+                return Made(changed=h_parent)
             taken = self._take_all((h_parent,) * LEGACY_CONTEXT_SHARES)
             if taken:
-                self._groups[h_parent] = True
-            return Made(taken, legacy=h_parent if taken else 0)
-        if context_share:
-            return Made()  # the driver refuses a context share for a channel outside a group
-        group = self.take(handle)  # freed with the channel
+                self._groups[h_parent] = _LEGACY
+            return Made(taken, changed=h_parent if taken else 0)
+        if context_share or not parent_is_device:
+            return Made()  # a context share outside a group, or an unknown parent: refused
+        group = self.take(handle)  # the driver's group for it, freed with it
         if group is None:
             return Made()
         rest = self._take_all((group,) * (1 + LEGACY_CONTEXT_SHARES))
-        return Made((group, *rest), group=group) if rest and self._add_group(group, legacy=True) else Made()
+        if not rest or not self._add_group(group, _LEGACY):
+            return Made()
+        anchor = self._anchor(handle, h_parent)
+        return Made() if self.lost else Made((group, *rest), group=group, anchor=anchor)
 
     def unmade(self, made: Made) -> None:
         """`made`'s allocation never reached the driver."""
+        if made.anchor:
+            self._unanchor(made.anchor)
         if made.group:
             self._drop_group(made.group)
-        if made.legacy in self._groups:
-            self._groups[made.legacy] = False
+        if made.changed in self._groups:
+            self._groups[made.changed] = _FRESH
         for handle in reversed(made.taken):
             self.untake(handle)
 
@@ -155,6 +179,7 @@ class HandleReplay:
                 self.close()
                 return
             self._budget.give()
+        self._unanchor(handle)
         self._drop_group(handle)
         self.drop_under({handle})
 
@@ -164,7 +189,7 @@ class HandleReplay:
         stack = list(parents)
         while stack:
             for h in self._under.pop(stack.pop(), ()):
-                if self._live.pop(h, None) is not None:
+                if self._live.pop(h, None) is not None or self._anchors.pop(h, None) is not None:
                     self._budget.give()
                     self._drop_group(h)
                     stack.append(h)
@@ -172,23 +197,42 @@ class HandleReplay:
     def close(self) -> None:
         """Mark it lost and give its handles back to the budget (its client is gone, or cannot be followed)."""
         self.lost = True
-        self._budget.give(len(self._live) + len(self._groups))
+        self._budget.give(len(self._live) + len(self._groups) + len(self._anchors))
         self._live.clear()
         self._under.clear()
         self._groups.clear()
+        self._anchors.clear()
 
     def _take_all(self, parents: tuple[int, ...]) -> tuple[int, ...]:
         """One handle under each of `parents`, in order; () when the replay is lost on the way."""
         taken = tuple(h for h in (self.take(p) for p in parents) if h is not None)
         return taken if len(taken) == len(parents) else ()
 
-    def _add_group(self, handle: int, legacy: bool) -> bool:
+    def _add_group(self, handle: int, state: int) -> bool:
         """Record a channel group (its own budget entry: a caller may free its children and keep making groups)."""
         if handle not in self._groups and not self._budget.take():
             self.close()
             return False
-        self._groups[handle] = legacy
+        self._groups[handle] = state
         return True
+
+    def _anchor(self, handle: int, parent: int) -> int:
+        """Record a handle the caller chose whose children the driver made, under its parent, so that freeing the
+        parent (a device) walks to them; 0 for a driver-range handle (already recorded) or past the budget."""
+        if in_driver_range(handle) or handle in self._anchors:
+            return 0
+        if not self._budget.take():
+            self.close()
+            return 0
+        self._anchors[handle] = parent
+        self._under.setdefault(parent, set()).add(handle)
+        return handle
+
+    def _unanchor(self, handle: int) -> None:
+        parent = self._anchors.pop(handle, None)
+        if parent is not None:
+            self._leave(handle, parent)
+            self._budget.give()
 
     def _drop_group(self, handle: int) -> None:
         if self._groups.pop(handle, None) is not None:

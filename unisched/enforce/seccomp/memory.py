@@ -206,7 +206,11 @@ class MemoryBook:
         """The children the driver makes inside the allocation of `handle` (from `handle_for`), replayed
         (HandleReplay.made); `unmade` if the call never runs."""
         replay = self._replays.get(h_root)
-        return Made() if replay is None else replay.made(h_class, handle, h_parent, context_share)
+        if replay is None:
+            return Made()
+        found = self._devices.get((h_root, h_parent))
+        is_device = found is not None and found[1] == h_root  # a subdevice's parent is a device, a device's the client
+        return replay.made(h_class, handle, h_parent, context_share, is_device)
 
     def unmade(self, h_root: int, made: Made) -> None:
         replay = self._replays.get(h_root)

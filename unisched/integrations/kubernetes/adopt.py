@@ -136,6 +136,18 @@ class PodInfo:
     annotations: Mapping[str, str] = field(default_factory=dict)
     unhooked: tuple[str, ...] = ()
     """Its containers that hold unisched.io/* resources without the GPU seccomp profile (`unhooked_containers`)."""
+    template_claims: frozenset[str] = frozenset()
+    """The ResourceClaims made for it from its ResourceClaimTemplates (`template_claims`)."""
+
+
+def template_claims(pod: Mapping[str, Any]) -> frozenset[str]:
+    """The ResourceClaims the resource claim controller made for pod object `pod` from its ResourceClaimTemplates:
+    its spec's entries that name a template, resolved by status.resourceClaimStatuses (which only that controller
+    writes). Such a claim is this pod's alone; a claim the pod names directly may be shared."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    templated = {e.get("name") for e in spec.get("resourceClaims") or [] if e.get("resourceClaimTemplateName")}
+    return frozenset(str(s["resourceClaimName"]) for s in status.get("resourceClaimStatuses") or []
+                     if s.get("name") in templated and s.get("resourceClaimName"))
 
 
 GPU_PROFILE_PREFIX: Final = "unisched-gpu"
@@ -144,7 +156,8 @@ GPU_PROFILE_PREFIX: Final = "unisched-gpu"
 
 def unhooked_containers(spec: Mapping[str, Any]) -> tuple[str, ...]:
     """The containers (init containers too) of pod `spec` that hold unisched.io/* resources but run without a
-    Localhost seccomp profile named GPU_PROFILE_PREFIX*.json, theirs or the pod's: the runtime hands no listener over
+    Localhost seccomp profile named GPU_PROFILE_PREFIX*.json, theirs or the pod's, or that are privileged (which
+    runs them unconfined whatever the profile says): the runtime hands no listener over
     for them, so they would run without session hooks (no render or decode caps, memory read from NVML's sum)."""
     pod_profile = (spec.get("securityContext") or {}).get("seccompProfile")
     out = []
@@ -153,9 +166,11 @@ def unhooked_containers(spec: Mapping[str, Any]) -> tuple[str, ...]:
         held = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
         if not any(str(name).startswith("unisched.io/") for name in held):
             continue
-        profile = (c.get("securityContext") or {}).get("seccompProfile") or pod_profile or {}
+        context = c.get("securityContext") or {}
+        profile = context.get("seccompProfile") or pod_profile or {}
         name = str(profile.get("localhostProfile") or "").rsplit("/", 1)[-1]
-        if profile.get("type") != "Localhost" or not (name.startswith(GPU_PROFILE_PREFIX) and name.endswith(".json")):
+        hooked = profile.get("type") == "Localhost" and name.startswith(GPU_PROFILE_PREFIX) and name.endswith(".json")
+        if not hooked or context.get("privileged") is True:  # runtimes give a privileged container no profile
             out.append(str(c.get("name", "")))
     return tuple(out)
 
@@ -184,7 +199,8 @@ class ApiServerPods(ApiServer):
         if body is None:
             return None
         meta = body.get("metadata", {})
-        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}))
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}),
+                       template_claims(body))
 
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:

@@ -83,7 +83,7 @@ class DraConfig:
     online_namespaces: frozenset[str] | None = None
     """Where pods may ask for the online priority (adopt.PodAdopter's); None: anywhere."""
     template_claims_only: bool = False
-    """Refuse a claim its pod did not make from a ResourceClaimTemplate (`prepared_claim`)."""
+    """Refuse a claim not made for its pod from a ResourceClaimTemplate (dra.DraDriver, adopt.template_claims)."""
 
     @property
     def endpoint(self) -> Path:
@@ -274,20 +274,8 @@ def prepared_claim(config: DraConfig, ref: dra.Claim, claim: Mapping[str, Any]) 
     if len(pods) > 1:  # one tenant is one pod: the kubelet prepares a claim once, so the others would run ungoverned
         raise ClaimError(f"claim {key} is reserved for {len(pods)} pods; a {config.driver_name} claim serves one pod "
                          "(make it from a ResourceClaimTemplate)")
-    if config.template_claims_only and not _made_by_pod(meta, str(pods[0].get("name"))):
-        raise ClaimError(f"claim {key} was not made from a ResourceClaimTemplate for pod {pods[0].get('name')} "
-                         "(this node's DRA driver runs with --template-claims-only: a claim of its own could be "
-                         "shared by pods that start later, outside any tenant)")
     return PreparedClaim(ref.uid, ref.namespace, ref.name, str(pods[0]["name"]), weight, tuple(sorted(set(gpus))),
                          tuple(devices))
-
-
-def _made_by_pod(meta: Mapping[str, Any], pod: str) -> bool:
-    """Whether the claim's controller is pod `pod`: the resource claim controller (kube-controller-manager) makes a
-    claim from a pod's ResourceClaimTemplate with that pod as its controlling owner, for that pod alone, and it goes
-    with the pod."""
-    return any(o.get("kind") == "Pod" and o.get("controller") is True and o.get("name") == pod
-               for o in meta.get("ownerReferences") or [])
 
 
 class ClaimDirectory(Protocol):
