@@ -83,7 +83,7 @@ def test_kubernetes_manifests_match_the_schemas() -> None:
     assert errors == []
     assert {p.name for p in files if p.parent == DRA} == {"daemonset.yaml", "deviceclass.yaml", "rbac.yaml",
                                                           "claim-templates.yaml", "side-by-side.yaml",
-                                                          "resourceslice-policy.yaml"}
+                                                          "admission-policy.yaml"}
     assert sum(len(_docs(p)) for p in files) >= 20
 
 
@@ -215,7 +215,7 @@ def test_only_the_node_agent_container_gets_the_api_token() -> None:
 
 
 def test_the_resourceslice_policy_names_the_dra_driver_s_account_and_driver() -> None:
-    """dra/resourceslice-policy.yaml narrows the driver's ResourceSlice writes to its node's slices of its driver:
+    """dra/admission-policy.yaml narrows the driver's ResourceSlice writes to its node's slices of its driver:
     it must name the account the DRA DaemonSet runs as and the driver name the driver publishes."""
     from unisched.integrations.kubernetes.defaults import DRIVER_NAME
 
@@ -227,9 +227,13 @@ def test_the_resourceslice_policy_names_the_dra_driver_s_account_and_driver() ->
     assert policy["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceslices"]
     expressions = " ".join(v["expression"] for v in policy["validations"] + policy["variables"])
     assert f'spec.driver == "{DRIVER_NAME}"' in expressions and "authentication.kubernetes.io/node-name" in expressions
-    (binding,) = _by_kind("ValidatingAdmissionPolicyBinding").values()
-    assert (binding["spec"]["policyName"], binding["spec"]["validationActions"]) == (
-        "unisched-dra-resourceslices", ["Deny"])
+    bindings = {b["spec"]["policyName"]: b["spec"]["validationActions"]
+                for b in _by_kind("ValidatingAdmissionPolicyBinding").values()}
+    assert bindings == {"unisched-dra-resourceslices": ["Deny"], "unisched-dra-claim-one-pod": ["Deny"]}
+    one_pod = _by_kind("ValidatingAdmissionPolicy")["unisched-dra-claim-one-pod"]["spec"]
+    assert one_pod["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceclaims", "resourceclaims/status"]
+    assert f'r.driver == "{DRIVER_NAME}"' in one_pod["variables"][0]["expression"]
+    assert "reservedFor.orValue([]).size() <= 1" in one_pod["validations"][0]["expression"]
 
 
 def test_the_metrics_port_is_open_to_the_scraper_namespaces_only() -> None:

@@ -19,7 +19,7 @@ from kubelet_stub import StubPluginWatcher
 
 from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
-from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo, template_claims
+from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.dra import DraDriver
 from unisched.integrations.kubernetes.dra_claims import ClaimError, prepared_claim, resource_slice
@@ -133,36 +133,6 @@ def test_a_claim_reserved_for_several_pods_is_refused(tmp_path: Path) -> None:
     ref = dra.Claim(namespace="default", name="shared", uid=shared["metadata"]["uid"])
     with pytest.raises(ClaimError, match="reserved for 2 pods"):
         prepared_claim(make_config(tmp_path), ref, shared)
-
-
-def test_template_claims_are_the_ones_the_controller_resolved_from_templates() -> None:
-    pod = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-weight-25"},
-                                       {"name": "direct", "resourceClaimName": "shared"}]},
-           "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p0-gpu-x7k2"},
-                                                {"name": "direct", "resourceClaimName": "shared"}]}}
-    assert template_claims(pod) == {"p0-gpu-x7k2"}
-    assert template_claims({"spec": pod["spec"]}) == frozenset()  # not resolved yet: nothing is the pod's alone
-
-
-def test_with_template_claims_only_a_claim_the_pod_names_directly_is_refused(short_dir: Path,
-                                                                            telemetry: FakeTelemetry) -> None:
-    """--template-claims-only: a claim is prepared only when its pod's status says the controller made it from one
-    of the pod's templates. An owner reference would not do: any claim author may write one."""
-    n = Node(short_dir, telemetry, template_claims_only=True)
-    try:
-        assert n.driver.check_sockets() and n.watcher.scan() == [DRIVER]
-        own, made = claim("own", "gpu0", pod="p0"), claim("p1-gpu-x7k2", "gpu1", pod="p1")
-        own["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "p0", "uid": "u0",
-                                               "controller": True}]
-        n.add(own, made)
-        n.driver.pods = FakePods({"default/p0": PodInfo("u0"), "default/p1": PodInfo("u1", template_claims=frozenset(
-            {"p1-gpu-x7k2"}))})
-        replies = n.prepare(own, made)
-        assert "was not made for pod p0 from a ResourceClaimTemplate" in replies[own["metadata"]["uid"]].error
-        assert replies[made["metadata"]["uid"]].error == ""
-        assert not n.spec_path(own).exists() and n.spec_path(made).exists()
-    finally:
-        n.close()
 
 
 def test_two_gpus_and_weights_from_config_capacity_or_whole_devices(node: Node) -> None:

@@ -305,9 +305,5 @@ prepared fails alone, with the reason in the pod's events.
                    help=f"where CDI specs are written, read by the container runtime (default {DEFAULT_CDI_DIR})")
     d.add_argument("--weight-per-gpu", type=int_in("weight per GPU", 1, 1000), default=100,
                    help="the weight capacity of each GPU, and a whole GPU's weight (default 100)")
-    d.add_argument("--template-claims-only", action="store_true",
-                   help="refuse a ResourceClaim that its pod did not make from a ResourceClaimTemplate: the kubelet "
-                        "prepares a claim once, so pods that later share a claim of its own would get its GPU outside "
-                        "any tenant (a claim reserved for several pods at once is always refused)")
     _add_node_agent_args(d, ("publish", "published"), ("attribute renderSessions", "attribute decodeSessions"),
                          "socket, health, ResourceSlice and adoption checks")

@@ -69,8 +69,8 @@ class Budget:
         self._share.give(Entry.HANDLES, n)
 
 
-_FRESH, _LEGACY, _SHARES = 0, 1, 2
-"""A channel group's channels: none yet; without context shares (the driver made the group's two); with their own."""
+_FRESH, _LEGACY = 0, 1
+"""A channel group before its legacy context shares, and after the driver made them (for good: bLegacyMode)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Made:
 
     taken: tuple[int, ...] = ()
     group: int = 0  # the channel group it recorded (its own handle, or the one the driver wraps a channel in)
-    changed: int = 0  # the fresh channel group whose channels it decided (legacy or their own context shares)
+    changed: int = 0  # the channel group it put in legacy mode
     anchor: int = 0  # the caller's handle it recorded under its parent (`HandleReplay._anchor`)
 
 
@@ -91,7 +91,7 @@ class HandleReplay:
         self._next = 0
         self._live: dict[int, int] = {}  # handle in the driver's range -> its parent handle
         self._under: dict[int, set[int]] = {}  # parent handle -> its live handles, so a free walks its subtree only
-        self._groups: dict[int, int] = {}  # channel group handle -> _FRESH, _LEGACY or _SHARES (each from the budget)
+        self._groups: dict[int, int] = {}  # channel group handle -> _FRESH or _LEGACY (each from the budget)
         self._anchors: dict[int, int] = {}  # a caller's handle with driver-made children -> its parent (`_anchor`)
         self._budget = Budget() if budget is None else budget
         self.lost = lost
@@ -125,8 +125,8 @@ class HandleReplay:
         """Take the handles the driver gives the children it makes inside the allocation of `handle` (module
         docstring; `context_share`: calls.Call's; `parent_is_device`: `h_parent` is a device of this client the book
         saw made). What the driver refuses before it makes anything takes nothing: a group or a channel under
-        anything but a device or a group seen made, a group handle in use, a channel whose context share does not
-        match its group's other channels. Call `unmade` if the call never runs."""
+        anything but a device or a group seen made, a group handle in use, a context share outside a group. Call
+        `unmade` if the call never runs."""
         if self.lost or handle <= 0 or context_share is None:
             return Made()
         if h_class == CHANNEL_GROUP:
@@ -141,11 +141,11 @@ class HandleReplay:
             return Made()
         state = self._groups.get(h_parent)
         if state is not None:
-            if state != _FRESH:  # legacy: nothing more to make; its own shares: a channel without one is refused
+            # Legacy once is legacy for good; a channel with its own context share makes nothing. One without, in a
+            # group not yet legacy, makes the two shares: the driver refuses it only while the group holds channels
+            # with their own shares, which the replay does not count (an app never mixes them).
+            if state == _LEGACY or context_share:
                 return Made()
-            if context_share:
-                self._groups[h_parent] = _SHARES
-                return Made(changed=h_parent)
             taken = self._take_all((h_parent,) * LEGACY_CONTEXT_SHARES)
             if taken:
                 self._groups[h_parent] = _LEGACY

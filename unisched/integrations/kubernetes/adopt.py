@@ -136,18 +136,6 @@ class PodInfo:
     annotations: Mapping[str, str] = field(default_factory=dict)
     unhooked: tuple[str, ...] = ()
     """Its containers that hold unisched.io/* resources without the GPU seccomp profile (`unhooked_containers`)."""
-    template_claims: frozenset[str] = frozenset()
-    """The ResourceClaims made for it from its ResourceClaimTemplates (`template_claims`)."""
-
-
-def template_claims(pod: Mapping[str, Any]) -> frozenset[str]:
-    """The ResourceClaims the resource claim controller made for pod object `pod` from its ResourceClaimTemplates:
-    its spec's entries that name a template, resolved by status.resourceClaimStatuses (which only that controller
-    writes). Such a claim is this pod's alone; a claim the pod names directly may be shared."""
-    spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    templated = {e.get("name") for e in spec.get("resourceClaims") or [] if e.get("resourceClaimTemplateName")}
-    return frozenset(str(s["resourceClaimName"]) for s in status.get("resourceClaimStatuses") or []
-                     if s.get("name") in templated and s.get("resourceClaimName"))
 
 
 GPU_PROFILE_PREFIX: Final = "unisched-gpu"
@@ -199,8 +187,7 @@ class ApiServerPods(ApiServer):
         if body is None:
             return None
         meta = body.get("metadata", {})
-        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}),
-                       template_claims(body))
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}))
 
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:

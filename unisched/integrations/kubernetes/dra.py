@@ -33,7 +33,7 @@ from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import dra_v1beta1_pb2_grpc as dra_grpc
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2_grpc as reg_grpc
-from unisched.integrations.kubernetes.adopt import PodAdopter, PodClaim, PodDirectory
+from unisched.integrations.kubernetes.adopt import PodAdopter, PodClaim
 from unisched.integrations.kubernetes.apiserver import ApiServerError
 from unisched.integrations.kubernetes.defaults import (
     CDI_KIND,
@@ -124,12 +124,9 @@ class DraDriver:
     """
 
     def __init__(self, config: DraConfig, claims: ClaimDirectory | None, telemetry: GpuTelemetry,
-                 slices: SlicePublisher | None = None, adopter: PodAdopter | None = None,
-                 pods: PodDirectory | None = None) -> None:
+                 slices: SlicePublisher | None = None, adopter: PodAdopter | None = None) -> None:
         self.config = config
         self.claims = claims
-        self.pods = pods
-        """Where a claim's pod is read (`--template-claims-only`)."""
         self.telemetry = telemetry
         self.slices = slices
         self.adopter = adopter
@@ -177,8 +174,6 @@ class DraDriver:
                 return self._failed(f"claim {ref.namespace}/{ref.name} not found")
             try:
                 claim = prepared_claim(self.config, ref, obj)
-                if self.config.template_claims_only:
-                    self._check_made_from_template(claim)
                 write_json(path, cdi_spec(self.config, claim))
             except (ClaimError, OSError) as e:
                 return self._failed(str(e))
@@ -190,16 +185,6 @@ class DraDriver:
             log.info("claim prepared", claim=claim.key, uid=claim.uid, pod=claim.pod, tenant=claim.tenant,
                      weight=claim.weight, gpus=list(claim.gpus), cdi=claim.cdi_id)
             return claim.reply()
-
-    def _check_made_from_template(self, claim: PreparedClaim) -> None:
-        """ClaimError unless the claim was made for its pod from one of the pod's ResourceClaimTemplates: the
-        kubelet prepares a claim once, so a claim a pod names directly could be shared by pods that start later,
-        which would get its GPU outside any tenant. OSError when the pod cannot be read."""
-        info = None if self.pods is None else self.pods.pod(claim.namespace, claim.pod)
-        if info is None or claim.name not in info.template_claims:
-            raise ClaimError(f"claim {claim.key} was not made for pod {claim.pod} from a ResourceClaimTemplate (this "
-                             "node's DRA driver runs with --template-claims-only: a claim of its own could be shared "
-                             "by pods that start later, outside any tenant)")
 
     def unprepare(self, ref: dra.Claim) -> dra.NodeUnprepareResourceResponse:
         bad = bad_ref(ref)

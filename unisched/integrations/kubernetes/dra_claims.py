@@ -82,8 +82,6 @@ class DraConfig:
     """How the claim's GPUs are named to the NVIDIA container toolkit (plugin.DEVICE_LISTS)."""
     online_namespaces: frozenset[str] | None = None
     """Where pods may ask for the online priority (adopt.PodAdopter's); None: anywhere."""
-    template_claims_only: bool = False
-    """Refuse a claim not made for its pod from a ResourceClaimTemplate (dra.DraDriver, adopt.template_claims)."""
 
     @property
     def endpoint(self) -> Path:
@@ -273,7 +271,7 @@ def prepared_claim(config: DraConfig, ref: dra.Claim, claim: Mapping[str, Any]) 
         raise ClaimError(f"claim {key} is reserved for no pod")
     if len(pods) > 1:  # one tenant is one pod: the kubelet prepares a claim once, so the others would run ungoverned
         raise ClaimError(f"claim {key} is reserved for {len(pods)} pods; a {config.driver_name} claim serves one pod "
-                         "(make it from a ResourceClaimTemplate)")
+                         "(make it from a ResourceClaimTemplate; dra/admission-policy.yaml stops the sharing sooner)")
     return PreparedClaim(ref.uid, ref.namespace, ref.name, str(pods[0]["name"]), weight, tuple(sorted(set(gpus))),
                          tuple(devices))
 

@@ -129,10 +129,10 @@ def serve_dra_driver(
             if claims is None or pods is None:
                 log.warning("not in a cluster (no service account): no ResourceSlice is published and no claim can "
                             "be read, so every claim fails")
-            driver = DraDriver(config, claims, telemetry, slices=claims, pods=pods)
+            driver = DraDriver(config, claims, telemetry, slices=claims)
         else:
             claims_api, slices, pods = api
-            driver = DraDriver(config, claims_api, telemetry, slices=slices, pods=pods)
+            driver = DraDriver(config, claims_api, telemetry, slices=slices)
         driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims,
                                     gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
                                     units_per_gpu=config.weight_per_gpu, online_namespaces=config.online_namespaces)
