@@ -12,7 +12,7 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -305,12 +305,19 @@ Connect = Callable[..., tuple[LeaseConnection, Transport]]
 
 
 @contextlib.contextmanager
-def lease_connections(tmp_path: Path) -> Iterator[tuple[Loop, Connect, list[int]]]:
+def lease_connections(tmp_path: Path, adopted: Mapping[str, tuple[int, ...]] | None = None,
+                      ) -> Iterator[tuple[Loop, Connect, list[int]]]:
     """Connections of one real engine (fake cgroups) whose pacer's turns the test drives; `held` is the uid's
-    budget as the front door keeps it."""
+    budget as the front door keeps it. `adopted`: tenants an admin adopted, each with the pids its cgroup holds
+    (a pod's processes, which may join only such a tenant)."""
     config = DaemonConfig(socket=str(tmp_path / "s.sock"), state_dir=str(tmp_path / "state"))
     driver = FakeCgroupDriver()
     engine = Scheduler(config, driver, NoGpuTelemetry(), StateStore(config.state_dir, driver.subtree), SystemClock())
+    for name, pids in (adopted or {}).items():
+        driver.create(f"/kubepods/{name}")
+        for pid in pids:
+            driver.attach(f"/kubepods/{name}", pid)
+        engine.adopt(name, 10, None, f"/kubepods/{name}", (), ())
     loop, held = Loop(), [0]
     service = LeaseService(engine, lambda cred: True, Pacer(loop.call_soon))
 
@@ -480,14 +487,16 @@ def test_concurrent_tenant_listings_take_turns(tmp_path: Path) -> None:
 def test_a_pod_s_hellos_wait_in_its_pod_s_place_not_in_that_of_the_host_uid_it_runs_as(tmp_path: Path) -> None:
     """uid 61000 in a pod is not the host's uid 61000: a pod's burst of hellos delays that host user's hello by one
     turn, not by the whole burst."""
+    pod_pids = (424201, 424202, 424203)  # a pod's processes, in its adopted cgroup (no /proc is read for them)
+
     async def main() -> None:
-        with lease_connections(tmp_path) as (loop, connect, _held):
+        with lease_connections(tmp_path, {"pod": pod_pids}) as (loop, connect, _held):
             first, _ = connect()
-            pod = [connect(PeerCred(os.getpid(), 61000, 61000, pod=7))[0] for _ in range(3)]
+            pod = [connect(PeerCred(pid, 61000, 61000, pod=7))[0] for pid in pod_pids]
             host, _ = connect(PeerCred(os.getpid(), 61000, 61000))
             first.data_received(lease_hello("first"))  # this turn's
-            for i, conn in enumerate(pod):
-                conn.data_received(lease_hello(f"pod-{i}"))
+            for conn in pod:
+                conn.data_received(lease_hello("pod"))
             host.data_received(lease_hello("host"))
             opened = [first.opening]
             loop.turn()

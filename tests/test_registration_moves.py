@@ -310,9 +310,10 @@ def test_moves_waiting_take_turns_by_uid_and_a_failed_one_raises_on_the_loop() -
 
 @pytest.mark.parametrize("door", ["register", "lease"])
 def test_a_pod_s_cgroup_reads_and_moves_take_its_pod_s_turns(tmp_path: Path, door: str) -> None:
-    """uid 61000 in a pod is not the host's uid 61000: the reads and moves its registrations make on the move thread
-    wait in its pod's place in the rotation, not in that host user's. Asked through the transport, with credentials
-    as peer_of gives a pod's process."""
+    """uid 61000 in a pod is not the host's uid 61000: the reads its registrations make on the move thread (where it
+    is, to join the adopted tenant whose cgroup holds it: a pod's process is never moved) wait in its pod's place in
+    the rotation, not in that host user's. Asked through the transport, with credentials as peer_of gives a pod's
+    process."""
     from test_pacing import Transport, lease_hello
 
     from unisched.policy.callers import Pod
@@ -333,11 +334,14 @@ def test_a_pod_s_cgroup_reads_and_moves_take_its_pod_s_turns(tmp_path: Path, doo
         return submit(work, turn)  # type: ignore[arg-type]
 
     mover.submit = counted  # type: ignore[method-assign]
-    cred = PeerCred(os.getpid(), 61000, 61000, pod=7)
+    cred = PeerCred(PID + 1, 61000, 61000, pod=7)  # (no /proc is read for it: nothing pinned, a fake cgroup driver)
+    driver.inner.create("/kubepods/pod7")
+    driver.inner.attach("/kubepods/pod7", cred.pid)
+    engine.adopt("pod", 10, None, "/kubepods/pod7", (), ())
 
     async def main() -> None:
         pacer = Pacer(asyncio.get_running_loop().call_soon)
-        for _ in range(2):  # a new tenant (its caller moved in), then a known one (the caller located first)
+        for _ in range(2):
             if door == "register":
                 servicer = UnischedServicer(engine, None, 0.0, "fake", "/", False, pacer)
                 await servicer.Register(pb.RegisterRequest(tenant="pod"), Call(cred))
