@@ -19,7 +19,7 @@ from kubelet_stub import StubPluginWatcher
 
 from unisched.integrations.kubernetes import dra_v1beta1_pb2 as dra
 from unisched.integrations.kubernetes import pluginregistration_v1_pb2 as reg
-from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo
+from unisched.integrations.kubernetes.adopt import FakePods, PodAdopter, PodInfo, unhooked_claim_users
 from unisched.integrations.kubernetes.devices import tenant_name
 from unisched.integrations.kubernetes.dra import DraDriver
 from unisched.integrations.kubernetes.dra_claims import ClaimError, prepared_claim, resource_slice
@@ -335,6 +335,51 @@ def test_the_slice_is_published_when_it_changes(node: Node, telemetry: FakeTelem
 
 # --- adoption -------------------------------------------------------------------------------------------------
 
+
+
+def test_the_containers_using_each_claim_without_the_gpu_profile_are_found() -> None:
+    gpu = {"type": "Localhost", "localhostProfile": "profiles/unisched-gpu.json"}
+
+    def container(name: str, claims: list[str], profile: dict[str, str] | None = None,
+                  privileged: bool = False) -> dict[str, Any]:
+        context: dict[str, Any] = {"seccompProfile": profile} if profile else {}
+        if privileged:
+            context["privileged"] = True
+        return {"name": name, "resources": {"claims": [{"name": c} for c in claims]}, "securityContext": context}
+
+    pod = {"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-weight-25"},
+                                       {"name": "direct", "resourceClaimName": "shared"},
+                                       {"name": "later", "resourceClaimTemplateName": "t"}],
+                    "initContainers": [container("init", ["gpu"])],
+                    "containers": [container("main", ["gpu", "direct"], gpu), container("side", ["direct"]),
+                                   container("root", ["gpu"], gpu, privileged=True), container("cpu", [])]},
+           "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p0-gpu-x7k2"}]}}
+    assert unhooked_claim_users(pod) == {"p0-gpu-x7k2": ("init", "root"), "shared": ("side",)}
+
+
+def test_prepare_refuses_a_claim_a_container_uses_without_the_gpu_profile(node: Node, daemon: InProcessServer,
+                                                                         tmp_path: Path) -> None:
+    """--require-gpu-profile on the DRA driver: a claim whose pod uses it in a container without the GPU seccomp
+    profile is not prepared (the kubelet retries, and reports why); once the pod's containers have it, it is."""
+    root = tmp_path / "cgroup"
+    uid = str(uuid.uuid4())
+    cg = f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+    (root / cg.lstrip("/")).mkdir(parents=True)
+    daemon.driver.create(cg)
+    c = claim("render", "gpu1", ns="games", pod="player-0")
+    node.add(c)
+    pods = FakePods({"games/player-0": PodInfo(uid, unhooked_claims={"render": ("main",)})})
+    with DaemonClient(daemon.socket) as client:
+        node.driver.adopter = PodAdopter(client, "", pods, cgroup_root=root, claims=node.driver.pod_claims,
+                                         require_gpu_profile=True)
+        err = node.prepare(c)[c["metadata"]["uid"]].error
+        assert "containers ['main'] use claim render without the GPU seccomp profile" in err, err
+        assert not node.spec_path(c).exists() and client.tenants() == []
+        pods.pods["games/player-0"] = PodInfo(uid, unhooked_claims={"other": ("side",)})  # another claim's user
+        node.driver.adopter = PodAdopter(client, "", pods, cgroup_root=root, claims=node.driver.pod_claims,
+                                         require_gpu_profile=True)
+        assert node.prepare(c)[c["metadata"]["uid"]].error == ""
+        assert [t.name for t in client.tenants()] == [first_tenant(node, c)]
 
 
 def test_prepare_adopts_the_pod_and_unprepare_removes_the_tenant(node: Node, daemon: InProcessServer,

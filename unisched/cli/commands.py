@@ -397,7 +397,7 @@ def _cmd_dra_driver(args: argparse.Namespace) -> int:
         plugins_dir=Path(args.plugins_dir), registry_dir=Path(args.registry_dir), cdi_dir=Path(args.cdi_dir),
         daemon_socket=args.socket, weight_per_gpu=args.weight_per_gpu, render_sessions=args.render_sessions or 0,
         decode_sessions=args.decode_sessions or 0, device_list=args.device_list,
-        online_namespaces=args.online_namespaces,
+        online_namespaces=args.online_namespaces, require_gpu_profile=args.require_gpu_profile,
     )
     return serve_dra_driver(config, interval=args.interval,
                             cgroup_root=Path(args.cgroup_root) if args.cgroup_root else None)

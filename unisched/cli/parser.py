@@ -236,17 +236,18 @@ GPU health (NVML) reaches the kubelet through ListAndWatch; a kubelet restart is
     d.add_argument("--beside-nvidia-plugin", action="store_true",
                    help="start even where NVIDIA's device plugin (nvidia-*.sock in --kubelet-dir) advertises some of "
                         "these GPUs; without it the plugin refuses to start there (exit 3) and says what to do")
-    d.add_argument("--require-gpu-profile", action="store_true",
-                   help="hold back (at PreStartContainer, with the reason) the containers of a pod whose containers "
-                        "holding unisched.io resources run without the GPU seccomp profile (Localhost "
-                        "profiles/unisched-gpu*.json): without it such a pod is weighted but its session caps are not "
-                        "enforced")
     _add_node_agent_args(d, ("advertise", "advertised"), ("unisched.io/render-sessions", "unisched.io/decode-sessions"),
                          "kubelet, health and adoption checks")
 
 
 def _add_node_agent_args(d: Any, verb: tuple[str, str], sessions: tuple[str, str], checks: str) -> None:
     """The flags `device-plugin` and `dra-driver` share."""
+    d.add_argument("--require-gpu-profile", action="store_true",
+                   help="refuse a pod whose containers holding unisched.io resources or using this driver's claims "
+                        "run without the GPU seccomp profile (Localhost profiles/unisched-gpu*.json) or privileged: "
+                        "the device plugin holds its containers back at PreStartContainer, the DRA driver fails the "
+                        "claim's preparation, each with the reason; without it such a pod is weighted but its session "
+                        "caps are not enforced")
     d.add_argument("--online-namespaces", type=namespace_list, default=None, metavar="NS,NS",
                    help="the namespaces whose pods may ask for the online priority (annotation unisched.io/priority: "
                         "online, which holds the other tenants back while it has work); a pod elsewhere that asks for "

@@ -76,6 +76,8 @@ class PodClaim:
     problem: str = ""
     """Why the pod cannot be a tenant as it is ("" when it can): it is not adopted, and its containers are held
     back with this."""
+    claim: str = ""
+    """The DRA ResourceClaim this is ("" for the device plugin's units)."""
 
     @property
     def key(self) -> str:
@@ -136,31 +138,57 @@ class PodInfo:
     annotations: Mapping[str, str] = field(default_factory=dict)
     unhooked: tuple[str, ...] = ()
     """Its containers that hold unisched.io/* resources without the GPU seccomp profile (`unhooked_containers`)."""
+    unhooked_claims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """ResourceClaim name -> its containers using it without the GPU seccomp profile (`unhooked_claim_users`)."""
 
 
 GPU_PROFILE_PREFIX: Final = "unisched-gpu"
 """The GPU seccomp profiles' file names start with it (deploy/seccomp: unisched-gpu.json and its containerd forms)."""
 
 
+def _containers(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+
+
+def _hooked(container: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
+    """Whether the container runs with a Localhost seccomp profile named GPU_PROFILE_PREFIX*.json, its own or the
+    pod's, and is not privileged (runtimes give a privileged container no profile)."""
+    context = container.get("securityContext") or {}
+    profile = context.get("seccompProfile") or (spec.get("securityContext") or {}).get("seccompProfile") or {}
+    name = str(profile.get("localhostProfile") or "").rsplit("/", 1)[-1]
+    return (profile.get("type") == "Localhost" and name.startswith(GPU_PROFILE_PREFIX) and name.endswith(".json")
+            and context.get("privileged") is not True)
+
+
 def unhooked_containers(spec: Mapping[str, Any]) -> tuple[str, ...]:
-    """The containers (init containers too) of pod `spec` that hold unisched.io/* resources but run without a
-    Localhost seccomp profile named GPU_PROFILE_PREFIX*.json, theirs or the pod's, or that are privileged (which
-    runs them unconfined whatever the profile says): the runtime hands no listener over
-    for them, so they would run without session hooks (no render or decode caps, memory read from NVML's sum)."""
-    pod_profile = (spec.get("securityContext") or {}).get("seccompProfile")
+    """The containers (init containers too) of pod `spec` that hold unisched.io/* resources but are not `_hooked`:
+    the runtime hands no listener over for them, so they would run without session hooks (no render or decode caps,
+    memory read from NVML's sum)."""
     out = []
-    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+    for c in _containers(spec):
         resources = c.get("resources") or {}
         held = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-        if not any(str(name).startswith("unisched.io/") for name in held):
-            continue
-        context = c.get("securityContext") or {}
-        profile = context.get("seccompProfile") or pod_profile or {}
-        name = str(profile.get("localhostProfile") or "").rsplit("/", 1)[-1]
-        hooked = profile.get("type") == "Localhost" and name.startswith(GPU_PROFILE_PREFIX) and name.endswith(".json")
-        if not hooked or context.get("privileged") is True:  # runtimes give a privileged container no profile
+        if any(str(name).startswith("unisched.io/") for name in held) and not _hooked(c, spec):
             out.append(str(c.get("name", "")))
     return tuple(out)
+
+
+def unhooked_claim_users(pod: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """For each ResourceClaim pod object `pod` uses (by name: its spec's own, or the one status.resourceClaimStatuses
+    says was made from its template), the containers using it that are not `_hooked`."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    made = {s.get("name"): s.get("resourceClaimName") for s in status.get("resourceClaimStatuses") or []}
+    claim_of = {e.get("name"): e.get("resourceClaimName") or made.get(e.get("name"))
+                for e in spec.get("resourceClaims") or []}
+    out: dict[str, list[str]] = {}
+    for c in _containers(spec):
+        if _hooked(c, spec):
+            continue
+        for use in (c.get("resources") or {}).get("claims") or []:
+            claim = claim_of.get(use.get("name"))
+            if claim:
+                out.setdefault(str(claim), []).append(str(c.get("name", "")))
+    return {k: tuple(v) for k, v in out.items()}
 
 
 class PodDirectory(Protocol):
@@ -187,7 +215,8 @@ class ApiServerPods(ApiServer):
         if body is None:
             return None
         meta = body.get("metadata", {})
-        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}))
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}),
+                       unhooked_claim_users(body))
 
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:
@@ -395,11 +424,13 @@ class PodAdopter:
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
 
     def _adopt(self, claim: PodClaim, cgroup: str, info: PodInfo | None) -> None:
-        if self.require_gpu_profile and info is not None and info.unhooked:
-            raise ValueError(f"pod {claim.key}: containers {list(info.unhooked)} hold unisched.io resources without the "
-                             f"GPU seccomp profile (securityContext.seccompProfile: type Localhost, localhostProfile "
-                             f"profiles/{GPU_PROFILE_PREFIX}*.json), so their session caps could not be enforced; this "
-                             "node's device plugin runs with --require-gpu-profile")
+        unhooked = () if info is None else info.unhooked_claims.get(claim.claim, ()) if claim.claim else info.unhooked
+        if self.require_gpu_profile and unhooked:
+            held = f"use claim {claim.claim}" if claim.claim else "hold unisched.io resources"
+            raise ValueError(f"pod {claim.key}: containers {list(unhooked)} {held} without the GPU seccomp profile "
+                             f"(securityContext.seccompProfile: type Localhost, localhostProfile profiles/"
+                             f"{GPU_PROFILE_PREFIX}*.json, and not privileged), so their session caps could not be "
+                             "enforced; this node's agent runs with --require-gpu-profile")
         notes = info.annotations if info is not None else {}
         engines = [e.strip() for e in notes.get(ENGINES_ANNOTATION, "").split(",") if e.strip()]
         priority = _PRIORITY.get(notes.get(PRIORITY_ANNOTATION, ""), pb.PRIORITY_UNSPECIFIED)

@@ -82,6 +82,8 @@ class DraConfig:
     """How the claim's GPUs are named to the NVIDIA container toolkit (plugin.DEVICE_LISTS)."""
     online_namespaces: frozenset[str] | None = None
     """Where pods may ask for the online priority (adopt.PodAdopter's); None: anywhere."""
+    require_gpu_profile: bool = False
+    """Refuse a claim used by a container without the GPU seccomp profile (adopt.PodAdopter's)."""
 
     @property
     def endpoint(self) -> Path:
@@ -177,7 +179,7 @@ class PreparedClaim:
     def pod_claim(self) -> PodClaim:
         """What the adopter works from: the pod, its tenant, weight and GPUs (session counts are not claimed)."""
         ids = frozenset(f"{self.uid}/{d}" for _, _, d in self.devices)
-        return PodClaim(self.namespace, self.pod, self.tenant, self.weight, self.gpus, 0, 0, ids)
+        return PodClaim(self.namespace, self.pod, self.tenant, self.weight, self.gpus, 0, 0, ids, claim=self.name)
 
     def reply(self) -> dra.NodePrepareResourceResponse:
         return dra.NodePrepareResourceResponse(devices=[

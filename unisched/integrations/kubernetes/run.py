@@ -135,7 +135,8 @@ def serve_dra_driver(
             driver = DraDriver(config, claims_api, telemetry, slices=slices)
         driver.adopter = PodAdopter(daemon, "", pods, cgroup_root=cgroup_root, claims=driver.pod_claims,
                                     gpu_memory={g.index: g.memory_total for g in telemetry.gpus()},
-                                    units_per_gpu=config.weight_per_gpu, online_namespaces=config.online_namespaces)
+                                    units_per_gpu=config.weight_per_gpu, online_namespaces=config.online_namespaces,
+                                    require_gpu_profile=config.require_gpu_profile)
         stop = _stop_on_signals()
         log.info("DRA driver started", driver=config.driver_name, node=config.node_name, gpus=list(config.gpus),
                  cdi_dir=str(config.cdi_dir))
