@@ -326,7 +326,8 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
             "serve_args": list(serve_args), "date_utc": utc_now()}
     try:
         while len(done) < rounds:
-            if args.budget is not None and time.monotonic() - args.t0 + round_seconds(suite, done) > args.budget:
+            if args.budget is not None and (time.monotonic() - args.t0
+                                            + round_seconds(suite, done, mach, args.cpu_standin) > args.budget):
                 print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
                       f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
                 break
@@ -428,13 +429,28 @@ def reread(suite: Suite, folder: Path, rounds: list[dict[str, Any]]) -> list[dic
         return out
 
 
-def round_seconds(suite: Suite, done: list[dict[str, Any]]) -> float:
-    """How long the next round should take: the longest round this folder holds, else the suite's estimate.
+def round_seconds(suite: Suite, done: list[dict[str, Any]], machine: dict[str, Any] | None = None,
+                  standin: bool = False, results: Path | None = None) -> float:
+    """How long the next round should take: the longest round this folder holds, else the longest round of the
+    newest earlier run of the suite on the same GPUs and drivers (`machine`; CPU stand-ins apart), else the suite's
+    estimate (made on the H200).
 
     The estimate is for planning; a round measured on the machine at hand says more, so a budget fits every round
     it can."""
-    measured = [sum(float(step.get("wall_s") or 0) for step in r.get("steps") or []) for r in done]
-    return max(measured) if measured and max(measured) > 0 else 60 * suite.round_minutes
+    measured = _longest_round(done)
+    if measured is None and machine is not None:
+        earlier = [s for s in map(sm.load, sorted((results or sm.RESULTS).glob(f"*/{suite.name}")))
+                   if s is not None and bool(s.get("standin")) == standin
+                   and sm.gpu_names(s.get("machine") or {}) == sm.gpu_names(machine)]
+        if earlier:
+            measured = _longest_round(max(earlier, key=lambda s: str(s.get("date_utc"))).get("rounds") or [])
+    return measured if measured is not None else 60 * suite.round_minutes
+
+
+def _longest_round(rounds: list[dict[str, Any]]) -> float | None:
+    """The wall time of the longest of `rounds` (the sum of its steps'); None when none was measured."""
+    walls = [sum(float(step.get("wall_s") or 0) for step in r.get("steps") or []) for r in rounds]
+    return max(walls) if walls and max(walls) > 0 else None
 
 
 def finish(suite: Suite, folder: Path, done: list[dict[str, Any]], meta: dict[str, Any]) -> int:

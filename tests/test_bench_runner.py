@@ -106,6 +106,29 @@ def test_the_budget_takes_a_round_as_long_as_the_longest_one_measured_else_the_e
     assert run.round_seconds(online, [{"steps": []}]) == 60 * online.round_minutes  # nothing measured: the estimate
 
 
+def test_a_first_round_is_planned_from_the_newest_earlier_run_on_the_same_gpus(tmp_path: Path) -> None:
+    """A cloud-gaming round takes ~350 s on an H100 against the 8-min H200 estimate: a budget of 458 s fits it."""
+    run = bench_module("run")
+    cloud = suites.BY_NAME["cloud-gaming"]
+    h100 = {"gpus": [{"name": "NVIDIA H100 80GB HBM3", "driver": "580.159.04"}]}
+    h200 = {"gpus": [{"name": "NVIDIA H200", "driver": "580.105.08"}]}
+
+    def earlier(folder: str, machine: dict[str, Any], walls: list[float], day: str, standin: bool = False) -> None:
+        (tmp_path / folder / "cloud-gaming").mkdir(parents=True)
+        rounds = [{"steps": [{"wall_s": w}]} for w in walls]
+        (tmp_path / folder / "cloud-gaming" / "summary.json").write_text(json.dumps(
+            {"machine": machine, "rounds": rounds, "date_utc": day, "standin": standin}))
+
+    earlier("a", h100, [400.0, 420.0], "2026-12-06 10:00:00")
+    earlier("b", h100, [341.0, 355.5], "2026-12-07 10:00:00")  # the newest on this GPU
+    earlier("c", h200, [300.0], "2026-12-08 10:00:00")
+    earlier("d", h100, [90.0], "2026-12-09 10:00:00", standin=True)
+    assert run.round_seconds(cloud, [], h100, results=tmp_path) == 355.5
+    assert run.round_seconds(cloud, [], {"gpus": []}, results=tmp_path) == 60 * cloud.round_minutes
+    assert run.round_seconds(cloud, [], h100, standin=True, results=tmp_path) == 90.0
+    assert run.round_seconds(cloud, [{"steps": [{"wall_s": 360.0}]}], h100, results=tmp_path) == 360.0
+
+
 @pytest.mark.skipif(bool(summary.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
 def test_a_gpu_suite_refuses_clearly_without_a_gpu(tmp_path: Path) -> None:
     got = run_py("hooks", "--out", str(tmp_path))
