@@ -25,7 +25,8 @@ DIR defaults to bench/results/<date>-<gpu>-<commit>/. A round runs the suite's c
 alone / no-scheduler references where the suite has them; rounds already in DIR/SUITE/summary.json (an earlier call
 with the same --out, on the same commit) are kept and count towards --rounds, so a suite longer than one device call
 runs as several calls. --budget S stops before a round that would end more than S seconds after the start (a round
-as long as the longest one already in DIR/SUITE, else the suite's estimate); with several suites it is one budget:
+as long as the longest one already in DIR/SUITE, else the longest of the newest earlier run of the suite on the same
+GPUs and drivers, else the suite's estimate); with several suites it is one budget:
 each suite runs its rounds in turn while they fit, so a fixed slot of GPU time is filled by one command.
 """
 
@@ -209,7 +210,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                          "own daemons take their scripts' flags after `--` instead")
     ap.add_argument("--budget", type=float, default=None, metavar="S",
                     help="start no round that would end after S seconds from the start (a round as long as the longest "
-                         "one already in --out, else the suite's estimate; with several suites, one budget for all)")
+                         "one already in --out, else the longest of the newest earlier run of the suite on the same "
+                         "GPUs and drivers, else the suite's estimate; with several suites, one budget for all)")
     ap.add_argument("--rescore", action="store_true",
                     help="judge the rounds already in --out/SUITE again by the current targets, running nothing: each "
                          "round's outputs are read again by the suite's current reader where the raw archive holds "

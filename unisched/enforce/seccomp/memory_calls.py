@@ -12,7 +12,6 @@ import structlog
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.allowance import Share
 from unisched.enforce.seccomp.calls import Call
-from unisched.enforce.seccomp.handles import Made
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
 from unisched.logs import Throttle
@@ -77,8 +76,7 @@ class MemoryCalls:
         """`book_call`'s call never reached the driver (its caller was gone before the answer)."""
         if call.copied:
             self.credit(self.book.undo_copy(call.h_root, call.replayed or call.handle))
-        if call.made != Made():
-            self.book.unmade(call.h_root, call.made)
+        self.book.unmade(call.h_root, call.made)  # (nothing to undo for an empty Made)
         if call.replayed:
             self.book.untake(call.h_root, call.replayed)
 

@@ -141,6 +141,11 @@ class PodInfo:
     unhooked_claims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """ResourceClaim name -> its containers using it without the GPU seccomp profile (`unhooked_claim_users`)."""
 
+    def unhooked_in(self, claim: str) -> tuple[str, ...]:
+        """Its containers without the GPU seccomp profile among those that use DRA claim `claim`, or ("") those
+        holding unisched.io resources."""
+        return self.unhooked_claims.get(claim, ()) if claim else self.unhooked
+
 
 GPU_PROFILE_PREFIX: Final = "unisched-gpu"
 """The GPU seccomp profiles' file names start with it (deploy/seccomp: unisched-gpu.json and its containerd forms)."""
@@ -424,7 +429,7 @@ class PodAdopter:
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
 
     def _adopt(self, claim: PodClaim, cgroup: str, info: PodInfo | None) -> None:
-        unhooked = () if info is None else info.unhooked_claims.get(claim.claim, ()) if claim.claim else info.unhooked
+        unhooked = () if info is None else info.unhooked_in(claim.claim)
         if self.require_gpu_profile and unhooked:
             held = f"use claim {claim.claim}" if claim.claim else "hold unisched.io resources"
             raise ValueError(f"pod {claim.key}: containers {list(unhooked)} {held} without the GPU seccomp profile "
