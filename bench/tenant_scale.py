@@ -36,7 +36,7 @@ from _results import header, run_info, write
 
 import unisched
 from unisched.enforce.cgroups import FakeCgroupDriver
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.scheduler.clock import FakeClock
 from unisched.scheduler.config import DaemonConfig
 from unisched.scheduler.core import Scheduler

@@ -13,7 +13,8 @@ import pytest
 
 from unisched.enforce.seccomp.calls import Call, decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay, Made, in_driver_range
-from unisched.enforce.seccomp.memory import MAX_CLIENTS, UNKNOWN_GPU, MemoryBook, MemoryLedger, Unbooked
+from unisched.enforce.seccomp.ledger import MemoryLedger
+from unisched.enforce.seccomp.memory import MAX_CLIENTS, UNKNOWN_GPU, MemoryBook, Unbooked
 from unisched.enforce.seccomp.memory_calls import MemoryCalls
 from unisched.policy.memory import MemoryTerms
 

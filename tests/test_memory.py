@@ -29,7 +29,8 @@ from unisched.enforce.nvclasses import (
 )
 from unisched.enforce.seccomp.calls import decode_call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
-from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, MemoryLedger, Unbooked
+from unisched.enforce.seccomp.ledger import MemoryLedger
+from unisched.enforce.seccomp.memory import UNKNOWN_GPU, BookBounds, Held, MemoryBook, Unbooked
 from unisched.enforce.seccomp.supervisor import SessionSupervisor
 from unisched.policy import Engine, Priority
 from unisched.policy.caps import SessionLimits

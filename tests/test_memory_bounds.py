@@ -27,6 +27,7 @@ from unisched.enforce.nvclasses import (
 from unisched.enforce.seccomp.allowance import Allowance, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE, Budget, HandleReplay
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.seccomp.listener import Listener
 from unisched.enforce.seccomp.memory import (
     MAX_CLIENTS,
@@ -37,7 +38,6 @@ from unisched.enforce.seccomp.memory import (
     BookBounds,
     BookSize,
     MemoryBook,
-    MemoryLedger,
     Unbooked,
 )
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls

@@ -15,7 +15,8 @@ from test_engine import Rig
 from test_memory import DEV, GIB, LET_THROUGH, REFUSED, Served, mem
 from test_seccomp import ENOTTY, needs_notify
 
-from unisched.enforce.seccomp.memory import UNKNOWN_GPU, MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
+from unisched.enforce.seccomp.memory import UNKNOWN_GPU
 from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 from unisched.scheduler.config import DaemonConfig
 from unisched.telemetry import FakeTelemetry, GpuInfo

@@ -35,7 +35,8 @@ from unisched.enforce.seccomp.allowance import Allowance, Entry, Share
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.handles import RS_UNIQUE_HANDLE_BASE
 from unisched.enforce.seccomp.hooks import TENANT_BOUNDS, USER_BOUNDS, SupervisedHooks, listener_refusal
-from unisched.enforce.seccomp.memory import BookBounds, MemoryBook, MemoryLedger, Unbooked
+from unisched.enforce.seccomp.ledger import MemoryLedger
+from unisched.enforce.seccomp.memory import BookBounds, MemoryBook, Unbooked
 from unisched.enforce.seccomp.proc import owner
 
 

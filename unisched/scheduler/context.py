@@ -12,7 +12,7 @@ import structlog
 from unisched.enforce.cgroups import CgroupDriver
 from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.mps import MpsControl
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S
 from unisched.enforce.timerslack import ProcThreadSlack, ThreadSlack
 from unisched.logs import Throttle

@@ -22,7 +22,7 @@ from unisched.enforce.cgroups import CgroupDriver
 from unisched.enforce.devices import DeviceAdmission
 from unisched.enforce.leases import LeaseChannel
 from unisched.enforce.mps import MpsControl, MpsStatus
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.timerslack import ThreadSlack
 from unisched.policy import ContentionMap, Priority, Resource, WeightedFairShare
 from unisched.policy.callers import Caller

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.policy.caps import SessionLimits
 from unisched.policy.memory import MemoryTerms, reserve_on
 from unisched.telemetry import GpuInfo

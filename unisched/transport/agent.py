@@ -28,7 +28,7 @@ from unisched.enforce.seccomp.abi import SeccompError
 from unisched.enforce.seccomp.accounting import EventAction, SessionEvent
 from unisched.enforce.seccomp.agent import AgentHello, AgentMessageReader, ack_agent, recv_agent_chunk
 from unisched.enforce.seccomp.hooks import SessionHooks, SupervisedHooks
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.logs import Throttle
 from unisched.policy.callers import Caller, Pod, named
 from unisched.scheduler.config import ConfigError

@@ -29,7 +29,7 @@ from unisched.enforce.seccomp.budget import (
     Rate,
     Turnstile,
 )
-from unisched.enforce.seccomp.memory import MemoryLedger
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.seccomp.stats import HookCounts, SupervisorStats
 from unisched.enforce.seccomp.supervisor import JOIN_TIMEOUT_S, SessionSupervisor
 from unisched.policy.callers import Caller, named

@@ -1,5 +1,5 @@
 """GPU memory accounting from the RM calls the session hooks see: which allocation holds how many bytes on
-which GPU, and the tenant-wide ledger the caps and reserves are decided on. Pure: no I/O, no clock.
+which GPU. Pure: no I/O, no clock.
 
 - `MemoryBook`, one per listener (one tenant's processes): RM_ALLOC of NV01_DEVICE_0 / NV20_SUBDEVICE_0 says
   which GPU a handle stands for (deviceId); RM_ALLOC of a video memory class (nvclasses.MEMORY_SIZE_AT) under
@@ -11,26 +11,20 @@ which GPU, and the tenant-wide ledger the caps and reserves are decided on. Pure
   fork), and its exit releases only that. A handle the driver picks (handle 0, and EGL's NVOS32 heap
   allocations) is replayed per client by handles.HandleReplay, so its free is matched too. The book is bounded
   (MAX_CLIENTS and the others below): the calls are the tenant's to make up.
-- `MemoryLedger`, shared by every listener: bytes held per tenant and GPU, charged and credited by the books,
-  and each allocation admitted or refused by policy.memory.admit_allocation under one lock, so two tenants'
-  allocations never both take the last free bytes.
+The tenant-wide ledger the books charge and credit is ledger.py.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import threading
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from types import MappingProxyType
 from typing import Final
 
 from unisched.enforce.nvclasses import NV0080_MAX_DEVICES, NV01_DEVICE_0
 from unisched.enforce.seccomp.allowance import Entry, Share
 from unisched.enforce.seccomp.handles import Budget, HandleReplay, Made
-from unisched.policy.memory import MemoryTerms, Verdict, admit_allocation
 
 UNKNOWN_GPU: Final = -1
 """The GPU of memory whose parent object was not seen as a device or subdevice (counted there, capped too)."""
@@ -440,77 +434,3 @@ class MemoryBook:
         for o in self._objects.values():
             out[o.gpu] += o.nbytes
         return dict(out)
-
-
-@dataclass(frozen=True)
-class TenantMemory:
-    """What /metrics and `unisched tenants` show per tenant and GPU."""
-
-    held: Mapping[int, int]
-    refused: Mapping[int, int]
-    """Allocations refused per GPU (cap, reserves, or the book's bounds)."""
-
-
-class MemoryLedger:
-    """Bytes held per tenant and GPU, shared by every listener's book (thread-safe).
-
-    `terms()` gives each tenant's MemoryTerms and `totals()` each GPU's size in bytes (GPUs absent: not known,
-    caps only); both are read outside the lock on every allocation, so they must be quick and never block. A
-    mapping `terms()` gave is never changed in place (a change is a new mapping): the tenants with a reserve in it
-    are found once (`_checked`).
-    """
-
-    def __init__(self, terms: Callable[[], Mapping[str, MemoryTerms]],
-                 totals: Callable[[], Mapping[int, int]] = lambda: {}) -> None:
-        self._terms = terms
-        self._totals = totals
-        self._reserves: tuple[Mapping[str, MemoryTerms], Mapping[str, MemoryTerms]] = ({}, {})  # terms(), its reserves
-        self._lock = threading.Lock()
-        self._held: dict[int, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self._refused: collections.Counter[tuple[str, int]] = collections.Counter()
-
-    def charge(self, tenant: str, gpu: int, nbytes: int) -> Verdict:
-        """Admit and count an allocation, or say why not (counted as refused)."""
-        terms = self._checked(self._terms(), tenant)
-        total = self._totals().get(gpu)
-        with self._lock:
-            held = self._held[gpu]
-            verdict = admit_allocation(tenant, gpu, nbytes, held, terms, total)
-            if verdict is Verdict.ADMIT:
-                held[tenant] += nbytes
-            else:
-                self._refused[(tenant, gpu)] += 1
-            return verdict
-
-    def _checked(self, terms: Mapping[str, MemoryTerms], tenant: str) -> Mapping[str, MemoryTerms]:
-        """The terms an allocation of `tenant` is checked against: its own and the reserves. A tenant pinned to GPUs
-        has terms for that alone (on a node of pods, every one), and the check walks the others' terms."""
-        last, reserves = self._reserves
-        if last is not terms:
-            reserves = MappingProxyType({n: t for n, t in terms.items() if t.reserve})
-            self._reserves = (terms, reserves)
-        own = terms.get(tenant)
-        return reserves if own is None or tenant in reserves else {**reserves, tenant: own}
-
-    def refuse(self, tenant: str, gpu: int) -> None:
-        """Count an allocation refused without a charge (its book could not record it)."""
-        with self._lock:
-            self._refused[(tenant, gpu)] += 1
-
-    def credit(self, tenant: str, given_back: list[Held]) -> None:
-        with self._lock:
-            for h in given_back:
-                held = self._held[h.gpu]
-                held[tenant] = max(0, held[tenant] - h.nbytes)
-                if not held[tenant]:
-                    del held[tenant]
-
-    def of(self, tenant: str) -> TenantMemory:
-        with self._lock:
-            held = {gpu: c[tenant] for gpu, c in self._held.items() if c.get(tenant)}
-            refused = {gpu: n for (t, gpu), n in self._refused.items() if t == tenant}
-        return TenantMemory(held, refused)
-
-    def held_on(self, gpu: int) -> dict[str, int]:
-        with self._lock:
-            return dict(self._held.get(gpu, {}))

@@ -12,8 +12,9 @@ import structlog
 from unisched.enforce.nvclasses import DEVICE_CLASSES, RM_ALLOC, RM_DUP_OBJECT, RM_FREE, ROOT_CLASSES
 from unisched.enforce.seccomp.allowance import Share
 from unisched.enforce.seccomp.calls import Call
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.seccomp.listener import Listener
-from unisched.enforce.seccomp.memory import Held, MemoryBook, MemoryLedger, Unbooked
+from unisched.enforce.seccomp.memory import Held, MemoryBook, Unbooked
 from unisched.logs import Throttle
 from unisched.policy.memory import Verdict
 

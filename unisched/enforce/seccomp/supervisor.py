@@ -33,8 +33,8 @@ from unisched.enforce.seccomp.budget import Pace
 from unisched.enforce.seccomp.calls import Call
 from unisched.enforce.seccomp.decisions import LoopDecisions
 from unisched.enforce.seccomp.examine import Foreign, Gone, escape, log_foreign, read_call
+from unisched.enforce.seccomp.ledger import MemoryLedger
 from unisched.enforce.seccomp.listener import Listener, Notification
-from unisched.enforce.seccomp.memory import MemoryLedger
 from unisched.enforce.seccomp.memory_calls import REFUSAL_LOG_INTERVAL_S, MemoryCalls
 from unisched.enforce.seccomp.outlet import EventOutlet
 from unisched.enforce.seccomp.proc import owner_or_none, start_time
