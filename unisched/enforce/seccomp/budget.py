@@ -43,7 +43,7 @@ OWNER_BURST: Final = 2048
 
 TURN_HELD_MAX_S: Final = 0.1
 """A turn held longer than this is taken from its thread by the first waiter: the thread is blocked, not handling
-(a caller's memory behind a FUSE mount that never answers, read through /proc/PID/mem), and must not stop its
+(a caller's memory behind a FUSE mount that never answers, read by examine.read_call), and must not stop its
 owner's other listeners. A notification's handling takes well under a millisecond otherwise."""
 
 

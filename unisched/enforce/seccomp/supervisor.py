@@ -1,7 +1,7 @@
 """SessionSupervisor: one thread that serves one tenant's seccomp listener. The books are accounting.py, the
 listener's ioctls listener.py, video memory calls memory_calls.py.
 
-It reads each notified call's argument from the tenant's memory (/proc/PID/mem), decodes the class (NVOS21/NVOS64
+It reads each notified call's argument from the tenant's memory (examine.read_call), decodes the class (NVOS21/NVOS64
 hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts
 (RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
 "continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call whose
