@@ -288,17 +288,34 @@ def is_variant(s: dict[str, Any]) -> bool:
     return bool(s.get("serve_args")) or _passes(s, SETTING_ARGS)
 
 
-def latest(results: Path = RESULTS) -> dict[str, tuple[Path, dict[str, Any]]]:
-    """Per suite, its newest summary (by date, then folder name) under `results`. Stand-in runs never count, nor do
-    runs of part of a suite (is_subset): the table would show a few cases as if they were all of it; nor variants
+def _history() -> list[str]:
+    """The checkout's commits, newest first (HEAD and its ancestors); empty without git metadata."""
+    return _cmd("git", "rev-list", "HEAD").split()
+
+
+def _recency(s: dict[str, Any], path: Path, history: Sequence[str]) -> tuple[bool, int, str, str]:
+    """How recent a run is, for `latest`: runs of a commit in the checkout's history first, the newer commit first;
+    then, for one commit (or commits not in the history), the newer date, then the folder name."""
+    commit = str(s.get("commit") or "")
+    at = next((i for i, sha in enumerate(history) if commit and sha.startswith(commit)), None)
+    return at is not None, -(at or 0), str(s.get("date_utc", "")), str(path)
+
+
+def latest(results: Path = RESULTS, history: Sequence[str] | None = None) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Per suite, the summary under `results` of the newest code measured: the run of the newest commit of
+    `history` (the checkout's commits, newest first; by default `git rev-list HEAD`), the newest run of that commit,
+    so that a run of older code made afterwards (a control for a comparison) does not stand for the code as it is;
+    runs of commits outside the history come after, newest date first. Stand-in runs never count, nor do runs of
+    part of a suite (is_subset): the table would show a few cases as if they were all of it; nor variants
     (is_variant): it shows what the defaults do."""
+    commits = _history() if history is None else history
     found: dict[str, tuple[Path, dict[str, Any]]] = {}
     for path in sorted(results.glob(f"*/*/{SUMMARY}")):
         s = load(path.parent)
         if s is None or s.get("standin") or is_subset(s) or is_variant(s) or s.get("suite") not in {x.name for x in SUITES}:
             continue
         prev = found.get(s["suite"])
-        if prev is None or (s.get("date_utc", ""), str(path)) >= (prev[1].get("date_utc", ""), str(prev[0])):
+        if prev is None or _recency(s, path, commits) >= _recency(prev[1], prev[0], commits):
             found[s["suite"]] = (path.parent, s)
     return found
 

@@ -266,6 +266,23 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     assert summary.readme_table(summary.with_table(readme, table)) == table
 
 
+def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(tmp_path: Path) -> None:
+    """A control run of an older commit, made after the newer commit's run (an A/B on one machine), does not stand
+    for the code as it is; of one commit the newest run does; commits outside the history come after."""
+    suite = suites.BY_NAME["leases"]
+    new, old, gone = "c" * 40, "d" * 40, "e" * 40
+    for day, commit, p99 in (("2026-01-01", new[:7], 0.6), ("2026-01-02", old[:7], 0.3), ("2026-01-03", gone, 0.2)):
+        rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
+               "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
+        meta = {"command": "c", "machine": summary.machine(), "commit": commit, "dirty": False, "standin": False,
+                "date_utc": f"{day} 10:00:00"}
+        summary.write(tmp_path / f"{day}-h200-{commit[:7]}" / "leases", summary.build(suite, [rnd] * 3, meta))
+    pick = summary.latest(tmp_path, history=[new, old])["leases"][0]
+    assert pick.parent.name == f"2026-01-01-h200-{new[:7]}"
+    assert summary.latest(tmp_path, history=[old, new])["leases"][0].parent.name == f"2026-01-02-h200-{old[:7]}"
+    assert summary.latest(tmp_path, history=[])["leases"][0].parent.name == f"2026-01-03-h200-{gone[:7]}"
+
+
 def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
     meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": True,
