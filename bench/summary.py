@@ -3,8 +3,8 @@
 Per suite, bench/results/<date>-<gpu>-<commit>/<suite>/ holds summary.json (the command, machine, driver, commit,
 date; every round's cases and metrics; median, worst and interval per metric; the verdict per target, computed by
 bench/verdicts.py), report.md (the same for reading), plots/ (when matplotlib is there) and raw.tar.xz (the scripts'
-own outputs, at most RAW_ARCHIVE_MAX bytes). The README's at-a-glance table is `results_table()` of the latest summary
-of each suite, between the markers README_BEGIN and README_END.
+own outputs, at most RAW_ARCHIVE_MAX bytes). The README's at-a-glance table is `results_table()` of each suite's run
+of the newest code measured (`latest`), between the markers README_BEGIN and README_END.
 """
 
 from __future__ import annotations
@@ -288,16 +288,28 @@ def is_variant(s: dict[str, Any]) -> bool:
     return bool(s.get("serve_args")) or _passes(s, SETTING_ARGS)
 
 
+def history_gap() -> str | None:
+    """Why this checkout cannot order runs by their commits (`latest` then orders them by date): no git metadata, or
+    a shallow clone's partial history; None when it can."""
+    shallow = _cmd("git", "rev-parse", "--is-shallow-repository")
+    if not shallow:
+        return "no git metadata here: the results table orders runs by their commits' history"
+    if shallow == "true":
+        return "a shallow clone: the results table orders runs by their commits' history (git fetch --unshallow)"
+    return None
+
+
 def _history() -> list[str]:
     """The checkout's commits, newest first (HEAD and its ancestors); empty without git metadata."""
-    return _cmd("git", "rev-list", "HEAD").split()
+    return _cmd("git", "rev-list", "--topo-order", "HEAD").split()
 
 
 def _recency(s: dict[str, Any], path: Path, history: Sequence[str]) -> tuple[bool, int, str, str]:
-    """How recent a run is, for `latest`: runs of a commit in the checkout's history first, the newer commit first;
+    """How recent a run is, for `latest`: runs of a commit in the checkout's history first (named by 7 hex digits or
+    more), the newer commit first;
     then, for one commit (or commits not in the history), the newer date, then the folder name."""
-    commit = str(s.get("commit") or "")
-    at = next((i for i, sha in enumerate(history) if commit and sha.startswith(commit)), None)
+    commit = str(s.get("commit") or "").lower()
+    at = None if len(commit) < 7 else next((i for i, sha in enumerate(history) if sha.startswith(commit)), None)
     return at is not None, -(at or 0), str(s.get("date_utc", "")), str(path)
 
 
@@ -349,7 +361,7 @@ def _worst_label(v: dict[str, Any]) -> str:
 
 
 def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
-    """The README's at-a-glance table: per suite and target, how many cases met it in the latest summary, the worst
+    """The README's at-a-glance table: per suite and target, how many cases met it in its `latest` run, the worst
     case, and a link to its report. Suites never measured say so."""
     have = latest(results)
     lines = ["| suite | target | met | worst case | run |", "|---|---|---|---|---|"]
@@ -378,7 +390,7 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
 
 
 def results_page(results: Path = RESULTS, link_from: Path = ROOT) -> str:
-    """docs/results.md's generated part: the at-a-glance table, then per suite its latest run (command, date, commit,
+    """docs/results.md's generated part: the at-a-glance table, then per suite its `latest` run (command, date, commit,
     machine, rounds) and every case's verdict against every target, linked to the run's report with every round."""
     have = latest(results)
     lines = [results_table(results, link_from).rstrip("\n")]

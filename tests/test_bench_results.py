@@ -1,6 +1,6 @@
 """What bench/run.py makes of the rounds: verdicts computed over every round (a miss says by how much), each suite's
 reader of its scripts' outputs, the raw archive's size cap, runs side by side, and the README's and docs' results
-tables, which must be the ones generated from the latest summaries."""
+tables, which must be the ones generated from each suite's run of the newest code measured."""
 
 from __future__ import annotations
 
@@ -271,7 +271,9 @@ def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(
     for the code as it is; of one commit the newest run does; commits outside the history come after."""
     suite = suites.BY_NAME["leases"]
     new, old, gone = "c" * 40, "d" * 40, "e" * 40
-    for day, commit, p99 in (("2026-01-01", new[:7], 0.6), ("2026-01-02", old[:7], 0.3), ("2026-01-03", gone, 0.2)):
+    runs = (("2025-12-31", new, 0.7), ("2026-01-01", new[:7], 0.6), ("2026-01-02", old[:7], 0.3),
+            ("2026-01-03", gone, 0.2), ("2026-01-04", new[:3], 0.1))  # (a 3-digit prefix names no commit)
+    for day, commit, p99 in runs:
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
         meta = {"command": "c", "machine": summary.machine(), "commit": commit, "dirty": False, "standin": False,
@@ -280,7 +282,7 @@ def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(
     pick = summary.latest(tmp_path, history=[new, old])["leases"][0]
     assert pick.parent.name == f"2026-01-01-h200-{new[:7]}"
     assert summary.latest(tmp_path, history=[old, new])["leases"][0].parent.name == f"2026-01-02-h200-{old[:7]}"
-    assert summary.latest(tmp_path, history=[])["leases"][0].parent.name == f"2026-01-03-h200-{gone[:7]}"
+    assert summary.latest(tmp_path, history=[])["leases"][0].parent.name == f"2026-01-04-h200-{new[:3]}"
 
 
 def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_path: Path) -> None:
@@ -341,6 +343,8 @@ def test_a_run_with_fewer_rounds_than_its_suite_needs_is_not_settled(tmp_path: P
 
 
 def test_the_readme_table_is_the_generated_one() -> None:
+    if (gap := summary.history_gap()) is not None:
+        pytest.skip(gap)
     text = (ROOT / "README.md").read_text()
     found = summary.readme_table(text)
     if found is None:
@@ -349,6 +353,8 @@ def test_the_readme_table_is_the_generated_one() -> None:
 
 
 def test_the_results_page_is_the_generated_one() -> None:
+    if (gap := summary.history_gap()) is not None:
+        pytest.skip(gap)
     text = (ROOT / "docs" / "results.md").read_text()
     found = summary.readme_table(text)
     assert found is not None, f"docs/results.md lost its {summary.README_BEGIN} / {summary.README_END} markers"

@@ -1,6 +1,6 @@
 """GPU memory terms as the engine holds them, for the session hooks' ledger and for reserve admission.
 
-The hooks decide each allocation on their own thread (enforce.seccomp.memory.MemoryLedger); these functions are
+The hooks decide each allocation on their own thread (enforce.seccomp.ledger.MemoryLedger); these functions are
 what they read: every tenant's cap and reserve per GPU, and each GPU's size. They only read values that are
 replaced whole (a tenant's frozen SessionLimits, the telemetry's GPU list), so calling them from that thread
 while the event loop changes tenants is safe.

@@ -14,8 +14,10 @@ sessions per tenant and admits or refuses new ones.
 - calls.py: decoding one notified call from the caller's memory (pure, the reader passed in).
 - accounting.py: which calls open and close which sessions (pure).
 - memory.py, handles.py: video memory per allocation and the driver-picked handles replayed (pure).
+- ledger.py: the bytes every tenant holds per GPU, shared by all the books; each allocation admitted or refused.
 - supervisor.py: the thread that answers one listener's notifications.
 - examine.py: reading a notified call from its caller; a call the daemon's filter never sends (not its listener).
+- proc.py: a tenant's memory (process_vm_readv, /proc/PID/mem) and who a pid names over time (its start time).
 - decisions.py: the new sessions' calls a supervisor asks the event loop to decide.
 - budget.py: one owner's listeners take turns, at a bounded rate (the interpreter lock they share with the loop).
 - listener.py: the listener fd's ioctls (receive, check, answer, write a refused call's status).
