@@ -5,6 +5,7 @@ schemas; this checks their syntax and what they decide."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,35 +27,56 @@ def _policies() -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
 
 
+class EvalError(Exception):
+    """The expression's evaluation failed (the runtime returns errors as values)."""
+
+
 def _eval(expression: str, data: Mapping[str, Any]) -> Any:
     names = ("request", "object", "oldObject", "variables")
     env = cel.NewEnv(variables={n: cel.Type.DYN for n in names},
                      extensions=[ext_optional.ExtOptional(), ext_strings.ExtStrings()])
-    return env.compile(expression).eval(data={n: data.get(n) for n in names}).plain_value()
+    value = env.compile(expression).eval(data={n: data.get(n) for n in names})
+    if value.type() == cel.Type.ERROR:
+        raise EvalError(str(value.plain_value()))
+    return value.plain_value()
 
 
 def admit(policy: str, request: Mapping[str, Any], obj: Mapping[str, Any] | None,
           old: Mapping[str, Any] | None = None) -> tuple[bool, str]:
     """What the API server makes of one request under `policy`: (allowed, the first failed validation's message);
-    a request its matchConditions leave out is allowed with message "not matched"."""
+    a request its matchConditions leave out is allowed with message "not matched". With `failurePolicy: Fail` (both
+    policies) an expression that fails to evaluate denies: in a match condition, in a validation, or in a variable a
+    validation reads (variables are evaluated when read: one that failed is left out, so reading it fails)."""
     spec = _policies()[policy]
+    assert spec["failurePolicy"] == "Fail"
     data: dict[str, Any] = {"request": request, "object": obj, "oldObject": old}
-    for cond in spec.get("matchConditions", []):
-        if _eval(cond["expression"], data) is not True:
-            return True, "not matched"
+    try:
+        for cond in spec.get("matchConditions", []):
+            if _eval(cond["expression"], data) is not True:
+                return True, "not matched"
+    except EvalError as e:
+        return False, f"match condition failed: {e}"
     data["variables"] = variables = {}
     for var in spec.get("variables", []):
-        variables[var["name"]] = _eval(var["expression"], data)
+        with contextlib.suppress(EvalError):  # left out: a validation that reads it fails
+            variables[var["name"]] = _eval(var["expression"], data)
     for check in spec["validations"]:
-        if _eval(check["expression"], data) is not True:
+        try:
+            if _eval(check["expression"], data) is True:
+                continue
             message = _eval(check["messageExpression"], data) if "messageExpression" in check else check["message"]
-            return False, str(message)
+        except EvalError as e:
+            return False, f"validation failed: {e}"
+        return False, str(message)
     return True, ""
 
 
-def slice_request(operation: str = "CREATE", user: str = ACCOUNT, node: str | None = "node-a") -> dict[str, Any]:
-    extra = {} if node is None else {NODE_KEY: [node]}
-    return {"operation": operation, "userInfo": {"username": user, "extra": extra}}
+def slice_request(operation: str = "CREATE", user: str = ACCOUNT, node: str | None = "node-a",
+                  extra: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """An admission request's fields the policies read. `extra` None: the node-name extra alone (none without a
+    node); an empty map is left out, as the API server leaves out an empty `extra`."""
+    extra = ({} if node is None else {NODE_KEY: [node]}) if extra is None else extra
+    return {"operation": operation, "userInfo": {"username": user, **({"extra": extra} if extra else {})}}
 
 
 def resource_slice(node: str | None = "node-a", driver: str = "gpu.unisched.io") -> dict[str, Any]:
@@ -73,6 +95,7 @@ def resource_slice(node: str | None = "node-a", driver: str = "gpu.unisched.io")
     ("CREATE", "node-a", "node-b", "gpu.unisched.io", False, "unisched on node node-a may write only that node's"),
     ("DELETE", "node-a", "node-b", "gpu.unisched.io", False, "unisched on node node-a may write only that node's"),
     ("CREATE", "node-a", None, "gpu.unisched.io", False, "may write only that node's"),  # allNodes: every node's
+    ("DELETE", "node-a", None, "gpu.unisched.io", False, "may write only that node's"),
     ("CREATE", "node-a", "node-a", "gpu.nvidia.com", False, "only ResourceSlices of its driver"),
     ("CREATE", None, "node-a", "gpu.unisched.io", False, "names no node"),
 ])
@@ -83,6 +106,25 @@ def test_the_dra_driver_writes_only_its_own_node_s_slices_of_its_driver(
     got, message = admit("unisched-dra-resourceslices", slice_request(operation, node=token_node), obj, old)
     assert got is allowed, message
     assert says in message
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # a token with no extras: `extra` left out of the request
+    {NODE_KEY: []},
+    {"authentication.kubernetes.io/pod-name": ["unisched-abc"]},  # bound to a pod, from before 1.32
+])
+def test_a_token_without_a_node_is_refused_with_the_reason(extra: dict[str, list[str]]) -> None:
+    got, message = admit("unisched-dra-resourceslices", slice_request(extra=extra), resource_slice())
+    assert not got
+    assert "names no node" in message
+
+
+def test_an_expression_that_fails_denies_as_failure_policy_fail_does() -> None:
+    """The harness denies where the API server would: a claim result without its driver field makes `exists` fail."""
+    broken = claim(["gpu.unisched.io"], 2)
+    del broken["status"]["allocation"]["devices"]["results"][0]["driver"]
+    got, message = admit("unisched-dra-claim-one-pod", {"operation": "UPDATE", "userInfo": {"username": "x"}}, broken)
+    assert not got and "failed" in message
 
 
 def test_the_resourceslice_policy_leaves_other_accounts_alone() -> None:
