@@ -18,7 +18,9 @@ churn_eng CLASS HANDLE N (alloc_eng CLASS HANDLE on instances 1..N in turn, each
 with EPERM) | thread_alloc CLASS HANDLE (alloc on a thread of its own: its reply comes when the call returns, the
 commands after it run meanwhile) | xalloc CLASS HANDLE |
 alloc_sx CLASS HANDLE (request sign-extended to 64 bits, as musl does) | free HANDLE [ROOT] | xfree HANDLE |
-fionread | fork_alloc CLASS HANDLE ROOT | bench N CLASS | bench_plain N | getppid | control | exit.
+fionread |
+unreadable 0|1|2 (an argument, or parameters, nobody else can read) | fork_alloc CLASS HANDLE ROOT | bench N CLASS |
+bench_plain N | getppid | control | exit.
 dup PARENT HANDLE SOURCE | xdup PARENT HANDLE SOURCE (RM_DUP_OBJECT into our client; HANDLE 0: the driver picks).
 aobj CLASS HANDLE (RM_ALLOC_OBJECT) | amem PARENT HANDLE BYTES [CLASS] (RM_ALLOC_MEMORY; extra: the status field).
 Memory: dev HANDLE DEVICEID [ROOT] (NV01_DEVICE_0) | mem PARENT HANDLE BYTES [ROOT [SIZE]] (NV01_MEMORY_LOCAL_USER;
@@ -92,6 +94,34 @@ def mem_call(dev: int, parent: int, handle: int, nbytes: int, root: int = ROOT_H
     struct.pack_into("=I", buf, 24 if size == 32 else 32, len(params))
     err = ioctl(dev, iowr(XFER, 16), xfer(RM_ALLOC, buf)) if through_xfer else ioctl(dev, iowr(RM_ALLOC, size), buf)
     return err, struct.unpack_from("=I", buf, 28 if size == 32 else 40)[0]
+
+
+def unreadable_call(dev: int, how: int) -> int:
+    """A call whose memory no reader from outside this process can read: 0, an RM_FREE whose argument lies in an
+    unmapped page; 1, a 1 GiB video memory RM_ALLOC whose parameters do; 2, whose parameters lie in memfd_secret's
+    memory (mapped here, so the driver's copy_from_user reads it; hidden from process_vm_readv and /proc/PID/mem).
+    ENOSYS where memfd_secret is not there."""
+    page = 4096
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    if how == 2:
+        fd = _libc.syscall(ctypes.c_long(447), ctypes.c_long(0))  # memfd_secret (x86_64, aarch64)
+        if fd < 0 or os.ftruncate(fd, page) is not None:
+            return errno.ENOSYS
+        at = _libc.mmap(None, page, 3, 0x01, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
+        if at in (None, ctypes.c_void_p(-1).value):
+            return errno.ENOSYS
+    else:
+        at = _libc.mmap(None, page, 3, 0x22, -1, 0)  # MAP_PRIVATE | MAP_ANONYMOUS, then unmapped
+        _libc.munmap(ctypes.c_void_p(at), ctypes.c_size_t(page))
+    if how == 0:
+        return ioctl(dev, iowr(RM_FREE, 16), (ctypes.c_char * 16).from_address(at))
+    if how == 2:
+        struct.pack_into("=Q", (ctypes.c_char * page).from_address(at), 64, 1 << 30)
+    buf = nvos21(0x40, 0x77, ROOT_HANDLE, 32)
+    struct.pack_into("=IIIQ", buf, 4, 0x10, 0x77, 0x40, at)
+    struct.pack_into("=I", buf, 24, 160)
+    return ioctl(dev, iowr(RM_ALLOC, 32), buf)
 
 
 def heap_call(dev: int, function: int, parent: int, handle: int, nbytes: int, flags: int, attr: int) -> tuple[int, int]:
@@ -263,6 +293,8 @@ def tenant(where: str, program: bytes | None = None) -> None:
             err = ctypes.get_errno() if _libc.syscall(ctypes.c_long(_GETPPID_NR)) < 0 else 0
         elif op == "control":
             err = ioctl(dev, iowr(RM_CONTROL, 32), nvos21(0, 0))
+        elif op == "unreadable":  # 0|1|2
+            err = unreadable_call(dev, nums[0])
         elif op == "fionread":
             n = ctypes.create_string_buffer(4)
             err = ioctl(pipe_r, termios.FIONREAD, n)

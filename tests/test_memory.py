@@ -9,6 +9,7 @@ video memory is out.
 
 from __future__ import annotations
 
+import errno
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -516,6 +517,25 @@ def test_a_forked_child_s_memory_goes_with_it_and_the_tenant_s_with_the_last_pro
         assert served.proc.popen.wait(10) == 0
         served.thread.join(10)
         assert served.held() == {}
+    finally:
+        served.close()
+
+
+@needs_notify
+@pytest.mark.parametrize("how", [0, 1, 2])  # (seccomp_child.unreadable_call)
+def test_a_call_whose_memory_the_daemon_cannot_read_fails_with_efault(how: int) -> None:
+    """An RM call whose argument, or whose video memory parameters, the daemon cannot read is failed with EFAULT,
+    not let through: the driver may read what the daemon cannot (memfd_secret's memory, mapped in the caller) and
+    hold bytes the book never saw. An unmapped page stands in where the driver could not read it either."""
+    served = Served({"t": MemoryTerms(cap=GIB)})
+    try:
+        served.proc.send(f"unreadable {how}")
+        err = int(served.proc.line().split()[1])
+        if how == 2 and err == errno.ENOSYS:
+            pytest.skip("no memfd_secret here (CONFIG_SECRETMEM)")
+        assert err == errno.EFAULT  # (let through, /dev/null answers ENOTTY)
+        assert mem(served.proc, 0x10, GIB) == LET_THROUGH  # and the tenant goes on, its 1 GiB not taken
+        assert served.held() == {0: GIB}
     finally:
         served.close()
 

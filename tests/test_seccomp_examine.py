@@ -1,5 +1,6 @@
 """examine.read_call: a notified call's argument read from its caller's memory, with process_vm_readv (one system
-call a read) or, where that is refused, /proc/PID/mem; what cannot be read is Call(0), nothing to decide or track.
+call a read) or, where that is refused or cannot read it, /proc/PID/mem; what neither can read is Call(0) marked
+unreadable (the supervisor fails it), a caller gone or memory the daemon may not read Call(0), nothing to track.
 The caller here is this test's own process, its arguments in buffers of its own."""
 
 from __future__ import annotations
@@ -105,13 +106,36 @@ def test_where_the_kernel_has_no_process_vm_readv_proc_mem_reads_every_call(
     assert fake.calls == 1 and not proc.vm_readv_usable()  # not tried again
 
 
-def test_process_vm_readv_refused_where_proc_mem_opens_is_a_policy_on_it_and_not_tried_again(
+def test_process_vm_readv_refused_is_read_through_proc_mem_call_by_call(
         vm_readv: Callable[[int], FakeVmReadv]) -> None:
-    fake = vm_readv(errno.EPERM)  # as a container runtime's seccomp profile answers it without CAP_SYS_PTRACE
+    """EPERM may be a policy on the system call (a container runtime's seccomp profile without CAP_SYS_PTRACE) or
+    the tenant's own doing (its dumpability, which it may change between two reads): each call falls back alone,
+    and a tenant cannot turn process_vm_readv off for the others."""
+    fake = vm_readv(errno.EPERM)
     _buf, addr = argument(WORDS)
     for _ in range(2):
         assert read_call(os.getpid(), FREE, addr, Warnings()) == Call(RM_FREE, *WORDS)
-    assert fake.calls == 1 and not proc.vm_readv_usable()
+    assert fake.calls == 2 and proc.vm_readv_usable()
+
+
+def test_memory_process_vm_readv_cannot_pin_is_read_through_proc_mem() -> None:
+    """process_vm_readv pins pages and so cannot read a device's VM_IO|VM_PFNMAP mapping, which /proc/PID/mem reads
+    through the mapping's own access (the NVIDIA driver's mmap of video memory has one). A PROT_NONE page stands in:
+    process_vm_readv fails on it, /proc/PID/mem reads it (FOLL_FORCE)."""
+    page = mmap.PAGESIZE
+    LIBC.mmap.restype = ctypes.c_void_p
+    LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    at = LIBC.mmap(None, page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    try:
+        ctypes.memmove(at, (ctypes.c_uint32 * 3)(*WORDS), 12)
+        assert LIBC.mprotect(at, page, 0) == 0  # PROT_NONE
+        with pytest.raises(OSError):
+            proc.read_vm(os.getpid(), at, 12)
+        assert read_call(os.getpid(), FREE, at, Warnings()) == Call(RM_FREE, *WORDS)
+    finally:
+        LIBC.munmap(at, page)
 
 
 def test_memory_the_daemon_may_not_read_either_way_warns_and_lets_the_call_continue(
@@ -163,12 +187,12 @@ def straddling() -> Iterator[int]:
 
 
 @pytest.mark.parametrize("through", ["process_vm_readv", "proc_mem"])
-def test_an_argument_read_in_part_is_nothing_to_track(through: str, straddling: int,
-                                                       vm_readv: Callable[[int], FakeVmReadv]) -> None:
+def test_an_argument_read_in_part_is_unreadable(through: str, straddling: int,
+                                                 vm_readv: Callable[[int], FakeVmReadv]) -> None:
     if through == "proc_mem":
         vm_readv(errno.ENOSYS)
     warned = Warnings()
-    assert read_call(os.getpid(), FREE, straddling, warned) == Call(0)
+    assert read_call(os.getpid(), FREE, straddling, warned) == Call(0, unreadable=True)
     assert warned.keys == []
 
 

@@ -1,7 +1,7 @@
 """Decoding one notified call: which RM escape it is, and what it asks for, read from the tenant's memory.
 
-Pure: the reader of the caller's memory is passed in (examine.read_call's). Unreadable or malformed
-calls decode as Call(0), nothing to track: the driver fails them itself. The NVOS32 heap call is decoded as the
+Pure: the reader of the caller's memory is passed in (examine.read_call's). Malformed calls decode as Call(0),
+nothing to track: the driver fails them itself; unreadable ones as Call(0) marked so. The NVOS32 heap call is decoded as the
 RM_ALLOC or RM_FREE the driver makes of it, so the books follow one shape of call.
 """
 
@@ -108,6 +108,9 @@ class Call:
     """A channel's hContextShare, 0 for a channel group (nvclasses.CHANNEL_CLASSES, CHANNEL_GROUP); None without
     parameters (the driver refuses it): what the driver makes inside the allocation (handles.HandleReplay.made)."""
     made: Made = field(default_factory=Made)  # the handles the driver's children of it took, as the memory book replays them
+    unreadable: bool = False
+    """(Call(0) only) its argument, or parameters the driver copies whole, could not be read from the caller: the
+    supervisor fails it with EFAULT rather than let the driver read what the books never saw."""
 
 
 _FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT,
@@ -124,8 +127,8 @@ def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
     """The call behind escape `enr` with its argument at `addr`; `read(addr, size)` reads the caller's memory and
-    raises OSError or ValueError when it cannot. Unreadable or malformed calls are Call(0) (nothing to track): the driver fails
-    them itself (EFAULT, EINVAL)."""
+    raises OSError or ValueError when it cannot. Malformed calls are Call(0) (nothing to track: the driver fails them
+    itself, EINVAL); unreadable ones Call(0, unreadable=True)."""
     try:
         if enr == XFER:
             if size != XFER_SIZE:
@@ -166,7 +169,9 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
             return call
         if enr == RM_VID_HEAP_CONTROL and size == NVOS32_SIZE:
             return _heap_call(addr, read(addr, NVOS32_SIZE))
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError):
+        return Call(0, unreadable=True)
+    except struct.error:
         pass
     return Call(0)
 

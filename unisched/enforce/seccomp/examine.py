@@ -4,7 +4,6 @@ the daemon's filter did not make shows itself: a notification of a call that fil
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable
 from typing import Final
@@ -13,7 +12,7 @@ import structlog
 
 from unisched.enforce.seccomp.calls import Call, decode_call, escape_of
 from unisched.enforce.seccomp.listener import Notification
-from unisched.enforce.seccomp.proc import VmRefused, forgo_vm_readv, read_mem, read_vm, vm_readv_usable
+from unisched.enforce.seccomp.proc import VmRefused, read_mem, read_vm, vm_readv_usable
 from unisched.logs import Throttle
 
 __all__ = ["FOREIGN_LOG_INTERVAL_S", "Foreign", "Gone", "escape", "foreign_log", "log_foreign", "read_call"]
@@ -48,22 +47,25 @@ def escape(notif: Notification) -> tuple[int, int]:
 
 
 def read_call(pid: int, esc: tuple[int, int], addr: int, warn: Callable[[str, str], None]) -> Call:
-    """The call behind escape `esc` with its argument at `addr` of thread `pid`'s memory; Call(0) (nothing to decide
-    or track, continue) when that memory cannot be read. The caller checks the notification is still valid before it
-    relies on what was read (the pid may have been reused meanwhile).
+    """The call behind escape `esc` with its argument at `addr` of thread `pid`'s memory. Call(0, unreadable=True)
+    when that memory cannot be read (the supervisor fails the call: the driver would read what the books never saw);
+    Call(0), nothing to decide or track, when the caller is gone or the daemon may not read it (warned). The caller
+    checks the notification is still valid before it relies on what was read (the pid may have been reused).
 
     Read with process_vm_readv, one system call a read, where /proc/PID/mem would take three (open, pread, close);
-    through /proc/PID/mem where process_vm_readv is refused. Refused (EPERM) where /proc/PID/mem is open to the daemon
-    is a policy on the system call itself (a container runtime's seccomp profile), so it is not tried again."""
+    through /proc/PID/mem where process_vm_readv is refused (EPERM: for this call only, the tenant may change its own
+    dumpability between the two) or could not read it: its page pinning refuses memory that /proc/PID/mem reads
+    through the mapping's own access (a device's VM_IO|VM_PFNMAP mapping, as the NVIDIA driver's of video memory)."""
     if pid == 0:
         warn("pid0", "a notified caller is outside the daemon's pid namespace; letting its calls continue")
         return Call(0)
-    refused = 0
     if vm_readv_usable():
         try:
-            return decode_call(esc[0], esc[1], addr, lambda at, size: read_vm(pid, at, size))
-        except VmRefused as e:
-            refused = e.errno
+            call = decode_call(esc[0], esc[1], addr, lambda at, size: read_vm(pid, at, size))
+        except VmRefused:
+            call = None
+        if call is not None and not call.unreadable:
+            return call
     try:
         mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     except PermissionError:
@@ -71,8 +73,6 @@ def read_call(pid: int, esc: tuple[int, int], addr: int, warn: Callable[[str, st
         return Call(0)
     except OSError:
         return Call(0)  # gone already: the answer will fail harmlessly
-    if refused == errno.EPERM:
-        forgo_vm_readv()
     try:
         return decode_call(esc[0], esc[1], addr, lambda at, size: read_mem(mem, at, size))
     finally:

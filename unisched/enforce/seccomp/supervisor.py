@@ -339,12 +339,15 @@ class SessionSupervisor:
         failure: tuple[str, BaseException] | None = None
         try:
             call = self._examine(notif)
+            if call.unreadable:
+                self._refuse_unreadable(nid, t0)
+                return
             if call.mem_bytes is not None and self._mem.ledger is not None:
                 self._conclude_memory(nid, pid, t0, call)
                 return
             if call.op == RM_DUP_OBJECT and (copy_refused := self._mem.copy_refusal(call)) is not None:
                 copy = call
-                self._answer_memory(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
+                self._answer_apart(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
                 return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
             unbooked = self._book.unbooked(call)
@@ -445,6 +448,16 @@ class SessionSupervisor:
             raise Gone
         return call
 
+    def _refuse_unreadable(self, nid: int, t0: int) -> None:
+        """A call whose argument could not be read from its caller (examine.read_call): failed with EFAULT, as the
+        driver fails an argument it cannot read. Letting it go on would let the driver read what the books never saw
+        (memory the daemon's reads cannot reach: memfd_secret's). Gone when the caller went away meanwhile."""
+        if not self._listener.id_valid(nid):
+            raise Gone
+        self._warn_once("unreadable", "a GPU call's argument could not be read from its caller; failed with EFAULT "
+                        "(later ones are not logged)")
+        self._answer_apart(t0, lambda: self._listener.answer(nid, -errno.EFAULT))
+
     def _read_owner(self, call: Call, tid: int) -> None:
         """The process of the call's RM client, when a book does not know the client yet (it is recorded under it)."""
         known = self._book.knows(call.h_root) and (self._mem.ledger is None or self._mem.book.holds(call.h_root))
@@ -464,11 +477,12 @@ class SessionSupervisor:
 
     def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
         """A video memory allocation, charged or refused by MemoryCalls."""
-        self._answer_memory(t0, lambda: self._mem.conclude(nid, pid, call))
+        self._answer_apart(t0, lambda: self._mem.conclude(nid, pid, call))
 
-    def _answer_memory(self, t0: int, answer: Callable[[], bool]) -> None:
-        """A call MemoryCalls answers (`answer`: whether it was), counted like every answer: before it, so the
-        counts are exact by the time the caller resumes."""
+    def _answer_apart(self, t0: int, answer: Callable[[], bool]) -> None:
+        """A call answered apart from the session books (MemoryCalls', or one that could not be read): `answer` answers
+        it (and says whether it was), counted like every answer, before it, so the counts are exact by the time the
+        caller resumes."""
         with self._lock:
             self._tally.notifications += 1
         self._timed(t0, answer())
