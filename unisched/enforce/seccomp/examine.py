@@ -48,7 +48,7 @@ def escape(notif: Notification) -> tuple[int, int]:
 
 def read_call(pid: int, esc: tuple[int, int], addr: int, warn: Callable[[str, str], None]) -> Call:
     """The call behind escape `esc` with its argument at `addr` of thread `pid`'s memory. Call(0, unreadable=True)
-    when that memory cannot be read (the supervisor fails the call: the driver would read what the books never saw);
+    when that memory cannot be read (the supervisor fails the call: the driver may read what the books never saw);
     Call(0), nothing to decide or track, when the caller is gone or the daemon may not read it (warned). The caller
     checks the notification is still valid before it relies on what was read (the pid may have been reused).
 

@@ -4,10 +4,11 @@ listener's ioctls listener.py, video memory calls memory_calls.py.
 It reads each notified call's argument from the tenant's memory (examine.read_call), decodes the class (NVOS21/NVOS64
 hClass@12; XFER unwrapped), asks `decide(tenant, kind, h_class)` for new engine sessions only, keeps the counts
 (RM_FREE of the object or of any ancestor, process exit and the listener's hang-up uncount them), and answers
-"continue" or EPERM. It never wedges a tenant: any failure while handling a call answers "continue"; a call whose
-notification is gone is skipped; if the daemon dies (the listener's last fd closes), pending and later notified
-calls fail at once with ENOSYS and everything else keeps working. It takes each notification in its turn of the
-listener's budget (budget.py), and lets go of a listener that is not the daemon's filter's (examine.Foreign).
+"continue", EPERM, or EFAULT for an argument it could not read. It never wedges a tenant: any failure while handling
+a call answers "continue"; a call whose notification is gone is skipped; if the daemon dies (the listener's last fd
+closes), pending and later notified calls fail at once with ENOSYS and everything else keeps working. It takes each
+notification in its turn of the listener's budget (budget.py), and lets go of a listener that is not the daemon's
+filter's (examine.Foreign).
 """
 
 from __future__ import annotations
