@@ -9,6 +9,7 @@ import ctypes
 import errno
 import mmap
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -154,6 +155,31 @@ def test_a_caller_outside_the_daemons_pid_namespace_warns_and_continues() -> Non
     _buf, addr = argument(WORDS)
     assert read_call(0, FREE, addr, warned) == Call(0)
     assert warned.keys == ["pid0"]
+
+
+@pytest.mark.parametrize("through", ["process_vm_readv", "proc_mem"])
+def test_another_process_s_argument_is_read(through: str, vm_readv: Callable[[int], FakeVmReadv]) -> None:
+    """The daemon reads its tenants, not itself: another process's memory, past the kernel's ptrace check."""
+    if os.geteuid() != 0:
+        pytest.skip("reading another process's memory needs root (CAP_SYS_PTRACE), as the daemon runs")
+    if through == "proc_mem":
+        vm_readv(errno.ENOSYS)
+    program = ("import ctypes, sys\n"
+               f"buf = (ctypes.c_uint32 * 3)(*{WORDS!r})\n"
+               "print(ctypes.addressof(buf), flush=True)\n"
+               "sys.stdin.read()\n")
+    with subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as child:
+        try:
+            assert child.stdout is not None
+            addr = int(child.stdout.readline())
+            warned = Warnings()
+            assert read_call(child.pid, FREE, addr, warned) == Call(RM_FREE, *WORDS)
+            assert warned.keys == []
+            if through == "process_vm_readv":  # (not through the fallback)
+                assert proc.read_vm(child.pid, addr, 12) == struct.pack("=III", *WORDS)
+        finally:
+            child.kill()
 
 
 @pytest.mark.parametrize("through", ["process_vm_readv", "proc_mem"])
