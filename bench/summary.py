@@ -306,8 +306,8 @@ def _history() -> list[str]:
 
 def _recency(s: dict[str, Any], path: Path, history: Sequence[str]) -> tuple[bool, int, str, str]:
     """How recent a run is, for `latest`: runs of a commit in the checkout's history first (named by 7 hex digits or
-    more), the newer commit first;
-    then, for one commit (or commits not in the history), the newer date, then the folder name."""
+    more), the newer commit first; then, for one commit (or commits not in the history), the newer date, then the
+    folder name."""
     commit = str(s.get("commit") or "").lower()
     at = None if len(commit) < 7 else next((i for i, sha in enumerate(history) if sha.startswith(commit)), None)
     return at is not None, -(at or 0), str(s.get("date_utc", "")), str(path)
@@ -321,15 +321,15 @@ def latest(results: Path = RESULTS, history: Sequence[str] | None = None) -> dic
     part of a suite (is_subset): the table would show a few cases as if they were all of it; nor variants
     (is_variant): it shows what the defaults do."""
     commits = _history() if history is None else history
-    found: dict[str, tuple[Path, dict[str, Any]]] = {}
+    found: dict[str, tuple[tuple[bool, int, str, str], Path, dict[str, Any]]] = {}  # suite -> its best's recency, run
     for path in sorted(results.glob(f"*/*/{SUMMARY}")):
         s = load(path.parent)
         if s is None or s.get("standin") or is_subset(s) or is_variant(s) or s.get("suite") not in {x.name for x in SUITES}:
             continue
-        prev = found.get(s["suite"])
-        if prev is None or _recency(s, path, commits) >= _recency(prev[1], prev[0], commits):
-            found[s["suite"]] = (path.parent, s)
-    return found
+        recency = _recency(s, path, commits)
+        if s["suite"] not in found or recency >= found[s["suite"]][0]:
+            found[s["suite"]] = (recency, path.parent, s)
+    return {name: (folder, s) for name, (_, folder, s) in found.items()}
 
 
 def _least(s: dict[str, Any]) -> int:

@@ -1,8 +1,8 @@
 """Decoding one notified call: which RM escape it is, and what it asks for, read from the tenant's memory.
 
 Pure: the reader of the caller's memory is passed in (examine.read_call's). Malformed calls decode as Call(0),
-nothing to track: the driver fails them itself; unreadable ones as Call(0) marked so. The NVOS32 heap call is decoded as the
-RM_ALLOC or RM_FREE the driver makes of it, so the books follow one shape of call.
+nothing to track: the driver fails them itself; unreadable ones as Call(0) marked so. The NVOS32 heap call is
+decoded as the RM_ALLOC or RM_FREE the driver makes of it, so the books follow one shape of call.
 """
 
 from __future__ import annotations

@@ -61,17 +61,14 @@ def read_vm(pid: int, addr: int, size: int) -> bytes:
     read, so several reads may name several processes if it is reused meanwhile (the caller checks the notification
     still valid after its reads). OSError (ESRCH: gone, EFAULT: not mapped) or ValueError (a bad address, a partial
     read) when the memory cannot be read; VmRefused when /proc/PID/mem should be tried instead (ENOSYS: forgone)."""
-    if not 0 < addr < 1 << 63:
-        raise ValueError(f"bad user address {addr:#x}")
+    _check_address(addr)
     vm_readv = _vm_readv
     if vm_readv is None:
         raise VmRefused(errno.ENOSYS)
     buf = ctypes.create_string_buffer(size)
     got = vm_readv(pid, _IOVEC.pack(ctypes.addressof(buf), size), _ONE, _IOVEC.pack(addr, size), _ONE, _NO_FLAGS)
-    if got == size:
-        return buf.raw
     if got >= 0:
-        raise ValueError(f"short read of {size} bytes at {addr:#x}")
+        return _whole(buf.raw[:got], size, addr)
     err = ctypes.get_errno()
     if err == errno.ENOSYS:
         forgo_vm_readv()
@@ -82,9 +79,18 @@ def read_vm(pid: int, addr: int, size: int) -> bytes:
 
 def read_mem(fd: int, addr: int, size: int) -> bytes:
     """`size` bytes at user address `addr` of the process whose /proc/PID/mem `fd` is; ValueError when short."""
+    _check_address(addr)
+    return _whole(os.pread(fd, size, addr), size, addr)
+
+
+def _check_address(addr: int) -> None:
+    """ValueError unless `addr` can be a user address (what neither reader, nor the driver, reads)."""
     if not 0 < addr < 1 << 63:
         raise ValueError(f"bad user address {addr:#x}")
-    data = os.pread(fd, size, addr)
+
+
+def _whole(data: bytes, size: int, addr: int) -> bytes:
+    """`data` when it is all `size` bytes read at `addr`; ValueError for a partial read (memory that ends there)."""
     if len(data) != size:
         raise ValueError(f"short read of {size} bytes at {addr:#x}")
     return data
