@@ -178,7 +178,7 @@ def print_plan(cfg: Config, pairs: list[Pair], unisched: bool, calibrate: bool, 
                   f"{cfg.seconds:g} s; work dir {cfg.work_dir}")
     if est > TIME_BUDGET_S:
         progress.note(f"WARNING: the estimate exceeds {TIME_BUDGET_S:.0f} s: lower --seconds/--warmup "
-                      "or select fewer --pairs to fit one 10-minute device call")
+                      "or select fewer --pairs to fit the time budget")
 
 
 def main(argv: list[str] | None = None) -> int:

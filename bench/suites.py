@@ -198,7 +198,7 @@ SUITES: tuple[Suite, ...] = (
                                          "--seconds 3 --warmup 2 "
                                          "--workload"), f"{STANDIN} cuda", "--render-workload", f"{STANDIN} render",
                                   *STANDIN_SERVE)),)),
-    Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which the H200 overlaps in hardware: "
+    Suite("overlap", "ResNet-50 training + EGL render at 1:1, 3:1 and 1:3, which an H100 or H200 overlaps in hardware: "
           "the guarantee, and the overlap kept against no scheduler, by a daemon calibrated as `unisched calibrate` "
           "does from the round's no-scheduler run (bench/gpu_pairs.py --calibrate-out)", 5.0, True,
           (Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1,mixed1:3 "

@@ -130,3 +130,40 @@ def test_docs_index_links_every_page() -> None:
     missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md")) if p != index and
                p.resolve() not in linked]
     assert not missing, f"docs/index.md does not link {missing}"
+
+
+def config_blocks(text: str) -> list[str]:
+    """The fenced TOML blocks of a page that are daemon configs (they open a [daemon], [policy] or [[tenants]] table)."""
+    blocks = re.findall(r"^\s*```toml\n(.*?)^\s*```", text, flags=re.S | re.M)
+    return [b for b in blocks if re.search(r"^\[(daemon|policy)\]|^\[\[(tenants|tidal)\]\]", b, flags=re.M)]
+
+
+def test_config_blocks_finds_daemon_configs_only() -> None:
+    page = "```toml\n[policy]\nmode = \"shared\"\n```\n\n  ```toml\n  other-tool = true\n  ```\n"
+    assert config_blocks(page) == ['[policy]\nmode = "shared"\n']
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_example_loads(page: Path, tmp_path: Path) -> None:
+    """A config a user copies from the docs is one the daemon accepts (its parse and cross-key checks)."""
+    from unisched.scheduler.config import ConfigError, load_config
+
+    for i, block in enumerate(config_blocks(page.read_text())):
+        f = tmp_path / f"example{i}.toml"
+        f.write_text(block)
+        try:
+            load_config(f)
+        except ConfigError as e:
+            pytest.fail(f"{page.relative_to(ROOT)}, config example {i + 1}: {e}")
+
+
+def test_every_tuning_the_docs_name_exists() -> None:
+    """`Tuning.name` in a doc is a field of the policy's tuning: a renamed or removed one fails here, not in a reader."""
+    from dataclasses import fields
+
+    from unisched.policy.tuning import Tuning
+
+    known = {f.name for f in fields(Tuning)}
+    named = {(p.name, m) for p in pages() for m in re.findall(r"`Tuning\.(\w+)`", p.read_text())}
+    assert named, "no doc names a Tuning field: the pattern is wrong"
+    assert sorted(n for n in named if n[1] not in known) == []

@@ -23,7 +23,7 @@ __all__ = ["LEASE_SOCKET_ENV", "LEASE_SOCKET_NAME", "MAGIC", "MAX_REPLY_BYTES", 
 
 MAGIC = b"unisched-lease/1\n"
 MAX_REQUEST_BYTES = 64 * 1024
-"""A LeaseRequest longer than this ends the connection (the gRPC server's receive limit, as before)."""
+"""A LeaseRequest longer than this ends the connection (the same as the gRPC server's receive limit)."""
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 """What a client accepts from the daemon in one message: a lease welcome (the tenant's snapshot), and a gRPC reply
 (an admin's ListTenants of thousands of tenants, each share with its charges by rule and source, passes gRPC's

@@ -36,8 +36,8 @@ def test_the_daemons_gate_from_its_default_knobs_is_unchanged() -> None:
 
 
 def test_no_tuning_number_is_defined_twice() -> None:
-    """No module of the daemon gives a number to a name of a tuning field (as TURN_CPU_CORES = 0.7 did beside the
-    gate's own defaults), no knob carries one, and the plan's default is the tuning value's."""
+    """No module of the daemon gives a number to a name of a tuning field (a module constant beside the tuning's
+    field would let the two drift apart), no knob carries one, and the plan's default is the tuning value's."""
     twice = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "tuning.py" and path.parent.name == "policy":

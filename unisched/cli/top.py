@@ -172,7 +172,7 @@ class _Keys:
 class _Interrupt:
     """SIGINT as a byte on a pipe that the view's wait selects on, instead of KeyboardInterrupt: raised at
     whatever bytecode runs when the signal lands, it could land inside grpc's or rich's internals (a finalizer,
-    a callback) and be swallowed there, and the view never ended. The view now ends at its next wait, at most
+    a callback) and be swallowed there, and the view would never end. This way it ends at its next wait, at most
     one call's deadline later. The previous handler comes back on close()."""
 
     def __init__(self) -> None:

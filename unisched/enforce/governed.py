@@ -46,8 +46,8 @@ before its automatic restart included, which would lose the record exactly when 
 /run/unisched mounted for the daemon's sockets, where the records (node cgroups, pod UIDs) are not theirs to read.
 Records outlive a reboot: the first start after one finds only cgroups that are gone, and thaws nothing."""
 LEGACY_GOVERNED_DIR = "/run/unisched/governed"
-"""Where records were kept before: the orphan thaw reads it too, so a daemon that died before an upgrade leaves
-nothing frozen after it."""
+"""The records' directory of older versions: the orphan thaw reads it too, so a daemon of such a version that
+died before an upgrade leaves nothing frozen after it."""
 GOVERNED_DIR_ENV = "UNISCHED_GOVERNED_DIR"
 MAX_RECORD_BYTES = 4 << 20
 """A record holds one line per adopted cgroup (a few hundred bytes each): 4 MiB is ten thousand adoptions and
