@@ -511,3 +511,18 @@ def test_between_ticks_the_step_of_the_slice_says_who_sits_out() -> None:
         assert {t.name for t, v in zip(tenants, p.freeze, strict=True) if v.rule is Rule.AHEAD} == out
     p, after = plan(config(), PlanInputs(decision, tenants, None), replace(state, rationed=frozenset()))
     assert after.steps == () and not any(v.frozen for v in p.freeze)
+
+
+def test_observe_with_no_freezer_use_keeps_the_state_as_it_is_and_ends_rationing_as_before() -> None:
+    """Cooperative tenants alone (no FreezerUse): nothing to read, and the state comes back as it was, the same object
+    (no copy a tick); the gates remembered stay. A state that still rations or caps a resource goes the whole way,
+    which ends them as it always did."""
+    cfg = config()
+    kept = PlanState(gates=sliced(SM))
+    outcome, state = observe(cfg, [], {0: Sample(1.0)}, {}, {}, kept)
+    assert state is kept and outcome.readings == () and outcome.level == ()
+    rationing = PlanState(gates=opened(SM), rationed=frozenset({SM}), sit_out={SM: 1},
+                          sit_out_cap={SM: SitOutCap(1, 0)})
+    outcome, state = observe(cfg, [], {0: Sample(1.0)}, {}, {}, rationing)
+    assert outcome.readings == () and outcome.level == ()
+    assert state == replace(rationing, rationed=frozenset(), sit_out={}, sit_out_cap={})

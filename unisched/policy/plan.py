@@ -289,6 +289,9 @@ def _mix_pair(config: PlanConfig, gpu: int) -> tuple[Resource, Resource]:
     return Resource(gpu, c.domain(Engine.COMPUTE)), Resource(gpu, c.domain(Engine.GRAPHICS))
 
 
+_NOTHING_OBSERVED = GateOutcome((), ())
+
+
 def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int, UtilSample],
             contenders: Mapping[Resource, int], pairs: Mapping[int, PairWeights],
             state: PlanState) -> tuple[GateOutcome, PlanState]:
@@ -312,6 +315,8 @@ def observe(config: PlanConfig, use: Iterable[FreezerUse], samples: Mapping[int,
                 engines_on[joint] = engines_on.get(rc, set()) | engines_on.get(rg, set())
                 if rc in busy or rg in busy:
                     busy.add(joint)
+    if not engines_on and not (state.rationed or state.sit_out or state.sit_out_cap):
+        return _NOTHING_OBSERVED, state  # no freezer-governed use: what the rest would give (gates kept, none rationed)
     gates = dict(state.gates)
     readings = []
     level = []
