@@ -321,11 +321,19 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
         print(f"run.py: {folder} holds rounds whose daemons had {shlex.join(before.get('serve_args') or []) or 'no'} "
               f"--serve-arg, not {shlex.join(serve_args) or 'none'}: give another --out", file=sys.stderr)
         return 2
+    command = shlex.join(["python3", "bench/run.py", *args.argv])
+    if before is not None and (why := resume_refusal(before, mach, head, command, args.cpu_standin)):
+        print(f"run.py: {folder} holds rounds {why}: give another --out (bench/README.md)", file=sys.stderr)
+        return 2
     done: list[dict[str, Any]] = list(before["rounds"]) if before else []
-    existed = folder.exists()
     sm.unpack_raw(folder)
-    meta = {"command": shlex.join(["python3", "bench/run.py", *args.argv]), "machine": mach, **head, "standin": args.cpu_standin,
-            "serve_args": list(serve_args), "date_utc": utc_now()}
+    call = {"command": command, "date_utc": utc_now(), "host": mach["host"], "cpu": mach["cpu"],
+            "kernel": mach["kernel"]}
+    meta = {"command": command, "machine": mach, **head, "standin": args.cpu_standin, "serve_args": list(serve_args),
+            "date_utc": call["date_utc"]}
+    if before is not None:  # the first call's command and date stand for the run; each round names its own call
+        meta.update({k: before[k] for k in ("command", "date_utc", "merged", "rescored", "aborted") if before.get(k)})
+        meta.update(cut_short(before))
     try:
         while len(done) < rounds:
             if args.budget is not None and (time.monotonic() - args.t0
@@ -333,18 +341,46 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
                 print(f"run {suite.name}: round {len(done) + 1} would end after --budget {args.budget:g} s: stopping "
                       f"({len(done)} of {rounds} rounds; run again with the same --out to go on)", file=sys.stderr)
                 break
-            done.append(run_round(suite, steps, len(done) + 1, folder, extra, serve_args))
+            k = len(done) + 1
+            # written before the round starts: a call killed in it leaves this behind, and the next call records it
+            sm.write(folder, sm.build(suite, done, {**meta, "in_progress": {"round": k, "date_utc": utc_now(),
+                                                                              "call": call}}))
+            done.append({**run_round(suite, steps, k, folder, extra, serve_args), "call": call})
             sm.write(folder, sm.build(suite, done, meta))
-    except Stopped:  # the round cut short is dropped (run again, it runs whole); the rounds done are kept below
+    except Stopped:  # the round cut short is not in the record (run again, it runs whole), but the attempt is
         print(f"run {suite.name}: stopped by a signal in round {len(done) + 1}", file=sys.stderr)
-        if done:
-            finish(suite, folder, done, meta)
-        elif not existed:
-            shutil.rmtree(folder, ignore_errors=True)
+        meta["aborted"] = [*meta.get("aborted", []), {"round": len(done) + 1, "call": call,
+                                                      "why": "stopped by a signal while it ran"}]
+        finish(suite, folder, done, meta)
         raise
-    if not done:  # nothing to report, and no folder to leave behind
+    if not done and before is None:  # nothing ran, and nothing was written
         return 0
     return finish(suite, folder, done, meta)
+
+
+def resume_refusal(before: dict[str, Any], mach: dict[str, Any], head: dict[str, Any], command: str,
+                   standin: bool) -> str:
+    """Why a folder's rounds cannot be added to by this call ("" where they can): every round of a run must measure
+    the same code, on the same GPUs and drivers, with the same command but for how long it may take."""
+    if before.get("dirty") or head.get("dirty"):
+        return "or would get rounds of a tree with uncommitted changes, whose code no commit names"
+    if sm.gpu_names(before.get("machine") or {}) != sm.gpu_names(mach):
+        return (f"measured on {sm.gpu_names(before.get('machine') or {}) or 'no GPU'}, not on "
+                f"{sm.gpu_names(mach) or 'no GPU'}")
+    if bool(before.get("standin")) != standin:
+        return "measured " + ("with" if before.get("standin") else "without") + " --cpu-standin"
+    if _options(before["command"]) != _options(command):
+        return f"measured by `{before['command']}`, another command than `{command}`"
+    return ""
+
+
+def cut_short(before: dict[str, Any]) -> dict[str, Any]:
+    """A round the previous call started and never finished (it was killed): recorded as aborted."""
+    started = before.get("in_progress")
+    if not started:
+        return {}
+    return {"aborted": [*(before.get("aborted") or []),
+                        {**started, "why": "the call that ran it ended before it finished (killed or cut off)"}]}
 
 
 def compare(name: str, folders: list[Path]) -> int:
@@ -381,6 +417,10 @@ def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
     if a is None or b is None or not b.get("rounds"):
         print(f"run.py: --add-rounds needs rounds in both {folder} and {other}", file=sys.stderr)
         return 2
+    if folder.resolve() == other.resolve() or {r["date_utc"] for r in a["rounds"]} & {r["date_utc"] for r in b["rounds"]}:
+        print(f"run.py: {other}'s rounds are {folder}'s already (the same folder, or rounds of the same start): "
+              "a round is counted once", file=sys.stderr)
+        return 2
     same = ("commit", "serve_args", "standin")
     if any(a.get(k) != b.get(k) for k in same) or sm.gpu_names(a["machine"]) != sm.gpu_names(b["machine"]) \
             or _options(a["command"]) != _options(b["command"]):
@@ -405,14 +445,18 @@ def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
     return publish(suite, folder, result, f"added {len(added)} rounds: ")
 
 
+_HOW_LONG = ("--budget", "--rounds", "--out")
+"""A run's options that say how long it may take and where it is written, not what it measures."""
+
+
 def _options(command: str) -> list[str]:
-    """A run's command without the options that only say how long it may take."""
+    """A run's command without the options that only say how long it may take and where it is written."""
     words, out, skip = shlex.split(command), [], False
     for w in words:
-        if skip or w.startswith("--budget="):
+        if skip or w.startswith(tuple(f"{o}=" for o in _HOW_LONG)):
             skip = False
             continue
-        skip = w == "--budget"
+        skip = w in _HOW_LONG
         if not skip:
             out.append(w)
     return out

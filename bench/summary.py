@@ -100,7 +100,8 @@ def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: 
 # ------------------------------------------------------------------------------------------------ summary
 
 
-RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored", "merged")
+RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored", "merged",
+            "aborted")
 """A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
 
 
@@ -160,7 +161,8 @@ def report_md(s: dict[str, Any]) -> str:
              *([f"Daemon settings: `{shlex.join(s['serve_args'])}` on every daemon the runner started (a variant "
                 "of the suite, not its defaults)  "] if s.get("serve_args") else []),
              f"Rounds: {len(s['rounds'])}" + _unsettled(s)
-             + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else ""), ""]
+             + ("; CPU stand-ins (not a GPU measurement)" if s.get("standin") else "") + "  ",
+             *_calls_md(s), ""]
     if s["targets"]:
         verdict = {True: "**all targets met**", False: "**targets missed**", None: "**not settled**"}[s["passed"]]
         lines += [f"Verdict: {verdict}", "", "| case | target | value | verdict |", "|---|---|---|---|"]
@@ -190,6 +192,24 @@ def report_md(s: dict[str, Any]) -> str:
     if s.get("raw"):
         lines += ["", f"Raw outputs: {s['raw']}"]
     return "\n".join(lines) + "\n"
+
+
+def _calls_md(s: dict[str, Any]) -> list[str]:
+    """The report's lines on how the rounds came: the calls that measured them, where more than one did (each with its
+    command, start, host and kernel), the rounds started and cut short (not in the record), and a round under way."""
+    calls: dict[str, list[int]] = {}
+    for r in s["rounds"]:
+        c = r.get("call")
+        if c:
+            calls.setdefault(f"`{c['command']}` from {c['date_utc']} UTC on {c['host']} ({c['cpu']}, kernel "
+                             f"{c['kernel']})", []).append(int(r["round"]))
+    lines = [f"Round{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))} measured by {what}  "
+             for what, ks in calls.items()] if len(calls) > 1 else []
+    lines += [f"Round {a['round']} was started at {a['call']['date_utc'] if 'call' in a else a.get('date_utc')} UTC and "
+              f"cut short, so it is not in the record: {a['why']}  " for a in s.get("aborted") or []]
+    if s.get("in_progress"):
+        lines.append(f"Round {s['in_progress']['round']} under way since {s['in_progress']['date_utc']} UTC  ")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ raw and plots

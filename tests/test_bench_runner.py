@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,7 @@ def test_a_stopped_run_keeps_the_rounds_done_drops_the_one_cut_short_and_leaves_
     assert _running_with(str(out)) == []
     s = json.loads((out / "leases" / "summary.json").read_text())
     assert [r["round"] for r in s["rounds"]] == [1] and (out / "leases" / "raw.tar.xz").exists()
+    assert [(a["round"], a["why"]) for a in s["aborted"]] == [(2, "stopped by a signal while it ran")]
     assert not (out / "leases" / "raw").exists()
 
 
@@ -306,6 +308,84 @@ def test_a_stop_that_comes_while_a_step_starts_still_ends_the_step(tmp_path: Pat
     finally:
         signal.signal(signal.SIGTERM, before)
     assert _running_with(marker) == []
+
+
+class _Killed(BaseException):
+    """A call killed in a round (SIGKILL at a device's time limit): nothing of the runner runs after it."""
+
+
+def _machine(kernel: str, gpu: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:
+    return {"host": "vm", "cpu": "Xeon", "cores": 16, "kernel": kernel, "python": "3.12", "gpu": gpu,
+            "driver": "580.159.04", "gpus": [{"name": gpu, "driver": "580.159.04"}]}
+
+
+def _call(run: Any, monkeypatch: pytest.MonkeyPatch, out: Path, argv: list[str], machine: dict[str, Any],
+          rounds: list[float | BaseException], dirty: bool = False) -> int:
+    """run_suite for the leases suite as one call of `bench/run.py leases ARGV` on `machine`, each round measuring the
+    next of `rounds` (a p99) or raising it."""
+    feed = iter(rounds)
+
+    def fake_round(suite: Any, steps: Any, k: int, folder: Path, extra: list[str], serve_args: Any = ()) -> Any:
+        x = next(feed)
+        if isinstance(x, BaseException):
+            raise x
+        return {"round": k, "date_utc": f"{machine['kernel']} {k}", "steps": [{"name": "rtt", "argv": [], "rc": 0,
+                                                                                 "wall_s": 1.0}],
+                "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": x}}}
+
+    monkeypatch.setattr(run, "run_round", fake_round)
+    monkeypatch.setattr(run.sm, "machine", lambda: machine)
+    monkeypatch.setattr(run.sm, "commit", lambda: {"commit": "c" * 40, "dirty": dirty})
+    args, extra = run.parse_args(["leases", "--out", str(out), *argv])
+    args.argv, args.t0 = ["leases", "--out", str(out), *argv], time.monotonic()
+    return int(run.run_suite(suites.BY_NAME["leases"], args, extra))
+
+
+def test_a_run_measured_by_several_calls_names_each_rounds_call_and_takes_rounds_only_of_the_same_measurement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1 on one VM, rounds 2-3 on another of the same GPU and driver (its kernel build differs): both calls are
+    named, round by round. Rounds measured on other GPUs, by another command, or from a tree with uncommitted changes
+    are refused, and a merge already recorded stays recorded."""
+    run = bench_module("run")
+    assert _call(run, monkeypatch, tmp_path, ["--rounds", "1"], _machine("v1272"), [0.4]) == 0
+    folder = tmp_path / "leases"
+    first = json.loads((folder / "summary.json").read_text())
+    summary.write(folder, {**first, "merged": [{"rounds": [1], "date_utc": "x", "why": "a test's record"}]})
+    assert _call(run, monkeypatch, tmp_path, ["--rounds", "3", "--budget", "500"], _machine("v1294"), [0.3, 0.7]) == 1
+    s = json.loads((folder / "summary.json").read_text())
+    assert [r["call"]["kernel"] for r in s["rounds"]] == ["v1272", "v1294", "v1294"]
+    assert s["command"] == first["command"] and s["date_utc"] == first["date_utc"]  # the run's first call
+    assert s["merged"] == [{"rounds": [1], "date_utc": "x", "why": "a test's record"}]
+    report = (folder / "report.md").read_text()
+    assert f"Round 1 measured by `python3 bench/run.py leases --out {tmp_path} --rounds 1`" in report
+    assert "Rounds 2, 3 measured by `python3 bench/run.py leases" in report and "kernel v1294" in report
+    for argv, machine, dirty, why in (
+            (["--rounds", "4"], _machine("v1294", gpu="NVIDIA H200"), False, "measured on NVIDIA H100"),
+            (["--rounds", "4", "--", "--seconds", "3"], _machine("v1294"), False, "another command"),
+            (["--rounds", "4"], _machine("v1294"), True, "uncommitted changes")):
+        assert _call(run, monkeypatch, tmp_path, argv, machine, [0.1], dirty=dirty) == 2, why
+        assert len(json.loads((folder / "summary.json").read_text())["rounds"]) == 3, why
+
+
+def test_a_round_cut_short_is_kept_out_of_the_record_but_its_attempt_is_in_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop in round 2 and a kill in round 3 (the next call finds the round it left under way): neither round's
+    numbers count, both attempts are in the summary and the report, so a round that went badly cannot be dropped
+    unseen by stopping it."""
+    run = bench_module("run")
+    with pytest.raises(run.Stopped):
+        _call(run, monkeypatch, tmp_path, ["--rounds", "3"], _machine("v1"), [0.4, run.Stopped("SIGTERM")])
+    with pytest.raises(_Killed):
+        _call(run, monkeypatch, tmp_path, ["--rounds", "3"], _machine("v1"), [_Killed()])
+    left = json.loads((tmp_path / "leases" / "summary.json").read_text())
+    assert left["in_progress"]["round"] == 2 and len(left["rounds"]) == 1
+    assert _call(run, monkeypatch, tmp_path, ["--rounds", "3"], _machine("v1"), [0.3, 0.35]) == 0
+    s = json.loads((tmp_path / "leases" / "summary.json").read_text())
+    assert [r["cases"]["round trip, 1 tenant"]["p99_ms"] for r in s["rounds"]] == [0.4, 0.3, 0.35]
+    assert [(a["round"], a["why"].split(" ")[0]) for a in s["aborted"]] == [(2, "stopped"), (2, "the")]
+    assert "in_progress" not in s
+    report = (tmp_path / "leases" / "report.md").read_text()
+    assert report.count("cut short, so it is not in the record") == 2
 
 
 # ------------------------------------------------------------------------------------------------ rescore
@@ -343,7 +423,7 @@ def test_add_rounds_keeps_every_round_of_another_run_of_the_same_command_and_say
             "commit": "c" * 40, "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
 
     def run(out: Path, p99s: list[float], **changed: Any) -> Path:
-        rounds = [{"round": i + 1, "date_utc": "d", "steps": [{"name": "rtt", "argv": [f"raw/round-{i + 1}/rtt"],
+        rounds = [{"round": i + 1, "date_utc": f"{out.name} {i}", "steps": [{"name": "rtt", "argv": [f"raw/round-{i + 1}/rtt"],
                                                                "rc": 0, "wall_s": 1.0}],
                    "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": x}}} for i, x in enumerate(p99s)]
         folder = out / "leases"
@@ -369,6 +449,12 @@ def test_add_rounds_keeps_every_round_of_another_run_of_the_same_command_and_say
     refused = run_py("leases", "--out", str(first), "--add-rounds", str(other_commit), "--why", "x")
     assert refused.returncode == 2 and "not a run of the same command, machine and commit" in refused.stderr
     assert run_py("leases", "--out", str(first), "--add-rounds", str(second)).returncode == 2  # --why is needed
+    for again in (second, first):  # a round is counted once: not the same rounds again, nor the folder itself
+        twice = run_py("leases", "--out", str(first), "--add-rounds", str(again), "--why", "x")
+        assert twice.returncode == 2 and "a round is counted once" in twice.stderr
+    assert len(json.loads((first / "leases" / "summary.json").read_text())["rounds"]) == 4
+    elsewhere = run(tmp_path / "e", [0.3], command="python3 bench/run.py leases --out Y --rounds 5")
+    assert run_py("leases", "--out", str(first), "--add-rounds", str(elsewhere), "--why", "x").returncode == 1  # added
 
 
 def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> None:
