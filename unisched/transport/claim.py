@@ -3,7 +3,10 @@ one per state directory: `<state_dir>/.lock`).
 
 A second `unisched serve` on a live daemon's socket would delete the socket and thaw the first daemon's tenants;
 it is refused instead, while another daemon holds the lock or answers on the socket (one that took no lock).
-The lock file is never deleted: deleting it would let two daemons hold locks on two different files.
+The lock file is never deleted: deleting it would let two daemons hold locks on two different files. It is
+replaced only where no holder of its lock could be a daemon (`_squatted`): /run/unisched is mounted into pods, and
+flock needs only a read-only open, so a pod (or a user, for a lock file made readable by an older version) could
+otherwise hold the lock from before a restart and keep every daemon out.
 
 Also where the sockets go: `replace_stale_socket` makes way for one, and `make_private_directory` makes the
 runtime agent socket's directory the daemon's alone.
@@ -114,17 +117,69 @@ def _holder(fd: int) -> str:
     return "another process"
 
 
-def _lock(lock_path: Path, taken: str) -> int:
-    """The flock'ed fd of `lock_path` (made if need be, never through a link), or SocketInUse: `taken` says what the
-    holder does (with {holder} for who it is)."""
+PROC = Path("/proc")
+
+
+def _lock(lock_path: Path, taken: str, proc: Path = PROC) -> int:
+    """The flock'ed fd of `lock_path` (made if need be, root's alone, never through a link), or SocketInUse: `taken`
+    says what the holder does (with {holder} for who it is). A lock only processes that cannot be a daemon hold is
+    taken from them (`_squatted`): the file is replaced by a new one, locked before it takes the name."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        squatted = _squatted(os.fstat(fd), proc)
         holder = _holder(fd)
         os.close(fd)
-        raise SocketInUse(taken.format(holder=holder)) from None
+        if not squatted:
+            raise SocketInUse(taken.format(holder=holder)) from None
+        return _replace_lock(lock_path)
+    os.fchmod(fd, 0o600)  # (one made readable by an older version)
+    return fd
+
+
+def _squatted(st: os.stat_result, proc: Path = PROC) -> bool:
+    """Whether every holder of a flock on the file `st` is a process that cannot be a daemon: not root, or root of
+    another pid or user namespace (a pod's), or gone. False where /proc/locks shows no holder (it was let go: try
+    again) or cannot be read."""
+    try:
+        text = (proc / "locks").read_text()
+    except OSError:
+        return False
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = [int(f[4]) for f in (line.split() for line in text.splitlines())
+            if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()]
+    return bool(pids) and not any(_could_be_a_daemon(pid, proc) for pid in pids)
+
+
+def _could_be_a_daemon(pid: int, proc: Path) -> bool:
+    """Root in this process's pid and user namespaces (as a daemon is; the kernel shows a pod's process there too,
+    by its pid here)."""
+    try:
+        status = (proc / str(pid) / "status").read_text()
+        uid = next(line.split()[2] for line in status.splitlines() if line.startswith("Uid:"))  # the effective uid
+        same = all(os.readlink(proc / str(pid) / "ns" / ns) == os.readlink(proc / "self" / "ns" / ns)
+                   for ns in ("pid", "user"))
+    except (OSError, StopIteration, IndexError):
+        return False  # gone (or never there: the lock's fd passed on by a process that exited)
+    return uid == "0" and same
+
+
+def _replace_lock(lock_path: Path) -> int:
+    """A new lock file, flock'ed, renamed over `lock_path`: whoever held the old one holds a file no daemon uses."""
+    tmp = lock_path.with_name(f".{lock_path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(tmp, lock_path)
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     return fd
 
 
