@@ -265,6 +265,7 @@ def test_configmap_holds_a_loadable_config_and_the_seccomp_profile(tmp_path: Pat
     assert (cfg.socket, cfg.agent_socket, cfg.state_dir) == (DEFAULT_SOCKET, DEFAULT_AGENT_SOCKET, DEFAULT_STATE_DIR)
     assert cfg.runtime_agent_socket == DEFAULT_RUNTIME_AGENT_SOCKET
     assert cfg.user_tenants is False  # a pod process may not make itself a tenant outside its pod's
+    assert cfg.user_leases is False  # nor report its own GPU time in place of the freezer's measure
     assert (cfg.metrics_port, cfg.metrics_listen) == (METRICS_PORT, "0.0.0.0")  # on, on the pod's address
     profile = json.loads(data["unisched-gpu.json"])
     assert profile == json.loads((ROOT / "deploy" / "seccomp" / "unisched-gpu.json").read_text())
