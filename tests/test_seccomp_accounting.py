@@ -588,7 +588,8 @@ def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_non_root_user_whate
     from unisched.enforce.seccomp.hooks import SupervisedHooks
 
     async def run() -> None:
-        hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2, max_per_user=3)
+        hooks = SupervisedHooks(lambda tenant, kind, pid: True, lambda event: None, max_per_tenant=2, max_per_user=3,
+                                max_all=8)
         with pipe_listeners() as listener:
             try:
                 for tenant in ("a", "b", "c"):
@@ -601,6 +602,8 @@ def test_the_real_hooks_serve_at_most_so_many_listeners_of_a_non_root_user_whate
                 hooks._supervisors[0][0].close()  # one of uid 1000's runs ended
                 hooks.attach(listener(), "d", 1000)
                 assert len(hooks.stats()) == 8
+                with pytest.raises(SeccompError, match="already serves 8 hooked process groups"):
+                    hooks.attach(listener(), "i", 0)  # root's too, past the daemon's bound for all
             finally:
                 hooks.close()
 

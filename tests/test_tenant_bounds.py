@@ -338,10 +338,12 @@ def test_the_real_hooks_give_a_non_root_user_s_listeners_one_allowance_across_it
     ([("a", 1000)] * 2, "a", 1000, "tenant 'a' already has 2"),
     ([("a", 1000), ("b", 1000), ("c", 1000)], "d", 1000, "uid 1000 already has 3"),
     ([("a", 1000), ("b", 1000), ("c", 1000)], "d", 1001, None),
-    ([("a", 0), ("b", 0), ("c", 0)], "d", 0, None),  # root: per tenant only
+    ([("a", 0), ("b", 0), ("c", 0)], "d", 0, None),  # root: per tenant and for all together only
+    ([("a", 0), ("b", 0), ("c", 0), ("d", 0)], "e", 0, "the daemon already serves 4"),  # pods' runtimes' hand-overs
+    ([("a", 0), ("b", 0), ("c", 1000), ("d", 1001)], "e", 1002, "the daemon already serves 4"),
 ])
 def test_listener_refusal(served: list[tuple[str, int]], tenant: str, uid: int, refused: str | None) -> None:
-    why = listener_refusal(tenant, uid, served, most=2, most_per_user=3)
+    why = listener_refusal(tenant, uid, served, most=2, most_per_user=3, most_all=4)
     assert (why is None) if refused is None else (why is not None and refused in why)
 
 

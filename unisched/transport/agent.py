@@ -343,7 +343,7 @@ class SeccompAgentServer:
             fd, listener = -1, fd  # the hooks own it now
             try:
                 self.hooks.attach(listener, tenant, cred.caller)  # a pod's count as its pod's, whatever their uid
-            except SeccompError as e:  # (MAX_LISTENERS_PER_TENANT, MAX_LISTENERS_PER_USER)
+            except SeccompError as e:  # (MAX_LISTENERS, MAX_LISTENERS_PER_TENANT, MAX_LISTENERS_PER_USER)
                 self._warn("seccomp hand-over refused", cred, pid=hello.pid, reason=str(e))
                 ack_agent(conn, str(e))
                 return

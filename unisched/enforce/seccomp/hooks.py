@@ -59,6 +59,12 @@ tenant's). Smaller would cut a listener's own bounds for every tenant; an honest
 GPU-filling process group needs at most (memory.MAX_OBJECTS: more 2 MiB allocations than an H200 holds)."""
 
 
+MAX_LISTENERS: Final = 2048
+"""Listeners served at once, every tenant's and user's together. Each is a thread with three fds: the container
+runtime's hand-overs (root's) are bounded per tenant only, so pods could otherwise have the daemon start threads
+until its task limit (a systemd service's default TasksMax is 15% of pid_max: 4,915 at 32,768), and then it could
+start none for anyone. Past it a hand-over is refused with the reason, and the daemon serves on."""
+
 MAX_LISTENERS_PER_USER: Final = 256
 """Listeners one non-root user (the caller that hands them over: `unisched run`'s uid, or a pod whatever uids its
 processes take) has served at once, all its tenants together. Each listener is a supervisor thread: a user with
@@ -76,9 +82,12 @@ refused or followed less closely exactly as past the tenant's."""
 
 
 def listener_refusal(tenant: str, user: Caller, served: list[tuple[str, Caller]], most: int,
-                     most_per_user: int = MAX_LISTENERS_PER_USER) -> str | None:
+                     most_per_user: int = MAX_LISTENERS_PER_USER, most_all: int = MAX_LISTENERS) -> str | None:
     """Why one more listener of `tenant`, handed over by `user`, is not served (None: it is), `served` the tenants
     and users of those served now."""
+    if len(served) >= most_all:
+        return (f"the daemon already serves {len(served)} hooked process groups (containers or runs), the most at "
+                "once for all tenants together; end some")
     n = sum(1 for t, _ in served if t == tenant)
     if n >= most:
         return (f"tenant {tenant!r} already has {n} hooked process groups (containers or runs), the most served at "
@@ -144,9 +153,10 @@ class SupervisedHooks:
         tenant_bounds: Mapping[Entry, int] = TENANT_BOUNDS, max_per_user: int = MAX_LISTENERS_PER_USER,
         user_bounds: Mapping[Entry, int] = USER_BOUNDS,
         rates: tuple[tuple[float, int], tuple[float, int]] = ((LISTENER_RATE, LISTENER_BURST), (OWNER_RATE, OWNER_BURST)),
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, max_all: int = MAX_LISTENERS,
     ) -> None:
         """`rates`: (per second, burst) of each listener's budget and of each owner's (budget.py); `clock` theirs."""
+        self._max_all = max_all
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
         self._tenant_bounds = tenant_bounds
@@ -191,7 +201,7 @@ class SupervisedHooks:
         owners = {pace_owner(t, u) for t, u in served}
         with self._pace_lock:  # an owner's budget outlives its listeners until it is full again (no fresh burst)
             self._paces = {o: p for o, p in self._paces.items() if o in owners or not p[0].full(self._clock())}
-        why = listener_refusal(tenant, user, served, self._max_per_tenant, self._max_per_user)
+        why = listener_refusal(tenant, user, served, self._max_per_tenant, self._max_per_user, self._max_all)
         if why is not None:
             os.close(listener_fd)
             raise SeccompError(why)
@@ -250,7 +260,7 @@ class FakeSessionHooks:
     with ENOSYS): for tests of the agent's logic, which need no supervisor thread."""
 
     def __init__(self, max_per_tenant: int = MAX_LISTENERS_PER_TENANT,
-                 max_per_user: int = MAX_LISTENERS_PER_USER) -> None:
+                 max_per_user: int = MAX_LISTENERS_PER_USER, max_all: int = MAX_LISTENERS) -> None:
         self.attached: list[str] = []
         """The tenants given a listener, in order (all counted as still served)."""
         self.users: list[Caller] = []
@@ -260,11 +270,12 @@ class FakeSessionHooks:
         """What `counts` says of a tenant (a test sets it; zeros for the others attached)."""
         self._max_per_tenant = max_per_tenant
         self._max_per_user = max_per_user
+        self._max_all = max_all
 
     def attach(self, listener_fd: int, tenant: str, user: Caller, carried: bool = False) -> None:
         os.close(listener_fd)
         why = listener_refusal(tenant, user, list(zip(self.attached, self.users, strict=True)), self._max_per_tenant,
-                               self._max_per_user)
+                               self._max_per_user, self._max_all)
         if why is not None:
             raise SeccompError(why)
         self.attached.append(tenant)
