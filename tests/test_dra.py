@@ -195,6 +195,20 @@ def test_unprepare_removes_the_spec_and_both_are_idempotent(node: Node, telemetr
     assert node.prepare(c)[uid] == first  # and prepared again from the claim
 
 
+def test_a_spec_prepared_for_one_pod_does_not_stand_for_another_the_claim_names_later(node: Node) -> None:
+    """The kubelet asks again for a claim whose spec is there, and the claim is now reserved for another pod: the
+    spec is written again for that pod (its tenant and weight), not answered from the old one."""
+    c = claim("shared", "gpu0", pod="first", consumed={"weight": "40"})
+    node.add(c)
+    uid = c["metadata"]["uid"]
+    node.prepare(c)
+    assert node.driver.prepared()[0].pod == "first"
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": "second", "uid": str(uuid.uuid4())}]
+    node.add(c)
+    assert node.prepare(c)[uid].error == ""
+    assert [(p.pod, p.weight) for p in node.driver.prepared()] == [("second", 40)]
+
+
 def first_tenant(node: Node, obj: Mapping[str, Any]) -> str:
     (device,) = json.loads(node.spec_path(obj).read_text())["devices"]
     return str(dict(e.split("=", 1) for e in device["containerEdits"]["env"])["UNISCHED_TENANT"])

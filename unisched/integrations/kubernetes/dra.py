@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -158,22 +159,27 @@ class DraDriver:
             return self._failed(bad)
         with self._lock:
             path = spec_path(self.config, ref.uid)
-            if path.exists():
-                try:
-                    return read_spec(path).reply()  # prepared before (a retry, or before a restart)
-                except (OSError, ValueError, KeyError, TypeError) as e:
-                    log.warning("CDI spec unreadable; preparing again", path=str(path), error=str(e))
+            before = self._prepared_before(path)
             if self.claims is None:
+                if before is not None:
+                    return before.reply()
                 return self._failed(f"claim {ref.namespace}/{ref.name}: no API server to read it from "
                                                "(not in a cluster?)")
             try:
                 obj = self.claims.claim(ref.namespace, ref.name)
             except OSError as e:
+                if before is not None:  # (a retry while the API server is away: as prepared)
+                    return before.reply()
                 return self._failed(f"cannot read claim {ref.namespace}/{ref.name}: {e}")
             if obj is None:
                 return self._failed(f"claim {ref.namespace}/{ref.name} not found")
             try:
                 claim = prepared_claim(self.config, ref, obj)
+                if claim == before:
+                    return claim.reply()  # a retry, or after a restart: prepared as the claim still says
+                if before is not None:  # the claim now names another pod or weight: the spec must not stand for it
+                    log.warning("claim changed since its spec was written; preparing it again", claim=claim.key,
+                                pod=claim.pod, was_pod=before.pod)
                 write_json(path, cdi_spec(self.config, claim))
             except (ClaimError, OSError) as e:
                 return self._failed(str(e))
@@ -185,6 +191,17 @@ class DraDriver:
             log.info("claim prepared", claim=claim.key, uid=claim.uid, pod=claim.pod, tenant=claim.tenant,
                      weight=claim.weight, gpus=list(claim.gpus), cdi=claim.cdi_id)
             return claim.reply()
+
+    @staticmethod
+    def _prepared_before(path: Path) -> PreparedClaim | None:
+        """The claim a spec already in the CDI directory was written for (a retry, or before a restart); None."""
+        if not path.exists():
+            return None
+        try:
+            return read_spec(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("CDI spec unreadable; preparing again", path=str(path), error=str(e))
+            return None
 
     def unprepare(self, ref: dra.Claim) -> dra.NodeUnprepareResourceResponse:
         bad = bad_ref(ref)
