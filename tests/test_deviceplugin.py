@@ -510,6 +510,20 @@ def test_find_pod_cgroup_knows_both_cgroup_drivers(tmp_path: Path) -> None:
     assert find_pod_cgroup(tmp_path, str(uuid.uuid4())) is None
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a cgroup to another user needs root")
+def test_find_pod_cgroup_looks_only_in_roots_cgroups_not_a_users_delegated_subtree(tmp_path: Path) -> None:
+    """A user who learns a pod's UID before the kubelet makes its cgroup makes `pod<uid>` in its own delegated subtree
+    (shallower than the kubelet's): it is not the pod's."""
+    uid = "5f1c0e4a-9d2b-4c55-8a3e-0123456789ab"
+    user = tmp_path / "user.slice" / "user@1000.service"
+    (user / f"pod{uid}").mkdir(parents=True)
+    for d in (user, user / f"pod{uid}"):
+        os.chown(d, 1000, 1000)
+    assert find_pod_cgroup(tmp_path, uid) is None
+    (tmp_path / "kubepods" / "burstable" / f"pod{uid}").mkdir(parents=True)
+    assert find_pod_cgroup(tmp_path, uid) == f"/kubepods/burstable/pod{uid}"
+
+
 def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None:
     seen: list[tuple[str, str | None]] = []
 

@@ -14,6 +14,8 @@ missing, re-adopts a tenant whose pod was replaced, and logs what it cannot do y
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 import urllib.parse
@@ -226,7 +228,10 @@ class ApiServerPods(ApiServer):
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:
     """The pod's cgroup below `root` ("/kubepods.slice/.../kubepods-burstable-pod<uid_>.slice"), breadth first
-    to a bounded depth, kubepods branches first; None when the kubelet has not created it (yet)."""
+    to a bounded depth, kubepods branches first; None when the kubelet has not created it (yet). Only root's
+    cgroups are looked in (this process's user's), as the kubelet's are: a user's delegated subtree (systemd's
+    user@UID.service) could otherwise hold a `pod<uid>` made before the kubelet's, and have its own processes adopted
+    with the pod's weight."""
     names = {f"pod{uid}", f"pod{uid.replace('-', '_')}"}
     systemd = f"-pod{uid.replace('-', '_')}.slice"
     level = [root]
@@ -234,7 +239,8 @@ def find_pod_cgroup(root: Path, uid: str) -> str | None:
         nxt: list[Path] = []
         for d in level:
             try:
-                children = sorted((p for p in d.iterdir() if p.is_dir()), key=lambda p: ("kubepods" not in p.name, p.name))
+                children = sorted((p for p in d.iterdir() if _roots_cgroup(p)), key=lambda p: ("kubepods" not in p.name,
+                                                                                            p.name))
             except OSError:
                 continue
             for p in children:
@@ -244,6 +250,15 @@ def find_pod_cgroup(root: Path, uid: str) -> str | None:
                     nxt.append(p)
         level = nxt
     return None
+
+
+def _roots_cgroup(p: Path) -> bool:
+    """A cgroup directory (not a link) that root owns (this process's user: root where the agent runs)."""
+    try:
+        st = p.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
 
 
 @dataclass(frozen=True)
