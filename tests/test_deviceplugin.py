@@ -382,6 +382,22 @@ def test_a_pod_without_the_gpu_profile_is_held_back_when_the_profile_is_required
         assert lax.ensure(units[:1]) is None and [t.name for t in client.tenants()] == [tenant_name(units)]
 
 
+def test_a_pod_in_the_hosts_pid_namespace_is_not_made_a_tenant(daemon: InProcessServer, podres: FakePodResources,
+                                                               tmp_path: Path) -> None:
+    """hostPID: root in the pod is root in the daemon's namespaces, an admin; such a pod is not adopted, with the
+    reason (its containers are held back), whatever else it asks."""
+    root = tmp_path / "cgroup"
+    uid = str(uuid.uuid4())
+    daemon.driver.create(_pod_dir(root, uid))
+    units = ids(0, 0, 10)
+    podres.pods = [pod("games", "host", main={WEIGHT: units})]
+    pods = FakePods({"games/host": PodInfo(uid, host_pid=True)})
+    with DaemonClient(daemon.socket) as client:
+        why = PodAdopter(client, str(podres.socket), pods, cgroup_root=root).ensure(units[:1])
+        assert why is not None and "runs in the host's pid namespace (hostPID)" in why
+        assert client.tenants() == []
+
+
 def test_the_online_priority_is_honoured_only_in_the_namespaces_the_operator_names(
     daemon: InProcessServer, podres: FakePodResources, tmp_path: Path
 ) -> None:
@@ -534,6 +550,7 @@ def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None
                 "/api/v1/namespaces/ns/pods/p": (200, b'{"metadata": {"uid": "u-1", "annotations": {"a": "b"}}, '
                                                    b'"spec": {"containers": [{"name": "gpu", "resources": '
                                                    b'{"limits": {"unisched.io/gpu-weight": "5"}}}]}}'),
+                "/api/v1/namespaces/ns/pods/host": (200, b'{"metadata": {"uid": "u-2"}, "spec": {"hostPID": true}}'),
                 "/api/v1/namespaces/ns/pods/broken": (500, b"{}"),
             }.get(self.path, (404, b"{}"))
             self.send_response(code)
@@ -546,6 +563,7 @@ def test_api_server_pods_looks_the_uid_up_with_the_token(tmp_path: Path) -> None
     with fake_api_server(Handler) as url:
         pods = ApiServerPods(url, token, None)
         assert pods.pod("ns", "p") == PodInfo("u-1", {"a": "b"}, ("gpu",))
+        assert pods.pod("ns", "host") == PodInfo("u-2", host_pid=True)
         assert pods.pod("ns", "gone") is None
         with pytest.raises(OSError, match="500"):
             pods.pod("ns", "broken")

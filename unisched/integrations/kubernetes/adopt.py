@@ -142,6 +142,8 @@ class PodInfo:
     """Its containers that hold unisched.io/* resources without the GPU seccomp profile (`unhooked_containers`)."""
     unhooked_claims: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """ResourceClaim name -> its containers using it without the GPU seccomp profile (`unhooked_claim_users`)."""
+    host_pid: bool = False
+    """It runs in the host's pid namespace (spec.hostPID): its root would be the daemon's admin."""
 
     def unhooked_in(self, claim: str) -> tuple[str, ...]:
         """Its containers without the GPU seccomp profile among those that use DRA claim `claim`, or ("") those
@@ -222,8 +224,9 @@ class ApiServerPods(ApiServer):
         if body is None:
             return None
         meta = body.get("metadata", {})
-        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(body.get("spec") or {}),
-                       unhooked_claim_users(body))
+        spec = body.get("spec") or {}
+        return PodInfo(str(meta["uid"]), dict(meta.get("annotations") or {}), unhooked_containers(spec),
+                       unhooked_claim_users(body), spec.get("hostPID") is True)
 
 
 def find_pod_cgroup(root: Path, uid: str) -> str | None:
@@ -444,6 +447,9 @@ class PodAdopter:
         return PassResult(tuple(adopted), tuple(removed), tuple(kept), failed, tuple(claims))
 
     def _adopt(self, claim: PodClaim, cgroup: str, info: PodInfo | None) -> None:
+        if info is not None and info.host_pid:
+            raise ValueError(f"pod {claim.key} runs in the host's pid namespace (hostPID): root in it would be the "
+                             "daemon's admin, so it is not made a tenant; run GPU pods without hostPID")
         unhooked = () if info is None else info.unhooked_in(claim.claim)
         if self.require_gpu_profile and unhooked:
             held = f"use claim {claim.claim}" if claim.claim else "hold unisched.io resources"
