@@ -117,9 +117,10 @@ PAIR_TARGETS_BY_CONTENTION = (
     *(t for t in PAIR_TARGETS if t.metric == "guarantee"),
     *(replace(t, applies=_overlapped) for t in OVERLAP_TARGETS if t.metric != "guarantee"),
 )
-"""The pairs suite's: a pair whose no-scheduler run did not contend (in the case's first round: its normalized rates
-summed 1.1 or more, scoring.contends) is an overlapping pair, and the issue's overlap targets judge it: the guarantee,
-and its sum against no scheduler's. Two decode loops run side by side on the H200's seven NVDEC engines."""
+"""The pairs suite's: in a round where a pair's no-scheduler run did not contend (its normalized rates summed 1.1 or
+more, scoring.contends) it is an overlapping pair, and the issue's overlap targets judge that round: the guarantee,
+and its sum against no scheduler's; the contending targets judge its rounds that contended (verdicts.round_values).
+Two decode loops run side by side on the H200's seven NVDEC engines."""
 OVERHEAD_TARGETS = (
     Target("loss", "loss", "median", "<=", 0.01, "throughput lost under the daemon <= 1% (median round)", "%", 100.0),
     Target("loss interval", "loss", "inside", "<=", 0.02, "the loss's 90% interval inside +-2%", "%", 100.0),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 Metrics = Mapping[str, Any]
@@ -72,7 +72,7 @@ class Target:
     text: str
     unit: str = ""
     scale: float = 1.0  # shown values are value * scale (e.g. 100 for a fraction shown in %)
-    applies: Callable[[Metrics], bool] | None = None  # of a case's first-round metrics; None: every case with it
+    applies: Callable[[Metrics], bool] | None = None  # of a case's metrics in one round; None: every case with it
 
     def __post_init__(self) -> None:
         if self.stat not in STATS or self.op not in ("<=", ">=", "<"):
@@ -155,15 +155,47 @@ def cases_of(rounds: Sequence[Round]) -> list[str]:
     return list(seen)
 
 
+def _missing(value: Any) -> bool:
+    """A value a round did not measure (as `judge` counts it)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _applies(t: Target, metrics: Metrics) -> bool:
+    return t.applies is None or t.applies(metrics)
+
+
+def round_values(t: Target, case: str, rounds: Sequence[Round]) -> list[Any] | None:
+    """The case's values of `t` in the rounds that judge it; None when `t` applies in no round that has the metric.
+    Each round decides for itself (a pair may contend in one round and not the next): a round where the case has the
+    metric but `t` does not apply is left out, as the other targets judge it; a round without the case or its metric
+    counts as missing (None), which fails the target, whatever the other rounds say."""
+    if not any(t.metric in r[case] and _applies(t, r[case]) for r in rounds if case in r):
+        return None
+    values = []
+    for r in rounds:
+        value = r[case].get(t.metric) if case in r else None
+        if _missing(value) or _applies(t, r[case]):
+            values.append(value)
+    return values
+
+
+def _judged_on(v: Verdict, judged: int, total: int) -> Verdict:
+    """`v`, its detail saying on how many rounds it was judged where the target did not apply in every one."""
+    if judged == total:
+        return v
+    note = f"judged on {judged} of {total} rounds (the target did not apply in the others)"
+    return replace(v, detail=f"{v.detail}; {note}" if v.detail else note)
+
+
 def judge_all(targets: Sequence[Target], rounds: Sequence[Round]) -> list[Verdict]:
-    """Every target for every case it applies to (judged on the case's first round that has it)."""
+    """Every target for every case it applies to in any round (round_values: judged on every round it applies in,
+    missing where a round lacks the case or the metric)."""
     out: list[Verdict] = []
     for case in cases_of(rounds):
-        first = next(r[case] for r in rounds if case in r)
         for t in targets:
-            if t.metric not in first or (t.applies is not None and not t.applies(first)):
-                continue
-            out.append(judge(t, case, [r.get(case, {}).get(t.metric) for r in rounds]))
+            values = round_values(t, case, rounds)
+            if values is not None:
+                out.append(_judged_on(judge(t, case, values), len(values), len(rounds)))
     return out
 
 

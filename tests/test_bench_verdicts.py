@@ -1,0 +1,73 @@
+"""Verdicts that must not PASS with data missing: a target judged on every round it applies in (not the case's first
+round only), expected cases that no round measured, pytest's summary line in the memory suite's log, and the
+readers' notes where a script's internal repeats are not all read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from benchrig import suites, verdicts
+
+PAIRS = suites.BY_NAME["pairs"].targets
+CLOUD = suites.BY_NAME["cloud-gaming"].targets
+
+# ------------------------------------------------------------------------------------------------ judge_all, per round
+
+
+def contending(error: float, contends: bool = True) -> dict[str, Any]:
+    """A pair's metrics in one round under the daemon (sum 0.99, guarantee kept, 0.01 over no scheduler's sum)."""
+    return {"contending": contends, "error_pts": error, "sum": 0.99, "guarantee": True, "sum_vs_no_scheduler": 0.01}
+
+
+DAEMON_FAILED = {"contending": True, "alone_a": 100.0, "alone_b": 90.0, "no_scheduler_sum": 1.0}
+"""A pair's round whose run under the daemon failed: the reader has no error, sum or guarantee for it."""
+
+
+def saturated(weight_error: float, is_saturated: bool = True) -> dict[str, Any]:
+    return {"saturated": is_saturated, "host_bound": False, "weight_error": weight_error, "lows_vs_no_scheduler": 0.0}
+
+
+def judged(targets: tuple[verdicts.Target, ...], rounds: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    return {(v.case, v.target): v.label() for v in verdicts.judge_all(targets, rounds)}
+
+
+@pytest.mark.parametrize(("targets", "rounds", "want"), [
+    pytest.param(PAIRS, [{"cuda+cuda 1:1": contending(0.5)}] * 3, {
+        ("cuda+cuda 1:1", "error, median round"): "PASS", ("cuda+cuda 1:1", "error, worst round"): "PASS",
+        ("cuda+cuda 1:1", "sum"): "PASS", ("cuda+cuda 1:1", "guarantee"): "PASS"}, id="every round contends"),
+    pytest.param(PAIRS, [{"cuda+cuda 1:1": DAEMON_FAILED}, *[{"cuda+cuda 1:1": contending(9.0)}] * 2], {
+        ("cuda+cuda 1:1", "error, median round"): "FAIL: 9 pts > 1 pts, by 8 pts",
+        ("cuda+cuda 1:1", "error, worst round"): "FAIL: 9 pts > 2 pts, by 7 pts",
+        ("cuda+cuda 1:1", "sum"): "FAIL: 1 of 3 rounds did not measure it",
+        ("cuda+cuda 1:1", "guarantee"): "FAIL: missed in 1 of 3 rounds"}, id="(a) the daemon run failed in round 1"),
+    pytest.param(PAIRS, [{"nvdec+nvdec 1:1": contending(0.5, contends=False)},
+                         *[{"nvdec+nvdec 1:1": contending(9.0)}] * 2], {
+        ("nvdec+nvdec 1:1", "error, median round"): "FAIL: 9 pts > 1 pts, by 8 pts; judged on 2 of 3 rounds "
+                                                    "(the target did not apply in the others)",
+        ("nvdec+nvdec 1:1", "error, worst round"): "FAIL: 9 pts > 2 pts, by 7 pts; judged on 2 of 3 rounds "
+                                                   "(the target did not apply in the others)",
+        ("nvdec+nvdec 1:1", "sum"): "PASS: judged on 2 of 3 rounds (the target did not apply in the others)",
+        ("nvdec+nvdec 1:1", "guarantee"): "PASS",
+        ("nvdec+nvdec 1:1", "sum vs no scheduler"): "PASS: judged on 1 of 3 rounds "
+                                                    "(the target did not apply in the others)"},
+        id="(b) contends from round 2 on"),
+    pytest.param(CLOUD, [{"N=24": saturated(0.5, is_saturated=False)}, *[{"N=24": saturated(0.2)}] * 2], {
+        ("N=24", "FPS by weight"): "FAIL: 20% > 5%, by 15%; judged on 2 of 3 rounds "
+                                   "(the target did not apply in the others)",
+        ("N=24", "1% lows"): "PASS: judged on 2 of 3 rounds (the target did not apply in the others)"},
+        id="(c) saturated from round 2 on"),
+    pytest.param(CLOUD, [{"N=12": saturated(0.5, is_saturated=False)}] * 3, {}, id="never saturated: no verdict"),
+    pytest.param(CLOUD, [{"N=24": saturated(0.01)}, {}, {"N=24": saturated(0.5, is_saturated=False)}], {
+        ("N=24", "FPS by weight"): "FAIL: 1 of 2 rounds did not measure it; judged on 2 of 3 rounds "
+                                   "(the target did not apply in the others)",
+        ("N=24", "1% lows"): "FAIL: 1 of 2 rounds did not measure it; judged on 2 of 3 rounds "
+                             "(the target did not apply in the others)"},
+        id="a round without the case is missing, not left out"),
+])
+def test_a_target_is_judged_on_every_round_it_applies_in(targets: tuple[verdicts.Target, ...],
+                                                         rounds: list[dict[str, Any]],
+                                                         want: dict[tuple[str, str], str]) -> None:
+    """Whether a target applies is each round's to say: a case whose first round lacks the metric or does not
+    apply is still judged on the rounds that do, and a round without the case or its metric fails it."""
+    assert judged(targets, rounds) == want
