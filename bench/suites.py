@@ -78,6 +78,7 @@ class Suite:
     targets: tuple[Target, ...] = ()
     standin: tuple[Step, ...] | None = None  # the same round with CPU stand-ins, where the scripts have them
     rounds: int = 3  # the issue's least: 3 rounds, 5 for overhead and online
+    expected: tuple[str, ...] = ()  # the cases a full run (not stand-ins, not a subset) must produce: verdicts.unmeasured
 
 
 def words(text: str) -> tuple[str, ...]:
@@ -158,6 +159,16 @@ MEMORY_TARGETS = (Target("tests", "tests_pass", "every", ">=", 1.0, "tests/test_
 # ------------------------------------------------------------------------------------------------ suites
 
 PAIRS = "cuda1:1,cuda3:1,cuda1:3,render1:1,render3:1,render1:3,nvdec1:1,nvdec3:1,nvdec1:3"
+PAIR_CASES = tuple(f"{kind}+{kind} {w}" for kind in ("cuda", "render", "nvdec") for w in ("1:1", "3:1", "1:3"))
+"""The cases of PAIRS, as readers.read_gpu_pairs names them (pairs_plan.Pair.key)."""
+OVERLAP_CASES = ("cuda+render 1:1", "cuda+render 3:1", "cuda+render 1:3")
+OVERHEAD_CASES = ("cuda alone", "render alone")
+MIXED_CASES = tuple(f"{a.spec}+{b.spec} {w[0]}:{w[1]}" for a, b, w in mixed_pairs.plan(
+    mixed_pairs.parse_pairs(mixed_pairs.DEFAULT_PAIRS), mixed_pairs.parse_weights(mixed_pairs.DEFAULT_WEIGHTS)))
+"""mixed_engines.py's default plan, named as its results.json keys its runs (A+A at 1:3 is its 3:1, not run)."""
+ONLINE_CASES = tuple(f"b{batch} unisched {setup}" for batch in (1, 8) for setup in ("kernel", "user"))
+CLOUD_CASES = tuple(f"N={n}" for n in CLOUD_SIZES)
+"""Every size the sweep runs, whether or not a round saturates it (whether the targets judge it is each round's)."""
 
 
 def cloud_steps(sizes: tuple[int, ...] = CLOUD_SIZES, more: str = CLOUD_PLAYER, serve: tuple[str, ...] = ()) -> tuple[Step, ...]:
@@ -185,7 +196,7 @@ SUITES: tuple[Suite, ...] = (
           "contend without a scheduler (its rates sum 1.1 or more) is judged by the overlap targets", 7.5, True,
           (Step("pairs", words(f"{{py}} bench/gpu_pairs.py --out {{out}} --pairs {PAIRS} --seconds 15 "
                                "--unisched-warmup 12")),),
-          read_gpu_pairs, PAIR_TARGETS_BY_CONTENTION,
+          read_gpu_pairs, PAIR_TARGETS_BY_CONTENTION, expected=PAIR_CASES,
           standin=(Step("pairs", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,cuda3:1,cuda1:3 "
                                          "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
                                          "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),)),
@@ -194,7 +205,7 @@ SUITES: tuple[Suite, ...] = (
           "(bench/mixed_engines.py, its own alone runs per round; `-- --pairs frame+render,frame+frame` runs a "
           "subset)", mixed_pairs.default_round_minutes(), True,
           (Step("mixed", words("{py} bench/mixed_engines.py --out {out} --logs {out}/logs --rounds 1")),),
-          read_mixed_engines, PAIR_TARGETS,
+          read_mixed_engines, PAIR_TARGETS, expected=MIXED_CASES,
           standin=(Step("mixed", (*words("{py} bench/mixed_engines.py --out {out} --logs {out}/logs --rounds 1 "
                                          "--seconds 3 --warmup 2 "
                                          "--workload"), f"{STANDIN} cuda", "--render-workload", f"{STANDIN} render",
@@ -206,7 +217,7 @@ SUITES: tuple[Suite, ...] = (
                                    f"--warmup {TRAIN_WARMUP_S} --render-iterations {RENDER_ITERATIONS} "
                                    "--calibrate-out {out}/state --workload-cmd-cuda"), TRAIN,
                             "--workload-cmd-render", RENDER)),),
-          read_gpu_pairs, OVERLAP_TARGETS,
+          read_gpu_pairs, OVERLAP_TARGETS, expected=OVERLAP_CASES,
           standin=(Step("overlap", (*words("{py} bench/gpu_pairs.py --out {out} --pairs mixed1:1,mixed3:1 "
                                            "--render-fps 0 --seconds 5 --warmup 1 --unisched-warmup 3 "
                                            "--workload-cmd-cuda"), f"{STANDIN} cuda", "--workload-cmd-render",
@@ -215,7 +226,7 @@ SUITES: tuple[Suite, ...] = (
           "(bench/gpu_pairs.py --overhead --overhead-only)", 2.0, True,
           (Step("overhead", words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1,render1:1 --overhead "
                                   "--overhead-only")),),
-          read_gpu_pairs, OVERHEAD_TARGETS,
+          read_gpu_pairs, OVERHEAD_TARGETS, expected=OVERHEAD_CASES,
           standin=(Step("overhead", (*words("{py} bench/gpu_pairs.py --out {out} --pairs cuda1:1 --overhead "
                                             "--overhead-only --render-fps 0 --seconds 5 --warmup 1 "
                                             "--workload-cmd-cuda"), f"{STANDIN} cuda", *STANDIN_SERVE)),),
@@ -225,13 +236,13 @@ SUITES: tuple[Suite, ...] = (
           4, True,
           (Step("online", words("{py} bench/scenarios.py --out {out} --scenarios online --online-batches 1,8 "
                                 "--online-setups kernel,user")),),
-          read_online, ONLINE_TARGETS, rounds=5),
+          read_online, ONLINE_TARGETS, rounds=5, expected=ONLINE_CASES),
     Suite("cloud-gaming", f"game-streaming players (640x360 render + read-back + encode, 60 FPS pace) in weight groups "
           "1:2:4, "
           f"N = {', '.join(map(str, CLOUD_SIZES))}, with no scheduler and under the daemon "
           "(examples/cloud_gaming.py); targets where no scheduler saturates the GPU (not where the players ran out of "
           "the host's CPU); --cpu-standin: N = 6 and 12, on one CPU", 8.0, True, cloud_steps(),
-          read_cloud, CLOUD_TARGETS, standin=CLOUD_STANDIN),
+          read_cloud, CLOUD_TARGETS, standin=CLOUD_STANDIN, expected=CLOUD_CASES),
     Suite("ad-sim", "the driving simulation (render -> encode -> NVDEC -> perception, examples/ad_sim.py): the stages "
           "one after another, co-located with no scheduler and under the daemon at 1:1; no target set. "
           "One after another, a frame waits in the file for the whole clip, so that end-to-end latency is the clip's",

@@ -199,6 +199,18 @@ def judge_all(targets: Sequence[Target], rounds: Sequence[Round]) -> list[Verdic
     return out
 
 
+MEASURED = "measured"
+"""The target name of unmeasured's verdicts."""
+
+
+def unmeasured(expected: Sequence[str], rounds: Sequence[Round]) -> list[Verdict]:
+    """A failing verdict per `expected` case that no round has: judge_all judges only the cases the rounds hold, so
+    without these a suite that measured 8 of its 9 pairs would read as PASS."""
+    seen = set(cases_of(rounds))
+    return [Verdict(case, MEASURED, "every case of the suite measured", None, False, "not measured in any round")
+            for case in expected if case not in seen]
+
+
 def stats_of(rounds: Sequence[Round]) -> dict[str, dict[str, dict[str, Any]]]:
     """describe() of every numeric metric of every case over the rounds."""
     out: dict[str, dict[str, dict[str, Any]]] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from benchrig import suites, verdicts
+from benchrig import bench_module, suites, verdicts
 
 PAIRS = suites.BY_NAME["pairs"].targets
 CLOUD = suites.BY_NAME["cloud-gaming"].targets
@@ -71,3 +71,38 @@ def test_a_target_is_judged_on_every_round_it_applies_in(targets: tuple[verdicts
     """Whether a target applies is each round's to say: a case whose first round lacks the metric or does not
     apply is still judged on the rounds that do, and a round without the case or its metric fails it."""
     assert judged(targets, rounds) == want
+
+
+# ------------------------------------------------------------------------------------------------ expected cases
+
+
+def test_an_expected_case_that_no_round_measured_fails() -> None:
+    """A case absent from every round has no verdict of judge_all's: unmeasured gives it a failing one; a case that
+    some round measured (here only the second) gets none from it."""
+    rounds = [{"cuda+cuda 1:1": contending(0.5)}, {"cuda+cuda 1:1": contending(0.5), "cuda+cuda 3:1": contending(0.5)}]
+    got = verdicts.unmeasured(("cuda+cuda 1:1", "cuda+cuda 3:1", "cuda+cuda 1:3"), rounds)
+    assert [v.to_json() for v in got] == [{"case": "cuda+cuda 1:3", "target": "measured", "value": None,
+                                           "text": "every case of the suite measured", "passed": False,
+                                           "detail": "not measured in any round"}]
+    assert verdicts.overall([*verdicts.judge_all(PAIRS, rounds), *got]) is False
+    assert verdicts.unmeasured((), rounds) == [] and verdicts.unmeasured(("c",), []) != []
+
+
+def _step_arg(suite: str, flag: str) -> str:
+    argv = suites.BY_NAME[suite].steps[0].argv
+    return argv[argv.index(flag) + 1]
+
+
+def test_the_expected_cases_are_the_ones_the_suites_commands_produce() -> None:
+    """The names as the readers key them, from each suite's own command: a rename on either side shows here."""
+    pairs_plan = bench_module("pairs_plan")
+    for name in ("pairs", "overlap"):
+        want = tuple(p.key for p in pairs_plan.parse_pairs(_step_arg(name, "--pairs")))
+        assert suites.BY_NAME[name].expected == want
+    batches, setups = _step_arg("online", "--online-batches").split(","), _step_arg("online", "--online-setups")
+    assert suites.BY_NAME["online"].expected == tuple(f"b{b} unisched {s}" for b in batches for s in setups.split(","))
+    sizes = [s.name.removeprefix("unisched-") for s in suites.BY_NAME["cloud-gaming"].steps if s.serve is not None]
+    assert suites.BY_NAME["cloud-gaming"].expected == tuple(f"N={n}" for n in sizes)
+    assert len(suites.BY_NAME["mixed"].expected) == 13  # 5 pairs at 3 weights, less client8+client8 and frame+frame 1:3
+    assert "client8+client8 1:3" not in suites.BY_NAME["mixed"].expected
+    assert suites.BY_NAME["overhead"].expected == ("cuda alone", "render alone")
