@@ -286,14 +286,32 @@ def read_leases(folder: Path) -> tuple[Cases, list[str]]:
     return cases, []
 
 
+PYTEST_SUMMARY = re.compile(r"\d+ [a-z]+(?:, \d+ [a-z]+)* in \d+(?:\.\d+)?s\b.*")
+"""pytest's summary line, its ='s stripped: '4 passed, 1 skipped in 64.88s (0:01:04)' (-q prints it bare)."""
+PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?)\b")
+
+
+def pytest_counts(text: str) -> dict[str, int]:
+    """pytest's counts from its last summary line (PYTEST_SUMMARY), wherever it is in the log: not simply the log's
+    last line, which a line printed after pytest (a wrapper's own) would hide; zeros where pytest did not finish."""
+    lines = [line.strip().strip("=").strip() for line in text.splitlines()]
+    summary = ([line for line in lines if PYTEST_SUMMARY.fullmatch(line)] or [""])[-1]
+    counts = {("errors" if k == "error" else k): int(n) for n, k in PYTEST_COUNTS.findall(summary)}
+    return {k: counts.get(k, 0) for k in ("passed", "failed", "skipped", "errors")}
+
+
+def tests_pass(counts: dict[str, int]) -> bool:
+    """Every test ran and passed: a skipped test (no GPU seen, a missing library) did not show the behaviour."""
+    return counts["passed"] > 0 and counts["failed"] == counts["errors"] == counts["skipped"] == 0
+
+
 def read_memory(folder: Path) -> tuple[Cases, list[str]]:
     log = folder / "memory" / "test_gpu_memory.log"
     text = log.read_text(errors="replace") if log.exists() else ""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", text.splitlines()[-1] if text else "")}
+    counts = pytest_counts(text)
     cost = _json(folder / "memory" / "memory_hook_cost.json")
-    m: dict[str, Any] = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
-                         "tests_pass": bool(text) and counts.get("passed", 0) > 0 and not counts.get("failed")
-                         and not counts.get("error") and not counts.get("errors")}
+    m: dict[str, Any] = {"passed": counts["passed"], "failed": counts["failed"], "skipped": counts["skipped"],
+                         "tests_pass": bool(text) and tests_pass(counts)}
     m.update({k: v for k, v in cost.items() if isinstance(v, int | float)})
     for side in ("hooked", "plain"):  # what the hooks cost an allocation and a training step, and without them
         m.update({f"{side}_{k}": v for k, v in (cost.get(side) or {}).items() if isinstance(v, int | float)})

@@ -4,10 +4,11 @@ readers' notes where a script's internal repeats are not all read."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import bench_module, suites, verdicts
+from benchrig import bench_module, readers, suites, verdicts
 
 PAIRS = suites.BY_NAME["pairs"].targets
 CLOUD = suites.BY_NAME["cloud-gaming"].targets
@@ -106,3 +107,28 @@ def test_the_expected_cases_are_the_ones_the_suites_commands_produce() -> None:
     assert len(suites.BY_NAME["mixed"].expected) == 13  # 5 pairs at 3 weights, less client8+client8 and frame+frame 1:3
     assert "client8+client8 1:3" not in suites.BY_NAME["mixed"].expected
     assert suites.BY_NAME["overhead"].expected == ("cuda alone", "render alone")
+
+
+# ------------------------------------------------------------------------------------------------ the memory suite's log
+
+VERBOSE = "tests/test_gpu_memory.py::test_oom PASSED\nsome test's output: 3 passed to the hook\n"
+
+
+@pytest.mark.parametrize(("log", "counts", "passes"), [
+    pytest.param(VERBOSE + "===== 4 passed in 64.88s (0:01:04) =====\n", (4, 0, 0), True, id="pytest's closing line"),
+    pytest.param(VERBOSE + "===== 4 passed in 64.88s (0:01:04) =====\nexit 0\n", (4, 0, 0), True,
+                 id="a line after pytest's summary"),
+    pytest.param(VERBOSE + "==== 1 passed, 40 skipped in 2.10s ====\n", (1, 0, 40), False, id="skipped tests"),
+    pytest.param(VERBOSE + "= 1 failed, 3 passed, 1 error in 9.0s =\ndone\n", (3, 1, 0), False, id="a failure"),
+    pytest.param(VERBOSE + "==== 4 passed, 1 error in 3.00s ====\n", (4, 0, 0), False, id="an error"),
+    pytest.param("....\n4 passed in 1.20s\nwrapper: finished\n", (4, 0, 0), True, id="-q's bare summary"),
+    pytest.param(VERBOSE, (0, 0, 0), False, id="no summary: pytest did not finish"),
+])
+def test_the_memory_suite_reads_pytests_summary_line_and_skips_do_not_pass(
+        tmp_path: Path, log: str, counts: tuple[int, int, int], passes: bool) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "test_gpu_memory.log").write_text(log)
+    cases, _ = readers.read_memory(tmp_path)
+    m = cases["tests/test_gpu_memory.py"]
+    assert m["tests_pass"] is passes
+    assert (m["passed"], m["failed"], m.get("skipped")) == counts
