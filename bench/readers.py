@@ -82,7 +82,20 @@ def read_gpu_pairs(folder: Path) -> tuple[Cases, list[str]]:
     return cases, [*data.get("errors", []), *data.get("warnings", []), *notes]
 
 
+def unread_repeats(runs: dict[str, int], script: str, unit: str, kept: str) -> list[str]:
+    """A note where a script repeated runs internally (`runs`: how many each of its pairs or batches, the `unit`,
+    had) and the reader keeps one of each (`kept`): the round's verdicts rest on that one, the others are only in
+    the raw outputs."""
+    many = {case: n for case, n in runs.items() if n > 1}
+    if not many:
+        return []
+    return [f"{script} ran {len(many)} of {len(runs)} {unit} more than once in its own rounds (up to "
+            f"{max(many.values())} runs each): only the {kept} run of each is read"]
+
+
 def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
+    """bench/mixed_engines.py's results.json: per pair at its weights, its last run (a note says so where its own
+    --rounds ran more), and every round's alone rates."""
     data = _json(step_folder(folder) / "results.json")
     cases: Cases = {}
     for key, runs in (data.get("runs") or {}).items():
@@ -91,13 +104,14 @@ def read_mixed_engines(folder: Path) -> tuple[Cases, list[str]]:
                       "error_pts": r["error_pts"], "sum": r["sum"], "guarantee": r["guarantee"]}
     for k, solo in enumerate(data.get("solo") or []):
         cases.setdefault("alone", {}).update({f"{m} (round {k + 1})": v for m, v in solo.items()})
-    return cases, []
+    counts = {key: len(runs) for key, runs in (data.get("runs") or {}).items()}
+    return cases, unread_repeats(counts, "mixed_engines.py (--rounds)", "pairs", "last")
 
 
 def read_online(folder: Path) -> tuple[Cases, list[str]]:
     """scenarios.py's online results: per batch and setup, p99 / alone, the top of that run's distribution-free
     90% interval of it (shown, not judged: see ONLINE_TARGETS) and the trainer's rate kept against its own alone
-    run."""
+    run; of its own rounds (--repeat) the first only, and a note says so where there were more."""
     online = ((_json(step_folder(folder) / "results.json").get("scenarios") or {}).get("online") or {})
     cases: Cases = {}
     for batch, runs in (online.get("batches") or {}).items():
@@ -109,7 +123,9 @@ def read_online(folder: Path) -> tuple[Cases, list[str]]:
                                               "trainer_kept": s.get("offline_kept")}
     errors = [f"{b} {k}: {v['error']}" for b, runs in (online.get("batches") or {}).items()
               for k, v in runs.items() if isinstance(v, dict) and v.get("error")]
-    return cases, errors
+    counts = {f"b{batch}": len((runs.get("derived") or {}).get("per_round") or [])
+              for batch, runs in (online.get("batches") or {}).items()}
+    return cases, [*errors, *unread_repeats(counts, "scenarios.py (--repeat)", "batches", "first")]
 
 
 def weighted_shares(total: float, weights: list[float], cap: float) -> list[float]:

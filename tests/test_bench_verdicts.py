@@ -4,6 +4,7 @@ readers' notes where a script's internal repeats are not all read."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,49 @@ def test_the_memory_suite_reads_pytests_summary_line_and_skips_do_not_pass(
     m = cases["tests/test_gpu_memory.py"]
     assert m["tests_pass"] is passes
     assert (m["passed"], m["failed"], m.get("skipped")) == counts
+
+
+# ------------------------------------------------------------------------------------------------ internal repeats
+
+
+def _results(folder: Path, data: dict[str, Any]) -> Path:
+    (folder / "step").mkdir()
+    (folder / "step" / "results.json").write_text(json.dumps(data))
+    return folder
+
+
+def _mixed_run(error: float) -> dict[str, Any]:
+    return {"normalized": [0.5, 0.5], "error_pts": error, "sum": 1.0, "guarantee": True}
+
+
+@pytest.mark.parametrize(("repeats", "notes"), [
+    (1, []),
+    (3, ["mixed_engines.py (--rounds) ran 2 of 2 pairs more than once in its own rounds (up to 3 runs each): only "
+         "the last run of each is read"]),
+])
+def test_mixed_says_when_only_the_last_of_its_own_rounds_is_read(tmp_path: Path, repeats: int,
+                                                                  notes: list[str]) -> None:
+    runs = [_mixed_run(float(k)) for k in range(1, repeats + 1)]
+    data = {"solo": [{"frame": 60.0}], "runs": {"frame+render 1:1": runs, "frame+frame 1:1": runs}}
+    cases, got = readers.read_mixed_engines(_results(tmp_path, data))
+    assert cases["frame+render 1:1"]["error_pts"] == float(repeats)  # what is read is unchanged: the last
+    assert got == notes
+
+
+def _online_round(p99_x: float) -> dict[str, Any]:
+    return {"alone_p99_ms": 9.0, "setups": {"unisched kernel": {"p99_ms": 9.0 * p99_x, "p99_x_alone": p99_x,
+                                                                "p99_x_bounds": [1.0, 1.2], "offline_kept": 0.9}}}
+
+
+@pytest.mark.parametrize(("repeats", "notes"), [
+    (1, []),
+    (2, ["scenarios.py (--repeat) ran 1 of 1 batches more than once in its own rounds (up to 2 runs each): only the "
+         "first run of each is read"]),
+])
+def test_online_says_when_only_the_first_of_its_own_rounds_is_read(tmp_path: Path, repeats: int,
+                                                                    notes: list[str]) -> None:
+    per_round = [_online_round(1.0 + k / 10) for k in range(repeats)]
+    data = {"scenarios": {"online": {"batches": {"1": {"derived": {"per_round": per_round}}}}}}
+    cases, got = readers.read_online(_results(tmp_path, data))
+    assert cases["b1 unisched kernel"]["p99_x_alone"] == 1.0  # what is read is unchanged: the first
+    assert got == notes
