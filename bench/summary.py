@@ -27,7 +27,7 @@ from typing import Any
 from _results import save_json, write_atomic
 from charges import charges_md
 from suites import SUITES, Suite
-from verdicts import Verdict, judge_all, overall, stats_of
+from verdicts import MEASURED, Verdict, judge_all, overall, stats_of, unmeasured
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -108,11 +108,17 @@ RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "d
 def build(suite: Suite, rounds: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
     """summary.json's content from the rounds (each: round, steps, cases, notes), verdicts recomputed from all."""
     cases = [r["cases"] for r in rounds]
-    verdicts = judge_all(suite.targets, cases)
+    # a case the suite runs that no round has fails (a stand-in or a part of the suite runs fewer, by design)
+    missing = unmeasured(() if meta.get("standin") or is_subset(meta) else suite.expected, cases) if rounds else []
+    verdicts = judge_all(suite.targets, cases) + missing
     settled = len(rounds) >= suite.rounds  # fewer rounds than the suite's least decide nothing yet
+    targets = [{"name": t.name, "text": t.text, "metric": t.metric, "stat": t.stat, "op": t.op, "limit": t.limit}
+               for t in suite.targets]
+    if missing:  # shown where it failed, in the report and the table, as a target of its own
+        targets.append({"name": MEASURED, "text": missing[0].text, "metric": "", "stat": "every", "op": ">=",
+                        "limit": 1})
     return {**meta, "suite": suite.name, "measures": suite.measures, "rounds_least": suite.rounds,
-            "targets": [{"name": t.name, "text": t.text, "metric": t.metric, "stat": t.stat, "op": t.op,
-                         "limit": t.limit} for t in suite.targets],
+            "targets": targets,
             "rounds": rounds, "stats": stats_of(cases), "verdicts": [v.to_json() for v in verdicts],
             "passed": overall(verdicts) if suite.targets and settled else None}
 
@@ -180,12 +186,13 @@ def report_md(s: dict[str, Any]) -> str:
         bad = [f"`{st['name']}` exit status {st['rc']}" for st in r["steps"] if st["rc"] != 0]
         lines += [""] + [f"- {n}" for n in [*bad, *r.get("notes", [])]] + ([""] if bad or r.get("notes") else [])
     lines += charges_md(s["rounds"])
-    lines += ["## Over the rounds", "", "| case | metric | median | lowest | highest | 90% interval of the mean |",
-              "|---|---|---|---|---|---|"]
+    lines += ["## Over the rounds", "", "| case | metric | rounds | median | lowest | highest | 90% interval of the mean |",
+              "|---|---|---|---|---|---|---|"]
     for case, metrics in s["stats"].items():
         for name, d in metrics.items():
             iv = d.get("interval90")
-            lines.append(f"| {case} | {name} | {_num(d['median'])} | {_num(d['min'])} | {_num(d['max'])} | "
+            lines.append(f"| {case} | {name} | {d.get('n', '?')} of {len(s['rounds'])} | {_num(d['median'])} | "
+                         f"{_num(d['min'])} | {_num(d['max'])} | "
                          f"{'n/a' if iv is None else f'{_num(iv[0])} to {_num(iv[1])}'} |")
     lines += ["", "The commands of a round:", ""]
     lines += [f"- `{shlex.join(st['argv'])}`" for st in (s["rounds"][0]["steps"] if s["rounds"] else [])]
@@ -286,26 +293,37 @@ def plot(folder: Path, s: dict[str, Any]) -> list[str]:
 
 SUBSET_ARGS = ("--pairs", "--weights")
 """Arguments passed on to a suite's scripts (after `--`) that run only part of its plan."""
-SETTING_ARGS = ("--serve-arg", "--slice-ms")
-"""Arguments passed on to a suite's scripts (after `--`) that give their daemons settings other than the defaults."""
+KEEPING_ARGS = ("--logs",)
+"""Arguments passed on to a suite's scripts (after `--`), each with its value, that only keep more of what happened
+(a folder for the logs): what is measured is the suite's. Any other argument there makes the run a variant."""
 
 
-def _passes(s: dict[str, Any], names: tuple[str, ...]) -> bool:
-    """Whether a summary's command passed one of `names` on to the suite's scripts (after `--`)."""
-    words = str(s.get("command", "")).split()
-    passed = words[words.index("--") + 1:] if "--" in words else []
-    return any(w == a or w.startswith(a + "=") for w in passed for a in names)
+def _passed(s: dict[str, Any]) -> list[str]:
+    """The words a summary's command passed on to the suite's scripts (after `--`)."""
+    words = shlex.split(str(s.get("command", "")))
+    return words[words.index("--") + 1:] if "--" in words else []
+
+
+def _names(words: list[str], names: tuple[str, ...]) -> bool:
+    return any(w == a or w.startswith(a + "=") for w in words for a in names)
 
 
 def is_subset(s: dict[str, Any]) -> bool:
     """Whether a summary's run measured only part of its suite (SUBSET_ARGS after `--` in its command)."""
-    return _passes(s, SUBSET_ARGS)
+    return _names(_passed(s), SUBSET_ARGS)
 
 
 def is_variant(s: dict[str, Any]) -> bool:
-    """Whether a summary's daemons ran with settings other than the defaults (the runner's --serve-arg, or
-    SETTING_ARGS after `--`): a result of those settings, not of what a user gets."""
-    return bool(s.get("serve_args")) or _passes(s, SETTING_ARGS)
+    """Whether a summary's run measured something other than the suite as it is (the runner's --serve-arg, or any
+    argument after `--` but KEEPING_ARGS and SUBSET_ARGS: other daemon settings, windows, workloads, repeats): a
+    result of those, not of what the suite measures."""
+    rest, words = [], iter(_passed(s))
+    for w in words:
+        if w in KEEPING_ARGS or w in SUBSET_ARGS:
+            next(words, None)  # (its value)
+        elif not _names([w], KEEPING_ARGS + SUBSET_ARGS):
+            rest.append(w)
+    return bool(s.get("serve_args")) or bool(rest)
 
 
 def history_gap() -> str | None:
@@ -364,20 +382,23 @@ def _unsettled(s: dict[str, Any]) -> str:
     return f" of the {least} the suite needs: not settled until then" if n < least else ""
 
 
-def _worst(vs: Sequence[dict[str, Any]], op: str) -> dict[str, Any]:
+def _worst(vs: Sequence[dict[str, Any]], op: str, stat: str = "") -> dict[str, Any]:
     """The case that failed a target (else could not be judged, else met it) by the most, or came nearest its
-    limit: the highest value where the target is an upper bound (`op` "<="), the lowest where it is a lower one."""
+    limit: the highest value where the target is an upper bound (`op` "<="), the lowest where it is a lower one;
+    for a target of every round (`stat` "every", whose value is the rounds that missed it), the most rounds missed."""
     bad = [v for v in vs if v["passed"] is False] or [v for v in vs if v["passed"] is None] or list(vs)
     numeric = [v for v in bad if isinstance(v["value"], int | float) and not isinstance(v["value"], bool)]
     if not numeric:
         return bad[0]
-    return max(numeric, key=lambda v: float(v["value"]) if op.startswith("<") else -float(v["value"]))
+    higher_is_worse = stat == "every" or op.startswith("<")
+    return max(numeric, key=lambda v: float(v["value"]) if higher_is_worse else -float(v["value"]))
 
 
-def _worst_label(v: dict[str, Any]) -> str:
-    """A case's verdict, with its value where it met the target (a failure's detail already says it)."""
+def _worst_label(v: dict[str, Any], stat: str = "") -> str:
+    """A case's verdict, with its value where it met the target (a failure's detail already says it; a target of
+    every round that was met in all has no value to show)."""
     label = Verdict(**v).label()
-    return f"{label} ({_num(v['value'])})" if v["passed"] is True else label
+    return f"{label} ({_num(v['value'])})" if v["passed"] is True and stat != "every" else label
 
 
 def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
@@ -403,9 +424,9 @@ def results_table(results: Path = RESULTS, link_from: Path = ROOT) -> str:
                 continue
             met = sum(1 for v in vs if v["passed"] is True)
             count = f"{met} of {len(vs)}" if n >= least else f"not settled ({met} of {len(vs)} so far)"
-            w = _worst(vs, t["op"])
+            w = _worst(vs, t["op"], t.get("stat", ""))
             lines.append(f"| {suite.name} | {t['text']} | {count} | {w['case']}: "
-                         f"{_worst_label(w)} | {link}, {rounds} |")
+                         f"{_worst_label(w, t.get('stat', ''))} | {link}, {rounds} |")
     return "\n".join(lines) + "\n"
 
 

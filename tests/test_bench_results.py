@@ -266,6 +266,22 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     assert summary.readme_table(summary.with_table(readme, table)) == table
 
 
+@pytest.mark.parametrize(("passed_on", "variant"), [
+    ("", False),
+    ("-- --logs /tmp/logs", False),  # keeps more of what happened: the suite as it is
+    ("-- --logs=/tmp/logs --pairs cuda1:1", False),  # part of the suite (is_subset keeps it out of the table)
+    ("-- --slice-ms 10", True),
+    ("-- --engine user", True),  # another workload
+    ("-- --seconds 3 --unisched-warmup 0", True),  # other windows
+    ("-- --online-batches 1", True),
+    ("-- --rounds 3", True),  # the script's own repeats, of which its reader keeps one
+    ("-- --logs /tmp/logs --serve-arg=--log-level --serve-arg=debug", True),
+])
+def test_any_argument_passed_on_to_a_suites_scripts_makes_a_variant_but_those_that_keep_logs(
+        passed_on: str, variant: bool) -> None:
+    assert summary.is_variant({"command": f"python3 bench/run.py pairs --rounds 3 {passed_on}"}) is variant
+
+
 def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(tmp_path: Path) -> None:
     """A control run of an older commit, made after the newer commit's run (an A/B on one machine), does not stand
     for the code as it is; of one commit the newest run does; commits outside the history come after."""
@@ -323,12 +339,66 @@ def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_p
     assert "3 of 3" in row and "socket b: PASS (0.45)" in row
 
 
+def test_the_tables_worst_case_of_an_every_round_target_is_the_one_that_missed_in_the_most_rounds(tmp_path: Path) -> None:
+    """Overlap's guarantee: 1:1 missed in 1 round of 3, 3:1 in all 3; the table names 3:1 (not the least bad)."""
+    suite = suites.BY_NAME["overlap"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+
+    def rnd(k: int, one_to_one: bool) -> dict[str, Any]:
+        case = {"contending": False, "sum_vs_no_scheduler": 0.0}
+        return {"round": k, "date_utc": str(k), "steps": [], "notes": [],
+                "cases": {"cuda+render 1:1": {**case, "guarantee": one_to_one},
+                          "cuda+render 3:1": {**case, "guarantee": False},
+                          "cuda+render 1:3": {**case, "guarantee": True}}}
+
+    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "overlap",
+                  summary.build(suite, [rnd(1, False), rnd(2, True), rnd(3, True)], meta))
+    rows = [x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines() if x.startswith("| overlap |")]
+    guarantee = next(x for x in rows if "weight share" in x)
+    assert "1 of 3" in guarantee and "cuda+render 3:1: FAIL: missed in 3 of 3 rounds" in guarantee
+    met = {"case": "c", "target": "t", "text": "t", "value": 0.0, "passed": True, "detail": ""}
+    assert summary._worst_label(met, "every") == "PASS"  # not "PASS (0)": the 0 counts rounds missed
+    assert summary._worst_label(met, "worst") == "PASS (0)"
+
+
+def test_a_case_the_suite_runs_that_no_round_measured_fails_in_the_summary_and_the_table(tmp_path: Path) -> None:
+    """Overlap runs three pairs; rounds that hold two read as missing the third, not as all met. A part of the
+    suite (`-- --pairs`) is not held to the cases it left out."""
+    suite = suites.BY_NAME["overlap"]
+    meta = {"command": "python3 bench/run.py overlap", "machine": summary.machine(), "commit": "a" * 40,
+            "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
+    case = {"contending": False, "guarantee": True, "sum_vs_no_scheduler": 0.0}
+    rnd = {"round": 1, "date_utc": "1", "steps": [], "notes": [],
+           "cases": {"cuda+render 1:1": case, "cuda+render 3:1": case}}
+    s = summary.build(suite, [rnd] * 3, meta)
+    assert s["passed"] is False
+    assert [(v["case"], v["detail"]) for v in s["verdicts"] if not v["passed"]] == \
+        [("cuda+render 1:3", "not measured in any round")]
+    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "overlap", s)
+    row = next(x for x in summary.results_table(tmp_path, link_from=tmp_path).splitlines() if "every case" in x)
+    assert "0 of 1" in row and "cuda+render 1:3: FAIL: not measured in any round" in row
+    part = summary.build(suite, [rnd] * 3, {**meta, "command": "python3 bench/run.py overlap -- --pairs cuda1:1"})
+    assert part["passed"] is True
+
+
+def test_the_reports_statistics_say_how_many_rounds_each_is_over() -> None:
+    """ad-sim has no target: a round without a metric would narrow its statistics unseen."""
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+    rounds = [{"round": k, "date_utc": str(k), "steps": [], "notes": [],
+               "cases": {"stages": {"fps": 30.0 + k} if k != 2 else {}}} for k in (1, 2, 3)]
+    report = summary.report_md(summary.build(suites.BY_NAME["ad-sim"], rounds, meta))
+    assert "| stages | fps | 2 of 3 | 32 | 31 | 33 |" in report
+
+
 def test_a_run_with_fewer_rounds_than_its_suite_needs_is_not_settled(tmp_path: Path) -> None:
     """Overhead needs 5 rounds: after 1 that met every target, neither the report nor the table says it passed."""
     suite = suites.BY_NAME["overhead"]
     meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
-    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"cuda alone": {"loss": 0.001}}}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"cuda alone": {"loss": 0.001},
+                                                                          "render alone": {"loss": -0.002}}}
     folder = tmp_path / "2026-01-01-h200-aaaaaaa" / "overhead"
     summary.write(folder, summary.build(suite, [rnd], meta))
     s = json.loads((folder / "summary.json").read_text())

@@ -478,9 +478,11 @@ def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> 
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"N=24": old_case}}
     summary.write(folder, summary.build(suite, [rnd], meta))
-    assert {v["target"] for v in summary.load(folder)["verdicts"]} == {"FPS by weight", "1% lows"}
+    # (N=12, 36 and 48 not measured: a FAIL of their own, target "measured", beside what this test is about)
+    assert {v["target"] for v in summary.load(folder)["verdicts"]} == {"FPS by weight", "1% lows", "measured"}
     got = run_py("cloud-gaming", "--rescore", "--out", str(tmp_path / "run"))
     assert got.returncode == 0, got.stderr
     s = summary.load(folder)
-    assert s["rounds"][0]["cases"]["N=24"]["host_bound"] is True and s["verdicts"] == []
+    assert s["rounds"][0]["cases"]["N=24"]["host_bound"] is True
+    assert [v["case"] for v in s["verdicts"]] == ["N=12", "N=36", "N=48"]  # only the sizes never measured
     assert (folder / "raw.tar.xz").read_bytes() == archived and not (folder / "raw").exists()
