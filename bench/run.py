@@ -322,15 +322,16 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
               f"--serve-arg, not {shlex.join(serve_args) or 'none'}: give another --out", file=sys.stderr)
         return 2
     command = shlex.join(["python3", "bench/run.py", *args.argv])
-    if before is not None and (why := resume_refusal(before, mach, head, command, args.cpu_standin)):
+    code = sm.code_hash()
+    if before is not None and (why := resume_refusal(before, mach, head, command, args.cpu_standin, code)):
         print(f"run.py: {folder} holds rounds {why}: give another --out (bench/README.md)", file=sys.stderr)
         return 2
     done: list[dict[str, Any]] = list(before["rounds"]) if before else []
     sm.unpack_raw(folder)
     call = {"command": command, "date_utc": utc_now(), "host": mach["host"], "cpu": mach["cpu"],
             "kernel": mach["kernel"]}
-    meta = {"command": command, "machine": mach, **head, "standin": args.cpu_standin, "serve_args": list(serve_args),
-            "date_utc": call["date_utc"]}
+    meta = {"command": command, "machine": mach, **head, "code": code, "standin": args.cpu_standin,
+            "serve_args": list(serve_args), "date_utc": call["date_utc"]}
     if before is not None:  # the first call's command and date stand for the run; each round names its own call
         meta.update({k: before[k] for k in ("command", "date_utc", "merged", "rescored", "aborted") if before.get(k)})
         meta.update(cut_short(before))
@@ -359,11 +360,13 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def resume_refusal(before: dict[str, Any], mach: dict[str, Any], head: dict[str, Any], command: str,
-                   standin: bool) -> str:
+                   standin: bool, code: str = "") -> str:
     """Why a folder's rounds cannot be added to by this call ("" where they can): every round of a run must measure
     the same code, on the same GPUs and drivers, with the same command but for how long it may take."""
     if before.get("dirty") or head.get("dirty"):
         return "or would get rounds of a tree with uncommitted changes, whose code no commit names"
+    if before.get("code") and code != before["code"]:
+        return "of other code (its Python files differ from this tree's, though both name the same commit)"
     if sm.gpu_names(before.get("machine") or {}) != sm.gpu_names(mach):
         return (f"measured on {sm.gpu_names(before.get('machine') or {}) or 'no GPU'}, not on "
                 f"{sm.gpu_names(mach) or 'no GPU'}")

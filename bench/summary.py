@@ -10,6 +10,7 @@ of the newest code measured (`latest`), between the markers README_BEGIN and REA
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import io
 import json
 import math
@@ -74,6 +75,44 @@ def machine() -> dict[str, Any]:
             "gpu": found[0]["name"] if found else None, "driver": found[0]["driver"] if found else None}
 
 
+CODE_DIRS = ("unisched", "clients", "bench", "examples")
+"""Where the code a run measures lives (its Python files; bench/results, the runs' records, left out)."""
+
+
+def _code_digest(files: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for name, data in sorted(files):
+        h.update(name.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()
+
+
+def code_hash(root: Path = ROOT) -> str:
+    """A digest of the code in the tree a run measures, so that the commit it names (`--commit`, given by hand where
+    the tree has no git metadata) can be checked against it later (`code_hash_at`)."""
+    files = [p for d in CODE_DIRS for p in sorted((root / d).rglob("*.py"))
+             if "__pycache__" not in p.parts and not p.relative_to(root).as_posix().startswith("bench/results/")]
+    return _code_digest([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
+
+
+def code_hash_at(rev: str, root: Path = ROOT) -> str | None:
+    """`code_hash` of commit `rev`'s tree, from git; None where git cannot say (no such commit, no git)."""
+    try:
+        names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "--", *CODE_DIRS], cwd=root,
+                               capture_output=True, check=True, timeout=60).stdout.decode().splitlines()
+        names = [n for n in names if n.endswith(".py") and not n.startswith("bench/results/")]
+        blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input="".join(f"{rev}:{n}\n" for n in names)
+                               .encode(), capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    files, at = [], 0
+    for n in names:
+        header_end = blobs.index(b"\n", at)
+        size = int(blobs[at:header_end].split()[2])
+        files.append((n, blobs[header_end + 1:header_end + 1 + size]))
+        at = header_end + 1 + size + 1
+    return _code_digest(files)
+
+
 def commit() -> dict[str, Any]:
     head = _cmd("git", "rev-parse", "HEAD")
     dirty = bool(_cmd("git", "status", "--porcelain", "--untracked-files=no"))
@@ -100,8 +139,8 @@ def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: 
 # ------------------------------------------------------------------------------------------------ summary
 
 
-RUN_META = ("command", "machine", "commit", "dirty", "standin", "serve_args", "date_utc", "raw", "rescored", "merged",
-            "aborted")
+RUN_META = ("command", "machine", "commit", "dirty", "code", "standin", "serve_args", "date_utc", "raw", "rescored",
+            "merged", "aborted")
 """A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
 
 

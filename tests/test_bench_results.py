@@ -427,6 +427,27 @@ def test_every_run_the_table_shows_holds_the_verdicts_its_rounds_give_by_the_cur
             assert again[key] == s[key], f"{folder}: its stored {key} are not what its rounds give: rescore it"
 
 
+def test_the_code_hash_of_a_clean_tree_is_its_commits() -> None:
+    """What a run records of the tree it measured (`code`) is what the commit it names holds, so a test can hold a
+    run's `--commit` to its code."""
+    if (gap := summary.history_gap()) is not None:
+        pytest.skip(gap)
+    changed = subprocess.run(["git", "status", "--porcelain", "--", *summary.CODE_DIRS], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+    if changed.strip():
+        pytest.skip(f"the tree's code has uncommitted changes: {changed.splitlines()[0]}")
+    assert summary.code_hash() == summary.code_hash_at("HEAD")
+    assert summary.code_hash_at("HEAD~1") is not None and summary.code_hash_at("no-such-commit") is None
+
+
+def test_every_run_the_table_shows_measured_the_code_of_the_commit_it_names() -> None:
+    if (gap := summary.history_gap()) is not None:
+        pytest.skip(gap)
+    for folder, s in summary.latest().values():
+        if s.get("code"):  # (runs before the runner recorded it have none)
+            assert summary.code_hash_at(s["commit"]) == s["code"], f"{folder}: its code is not {s['commit']}'s"
+
+
 def test_the_readme_table_is_the_generated_one() -> None:
     if (gap := summary.history_gap()) is not None:
         pytest.skip(gap)

@@ -320,7 +320,7 @@ def _machine(kernel: str, gpu: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:
 
 
 def _call(run: Any, monkeypatch: pytest.MonkeyPatch, out: Path, argv: list[str], machine: dict[str, Any],
-          rounds: list[float | BaseException], dirty: bool = False) -> int:
+          rounds: list[float | BaseException], dirty: bool = False, code: str = "c0de") -> int:
     """run_suite for the leases suite as one call of `bench/run.py leases ARGV` on `machine`, each round measuring the
     next of `rounds` (a p99) or raising it."""
     feed = iter(rounds)
@@ -336,6 +336,7 @@ def _call(run: Any, monkeypatch: pytest.MonkeyPatch, out: Path, argv: list[str],
     monkeypatch.setattr(run, "run_round", fake_round)
     monkeypatch.setattr(run.sm, "machine", lambda: machine)
     monkeypatch.setattr(run.sm, "commit", lambda: {"commit": "c" * 40, "dirty": dirty})
+    monkeypatch.setattr(run.sm, "code_hash", lambda: code)
     args, extra = run.parse_args(["leases", "--out", str(out), *argv])
     args.argv, args.t0 = ["leases", "--out", str(out), *argv], time.monotonic()
     return int(run.run_suite(suites.BY_NAME["leases"], args, extra))
@@ -364,6 +365,10 @@ def test_a_run_measured_by_several_calls_names_each_rounds_call_and_takes_rounds
             (["--rounds", "4", "--", "--seconds", "3"], _machine("v1294"), False, "another command"),
             (["--rounds", "4"], _machine("v1294"), True, "uncommitted changes")):
         assert _call(run, monkeypatch, tmp_path, argv, machine, [0.1], dirty=dirty) == 2, why
+        assert len(json.loads((folder / "summary.json").read_text())["rounds"]) == 3, why
+    for code in ("other", "c0de"):  # a tree whose code differs though it names the same commit; then the same code
+        assert _call(run, monkeypatch, tmp_path, ["--rounds", "4"], _machine("v1294"), [0.1], code=code) == \
+            (2 if code == "other" else 0), code
         assert len(json.loads((folder / "summary.json").read_text())["rounds"]) == 3, why
 
 
