@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from unisched.transport.claim import SocketInUse, _squatted, claim_socket, claim_state_dir
+from unisched.transport.claim import LockSquatted, SocketInUse, _squatted, claim_socket, claim_state_dir
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="taking a lock as another user needs root")
 
@@ -76,6 +76,37 @@ def test_a_lock_a_user_holds_on_an_older_readable_lock_file_is_taken_from_it(ope
     finally:
         _end(squatter)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unisched.sock.lock"]  # no temp file left
+
+
+@needs_root
+def test_the_daemon_takes_a_squatted_socket_lock_only_once_it_holds_its_state_directory(open_dir: Path) -> None:
+    """Two daemons starting at once could each replace the squatted file, the second over the first's: the
+    replacement waits for the state directory's lock, which only one of them gets (daemon._claim)."""
+    from unisched.daemon import StartError, _claim
+    from unisched.scheduler.config import DaemonConfig
+
+    sock, state = open_dir / "unisched.sock", open_dir / "state"
+    lock = open_dir / "unisched.sock.lock"
+    lock.write_text("1\n")
+    lock.chmod(0o644)
+    squatter = _holder(lock, user=65534)
+    try:
+        old = lock.stat().st_ino
+        with pytest.raises(LockSquatted):
+            claim_socket(str(sock), replace=False)
+        assert lock.stat().st_ino == old  # left as it was
+        held = claim_state_dir(str(state))  # another daemon of this state directory is starting
+        config = DaemonConfig(socket=str(sock), lease_socket=str(open_dir / "lease.sock"), state_dir=str(state))
+        with pytest.raises(StartError, match="keeps its state in"):
+            _claim(config)
+        assert lock.stat().st_ino == old  # it did not replace the socket's lock before it was refused
+        held.release()
+        claims = _claim(config)
+        assert lock.stat().st_ino != old
+        for c in claims:
+            c.release()
+    finally:
+        _end(squatter)
 
 
 @needs_root

@@ -39,7 +39,7 @@ from unisched.sdnotify import Notifier
 from unisched.telemetry import GpuTelemetry, NoGpuTelemetry
 from unisched.telemetry.standin import CpuStandIn
 from unisched.transport.carry import Carried, ListenerCarry
-from unisched.transport.claim import SocketClaim, SocketInUse, claim_socket, claim_state_dir
+from unisched.transport.claim import LockSquatted, SocketClaim, SocketInUse, claim_socket, claim_state_dir
 from unisched.transport.server import serve
 
 __all__ = ["EXIT_BAD_CONFIG", "EXIT_FAILED", "StartError", "check_host", "log_orphans", "run", "say_orphans"]
@@ -129,12 +129,19 @@ def check_host(config: DaemonConfig) -> list[int]:
 
 
 def _claim(config: DaemonConfig) -> list[SocketClaim]:
-    """Each socket the daemon serves on (gRPC, lease stream), and its state directory, locked for its life."""
+    """Each socket the daemon serves on (gRPC, lease stream), and its state directory, locked for its life. A socket's
+    lock that only processes that cannot be a daemon hold (a pod's: the sockets' directory is mounted into pods) is
+    taken from them once the state directory's lock is held, so that two daemons starting at once do not both."""
     claims: list[SocketClaim] = []
+    squatted: list[str] = []
     try:
         for path in (config.socket, config.lease_socket):
-            claims.append(claim_socket(path))
+            try:
+                claims.append(claim_socket(path, replace=False))
+            except LockSquatted:
+                squatted.append(path)
         claims.append(claim_state_dir(config.state_dir))
+        claims += [claim_socket(path) for path in squatted]
     except (SocketInUse, OSError) as e:
         for claim in claims:
             claim.release()

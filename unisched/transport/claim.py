@@ -23,8 +23,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "make_private_directory", "replace_stale_socket",
-           "socket_answers"]
+__all__ = ["LockSquatted", "SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "make_private_directory",
+           "replace_stale_socket", "socket_answers"]
 
 CONNECT_TIMEOUT_S = 2.0
 """A live daemon accepts a Unix connection at once (the kernel queues it); 2 s covers one busy on 2 cores."""
@@ -32,6 +32,11 @@ CONNECT_TIMEOUT_S = 2.0
 
 class SocketInUse(RuntimeError):
     """Another daemon serves on this socket; the message says which and what to do."""
+
+
+class LockSquatted(SocketInUse):
+    """Only processes that cannot be a daemon hold the lock (`_squatted`): taken from them with `replace=True`, once
+    the caller holds its state directory's lock (so that two daemons starting at once cannot both replace it)."""
 
 
 @dataclass
@@ -120,10 +125,11 @@ def _holder(fd: int) -> str:
 PROC = Path("/proc")
 
 
-def _lock(lock_path: Path, taken: str, proc: Path = PROC) -> int:
+def _lock(lock_path: Path, taken: str, replace: bool = True, proc: Path = PROC) -> int:
     """The flock'ed fd of `lock_path` (made if need be, root's alone, never through a link), or SocketInUse: `taken`
     says what the holder does (with {holder} for who it is). A lock only processes that cannot be a daemon hold is
-    taken from them (`_squatted`): the file is replaced by a new one, locked before it takes the name."""
+    taken from them (`_squatted`) where `replace`: the file is replaced by a new one, locked before it takes the
+    name; else LockSquatted."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -134,6 +140,8 @@ def _lock(lock_path: Path, taken: str, proc: Path = PROC) -> int:
         os.close(fd)
         if not squatted:
             raise SocketInUse(taken.format(holder=holder)) from None
+        if not replace:
+            raise LockSquatted(f"{lock_path} is held by processes that cannot be a daemon ({holder})") from None
         return _replace_lock(lock_path)
     os.fchmod(fd, 0o600)  # (one made readable by an older version)
     return fd
@@ -175,10 +183,15 @@ def _replace_lock(lock_path: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.rename(tmp, lock_path)
+        if os.stat(lock_path).st_ino != os.fstat(fd).st_ino:  # replaced again meanwhile: not ours to run on
+            raise SocketInUse(f"{lock_path} was replaced by another process while this daemon took it")
     except OSError:
         os.close(fd)
         with contextlib.suppress(OSError):
             tmp.unlink()
+        raise
+    except SocketInUse:
+        os.close(fd)
         raise
     return fd
 
@@ -198,11 +211,12 @@ def claim_state_dir(directory: str) -> SocketClaim:
     return SocketClaim(lock_path, fd)
 
 
-def claim_socket(path: str) -> SocketClaim:
-    """Take `<path>.lock` and make sure nothing answers on `path`; SocketInUse otherwise."""
+def claim_socket(path: str, replace: bool = True) -> SocketClaim:
+    """Take `<path>.lock` and make sure nothing answers on `path`; SocketInUse otherwise (LockSquatted where only
+    processes that cannot be a daemon hold it and not `replace`)."""
     lock_path = Path(f"{path}.lock")
     fd = _lock(lock_path, f"another unisched daemon ({{holder}}) serves on {path} (it holds {lock_path}); "
-                          f"stop it first, or give this one its own --socket and --cgroup-subtree")
+                          f"stop it first, or give this one its own --socket and --cgroup-subtree", replace)
     if socket_answers(path):
         os.close(fd)
         raise SocketInUse(f"a daemon answers on {path} (without holding {lock_path}); "

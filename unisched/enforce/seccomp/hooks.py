@@ -69,7 +69,8 @@ MAX_LISTENERS_PER_USER: Final = 256
 """Listeners one non-root user (the caller that hands them over: `unisched run`'s uid, or a pod whatever uids its
 processes take) has served at once, all its tenants together. Each listener is a supervisor thread: a user with
 MAX_USER_TENANTS tenants could otherwise start 8,192, past a systemd service's default task limit, and the daemon
-could then start no thread for anyone. Root's (the container runtime's) are bounded per tenant only."""
+could then start no thread for anyone. Root's (the container runtime's) are bounded per tenant, and by
+MAX_LISTENERS with everyone's."""
 
 USER_TENANT_BOOKS: Final = 4
 """How many tenants' worth of books (TENANT_BOUNDS) the listeners one non-root user handed over may hold together."""
