@@ -424,6 +424,12 @@ def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
         print(f"run.py: {other}'s rounds are {folder}'s already (the same folder, or rounds of the same start): "
               "a round is counted once", file=sys.stderr)
         return 2
+    unfit = [f"{f} {why}" for f, s in ((folder, a), (other, b)) for why in (
+        "holds rounds of a tree with uncommitted changes" if s.get("dirty") else "",
+        "has a round under way, or cut off unrecorded (run it again to record it)" if s.get("in_progress") else "") if why]
+    if unfit or (a.get("code") and b.get("code") and a["code"] != b["code"]):
+        print(f"run.py: --add-rounds refused: {'; '.join(unfit) or 'their rounds measured other code'}", file=sys.stderr)
+        return 2
     same = ("commit", "serve_args", "standin")
     if any(a.get(k) != b.get(k) for k in same) or sm.gpu_names(a["machine"]) != sm.gpu_names(b["machine"]) \
             or _options(a["command"]) != _options(b["command"]):
@@ -443,6 +449,9 @@ def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
     meta = {k: a[k] for k in sm.RUN_META if k in a}
     meta["merged"] = [*(a.get("merged") or []),
                       {"rounds": [r["round"] for r in added], "date_utc": b["date_utc"], "why": why}]
+    cut = [*(a.get("aborted") or []), *({**x, "round": n + int(x["round"])} for x in b.get("aborted") or [])]
+    if cut:  # the other run's rounds cut short come with its rounds, numbered as they are
+        meta["aborted"] = cut
     result = sm.build(suite, [*a["rounds"], *added], meta)
     result["raw"] = sm.archive_raw(folder)
     return publish(suite, folder, result, f"added {len(added)} rounds: ")

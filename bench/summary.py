@@ -140,7 +140,7 @@ def run_folder(mach: dict[str, Any], head: dict[str, Any], standin: bool, when: 
 
 
 RUN_META = ("command", "machine", "commit", "dirty", "code", "standin", "serve_args", "date_utc", "raw", "rescored",
-            "merged", "aborted")
+            "merged", "aborted", "in_progress")
 """A summary's keys that describe the run itself (what build adds is recomputed from the rounds)."""
 
 
@@ -396,13 +396,14 @@ def latest(results: Path = RESULTS, history: Sequence[str] | None = None) -> dic
     so that a run of older code made afterwards (a control for a comparison) does not stand for the code as it is;
     runs of commits outside the history come after, newest date first. Stand-in runs never count, nor do runs of
     part of a suite (is_subset): the table would show a few cases as if they were all of it; nor variants
-    (is_variant): it shows what the defaults do."""
+    (is_variant): it shows what the defaults do; nor a run with no round yet."""
     commits = _history() if history is None else history
     found: dict[str, tuple[tuple[bool, int, str, str], Path, dict[str, Any]]] = {}  # suite -> its best's recency, run
     for path in sorted(results.glob(f"*/*/{SUMMARY}")):
         s = load(path.parent)
-        if s is None or s.get("standin") or is_subset(s) or is_variant(s) or s.get("suite") not in {x.name for x in SUITES}:
-            continue
+        if (s is None or not s.get("rounds") or s.get("standin") or is_subset(s) or is_variant(s)
+                or s.get("suite") not in {x.name for x in SUITES}):
+            continue  # (a run with no round yet: one stopped or killed in its first)
         recency = _recency(s, path, commits)
         if s["suite"] not in found or recency >= found[s["suite"]][0]:
             found[s["suite"]] = (recency, path.parent, s)

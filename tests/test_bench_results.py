@@ -282,6 +282,19 @@ def test_any_argument_passed_on_to_a_suites_scripts_makes_a_variant_but_those_th
     assert summary.is_variant({"command": f"python3 bench/run.py pairs --rounds 3 {passed_on}"}) is variant
 
 
+def test_a_run_with_no_round_yet_does_not_stand_for_its_suite(tmp_path: Path) -> None:
+    """A newer commit's run stopped or killed in its first round leaves a summary with no round: the measured run
+    stays in the table."""
+    suite = suites.BY_NAME["leases"]
+    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+            "date_utc": "2026-01-01 10:00:00"}
+    rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"round trip, 1 tenant": {"p99_ms": 0.3}}}
+    summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "leases", summary.build(suite, [rnd] * 3, meta))
+    summary.write(tmp_path / "2026-01-02-h200-bbbbbbb" / "leases",
+                  summary.build(suite, [], {**meta, "commit": "b" * 40, "in_progress": {"round": 1, "date_utc": "t"}}))
+    assert summary.latest(tmp_path, history=["b" * 40, "a" * 40])["leases"][0].parent.name == "2026-01-01-h200-aaaaaaa"
+
+
 def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(tmp_path: Path) -> None:
     """A control run of an older commit, made after the newer commit's run (an A/B on one machine), does not stand
     for the code as it is; of one commit the newest run does; commits outside the history come after."""
