@@ -49,6 +49,8 @@ from mixed_pairs import (
     round_seconds,
     window_s,
 )
+from provenance import commit as tree_commit
+from provenance import machine
 from scoring import (
     MAX_ERROR_POINTS,
     MAX_MEDIAN_ERROR_POINTS,
@@ -60,8 +62,6 @@ from scoring import (
     rates_over,
     short_window,
 )
-from summary import commit as tree_commit
-from summary import machine
 
 # The bar of the kernel-only pairs (scoring.py), held for mixed pairs too: the median and worst round's error, the
 # sum in every round, and every side's guarantee (its weight share, less GUARANTEE_SLACK) in every round.

@@ -10,16 +10,13 @@ of the newest code measured (`latest`), between the markers README_BEGIN and REA
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import io
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
-import subprocess
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +24,7 @@ from typing import Any
 
 from _results import save_json, write_atomic
 from charges import charges_md
+from provenance import output_of
 from suites import SUITES, Suite
 from verdicts import MEASURED, Verdict, judge_all, overall, stats_of, unmeasured
 
@@ -37,86 +35,6 @@ RAW_ARCHIVE_MAX = 1_000_000
 """Raw logs are not committed: at most one compressed archive of 1 MB per suite run, its largest files left out first."""
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
 NOT_MEASURED = "not measured on this code yet"
-
-
-# ------------------------------------------------------------------------------------------------ provenance
-
-
-def _cmd(*argv: str) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT, timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-
-
-def gpus() -> list[dict[str, str]]:
-    """Every GPU nvidia-smi lists (name, driver); empty without one."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    out = _cmd("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader")
-    return [{"name": n.strip(), "driver": d.strip()} for n, _, d in (line.rpartition(",") for line in out.splitlines())
-            if n.strip()]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-    found = gpus()
-    return {"host": platform.node(), "cpu": cpu_model(), "cores": os.cpu_count(), "kernel": platform.release(),
-            "python": platform.python_version(), "gpus": found,
-            "gpu": found[0]["name"] if found else None, "driver": found[0]["driver"] if found else None}
-
-
-CODE_DIRS = ("unisched", "clients", "bench", "examples")
-"""Where the code a run measures lives (its Python files; bench/results, the runs' records, left out)."""
-
-
-def _code_digest(files: list[tuple[str, bytes]]) -> str:
-    h = hashlib.sha256()
-    for name, data in sorted(files):
-        h.update(name.encode() + b"\0" + data + b"\0")
-    return h.hexdigest()
-
-
-def code_hash(root: Path = ROOT) -> str:
-    """A digest of the code in the tree a run measures, so that the commit it names (`--commit`, given by hand where
-    the tree has no git metadata) can be checked against it later (`code_hash_at`)."""
-    files = [p for d in CODE_DIRS for p in sorted((root / d).rglob("*.py"))
-             if "__pycache__" not in p.parts and not p.relative_to(root).as_posix().startswith("bench/results/")]
-    return _code_digest([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
-
-
-def code_hash_at(rev: str, root: Path = ROOT) -> str | None:
-    """`code_hash` of commit `rev`'s tree, from git; None where git cannot say (no such commit, no git)."""
-    try:
-        names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "--", *CODE_DIRS], cwd=root,
-                               capture_output=True, check=True, timeout=60).stdout.decode().splitlines()
-        names = [n for n in names if n.endswith(".py") and not n.startswith("bench/results/")]
-        blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input="".join(f"{rev}:{n}\n" for n in names)
-                               .encode(), capture_output=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    files, at = [], 0
-    for n in names:
-        header_end = blobs.index(b"\n", at)
-        size = int(blobs[at:header_end].split()[2])
-        files.append((n, blobs[header_end + 1:header_end + 1 + size]))
-        at = header_end + 1 + size + 1
-    return _code_digest(files)
-
-
-def commit() -> dict[str, Any]:
-    head = _cmd("git", "rev-parse", "HEAD")
-    dirty = bool(_cmd("git", "status", "--porcelain", "--untracked-files=no"))
-    return {"commit": head or "unknown", "dirty": dirty}
 
 
 def gpu_slug(name: str | None, standin: bool) -> str:
@@ -368,7 +286,7 @@ def is_variant(s: dict[str, Any]) -> bool:
 def history_gap() -> str | None:
     """Why this checkout cannot order runs by their commits (`latest` then orders them by date): no git metadata, or
     a shallow clone's partial history; None when it can."""
-    shallow = _cmd("git", "rev-parse", "--is-shallow-repository")
+    shallow = output_of("git", "rev-parse", "--is-shallow-repository")
     if not shallow:
         return "no git metadata here: the results table orders runs by their commits' history"
     if shallow == "true":
@@ -378,7 +296,7 @@ def history_gap() -> str | None:
 
 def _history() -> list[str]:
     """The checkout's commits, newest first (HEAD and its ancestors); empty without git metadata."""
-    return _cmd("git", "rev-list", "--topo-order", "HEAD").split()
+    return output_of("git", "rev-list", "--topo-order", "HEAD").split()
 
 
 def _recency(s: dict[str, Any], path: Path, history: Sequence[str]) -> tuple[bool, int, str, str]:

@@ -12,12 +12,13 @@ from conftest import ROOT, child_env
 BENCH = ROOT / "bench"
 sys.path.insert(0, str(BENCH))  # as bench/run.py imports its modules
 
+import provenance  # noqa: E402
 import readers  # noqa: E402
 import suites  # noqa: E402
 import summary  # noqa: E402
 import verdicts  # noqa: E402
 
-__all__ = ["BENCH", "bench_module", "readers", "run_py", "suites", "summary", "verdicts"]
+__all__ = ["BENCH", "bench_module", "provenance", "readers", "run_py", "suites", "summary", "verdicts"]
 
 
 def run_py(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import bench_module, readers, suites, summary
+from benchrig import bench_module, provenance, readers, suites, summary
 
 charges = bench_module("charges")
 daemon_log = bench_module("daemon_log")
@@ -120,7 +120,7 @@ def test_the_overlap_report_shows_each_tenants_charges_by_rule_next_to_its_measu
     m = cases["cuda+render 3:1"]
     assert notes == [] and m["charged_part_a"] + m["charged_part_b"] == pytest.approx(1.0)
     assert [row["tenant"] for row in m["charges"]] == ["a-cuda", "b-render"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "c" * 40, "dirty": False, "standin": True,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "c" * 40, "dirty": False, "standin": True,
             "date_utc": "2026-01-01 10:00:00"}
     s = summary.build(suites.BY_NAME["overlap"], [{"round": 1, "date_utc": "d", "steps": [], "notes": notes,
                                                     "cases": cases}], meta)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import BENCH, bench_module, readers, run_py, suites, summary, verdicts
+from benchrig import BENCH, bench_module, provenance, readers, run_py, suites, summary, verdicts
 from conftest import ROOT, child_env
 
 # ------------------------------------------------------------------------------------------------ verdicts and readers
@@ -242,7 +242,7 @@ def test_the_raw_archive_leaves_out_its_largest_files_to_stay_under_a_megabyte(t
 
 def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False}
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False}
     for day, p99 in (("2026-01-01", 0.3), ("2026-02-01", 0.62)):
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
@@ -286,7 +286,7 @@ def test_a_run_with_no_round_yet_does_not_stand_for_its_suite(tmp_path: Path) ->
     """A newer commit's run stopped or killed in its first round leaves a summary with no round: the measured run
     stays in the table."""
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"round trip, 1 tenant": {"p99_ms": 0.3}}}
     summary.write(tmp_path / "2026-01-01-h200-aaaaaaa" / "leases", summary.build(suite, [rnd] * 3, meta))
@@ -305,7 +305,7 @@ def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(
     for day, commit, p99 in runs:
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
                "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": p99}}}
-        meta = {"command": "c", "machine": summary.machine(), "commit": commit, "dirty": False, "standin": False,
+        meta = {"command": "c", "machine": provenance.machine(), "commit": commit, "dirty": False, "standin": False,
                 "date_utc": f"{day} 10:00:00"}
         summary.write(tmp_path / f"{day}-h200-{commit[:7]}" / "leases", summary.build(suite, [rnd] * 3, meta))
     pick = summary.latest(tmp_path, history=[new, old])["leases"][0]
@@ -316,7 +316,7 @@ def test_the_table_shows_the_newest_code_measured_not_a_later_run_of_older_code(
 
 def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": True,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": True,
             "date_utc": "2026-01-01 10:00:00"}
     for name, p99, serve in (("base", 0.62, []), ("short", 0.3, ["--slice-ms=10"])):
         rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
@@ -341,7 +341,7 @@ def test_compare_sets_one_suites_runs_side_by_side_with_each_runs_verdicts(tmp_p
 def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_path: Path) -> None:
     """Where every case met a target, the table names the one with least margin and its value, not the first."""
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
            "cases": {"socket a": {"tenants": 1, "p99_ms": 0.2}, "socket b": {"tenants": 1, "p99_ms": 0.45},
@@ -355,7 +355,7 @@ def test_the_tables_worst_case_is_the_one_nearest_its_limit_where_all_pass(tmp_p
 def test_the_tables_worst_case_of_an_every_round_target_is_the_one_that_missed_in_the_most_rounds(tmp_path: Path) -> None:
     """Overlap's guarantee: 1:1 missed in 1 round of 3, 3:1 in all 3; the table names 3:1 (not the least bad)."""
     suite = suites.BY_NAME["overlap"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
 
     def rnd(k: int, one_to_one: bool) -> dict[str, Any]:
@@ -379,7 +379,7 @@ def test_a_case_the_suite_runs_that_no_round_measured_fails_in_the_summary_and_t
     """Overlap runs three pairs; rounds that hold two read as missing the third, not as all met. A part of the
     suite (`-- --pairs`) is not held to the cases it left out."""
     suite = suites.BY_NAME["overlap"]
-    meta = {"command": "python3 bench/run.py overlap", "machine": summary.machine(), "commit": "a" * 40,
+    meta = {"command": "python3 bench/run.py overlap", "machine": provenance.machine(), "commit": "a" * 40,
             "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
     case = {"contending": False, "guarantee": True, "sum_vs_no_scheduler": 0.0}
     rnd = {"round": 1, "date_utc": "1", "steps": [], "notes": [],
@@ -397,7 +397,7 @@ def test_a_case_the_suite_runs_that_no_round_measured_fails_in_the_summary_and_t
 
 def test_the_reports_statistics_say_how_many_rounds_each_is_over() -> None:
     """ad-sim has no target: a round without a metric would narrow its statistics unseen."""
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rounds = [{"round": k, "date_utc": str(k), "steps": [], "notes": [],
                "cases": {"stages": {"fps": 30.0 + k} if k != 2 else {}}} for k in (1, 2, 3)]
@@ -408,7 +408,7 @@ def test_the_reports_statistics_say_how_many_rounds_each_is_over() -> None:
 def test_a_run_with_fewer_rounds_than_its_suite_needs_is_not_settled(tmp_path: Path) -> None:
     """Overhead needs 5 rounds: after 1 that met every target, neither the report nor the table says it passed."""
     suite = suites.BY_NAME["overhead"]
-    meta = {"command": "c", "machine": summary.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "a" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"cuda alone": {"loss": 0.001},
                                                                           "render alone": {"loss": -0.002}}}
@@ -445,12 +445,12 @@ def test_the_code_hash_of_a_clean_tree_is_its_commits() -> None:
     run's `--commit` to its code."""
     if (gap := summary.history_gap()) is not None:
         pytest.skip(gap)
-    changed = subprocess.run(["git", "status", "--porcelain", "--", *summary.CODE_DIRS], cwd=ROOT, capture_output=True,
+    changed = subprocess.run(["git", "status", "--porcelain", "--", *provenance.CODE_DIRS], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
     if changed.strip():
         pytest.skip(f"the tree's code has uncommitted changes: {changed.splitlines()[0]}")
-    assert summary.code_hash() == summary.code_hash_at("HEAD")
-    assert summary.code_hash_at("HEAD~1") is not None and summary.code_hash_at("no-such-commit") is None
+    assert provenance.code_hash() == provenance.code_hash_at("HEAD")
+    assert provenance.code_hash_at("HEAD~1") is not None and provenance.code_hash_at("no-such-commit") is None
 
 
 def test_every_run_the_table_shows_measured_the_code_of_the_commit_it_names() -> None:
@@ -458,7 +458,7 @@ def test_every_run_the_table_shows_measured_the_code_of_the_commit_it_names() ->
         pytest.skip(gap)
     for folder, s in summary.latest().values():
         if s.get("code"):  # (runs before the runner recorded it have none)
-            assert summary.code_hash_at(s["commit"]) == s["code"], f"{folder}: its code is not {s['commit']}'s"
+            assert provenance.code_hash_at(s["commit"]) == s["code"], f"{folder}: its code is not {s['commit']}'s"
 
 
 def test_the_readme_table_is_the_generated_one() -> None:
@@ -483,7 +483,7 @@ def test_the_results_page_is_the_generated_one() -> None:
 
 def test_the_results_page_lists_every_verdict_of_each_latest_run(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "python3 bench/run.py leases", "machine": summary.machine(), "commit": "c" * 40,
+    meta = {"command": "python3 bench/run.py leases", "machine": provenance.machine(), "commit": "c" * 40,
             "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [],
            "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": 0.62}}}

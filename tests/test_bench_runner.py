@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchrig import BENCH, bench_module, readers, run_py, suites, summary
+from benchrig import BENCH, bench_module, provenance, readers, run_py, suites, summary
 from conftest import ROOT, child_env, needs_freezer, wait_until
 
 # ------------------------------------------------------------------------------------------------ the CLI
@@ -55,13 +55,13 @@ def test_a_variants_daemon_settings_reach_the_runners_daemons_and_are_refused_wh
 
 
 def test_a_variant_goes_to_a_folder_of_its_own_and_never_into_one_of_other_settings(tmp_path: Path) -> None:
-    head = summary.commit()
+    head = provenance.commit()
     mach = {"gpu": "NVIDIA H200"}
     assert summary.run_folder(mach, head, False, serve_args=("--slice-ms=10",)).name.endswith(
         f"-h200-{head['commit'][:7]}-slice-ms-10")
     assert summary.run_folder(mach, head, False).name.endswith(f"-h200-{head['commit'][:7]}")
     suite = suites.BY_NAME["cloud-gaming"]
-    meta = {"command": "c", "machine": summary.machine(), **head, "standin": True, "serve_args": [],
+    meta = {"command": "c", "machine": provenance.machine(), **head, "standin": True, "serve_args": [],
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {}}
     summary.write(tmp_path / "cloud-gaming", summary.build(suite, [rnd], meta))
@@ -130,7 +130,7 @@ def test_a_first_round_is_planned_from_the_newest_earlier_run_on_the_same_gpus(t
     assert run.round_seconds(cloud, [{"steps": [{"wall_s": 360.0}]}], h100, results=tmp_path) == 360.0
 
 
-@pytest.mark.skipif(bool(summary.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
+@pytest.mark.skipif(bool(provenance.gpus()), reason="this machine has a GPU: the refusal is for machines without one")
 def test_a_gpu_suite_refuses_clearly_without_a_gpu(tmp_path: Path) -> None:
     got = run_py("hooks", "--out", str(tmp_path))
     assert got.returncode == 2
@@ -334,9 +334,9 @@ def _call(run: Any, monkeypatch: pytest.MonkeyPatch, out: Path, argv: list[str],
                 "notes": [], "cases": {"round trip, 1 tenant": {"tenants": 1, "p99_ms": x}}}
 
     monkeypatch.setattr(run, "run_round", fake_round)
-    monkeypatch.setattr(run.sm, "machine", lambda: machine)
-    monkeypatch.setattr(run.sm, "commit", lambda: {"commit": "c" * 40, "dirty": dirty})
-    monkeypatch.setattr(run.sm, "code_hash", lambda: code)
+    monkeypatch.setattr(run.pv, "machine", lambda: machine)
+    monkeypatch.setattr(run.pv, "commit", lambda: {"commit": "c" * 40, "dirty": dirty})
+    monkeypatch.setattr(run.pv, "code_hash", lambda: code)
     args, extra = run.parse_args(["leases", "--out", str(out), *argv])
     args.argv, args.t0 = ["leases", "--out", str(out), *argv], time.monotonic()
     return int(run.run_suite(suites.BY_NAME["leases"], args, extra))
@@ -398,7 +398,7 @@ def test_a_round_cut_short_is_kept_out_of_the_record_but_its_attempt_is_in_it(
 
 def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "python3 bench/run.py leases --out X", "machine": summary.machine(), "commit": "c" * 40,
+    meta = {"command": "python3 bench/run.py leases --out X", "machine": provenance.machine(), "commit": "c" * 40,
             "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00", "raw": "raw.tar.xz (1 bytes)",
             "in_progress": {"round": 4, "date_utc": "2026-01-01 11:00:00"}}
     rnd = {"round": 1, "date_utc": "d", "steps": [{"name": "rtt", "argv": ["x"], "rc": 0, "wall_s": 1.0}],
@@ -417,7 +417,7 @@ def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_
     assert s["in_progress"] == meta["in_progress"]  # a round a killed call left under way stays on record
     assert s["rescored"]["command"] == f"python3 bench/run.py leases --rescore --out {out}"
     assert "Rescored: `python3 bench/run.py leases --rescore" in (folder / "report.md").read_text()
-    head = summary.commit()["commit"][:7]
+    head = provenance.commit()["commit"][:7]
     assert f"Verdicts rescored by the targets of commit {head}" in summary.results_page(tmp_path, link_from=tmp_path)
     empty = run_py("leases", "--rescore", "--out", str(tmp_path / "none"))
     assert empty.returncode == 2 and "holds no rounds to rescore" in empty.stderr
@@ -426,7 +426,7 @@ def test_rescore_judges_the_rounds_again_by_the_current_targets_and_says_so(tmp_
 
 def test_add_rounds_keeps_every_round_of_another_run_of_the_same_command_and_says_so(tmp_path: Path) -> None:
     suite = suites.BY_NAME["leases"]
-    meta = {"command": "python3 bench/run.py leases --out X --budget 500", "machine": summary.machine(),
+    meta = {"command": "python3 bench/run.py leases --out X --budget 500", "machine": provenance.machine(),
             "commit": "c" * 40, "dirty": False, "standin": False, "date_utc": "2026-01-01 10:00:00"}
 
     def run(out: Path, p99s: list[float], **changed: Any) -> Path:
@@ -488,7 +488,7 @@ def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> 
         tar.add(tmp_path / "build" / "raw", arcname="raw")
     archived = (folder / "raw.tar.xz").read_bytes()
     old_case = {k: v for k, v in readers.read_cloud(raw)[0]["N=24"].items() if k != "host_bound"}
-    meta = {"command": "c", "machine": summary.machine(), "commit": "c" * 40, "dirty": False, "standin": False,
+    meta = {"command": "c", "machine": provenance.machine(), "commit": "c" * 40, "dirty": False, "standin": False,
             "date_utc": "2026-01-01 10:00:00"}
     rnd = {"round": 1, "date_utc": "d", "steps": [], "notes": [], "cases": {"N=24": old_case}}
     summary.write(folder, summary.build(suite, [rnd], meta))
