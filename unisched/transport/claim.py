@@ -23,6 +23,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from unisched.transport.identity import in_our_namespaces_unpinned
+
 __all__ = ["LockSquatted", "SocketClaim", "SocketInUse", "claim_socket", "claim_state_dir", "make_private_directory",
            "replace_stale_socket", "socket_answers"]
 
@@ -158,20 +160,19 @@ def _squatted(st: os.stat_result, proc: Path = PROC) -> bool:
     inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     pids = [int(f[4]) for f in (line.split() for line in text.splitlines())
             if len(f) > 5 and f[1] == "FLOCK" and f[5] == inode and f[4].isdigit()]
-    return bool(pids) and not any(_could_be_a_daemon(pid, proc) for pid in pids)
+    return bool(pids) and not any(_could_be_a_daemon(pid) for pid in pids)
 
 
-def _could_be_a_daemon(pid: int, proc: Path) -> bool:
-    """Root in this process's pid and user namespaces (as a daemon is; the kernel shows a pod's process there too,
-    by its pid here)."""
+def _could_be_a_daemon(pid: int) -> bool:
+    """Root (its effective uid: /proc/PID's owner is root for any process that made itself undumpable) in this
+    process's pid and user namespaces, as a daemon is; the kernel lists a pod's process here too, by its pid here.
+    False when it is gone (or never was: the lock's fd passed on by a process that exited)."""
     try:
-        status = (proc / str(pid) / "status").read_text()
-        uid = next(line.split()[2] for line in status.splitlines() if line.startswith("Uid:"))  # the effective uid
-        same = all(os.readlink(proc / str(pid) / "ns" / ns) == os.readlink(proc / "self" / "ns" / ns)
-                   for ns in ("pid", "user"))
+        status = (PROC / str(pid) / "status").read_text()
+        uid = next(line.split()[2] for line in status.splitlines() if line.startswith("Uid:"))
     except (OSError, StopIteration, IndexError):
-        return False  # gone (or never there: the lock's fd passed on by a process that exited)
-    return uid == "0" and same
+        return False
+    return uid == "0" and in_our_namespaces_unpinned(pid)
 
 
 def _replace_lock(lock_path: Path) -> int:
@@ -185,13 +186,10 @@ def _replace_lock(lock_path: Path) -> int:
         os.rename(tmp, lock_path)
         if os.stat(lock_path).st_ino != os.fstat(fd).st_ino:  # replaced again meanwhile: not ours to run on
             raise SocketInUse(f"{lock_path} was replaced by another process while this daemon took it")
-    except OSError:
+    except (OSError, SocketInUse):
         os.close(fd)
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    except SocketInUse:
-        os.close(fd)
+            tmp.unlink()  # (gone after the rename)
         raise
     return fd
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field, replace
 from unisched.enforce.seccomp.proc import state_and_start
 from unisched.policy.callers import Caller, Pod
 
-__all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces", "in_our_pid_ns_unpinned",
-           "is_admin", "kernel_cred", "peer_of", "pin", "uid_groups"]
+__all__ = ["CONTAINED_ROOT", "GONE_POD", "PeerCred", "ProcessHandle", "admin_uid", "in_host_namespaces",
+           "in_our_namespaces_unpinned", "in_our_pid_ns_unpinned", "is_admin", "kernel_cred", "peer_of", "pin",
+           "uid_groups"]
 
 CONTAINED_ROOT = -2
 """The uid of a caller that is root outside the daemon's namespaces (module docstring). Not -1, which the pacing
@@ -298,6 +299,12 @@ def admin_uid(uid: int, admin_gid: int | None) -> bool:
     """Whether `uid` is an admin's: root, or a member of the admin group by its group list (`is_admin` also asks
     that the caller be in the host's namespaces)."""
     return uid == 0 or (admin_gid is not None and admin_gid in uid_groups(uid))
+
+
+def in_our_namespaces_unpinned(pid: int) -> bool:
+    """Whether `pid` names a process in the daemon's user and pid namespaces now (unpinned, as
+    `in_our_pid_ns_unpinned`: for a process that holds something, not one that asks; False when it is gone)."""
+    return _ours(pid, "user") and _ours(pid, "pid")
 
 
 def in_our_pid_ns_unpinned(pid: int) -> bool:
