@@ -1,4 +1,4 @@
-"""A run's record beyond running its rounds: whether a call may add rounds to it (`resume_refusal`, `cut_short`),
+"""A run's record beyond running its rounds: whether rounds may join it (`unlike`, `cut_short`),
 judging it again (`rescore`), taking in another run's rounds (`add_rounds`), and writing it out (`publish`)."""
 
 from __future__ import annotations
@@ -18,21 +18,27 @@ from suites import Suite
 from verdicts import Verdict
 
 
-def resume_refusal(before: dict[str, Any], mach: dict[str, Any], head: dict[str, Any], command: str,
-                   standin: bool, code: str = "") -> str:
-    """Why a folder's rounds cannot be added to by this call ("" where they can): every round of a run must measure
-    the same code, on the same GPUs and drivers, with the same command but for how long it may take."""
-    if before.get("dirty") or head.get("dirty"):
-        return "or would get rounds of a tree with uncommitted changes, whose code no commit names"
-    if before.get("code") and code != before["code"]:
-        return "of other code (its Python files differ from this tree's, though both name the same commit)"
-    if sm.gpu_names(before.get("machine") or {}) != sm.gpu_names(mach):
-        return (f"measured on {sm.gpu_names(before.get('machine') or {}) or 'no GPU'}, not on "
-                f"{sm.gpu_names(mach) or 'no GPU'}")
-    if bool(before.get("standin")) != standin:
-        return "measured " + ("with" if before.get("standin") else "without") + " --cpu-standin"
-    if _options(before["command"]) != _options(command):
-        return f"measured by `{before['command']}`, another command than `{command}`"
+def unlike(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """How run `a`'s rounds differ from what run `b` measures ("" where rounds of both may stand in one record: the
+    same commit and code, daemon settings, GPUs and drivers, the same command but for how long it may take and where
+    it is written, and no tree with uncommitted changes on either side). `a` and `b` are summaries, or what a call
+    is about to record."""
+    if a.get("commit") != b.get("commit"):
+        return f"of commit {a.get('commit')}, not {b.get('commit')}"
+    if tuple(a.get("serve_args") or ()) != tuple(b.get("serve_args") or ()):
+        return (f"whose daemons had {shlex.join(a.get('serve_args') or []) or 'no'} --serve-arg, not "
+                f"{shlex.join(b.get('serve_args') or []) or 'none'}")
+    if a.get("dirty") or b.get("dirty"):
+        return "of a tree with uncommitted changes, or would take such rounds: no commit names their code"
+    if a.get("code") and b.get("code") and a["code"] != b["code"]:
+        return "of other code (its Python files differ, though both name the same commit)"
+    if sm.gpu_names(a.get("machine") or {}) != sm.gpu_names(b.get("machine") or {}):
+        return (f"measured on {sm.gpu_names(a.get('machine') or {}) or 'no GPU'}, not on "
+                f"{sm.gpu_names(b.get('machine') or {}) or 'no GPU'}")
+    if bool(a.get("standin")) != bool(b.get("standin")):
+        return "measured " + ("with" if a.get("standin") else "without") + " --cpu-standin"
+    if _options(a["command"]) != _options(b["command"]):
+        return f"measured by `{a['command']}`, another command than `{b['command']}`"
     return ""
 
 
@@ -72,16 +78,14 @@ def add_rounds(suite: Suite, folder: Path, other: Path, why: str) -> int:
         print(f"run.py: {other}'s rounds are {folder}'s already (the same folder, or rounds of the same start): "
               "a round is counted once", file=sys.stderr)
         return 2
-    unfit = [f"{f} {why}" for f, s in ((folder, a), (other, b)) for why in (
-        "holds rounds of a tree with uncommitted changes" if s.get("dirty") else "",
-        "has a round under way, or cut off unrecorded (run it again to record it)" if s.get("in_progress") else "") if why]
-    if unfit or (a.get("code") and b.get("code") and a["code"] != b["code"]):
-        print(f"run.py: --add-rounds refused: {'; '.join(unfit) or 'their rounds measured other code'}", file=sys.stderr)
+    under_way = [str(f) for f, s in ((folder, a), (other, b)) if s.get("in_progress")]
+    if under_way:
+        print(f"run.py: --add-rounds refused: {' and '.join(under_way)} has a round under way, or cut off unrecorded "
+              "(run it again to record it)", file=sys.stderr)
         return 2
-    same = ("commit", "serve_args", "standin")
-    if any(a.get(k) != b.get(k) for k in same) or sm.gpu_names(a["machine"]) != sm.gpu_names(b["machine"]) \
-            or _options(a["command"]) != _options(b["command"]):
-        print(f"run.py: {other} is not a run of the same command, machine and commit as {folder}", file=sys.stderr)
+    if differs := unlike(a, b):
+        print(f"run.py: {other} is not a run of the same command, machine and commit as {folder}: {folder} holds "
+              f"rounds {differs}", file=sys.stderr)
         return 2
     sm.unpack_raw(folder)
     n, added = len(a["rounds"]), []

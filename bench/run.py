@@ -51,7 +51,7 @@ import provenance as pv
 import summary as sm
 from _daemon import ROOT, bench_env, start_daemon, stop_daemon
 from _results import utc_now
-from records import add_rounds, cut_short, publish, rescore, resume_refusal
+from records import add_rounds, cut_short, publish, rescore, unlike
 from suites import BY_NAME, SUITES, Step, Suite
 
 
@@ -313,25 +313,16 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     folder = (args.out or sm.run_folder(mach, head, args.cpu_standin, serve_args=serve_args)) / suite.name
     before = sm.load(folder)
-    if before is not None and before.get("commit") != head["commit"]:
-        print(f"run.py: {folder} holds rounds of commit {before.get('commit')}, not {head['commit']}: "
-              "give another --out", file=sys.stderr)
-        return 2
-    if before is not None and tuple(before.get("serve_args") or ()) != serve_args:
-        print(f"run.py: {folder} holds rounds whose daemons had {shlex.join(before.get('serve_args') or []) or 'no'} "
-              f"--serve-arg, not {shlex.join(serve_args) or 'none'}: give another --out", file=sys.stderr)
-        return 2
     command = shlex.join(["python3", "bench/run.py", *args.argv])
-    code = pv.code_hash()
-    if before is not None and (why := resume_refusal(before, mach, head, command, args.cpu_standin, code)):
+    call = {"command": command, "date_utc": utc_now(), "host": mach["host"], "cpu": mach["cpu"],
+            "kernel": mach["kernel"]}
+    meta = {"command": command, "machine": mach, **head, "code": pv.code_hash(), "standin": args.cpu_standin,
+            "serve_args": list(serve_args), "date_utc": call["date_utc"]}
+    if before is not None and (why := unlike(before, meta)):
         print(f"run.py: {folder} holds rounds {why}: give another --out (bench/README.md)", file=sys.stderr)
         return 2
     done: list[dict[str, Any]] = list(before["rounds"]) if before else []
     sm.unpack_raw(folder)
-    call = {"command": command, "date_utc": utc_now(), "host": mach["host"], "cpu": mach["cpu"],
-            "kernel": mach["kernel"]}
-    meta = {"command": command, "machine": mach, **head, "code": code, "standin": args.cpu_standin,
-            "serve_args": list(serve_args), "date_utc": call["date_utc"]}
     if before is not None:  # the first call's command and date stand for the run; each round names its own call
         meta.update({k: before[k] for k in ("command", "date_utc", "merged", "rescored", "aborted") if before.get(k)})
         meta.update(cut_short(before))

@@ -113,7 +113,7 @@ def _holds(value: float, t: Target) -> bool:
 
 def judge(t: Target, case: str, values: Sequence[Any]) -> Verdict:
     """One target over one case's values in every round (None where a round lacks the metric)."""
-    got = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    got = [v for v in values if not _missing(v)]
     missing = len(values) - len(got)
     if not got:
         return Verdict(case, t.name, t.text, None, None, "not measured")
