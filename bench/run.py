@@ -326,6 +326,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if before is not None:  # the first call's command and date stand for the run; each round names its own call
         meta.update({k: before[k] for k in ("command", "date_utc", "merged", "rescored", "aborted") if before.get(k)})
         meta.update(cut_short(before))
+    cut: int | None = None  # the round under way, while one is
     try:
         while len(done) < rounds:
             if args.budget is not None and (time.monotonic() - args.t0
@@ -337,12 +338,18 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
             # written before the round starts: a call killed in it leaves this behind, and the next call records it
             sm.write(folder, sm.build(suite, done, {**meta, "in_progress": {"round": k, "date_utc": utc_now(),
                                                                               "call": call}}))
-            done.append({**run_round(suite, steps, k, folder, extra, serve_args), "call": call})
+            cut = k
+            measured = {**run_round(suite, steps, k, folder, extra, serve_args), "call": call}
+            cut = None
+            done.append(measured)
             sm.write(folder, sm.build(suite, done, meta))
     except Stopped:  # the round cut short is not in the record (run again, it runs whole), but the attempt is
-        print(f"run {suite.name}: stopped by a signal in round {len(done) + 1}", file=sys.stderr)
-        meta["aborted"] = [*meta.get("aborted", []), {"round": len(done) + 1, "call": call,
-                                                      "why": "stopped by a signal while it ran"}]
+        if cut is None:  # between two rounds: none was cut short
+            print(f"run {suite.name}: stopped by a signal after round {len(done)}", file=sys.stderr)
+        else:
+            print(f"run {suite.name}: stopped by a signal in round {cut}", file=sys.stderr)
+            meta["aborted"] = [*meta.get("aborted", []), {"round": cut, "call": call,
+                                                          "why": "stopped by a signal while it ran"}]
         finish(suite, folder, done, meta)
         raise
     if not done and before is None:  # nothing ran, and nothing was written

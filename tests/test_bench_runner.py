@@ -500,3 +500,23 @@ def test_rescore_reads_each_round_again_from_its_raw_outputs(tmp_path: Path) -> 
     assert s["rounds"][0]["cases"]["N=24"]["host_bound"] is True
     assert [v["case"] for v in s["verdicts"]] == ["N=12", "N=36", "N=48"]  # only the sizes never measured
     assert (folder / "raw.tar.xz").read_bytes() == archived and not (folder / "raw").exists()
+
+
+def test_a_stop_between_two_rounds_cuts_no_round_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop after round 1 ended and before round 2 began (here while the runner weighs round 2 against --budget):
+    round 1 is kept and no round is recorded as cut short, for none was."""
+    run = bench_module("run")
+    real = run.round_seconds
+    calls = iter([False, True])
+
+    def stopped_before_round_2(*a: Any, **kw: Any) -> float:
+        if next(calls):
+            raise run.Stopped("SIGTERM")
+        return float(real(*a, **kw))
+
+    monkeypatch.setattr(run, "round_seconds", stopped_before_round_2)
+    with pytest.raises(run.Stopped):
+        _call(run, monkeypatch, tmp_path, ["--rounds", "3", "--budget", "100000"], _machine("v1"), [0.4, 0.3])
+    s = json.loads((tmp_path / "leases" / "summary.json").read_text())
+    assert [r["round"] for r in s["rounds"]] == [1]
+    assert not s.get("aborted") and "in_progress" not in s
