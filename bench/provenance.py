@@ -86,6 +86,17 @@ def code_hash_at(rev: str, root: Path = ROOT) -> str | None:
     return _code_digest(files)
 
 
+def code_changed_since(rev: str, root: Path = ROOT) -> list[str] | None:
+    """The code files (CODE_DIRS' Python, as `code_hash` counts them) that differ between commit `rev` and this
+    checkout's tracked files; None where git cannot say (no such commit, no git)."""
+    try:
+        out = subprocess.run(["git", "diff", "--name-only", rev, "--", *CODE_DIRS], cwd=root, capture_output=True,
+                             check=True, timeout=60, text=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [n for n in out.splitlines() if n.endswith(".py") and not n.startswith("bench/results/")]
+
+
 def commit() -> dict[str, Any]:
     head = output_of("git", "rev-parse", "HEAD")
     dirty = bool(output_of("git", "status", "--porcelain", "--untracked-files=no"))

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +225,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="print the named suite's runs in these run folders side by side (each DIR/SUITE/summary.json): "
                          "every target's value and verdict, and every metric's median, per run; runs nothing")
     ap.add_argument("--table", action="store_true", help="print the README's results table")
+    ap.add_argument("--stale", action="store_true",
+                    help="for each suite's run in the table, whether the code it measured is this checkout's, and "
+                         "if not, which code files changed since its commit; runs nothing")
     ap.add_argument("--update-readme", type=Path, default=None, metavar="FILE",
                     help="write the results table between FILE's markers")
     ap.add_argument("--update-results", type=Path, default=None, metavar="FILE",
@@ -242,8 +245,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ap.error("--rescore needs the suites and the --out folder that holds their rounds")
     if args.add_rounds is not None and (args.out is None or len(args.suite) != 1 or not args.why):
         ap.error("--add-rounds needs one suite, the --out folder to add to, and --why")
-    if not (args.list or args.table or args.update_readme or args.update_results or args.suite):
-        ap.error("name a suite, or --list, --table, --update-readme or --update-results")
+    if not (args.list or args.table or args.stale or args.update_readme or args.update_results or args.suite):
+        ap.error("name a suite, or --list, --table, --stale, --update-readme or --update-results")
     return args, extra
 
 
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.table:
         print(sm.results_table(), end="")
+        return 0
+    if args.stale:
+        print(stale(sm.latest(), pv.code_changed_since), end="")
         return 0
     if args.compare:
         return compare(args.suite[0], args.compare)
@@ -355,6 +361,32 @@ def run_suite(suite: Suite, args: argparse.Namespace, extra: list[str]) -> int:
     if not done and before is None:  # nothing ran, and nothing was written
         return 0
     return finish(suite, folder, done, meta)
+
+
+def stale(runs: dict[str, tuple[Path, dict[str, Any]]], changed: Callable[[str], list[str] | None],
+          shown: int = 5) -> str:
+    """Per suite, whether the run the table shows measured this checkout's code: the table names each run's commit,
+    not whether the code has moved on since (`changed`: the code files that differ from a commit, None: unknown)."""
+    out = []
+    for suite in SUITES:
+        if suite.name not in runs:
+            out.append(f"{suite.name}: no run")
+            continue
+        folder, s = runs[suite.name]
+        files = changed(str(s.get("commit") or "")) if s.get("commit") else None
+        head = f"{suite.name}: {folder.parent.name} ({len(s['rounds'])} rounds)"
+        if files is None:
+            out.append(f"{head}: its commit is not in this checkout's git history, so whether its code is this one's "
+                       "is unknown")
+        elif not files:
+            out.append(f"{head}: the code it measured is this checkout's")
+        else:
+            by_dir = {d: [f for f in files if f.startswith(f"{d}/")] for d in pv.CODE_DIRS}
+            counts = ", ".join(f"{d}/ {len(fs)}" for d, fs in by_dir.items() if fs)
+            first = sorted(files, key=lambda f: (not f.startswith("unisched/"), f))[:shown]
+            more = f" and {len(files) - shown} more" if len(files) > shown else ""
+            out.append(f"{head}: code files changed since ({counts}): {', '.join(first)}{more}")
+    return "\n".join(out) + "\n"
 
 
 def compare(name: str, folders: list[Path]) -> int:

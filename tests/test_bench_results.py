@@ -453,6 +453,24 @@ def test_the_code_hash_of_a_clean_tree_is_its_commits() -> None:
     assert provenance.code_hash_at("HEAD~1") is not None and provenance.code_hash_at("no-such-commit") is None
 
 
+def test_stale_says_per_suite_whether_the_run_shown_measured_this_code() -> None:
+    """The table names each run's commit; --stale says which runs' code has moved on since, and how (product code
+    named first), and which suites have no run or a commit git does not know."""
+    run = bench_module("run")
+    s = {"rounds": [{}, {}, {}]}
+    runs = {"pairs": (Path("r/2026-12-06-h100-aaaaaaa/pairs"), {**s, "commit": "aaaaaaa"}),
+            "mixed": (Path("r/2026-12-06-h100-bbbbbbb/mixed"), {**s, "commit": "bbbbbbb"}),
+            "overlap": (Path("r/2026-12-06-h100-ccccccc/overlap"), {**s, "commit": "ccccccc"})}
+    changed = {"aaaaaaa": [], "bbbbbbb": ["bench/x.py", "unisched/policy/plan.py"], "ccccccc": None}
+    lines = run.stale(runs, changed.__getitem__).splitlines()
+    by = {line.split(":")[0]: line for line in lines}
+    assert set(by) == {x.name for x in suites.SUITES}
+    assert by["pairs"].endswith("2026-12-06-h100-aaaaaaa (3 rounds): the code it measured is this checkout's")
+    assert "(unisched/ 1, bench/ 1): unisched/policy/plan.py, bench/x.py" in by["mixed"]
+    assert "is unknown" in by["overlap"] and by["hooks"] == "hooks: no run"
+    assert provenance.code_changed_since("no-such-commit") is None
+
+
 def test_every_run_the_table_shows_measured_the_code_of_the_commit_it_names() -> None:
     if (gap := summary.history_gap()) is not None:
         pytest.skip(gap)
