@@ -250,9 +250,6 @@ def plot(folder: Path, s: dict[str, Any]) -> list[str]:
 
 SUBSET_ARGS = ("--pairs", "--weights")
 """Arguments passed on to a suite's scripts (after `--`) that run only part of its plan."""
-KEEPING_ARGS = ("--logs",)
-"""Arguments passed on to a suite's scripts (after `--`), each with its value, that only keep more of what happened
-(a folder for the logs): what is measured is the suite's. Any other argument there makes the run a variant."""
 
 
 def _passed(s: dict[str, Any]) -> list[str]:
@@ -272,13 +269,13 @@ def is_subset(s: dict[str, Any]) -> bool:
 
 def is_variant(s: dict[str, Any]) -> bool:
     """Whether a summary's run measured something other than the suite as it is (the runner's --serve-arg, or any
-    argument after `--` but KEEPING_ARGS and SUBSET_ARGS: other daemon settings, windows, workloads, repeats): a
-    result of those, not of what the suite measures."""
+    argument after `--` but SUBSET_ARGS: other daemon settings, windows, workloads, repeats, or a logs folder outside
+    the run's archive, which the suite's own keeps): a result of those, not of what the suite measures."""
     rest, words = [], iter(_passed(s))
     for w in words:
-        if w in KEEPING_ARGS or w in SUBSET_ARGS:
+        if w in SUBSET_ARGS:
             next(words, None)  # (its value)
-        elif not _names([w], KEEPING_ARGS + SUBSET_ARGS):
+        elif not _names([w], SUBSET_ARGS):
             rest.append(w)
     return bool(s.get("serve_args")) or bool(rest)
 

@@ -268,8 +268,9 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
 
 @pytest.mark.parametrize(("passed_on", "variant"), [
     ("", False),
-    ("-- --logs /tmp/logs", False),  # keeps more of what happened: the suite as it is
-    ("-- --logs=/tmp/logs --pairs cuda1:1", False),  # part of the suite (is_subset keeps it out of the table)
+    ("-- --pairs cuda1:1", False),  # part of the suite (is_subset keeps it out of the table)
+    ("-- --weights=1:2", False),
+    ("-- --logs /tmp/logs", True),  # the logs outside the run's archive, where the suite keeps them
     ("-- --slice-ms 10", True),
     ("-- --engine user", True),  # another workload
     ("-- --seconds 3 --unisched-warmup 0", True),  # other windows
@@ -277,7 +278,7 @@ def test_the_table_is_built_from_the_latest_summary_of_each_suite(tmp_path: Path
     ("-- --rounds 3", True),  # the script's own repeats, of which its reader keeps one
     ("-- --logs /tmp/logs --serve-arg=--log-level --serve-arg=debug", True),
 ])
-def test_any_argument_passed_on_to_a_suites_scripts_makes_a_variant_but_those_that_keep_logs(
+def test_any_argument_passed_on_to_a_suites_scripts_makes_a_variant_but_those_that_run_part_of_it(
         passed_on: str, variant: bool) -> None:
     assert summary.is_variant({"command": f"python3 bench/run.py pairs --rounds 3 {passed_on}"}) is variant
 
