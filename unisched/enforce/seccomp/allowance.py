@@ -75,8 +75,10 @@ class Share:
         another listener of the tenant (or the user) may have taken the last one meanwhile, so a bound is overshot by
         at most one entry per listener then."""
         with self._lock:
-            if not force and any(a._used[kind] >= a._bounds[kind] for a in self._allowances):
-                return False
+            if not force:
+                for a in self._allowances:  # (a loop, not any() of a generator: taken on every booked call)
+                    if a._used[kind] >= a._bounds[kind]:
+                        return False
             for a in self._allowances:
                 a._used[kind] += 1
             self._held[kind] += 1

@@ -54,7 +54,6 @@ from unisched.enforce.nvclasses import (
     XFER_SIZE,
     SessionKind,
     classify,
-    decode_ioctl,
 )
 from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
 from unisched.enforce.seccomp.handles import Made
@@ -84,7 +83,11 @@ class Session:
     last_ns: int = 0
 
 
-@dataclass
+_NOTHING_MADE: Final = Made()
+"""(frozen: one for every Call, rather than a new one each)"""
+
+
+@dataclass(slots=True)
 class Call:
     """What one notification asks for, decoded from the tenant's memory."""
 
@@ -107,7 +110,7 @@ class Call:
     context_share: int | None = None
     """A channel's hContextShare, 0 for a channel group (nvclasses.CHANNEL_CLASSES, CHANNEL_GROUP); None without
     parameters (the driver refuses it): what the driver makes inside the allocation (handles.HandleReplay.made)."""
-    made: Made = field(default_factory=Made)  # the handles the driver's children of it took, as the memory book replays them
+    made: Made = _NOTHING_MADE  # the handles the driver's children of it took, as the memory book replays them
     unreadable: bool = False
     """(Call(0) only) its argument, or parameters the driver copies whole, could not be read from the caller: the
     supervisor fails it with EFAULT rather than let the driver read what the books never saw."""
@@ -115,14 +118,25 @@ class Call:
 
 _FOLLOWED: Final = frozenset({RM_ALLOC, RM_ALLOC_OBJECT, RM_ALLOC_MEMORY, RM_FREE, RM_VID_HEAP_CONTROL, RM_DUP_OBJECT,
                                XFER})
+# The arguments' layouts, compiled once (every notification decodes one or more)
+_XFER: Final = struct.Struct(XFER_FORMAT)
+_ALLOC: Final = struct.Struct("=IIIIQ")  # NVOS21/NVOS64: hRoot, hObjectParent, hObjectNew, hClass, pAllocParms
+_ALLOC_OBJECT: Final = struct.Struct("=IIII")  # NVOS05
+_NVOS02: Final = struct.Struct(NVOS02_FORMAT)
+_THREE: Final = struct.Struct("=III")  # NVOS00; also the first words of NVOS32, and engine parameters
+_DUP: Final = struct.Struct("=IIIII")  # NVOS55
+_TWO: Final = struct.Struct("=II")
+_U32: Final = struct.Struct("=I")
+_U64: Final = struct.Struct("=Q")
 
 
 def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
     if nr not in IOCTL_SYSCALL.get(arch, ()):
         return None
-    _type, enr, size = decode_ioctl(request)
-    return (enr, size) if enr in _FOLLOWED else None
+    low = request & 0xFFFFFFFF  # (nvclasses.decode_ioctl's nr and size, inline: every notification asks)
+    enr = low & 0xFF
+    return (enr, (low >> 16) & 0x3FFF) if enr in _FOLLOWED else None
 
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:
@@ -133,9 +147,9 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
         if enr == XFER:
             if size != XFER_SIZE:
                 return Call(0)
-            enr, size, addr = struct.unpack(XFER_FORMAT, read(addr, XFER_SIZE))
+            enr, size, addr = _XFER.unpack(read(addr, XFER_SIZE))
         if enr == RM_ALLOC and size in RM_ALLOC_SIZES:
-            h_root, h_parent, h_new, h_class, params = struct.unpack("=IIIIQ", read(addr, 24))
+            h_root, h_parent, h_new, h_class, params = _ALLOC.unpack(read(addr, 24))
             call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class))
             call.status_at = addr + (NVOS21_STATUS_AT if size == NVOS21_SIZE else NVOS64_STATUS_AT)
             if call.kind in ENGINE_KINDS and params:
@@ -148,22 +162,21 @@ def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes
                 call.context_share = _context_share(h_class, params, read)
             return call
         if enr == RM_ALLOC_OBJECT and size == NVOS05_SIZE:  # RM_ALLOC without parameters
-            h_root, h_parent, h_new, h_class = struct.unpack("=IIII", read(addr, 16))
+            h_root, h_parent, h_new, h_class = _ALLOC_OBJECT.unpack(read(addr, 16))
             call = Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS05_STATUS_AT)
             if h_class == NV01_DEVICE_0:
                 call.device_id = 0  # no parameters: the driver takes GPU 0 (deviceConstruct)
             return call
         if enr == RM_ALLOC_MEMORY and size == NVOS02_FD_SIZE:
-            h_root, h_parent, h_new, h_class, _flags, _p_memory, _limit = struct.unpack(
-                NVOS02_FORMAT, read(addr, struct.calcsize(NVOS02_FORMAT)))
+            h_root, h_parent, h_new, h_class, _flags, _p_memory, _limit = _NVOS02.unpack(read(addr, _NVOS02.size))
             # Followed for its handle only: for NV01_MEMORY_LOCAL_USER the driver ignores `limit` and makes a view
             # of the framebuffer (root) or a placeholder (rmapi_deprecated_allocmemory.c), no heap allocation.
             return Call(RM_ALLOC, h_root, h_parent, h_new, h_class, classify(h_class), status_at=addr + NVOS02_STATUS_AT)
         if enr == RM_FREE and size == NVOS00_SIZE:
-            h_root, h_parent, h_old = struct.unpack("=III", read(addr, 12))
+            h_root, h_parent, h_old = _THREE.unpack(read(addr, 12))
             return Call(RM_FREE, h_root, h_parent, h_old)
         if enr == RM_DUP_OBJECT and size == NVOS55_SIZE:  # hClient, hParent, hObject (0: the driver picks), source
-            h_client, h_parent, h_object, src_root, src_handle = struct.unpack("=IIIII", read(addr, 20))
+            h_client, h_parent, h_object, src_root, src_handle = _DUP.unpack(read(addr, 20))
             call = Call(RM_DUP_OBJECT, h_client, h_parent, h_object, status_at=addr + NVOS55_STATUS_AT)
             call.source = (src_root, src_handle)
             return call
@@ -181,27 +194,27 @@ def _heap_call(addr: int, args: bytes) -> Call:
     an allocation of NV50_MEMORY_VIRTUAL, NV01_MEMORY_LOCAL_USER (video memory: its size counted) or
     NV01_MEMORY_SYSTEM under the device hObjectParent, with hMemory as its handle when the caller provided one
     (else 0: the driver picks); a free of hMemory. Other functions (info, compression) are Call(0)."""
-    h_root, h_parent, function = struct.unpack_from("=III", args, 0)
+    h_root, h_parent, function = _THREE.unpack_from(args, 0)
     at = NVOS32_ALLOCS.get(function)
     if at is not None:
-        (h_memory,) = struct.unpack_from("=I", args, at.h_memory)
-        (flags,) = struct.unpack_from("=I", args, at.flags)
+        (h_memory,) = _U32.unpack_from(args, at.h_memory)
+        (flags,) = _U32.unpack_from(args, at.flags)
         handle = h_memory if flags & NVOS32_ALLOC_FLAGS_MEMORY_HANDLE_PROVIDED else 0
         call = Call(RM_ALLOC, h_root, h_parent, handle, NV01_MEMORY_SYSTEM, status_at=addr + NVOS32_STATUS_AT)
         if at.attr is None or at.size is None:
             return call
-        (attr,) = struct.unpack_from("=I", args, at.attr)
+        (attr,) = _U32.unpack_from(args, at.attr)
         if flags & NVOS32_ALLOC_FLAGS_VIRTUAL:
             call.h_class = NV50_MEMORY_VIRTUAL
         elif (attr >> NVOS32_ATTR_LOCATION_SHIFT) & 0x3 == 0:
             call.h_class = NV01_MEMORY_LOCAL_USER
-            (call.mem_bytes,) = struct.unpack_from("=Q", args, at.size)
+            (call.mem_bytes,) = _U64.unpack_from(args, at.size)
         return call
     if function == NVOS32_FUNCTION_FREE:
-        h_memory, flags = struct.unpack_from("=II", args, 44)
+        h_memory, flags = _TWO.unpack_from(args, 44)
         return Call(RM_FREE, h_root, h_parent, h_memory) if flags & NVOS32_FREE_FLAGS_MEMORY_HANDLE_PROVIDED else Call(0)
     if function == NVOS32_FUNCTION_HW_FREE:
-        (h_resource,) = struct.unpack_from("=I", args, 40)
+        (h_resource,) = _U32.unpack_from(args, 40)
         return Call(RM_FREE, h_root, h_parent, h_resource)
     return Call(0)
 
@@ -212,16 +225,16 @@ def _memory_params(call: Call, params: int, read: Callable[[int, int], bytes]) -
     the caller's to hide by a short paramsSize."""
     at = MEMORY_SIZE_AT.get(call.h_class)
     if at is not None:
-        (call.mem_bytes,) = struct.unpack("=Q", read(params + at, 8))
+        (call.mem_bytes,) = _U64.unpack(read(params + at, 8))
     elif call.h_class == NV01_DEVICE_0:
-        (call.device_id,) = struct.unpack("=I", read(params, 4))
+        (call.device_id,) = _U32.unpack(read(params, 4))
 
 
 def _context_share(h_class: int, params: int, read: Callable[[int, int], bytes]) -> int:
     """A channel's hContextShare (NV_CHANNEL_ALLOC_PARAMS, copied whole as `_memory_params` says), 0 for a group."""
     if h_class == CHANNEL_GROUP:
         return 0
-    (handle,) = struct.unpack("=I", read(params + CHANNEL_CONTEXT_SHARE_AT, 4))
+    (handle,) = _U32.unpack(read(params + CHANNEL_CONTEXT_SHARE_AT, 4))
     return int(handle)
 
 
@@ -229,7 +242,7 @@ def _engine_instance(params: int, read: Callable[[int, int], bytes]) -> int | No
     """engineInstance of NV_BSP/MSENC/NVJPG/OFA_ALLOCATION_PARAMETERS {size, prohibitMultipleInstances, instance};
     None past ENGINE_INSTANCES."""
     try:
-        p_size, _prohibit, instance = struct.unpack("=III", read(params, 12))
+        p_size, _prohibit, instance = _THREE.unpack(read(params, 12))
     except (OSError, ValueError):
         return None
     return instance if p_size >= 12 and instance < ENGINE_INSTANCES else None

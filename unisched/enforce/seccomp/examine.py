@@ -4,6 +4,7 @@ the daemon's filter did not make shows itself: a notification of a call that fil
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Final
@@ -61,7 +62,7 @@ def read_call(pid: int, esc: tuple[int, int], addr: int, warn: Callable[[str, st
         return Call(0)
     if vm_readv_usable():
         try:
-            call = decode_call(esc[0], esc[1], addr, lambda at, size: read_vm(pid, at, size))
+            call = decode_call(esc[0], esc[1], addr, functools.partial(read_vm, pid))
         except VmRefused:
             call = None
         if call is not None and not call.unreadable:

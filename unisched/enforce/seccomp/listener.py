@@ -10,7 +10,7 @@ import select
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Final, NamedTuple
 
 from unisched.enforce.nvclasses import NV_ERR_NO_MEMORY
 from unisched.enforce.seccomp.abi import (
@@ -28,10 +28,15 @@ from unisched.enforce.seccomp.abi import (
 
 __all__ = ["Listener", "Notification"]
 
+_NOTIF: Final = struct.Struct(NOTIF_FORMAT)
+_RESP: Final = struct.Struct(RESP_FORMAT)
+_ID: Final = struct.Struct("=Q")
+_STATUS: Final = struct.Struct("=I").pack(NV_ERR_NO_MEMORY)
 
-@dataclass(frozen=True)
-class Notification:
-    """One notified call: its id, the caller's tid, the syscall number, the audit arch and the six arguments."""
+
+class Notification(NamedTuple):
+    """One notified call: its id, the caller's tid, the syscall number, the audit arch and the six arguments.
+    (A named tuple: immutable, and made in one step for every notification.)"""
 
     nid: int
     pid: int
@@ -77,13 +82,13 @@ class Listener:
             if e.errno not in (errno.ENOENT, errno.EINTR, errno.EAGAIN):  # ENOENT: the caller went away meanwhile
                 self._warn("recv", f"seccomp receive failed: {e.strerror}")
             return None
-        nid, pid, _flags, nr, arch, _ip, *args = struct.unpack(NOTIF_FORMAT, buf)
+        nid, pid, _flags, nr, arch, _ip, *args = _NOTIF.unpack(buf)
         return Notification(nid, pid, nr, arch, args)
 
     def answer(self, nid: int, error: int, *, run: bool = True) -> bool:
         """SEND: "continue" (error 0), fail the call with `error` (-errno), or (`run` False, error 0) return 0
         from it without running it. False when the call is gone."""
-        resp = struct.pack(RESP_FORMAT, nid, 0, error, FLAG_CONTINUE if run and not error else 0)
+        resp = _RESP.pack(nid, 0, error, FLAG_CONTINUE if run and not error else 0)
         t0 = time.perf_counter_ns()
         try:
             fcntl.ioctl(self.fd, NOTIF_SEND, resp)
@@ -96,7 +101,7 @@ class Listener:
         return True
 
     def id_valid(self, nid: int) -> bool:
-        arg = struct.pack("=Q", nid)
+        arg = _ID.pack(nid)
         while True:
             try:
                 fcntl.ioctl(self.fd, self._id_valid_cmd, arg)
@@ -119,7 +124,7 @@ class Listener:
         try:
             if not self.id_valid(nid):
                 return False
-            return os.pwrite(fd, struct.pack("=I", NV_ERR_NO_MEMORY), status_at) == 4
+            return os.pwrite(fd, _STATUS, status_at) == 4
         except (OSError, ValueError, OverflowError):
             self._warn("mem_write", "cannot write tenants' memory; refused allocations fail with ENOMEM")
             return False

@@ -18,6 +18,7 @@ _IOVEC: Final = struct.Struct("@PN")
 """struct iovec {void *iov_base; size_t iov_len;}"""
 _ONE: Final = ctypes.c_ulong(1)
 _NO_FLAGS: Final = ctypes.c_ulong(0)
+_CHAR: Final = ctypes.c_char
 
 
 def _libc_vm_readv() -> Callable[..., int] | None:
@@ -65,8 +66,10 @@ def read_vm(pid: int, addr: int, size: int) -> bytes:
     vm_readv = _vm_readv
     if vm_readv is None:
         raise VmRefused(errno.ENOSYS)
-    buf = ctypes.create_string_buffer(size)
+    buf = (_CHAR * size)()  # (ctypes.create_string_buffer's, without its checks; ctypes keeps the array types)
     got = vm_readv(pid, _IOVEC.pack(ctypes.addressof(buf), size), _ONE, _IOVEC.pack(addr, size), _ONE, _NO_FLAGS)
+    if got == size:
+        return buf.raw
     if got >= 0:
         return _whole(buf.raw[:got], size, addr)
     err = ctypes.get_errno()

@@ -208,29 +208,30 @@ class SessionSupervisor:
         next_reconcile = time.monotonic() + self._reconcile_interval
         turn: float | None = None  # the pace's turn taken for the next notification
         why = EventAction.DETACHED
+        pace, wake_r, listener_fd, monotonic = self._pace, self._wake_r, self._listener.fd, time.monotonic  # (fixed)
         try:
             while not self._closed:
-                ahead = 0.0 if turn is None or self._pace is None else turn - self._pace.clock()
-                wait_s = next_reconcile - time.monotonic()
+                ahead = 0.0 if turn is None or pace is None else turn - pace.clock()
+                wait_s = next_reconcile - monotonic()
                 poller = waking if self._dropped or ahead > 0 else listening
                 events = dict(poller.poll(max(0, math.ceil((min(wait_s, ahead) if ahead > 0 else wait_s) * 1000))))
                 try:
-                    if events.get(self._wake_r, 0):
+                    if events.get(wake_r, 0):
                         self._drain_wake()
                         self._answer_decided()
-                    ev = events.get(self._listener.fd, 0) if poller is listening else 0
+                    ev = events.get(listener_fd, 0) if poller is listening else 0
                     if ev & select.POLLIN:
-                        if self._pace is not None and turn is None:
-                            turn = self._pace.turn()  # one per notification, waited for on the next rounds if ahead
-                            self._paced(turn - self._pace.clock())
-                        if turn is None or self._pace is None or turn <= self._pace.clock():
+                        if pace is not None and turn is None:
+                            turn = pace.turn()  # one per notification, waited for on the next rounds if ahead
+                            self._paced(turn - pace.clock())
+                        if turn is None or pace is None or turn <= pace.clock():
                             turn = None
                             self._handle_in_turn()
                     elif ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
                         why = EventAction.EXITED  # every process using the filter has exited: their sessions are gone
                         return
-                    if time.monotonic() >= next_reconcile:
-                        next_reconcile = time.monotonic() + self._reconcile_interval
+                    if monotonic() >= next_reconcile:
+                        next_reconcile = monotonic() + self._reconcile_interval
                         self.reconcile()
                     if self._dropped and not self._follows():
                         why = EventAction.EXITED  # a forsaken listener's processes have all exited
@@ -343,15 +344,16 @@ class SessionSupervisor:
             if call.unreadable:
                 self._refuse_unreadable(nid, t0)
                 return
-            if call.mem_bytes is not None and self._mem.ledger is not None:
-                self._conclude_memory(nid, pid, t0, call)
+            if call.mem_bytes is not None and self._mem.ledger is not None:  # charged or refused by MemoryCalls
+                memory = call
+                self._answer_apart(t0, lambda: self._mem.conclude(nid, pid, memory))
                 return
             if call.op == RM_DUP_OBJECT and (copy_refused := self._mem.copy_refusal(call)) is not None:
                 copy = call
                 self._answer_apart(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
                 return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
-            unbooked = self._book.unbooked(call)
+            unbooked = None if call.kind is None else self._book.unbooked(call)  # (None for any other call)
             if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
                 self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds, its "
@@ -475,10 +477,6 @@ class SessionSupervisor:
         if self._book.untracked:
             self._warn_once("nodes", "too many RM objects or clients tracked; frees of ancestors may be missed until exit")
         return events
-
-    def _conclude_memory(self, nid: int, pid: int, t0: int, call: Call) -> None:
-        """A video memory allocation, charged or refused by MemoryCalls."""
-        self._answer_apart(t0, lambda: self._mem.conclude(nid, pid, call))
 
     def _answer_apart(self, t0: int, answer: Callable[[], bool]) -> None:
         """A call answered apart from the session books (MemoryCalls', or one that could not be read): `answer` answers
