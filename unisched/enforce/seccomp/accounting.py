@@ -337,7 +337,10 @@ class SessionBook:
         else:  # a handle named again moves: out of its old parent's children, or they would grow by one a call
             self._leave_parent(client, node, client.parent[node])
         client.parent[node] = call.h_parent
-        client.children.setdefault(call.h_parent, set()).add(node)
+        siblings = client.children.get(call.h_parent)
+        if siblings is None:  # (not setdefault: it would make a set for every object recorded)
+            siblings = client.children[call.h_parent] = set()
+        siblings.add(node)
         return node
 
     def _add_object(

@@ -122,6 +122,8 @@ class SessionSupervisor:
         self.refusal_log = Throttle(REFUSAL_LOG_INTERVAL_S)
         """Session refusal lines by kind (memory_calls.REFUSAL_LOG_INTERVAL_S); tests give it a clock."""
         self._closed = False
+        self._gives_up = lambda: self._closed
+        """(whether a turnstile's waiter gives up: made once, not per call)"""
         self._dropped = False
         """The listener was closed for a foreign call (`_forsake`) while the books still follow its processes."""
         self._keep = False
@@ -323,7 +325,7 @@ class SessionSupervisor:
         turnstile = None if self._pace is None else self._pace.turnstile
         if turnstile is None:
             self._handle_one()
-        elif (ticket := turnstile.enter(lambda: self._closed)) is not None:
+        elif (ticket := turnstile.enter(self._gives_up)) is not None:
             try:
                 self._handle_one()
             finally:
