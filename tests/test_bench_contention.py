@@ -300,7 +300,9 @@ def _run_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, *extr
     (fake / "fakesched.py").write_text(FAKE_UNISCHED)
     monkeypatch.setenv("PYTHONPATH", f"{fake}:{ROOT}")
     out = tmp_path / name
-    rc = gp.main(["--pairs", "mixed1:1", "--seconds", "0.5", "--warmup", "0.3", "--unisched-warmup", "0.3",
+    # start-ups get the time a loaded 2-core machine needs: under unisched two interpreters start (the wrapper, then
+    # the workload), which took longer than 0.3 s there with a second test run beside it (no rate, rc 1)
+    rc = gp.main(["--pairs", "mixed1:1", "--seconds", "0.5", "--warmup", "1", "--unisched-warmup", "2",
                   "--grace", "10", "--out", str(out), "--work-dir", str(tmp_path / f"work-{name}"),
                   "--unisched-module", "fakesched", *standin_args(paced=True), *extra])
     return rc, json.loads((out / "results.json").read_text())
