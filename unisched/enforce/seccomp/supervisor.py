@@ -313,11 +313,12 @@ class SessionSupervisor:
         with self._lock:  # all said before the answer: the caller may look as soon as it resumes
             self._tally.notifications += 1
             self._dropped = True
-            decided = self._decisions.stop_taking()
+            # the calls waiting for a decision are forgotten here: none is answered but by the close below
+            events = self._decisions.drop(self._decisions.stop_taking())
         log_foreign(self.tenant, notif)
         self._listener.answer(notif.nid, 0)
-        os.close(self._listener.fd)  # a call notified meanwhile fails with ENOSYS here
-        self._events.emit(self._decisions.drop(decided))
+        os.close(self._listener.fd)  # a call notified meanwhile, or waiting for its decision, fails with ENOSYS here
+        self._events.emit(events)
 
     # ---- one notification ----
     def _handle_in_turn(self) -> None:
