@@ -452,7 +452,10 @@ def _probe(path: str, token: int) -> str:
             socket.send_fds(s, [make_agent_message(os.getpid())], [token])
         reply = b""
         while not reply.endswith(b"\n"):
-            chunk = s.recv(4096)
+            try:
+                chunk = s.recv(4096)
+            except TimeoutError:  # a host too loaded to run the scenario in time: the caller tries again
+                return "inconclusive: no answer within 10 s"
             if not chunk:
                 break
             reply += chunk
@@ -500,7 +503,11 @@ def _per_uid_limit_scenario(agent: str) -> tuple[str, str, str]:
             return
         _report(a_w, _probe(agent, token_r))
         _report(go_w, "holding")
-        _read_line(done_r)
+        try:
+            _read_line(done_r, 60.0)
+        except AssertionError:  # B never came (a host too loaded): say so rather than die unheard
+            _report(a_w, "inconclusive: uid B did not finish")
+            return
         # still held when B was answered: the daemon has not hung up on any of the four
         readable, _, _ = select.select([c for c in conns if c is not None], [], [], 0)
         _report(a_w, "held" if not readable else "dropped")
@@ -532,9 +539,9 @@ def test_hand_overs_past_the_per_uid_limit_are_refused_while_another_uid_gets_th
     tries = []
     for _ in range(INCONCLUSIVE_TRIES):
         fifth, b_answer, still = _per_uid_limit_scenario(agent)
-        if still == "held" and not fifth.startswith("inconclusive"):
+        if still == "held" and not fifth.startswith("inconclusive") and not b_answer.startswith("inconclusive"):
             break
-        tries.append((fifth, still))
+        tries.append((fifth, b_answer, still))
     else:
         pytest.fail(f"uid A's four hand-overs were never all held until B was answered (host too loaded): {tries}")
     assert fifth.startswith("busy "), f"uid A's fifth hand-over was not refused: {fifth!r}"
