@@ -123,12 +123,17 @@ def test_a_stopped_holder_is_revoked_and_the_other_gets_the_gpu(daemon_factory, 
 
 
 def test_a_client_survives_a_daemon_restart_and_registers_again(daemon: Daemon, tenant_prefix: str, tmp_path: Path) -> None:
-    ready = tmp_path / "ready"
-    p = worker(daemon, f"{tenant_prefix}a", "--ready-file", str(ready), seconds=8)
-    wait_until(ready.exists, 20, "the client to register")
-    daemon.stop()
-    daemon.start()
-    wait_until(lambda: tenant(daemon, f"{tenant_prefix}a").get("cooperative"), 20, "the client to re-register")
+    ready, stop = tmp_path / "ready", tmp_path / "stop"
+    # the client runs until the test has seen it registered again, not for a fixed 8 s: on a loaded 2-core machine
+    # the restart (stop, start, `unisched status` polls) took 10-13 s and the client had exited unreconnected
+    p = worker(daemon, f"{tenant_prefix}a", "--ready-file", str(ready), "--stop-file", str(stop), seconds=120)
+    try:
+        wait_until(ready.exists, 20, "the client to register")
+        daemon.stop()
+        daemon.start()
+        wait_until(lambda: tenant(daemon, f"{tenant_prefix}a").get("cooperative"), 20, "the client to re-register")
+    finally:
+        stop.touch()
     r = result(p)
     assert r["connects"] >= 2 and r["units"] > 0
 

@@ -112,8 +112,20 @@ def test_idle_share_is_lent_and_returns_on_wake(daemon: Daemon, tenant_prefix: s
     a, b = f"{tenant_prefix}busy", f"{tenant_prefix}sleeper"
     fifo = tmp_path / "wake"
     os.mkfifo(fifo)
-    pa = start_tenant(daemon, a, 100, "--seconds", "16")
+    # the busy tenant burns until the checks are done: 16 s ran out on a loaded 2-core machine before the two had
+    # registered and settled (state "idle" throughout), or during the measurement after the wake (rate 0.0)
+    pa = start_tenant(daemon, a, 100, "--seconds", "600")
     pb = start_tenant(daemon, b, 100, "--seconds", "6", "--wake-fifo", str(fifo))
+    try:
+        _lent_and_returned(daemon, a, b, fifo)
+        assert pb.wait(timeout=30) == 0
+    finally:
+        for p in (pa, pb):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def _lent_and_returned(daemon: Daemon, a: str, b: str, fifo: Path) -> None:
     dirs = wait_registered(daemon, [a, b])
 
     last = [-1.0]
@@ -125,7 +137,7 @@ def test_idle_share_is_lent_and_returns_on_wake(daemon: Daemon, tenant_prefix: s
         used, last[0] = last[0], cpu_seconds(dirs[b])
         return state.get(a) == "running" and state.get(b) == "idle" and used == last[0]
 
-    wait_until(settled, 10, "the busy tenant to run and the sleeper to be seen idle")
+    wait_until(settled, 30, "the busy tenant to run and the sleeper to be seen idle")
     before = cpu_seconds(dirs[b])
     assert stays_thawed(dirs[a], 3.0), "idle tenant's share not lent: the busy tenant was still sliced"
     assert cpu_seconds(dirs[b]) - before < 0.15  # the sleeper slept
@@ -133,13 +145,12 @@ def test_idle_share_is_lent_and_returns_on_wake(daemon: Daemon, tenant_prefix: s
         f.write("go\n")
     back = measure(dirs, 4.0)
     assert 0.38 <= back[b] / (back[a] + back[b]) <= 0.62, f"woken tenant's share did not return: {back}"
-    for p in (pa, pb):
-        assert p.wait(timeout=30) == 0
 
 
 def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefix: str) -> None:
     a, b = f"{tenant_prefix}x", f"{tenant_prefix}y"
-    procs = [start_tenant(daemon, a, 100, "--seconds", "30"), start_tenant(daemon, b, 300, "--seconds", "30")]
+    # they burn until the test kills them (30 s could run out during a slow restart on a loaded machine)
+    procs = [start_tenant(daemon, a, 100, "--seconds", "600"), start_tenant(daemon, b, 300, "--seconds", "600")]
     dirs = wait_registered(daemon, [a, b])
 
     def one_frozen() -> bool:
@@ -159,8 +170,11 @@ def test_sigkill_then_restart_leaves_nothing_frozen(daemon: Daemon, tenant_prefi
     events = [json.loads(line) for line in daemon.log_path.read_text().splitlines() if line.startswith("{")]
     thawed = [e for e in events if e["event"] == "thawed cgroups left frozen by a previous run"]
     assert thawed and set(left_frozen) <= set(thawed[-1]["cgroups"])
-    rates = measure(dirs, 2.0)
-    assert min(rates.values()) > 0.1, f"a tenant made no progress after the restart: {rates}"
+    # progress, not a rate: the weight-100 tenant's quarter of a core measured 0.06 CPU s/s over 2 s on a loaded
+    # 2-core machine (0.25 idle); a tenant left frozen makes none at all
+    before = {n: cpu_seconds(p) for n, p in dirs.items()}
+    wait_until(lambda: all(cpu_seconds(p) - before[n] > 0.1 for n, p in dirs.items()), 20,
+               "both tenants to make progress after the restart")
     known = {t["name"]: t for t in daemon.tenants()}
     assert known[a]["weight"] == 100 and known[b]["weight"] == 300
     daemon.stop(signal.SIGTERM)
