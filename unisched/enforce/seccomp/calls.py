@@ -54,6 +54,7 @@ from unisched.enforce.nvclasses import (
     XFER_SIZE,
     SessionKind,
     classify,
+    decode_ioctl,
 )
 from unisched.enforce.seccomp.abi import IOCTL_SYSCALL
 from unisched.enforce.seccomp.handles import Made
@@ -134,9 +135,8 @@ def escape_of(nr: int, arch: int, request: int) -> tuple[int, int] | None:
     """(escape nr, argument size) when the syscall is an RM escape the books follow, else None."""
     if nr not in IOCTL_SYSCALL.get(arch, ()):
         return None
-    low = request & 0xFFFFFFFF  # (nvclasses.decode_ioctl's nr and size, inline: every notification asks)
-    enr = low & 0xFF
-    return (enr, (low >> 16) & 0x3FFF) if enr in _FOLLOWED else None
+    _type, enr, size = decode_ioctl(request)
+    return (enr, size) if enr in _FOLLOWED else None
 
 
 def decode_call(enr: int, size: int, addr: int, read: Callable[[int, int], bytes]) -> Call:

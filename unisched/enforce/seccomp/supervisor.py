@@ -356,7 +356,7 @@ class SessionSupervisor:
                 self._answer_apart(t0, lambda: self._mem.refuse_copy(nid, pid, copy, copy_refused))
                 return
             opens = call.kind is not None and self._book.needs_decision(call, pid, time.monotonic_ns())
-            unbooked = None if call.kind is None else self._book.unbooked(call)  # (None for any other call)
+            unbooked = self._book.unbooked(call)
             if unbooked is not None:  # refused, not admitted uncounted (accounting.SessionBounds)
                 admitted = False
                 self._warn_once("sessions", "a GPU session call the session book cannot record (its bounds, its "
