@@ -52,6 +52,12 @@ CODE_DIRS = ("unisched", "clients", "bench", "examples")
 """Where the code a run measures lives (its Python files; bench/results, the runs' records, left out)."""
 
 
+def is_code(name: str) -> bool:
+    """Whether a path in the checkout (relative, with /) is code a run measures: a Python file under CODE_DIRS but
+    bench/results (callers list CODE_DIRS' files only)."""
+    return name.endswith(".py") and not name.startswith("bench/results/")
+
+
 def _code_digest(files: list[tuple[str, bytes]]) -> str:
     h = hashlib.sha256()
     for name, data in sorted(files):
@@ -63,7 +69,7 @@ def code_hash(root: Path = ROOT) -> str:
     """A digest of the code in the tree a run measures, so that the commit it names (`--commit`, given by hand where
     the tree has no git metadata) can be checked against it later (`code_hash_at`)."""
     files = [p for d in CODE_DIRS for p in sorted((root / d).rglob("*.py"))
-             if "__pycache__" not in p.parts and not p.relative_to(root).as_posix().startswith("bench/results/")]
+             if "__pycache__" not in p.parts and is_code(p.relative_to(root).as_posix())]
     return _code_digest([(p.relative_to(root).as_posix(), p.read_bytes()) for p in files])
 
 
@@ -72,7 +78,7 @@ def code_hash_at(rev: str, root: Path = ROOT) -> str | None:
     try:
         names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "--", *CODE_DIRS], cwd=root,
                                capture_output=True, check=True, timeout=60).stdout.decode().splitlines()
-        names = [n for n in names if n.endswith(".py") and not n.startswith("bench/results/")]
+        names = [n for n in names if is_code(n)]
         blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input="".join(f"{rev}:{n}\n" for n in names)
                                .encode(), capture_output=True, check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
@@ -94,7 +100,7 @@ def code_changed_since(rev: str, root: Path = ROOT) -> list[str] | None:
                              check=True, timeout=60, text=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return [n for n in out.splitlines() if n.endswith(".py") and not n.startswith("bench/results/")]
+    return [n for n in out.splitlines() if is_code(n)]
 
 
 def commit() -> dict[str, Any]:
